@@ -1,0 +1,231 @@
+"""The chain scheduler: staged polybasic speculative decoding, serial form (DESIGN §3).
+
+    emit(i, need):   tier i returns >= `need` tokens, each distributed as tier i's own sampler
+        i == n-1:    the last tier drafts autoregressively (or proposes a tree)
+        otherwise:   repeat one round until enough: tier i+1 emits a block of k_i tokens,
+                     tier i scores it in ONE forward and verifies it; the accepted tokens
+                     plus the correction / bonus token are emitted, with tier i's rows
+
+The target (tier 0) runs rounds until the request is done. Every token a tier emits is
+distributed exactly as that tier's warped distribution, so when tier i-1 verifies it the
+draft rows are tier i's rows — the induction that makes the whole chain lossless. With
+one tier the loop is plain autoregressive sampling from the target (the baseline).
+
+The scheduler only talks to `workers.tiers.Tier` objects, so the same code drives tiers
+in this process or behind remote actors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from typing import Callable
+
+import torch
+
+from workers.sampling import SamplingParams
+from workers.tiers import Tier
+from workers.tree import DraftTree, verify_tree
+from workers.verification import verify_chain, verify_greedy
+
+_sequence_ids = itertools.count()
+
+
+@dataclasses.dataclass
+class StageStats:
+    """One verifying stage: tier `tier` verifies the blocks of tier `drafter`."""
+
+    tier: str
+    drafter: str
+    blocks: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    time_s: float = 0.0
+    lengths: list[int] = dataclasses.field(default_factory=list)  # speculation length each time it changed
+    accepted_counts: list[int] = dataclasses.field(default_factory=list)  # [j] = blocks with exactly j accepted
+
+    def record(self, proposed: int, accepted: int, length: int, seconds: float) -> None:
+        self.blocks += 1
+        self.proposed += proposed
+        self.accepted += accepted
+        self.time_s += seconds
+        if not self.lengths or self.lengths[-1] != length:
+            self.lengths.append(length)
+        while len(self.accepted_counts) <= accepted:
+            self.accepted_counts.append(0)
+        self.accepted_counts[accepted] += 1
+
+    def as_dict(self) -> dict:
+        return {
+            "tier": self.tier,
+            "drafter": self.drafter,
+            "blocks": self.blocks,
+            "proposed": self.proposed,
+            "accepted": self.accepted,
+            "mean_accepted_length": round(self.accepted / self.blocks, 4) if self.blocks else 0.0,
+            "lengths": list(self.lengths),
+            "accepted_counts": list(self.accepted_counts),
+            "time_s": round(self.time_s, 6),
+        }
+
+
+@dataclasses.dataclass
+class GenerationOutput:
+    token_ids: list[int]
+    finish_reason: str  # "length" | "eos"
+    stats: dict
+
+
+@dataclasses.dataclass
+class _Run:
+    """Everything one request's generation mutates."""
+
+    seq_id: int
+    params: SamplingParams
+    generators: list[torch.Generator]
+    stages: list[StageStats]
+    limit: int  # no position may reach this (the smallest model context)
+
+
+class ChainScheduler:
+    def __init__(
+        self,
+        tiers: list[Tier],
+        lengths: list[int],
+        tree_width: int = 1,
+        scheme: str = "specinfer",
+        eos_token_ids: tuple[int, ...] = (),
+    ) -> None:
+        if not tiers:
+            raise ValueError("a chain needs at least the target tier")
+        if len(lengths) != len(tiers) - 1:
+            raise ValueError(f"need {len(tiers) - 1} speculation lengths for {len(tiers)} tiers, got {len(lengths)}")
+        self.tiers = tiers
+        self.lengths = list(lengths)  # k_i for the stage verified by tier i; the tuner may move them
+        self.tree_width = tree_width
+        self.scheme = scheme
+        self.eos_token_ids = frozenset(eos_token_ids)
+        contexts = [t.max_context for t in tiers if t.max_context]
+        self.max_context = min(contexts) if contexts else None
+
+    # ------------------------------------------------------------------------- API
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        params: SamplingParams,
+        seed: int | None = None,
+        on_commit: Callable[[list[int]], None] | None = None,
+    ) -> GenerationOutput:
+        """Generate up to `max_new_tokens` after `prompt_ids`; `on_commit` sees each round's new tokens."""
+        started = time.perf_counter()
+        base = torch.Generator().manual_seed(seed) if seed is not None else torch.Generator()
+        if seed is None:
+            base.seed()
+        generators = [torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,), generator=base))) for _ in self.tiers]
+        run = _Run(
+            seq_id=next(_sequence_ids),
+            params=params,
+            generators=generators,
+            stages=[StageStats(self.tiers[i].name, self.tiers[i + 1].name) for i in range(len(self.tiers) - 1)],
+            limit=self.max_context or 1 << 62,
+        )
+        committed = list(prompt_ids)
+        new_tokens: list[int] = []
+        finish_reason = "length"
+        busy_before = [t.busy_s for t in self.tiers]
+        try:
+            while len(new_tokens) < max_new_tokens and len(committed) < run.limit:
+                remaining = max_new_tokens - len(new_tokens)
+                emitted, _ = self._round(run, 0, committed, min(self._length(0), remaining - 1))
+                emitted = emitted[:remaining]
+                eos_at = next((j for j, t in enumerate(emitted) if t in self.eos_token_ids), None)
+                if eos_at is not None:
+                    emitted = emitted[: eos_at + 1]
+                committed += emitted
+                new_tokens += emitted
+                if on_commit is not None:
+                    on_commit(emitted)
+                if eos_at is not None:
+                    finish_reason = "eos"
+                    break
+        finally:
+            for tier in self.tiers:
+                tier.release(run.seq_id)
+        elapsed = time.perf_counter() - started
+        stats = {
+            "tokens_per_s": round(len(new_tokens) / elapsed, 3) if elapsed > 0 else 0.0,
+            "new_tokens": len(new_tokens),
+            "time_s": round(elapsed, 6),
+            "stages": [stage.as_dict() for stage in run.stages],
+            "tiers": [
+                {"tier": t.name, "busy_s": round(t.busy_s - before, 6)} for t, before in zip(self.tiers, busy_before)
+            ],
+        }
+        return GenerationOutput(new_tokens, finish_reason, stats)
+
+    # ------------------------------------------------------------------- internals
+
+    def _length(self, level: int) -> int:
+        return self.lengths[level] if level < len(self.lengths) else 0
+
+    def _room(self, run: _Run, context: list[int]) -> int:
+        """Draft tokens that fit: the block plus the token after it must stay inside the context."""
+        return max(0, run.limit - len(context) - 1)
+
+    def _emit(self, run: _Run, level: int, context: list[int], need: int) -> tuple[list[int], torch.Tensor | None]:
+        """At least `need` tokens from tier `level` (fewer only at EOS or the context limit), with its rows."""
+        tier = self.tiers[level]
+        need = min(need, self._room(run, context))
+        if level == len(self.tiers) - 1:
+            return tier.draft(run.seq_id, context, need, run.params, run.generators[level])
+        tokens: list[int] = []
+        rows: list[torch.Tensor] = []
+        while len(tokens) < need:
+            ctx = context + tokens
+            emitted, emitted_rows = self._round(run, level, ctx, min(self._length(level), self._room(run, ctx)))
+            tokens += emitted
+            if emitted_rows is not None:
+                rows.append(emitted_rows)
+            if any(t in self.eos_token_ids for t in emitted):
+                break  # nothing after an end of sequence will be kept
+        tokens = tokens[: self._room(run, context)]  # rounds overshoot `need`; keep what fits
+        stacked = torch.cat(rows)[: len(tokens)] if rows else None
+        return tokens, stacked
+
+    def _propose(self, run: _Run, level: int, context: list[int], length: int) -> DraftTree:
+        """The block tier `level` hands up for verification: a chain, or a tree from the last tier."""
+        if length <= 0:
+            return DraftTree([], [], None)
+        tier = self.tiers[level]
+        if level == len(self.tiers) - 1 and self.tree_width > 1:
+            return tier.draft_tree(run.seq_id, context, self.tree_width, length, run.params, self.scheme, run.generators[level])
+        tokens, rows = self._emit(run, level, context, length)
+        return DraftTree.chain(tokens, rows)
+
+    def _round(self, run: _Run, level: int, context: list[int], length: int) -> tuple[list[int], torch.Tensor | None]:
+        """One verification forward of tier `level`: returns the emitted tokens and its rows for them."""
+        tier = self.tiers[level]
+        generator = run.generators[level]
+        block = self._propose(run, level + 1, context, length) if level + 1 < len(self.tiers) else DraftTree([], [], None)
+        started = time.perf_counter()
+        target_probs = tier.score(run.seq_id, context, block, run.params)  # [len(block) + 1, V]
+        if block.is_chain():
+            draft_tokens = torch.tensor(block.tokens, dtype=torch.long)
+            if run.params.greedy:
+                accepted, next_token = verify_greedy(target_probs.argmax(dim=-1), draft_tokens)
+            else:
+                draft_rows = block.draft_rows if block.draft_rows is not None else target_probs[:0]
+                accepted, next_token = verify_chain(target_probs, draft_rows, draft_tokens, generator)
+            path = list(range(accepted))
+        else:
+            path, next_token = verify_tree(target_probs, block, self.scheme, run.params.greedy, generator)
+            tier.accept_path(run.seq_id, path)
+            self.tiers[level + 1].accept_path(run.seq_id, path)
+        if level < len(run.stages):
+            run.stages[level].record(len(block), len(path), length, time.perf_counter() - started)
+        emitted = [block.tokens[j] for j in path] + [next_token]
+        rows = None if run.params.greedy else target_probs[[0] + [j + 1 for j in path]]
+        return emitted, rows

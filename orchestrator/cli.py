@@ -1,0 +1,191 @@
+"""`polyspec` command line: generate, batch, zoo.
+
+A user mistake prints one line, `polyspec: error: ...`, and exits with status 2;
+nothing a user can fix ends in a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from workers.errors import PolyspecError, RequestError
+
+EXIT_USER_ERROR = 2
+
+
+def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-n", "--max-new-tokens", type=int, default=None, help="tokens to generate (config default)")
+    parser.add_argument("--temperature", type=float, default=None, help="0 = greedy (config default)")
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="polyspec", description="Distributed multi-tier (polybasic) speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for one prompt")
+    gen.add_argument("-c", "--config", required=True, help="chain config (YAML)")
+    gen.add_argument("-p", "--prompt", required=True)
+    _add_sampling_flags(gen)
+    gen.add_argument("--no-speculation", action="store_true", help="sample from the target alone (the baseline)")
+    gen.add_argument("--json", action="store_true", help="print {text, token_ids, finish_reason, stats} as JSON")
+
+    batch = sub.add_parser("batch", help="JSONL requests in, JSONL results out")
+    batch.add_argument("-c", "--config", required=True)
+    batch.add_argument("-i", "--input", required=True, help="JSONL, one request per line")
+    batch.add_argument("-o", "--output", required=True, help="JSONL results, written as each request finishes")
+    batch.add_argument("--no-speculation", action="store_true")
+    batch.add_argument("--resume", action="store_true", help="keep results already in --output and skip their ids")
+
+    zoo = sub.add_parser("zoo", help="the demo model family trained on the Python standard library")
+    zoo_sub = zoo.add_subparsers(dest="zoo_command", required=True)
+    zoo_build = zoo_sub.add_parser("build", help="train (or resume training) the tokenizer and models")
+    zoo_build.add_argument("--out", default="models/stdlib")
+    zoo_build.add_argument("--work", default=".zoo-work", help="checkpoints and token caches (resumable)")
+    zoo_build.add_argument("--only", action="append", help="train only this member (repeatable)")
+    zoo_build.add_argument("--threads", type=int, default=1)
+    return parser
+
+
+def _load_engine(config_path: str, no_speculation: bool):
+    from orchestrator.config import load_config
+    from orchestrator.engine import Engine
+
+    return Engine(load_config(config_path), speculative=not no_speculation)
+
+
+def _request_from_flags(args) -> dict:
+    raw = {"prompt": args.prompt}
+    for field, value in (
+        ("max_new_tokens", args.max_new_tokens),
+        ("temperature", args.temperature),
+        ("top_p", args.top_p),
+        ("top_k", args.top_k),
+        ("seed", args.seed),
+    ):
+        if value is not None:
+            raw[field] = value
+    return raw
+
+
+def cmd_generate(args) -> int:
+    engine = _load_engine(args.config, args.no_speculation)
+    request = engine.parse_request(_request_from_flags(args))
+    if args.json:
+        print(json.dumps(engine.generate(request)))
+        return 0
+
+    def stream(tokens: list[int]) -> None:
+        pieces.extend(tokens)
+        text = engine.decode(pieces)
+        sys.stdout.write(text[len(printed[0]) :])
+        sys.stdout.flush()
+        printed[0] = text
+
+    pieces: list[int] = []
+    printed = [""]
+    result = engine.generate(request, on_commit=stream)
+    sys.stdout.write("\n")
+    stages = ", ".join(f"{s['tier']}<-{s['drafter']} {s['mean_accepted_length']:.2f}" for s in result["stats"]["stages"])
+    print(
+        f"[{len(result['token_ids'])} tokens, {result['stats']['tokens_per_s']:.1f} tok/s, "
+        f"finish={result['finish_reason']}{', accepted/block: ' + stages if stages else ''}]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _read_done_ids(path: Path) -> set[str]:
+    done = set()
+    if not path.exists():
+        return done
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a crash is redone
+        if isinstance(record, dict) and "id" in record:
+            done.add(str(record["id"]))
+    return done
+
+
+def cmd_batch(args) -> int:
+    from tqdm import tqdm
+
+    input_path, output_path = Path(args.input), Path(args.output)
+    if not input_path.exists():
+        raise RequestError(f"input file not found: {input_path}")
+    lines = input_path.read_text(encoding="utf-8").splitlines()
+    engine = _load_engine(args.config, args.no_speculation)
+    done = _read_done_ids(output_path) if args.resume else set()
+    if args.resume and output_path.exists():
+        # drop a torn last line so appended results start on a fresh line
+        kept = [l for l in output_path.read_text(encoding="utf-8").splitlines() if _is_json(l)]
+        output_path.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
+    failures = 0
+    with open(output_path, "a" if args.resume else "w", encoding="utf-8") as out:
+        for number, line in enumerate(tqdm(lines, desc="batch", unit="req", file=sys.stderr, disable=None), start=1):
+            if not line.strip():
+                continue
+            request_id = f"line-{number}"
+            try:
+                raw = json.loads(line)
+                if isinstance(raw, dict) and raw.get("id") is not None:
+                    request_id = str(raw["id"])
+                if request_id in done:
+                    continue
+                if isinstance(raw, dict):
+                    raw = {**raw, "id": request_id}
+                result = engine.generate(engine.parse_request(raw))
+            except json.JSONDecodeError as exc:
+                failures += 1
+                result = {"id": request_id, "error": f"line {number}: malformed JSON: {exc.msg} at column {exc.colno}"}
+            except RequestError as exc:
+                failures += 1
+                result = {"id": request_id, "error": f"line {number}: {exc}"}
+            out.write(json.dumps(result) + "\n")
+            out.flush()  # a result is on disk as soon as it is done
+            os.fsync(out.fileno())
+    if failures:
+        print(f"polyspec: {failures} request(s) failed; see their 'error' field in {output_path}", file=sys.stderr)
+    return 0
+
+
+def _is_json(line: str) -> bool:
+    try:
+        json.loads(line)
+        return True
+    except json.JSONDecodeError:
+        return False
+
+
+def cmd_zoo(args) -> int:
+    from workers.zoo import build
+
+    build(args.out, args.work, only=args.only, threads=args.threads)
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "batch": cmd_batch, "zoo": cmd_zoo}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except PolyspecError as exc:
+        print(f"polyspec: error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("polyspec: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,253 @@
+"""The chain config: a typed, validated object built once from YAML (DESIGN §8).
+
+    tiers:
+      - {name: target, model: <hf id | path>, dtype: float32, device: auto}
+      - {name: mid,    model: <same as target>, quantize: int8}
+      - {name: small,  model: ngram}
+    speculation: {lengths: [4, 4], tree_width: 1, verifier: specinfer}
+    sampling: {temperature: 0.0, top_p: 1.0, top_k: 0, max_new_tokens: 64}
+    runtime: {backend: local}
+    server: {host: 127.0.0.1, port: 50051}
+
+Every mistake is a `ConfigError` with one line that names the offending key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from workers.errors import ConfigError
+from workers.tiers import NGRAM_MODEL
+
+DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZE = ("int8", "int4")
+SCHEMES = ("specinfer", "rsd", "spectr", "importance")
+BACKENDS = ("local", "ray")
+DEFAULT_SPECULATION_LENGTH = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class TierConfig:
+    name: str
+    model: str
+    dtype: str = "float32"
+    device: str = "auto"
+    quantize: str | None = None
+    threads: int | None = None
+    max_ngram: int = 3  # n-gram tiers only
+    min_ngram: int = 1
+    resources: dict | None = None  # Ray custom resources (ray backend)
+
+    @property
+    def is_ngram(self) -> bool:
+        return self.model == NGRAM_MODEL
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculationConfig:
+    lengths: tuple[int, ...] | str = "default"  # one per verifying tier, or "auto" (tuner)
+    tree_width: int = 1
+    verifier: str = "specinfer"
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeConfig:
+    backend: str = "local"
+    address: str | None = None
+    pipeline: bool = True
+    tensor_transport: str = "auto"
+    placement: str = "pack"
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    max_queue: int = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class ChainConfig:
+    tiers: tuple[TierConfig, ...]
+    speculation: SpeculationConfig = SpeculationConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
+    server: ServerConfig = ServerConfig()
+    source: str | None = None  # the file it was read from
+
+    def speculation_lengths(self) -> list[int]:
+        """Fixed lengths, one per verifying tier (the tuner replaces them when 'auto')."""
+        lengths = self.speculation.lengths
+        if isinstance(lengths, str):
+            return [DEFAULT_SPECULATION_LENGTH] * (len(self.tiers) - 1)
+        return list(lengths)
+
+    def target_only(self) -> "ChainConfig":
+        return dataclasses.replace(self, tiers=self.tiers[:1], speculation=SpeculationConfig(lengths=()))
+
+
+# ------------------------------------------------------------------------- parsing
+
+
+def _check_keys(section: str, raw: Any, cls) -> dict:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config section '{section}' must be a mapping, got {type(raw).__name__}")
+    known = {f.name for f in dataclasses.fields(cls)} - {"source"}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ConfigError(f"unknown config key '{section}.{unknown[0]}' (known keys: {', '.join(sorted(known))})")
+    return dict(raw)
+
+
+def _typed(section: str, key: str, value, kind, *, allow_none: bool = False):
+    if value is None and allow_none:
+        return None
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ConfigError(f"config key '{section}.{key}' must be an integer, got {value!r}")
+    if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise ConfigError(f"config key '{section}.{key}' must be a number, got {value!r}")
+    if kind is str and not isinstance(value, str):
+        raise ConfigError(f"config key '{section}.{key}' must be a string, got {value!r}")
+    if kind is bool and not isinstance(value, bool):
+        raise ConfigError(f"config key '{section}.{key}' must be true or false, got {value!r}")
+    return float(value) if kind is float else value
+
+
+def resolve_model_path(model: str, base_dir: Path | None) -> str:
+    """A relative path is looked up next to the config file, then in the working directory;
+    anything else is passed to from_pretrained as is (a hub id)."""
+    if model == NGRAM_MODEL or os.path.isabs(model):
+        return model
+    if base_dir is not None and (base_dir / model).exists():
+        return str((base_dir / model).resolve())
+    if Path(model).exists():
+        return str(Path(model).resolve())
+    return model
+
+
+def _parse_tier(index: int, raw: Any, base_dir: Path | None) -> TierConfig:
+    section = f"tiers[{index}]"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{section} must be a mapping like {{name: target, model: <path>}}, got {raw!r}")
+    values = _check_keys(section, raw, TierConfig)
+    if "model" not in values:
+        raise ConfigError(f"{section} has no 'model' (a Hugging Face id, a local path, or 'ngram')")
+    values.setdefault("name", f"tier{index}")
+    for key, kind in (("name", str), ("model", str), ("dtype", str), ("device", str)):
+        if key in values:
+            _typed(section, key, values[key], kind)
+    for key in ("threads",):
+        if key in values:
+            values[key] = _typed(section, key, values[key], int, allow_none=True)
+            if values[key] is not None and values[key] < 1:
+                raise ConfigError(f"config key '{section}.{key}' must be >= 1, got {values[key]}")
+    for key in ("max_ngram", "min_ngram"):
+        if key in values:
+            _typed(section, key, values[key], int)
+    if values.get("dtype", "float32") not in DTYPES:
+        raise ConfigError(f"{section}.dtype must be one of {', '.join(DTYPES)}, got {values['dtype']!r}")
+    if values.get("quantize") is not None and values["quantize"] not in QUANTIZE:
+        raise ConfigError(f"{section}.quantize must be one of {', '.join(QUANTIZE)}, got {values['quantize']!r}")
+    if values.get("resources") is not None and not isinstance(values["resources"], dict):
+        raise ConfigError(f"{section}.resources must be a mapping of Ray resource names to amounts")
+    values["model"] = resolve_model_path(values["model"], base_dir)
+    return TierConfig(**values)
+
+
+def _parse_lengths(raw: Any, num_tiers: int):
+    if raw is None or raw == "default":
+        return "default"
+    if raw == "auto":
+        return "auto"
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        raw = [raw] * (num_tiers - 1)
+    if not isinstance(raw, list) or not all(isinstance(k, int) and not isinstance(k, bool) for k in raw):
+        raise ConfigError(f"speculation.lengths must be 'auto' or a list of integers, got {raw!r}")
+    if len(raw) != num_tiers - 1:
+        raise ConfigError(f"speculation.lengths needs one length per verifying tier ({num_tiers - 1} for {num_tiers} tiers), got {len(raw)}")
+    if any(k < 0 for k in raw):
+        raise ConfigError(f"speculation.lengths must be >= 0, got {raw}")
+    return tuple(raw)
+
+
+def parse_config(raw: Any, source: str | None = None) -> ChainConfig:
+    if not isinstance(raw, dict):
+        raise ConfigError("config must be a YAML mapping with a 'tiers' list")
+    known = {"tiers", "speculation", "sampling", "runtime", "server"}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ConfigError(f"unknown config key '{unknown[0]}' (known keys: {', '.join(sorted(known))})")
+    base_dir = Path(source).resolve().parent if source else None
+    tiers_raw = raw.get("tiers")
+    if not isinstance(tiers_raw, list) or not tiers_raw:
+        raise ConfigError("config needs a non-empty 'tiers' list, target first")
+    tiers = tuple(_parse_tier(i, t, base_dir) for i, t in enumerate(tiers_raw))
+    names = [t.name for t in tiers]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"tier names must be unique, got {names}")
+    for i, tier in enumerate(tiers):
+        if tier.is_ngram and i != len(tiers) - 1:
+            raise ConfigError(f"tier {tier.name!r}: an n-gram tier can only be the last (cheapest) tier, it cannot verify")
+        if tier.is_ngram and tier.quantize:
+            raise ConfigError(f"tier {tier.name!r}: an n-gram tier has no weights to quantize")
+    if tiers[0].is_ngram:
+        raise ConfigError("the first tier is the target and must be a model, not 'ngram'")
+
+    spec = _check_keys("speculation", raw.get("speculation"), SpeculationConfig)
+    spec["lengths"] = _parse_lengths(spec.get("lengths"), len(tiers))
+    if "tree_width" in spec:
+        _typed("speculation", "tree_width", spec["tree_width"], int)
+        if spec["tree_width"] < 1:
+            raise ConfigError(f"speculation.tree_width must be >= 1, got {spec['tree_width']}")
+    if spec.get("verifier", "specinfer") not in SCHEMES:
+        raise ConfigError(f"speculation.verifier must be one of {', '.join(SCHEMES)}, got {spec['verifier']!r}")
+    speculation = SpeculationConfig(**spec)
+    if speculation.tree_width > 1 and tiers[-1].is_ngram and speculation.verifier in ("rsd", "spectr"):
+        raise ConfigError(
+            f"speculation.verifier {speculation.verifier!r} needs candidates sampled from one drafter distribution; "
+            f"the n-gram tier {tiers[-1].name!r} proposes deterministic candidates (use specinfer)"
+        )
+
+    samp = _check_keys("sampling", raw.get("sampling"), SamplingConfig)
+    for key, kind in (("temperature", float), ("top_p", float), ("top_k", int), ("max_new_tokens", int)):
+        if key in samp:
+            samp[key] = _typed("sampling", key, samp[key], kind)
+    sampling = SamplingConfig(**samp)
+
+    run = _check_keys("runtime", raw.get("runtime"), RuntimeConfig)
+    if run.get("backend", "local") not in BACKENDS:
+        raise ConfigError(f"runtime.backend must be one of {', '.join(BACKENDS)}, got {run['backend']!r}")
+    runtime = RuntimeConfig(**run)
+
+    srv = _check_keys("server", raw.get("server"), ServerConfig)
+    if "port" in srv:
+        _typed("server", "port", srv["port"], int)
+    server = ServerConfig(**srv)
+    return ChainConfig(tiers=tiers, speculation=speculation, sampling=sampling, runtime=runtime, server=server, source=source)
+
+
+def load_config(path: str) -> ChainConfig:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            raw = yaml.safe_load(handle)
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except yaml.YAMLError as exc:
+        first = str(exc).splitlines()[0] if str(exc) else "invalid YAML"
+        raise ConfigError(f"config file {path} is not valid YAML: {first}") from None
+    return parse_config(raw, source=path)

@@ -1,0 +1,124 @@
+"""The engine: a loaded chain plus request handling (validation, tokenization, results).
+
+The CLI, the batch runner and (later) the server all go through `Engine.generate`, so a
+request means the same thing everywhere (DESIGN §8):
+
+    request: {id, prompt | prompt_ids, max_new_tokens, temperature, top_p, top_k, seed}
+    result:  {id, text, token_ids, finish_reason, stats}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from orchestrator.chain import ChainScheduler
+from orchestrator.config import ChainConfig
+from workers.errors import RequestError
+from workers.loading import load_tiers, quiet_transformers
+from workers.sampling import SamplingParams
+
+REQUEST_FIELDS = ("id", "prompt", "prompt_ids", "max_new_tokens", "temperature", "top_p", "top_k", "seed")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationRequest:
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    params: SamplingParams
+    seed: int | None = None
+    id: str | None = None
+
+
+def _number(name: str, value, kind):
+    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
+        raise RequestError(f"{name} must be {'a number' if kind is float else 'an integer'}, got {value!r}")
+    return kind(value)
+
+
+class Engine:
+    def __init__(self, config: ChainConfig, speculative: bool = True) -> None:
+        quiet_transformers()
+        self.config = config if speculative else config.target_only()
+        self.tiers, self.tokenizer = load_tiers(self.config.tiers)
+        eos = set()
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(int(self.tokenizer.eos_token_id))
+        target_model = getattr(self.tiers[0], "model", None)
+        generation_config = getattr(target_model, "generation_config", None)
+        configured = getattr(generation_config, "eos_token_id", None)
+        if configured is not None:
+            eos.update([configured] if isinstance(configured, int) else configured)
+        self.scheduler = ChainScheduler(
+            self.tiers,
+            self.config.speculation_lengths(),
+            tree_width=self.config.speculation.tree_width,
+            scheme=self.config.speculation.verifier,
+            eos_token_ids=tuple(sorted(eos)),
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tiers[0].vocab_size
+
+    # ------------------------------------------------------------------- requests
+
+    def parse_request(self, raw: dict[str, Any]) -> GenerationRequest:
+        """Validate one request (a JSONL line's object, CLI flags, or an RPC) -> GenerationRequest."""
+        if not isinstance(raw, dict):
+            raise RequestError(f"a request must be a JSON object, got {type(raw).__name__}")
+        unknown = sorted(set(raw) - set(REQUEST_FIELDS))
+        if unknown:
+            raise RequestError(f"unknown request field {unknown[0]!r} (known: {', '.join(REQUEST_FIELDS)})")
+        defaults = self.config.sampling
+        prompt, prompt_ids = raw.get("prompt"), raw.get("prompt_ids")
+        if prompt is not None and prompt_ids is not None:
+            raise RequestError("give either 'prompt' or 'prompt_ids', not both")
+        if prompt_ids is not None:
+            if not isinstance(prompt_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids):
+                raise RequestError("prompt_ids must be a list of integers")
+            bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise RequestError(f"prompt_ids contains {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
+            ids = list(prompt_ids)
+        elif prompt is not None:
+            if not isinstance(prompt, str):
+                raise RequestError(f"prompt must be a string, got {type(prompt).__name__}")
+            ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"] if prompt else []
+        else:
+            raise RequestError("request has no 'prompt' (or 'prompt_ids')")
+        if not ids:
+            raise RequestError("prompt is empty")
+        limit = self.scheduler.max_context
+        if limit is not None and len(ids) >= limit:
+            raise RequestError(f"prompt has {len(ids)} tokens but the model context holds {limit} (leave room to generate)")
+        max_new = _number("max_new_tokens", raw.get("max_new_tokens", defaults.max_new_tokens), int)
+        if max_new <= 0:
+            raise RequestError(f"max_new_tokens must be > 0, got {max_new}")
+        temperature = _number("temperature", raw.get("temperature", defaults.temperature), float)
+        top_p = _number("top_p", raw.get("top_p", defaults.top_p), float)
+        top_k = _number("top_k", raw.get("top_k", defaults.top_k), int)
+        try:
+            params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+        except ValueError as exc:
+            raise RequestError(str(exc)) from None
+        seed = raw.get("seed")
+        if seed is not None:
+            seed = _number("seed", seed, int)
+        request_id = raw.get("id")
+        return GenerationRequest(tuple(ids), max_new, params, seed, None if request_id is None else str(request_id))
+
+    def generate(self, request: GenerationRequest, on_commit: Callable[[list[int]], None] | None = None) -> dict:
+        output = self.scheduler.generate(list(request.prompt_ids), request.max_new_tokens, request.params, request.seed, on_commit)
+        result = {
+            "text": self.decode(output.token_ids),
+            "token_ids": output.token_ids,
+            "finish_reason": output.finish_reason,
+            "stats": output.stats,
+        }
+        if request.id is not None:
+            result = {"id": request.id, **result}
+        return result
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)

@@ -1,0 +1,80 @@
+"""Shared fixtures: tiny random Llama families and a byte-level tokenizer in temp folders.
+
+Nothing is downloaded: every model here is built from a config with a fixed seed and
+saved with `save_pretrained`, so the loading code under test is the real `from_pretrained`.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a typo'd path must fail fast, not wait on a network
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+EOS = "<|endoftext|>"
+
+
+def make_tokenizer(extra_tokens: int = 0):
+    """Byte-level tokenizer with no merges: 256 byte tokens + EOS (+ `extra_tokens` fillers)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {symbol: i for i, symbol in enumerate(sorted(alphabet))}
+    for j in range(extra_tokens):
+        vocab[f"<extra_{j}>"] = len(vocab)
+    vocab[EOS] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=EOS, bos_token=EOS)
+
+
+def make_model(path, tokenizer, hidden: int, layers: int, seed: int, context: int = 256, init_scale: float = 0.2, base=None, noise: float = 0.0):
+    """A random Llama saved with its tokenizer. `base` + `noise`: a perturbed copy of another model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=context,
+        initializer_range=init_scale,  # larger than the default 0.02: sharper, less tie-prone logits
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config)
+    if base is not None:
+        model.load_state_dict(base.state_dict())
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(noise * parameter.std() * torch.randn_like(parameter))
+    model.save_pretrained(str(path))
+    tokenizer.save_pretrained(str(path))
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_family(tmp_path_factory):
+    """{'target', 'mid', 'small', 'other_vocab'} -> model directories.
+
+    mid is a lightly perturbed copy of the target (high agreement), small an unrelated
+    smaller model (low agreement), other_vocab a model with a different vocabulary.
+    """
+    root = tmp_path_factory.mktemp("tiny_family")
+    tokenizer = make_tokenizer()
+    target = make_model(root / "target", tokenizer, hidden=64, layers=2, seed=1)
+    make_model(root / "mid", tokenizer, hidden=64, layers=2, seed=2, base=target, noise=0.05)
+    make_model(root / "small", tokenizer, hidden=32, layers=1, seed=3)
+    make_model(root / "other_vocab", make_tokenizer(extra_tokens=5), hidden=32, layers=1, seed=4)
+    return {name: str(root / name) for name in ("target", "mid", "small", "other_vocab")}

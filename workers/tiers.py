@@ -1,0 +1,298 @@
+"""Tiers: the models of the chain behind one small interface (the seam of DESIGN §2).
+
+The scheduler never touches a model. It asks a tier to
+
+- `draft(seq_id, context, num_tokens, ...)`: sample a chain block autoregressively
+  (only the last tier of a chain drafts this way; middle tiers emit through verification);
+- `draft_tree(seq_id, context, width, depth, ...)`: propose a token tree;
+- `score(seq_id, context, tree)`: run ONE forward over the uncached tail of `context` plus
+  the draft tree and return the tier's warped probability rows, one at the root (the last
+  context token) and one per tree node: [len(tree) + 1, V] float32;
+- `accept_path(seq_id, path)`: after a tree verdict, keep only the accepted path's KV.
+
+Every call carries the full context the tier should be conditioned on; the tier keeps
+the KV of the longest prefix it already has and drops the rest (exact rollback, no
+re-prefill). Calls are per block, never per token, so the same interface can be served
+by a remote actor (DESIGN §6). Each tier is used by one thread at a time.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import time
+
+import torch
+
+from workers.kv_cache import SequenceCache
+from workers.sampling import SamplingParams, warp_logits
+from workers.tree import DraftTree, tree_attention_mask
+from workers.verification import draw_without_replacement
+
+NGRAM_MODEL = "ngram"
+
+
+class Tier(abc.ABC):
+    """One model (or model-free drafter) of the chain."""
+
+    name: str
+    vocab_size: int
+    max_context: int | None  # positions the model can attend over; None = unbounded
+    can_verify: bool = True
+    deterministic_drafts: bool = False  # drafts are a function of the context (n-gram lookup)
+
+    def __init__(self) -> None:
+        self.busy_s = 0.0  # wall time spent in forwards / lookups
+        self.forwards = 0
+
+    @abc.abstractmethod
+    def draft(self, seq_id, context: list[int], num_tokens: int, params: SamplingParams, generator) -> tuple[list[int], torch.Tensor | None]:
+        """Sample up to `num_tokens` tokens continuing `context`, with the rows they were drawn from ([k, V] float32; None when greedy)."""
+
+    @abc.abstractmethod
+    def draft_tree(self, seq_id, context: list[int], width: int, depth: int, params: SamplingParams, scheme: str, generator) -> DraftTree:
+        """`width` candidate chains of `depth` tokens sharing the root."""
+
+    def score(self, seq_id, context: list[int], tree: DraftTree, params: SamplingParams) -> torch.Tensor:
+        raise NotImplementedError(f"tier {self.name!r} cannot verify")
+
+    def accept_path(self, seq_id, path: list[int]) -> None:
+        """Keep only the accepted tree path (node indices, root to leaf)."""
+
+    def release(self, seq_id) -> None:
+        """Forget a sequence and free its cache."""
+
+
+@dataclasses.dataclass
+class _PendingTree:
+    prefix_len: int  # linear context length the tree hangs off
+    node_slots: dict[int, int]  # node index -> cache position, for nodes already fed
+
+
+@dataclasses.dataclass
+class _Sequence:
+    cache: SequenceCache
+    pending: _PendingTree | None = None
+
+
+class ModelTier(Tier):
+    """A causal LM from transformers, with one KV cache per open sequence."""
+
+    def __init__(self, name: str, model, vocab_size: int, device: torch.device, threads: int | None = None) -> None:
+        super().__init__()
+        self.name = name
+        self.model = model.eval()
+        self.vocab_size = vocab_size
+        self.device = device
+        self.threads = threads
+        self.max_context = getattr(model.config, "max_position_embeddings", None)
+        self._dtype = next(model.parameters()).dtype if any(True for _ in model.parameters()) else torch.float32
+        if self._dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            self._dtype = torch.float32  # dynamically quantized models compute activations in fp32
+        self._sequences: dict[object, _Sequence] = {}
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def _sequence(self, seq_id) -> _Sequence:
+        seq = self._sequences.get(seq_id)
+        if seq is None:
+            seq = self._sequences[seq_id] = _Sequence(SequenceCache(self.model.config))
+        return seq
+
+    def release(self, seq_id) -> None:
+        self._sequences.pop(seq_id, None)
+
+    def _sync(self, seq: _Sequence, context: list[int]) -> list[int]:
+        """Roll the cache back to what `context` shares with it; return the uncached tail (>= 1 token)."""
+        if seq.pending is not None:  # an unaccepted tree: its nodes are not a linear continuation
+            seq.cache.truncate(seq.pending.prefix_len)
+            seq.pending = None
+        keep = min(seq.cache.common_prefix(context), len(context) - 1)
+        seq.cache.truncate(keep)
+        return context[keep:]
+
+    def _forward(self, seq: _Sequence, tokens: list[int], positions: list[int], mask: torch.Tensor | None) -> torch.Tensor:
+        """One model forward appending `tokens` to the cache; logits [len(tokens), V] float32."""
+        if self.threads and torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
+        started = time.perf_counter()
+        input_ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, T]
+        position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)  # [1, T]
+        kwargs = {}
+        if mask is not None:
+            kwargs["attention_mask"] = mask.to(self.device)
+        with torch.inference_mode():
+            out = self.model(input_ids=input_ids, position_ids=position_ids, past_key_values=seq.cache.kv, use_cache=True, **kwargs)
+        seq.cache.appended(tokens)
+        logits = out.logits[0, :, : self.vocab_size].float().cpu()  # [T, V]
+        self.busy_s += time.perf_counter() - started
+        self.forwards += 1
+        return logits
+
+    def _linear_forward(self, seq: _Sequence, tokens: list[int]) -> torch.Tensor:
+        start = len(seq.cache)
+        return self._forward(seq, tokens, list(range(start, start + len(tokens))), None)
+
+    def _tree_forward(self, seq: _Sequence, tail: list[int], tree: DraftTree, nodes: list[int], depths: list[int]) -> torch.Tensor:
+        """Feed the linear `tail` then tree `nodes` (whose ancestors are cached or fed here)."""
+        pending = seq.pending
+        cached = len(seq.cache)
+        first_slot = cached + len(tail)
+        for offset, node in enumerate(nodes):
+            pending.node_slots[node] = first_slot + offset
+        positions = list(range(cached, first_slot)) + [pending.prefix_len + depths[n] for n in nodes]
+        mask = tree_attention_mask(
+            tree.parents,
+            pending.node_slots,
+            nodes,
+            prefix_len=pending.prefix_len - len(tail),
+            tail_len=len(tail),
+            total_len=first_slot + len(nodes),
+            dtype=self._dtype,
+        )
+        return self._forward(seq, tail + [tree.tokens[n] for n in nodes], positions, mask)
+
+    # ---------------------------------------------------------------------- drafting
+
+    def draft(self, seq_id, context, num_tokens, params, generator):
+        seq = self._sequence(seq_id)
+        feed = self._sync(seq, context)
+        tokens: list[int] = []
+        rows = []
+        for _ in range(num_tokens):
+            probs = warp_logits(self._linear_forward(seq, feed)[-1], params)  # [V]
+            token = int(probs.argmax()) if params.greedy else int(torch.multinomial(probs, 1, generator=generator))
+            tokens.append(token)
+            rows.append(probs)
+            feed = [token]
+        return tokens, (None if params.greedy or not rows else torch.stack(rows))
+
+    def draft_tree(self, seq_id, context, width, depth, params, scheme, generator):
+        seq = self._sequence(seq_id)
+        tail = self._sync(seq, context)
+        tree = DraftTree([], [], None)
+        row_list: list[torch.Tensor] = []
+        if depth <= 0:
+            return tree
+        root_logits = self._linear_forward(seq, tail)[-1]  # [V]
+        root_probs = warp_logits(root_logits, params)
+        seq.pending = _PendingTree(prefix_len=len(context), node_slots={})
+        for token in _first_candidates(root_logits, root_probs, width, params, scheme, generator):
+            tree.tokens.append(token)
+            tree.parents.append(-1)
+            row_list.append(root_probs)
+        frontier = list(range(len(tree.tokens)))
+        depths = [0] * len(frontier)
+        for level in range(1, depth):
+            logits = self._tree_forward(seq, [], tree, frontier, depths)  # [len(frontier), V]
+            next_frontier = []
+            for node, node_logits in zip(frontier, logits):
+                probs = warp_logits(node_logits, params)
+                token = int(probs.argmax()) if params.greedy else int(torch.multinomial(probs, 1, generator=generator))
+                tree.tokens.append(token)
+                tree.parents.append(node)
+                row_list.append(probs)
+                depths.append(level)
+                next_frontier.append(len(tree.tokens) - 1)
+            frontier = next_frontier
+        tree.draft_rows = None if params.greedy else torch.stack(row_list)
+        return tree
+
+    # ------------------------------------------------------------------ verification
+
+    def score(self, seq_id, context, tree, params):
+        seq = self._sequence(seq_id)
+        tail = self._sync(seq, context)
+        if tree.is_chain():
+            logits = self._linear_forward(seq, tail + tree.tokens)[len(tail) - 1 :]  # [k+1, V]
+        else:
+            seq.pending = _PendingTree(prefix_len=len(context), node_slots={})
+            logits = self._tree_forward(seq, tail, tree, list(range(len(tree))), tree.depths())
+            logits = logits[len(tail) - 1 :]  # root row + one row per node
+        return warp_logits(logits, params)
+
+    def accept_path(self, seq_id, path):
+        seq = self._sequences.get(seq_id)
+        if seq is None or seq.pending is None:
+            return  # chains roll back lazily at the next sync
+        pending = seq.pending
+        kept = list(range(pending.prefix_len))
+        for node in path:
+            if node not in pending.node_slots:
+                break  # the drafter did not feed its last level
+            kept.append(pending.node_slots[node])
+        seq.cache.keep(kept)
+        seq.pending = None
+
+
+def _first_candidates(root_logits, root_probs, width: int, params: SamplingParams, scheme: str, generator) -> list[int]:
+    """The root's children: top-`width` when greedy, without replacement for RSD, else i.i.d."""
+    if params.greedy:
+        return [int(t) for t in torch.topk(root_logits, min(width, root_logits.numel())).indices]
+    if scheme == "rsd":
+        return [int(t) for t in draw_without_replacement(root_probs, width, generator)]
+    return [int(t) for t in torch.multinomial(root_probs, width, replacement=True, generator=generator)]
+
+
+class NGramTier(Tier):
+    """Model-free prompt-lookup drafter: continues the latest earlier occurrence of the context's suffix.
+
+    Its proposals are a deterministic function of the context, i.e. drawn from a point mass,
+    so their draft rows are one-hot and verification stays exact.
+    """
+
+    can_verify = False
+    deterministic_drafts = True
+
+    def __init__(self, name: str, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        super().__init__()
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"tier {name!r}: need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.name = name
+        self.vocab_size = vocab_size
+        self.max_context = None
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def _continuations(self, context: list[int], num_tokens: int, limit: int) -> list[list[int]]:
+        """Up to `limit` continuations with distinct first tokens, longest matching n-gram first, latest match first."""
+        found: list[list[int]] = []
+        first_tokens: set[int] = set()
+        length = len(context)
+        for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
+            suffix = context[length - n :]
+            for start in range(length - n - 1, -1, -1):
+                if context[start : start + n] != suffix:
+                    continue
+                continuation = context[start + n : start + n + num_tokens]
+                if continuation and continuation[0] not in first_tokens:
+                    first_tokens.add(continuation[0])
+                    found.append(continuation)
+                    if len(found) == limit:
+                        return found
+        return found
+
+    def _one_hot(self, tokens: list[int]) -> torch.Tensor:
+        return torch.nn.functional.one_hot(torch.tensor(tokens, dtype=torch.long), self.vocab_size).float()
+
+    def draft(self, seq_id, context, num_tokens, params, generator):
+        started = time.perf_counter()
+        found = self._continuations(context, num_tokens, 1) if num_tokens > 0 else []
+        tokens = found[0] if found else []
+        self.busy_s += time.perf_counter() - started
+        return tokens, (None if params.greedy or not tokens else self._one_hot(tokens))
+
+    def draft_tree(self, seq_id, context, width, depth, params, scheme, generator):
+        started = time.perf_counter()
+        tree = DraftTree([], [], None)
+        for continuation in self._continuations(context, depth, width) if depth > 0 else []:
+            parent = -1
+            for token in continuation:
+                tree.tokens.append(token)
+                tree.parents.append(parent)
+                parent = len(tree.tokens) - 1
+        # nodes must be stored parents-first; chains appended one after another satisfy that
+        if not params.greedy and tree.tokens:
+            tree.draft_rows = self._one_hot(tree.tokens)
+        self.busy_s += time.perf_counter() - started
+        return tree

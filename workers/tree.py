@@ -1,0 +1,131 @@
+"""Draft trees: the structure a drafter proposes and a verifier scores in one forward.
+
+A tree hangs off the *root*, the last token of the committed context. Node j carries
+`tokens[j]`, its parent `parents[j]` (-1 for a child of the root) and `draft_rows[j]`,
+the drafter's probability row the token was drawn from (the drafter's distribution at
+the parent). A chain of k tokens is the tree with parents [-1, 0, 1, ..., k-2].
+
+Nodes are stored parents-first (a node's parent always has a smaller index), which is
+what the attention mask and the walk below rely on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass
+class DraftTree:
+    tokens: list[int]
+    parents: list[int]
+    draft_rows: torch.Tensor | None  # [N, V] float32; None for greedy drafts
+
+    def __post_init__(self) -> None:
+        assert len(self.tokens) == len(self.parents)
+        for j, parent in enumerate(self.parents):
+            assert -1 <= parent < j, "nodes must be stored parents-first"
+        if self.draft_rows is not None:
+            assert self.draft_rows.shape[0] == len(self.tokens)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @classmethod
+    def chain(cls, tokens: list[int], draft_rows: torch.Tensor | None) -> "DraftTree":
+        return cls(list(tokens), list(range(-1, len(tokens) - 1)), draft_rows)
+
+    def depths(self) -> list[int]:
+        """Depth of each node; children of the root have depth 0."""
+        depth: list[int] = []
+        for parent in self.parents:
+            depth.append(0 if parent < 0 else depth[parent] + 1)
+        return depth
+
+    def children(self, node: int) -> list[int]:
+        """Children of `node` (-1 = the root), in index order."""
+        return [j for j, parent in enumerate(self.parents) if parent == node]
+
+    def ancestors_and_self(self, node: int) -> list[int]:
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = self.parents[node]
+        return path[::-1]
+
+    def is_chain(self) -> bool:
+        return self.parents == list(range(-1, len(self.tokens) - 1))
+
+
+def tree_attention_mask(
+    parents: list[int],
+    node_positions: list[int],
+    fed_nodes: list[int],
+    prefix_len: int,
+    tail_len: int,
+    total_len: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Additive attention mask for a forward that feeds `tail_len` linear tokens followed by
+    the tree nodes `fed_nodes`.
+
+    The cache (plus this forward's inputs) holds `total_len` positions: linear tokens at
+    [0, prefix_len + tail_len) and tree nodes at `node_positions[node]`. A linear token at
+    position p attends to [0, p]; a tree node attends to every linear position and to its
+    ancestors and itself. Returns [1, 1, tail_len + len(fed_nodes), total_len].
+    """
+    linear_len = prefix_len + tail_len
+    num_queries = tail_len + len(fed_nodes)
+    allowed = torch.zeros(num_queries, total_len, dtype=torch.bool)
+    for q in range(tail_len):
+        allowed[q, : prefix_len + q + 1] = True
+    for offset, node in enumerate(fed_nodes):
+        row = tail_len + offset
+        allowed[row, :linear_len] = True
+        while node >= 0:
+            allowed[row, node_positions[node]] = True
+            node = parents[node]
+    mask = torch.zeros(num_queries, total_len, dtype=dtype)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+def verify_tree(
+    target_probs: torch.Tensor, tree: DraftTree, scheme: str, greedy: bool, generator: torch.Generator | None
+) -> tuple[list[int], int]:
+    """Walk the tree from the root, one verification rule per node. Returns (accepted path of
+    node indices, next token): the next token is the correction where the walk stopped, or
+    the bonus token below an accepted leaf.
+
+    target_probs: [len(tree) + 1, V] float32 — row 0 at the root, row 1 + j at node j.
+    A node with one child is single-draft speculative sampling; a node with several
+    children uses the multi-draft `scheme` (candidates as the drafter drew them).
+    """
+    from workers.verification import select_multi_draft
+
+    assert target_probs.shape[0] == len(tree) + 1, (target_probs.shape, len(tree))
+    children_of: dict[int, list[int]] = {}
+    for j, parent in enumerate(tree.parents):
+        children_of.setdefault(parent, []).append(j)
+    path: list[int] = []
+    node = -1
+    while True:
+        row = target_probs[node + 1]  # [V]
+        children = children_of.get(node, [])
+        if greedy:
+            best = int(row.argmax())
+            match = next((c for c in children if tree.tokens[c] == best), None)
+            if match is None:
+                return path, best
+            path.append(match)
+            node = match
+            continue
+        if not children:
+            return path, int(torch.multinomial(row, 1, generator=generator))
+        candidates = torch.tensor([tree.tokens[c] for c in children], dtype=torch.long)
+        token, index = select_multi_draft(row, tree.draft_rows[children], candidates, scheme if len(children) > 1 else "specinfer", generator)
+        if index < 0:
+            return path, token
+        path.append(children[index])
+        node = children[index]

@@ -1,0 +1,351 @@
+"""Lossless verification rules: greedy, chain speculative sampling, multi-draft selection.
+
+Terminology (as in DESIGN §3):
+- target: the tier doing the verifying; `target_probs` are its warped float32
+  probabilities. draft: the tier (or tiers) that proposed; `draft_probs` are the
+  probabilities each proposed token was actually sampled from.
+- accepted tokens: the prefix of draft tokens the target keeps.
+- correction token: sampled from the residual distribution at the first rejection.
+- bonus token: sampled from the target row after the last draft token when every
+  draft token was accepted. A verification always emits accepted + 1 tokens.
+- residual: norm(max(0, target - draft)), the part of the target the draft under-covers.
+
+Every rule here is lossless: each emitted token is distributed exactly as the target.
+
+Multi-draft selection (`select_multi_draft`, one position, K candidate tokens) and how the
+candidates must be drawn for the scheme to be lossless:
+- "specinfer"  (recursive rejection sampling): candidate j drawn independently from
+  draft_probs[j]; rows may differ (different drafters) or be equal (i.i.d., *with*
+  replacement).
+- "rsd"        (Recursive Speculative Decoding): candidates drawn *without* replacement
+  from one draft row by Gumbel-top-k, see `draw_without_replacement`.
+- "spectr"     (SpecTr k-sequential selection): K i.i.d. candidates (with replacement)
+  from one draft row.
+- "importance" (two-step canonical scheme, seed 002): candidate j drawn independently
+  from draft_probs[j]; rows may differ. Step 1 picks one candidate with an
+  independence-sampler chain (Barker acceptance), step 2 speculatively samples it
+  against the target using the exact distribution induced by step 1.
+
+All functions are pure: no I/O, every random draw comes from the `generator` argument,
+so the same generator state gives the same result.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from workers.sampling import sample
+
+NO_CANDIDATE_ACCEPTED = -1  # accepted_index when the token came from the final residual
+MULTI_DRAFT_SCHEMES = ("specinfer", "rsd", "spectr", "importance")
+SPECTR_BISECTION_STEPS = 50  # halves [1, K] to below 1e-14: rho* is exact to float64
+INDUCED_CHUNK_ELEMENTS = 1 << 22  # cap on one [rows, S] block of the importance chain
+BARKER_TIE_MOVE_PROB = 0.5  # move probability when both Barker weights are zero
+
+
+# ---------------------------------------------------------------------------------
+# Single-draft rules
+# ---------------------------------------------------------------------------------
+
+
+def verify_greedy(target_argmax: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[int, int]:
+    """Accept draft tokens while they equal the target's argmax.
+
+    target_argmax: [k+1] long, the target's argmax at each draft position plus one.
+    draft_tokens:  [k] long (k may be 0).
+    Returns (num_accepted, next_token); next_token is the correction or bonus token.
+    """
+    _require(target_argmax.dim() == 1 and draft_tokens.dim() == 1, "expected 1-D tensors")
+    num_drafts = draft_tokens.shape[0]
+    _require(
+        target_argmax.shape[0] == num_drafts + 1,
+        f"target_argmax has {target_argmax.shape[0]} entries, need k+1 = {num_drafts + 1}",
+    )
+    matches = target_argmax[:num_drafts] == draft_tokens  # [k]
+    num_accepted = int(torch.cumprod(matches.long(), dim=0).sum())
+    return num_accepted, int(target_argmax[num_accepted])
+
+
+def verify_chain(
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    generator: torch.Generator | None,
+) -> tuple[int, int]:
+    """Standard speculative sampling of one chain of k draft tokens.
+
+    target_probs: [k+1, V], draft_probs: [k, V], draft_tokens: [k] (k may be 0).
+    Draft token j is accepted with probability min(1, target(x_j) / draft(x_j)); a token
+    with draft probability 0 is rejected. Returns (num_accepted, next_token).
+    """
+    _require(target_probs.dim() == 2 and draft_probs.dim() == 2, "probs must be 2-D [rows, V]")
+    _require(draft_tokens.dim() == 1, "draft_tokens must be 1-D [k]")
+    num_drafts, vocab = draft_tokens.shape[0], target_probs.shape[1]
+    _require(
+        target_probs.shape[0] == num_drafts + 1,
+        f"target_probs has {target_probs.shape[0]} rows, need k+1 = {num_drafts + 1}",
+    )
+    _require(
+        tuple(draft_probs.shape) == (num_drafts, vocab),
+        f"draft_probs shape {tuple(draft_probs.shape)} != (k, V) = {(num_drafts, vocab)}",
+    )
+    target_probs, draft_probs = target_probs.float(), draft_probs.float()
+
+    positions = torch.arange(num_drafts)
+    target_at_draft = target_probs[positions, draft_tokens]  # [k]
+    draft_at_draft = draft_probs[positions, draft_tokens]  # [k]
+    uniforms = torch.rand(num_drafts, generator=generator)  # [k]
+    # u * draft < target  <=>  u < target / draft, and never true when draft == 0
+    accepted = (draft_at_draft > 0) & (uniforms * draft_at_draft < target_at_draft)  # [k]
+    num_accepted = int(torch.cumprod(accepted.long(), dim=0).sum())
+
+    if num_accepted == num_drafts:
+        return num_accepted, sample(target_probs[num_drafts], generator)  # bonus
+    correction_probs = _residual(target_probs[num_accepted], draft_probs[num_accepted])  # [V]
+    return num_accepted, sample(correction_probs, generator)
+
+
+# ---------------------------------------------------------------------------------
+# Multi-draft selection (one position, K candidates)
+# ---------------------------------------------------------------------------------
+
+
+def select_multi_draft(
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    scheme: str,
+    generator: torch.Generator | None,
+) -> tuple[int, int]:
+    """Pick the output token at one position from K candidate tokens, losslessly.
+
+    target_probs: [V]; draft_probs: [K, V], row j is what candidate j was drawn from;
+    draft_tokens: [K]. scheme: one of MULTI_DRAFT_SCHEMES (see the module docstring for
+    how candidates must be drawn). Returns (token, accepted_index), accepted_index being
+    the position in draft_tokens of the accepted candidate, or NO_CANDIDATE_ACCEPTED when
+    the token was sampled from the final residual. token ~ target_probs exactly.
+    """
+    if scheme not in _SCHEMES:
+        raise ValueError(f"unknown multi-draft scheme {scheme!r}; expected one of {MULTI_DRAFT_SCHEMES}")
+    _require(target_probs.dim() == 1, f"target_probs must be [V], got {tuple(target_probs.shape)}")
+    _require(draft_probs.dim() == 2, f"draft_probs must be [K, V], got {tuple(draft_probs.shape)}")
+    _require(draft_tokens.dim() == 1, f"draft_tokens must be [K], got {tuple(draft_tokens.shape)}")
+    num_candidates = draft_tokens.shape[0]
+    _require(num_candidates > 0, "need at least one candidate (K == 0)")
+    _require(
+        tuple(draft_probs.shape) == (num_candidates, target_probs.shape[0]),
+        f"draft_probs shape {tuple(draft_probs.shape)} != (K, V) = "
+        f"{(num_candidates, target_probs.shape[0])}",
+    )
+    return _SCHEMES[scheme](target_probs.float(), draft_probs.float(), draft_tokens, generator)
+
+
+def draw_without_replacement(
+    draft_probs: torch.Tensor, num: int, generator: torch.Generator | None
+) -> torch.Tensor:
+    """Gumbel-top-k: `num` distinct tokens, in the order sequential sampling would draw them.
+
+    draft_probs: [V]. Only tokens with positive probability are drawn, so fewer than
+    `num` come back when fewer have positive probability. Returns [min(num, support)] long.
+    """
+    _require(draft_probs.dim() == 1, f"draft_probs must be [V], got {tuple(draft_probs.shape)}")
+    support = torch.nonzero(draft_probs > 0).squeeze(1)  # [S]
+    exponentials = torch.empty(support.shape[0]).exponential_(generator=generator)  # [S]
+    # log q + Gumbel(0, 1) with Gumbel = -log(Exp(1))
+    keys = torch.log(draft_probs[support].float()) - torch.log(exponentials)  # [S]
+    top = torch.topk(keys, min(num, support.shape[0])).indices  # sorted by key, descending
+    return support[top]
+
+
+def _select_specinfer(target_probs, draft_probs, draft_tokens, generator) -> tuple[int, int]:
+    """Recursive rejection sampling; candidate j ~ draft_probs[j] independently."""
+    candidates = torch.arange(draft_tokens.shape[0])
+    draft_at_candidate = draft_probs[candidates, draft_tokens].tolist()  # [K], q_j(x_j)
+    residual = target_probs  # [V]
+    for index, token in enumerate(draft_tokens.tolist()):
+        if _accepts(float(residual[token]), draft_at_candidate[index], generator):
+            return token, index
+        residual = _residual(residual, draft_probs[index])
+    return sample(residual, generator), NO_CANDIDATE_ACCEPTED
+
+
+def _select_rsd(target_probs, draft_probs, draft_tokens, generator) -> tuple[int, int]:
+    """Recursive rejection sampling for candidates drawn without replacement from one q."""
+    _require_identical_rows(draft_probs, "rsd")
+    tokens = draft_tokens.tolist()
+    _require(len(set(tokens)) == len(tokens), "rsd candidates must be distinct (drawn without replacement)")
+    residual = target_probs  # [V]
+    remaining_draft = draft_probs[0].clone()  # [V], q with earlier candidates removed
+    for index, token in enumerate(tokens):
+        step_draft = remaining_draft / remaining_draft.sum()  # [V], law of candidate j given earlier
+        if _accepts(float(residual[token]), float(step_draft[token]), generator):
+            return token, index
+        residual = _residual(residual, step_draft)
+        remaining_draft[token] = 0.0
+        if remaining_draft.sum() <= 0:  # support exhausted: no further candidate can exist
+            break
+    return sample(residual, generator), NO_CANDIDATE_ACCEPTED
+
+
+def _select_spectr(target_probs, draft_probs, draft_tokens, generator) -> tuple[int, int]:
+    """SpecTr k-sequential selection over K i.i.d. candidates from one q."""
+    _require_identical_rows(draft_probs, "spectr")
+    num_candidates = draft_tokens.shape[0]
+    draft_row = draft_probs[0].double()  # [V]
+    target_row = target_probs.double()  # [V]
+    if float(torch.minimum(draft_row, target_row).sum()) <= 0:  # beta == 0 for every rho
+        return sample(target_probs, generator), NO_CANDIDATE_ACCEPTED
+
+    rho = _spectr_rho(target_row, draft_row, num_candidates)
+    for index, token in enumerate(draft_tokens.tolist()):
+        if _accepts(float(target_row[token]), rho * float(draft_row[token]), generator):
+            return token, index
+
+    accept_mass = torch.minimum(draft_row, target_row / rho)  # [V]
+    beta = float(accept_mass.sum())
+    # each candidate is accepted as x with prob accept_mass(x); summed over the K tries
+    accepted_total = accept_mass * (1.0 - (1.0 - beta) ** num_candidates) / beta  # [V]
+    residual = (target_row - accepted_total).clamp_min(0.0)  # [V]
+    return sample(_normalized_or(residual, target_row), generator), NO_CANDIDATE_ACCEPTED
+
+
+def _spectr_rho(target_row: torch.Tensor, draft_row: torch.Tensor, num_candidates: int) -> float:
+    """Smallest rho in [1, K] with rho * beta(rho) >= 1 - (1 - beta(rho))^K, by bisection.
+
+    beta(rho) = sum_x min(q(x), target(x) / rho). Both rho * beta(rho) and
+    (1 - beta(rho))^K are non-decreasing in rho, so the feasible set is an interval
+    ending at K (rho = K is feasible: 1 - (1-beta)^K = beta * sum_{j<K} (1-beta)^j
+    <= K * beta). To make each bisection step O(log V), tokens are sorted once by
+    target/q: those with ratio <= rho contribute target/rho to beta, the others q.
+    """
+    support = draft_row > 0
+    ratios, order = torch.sort(target_row[support] / draft_row[support])  # [S]
+    target_sorted = target_row[support][order]  # [S]
+    draft_sorted = draft_row[support][order]  # [S]
+    target_below = torch.nn.functional.pad(torch.cumsum(target_sorted, 0), (1, 0))  # [S+1]
+    draft_above = torch.nn.functional.pad(torch.cumsum(draft_sorted.flip(0), 0).flip(0), (0, 1))  # [S+1]
+    sorted_ratios, target_below, draft_above = ratios.tolist(), target_below.tolist(), draft_above.tolist()
+
+    def feasible(rho: float) -> bool:
+        split = bisect.bisect_right(sorted_ratios, rho)  # tokens [0, split) have ratio <= rho
+        beta = target_below[split] / rho + draft_above[split]
+        return rho * beta >= 1.0 - (1.0 - beta) ** num_candidates
+
+    low, high = 1.0, float(num_candidates)
+    if feasible(low):
+        return low
+    for _ in range(SPECTR_BISECTION_STEPS):  # invariant: high feasible, low not
+        middle = 0.5 * (low + high)
+        if feasible(middle):
+            high = middle
+        else:
+            low = middle
+    return high
+
+
+def _select_importance(target_probs, draft_probs, draft_tokens, generator) -> tuple[int, int]:
+    """Two-step canonical scheme: Barker independence-sampler chain, then speculative sampling."""
+    tokens = draft_tokens.tolist()
+    target_at = target_probs[draft_tokens].tolist()  # [K], t(x_i)
+    proposal_at = draft_probs[:, draft_tokens].tolist()  # [K, K], proposal_at[j][i] = q_j(x_i)
+    state = 0  # index into draft_tokens of the chain's current state
+    for index in range(1, len(tokens)):
+        move_prob = _barker_move_prob(
+            target_at[state], proposal_at[index][state], target_at[index], proposal_at[index][index]
+        )
+        if _uniform(generator) < move_prob:
+            state = index
+
+    selected = tokens[state]
+    induced = _importance_induced_distribution(target_probs, draft_probs)  # [V] float64
+    if _accepts(float(target_probs[selected]), float(induced[selected]), generator):
+        return selected, state
+    return sample(_residual(target_probs.double(), induced), generator), NO_CANDIDATE_ACCEPTED
+
+
+def _barker_move_prob(state_target: float, state_proposal: float, cand_target: float, cand_proposal: float) -> float:
+    """P(move state z -> candidate y) = t(y) q(z) / (t(y) q(z) + t(z) q(y)); leaves t invariant."""
+    forward = cand_target * state_proposal
+    total = forward + state_target * cand_proposal
+    return forward / total if total > 0 else BARKER_TIE_MOVE_PROB
+
+
+def _importance_induced_distribution(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
+    """Exact law of the token the Barker chain selects, over candidates x_j ~ draft_probs[j].
+
+    r_1 = q_1;  r_j(y) = q_j(y) sum_z r_{j-1}(z) A_j(z, y) + r_{j-1}(y) sum_z q_j(z) (1 - A_j(y, z))
+    with A_j(z, y) the Barker move probability. Computed on S = union of draft supports
+    (no other token is ever a candidate or a state), in row blocks of [rows, S].
+    Returns [V] float64, zero outside S.
+    """
+    support = torch.nonzero((draft_probs > 0).any(dim=0)).squeeze(1)  # [S]
+    target_s = target_probs[support].double()  # [S]
+    drafts_s = draft_probs[:, support].double()  # [K, S]
+    size = support.shape[0]
+    block_rows = max(1, INDUCED_CHUNK_ELEMENTS // size)
+
+    induced_s = drafts_s[0]  # [S]
+    for proposal_s in drafts_s[1:]:
+        inflow = torch.zeros(size, dtype=torch.float64)  # [S], sum_z r(z) q(y) A(z, y) / q(y)
+        stay = torch.empty(size, dtype=torch.float64)  # [S], sum_z q(z) (1 - A(y, z))
+        for start in range(0, size, block_rows):
+            rows = slice(start, start + block_rows)
+            forward = proposal_s[rows, None] * target_s[None, :]  # [R, S]  t(y) q(z)
+            total = forward + target_s[rows, None] * proposal_s[None, :]  # [R, S]
+            move = torch.where(total > 0, forward / total, BARKER_TIE_MOVE_PROB)  # [R, S]  A(z, y)
+            inflow += induced_s[rows] @ move
+            stay[rows] = (1.0 - move) @ proposal_s
+        induced_s = proposal_s * inflow + induced_s * stay
+
+    induced = torch.zeros(target_probs.shape[0], dtype=torch.float64)  # [V]
+    induced[support] = induced_s
+    return induced
+
+
+_SCHEMES = {
+    "specinfer": _select_specinfer,
+    "rsd": _select_rsd,
+    "spectr": _select_spectr,
+    "importance": _select_importance,
+}
+assert tuple(_SCHEMES) == MULTI_DRAFT_SCHEMES
+
+
+# ---------------------------------------------------------------------------------
+# Shared helpers
+# ---------------------------------------------------------------------------------
+
+
+def _residual(target_row: torch.Tensor, draft_row: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, target - draft)); the target itself if that is all zero (rows equal)."""
+    return _normalized_or((target_row - draft_row).clamp_min(0.0), target_row)
+
+
+def _normalized_or(row: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    total = row.sum()
+    if total <= 0:
+        return fallback / fallback.sum()
+    return row / total
+
+
+def _accepts(target_prob: float, draft_prob: float, generator: torch.Generator | None) -> bool:
+    """True with probability min(1, target_prob / draft_prob); False when draft_prob == 0."""
+    if draft_prob <= 0:
+        return False
+    return _uniform(generator) * draft_prob < target_prob
+
+
+def _uniform(generator: torch.Generator | None) -> float:
+    return float(torch.rand((), generator=generator))
+
+
+def _require_identical_rows(draft_probs: torch.Tensor, scheme: str) -> None:
+    if not torch.allclose(draft_probs[1:], draft_probs[:1]):  # [K-1, V] vs [1, V], broadcast
+        raise ValueError(f"scheme {scheme!r} needs every draft_probs row to be the same distribution")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
