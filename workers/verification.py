@@ -128,7 +128,9 @@ def select_multi_draft(
     the token was sampled from the final residual. token ~ target_probs exactly.
     """
     if scheme not in _SCHEMES:
-        raise ValueError(f"unknown multi-draft scheme {scheme!r}; expected one of {MULTI_DRAFT_SCHEMES}")
+        raise ValueError(
+            f"unknown multi-draft scheme {scheme!r}; expected one of {MULTI_DRAFT_SCHEMES}"
+        )
     _require(target_probs.dim() == 1, f"target_probs must be [V], got {tuple(target_probs.shape)}")
     _require(draft_probs.dim() == 2, f"draft_probs must be [K, V], got {tuple(draft_probs.shape)}")
     _require(draft_tokens.dim() == 1, f"draft_tokens must be [K], got {tuple(draft_tokens.shape)}")
@@ -159,7 +161,12 @@ def draw_without_replacement(
     return support[top]
 
 
-def _select_specinfer(target_probs, draft_probs, draft_tokens, generator) -> tuple[int, int]:
+def _select_specinfer(
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    generator: torch.Generator | None,
+) -> tuple[int, int]:
     """Recursive rejection sampling; candidate j ~ draft_probs[j] independently."""
     candidates = torch.arange(draft_tokens.shape[0])
     draft_at_candidate = draft_probs[candidates, draft_tokens].tolist()  # [K], q_j(x_j)
@@ -171,11 +178,16 @@ def _select_specinfer(target_probs, draft_probs, draft_tokens, generator) -> tup
     return sample(residual, generator), NO_CANDIDATE_ACCEPTED
 
 
-def _select_rsd(target_probs, draft_probs, draft_tokens, generator) -> tuple[int, int]:
+def _select_rsd(
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    generator: torch.Generator | None,
+) -> tuple[int, int]:
     """Recursive rejection sampling for candidates drawn without replacement from one q."""
     _require_identical_rows(draft_probs, "rsd")
     tokens = draft_tokens.tolist()
-    _require(len(set(tokens)) == len(tokens), "rsd candidates must be distinct (drawn without replacement)")
+    _require(len(set(tokens)) == len(tokens), "rsd candidates must be distinct (no replacement)")
     residual = target_probs  # [V]
     remaining_draft = draft_probs[0].clone()  # [V], q with earlier candidates removed
     for index, token in enumerate(tokens):
@@ -189,7 +201,12 @@ def _select_rsd(target_probs, draft_probs, draft_tokens, generator) -> tuple[int
     return sample(residual, generator), NO_CANDIDATE_ACCEPTED
 
 
-def _select_spectr(target_probs, draft_probs, draft_tokens, generator) -> tuple[int, int]:
+def _select_spectr(
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    generator: torch.Generator | None,
+) -> tuple[int, int]:
     """SpecTr k-sequential selection over K i.i.d. candidates from one q."""
     _require_identical_rows(draft_probs, "spectr")
     num_candidates = draft_tokens.shape[0]
@@ -225,8 +242,10 @@ def _spectr_rho(target_row: torch.Tensor, draft_row: torch.Tensor, num_candidate
     target_sorted = target_row[support][order]  # [S]
     draft_sorted = draft_row[support][order]  # [S]
     target_below = torch.nn.functional.pad(torch.cumsum(target_sorted, 0), (1, 0))  # [S+1]
-    draft_above = torch.nn.functional.pad(torch.cumsum(draft_sorted.flip(0), 0).flip(0), (0, 1))  # [S+1]
-    sorted_ratios, target_below, draft_above = ratios.tolist(), target_below.tolist(), draft_above.tolist()
+    draft_suffix = torch.cumsum(draft_sorted.flip(0), 0).flip(0)  # [S]
+    draft_above = torch.nn.functional.pad(draft_suffix, (0, 1))  # [S+1]
+    sorted_ratios = ratios.tolist()
+    target_below, draft_above = target_below.tolist(), draft_above.tolist()
 
     def feasible(rho: float) -> bool:
         split = bisect.bisect_right(sorted_ratios, rho)  # tokens [0, split) have ratio <= rho
@@ -245,7 +264,12 @@ def _spectr_rho(target_row: torch.Tensor, draft_row: torch.Tensor, num_candidate
     return high
 
 
-def _select_importance(target_probs, draft_probs, draft_tokens, generator) -> tuple[int, int]:
+def _select_importance(
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    generator: torch.Generator | None,
+) -> tuple[int, int]:
     """Two-step canonical scheme: Barker independence-sampler chain, then speculative sampling."""
     tokens = draft_tokens.tolist()
     target_at = target_probs[draft_tokens].tolist()  # [K], t(x_i)
@@ -265,14 +289,18 @@ def _select_importance(target_probs, draft_probs, draft_tokens, generator) -> tu
     return sample(_residual(target_probs.double(), induced), generator), NO_CANDIDATE_ACCEPTED
 
 
-def _barker_move_prob(state_target: float, state_proposal: float, cand_target: float, cand_proposal: float) -> float:
+def _barker_move_prob(
+    state_target: float, state_proposal: float, candidate_target: float, candidate_proposal: float
+) -> float:
     """P(move state z -> candidate y) = t(y) q(z) / (t(y) q(z) + t(z) q(y)); leaves t invariant."""
-    forward = cand_target * state_proposal
-    total = forward + state_target * cand_proposal
+    forward = candidate_target * state_proposal
+    total = forward + state_target * candidate_proposal
     return forward / total if total > 0 else BARKER_TIE_MOVE_PROB
 
 
-def _importance_induced_distribution(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
+def _importance_induced_distribution(
+    target_probs: torch.Tensor, draft_probs: torch.Tensor
+) -> torch.Tensor:
     """Exact law of the token the Barker chain selects, over candidates x_j ~ draft_probs[j].
 
     r_1 = q_1;  r_j(y) = q_j(y) sum_z r_{j-1}(z) A_j(z, y) + r_{j-1}(y) sum_z q_j(z) (1 - A_j(y, z))
@@ -288,7 +316,7 @@ def _importance_induced_distribution(target_probs: torch.Tensor, draft_probs: to
 
     induced_s = drafts_s[0]  # [S]
     for proposal_s in drafts_s[1:]:
-        inflow = torch.zeros(size, dtype=torch.float64)  # [S], sum_z r(z) q(y) A(z, y) / q(y)
+        inflow = torch.zeros(size, dtype=torch.float64)  # [S], sum_z r(z) A(z, y)
         stay = torch.empty(size, dtype=torch.float64)  # [S], sum_z q(z) (1 - A(y, z))
         for start in range(0, size, block_rows):
             rows = slice(start, start + block_rows)

@@ -1,0 +1,111 @@
+"""Sampling through the whole chain is distributed exactly as the target (statistical).
+
+Exact reference: P(x1, x2) = p_target(x1 | prompt) * p_target(x2 | prompt, x1), computed from
+the target model itself (one batched forward over every x1). Each chain configuration is
+sampled N times with different seeds; a chi-square test compares the counts of the first
+two tokens with the exact probabilities. Cells with expected count < MIN_EXPECTED are pooled
+into one cell (standard practice for chi-square). The test fails only if p < ALPHA: a
+correct chain fails with probability ALPHA per configuration.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from orchestrator.config import parse_config
+from orchestrator.engine import Engine
+from workers.sampling import SamplingParams, warp_logits
+
+ALPHA = 1e-3
+MIN_EXPECTED = 5.0
+PROMPT = "def f(x):\n    return x +"
+
+
+def exact_two_token_probs(engine: Engine, prompt_ids: list[int], params: SamplingParams) -> torch.Tensor:
+    """[V, V] joint probability of the first two tokens under the warped target."""
+    model = engine.tiers[0].model
+    vocab = engine.vocab_size
+    with torch.inference_mode():
+        first = warp_logits(model(torch.tensor([prompt_ids])).logits[0, -1, :vocab], params)  # [V]
+        batch = torch.tensor([prompt_ids + [x] for x in range(vocab)])  # [V, T+1]
+        second = warp_logits(model(batch).logits[:, -1, :vocab], params)  # [V, V]
+    return first[:, None] * second
+
+
+def chi_square_p_value(counts: collections.Counter, joint: torch.Tensor, samples: int) -> float:
+    expected = (joint * samples).flatten()
+    big = (expected >= MIN_EXPECTED).nonzero().flatten().tolist()
+    observed = [counts.get(divmod(cell, joint.shape[1]), 0) for cell in big]
+    expected_big = [float(expected[cell]) for cell in big]
+    rest_observed = samples - sum(observed)
+    rest_expected = samples - sum(expected_big)
+    if rest_expected > 1e-9:
+        observed.append(rest_observed)
+        expected_big.append(rest_expected)
+    scale = sum(observed) / sum(expected_big)  # guard float drift in the totals
+    return float(chisquare(observed, [e * scale for e in expected_big]).pvalue)
+
+
+def sample_first_two(engine: Engine, prompt_ids, params, samples: int) -> collections.Counter:
+    engine.scheduler.eos_token_ids = frozenset()
+    counts: collections.Counter = collections.Counter()
+    for seed in range(samples):
+        out = engine.scheduler.generate(prompt_ids, 3, params, seed=seed)
+        counts[tuple(out.token_ids[:2])] += 1
+    return counts
+
+
+CASES = {
+    # name: (tiers, speculation, sampling params, samples)
+    "3-tier chain": (["target", "mid", "small"], {"lengths": [3, 2]}, SamplingParams(temperature=1.0), 1200),
+    "3-tier chain top-k/top-p": (["target", "mid", "small"], {"lengths": [3, 2]}, SamplingParams(temperature=0.8, top_k=12, top_p=0.9), 1200),
+    "int8 + ngram": (["target", "int8", "ngram"], {"lengths": [3, 3]}, SamplingParams(temperature=1.0), 1200),
+    "tree specinfer": (["target", "mid", "small"], {"lengths": [3, 2], "tree_width": 3, "verifier": "specinfer"}, SamplingParams(temperature=1.0), 1200),
+    "tree rsd": (["target", "mid", "small"], {"lengths": [3, 2], "tree_width": 3, "verifier": "rsd"}, SamplingParams(temperature=1.0), 1200),
+    "tree spectr": (["target", "small"], {"lengths": [3], "tree_width": 3, "verifier": "spectr"}, SamplingParams(temperature=1.0), 1200),
+    "tree importance": (["target", "small"], {"lengths": [3], "tree_width": 3, "verifier": "importance"}, SamplingParams(temperature=1.0), 1200),
+}
+
+
+def make_engine(family, names, speculation) -> Engine:
+    tiers = []
+    for name in names:
+        if name == "int8":
+            tiers.append({"name": "int8", "model": family["target"], "quantize": "int8"})
+        elif name == "ngram":
+            tiers.append({"name": "ng", "model": "ngram"})
+        else:
+            tiers.append({"name": name, "model": family[name]})
+    return Engine(parse_config({"tiers": tiers, "speculation": speculation}))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_first_two_tokens_match_target(tiny_family, case):
+    names, speculation, params, samples = CASES[case]
+    engine = make_engine(tiny_family, names, speculation)
+    prompt_ids = engine.tokenizer(PROMPT)["input_ids"]
+    joint = exact_two_token_probs(engine, prompt_ids, params)
+    counts = sample_first_two(engine, prompt_ids, params, samples)
+    p_value = chi_square_p_value(counts, joint, samples)
+    assert p_value > ALPHA, f"{case}: chi-square p={p_value:.2e} over {samples} samples"
+    if params.top_k or params.top_p < 1.0:
+        # every sampled pair lies inside the warped support (top-k / top-p mask)
+        assert all(joint[a, b] > 0 for a, b in counts), "a token outside the top-k/top-p mask was emitted"
+
+
+def test_chi_square_detects_a_wrong_sampler(tiny_family):
+    """The instrument itself: the same check must reject samples from a different distribution."""
+    engine = make_engine(tiny_family, ["target"], {})
+    prompt_ids = engine.tokenizer(PROMPT)["input_ids"]
+    params = SamplingParams(temperature=1.0)
+    joint = exact_two_token_probs(engine, prompt_ids, params)
+    wrong = exact_two_token_probs(engine, prompt_ids, SamplingParams(temperature=1.3))
+    generator = torch.Generator().manual_seed(0)
+    draws = torch.multinomial(wrong.flatten(), 3000, replacement=True, generator=generator)
+    counts = collections.Counter(divmod(int(d), joint.shape[1]) for d in draws)
+    assert chi_square_p_value(counts, joint, 3000) < ALPHA
