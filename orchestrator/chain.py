@@ -86,6 +86,7 @@ class _Run:
     generators: list[torch.Generator]
     stages: list[StageStats]
     limit: int  # no position may reach this (the smallest model context)
+    bypass_stages: dict[tuple[int, int], StageStats] = dataclasses.field(default_factory=dict)  # (tier, drafter) when a tier is bypassed
 
 
 class ChainScheduler:
@@ -96,6 +97,7 @@ class ChainScheduler:
         tree_width: int = 1,
         scheme: str = "specinfer",
         eos_token_ids: tuple[int, ...] = (),
+        tuner=None,
     ) -> None:
         if not tiers:
             raise ValueError("a chain needs at least the target tier")
@@ -106,6 +108,10 @@ class ChainScheduler:
         self.tree_width = tree_width
         self.scheme = scheme
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.active = tuple(range(len(tiers)))  # tiers in use, target first; a tuner may bypass some
+        # optional orchestrator.tuner.Tuner: sets lengths / active tiers before each target round
+        # (plan) and hears every round (observe_round, observe_draft, observe_commit)
+        self.tuner = tuner
         contexts = [t.max_context for t in tiers if t.max_context]
         self.max_context = min(contexts) if contexts else None
 
@@ -136,8 +142,11 @@ class ChainScheduler:
         new_tokens: list[int] = []
         finish_reason = "length"
         busy_before = [t.busy_s for t in self.tiers]
+        plans: list[dict] = []  # with a tuner: the lengths / tiers in use each time they changed
         try:
             while len(new_tokens) < max_new_tokens and len(committed) < run.limit:
+                if self.tuner is not None:
+                    self._apply_plan(run, len(committed), len(new_tokens), plans)
                 remaining = max_new_tokens - len(new_tokens)
                 emitted, _ = self._round(run, 0, committed, min(self._length(0), remaining - 1))
                 emitted = emitted[:remaining]
@@ -146,6 +155,8 @@ class ChainScheduler:
                     emitted = emitted[: eos_at + 1]
                 committed += emitted
                 new_tokens += emitted
+                if self.tuner is not None:
+                    self.tuner.observe_commit(emitted)
                 if on_commit is not None:
                     on_commit(emitted)
                 if eos_at is not None:
@@ -159,14 +170,35 @@ class ChainScheduler:
             "tokens_per_s": round(len(new_tokens) / elapsed, 3) if elapsed > 0 else 0.0,
             "new_tokens": len(new_tokens),
             "time_s": round(elapsed, 6),
-            "stages": [stage.as_dict() for stage in run.stages],
+            "stages": [stage.as_dict() for stage in run.stages + list(run.bypass_stages.values())],
             "tiers": [
                 {"tier": t.name, "busy_s": round(t.busy_s - before, 6)} for t, before in zip(self.tiers, busy_before)
             ],
         }
+        if self.tuner is not None:
+            stats["plans"] = plans
         return GenerationOutput(new_tokens, finish_reason, stats)
 
     # ------------------------------------------------------------------- internals
+
+    def _apply_plan(self, run: _Run, committed_len: int, new_tokens: int, plans: list[dict]) -> None:
+        lengths, active = self.tuner.plan(run.params, committed_len)
+        self.lengths, self.active = list(lengths), tuple(active)
+        shown = {"lengths": [self.lengths[level] for level in self.active[:-1]], "tiers": [self.tiers[t].name for t in self.active]}
+        if not plans or {k: plans[-1][k] for k in shown} != shown:
+            plans.append({"new_tokens": new_tokens, **shown})
+
+    def _below(self, level: int) -> int | None:
+        """The tier that drafts for tier `level` (None: `level` is the bottom of the chain)."""
+        return next((t for t in self.active if t > level), None)
+
+    def _stage(self, run: _Run, level: int, drafter: int) -> StageStats:
+        if drafter == level + 1:
+            return run.stages[level]
+        key = (level, drafter)
+        if key not in run.bypass_stages:
+            run.bypass_stages[key] = StageStats(self.tiers[level].name, self.tiers[drafter].name)
+        return run.bypass_stages[key]
 
     def _length(self, level: int) -> int:
         return self.lengths[level] if level < len(self.lengths) else 0
@@ -179,8 +211,12 @@ class ChainScheduler:
         """At least `need` tokens from tier `level` (fewer only at EOS or the context limit), with its rows."""
         tier = self.tiers[level]
         need = min(need, self._room(run, context))
-        if level == len(self.tiers) - 1:
-            return tier.draft(run.seq_id, context, need, run.params, run.generators[level])
+        if self._below(level) is None:
+            started = time.perf_counter()
+            tokens, rows = tier.draft(run.seq_id, context, need, run.params, run.generators[level])
+            if self.tuner is not None:
+                self.tuner.observe_draft(level, need, len(context), tokens, time.perf_counter() - started)
+            return tokens, rows
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         while len(tokens) < need:
@@ -200,8 +236,12 @@ class ChainScheduler:
         if length <= 0:
             return DraftTree([], [], None)
         tier = self.tiers[level]
-        if level == len(self.tiers) - 1 and self.tree_width > 1:
-            return tier.draft_tree(run.seq_id, context, self.tree_width, length, run.params, self.scheme, run.generators[level])
+        if self._below(level) is None and self.tree_width > 1:
+            started = time.perf_counter()
+            tree = tier.draft_tree(run.seq_id, context, self.tree_width, length, run.params, self.scheme, run.generators[level])
+            if self.tuner is not None:
+                self.tuner.observe_draft(level, length, len(context), None, time.perf_counter() - started)
+            return tree
         tokens, rows = self._emit(run, level, context, length)
         return DraftTree.chain(tokens, rows)
 
@@ -209,7 +249,8 @@ class ChainScheduler:
         """One verification forward of tier `level`: returns the emitted tokens and its rows for them."""
         tier = self.tiers[level]
         generator = run.generators[level]
-        block = self._propose(run, level + 1, context, length) if level + 1 < len(self.tiers) else DraftTree([], [], None)
+        below = self._below(level)
+        block = self._propose(run, below, context, length) if below is not None else DraftTree([], [], None)
         started = time.perf_counter()
         target_probs = tier.score(run.seq_id, context, block, run.params)  # [len(block) + 1, V]
         if block.is_chain():
@@ -223,9 +264,12 @@ class ChainScheduler:
         else:
             path, next_token = verify_tree(target_probs, block, self.scheme, run.params.greedy, generator)
             tier.accept_path(run.seq_id, path)
-            self.tiers[level + 1].accept_path(run.seq_id, path)
-        if level < len(run.stages):
-            run.stages[level].record(len(block), len(path), length, time.perf_counter() - started)
+            self.tiers[below].accept_path(run.seq_id, path)
+        seconds = time.perf_counter() - started
+        if below is not None:
+            self._stage(run, level, below).record(len(block), len(path), length, seconds)
+            if self.tuner is not None:
+                self.tuner.observe_round(level, below, length, len(block), len(path), seconds)
         emitted = [block.tokens[j] for j in path] + [next_token]
         rows = None if run.params.greedy else target_probs[[0] + [j + 1 for j in path]]
         return emitted, rows

@@ -50,6 +50,19 @@ def build_parser() -> argparse.ArgumentParser:
     zoo_build.add_argument("--work", default=".zoo-work", help="checkpoints and token caches (resumable)")
     zoo_build.add_argument("--only", action="append", help="train only this member (repeatable)")
     zoo_build.add_argument("--threads", type=int, default=1)
+
+    bench = sub.add_parser("bench", help="polyspec side by side with transformers generate / assisted / prompt lookup")
+    bench.add_argument("-c", "--config", required=True)
+    bench.add_argument("--prompts", help="JSONL of {prompt, class} (default: prompts.jsonl beside the target model's folder)")
+    bench.add_argument("-n", "--max-new-tokens", type=int, default=None, help="tokens per generation (128; --quick 48)")
+    bench.add_argument("--temperature", type=float, nargs="+", default=None, help="temperatures to run (default 0 1)")
+    bench.add_argument("--repeats", type=int, default=None, help="runs per prompt and system (2; --quick 1)")
+    bench.add_argument("--threads", type=int, default=1, help="torch threads for every system")
+    bench.add_argument("--quick", action="store_true", help="a few prompts, short generations, one repeat")
+    bench.add_argument("--json", help="write the report as JSON here")
+    bench.add_argument("--markdown", help="write the markdown table here")
+    bench.add_argument("--plot", help="write the PNG plot here (none of the three given: all under benchmarks/)")
+    bench.add_argument("--write-prompts", metavar="OUT", help="build the held-out prompt set for the config's target, then exit")
     return parser
 
 
@@ -101,18 +114,11 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def _read_done_ids(path: Path) -> set[str]:
-    done = set()
+def _finished_results(path: Path) -> list[str]:
+    """Result lines already written (a line torn by a crash is dropped and redone)."""
     if not path.exists():
-        return done
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut short by a crash is redone
-        if isinstance(record, dict) and "id" in record:
-            done.add(str(record["id"]))
-    return done
+        return []
+    return [line for line in path.read_text(encoding="utf-8").splitlines() if _is_json(line)]
 
 
 def cmd_batch(args) -> int:
@@ -123,29 +129,22 @@ def cmd_batch(args) -> int:
         raise RequestError(f"input file not found: {input_path}")
     lines = input_path.read_text(encoding="utf-8").splitlines()
     engine = _load_engine(args.config, args.no_speculation)
-    done = _read_done_ids(output_path) if args.resume else set()
-    if args.resume and output_path.exists():
-        # drop a torn last line so appended results start on a fresh line
-        kept = [l for l in output_path.read_text(encoding="utf-8").splitlines() if _is_json(l)]
-        output_path.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
+    finished = _finished_results(output_path) if args.resume else []
+    done = {str(record["id"]) for record in map(json.loads, finished) if isinstance(record, dict) and "id" in record}
+    if args.resume:
+        output_path.write_text("".join(line + "\n" for line in finished), encoding="utf-8")
     failures = 0
     with open(output_path, "a" if args.resume else "w", encoding="utf-8") as out:
         for number, line in enumerate(tqdm(lines, desc="batch", unit="req", file=sys.stderr, disable=None), start=1):
             if not line.strip():
                 continue
-            request_id = f"line-{number}"
+            request_id, raw, parse_error = _parse_line(line, number)
+            if request_id in done:
+                continue
             try:
-                raw = json.loads(line)
-                if isinstance(raw, dict) and raw.get("id") is not None:
-                    request_id = str(raw["id"])
-                if request_id in done:
-                    continue
-                if isinstance(raw, dict):
-                    raw = {**raw, "id": request_id}
-                result = engine.generate(engine.parse_request(raw))
-            except json.JSONDecodeError as exc:
-                failures += 1
-                result = {"id": request_id, "error": f"line {number}: malformed JSON: {exc.msg} at column {exc.colno}"}
+                if parse_error:
+                    raise RequestError(parse_error)
+                result = engine.generate(engine.parse_request({**raw, "id": request_id} if isinstance(raw, dict) else raw))
             except RequestError as exc:
                 failures += 1
                 result = {"id": request_id, "error": f"line {number}: {exc}"}
@@ -155,6 +154,17 @@ def cmd_batch(args) -> int:
     if failures:
         print(f"polyspec: {failures} request(s) failed; see their 'error' field in {output_path}", file=sys.stderr)
     return 0
+
+
+def _parse_line(line: str, number: int) -> tuple[str, object, str | None]:
+    """(request id, parsed object, error): the id is the line's own, or line-N."""
+    try:
+        raw = json.loads(line)
+    except json.JSONDecodeError as exc:
+        return f"line-{number}", None, f"malformed JSON: {exc.msg} at column {exc.colno}"
+    if isinstance(raw, dict) and raw.get("id") is not None:
+        return str(raw["id"]), raw, None
+    return f"line-{number}", raw, None
 
 
 def _is_json(line: str) -> bool:
@@ -172,7 +182,13 @@ def cmd_zoo(args) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "batch": cmd_batch, "zoo": cmd_zoo}
+def cmd_bench(args) -> int:
+    from orchestrator.bench import cmd_bench as run
+
+    return run(args)
+
+
+COMMANDS = {"generate": cmd_generate, "batch": cmd_batch, "zoo": cmd_zoo, "bench": cmd_bench}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,6 +18,8 @@ from workers.errors import RequestError
 from workers.loading import load_tiers, quiet_transformers
 from workers.sampling import SamplingParams
 
+DEFAULT_MAX_LENGTH = 8  # the tuner's largest speculation length
+PROFILE_CONTEXT_TOKENS = 128  # committed tokens when the start-up profile has no real prompt
 REQUEST_FIELDS = ("id", "prompt", "prompt_ids", "max_new_tokens", "temperature", "top_p", "top_k", "seed")
 
 
@@ -37,7 +39,8 @@ def _number(name: str, value, kind):
 
 
 class Engine:
-    def __init__(self, config: ChainConfig, speculative: bool = True) -> None:
+    def __init__(self, config: ChainConfig, speculative: bool = True, auto_tune: bool = True) -> None:
+        """`auto_tune`: with `speculation.lengths: auto`, profile the tiers and let the tuner set the lengths."""
         quiet_transformers()
         self.config = config if speculative else config.target_only()
         self.tiers, self.tokenizer = load_tiers(self.config.tiers)
@@ -56,6 +59,22 @@ class Engine:
             scheme=self.config.speculation.verifier,
             eos_token_ids=tuple(sorted(eos)),
         )
+        if auto_tune and self.config.speculation.lengths == "auto" and len(self.tiers) > 1:
+            self.scheduler.tuner = self.make_tuner()
+
+    def make_tuner(self, context: list[int] | None = None, max_length: int = DEFAULT_MAX_LENGTH):
+        """Profile every tier (a few seconds) and build the online tuner (orchestrator.tuner)."""
+        from orchestrator.profiler import profile_tiers, synthetic_context
+        from orchestrator.tuner import Tuner
+
+        spec = self.config.speculation
+        if context is None:
+            room = (self.scheduler.max_context or 1 << 30) - 2 * spec.tree_width * max_length - 4
+            context = synthetic_context(self.vocab_size, max(2, min(PROFILE_CONTEXT_TOKENS, room)))
+        sampling = self.config.sampling
+        params = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
+        profile = profile_tiers(self.tiers, context, params, max_length, spec.tree_width, spec.verifier)
+        return Tuner(profile, max_length=max_length, tree_width=spec.tree_width)
 
     @property
     def vocab_size(self) -> int:

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import logging
 import os
+import re
+import socket
+import threading
 import warnings
 
 import torch
@@ -24,6 +28,7 @@ def quiet_transformers() -> None:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
     logging.getLogger("torch.ao").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", category=UserWarning, module="torch.ao")
     warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -38,6 +43,45 @@ def resolve_device(device: str) -> torch.device:
         raise ModelLoadError(f"unknown device {device!r}: {exc}") from None
 
 
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+@functools.lru_cache(maxsize=1)
+def hub_reachable(timeout_s: float = 3.0) -> bool:
+    """Can the Hugging Face Hub's host be resolved? Without this check an offline machine
+    spends ~25 s in retries per file before from_pretrained gives up."""
+    from urllib.parse import urlparse
+
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    result: list[bool] = []
+
+    def resolve() -> None:
+        try:
+            socket.getaddrinfo(host, 443)
+            result.append(True)
+        except OSError:
+            result.append(False)
+
+    worker = threading.Thread(target=resolve, daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    return bool(result and result[0])
+
+
+def check_model_reference(model: str, tier_name: str) -> None:
+    """Fail early, in one line, on a path that does not exist; go offline if the Hub is unreachable."""
+    if os.path.isdir(model):
+        return
+    if os.path.exists(model):
+        raise ModelLoadError(f"tier {tier_name!r}: model path {model!r} is a file; give the model's directory")
+    if model.startswith(("/", "./", "../", "~")) or not _HUB_ID.match(model):
+        raise ModelLoadError(f"tier {tier_name!r}: model path {model!r} does not exist")
+    import huggingface_hub.constants as hub_constants
+
+    if not hub_constants.HF_HUB_OFFLINE and not hub_reachable():
+        hub_constants.HF_HUB_OFFLINE = True  # read at call time by transformers' is_offline_mode()
+
+
 def _short(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
@@ -46,9 +90,15 @@ def _short(exc: BaseException) -> str:
 def load_tokenizer(model: str, tier_name: str):
     from transformers import AutoTokenizer
 
+    check_model_reference(model, tier_name)
     try:
         return AutoTokenizer.from_pretrained(model)
     except Exception as exc:  # transformers raises OSError / ValueError / HF hub errors
+        if not os.path.isdir(model):
+            raise ModelLoadError(
+                f"tier {tier_name!r}: {model!r} is not a local directory and could not be fetched from the Hugging Face Hub "
+                f"({'offline' if not hub_reachable() else _short(exc)})"
+            ) from None
         raise ModelLoadError(f"tier {tier_name!r}: cannot load a tokenizer from {model!r}: {_short(exc)}") from None
 
 

@@ -61,7 +61,7 @@ def sample_first_two(engine: Engine, prompt_ids, params, samples: int) -> collec
 
 CASES = {
     # name: (tiers, speculation, sampling params, samples)
-    "3-tier chain": (["target", "mid", "small"], {"lengths": [3, 2]}, SamplingParams(temperature=1.0), 1200),
+    "3-tier chain": (["target", "mid", "small"], {"lengths": [3, 2]}, SamplingParams(temperature=1.0), 2000),
     "3-tier chain top-k/top-p": (["target", "mid", "small"], {"lengths": [3, 2]}, SamplingParams(temperature=0.8, top_k=12, top_p=0.9), 1200),
     "int8 + ngram": (["target", "int8", "ngram"], {"lengths": [3, 3]}, SamplingParams(temperature=1.0), 1200),
     "tree specinfer": (["target", "mid", "small"], {"lengths": [3, 2], "tree_width": 3, "verifier": "specinfer"}, SamplingParams(temperature=1.0), 1200),

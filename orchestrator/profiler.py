@@ -1,0 +1,202 @@
+"""Latency profiles t_i(m) for the time model: measured at start-up, refined online.
+
+Two tables per tier, both in milliseconds:
+
+    forward_ms[m]  one verification round of the tier over m new tokens: `score` (ONE forward
+                   over the last committed token + an (m-1)-token block, warp included) plus
+                   the verification rule, i.e. exactly what ChainScheduler times per round
+    draft_ms[k]    proposing a k-token block when the tier is the bottom of the chain:
+                   k autoregressive forwards for a model, one lookup for the n-gram tier
+
+`profile_tiers` measures both at start-up through the tiers' own interface (median of a few
+repeats at one representative context length; a few seconds for the demo chain). During
+generation the scheduler reports every round; `LatencyProfile.observe_*` folds them in with
+an exponential moving average keyed by (tier, m). Sizes the chain has not run recently are
+read from the start-up table times the tier's online slow-down factor (observed / start-up),
+so a node that becomes slower moves every entry, not only the sizes it happens to run.
+Observations are clipped to [1/3, 3] x the current estimate: a forward that re-feeds a long
+tail (prefill, a tier coming back from bypass) must not pass for a slow node, while a node
+that really slows down still moves the estimate by up to ~40 % per round.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import torch
+
+from orchestrator.time_model import latency
+from workers.sampling import SamplingParams
+from workers.tiers import Tier
+from workers.tree import DraftTree
+from workers.verification import verify_chain, verify_greedy
+
+OUTLIER_FACTOR = 3.0
+DEFAULT_SMOOTHING = 0.2
+DEFAULT_REPEATS = 3
+
+
+@dataclasses.dataclass
+class OnlineTable:
+    """A start-up table (size -> ms) refined by an EMA per size and a tier-wide slow-down factor."""
+
+    base: dict[int, float]
+    smoothing: float = DEFAULT_SMOOTHING
+    online: dict[int, float] = dataclasses.field(default_factory=dict)
+    scale: float = 1.0  # EMA of observed / start-up
+
+    def estimate(self, size: int) -> float:
+        if size in self.online:
+            return self.online[size]
+        return latency(self.base, size) * self.scale if self.base else latency(self.online, size)
+
+    def observe(self, size: int, ms: float) -> None:
+        if not self.base and not self.online:
+            self.online[size] = ms
+            return
+        current = self.estimate(size)
+        ms = min(max(ms, current / OUTLIER_FACTOR), current * OUTLIER_FACTOR)
+        self.online[size] = current + self.smoothing * (ms - current)
+        if self.base:
+            ratio = ms / latency(self.base, size)
+            self.scale += self.smoothing * (ratio - self.scale)
+
+    def table(self) -> dict[int, float]:
+        """Every size known to the table (start-up or online) -> current estimate."""
+        return {size: self.estimate(size) for size in sorted(set(self.base) | set(self.online))}
+
+
+@dataclasses.dataclass
+class LatencyProfile:
+    """Per-tier `forward_ms` (tiers that verify) and `draft_ms` (tiers that can be the bottom)."""
+
+    names: list[str]
+    forward: list[OnlineTable | None]
+    draft: list[OnlineTable | None]
+
+    def observe_forward(self, tier: int, new_tokens: int, ms: float) -> None:
+        table = self.forward[tier]
+        if table is None:
+            table = self.forward[tier] = OnlineTable({})
+        table.observe(new_tokens, ms)
+
+    def observe_draft(self, tier: int, num_tokens: int, ms: float) -> None:
+        table = self.draft[tier]
+        if table is None:
+            table = self.draft[tier] = OnlineTable({})
+        table.observe(num_tokens, ms)
+
+    def forward_ms(self, tier: int) -> dict[int, float]:
+        table = self.forward[tier]
+        if table is None:
+            raise KeyError(f"tier {self.names[tier]!r} has no forward profile")
+        return table.table()
+
+    def draft_ms(self, tier: int) -> dict[int, float]:
+        table = self.draft[tier]
+        if table is None:
+            raise KeyError(f"tier {self.names[tier]!r} has no draft profile")
+        return table.table()
+
+    def as_dict(self) -> list[dict]:
+        out = []
+        for i, name in enumerate(self.names):
+            entry: dict = {"name": name}
+            if self.forward[i] is not None:
+                entry["forward_ms"] = {str(m): round(v, 4) for m, v in self.forward_ms(i).items()}
+            if self.draft[i] is not None:
+                entry["draft_ms"] = {str(k): round(v, 4) for k, v in self.draft_ms(i).items()}
+            out.append(entry)
+        return out
+
+
+# ---------------------------------------------------------------------- start-up
+
+
+def synthetic_context(vocab_size: int, length: int, seed: int = 0) -> list[int]:
+    """A fixed pseudo-random context when no real prompt is at hand."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (length,), generator=generator).tolist()
+
+
+def _median_ms(run, repeats: int) -> float:
+    samples = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        samples.append((time.perf_counter() - started) * 1000.0)
+    return statistics.median(samples)
+
+
+def _verify_round(tier: Tier, seq_id, context: list[int], block: list[int], params: SamplingParams, generator) -> None:
+    """What ChainScheduler._round does for a chain block: score, then the verification rule."""
+    target_probs = tier.score(seq_id, context, DraftTree.chain(block, None), params)  # [len(block) + 1, V]
+    draft_tokens = torch.tensor(block, dtype=torch.long)
+    if params.greedy:
+        verify_greedy(target_probs.argmax(dim=-1), draft_tokens)
+    else:
+        draft_rows = torch.nn.functional.one_hot(draft_tokens, target_probs.shape[-1]).float()  # [k, V]
+        verify_chain(target_probs, draft_rows, draft_tokens, generator)
+
+
+def profile_forward(tier: Tier, context: list[int], sizes: range, params: SamplingParams, repeats: int = DEFAULT_REPEATS) -> dict[int, float]:
+    """forward_ms[m] for m in `sizes`: median of `repeats` rounds at len(context) committed tokens."""
+    seq_id = ("profile-forward", id(tier))
+    generator = torch.Generator().manual_seed(0)
+    filler = context[-max(sizes) :] if len(context) >= max(sizes) else (context * max(sizes))[: max(sizes)]
+    try:
+        _verify_round(tier, seq_id, context, filler[:1], params, generator)  # prefill, not timed
+        return {m: _median_ms(lambda: _verify_round(tier, seq_id, context, filler[: m - 1], params, generator), repeats) for m in sizes}
+    finally:
+        tier.release(seq_id)
+
+
+def profile_draft(
+    tier: Tier, context: list[int], sizes: range, params: SamplingParams, tree_width: int = 1, scheme: str = "specinfer", repeats: int = DEFAULT_REPEATS
+) -> dict[int, float]:
+    """draft_ms[k] for k in `sizes`: proposing a k-token chain (or a width x k tree)."""
+    seq_id = ("profile-draft", id(tier))
+    generator = torch.Generator().manual_seed(0)
+
+    def propose(k: int) -> None:
+        if tree_width > 1:
+            tier.draft_tree(seq_id, context, tree_width, k, params, scheme, generator)
+        else:
+            tier.draft(seq_id, context, k, params, generator)
+
+    try:
+        propose(1)  # prefill, not timed
+        return {k: _median_ms(lambda: propose(k), repeats) for k in sizes}
+    finally:
+        tier.release(seq_id)
+
+
+def forward_sizes(tier_index: int, num_tiers: int, max_length: int, tree_width: int = 1) -> range:
+    """Block sizes tier i can see: up to 2k+1 tokens when a middle tier below can overshoot."""
+    has_middle_below = tier_index < num_tiers - 2
+    largest = max(tree_width * max_length, 2 * max_length if has_middle_below else max_length) + 1
+    return range(1, largest + 1)
+
+
+def profile_tiers(
+    tiers: list[Tier],
+    context: list[int],
+    params: SamplingParams,
+    max_length: int,
+    tree_width: int = 1,
+    scheme: str = "specinfer",
+    repeats: int = DEFAULT_REPEATS,
+) -> LatencyProfile:
+    """Measure every tier at start-up: forward_ms for the tiers that verify, draft_ms for the others."""
+    forward: list[OnlineTable | None] = []
+    draft: list[OnlineTable | None] = []
+    for index, tier in enumerate(tiers):
+        sizes = forward_sizes(index, len(tiers), max_length, tree_width)
+        can_verify = tier.can_verify and index < len(tiers) - 1
+        forward.append(OnlineTable(profile_forward(tier, context, sizes, params, repeats)) if can_verify else None)
+        can_draft = index > 0
+        draft_sizes = range(1, max_length + 1)
+        draft.append(OnlineTable(profile_draft(tier, context, draft_sizes, params, tree_width, scheme, repeats)) if can_draft else None)
+    return LatencyProfile([t.name for t in tiers], forward, draft)

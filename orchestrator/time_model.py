@@ -1,0 +1,326 @@
+"""The optimal-inference-time model, serial form (DESIGN §5): pure functions on numbers.
+
+Units: every time is in milliseconds; acceptance rates are probabilities. No I/O.
+
+Vocabulary
+    t_i(m)         wall time of one forward of tier i over m new tokens (a `LatencyTable`)
+    accept_rates   per-position acceptance of one stage: accept_rates[j-1] = P(position j of
+                   a block is accepted | positions 1..j-1 were); positions past the end of
+                   the list reuse its last entry
+    E_i(k)         expected tokens tier i emits per verification of a k-token block
+                   = 1 + sum_{j=1..k} prod_{l<=j} a_l   (accepted + the correction / bonus)
+    C_i            expected wall time per token tier i emits, drafting below it included
+
+Two forms of the cost are provided:
+
+- `ideal_cost_per_token`: DESIGN §5 as written, C_i = (t_i(k_i+1) + k_i C_{i+1}) / E_i(k_i),
+  with the bottom drafter's cost of k tokens read from its own table (`draft_ms`; for a
+  model drafter that is about k * t(1), for the n-gram lookup it is about 0). Its optimum
+  comes from one bottom-up pass (`ideal_bottom_up`).
+- `round_models` / `cost_per_token` / `generation_ms`: what `orchestrator.chain` really does.
+  A middle tier asked for `need` tokens runs whole rounds of its own length and hands up
+  everything they emitted, so the block its verifier scores is a random length >= need
+  (first passage of a sum of per-round emissions); the target's round length is clipped to
+  `min(k_0, remaining - 1)` near `max_new_tokens` and its last round's surplus is dropped.
+  Costs of the blocks below follow from Wald's identity (expected rounds x expected round
+  cost). `generation_ms` gives the expected wall time of a whole request (before prefill).
+
+Trees: when the bottom stage proposes `tree_width` candidate chains of depth k, the verifier
+scores width * k nodes and the accepted path is at most k long; its `accept_rates` are the
+tree's (position 1 = acceptance of the best of `tree_width` candidates, deeper positions the
+chain rates), see `tree_accept_rates`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+from typing import Mapping, Sequence
+
+LatencyTable = Mapping[int, float]  # m new tokens (or k drafted tokens) -> ms
+
+
+# ----------------------------------------------------------------------- latencies
+
+
+def latency(table: LatencyTable, m: int) -> float:
+    """t(m) from a sparse table: exact where measured, linear between points, linear
+    extrapolation past the largest m (never decreasing), the smallest entry below it."""
+    if m in table:
+        return float(table[m])
+    if not table:
+        raise ValueError("empty latency table")
+    keys = sorted(table)
+    if m < keys[0]:
+        return float(table[keys[0]])
+    if m > keys[-1]:
+        if len(keys) == 1:
+            return float(table[keys[-1]])
+        lo, hi = keys[-2], keys[-1]
+        slope = max(0.0, (table[hi] - table[lo]) / (hi - lo))
+        return float(table[hi] + slope * (m - hi))
+    hi_index = next(i for i, key in enumerate(keys) if key > m)
+    lo, hi = keys[hi_index - 1], keys[hi_index]
+    return float(table[lo] + (table[hi] - table[lo]) * (m - lo) / (hi - lo))
+
+
+# ---------------------------------------------------------------------- acceptance
+
+
+def rate_at(accept_rates: Sequence[float], position: int) -> float:
+    """Acceptance of `position` (1-based) given the earlier ones; the last rate repeats."""
+    if not accept_rates:
+        return 0.0
+    return float(accept_rates[min(position, len(accept_rates)) - 1])
+
+
+def expected_emitted(accept_rates: Sequence[float], k: int) -> float:
+    """E(k) = 1 + sum_{j=1..k} prod_{l<=j} a_l: tokens emitted per round with a k-token block."""
+    total, survive = 1.0, 1.0
+    for position in range(1, k + 1):
+        survive *= rate_at(accept_rates, position)
+        total += survive
+    return total
+
+
+def expected_emitted_scalar(rate: float, k: int) -> float:
+    """E(k) for one acceptance rate at every position: (1 - a^(k+1)) / (1 - a)."""
+    if rate >= 1.0:
+        return float(k + 1)
+    return (1.0 - rate ** (k + 1)) / (1.0 - rate)
+
+
+def accepted_pmf(accept_rates: Sequence[float], block_len: int) -> list[float]:
+    """[j] = P(exactly j of a `block_len`-token block are accepted), j = 0..block_len."""
+    pmf = []
+    survive = 1.0  # P(positions 1..j all accepted)
+    for position in range(1, block_len + 1):
+        rate = rate_at(accept_rates, position)
+        pmf.append(survive * (1.0 - rate))
+        survive *= rate
+    pmf.append(survive)
+    return pmf
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_accepted_pmf(accept_rates: tuple[float, ...], block_len: int) -> tuple[float, ...]:
+    return tuple(accepted_pmf(accept_rates, block_len))
+
+
+def tree_accept_rates(first_rate_with_width: float, chain_rates: Sequence[float]) -> list[float]:
+    """Per-position rates of a tree of candidate chains: the first position is accepted if any
+    of the candidates is (measured with that many candidates); deeper ones follow the chain."""
+    deeper = list(chain_rates[1:]) if len(chain_rates) > 1 else list(chain_rates)
+    return [first_rate_with_width] + deeper
+
+
+# ------------------------------------------------------------------ the ideal form
+
+
+@dataclasses.dataclass(frozen=True)
+class StageSpec:
+    """One verifying stage: its verifier's forward times and the stage's acceptance."""
+
+    forward_ms: LatencyTable  # verifier t_i(m), m = new tokens in the forward
+    accept_rates: tuple[float, ...]  # per position, for this (verifier, drafter) pair
+
+
+def ideal_stage_cost(stage: StageSpec, length: int, below_ms: float) -> float:
+    """C_i = (t_i(k+1) + cost of the k-token block) / E_i(k); `below_ms` is that block's cost."""
+    return (latency(stage.forward_ms, length + 1) + below_ms) / expected_emitted(stage.accept_rates, length)
+
+
+def ideal_cost_per_token(stages: Sequence[StageSpec], draft_ms: LatencyTable, lengths: Sequence[int]) -> float:
+    """C_0 of DESIGN §5 (stages target first, one length per stage), bottom-up."""
+    assert len(stages) == len(lengths) >= 1
+    per_token = None  # C_{i+1}
+    for stage, length in zip(reversed(stages), reversed(lengths)):
+        below_ms = latency(draft_ms, length) if per_token is None else length * per_token
+        per_token = ideal_stage_cost(stage, length, below_ms)
+    return per_token
+
+
+def ideal_bottom_up(stages: Sequence[StageSpec], draft_ms: LatencyTable, max_length: int) -> tuple[list[int], float]:
+    """Optimal lengths of the ideal form: C_i grows with C_{i+1} for any k_i, so choosing
+    k_{n-2}, then k_{n-3} given it, ... minimises C_0 exactly. Returns (lengths, C_0)."""
+    lengths: list[int] = []
+    per_token = None
+    for stage in reversed(stages):
+        costs = {
+            k: ideal_stage_cost(stage, k, latency(draft_ms, k) if per_token is None else k * per_token)
+            for k in range(1, max_length + 1)
+        }
+        best = min(costs, key=costs.get)
+        lengths.insert(0, best)
+        per_token = costs[best]
+    return lengths, per_token
+
+
+def best_stage_cost(stage: StageSpec, below_ms_per_token: float, max_length: int) -> tuple[int, float]:
+    """min over k of (t_i(k+1) + k * C_below) / E(k): (k*, cost per token)."""
+    costs = {k: ideal_stage_cost(stage, k, k * below_ms_per_token) for k in range(1, max_length + 1)}
+    best = min(costs, key=costs.get)
+    return best, costs[best]
+
+
+def tier_pays_off(direct: StageSpec, via: StageSpec, direct_below_ms: float, via_below_ms: float, max_length: int) -> bool:
+    """DESIGN §5 insertion / bypass condition for a tier m between i and i+1.
+
+    `direct`: tier i verifying i+1 (acceptance a_{i,i+1}); `via`: tier i verifying m
+    (acceptance a_{i,m}); `*_below_ms`: C_{i+1}* and C_m* per token. True iff inserting m
+    (equivalently, not bypassing it) lowers tier i's best cost per token."""
+    return best_stage_cost(via, via_below_ms, max_length)[1] < best_stage_cost(direct, direct_below_ms, max_length)[1]
+
+
+# --------------------------------------------------------- what the scheduler does
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundModel:
+    """One verification round of a tier, as the scheduler runs it."""
+
+    emitted_pmf: tuple[float, ...]  # [x] = P(the round emits x tokens), x >= 1 ([0] = 0)
+    round_ms: float  # expected wall time of the round, the block's drafting included
+
+    @property
+    def expected_emitted(self) -> float:
+        return sum(x * p for x, p in enumerate(self.emitted_pmf))
+
+    @property
+    def ms_per_token(self) -> float:
+        return self.round_ms / self.expected_emitted
+
+
+def first_passage(step_pmf: Sequence[float], need: int) -> tuple[list[float], float]:
+    """Add i.i.d. steps (step_pmf[x] = P(step = x), x >= 1) until the total reaches `need`.
+
+    Returns (pmf of the final total: [s] = P(total = s), s >= need; expected number of steps).
+    """
+    if need <= 0:
+        return [1.0], 0.0
+    reach = [0.0] * need  # [s] = P(some partial sum equals s), s < need
+    reach[0] = 1.0
+    totals = [0.0] * (need + len(step_pmf))
+    for partial in range(need):
+        mass = reach[partial]
+        if mass == 0.0:
+            continue
+        for step, p in enumerate(step_pmf):
+            if step == 0 or p == 0.0:
+                continue
+            if partial + step < need:
+                reach[partial + step] += mass * p
+            else:
+                totals[partial + step] += mass * p
+    while totals and totals[-1] == 0.0:
+        totals.pop()
+    return totals, sum(reach)  # steps taken = partial sums visited below `need`
+
+
+def block_from_below(below: RoundModel | None, draft_ms: LatencyTable, need: int) -> tuple[list[float], float]:
+    """The block a tier receives when it asks the tier below for `need` tokens.
+
+    `below` is the lower tier's round model, or None when the lower tier is the bottom
+    drafter (which returns exactly `need` tokens for `draft_ms[need]`). Returns
+    (pmf of the block length, expected ms to produce it)."""
+    if need <= 0:
+        return [1.0], 0.0
+    if below is None:
+        return [0.0] * need + [1.0], latency(draft_ms, need)
+    totals, rounds = first_passage(below.emitted_pmf, need)
+    return totals, rounds * below.round_ms
+
+
+def round_model(stage: StageSpec, block_pmf: Sequence[float], block_ms: float, tree_width: int = 1) -> RoundModel:
+    """A tier's round: score the block (tree_width * L nodes + the last token) and verify it."""
+    emitted = [0.0] * (len(block_pmf) + 1)
+    forward_ms = 0.0
+    for block_len, p in enumerate(block_pmf):
+        if p == 0.0:
+            continue
+        forward_ms += p * latency(stage.forward_ms, tree_width * block_len + 1)
+        for accepted, q in enumerate(_cached_accepted_pmf(tuple(stage.accept_rates), block_len)):
+            emitted[accepted + 1] += p * q
+    return RoundModel(tuple(emitted), block_ms + forward_ms)
+
+
+def round_models(stages: Sequence[StageSpec], draft_ms: LatencyTable, lengths: Sequence[int], tree_width: int = 1) -> list[RoundModel]:
+    """Each stage's round model (target first) for fixed lengths, built bottom-up."""
+    assert len(stages) == len(lengths) >= 1
+    models: list[RoundModel] = []
+    below = None
+    for index in reversed(range(len(stages))):
+        block_pmf, block_ms = block_from_below(below, draft_ms, lengths[index])
+        width = tree_width if index == len(stages) - 1 else 1
+        below = round_model(stages[index], block_pmf, block_ms, width)
+        models.insert(0, below)
+    return models
+
+
+def cost_per_token(stages: Sequence[StageSpec], draft_ms: LatencyTable, lengths: Sequence[int], tree_width: int = 1) -> float:
+    """C_0 as the scheduler runs the chain, far from max_new_tokens (ms per target token)."""
+    return round_models(stages, draft_ms, lengths, tree_width)[0].ms_per_token
+
+
+def generation_ms(
+    stages: Sequence[StageSpec], draft_ms: LatencyTable, lengths: Sequence[int], new_tokens: int, tree_width: int = 1
+) -> float:
+    """Expected ms to generate `new_tokens` (decoding only; add the prefills for a request).
+
+    The target's round length is min(k_0, remaining - 1) and a round emitting more than
+    remain is cut, exactly as ChainScheduler.generate does."""
+    if new_tokens <= 0:
+        return 0.0
+    below = round_models(stages[1:], draft_ms, lengths[1:], tree_width)[0] if len(stages) > 1 else None
+    target_width = tree_width if len(stages) == 1 else 1
+    rounds: dict[int, RoundModel] = {}
+    for need in range(0, min(lengths[0], new_tokens - 1) + 1):
+        block_pmf, block_ms = block_from_below(below, draft_ms, need)
+        rounds[need] = round_model(stages[0], block_pmf, block_ms, target_width)
+    remaining_ms = [0.0] * (new_tokens + 1)  # [r] = expected ms to emit r more tokens
+    for remaining in range(1, new_tokens + 1):
+        model = rounds[min(lengths[0], remaining - 1)]
+        future = sum(p * remaining_ms[max(0, remaining - x)] for x, p in enumerate(model.emitted_pmf) if p)
+        remaining_ms[remaining] = model.round_ms + future
+    return remaining_ms[new_tokens]
+
+
+def search_lengths(
+    stages: Sequence[StageSpec], draft_ms: LatencyTable, max_length: int, tree_width: int = 1, exhaustive_limit: int = 512
+) -> tuple[list[int], float]:
+    """Lengths minimising `cost_per_token`. Every combination when there are at most
+    `exhaustive_limit`; else bottom-up (each stage's k minimising its own ms per token given
+    the stages below, the ideal form's argument), then coordinate descent on C_0, because a
+    middle tier's overshoot couples a stage's best k to the k above it. Returns (lengths, C_0)."""
+    options = range(1, max_length + 1)
+
+    def total(lengths: Sequence[int]) -> float:
+        return cost_per_token(stages, draft_ms, lengths, tree_width)
+
+    if max_length ** len(stages) <= exhaustive_limit:
+        best = list(min(itertools.product(options, repeat=len(stages)), key=total))
+        return best, total(best)
+    lengths = [1] * len(stages)
+    for index in reversed(range(len(stages))):
+        def stage_cost(k: int) -> float:
+            return round_models(stages[index:], draft_ms, [k] + lengths[index + 1 :], tree_width)[0].ms_per_token
+
+        lengths[index] = min(options, key=stage_cost)
+    best_cost = total(lengths)
+    improved = True
+    while improved:
+        improved = False
+        for index in range(len(stages)):
+            for k in options:
+                trial = lengths[:index] + [k] + lengths[index + 1 :]
+                cost = total(trial)
+                if cost < best_cost * (1 - 1e-9):
+                    lengths, best_cost, improved = trial, cost, True
+    return lengths, best_cost
+
+
+def relative_error(predicted: float, measured: float) -> float:
+    """|predicted - measured| / measured (inf when nothing was measured)."""
+    return abs(predicted - measured) / measured if measured > 0 else math.inf

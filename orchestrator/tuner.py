@@ -1,0 +1,300 @@
+"""The online tuner: chooses every speculation length (and which tiers to use) from the time model.
+
+ChainScheduler consults it before each target round (`plan`) and reports to it after every
+verification round (`observe_round`), bottom-tier proposal (`observe_draft`) and target
+round (`observe_commit`). From those reports it keeps
+
+- latency: `profiler.LatencyProfile` (start-up profile, refined by an EMA per (tier, m));
+- acceptance: per request class ("greedy" / "sampling"), per (verifier, drafter) pair, per
+  position in the block, a recency-weighted Beta posterior (`AcceptanceEstimate`): every
+  count decays by `decay` per observed block, so after a shift (repetitive code -> prose)
+  the estimates, and with them the lengths, move within a few rounds. Position 1's prior
+  is Beta(prior_mean, strength); position j's prior mean is position j-1's posterior mean,
+  so rarely reached positions fall back on their neighbours.
+
+Pairs the chain does not run directly are estimated from data it already has: while a
+middle tier sits between the target and the bottom drafter, the bottom's first proposal of
+every target round (made at the committed context) is matched against the tokens the
+target then commits. For greedy decoding and for deterministic drafters (the n-gram tier)
+the matched prefix has exactly the distribution of the target's accepted prefix; for a
+sampled model drafter it is a lower bound (P[match] = sum p_t p_d <= sum min(p_t, p_d)).
+A tier that is bypassed gets no data, so every `explore_every` rounds the full chain runs
+for one round (a probe).
+
+Every `retune_every` rounds of a class the tuner searches lengths (time_model.search_lengths)
+for each usable set of tiers and switches only when the predicted gain exceeds `hysteresis`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+from orchestrator.profiler import LatencyProfile
+from orchestrator.time_model import StageSpec, cost_per_token, search_lengths
+from workers.sampling import SamplingParams
+
+MAX_POSITIONS = 32
+MIN_PRIOR_WEIGHT = 0.5
+
+
+@dataclasses.dataclass
+class AcceptanceEstimate:
+    """Per-position acceptance of one (verifier, drafter) pair, recency weighted.
+
+    successes[j] / trials[j]: decayed counts for position j+1 (blocks that reached it).
+    Position 1's prior, Beta(prior_mean * w, (1 - prior_mean) * w), decays like the data
+    (down to MIN_PRIOR_WEIGHT) so it cannot cap a rate the data keep showing; position j's
+    prior is position j-1's posterior mean with a fixed weight `prior_strength`."""
+
+    prior_mean: float = 0.6
+    prior_strength: float = 2.0
+    decay: float = 0.93  # per observed block; 1.0 = plain counts
+    successes: list[float] = dataclasses.field(default_factory=lambda: [0.0] * MAX_POSITIONS)
+    trials: list[float] = dataclasses.field(default_factory=lambda: [0.0] * MAX_POSITIONS)
+    blocks: float = 0.0  # decayed number of observed blocks
+    prior_weight: float | None = None  # position 1's prior weight now (starts at prior_strength)
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        """A block of `proposed` positions (missing proposals count as rejected) with `accepted` kept."""
+        assert 0 <= accepted <= proposed
+        if self.prior_weight is None:
+            self.prior_weight = self.prior_strength
+        if self.decay < 1.0:
+            self.successes = [s * self.decay for s in self.successes]
+            self.trials = [t * self.decay for t in self.trials]
+            self.blocks *= self.decay
+            self.prior_weight = max(MIN_PRIOR_WEIGHT, self.prior_weight * self.decay)
+        self.blocks += 1.0
+        for position in range(min(accepted, MAX_POSITIONS)):
+            self.successes[position] += 1.0
+            self.trials[position] += 1.0
+        if accepted < min(proposed, MAX_POSITIONS):
+            self.trials[accepted] += 1.0
+
+    def rates(self, prior_mean: float | None = None) -> tuple[float, ...]:
+        """Posterior mean acceptance for positions 1..MAX_POSITIONS."""
+        mean = self.prior_mean if prior_mean is None else prior_mean
+        weight = self.prior_strength if self.prior_weight is None else self.prior_weight
+        out = []
+        for successes, trials in zip(self.successes, self.trials):
+            mean = (mean * weight + successes) / (weight + trials)
+            out.append(mean)
+            weight = self.prior_strength
+        return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What the scheduler runs: a length per verifying level and the tiers in use."""
+
+    lengths: tuple[int, ...]  # [level] = block length tier `level` verifies (unused levels keep a value)
+    active: tuple[int, ...]  # tier indices in use, target first
+    predicted_ms: float = float("nan")  # predicted ms per target token (C_0)
+
+
+def request_class(params: SamplingParams) -> str:
+    return "greedy" if params.greedy else "sampling"
+
+
+@dataclasses.dataclass
+class _ClassState:
+    estimates: dict[tuple[int, int], AcceptanceEstimate]
+    plan: Plan | None = None
+    rounds: int = 0
+
+
+@dataclasses.dataclass
+class _Shadow:
+    """The bottom tier's proposal at a committed context, waiting for the target's tokens."""
+
+    key: str
+    drafter: int
+    proposal: list[int]
+    requested: int
+    committed: list[int] = dataclasses.field(default_factory=list)
+
+
+class Tuner:
+    def __init__(
+        self,
+        profile: LatencyProfile,
+        max_length: int = 8,
+        tree_width: int = 1,
+        retune_every: int = 4,
+        hysteresis: float = 0.03,
+        decay: float = 0.93,
+        prior_mean: float = 0.6,
+        prior_strength: float = 2.0,
+        allow_bypass: bool = True,
+        warmup_rounds: int = 8,
+        explore_every: int = 64,
+    ) -> None:
+        self.profile = profile
+        self.num_tiers = len(profile.names)
+        self.max_length = max_length
+        self.tree_width = tree_width
+        self.retune_every = retune_every
+        self.hysteresis = hysteresis
+        self.decay = decay
+        self.prior_mean = prior_mean
+        self.prior_strength = prior_strength
+        self.allow_bypass = allow_bypass
+        self.warmup_rounds = warmup_rounds
+        self.explore_every = explore_every
+        self.fixed: Plan | None = None  # set to run one plan while still learning (polyspec tune)
+        self.history: list[dict] = []  # every plan change: {"class", "round", "lengths", "active", "predicted_ms_per_token"}
+        self._classes: dict[str, _ClassState] = {}
+        self._key = "greedy"
+        self._running: Plan | None = None
+        self._committed_len = -1
+        self._shadow: _Shadow | None = None
+
+    # ------------------------------------------------------------- scheduler hook
+
+    def plan(self, params: SamplingParams, committed_len: int) -> tuple[list[int], tuple[int, ...]]:
+        """Before each target round: the lengths (one per level) and the tiers to use."""
+        if committed_len != self._committed_len:
+            self._shadow = None  # a new request: a pending proposal belongs to another text
+        self._committed_len = committed_len
+        self._key = request_class(params)
+        state = self._state(self._key)
+        if self.fixed is not None:
+            plan = self.fixed
+        else:
+            if state.plan is None or state.rounds % self.retune_every == 0:
+                self._retune(self._key, state)
+            plan = state.plan
+            bypassing = plan.active != tuple(range(self.num_tiers))
+            if bypassing and self.explore_every and state.rounds % self.explore_every == self.explore_every - 1:
+                plan = self.choose(self._key, bypass=False)  # a probe: the bypassed tiers' stages get data
+        state.rounds += 1
+        self._running = plan
+        return list(plan.lengths), plan.active
+
+    def observe_round(self, level: int, drafter: int, length: int, block_len: int, accepted: int, seconds: float) -> None:
+        """After tier `level` verified a block of `block_len` tokens (asked for `length`) from `drafter`."""
+        is_tree = self.tree_width > 1 and self._running is not None and drafter == self._running.active[-1]
+        proposed = length if is_tree else max(length, block_len)
+        self._estimate(self._key, level, drafter).observe(proposed, min(accepted, proposed))
+        self.profile.observe_forward(level, block_len + 1, seconds * 1000.0)
+
+    def observe_draft(self, tier: int, length: int, context_len: int, tokens: list[int] | None, seconds: float) -> None:
+        """After the bottom tier proposed `tokens` (asked for `length`) continuing `context_len` tokens."""
+        self.profile.observe_draft(tier, length, seconds * 1000.0)
+        running = self._running
+        if (
+            tokens is not None
+            and self._shadow is None
+            and running is not None
+            and len(running.active) > 2
+            and tier == running.active[-1]
+            and context_len == self._committed_len
+        ):
+            self._shadow = _Shadow(self._key, tier, list(tokens), length)
+
+    def observe_commit(self, tokens: list[int]) -> None:
+        """After a target round committed `tokens`."""
+        self._committed_len += len(tokens)
+        shadow = self._shadow
+        if shadow is None:
+            return
+        shadow.committed += tokens
+        matched = 0
+        while matched < min(len(shadow.proposal), len(shadow.committed)) and shadow.proposal[matched] == shadow.committed[matched]:
+            matched += 1
+        if matched < len(shadow.committed) or matched == len(shadow.proposal):
+            self._estimate(shadow.key, 0, shadow.drafter).observe(max(shadow.requested, len(shadow.proposal)), matched)
+            self._shadow = None
+
+    # ---------------------------------------------------------------- decisions
+
+    def stages(self, key: str, active: tuple[int, ...]) -> tuple[list[StageSpec], dict[int, float]]:
+        """The time model's inputs for a chain of `active` tiers: stages (target first) and the bottom's draft_ms."""
+        stages = [StageSpec(self.profile.forward_ms(a), self.accept_rates(key, a, b)) for a, b in zip(active, active[1:])]
+        return stages, self.profile.draft_ms(active[-1])
+
+    def accept_rates(self, key: str, verifier: int, drafter: int) -> tuple[float, ...]:
+        """Posterior per-position acceptance; an unmeasured skip pair's prior is the product of
+        the adjacent pairs' first-position rates (pessimistic: no bypass without evidence)."""
+        prior = None
+        if drafter > verifier + 1:
+            prior = 1.0
+            for tier in range(verifier, drafter):
+                prior *= self.accept_rates(key, tier, tier + 1)[0]
+        return self._estimate(key, verifier, drafter).rates(prior)
+
+    def predict(self, key: str, active: tuple[int, ...], lengths: list[int] | tuple[int, ...]) -> float:
+        """Predicted ms per target token for `active` tiers and per-level `lengths`."""
+        stages, draft_ms = self.stages(key, active)
+        return cost_per_token(stages, draft_ms, [lengths[level] for level in active[:-1]], self.tree_width)
+
+    def candidate_sets(self, bypass: bool = True) -> list[tuple[int, ...]]:
+        """Tier sets the chain can run: the target plus any ordered subset of the others whose
+        members above the bottom can verify and whose bottom can draft."""
+        others = range(1, self.num_tiers)
+        sizes = range(1, self.num_tiers) if bypass else [self.num_tiers - 1]
+        sets = []
+        for size in sizes:
+            for subset in itertools.combinations(others, size):
+                active = (0,) + subset
+                if all(self.profile.forward[t] is not None for t in active[:-1]) and self.profile.draft[active[-1]] is not None:
+                    sets.append(active)
+        return sets
+
+    def choose(self, key: str, bypass: bool | None = None, exclude: int | None = None) -> Plan:
+        """The plan with the lowest predicted C_0 (optionally never using tier `exclude`)."""
+        if bypass is None:
+            bypass = self.allow_bypass
+        best: Plan | None = None
+        for active in self.candidate_sets(bypass or exclude is not None):
+            if exclude is not None and exclude in active:
+                continue
+            stages, draft_ms = self.stages(key, active)
+            chosen, cost = search_lengths(stages, draft_ms, self.max_length, self.tree_width)
+            if best is None or cost < best.predicted_ms:
+                lengths = list(self._state(key).plan.lengths if self._state(key).plan else [self.max_length] * (self.num_tiers - 1))
+                for level, k in zip(active, chosen):
+                    lengths[level] = k
+                best = Plan(tuple(lengths), active, cost)
+        if best is None:
+            raise ValueError("no usable set of tiers")
+        return best
+
+    def _retune(self, key: str, state: _ClassState) -> None:
+        bypass = self.allow_bypass and state.rounds >= self.warmup_rounds
+        best = self.choose(key, bypass=bypass)
+        current = state.plan
+        if current is not None:
+            current_ms = self.predict(key, current.active, current.lengths)
+            if not best.predicted_ms < current_ms * (1.0 - self.hysteresis):
+                state.plan = dataclasses.replace(current, predicted_ms=current_ms)
+                return
+        state.plan = best
+        self.history.append(
+            {
+                "class": key,
+                "round": state.rounds,
+                "lengths": [best.lengths[level] for level in best.active[:-1]],
+                "active": [self.profile.names[t] for t in best.active],
+                "predicted_ms_per_token": round(best.predicted_ms, 4),
+            }
+        )
+
+    # ---------------------------------------------------------------- state
+
+    def _state(self, key: str) -> _ClassState:
+        state = self._classes.get(key)
+        if state is None:
+            state = self._classes[key] = _ClassState({})
+        return state
+
+    def _estimate(self, key: str, verifier: int, drafter: int) -> AcceptanceEstimate:
+        estimates = self._state(key).estimates
+        estimate = estimates.get((verifier, drafter))
+        if estimate is None:
+            estimate = estimates[(verifier, drafter)] = AcceptanceEstimate(self.prior_mean, self.prior_strength, self.decay)
+        return estimate
+
+    def estimates(self, key: str) -> dict[tuple[int, int], AcceptanceEstimate]:
+        return dict(self._state(key).estimates)

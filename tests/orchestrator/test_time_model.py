@@ -1,0 +1,152 @@
+"""The time model (DESIGN §5): hand-computed small cases, the optimiser, the bypass condition."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from orchestrator.time_model import (
+    StageSpec,
+    accepted_pmf,
+    best_stage_cost,
+    cost_per_token,
+    expected_emitted,
+    expected_emitted_scalar,
+    first_passage,
+    generation_ms,
+    ideal_bottom_up,
+    ideal_cost_per_token,
+    latency,
+    round_models,
+    search_lengths,
+    tier_pays_off,
+    tree_accept_rates,
+)
+
+TARGET_MS = {m: 10.0 + m for m in range(1, 40)}  # t_0(m) = 10 + m
+MID_MS = {m: 4.0 for m in range(1, 40)}  # t_1(m) = 4
+DRAFT_MS = {k: 1.0 * k for k in range(1, 40)}  # a model drafter: k forwards of 1 ms
+
+
+def test_expected_emitted_by_hand():
+    assert expected_emitted([0.5], 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_emitted([0.8, 0.5], 2) == pytest.approx(1 + 0.8 + 0.8 * 0.5)
+    assert expected_emitted([0.8, 0.5], 3) == pytest.approx(1 + 0.8 + 0.4 + 0.2)  # the last rate repeats
+    assert expected_emitted([0.3], 0) == 1.0
+    assert expected_emitted_scalar(0.5, 2) == pytest.approx(1.75)
+    assert expected_emitted_scalar(1.0, 4) == 5.0
+    for rate, k in itertools.product([0.0, 0.2, 0.7, 0.99], range(0, 9)):
+        assert expected_emitted([rate], k) == pytest.approx(expected_emitted_scalar(rate, k))
+
+
+def test_accepted_pmf_by_hand():
+    assert accepted_pmf([0.8, 0.5], 2) == pytest.approx([0.2, 0.4, 0.4])
+    pmf = accepted_pmf([0.9, 0.6, 0.3], 5)
+    assert sum(pmf) == pytest.approx(1.0)
+    assert sum((j + 1) * p for j, p in enumerate(pmf)) == pytest.approx(expected_emitted([0.9, 0.6, 0.3], 5))
+
+
+def test_latency_table_interpolates():
+    table = {1: 2.0, 3: 4.0, 5: 10.0}
+    assert latency(table, 2) == 3.0
+    assert latency(table, 7) == 16.0  # slope of the last segment
+    assert latency({1: 5.0}, 9) == 5.0
+
+
+def test_ideal_cost_by_hand():
+    target = StageSpec(TARGET_MS, (0.5,))
+    mid = StageSpec(MID_MS, (0.5,))
+    # two tiers: (t_0(3) + 2 * C_1) / E(2) with C_1 = t_1(1) = 1
+    assert ideal_cost_per_token([target], DRAFT_MS, [2]) == pytest.approx((13 + 2) / 1.75)
+    # three tiers: C_1 = (4 + 1) / 1.5; C_0 = (13 + 2 C_1) / 1.75
+    c1 = (4 + 1) / 1.5
+    assert ideal_cost_per_token([target, mid], DRAFT_MS, [2, 1]) == pytest.approx((13 + 2 * c1) / 1.75)
+
+
+def test_two_tiers_exact_equals_ideal():
+    # with the bottom drafter right below, the scheduler's block is exactly k long
+    stage = StageSpec(TARGET_MS, (0.9, 0.7, 0.5))
+    for k in range(1, 9):
+        assert cost_per_token([stage], DRAFT_MS, [k]) == pytest.approx(ideal_cost_per_token([stage], DRAFT_MS, [k]))
+
+
+def test_first_passage_by_hand():
+    totals, steps = first_passage([0.0, 0.5, 0.5], 2)
+    assert totals == pytest.approx([0.0, 0.0, 0.75, 0.25])
+    assert steps == pytest.approx(1.5)
+    assert first_passage([0.0, 1.0], 0) == ([1.0], 0.0)
+
+
+def test_middle_tier_overshoot_by_hand():
+    # mid: k_1 = 1, acceptance 0.5 -> each mid round emits 1 or 2 tokens (1/2 each) for 4 + 1 ms.
+    # target asks for 2: blocks of 2 (p 3/4) or 3 (1/4) after 1.5 mid rounds on average.
+    target = StageSpec(TARGET_MS, (0.5,))
+    mid = StageSpec(MID_MS, (0.5,))
+    rounds = round_models([target, mid], DRAFT_MS, [2, 1])
+    assert rounds[1].emitted_pmf == pytest.approx((0.0, 0.5, 0.5))
+    assert rounds[1].round_ms == pytest.approx(5.0)
+    block_ms = 1.5 * 5.0
+    forward_ms = 0.75 * 13 + 0.25 * 14
+    assert rounds[0].round_ms == pytest.approx(block_ms + forward_ms)
+    emitted = 0.75 * expected_emitted([0.5], 2) + 0.25 * expected_emitted([0.5], 3)
+    assert rounds[0].expected_emitted == pytest.approx(emitted)
+    assert cost_per_token([target, mid], DRAFT_MS, [2, 1]) == pytest.approx((block_ms + forward_ms) / emitted)
+
+
+def test_generation_ms_clips_the_last_rounds_by_hand():
+    stage = StageSpec(TARGET_MS, (0.5,))
+    # 1 token left: an empty block, t_0(1) = 11. 2 left: a 1-token block (1 + 12 ms) emitting
+    # 1 (p 1/2, then 1 more to go) or 2 tokens.
+    assert generation_ms([stage], DRAFT_MS, [2], 1) == pytest.approx(11.0)
+    assert generation_ms([stage], DRAFT_MS, [2], 2) == pytest.approx(13.0 + 0.5 * 11.0)
+    # far from the end, time per token tends to C_0
+    long = generation_ms([stage], DRAFT_MS, [3], 2000) / 2000
+    assert long == pytest.approx(cost_per_token([stage], DRAFT_MS, [3]), rel=2e-3)
+
+
+def test_ideal_bottom_up_equals_brute_force():
+    for rates in [((0.9,), (0.6,)), ((0.5, 0.8), (0.95, 0.9, 0.4)), ((0.2,), (0.99,))]:
+        stages = [StageSpec(TARGET_MS, rates[0]), StageSpec(MID_MS, rates[1])]
+        lengths, cost = ideal_bottom_up(stages, DRAFT_MS, 8)
+        brute = min(itertools.product(range(1, 9), repeat=2), key=lambda ks: ideal_cost_per_token(stages, DRAFT_MS, ks))
+        assert cost == pytest.approx(ideal_cost_per_token(stages, DRAFT_MS, brute))
+        assert tuple(lengths) == brute
+
+
+def test_search_lengths_bottom_up_matches_brute_force():
+    cheap_draft = {k: 0.05 for k in range(1, 40)}  # an n-gram lookup
+    for rates in [((0.9,), (0.6,)), ((0.5, 0.6, 0.7), (0.5, 0.8)), ((0.7,), (0.3,))]:
+        stages = [StageSpec(TARGET_MS, rates[0]), StageSpec(MID_MS, rates[1])]
+        brute, brute_cost = search_lengths(stages, cheap_draft, 8, exhaustive_limit=10_000)
+        greedy, greedy_cost = search_lengths(stages, cheap_draft, 8, exhaustive_limit=0)
+        assert greedy_cost == pytest.approx(brute_cost, rel=0.01), (rates, brute, greedy)
+
+
+def test_bypass_condition():
+    target = StageSpec(TARGET_MS, (0.6,))
+    # a middle tier as slow as the target that agrees no better than the bottom: bypass it
+    slow_mid_direct = StageSpec(TARGET_MS, (0.6,))
+    c_bottom = 1.0
+    k_mid, c_mid = best_stage_cost(slow_mid_direct, c_bottom, 8)
+    assert not tier_pays_off(direct=target, via=StageSpec(TARGET_MS, (0.6,)), direct_below_ms=c_bottom, via_below_ms=c_mid, max_length=8)
+    # a cheap middle tier that agrees far better with the target than the bottom does: keep it
+    mid = StageSpec(MID_MS, (0.6,))
+    _, c_mid = best_stage_cost(mid, c_bottom, 8)
+    weak_direct = StageSpec(TARGET_MS, (0.3,))
+    strong_via = StageSpec(TARGET_MS, (0.95,))
+    assert tier_pays_off(direct=weak_direct, via=strong_via, direct_below_ms=c_bottom, via_below_ms=c_mid, max_length=8)
+    # the condition is the ideal model's comparison of the two chains
+    with_mid = ideal_bottom_up([strong_via, mid], {k: k * c_bottom for k in range(1, 40)}, 8)[1]
+    without = ideal_bottom_up([weak_direct], {k: k * c_bottom for k in range(1, 40)}, 8)[1]
+    assert with_mid < without
+
+
+def test_tree_rates_and_cost():
+    rates = tree_accept_rates(0.9, (0.6, 0.8, 0.8))
+    assert rates == [0.9, 0.8, 0.8]
+    assert expected_emitted(rates, 2) == pytest.approx(1 + 0.9 + 0.72)
+    # a width-3 tree of depth 2: the verifier scores 6 nodes + 1
+    stage = StageSpec(TARGET_MS, tuple(rates))
+    rounds = round_models([stage], DRAFT_MS, [2], tree_width=3)
+    assert rounds[0].round_ms == pytest.approx(DRAFT_MS[2] + TARGET_MS[7])

@@ -1,0 +1,182 @@
+"""The tuner: acceptance estimates, re-tuning on shifts (simulated), `lengths: auto` end to end."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from orchestrator.config import parse_config
+from orchestrator.engine import Engine
+from orchestrator.profiler import LatencyProfile, OnlineTable
+from orchestrator.tuner import AcceptanceEstimate, Plan, Tuner
+from workers.sampling import SamplingParams
+
+GREEDY = SamplingParams()
+
+
+def test_acceptance_estimate_by_hand():
+    estimate = AcceptanceEstimate(prior_mean=0.5, prior_strength=2.0, decay=1.0)
+    estimate.observe(proposed=3, accepted=1)  # position 1 accepted, position 2 rejected, 3 unseen
+    rates = estimate.rates()
+    assert rates[0] == pytest.approx((0.5 * 2 + 1) / 3)
+    assert rates[1] == pytest.approx((rates[0] * 2 + 0) / 3)
+    assert rates[2] == pytest.approx(rates[1])  # unseen positions fall back on their neighbour
+    estimate.observe(proposed=2, accepted=2)  # a fully accepted block says nothing about position 3
+    assert estimate.trials[:3] == [2.0, 2.0, 0.0]
+
+
+def test_acceptance_estimate_forgets():
+    estimate = AcceptanceEstimate(decay=0.9)
+    for _ in range(200):
+        estimate.observe(8, 8)
+    assert estimate.rates()[0] > 0.95
+    for _ in range(20):
+        estimate.observe(8, 0)
+    assert estimate.rates()[0] < 0.3
+
+
+def fixed_profile(names, forward, draft) -> LatencyProfile:
+    """forward / draft: per tier a function of size (ms) or None."""
+    return LatencyProfile(
+        list(names),
+        [OnlineTable({m: f(m) for m in range(1, 20)}) if f else None for f in forward],
+        [OnlineTable({k: d(k) for k in range(1, 9)}) if d else None for d in draft],
+    )
+
+
+def simulate(tuner: Tuner, accept_rate, rounds: int, rng: random.Random, start: int = 0) -> list[tuple[list[int], tuple]]:
+    """Drive the tuner as ChainScheduler would, with Bernoulli acceptance per stage."""
+    plans = []
+    committed = 1000 + start
+    for round_index in range(start, start + rounds):
+        lengths, active = tuner.plan(GREEDY, committed)
+        plans.append(([lengths[level] for level in active[:-1]], active))
+        emitted = 0
+        for level, drafter in zip(active, active[1:]):
+            k = lengths[level]
+            accepted = 0
+            while accepted < k and rng.random() < accept_rate(round_index, level, drafter):
+                accepted += 1
+            tuner.observe_round(level, drafter, k, k, accepted, 0.001 * (10 + k))
+            if level == 0:
+                emitted = accepted + 1
+        tuner.observe_commit([0] * emitted)
+        committed += emitted
+    return plans
+
+
+def test_lengths_follow_a_shift_from_code_to_prose():
+    profile = fixed_profile(["target", "ngram"], [lambda m: 10.0 + 0.2 * m, None], [None, lambda k: 0.05])
+    tuner = Tuner(profile, max_length=8)
+    rng = random.Random(0)
+    code = simulate(tuner, lambda r, i, j: 0.95, 60, rng)
+    assert code[-1][0][0] >= 6  # repetitive code: long blocks
+    prose = simulate(tuner, lambda r, i, j: 0.25, 20, rng, start=60)
+    assert prose[-1][0][0] <= 3  # prose: short blocks, within 20 rounds
+    assert len(tuner.history) < 12  # hysteresis: a handful of switches, not one per re-tune
+
+
+def test_hysteresis_keeps_a_near_tie():
+    # two lengths predicted within 1 % of each other must not flip back and forth
+    profile = fixed_profile(["target", "ngram"], [lambda m: 10.0, None], [None, lambda k: 0.0])
+    tuner = Tuner(profile, max_length=8, hysteresis=0.05)
+    simulate(tuner, lambda r, i, j: 0.5, 200, random.Random(1))
+    assert len(tuner.history) <= 4
+
+
+def test_bypass_a_slow_middle_tier():
+    # the middle tier costs as much as the target and agrees no better than the n-gram does
+    profile = fixed_profile(
+        ["target", "mid", "ngram"], [lambda m: 10.0 + 0.2 * m, lambda m: 10.0 + 0.2 * m, None], [None, lambda k: 10.0 * k, lambda k: 0.05]
+    )
+    tuner = Tuner(profile, max_length=8, warmup_rounds=4)
+    plans = simulate(tuner, lambda r, i, j: 0.7, 40, random.Random(2))
+    assert plans[0][1] == (0, 1, 2)  # cold start: the full chain, so every stage gets data
+    assert plans[-1][1] == (0, 2)
+    # and a probe runs the full chain now and then
+    assert any(active == (0, 1, 2) for _, active in simulate(tuner, lambda r, i, j: 0.7, tuner.explore_every, random.Random(3), start=40))
+
+
+def test_skip_pair_estimated_from_committed_tokens():
+    profile = fixed_profile(["target", "mid", "ngram"], [lambda m: 10.0, lambda m: 3.0, None], [None, lambda k: 3.0 * k, lambda k: 0.05])
+    tuner = Tuner(profile, max_length=8)
+    tuner.fixed = Plan((4, 4), (0, 1, 2))
+    tuner.plan(GREEDY, 10)
+    tuner.observe_draft(2, 4, 10, [5, 6, 7, 8], 0.0)  # the n-gram's proposal at the committed context
+    tuner.observe_draft(2, 4, 12, [1, 1, 1, 1], 0.0)  # later ones (uncommitted context) are ignored
+    tuner.observe_commit([5, 6])  # matches so far: wait for more
+    assert tuner.estimates("greedy").get((0, 2)) is None
+    tuner.plan(GREEDY, 12)
+    tuner.observe_commit([9])  # third position mismatched: 2 accepted
+    estimate = tuner.estimates("greedy")[(0, 2)]
+    assert estimate.trials[:4] == pytest.approx([1.0, 1.0, 1.0, 0.0])
+    assert estimate.successes[:3] == pytest.approx([1.0, 1.0, 0.0])
+
+
+def test_profile_moves_with_a_slower_node():
+    table = OnlineTable({1: 10.0, 2: 11.0, 9: 20.0})
+    for _ in range(30):
+        table.observe(2, 22.0)  # the node became twice as slow
+    assert table.estimate(2) == pytest.approx(22.0, rel=0.01)
+    assert table.estimate(9) == pytest.approx(40.0, rel=0.05)  # sizes not run move too
+    table.observe(2, 1000.0)  # one prefill-sized outlier is clipped
+    assert table.estimate(2) < 22.0 * 1.5
+
+
+# ------------------------------------------------------------------- end to end
+
+PROMPTS = ["def add(a, b):\n    return", "for i in range(10):\n    print(i)\nfor i in"]
+MAX_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_family):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_family["target"])
+    model = AutoModelForCausalLM.from_pretrained(tiny_family["target"]).eval()
+    out = {}
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt)["input_ids"]
+        generated = model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
+        out[prompt] = generated[0, len(ids) :].tolist()
+    return out
+
+
+def auto_engine(family, names, **speculation):
+    tiers = [{"name": n, "model": "ngram" if n == "ngram" else family[n]} for n in names]
+    engine = Engine(parse_config({"tiers": tiers, "speculation": {"lengths": "auto", **speculation}}))
+    engine.scheduler.eos_token_ids = frozenset()
+    return engine
+
+
+@pytest.mark.parametrize("names,extra", [(["target", "mid", "ngram"], {}), (["target", "mid", "small"], {"tree_width": 2})])
+def test_auto_lengths_keep_greedy_output(tiny_family, reference, names, extra):
+    engine = auto_engine(tiny_family, names, **extra)
+    assert engine.scheduler.tuner is not None
+    for _ in range(2):  # the second pass runs on learned estimates (and probably other lengths)
+        for prompt in PROMPTS:
+            result = engine.generate(engine.parse_request({"prompt": prompt, "max_new_tokens": MAX_NEW}))
+            assert result["token_ids"] == reference[prompt]
+            assert result["stats"]["plans"] and result["stats"]["plans"][0]["new_tokens"] == 0
+    assert engine.scheduler.tuner.history
+
+
+def test_forced_bypass_keeps_greedy_output(tiny_family, reference):
+    engine = auto_engine(tiny_family, ["target", "mid", "ngram"])
+    engine.scheduler.tuner.fixed = Plan((5, 3), (0, 2))
+    for prompt in PROMPTS:
+        result = engine.generate(engine.parse_request({"prompt": prompt, "max_new_tokens": MAX_NEW}))
+        assert result["token_ids"] == reference[prompt]
+        stages = {(s["tier"], s["drafter"]): s for s in result["stats"]["stages"]}
+        assert stages[("target", "ngram")]["blocks"] > 0 and stages[("target", "mid")]["blocks"] == 0
+        assert result["stats"]["plans"] == [{"new_tokens": 0, "lengths": [5], "tiers": ["target", "ngram"]}]
+
+
+def test_auto_lengths_sampling_runs(tiny_family):
+    engine = auto_engine(tiny_family, ["target", "mid", "ngram"])
+    result = engine.generate(engine.parse_request({"prompt": PROMPTS[0], "max_new_tokens": 24, "temperature": 1.0, "seed": 3}))
+    assert len(result["token_ids"]) == 24
+    assert "sampling" in {h["class"] for h in engine.scheduler.tuner.history}
