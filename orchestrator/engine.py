@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from orchestrator.chain import ChainScheduler
 from orchestrator.config import ChainConfig
-from workers.errors import RequestError
+from workers.errors import ConfigError, RequestError
 from workers.loading import load_tiers, quiet_transformers
 from workers.sampling import SamplingParams
 
@@ -42,16 +42,18 @@ class Engine:
     def __init__(self, config: ChainConfig, speculative: bool = True, auto_tune: bool = True) -> None:
         """`auto_tune`: with `speculation.lengths: auto`, profile the tiers and let the tuner set the lengths."""
         quiet_transformers()
+        if config.runtime.backend != "local":
+            raise ConfigError(f"runtime.backend {config.runtime.backend!r} is not available in this version; use 'local'")
         self.config = config if speculative else config.target_only()
         self.tiers, self.tokenizer = load_tiers(self.config.tiers)
         eos = set()
-        if self.tokenizer.eos_token_id is not None:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
-        target_model = getattr(self.tiers[0], "model", None)
-        generation_config = getattr(target_model, "generation_config", None)
-        configured = getattr(generation_config, "eos_token_id", None)
-        if configured is not None:
-            eos.update([configured] if isinstance(configured, int) else configured)
+        target_model = self.tiers[0].model
+        for source in (getattr(target_model, "generation_config", None), target_model.config):
+            configured = getattr(source, "eos_token_id", None)
+            if configured is not None:
+                eos.update([configured] if isinstance(configured, int) else configured)
         self.scheduler = ChainScheduler(
             self.tiers,
             self.config.speculation_lengths(),
@@ -103,6 +105,8 @@ class Engine:
         elif prompt is not None:
             if not isinstance(prompt, str):
                 raise RequestError(f"prompt must be a string, got {type(prompt).__name__}")
+            if self.tokenizer is None:
+                raise RequestError("the target model has no tokenizer; send 'prompt_ids' instead of 'prompt'")
             ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"] if prompt else []
         else:
             raise RequestError("request has no 'prompt' (or 'prompt_ids')")
@@ -140,4 +144,6 @@ class Engine:
         return result
 
     def decode(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)

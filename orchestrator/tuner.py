@@ -10,7 +10,9 @@ round (`observe_commit`). From those reports it keeps
   count decays by `decay` per observed block, so after a shift (repetitive code -> prose)
   the estimates, and with them the lengths, move within a few rounds. Position 1's prior
   is Beta(prior_mean, strength); position j's prior mean is position j-1's posterior mean,
-  so rarely reached positions fall back on their neighbours.
+  so rarely reached positions fall back on their neighbours. Deep positions get fresh data
+  only from blocks that reach them, so after a shift they would lag: a fast tracker of
+  position 1 detects the shift (SHIFT_LOGIT) and the old counts are then mostly forgotten.
 
 Pairs the chain does not run directly are estimated from data it already has: while a
 middle tier sits between the target and the bottom drafter, the bottom's first proposal of
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 
 from orchestrator.profiler import LatencyProfile
 from orchestrator.time_model import StageSpec, cost_per_token, search_lengths
@@ -36,6 +39,10 @@ from workers.sampling import SamplingParams
 
 MAX_POSITIONS = 32
 MIN_PRIOR_WEIGHT = 0.5
+RECENT_DECAY = 0.8  # position 1's fast tracker (a window of ~5 blocks) ...
+SETTLED_DECAY = 0.97  # ... against its slow tracker (~30 blocks)
+SHIFT_LOGIT = 2.0  # |logit(fast) - logit(slow)| that counts as a shift in the text
+SHIFT_FORGET = 0.1  # what a shift leaves of the old counts
 
 
 @dataclasses.dataclass
@@ -54,6 +61,9 @@ class AcceptanceEstimate:
     trials: list[float] = dataclasses.field(default_factory=lambda: [0.0] * MAX_POSITIONS)
     blocks: float = 0.0  # decayed number of observed blocks
     prior_weight: float | None = None  # position 1's prior weight now (starts at prior_strength)
+    recent: float | None = None  # fast EMA of position 1's acceptance (shift detector)
+    settled: float | None = None  # slow EMA of the same
+    shifts: int = 0  # shifts detected so far
 
     def observe(self, proposed: int, accepted: int) -> None:
         """A block of `proposed` positions (missing proposals count as rejected) with `accepted` kept."""
@@ -71,6 +81,19 @@ class AcceptanceEstimate:
             self.trials[position] += 1.0
         if accepted < min(proposed, MAX_POSITIONS):
             self.trials[accepted] += 1.0
+        if proposed > 0:
+            self._track_shift(1.0 if accepted > 0 else 0.0)
+
+    def _track_shift(self, first_accepted: float) -> None:
+        if self.recent is None or self.settled is None:
+            self.recent = self.settled = self.rates()[0]
+        self.recent = RECENT_DECAY * self.recent + (1.0 - RECENT_DECAY) * first_accepted
+        self.settled = SETTLED_DECAY * self.settled + (1.0 - SETTLED_DECAY) * first_accepted
+        if self.decay < 1.0 and abs(_logit(self.recent) - _logit(self.settled)) > SHIFT_LOGIT:
+            self.successes = [s * SHIFT_FORGET for s in self.successes]
+            self.trials = [t * SHIFT_FORGET for t in self.trials]
+            self.settled = self.recent
+            self.shifts += 1
 
     def rates(self, prior_mean: float | None = None) -> tuple[float, ...]:
         """Posterior mean acceptance for positions 1..MAX_POSITIONS."""
@@ -84,13 +107,18 @@ class AcceptanceEstimate:
         return tuple(out)
 
 
+def _logit(rate: float) -> float:
+    rate = min(max(rate, 1e-3), 1.0 - 1e-3)
+    return math.log(rate / (1.0 - rate))
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """What the scheduler runs: a length per verifying level and the tiers in use."""
 
     lengths: tuple[int, ...]  # [level] = block length tier `level` verifies (unused levels keep a value)
     active: tuple[int, ...]  # tier indices in use, target first
-    predicted_ms: float = float("nan")  # predicted ms per target token (C_0)
+    predicted_ms: float = dataclasses.field(default=float("nan"), compare=False)  # predicted ms per target token (C_0)
 
 
 def request_class(params: SamplingParams) -> str:

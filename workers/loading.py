@@ -87,10 +87,17 @@ def _short(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
 def load_tokenizer(model: str, tier_name: str):
+    """The tier's tokenizer, or None for a local model directory saved without one
+    (such a chain takes `prompt_ids` only)."""
     from transformers import AutoTokenizer
 
     check_model_reference(model, tier_name)
+    if os.path.isdir(model) and not any(os.path.exists(os.path.join(model, f)) for f in TOKENIZER_FILES):
+        return None
     try:
         return AutoTokenizer.from_pretrained(model)
     except Exception as exc:  # transformers raises OSError / ValueError / HF hub errors
@@ -136,13 +143,14 @@ def load_model_tier(tier, vocab_size: int | None = None) -> ModelTier:
     return ModelTier(tier.name, model, vocab_size or out_features, device, tier.threads)
 
 
-def check_vocabularies(tiers_config, tokenizers: dict) -> int:
-    """All model tiers must share one vocabulary; returns its size. Raises naming both tiers."""
-    names = list(tokenizers)
-    reference_name = names[0]
-    reference = tokenizers[reference_name].get_vocab()
-    for name in names[1:]:
-        vocab = tokenizers[name].get_vocab()
+def check_vocabularies(tokenizers: dict) -> None:
+    """Tiers that ship tokenizers must share one vocabulary. Raises naming both tiers."""
+    named = [(name, tok) for name, tok in tokenizers.items() if tok is not None]
+    if len(named) < 2:
+        return
+    reference_name, reference = named[0][0], named[0][1].get_vocab()
+    for name, tokenizer in named[1:]:
+        vocab = tokenizer.get_vocab()
         if vocab != reference:
             differing = sorted(set(vocab.items()) ^ set(reference.items()))
             example = differing[0][0] if differing else "?"
@@ -150,17 +158,26 @@ def check_vocabularies(tiers_config, tokenizers: dict) -> int:
                 f"tiers {reference_name!r} and {name!r} do not share a vocabulary "
                 f"({len(reference)} vs {len(vocab)} tokens; e.g. token {example!r} differs)"
             )
-    return len(reference)
+
+
+def check_vocabulary_sizes(tiers: list[ModelTier]) -> None:
+    """Without tokenizers to compare, the models' configured vocabulary sizes must agree."""
+    sizes = [(tier.name, tier.model.config.vocab_size) for tier in tiers]
+    for name, size in sizes[1:]:
+        if size != sizes[0][1]:
+            raise ModelLoadError(f"tiers {sizes[0][0]!r} and {name!r} do not share a vocabulary ({sizes[0][1]} vs {size} tokens)")
 
 
 def load_tiers(tiers_config) -> tuple[list[Tier], object]:
-    """Tiers (target first) and the shared tokenizer."""
+    """Tiers (target first) and the shared tokenizer (None when no tier ships one)."""
     model_configs = [t for t in tiers_config if not t.is_ngram]
     tokenizers = {}
     for tier in model_configs:
         tokenizers[tier.name] = load_tokenizer(tier.model, tier.name)
-    check_vocabularies(model_configs, tokenizers)
+    check_vocabularies(tokenizers)
     tiers: list[Tier] = [load_model_tier(tier) for tier in model_configs]
+    if any(tok is None for tok in tokenizers.values()):
+        check_vocabulary_sizes(tiers)
     # logits may be padded differently per model; every tier samples and verifies over the
     # same first V columns, the no-speculation baseline included, so the chain stays exact
     vocab_size = min(t.vocab_size for t in tiers)
@@ -170,4 +187,5 @@ def load_tiers(tiers_config) -> tuple[list[Tier], object]:
     model_iter = iter(tiers)
     for tier in tiers_config:
         ordered.append(NGramTier(tier.name, vocab_size, tier.max_ngram, tier.min_ngram) if tier.is_ngram else next(model_iter))
-    return ordered, tokenizers[model_configs[0].name]
+    shared = next((tok for tok in tokenizers.values() if tok is not None), None)
+    return ordered, shared
