@@ -73,8 +73,27 @@ class StageStats:
 @dataclasses.dataclass
 class GenerationOutput:
     token_ids: list[int]
-    finish_reason: str  # "length" | "eos"
+    finish_reason: str  # "length" | "eos" | "cancelled"
     stats: dict
+
+
+@dataclasses.dataclass
+class RequestState:
+    """One request between `ChainScheduler.start` and `finish`."""
+
+    run: "_Run"
+    committed: list[int]  # prompt + accepted tokens
+    max_new_tokens: int
+    tier_busy_s: list[float]  # model time spent on this request, per tier
+    new_tokens: list[int] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None  # "length" | "eos" | "cancelled" once done
+    plans: list[dict] = dataclasses.field(default_factory=list)  # with a tuner: lengths / tiers each time they changed
+    started: float = dataclasses.field(default_factory=time.perf_counter)
+    request: object = None  # the caller's request object, carried along (Engine keeps its GenerationRequest here)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclasses.dataclass
@@ -126,10 +145,28 @@ class ChainScheduler:
         on_commit: Callable[[list[int]], None] | None = None,
     ) -> GenerationOutput:
         """Generate up to `max_new_tokens` after `prompt_ids`; `on_commit` sees each round's new tokens."""
-        started = time.perf_counter()
-        base = torch.Generator().manual_seed(seed) if seed is not None else torch.Generator()
+        state = self.start(prompt_ids, max_new_tokens, params, seed)
+        try:
+            while not state.done:
+                emitted = self.step(state)
+                if on_commit is not None and emitted:
+                    on_commit(emitted)
+        except BaseException:
+            self.cancel(state)
+            raise
+        return self.finish(state)
+
+    def start(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams, seed: int | None = None) -> "RequestState":
+        """Open a request; advance it with `step` (one target round each), close it with `finish`.
+
+        Requests are independent, so a caller may interleave the steps of many of them (a
+        server does, round by round). All calls must come from one thread at a time.
+        """
+        base = torch.Generator()
         if seed is None:
             base.seed()
+        else:
+            base.manual_seed(seed)
         generators = [torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,), generator=base))) for _ in self.tiers]
         run = _Run(
             seq_id=next(_sequence_ids),
@@ -138,46 +175,59 @@ class ChainScheduler:
             stages=[StageStats(self.tiers[i].name, self.tiers[i + 1].name) for i in range(len(self.tiers) - 1)],
             limit=self.max_context or 1 << 62,
         )
-        committed = list(prompt_ids)
-        new_tokens: list[int] = []
-        finish_reason = "length"
+        return RequestState(run=run, committed=list(prompt_ids), max_new_tokens=max_new_tokens, tier_busy_s=[0.0] * len(self.tiers))
+
+    def step(self, state: "RequestState") -> list[int]:
+        """One verification round of the target; returns the newly committed tokens."""
+        if state.done:
+            return []
+        if len(state.new_tokens) >= state.max_new_tokens or len(state.committed) >= state.run.limit:
+            state.finish_reason = "length"
+            return []
+        run = state.run
         busy_before = [t.busy_s for t in self.tiers]
-        plans: list[dict] = []  # with a tuner: the lengths / tiers in use each time they changed
-        try:
-            while len(new_tokens) < max_new_tokens and len(committed) < run.limit:
-                if self.tuner is not None:
-                    self._apply_plan(run, len(committed), len(new_tokens), plans)
-                remaining = max_new_tokens - len(new_tokens)
-                emitted, _ = self._round(run, 0, committed, min(self._length(0), remaining - 1))
-                emitted = emitted[:remaining]
-                eos_at = next((j for j, t in enumerate(emitted) if t in self.eos_token_ids), None)
-                if eos_at is not None:
-                    emitted = emitted[: eos_at + 1]
-                committed += emitted
-                new_tokens += emitted
-                if self.tuner is not None:
-                    self.tuner.observe_commit(emitted)
-                if on_commit is not None:
-                    on_commit(emitted)
-                if eos_at is not None:
-                    finish_reason = "eos"
-                    break
-        finally:
-            for tier in self.tiers:
-                tier.release(run.seq_id)
-        elapsed = time.perf_counter() - started
+        if self.tuner is not None:
+            self._apply_plan(run, len(state.committed), len(state.new_tokens), state.plans)
+        remaining = state.max_new_tokens - len(state.new_tokens)
+        emitted, _ = self._round(run, 0, state.committed, min(self._length(0), remaining - 1))
+        emitted = emitted[:remaining]
+        eos_at = next((j for j, t in enumerate(emitted) if t in self.eos_token_ids), None)
+        if eos_at is not None:
+            emitted = emitted[: eos_at + 1]
+        state.committed += emitted
+        state.new_tokens += emitted
+        for i, (tier, before) in enumerate(zip(self.tiers, busy_before)):
+            state.tier_busy_s[i] += tier.busy_s - before
+        if self.tuner is not None:
+            self.tuner.observe_commit(emitted)
+        if eos_at is not None:
+            state.finish_reason = "eos"
+        elif len(state.new_tokens) >= state.max_new_tokens or len(state.committed) >= run.limit:
+            state.finish_reason = "length"
+        return emitted
+
+    def finish(self, state: "RequestState") -> GenerationOutput:
+        """Release the request's caches and return its tokens and stats."""
+        for tier in self.tiers:
+            tier.release(state.run.seq_id)
+        elapsed = time.perf_counter() - state.started
+        run = state.run
         stats = {
-            "tokens_per_s": round(len(new_tokens) / elapsed, 3) if elapsed > 0 else 0.0,
-            "new_tokens": len(new_tokens),
+            "tokens_per_s": round(len(state.new_tokens) / elapsed, 3) if elapsed > 0 else 0.0,
+            "new_tokens": len(state.new_tokens),
             "time_s": round(elapsed, 6),
             "stages": [stage.as_dict() for stage in run.stages + list(run.bypass_stages.values())],
-            "tiers": [
-                {"tier": t.name, "busy_s": round(t.busy_s - before, 6)} for t, before in zip(self.tiers, busy_before)
-            ],
+            "tiers": [{"tier": t.name, "busy_s": round(busy, 6)} for t, busy in zip(self.tiers, state.tier_busy_s)],
         }
         if self.tuner is not None:
-            stats["plans"] = plans
-        return GenerationOutput(new_tokens, finish_reason, stats)
+            stats["plans"] = state.plans
+        return GenerationOutput(list(state.new_tokens), state.finish_reason or "length", stats)
+
+    def cancel(self, state: "RequestState") -> GenerationOutput:
+        """Stop a request now: its caches are freed and it finishes as "cancelled"."""
+        if not state.done:
+            state.finish_reason = "cancelled"
+        return self.finish(state)
 
     # ------------------------------------------------------------------- internals
 

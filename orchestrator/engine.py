@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from orchestrator.chain import ChainScheduler
+from orchestrator.chain import ChainScheduler, RequestState
 from orchestrator.config import ChainConfig
 from workers.errors import ConfigError, RequestError
 from workers.loading import load_tiers, quiet_transformers
@@ -133,6 +133,26 @@ class Engine:
 
     def generate(self, request: GenerationRequest, on_commit: Callable[[list[int]], None] | None = None) -> dict:
         output = self.scheduler.generate(list(request.prompt_ids), request.max_new_tokens, request.params, request.seed, on_commit)
+        return self._result(request, output)
+
+    # Round-by-round API for callers that interleave requests (the server). One thread only.
+
+    def start(self, request: GenerationRequest) -> RequestState:
+        state = self.scheduler.start(list(request.prompt_ids), request.max_new_tokens, request.params, request.seed)
+        state.request = request
+        return state
+
+    def step(self, state: RequestState) -> list[int]:
+        """One target verification round; the newly committed token ids (empty once done)."""
+        return self.scheduler.step(state)
+
+    def finish(self, state: RequestState) -> dict:
+        return self._result(state.request, self.scheduler.finish(state))
+
+    def cancel(self, state: RequestState) -> dict:
+        return self._result(state.request, self.scheduler.cancel(state))
+
+    def _result(self, request: GenerationRequest, output) -> dict:
         result = {
             "text": self.decode(output.token_ids),
             "token_ids": output.token_ids,
