@@ -43,7 +43,8 @@ DRAFT_SCALE = 2.0  # peakier drafts than targets: lower acceptance exercises the
 
 CHAIN_DRAWS = 100_000  # verify_chain first-token distribution and acceptance rate (k = 1)
 JOINT_DRAWS = 30_000  # verify_chain first two tokens (k = 2), 36 cells
-MULTI_DRAFT_DRAWS = 15_000  # per (scheme, K): at 100-300 us a call, 10 runs take ~30 s
+MULTI_DRAFT_DRAWS = {2: 20_000, 3: 100_000}  # per (scheme, K); K = 3 at 100-300 us a call: ~20 s a scheme
+MIXED_DRAFT_DRAWS = 20_000  # K = 3 candidates from different drafters
 POOR_DRAFT_DRAWS = 5_000  # acceptance-rate comparisons; the gap to single-draft is ~14 SE
 SMALL_DRAWS = 10_000  # k = 0 distribution, draw_without_replacement pair law (20 cells)
 EXACT_TRIALS = 300  # deterministic properties checked trial by trial
@@ -379,7 +380,7 @@ def multi_draft_run(request):
     draft_row = _random_probs((1, VOCAB), generator, DRAFT_SCALE)  # [1, V]
     draft_probs = draft_row.expand(num_candidates, VOCAB)  # [K, V]
     candidates, tokens, accepted = _run_multi_draft(
-        target_probs, draft_probs, scheme, MULTI_DRAFT_DRAWS, seed=SEED + 11 + num_candidates
+        target_probs, draft_probs, scheme, MULTI_DRAFT_DRAWS[num_candidates], seed=SEED + 11 + num_candidates
     )
     return scheme, target_probs, draft_probs, candidates, tokens, accepted
 
@@ -408,17 +409,17 @@ def test_multi_draft_acceptance_at_most_lp_optimum(multi_draft_run):
     optimum = _lp_optimal_acceptance(target_probs, tuple_probs)
     assert optimum == pytest.approx(_min_cut_acceptance(target_probs, tuple_probs), abs=LP_TOLERANCE)
     rate = float((accepted >= 0).double().mean())
-    assert rate <= optimum + NUM_STANDARD_ERRORS * _standard_error(rate, MULTI_DRAFT_DRAWS)
+    assert rate <= optimum + NUM_STANDARD_ERRORS * _standard_error(rate, MULTI_DRAFT_DRAWS[num_candidates])
 
 
 @pytest.mark.parametrize("scheme", ["specinfer", "importance"])
 def test_different_draft_rows_per_candidate(scheme):
-    """K = 3 candidates from three different drafters, MULTI_DRAFT_DRAWS trials."""
+    """K = 3 candidates from three different drafters, MIXED_DRAFT_DRAWS trials."""
     generator = make_generator(SEED + 20)
     target_probs = _random_probs((VOCAB,), generator)  # [V]
     draft_probs = _random_probs((3, VOCAB), generator, DRAFT_SCALE)  # [K, V], one drafter per candidate
     _, tokens, _ = _run_multi_draft(
-        target_probs, draft_probs, scheme, MULTI_DRAFT_DRAWS, seed=SEED + 21
+        target_probs, draft_probs, scheme, MIXED_DRAFT_DRAWS, seed=SEED + 21
     )
     _assert_distributed_as(tokens, target_probs)
 
