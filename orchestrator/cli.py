@@ -12,6 +12,7 @@ import os
 import sys
 from pathlib import Path
 
+from orchestrator import serving_cli
 from workers.errors import PolyspecError, RequestError
 
 EXIT_USER_ERROR = 2
@@ -51,6 +52,17 @@ def build_parser() -> argparse.ArgumentParser:
     zoo_build.add_argument("--only", action="append", help="train only this member (repeatable)")
     zoo_build.add_argument("--threads", type=int, default=1)
 
+    tune = sub.add_parser("tune", help="time model: predicted vs measured ms/token over a grid of speculation lengths")
+    tune.add_argument("-c", "--config", required=True)
+    tune.add_argument("--prompts", help='JSONL, one {"prompt": ...} per line (default: prompts.jsonl beside the target model folder)')
+    tune.add_argument("--temperature", type=float, default=None, help="0 = greedy (config default)")
+    tune.add_argument("-n", "--max-new-tokens", type=int, default=None, help="tokens per generation (config default)")
+    tune.add_argument("--grid-max", type=int, default=8, help="grid of lengths 1..K for every stage")
+    tune.add_argument("--max-prompts", type=int, default=8, help="prompts used, evenly spaced through the file")
+    tune.add_argument("--seed", type=int, default=0)
+    tune.add_argument("--repeats", type=int, default=1, help="passes over every plan (median reported)")
+    tune.add_argument("--json", action="store_true", help="print the report as JSON")
+
     bench = sub.add_parser("bench", help="polyspec side by side with transformers generate / assisted / prompt lookup")
     bench.add_argument("-c", "--config", required=True)
     bench.add_argument("--prompts", help="JSONL of {prompt, class} (default: prompts.jsonl beside the target model's folder)")
@@ -63,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--markdown", help="write the markdown table here")
     bench.add_argument("--plot", help="write the PNG plot here (none of the three given: all under benchmarks/)")
     bench.add_argument("--write-prompts", metavar="OUT", help="build the held-out prompt set for the config's target, then exit")
+    serving_cli.add_parsers(sub)  # serve, submit, jobs
     return parser
 
 
@@ -188,7 +201,14 @@ def cmd_bench(args) -> int:
     return run(args)
 
 
-COMMANDS = {"generate": cmd_generate, "batch": cmd_batch, "zoo": cmd_zoo, "bench": cmd_bench}
+def cmd_tune(args) -> int:
+    from orchestrator.tune import cmd_tune as run
+
+    return run(args)
+
+
+COMMANDS = {"generate": cmd_generate, "batch": cmd_batch, "zoo": cmd_zoo, "bench": cmd_bench, "tune": cmd_tune}
+COMMANDS.update(serving_cli.COMMANDS)  # serve, submit, jobs
 
 
 def main(argv: list[str] | None = None) -> int:

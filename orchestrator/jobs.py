@@ -1,0 +1,219 @@
+"""Batch jobs persisted in SQLite (`<state-dir>/jobs.sqlite3`), so they survive the server dying.
+
+    jobs:  job_id, state, total, completed, failed, created_at, finished_at
+    items: job_id, idx, id, request (JSON), status (pending | done | failed),
+           result (JSON), error, done_seq
+
+An item's result is written in the same transaction that marks it done and bumps its
+job's counters, so after a crash (even SIGKILL) every item is either done with its
+result or still pending and is run again: every id exactly once, no gap. Item ids are
+unique inside a job (the table's key). Job ids are made here; no path a client names is
+ever opened.
+
+Thread use: one connection behind a lock; the scheduler thread writes results, the
+server's event loop reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sqlite3
+import threading
+import time
+import uuid
+from pathlib import Path
+
+QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = "queued", "running", "succeeded", "failed", "cancelled"
+TERMINAL = (SUCCEEDED, FAILED, CANCELLED)
+PENDING, DONE, ITEM_FAILED = "pending", "done", "failed"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    job_id TEXT PRIMARY KEY,
+    state TEXT NOT NULL,
+    total INTEGER NOT NULL,
+    completed INTEGER NOT NULL DEFAULT 0,
+    failed INTEGER NOT NULL DEFAULT 0,
+    created_at REAL NOT NULL,
+    finished_at REAL NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS items (
+    job_id TEXT NOT NULL REFERENCES jobs(job_id),
+    idx INTEGER NOT NULL,
+    id TEXT NOT NULL,
+    request TEXT NOT NULL,
+    status TEXT NOT NULL,
+    result TEXT,
+    error TEXT,
+    done_seq INTEGER,
+    PRIMARY KEY (job_id, idx),
+    UNIQUE (job_id, id)
+);
+CREATE INDEX IF NOT EXISTS items_pending ON items (status, job_id, idx);
+CREATE INDEX IF NOT EXISTS items_done ON items (job_id, done_seq);
+CREATE INDEX IF NOT EXISTS items_seq ON items (done_seq);
+CREATE INDEX IF NOT EXISTS jobs_live ON jobs (state, created_at);
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class JobRecord:
+    job_id: str
+    state: str
+    total: int
+    completed: int
+    failed: int
+    created_at: float
+    finished_at: float
+
+    @property
+    def finished(self) -> bool:
+        return self.state in TERMINAL
+
+
+@dataclasses.dataclass(frozen=True)
+class PendingItem:
+    job_id: str
+    idx: int
+    id: str
+    request: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class ItemResult:
+    id: str
+    result: dict | None  # {id, text, token_ids, finish_reason, stats}
+    error: str
+
+
+class JobStore:
+    def __init__(self, state_dir: str | Path) -> None:
+        path = Path(state_dir)
+        path.mkdir(parents=True, exist_ok=True)
+        self.path = path / "jobs.sqlite3"
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")  # a committed result survives power loss too
+        self._db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    # ------------------------------------------------------------------ writes
+
+    def create(self, items: list[tuple[str, dict, str | None]]) -> JobRecord:
+        """A job from (id, raw request, error or None) items; items with an error are failed at once."""
+        job_id = "job-" + uuid.uuid4().hex[:16]
+        now = time.time()
+        failed = sum(1 for _, _, error in items if error)
+        with self._lock, self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            self._db.execute(
+                "INSERT INTO jobs (job_id, state, total, failed, created_at) VALUES (?, ?, ?, ?, ?)",
+                (job_id, QUEUED, len(items), failed, now),
+            )
+            seq = self._next_seq()
+            rows = []
+            for idx, (item_id, raw, error) in enumerate(items):
+                if error:
+                    rows.append((job_id, idx, item_id, json.dumps(raw), ITEM_FAILED, None, error, seq))
+                    seq += 1
+                else:
+                    rows.append((job_id, idx, item_id, json.dumps(raw), PENDING, None, None, None))
+            self._db.executemany(
+                "INSERT INTO items (job_id, idx, id, request, status, result, error, done_seq) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                rows,
+            )
+            self._settle(job_id)
+        return self.get(job_id)
+
+    def finish_item(self, item: PendingItem, result: dict | None, error: str | None) -> JobRecord | None:
+        """Mark one item done (with its result) or failed (with its error), in one transaction.
+
+        A no-op when the item is no longer pending (its job was cancelled meanwhile)."""
+        with self._lock, self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            status = ITEM_FAILED if error else DONE
+            changed = self._db.execute(
+                "UPDATE items SET status = ?, result = ?, error = ?, done_seq = ? WHERE job_id = ? AND idx = ? AND status = ?",
+                (status, None if error else json.dumps(result), error, self._next_seq(), item.job_id, item.idx, PENDING),
+            ).rowcount
+            if changed:
+                column = "failed" if error else "completed"
+                self._db.execute(f"UPDATE jobs SET {column} = {column} + 1 WHERE job_id = ?", (item.job_id,))
+                self._settle(item.job_id)
+        return self.get(item.job_id)
+
+    def mark_running(self, job_id: str) -> None:
+        with self._lock, self._db:
+            self._db.execute("UPDATE jobs SET state = ? WHERE job_id = ? AND state = ?", (RUNNING, job_id, QUEUED))
+
+    def cancel(self, job_id: str) -> JobRecord | None:
+        """Cancel a job that is not over (a finished job is returned as it is); None if unknown."""
+        with self._lock, self._db:
+            self._db.execute(
+                "UPDATE jobs SET state = ?, finished_at = ? WHERE job_id = ? AND state IN (?, ?)",
+                (CANCELLED, time.time(), job_id, QUEUED, RUNNING),
+            )
+        return self.get(job_id)
+
+    def _next_seq(self) -> int:
+        return self._db.execute("SELECT COALESCE(MAX(done_seq), 0) + 1 FROM items").fetchone()[0]
+
+    def _settle(self, job_id: str) -> None:
+        """Inside a transaction: end the job when no item is pending."""
+        total, completed, failed, state = self._db.execute(
+            "SELECT total, completed, failed, state FROM jobs WHERE job_id = ?", (job_id,)
+        ).fetchone()
+        if state in TERMINAL or completed + failed < total:
+            return
+        final = FAILED if failed == total else SUCCEEDED
+        self._db.execute("UPDATE jobs SET state = ?, finished_at = ? WHERE job_id = ?", (final, time.time(), job_id))
+
+    # ------------------------------------------------------------------- reads
+
+    def get(self, job_id: str) -> JobRecord | None:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT job_id, state, total, completed, failed, created_at, finished_at FROM jobs WHERE job_id = ?", (job_id,)
+            ).fetchone()
+        return JobRecord(*row) if row else None
+
+    def list(self, limit: int = 0) -> list[JobRecord]:
+        query = "SELECT job_id, state, total, completed, failed, created_at, finished_at FROM jobs ORDER BY created_at DESC, rowid DESC"
+        with self._lock:
+            rows = self._db.execute(query + (" LIMIT ?" if limit > 0 else ""), (limit,) if limit > 0 else ()).fetchall()
+        return [JobRecord(*row) for row in rows]
+
+    def next_pending(self) -> PendingItem | None:
+        """The oldest live job's first pending item (indexed: cheap even with many items)."""
+        with self._lock:
+            live = self._db.execute(
+                "SELECT job_id FROM jobs WHERE state IN (?, ?) ORDER BY created_at, rowid", (QUEUED, RUNNING)
+            ).fetchall()
+            for (job_id,) in live:
+                row = self._db.execute(
+                    "SELECT idx, id, request FROM items WHERE status = ? AND job_id = ? ORDER BY idx LIMIT 1", (PENDING, job_id)
+                ).fetchone()
+                if row:
+                    return PendingItem(job_id, row[0], row[1], json.loads(row[2]))
+        return None
+
+    def pending_count(self) -> int:
+        with self._lock:
+            return self._db.execute(
+                "SELECT COUNT(*) FROM items i JOIN jobs j ON j.job_id = i.job_id WHERE i.status = ? AND j.state IN (?, ?)",
+                (PENDING, QUEUED, RUNNING),
+            ).fetchone()[0]
+
+    def results_after(self, job_id: str, after_seq: int) -> list[tuple[int, ItemResult]]:
+        """Finished items of a job in the order they finished, after `after_seq`: [(seq, result)]."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT done_seq, id, result, error FROM items WHERE job_id = ? AND done_seq > ? ORDER BY done_seq",
+                (job_id, after_seq),
+            ).fetchall()
+        return [(seq, ItemResult(item_id, json.loads(result) if result else None, error or "")) for seq, item_id, result, error in rows]

@@ -1,0 +1,99 @@
+"""Server counters: one object feeds both `GetStats` and Prometheus `/metrics`.
+
+Prometheus names (all prefixed `polyspec_`): requests_total{status}, generated_tokens_total,
+stage_proposed_tokens_total / stage_accepted_tokens_total{tier,drafter},
+speculation_length{tier,drafter}, time_to_first_token_seconds and request_latency_seconds
+(histograms), queue_depth{state}, job_items_done_total{outcome}, tier_up{tier}.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+STATUSES = ("ok", "cancelled", "invalid_argument", "resource_exhausted", "unauthenticated", "unavailable", "internal")
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self._lock = threading.Lock()
+        self.requests = collections.Counter()  # status -> count
+        self.job_items = collections.Counter()  # outcome (done | failed) -> count
+        self.generated_tokens = 0
+        self.stages: dict[tuple[str, str], dict] = {}  # (tier, drafter) -> cumulative blocks / proposed / accepted / time_s
+        r = self.registry
+        self._requests = Counter("polyspec_requests", "Generate requests by final status", ["status"], registry=r)
+        self._tokens = Counter("polyspec_generated_tokens", "Tokens committed (interactive and job items)", registry=r)
+        self._proposed = Counter("polyspec_stage_proposed_tokens", "Draft tokens proposed per stage", ["tier", "drafter"], registry=r)
+        self._accepted = Counter("polyspec_stage_accepted_tokens", "Draft tokens accepted per stage", ["tier", "drafter"], registry=r)
+        self._length = Gauge("polyspec_speculation_length", "Speculation length in use per stage", ["tier", "drafter"], registry=r)
+        self._ttft = Histogram("polyspec_time_to_first_token_seconds", "Request received -> first tokens", buckets=LATENCY_BUCKETS, registry=r)
+        self._latency = Histogram("polyspec_request_latency_seconds", "Request received -> finished", buckets=LATENCY_BUCKETS, registry=r)
+        self._queue = Gauge("polyspec_queue_depth", "Interactive requests waiting / running", ["state"], registry=r)
+        self._items = Counter("polyspec_job_items_done", "Job items finished", ["outcome"], registry=r)
+        self._tier_up = Gauge("polyspec_tier_up", "1 while the tier is loaded and serving", ["tier"], registry=r)
+        for status in STATUSES:
+            self._requests.labels(status)
+        for outcome in ("done", "failed"):
+            self._items.labels(outcome)
+
+    def serve_http(self, port: int, host: str) -> None:
+        start_http_server(port, addr=host, registry=self.registry)
+
+    # ------------------------------------------------------------------ recording
+
+    def request_finished(self, status: str, latency_s: float | None = None) -> None:
+        with self._lock:
+            self.requests[status] += 1
+        self._requests.labels(status).inc()
+        if latency_s is not None:
+            self._latency.observe(latency_s)
+
+    def first_token(self, seconds: float) -> None:
+        self._ttft.observe(seconds)
+
+    def tokens(self, count: int) -> None:
+        with self._lock:
+            self.generated_tokens += count
+        self._tokens.inc(count)
+
+    def job_item(self, outcome: str) -> None:
+        with self._lock:
+            self.job_items[outcome] += 1
+        self._items.labels(outcome).inc()
+
+    def stage_stats(self, stages: list[dict]) -> None:
+        """Add one finished request's `stats["stages"]`."""
+        with self._lock:
+            for stage in stages:
+                key = (stage["tier"], stage["drafter"])
+                total = self.stages.setdefault(key, {"blocks": 0, "proposed": 0, "accepted": 0, "time_s": 0.0})
+                for field in total:
+                    total[field] += stage.get(field, 0)
+        for stage in stages:
+            self._proposed.labels(stage["tier"], stage["drafter"]).inc(stage.get("proposed", 0))
+            self._accepted.labels(stage["tier"], stage["drafter"]).inc(stage.get("accepted", 0))
+
+    def speculation(self, stages: list[tuple[str, str, int]]) -> None:
+        for tier, drafter, length in stages:
+            self._length.labels(tier, drafter).set(length)
+
+    def queue(self, waiting: int, running: int) -> None:
+        self._queue.labels("waiting").set(waiting)
+        self._queue.labels("running").set(running)
+
+    def tier_up(self, tier: str, up: bool) -> None:
+        self._tier_up.labels(tier).set(1 if up else 0)
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {
+                "requests": dict(self.requests),
+                "job_items": dict(self.job_items),
+                "generated_tokens": self.generated_tokens,
+                "stages": {key: dict(value) for key, value in self.stages.items()},
+            }

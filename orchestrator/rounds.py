@@ -1,0 +1,295 @@
+"""The server's one model thread: every request advances one target round at a time, in turn.
+
+The Engine is not thread-safe, so all model work happens on this thread. Each pass:
+
+    1. admit waiting interactive requests (at most MAX_ACTIVE hold caches at once)
+    2. one round (`engine.step`) for every active interactive request, round robin —
+       a long request never holds the others back by more than one round each
+    3. only when no interactive request is waiting or running: one round of the current
+       job item (interactive first); the item pauses, caches kept, while interactive
+       traffic is served
+
+A request reports through its `on_event(kind, payload)`, called on this thread:
+("delta", (token_ids, text)) after each round, then ("done", result) or ("error", exc).
+Job items write their result through the JobStore (result and "done" in one transaction).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Callable
+
+from orchestrator.jobs import JobStore, PendingItem
+from orchestrator.metrics import Metrics
+from workers.errors import RequestError
+
+MAX_ACTIVE = 32  # interactive requests holding caches at once; the rest wait their turn
+IDLE_WAIT_S = 1.0  # re-check the job table this often when idle
+UNAVAILABLE_RETRY_S = 1.0  # a job item that met a down chain is retried after this
+REPLACEMENT_CHAR = "\ufffd"  # a token that ends inside a multi-byte character decodes to this
+
+
+@dataclasses.dataclass(eq=False)
+class Work:
+    """One request on its way through the scheduler."""
+
+    request: Any  # engine.GenerationRequest
+    on_event: Callable[[str, Any], None] | None = None
+    job_item: PendingItem | None = None
+    received_at: float = dataclasses.field(default_factory=time.perf_counter)
+    cancelled: bool = False  # set from any thread; honoured before the next round
+    state: Any = None
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    text_sent: str = ""
+    started_at: float | None = None
+    first_token_at: float | None = None
+
+    def timings(self) -> dict:
+        """Seconds waiting before the first round, and from arrival to the first tokens."""
+        start = self.started_at or time.perf_counter()
+        return {
+            "queue_s": round(start - self.received_at, 6),
+            "first_token_s": round((self.first_token_at or start) - self.received_at, 6),
+        }
+
+
+class QueueFull(Exception):
+    pass
+
+
+class Draining(Exception):
+    pass
+
+
+def is_unavailable(exc: BaseException) -> bool:
+    """A tier (or its actor) is gone and no valid chain is left: UNAVAILABLE, not INTERNAL."""
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    return bool(names & {"TierUnavailableError", "ChainUnavailableError", "RayActorError", "ActorDiedError"})
+
+
+class RoundScheduler(threading.Thread):
+    def __init__(self, engine, store: JobStore | None, metrics: Metrics, max_queue: int,
+                 on_jobs_changed: Callable[[], None] = lambda: None, tokenizer_lock: threading.Lock | None = None) -> None:
+        super().__init__(name="polyspec-rounds", daemon=True)
+        self.engine = engine
+        self.store = store
+        self.metrics = metrics
+        self.max_queue = max_queue
+        self.on_jobs_changed = on_jobs_changed
+        self.tokenizer_lock = tokenizer_lock or threading.Lock()  # shared with the server's request parsing
+        self._cond = threading.Condition()
+        self._waiting: list[Work] = []
+        self._active: list[Work] = []
+        self._job_work: Work | None = None
+        self._cancelled_jobs: set[str] = set()
+        self._draining = False
+        self._stopping = False
+        self.idle = threading.Event()  # set while no interactive request is waiting or running
+
+    # --------------------------------------------------------- called from any thread
+
+    def submit(self, work: Work) -> None:
+        with self._cond:
+            if self._draining:
+                raise Draining("the server is shutting down")
+            if len(self._waiting) + len(self._active) >= self.max_queue:
+                raise QueueFull(f"the server queue is full ({self.max_queue} requests); retry later")
+            self._waiting.append(work)
+            self.idle.clear()
+            self._cond.notify()
+
+    def cancel(self, work: Work) -> None:
+        work.cancelled = True
+        with self._cond:
+            self._cond.notify()
+
+    def cancel_job(self, job_id: str) -> None:
+        with self._cond:
+            self._cancelled_jobs.add(job_id)
+            self._cond.notify()
+
+    def jobs_added(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
+    def drain(self) -> None:
+        """No new work from now on; running requests go on. The current job item is dropped
+        (not written), so it runs again at the next start."""
+        with self._cond:
+            self._draining = True
+            self._cond.notify()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._draining = self._stopping = True
+            self._cond.notify()
+
+    def queue_depth(self) -> tuple[int, int]:
+        """(waiting, running) interactive requests."""
+        with self._cond:
+            return len(self._waiting), len(self._active)
+
+    # ---------------------------------------------------------------- the thread
+
+    def run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self._waiting and not self._active and not self._has_job_work():
+                    self.idle.set()
+                    self._cond.wait(IDLE_WAIT_S)
+                if self._stopping:
+                    break
+                room = MAX_ACTIVE - len(self._active)
+                admitted, self._waiting = self._waiting[:room], self._waiting[room:]
+                self._active.extend(admitted)
+                active = list(self._active)
+                self.metrics.queue(len(self._waiting), len(self._active))
+            for work in active:
+                if self._advance(work):
+                    with self._cond:
+                        self._active.remove(work)
+                        if not self._active and not self._waiting:
+                            self.idle.set()
+            if not active:
+                self._advance_job()
+        self._abandon_all()
+
+    def _decode(self, token_ids: list[int]) -> str:
+        with self.tokenizer_lock:
+            return self.engine.decode(token_ids)
+
+    def _has_job_work(self) -> bool:
+        if self._job_work is not None:
+            return True
+        return not self._draining and self.store is not None and self.store.next_pending() is not None
+
+    def _advance(self, work: Work) -> bool:
+        """One round of `work`; True when it is over (finished, cancelled or failed)."""
+        try:
+            if work.cancelled:
+                return self._cancel(work)
+            if work.state is None:
+                work.started_at = time.perf_counter()
+                work.state = self.engine.start(work.request)
+            tokens = self.engine.step(work.state) if not work.state.done else []
+            if tokens:
+                self._emit_delta(work, tokens)
+            if work.state.done:
+                with self.tokenizer_lock:
+                    result = self.engine.finish(work.state)
+                self._finished(work, result)
+                return True
+            return False
+        except Exception as exc:  # noqa: BLE001 - one bad request must not take the server down
+            self._failed(work, exc)
+            return True
+
+    def _emit_delta(self, work: Work, tokens: list[int]) -> None:
+        if work.first_token_at is None:
+            work.first_token_at = time.perf_counter()
+            if work.job_item is None:
+                self.metrics.first_token(work.first_token_at - work.received_at)
+        work.token_ids.extend(tokens)
+        self.metrics.tokens(len(tokens))
+        text = self._decode(work.token_ids) if work.job_item is None else ""
+        if text.endswith(REPLACEMENT_CHAR) and not work.state.done:
+            delta = ""  # wait for the rest of the character
+        else:
+            delta = text[len(work.text_sent):] if text.startswith(work.text_sent) else ""
+            work.text_sent += delta
+        if work.on_event is not None:
+            work.on_event("delta", (list(tokens), delta))
+
+    def publish_speculation(self) -> None:
+        """The lengths in use (a tuner moves them) -> the speculation_length gauge."""
+        chain = self.engine.scheduler
+        self.metrics.speculation([(chain.tiers[i].name, chain.tiers[i + 1].name, k) for i, k in enumerate(chain.lengths)])
+
+    def _finished(self, work: Work, result: dict) -> None:
+        stats = result.get("stats") or {}
+        self.metrics.stage_stats(stats.get("stages", []))
+        self.publish_speculation()
+        if work.job_item is not None:
+            self._write_item(work, result, None)
+            return
+        final = self._decode(work.token_ids)
+        tail = final[len(work.text_sent):] if final.startswith(work.text_sent) else ""
+        status = "cancelled" if result.get("finish_reason") == "cancelled" else "ok"
+        self.metrics.request_finished(status, time.perf_counter() - work.received_at)
+        if work.on_event is not None:
+            work.on_event("done", (result, tail, work.timings()))
+
+    def _cancel(self, work: Work) -> bool:
+        """Stop `work` and free its caches (`Engine.cancel`)."""
+        result = {"token_ids": work.token_ids, "finish_reason": "cancelled", "stats": {}}
+        if work.state is not None:
+            with self.tokenizer_lock:
+                result = self.engine.cancel(work.state)
+        if work.job_item is not None:
+            return True  # not written: the item stays pending (its job was cancelled, or it reruns at the next start)
+        self._finished(work, {**result, "finish_reason": "cancelled"})
+        return True
+
+    def _failed(self, work: Work, exc: Exception) -> None:
+        if work.state is not None:
+            try:
+                self.engine.cancel(work.state)
+            except Exception:  # noqa: BLE001 - already failing; the first error is the one to report
+                pass
+        if not isinstance(exc, RequestError):
+            print(f"polyspec serve: request failed: {exc!r}", file=sys.stderr)
+            traceback.print_exc(file=sys.stderr)
+        if work.job_item is not None:
+            if is_unavailable(exc):  # the chain is down, not the item: it stays pending and is retried
+                time.sleep(UNAVAILABLE_RETRY_S)
+                return
+            self._write_item(work, None, str(exc) if isinstance(exc, RequestError) else f"internal error: {exc}")
+            return
+        status = "invalid_argument" if isinstance(exc, RequestError) else "unavailable" if is_unavailable(exc) else "internal"
+        self.metrics.request_finished(status)
+        if work.on_event is not None:
+            work.on_event("error", exc)
+
+    # ---------------------------------------------------------------------- jobs
+
+    def _advance_job(self) -> None:
+        work = self._job_work
+        if work is not None and (work.job_item.job_id in self._cancelled_jobs or self._draining):
+            work.cancelled = True
+        if work is None:
+            if self._draining or self.store is None:
+                return
+            item = self.store.next_pending()
+            if item is None:
+                return
+            self.store.mark_running(item.job_id)
+            try:
+                with self.tokenizer_lock:
+                    request = self.engine.parse_request({**item.request, "id": item.id})
+            except RequestError as exc:
+                self._write_item(Work(None, job_item=item), None, str(exc))
+                return
+            work = self._job_work = Work(request, job_item=item)
+        if self._advance(work):
+            self._job_work = None
+
+    def _write_item(self, work: Work, result: dict | None, error: str | None) -> None:
+        self.store.finish_item(work.job_item, result, error)
+        self.metrics.job_item("failed" if error else "done")
+        self.on_jobs_changed()
+
+    def _abandon_all(self) -> None:
+        """Stopping: free every cache; interactive requests end as cancelled."""
+        with self._cond:
+            pending = self._waiting + self._active + ([self._job_work] if self._job_work else [])
+            self._waiting, self._active, self._job_work = [], [], None
+        for work in pending:
+            work.cancelled = True
+            try:
+                self._cancel(work)
+            except Exception:  # noqa: BLE001 - shutting down
+                pass

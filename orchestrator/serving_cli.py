@@ -1,0 +1,187 @@
+"""CLI commands around the server: `polyspec serve`, `polyspec submit`, `polyspec jobs ...`.
+
+`submit` and `jobs` are clients (orchestrator.client): they load grpcio and protobuf only.
+A server-side error is one line naming its gRPC status, e.g.
+`polyspec: error: NOT_FOUND: no job 'job-42'`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from workers.errors import RequestError
+
+SERVER_ENV = "POLYSPEC_SERVER"
+TOKEN_ENV = "POLYSPEC_TOKEN"
+
+
+def add_parsers(sub) -> None:
+    serve = sub.add_parser("serve", help="serve the chain over gRPC (protos/polyspec/v1/polyspec.proto)")
+    serve.add_argument("-c", "--config", required=True)
+    serve.add_argument("--host", default=None, help="address to bind (default: config server.host, 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=None, help="gRPC port (default: config server.port, 50051; 0 = any free port)")
+    serve.add_argument("--state-dir", default=None, help="where jobs are kept (default: $XDG_STATE_HOME/polyspec or ~/.local/state/polyspec)")
+    serve.add_argument("--metrics-port", type=int, default=9464, help="Prometheus /metrics port (0 = off)")
+    serve.add_argument("--http-port", type=int, default=None, help="OpenAI-compatible /v1/completions and /v1/models on this port")
+    serve.add_argument("--auth-token-file", default=None, help="require 'authorization: Bearer <token>' with the token in this file")
+    serve.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key): serve TLS")
+    serve.add_argument("--tls-key", default=None)
+    serve.add_argument("--grace", type=float, default=30.0, help="seconds running streams get to finish after SIGTERM")
+
+    submit = sub.add_parser("submit", help="submit a JSONL file (polyspec batch's format) as a job to a server")
+    submit.add_argument("-i", "--input", required=True)
+    _add_client_flags(submit)
+    submit.add_argument("--wait", action="store_true", help="wait for the job, with a progress bar")
+    submit.add_argument("-o", "--output", default=None, help="with --wait: write the results here as JSONL")
+
+    jobs = sub.add_parser("jobs", help="list, inspect, fetch or cancel jobs on a server")
+    jobs_sub = jobs.add_subparsers(dest="jobs_command", required=True)
+    listing = jobs_sub.add_parser("list", help="all jobs, newest first")
+    status = jobs_sub.add_parser("status", help="one job's state and counts")
+    status.add_argument("job_id")
+    results = jobs_sub.add_parser("results", help="a job's results as JSONL (waits for the rest while it runs)")
+    results.add_argument("job_id")
+    results.add_argument("-o", "--output", default=None)
+    cancel = jobs_sub.add_parser("cancel", help="cancel a job")
+    cancel.add_argument("job_id")
+    for parser in (listing, status, results, cancel):
+        _add_client_flags(parser)
+
+
+def _add_client_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--server", default=None, help=f"host:port (default: ${SERVER_ENV} or 127.0.0.1:50051)")
+    parser.add_argument("--auth-token-file", default=None, help=f"file with the server's token (or ${TOKEN_ENV})")
+    parser.add_argument("--tls-ca", default=None, help="connect with TLS, trusting this CA certificate (PEM)")
+
+
+def cmd_serve(args) -> int:
+    from orchestrator.server import cmd_serve as serve
+
+    return serve(args)
+
+
+# ------------------------------------------------------------------------ clients
+
+
+class _Connection:
+    """A Client from the common flags; ClientError -> one-line RequestError."""
+
+    def __init__(self, args) -> None:
+        from orchestrator.client import Client
+
+        self.address = args.server or os.environ.get(SERVER_ENV) or "127.0.0.1:50051"
+        token = os.environ.get(TOKEN_ENV)
+        if args.auth_token_file:
+            try:
+                token = Path(args.auth_token_file).read_text(encoding="utf-8").strip()
+            except OSError as exc:
+                raise RequestError(f"cannot read auth token file {args.auth_token_file}: {exc.strerror or exc}") from None
+        if args.tls_ca and not Path(args.tls_ca).is_file():
+            raise RequestError(f"TLS CA file not found: {args.tls_ca}")
+        self.client = Client(self.address, token=token, tls=args.tls_ca)
+
+    def __enter__(self):
+        return self.client
+
+    def __exit__(self, kind, exc, tb):
+        from orchestrator.client import ClientError, Unavailable
+
+        self.client.close()
+        if isinstance(exc, Unavailable) and "connect" in exc.details.lower():
+            raise RequestError(f"cannot reach a polyspec server at {self.address} (is `polyspec serve` running?)") from None
+        if isinstance(exc, ClientError):
+            raise RequestError(f"{exc.code.name}: {exc.details}") from None
+        return False
+
+
+def read_requests(path: str) -> list[dict]:
+    """JSONL requests as `polyspec batch` reads them: a line without an id gets `line-N`."""
+    from orchestrator.client import ClientError, request_message
+
+    source = Path(path)
+    if not source.is_file():
+        raise RequestError(f"input file not found: {path}")
+    requests = []
+    for number, line in enumerate(source.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            raw = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise RequestError(f"{path} line {number}: malformed JSON: {exc.msg} at column {exc.colno}") from None
+        if not isinstance(raw, dict):
+            raise RequestError(f"{path} line {number}: a request must be a JSON object")
+        raw = {**raw, "id": str(raw["id"]) if raw.get("id") is not None else f"line-{number}"}
+        try:
+            request_message(raw)
+        except ClientError as exc:
+            raise RequestError(f"{path} line {number}: {exc.details}") from None
+        requests.append(raw)
+    if not requests:
+        raise RequestError(f"{path} holds no requests")
+    return requests
+
+
+def _write_results(results, output: str | None) -> int:
+    count = 0
+    out = open(output, "w", encoding="utf-8") if output else sys.stdout
+    try:
+        for result in results:
+            out.write(json.dumps(result) + "\n")
+            out.flush()
+            count += 1
+    finally:
+        if output:
+            out.close()
+    return count
+
+
+def _describe(job) -> str:
+    return f"{job.job_id}  {job.state:<9}  {job.completed + job.failed}/{job.total} done  ({job.failed} failed)"
+
+
+def cmd_submit(args) -> int:
+    requests = read_requests(args.input)
+    with _Connection(args) as client:
+        job = client.submit_job(requests)
+        print(job.job_id, flush=True)
+        if not args.wait:
+            return 0
+        from tqdm import tqdm
+
+        with tqdm(total=job.total, desc=job.job_id, unit="req", file=sys.stderr, disable=None) as bar:
+            def progress(current) -> None:
+                bar.update(current.completed + current.failed - bar.n)
+
+            job = client.wait(job.job_id, progress=progress)
+        if args.output:
+            _write_results(client.results(job.job_id), args.output)
+    print(_describe(job), file=sys.stderr)
+    return 0 if job.state == "succeeded" else 1
+
+
+def cmd_jobs(args) -> int:
+    with _Connection(args) as client:
+        if args.jobs_command == "list":
+            for job in client.jobs():
+                print(_describe(job))
+        elif args.jobs_command == "status":
+            print(json.dumps(_job_dict(client.job(args.job_id))))
+        elif args.jobs_command == "results":
+            _write_results(client.results(args.job_id), args.output)
+        elif args.jobs_command == "cancel":
+            print(_describe(client.cancel(args.job_id)))
+    return 0
+
+
+def _job_dict(job) -> dict:
+    import dataclasses
+
+    return dataclasses.asdict(job)
+
+
+COMMANDS = {"serve": cmd_serve, "submit": cmd_submit, "jobs": cmd_jobs}
