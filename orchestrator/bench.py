@@ -6,6 +6,7 @@ system generates back to back (in a rotating order), so machine noise hits all a
     target                    our engine, the target alone (no speculation): the baseline
     hf-generate               transformers `generate()` on the same target weights
     hf-assisted:<tier>        transformers assisted generation, a model drafter of the chain
+                              (its defaults; `@k<k>`: a constant k-token draft, our length)
     hf-prompt-lookup          transformers prompt-lookup decoding
     polyspec:<tiers>          our chain: the target with each drafter, and the full chain,
                               with the config's fixed lengths (and `@auto` with the tuner)
@@ -43,7 +44,7 @@ from workers.errors import PolyspecError
 QUICK_PROMPTS = {"code": 4, "prose": 2}  # --quick: the first prompts of each class
 QUICK_MAX_NEW_TOKENS = 48
 DEFAULT_MAX_NEW_TOKENS = 128
-DEFAULT_REPEATS = 2
+DEFAULT_REPEATS = 1  # 40 prompts already give a stable median; raise it with --repeats
 DEFAULT_TEMPERATURES = (0.0, 1.0)
 WARMUP_TOKENS = 8
 HF_PROMPT_LOOKUP_TOKENS = 10  # the value transformers' documentation uses
@@ -185,13 +186,6 @@ def _with_lengths(config: ChainConfig, tiers: tuple[TierConfig, ...], lengths) -
     return dataclasses.replace(config, tiers=tiers, speculation=speculation)
 
 
-def auto_lengths_supported() -> bool:
-    """`lengths: auto` needs the tuner (orchestrator/tuner.py)."""
-    import importlib.util
-
-    return importlib.util.find_spec("orchestrator.tuner") is not None
-
-
 def polyspec_chains(config: ChainConfig) -> list[tuple[str, ChainConfig]]:
     """(system name, config): the target with each drafter, then the full chain.
 
@@ -210,29 +204,60 @@ def polyspec_chains(config: ChainConfig) -> list[tuple[str, ChainConfig]]:
 def build_systems(config: ChainConfig, notes: list[str]) -> tuple[list[System], list[Skipped]]:
     """Load every system of the comparison; `notes` collects what the report must say."""
     systems: list[System] = [EngineSystem("target", config, speculative=False)]
+    peers, skipped = hf_systems(config, notes)
+    systems += peers
+    for name, chain_config in polyspec_chains(config):
+        systems.append(EngineSystem(name, chain_config))
+    systems += auto_systems(config, notes)
+    return systems, skipped
+
+
+def hf_systems(config: ChainConfig, notes: list[str]) -> tuple[list[System], list[Skipped]]:
+    """transformers on the same target weights: plain; assisted by each model drafter, with
+    its defaults and (`@k<k>`) with the length our two-tier chain uses; prompt lookup."""
     target_model = _hf_model(config.tiers[0])
-    systems.append(HFSystem("hf-generate", target_model))
+    systems: list[System] = [HFSystem("hf-generate", target_model)]
     skipped: list[Skipped] = []
-    for tier in config.tiers[1:]:
+    fixed = config.speculation_lengths()
+    for index, tier in enumerate(config.tiers[1:]):
         name = f"hf-assisted:{tier.name}"
         if tier.is_ngram:
             skipped.append(Skipped(name, "model-free n-gram tier: transformers' counterpart is hf-prompt-lookup"))
             continue
         systems.append(HFSystem(name, target_model, assistant_model=_hf_model(tier)))
+        systems.append(HFSystem(f"{name}@k{fixed[index]}", target_model, assistant_model=_fixed_length_assistant(tier, fixed[index])))
     lookup = {"prompt_lookup_num_tokens": HF_PROMPT_LOOKUP_TOKENS}
     ngram = next((t for t in config.tiers if t.is_ngram), None)
     if ngram is not None:
         lookup["max_matching_ngram_size"] = ngram.max_ngram
     systems.append(HFSystem("hf-prompt-lookup", target_model, **lookup))
-    notes.append(f"hf-prompt-lookup settings: {json.dumps(lookup)}; hf-assisted: transformers defaults")
-    auto = auto_lengths_supported()
-    for name, chain_config in polyspec_chains(config):
-        systems.append(EngineSystem(name, chain_config))
-        if auto:
-            systems.append(EngineSystem(name + "@auto", _with_lengths(chain_config, chain_config.tiers, "auto")))
-    if not auto:
-        notes.append("speculation.lengths: auto not measured: the tuner (orchestrator/tuner.py) is not available yet")
+    notes.append(
+        f"hf-prompt-lookup: {json.dumps(lookup)}; hf-assisted:<tier>: transformers defaults (heuristic schedule); "
+        "hf-assisted:<tier>@k<k>: num_assistant_tokens k, constant schedule, assistant_confidence_threshold 0"
+    )
     return systems, skipped
+
+
+def _fixed_length_assistant(tier: TierConfig, length: int):
+    """An assistant that always drafts `length` tokens, like our fixed-length stage."""
+    model = _hf_model(tier)
+    model.generation_config.num_assistant_tokens = length
+    model.generation_config.num_assistant_tokens_schedule = "constant"
+    model.generation_config.assistant_confidence_threshold = 0.0  # no early exit on low confidence
+    return model
+
+
+def auto_systems(config: ChainConfig, notes: list[str]) -> list[System]:
+    """The chains again with `lengths: auto`, if this engine tunes (its scheduler has a tuner)."""
+    chains = polyspec_chains(config)
+    systems: list[System] = []
+    for name, chain_config in chains:
+        system = EngineSystem(name + "@auto", _with_lengths(chain_config, chain_config.tiers, "auto"))
+        if getattr(system.engine.scheduler, "tuner", None) is None:
+            notes.append("speculation.lengths: auto not measured: this engine has no tuner yet (fixed lengths only)")
+            return []
+        systems.append(system)
+    return systems
 
 
 # ----------------------------------------------------------------------------- prompts
@@ -327,7 +352,7 @@ def read_prompts(path: str) -> list[BenchPrompt]:
             raise PolyspecError(f"{path} line {number}: malformed JSON: {exc.msg}") from None
         if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or not record["prompt"]:
             raise PolyspecError(f'{path} line {number}: expected {{"prompt": "...", "class": "code|prose"}}')
-        prompts.append(BenchPrompt(record["prompt"], str(record.get("class", "unknown"))))
+        prompts.append(BenchPrompt(record["prompt"], str(record.get("class", "unknown")), record.get("source")))
     if not prompts:
         raise PolyspecError(f"prompts file {path} has no prompts")
     return prompts

@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompts", help="JSONL of {prompt, class} (default: prompts.jsonl beside the target model's folder)")
     bench.add_argument("-n", "--max-new-tokens", type=int, default=None, help="tokens per generation (128; --quick 48)")
     bench.add_argument("--temperature", type=float, nargs="+", default=None, help="temperatures to run (default 0 1)")
-    bench.add_argument("--repeats", type=int, default=None, help="runs per prompt and system (2; --quick 1)")
+    bench.add_argument("--repeats", type=int, default=None, help="runs per prompt and system (default 1)")
     bench.add_argument("--threads", type=int, default=1, help="torch threads for every system")
     bench.add_argument("--quick", action="store_true", help="a few prompts, short generations, one repeat")
     bench.add_argument("--json", help="write the report as JSON here")

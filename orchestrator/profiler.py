@@ -9,11 +9,14 @@ Two tables per tier, both in milliseconds:
                    k autoregressive forwards for a model, one lookup for the n-gram tier
 
 `profile_tiers` measures both at start-up through the tiers' own interface (median of a few
-repeats at one representative context length; a few seconds for the demo chain). During
+repeats at one representative context length; a few seconds for the demo chain), then fits
+t(m) = a + b m through the medians (Theil-Sen: the median of pairwise slopes), because one
+forward of a few ms is noisy on a shared CPU and the time model compares sizes with each other. During
 generation the scheduler reports every round; `LatencyProfile.observe_*` folds them in with
-an exponential moving average keyed by (tier, m). Sizes the chain has not run recently are
+an exponential moving average keyed by (tier, m), per set of tiers in use (see LatencyProfile). Sizes the chain has not run recently are
 read from the start-up table times the tier's online slow-down factor (observed / start-up),
-so a node that becomes slower moves every entry, not only the sizes it happens to run.
+so a node that becomes slower moves every entry, not only the sizes it happens to run; the
+table the time model reads is the same affine fit through those per-size estimates.
 Observations are clipped to [1/3, 3] x the current estimate: a forward that re-feeds a long
 tail (prefill, a tier coming back from bypass) must not pass for a slow node, while a node
 that really slows down still moves the estimate by up to ~40 % per round.
@@ -22,6 +25,7 @@ that really slows down still moves the estimate by up to ~40 % per round.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import statistics
 import time
 
@@ -35,7 +39,7 @@ from workers.verification import verify_chain, verify_greedy
 
 OUTLIER_FACTOR = 3.0
 DEFAULT_SMOOTHING = 0.2
-DEFAULT_REPEATS = 3
+DEFAULT_REPEATS = 5
 
 
 @dataclasses.dataclass
@@ -64,50 +68,63 @@ class OnlineTable:
             self.scale += self.smoothing * (ratio - self.scale)
 
     def table(self) -> dict[int, float]:
-        """Every size known to the table (start-up or online) -> current estimate."""
-        return {size: self.estimate(size) for size in sorted(set(self.base) | set(self.online))}
+        """Every size known (start-up or online) -> the affine fit through the current estimates."""
+        return fit_affine({size: self.estimate(size) for size in sorted(set(self.base) | set(self.online))})
+
+
+Config = tuple[int, ...]  # the tiers in use (ChainScheduler.active); () = none in particular
 
 
 @dataclasses.dataclass
 class LatencyProfile:
-    """Per-tier `forward_ms` (tiers that verify) and `draft_ms` (tiers that can be the bottom)."""
+    """Start-up tables per tier, refined online per (tier, tiers in use).
+
+    On a shared CPU a tier's forward is slower when other tiers run between its forwards
+    (they evict its weights from the caches): the demo target runs ~1.3x slower inside the
+    full chain than next to the n-gram tier alone. So the online refinement is kept per set
+    of tiers in use; a set not run yet reads the start-up table."""
 
     names: list[str]
-    forward: list[OnlineTable | None]
-    draft: list[OnlineTable | None]
+    forward: list[dict[int, float] | None]  # start-up forward_ms per tier (None: cannot verify)
+    draft: list[dict[int, float] | None]  # start-up draft_ms per tier (None: cannot be the bottom)
+    smoothing: float = DEFAULT_SMOOTHING
+    online_forward: dict[tuple[int, Config], OnlineTable] = dataclasses.field(default_factory=dict)
+    online_draft: dict[tuple[int, Config], OnlineTable] = dataclasses.field(default_factory=dict)
 
-    def observe_forward(self, tier: int, new_tokens: int, ms: float) -> None:
-        table = self.forward[tier]
+    def observe_forward(self, tier: int, new_tokens: int, ms: float, config: Config = ()) -> None:
+        self._online(self.online_forward, self.forward, tier, config).observe(new_tokens, ms)
+
+    def observe_draft(self, tier: int, num_tokens: int, ms: float, config: Config = ()) -> None:
+        self._online(self.online_draft, self.draft, tier, config).observe(num_tokens, ms)
+
+    def forward_ms(self, tier: int, config: Config = ()) -> dict[int, float]:
+        return self._table(self.online_forward, self.forward, tier, config, "forward")
+
+    def draft_ms(self, tier: int, config: Config = ()) -> dict[int, float]:
+        return self._table(self.online_draft, self.draft, tier, config, "draft")
+
+    def _online(self, online: dict, base: list, tier: int, config: Config) -> OnlineTable:
+        table = online.get((tier, config))
         if table is None:
-            table = self.forward[tier] = OnlineTable({})
-        table.observe(new_tokens, ms)
+            table = online[(tier, config)] = OnlineTable(dict(base[tier] or {}), self.smoothing)
+        return table
 
-    def observe_draft(self, tier: int, num_tokens: int, ms: float) -> None:
-        table = self.draft[tier]
-        if table is None:
-            table = self.draft[tier] = OnlineTable({})
-        table.observe(num_tokens, ms)
+    def _table(self, online: dict, base: list, tier: int, config: Config, kind: str) -> dict[int, float]:
+        table = online.get((tier, config))
+        if table is not None:
+            return table.table()
+        if base[tier] is None:
+            raise KeyError(f"tier {self.names[tier]!r} has no {kind} profile")
+        return dict(base[tier])
 
-    def forward_ms(self, tier: int) -> dict[int, float]:
-        table = self.forward[tier]
-        if table is None:
-            raise KeyError(f"tier {self.names[tier]!r} has no forward profile")
-        return table.table()
-
-    def draft_ms(self, tier: int) -> dict[int, float]:
-        table = self.draft[tier]
-        if table is None:
-            raise KeyError(f"tier {self.names[tier]!r} has no draft profile")
-        return table.table()
-
-    def as_dict(self) -> list[dict]:
+    def as_dict(self, config: Config = ()) -> list[dict]:
         out = []
         for i, name in enumerate(self.names):
             entry: dict = {"name": name}
             if self.forward[i] is not None:
-                entry["forward_ms"] = {str(m): round(v, 4) for m, v in self.forward_ms(i).items()}
+                entry["forward_ms"] = {str(m): round(v, 4) for m, v in self.forward_ms(i, config).items()}
             if self.draft[i] is not None:
-                entry["draft_ms"] = {str(k): round(v, 4) for k, v in self.draft_ms(i).items()}
+                entry["draft_ms"] = {str(k): round(v, 4) for k, v in self.draft_ms(i, config).items()}
             out.append(entry)
         return out
 
@@ -119,6 +136,19 @@ def synthetic_context(vocab_size: int, length: int, seed: int = 0) -> list[int]:
     """A fixed pseudo-random context when no real prompt is at hand."""
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size, (length,), generator=generator).tolist()
+
+
+def fit_affine(points: dict[int, float]) -> dict[int, float]:
+    """Theil-Sen fit of ms = a + b * size through `points`; the fitted value at every size.
+
+    The slope is clipped at 0 (a longer block never makes a forward faster)."""
+    sizes = sorted(points)
+    if len(sizes) < 2:
+        return dict(points)
+    slopes = [(points[j] - points[i]) / (j - i) for i, j in itertools.combinations(sizes, 2)]
+    slope = max(0.0, statistics.median(slopes))
+    intercept = statistics.median(points[m] - slope * m for m in sizes)
+    return {m: intercept + slope * m for m in sizes}
 
 
 def _median_ms(run, repeats: int) -> float:
@@ -190,13 +220,13 @@ def profile_tiers(
     repeats: int = DEFAULT_REPEATS,
 ) -> LatencyProfile:
     """Measure every tier at start-up: forward_ms for the tiers that verify, draft_ms for the others."""
-    forward: list[OnlineTable | None] = []
-    draft: list[OnlineTable | None] = []
+    forward: list[dict[int, float] | None] = []
+    draft: list[dict[int, float] | None] = []
     for index, tier in enumerate(tiers):
         sizes = forward_sizes(index, len(tiers), max_length, tree_width)
         can_verify = tier.can_verify and index < len(tiers) - 1
-        forward.append(OnlineTable(profile_forward(tier, context, sizes, params, repeats)) if can_verify else None)
+        forward.append(fit_affine(profile_forward(tier, context, sizes, params, repeats)) if can_verify else None)
         can_draft = index > 0
         draft_sizes = range(1, max_length + 1)
-        draft.append(OnlineTable(profile_draft(tier, context, draft_sizes, params, tree_width, scheme, repeats)) if can_draft else None)
+        draft.append(fit_affine(profile_draft(tier, context, draft_sizes, params, tree_width, scheme, repeats)) if can_draft else None)
     return LatencyProfile([t.name for t in tiers], forward, draft)

@@ -125,6 +125,7 @@ class StageSpec:
 
     forward_ms: LatencyTable  # verifier t_i(m), m = new tokens in the forward
     accept_rates: tuple[float, ...]  # per position, for this (verifier, drafter) pair
+    overhead_ms: float = 0.0  # per round, outside forwards / verification / drafting (scheduler bookkeeping)
 
 
 def ideal_stage_cost(stage: StageSpec, length: int, below_ms: float) -> float:
@@ -243,18 +244,29 @@ def round_model(stage: StageSpec, block_pmf: Sequence[float], block_ms: float, t
         forward_ms += p * latency(stage.forward_ms, tree_width * block_len + 1)
         for accepted, q in enumerate(_cached_accepted_pmf(tuple(stage.accept_rates), block_len)):
             emitted[accepted + 1] += p * q
-    return RoundModel(tuple(emitted), block_ms + forward_ms)
+    return RoundModel(tuple(emitted), block_ms + forward_ms + stage.overhead_ms)
 
 
-def round_models(stages: Sequence[StageSpec], draft_ms: LatencyTable, lengths: Sequence[int], tree_width: int = 1) -> list[RoundModel]:
-    """Each stage's round model (target first) for fixed lengths, built bottom-up."""
+def round_models(
+    stages: Sequence[StageSpec], draft_ms: LatencyTable, lengths: Sequence[int], tree_width: int = 1, memo: dict | None = None
+) -> list[RoundModel]:
+    """Each stage's round model (target first) for fixed lengths, built bottom-up.
+
+    `memo` (optional, for searches over one set of stages): reuses the round models of
+    lower stages whose lengths repeat."""
     assert len(stages) == len(lengths) >= 1
     models: list[RoundModel] = []
     below = None
     for index in reversed(range(len(stages))):
-        block_pmf, block_ms = block_from_below(below, draft_ms, lengths[index])
-        width = tree_width if index == len(stages) - 1 else 1
-        below = round_model(stages[index], block_pmf, block_ms, width)
+        key = (index, tuple(lengths[index:]))
+        if memo is not None and key in memo:
+            below = memo[key]
+        else:
+            block_pmf, block_ms = block_from_below(below, draft_ms, lengths[index])
+            width = tree_width if index == len(stages) - 1 else 1
+            below = round_model(stages[index], block_pmf, block_ms, width)
+            if memo is not None:
+                memo[key] = below
         models.insert(0, below)
     return models
 
@@ -295,9 +307,10 @@ def search_lengths(
     the stages below, the ideal form's argument), then coordinate descent on C_0, because a
     middle tier's overshoot couples a stage's best k to the k above it. Returns (lengths, C_0)."""
     options = range(1, max_length + 1)
+    memo: dict = {}
 
     def total(lengths: Sequence[int]) -> float:
-        return cost_per_token(stages, draft_ms, lengths, tree_width)
+        return round_models(stages, draft_ms, lengths, tree_width, memo)[0].ms_per_token
 
     if max_length ** len(stages) <= exhaustive_limit:
         best = list(min(itertools.product(options, repeat=len(stages)), key=total))
@@ -305,7 +318,7 @@ def search_lengths(
     lengths = [1] * len(stages)
     for index in reversed(range(len(stages))):
         def stage_cost(k: int) -> float:
-            return round_models(stages[index:], draft_ms, [k] + lengths[index + 1 :], tree_width)[0].ms_per_token
+            return round_models(stages, draft_ms, lengths[:index] + [k] + lengths[index + 1 :], tree_width, memo)[index].ms_per_token
 
         lengths[index] = min(options, key=stage_cost)
     best_cost = total(lengths)

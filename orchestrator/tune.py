@@ -1,14 +1,15 @@
 """`polyspec tune`: the time model against the clock, on the chain of a config.
 
     polyspec tune -c CONFIG [--prompts FILE] [--temperature T] [--max-new-tokens N]
-                  [--grid-max K] [--max-prompts P] [--json]
+                  [--grid-max K] [--max-prompts P] [--repeats R] [--json]
 
 Steps (all in this process, embedded mode):
 1. profile every tier (profiler.profile_tiers) at the prompts' typical context length, and
    each model tier's prefill of every prompt;
-2. calibrate acceptance: generate every prompt once with the full chain at the longest
-   lengths, through the tuner's hooks without re-tuning (plain counts, no recency weighting);
-   latencies are refined online from the same runs;
+2. calibrate: generate every prompt with every usable set of tiers (the full chain and each
+   bypass) at long, middle and short lengths, through the tuner's hooks without re-tuning:
+   acceptance as plain counts per stage (no recency weighting), latencies refined online
+   per set of tiers (a tier is slower on a shared CPU when others run in between);
 3. predict, from those estimates only, the ms per token of every grid point (k_i in
    1..K for every stage), of the tuner's choice and of the best chain with each tier
    bypassed: (sum of prefills + time_model.generation_ms) / tokens;
@@ -23,9 +24,11 @@ no such file a few built-in code prompts are used.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import json
+import random
 import statistics
 import sys
 import time
@@ -62,6 +65,12 @@ class TuneSettings:
     grid_max: int = DEFAULT_GRID_MAX
     max_prompts: int = DEFAULT_MAX_PROMPTS
     seed: int = 0
+    repeats: int = 1  # passes over every plan; the median pass is reported
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def params(self) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
 
 
 # ----------------------------------------------------------------------------- prompts
@@ -127,29 +136,81 @@ def measure_prefill_ms(engine: Engine, prompt_ids: list[int], repeats: int = 3) 
     return out
 
 
-def run_plan(engine: Engine, plan: Plan, prompt_ids: list[list[int]], settings: TuneSettings, tuner: Tuner | None = None) -> float:
-    """Generate every prompt with `plan` (fixed lengths / tiers); measured ms per token.
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    """Per generated token: wall time (what the model predicts) and this process's CPU time
+    (the same minus time the OS gave other processes: a diagnostic on a shared machine)."""
 
-    With `tuner`, the runs go through its hooks (it learns but does not re-tune)."""
-    scheduler = engine.scheduler
-    params = SamplingParams(temperature=settings.temperature)
-    if tuner is not None:
-        tuner.fixed = plan
-    scheduler.tuner = tuner
-    scheduler.lengths, scheduler.active = list(plan.lengths), tuple(plan.active)
+    wall_ms: float
+    cpu_ms: float
+
+
+def generate_all(engine: Engine, prompt_ids: list[list[int]], settings: TuneSettings) -> Measurement:
+    """Generate every prompt as the scheduler is set up now."""
+    params = settings.params()
     total_s, total_tokens = 0.0, 0
+    cpu_started = time.process_time()
     for number, ids in enumerate(prompt_ids):
-        output = scheduler.generate(list(ids), settings.max_new_tokens, params, seed=settings.seed + number)
+        output = engine.scheduler.generate(list(ids), settings.max_new_tokens, params, seed=settings.seed + number)
         total_s += output.stats["time_s"]
         total_tokens += len(output.token_ids)
-    scheduler.tuner = None
-    return 1000.0 * total_s / max(1, total_tokens)
+    tokens = max(1, total_tokens)
+    return Measurement(1000.0 * total_s / tokens, 1000.0 * (time.process_time() - cpu_started) / tokens)
+
+
+def run_plan(engine: Engine, plan: Plan, prompt_ids: list[list[int]], settings: TuneSettings, tuner: Tuner | None = None) -> Measurement:
+    """Every prompt with `plan` (fixed lengths / tiers); with `tuner`, through its hooks
+    (it learns but does not re-tune)."""
+    if tuner is not None:
+        tuner.fixed = plan
+    scheduler = engine.scheduler
+    scheduler.tuner = tuner
+    scheduler.lengths, scheduler.active = list(plan.lengths), tuple(plan.active)
+    try:
+        return generate_all(engine, prompt_ids, settings)
+    finally:
+        scheduler.tuner = None
+
+
+def run_auto(engine: Engine, tuner: Tuner, prompt_ids: list[list[int]], settings: TuneSettings) -> Measurement:
+    """Every prompt with `lengths: auto` (the tuner learning as it goes)."""
+    tuner.fixed = None
+    engine.scheduler.tuner = tuner
+    try:
+        return generate_all(engine, prompt_ids, settings)
+    finally:
+        engine.scheduler.tuner = None
+
+
+def measure(engine: Engine, plans: list[Plan], prompt_ids: list[list[int]], settings: TuneSettings, make_auto_tuner, log) -> tuple[dict, list[dict]]:
+    """Step 4: `settings.repeats` passes, each over every plan and one fresh `lengths: auto`
+    run, in a shuffled order (slow phases of a shared machine then hit plans at random, not
+    the end of the list). Returns ({plan or "auto": median Measurement}, auto plan histories)."""
+    runs: dict = {plan: [] for plan in [*plans, "auto"]}
+    histories = []
+    started = time.perf_counter()
+    for repeat in range(settings.repeats):
+        order = list(runs)
+        random.Random(settings.seed + repeat).shuffle(order)
+        for number, item in enumerate(order, start=1):
+            if item == "auto":
+                auto_tuner = make_auto_tuner()
+                runs[item].append(run_auto(engine, auto_tuner, prompt_ids, settings))
+                histories.append(auto_tuner.history)
+            else:
+                runs[item].append(run_plan(engine, item, prompt_ids, settings))
+            log(f"pass {repeat + 1}/{settings.repeats}: measured {number}/{len(order)} ({time.perf_counter() - started:.0f} s)")
+    medians = {
+        item: Measurement(statistics.median(m.wall_ms for m in values), statistics.median(m.cpu_ms for m in values))
+        for item, values in runs.items()
+    }
+    return medians, histories
 
 
 def predict_plan(tuner: Tuner, key: str, plan: Plan, prefill_extra_ms: list[list[float]], new_tokens: int) -> float:
     """Predicted ms per token over the prompts: prefills of the tiers in use + decoding."""
     if len(plan.active) == 1:
-        decode_ms = new_tokens * latency(tuner.profile.forward_ms(0), 1)
+        decode_ms = new_tokens * (latency(tuner.profile.forward_ms(0, plan.active), 1) + tuner.round_overhead_ms)
     else:
         stages, draft_ms = tuner.stages(key, plan.active)
         lengths = [plan.lengths[level] for level in plan.active[:-1]]
@@ -161,12 +222,13 @@ def predict_plan(tuner: Tuner, key: str, plan: Plan, prefill_extra_ms: list[list
 # ----------------------------------------------------------------------------- the run
 
 
-def plan_entry(engine: Engine, plan: Plan, predicted: float, measured: float | None) -> dict:
+def plan_entry(engine: Engine, plan: Plan, predicted: float, measured: Measurement) -> dict:
     return {
         "lengths": [plan.lengths[level] for level in plan.active[:-1]],
         "tiers": [engine.tiers[t].name for t in plan.active],
         "predicted_ms_per_token": round(predicted, 4),
-        "measured_ms_per_token": None if measured is None else round(measured, 4),
+        "measured_ms_per_token": round(measured.wall_ms, 4),
+        "measured_cpu_ms_per_token": round(measured.cpu_ms, 4),
     }
 
 
@@ -176,10 +238,11 @@ def tier_report(engine: Engine, tuner: Tuner, key: str, grid_max: int) -> list[d
     last = len(engine.tiers) - 1
     for index, tier in enumerate(engine.tiers):
         entry: dict = {"name": tier.name, "forward_ms": None, "draft_ms": None, "acceptance": None}
+        full = tuple(range(len(engine.tiers)))
         if profile.forward[index] is not None:
-            entry["forward_ms"] = {str(m): round(v, 4) for m, v in profile.forward_ms(index).items()}
+            entry["forward_ms"] = {str(m): round(v, 4) for m, v in profile.forward_ms(index, full).items()}
         if profile.draft[index] is not None:
-            entry["draft_ms"] = {str(k): round(v, 4) for k, v in profile.draft_ms(index).items()}
+            entry["draft_ms"] = {str(k): round(v, 4) for k, v in profile.draft_ms(index, full).items()}
         if index < last:
             entry["acceptance"] = acceptance_entry(engine, tuner, key, index, index + 1, grid_max)
         if index == 0 and last >= 2:
@@ -198,6 +261,39 @@ def acceptance_entry(engine: Engine, tuner: Tuner, key: str, verifier: int, draf
     }
 
 
+def calibration_plans(tuner: Tuner, grid_max: int) -> list[Plan]:
+    """Every usable set of tiers at a few lengths: long, middle and short blocks.
+
+    (The target alone reports no rounds to the tuner: its prediction uses the start-up profile.)"""
+    lengths = sorted({grid_max, max(1, grid_max // 2), min(2, grid_max)}, reverse=True)
+    return [Plan((k,) * (tuner.num_tiers - 1), active) for active in tuner.candidate_sets() for k in lengths]
+
+
+def calibrate(engine: Engine, prompt_ids: list[list[int]], settings: TuneSettings, log) -> tuple[Tuner, list[list[float]]]:
+    """Steps 1-2: a tuner holding the latency profile (start-up, then refined in every set of
+    tiers) and acceptance counts from passes over the prompts with every usable set of tiers
+    (`calibration_plans`); and per prompt, per tier, the prefill's extra ms."""
+    log("profiling the tiers")
+    typical = int(statistics.median(len(ids) for ids in prompt_ids)) + settings.max_new_tokens // 2
+    context = (list(prompt_ids[0]) * (typical // len(prompt_ids[0]) + 1))[:typical]
+    tuner = engine.make_tuner(context, max_length=settings.grid_max)
+    tuner.decay = 1.0  # calibration: plain counts over all prompts
+    tuner.shadow = False  # skip pairs are measured directly below
+    profile = tuner.profile
+    first_forward = [latency(profile.forward_ms(i), 1) if profile.forward[i] is not None else 0.0 for i in range(len(engine.tiers))]
+    prefill_extra = [[max(0.0, ms - first) for ms, first in zip(measure_prefill_ms(engine, list(ids)), first_forward)] for ids in prompt_ids]
+
+    full = tuple(range(len(engine.tiers)))
+    longest = Plan((settings.grid_max,) * (len(full) - 1), full)
+    log("warming up")
+    run_plan(engine, longest, prompt_ids[:1], dataclasses.replace(settings, max_new_tokens=min(16, settings.max_new_tokens)))
+    plans = calibration_plans(tuner, settings.grid_max)
+    for number, plan in enumerate(plans, start=1):
+        log(f"calibrating {number}/{len(plans)}: {'+'.join(engine.tiers[t].name for t in plan.active)} at {plan.lengths[0]}")
+        run_plan(engine, plan, prompt_ids, settings, tuner)
+    return tuner, prefill_extra
+
+
 def run_tune(config: ChainConfig, prompts: list[str], settings: TuneSettings, log=None) -> dict:
     """Profile, calibrate, predict and measure; the report (see the module docstring)."""
     log = log or (lambda message: None)
@@ -211,65 +307,63 @@ def run_tune(config: ChainConfig, prompts: list[str], settings: TuneSettings, lo
     longest = max(len(ids) for ids in prompt_ids)
     if limit is not None and longest + settings.max_new_tokens + 2 * settings.grid_max + 2 >= limit:
         raise TuneError(f"the longest prompt ({longest} tokens) + max_new_tokens ({settings.max_new_tokens}) does not fit the model context ({limit})")
+    tuner, prefill_extra = calibrate(engine, prompt_ids, settings, log)
 
-    log("profiling the tiers")
-    typical = int(statistics.median(len(ids) for ids in prompt_ids)) + settings.max_new_tokens // 2
-    context = (list(prompt_ids[0]) * (typical // len(prompt_ids[0]) + 1))[:typical]
-    tuner = engine.make_tuner(context, max_length=settings.grid_max)
-    tuner.decay = 1.0  # calibration: plain counts over all prompts
-    prefill = [measure_prefill_ms(engine, list(ids)) for ids in prompt_ids]
-    first_forward = [latency(tuner.profile.forward_ms(i), 1) if tuner.profile.forward[i] is not None else 0.0 for i in range(len(engine.tiers))]
-    prefill_extra = [[max(0.0, ms - first_forward[i]) for i, ms in enumerate(row)] for row in prefill]
-
+    # step 3: predictions, from the calibration only
+    key = request_class(settings.params())
     full = tuple(range(len(engine.tiers)))
-    longest_plan = Plan((settings.grid_max,) * (len(full) - 1), full)
-    log("warming up")
-    run_plan(engine, longest_plan, prompt_ids[:1], dataclasses.replace(settings, max_new_tokens=min(16, settings.max_new_tokens)))
-    log("calibrating acceptance")
-    run_plan(engine, longest_plan, prompt_ids, settings, tuner)
-
-    key = request_class(SamplingParams(temperature=settings.temperature))
     grid = [Plan(lengths, full) for lengths in itertools.product(range(1, settings.grid_max + 1), repeat=len(full) - 1)]
-    predicted = {plan: predict_plan(tuner, key, plan, prefill_extra, settings.max_new_tokens) for plan in grid}
     chosen = tuner.choose(key)
-    chosen = Plan(chosen.lengths, chosen.active)
-    predicted[chosen] = predict_plan(tuner, key, chosen, prefill_extra, settings.max_new_tokens)
-    bypass = []
-    for tier in range(1, len(full)):
-        plan = tuner.choose(key, exclude=tier)
-        plan = Plan(plan.lengths, plan.active)
-        predicted[plan] = predict_plan(tuner, key, plan, prefill_extra, settings.max_new_tokens)
-        bypass.append((tier, plan))
-    baseline = Plan(longest_plan.lengths, (0,))
-    predicted[baseline] = predict_plan(tuner, key, baseline, prefill_extra, settings.max_new_tokens)
+    bypass = [(tier, tuner.choose(key, exclude=tier)) for tier in range(1, len(full))]
+    baseline = Plan((settings.grid_max,) * (len(full) - 1), (0,))
+    plans = list(dict.fromkeys(grid + [chosen] + [plan for _, plan in bypass] + [baseline]))
+    predicted = {plan: predict_plan(tuner, key, plan, prefill_extra, settings.max_new_tokens) for plan in plans}
     tiers = tier_report(engine, tuner, key, settings.grid_max)
+    overhead_ms = tuner.round_overhead_ms
 
-    measured: dict[Plan, float] = {}
-    to_measure = list(dict.fromkeys(grid + [chosen] + [plan for _, plan in bypass] + [baseline]))
-    started = time.perf_counter()
-    for number, plan in enumerate(to_measure, start=1):
-        measured[plan] = run_plan(engine, plan, prompt_ids, settings)
-        log(f"measured {number}/{len(to_measure)} ({time.perf_counter() - started:.0f} s)")
+    # step 4: measurements
+    def make_auto_tuner() -> Tuner:  # what `lengths: auto` starts from: the start-up profile, no acceptance data
+        profile = copy.deepcopy(tuner.profile)
+        profile.online_forward.clear()
+        profile.online_draft.clear()
+        return Tuner(profile, max_length=settings.grid_max, tree_width=tuner.tree_width)
 
-    grid_entries = [plan_entry(engine, plan, predicted[plan], measured[plan]) for plan in grid]
-    errors = [relative_error(predicted[plan], measured[plan]) for plan in grid]
-    best = min(grid, key=lambda plan: measured[plan])
+    measured, auto_histories = measure(engine, plans, prompt_ids, settings, make_auto_tuner, log)
+
+    def entry(plan: Plan) -> dict:
+        return plan_entry(engine, plan, predicted[plan], measured[plan])
+
+    def summary(field: str) -> dict:
+        value = {plan: getattr(measured[plan], field) for plan in plans}
+        errors = [relative_error(predicted[plan], value[plan]) for plan in grid]
+        best = min(grid, key=value.get)
+        return {
+            "median_relative_error": round(statistics.median(errors), 4),
+            "max_relative_error": round(max(errors), 4),
+            "best_grid": entry(best),
+            "chosen_over_best": round(value[chosen] / value[best], 4),
+            "auto_over_best": round(getattr(measured["auto"], field) / value[best], 4),
+        }
+
     return {
         "config": config.source,
         "temperature": settings.temperature,
         "max_new_tokens": settings.max_new_tokens,
         "prompts": len(prompts),
-        "grid": grid_entries,
-        "chosen": plan_entry(engine, chosen, predicted[chosen], measured[chosen]),
-        "bypass": [{"bypassed": engine.tiers[tier].name, **plan_entry(engine, plan, predicted[plan], measured[plan])} for tier, plan in bypass],
-        "baseline": plan_entry(engine, baseline, predicted[baseline], measured[baseline]),
-        "tiers": tiers,
-        "summary": {
-            "median_relative_error": round(statistics.median(errors), 4),
-            "max_relative_error": round(max(errors), 4),
-            "best_grid": plan_entry(engine, best, predicted[best], measured[best]),
-            "chosen_over_best": round(measured[chosen] / measured[best], 4),
+        "repeats": settings.repeats,
+        "grid": [entry(plan) for plan in grid],
+        "chosen": entry(chosen),
+        "bypass": [{"bypassed": engine.tiers[tier].name, **entry(plan)} for tier, plan in bypass],
+        "baseline": entry(baseline),
+        "auto": {
+            "measured_ms_per_token": round(measured["auto"].wall_ms, 4),
+            "measured_cpu_ms_per_token": round(measured["auto"].cpu_ms, 4),
+            "plans": auto_histories[-1],
         },
+        "tiers": tiers,
+        "round_overhead_ms": round(overhead_ms, 4),
+        "summary": summary("wall_ms"),
+        "summary_cpu": summary("cpu_ms"),
     }
 
 
@@ -289,10 +383,14 @@ def format_report(report: dict) -> str:
             rates = tier["acceptance"]["per_position"][:6]
             parts.append(f"accepts {tier['acceptance']['drafter']}: " + " ".join(f"{r:.2f}" for r in rates))
         lines.append("  ".join(parts))
-    lines += ["", f"{'lengths':>12} {'predicted':>10} {'measured':>9} {'error':>7}   (ms per token)"]
+    lines.append(f"{'':>10}  per-round overhead outside forwards: {report['round_overhead_ms']:.3f} ms")
+    lines += ["", f"{'lengths':>12} {'predicted':>10} {'measured':>9} {'error':>7} {'cpu':>7}   (ms per token; cpu: this process's CPU time)"]
     for entry in report["grid"]:
         error = relative_error(entry["predicted_ms_per_token"], entry["measured_ms_per_token"])
-        lines.append(f"{str(entry['lengths']):>12} {entry['predicted_ms_per_token']:>10.3f} {entry['measured_ms_per_token']:>9.3f} {100 * error:>6.1f}%")
+        lines.append(
+            f"{str(entry['lengths']):>12} {entry['predicted_ms_per_token']:>10.3f} {entry['measured_ms_per_token']:>9.3f}"
+            f" {100 * error:>6.1f}% {entry['measured_cpu_ms_per_token']:>7.3f}"
+        )
     lines.append("")
 
     def describe(label: str, entry: dict) -> str:
@@ -305,12 +403,13 @@ def format_report(report: dict) -> str:
     for entry in report["bypass"]:
         lines.append(describe(f"without {entry['bypassed']}", entry))
     lines.append(describe("target alone", report["baseline"]))
-    summary = report["summary"]
-    lines.append(describe("best grid point", summary["best_grid"]))
-    lines.append(
-        f"median |predicted - measured| / measured over the grid: {100 * summary['median_relative_error']:.1f} %"
-        f" (max {100 * summary['max_relative_error']:.1f} %); choice / best grid point: {summary['chosen_over_best']:.3f}"
-    )
+    lines.append(f"lengths: auto (fresh tuner): measured {report['auto']['measured_ms_per_token']:.3f} ms/token, {len(report['auto']['plans'])} plan changes")
+    for label, summary in (("wall", report["summary"]), ("cpu", report["summary_cpu"])):
+        lines.append(
+            f"[{label} time] median |predicted - measured| / measured over the grid: {100 * summary['median_relative_error']:.1f} %"
+            f" (max {100 * summary['max_relative_error']:.1f} %); best grid point {summary['best_grid']['lengths']};"
+            f" measured / best grid point: choice {summary['chosen_over_best']:.3f}, auto {summary['auto_over_best']:.3f}"
+        )
     return "\n".join(lines)
 
 
@@ -322,9 +421,12 @@ def cmd_tune(args) -> int:
         grid_max=args.grid_max,
         max_prompts=args.max_prompts,
         seed=args.seed,
+        repeats=args.repeats,
+        top_p=config.sampling.top_p,
+        top_k=config.sampling.top_k,
     )
-    if settings.grid_max < 1 or settings.max_new_tokens < 1 or settings.max_prompts < 1 or settings.temperature < 0:
-        raise TuneError("--grid-max, --max-new-tokens and --max-prompts must be >= 1 and --temperature >= 0")
+    if min(settings.grid_max, settings.max_new_tokens, settings.max_prompts, settings.repeats) < 1 or settings.temperature < 0:
+        raise TuneError("--grid-max, --max-new-tokens, --max-prompts and --repeats must be >= 1 and --temperature >= 0")
     prompts, source = load_prompts(args.prompts, config, settings.max_prompts)
 
     def log(message: str) -> None:

@@ -20,11 +20,17 @@ every target round (made at the committed context) is matched against the tokens
 target then commits. For greedy decoding and for deterministic drafters (the n-gram tier)
 the matched prefix has exactly the distribution of the target's accepted prefix; for a
 sampled model drafter it is a lower bound (P[match] = sum p_t p_d <= sum min(p_t, p_d)).
-A tier that is bypassed gets no data, so every `explore_every` rounds the full chain runs
-for one round (a probe).
+Such shadow estimates overrate bursty drafters, so they only stand in until the pair has
+MIN_DIRECT_BLOCKS blocks of its own. A tier that is bypassed gets no data, so every
+`explore_every` rounds the full chain runs for one round (a probe).
+
+Time outside the reported rounds (the scheduler's bookkeeping, a streaming callback) is
+measured too: wall time between two target rounds minus what the rounds reported, per
+round, as an EMA (`round_overhead_ms`), added to every round the model predicts.
 
 Every `retune_every` rounds of a class the tuner searches lengths (time_model.search_lengths)
-for each usable set of tiers and switches only when the predicted gain exceeds `hysteresis`.
+for each usable set of tiers and switches only when the predicted gain exceeds `hysteresis`
+(`switch_hysteresis` to another set of tiers).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import time
 
 from orchestrator.profiler import LatencyProfile
 from orchestrator.time_model import StageSpec, cost_per_token, search_lengths
@@ -43,6 +50,9 @@ RECENT_DECAY = 0.8  # position 1's fast tracker (a window of ~5 blocks) ...
 SETTLED_DECAY = 0.97  # ... against its slow tracker (~30 blocks)
 SHIFT_LOGIT = 2.0  # |logit(fast) - logit(slow)| that counts as a shift in the text
 SHIFT_FORGET = 0.1  # what a shift leaves of the old counts
+OVERHEAD_SMOOTHING = 0.1
+MIN_DIRECT_BLOCKS = 4  # direct blocks that outweigh a skip pair's shadow estimate
+MAX_PENDING = 256  # requests the tuner follows at once (round-robin serving)
 
 
 @dataclasses.dataclass
@@ -60,16 +70,17 @@ class AcceptanceEstimate:
     successes: list[float] = dataclasses.field(default_factory=lambda: [0.0] * MAX_POSITIONS)
     trials: list[float] = dataclasses.field(default_factory=lambda: [0.0] * MAX_POSITIONS)
     blocks: float = 0.0  # decayed number of observed blocks
-    prior_weight: float | None = None  # position 1's prior weight now (starts at prior_strength)
+    prior_weight: float = dataclasses.field(init=False)  # position 1's prior weight now
     recent: float | None = None  # fast EMA of position 1's acceptance (shift detector)
     settled: float | None = None  # slow EMA of the same
     shifts: int = 0  # shifts detected so far
 
+    def __post_init__(self) -> None:
+        self.prior_weight = self.prior_strength
+
     def observe(self, proposed: int, accepted: int) -> None:
         """A block of `proposed` positions (missing proposals count as rejected) with `accepted` kept."""
         assert 0 <= accepted <= proposed
-        if self.prior_weight is None:
-            self.prior_weight = self.prior_strength
         if self.decay < 1.0:
             self.successes = [s * self.decay for s in self.successes]
             self.trials = [t * self.decay for t in self.trials]
@@ -98,7 +109,7 @@ class AcceptanceEstimate:
     def rates(self, prior_mean: float | None = None) -> tuple[float, ...]:
         """Posterior mean acceptance for positions 1..MAX_POSITIONS."""
         mean = self.prior_mean if prior_mean is None else prior_mean
-        weight = self.prior_strength if self.prior_weight is None else self.prior_weight
+        weight = self.prior_weight
         out = []
         for successes, trials in zip(self.successes, self.trials):
             mean = (mean * weight + successes) / (weight + trials)
@@ -127,7 +138,8 @@ def request_class(params: SamplingParams) -> str:
 
 @dataclasses.dataclass
 class _ClassState:
-    estimates: dict[tuple[int, int], AcceptanceEstimate]
+    estimates: dict[tuple[int, int], AcceptanceEstimate]  # measured where the pair runs
+    shadow_estimates: dict[tuple[int, int], AcceptanceEstimate] = dataclasses.field(default_factory=dict)  # skip pairs, from commits
     plan: Plan | None = None
     rounds: int = 0
 
@@ -151,6 +163,7 @@ class Tuner:
         tree_width: int = 1,
         retune_every: int = 4,
         hysteresis: float = 0.03,
+        switch_hysteresis: float = 0.08,
         decay: float = 0.93,
         prior_mean: float = 0.6,
         prior_strength: float = 2.0,
@@ -164,6 +177,7 @@ class Tuner:
         self.tree_width = tree_width
         self.retune_every = retune_every
         self.hysteresis = hysteresis
+        self.switch_hysteresis = switch_hysteresis
         self.decay = decay
         self.prior_mean = prior_mean
         self.prior_strength = prior_strength
@@ -171,20 +185,32 @@ class Tuner:
         self.warmup_rounds = warmup_rounds
         self.explore_every = explore_every
         self.fixed: Plan | None = None  # set to run one plan while still learning (polyspec tune)
+        self.shadow = True  # estimate skip pairs from committed tokens (polyspec tune measures them directly)
         self.history: list[dict] = []  # every plan change: {"class", "round", "lengths", "active", "predicted_ms_per_token"}
         self._classes: dict[str, _ClassState] = {}
         self._key = "greedy"
         self._running: Plan | None = None
-        self._committed_len = -1
-        self._shadow: _Shadow | None = None
+        # requests may interleave round by round (a server): they are told apart by their
+        # committed length, which each target round moves from `_round_start` to the next
+        self._round_start = -1  # committed tokens when the current target round began
+        self._continuing: dict[int, None] = {}  # committed lengths a known request resumes at (insertion ordered)
+        self._prefilling = False  # the current target round is a request's first (it feeds the prompt)
+        self._shadows: dict[int, _Shadow] = {}  # pending skip-pair proposals, by the committed length they resume at
+        self.round_overhead_ms = 0.0
+        self._last_commit = 0
+        self._round_started: float | None = None  # perf_counter when the current target round began
+        self._reported_s = 0.0  # seconds the rounds since then reported
+        self._reported_rounds = 0
 
     # ------------------------------------------------------------- scheduler hook
 
     def plan(self, params: SamplingParams, committed_len: int) -> tuple[list[int], tuple[int, ...]]:
         """Before each target round: the lengths (one per level) and the tiers to use."""
-        if committed_len != self._committed_len:
-            self._shadow = None  # a new request: a pending proposal belongs to another text
-        self._committed_len = committed_len
+        continues_last = committed_len == self._round_start + self._last_commit
+        self._prefilling = committed_len not in self._continuing
+        self._continuing.pop(committed_len, None)
+        self._measure_overhead(continues_last)
+        self._round_start = committed_len
         self._key = request_class(params)
         state = self._state(self._key)
         if self.fixed is not None:
@@ -198,6 +224,7 @@ class Tuner:
                 plan = self.choose(self._key, bypass=False)  # a probe: the bypassed tiers' stages get data
         state.rounds += 1
         self._running = plan
+        self._round_started = time.perf_counter()
         return list(plan.lengths), plan.active
 
     def observe_round(self, level: int, drafter: int, length: int, block_len: int, accepted: int, seconds: float) -> None:
@@ -205,26 +232,32 @@ class Tuner:
         is_tree = self.tree_width > 1 and self._running is not None and drafter == self._running.active[-1]
         proposed = length if is_tree else max(length, block_len)
         self._estimate(self._key, level, drafter).observe(proposed, min(accepted, proposed))
-        self.profile.observe_forward(level, block_len + 1, seconds * 1000.0)
+        if not self._prefilling:
+            self.profile.observe_forward(level, block_len + 1, seconds * 1000.0, self._config())
+        self._reported_s += seconds
+        self._reported_rounds += 1
 
     def observe_draft(self, tier: int, length: int, context_len: int, tokens: list[int] | None, seconds: float) -> None:
         """After the bottom tier proposed `tokens` (asked for `length`) continuing `context_len` tokens."""
-        self.profile.observe_draft(tier, length, seconds * 1000.0)
+        if not self._prefilling:
+            self.profile.observe_draft(tier, length, seconds * 1000.0, self._config())
+        self._reported_s += seconds
         running = self._running
-        if (
-            tokens is not None
-            and self._shadow is None
-            and running is not None
-            and len(running.active) > 2
-            and tier == running.active[-1]
-            and context_len == self._committed_len
-        ):
-            self._shadow = _Shadow(self._key, tier, list(tokens), length)
+        at_committed = context_len == self._round_start and context_len not in self._shadows
+        skips_tiers = running is not None and len(running.active) > 2 and tier == running.active[-1]
+        if self.shadow and tokens is not None and at_committed and skips_tiers:
+            self._shadows[context_len] = _Shadow(self._key, tier, list(tokens), length)
+            while len(self._shadows) > MAX_PENDING:
+                self._shadows.pop(next(iter(self._shadows)))
 
     def observe_commit(self, tokens: list[int]) -> None:
         """After a target round committed `tokens`."""
-        self._committed_len += len(tokens)
-        shadow = self._shadow
+        resume_at = self._round_start + len(tokens)
+        self._last_commit = len(tokens)
+        self._continuing[resume_at] = None
+        while len(self._continuing) > MAX_PENDING:
+            self._continuing.pop(next(iter(self._continuing)))
+        shadow = self._shadows.pop(self._round_start, None)
         if shadow is None:
             return
         shadow.committed += tokens
@@ -232,15 +265,30 @@ class Tuner:
         while matched < min(len(shadow.proposal), len(shadow.committed)) and shadow.proposal[matched] == shadow.committed[matched]:
             matched += 1
         if matched < len(shadow.committed) or matched == len(shadow.proposal):
-            self._estimate(shadow.key, 0, shadow.drafter).observe(max(shadow.requested, len(shadow.proposal)), matched)
-            self._shadow = None
+            self._estimate(shadow.key, 0, shadow.drafter, shadow=True).observe(max(shadow.requested, len(shadow.proposal)), matched)
+        else:
+            self._shadows[resume_at] = shadow  # all matched so far: wait for the next round
+
+    def _config(self) -> tuple[int, ...]:
+        return self._running.active if self._running is not None else ()
+
+    def _measure_overhead(self, continues_last: bool) -> None:
+        """Wall time of the target round that just ended, less what its rounds and drafts reported
+        (only when this round continues the same request: in between, a server may do other work)."""
+        if continues_last and self._round_started is not None and self._reported_rounds:
+            residual_ms = 1000.0 * (time.perf_counter() - self._round_started - self._reported_s) / self._reported_rounds
+            self.round_overhead_ms += OVERHEAD_SMOOTHING * (max(0.0, residual_ms) - self.round_overhead_ms)
+        self._reported_s, self._reported_rounds = 0.0, 0
 
     # ---------------------------------------------------------------- decisions
 
     def stages(self, key: str, active: tuple[int, ...]) -> tuple[list[StageSpec], dict[int, float]]:
         """The time model's inputs for a chain of `active` tiers: stages (target first) and the bottom's draft_ms."""
-        stages = [StageSpec(self.profile.forward_ms(a), self.accept_rates(key, a, b)) for a, b in zip(active, active[1:])]
-        return stages, self.profile.draft_ms(active[-1])
+        stages = [
+            StageSpec(self.profile.forward_ms(a, active), self.accept_rates(key, a, b), self.round_overhead_ms)
+            for a, b in zip(active, active[1:])
+        ]
+        return stages, self.profile.draft_ms(active[-1], active)
 
     def accept_rates(self, key: str, verifier: int, drafter: int) -> tuple[float, ...]:
         """Posterior per-position acceptance; an unmeasured skip pair's prior is the product of
@@ -250,6 +298,11 @@ class Tuner:
             prior = 1.0
             for tier in range(verifier, drafter):
                 prior *= self.accept_rates(key, tier, tier + 1)[0]
+        state = self._state(key)
+        direct = state.estimates.get((verifier, drafter))
+        shadow = state.shadow_estimates.get((verifier, drafter))
+        if shadow is not None and (direct is None or direct.blocks < MIN_DIRECT_BLOCKS):
+            return shadow.rates(prior)  # a fallback only: it overrates bursty drafters (docs/time-model.md)
         return self._estimate(key, verifier, drafter).rates(prior)
 
     def predict(self, key: str, active: tuple[int, ...], lengths: list[int] | tuple[int, ...]) -> float:
@@ -295,7 +348,9 @@ class Tuner:
         current = state.plan
         if current is not None:
             current_ms = self.predict(key, current.active, current.lengths)
-            if not best.predicted_ms < current_ms * (1.0 - self.hysteresis):
+            # other tiers cost more to switch to (a returning tier re-feeds what it missed)
+            margin = self.hysteresis if best.active == current.active else self.switch_hysteresis
+            if not best.predicted_ms < current_ms * (1.0 - margin):
                 state.plan = dataclasses.replace(current, predicted_ms=current_ms)
                 return
         state.plan = best
@@ -317,12 +372,14 @@ class Tuner:
             state = self._classes[key] = _ClassState({})
         return state
 
-    def _estimate(self, key: str, verifier: int, drafter: int) -> AcceptanceEstimate:
-        estimates = self._state(key).estimates
+    def _estimate(self, key: str, verifier: int, drafter: int, shadow: bool = False) -> AcceptanceEstimate:
+        state = self._state(key)
+        estimates = state.shadow_estimates if shadow else state.estimates
         estimate = estimates.get((verifier, drafter))
         if estimate is None:
             estimate = estimates[(verifier, drafter)] = AcceptanceEstimate(self.prior_mean, self.prior_strength, self.decay)
         return estimate
 
-    def estimates(self, key: str) -> dict[tuple[int, int], AcceptanceEstimate]:
-        return dict(self._state(key).estimates)
+    def estimates(self, key: str, shadow: bool = False) -> dict[tuple[int, int], AcceptanceEstimate]:
+        state = self._state(key)
+        return dict(state.shadow_estimates if shadow else state.estimates)

@@ -41,8 +41,8 @@ def fixed_profile(names, forward, draft) -> LatencyProfile:
     """forward / draft: per tier a function of size (ms) or None."""
     return LatencyProfile(
         list(names),
-        [OnlineTable({m: f(m) for m in range(1, 20)}) if f else None for f in forward],
-        [OnlineTable({k: d(k) for k in range(1, 9)}) if d else None for d in draft],
+        [{m: f(m) for m in range(1, 20)} if f else None for f in forward],
+        [{k: d(k) for k in range(1, 9)} if d else None for d in draft],
     )
 
 
@@ -108,12 +108,29 @@ def test_skip_pair_estimated_from_committed_tokens():
     tuner.observe_draft(2, 4, 10, [5, 6, 7, 8], 0.0)  # the n-gram's proposal at the committed context
     tuner.observe_draft(2, 4, 12, [1, 1, 1, 1], 0.0)  # later ones (uncommitted context) are ignored
     tuner.observe_commit([5, 6])  # matches so far: wait for more
-    assert tuner.estimates("greedy").get((0, 2)) is None
+    assert tuner.estimates("greedy", shadow=True).get((0, 2)) is None
     tuner.plan(GREEDY, 12)
     tuner.observe_commit([9])  # third position mismatched: 2 accepted
-    estimate = tuner.estimates("greedy")[(0, 2)]
+    estimate = tuner.estimates("greedy", shadow=True)[(0, 2)]
     assert estimate.trials[:4] == pytest.approx([1.0, 1.0, 1.0, 0.0])
     assert estimate.successes[:3] == pytest.approx([1.0, 1.0, 0.0])
+
+
+def test_interleaved_requests_and_per_config_latency():
+    profile = fixed_profile(["target", "ngram"], [lambda m: 10.0, None], [None, lambda k: 0.05])
+    tuner = Tuner(profile, max_length=4)
+    tuner.fixed = Plan((4,), (0, 1))
+    committed = {"a": 100, "b": 500}
+    for _ in range(3):  # two requests, round robin
+        for request in ("a", "b"):
+            tuner.plan(GREEDY, committed[request])
+            tuner.observe_round(0, 1, 4, 4, 4, 0.020)  # 20 ms: twice the start-up profile
+            tuner.observe_commit([1] * 5)
+            committed[request] += 5
+    # each request's first round fed its prompt: only the later rounds were timed
+    assert profile.online_forward[(0, (0, 1))].online[5] > 10.0
+    assert profile.forward_ms(0, (0, 1))[5] > 12.0
+    assert profile.forward_ms(0, (0, 2))[5] == pytest.approx(10.0)  # another set of tiers keeps the start-up table
 
 
 def test_profile_moves_with_a_slower_node():
