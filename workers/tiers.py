@@ -234,6 +234,19 @@ def _first_candidates(root_logits, root_probs, width: int, params: SamplingParam
     return [int(t) for t in torch.multinomial(root_probs, width, replacement=True, generator=generator)]
 
 
+def _copy_forward(context: list[int], start: int, num_tokens: int) -> list[int]:
+    """`num_tokens` tokens copied from `context[start:]`, continuing into the copy itself when
+    the context runs out (an overlapping copy, as in LZ77): a loop of period p shorter than
+    the block is proposed for the whole block, not cut at the end of the context."""
+    copied: list[int] = []
+    for offset in range(num_tokens):
+        position = start + offset
+        if position >= len(context) and not copied:
+            break
+        copied.append(context[position] if position < len(context) else copied[position - len(context)])
+    return copied
+
+
 class NGramTier(Tier):
     """Model-free prompt-lookup drafter: continues the latest earlier occurrence of the context's suffix.
 
@@ -264,7 +277,7 @@ class NGramTier(Tier):
             for start in range(length - n - 1, -1, -1):
                 if context[start : start + n] != suffix:
                     continue
-                continuation = context[start + n : start + n + num_tokens]
+                continuation = _copy_forward(context, start + n, num_tokens)
                 if continuation and continuation[0] not in first_tokens:
                     first_tokens.add(continuation[0])
                     found.append(continuation)

@@ -116,3 +116,5 @@ def test_ngram_proposes_continuation_of_latest_match():
     tree = tier.draft_tree("s", context, width=2, depth=2, params=GREEDY, scheme="specinfer", generator=None)
     assert tree.tokens == [7, 8, 4, 5] and tree.parents == [-1, 0, -1, 2]
     assert tier.draft("s", [1, 2, 3], 4, GREEDY, None)[0] == []  # nothing to look up
+    # a loop shorter than the block is continued through the copy, not cut at the context's end
+    assert tier.draft("s", [9, 5, 6, 5, 6, 5, 6], 5, GREEDY, None)[0] == [5, 6, 5, 6, 5]
