@@ -629,7 +629,7 @@ def write_plot(report: dict, path: str) -> None:
             axis.text(rows[name]["tokens_per_s"], position, f" {rows[name]['speedup_vs_target']:.2f}x", va="center", fontsize=8)
         axis.set_title(f"temperature {temperature:g}")
         axis.set_xlabel("tokens/s (median)")
-        axis.invert_yaxis()
+    axes[0][0].invert_yaxis()  # the axes share y: inverting each would undo it
     machine = report["machine"]
     figure.suptitle(f"polyspec bench: {machine['cpu']}, {machine['threads']} thread(s), {machine['dtype']}", fontsize=10)
     figure.tight_layout()

@@ -82,7 +82,8 @@ class LatencyProfile:
     On a shared CPU a tier's forward is slower when other tiers run between its forwards
     (they evict its weights from the caches): the demo target runs ~1.3x slower inside the
     full chain than next to the n-gram tier alone. So the online refinement is kept per set
-    of tiers in use; a set not run yet reads the start-up table."""
+    of tiers in use; a set not run yet reads the start-up table times the tier's mean
+    slow-down in the sets that did run (conservative: no switch on optimism alone)."""
 
     names: list[str]
     forward: list[dict[int, float] | None]  # start-up forward_ms per tier (None: cannot verify)
@@ -115,7 +116,11 @@ class LatencyProfile:
             return table.table()
         if base[tier] is None:
             raise KeyError(f"tier {self.names[tier]!r} has no {kind} profile")
-        return dict(base[tier])
+        # a set of tiers not run yet: the start-up table, slowed down as much as this tier
+        # runs slower than it in the sets that did run (a slower node slows them all)
+        scales = [t.scale for (index, _), t in online.items() if index == tier and t.base]
+        scale = statistics.mean(scales) if scales else 1.0
+        return {size: ms * scale for size, ms in base[tier].items()}
 
     def as_dict(self, config: Config = ()) -> list[dict]:
         out = []

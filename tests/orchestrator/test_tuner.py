@@ -130,7 +130,9 @@ def test_interleaved_requests_and_per_config_latency():
     # each request's first round fed its prompt: only the later rounds were timed
     assert profile.online_forward[(0, (0, 1))].online[5] > 10.0
     assert profile.forward_ms(0, (0, 1))[5] > 12.0
-    assert profile.forward_ms(0, (0, 2))[5] == pytest.approx(10.0)  # another set of tiers keeps the start-up table
+    # a set of tiers not run yet: the start-up table, scaled by the slow-down seen elsewhere
+    assert profile.forward_ms(0, (0, 2))[5] == pytest.approx(10.0 * profile.online_forward[(0, (0, 1))].scale)
+    assert profile.forward_ms(0, (0, 2))[5] > 12.0
 
 
 def test_profile_moves_with_a_slower_node():
