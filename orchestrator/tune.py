@@ -82,20 +82,10 @@ def default_prompts_path(config: ChainConfig) -> Path:
 
 
 def read_prompts(path: Path) -> list[str]:
-    prompts = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise TuneError(f"{path} line {number}: malformed JSON: {exc.msg}") from None
-        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or not record["prompt"]:
-            raise TuneError(f'{path} line {number}: expected {{"prompt": "..."}}')
-        prompts.append(record["prompt"])
-    if not prompts:
-        raise TuneError(f"prompts file {path} has no prompts")
-    return prompts
+    """The prompts of a bench/tune prompt file (JSONL, one {"prompt", "class"} per line)."""
+    from orchestrator.bench import read_prompts as read_bench_prompts
+
+    return [entry.prompt for entry in read_bench_prompts(str(path))]
 
 
 def load_prompts(path: str | None, config: ChainConfig, max_prompts: int) -> tuple[list[str], str]:
