@@ -351,7 +351,7 @@ def read_prompts(path: str) -> list[BenchPrompt]:
         except json.JSONDecodeError as exc:
             raise PolyspecError(f"{path} line {number}: malformed JSON: {exc.msg}") from None
         if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or not record["prompt"]:
-            raise PolyspecError(f'{path} line {number}: expected {{"prompt": "...", "class": "code|prose"}}')
+            raise PolyspecError(f'{path} line {number}: expected {{"prompt": "..."}} (with an optional "class": "code" | "prose")')
         prompts.append(BenchPrompt(record["prompt"], str(record.get("class", "unknown")), record.get("source")))
     if not prompts:
         raise PolyspecError(f"prompts file {path} has no prompts")

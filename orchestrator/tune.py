@@ -85,7 +85,7 @@ def read_prompts(path: Path) -> list[str]:
     """The prompts of a bench/tune prompt file (JSONL, one {"prompt", "class"} per line)."""
     from orchestrator.bench import read_prompts as read_bench_prompts
 
-    return [entry.prompt for entry in read_bench_prompts(str(path))]
+    return [entry.text for entry in read_bench_prompts(str(path))]
 
 
 def load_prompts(path: str | None, config: ChainConfig, max_prompts: int) -> tuple[list[str], str]:
