@@ -491,6 +491,7 @@ def machine_info(threads: int, dtype: str, device: str) -> dict:
         "python": platform.python_version(),
         "dtype": dtype,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "load_average_1m": round(os.getloadavg()[0], 2),  # other work on the machine skews every system alike, but see it
     }
 
 
@@ -586,7 +587,7 @@ def markdown_table(report: dict) -> str:
         "",
         f"Machine: {machine['cpu']}, {machine['cores']} cores, {machine['threads']} torch thread(s), {machine['device']}; "
         f"torch {machine['torch']}, transformers {machine['transformers']}, Python {machine['python']}; "
-        f"dtype {machine['dtype']}; {machine['date']}.",
+        f"dtype {machine['dtype']}; {machine['date']}; load average {machine.get('load_average_1m', '?')} at the end.",
         "",
         f"Prompts: {classes} ({settings['prompts']}), x {settings['repeats']} repeat(s), "
         f"{settings['max_new_tokens']} new tokens each; EOS {settings['eos']}.",
