@@ -11,8 +11,8 @@ round (`observe_commit`). From those reports it keeps
   the estimates, and with them the lengths, move within a few rounds. Position 1's prior
   is Beta(prior_mean, strength); position j's prior mean is position j-1's posterior mean,
   so rarely reached positions fall back on their neighbours. Deep positions get fresh data
-  only from blocks that reach them, so after a shift they would lag: a fast tracker of
-  position 1 detects the shift (SHIFT_LOGIT) and the old counts are then mostly forgotten.
+  only from blocks that reach them, so after a shift they would lag: a likelihood-ratio test
+  on position 1's last outcomes detects the shift and the old counts are then mostly forgotten.
 
 Pairs the chain does not run directly are estimated from data it already has: while a
 middle tier sits between the target and the bottom drafter, the bottom's first proposal of
@@ -20,8 +20,8 @@ every target round (made at the committed context) is matched against the tokens
 target then commits. For greedy decoding and for deterministic drafters (the n-gram tier)
 the matched prefix has exactly the distribution of the target's accepted prefix; for a
 sampled model drafter it is a lower bound (P[match] = sum p_t p_d <= sum min(p_t, p_d)).
-Such shadow estimates overrate bursty drafters, so they only stand in until the pair has
-MIN_DIRECT_BLOCKS blocks of its own. A tier that is bypassed gets no data, so every
+Such shadow estimates overrate bursty drafters, so they only count once they have MIN_BLOCKS
+blocks, and only until the pair has as many of its own. A tier that is bypassed gets no data, so every
 `explore_every` rounds the full chain runs for one round (a probe).
 
 Time outside the reported rounds (the scheduler's bookkeeping, a streaming callback) is
@@ -46,12 +46,12 @@ from workers.sampling import SamplingParams
 
 MAX_POSITIONS = 32
 MIN_PRIOR_WEIGHT = 0.5
-RECENT_DECAY = 0.8  # position 1's fast tracker (a window of ~5 blocks) ...
+SHIFT_WINDOW = 8  # position 1's last outcomes ...
 SETTLED_DECAY = 0.97  # ... against its slow tracker (~30 blocks)
-SHIFT_LOGIT = 2.0  # |logit(fast) - logit(slow)| that counts as a shift in the text
+SHIFT_LOG_RATIO = 4.0  # log likelihood ratio that counts as a shift in the text (~55:1)
 SHIFT_FORGET = 0.1  # what a shift leaves of the old counts
 OVERHEAD_SMOOTHING = 0.1
-MIN_DIRECT_BLOCKS = 4  # direct blocks that outweigh a skip pair's shadow estimate
+MIN_BLOCKS = 4  # a skip pair's shadow estimate counts from this many blocks on, and only until it has as many of its own
 MAX_PENDING = 256  # requests the tuner follows at once (round-robin serving)
 
 
@@ -71,8 +71,8 @@ class AcceptanceEstimate:
     trials: list[float] = dataclasses.field(default_factory=lambda: [0.0] * MAX_POSITIONS)
     blocks: float = 0.0  # decayed number of observed blocks
     prior_weight: float = dataclasses.field(init=False)  # position 1's prior weight now
-    recent: float | None = None  # fast EMA of position 1's acceptance (shift detector)
-    settled: float | None = None  # slow EMA of the same
+    recent: list[float] = dataclasses.field(default_factory=list)  # position 1's last outcomes (shift detector)
+    settled: float | None = None  # slow EMA of position 1's acceptance
     shifts: int = 0  # shifts detected so far
 
     def __post_init__(self) -> None:
@@ -96,14 +96,23 @@ class AcceptanceEstimate:
             self._track_shift(1.0 if accepted > 0 else 0.0)
 
     def _track_shift(self, first_accepted: float) -> None:
-        if self.recent is None or self.settled is None:
-            self.recent = self.settled = self.rates()[0]
-        self.recent = RECENT_DECAY * self.recent + (1.0 - RECENT_DECAY) * first_accepted
+        """Generalised likelihood ratio of position 1's last SHIFT_WINDOW outcomes: their own
+        rate against the slow tracker's. A big ratio means the text changed: forget."""
+        if self.settled is None:
+            self.settled = self.rates()[0]
+        self.recent.append(first_accepted)
+        del self.recent[:-SHIFT_WINDOW]
+        settled = min(max(self.settled, 0.02), 0.98)
         self.settled = SETTLED_DECAY * self.settled + (1.0 - SETTLED_DECAY) * first_accepted
-        if self.decay < 1.0 and abs(_logit(self.recent) - _logit(self.settled)) > SHIFT_LOGIT:
+        if self.decay >= 1.0 or len(self.recent) < SHIFT_WINDOW:
+            return
+        recent = min(max(sum(self.recent) / len(self.recent), 0.02), 0.98)
+        log_ratio = sum(_bernoulli_log(x, recent) - _bernoulli_log(x, settled) for x in self.recent)
+        if log_ratio > SHIFT_LOG_RATIO:
             self.successes = [s * SHIFT_FORGET for s in self.successes]
             self.trials = [t * SHIFT_FORGET for t in self.trials]
-            self.settled = self.recent
+            self.settled = recent
+            self.recent = []
             self.shifts += 1
 
     def rates(self, prior_mean: float | None = None) -> tuple[float, ...]:
@@ -118,9 +127,8 @@ class AcceptanceEstimate:
         return tuple(out)
 
 
-def _logit(rate: float) -> float:
-    rate = min(max(rate, 1e-3), 1.0 - 1e-3)
-    return math.log(rate / (1.0 - rate))
+def _bernoulli_log(outcome: float, rate: float) -> float:
+    return math.log(rate if outcome else 1.0 - rate)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,6 +203,7 @@ class Tuner:
         self._round_start = -1  # committed tokens when the current target round began
         self._continuing: dict[int, None] = {}  # committed lengths a known request resumes at (insertion ordered)
         self._prefilling = False  # the current target round is a request's first (it feeds the prompt)
+        self._catching_up: frozenset[int] = frozenset()  # tiers back from bypass: this round re-feeds what they missed
         self._shadows: dict[int, _Shadow] = {}  # pending skip-pair proposals, by the committed length they resume at
         self.round_overhead_ms = 0.0
         self._last_commit = 0
@@ -223,6 +232,8 @@ class Tuner:
             if bypassing and self.explore_every and state.rounds % self.explore_every == self.explore_every - 1:
                 plan = self.choose(self._key, bypass=False)  # a probe: the bypassed tiers' stages get data
         state.rounds += 1
+        previous = self._running.active if self._running is not None else plan.active
+        self._catching_up = frozenset(plan.active) - frozenset(previous)
         self._running = plan
         self._round_started = time.perf_counter()
         return list(plan.lengths), plan.active
@@ -232,14 +243,14 @@ class Tuner:
         is_tree = self.tree_width > 1 and self._running is not None and drafter == self._running.active[-1]
         proposed = length if is_tree else max(length, block_len)
         self._estimate(self._key, level, drafter).observe(proposed, min(accepted, proposed))
-        if not self._prefilling:
+        if not self._prefilling and level not in self._catching_up:  # such forwards also feed a long tail
             self.profile.observe_forward(level, block_len + 1, seconds * 1000.0, self._config())
         self._reported_s += seconds
         self._reported_rounds += 1
 
     def observe_draft(self, tier: int, length: int, context_len: int, tokens: list[int] | None, seconds: float) -> None:
         """After the bottom tier proposed `tokens` (asked for `length`) continuing `context_len` tokens."""
-        if not self._prefilling:
+        if not self._prefilling and tier not in self._catching_up:
             self.profile.observe_draft(tier, length, seconds * 1000.0, self._config())
         self._reported_s += seconds
         running = self._running
@@ -301,7 +312,8 @@ class Tuner:
         state = self._state(key)
         direct = state.estimates.get((verifier, drafter))
         shadow = state.shadow_estimates.get((verifier, drafter))
-        if shadow is not None and (direct is None or direct.blocks < MIN_DIRECT_BLOCKS):
+        direct_known = direct is not None and direct.blocks >= MIN_BLOCKS
+        if not direct_known and shadow is not None and shadow.blocks >= MIN_BLOCKS:
             return shadow.rates(prior)  # a fallback only: it overrates bursty drafters (docs/time-model.md)
         return self._estimate(key, verifier, drafter).rates(prior)
 
