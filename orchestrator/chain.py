@@ -117,7 +117,11 @@ class ChainScheduler:
         scheme: str = "specinfer",
         eos_token_ids: tuple[int, ...] = (),
         tuner=None,
+        draft_ahead: bool = False,
     ) -> None:
+        """`draft_ahead`: the pipelined form (DESIGN §4). A fully accepted block gets no bonus
+        token: the drafter has already drafted past it, and its continuation is verified next
+        (still lossless: each drafted token is verified against the verifier's own row)."""
         if not tiers:
             raise ValueError("a chain needs at least the target tier")
         if len(lengths) != len(tiers) - 1:
@@ -131,6 +135,7 @@ class ChainScheduler:
         # optional orchestrator.tuner.Tuner: sets lengths / active tiers before each target round
         # (plan) and hears every round (observe_round, observe_draft, observe_commit)
         self.tuner = tuner
+        self.draft_ahead = draft_ahead
         contexts = [t.max_context for t in tiers if t.max_context]
         self.max_context = min(contexts) if contexts else None
 
@@ -320,6 +325,9 @@ class ChainScheduler:
             self._stage(run, level, below).record(len(block), len(path), length, seconds)
             if self.tuner is not None:
                 self.tuner.observe_round(level, below, length, len(block), len(path), seconds)
-        emitted = [block.tokens[j] for j in path] + [next_token]
-        rows = None if run.params.greedy else target_probs[[0] + [j + 1 for j in path]]
+        no_bonus = self.draft_ahead and below is not None and self.tiers[below].drafts_ahead and 0 < len(path) == len(block) == length
+        if below is not None:
+            self.tiers[below].verdict(run.seq_id, len(context), len(block), len(path), None if no_bonus else next_token)
+        emitted = [block.tokens[j] for j in path] + ([] if no_bonus else [next_token])
+        rows = None if run.params.greedy else target_probs[[0] + [j + 1 for j in path]][: len(emitted)]
         return emitted, rows

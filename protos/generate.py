@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 PROTO_ROOT = Path(__file__).resolve().parent
-PROTO_FILES = ("polyspec/v1/polyspec.proto",)
+PROTO_FILES = ("polyspec/v1/polyspec.proto", "polyspec/v1/tier.proto")
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
 
 

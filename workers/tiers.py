@@ -25,6 +25,7 @@ import time
 import torch
 
 from workers.kv_cache import SequenceCache
+from workers.lean_llama import LeanCache, LeanLlama
 from workers.sampling import SamplingParams, warp_logits
 from workers.tree import DraftTree, tree_attention_mask
 from workers.verification import draw_without_replacement
@@ -40,6 +41,7 @@ class Tier(abc.ABC):
     max_context: int | None  # positions the model can attend over; None = unbounded
     can_verify: bool = True
     deterministic_drafts: bool = False  # drafts are a function of the context (n-gram lookup)
+    drafts_ahead: bool = False  # keeps drafting past the block it handed up (a pipelined remote tier)
 
     def __init__(self) -> None:
         self.busy_s = 0.0  # wall time spent in forwards / lookups
@@ -62,6 +64,10 @@ class Tier(abc.ABC):
     def release(self, seq_id) -> None:
         """Forget a sequence and free its cache."""
 
+    def verdict(self, seq_id, base_len: int, proposed: int, accepted: int, correction: int | None) -> None:
+        """What the verifier decided about the block this tier handed up (continuing `base_len`
+        tokens): a remote drafter drops its stale draft-ahead work. Local tiers need nothing."""
+
 
 @dataclasses.dataclass
 class _PendingTree:
@@ -71,14 +77,20 @@ class _PendingTree:
 
 @dataclasses.dataclass
 class _Sequence:
-    cache: SequenceCache
+    cache: SequenceCache | LeanCache
     pending: _PendingTree | None = None
 
 
 class ModelTier(Tier):
-    """A causal LM from transformers, with one KV cache per open sequence."""
+    """A causal LM from transformers, with one KV cache per open sequence.
 
-    def __init__(self, name: str, model, vocab_size: int, device: torch.device, threads: int | None = None) -> None:
+    Llama-architecture models on CPU run through `workers.lean_llama.LeanLlama` (the same
+    operations as transformers' forward, bit-identical logits, without its per-module
+    overhead, on a preallocated KV cache); `lean=False` or any other model keeps the
+    transformers forward on a `DynamicCache`.
+    """
+
+    def __init__(self, name: str, model, vocab_size: int, device: torch.device, threads: int | None = None, lean: bool = True) -> None:
         super().__init__()
         self.name = name
         self.model = model.eval()
@@ -90,13 +102,15 @@ class ModelTier(Tier):
         if self._dtype not in (torch.float32, torch.bfloat16, torch.float16):
             self._dtype = torch.float32  # dynamically quantized models compute activations in fp32
         self._sequences: dict[object, _Sequence] = {}
+        self._lean = LeanLlama(self.model) if lean and LeanLlama.supports(self.model, torch.device(device)) else None
 
     # ------------------------------------------------------------------ bookkeeping
 
     def _sequence(self, seq_id) -> _Sequence:
         seq = self._sequences.get(seq_id)
         if seq is None:
-            seq = self._sequences[seq_id] = _Sequence(SequenceCache(self.model.config))
+            cache = self._lean.new_cache() if self._lean is not None else SequenceCache(self.model.config)
+            seq = self._sequences[seq_id] = _Sequence(cache)
         return seq
 
     def release(self, seq_id) -> None:
@@ -116,6 +130,13 @@ class ModelTier(Tier):
         if self.threads and torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)
         started = time.perf_counter()
+        if self._lean is not None:
+            logits = self._lean.forward(seq.cache, tokens, positions, mask)  # [1, T, V]
+            seq.cache.appended(tokens)
+            logits = logits[0, :, : self.vocab_size].float()  # [T, V]
+            self.busy_s += time.perf_counter() - started
+            self.forwards += 1
+            return logits
         input_ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, T]
         position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)  # [1, T]
         kwargs = {}

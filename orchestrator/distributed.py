@@ -1,0 +1,300 @@
+"""The driver of a distributed chain (DESIGN §4, §6): requests in, verified tokens out.
+
+`DistributedChain` has the scheduler's API (start / step / finish / cancel / generate), so the
+engine, the batch runner and the server drive a distributed chain exactly as an embedded
+one. A step is one `Verify` call to the target's worker (workers/tier_worker.py); the
+target pulls its block from the tier below, which pulls from the tier below it: the driver
+never relays blocks. The driver keeps each request's committed tokens, so a request
+survives any tier's death: a step that failed committed nothing and is simply redone.
+
+Where the workers live is a `Membership`: `StaticMembership` for workers the caller
+started (tests, one process), `orchestrator.ray_runtime.RayMembership` for Ray actors,
+which also restarts and rewires tiers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+import threading
+import time
+from concurrent import futures
+from typing import Callable
+
+import grpc
+import torch
+
+from orchestrator.chain import GenerationOutput, RequestState, StageStats, _Run
+from protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
+from workers.sampling import SamplingParams
+from workers.transport import CHANNEL_OPTIONS, UNAVAILABLE_CODES, Counters, TierUnavailableError
+
+VERIFY_TIMEOUT_S = 300.0
+
+
+class ChainUnavailableError(RuntimeError):
+    """No target tier is reachable (it did not come back within the restart timeout)."""
+
+
+@dataclasses.dataclass
+class TierView:
+    """What the driver knows of a remote tier (the engine and server read `name` and `busy_s`)."""
+
+    name: str
+    index: int
+    vocab_size: int = 0
+    max_context: int | None = None
+    address: str = ""
+    up: bool = True
+    busy_s: float = 0.0
+
+
+class Membership:
+    """Where the tiers are; what to do when one fails."""
+
+    views: list[TierView]
+
+    def target_address(self) -> str:
+        raise NotImplementedError
+
+    def target_failed(self, exc: Exception) -> None:
+        """Block until a target is back, or raise ChainUnavailableError."""
+        raise ChainUnavailableError(str(exc))
+
+    def degraded(self, reason: str) -> None:
+        """A tier below the target was unreachable: rewire when it is back (non-blocking)."""
+
+    def health(self) -> list[tier_pb2.HealthReply | None]:
+        replies = []
+        for view in self.views:
+            try:
+                with grpc.insecure_channel(view.address, options=CHANNEL_OPTIONS) as channel:
+                    replies.append(tier_pb2_grpc.TierStub(channel).Health(tier_pb2.HealthRequest(), timeout=5.0))
+            except grpc.RpcError:
+                replies.append(None)
+        return replies
+
+    def close(self) -> None:
+        pass
+
+
+class StaticMembership(Membership):
+    """Workers started by the caller, target first (no restarts)."""
+
+    def __init__(self, addresses: list[str], names: list[str]) -> None:
+        self.views = [TierView(name, i, address=a) for i, (name, a) in enumerate(zip(names, addresses))]
+
+    def target_address(self) -> str:
+        return self.views[0].address
+
+
+@dataclasses.dataclass
+class _Target:
+    address: str
+    channel: grpc.Channel
+    stub: tier_pb2_grpc.TierStub
+
+
+class DistributedChain:
+    def __init__(self, membership: Membership, lengths: list[int], *, tree_width: int = 1, scheme: str = "specinfer",
+                 eos_token_ids: tuple[int, ...] = (), max_context: int | None = None, pipeline: bool = False) -> None:
+        self.membership = membership
+        self.tiers = membership.views
+        self.lengths = list(lengths)
+        self.active = tuple(range(len(self.tiers)))
+        self.tree_width = tree_width
+        self.scheme = scheme
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_context = max_context
+        self.pipeline = pipeline
+        self.tuner = None
+        self.counters = Counters()
+        self.failovers = 0
+        self.degraded_rounds = 0
+        self._target: _Target | None = None
+        self._target_lock = threading.Lock()
+        self._seq_ids = itertools.count(random.getrandbits(40) << 20)
+
+    # ----------------------------------------------------------------- target
+
+    def _stub(self) -> _Target:
+        with self._target_lock:
+            address = self.membership.target_address()
+            if self._target is None or self._target.address != address:
+                if self._target is not None:
+                    self._target.channel.close()
+                channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+                self._target = _Target(address, channel, tier_pb2_grpc.TierStub(channel))
+            return self._target
+
+    def _call_target(self, method: str, request, timeout: float = VERIFY_TIMEOUT_S):
+        """Call the target; on a dead target wait for its restart and call again."""
+        while True:
+            target = self._stub()
+            try:
+                reply = getattr(target.stub, method)(request, timeout=timeout)
+                self.counters.add("grpc", request.ByteSize() + reply.ByteSize())
+                return reply
+            except grpc.RpcError as exc:
+                if exc.code() not in UNAVAILABLE_CODES:
+                    raise RuntimeError(f"tier {self.tiers[0].name!r}: {method} failed: {exc.details()}") from None
+                self.failovers += 1
+                self.membership.target_failed(TierUnavailableError(self.tiers[0].name, f"{method}: {exc.code().name.lower()}"))
+
+    # -------------------------------------------------------------------- API
+
+    def generate(self, prompt_ids, max_new_tokens, params, seed=None, on_commit=None) -> GenerationOutput:
+        state = self.start(prompt_ids, max_new_tokens, params, seed)
+        try:
+            while not state.done:
+                emitted = self.step(state)
+                if on_commit is not None and emitted:
+                    on_commit(emitted)
+        except BaseException:
+            self.cancel(state)
+            raise
+        return self.finish(state)
+
+    def start(self, prompt_ids, max_new_tokens, params: SamplingParams, seed=None) -> RequestState:
+        base = torch.Generator()
+        if seed is None:
+            base.seed()
+        else:
+            base.manual_seed(seed)
+        # the same per-tier seeds as ChainScheduler.start: a seeded request samples the same tokens in both modes
+        seeds = [int(torch.randint(0, 2**62, (1,), generator=base)) for _ in self.tiers]
+        header = tier_pb2.SequenceHeader(
+            seq_id=next(self._seq_ids), temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+            seeds=seeds, lengths=self.lengths, pipeline=self.pipeline, scheme=self.scheme, tree_width=self.tree_width,
+            limit=self.max_context or 0,
+        )
+        run = _Run(seq_id=header.seq_id, params=params, generators=[], stages=[], limit=self.max_context or 1 << 62)
+        state = RequestState(run=run, committed=list(prompt_ids), max_new_tokens=max_new_tokens, tier_busy_s=[0.0] * len(self.tiers))
+        state.header = header
+        state.overhead_s = 0.0
+        state.rounds = 0
+        return state
+
+    def step(self, state: RequestState) -> list[int]:
+        if state.done:
+            return []
+        run = state.run
+        if len(state.new_tokens) >= state.max_new_tokens or len(state.committed) >= run.limit:
+            state.finish_reason = "length"
+            return []
+        remaining = state.max_new_tokens - len(state.new_tokens)
+        header = state.header
+        del header.lengths[:]
+        header.lengths.extend(self.lengths)
+        request = tier_pb2.VerifyRequest(header=header, context=state.committed, max_tokens=remaining)
+        started = time.perf_counter()
+        reply = self._call_target("Verify", request)
+        wall = time.perf_counter() - started
+        state.overhead_s += max(0.0, wall - reply.model_s)
+        state.rounds += 1
+        self._record(run, reply.stages)
+        if reply.degraded:
+            self.degraded_rounds += 1
+            self.membership.degraded(reply.degraded_reason)
+        emitted = list(reply.tokens)[:remaining]
+        eos_at = next((j for j, t in enumerate(emitted) if t in self.eos_token_ids), None)
+        if eos_at is not None:
+            emitted = emitted[: eos_at + 1]
+        state.committed += emitted
+        state.new_tokens += emitted
+        if eos_at is not None:
+            state.finish_reason = "eos"
+        elif len(state.new_tokens) >= state.max_new_tokens or len(state.committed) >= run.limit:
+            state.finish_reason = "length"
+        return emitted
+
+    def _record(self, run: _Run, reports) -> None:
+        for report in reports:
+            key = (report.tier, report.drafter)
+            stage = run.bypass_stages.get(key)
+            if stage is None:
+                names = [v.name for v in self.tiers]
+                stage = run.bypass_stages[key] = StageStats(names[report.tier], names[report.drafter] if report.drafter < len(names) else "?")
+            stage.record(report.proposed, report.accepted, report.length, report.seconds)
+
+    def finish(self, state: RequestState) -> GenerationOutput:
+        try:
+            self._stub().stub.Release.future(tier_pb2.ReleaseRequest(seq_id=state.run.seq_id), timeout=10.0)
+        except (grpc.RpcError, ValueError):
+            pass
+        elapsed = time.perf_counter() - state.started
+        stages = sorted(state.run.bypass_stages.items())
+        stats = {
+            "tokens_per_s": round(len(state.new_tokens) / elapsed, 3) if elapsed > 0 else 0.0,
+            "new_tokens": len(state.new_tokens),
+            "time_s": round(elapsed, 6),
+            "stages": [stage.as_dict() for _, stage in stages],
+            "rounds": state.rounds,
+            "overhead_s": round(state.overhead_s, 6),  # round trips not spent in model forwards on the critical path
+        }
+        return GenerationOutput(list(state.new_tokens), state.finish_reason or "length", stats)
+
+    def cancel(self, state: RequestState) -> GenerationOutput:
+        if not state.done:
+            state.finish_reason = "cancelled"
+        return self.finish(state)
+
+    def generate_many(self, jobs: list[tuple], concurrency: int, on_done: Callable[[int, object], None]) -> None:
+        """Run `jobs` ((prompt_ids, max_new_tokens, params, seed) tuples) with up to `concurrency`
+        in flight, so the tiers overlap different requests; `on_done(index, output or exception)`."""
+        with futures.ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="polyspec-request") as pool:
+            pending = {pool.submit(self.generate, *job): i for i, job in enumerate(jobs)}
+            for done in futures.as_completed(pending):
+                try:
+                    on_done(pending[done], done.result())
+                except Exception as exc:  # noqa: BLE001 - reported per request
+                    on_done(pending[done], exc)
+
+    # ------------------------------------------------------------------- stats
+
+    def runtime_stats(self) -> dict:
+        """Messages and bytes per transport, busy / idle time per tier, draft-ahead hits."""
+        tiers = []
+        for view, reply in zip(self.tiers, self.membership.health()):
+            if reply is None:
+                tiers.append({"tier": view.name, "up": False})
+                continue
+            view.busy_s = reply.busy_s
+            tiers.append({
+                "tier": reply.tier, "up": True, "address": view.address, "device": reply.device,
+                "busy_s": round(reply.busy_s, 4), "idle_s": round(max(0.0, reply.uptime_s - reply.busy_s), 4),
+                "forwards": reply.forwards, "lower": reply.lower,
+                "sent": {c.transport: {"messages": c.messages, "bytes": c.bytes} for c in reply.sent},
+                "draft_ahead": {"hits": reply.ahead_hits, "misses": reply.ahead_misses, "dropped_tokens": reply.ahead_dropped_tokens},
+            })
+        return {
+            "driver_sent": {t: {"messages": self.counters.messages[t], "bytes": self.counters.bytes[t]} for t in self.counters.messages},
+            "failovers": self.failovers,
+            "degraded_rounds": self.degraded_rounds,
+            "tiers": tiers,
+        }
+
+    def close(self) -> None:
+        if self._target is not None:
+            self._target.channel.close()
+        self.membership.close()
+
+
+def in_process_chain(tiers, lengths: list[int], *, eos_token_ids=(), tree_width: int = 1, scheme: str = "specinfer",
+                     pipeline: bool = False, host: str = "127.0.0.1") -> tuple[DistributedChain, list]:
+    """Loaded `tiers` (target first) served by TierWorkers in this process, wired over gRPC on
+    loopback: the distributed protocol without Ray (tests, and the transport overhead benchmark).
+    Returns the chain and the workers (stop them with `worker.stop()`)."""
+    from workers.tier_worker import TierWorker
+
+    workers = [TierWorker(tier, i, eos_token_ids=eos_token_ids, host=host) for i, tier in enumerate(tiers)]
+    for upper, lower in zip(reversed(workers[:-1]), reversed(workers[1:])):
+        upper.connect(lower.address)
+    contexts = [t.max_context for t in tiers if t.max_context]
+    membership = StaticMembership([w.address for w in workers], [t.name for t in tiers])
+    for view, tier in zip(membership.views, tiers):
+        view.vocab_size, view.max_context = tier.vocab_size, tier.max_context
+    chain = DistributedChain(membership, lengths, tree_width=tree_width, scheme=scheme, eos_token_ids=tuple(eos_token_ids),
+                             max_context=min(contexts) if contexts else None, pipeline=pipeline)
+    return chain, workers

@@ -1,0 +1,128 @@
+"""The tier-to-tier protocol without Ray: TierWorkers in this process, wired over gRPC on
+loopback. Same scheduler code as embedded mode, so greedy output must match it token for
+token, serial and pipelined (draft-ahead, no bonus token on a fully accepted block)."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.config import parse_config
+from orchestrator.distributed import in_process_chain
+from orchestrator.engine import Engine
+from workers.loading import load_tiers
+from workers.sampling import SamplingParams
+
+PROMPTS = ["def add(a, b):\n    return", "import os\nimport sys\n", "for i in range(10):\n    print(i)\nfor i in"]
+MAX_NEW = 40
+
+
+EOS = (256,)  # the byte-level test tokenizer's end of text
+
+
+def chain_config(family, names, **speculation):
+    tiers = []
+    for name in names:
+        if name == "int8":
+            tiers.append({"name": "int8", "model": family["target"], "quantize": "int8"})
+        elif name == "ngram":
+            tiers.append({"name": "ng", "model": "ngram"})
+        else:
+            tiers.append({"name": name, "model": family[name]})
+    return parse_config({"tiers": tiers, "speculation": speculation})
+
+
+@pytest.fixture(scope="module")
+def embedded(tiny_family):
+    engine = Engine(chain_config(tiny_family, ["target"]))
+    assert tuple(engine.scheduler.eos_token_ids) == EOS
+    tokenizer = engine.tokenizer
+    outputs = {}
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        outputs[prompt] = (ids, engine.scheduler.generate(ids, MAX_NEW, SamplingParams(temperature=0.0)).token_ids)
+    return outputs
+
+
+@pytest.mark.parametrize("pipeline", [False, True], ids=["serial", "pipelined"])
+@pytest.mark.parametrize("names,speculation", [
+    (["target", "mid"], {"lengths": [4]}),
+    (["target", "mid", "small"], {"lengths": [4, 3]}),
+    (["target", "int8", "ngram"], {"lengths": [5, 2]}),
+    (["target", "mid"], {"lengths": [3], "tree_width": 2}),
+], ids=["target+mid", "target+mid+small", "target+int8+ngram", "tree:target+mid"])
+def test_greedy_equals_target(tiny_family, embedded, names, speculation, pipeline):
+    config = chain_config(tiny_family, names, **speculation)
+    tiers, _ = load_tiers(config.tiers)
+    chain, workers = in_process_chain(tiers, config.speculation_lengths(), tree_width=config.speculation.tree_width,
+                                      pipeline=pipeline, eos_token_ids=EOS)
+    try:
+        for prompt, (ids, expected) in embedded.items():
+            out = chain.generate(ids, MAX_NEW, SamplingParams(temperature=0.0))
+            assert out.token_ids == expected, prompt
+            assert out.stats["stages"], "the chain verified blocks"
+        stats = chain.runtime_stats()
+        assert all(t["up"] for t in stats["tiers"])
+        assert stats["tiers"][0]["sent"]["grpc"]["messages"] > 0  # the target called its drafter directly
+        if pipeline and config.speculation.tree_width == 1:  # trees are not drafted ahead
+            hits = sum(t["draft_ahead"]["hits"] for t in stats["tiers"])
+            assert hits > 0, "pipelined drafters served blocks drafted ahead"
+    finally:
+        chain.close()
+        for worker in workers:
+            worker.stop()
+
+
+def test_concurrent_requests_match_one_at_a_time(tiny_family, embedded):
+    """Many requests in flight at once (the tiers overlap them) give the same greedy tokens."""
+    config = chain_config(tiny_family, ["target", "mid", "small"], lengths=[4, 2])
+    tiers, _ = load_tiers(config.tiers)
+    chain, workers = in_process_chain(tiers, [4, 2], pipeline=True, eos_token_ids=EOS)
+    try:
+        jobs = [(ids, MAX_NEW, SamplingParams(temperature=0.0), None) for ids, _ in embedded.values()] * 3
+        results = {}
+        chain.generate_many(jobs, concurrency=6, on_done=lambda i, out: results.__setitem__(i, out))
+        expected = [tokens for _, tokens in embedded.values()] * 3
+        assert [results[i].token_ids for i in range(len(jobs))] == expected
+    finally:
+        chain.close()
+        for worker in workers:
+            worker.stop()
+
+
+def test_drafter_death_falls_back_to_the_target(tiny_family, embedded):
+    """The drafter's server stops mid-run: rounds go on with the target alone, output unchanged."""
+    config = chain_config(tiny_family, ["target", "mid"], lengths=[4])
+    tiers, _ = load_tiers(config.tiers)
+    chain, workers = in_process_chain(tiers, [4], pipeline=True, eos_token_ids=EOS)
+    try:
+        (ids, expected), *rest = embedded.values()
+        state = chain.start(ids, MAX_NEW, SamplingParams(temperature=0.0))
+        chain.step(state)
+        workers[1].stop()
+        while not state.done:
+            chain.step(state)
+        assert chain.finish(state).token_ids == expected
+        assert chain.degraded_rounds > 0
+        for ids, expected in rest:
+            assert chain.generate(ids, MAX_NEW, SamplingParams(temperature=0.0)).token_ids == expected
+    finally:
+        chain.close()
+        workers[0].stop()
+
+
+def test_seeded_sampling_matches_embedded(tiny_family):
+    """Same seeds, same chain: the distributed serial chain samples exactly the embedded tokens."""
+    config = chain_config(tiny_family, ["target", "mid", "small"], lengths=[3, 2])
+    engine = Engine(config)
+    ids = engine.tokenizer("def f(x):", add_special_tokens=False)["input_ids"]
+    params = SamplingParams(temperature=1.0)
+    tiers, _ = load_tiers(config.tiers)
+    chain, workers = in_process_chain(tiers, [3, 2], pipeline=False, eos_token_ids=EOS)
+    try:
+        for seed in (1, 2, 3):
+            local = engine.scheduler.generate(ids, 24, params, seed=seed).token_ids
+            assert chain.generate(ids, 24, params, seed=seed).token_ids == local
+    finally:
+        chain.close()
+        for worker in workers:
+            worker.stop()

@@ -1,0 +1,571 @@
+"""One tier of a distributed chain: its model, its gRPC service, its draft-ahead loop (DESIGN §4, §6).
+
+A `TierWorker` owns one `Tier` and serves the tier-to-tier protocol
+(protos/polyspec/v1/tier.proto) on its node's address. A verifier holds a `RemoteTier`
+proxy of the worker below and runs the same `orchestrator.chain.ChainScheduler` code as
+embedded mode over the two-tier chain [its own tier, the proxy]; the proxy's `draft` is the
+lower worker's `Draft`, which runs that worker's own rounds against the tier below it. So
+neighbours talk directly and the driver only calls the target's `Verify`.
+
+Concurrency: the gRPC server has a thread per call, so while the target scores request A,
+the drafters draft request B. One model forward at a time per tier (`ModelLock`); calls of
+one sequence are serialised by the sequence's lock.
+
+Pipelined mode (`header.pipeline`): after handing a block up, a drafter keeps drafting past
+it (`_ahead`), betting the block is accepted. Its stream is tagged with the verifier's epoch;
+the verifier bumps the epoch with every verdict that carries a correction, and the Verdict
+message restarts the stream from the correction at once. A `Draft` call is served from the
+stream only when its epoch matches and its context is a prefix of the stream; the tokens it
+gets were never examined by any verifier, so reusing them is lossless. Stale tokens are
+dropped and counted.
+
+Failure: if the tier below stops answering, the current call is redone without it (a model
+tier drafts or verifies alone; the target alone is always a valid chain) and the reply says
+`degraded`; the driver wires a replacement in when Ray restarts the actor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import statistics
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import torch
+
+from protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
+from workers.sampling import SamplingParams
+from workers.tiers import Tier
+from workers.transport import (
+    CHANNEL_OPTIONS,
+    Counters,
+    DistChannel,
+    RemoteTier,
+    TierUnavailableError,
+    encode_rows,
+    header_params,
+)
+from workers.tree import DraftTree
+
+MAX_RPC_THREADS = 64
+AHEAD_THREADS = 8
+
+_local = threading.local()  # per thread: model seconds of the current call, lock priority
+
+
+def _model_seconds() -> float:
+    return getattr(_local, "model_s", 0.0)
+
+
+class ModelLock:
+    """One forward at a time; calls a verifier waits on go before draft-ahead work."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._busy = False
+        self._urgent_waiting = 0
+
+    @contextlib.contextmanager
+    def hold(self):
+        urgent = not getattr(_local, "ahead", False)
+        with self._cond:
+            if urgent:
+                self._urgent_waiting += 1
+            while self._busy or (not urgent and self._urgent_waiting):
+                self._cond.wait()
+            if urgent:
+                self._urgent_waiting -= 1
+            self._busy = True
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            _local.model_s = _model_seconds() + time.perf_counter() - started
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+
+
+class LockedTier(Tier):
+    """A local tier behind the worker's ModelLock (the scheduler code stays unaware of threads)."""
+
+    def __init__(self, tier: Tier, lock: ModelLock) -> None:
+        self.inner = tier
+        self.lock = lock
+        for name in ("name", "vocab_size", "max_context", "can_verify", "deterministic_drafts"):
+            setattr(self, name, getattr(tier, name))
+
+    @property
+    def busy_s(self) -> float:
+        return self.inner.busy_s
+
+    @property
+    def forwards(self) -> int:
+        return self.inner.forwards
+
+    def draft(self, *args, **kwargs):
+        with self.lock.hold():
+            return self.inner.draft(*args, **kwargs)
+
+    def draft_tree(self, *args, **kwargs):
+        with self.lock.hold():
+            return self.inner.draft_tree(*args, **kwargs)
+
+    def score(self, *args, **kwargs):
+        with self.lock.hold():
+            return self.inner.score(*args, **kwargs)
+
+    def accept_path(self, *args, **kwargs):
+        with self.lock.hold():
+            return self.inner.accept_path(*args, **kwargs)
+
+    def release(self, seq_id):
+        with self.lock.hold():
+            return self.inner.release(seq_id)
+
+
+@dataclasses.dataclass
+class _Stream:
+    """Draft-ahead: `tokens` = the context it started from + what this tier drafted past it."""
+
+    base: int  # tokens[:base] is context; tokens[base:] were drafted here, with `rows`
+    tokens: list[int]
+    rows: list[torch.Tensor | None]
+    epoch: int
+
+    def drafted(self) -> int:
+        return len(self.tokens) - self.base
+
+
+class _Sequence:
+    """One request as seen by this worker."""
+
+    def __init__(self, worker: "TierWorker", header: tier_pb2.SequenceHeader) -> None:
+        from orchestrator.chain import StageStats, _Run
+
+        self.worker = worker
+        self.header = tier_pb2.SequenceHeader()
+        self.header.CopyFrom(header)
+        self.params = header_params(header)
+        seed = header.seeds[worker.index] if worker.index < len(header.seeds) else None
+        generator = torch.Generator()
+        if seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(int(seed))
+        self.run = _Run(
+            seq_id=header.seq_id,
+            params=self.params,
+            generators=[generator, torch.Generator()],  # the tier below draws with its own
+            stages=[StageStats(worker.tier.name, "below")],
+            limit=header.limit or 1 << 62,
+        )
+        self.cond = threading.Condition()
+        self.epoch_below = 0  # verdicts with a correction sent to the tier below
+        self.stream: _Stream | None = None
+        self.ahead_until = 0
+        self.ahead_running = False
+        self.closed = False
+        self.reset_call()
+
+    def reset_call(self) -> None:
+        self.reports: list[tier_pb2.StageReport] = []
+        self.model_below_s = 0.0
+        self.degraded = False
+
+    def header_for_lower(self) -> tier_pb2.SequenceHeader:
+        header = tier_pb2.SequenceHeader()
+        header.CopyFrom(self.header)
+        header.epoch = self.epoch_below
+        return header
+
+    def absorb(self, reply: tier_pb2.DraftReply, wall_s: float) -> None:
+        self.reports.extend(reply.stages)
+        self.model_below_s += reply.model_s
+        self.degraded = self.degraded or reply.degraded
+
+
+class _Recorder:
+    """Stands in for the tuner in the worker's scheduler: turns its rounds into StageReports."""
+
+    def __init__(self, worker: "TierWorker", seq: _Sequence, lower: RemoteTier | None) -> None:
+        self.worker, self.seq, self.lower = worker, seq, lower
+
+    def observe_round(self, level, drafter, length, proposed, accepted, seconds) -> None:
+        self.seq.reports.append(tier_pb2.StageReport(
+            tier=self.worker.index, drafter=self.lower.index if self.lower is not None else self.worker.index + 1,
+            length=length, proposed=proposed, accepted=accepted, seconds=seconds))
+
+    def observe_draft(self, *args) -> None:
+        pass
+
+
+class TierWorker:
+    """Tier `index` of a chain, serving protos/polyspec/v1/tier.proto on `host`."""
+
+    def __init__(self, tier: Tier, index: int, *, eos_token_ids=(), host: str = "127.0.0.1", port: int = 0,
+                 rpc_timeout_s: float = 120.0) -> None:
+        self.tier = tier
+        self.index = index
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.lock = ModelLock()
+        self.local = LockedTier(tier, self.lock)
+        self.lower: RemoteTier | None = None
+        self.lower_error = ""
+        self.dist: DistChannel | None = None
+        self.counters = Counters()
+        self.rpc_timeout_s = rpc_timeout_s
+        self.started = time.time()
+        self.ahead_hits = self.ahead_misses = self.ahead_dropped = 0
+        self._sequences: dict[int, _Sequence] = {}
+        self._sequences_lock = threading.Lock()
+        self._wiring = threading.Lock()
+        self._ahead_pool = futures.ThreadPoolExecutor(AHEAD_THREADS, thread_name_prefix=f"ahead-{tier.name}")
+        self.server = grpc.server(futures.ThreadPoolExecutor(MAX_RPC_THREADS, thread_name_prefix=f"tier-{tier.name}"),
+                                  options=CHANNEL_OPTIONS)
+        tier_pb2_grpc.add_TierServicer_to_server(_Servicer(self), self.server)
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if not self.port:
+            raise RuntimeError(f"tier {tier.name!r}: cannot listen on {host}:{port}")
+        self.address = f"{host}:{self.port}"
+        self.server.start()
+
+    # ------------------------------------------------------------------- wiring
+
+    def set_vocab_size(self, vocab_size: int) -> None:
+        self.tier.vocab_size = vocab_size
+        self.local.vocab_size = vocab_size
+
+    def connect(self, address: str | None, pipeline_hint: bool = True) -> str:
+        """Make `address` the tier below (None: this tier is the bottom). Returns its name."""
+        with self._wiring:
+            old, self.lower = self.lower, None
+            if old is not None:
+                old.close()
+            if address:
+                self.lower = RemoteTier(address, self._sequence_of, self.counters, self.dist, pipeline=pipeline_hint,
+                                        timeout_s=self.rpc_timeout_s, caller=self.index)
+                self.lower_error = ""
+            return self.lower.name if self.lower is not None else ""
+
+    def join_dist(self, backend: str, init_method: str, world_size: int) -> None:
+        self.dist = DistChannel(backend, self.index, world_size, init_method)
+
+    def stop(self) -> None:
+        self.server.stop(0)
+        self._ahead_pool.shutdown(wait=False, cancel_futures=True)
+        if self.lower is not None:
+            self.lower.close()
+
+    def _lower_failed(self, lower: RemoteTier, exc: Exception) -> None:
+        with self._wiring:
+            if self.lower is lower:
+                self.lower = None
+                self.lower_error = str(exc)
+                lower.close()
+
+    # --------------------------------------------------------------- sequences
+
+    def _sequence(self, header: tier_pb2.SequenceHeader) -> _Sequence:
+        with self._sequences_lock:
+            seq = self._sequences.get(header.seq_id)
+            if seq is None:
+                seq = self._sequences[header.seq_id] = _Sequence(self, header)
+            else:  # lengths may move between rounds (a tuner)
+                del seq.header.lengths[:]
+                seq.header.lengths.extend(header.lengths)
+            return seq
+
+    def _sequence_of(self, seq_id: int) -> _Sequence:
+        return self._sequences[seq_id]
+
+    def _scheduler(self, seq: _Sequence, lower: RemoteTier | None):
+        from orchestrator.chain import ChainScheduler
+
+        header = seq.header
+        if lower is None:
+            return ChainScheduler([self.local], [], eos_token_ids=self.eos_token_ids)
+        length = header.lengths[self.index] if self.index < len(header.lengths) else 0
+        scheduler = ChainScheduler([self.local, lower], [length], tree_width=max(1, header.tree_width),
+                                   scheme=header.scheme or "specinfer", eos_token_ids=self.eos_token_ids,
+                                   tuner=_Recorder(self, seq, lower), draft_ahead=header.pipeline)
+        scheduler.max_context = None  # the header's limit (the whole chain's) rules
+        return scheduler
+
+    def _with_fallback(self, seq: _Sequence, work):
+        """Run `work(scheduler)`; if the tier below is gone, redo it without the tier below."""
+        lower = self.lower
+        if lower is not None:
+            try:
+                return work(self._scheduler(seq, lower))
+            except TierUnavailableError as exc:
+                self._lower_failed(lower, exc)
+                seq.degraded = True
+        elif self.lower_error:
+            seq.degraded = True
+        return work(self._scheduler(seq, None))
+
+    # ------------------------------------------------------------------ verify
+
+    def verify(self, request: tier_pb2.VerifyRequest) -> tier_pb2.VerifyReply:
+        seq = self._sequence(request.header)
+        _local.model_s = 0.0
+        with seq.cond:
+            seq.reset_call()
+            context = list(request.context)
+
+            def one_round(scheduler):
+                length = min(scheduler._length(0), max(0, request.max_tokens - 1))
+                emitted, _ = scheduler._round(seq.run, 0, context, length)
+                return emitted
+
+            emitted = self._with_fallback(seq, one_round)[: request.max_tokens]
+            return tier_pb2.VerifyReply(tokens=emitted, stages=seq.reports, model_s=_model_seconds() + seq.model_below_s,
+                                        degraded=seq.degraded, degraded_reason=self.lower_error if seq.degraded else "")
+
+    # ------------------------------------------------------------------- draft
+
+    def draft(self, request: tier_pb2.DraftRequest, dst_rank: int | None) -> tier_pb2.DraftReply:
+        seq = self._sequence(request.header)
+        _local.model_s = 0.0
+        context, need = list(request.context), request.num_tokens
+        with seq.cond:
+            seq.reset_call()
+            if request.tree:
+                tree = self._with_fallback(seq, lambda s: self._draft_tree(s, seq, context, need))
+                return tier_pb2.DraftReply(tokens=tree.tokens, parents=tree.parents,
+                                           rows=encode_rows(tree.draft_rows, self.counters, self.dist, dst_rank),
+                                           model_s=_model_seconds() + seq.model_below_s, stages=seq.reports,
+                                           degraded=seq.degraded)
+            hit = self._from_stream(seq, context, need, request.header.epoch)
+            if hit is not None:
+                tokens, rows = hit
+                self.ahead_hits += 1
+            else:
+                if request.header.pipeline:
+                    self.ahead_misses += 1
+                    self._drop_stream(seq)
+                tokens, rows = self._with_fallback(seq, lambda s: self._emit(s, seq, context, need))
+                if request.header.pipeline and tokens:
+                    seq.stream = _Stream(len(context), context + tokens, list(rows) if rows is not None else [None] * len(tokens),
+                                         request.header.epoch)
+                    tokens, rows = tokens[:need], (rows[:need] if rows is not None else None)
+            if request.header.pipeline and seq.stream is not None:
+                seq.ahead_until = len(context) + 2 * need  # one more block past the one handed up
+                self._start_ahead(seq)
+            reply = tier_pb2.DraftReply(tokens=tokens, rows=encode_rows(rows, self.counters, self.dist, dst_rank),
+                                        model_s=_model_seconds() + seq.model_below_s, ahead_hit=hit is not None,
+                                        stages=seq.reports, degraded=seq.degraded)
+        return reply
+
+    def _emit(self, scheduler, seq: _Sequence, context: list[int], need: int):
+        return scheduler._emit(seq.run, 0, context, need)
+
+    def _draft_tree(self, scheduler, seq: _Sequence, context: list[int], depth: int) -> DraftTree:
+        header = seq.header
+        return self.local.draft_tree(seq.run.seq_id, context, max(1, header.tree_width), depth, seq.params,
+                                     header.scheme or "specinfer", seq.run.generators[0])
+
+    def _from_stream(self, seq: _Sequence, context: list[int], need: int, epoch: int):
+        """`need` tokens continuing `context` from the draft-ahead stream, or None (a miss)."""
+        stream = seq.stream
+        if stream is None or stream.epoch != epoch or len(context) < stream.base or len(stream.tokens) <= len(context):
+            return None
+        if stream.tokens[: len(context)] != context:
+            return None
+        seq.ahead_until = max(seq.ahead_until, len(context) + need)
+        self._start_ahead(seq)
+        while stream is seq.stream and len(stream.tokens) - len(context) < need and seq.ahead_running:
+            seq.cond.wait()
+        if stream is not seq.stream:
+            return None
+        start = len(context) - stream.base
+        tokens = stream.tokens[len(context): len(context) + need]
+        rows = stream.rows[start: start + len(tokens)]
+        return tokens, (None if not rows or rows[0] is None else torch.stack(rows))
+
+    def _drop_stream(self, seq: _Sequence) -> None:
+        if seq.stream is not None:
+            self.ahead_dropped += seq.stream.drafted()
+            seq.stream = None
+            seq.cond.notify_all()
+
+    def _start_ahead(self, seq: _Sequence) -> None:
+        if not seq.ahead_running and not seq.closed and seq.stream is not None:
+            seq.ahead_running = True
+            self._ahead_pool.submit(self._ahead, seq)
+
+    def _ahead(self, seq: _Sequence) -> None:
+        """Extend `seq.stream` up to `seq.ahead_until` tokens, a round (or a token) at a time."""
+        _local.ahead = True
+        try:
+            while True:
+                with seq.cond:
+                    stream = seq.stream
+                    if seq.closed or stream is None or len(stream.tokens) >= min(seq.ahead_until, seq.run.limit - 1):
+                        return
+                    if any(t in self.eos_token_ids for t in stream.tokens[stream.base:]):
+                        return
+                    context = list(stream.tokens)
+                    lower = self.lower
+                    try:
+                        tokens, rows = self._emit(self._scheduler(seq, lower), seq, context, 1)
+                    except TierUnavailableError as exc:
+                        self._lower_failed(lower, exc)
+                        return
+                    if stream is not seq.stream or not tokens:
+                        return
+                    stream.tokens.extend(tokens)
+                    stream.rows.extend(list(rows) if rows is not None else [None] * len(tokens))
+                    seq.cond.notify_all()
+        except Exception as exc:  # noqa: BLE001 - draft-ahead is an optimisation; the next Draft redoes the work
+            print(f"polyspec tier {self.tier.name}: draft-ahead stopped: {exc!r}", flush=True)
+        finally:
+            with seq.cond:
+                seq.ahead_running = False
+                seq.cond.notify_all()
+            _local.ahead = False
+
+    # --------------------------------------------------------------- verdicts
+
+    def verdict(self, request: tier_pb2.VerdictRequest) -> None:
+        seq = self._sequences.get(request.seq_id)
+        if seq is None:
+            return
+        with seq.cond:
+            if request.tree:
+                self.local.accept_path(request.seq_id, list(request.path))
+                return
+            stream = seq.stream
+            if stream is None or request.epoch <= stream.epoch:
+                return
+            keep = request.base_len + request.accepted
+            if request.correction < 0 or len(stream.tokens) < keep or keep < stream.base:
+                self._drop_stream(seq)
+                return
+            self.ahead_dropped += len(stream.tokens) - keep
+            seq.stream = _Stream(keep + 1, stream.tokens[:keep] + [request.correction], [], request.epoch)
+            seq.ahead_until = keep + 1 + max(1, request.proposed)
+            seq.cond.notify_all()
+            self._start_ahead(seq)  # the next block is drafted while the verifier does the rest
+
+    def rollback(self, request: tier_pb2.RollbackRequest) -> None:
+        seq = self._sequences.get(request.seq_id)
+        if seq is None:
+            return
+        with seq.cond:
+            self._drop_stream(seq)
+            inner = self.tier
+            cache = getattr(inner, "_sequences", {}).get(request.seq_id)
+            if cache is not None:
+                with self.lock.hold():
+                    cache.pending = None
+                    cache.cache.truncate(min(request.length, len(cache.cache)))
+
+    def prefill(self, request: tier_pb2.PrefillRequest) -> None:
+        seq = self._sequence(request.header)
+        with seq.cond:
+            context = list(request.context)
+            if self.tier.can_verify and len(context) > 1:
+                from workers.tree import DraftTree as _Tree
+
+                self.local.score(request.header.seq_id, context, _Tree([], [], None), seq.params)
+
+    def release(self, seq_id: int) -> None:
+        with self._sequences_lock:
+            seq = self._sequences.pop(seq_id, None)
+        if seq is not None:
+            with seq.cond:
+                seq.closed = True
+                self._drop_stream(seq)
+        self.local.release(seq_id)
+        lower = self.lower
+        if lower is not None:
+            lower.release(seq_id)
+
+    # ------------------------------------------------------------------ health
+
+    def health(self) -> tier_pb2.HealthReply:
+        lower_max = self.lower.max_context if self.lower is not None else None
+        own = self.tier.max_context
+        limits = [c for c in (own, lower_max) if c]
+        return tier_pb2.HealthReply(
+            tier=self.tier.name, index=self.index, vocab_size=self.tier.vocab_size, max_context=min(limits) if limits else 0,
+            can_verify=self.tier.can_verify, deterministic_drafts=self.tier.deterministic_drafts,
+            lower=self.lower.address if self.lower is not None else "", busy_s=self.tier.busy_s,
+            uptime_s=time.time() - self.started, forwards=getattr(self.tier, "forwards", 0),
+            open_sequences=len(self._sequences), sent=self.counters.as_proto(), ahead_hits=self.ahead_hits,
+            ahead_misses=self.ahead_misses, ahead_dropped_tokens=self.ahead_dropped,
+            device=str(getattr(self.tier, "device", "cpu")), pid=os.getpid(),
+        )
+
+    def profile(self, request: tier_pb2.ProfileRequest) -> tier_pb2.ProfileReply:
+        """Median wall time of one scoring forward over m new tokens, m = 1..max_tokens."""
+        if not self.tier.can_verify:
+            return tier_pb2.ProfileReply(forward_ms=[0.0] * request.max_tokens)
+        params = SamplingParams(temperature=0.0)
+        generator = torch.Generator().manual_seed(0)
+        context = torch.randint(0, self.tier.vocab_size, (max(2, request.context_len),), generator=generator).tolist()
+        seq_id = -(1 << 40) - os.getpid()
+        out = []
+        try:
+            self.local.score(seq_id, context, DraftTree([], [], None), params)  # prefill
+            for m in range(1, request.max_tokens + 1):
+                block = torch.randint(0, self.tier.vocab_size, (m - 1,), generator=generator).tolist()
+                times = []
+                for _ in range(max(1, request.repeats)):
+                    started = time.perf_counter()
+                    self.local.score(seq_id, context, DraftTree.chain(block, None), params)
+                    times.append((time.perf_counter() - started) * 1000.0)
+                out.append(statistics.median(times))
+        finally:
+            self.local.release(seq_id)
+        return tier_pb2.ProfileReply(forward_ms=out)
+
+
+class _Servicer(tier_pb2_grpc.TierServicer):
+    def __init__(self, worker: TierWorker) -> None:
+        self.worker = worker
+
+    def _guard(self, context, fn):
+        try:
+            return fn()
+        except TierUnavailableError as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except Exception as exc:  # noqa: BLE001 - reported to the caller as INTERNAL with the cause
+            import traceback
+
+            traceback.print_exc()
+            context.abort(grpc.StatusCode.INTERNAL, f"tier {self.worker.tier.name!r}: {exc!r}")
+
+    def Verify(self, request, context):
+        return self._guard(context, lambda: self.worker.verify(request))
+
+    def Draft(self, request, context):
+        return self._guard(context, lambda: self.worker.draft(request, request.caller))
+
+    def Verdict(self, request, context):
+        self._guard(context, lambda: self.worker.verdict(request))
+        return tier_pb2.Ack()
+
+    def Rollback(self, request, context):
+        self._guard(context, lambda: self.worker.rollback(request))
+        return tier_pb2.Ack()
+
+    def Prefill(self, request, context):
+        self._guard(context, lambda: self.worker.prefill(request))
+        return tier_pb2.Ack()
+
+    def Release(self, request, context):
+        self._guard(context, lambda: self.worker.release(request.seq_id))
+        return tier_pb2.Ack()
+
+    def Health(self, request, context):
+        return self.worker.health()
+
+    def Profile(self, request, context):
+        return self._guard(context, lambda: self.worker.profile(request))

@@ -1,0 +1,255 @@
+"""Transport between distributed tiers (DESIGN §6): the gRPC proxy of a remote tier, and
+how dense probability rows travel.
+
+`RemoteTier` implements `workers.tiers.Tier` on top of the tier-to-tier protocol
+(protos/polyspec/v1/tier.proto), so a verifier runs the very same scheduler code
+(`orchestrator.chain.ChainScheduler`) whether the tier below it is an object in this process
+or an actor on another node.
+
+Rows (only sampling needs them: greedy blocks are token ids):
+
+- NONE    greedy;
+- SPARSE  top-k / top-p rows, when at most SPARSE_FRACTION of the entries are non-zero
+          (8 bytes per non-zero instead of 4 per vocabulary entry);
+- INLINE  float32 bytes inside the gRPC message;
+- DIST    torch.distributed point-to-point (NCCL between tiers on distinct GPUs, gloo
+          otherwise), the gRPC message carrying only the tag.
+
+Which one, by measurement (benchmarks/transport.md, loopback on this 2-core machine):
+a gloo send/recv pair costs ~2-3 ms whatever the size, while a gRPC unary call carrying the
+rows inline costs ~0.4 ms plus ~1 ms per 2 MB. A block of rows is k x V x 4 bytes — 8 x
+32000 x 4 = 1 MB for a LLaMA vocabulary — so on CPU inline wins for every block this
+project sends, and `tensor_transport: auto` only goes out of band with NCCL (GPU memory to
+GPU memory, no host copy) or for messages above DIST_MIN_BYTES.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from typing import Callable
+
+import grpc
+import torch
+
+from protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
+from workers.tiers import Tier
+from workers.tree import DraftTree
+
+SPARSE_FRACTION = 0.25
+DIST_MIN_BYTES = 8 << 20  # gloo: above this, one out-of-band message beats gRPC's copies
+MAX_MESSAGE_BYTES = 512 << 20
+RPC_TIMEOUT_S = 120.0
+UNAVAILABLE_CODES = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.UNKNOWN,
+)
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.enable_retries", 0),
+]
+
+
+class TierUnavailableError(RuntimeError):
+    """A tier's actor (or its node) cannot be reached; the chain goes on without it."""
+
+    def __init__(self, tier: str, detail: str) -> None:
+        super().__init__(f"tier {tier!r} is unavailable: {detail}")
+        self.tier = tier
+
+
+class Counters:
+    """Messages and bytes per transport (grpc | gloo | nccl), counted by the caller: a gRPC
+    call is one message with its request and reply bytes. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.messages: dict[str, int] = {}
+        self.bytes: dict[str, int] = {}
+
+    def add(self, transport: str, nbytes: int) -> None:
+        with self._lock:
+            self.messages[transport] = self.messages.get(transport, 0) + 1
+            self.bytes[transport] = self.bytes.get(transport, 0) + int(nbytes)
+
+    def as_proto(self) -> list[tier_pb2.TransportCounters]:
+        with self._lock:
+            return [tier_pb2.TransportCounters(transport=t, messages=self.messages[t], bytes=self.bytes[t]) for t in sorted(self.messages)]
+
+
+# ----------------------------------------------------------------------------- rows
+
+
+class DistChannel:
+    """torch.distributed point-to-point between the tiers of one chain (rank = tier index).
+
+    Joined once, by every tier at start-up; a tier restarted later cannot rejoin the same
+    process group, so its neighbours send it rows inline from then on (`usable`).
+    """
+
+    def __init__(self, backend: str, rank: int, world_size: int, init_method: str, timeout_s: float = 60.0) -> None:
+        import datetime
+
+        import torch.distributed as dist
+
+        self.backend = backend
+        self.rank = rank
+        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        self._dist = dist
+        self._tags = itertools.count(1)
+        self._recv_lock = threading.Lock()
+        self._pending: list = []
+        self._pending_lock = threading.Lock()
+        self.peers: set[int] = set(range(world_size)) - {rank}
+
+    def send(self, rows: torch.Tensor, dst: int, counters: Counters) -> int:
+        tag = next(self._tags) % (1 << 30)
+        tensor = rows.to(self.device).contiguous()
+        work = self._dist.isend(tensor, dst=dst, tag=tag)
+        with self._pending_lock:  # keep the tensor alive until the send completes
+            self._pending = [(w, t) for w, t in self._pending if not w.is_completed()] + [(work, tensor)]
+        counters.add(self.backend, tensor.numel() * tensor.element_size())
+        return tag
+
+    def recv(self, num_rows: int, vocab: int, src: int, tag: int) -> torch.Tensor:
+        buffer = torch.empty((num_rows, vocab), dtype=torch.float32, device=self.device)
+        with self._recv_lock:
+            self._dist.recv(buffer, src=src, tag=tag)
+        return buffer.cpu()
+
+
+def encode_rows(rows: torch.Tensor | None, counters: Counters, dist: DistChannel | None = None, dst: int | None = None) -> tier_pb2.Rows:
+    """Rows [n, V] float32 -> a Rows message (see the module docstring for the choice)."""
+    if rows is None or rows.numel() == 0:
+        return tier_pb2.Rows(encoding=tier_pb2.Rows.NONE)
+    rows = rows.float().cpu().contiguous()
+    num_rows, vocab = rows.shape
+    nonzero = rows != 0
+    if int(nonzero.sum()) <= SPARSE_FRACTION * rows.numel():
+        counts = nonzero.sum(dim=1).tolist()
+        indices = nonzero.nonzero()[:, 1].to(torch.int32)
+        values = rows[nonzero]
+        return tier_pb2.Rows(encoding=tier_pb2.Rows.SPARSE, num_rows=num_rows, vocab=vocab, counts=counts,
+                             indices=indices.tolist(), values=values.tolist())
+    nbytes = rows.numel() * 4
+    if dist is not None and dst is not None and dst in dist.peers and (dist.backend == "nccl" or nbytes >= DIST_MIN_BYTES):
+        tag = dist.send(rows, dst, counters)
+        return tier_pb2.Rows(encoding=tier_pb2.Rows.DIST, num_rows=num_rows, vocab=vocab, dist_tag=tag, dist_src=dist.rank)
+    return tier_pb2.Rows(encoding=tier_pb2.Rows.INLINE, num_rows=num_rows, vocab=vocab, dense=rows.numpy().tobytes())
+
+
+def decode_rows(message: tier_pb2.Rows, dist: DistChannel | None = None) -> torch.Tensor | None:
+    if message.encoding == tier_pb2.Rows.NONE:
+        return None
+    shape = (message.num_rows, message.vocab)
+    if message.encoding == tier_pb2.Rows.INLINE:
+        return torch.frombuffer(bytearray(message.dense), dtype=torch.float32).reshape(shape)
+    if message.encoding == tier_pb2.Rows.SPARSE:
+        rows = torch.zeros(shape, dtype=torch.float32)
+        row_index = torch.repeat_interleave(torch.arange(message.num_rows), torch.tensor(list(message.counts), dtype=torch.long))
+        rows[row_index, torch.tensor(list(message.indices), dtype=torch.long)] = torch.tensor(list(message.values), dtype=torch.float32)
+        return rows
+    if dist is None:
+        raise RuntimeError("rows were sent over torch.distributed but this tier has no process group")
+    return dist.recv(message.num_rows, message.vocab, message.dist_src, message.dist_tag)
+
+
+def header_params(header: tier_pb2.SequenceHeader):
+    from workers.sampling import SamplingParams
+
+    return SamplingParams(temperature=header.temperature, top_p=header.top_p, top_k=header.top_k)
+
+
+# ------------------------------------------------------------------------ the proxy
+
+
+class RemoteTier(Tier):
+    """The tier below, reached over gRPC; implements the Tier interface for one verifier.
+
+    `sequence(seq_id)` returns the caller's per-sequence state, which supplies the header
+    sent down (`header_for_lower()`) and absorbs what comes back (`absorb(reply)`): stage
+    reports, model time, degraded flags.
+    """
+
+    def __init__(self, address: str, sequence: Callable, counters: Counters, dist: DistChannel | None = None,
+                 pipeline: bool = False, timeout_s: float = RPC_TIMEOUT_S, caller: int = 0) -> None:
+        super().__init__()
+        self.caller = caller
+        self.address = address
+        self._sequence = sequence
+        self.counters = counters
+        self.dist = dist
+        self.timeout_s = timeout_s
+        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = tier_pb2_grpc.TierStub(self._channel)
+        info = self._call("Health", tier_pb2.HealthRequest(), timeout=10.0, name=address)
+        self.info = info
+        self.name = info.tier
+        self.index = info.index
+        self.vocab_size = info.vocab_size
+        self.max_context = info.max_context or None
+        self.can_verify = info.can_verify
+        self.deterministic_drafts = info.deterministic_drafts
+        self.drafts_ahead = pipeline  # the worker drafts ahead whenever the request's header says pipeline
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def _call(self, method: str, request, timeout: float | None = None, name: str | None = None):
+        try:
+            reply = getattr(self._stub, method)(request, timeout=timeout or self.timeout_s)
+            self.counters.add("grpc", request.ByteSize() + reply.ByteSize())  # one call: request and reply bytes
+        except grpc.RpcError as exc:
+            code = exc.code() if hasattr(exc, "code") else None
+            if code in UNAVAILABLE_CODES:
+                raise TierUnavailableError(name or self.name, f"{method}: {code.name.lower()} ({self.address})") from None
+            raise RuntimeError(f"tier {name or self.name!r}: {method} failed: {exc.details() if hasattr(exc, 'details') else exc}") from None
+        return reply
+
+    def _cast(self, method: str, request) -> None:
+        """Fire and forget (verdicts, releases): a lost one costs a re-sync, never a wrong token."""
+        self.counters.add("grpc", request.ByteSize())
+        try:
+            future = getattr(self._stub, method).future(request, timeout=10.0)
+            future.add_done_callback(lambda f: f.exception())  # consume errors
+        except (grpc.RpcError, ValueError):  # a closed channel: the tier is being replaced
+            pass
+
+    def draft(self, seq_id, context, num_tokens, params, generator):
+        seq = self._sequence(seq_id)
+        request = tier_pb2.DraftRequest(header=seq.header_for_lower(), context=context, num_tokens=num_tokens, caller=self.caller)
+        started = time.perf_counter()
+        reply = self._call("Draft", request)
+        rows = decode_rows(reply.rows, self.dist)
+        seq.absorb(reply, time.perf_counter() - started)
+        return list(reply.tokens), rows
+
+    def draft_tree(self, seq_id, context, width, depth, params, scheme, generator):
+        seq = self._sequence(seq_id)
+        request = tier_pb2.DraftRequest(header=seq.header_for_lower(), context=context, num_tokens=depth, tree=True, caller=self.caller)
+        started = time.perf_counter()
+        reply = self._call("Draft", request)
+        rows = decode_rows(reply.rows, self.dist)
+        seq.absorb(reply, time.perf_counter() - started)
+        return DraftTree(list(reply.tokens), list(reply.parents), rows)
+
+    def accept_path(self, seq_id, path):
+        seq = self._sequence(seq_id)
+        self._cast("Verdict", tier_pb2.VerdictRequest(seq_id=seq_id, epoch=seq.epoch_below, tree=True, path=path))
+
+    def verdict(self, seq_id, base_len, proposed, accepted, correction):
+        seq = self._sequence(seq_id)
+        if correction is None or not seq.header.pipeline:
+            return  # fully accepted and continued (or no draft-ahead): nothing is stale
+        seq.epoch_below += 1  # everything drafted past the correction is stale from now on
+        self._cast("Verdict", tier_pb2.VerdictRequest(seq_id=seq_id, epoch=seq.epoch_below, base_len=base_len,
+                                                      proposed=proposed, accepted=accepted, correction=correction))
+
+    def release(self, seq_id):
+        self._cast("Release", tier_pb2.ReleaseRequest(seq_id=seq_id))
