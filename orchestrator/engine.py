@@ -42,9 +42,10 @@ class Engine:
     def __init__(self, config: ChainConfig, speculative: bool = True, auto_tune: bool = True) -> None:
         """`auto_tune`: with `speculation.lengths: auto`, profile the tiers and let the tuner set the lengths."""
         quiet_transformers()
-        if config.runtime.backend != "local":
-            raise ConfigError(f"runtime.backend {config.runtime.backend!r} is not available in this version; use 'local'")
         self.config = config if speculative else config.target_only()
+        if config.runtime.backend == "ray":
+            self._start_ray()
+            return
         self.tiers, self.tokenizer = load_tiers(self.config.tiers)
         eos = set()
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -64,6 +65,21 @@ class Engine:
         if auto_tune and self.config.speculation.lengths == "auto" and len(self.tiers) > 1:
             self.scheduler.tuner = self.make_tuner()
 
+    def _start_ray(self) -> None:
+        """The tiers run as Ray actors (orchestrator.ray_runtime); this process only drives them."""
+        from orchestrator.ray_runtime import ray_chain
+        from workers.loading import describe_chain
+
+        self.tokenizer, eos = describe_chain(self.config.tiers)
+        self.scheduler = ray_chain(self.config, eos)
+        self.tiers = self.scheduler.tiers  # TierViews: name, vocab_size, busy_s
+
+    def close(self) -> None:
+        """Stop the chain's actors (ray backend); nothing to do embedded."""
+        close = getattr(self.scheduler, "close", None)
+        if close is not None:
+            close()
+
     def make_tuner(self, context: list[int] | None = None, max_length: int = DEFAULT_MAX_LENGTH):
         """Profile every tier (a few seconds) and build the online tuner (orchestrator.tuner)."""
         from orchestrator.profiler import profile_tiers, synthetic_context
@@ -80,7 +96,7 @@ class Engine:
 
     @property
     def vocab_size(self) -> int:
-        return self.tiers[0].vocab_size
+        return getattr(self.scheduler, "vocab_size", None) or self.tiers[0].vocab_size
 
     # ------------------------------------------------------------------- requests
 

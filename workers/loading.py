@@ -189,3 +189,39 @@ def load_tiers(tiers_config) -> tuple[list[Tier], object]:
         ordered.append(NGramTier(tier.name, vocab_size, tier.max_ngram, tier.min_ngram) if tier.is_ngram else next(model_iter))
     shared = next((tok for tok in tokenizers.values() if tok is not None), None)
     return ordered, shared
+
+
+def describe_chain(tiers_config) -> tuple[object, tuple[int, ...]]:
+    """What a driver needs without loading any weights (the tiers load in their own actors):
+    the shared tokenizer (vocabularies checked as in `load_tiers`) and the target's EOS ids."""
+    from transformers import AutoConfig, GenerationConfig
+
+    model_configs = [t for t in tiers_config if not t.is_ngram]
+    tokenizers = {tier.name: load_tokenizer(tier.model, tier.name) for tier in model_configs}
+    check_vocabularies(tokenizers)
+    configs = {}
+    for tier in model_configs:
+        try:
+            configs[tier.name] = AutoConfig.from_pretrained(tier.model)
+        except Exception as exc:
+            raise ModelLoadError(f"tier {tier.name!r}: cannot read the model config of {tier.model!r}: {_short(exc)}") from None
+    if any(tok is None for tok in tokenizers.values()):
+        sizes = [(name, config.vocab_size) for name, config in configs.items()]
+        for name, size in sizes[1:]:
+            if size != sizes[0][1]:
+                raise ModelLoadError(f"tiers {sizes[0][0]!r} and {name!r} do not share a vocabulary ({sizes[0][1]} vs {size} tokens)")
+    shared = next((tok for tok in tokenizers.values() if tok is not None), None)
+    eos: set[int] = set()
+    if shared is not None and shared.eos_token_id is not None:
+        eos.add(int(shared.eos_token_id))
+    target = model_configs[0]
+    sources = [configs[target.name]]
+    try:
+        sources.append(GenerationConfig.from_pretrained(target.model))
+    except Exception:  # noqa: BLE001 - no generation_config.json: the model config's ids stand
+        pass
+    for source in sources:
+        configured = getattr(source, "eos_token_id", None)
+        if configured is not None:
+            eos.update([configured] if isinstance(configured, int) else configured)
+    return shared, tuple(sorted(eos))

@@ -4,6 +4,8 @@ token, serial and pipelined (draft-ahead, no bonus token on a fully accepted blo
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 
 from orchestrator.config import parse_config
@@ -126,3 +128,36 @@ def test_seeded_sampling_matches_embedded(tiny_family):
         chain.close()
         for worker in workers:
             worker.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("names,lengths,samples", [
+    (["target", "mid"], [1], 1000),
+    (["target", "mid", "small"], [1, 2], 800),
+], ids=["2-tier k=1", "3-tier k=1,2"])
+def test_pipelined_sampling_is_lossless(tiny_family, names, lengths, samples):
+    """Temperature 1 through the pipelined distributed chain: the first two tokens follow the
+    target's exact joint distribution (chi-square, alpha 1e-3, sample size in the ids).
+    With k=1 at the target, the second token comes from the draft-ahead continuation
+    whenever the first block is accepted (no bonus token): that path is exercised often."""
+    from lossless_stats import ALPHA, chi_square_p_value, exact_two_token_probs
+
+    config = chain_config(tiny_family, names)
+    tiers, tokenizer = load_tiers(config.tiers)
+    prompt_ids = tokenizer("def f(x):\n    return x +")["input_ids"]
+    params = SamplingParams(temperature=1.0)
+    joint = exact_two_token_probs(tiers[0].model, tiers[0].vocab_size, prompt_ids, params)
+    chain, workers = in_process_chain(tiers, lengths, pipeline=True)  # no EOS: always two tokens
+    try:
+        outputs = {}
+        jobs = [(prompt_ids, 3, params, seed) for seed in range(samples)]  # round 2 has a block to draft ahead
+        chain.generate_many(jobs, concurrency=4, on_done=lambda i, out: outputs.__setitem__(i, out))
+        counts = collections.Counter(tuple(outputs[i].token_ids[:2]) for i in range(samples))
+        hits = sum(t["draft_ahead"]["hits"] for t in chain.runtime_stats()["tiers"])
+    finally:
+        chain.close()
+        for worker in workers:
+            worker.stop()
+    assert hits > samples // 10, f"the draft-ahead path ran too rarely to be tested ({hits} hits)"
+    p_value = chi_square_p_value(counts, joint, samples)
+    assert p_value > ALPHA, f"chi-square p={p_value:.2e} over {samples} samples"

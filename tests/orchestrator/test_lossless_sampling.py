@@ -14,40 +14,14 @@ import collections
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from orchestrator.config import parse_config
 from orchestrator.engine import Engine
-from workers.sampling import SamplingParams, warp_logits
+from workers.sampling import SamplingParams
 
-ALPHA = 1e-3
-MIN_EXPECTED = 5.0
+from lossless_stats import ALPHA, chi_square_p_value, exact_two_token_probs
+
 PROMPT = "def f(x):\n    return x +"
-
-
-def exact_two_token_probs(engine: Engine, prompt_ids: list[int], params: SamplingParams) -> torch.Tensor:
-    """[V, V] joint probability of the first two tokens under the warped target."""
-    model = engine.tiers[0].model
-    vocab = engine.vocab_size
-    with torch.inference_mode():
-        first = warp_logits(model(torch.tensor([prompt_ids])).logits[0, -1, :vocab], params)  # [V]
-        batch = torch.tensor([prompt_ids + [x] for x in range(vocab)])  # [V, T+1]
-        second = warp_logits(model(batch).logits[:, -1, :vocab], params)  # [V, V]
-    return first[:, None] * second
-
-
-def chi_square_p_value(counts: collections.Counter, joint: torch.Tensor, samples: int) -> float:
-    expected = (joint * samples).flatten()
-    big = (expected >= MIN_EXPECTED).nonzero().flatten().tolist()
-    observed = [counts.get(divmod(cell, joint.shape[1]), 0) for cell in big]
-    expected_big = [float(expected[cell]) for cell in big]
-    rest_observed = samples - sum(observed)
-    rest_expected = samples - sum(expected_big)
-    if rest_expected > 1e-9:
-        observed.append(rest_observed)
-        expected_big.append(rest_expected)
-    scale = sum(observed) / sum(expected_big)  # guard float drift in the totals
-    return float(chisquare(observed, [e * scale for e in expected_big]).pvalue)
 
 
 def sample_first_two(engine: Engine, prompt_ids, params, samples: int) -> collections.Counter:
@@ -89,7 +63,7 @@ def test_first_two_tokens_match_target(tiny_family, case):
     names, speculation, params, samples = CASES[case]
     engine = make_engine(tiny_family, names, speculation)
     prompt_ids = engine.tokenizer(PROMPT)["input_ids"]
-    joint = exact_two_token_probs(engine, prompt_ids, params)
+    joint = exact_two_token_probs(engine.tiers[0].model, engine.vocab_size, prompt_ids, params)
     counts = sample_first_two(engine, prompt_ids, params, samples)
     p_value = chi_square_p_value(counts, joint, samples)
     assert p_value > ALPHA, f"{case}: chi-square p={p_value:.2e} over {samples} samples"
@@ -103,8 +77,8 @@ def test_chi_square_detects_a_wrong_sampler(tiny_family):
     engine = make_engine(tiny_family, ["target"], {})
     prompt_ids = engine.tokenizer(PROMPT)["input_ids"]
     params = SamplingParams(temperature=1.0)
-    joint = exact_two_token_probs(engine, prompt_ids, params)
-    wrong = exact_two_token_probs(engine, prompt_ids, SamplingParams(temperature=1.3))
+    joint = exact_two_token_probs(engine.tiers[0].model, engine.vocab_size, prompt_ids, params)
+    wrong = exact_two_token_probs(engine.tiers[0].model, engine.vocab_size, prompt_ids, SamplingParams(temperature=1.3))
     generator = torch.Generator().manual_seed(0)
     draws = torch.multinomial(wrong.flatten(), 3000, replacement=True, generator=generator)
     counts = collections.Counter(divmod(int(d), joint.shape[1]) for d in draws)
