@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from orchestrator import serving_cli
+from orchestrator import serving_cli, validate
 from workers.errors import PolyspecError, RequestError
 
 EXIT_USER_ERROR = 2
@@ -76,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--plot", help="write the PNG plot here (none of the three given: all under benchmarks/)")
     bench.add_argument("--write-prompts", metavar="OUT", help="build the held-out prompt set for the config's target, then exit")
     serving_cli.add_parsers(sub)  # serve, submit, jobs
+    validate.add_parser(sub)
     return parser
 
 
@@ -209,6 +210,7 @@ def cmd_tune(args) -> int:
 
 COMMANDS = {"generate": cmd_generate, "batch": cmd_batch, "zoo": cmd_zoo, "bench": cmd_bench, "tune": cmd_tune}
 COMMANDS.update(serving_cli.COMMANDS)  # serve, submit, jobs
+COMMANDS["validate"] = validate.cmd_validate
 
 
 def main(argv: list[str] | None = None) -> int:
