@@ -1,4 +1,4 @@
-"""Loading a chain's tiers: `from_pretrained` of an id or a path, dtype, int8, vocabulary check."""
+"""Loading a chain's tiers: `from_pretrained` of an id or a path, dtype, int8 (CPU) / int4 (CUDA), vocabulary check."""
 
 from __future__ import annotations
 
@@ -118,24 +118,48 @@ def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
         return quantize_dynamic(model.float(), {torch.nn.Linear}, dtype=torch.qint8)
 
 
+def int4_quantization_config(tier, device: torch.device):
+    """bitsandbytes 4-bit (NF4, double quantization) weights computing in the tier's dtype:
+    the paper's middle tier, a 4-bit copy of the target. CUDA only."""
+    if device.type != "cuda":
+        raise ModelLoadError(
+            f"tier {tier.name!r}: quantize: int4 (bitsandbytes 4-bit) runs on a CUDA GPU only, and this tier's device is "
+            f"{device.type}; on CPU use quantize: int8"
+        )
+    try:
+        import bitsandbytes  # noqa: F401  (transformers needs it at load time; fail here, in one line)
+        from transformers import BitsAndBytesConfig
+    except ImportError:
+        raise ModelLoadError(f"tier {tier.name!r}: quantize: int4 needs bitsandbytes: pip install bitsandbytes") from None
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=TORCH_DTYPES[tier.dtype],
+    )
+
+
 def load_model_tier(tier, vocab_size: int | None = None) -> ModelTier:
     """Load one model tier from its TierConfig (orchestrator.config)."""
     from transformers import AutoModelForCausalLM
 
     device = resolve_device(tier.device)
+    extra = {}
     if tier.quantize == "int4":
-        raise ModelLoadError(f"tier {tier.name!r}: quantize: int4 needs a GPU quantization backend; on CPU use int8")
+        extra = {"quantization_config": int4_quantization_config(tier, device), "device_map": {"": device.index or 0}}
     if tier.quantize == "int8" and device.type != "cpu":
         raise ModelLoadError(f"tier {tier.name!r}: quantize: int8 (torch dynamic quantization) runs on CPU only; set device: cpu")
-    dtype = torch.float32 if tier.quantize else TORCH_DTYPES[tier.dtype]
+    dtype = torch.float32 if tier.quantize == "int8" else TORCH_DTYPES[tier.dtype]
     if tier.threads:
         torch.set_num_threads(tier.threads)
     try:
-        model = AutoModelForCausalLM.from_pretrained(tier.model, dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_pretrained(tier.model, dtype=dtype, attn_implementation="sdpa", **extra)
     except Exception as exc:
         where = "local directory" if os.path.isdir(tier.model) else "local path or a Hugging Face model id"
         raise ModelLoadError(f"tier {tier.name!r}: cannot load model {tier.model!r} (not a loadable {where}): {_short(exc)}") from None
-    model = model.to(device).eval()
+    if tier.quantize != "int4":  # a bitsandbytes model is placed by device_map and cannot be moved
+        model = model.to(device)
+    model = model.eval()
     head = model.get_output_embeddings()
     out_features = head.weight.shape[0] if head is not None else model.config.vocab_size
     if tier.quantize == "int8":
