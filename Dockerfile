@@ -1,12 +1,34 @@
-# polyspec, CPU image by default. Installs the package the README's way.
+# polyspec, CPU image by default; a CUDA image by build argument. Installs the package the
+# README's way (`python -m pip install "torch==2.13.0" -e ".[dev]"`).
+#
 #   docker build -t polyspec .
-# A CUDA build: docker build --build-arg BASE=pytorch/pytorch:2.6.0-cuda12.4-cudnn9-runtime --build-arg TORCH_SPEC=torch -t polyspec:cuda .
+#   docker build -t polyspec:cuda \
+#     --build-arg BASE=pytorch/pytorch:2.6.0-cuda12.4-cudnn9-runtime \
+#     --build-arg TORCH= --build-arg TORCH_INDEX= --build-arg EXTRAS=bitsandbytes .
+#
+# The CUDA build keeps the base image's CUDA torch (TORCH empty) and adds bitsandbytes for
+# `quantize: int4` tiers. The same image runs every service of docker-compose.yml: the Ray
+# head, one Ray worker per tier and the orchestrator (`polyspec serve`).
 ARG BASE=python:3.11-slim
 FROM ${BASE}
-ARG TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+
+# torch pin and index for the CPU image: the CPU wheel index keeps pip from fetching CUDA wheels
+ARG TORCH="torch==2.13.0"
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# extra packages, e.g. bitsandbytes on CUDA
+ARG EXTRAS=""
+
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    HF_HOME=/var/cache/huggingface
+
 WORKDIR /opt/polyspec
 COPY . .
-RUN python -m pip install --no-cache-dir ${TORCH_SPEC} && python -m pip install --no-cache-dir -e .
-EXPOSE 50051 9464
-ENTRYPOINT ["polyspec"]
-CMD ["serve", "-c", "configs/demo.yaml", "--host", "0.0.0.0", "--port", "50051", "--state-dir", "/var/lib/polyspec"]
+# hadolint ignore=DL3013
+RUN PIP_EXTRA_INDEX_URL="${TORCH_INDEX}" python -m pip install ${TORCH} -e ".[dev]" ${EXTRAS} \
+    && polyspec --help > /dev/null
+
+# gRPC API, Prometheus metrics; Ray: GCS, client server, dashboard
+EXPOSE 50051 9464 6379 10001 8265
+CMD ["polyspec", "serve", "-c", "configs/demo.yaml", "--host", "0.0.0.0", "--port", "50051", "--state-dir", "/var/lib/polyspec"]
