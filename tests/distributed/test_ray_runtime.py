@@ -1,0 +1,164 @@
+"""runtime.backend: ray on a multi-node cluster on this machine (ray.cluster_utils.Cluster):
+a head and two worker nodes, each with one custom resource that pins one tier to it.
+
+Kept few and bounded: one cluster for the module (~1 GB, starts in seconds); every test
+builds its engine with the tiers pinned to their nodes and closes it (the actors go).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from orchestrator.config import parse_config  # noqa: E402
+from orchestrator.engine import Engine  # noqa: E402
+from workers.errors import ConfigError  # noqa: E402
+from workers.sampling import SamplingParams  # noqa: E402
+
+PROMPTS = ["def add(a, b):\n    return", "import os\nimport sys\n", "for i in range(10):\n    print(i)\nfor i in",
+           "class Point:\n    def __init__(self", "while True:\n    line ="]
+MAX_NEW = 32
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"tier_target": 1}})
+    workers = {
+        "tier_mid": cluster.add_node(num_cpus=1, resources={"tier_mid": 1}),
+        "tier_small": cluster.add_node(num_cpus=1, resources={"tier_small": 1}),
+    }
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, logging_level="error", log_to_driver=False)
+    yield cluster, workers
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def config(family, address, *, pipeline, names=("target", "mid", "small"), lengths=(4, 2), **runtime):
+    pins = {"target": "tier_target", "mid": "tier_mid", "small": "tier_small"}
+    tiers = [{"name": n, "model": family[n], "resources": {pins[n]: 1}} for n in names]
+    return parse_config({"tiers": tiers, "speculation": {"lengths": list(lengths)[: len(names) - 1]},
+                         "runtime": {"backend": "ray", "address": address, "pipeline": pipeline, **runtime}})
+
+
+@pytest.fixture(scope="module")
+def embedded(tiny_family):
+    engine = Engine(parse_config({"tiers": [{"name": "target", "model": tiny_family["target"]}]}))
+    ids = [engine.tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    return engine, [(i, engine.scheduler.generate(i, MAX_NEW, SamplingParams(temperature=0.0)).token_ids) for i in ids]
+
+
+def node_of(engine, tier_index):
+    return ray.get(engine.scheduler.membership.actors[tier_index].info.remote())["node_id"]
+
+
+@pytest.mark.parametrize("pipeline", [False, True], ids=["serial", "pipelined"])
+def test_greedy_equals_embedded_one_node_per_tier(cluster, tiny_family, embedded, pipeline):
+    _, nodes = cluster
+    engine = Engine(config(tiny_family, cluster[0].address, pipeline=pipeline))
+    try:
+        assert node_of(engine, 1) == nodes["tier_mid"].node_id
+        assert node_of(engine, 2) == nodes["tier_small"].node_id
+        assert len({node_of(engine, i) for i in range(3)}) == 3, "each tier on its own node"
+        for ids, expected in embedded[1]:
+            assert engine.scheduler.generate(ids, MAX_NEW, SamplingParams(temperature=0.0)).token_ids == expected
+        stats = engine.scheduler.runtime_stats()
+        assert stats["tiers"][0]["sent"]["grpc"]["messages"] > 0 and stats["tiers"][1]["sent"]["grpc"]["messages"] > 0
+    finally:
+        engine.close()
+
+
+def test_sampling_is_lossless_pipelined(cluster, tiny_family):
+    """Temperature 1, pipelined, 3 tiers on 3 nodes: chi-square of the first and second tokens
+    against the target's exact distribution; 600 samples, alpha 1e-3 (tests/lossless_stats.py)."""
+    from lossless_stats import ALPHA, chi_square_p_value, exact_two_token_probs
+
+    engine = Engine(config(tiny_family, cluster[0].address, pipeline=True, lengths=(1, 2)))
+    try:
+        engine.scheduler.eos_token_ids = frozenset()
+        reference = Engine(parse_config({"tiers": [{"name": "target", "model": tiny_family["target"]}]}))
+        prompt_ids = engine.tokenizer("def f(x):\n    return x +")["input_ids"]
+        params = SamplingParams(temperature=1.0)
+        joint = exact_two_token_probs(reference.tiers[0].model, engine.vocab_size, prompt_ids, params)
+        samples = 600
+        outputs = {}
+        engine.scheduler.generate_many([(prompt_ids, 3, params, seed) for seed in range(samples)], 6,
+                                       lambda i, out: outputs.__setitem__(i, out))
+        # 600 samples are too few for the 257 x 257 joint cells of this flat model, so the two
+        # marginals are tested (the second token is where the draft-ahead path acts), alpha/2 each
+        for position, marginal in ((0, joint.sum(dim=1)), (1, joint.sum(dim=0))):
+            counts = collections.Counter((0, outputs[i].token_ids[position]) for i in range(samples))
+            p_value = chi_square_p_value(counts, marginal[None, :], samples)
+            assert p_value > ALPHA / 2, f"token {position + 1}: chi-square p={p_value:.2e} over {samples} samples"
+    finally:
+        engine.close()
+
+
+def test_unplaceable_tier_is_a_clear_error(cluster, tiny_family):
+    raw = {"tiers": [{"name": "target", "model": tiny_family["target"], "resources": {"tier_gpu_node": 1}}],
+           "runtime": {"backend": "ray", "address": cluster[0].address}}
+    with pytest.raises(ConfigError, match="tier 'target' cannot be placed.*'tier_gpu_node'"):
+        Engine(parse_config(raw))
+
+
+def _run_batch(engine, jobs, during):
+    """Run `jobs` 6 at a time; call `during()` once a few requests have finished."""
+    results, started = {}, threading.Event()
+
+    def done(i, out):
+        results[i] = out
+        if len(results) >= 5:
+            started.set()
+
+    runner = threading.Thread(target=engine.scheduler.generate_many, args=(jobs, 6, done))
+    runner.start()
+    assert started.wait(120), "the batch did not start"
+    during()
+    runner.join(300)
+    assert not runner.is_alive(), "the batch did not finish"
+    return results
+
+
+def test_drafter_node_removed_mid_batch(cluster, tiny_family, embedded):
+    """50 requests; the middle tier's node goes away after a few: all 50 finish, each equal to
+    the target's own greedy output (the target talks to the small drafter directly)."""
+    head_cluster, nodes = cluster
+    engine = Engine(config(tiny_family, head_cluster.address, pipeline=True))
+    try:
+        jobs = [(ids, MAX_NEW, SamplingParams(temperature=0.0), None) for ids, _ in embedded[1]] * 10
+        expected = [tokens for _, tokens in embedded[1]] * 10
+        results = _run_batch(engine, jobs, lambda: head_cluster.remove_node(nodes["tier_mid"]))
+        assert len(results) == 50
+        failures = [r for r in results.values() if isinstance(r, Exception)]
+        assert not failures, failures[:1]
+        assert [results[i].token_ids for i in range(50)] == expected
+        assert engine.scheduler.degraded_rounds > 0, "the mid tier's loss was noticed"
+    finally:
+        engine.close()
+        nodes["tier_mid"] = head_cluster.add_node(num_cpus=1, resources={"tier_mid": 1})  # for later tests
+        head_cluster.wait_for_nodes()
+
+
+def test_target_killed_mid_batch(cluster, tiny_family, embedded):
+    """The target's actor is killed mid-batch; Ray restarts it, every request resumes from its
+    committed tokens and finishes with the target's greedy output, nothing emitted twice."""
+    engine = Engine(config(tiny_family, cluster[0].address, pipeline=True, names=("target", "small"), lengths=(3,)))
+    try:
+        jobs = [(ids, MAX_NEW, SamplingParams(temperature=0.0), None) for ids, _ in embedded[1]] * 4
+        expected = [tokens for _, tokens in embedded[1]] * 4
+        target = engine.scheduler.membership.actors[0]
+        results = _run_batch(engine, jobs, lambda: ray.kill(target, no_restart=False))
+        failures = [r for r in results.values() if isinstance(r, Exception)]
+        assert not failures, failures[:1]
+        assert [results[i].token_ids for i in range(len(jobs))] == expected
+        assert engine.scheduler.failovers > 0, "the target's death was noticed"
+    finally:
+        engine.close()
