@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 from orchestrator import serving_cli, validate
@@ -43,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("-o", "--output", required=True, help="JSONL results, written as each request finishes")
     batch.add_argument("--no-speculation", action="store_true")
     batch.add_argument("--resume", action="store_true", help="keep results already in --output and skip their ids")
+    batch.add_argument("--concurrency", type=int, default=None,
+                       help="requests in flight at once (ray backend: default 8, so the tiers overlap requests; embedded: 1)")
+    batch.add_argument("--stats", metavar="FILE", help="write the run's runtime stats (transport, busy/idle per tier) as JSON")
 
     zoo = sub.add_parser("zoo", help="the demo model family trained on the Python standard library")
     zoo_sub = zoo.add_subparsers(dest="zoo_command", required=True)
@@ -136,37 +140,79 @@ def _finished_results(path: Path) -> list[str]:
 
 
 def cmd_batch(args) -> int:
+    import threading
+
     from tqdm import tqdm
 
     input_path, output_path = Path(args.input), Path(args.output)
     if not input_path.exists():
         raise RequestError(f"input file not found: {input_path}")
+    if args.concurrency is not None and args.concurrency < 1:
+        raise RequestError(f"--concurrency must be >= 1, got {args.concurrency}")
     lines = input_path.read_text(encoding="utf-8").splitlines()
     engine = _load_engine(args.config, args.no_speculation)
+    distributed = engine.config.runtime.backend == "ray"
+    if not distributed and (args.concurrency or 1) > 1:
+        raise RequestError("--concurrency > 1 needs runtime.backend: ray (the embedded chain runs one request at a time)")
+    concurrency = args.concurrency or (8 if distributed else 1)
     finished = _finished_results(output_path) if args.resume else []
     done = {str(record["id"]) for record in map(json.loads, finished) if isinstance(record, dict) and "id" in record}
     if args.resume:
         output_path.write_text("".join(line + "\n" for line in finished), encoding="utf-8")
-    failures = 0
-    with open(output_path, "a" if args.resume else "w", encoding="utf-8") as out:
-        for number, line in enumerate(tqdm(lines, desc="batch", unit="req", file=sys.stderr, disable=None), start=1):
-            if not line.strip():
-                continue
+    todo = []
+    for number, line in enumerate(lines, start=1):
+        if line.strip():
             request_id, raw, parse_error = _parse_line(line, number)
-            if request_id in done:
-                continue
+            if request_id not in done:
+                todo.append((number, request_id, raw, parse_error))
+    failures = [0]
+    write_lock = threading.Lock()
+    started = time.perf_counter()
+    tokens = [0]
+    with open(output_path, "a" if args.resume else "w", encoding="utf-8") as out, \
+            tqdm(total=len(todo), desc="batch", unit="req", file=sys.stderr, disable=None) as progress:
+
+        def write(result: dict) -> None:
+            with write_lock:
+                out.write(json.dumps(result) + "\n")
+                out.flush()  # a result is on disk as soon as it is done
+                os.fsync(out.fileno())
+                tokens[0] += len(result.get("token_ids", ()))
+                progress.update(1)
+
+        def run_one(item) -> None:
+            number, request_id, raw, parse_error = item
             try:
                 if parse_error:
                     raise RequestError(parse_error)
                 result = engine.generate(engine.parse_request({**raw, "id": request_id} if isinstance(raw, dict) else raw))
             except RequestError as exc:
-                failures += 1
+                with write_lock:
+                    failures[0] += 1
                 result = {"id": request_id, "error": f"line {number}: {exc}"}
-            out.write(json.dumps(result) + "\n")
-            out.flush()  # a result is on disk as soon as it is done
-            os.fsync(out.fileno())
-    if failures:
-        print(f"polyspec: {failures} request(s) failed; see their 'error' field in {output_path}", file=sys.stderr)
+            write(result)
+
+        if concurrency == 1:
+            for item in todo:
+                run_one(item)
+        else:
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(concurrency, thread_name_prefix="polyspec-batch") as pool:
+                for future in [pool.submit(run_one, item) for item in todo]:
+                    future.result()  # an internal error stops the batch (results so far are on disk; --resume)
+    elapsed = time.perf_counter() - started
+    if distributed:
+        stats = {"requests": len(todo), "generated_tokens": tokens[0], "time_s": round(elapsed, 3),
+                 "tokens_per_s": round(tokens[0] / elapsed, 3) if elapsed > 0 else 0.0, "concurrency": concurrency,
+                 "pipeline": engine.config.runtime.pipeline, **engine.scheduler.runtime_stats()}
+        if args.stats:
+            Path(args.stats).write_text(json.dumps(stats, indent=2) + "\n", encoding="utf-8")
+        print(f"polyspec: {tokens[0]} tokens in {elapsed:.1f}s ({stats['tokens_per_s']:.1f} tok/s), "
+              f"{stats['failovers']} target failover(s), {stats['degraded_rounds']} round(s) on a shortened chain", file=sys.stderr)
+        engine.close()
+    if failures[0]:
+        print(f"polyspec: {failures[0]} request(s) failed; see their 'error' field in {output_path}", file=sys.stderr)
     return 0
 
 

@@ -10,6 +10,7 @@ request means the same thing everywhere (DESIGN §8):
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Any, Callable
 
 from orchestrator.chain import ChainScheduler, RequestState
@@ -42,6 +43,7 @@ class Engine:
     def __init__(self, config: ChainConfig, speculative: bool = True, auto_tune: bool = True) -> None:
         """`auto_tune`: with `speculation.lengths: auto`, profile the tiers and let the tuner set the lengths."""
         quiet_transformers()
+        self._decode_lock = threading.Lock()
         self.config = config if speculative else config.target_only()
         if config.runtime.backend == "ray":
             self._start_ray()
@@ -182,4 +184,5 @@ class Engine:
     def decode(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:
             return ""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        with self._decode_lock:  # batch threads share one tokenizer
+            return self.tokenizer.decode(token_ids, skip_special_tokens=True)

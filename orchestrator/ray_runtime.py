@@ -68,8 +68,8 @@ class TierActor:
     def connect(self, lower_address: str | None) -> str:
         return self.worker.connect(lower_address)
 
-    def join_dist(self, backend: str, init_method: str, world_size: int) -> None:
-        self.worker.join_dist(backend, init_method, world_size)
+    def join_dist(self, backend: str, init_method: str, world_size: int, min_bytes: int | None) -> None:
+        self.worker.join_dist(backend, init_method, world_size, min_bytes)
 
     def free_port(self) -> str:
         import ray
@@ -216,7 +216,9 @@ class RayMembership(Membership):
         if backend is None:
             return "grpc"
         init_method = ray.get(self.actors[0].free_port.remote())
-        ray.get([actor.join_dist.remote(backend, init_method, len(self.actors)) for actor in self.actors], timeout=120)
+        min_bytes = os.environ.get("POLYSPEC_DIST_MIN_BYTES")  # tests force tiny rows out of band
+        ray.get([actor.join_dist.remote(backend, init_method, len(self.actors), int(min_bytes) if min_bytes else None)
+                 for actor in self.actors], timeout=120)
         return backend
 
     # ------------------------------------------------------------------ wiring

@@ -252,8 +252,15 @@ class TierWorker:
                 self.lower_error = ""
             return self.lower.name if self.lower is not None else ""
 
-    def join_dist(self, backend: str, init_method: str, world_size: int) -> None:
+    def join_dist(self, backend: str, init_method: str, world_size: int, min_bytes: int | None = None) -> None:
         self.dist = DistChannel(backend, self.index, world_size, init_method)
+        self.dist.min_bytes = min_bytes
+        with self._wiring:
+            if self.lower is not None:
+                self.lower.dist = self.dist
+
+    def _min_dist_bytes(self) -> int | None:
+        return getattr(self.dist, "min_bytes", None)
 
     def stop(self) -> None:
         self.server.stop(0)
@@ -338,7 +345,7 @@ class TierWorker:
             if request.tree:
                 tree = self._with_fallback(seq, lambda s: self._draft_tree(s, seq, context, need))
                 return tier_pb2.DraftReply(tokens=tree.tokens, parents=tree.parents,
-                                           rows=encode_rows(tree.draft_rows, self.counters, self.dist, dst_rank),
+                                           rows=encode_rows(tree.draft_rows, self.counters, self.dist, dst_rank, self._min_dist_bytes()),
                                            model_s=_model_seconds() + seq.model_below_s, stages=seq.reports,
                                            degraded=seq.degraded)
             hit = self._from_stream(seq, context, need, request.header.epoch)
@@ -357,7 +364,7 @@ class TierWorker:
             if request.header.pipeline and seq.stream is not None:
                 seq.ahead_until = len(context) + 2 * need  # one more block past the one handed up
                 self._start_ahead(seq)
-            reply = tier_pb2.DraftReply(tokens=tokens, rows=encode_rows(rows, self.counters, self.dist, dst_rank),
+            reply = tier_pb2.DraftReply(tokens=tokens, rows=encode_rows(rows, self.counters, self.dist, dst_rank, self._min_dist_bytes()),
                                         model_s=_model_seconds() + seq.model_below_s, ahead_hit=hit is not None,
                                         stages=seq.reports, degraded=seq.degraded)
         return reply
@@ -546,7 +553,7 @@ class _Servicer(tier_pb2_grpc.TierServicer):
         return self._guard(context, lambda: self.worker.verify(request))
 
     def Draft(self, request, context):
-        return self._guard(context, lambda: self.worker.draft(request, request.caller))
+        return self._guard(context, lambda: self.worker.draft(request, request.caller if request.accept_dist else None))
 
     def Verdict(self, request, context):
         self._guard(context, lambda: self.worker.verdict(request))

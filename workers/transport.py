@@ -15,17 +15,23 @@ Rows (only sampling needs them: greedy blocks are token ids):
 - DIST    torch.distributed point-to-point (NCCL between tiers on distinct GPUs, gloo
           otherwise), the gRPC message carrying only the tag.
 
-Which one, by measurement (benchmarks/transport.md, loopback on this 2-core machine):
-a gloo send/recv pair costs ~2-3 ms whatever the size, while a gRPC unary call carrying the
-rows inline costs ~0.4 ms plus ~1 ms per 2 MB. A block of rows is k x V x 4 bytes — 8 x
-32000 x 4 = 1 MB for a LLaMA vocabulary — so on CPU inline wins for every block this
-project sends, and `tensor_transport: auto` only goes out of band with NCCL (GPU memory to
-GPU memory, no host copy) or for messages above DIST_MIN_BYTES.
+Which one, by measurement (benchmarks/transport.md: two processes on loopback, this 2-core
+machine, vocabulary 32000): a Draft round trip carrying rows inline costs 0.5 ms with no
+rows, 0.9 ms with one row (128 KB) and 5 ms with a k=8 block (1 MB) — protobuf copies the
+bytes several times — while a gloo send/recv of the same block costs 0.5-0.9 ms on top of
+the 0.5 ms gRPC call that carries its tag. The crossover is near 256 KB (DIST_MIN_BYTES):
+below it inline wins, above it gloo does, by 3-5x at 1-16 MB. (FACTS.md's 2-3 ms per gloo
+message is the p90 here, under load.) `tensor_transport: auto` still keeps CPU rows inline:
+a torch.distributed group is fixed at start-up and a restarted tier cannot rejoin it, so
+inline is what survives failover; the demo vocabulary's blocks (k x 4096 x 4 bytes) stay
+under the crossover anyway. Ask for `gloo` to trade that for speed on big vocabularies;
+`auto` picks NCCL between tiers on distinct GPUs (GPU memory to GPU memory, no host copy).
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 from typing import Callable
@@ -38,7 +44,7 @@ from workers.tiers import Tier
 from workers.tree import DraftTree
 
 SPARSE_FRACTION = 0.25
-DIST_MIN_BYTES = 8 << 20  # gloo: above this, one out-of-band message beats gRPC's copies
+DIST_MIN_BYTES = int(os.environ.get("POLYSPEC_DIST_MIN_BYTES", 256 << 10))  # gloo beats inline above this (measured)
 MAX_MESSAGE_BYTES = 512 << 20
 RPC_TIMEOUT_S = 120.0
 UNAVAILABLE_CODES = (
@@ -124,7 +130,8 @@ class DistChannel:
         return buffer.cpu()
 
 
-def encode_rows(rows: torch.Tensor | None, counters: Counters, dist: DistChannel | None = None, dst: int | None = None) -> tier_pb2.Rows:
+def encode_rows(rows: torch.Tensor | None, counters: Counters, dist: DistChannel | None = None, dst: int | None = None,
+                min_dist_bytes: int | None = None) -> tier_pb2.Rows:
     """Rows [n, V] float32 -> a Rows message (see the module docstring for the choice)."""
     if rows is None or rows.numel() == 0:
         return tier_pb2.Rows(encoding=tier_pb2.Rows.NONE)
@@ -138,7 +145,8 @@ def encode_rows(rows: torch.Tensor | None, counters: Counters, dist: DistChannel
         return tier_pb2.Rows(encoding=tier_pb2.Rows.SPARSE, num_rows=num_rows, vocab=vocab, counts=counts,
                              indices=indices.tolist(), values=values.tolist())
     nbytes = rows.numel() * 4
-    if dist is not None and dst is not None and dst in dist.peers and (dist.backend == "nccl" or nbytes >= DIST_MIN_BYTES):
+    threshold = DIST_MIN_BYTES if min_dist_bytes is None else min_dist_bytes
+    if dist is not None and dst is not None and dst in dist.peers and (dist.backend == "nccl" or nbytes >= threshold):
         tag = dist.send(rows, dst, counters)
         return tier_pb2.Rows(encoding=tier_pb2.Rows.DIST, num_rows=num_rows, vocab=vocab, dist_tag=tag, dist_src=dist.rank)
     return tier_pb2.Rows(encoding=tier_pb2.Rows.INLINE, num_rows=num_rows, vocab=vocab, dense=rows.numpy().tobytes())
@@ -223,7 +231,8 @@ class RemoteTier(Tier):
 
     def draft(self, seq_id, context, num_tokens, params, generator):
         seq = self._sequence(seq_id)
-        request = tier_pb2.DraftRequest(header=seq.header_for_lower(), context=context, num_tokens=num_tokens, caller=self.caller)
+        request = tier_pb2.DraftRequest(header=seq.header_for_lower(), context=context, num_tokens=num_tokens, caller=self.caller,
+                                       accept_dist=self.dist is not None)
         started = time.perf_counter()
         reply = self._call("Draft", request)
         rows = decode_rows(reply.rows, self.dist)
@@ -232,7 +241,8 @@ class RemoteTier(Tier):
 
     def draft_tree(self, seq_id, context, width, depth, params, scheme, generator):
         seq = self._sequence(seq_id)
-        request = tier_pb2.DraftRequest(header=seq.header_for_lower(), context=context, num_tokens=depth, tree=True, caller=self.caller)
+        request = tier_pb2.DraftRequest(header=seq.header_for_lower(), context=context, num_tokens=depth, tree=True, caller=self.caller,
+                                       accept_dist=self.dist is not None)
         started = time.perf_counter()
         reply = self._call("Draft", request)
         rows = decode_rows(reply.rows, self.dist)

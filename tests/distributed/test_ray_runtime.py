@@ -102,6 +102,26 @@ def test_sampling_is_lossless_pipelined(cluster, tiny_family):
         engine.close()
 
 
+def test_rows_over_gloo_sample_exactly_as_embedded(cluster, tiny_family, monkeypatch):
+    """tensor_transport: gloo with every dense row sent out of band (threshold 0): seeded
+    sampling through 3 actors gives exactly the embedded chain's tokens (same per-tier seeds)."""
+    monkeypatch.setenv("POLYSPEC_DIST_MIN_BYTES", "0")
+    engine = Engine(config(tiny_family, cluster[0].address, pipeline=False, tensor_transport="gloo"))
+    try:
+        assert engine.scheduler.transport == "gloo"
+        local = Engine(parse_config({"tiers": [{"name": n, "model": tiny_family[n]} for n in ("target", "mid", "small")],
+                                     "speculation": {"lengths": [4, 2]}}))
+        ids = local.tokenizer("def f(x):", add_special_tokens=False)["input_ids"]
+        params = SamplingParams(temperature=1.0)
+        for seed in range(4):
+            expected = local.scheduler.generate(ids, 24, params, seed=seed).token_ids
+            assert engine.scheduler.generate(ids, 24, params, seed=seed).token_ids == expected
+        sent = [t["sent"] for t in engine.scheduler.runtime_stats()["tiers"]]
+        assert sent[1].get("gloo", {}).get("messages", 0) > 0 and sent[2].get("gloo", {}).get("messages", 0) > 0
+    finally:
+        engine.close()
+
+
 def test_unplaceable_tier_is_a_clear_error(cluster, tiny_family):
     raw = {"tiers": [{"name": "target", "model": tiny_family["target"], "resources": {"tier_gpu_node": 1}}],
            "runtime": {"backend": "ray", "address": cluster[0].address}}

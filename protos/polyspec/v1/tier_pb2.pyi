@@ -82,18 +82,20 @@ class StageReport(_message.Message):
     def __init__(self, tier: _Optional[int] = ..., drafter: _Optional[int] = ..., length: _Optional[int] = ..., proposed: _Optional[int] = ..., accepted: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
-    __slots__ = ("header", "context", "num_tokens", "tree", "caller")
+    __slots__ = ("header", "context", "num_tokens", "tree", "caller", "accept_dist")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
     CALLER_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_DIST_FIELD_NUMBER: _ClassVar[int]
     header: SequenceHeader
     context: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
     tree: bool
     caller: int
-    def __init__(self, header: _Optional[_Union[SequenceHeader, _Mapping]] = ..., context: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., tree: _Optional[bool] = ..., caller: _Optional[int] = ...) -> None: ...
+    accept_dist: bool
+    def __init__(self, header: _Optional[_Union[SequenceHeader, _Mapping]] = ..., context: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., tree: _Optional[bool] = ..., caller: _Optional[int] = ..., accept_dist: _Optional[bool] = ...) -> None: ...
 
 class DraftReply(_message.Message):
     __slots__ = ("tokens", "parents", "rows", "model_s", "ahead_hit", "stages", "degraded")
