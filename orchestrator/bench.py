@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import abc
 import ast
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -83,6 +84,7 @@ class BenchSettings:
     threads: int = 1
     seed: int = 0
     warmup: bool = True
+    tuned: bool = True  # also the `lengths: auto` chains
 
 
 @dataclasses.dataclass
@@ -201,14 +203,45 @@ def polyspec_chains(config: ChainConfig) -> list[tuple[str, ChainConfig]]:
     return chains
 
 
-def build_systems(config: ChainConfig, notes: list[str]) -> tuple[list[System], list[Skipped]]:
-    """Load every system of the comparison; `notes` collects what the report must say."""
-    systems: list[System] = [EngineSystem("target", config, speculative=False)]
+@contextlib.contextmanager
+def shared_model_tiers(loaded: dict):
+    """Engines built inside load each model tier once (`loaded` keeps them between uses).
+
+    Our systems then share their model tiers, as the transformers systems share the target
+    model: loading is most of `--quick`'s start-up. Sharing is safe: a tier keeps one cache
+    per sequence id (unique per request) and the scheduler counts busy time per request."""
+    import workers.loading as loading
+
+    original = loading.load_model_tier
+
+    def load(tier, vocab_size=None):
+        key = (tier.name, tier.model, tier.dtype, tier.quantize, tier.device, tier.threads, vocab_size)
+        if key not in loaded:
+            loaded[key] = original(tier, vocab_size)
+        return loaded[key]
+
+    loading.load_model_tier = load
+    try:
+        yield
+    finally:
+        loading.load_model_tier = original
+
+
+def build_systems(config: ChainConfig, notes: list[str], tuned: bool = True) -> tuple[list[System], list[Skipped]]:
+    """Load every system of the comparison; `notes` collects what the report must say.
+    `tuned`: also the chains with `lengths: auto` (left out of `--quick`)."""
+    loaded: dict = {}
+    with shared_model_tiers(loaded):
+        systems: list[System] = [EngineSystem("target", config, speculative=False)]
     peers, skipped = hf_systems(config, notes)
     systems += peers
-    for name, chain_config in polyspec_chains(config):
-        systems.append(EngineSystem(name, chain_config))
-    systems += auto_systems(config, notes)
+    with shared_model_tiers(loaded):
+        for name, chain_config in polyspec_chains(config):
+            systems.append(EngineSystem(name, chain_config))
+        if tuned:
+            systems += auto_systems(config, notes)
+        else:
+            notes.append("--quick: the chains with lengths: auto are left out (`polyspec bench` without --quick, or `polyspec tune`, measures them)")
     return systems, skipped
 
 
@@ -403,12 +436,15 @@ def measure(systems: list[System], prompt_ids: list[list[int]], settings: BenchS
                 order = systems[turn % len(systems) :] + systems[: turn % len(systems)]  # rotate: no fixed first / last
                 turn += 1
                 for system in order:
+                    cpu_started = time.process_time()
                     outcome = system.generate(ids, settings.max_new_tokens, temperature, seed)
+                    cpu_seconds = time.process_time() - cpu_started
                     runs[(system.name, temperature)].append(
                         {
                             "prompt": prompt_index,
                             "repeat": repeat,
                             "tokens_per_s": len(outcome.token_ids) / outcome.seconds,
+                            "cpu_tokens_per_s": len(outcome.token_ids) / max(cpu_seconds, 1e-9),
                             "token_ids": outcome.token_ids,
                             "stages": outcome.stages,
                             "seconds": outcome.seconds,
@@ -464,6 +500,9 @@ def summarize(systems: list[System], runs: dict[tuple[str, float], list[dict]], 
                     "temperature": temperature,
                     "tokens_per_s": round(tps, 2),
                     "speedup_vs_target": round(tps / target_tps, 3),
+                    # tokens per second of this process's CPU time: what the run would give with
+                    # the cores to itself (a diagnostic for a shared machine; ratios use tokens_per_s)
+                    "cpu_tokens_per_s": round(statistics.median(r["cpu_tokens_per_s"] for r in system_runs), 2),
                     "mean_accepted_length": None if is_hf else mean_accepted_lengths(system_runs),
                     "greedy_equal": equal,
                     "lengths": system.lengths,
@@ -539,7 +578,7 @@ def run_bench(config: ChainConfig, prompts: list[BenchPrompt], settings: BenchSe
     torch.set_num_threads(settings.threads)
     config = with_threads(config, settings.threads)
     notes: list[str] = []
-    systems, skipped = build_systems(config, notes)
+    systems, skipped = build_systems(config, notes, settings.tuned)
     target = systems[0]
     prompt_ids = _tokenize(target, prompts)
     _check_room(target.engine.scheduler.max_context, prompt_ids, settings.max_new_tokens)
@@ -592,16 +631,19 @@ def markdown_table(report: dict) -> str:
         f"Prompts: {classes} ({settings['prompts']}), x {settings['repeats']} repeat(s), "
         f"{settings['max_new_tokens']} new tokens each; EOS {settings['eos']}.",
         f"tokens/s: {settings['tokens_per_s']}. Mean accepted length: draft tokens accepted per verified block, per stage. "
-        "ms/token by tier: our wall time per generated token inside each tier's forwards / lookups, and outside them (other).",
+        "ms/token by tier: our wall time per generated token inside each tier's forwards / lookups, and outside them (other). "
+        "CPU tokens/s: tokens per second of this process's CPU time (median), what each system would reach with a core "
+        "to itself; on a shared machine the gap to tokens/s is time the OS gave to other work.",
         "",
-        "| system | T | tokens/s | speedup vs target | mean accepted length | greedy equal | ms/token by tier |",
-        "|---|---:|---:|---:|---|:---:|---|",
+        "| system | T | tokens/s | speedup vs target | mean accepted length | greedy equal | ms/token by tier | CPU tokens/s |",
+        "|---|---:|---:|---:|---|:---:|---|---:|",
     ]
     for row in report["results"]:
         equal = {True: "yes", False: "**NO**", None: "—"}[row["greedy_equal"]]
         lines.append(
             f"| {row['system']} | {row['temperature']:g} | {row['tokens_per_s']:.1f} | {row['speedup_vs_target']:.2f}x "
-            f"| {_format_accepted(row['mean_accepted_length'])} | {equal} | {_format_split(row['ms_per_token_by_tier'])} |"
+            f"| {_format_accepted(row['mean_accepted_length'])} | {equal} | {_format_split(row['ms_per_token_by_tier'])} "
+            f"| {row.get('cpu_tokens_per_s', float('nan')):.1f} |"
         )
     for item in report["skipped"]:
         lines.append(f"\nSkipped {item['system']}: {item['reason']}.")
@@ -683,7 +725,7 @@ def settings_from_args(args) -> BenchSettings:
         raise PolyspecError(f"--temperature must be >= 0, got {list(temperatures)}")
     if 0.0 not in temperatures:
         temperatures = (0.0, *temperatures)  # greedy_equal and the reference need the greedy runs
-    return BenchSettings(max_new_tokens=max_new, temperatures=temperatures, repeats=repeats, threads=args.threads)
+    return BenchSettings(max_new_tokens=max_new, temperatures=temperatures, repeats=repeats, threads=args.threads, tuned=not args.quick)
 
 
 def cmd_bench(args) -> int:

@@ -97,6 +97,8 @@ class _Target:
 
 
 class DistributedChain:
+    concurrent_steps = True  # steps of different requests may run at once (the server overlaps them)
+
     def __init__(self, membership: Membership, lengths: list[int], *, tree_width: int = 1, scheme: str = "specinfer",
                  eos_token_ids: tuple[int, ...] = (), max_context: int | None = None, pipeline: bool = False) -> None:
         self.membership = membership
@@ -115,6 +117,7 @@ class DistributedChain:
         self._target: _Target | None = None
         self._target_lock = threading.Lock()
         self._seq_ids = itertools.count(random.getrandbits(40) << 20)
+        self._releases = futures.ThreadPoolExecutor(1, thread_name_prefix="polyspec-release")
 
     # ----------------------------------------------------------------- target
 
@@ -219,10 +222,16 @@ class DistributedChain:
             stage.record(report.proposed, report.accepted, report.length, report.seconds)
 
     def finish(self, state: RequestState) -> GenerationOutput:
-        try:
-            self._stub().stub.Release.future(tier_pb2.ReleaseRequest(seq_id=state.run.seq_id), timeout=10.0)
-        except (grpc.RpcError, ValueError):
-            pass
+        stub = self._stub().stub
+        seq_id = state.run.seq_id
+
+        def release() -> None:
+            try:
+                stub.Release(tier_pb2.ReleaseRequest(seq_id=seq_id), timeout=10.0)
+            except (grpc.RpcError, ValueError):
+                pass  # the target is gone: its caches went with it
+
+        self._releases.submit(release)
         elapsed = time.perf_counter() - state.started
         stages = sorted(state.run.bypass_stages.items())
         stats = {
@@ -276,6 +285,7 @@ class DistributedChain:
         }
 
     def close(self) -> None:
+        self._releases.shutdown(wait=True)
         if self._target is not None:
             self._target.channel.close()
         self.membership.close()

@@ -87,6 +87,7 @@ def _init_ray(address: str | None, num_tiers: int) -> None:
     import logging
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # "skipping fork() handlers" each time Ray forks a process
     logging.getLogger("ray").setLevel(logging.ERROR)
     if address:
         try:

@@ -76,6 +76,7 @@ class RoundScheduler(threading.Thread):
                  on_jobs_changed: Callable[[], None] = lambda: None, tokenizer_lock: threading.Lock | None = None) -> None:
         super().__init__(name="polyspec-rounds", daemon=True)
         self.engine = engine
+        self._pool = None  # threads for concurrent rounds (distributed chains only)
         self.store = store
         self.metrics = metrics
         self.max_queue = max_queue
@@ -148,8 +149,17 @@ class RoundScheduler(threading.Thread):
                 self._active.extend(admitted)
                 active = list(self._active)
                 self.metrics.queue(len(self._waiting), len(self._active))
-            for work in active:
-                if self._advance(work):
+            if len(active) > 1 and getattr(self.engine.scheduler, "concurrent_steps", False):
+                # a distributed chain: the tiers overlap the rounds of different requests
+                if self._pool is None:
+                    from concurrent.futures import ThreadPoolExecutor
+
+                    self._pool = ThreadPoolExecutor(MAX_ACTIVE, thread_name_prefix="polyspec-round")
+                over = list(self._pool.map(self._advance, active))
+            else:
+                over = [self._advance(work) for work in active]
+            for work, finished in zip(active, over):
+                if finished:
                     with self._cond:
                         self._active.remove(work)
                         if not self._active and not self._waiting:

@@ -88,20 +88,59 @@ def read_prompts(path: Path) -> list[str]:
     return [entry.text for entry in read_bench_prompts(str(path))]
 
 
-def load_prompts(path: str | None, config: ChainConfig, max_prompts: int) -> tuple[list[str], str]:
-    """(prompts, where they came from); at most `max_prompts`, evenly spaced through the file."""
+def _classed_prompts(path: str | None, config: ChainConfig) -> tuple[list[tuple[str, str]], str]:
+    """[(text, class)] of the prompt file (or the built-in code prompts), and where they came from."""
+    from orchestrator.bench import read_prompts as read_bench_prompts
+
     if path is not None:
         if not Path(path).exists():
             raise TuneError(f"prompts file not found: {path}")
-        prompts, source = read_prompts(Path(path)), path
+        source = path
     elif default_prompts_path(config).exists():
-        prompts, source = read_prompts(default_prompts_path(config)), str(default_prompts_path(config))
+        source = str(default_prompts_path(config))
     else:
-        prompts, source = list(BUILTIN_PROMPTS), "built-in code prompts"
-    if len(prompts) > max_prompts:
-        step = len(prompts) / max_prompts
-        prompts = [prompts[int(i * step)] for i in range(max_prompts)]
-    return prompts, source
+        return [(text, "code") for text in BUILTIN_PROMPTS], "built-in code prompts"
+    return [(entry.text, entry.kind) for entry in read_bench_prompts(source)], source
+
+
+def _evenly(items: list, count: int) -> list:
+    if len(items) <= count:
+        return list(items)
+    step = len(items) / count
+    return [items[int(i * step)] for i in range(count)]
+
+
+def load_prompts(path: str | None, config: ChainConfig, max_prompts: int) -> tuple[list[str], str]:
+    """(prompts, where they came from); at most `max_prompts`, evenly spaced through the file."""
+    classed, source = _classed_prompts(path, config)
+    return [text for text, _ in _evenly(classed, max_prompts)], source
+
+
+@dataclasses.dataclass
+class PromptSets:
+    """The tuning set (grid, calibration), a disjoint held-out set (best grid point vs
+    `lengths: auto`), and a code-then-prose sequence from the held-out set (the shift test)."""
+
+    tuning: list[str]
+    heldout: list[str]  # empty when the file has no prompts left over
+    shift_code: list[str]
+    shift_prose: list[str]
+    source: str
+
+
+def split_prompts(path: str | None, config: ChainConfig, max_prompts: int) -> PromptSets:
+    classed, source = _classed_prompts(path, config)
+    tuning_index = set(_evenly(range(len(classed)), max_prompts))
+    rest = [i for i in range(len(classed)) if i not in tuning_index]
+    heldout_index = _evenly(rest, max_prompts)
+    heldout = [classed[i] for i in heldout_index]
+    return PromptSets(
+        tuning=[classed[i][0] for i in sorted(tuning_index)],
+        heldout=[text for text, _ in heldout],
+        shift_code=[text for text, kind in heldout if kind == "code"][: max(1, max_prompts // 2)],
+        shift_prose=[text for text, kind in heldout if kind == "prose"][: max(1, max_prompts // 2)],
+        source=source,
+    )
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -209,6 +248,66 @@ def predict_plan(tuner: Tuner, key: str, plan: Plan, prefill_extra_ms: list[list
     return total / (new_tokens * len(prefill_extra_ms))
 
 
+def measure_heldout(engine: Engine, best: Plan, prompt_ids: list[list[int]], settings: TuneSettings, make_auto_tuner, log) -> dict:
+    """The best grid point (fixed lengths, chosen on the tuning set) against `lengths: auto`
+    (a fresh tuner) on prompts neither saw; `repeats` passes in alternating order."""
+    fixed, auto = [], []
+    for repeat in range(settings.repeats):
+        order = ["fixed", "auto"] if repeat % 2 == 0 else ["auto", "fixed"]
+        for item in order:
+            if item == "fixed":
+                fixed.append(run_plan(engine, best, prompt_ids, settings))
+            else:
+                auto.append(run_auto(engine, make_auto_tuner(), prompt_ids, settings))
+        log(f"held-out pass {repeat + 1}/{settings.repeats}")
+    fixed_ms = statistics.median(m.wall_ms for m in fixed)
+    auto_ms = statistics.median(m.wall_ms for m in auto)
+    fixed_cpu = statistics.median(m.cpu_ms for m in fixed)
+    auto_cpu = statistics.median(m.cpu_ms for m in auto)
+    return {
+        "prompts": len(prompt_ids),
+        "best_grid_lengths": [best.lengths[level] for level in best.active[:-1]],
+        "best_grid_ms_per_token": round(fixed_ms, 4),
+        "auto_ms_per_token": round(auto_ms, 4),
+        "auto_tokens_per_s_over_best": round(fixed_ms / auto_ms, 4),  # >= 0.95 is the goal
+        "best_grid_cpu_ms_per_token": round(fixed_cpu, 4),
+        "auto_cpu_ms_per_token": round(auto_cpu, 4),
+        "auto_cpu_tokens_per_s_over_best": round(fixed_cpu / auto_cpu, 4),
+    }
+
+
+def measure_shift(engine: Engine, tuner: Tuner, code_ids: list[list[int]], prose_ids: list[list[int]], settings: TuneSettings) -> dict:
+    """`lengths: auto` on code prompts, then prose prompts, in one tuner: the target rounds
+    from the first prose round to the next change of plan (lengths or tiers)."""
+    params = settings.params()
+    key = request_class(params)
+    engine.scheduler.tuner = tuner
+    tuner.fixed = None
+    try:
+        for number, ids in enumerate(code_ids):
+            engine.scheduler.generate(list(ids), settings.max_new_tokens, params, seed=settings.seed + number)
+        switch_round = tuner._state(key).rounds
+        plan_before = tuner._state(key).plan
+        for number, ids in enumerate(prose_ids):
+            engine.scheduler.generate(list(ids), settings.max_new_tokens, params, seed=settings.seed + 100 + number)
+        end_round = tuner._state(key).rounds
+    finally:
+        engine.scheduler.tuner = None
+    changes = [h for h in tuner.history if h["round"] >= switch_round]
+    return {
+        "code_prompts": len(code_ids),
+        "prose_prompts": len(prose_ids),
+        "prose_from_round": switch_round,
+        "prose_rounds": end_round - switch_round,
+        "plan_at_switch": None if plan_before is None else {
+            "lengths": [plan_before.lengths[level] for level in plan_before.active[:-1]],
+            "tiers": [engine.tiers[t].name for t in plan_before.active],
+        },
+        "rounds_to_first_change": (changes[0]["round"] - switch_round) if changes else None,
+        "history": tuner.history,
+    }
+
+
 # ----------------------------------------------------------------------------- the run
 
 
@@ -284,8 +383,9 @@ def calibrate(engine: Engine, prompt_ids: list[list[int]], settings: TuneSetting
     return tuner, prefill_extra
 
 
-def run_tune(config: ChainConfig, prompts: list[str], settings: TuneSettings, log=None) -> dict:
-    """Profile, calibrate, predict and measure; the report (see the module docstring)."""
+def run_tune(config: ChainConfig, prompts: list[str], settings: TuneSettings, log=None, sets: PromptSets | None = None) -> dict:
+    """Profile, calibrate, predict and measure; the report (see the module docstring).
+    `sets`: held-out prompts (best grid point vs `lengths: auto`) and the code -> prose sequence."""
     log = log or (lambda message: None)
     if len(config.tiers) < 2:
         raise TuneError("tune needs a chain of at least two tiers")
@@ -319,6 +419,17 @@ def run_tune(config: ChainConfig, prompts: list[str], settings: TuneSettings, lo
         return Tuner(profile, max_length=settings.grid_max, tree_width=tuner.tree_width)
 
     measured, auto_histories = measure(engine, plans, prompt_ids, settings, make_auto_tuner, log)
+
+    def ids_of(texts: list[str]) -> list[list[int]]:
+        return [engine.parse_request({"prompt": p, "max_new_tokens": settings.max_new_tokens}).prompt_ids for p in texts]
+
+    heldout = shift = None
+    best_wall = min(grid, key=lambda plan: measured[plan].wall_ms)
+    if sets is not None and sets.heldout:
+        heldout = measure_heldout(engine, best_wall, ids_of(sets.heldout), settings, make_auto_tuner, log)
+    if sets is not None and sets.shift_code and sets.shift_prose:
+        log("shift: code prompts, then prose")
+        shift = measure_shift(engine, make_auto_tuner(), ids_of(sets.shift_code), ids_of(sets.shift_prose), settings)
 
     def entry(plan: Plan) -> dict:
         return plan_entry(engine, plan, predicted[plan], measured[plan])
@@ -354,6 +465,8 @@ def run_tune(config: ChainConfig, prompts: list[str], settings: TuneSettings, lo
         "round_overhead_ms": round(overhead_ms, 4),
         "summary": summary("wall_ms"),
         "summary_cpu": summary("cpu_ms"),
+        "heldout": heldout,
+        "shift": shift,
     }
 
 
@@ -394,6 +507,18 @@ def format_report(report: dict) -> str:
         lines.append(describe(f"without {entry['bypassed']}", entry))
     lines.append(describe("target alone", report["baseline"]))
     lines.append(f"lengths: auto (fresh tuner): measured {report['auto']['measured_ms_per_token']:.3f} ms/token, {len(report['auto']['plans'])} plan changes")
+    heldout = report.get("heldout")
+    if heldout:
+        lines.append(
+            f"held out ({heldout['prompts']} prompts): best grid point {heldout['best_grid_lengths']} {heldout['best_grid_ms_per_token']:.3f},"
+            f" lengths: auto {heldout['auto_ms_per_token']:.3f} ms/token: auto's tokens/s {heldout['auto_tokens_per_s_over_best']:.3f}x the best grid point's"
+        )
+    shift = report.get("shift")
+    if shift:
+        lines.append(
+            f"code -> prose: {shift['prose_rounds']} prose rounds from round {shift['prose_from_round']};"
+            f" first change of plan after {shift['rounds_to_first_change']} rounds"
+        )
     for label, summary in (("wall", report["summary"]), ("cpu", report["summary_cpu"])):
         lines.append(
             f"[{label} time] median |predicted - measured| / measured over the grid: {100 * summary['median_relative_error']:.1f} %"
@@ -417,13 +542,15 @@ def cmd_tune(args) -> int:
     )
     if min(settings.grid_max, settings.max_new_tokens, settings.max_prompts, settings.repeats) < 1 or settings.temperature < 0:
         raise TuneError("--grid-max, --max-new-tokens, --max-prompts and --repeats must be >= 1 and --temperature >= 0")
-    prompts, source = load_prompts(args.prompts, config, settings.max_prompts)
+    sets = split_prompts(args.prompts, config, settings.max_prompts)
+    prompts, source = sets.tuning, sets.source
 
     def log(message: str) -> None:
         print(f"[tune] {message}", file=sys.stderr, flush=True)
 
     log(f"{len(prompts)} prompts from {source}")
-    report = run_tune(config, prompts, settings, log)
+    log(f"held out: {len(sets.heldout)} prompts; shift: {len(sets.shift_code)} code then {len(sets.shift_prose)} prose")
+    report = run_tune(config, prompts, settings, log, sets)
     report["prompts_source"] = source
     print(json.dumps(report) if args.json else format_report(report))
     return 0

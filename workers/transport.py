@@ -34,6 +34,7 @@ import itertools
 import os
 import threading
 import time
+from concurrent import futures
 from typing import Callable
 
 import grpc
@@ -196,6 +197,7 @@ class RemoteTier(Tier):
         self.timeout_s = timeout_s
         self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = tier_pb2_grpc.TierStub(self._channel)
+        self._casts = futures.ThreadPoolExecutor(1, thread_name_prefix="tier-casts")
         info = self._call("Health", tier_pb2.HealthRequest(), timeout=10.0, name=address)
         self.info = info
         self.name = info.tier
@@ -207,6 +209,7 @@ class RemoteTier(Tier):
         self.drafts_ahead = pipeline  # the worker drafts ahead whenever the request's header says pipeline
 
     def close(self) -> None:
+        self._casts.shutdown(wait=False, cancel_futures=True)
         self._channel.close()
 
     def _call(self, method: str, request, timeout: float | None = None, name: str | None = None):
@@ -221,12 +224,20 @@ class RemoteTier(Tier):
         return reply
 
     def _cast(self, method: str, request) -> None:
-        """Fire and forget (verdicts, releases): a lost one costs a re-sync, never a wrong token."""
-        self.counters.add("grpc", request.ByteSize())
+        """Fire and forget (verdicts, releases): a lost one costs a re-sync, never a wrong token.
+        Sent in order by one background thread (grpc's `.future()` starts a thread per call,
+        ~2 ms here: more than the call itself)."""
+
+        def send() -> None:
+            try:
+                reply = getattr(self._stub, method)(request, timeout=10.0)
+                self.counters.add("grpc", request.ByteSize() + reply.ByteSize())
+            except (grpc.RpcError, ValueError):  # the tier is gone or being replaced
+                pass
+
         try:
-            future = getattr(self._stub, method).future(request, timeout=10.0)
-            future.add_done_callback(lambda f: f.exception())  # consume errors
-        except (grpc.RpcError, ValueError):  # a closed channel: the tier is being replaced
+            self._casts.submit(send)
+        except RuntimeError:  # closed
             pass
 
     def draft(self, seq_id, context, num_tokens, params, generator):
