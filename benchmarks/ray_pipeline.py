@@ -1,0 +1,172 @@
+"""Ray mode on this machine: pipelined vs serial stages, and what the distribution costs per token.
+
+    python benchmarks/ray_pipeline.py -c configs/demo-2tier.yaml [--prompts N] [-n TOKENS] [--repeats R]
+
+One local Ray instance, one actor per tier (1 CPU each, 1 torch thread: the two tiers of the
+demo chain on the two cores), greedy decoding of held-out prompts (models/stdlib/prompts.jsonl).
+Modes, interleaved pass by pass so background load hits them alike:
+
+- embedded          the same chain in this process (ChainScheduler), one request at a time;
+- ray serial        `pipeline: false`, one request at a time: stages strictly alternate;
+- ray draft-ahead   `pipeline: true`, one request at a time: the drafter drafts past the block
+                    it handed up while the target verifies it;
+- ray serial xC     `pipeline: false`, C requests in flight: the target verifies one request
+                    while the drafter drafts another;
+- ray pipelined xC  both (what `polyspec batch` does with the ray backend).
+
+Throughput = all generated tokens / wall time of the pass (median over passes); every mode's
+tokens are checked equal to the embedded ones. Per-token overhead of ray mode = its ms/token
+minus embedded ms/token at one request in flight, and the driver-side per-round overhead
+(round wall time minus model time on the critical path, from the stats).
+Writes benchmarks/ray-pipeline.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-c", "--config", default=str(REPO / "configs" / "demo-2tier.yaml"))
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("-n", "--max-new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "ray-pipeline"))
+    args = parser.parse_args()
+
+    import dataclasses
+
+    import torch
+
+    from orchestrator.config import load_config
+    from orchestrator.engine import Engine
+    from workers.sampling import SamplingParams
+
+    torch.set_num_threads(1)
+    config = load_config(args.config)
+    embedded = Engine(dataclasses.replace(config, runtime=dataclasses.replace(config.runtime, backend="local")))
+    ray_engine = Engine(dataclasses.replace(config, runtime=dataclasses.replace(config.runtime, backend="ray", address=None)))
+    chain = ray_engine.scheduler
+    lines = (REPO / "models" / "stdlib" / "prompts.jsonl").read_text().splitlines()
+    prompts = [json.loads(line)["prompt"] for line in lines if line.strip()]
+    prompts = prompts[:: max(1, len(prompts) // args.prompts)][: args.prompts]
+    ids = [embedded.tokenizer(p, add_special_tokens=False)["input_ids"][-256:] for p in prompts]
+    greedy = SamplingParams(temperature=0.0)
+
+    reference = [embedded.scheduler.generate(i, args.max_new_tokens, greedy).token_ids for i in ids]  # + warm-up
+    modes = {
+        "embedded": ("embedded", False, 1),
+        "ray serial": ("ray", False, 1),
+        "ray draft-ahead": ("ray", True, 1),
+        f"ray serial x{args.concurrency}": ("ray", False, args.concurrency),
+        f"ray pipelined x{args.concurrency}": ("ray", True, args.concurrency),
+    }
+    for i in ids[:2]:  # warm the actors
+        chain.generate(i, 8, greedy)
+    samples = {name: [] for name in modes}
+    overheads = {name: [] for name in modes}
+    stages = {name: [] for name in modes}
+    for repeat in range(args.repeats):
+        for name, (backend, pipeline, concurrency) in modes.items():
+            outputs = {}
+            started = time.perf_counter()
+            if backend == "embedded":
+                for j, i in enumerate(ids):
+                    outputs[j] = embedded.scheduler.generate(i, args.max_new_tokens, greedy)
+            else:
+                chain.pipeline = pipeline
+                jobs = [(i, args.max_new_tokens, greedy, None) for i in ids]
+                chain.generate_many(jobs, concurrency, lambda j, out: outputs.__setitem__(j, out))
+            wall = time.perf_counter() - started
+            bad = [j for j in range(len(ids)) if isinstance(outputs[j], Exception) or outputs[j].token_ids != reference[j]]
+            if bad:
+                raise SystemExit(f"{name}: output differs from embedded greedy for prompt(s) {bad}")
+            tokens = sum(len(outputs[j].token_ids) for j in range(len(ids)))
+            samples[name].append(tokens / wall)
+            rounds = sum(outputs[j].stats.get("rounds", 0) for j in range(len(ids)))
+            if rounds:
+                overheads[name].append(1000.0 * sum(outputs[j].stats.get("overhead_s", 0.0) for j in range(len(ids))) / rounds)
+            accepted = [s for j in range(len(ids)) for s in outputs[j].stats["stages"] if s["drafter"] != s["tier"]]
+            if accepted:
+                stages[name].append(sum(s["accepted"] for s in accepted) / max(1, sum(s["blocks"] for s in accepted)))
+            print(f"pass {repeat + 1}/{args.repeats} {name:>22}: {tokens / wall:7.1f} tok/s", flush=True)
+    runtime = chain.runtime_stats()
+    ray_engine.close()
+
+    medians = {name: statistics.median(v) for name, v in samples.items()}
+    serial = medians["ray serial"]
+    results = []
+    for name, (backend, pipeline, concurrency) in modes.items():
+        results.append({
+            "mode": name, "backend": backend, "pipeline": pipeline, "concurrency": concurrency,
+            "tokens_per_s": round(medians[name], 2), "passes_tokens_per_s": [round(x, 2) for x in samples[name]],
+            "ms_per_token": round(1000.0 / medians[name], 3), "speedup_vs_ray_serial": round(medians[name] / serial, 3),
+            "round_overhead_ms": round(statistics.median(overheads[name]), 3) if overheads[name] else None,
+            "mean_accepted_per_block": round(statistics.median(stages[name]), 3) if stages[name] else None,
+            "greedy_equal": True,
+        })
+    overhead_ms_per_token = 1000.0 / medians["ray serial"] - 1000.0 / medians["embedded"]
+    report = {
+        "machine": {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                    "torch": torch.__version__, "load_average_end": list(os.getloadavg()),
+                    "threads": "1 torch thread per tier actor (1 CPU each) and in the driver"},
+        "config": args.config, "prompts": len(ids), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+        "results": results,
+        "ray_overhead_ms_per_token_vs_embedded": round(overhead_ms_per_token, 3),
+        "runtime_stats_last_pass": runtime,
+    }
+    Path(args.out + ".json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    md = [
+        "# Ray mode: pipelined vs serial stages (CPU demo chain, this machine)",
+        "",
+        f"`python benchmarks/ray_pipeline.py -c {Path(args.config).relative_to(REPO) if Path(args.config).is_absolute() else args.config}"
+        f" --prompts {len(ids)} -n {args.max_new_tokens} --repeats {args.repeats}` — greedy, {len(ids)} held-out prompts x "
+        f"{args.max_new_tokens} tokens, one local Ray instance, each tier an actor with 1 CPU and 1 torch thread "
+        f"({os.cpu_count()} cores), modes interleaved pass by pass; median over {args.repeats} passes; load average at the end "
+        f"{report['machine']['load_average_end'][0]:.1f}. Every mode's tokens equal the embedded chain's.",
+        "",
+        "| mode | requests in flight | tok/s | ms/token | x ray serial | driver overhead / round (ms) | accepted / block |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        md.append(f"| {r['mode']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | {r['ms_per_token']:.2f} | "
+                  f"{r['speedup_vs_ray_serial']:.2f}x | {r['round_overhead_ms'] if r['round_overhead_ms'] is not None else '-'} | "
+                  f"{r['mean_accepted_per_block'] if r['mean_accepted_per_block'] is not None else '-'} |")
+    md += ["", f"Ray mode costs {overhead_ms_per_token:.2f} ms per token more than embedded at one request in flight "
+               "(ms/token of `ray serial` minus `embedded`)."]
+    Path(args.out + ".md").write_text("\n".join(md) + "\n", encoding="utf-8")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 3.2))
+        names = [r["mode"] for r in results]
+        ax.barh(names[::-1], [r["tokens_per_s"] for r in results][::-1], color="#4477aa")
+        for y, r in enumerate(results[::-1]):
+            ax.text(r["tokens_per_s"], y, f" {r['speedup_vs_ray_serial']:.2f}x", va="center", fontsize=8)
+        ax.set_xlabel("tokens/s (greedy, median of passes)")
+        ax.set_title("Ray mode on 2 CPU cores: pipelined vs serial stages", fontsize=10)
+        fig.tight_layout()
+        fig.savefig(args.out + ".png", dpi=120)
+    except ImportError:
+        pass
+    print("\n".join(md))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
