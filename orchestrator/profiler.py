@@ -6,7 +6,8 @@ Two tables per tier, both in milliseconds:
                    over the last committed token + an (m-1)-token block, warp included) plus
                    the verification rule, i.e. exactly what ChainScheduler times per round
     draft_ms[k]    proposing a k-token block when the tier is the bottom of the chain:
-                   k autoregressive forwards for a model, one lookup for the n-gram tier
+                   k autoregressive forwards for a model (fitted through the origin,
+                   `fit_proportional`), one lookup for the n-gram tier
 
 `profile_tiers` measures both at start-up through the tiers' own interface (median of a few
 repeats at one representative context length; a few seconds for the demo chain), then fits
@@ -156,6 +157,18 @@ def fit_affine(points: dict[int, float]) -> dict[int, float]:
     return {m: intercept + slope * m for m in sizes}
 
 
+def fit_proportional(points: dict[int, float]) -> dict[int, float]:
+    """ms = b * size through `points` (b: the median of ms / size): a model drafter's k-token
+    draft is k forwards. An affine fit through a handful of noisy medians can come out with a
+    negative intercept (e.g. D(1) = 2.2 ms, D(8) = 25 ms); the online slow-down factor, which
+    multiplies the whole table, then inflates the per-token cost of every unobserved k and a
+    chain running k = 1 never learns that longer drafts pay."""
+    if not points:
+        return {}
+    per_token = statistics.median(ms / size for size, ms in points.items())
+    return {size: per_token * size for size in sorted(points)}
+
+
 def _median_ms(run, repeats: int) -> float:
     samples = []
     for _ in range(repeats):
@@ -233,5 +246,6 @@ def profile_tiers(
         forward.append(fit_affine(profile_forward(tier, context, sizes, params, repeats)) if can_verify else None)
         can_draft = index > 0
         draft_sizes = range(1, max_length + 1)
-        draft.append(fit_affine(profile_draft(tier, context, draft_sizes, params, tree_width, scheme, repeats)) if can_draft else None)
+        fit = fit_affine if tier.deterministic_drafts else fit_proportional  # a lookup costs about the same for any k
+        draft.append(fit(profile_draft(tier, context, draft_sizes, params, tree_width, scheme, repeats)) if can_draft else None)
     return LatencyProfile([t.name for t in tiers], forward, draft)

@@ -76,7 +76,26 @@ def test_lengths_follow_a_shift_from_code_to_prose(seed):
     assert code[-1][0][0] >= 6  # repetitive code: long blocks
     prose = simulate(tuner, lambda r, i, j: 0.25, 20, rng, start=60)
     assert prose[-1][0][0] <= 4  # prose: short blocks, within 20 rounds
+    first_change = next(h["round"] for h in tuner.history if h["round"] >= 60)
+    assert first_change - 60 < 20
     assert len(tuner.history) < 12  # hysteresis: a handful of switches, not one per re-tune
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_three_tier_lengths_follow_a_shift_from_code_to_prose(seed):
+    # the demo chain's shape: a cheap verifier of long blocks, an int8-like middle tier that
+    # agrees on ~97 % of tokens whatever the text, an n-gram tier that agrees on code only
+    profile = fixed_profile(
+        ["target", "mid", "ngram"], [lambda m: 8.0 + 0.3 * m, lambda m: 3.0 + 0.2 * m, None], [None, lambda k: 3.0 * k, lambda k: 0.03]
+    )
+    tuner = Tuner(profile, max_length=8)
+    rng = random.Random(seed)
+    ngram_rate = lambda r, i, j: 0.97 if j == 1 else (0.9 if r < 60 else 0.1)  # noqa: E731
+    code = simulate(tuner, ngram_rate, 60, rng)
+    prose = simulate(tuner, ngram_rate, 20, rng, start=60)
+    assert code[-1] != prose[-1]  # the plan moved with the text ...
+    first_change = next(h["round"] for h in tuner.history if h["round"] >= 60)
+    assert first_change - 60 < 20  # ... within 20 rounds of the switch
 
 
 def test_hysteresis_keeps_a_near_tie():
