@@ -37,7 +37,7 @@ SERVE_PORT=${POLYSPEC_TRY_LOCAL_PORT:-50051}
 METRICS_PORT=${POLYSPEC_TRY_LOCAL_METRICS_PORT:-9464}
 CONFIG=configs/demo-ray.yaml
 CLUSTER_YAML=$STATE/local.yaml
-WAIT_S=${POLYSPEC_TRY_LOCAL_WAIT_S:-900}
+WAIT_S=${POLYSPEC_TRY_LOCAL_WAIT_S:-600}
 PYTHON=$(command -v python3 || command -v python)
 PYTHON=$("$PYTHON" -c 'import sys; print(sys.executable)')
 BIN=$(dirname "$PYTHON")          # where this Python's `ray` and `polyspec` live
@@ -87,13 +87,7 @@ start_sshd() {   # one sshd per loopback address, each in its own PID namespace
         if [ -f "$STATE/ns-$ip.pid" ] && kill -0 "$(cat "$STATE/ns-$ip.pid")" 2>/dev/null; then
             continue
         fi
-        if "$PYTHON" - "$ip" <<'EOF'
-import socket, sys
-with socket.socket() as s:
-    s.settimeout(1)
-    sys.exit(0 if s.connect_ex((sys.argv[1], 22)) == 0 else 1)
-EOF
-        then
+        if port_busy "$ip" 22; then
             die "something already listens on $ip:22 (a system sshd on 0.0.0.0?); stop it or bind it to another address"
         fi
         cat >"$STATE/sshd-$ip.conf" <<EOF
@@ -166,10 +160,22 @@ config["setup_commands"] = [
 # 100 MB object store per node: the demo moves token ids only; no usage stats (loopback only)
 small = "--object-store-memory=100000000 --disable-usage-stats"
 ulimit = "ulimit -n 65536 2>/dev/null;"  # raise it where allowed (a container may forbid it)
+
+
+def retried(start: str) -> str:
+    """`ray start` fails if its raylet has not registered with the GCS within Ray's fixed 30 s,
+    which happens on a loaded 2-core box; the autoscaler never retries a node whose start
+    failed, so retry here (its `ray stop` only sees this node's PID namespace)."""
+    return f"for attempt in 1 2 3; do {start} && break; [ $attempt = 3 ] && exit 1; ray stop; sleep 5; done"
+
+
 config["head_start_ray_commands"] = [
     f"{path}; ray stop",
-    f"{path}; {ulimit} RAY_enable_autoscaler_v2=0 ray start --head --port={port} --node-ip-address={head_ip}"
-    f" --autoscaling-config=~/ray_bootstrap_config.yaml --resources='{{\"tier_target\": 1}}' {small}",
+    f"{path}; {ulimit} "
+    + retried(
+        f"RAY_enable_autoscaler_v2=0 ray start --head --port={port} --node-ip-address={head_ip}"
+        f" --autoscaling-config=~/ray_bootstrap_config.yaml --resources='{{\"tier_target\": 1}}' {small}"
+    ),
 ]
 config["worker_start_ray_commands"] = [
     f"{path}; ray stop",
@@ -179,8 +185,8 @@ config["worker_start_ray_commands"] = [
     f" {small_ip}) RESOURCES='{{\"tier_small\": 1}}';;"
     f" *) RESOURCES='{{}}';;"
     f" esac;"
-    f" {ulimit} ray start --address=$RAY_HEAD_IP:{port} --node-ip-address=$NODE_IP"
-    f" --resources=\"$RESOURCES\" {small}",
+    f" {ulimit} "
+    + retried(f"ray start --address=$RAY_HEAD_IP:{port} --node-ip-address=$NODE_IP --resources=\"$RESOURCES\" {small}"),
 ]
 header = "# Rendered by cluster/try-local.sh from cluster/local.yaml: three nodes on loopback.\n"
 with open(out, "w") as handle:
@@ -242,7 +248,27 @@ start_serve() {
 
 # ------------------------------------------------------------------------ commands
 
+port_busy() {   # is something listening on $1:$2?
+    "$PYTHON" - "$1" "$2" <<'EOF'
+import socket, sys
+with socket.socket() as s:
+    s.settimeout(1)
+    sys.exit(0 if s.connect_ex((sys.argv[1], int(sys.argv[2]))) == 0 else 1)
+EOF
+}
+
 cmd_up() {
+    if [ -f "$STATE/ns-$HEAD_IP.pid" ] && health "$HEAD_IP:$SERVE_PORT"; then
+        say "already up"
+        echo "$HEAD_IP:$SERVE_PORT"
+        return 0
+    fi
+    local port
+    for port in "$RAY_PORT" "$SERVE_PORT" "$METRICS_PORT"; do
+        if port_busy "$HEAD_IP" "$port"; then
+            die "port $port is taken on $HEAD_IP (another Ray cluster or server?); stop it, or '$0 down' if it is an earlier try-local"
+        fi
+    done
     mkdir -p "$STATE"
     chmod 700 "$STATE"
     install_packages
@@ -298,7 +324,7 @@ EOF
 }
 
 cmd_down() {
-    if [ -f "$CLUSTER_YAML" ] && [ -f "$STATE/ns-$HEAD_IP.pid" ]; then
+    if [ -f "$CLUSTER_YAML" ] && [ -f "$STATE/ns-$HEAD_IP.pid" ] && $SUDO kill -0 "$(cat "$STATE/ns-$HEAD_IP.pid")" 2>/dev/null; then
         say "ray down"
         local caches_before
         caches_before=$(ls -d /tmp/ray-config-* 2>/dev/null || true)
