@@ -73,6 +73,11 @@ class Engine:
         from workers.loading import describe_chain
 
         self.tokenizer, eos = describe_chain(self.config.tiers)
+        if self.config.speculation.lengths == "auto" and len(self.config.tiers) > 1:
+            import sys
+
+            print(f"polyspec: note: speculation.lengths: auto is not tuned online with runtime.backend: ray yet; "
+                  f"using {self.config.speculation_lengths()}", file=sys.stderr)
         self.scheduler = ray_chain(self.config, eos)
         self.tiers = self.scheduler.tiers  # TierViews: name, vocab_size, busy_s
 

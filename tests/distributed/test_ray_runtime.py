@@ -182,3 +182,32 @@ def test_target_killed_mid_batch(cluster, tiny_family, embedded):
         assert engine.scheduler.failovers > 0, "the target's death was noticed"
     finally:
         engine.close()
+
+
+def test_batch_cli_on_the_cluster(cluster, tiny_family, embedded, tmp_path):
+    """`polyspec batch` with runtime.backend: ray (8 requests in flight): results equal the
+    embedded greedy output, one line per request, and --stats reports the transport."""
+    import json
+    import subprocess
+    import sys
+
+    import yaml
+
+    pins = {"target": "tier_target", "mid": "tier_mid", "small": "tier_small"}
+    raw = {"tiers": [{"name": n, "model": tiny_family[n], "resources": {pins[n]: 1}} for n in ("target", "mid", "small")],
+           "speculation": {"lengths": [4, 2]}, "sampling": {"max_new_tokens": MAX_NEW},
+           "runtime": {"backend": "ray", "address": cluster[0].address, "pipeline": True}}
+    (tmp_path / "chain.yaml").write_text(yaml.safe_dump(raw))
+    requests = [{"id": f"r{i}", "prompt": PROMPTS[i % len(PROMPTS)]} for i in range(10)] + [{"id": "bad", "prompt": ""}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in requests))
+    proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", "batch", "-c", str(tmp_path / "chain.yaml"),
+                           "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"), "--stats", str(tmp_path / "stats.json")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = {r["id"]: r for r in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
+    assert set(results) == {r["id"] for r in requests}
+    assert "prompt is empty" in results["bad"]["error"]
+    for i in range(10):
+        assert results[f"r{i}"]["token_ids"] == embedded[1][i % len(PROMPTS)][1]
+    stats = json.loads((tmp_path / "stats.json").read_text())
+    assert stats["requests"] == 11 and stats["tiers"][0]["sent"]["grpc"]["messages"] > 0
