@@ -38,8 +38,18 @@ METRICS_PORT=${POLYSPEC_TRY_LOCAL_METRICS_PORT:-9464}
 CONFIG=configs/demo-ray.yaml
 CLUSTER_YAML=$STATE/local.yaml
 WAIT_S=${POLYSPEC_TRY_LOCAL_WAIT_S:-600}
-PYTHON=$(command -v python3 || command -v python)
-PYTHON=$("$PYTHON" -c 'import sys; print(sys.executable)')
+# the Python that has polyspec and Ray installed (POLYSPEC_PYTHON to choose one)
+PYTHON=""
+for candidate in ${POLYSPEC_PYTHON:-} python python3; do
+    if command -v "$candidate" >/dev/null && "$candidate" -c 'import orchestrator.cli, ray' 2>/dev/null; then
+        PYTHON=$("$candidate" -c 'import sys; print(sys.executable)')
+        break
+    fi
+done
+if [ -z "$PYTHON" ]; then
+    echo "try-local: error: no Python here imports polyspec and ray; install them the README's way (python -m pip install \"torch==2.13.0\" -e \".[dev]\") or set POLYSPEC_PYTHON" >&2
+    exit 1
+fi
 BIN=$(dirname "$PYTHON")          # where this Python's `ray` and `polyspec` live
 export PATH="$BIN:$PATH"
 SSH_USER=$(id -un)
