@@ -52,6 +52,7 @@ BUILTIN_PROMPTS = (
 )
 DEFAULT_GRID_MAX = 8
 DEFAULT_MAX_PROMPTS = 8
+CONFIRM_TOP = 5  # grid points measured again with the tuner's choice (see run_tune)
 
 
 class TuneError(PolyspecError):
@@ -119,7 +120,7 @@ def load_prompts(path: str | None, config: ChainConfig, max_prompts: int) -> tup
 @dataclasses.dataclass
 class PromptSets:
     """The tuning set (grid, calibration), a disjoint held-out set (best grid point vs
-    `lengths: auto`), and a code-then-prose sequence from the held-out set (the shift test)."""
+    `lengths: auto`), and a code-then-prose sequence from outside the tuning set (the shift test)."""
 
     tuning: list[str]
     heldout: list[str]  # empty when the file has no prompts left over
@@ -138,7 +139,7 @@ def split_prompts(path: str | None, config: ChainConfig, max_prompts: int) -> Pr
         tuning=[classed[i][0] for i in sorted(tuning_index)],
         heldout=[text for text, _ in heldout],
         shift_code=[text for text, kind in heldout if kind == "code"][: max(1, max_prompts // 2)],
-        shift_prose=[text for text, kind in heldout if kind == "prose"][: max(1, max_prompts // 2)],
+        shift_prose=[classed[i][0] for i in rest if classed[i][1] == "prose"][: max(1, max_prompts // 2)],
         source=source,
     )
 
@@ -234,6 +235,21 @@ def measure(engine: Engine, plans: list[Plan], prompt_ids: list[list[int]], sett
         for item, values in runs.items()
     }
     return medians, histories
+
+
+def measure_plans(engine: Engine, plans: list[Plan], prompt_ids: list[list[int]], settings: TuneSettings, log) -> dict:
+    """{plan: median Measurement} over `settings.repeats` fresh passes, each in a shuffled order."""
+    runs: dict = {plan: [] for plan in plans}
+    for repeat in range(settings.repeats):
+        order = list(plans)
+        random.Random(settings.seed + 1000 + repeat).shuffle(order)
+        for plan in order:
+            runs[plan].append(run_plan(engine, plan, prompt_ids, settings))
+        log(f"confirm pass {repeat + 1}/{settings.repeats}")
+    return {
+        plan: Measurement(statistics.median(m.wall_ms for m in values), statistics.median(m.cpu_ms for m in values))
+        for plan, values in runs.items()
+    }
 
 
 def predict_plan(tuner: Tuner, key: str, plan: Plan, prefill_extra_ms: list[list[float]], new_tokens: int) -> float:
@@ -434,16 +450,31 @@ def run_tune(config: ChainConfig, prompts: list[str], settings: TuneSettings, lo
     def entry(plan: Plan) -> dict:
         return plan_entry(engine, plan, predicted[plan], measured[plan])
 
+    # the winner's curse: the smallest of 36-64 noisy measurements is biased low, so the
+    # choice is compared with the best grid points again, in fresh interleaved passes
+    contenders = sorted(grid, key=lambda plan: measured[plan].wall_ms)[:CONFIRM_TOP]
+    confirm_plans = list(dict.fromkeys(contenders + [chosen]))
+    log(f"confirming the {len(contenders)} best grid points and the choice")
+    confirmed = measure_plans(engine, confirm_plans, prompt_ids, settings, log)
+
     def summary(field: str) -> dict:
         value = {plan: getattr(measured[plan], field) for plan in plans}
         errors = [relative_error(predicted[plan], value[plan]) for plan in grid]
         best = min(grid, key=value.get)
+        again = {plan: getattr(confirmed[plan], field) for plan in confirm_plans}
+        best_again = min(contenders, key=again.get)
         return {
             "median_relative_error": round(statistics.median(errors), 4),
             "max_relative_error": round(max(errors), 4),
             "best_grid": entry(best),
             "chosen_over_best": round(value[chosen] / value[best], 4),
             "auto_over_best": round(getattr(measured["auto"], field) / value[best], 4),
+            "confirmed": {
+                "plans": [{"lengths": [p.lengths[level] for level in p.active[:-1]], "tiers": [engine.tiers[t].name for t in p.active],
+                           "ms_per_token": round(again[p], 4)} for p in confirm_plans],
+                "best_grid_lengths": [best_again.lengths[level] for level in best_again.active[:-1]],
+                "chosen_over_best": round(again[chosen] / again[best_again], 4),
+            },
         }
 
     return {
@@ -520,6 +551,11 @@ def format_report(report: dict) -> str:
             f" first change of plan after {shift['rounds_to_first_change']} rounds"
         )
     for label, summary in (("wall", report["summary"]), ("cpu", report["summary_cpu"])):
+        confirmed = summary["confirmed"]
+        lines.append(
+            f"[{label} time] measured again with the {len(confirmed['plans'])} best: best {confirmed['best_grid_lengths']},"
+            f" choice / best {confirmed['chosen_over_best']:.3f}"
+        )
         lines.append(
             f"[{label} time] median |predicted - measured| / measured over the grid: {100 * summary['median_relative_error']:.1f} %"
             f" (max {100 * summary['max_relative_error']:.1f} %); best grid point {summary['best_grid']['lengths']};"

@@ -177,7 +177,7 @@ class Tuner:
         prior_strength: float = 2.0,
         allow_bypass: bool = True,
         warmup_rounds: int = 8,
-        explore_every: int = 64,
+        explore_every: int = 16,
     ) -> None:
         self.profile = profile
         self.num_tiers = len(profile.names)
