@@ -14,7 +14,15 @@ Steps (all in this process, embedded mode):
    1..K for every stage), of the tuner's choice and of the best chain with each tier
    bypassed: (sum of prefills + time_model.generation_ms) / tokens;
 4. measure every one of them (the same prompts, seeds and token counts; EOS is ignored so
-   every run generates exactly max_new_tokens).
+   every run generates exactly max_new_tokens), in `--repeats` passes; before every pass
+   after the first the calibration plans run again, so each pass is predicted from
+   latencies measured minutes (not a quarter of an hour) before it on a machine whose speed
+   drifts; the reported prediction is the median over passes (the first calibration's alone
+   is reported too);
+5. the best grid points again against the tuner's choice (fresh passes: the minimum of many
+   noisy measurements is biased low); the best grid point against `lengths: auto` (a fresh
+   tuner) on held-out prompts; a fresh tuner on code prompts then prose prompts (how many
+   rounds until its plan changes).
 
 Prompt file: JSONL, one `{"prompt": "..."}` object per line (other fields, such as
 `"class"`, are ignored) -- the format of `models/stdlib/prompts.jsonl`, the set that ships
@@ -212,14 +220,19 @@ def run_auto(engine: Engine, tuner: Tuner, prompt_ids: list[list[int]], settings
         engine.scheduler.tuner = None
 
 
-def measure(engine: Engine, plans: list[Plan], prompt_ids: list[list[int]], settings: TuneSettings, make_auto_tuner, log) -> tuple[dict, list[dict]]:
+def measure(engine: Engine, plans: list[Plan], prompt_ids: list[list[int]], settings: TuneSettings, make_auto_tuner, log, predict=None) -> tuple[dict, list[dict], list[dict]]:
     """Step 4: `settings.repeats` passes, each over every plan and one fresh `lengths: auto`
     run, in a shuffled order (slow phases of a shared machine then hit plans at random, not
-    the end of the list). Returns ({plan or "auto": median Measurement}, auto plan histories)."""
+    the end of the list). `predict(repeat)`, called before each pass, returns that pass's
+    predictions. Returns ({plan or "auto": median Measurement}, auto plan histories,
+    [per-pass predictions])."""
     runs: dict = {plan: [] for plan in [*plans, "auto"]}
     histories = []
+    predictions = []
     started = time.perf_counter()
     for repeat in range(settings.repeats):
+        if predict is not None:
+            predictions.append(predict(repeat))
         order = list(runs)
         random.Random(settings.seed + repeat).shuffle(order)
         for number, item in enumerate(order, start=1):
@@ -234,7 +247,7 @@ def measure(engine: Engine, plans: list[Plan], prompt_ids: list[list[int]], sett
         item: Measurement(statistics.median(m.wall_ms for m in values), statistics.median(m.cpu_ms for m in values))
         for item, values in runs.items()
     }
-    return medians, histories
+    return medians, histories, predictions
 
 
 def measure_plans(engine: Engine, plans: list[Plan], prompt_ids: list[list[int]], settings: TuneSettings, log) -> dict:
@@ -393,10 +406,17 @@ def calibrate(engine: Engine, prompt_ids: list[list[int]], settings: TuneSetting
     log("warming up")
     run_plan(engine, longest, prompt_ids[:1], dataclasses.replace(settings, max_new_tokens=min(16, settings.max_new_tokens)))
     plans = calibration_plans(tuner, settings.grid_max)
+    recalibrate(engine, tuner, prompt_ids, settings, log)
+    return tuner, prefill_extra
+
+
+def recalibrate(engine: Engine, tuner: Tuner, prompt_ids: list[list[int]], settings: TuneSettings, log) -> None:
+    """One pass of the calibration plans through the tuner's hooks: acceptance counts grow,
+    and the latency tables follow the machine's speed now (a shared CPU drifts over minutes)."""
+    plans = calibration_plans(tuner, settings.grid_max)
     for number, plan in enumerate(plans, start=1):
         log(f"calibrating {number}/{len(plans)}: {'+'.join(engine.tiers[t].name for t in plan.active)} at {plan.lengths[0]}")
         run_plan(engine, plan, prompt_ids, settings, tuner)
-    return tuner, prefill_extra
 
 
 def run_tune(config: ChainConfig, prompts: list[str], settings: TuneSettings, log=None, sets: PromptSets | None = None) -> dict:
@@ -423,7 +443,10 @@ def run_tune(config: ChainConfig, prompts: list[str], settings: TuneSettings, lo
     bypass = [(tier, tuner.choose(key, exclude=tier)) for tier in range(1, len(full))]
     baseline = Plan((settings.grid_max,) * (len(full) - 1), (0,))
     plans = list(dict.fromkeys(grid + [chosen] + [plan for _, plan in bypass] + [baseline]))
-    predicted = {plan: predict_plan(tuner, key, plan, prefill_extra, settings.max_new_tokens) for plan in plans}
+    def predict_all() -> dict:
+        return {plan: predict_plan(tuner, key, plan, prefill_extra, settings.max_new_tokens) for plan in plans}
+
+    first_predicted = predict_all()
     tiers = tier_report(engine, tuner, key, settings.grid_max)
     overhead_ms = tuner.round_overhead_ms
 
@@ -434,7 +457,15 @@ def run_tune(config: ChainConfig, prompts: list[str], settings: TuneSettings, lo
         profile.online_draft.clear()
         return Tuner(profile, max_length=settings.grid_max, tree_width=tuner.tree_width)
 
-    measured, auto_histories = measure(engine, plans, prompt_ids, settings, make_auto_tuner, log)
+    def pass_predictions(repeat: int) -> dict:
+        """Predictions for one measurement pass, from calibration runs made just before it (the
+        first pass: the initial calibration). Never from the measured runs themselves."""
+        if repeat > 0:
+            recalibrate(engine, tuner, prompt_ids, settings, log)
+        return predict_all()
+
+    measured, auto_histories, per_pass = measure(engine, plans, prompt_ids, settings, make_auto_tuner, log, pass_predictions)
+    predicted = {plan: statistics.median(p[plan] for p in per_pass) for plan in plans}
 
     def ids_of(texts: list[str]) -> list[list[int]]:
         return [engine.parse_request({"prompt": p, "max_new_tokens": settings.max_new_tokens}).prompt_ids for p in texts]
@@ -448,7 +479,7 @@ def run_tune(config: ChainConfig, prompts: list[str], settings: TuneSettings, lo
         shift = measure_shift(engine, make_auto_tuner(), ids_of(sets.shift_code), ids_of(sets.shift_prose), settings)
 
     def entry(plan: Plan) -> dict:
-        return plan_entry(engine, plan, predicted[plan], measured[plan])
+        return {**plan_entry(engine, plan, predicted[plan], measured[plan]), "predicted_first_calibration_ms_per_token": round(first_predicted[plan], 4)}
 
     # the winner's curse: the smallest of 36-64 noisy measurements is biased low, so the
     # choice is compared with the best grid points again, in fresh interleaved passes
@@ -463,9 +494,12 @@ def run_tune(config: ChainConfig, prompts: list[str], settings: TuneSettings, lo
         best = min(grid, key=value.get)
         again = {plan: getattr(confirmed[plan], field) for plan in confirm_plans}
         best_again = min(contenders, key=again.get)
+        first_errors = [relative_error(first_predicted[plan], value[plan]) for plan in grid]
         return {
             "median_relative_error": round(statistics.median(errors), 4),
             "max_relative_error": round(max(errors), 4),
+            # the initial calibration's predictions only (no re-calibration between passes)
+            "first_calibration_median_relative_error": round(statistics.median(first_errors), 4),
             "best_grid": entry(best),
             "chosen_over_best": round(value[chosen] / value[best], 4),
             "auto_over_best": round(getattr(measured["auto"], field) / value[best], 4),
