@@ -60,30 +60,41 @@ def node_of(engine, tier_index):
     return ray.get(engine.scheduler.membership.actors[tier_index].info.remote())["node_id"]
 
 
+@pytest.fixture(scope="module")
+def chain_engine(cluster, tiny_family):
+    """target + mid + small, one node each; `pipeline` and `lengths` are per request, so tests set them."""
+    engine = Engine(config(tiny_family, cluster[0].address, pipeline=False))
+    yield engine
+    engine.close()
+
+
 @pytest.mark.parametrize("pipeline", [False, True], ids=["serial", "pipelined"])
-def test_greedy_equals_embedded_one_node_per_tier(cluster, tiny_family, embedded, pipeline):
+def test_greedy_equals_embedded_one_node_per_tier(cluster, chain_engine, embedded, pipeline):
     _, nodes = cluster
-    engine = Engine(config(tiny_family, cluster[0].address, pipeline=pipeline))
-    try:
-        assert node_of(engine, 1) == nodes["tier_mid"].node_id
-        assert node_of(engine, 2) == nodes["tier_small"].node_id
-        assert len({node_of(engine, i) for i in range(3)}) == 3, "each tier on its own node"
-        for ids, expected in embedded[1]:
-            assert engine.scheduler.generate(ids, MAX_NEW, SamplingParams(temperature=0.0)).token_ids == expected
-        stats = engine.scheduler.runtime_stats()
-        assert stats["tiers"][0]["sent"]["grpc"]["messages"] > 0 and stats["tiers"][1]["sent"]["grpc"]["messages"] > 0
-    finally:
-        engine.close()
+    engine = chain_engine
+    engine.scheduler.pipeline, engine.scheduler.lengths = pipeline, [4, 2]
+    assert node_of(engine, 1) == nodes["tier_mid"].node_id
+    assert node_of(engine, 2) == nodes["tier_small"].node_id
+    assert len({node_of(engine, i) for i in range(3)}) == 3, "each tier on its own node"
+    for ids, expected in embedded[1]:
+        assert engine.scheduler.generate(ids, MAX_NEW, SamplingParams(temperature=0.0)).token_ids == expected
+    stats = engine.scheduler.runtime_stats()
+    assert stats["tiers"][0]["sent"]["grpc"]["messages"] > 0 and stats["tiers"][1]["sent"]["grpc"]["messages"] > 0
+    if pipeline:
+        assert sum(t["draft_ahead"]["hits"] for t in stats["tiers"]) > 0
 
 
-def test_sampling_is_lossless_pipelined(cluster, tiny_family):
+def test_sampling_is_lossless_pipelined(chain_engine, tiny_family):
     """Temperature 1, pipelined, 3 tiers on 3 nodes: chi-square of the first and second tokens
-    against the target's exact distribution; 600 samples, alpha 1e-3 (tests/lossless_stats.py)."""
+    against the target's exact distribution; 600 samples, alpha 1e-3 (tests/lossless_stats.py).
+    k=1 at the target, so the second token often comes from the mid tier's draft-ahead."""
     from lossless_stats import ALPHA, chi_square_p_value, exact_two_token_probs
 
-    engine = Engine(config(tiny_family, cluster[0].address, pipeline=True, lengths=(1, 2)))
+    engine = chain_engine
+    engine.scheduler.pipeline, engine.scheduler.lengths = True, [1, 2]
+    eos = engine.scheduler.eos_token_ids
+    engine.scheduler.eos_token_ids = frozenset()
     try:
-        engine.scheduler.eos_token_ids = frozenset()
         reference = Engine(parse_config({"tiers": [{"name": "target", "model": tiny_family["target"]}]}))
         prompt_ids = engine.tokenizer("def f(x):\n    return x +")["input_ids"]
         params = SamplingParams(temperature=1.0)
@@ -92,14 +103,14 @@ def test_sampling_is_lossless_pipelined(cluster, tiny_family):
         outputs = {}
         engine.scheduler.generate_many([(prompt_ids, 3, params, seed) for seed in range(samples)], 6,
                                        lambda i, out: outputs.__setitem__(i, out))
-        # 600 samples are too few for the 257 x 257 joint cells of this flat model, so the two
-        # marginals are tested (the second token is where the draft-ahead path acts), alpha/2 each
-        for position, marginal in ((0, joint.sum(dim=1)), (1, joint.sum(dim=0))):
-            counts = collections.Counter((0, outputs[i].token_ids[position]) for i in range(samples))
-            p_value = chi_square_p_value(counts, marginal[None, :], samples)
-            assert p_value > ALPHA / 2, f"token {position + 1}: chi-square p={p_value:.2e} over {samples} samples"
     finally:
-        engine.close()
+        engine.scheduler.eos_token_ids, engine.scheduler.lengths = eos, [4, 2]
+    # 600 samples are too few for the 257 x 257 joint cells of this flat model, so the two
+    # marginals are tested (the second token is where the draft-ahead path acts), alpha/2 each
+    for position, marginal in ((0, joint.sum(dim=1)), (1, joint.sum(dim=0))):
+        counts = collections.Counter((0, outputs[i].token_ids[position]) for i in range(samples))
+        p_value = chi_square_p_value(counts, marginal[None, :], samples)
+        assert p_value > ALPHA / 2, f"token {position + 1}: chi-square p={p_value:.2e} over {samples} samples"
 
 
 def test_rows_over_gloo_sample_exactly_as_embedded(cluster, tiny_family, monkeypatch):
