@@ -325,7 +325,7 @@ class ChainScheduler:
             self._stage(run, level, below).record(len(block), len(path), length, seconds)
             if self.tuner is not None:
                 self.tuner.observe_round(level, below, length, len(block), len(path), seconds)
-        no_bonus = self.draft_ahead and below is not None and self.tiers[below].drafts_ahead and 0 < len(path) == len(block) == length
+        no_bonus = self.draft_ahead and below is not None and self.tiers[below].continues_past(run.seq_id) and 0 < len(path) == len(block) == length
         if below is not None:
             self.tiers[below].verdict(run.seq_id, len(context), len(block), len(path), None if no_bonus else next_token)
         emitted = [block.tokens[j] for j in path] + ([] if no_bonus else [next_token])

@@ -53,6 +53,12 @@ from workers.tree import DraftTree
 
 MAX_RPC_THREADS = 64
 AHEAD_THREADS = 8
+# Drafting past a block bets that the block is accepted whole. Lost bets are free only on an
+# idle core; on a shared one they slow the verifier (benchmarks/ray-pipeline.md), so a
+# sequence drafts ahead only while its blocks are mostly accepted whole (EMA >= threshold).
+AHEAD_PRIOR = 0.5
+AHEAD_THRESHOLD = 0.5
+AHEAD_SMOOTHING = 0.2
 
 _local = threading.local()  # per thread: model seconds of the current call, lock priority
 
@@ -166,11 +172,18 @@ class _Sequence:
         )
         self.cond = threading.Condition()
         self.epoch_below = 0  # verdicts with a correction sent to the tier below
+        self.lower_continues = False  # the tier below said it drafts past its last block
+        self.full_rate = AHEAD_PRIOR  # EMA: how often this tier's blocks are accepted whole (the draft-ahead bet)
+        self.served_end = -1  # context length just past the last block handed up (-1: its outcome is known)
+        self.served_epoch = -1
         self.stream: _Stream | None = None
         self.ahead_until = 0
         self.ahead_running = False
         self.closed = False
         self.reset_call()
+
+    def track_whole(self, whole: bool) -> None:
+        self.full_rate += AHEAD_SMOOTHING * ((1.0 if whole else 0.0) - self.full_rate)
 
     def reset_call(self) -> None:
         self.reports: list[tier_pb2.StageReport] = []
@@ -348,6 +361,10 @@ class TierWorker:
                                            rows=encode_rows(tree.draft_rows, self.counters, self.dist, dst_rank, self._min_dist_bytes()),
                                            model_s=_model_seconds() + seq.model_below_s, stages=seq.reports,
                                            degraded=seq.degraded)
+            if request.header.pipeline and seq.served_end >= 0 and request.header.epoch == seq.served_epoch \
+                    and len(context) >= seq.served_end:
+                seq.track_whole(True)  # accepted whole and continued (no verdict was sent)
+            seq.served_end = -1
             hit = self._from_stream(seq, context, need, request.header.epoch)
             if hit is not None:
                 tokens, rows = hit
@@ -361,12 +378,17 @@ class TierWorker:
                     seq.stream = _Stream(len(context), context + tokens, list(rows) if rows is not None else [None] * len(tokens),
                                          request.header.epoch)
                     tokens, rows = tokens[:need], (rows[:need] if rows is not None else None)
+            continues = False
             if request.header.pipeline and seq.stream is not None:
-                seq.ahead_until = len(context) + 2 * need  # one more block past the one handed up
+                seq.served_end, seq.served_epoch = len(context) + len(tokens), request.header.epoch
+                continues = seq.full_rate >= AHEAD_THRESHOLD
+                # bet on the block: draft one more past it; else stop at the block (a verdict restarts the stream)
+                seq.ahead_until = len(context) + (2 * need if continues else len(tokens))
+                continues = continues or len(seq.stream.tokens) > seq.served_end  # overshoot already drafted
                 self._start_ahead(seq)
             reply = tier_pb2.DraftReply(tokens=tokens, rows=encode_rows(rows, self.counters, self.dist, dst_rank, self._min_dist_bytes()),
                                         model_s=_model_seconds() + seq.model_below_s, ahead_hit=hit is not None,
-                                        stages=seq.reports, degraded=seq.degraded)
+                                        stages=seq.reports, degraded=seq.degraded, continues=continues)
         return reply
 
     def _emit(self, scheduler, seq: _Sequence, context: list[int], need: int):
@@ -447,6 +469,9 @@ class TierWorker:
             if request.tree:
                 self.local.accept_path(request.seq_id, list(request.path))
                 return
+            if seq.served_end >= 0 and request.base_len + request.proposed == seq.served_end:
+                seq.track_whole(request.accepted >= request.proposed)  # a bonus or a correction
+                seq.served_end = -1
             stream = seq.stream
             if stream is None or request.epoch <= stream.epoch:
                 return

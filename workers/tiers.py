@@ -64,6 +64,11 @@ class Tier(abc.ABC):
     def release(self, seq_id) -> None:
         """Forget a sequence and free its cache."""
 
+    def continues_past(self, seq_id) -> bool:
+        """Is this tier drafting past the block it last handed up for `seq_id`? Then a fully
+        accepted block gets no bonus token: the continuation is verified instead (pipelined form)."""
+        return self.drafts_ahead
+
     def verdict(self, seq_id, base_len: int, proposed: int, accepted: int, correction: int | None) -> None:
         """What the verifier decided about the block this tier handed up (continuing `base_len`
         tokens): a remote drafter drops its stale draft-ahead work. Local tiers need nothing."""

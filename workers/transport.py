@@ -248,6 +248,7 @@ class RemoteTier(Tier):
         reply = self._call("Draft", request)
         rows = decode_rows(reply.rows, self.dist)
         seq.absorb(reply, time.perf_counter() - started)
+        seq.lower_continues = reply.continues
         return list(reply.tokens), rows
 
     def draft_tree(self, seq_id, context, width, depth, params, scheme, generator):
@@ -259,6 +260,10 @@ class RemoteTier(Tier):
         rows = decode_rows(reply.rows, self.dist)
         seq.absorb(reply, time.perf_counter() - started)
         return DraftTree(list(reply.tokens), list(reply.parents), rows)
+
+    def continues_past(self, seq_id) -> bool:
+        seq = self._sequence(seq_id)
+        return seq.header.pipeline and getattr(seq, "lower_continues", False)
 
     def accept_path(self, seq_id, path):
         seq = self._sequence(seq_id)

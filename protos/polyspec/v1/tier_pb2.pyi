@@ -98,7 +98,7 @@ class DraftRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[SequenceHeader, _Mapping]] = ..., context: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., tree: _Optional[bool] = ..., caller: _Optional[int] = ..., accept_dist: _Optional[bool] = ...) -> None: ...
 
 class DraftReply(_message.Message):
-    __slots__ = ("tokens", "parents", "rows", "model_s", "ahead_hit", "stages", "degraded")
+    __slots__ = ("tokens", "parents", "rows", "model_s", "ahead_hit", "stages", "degraded", "continues")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     PARENTS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class DraftReply(_message.Message):
     AHEAD_HIT_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
     DEGRADED_FIELD_NUMBER: _ClassVar[int]
+    CONTINUES_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     parents: _containers.RepeatedScalarFieldContainer[int]
     rows: Rows
@@ -113,7 +114,8 @@ class DraftReply(_message.Message):
     ahead_hit: bool
     stages: _containers.RepeatedCompositeFieldContainer[StageReport]
     degraded: bool
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., rows: _Optional[_Union[Rows, _Mapping]] = ..., model_s: _Optional[float] = ..., ahead_hit: _Optional[bool] = ..., stages: _Optional[_Iterable[_Union[StageReport, _Mapping]]] = ..., degraded: _Optional[bool] = ...) -> None: ...
+    continues: bool
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., rows: _Optional[_Union[Rows, _Mapping]] = ..., model_s: _Optional[float] = ..., ahead_hit: _Optional[bool] = ..., stages: _Optional[_Iterable[_Union[StageReport, _Mapping]]] = ..., degraded: _Optional[bool] = ..., continues: _Optional[bool] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("header", "context", "max_tokens")
