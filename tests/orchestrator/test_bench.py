@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from orchestrator.bench import BenchPrompt, BenchSettings, cut_points, markdown_table, quick_subset, run_bench, write_outputs
+from orchestrator.bench import QUICK_PROMPTS, BenchPrompt, BenchSettings, cut_points, markdown_table, quick_subset, run_bench, write_outputs
 from orchestrator.cli import main
 from orchestrator.config import parse_config
 
@@ -98,7 +98,7 @@ def test_cut_points_fall_after_headers_and_docstrings():
 def test_quick_subset_keeps_every_class():
     prompts = [BenchPrompt(str(i), "code") for i in range(10)] + [BenchPrompt("p", "prose")] * 3
     kinds = [p.kind for p in quick_subset(prompts)]
-    assert kinds.count("code") == 4 and kinds.count("prose") == 2
+    assert kinds.count("code") == QUICK_PROMPTS["code"] and kinds.count("prose") == QUICK_PROMPTS["prose"] == 2
 
 
 def test_cli_reports_a_missing_prompts_file(tiny_family, tmp_path, capsys):
@@ -106,3 +106,13 @@ def test_cli_reports_a_missing_prompts_file(tiny_family, tmp_path, capsys):
     config.write_text(json.dumps(chain_config(tiny_family)))
     assert main(["bench", "-c", str(config), "--prompts", str(tmp_path / "nope.jsonl"), "--json", str(tmp_path / "o.json")]) == 2
     assert "prompts file not found" in capsys.readouterr().err
+
+
+def test_quick_leaves_out_the_auto_chains():
+    import argparse
+
+    from orchestrator.bench import settings_from_args
+
+    args = argparse.Namespace(threads=1, max_new_tokens=None, repeats=None, temperature=None, quick=True)
+    assert settings_from_args(args).tuned is False
+    assert settings_from_args(argparse.Namespace(**{**vars(args), "quick": False})).tuned is True
