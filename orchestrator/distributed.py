@@ -25,7 +25,7 @@ from typing import Callable
 import grpc
 import torch
 
-from orchestrator.chain import GenerationOutput, RequestState, StageStats, _Run
+from orchestrator.chain import ChainScheduler, GenerationOutput, RequestState, StageStats, _Run
 from protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
 from workers.sampling import SamplingParams
 from workers.transport import CHANNEL_OPTIONS, UNAVAILABLE_CODES, Counters, TierUnavailableError
@@ -147,17 +147,7 @@ class DistributedChain:
 
     # -------------------------------------------------------------------- API
 
-    def generate(self, prompt_ids, max_new_tokens, params, seed=None, on_commit=None) -> GenerationOutput:
-        state = self.start(prompt_ids, max_new_tokens, params, seed)
-        try:
-            while not state.done:
-                emitted = self.step(state)
-                if on_commit is not None and emitted:
-                    on_commit(emitted)
-        except BaseException:
-            self.cancel(state)
-            raise
-        return self.finish(state)
+    generate = ChainScheduler.generate  # the same loop over start / step / finish
 
     def start(self, prompt_ids, max_new_tokens, params: SamplingParams, seed=None) -> RequestState:
         base = torch.Generator()
