@@ -30,10 +30,11 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def cluster():
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"tier_target": 1}})
+    # 2 logical CPUs per node: the module-scoped chain and one more test chain coexist
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "resources": {"tier_target": 2}})
     workers = {
-        "tier_mid": cluster.add_node(num_cpus=1, resources={"tier_mid": 1}),
-        "tier_small": cluster.add_node(num_cpus=1, resources={"tier_small": 1}),
+        "tier_mid": cluster.add_node(num_cpus=2, resources={"tier_mid": 2}),
+        "tier_small": cluster.add_node(num_cpus=2, resources={"tier_small": 2}),
     }
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, logging_level="error", log_to_driver=False)
@@ -174,7 +175,7 @@ def test_drafter_node_removed_mid_batch(cluster, tiny_family, embedded):
         assert engine.scheduler.degraded_rounds > 0, "the mid tier's loss was noticed"
     finally:
         engine.close()
-        nodes["tier_mid"] = head_cluster.add_node(num_cpus=1, resources={"tier_mid": 1})  # for later tests
+        nodes["tier_mid"] = head_cluster.add_node(num_cpus=2, resources={"tier_mid": 2})  # for later tests
         head_cluster.wait_for_nodes()
 
 
