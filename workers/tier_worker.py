@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import os
 import statistics
+import sys
 import threading
 import time
 from concurrent import futures
@@ -222,6 +223,10 @@ class TierWorker:
 
     def __init__(self, tier: Tier, index: int, *, eos_token_ids=(), host: str = "127.0.0.1", port: int = 0,
                  rpc_timeout_s: float = 120.0) -> None:
+        # The forward thread holds the GIL for most of a small model's forward (Python module
+        # code between short kernels); a gRPC handler thread waiting for it would wait up to the
+        # default 5 ms switch interval each time, serialising requests that should overlap.
+        sys.setswitchinterval(float(os.environ.get("POLYSPEC_SWITCH_INTERVAL_S", "0.0005")))
         self.tier = tier
         self.index = index
         self.eos_token_ids = tuple(eos_token_ids)
