@@ -42,8 +42,8 @@ from pathlib import Path
 from orchestrator.config import ChainConfig, TierConfig
 from workers.errors import PolyspecError
 
-QUICK_PROMPTS = {"code": 6, "prose": 2}  # --quick: the first prompts of each class (about a minute in all)
-QUICK_MAX_NEW_TOKENS = 48
+QUICK_PROMPTS = {"code": 4, "prose": 2}  # --quick: the first prompts of each class (about a minute in all)
+QUICK_MAX_NEW_TOKENS = 64
 DEFAULT_MAX_NEW_TOKENS = 128
 DEFAULT_REPEATS = 1  # 40 prompts already give a stable median; raise it with --repeats
 DEFAULT_TEMPERATURES = (0.0, 1.0)
