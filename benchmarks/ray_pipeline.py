@@ -66,8 +66,19 @@ def predict(chain, modes, hist, overheads, requests) -> dict:
     full = hist[k] / blocks if len(hist) > k and blocks else 0.0
     expected = 1.0 + sum(j * c for j, c in enumerate(hist)) / blocks  # accepted + correction / bonus
     o = statistics.median(overheads["ray serial"]) if overheads["ray serial"] else 0.0
+    # The machine's concurrency factor c: two processes' forwards at once run at c x one alone
+    # (benchmarks/cpu-parallelism.json). With requests in flight both tiers are busy all the
+    # time, so a round's work (t + d + o, plus lost draft-ahead work) runs at throughput c.
+    parallelism = REPO / "benchmarks" / "cpu-parallelism.json"
+    c = None
+    if parallelism.exists():
+        cases = {r["case"]: r["throughput_x"] for r in json.loads(parallelism.read_text())["results"]}
+        c = cases.get("target (5 tokens) + small (1 token)")
     out = {}
     for name, (backend, pipeline, concurrency) in modes.items():
+        if c and concurrency > 1:
+            lost = (1 - full) * d if pipeline else 0.0
+            out[name + " (contended)"] = round((t + d + o + lost) / (c * (expected - (full if pipeline else 0.0))), 3)
         overhead = 0.0 if backend == "embedded" else o
         if concurrency == 1 and not pipeline:
             cost = (t + d + overhead) / expected
@@ -78,7 +89,7 @@ def predict(chain, modes, hist, overheads, requests) -> dict:
             cost = max(t + overhead / 2, d + overhead / 2 + lost) / (expected - (full if pipeline else 0.0))
         out[name] = round(cost, 3)
     out["_inputs"] = {"t_verify_ms": round(t, 3), "d_block_ms": round(d, 3), "overhead_ms": round(o, 3),
-                      "p_full_block": round(full, 4), "E": round(expected, 4), "k": k}
+                      "p_full_block": round(full, 4), "E": round(expected, 4), "k": k, "concurrency_factor_c": c}
     return out
 
 
@@ -167,6 +178,7 @@ def main() -> int:
             "mean_accepted_per_block": round(statistics.median(stages[name]), 3) if stages[name] else None,
             "greedy_equal": True,
             "predicted_ms_per_token": predictions.get(name),
+            "predicted_contended_ms_per_token": predictions.get(name + " (contended)"),
         })
     overhead_ms_per_token = 1000.0 / medians["ray serial"] - 1000.0 / medians["embedded"]
     report = {
@@ -195,6 +207,9 @@ def main() -> int:
     for r in results:
         pred = r["predicted_ms_per_token"]
         pred_text = f"{pred:.2f} ({100 * (pred - r['ms_per_token']) / r['ms_per_token']:+.0f}%)" if pred else "-"
+        contended = r["predicted_contended_ms_per_token"]
+        if contended:
+            pred_text += f"; contended {contended:.2f} ({100 * (contended - r['ms_per_token']) / r['ms_per_token']:+.0f}%)"
         overhead = r["round_overhead_ms"] if r["round_overhead_ms"] is not None else "-"
         accepted = r["mean_accepted_per_block"] if r["mean_accepted_per_block"] is not None else "-"
         md.append(f"| {r['mode']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | {r['ms_per_token']:.2f} | {pred_text} | "
@@ -202,7 +217,9 @@ def main() -> int:
     md += ["", "Predicted: the serial and pipelined time models of docs/distributed.md with t = the target's forward "
                "over k+1 tokens and d = k x the drafter's one-token forward (the tiers' Profile RPC at a 256-token "
                "context), o = the measured ray-serial per-round overhead (0 embedded), and the block acceptance "
-               "histogram measured in the ray-serial passes; prefill rounds are not modelled.",
+               "histogram measured in the ray-serial passes; prefill rounds are not modelled. 'contended': with requests "
+               "in flight both tiers are always busy, so a round's work t + d + o (+ lost draft-ahead work) runs at the "
+               "machine's measured two-process throughput c (benchmarks/cpu-parallelism.md) instead of on two free cores.",
            "", f"Ray mode costs {overhead_ms_per_token:.2f} ms per token more than embedded at one request in flight "
                "(ms/token of `ray serial` minus `embedded`)."]
     Path(args.out + ".md").write_text("\n".join(md) + "\n", encoding="utf-8")

@@ -161,3 +161,35 @@ def test_pipelined_sampling_is_lossless(tiny_family, names, lengths, samples):
     assert hits > samples // 10, f"the draft-ahead path ran too rarely to be tested ({hits} hits)"
     p_value = chi_square_p_value(counts, joint, samples)
     assert p_value > ALPHA, f"chi-square p={p_value:.2e} over {samples} samples"
+
+
+def test_prefill_rollback_and_profile_rpcs(tiny_family, embedded):
+    """Prefill warms a cache, Rollback cuts one back mid-request, Profile times forwards:
+    the request still ends with the target's own greedy tokens (every call carries its context)."""
+    import grpc
+
+    from protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
+
+    config = chain_config(tiny_family, ["target", "mid"], lengths=[4])
+    tiers, _ = load_tiers(config.tiers)
+    chain, workers = in_process_chain(tiers, [4], pipeline=True, eos_token_ids=EOS)
+    stubs = [tier_pb2_grpc.TierStub(grpc.insecure_channel(w.address)) for w in workers]
+    try:
+        (ids, expected), *_ = embedded.values()
+        state = chain.start(ids, MAX_NEW, SamplingParams(temperature=0.0))
+        stubs[0].Prefill(tier_pb2.PrefillRequest(header=state.header, context=ids))
+        assert len(tiers[0]._sequences[state.header.seq_id].cache) == len(ids) - 1  # all but the last token fed
+        chain.step(state)
+        chain.step(state)
+        for stub in stubs:
+            stub.Rollback(tier_pb2.RollbackRequest(seq_id=state.header.seq_id, length=3))
+        assert len(tiers[0]._sequences[state.header.seq_id].cache) == 3
+        while not state.done:
+            chain.step(state)
+        assert chain.finish(state).token_ids == expected
+        profile = stubs[0].Profile(tier_pb2.ProfileRequest(context_len=16, max_tokens=3, repeats=2)).forward_ms
+        assert len(profile) == 3 and all(ms > 0 for ms in profile)
+    finally:
+        chain.close()
+        for worker in workers:
+            worker.stop()
