@@ -456,6 +456,8 @@ class TierWorker:
                     stream.tokens.extend(tokens)
                     stream.rows.extend(list(rows) if rows is not None else [None] * len(tokens))
                     seq.cond.notify_all()
+        except KeyError:
+            pass  # the sequence was released meanwhile (its request finished): nothing to draft for
         except Exception as exc:  # noqa: BLE001 - draft-ahead is an optimisation; the next Draft redoes the work
             print(f"polyspec tier {self.tier.name}: draft-ahead stopped: {exc!r}", flush=True)
         finally:

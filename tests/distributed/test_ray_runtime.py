@@ -223,3 +223,28 @@ def test_batch_cli_on_the_cluster(cluster, tiny_family, embedded, tmp_path):
         assert results[f"r{i}"]["token_ids"] == embedded[1][i % len(PROMPTS)][1]
     stats = json.loads((tmp_path / "stats.json").read_text())
     assert stats["requests"] == 11 and stats["tiers"][0]["sent"]["grpc"]["messages"] > 0
+
+
+def test_restarted_drafter_rejoins(cluster, tiny_family, embedded):
+    """The small drafter's actor is killed (Ray restarts it): rounds go on without it, then
+    the repair loop wires the restarted actor back in and it drafts again."""
+    engine = Engine(config(tiny_family, cluster[0].address, pipeline=False, names=("target", "small"), lengths=(3,)))
+    try:
+        chain = engine.scheduler
+        (ids, expected), *_ = embedded[1]
+        assert chain.generate(ids, MAX_NEW, SamplingParams(temperature=0.0)).token_ids == expected
+        old_address = chain.tiers[1].address
+        ray.kill(chain.membership.actors[1], no_restart=False)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # keep generating: every output stays exact meanwhile
+            assert chain.generate(ids, MAX_NEW, SamplingParams(temperature=0.0)).token_ids == expected
+            if chain.tiers[1].up and chain.tiers[1].address != old_address:
+                break
+            time.sleep(0.5)
+        assert chain.tiers[1].address != old_address, "the restarted drafter was not wired back in"
+        degraded = chain.degraded_rounds
+        out = chain.generate(ids, MAX_NEW, SamplingParams(temperature=0.0))
+        assert out.token_ids == expected
+        assert chain.degraded_rounds == degraded and out.stats["stages"][0]["blocks"] > 0, "the drafter is back in the chain"
+    finally:
+        engine.close()
