@@ -8,6 +8,7 @@ import collections
 
 import pytest
 
+from family_chains import tier_specs
 from orchestrator.config import parse_config
 from orchestrator.distributed import in_process_chain
 from orchestrator.engine import Engine
@@ -22,15 +23,7 @@ EOS = (256,)  # the byte-level test tokenizer's end of text
 
 
 def chain_config(family, names, **speculation):
-    tiers = []
-    for name in names:
-        if name == "int8":
-            tiers.append({"name": "int8", "model": family["target"], "quantize": "int8"})
-        elif name == "ngram":
-            tiers.append({"name": "ng", "model": "ngram"})
-        else:
-            tiers.append({"name": name, "model": family[name]})
-    return parse_config({"tiers": tiers, "speculation": speculation})
+    return parse_config({"tiers": tier_specs(family, names), "speculation": speculation})
 
 
 @pytest.fixture(scope="module")

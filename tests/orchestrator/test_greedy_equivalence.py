@@ -5,16 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from family_chains import tier_specs
 from orchestrator.config import parse_config
 from orchestrator.engine import Engine
 
 PROMPTS = ["def add(a, b):\n    return", "import os\nimport sys\n", "for i in range(10):\n    print(i)\nfor i in"]
 MAX_NEW = 48
-
-
-def tier(name, family, **extra):
-    model = "ngram" if name == "ngram" else family[name]
-    return {"name": name if name != "ngram" else "ng", "model": model, **extra}
 
 
 CHAINS = {
@@ -33,13 +29,7 @@ CHAINS = {
 
 
 def build(family, names, speculation):
-    tiers = []
-    for name in names:
-        if name == "int8":
-            tiers.append({"name": "int8", "model": family["target"], "quantize": "int8"})
-        else:
-            tiers.append(tier(name, family))
-    return Engine(parse_config({"tiers": tiers, "speculation": speculation}))
+    return Engine(parse_config({"tiers": tier_specs(family, names), "speculation": speculation}))
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +73,7 @@ def test_no_speculation_equals_target(tiny_family, reference):
 
 def test_perfect_drafter_accepts_everything(tiny_family):
     # the target drafting for itself: every draft token must be accepted
-    engine = Engine(parse_config({"tiers": [tier("target", tiny_family), {"name": "copy", "model": tiny_family["target"]}], "speculation": {"lengths": [5]}}))
+    engine = Engine(parse_config({"tiers": [*tier_specs(tiny_family, ["target"]), {"name": "copy", "model": tiny_family["target"]}], "speculation": {"lengths": [5]}}))
     engine.scheduler.eos_token_ids = frozenset()
     result = engine.generate(engine.parse_request({"prompt": PROMPTS[0], "max_new_tokens": 36}))
     stage = result["stats"]["stages"][0]

@@ -19,6 +19,7 @@ from orchestrator.config import parse_config
 from orchestrator.engine import Engine
 from workers.sampling import SamplingParams
 
+from family_chains import tier_specs
 from lossless_stats import ALPHA, chi_square_p_value, exact_two_token_probs
 
 PROMPT = "def f(x):\n    return x +"
@@ -46,15 +47,7 @@ CASES = {
 
 
 def make_engine(family, names, speculation) -> Engine:
-    tiers = []
-    for name in names:
-        if name == "int8":
-            tiers.append({"name": "int8", "model": family["target"], "quantize": "int8"})
-        elif name == "ngram":
-            tiers.append({"name": "ng", "model": "ngram"})
-        else:
-            tiers.append({"name": name, "model": family[name]})
-    return Engine(parse_config({"tiers": tiers, "speculation": speculation}))
+    return Engine(parse_config({"tiers": tier_specs(family, names), "speculation": speculation}))
 
 
 @pytest.mark.slow

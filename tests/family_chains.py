@@ -1,0 +1,20 @@
+"""Chains of the tiny test family (tests/conftest.py) by member name, shared by the tests.
+
+"target", "mid", "small" are model directories of the family; "int8" is the target with
+`quantize: int8`; "ngram" is the model-free prompt-lookup tier (named "ng").
+"""
+
+from __future__ import annotations
+
+
+def tier_specs(family: dict, names) -> list[dict]:
+    """The `tiers:` list of a chain config for `names`, target first."""
+    specs = []
+    for name in names:
+        if name == "int8":
+            specs.append({"name": "int8", "model": family["target"], "quantize": "int8"})
+        elif name == "ngram":
+            specs.append({"name": "ng", "model": "ngram"})
+        else:
+            specs.append({"name": name, "model": family[name]})
+    return specs
