@@ -134,6 +134,10 @@ class LockedTier(Tier):
         with self.lock.hold():
             return self.inner.release(seq_id)
 
+    def truncate(self, seq_id, length):
+        with self.lock.hold():
+            return self.inner.truncate(seq_id, length)
+
 
 @dataclasses.dataclass
 class _Stream:
@@ -197,7 +201,7 @@ class _Sequence:
         header.epoch = self.epoch_below
         return header
 
-    def absorb(self, reply: tier_pb2.DraftReply, wall_s: float) -> None:
+    def absorb(self, reply: tier_pb2.DraftReply) -> None:
         self.reports.extend(reply.stages)
         self.model_below_s += reply.model_s
         self.degraded = self.degraded or reply.degraded
@@ -206,13 +210,12 @@ class _Sequence:
 class _Recorder:
     """Stands in for the tuner in the worker's scheduler: turns its rounds into StageReports."""
 
-    def __init__(self, worker: "TierWorker", seq: _Sequence, lower: RemoteTier | None) -> None:
+    def __init__(self, worker: "TierWorker", seq: _Sequence, lower: RemoteTier) -> None:
         self.worker, self.seq, self.lower = worker, seq, lower
 
     def observe_round(self, level, drafter, length, proposed, accepted, seconds) -> None:
-        self.seq.reports.append(tier_pb2.StageReport(
-            tier=self.worker.index, drafter=self.lower.index if self.lower is not None else self.worker.index + 1,
-            length=length, proposed=proposed, accepted=accepted, seconds=seconds))
+        self.seq.reports.append(tier_pb2.StageReport(tier=self.worker.index, drafter=self.lower.index, length=length,
+                                                     proposed=proposed, accepted=accepted, seconds=seconds))
 
     def observe_draft(self, *args) -> None:
         pass
@@ -258,27 +261,23 @@ class TierWorker:
         self.tier.vocab_size = vocab_size
         self.local.vocab_size = vocab_size
 
-    def connect(self, address: str | None, pipeline_hint: bool = True) -> str:
+    def connect(self, address: str | None) -> str:
         """Make `address` the tier below (None: this tier is the bottom). Returns its name."""
         with self._wiring:
             old, self.lower = self.lower, None
             if old is not None:
                 old.close()
             if address:
-                self.lower = RemoteTier(address, self._sequence_of, self.counters, self.dist, pipeline=pipeline_hint,
+                self.lower = RemoteTier(address, self._sequence_of, self.counters, self.dist,
                                         timeout_s=self.rpc_timeout_s, caller=self.index)
                 self.lower_error = ""
             return self.lower.name if self.lower is not None else ""
 
     def join_dist(self, backend: str, init_method: str, world_size: int, min_bytes: int | None = None) -> None:
-        self.dist = DistChannel(backend, self.index, world_size, init_method)
-        self.dist.min_bytes = min_bytes
+        self.dist = DistChannel(backend, self.index, world_size, init_method, min_bytes=min_bytes)
         with self._wiring:
             if self.lower is not None:
                 self.lower.dist = self.dist
-
-    def _min_dist_bytes(self) -> int | None:
-        return getattr(self.dist, "min_bytes", None)
 
     def stop(self) -> None:
         self.server.stop(0)
@@ -363,7 +362,7 @@ class TierWorker:
             if request.tree:
                 tree = self._with_fallback(seq, lambda s: self._draft_tree(s, seq, context, need))
                 return tier_pb2.DraftReply(tokens=tree.tokens, parents=tree.parents,
-                                           rows=encode_rows(tree.draft_rows, self.counters, self.dist, dst_rank, self._min_dist_bytes()),
+                                           rows=encode_rows(tree.draft_rows, self.counters, self.dist, dst_rank),
                                            model_s=_model_seconds() + seq.model_below_s, stages=seq.reports,
                                            degraded=seq.degraded)
             if request.header.pipeline and seq.served_end >= 0 and request.header.epoch == seq.served_epoch \
@@ -391,7 +390,7 @@ class TierWorker:
                 seq.ahead_until = len(context) + (2 * need if continues else len(tokens))
                 continues = continues or len(seq.stream.tokens) > seq.served_end  # overshoot already drafted
                 self._start_ahead(seq)
-            reply = tier_pb2.DraftReply(tokens=tokens, rows=encode_rows(rows, self.counters, self.dist, dst_rank, self._min_dist_bytes()),
+            reply = tier_pb2.DraftReply(tokens=tokens, rows=encode_rows(rows, self.counters, self.dist, dst_rank),
                                         model_s=_model_seconds() + seq.model_below_s, ahead_hit=hit is not None,
                                         stages=seq.reports, degraded=seq.degraded, continues=continues)
         return reply
@@ -498,21 +497,14 @@ class TierWorker:
             return
         with seq.cond:
             self._drop_stream(seq)
-            inner = self.tier
-            cache = getattr(inner, "_sequences", {}).get(request.seq_id)
-            if cache is not None:
-                with self.lock.hold():
-                    cache.pending = None
-                    cache.cache.truncate(min(request.length, len(cache.cache)))
+            self.local.truncate(request.seq_id, request.length)
 
     def prefill(self, request: tier_pb2.PrefillRequest) -> None:
         seq = self._sequence(request.header)
         with seq.cond:
             context = list(request.context)
             if self.tier.can_verify and len(context) > 1:
-                from workers.tree import DraftTree as _Tree
-
-                self.local.score(request.header.seq_id, context, _Tree([], [], None), seq.params)
+                self.local.score(request.header.seq_id, context, DraftTree([], [], None), seq.params)
 
     def release(self, seq_id: int) -> None:
         with self._sequences_lock:

@@ -64,6 +64,9 @@ class Tier(abc.ABC):
     def release(self, seq_id) -> None:
         """Forget a sequence and free its cache."""
 
+    def truncate(self, seq_id, length: int) -> None:
+        """Cut a sequence's cached state back to its first `length` tokens (nothing to cut by default)."""
+
     def continues_past(self, seq_id) -> bool:
         """Is this tier drafting past the block it last handed up for `seq_id`? Then a fully
         accepted block gets no bonus token: the continuation is verified instead (pipelined form)."""
@@ -120,6 +123,12 @@ class ModelTier(Tier):
 
     def release(self, seq_id) -> None:
         self._sequences.pop(seq_id, None)
+
+    def truncate(self, seq_id, length: int) -> None:
+        seq = self._sequences.get(seq_id)
+        if seq is not None:
+            seq.pending = None  # an unaccepted tree's nodes go with the cut
+            seq.cache.truncate(min(length, len(seq.cache)))
 
     def _sync(self, seq: _Sequence, context: list[int]) -> list[int]:
         """Roll the cache back to what `context` shares with it; return the uncached tail (>= 1 token)."""

@@ -33,7 +33,6 @@ from __future__ import annotations
 import itertools
 import os
 import threading
-import time
 from concurrent import futures
 from typing import Callable
 
@@ -98,13 +97,15 @@ class DistChannel:
     process group, so its neighbours send it rows inline from then on (`usable`).
     """
 
-    def __init__(self, backend: str, rank: int, world_size: int, init_method: str, timeout_s: float = 60.0) -> None:
+    def __init__(self, backend: str, rank: int, world_size: int, init_method: str, timeout_s: float = 60.0,
+                 min_bytes: int | None = None) -> None:
         import datetime
 
         import torch.distributed as dist
 
         self.backend = backend
         self.rank = rank
+        self.min_bytes = DIST_MIN_BYTES if min_bytes is None else min_bytes  # gloo: dense rows this big go out of band
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
@@ -131,8 +132,7 @@ class DistChannel:
         return buffer.cpu()
 
 
-def encode_rows(rows: torch.Tensor | None, counters: Counters, dist: DistChannel | None = None, dst: int | None = None,
-                min_dist_bytes: int | None = None) -> tier_pb2.Rows:
+def encode_rows(rows: torch.Tensor | None, counters: Counters, dist: DistChannel | None = None, dst: int | None = None) -> tier_pb2.Rows:
     """Rows [n, V] float32 -> a Rows message (see the module docstring for the choice)."""
     if rows is None or rows.numel() == 0:
         return tier_pb2.Rows(encoding=tier_pb2.Rows.NONE)
@@ -146,8 +146,7 @@ def encode_rows(rows: torch.Tensor | None, counters: Counters, dist: DistChannel
         return tier_pb2.Rows(encoding=tier_pb2.Rows.SPARSE, num_rows=num_rows, vocab=vocab, counts=counts,
                              indices=indices.tolist(), values=values.tolist())
     nbytes = rows.numel() * 4
-    threshold = DIST_MIN_BYTES if min_dist_bytes is None else min_dist_bytes
-    if dist is not None and dst is not None and dst in dist.peers and (dist.backend == "nccl" or nbytes >= threshold):
+    if dist is not None and dst is not None and dst in dist.peers and (dist.backend == "nccl" or nbytes >= dist.min_bytes):
         tag = dist.send(rows, dst, counters)
         return tier_pb2.Rows(encoding=tier_pb2.Rows.DIST, num_rows=num_rows, vocab=vocab, dist_tag=tag, dist_src=dist.rank)
     return tier_pb2.Rows(encoding=tier_pb2.Rows.INLINE, num_rows=num_rows, vocab=vocab, dense=rows.numpy().tobytes())
@@ -187,7 +186,7 @@ class RemoteTier(Tier):
     """
 
     def __init__(self, address: str, sequence: Callable, counters: Counters, dist: DistChannel | None = None,
-                 pipeline: bool = False, timeout_s: float = RPC_TIMEOUT_S, caller: int = 0) -> None:
+                 timeout_s: float = RPC_TIMEOUT_S, caller: int = 0) -> None:
         super().__init__()
         self.caller = caller
         self.address = address
@@ -206,7 +205,6 @@ class RemoteTier(Tier):
         self.max_context = info.max_context or None
         self.can_verify = info.can_verify
         self.deterministic_drafts = info.deterministic_drafts
-        self.drafts_ahead = pipeline  # the worker drafts ahead whenever the request's header says pipeline
 
     def close(self) -> None:
         self._casts.shutdown(wait=False, cancel_futures=True)
@@ -244,10 +242,9 @@ class RemoteTier(Tier):
         seq = self._sequence(seq_id)
         request = tier_pb2.DraftRequest(header=seq.header_for_lower(), context=context, num_tokens=num_tokens, caller=self.caller,
                                        accept_dist=self.dist is not None)
-        started = time.perf_counter()
         reply = self._call("Draft", request)
         rows = decode_rows(reply.rows, self.dist)
-        seq.absorb(reply, time.perf_counter() - started)
+        seq.absorb(reply)
         seq.lower_continues = reply.continues
         return list(reply.tokens), rows
 
@@ -255,15 +252,14 @@ class RemoteTier(Tier):
         seq = self._sequence(seq_id)
         request = tier_pb2.DraftRequest(header=seq.header_for_lower(), context=context, num_tokens=depth, tree=True, caller=self.caller,
                                        accept_dist=self.dist is not None)
-        started = time.perf_counter()
         reply = self._call("Draft", request)
         rows = decode_rows(reply.rows, self.dist)
-        seq.absorb(reply, time.perf_counter() - started)
+        seq.absorb(reply)
         return DraftTree(list(reply.tokens), list(reply.parents), rows)
 
     def continues_past(self, seq_id) -> bool:
         seq = self._sequence(seq_id)
-        return seq.header.pipeline and getattr(seq, "lower_continues", False)
+        return seq.header.pipeline and seq.lower_continues
 
     def accept_path(self, seq_id, path):
         seq = self._sequence(seq_id)
