@@ -110,7 +110,8 @@ class DistributedChain:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_context = max_context
         self.pipeline = pipeline
-        self.tuner = None
+        self.tuner = None  # orchestrator.tuner.Tuner (lengths: auto): sets the lengths of every round
+        self._tuner_lock = threading.Lock()  # steps of concurrent requests report to it
         self.counters = Counters()
         self.failovers = 0
         self.degraded_rounds = 0
@@ -178,13 +179,24 @@ class DistributedChain:
             return []
         remaining = state.max_new_tokens - len(state.new_tokens)
         header = state.header
+        tuner = self.tuner
+        lengths = self.lengths
+        if tuner is not None:
+            with self._tuner_lock:
+                lengths = tuner.plan_remote(run.params)
+            if not state.plans or state.plans[-1]["lengths"] != lengths:  # the same entries as ChainScheduler's
+                state.plans.append({"new_tokens": len(state.new_tokens), "lengths": list(lengths),
+                                    "tiers": [view.name for view in self.tiers]})
         del header.lengths[:]
-        header.lengths.extend(self.lengths)
+        header.lengths.extend(lengths)
         request = tier_pb2.VerifyRequest(header=header, context=state.committed, max_tokens=remaining)
         started = time.perf_counter()
         reply = self._call_target("Verify", request)
         wall = time.perf_counter() - started
         state.overhead_s += max(0.0, wall - reply.model_s)
+        if tuner is not None:
+            with self._tuner_lock:
+                tuner.observe_remote(run.params, reply.stages, wall, reply.model_s, first=state.rounds == 0)
         state.rounds += 1
         self._record(run, reply.stages)
         if reply.degraded:
@@ -204,6 +216,8 @@ class DistributedChain:
 
     def _record(self, run: _Run, reports) -> None:
         for report in reports:
+            if report.drafter == report.tier:
+                continue  # a bottom tier's proposal, not a verification round
             key = (report.tier, report.drafter)
             stage = run.bypass_stages.get(key)
             if stage is None:
@@ -232,6 +246,8 @@ class DistributedChain:
             "rounds": state.rounds,
             "overhead_s": round(state.overhead_s, 6),  # round trips not spent in model forwards on the critical path
         }
+        if state.plans:
+            stats["plans"] = state.plans
         return GenerationOutput(list(state.new_tokens), state.finish_reason or "length", stats)
 
     def cancel(self, state: RequestState) -> GenerationOutput:
@@ -279,6 +295,37 @@ class DistributedChain:
         if self._target is not None:
             self._target.channel.close()
         self.membership.close()
+
+
+def profile_remote(chain: DistributedChain, context_len: int, params: SamplingParams, max_length: int,
+                   repeats: int = 5, prefill_lens: list[int] | tuple[int, ...] = ()):
+    """Each tier's latency profile measured in its own process (the Profile RPC), one tier at
+    a time, as `orchestrator.profiler.profile_tiers` measures an embedded chain. Returns
+    (LatencyProfile, [per tier: [ms of prefilling each of `prefill_lens` tokens]])."""
+    from orchestrator.profiler import LatencyProfile, fit_affine, fit_proportional, forward_sizes
+
+    views = chain.tiers
+    forward, draft, prefill = [], [], []
+    for index, view in enumerate(views):
+        verifies = index < len(views) - 1
+        request = tier_pb2.ProfileRequest(
+            context_len=context_len, repeats=repeats, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+            max_tokens=max(forward_sizes(index, len(views), max_length, chain.tree_width)) if verifies else 0,
+            max_draft=max_length if index > 0 else 0, tree_width=chain.tree_width, scheme=chain.scheme,
+            prefill_lens=list(prefill_lens),
+        )
+        with grpc.insecure_channel(view.address, options=CHANNEL_OPTIONS) as channel:
+            try:
+                reply = tier_pb2_grpc.TierStub(channel).Profile(request, timeout=VERIFY_TIMEOUT_S)
+            except grpc.RpcError as exc:
+                raise TierUnavailableError(view.name, f"Profile: {exc.details() or exc.code().name.lower()}") from None
+        measured = {m: ms for m, ms in enumerate(reply.forward_ms, start=1)}
+        forward.append(fit_affine(measured) if verifies and reply.can_verify and measured else None)
+        drafts = {k: ms for k, ms in enumerate(reply.draft_ms, start=1)}
+        fit = fit_affine if reply.deterministic_drafts else fit_proportional  # a lookup costs about the same for any k
+        draft.append(fit(drafts) if drafts else None)
+        prefill.append(list(reply.prefill_ms))
+    return LatencyProfile([view.name for view in views], forward, draft), prefill
 
 
 def in_process_chain(tiers, lengths: list[int], *, eos_token_ids=(), tree_width: int = 1, scheme: str = "specinfer",

@@ -46,7 +46,7 @@ class Engine:
         self._decode_lock = threading.Lock()
         self.config = config if speculative else config.target_only()
         if config.runtime.backend == "ray":
-            self._start_ray()
+            self._start_ray(auto_tune)
             return
         self.tiers, self.tokenizer = load_tiers(self.config.tiers)
         eos = set()
@@ -67,19 +67,16 @@ class Engine:
         if auto_tune and self.config.speculation.lengths == "auto" and len(self.tiers) > 1:
             self.scheduler.tuner = self.make_tuner()
 
-    def _start_ray(self) -> None:
+    def _start_ray(self, auto_tune: bool) -> None:
         """The tiers run as Ray actors (orchestrator.ray_runtime); this process only drives them."""
         from orchestrator.ray_runtime import ray_chain
         from workers.loading import describe_chain
 
         self.tokenizer, eos = describe_chain(self.config.tiers)
-        if self.config.speculation.lengths == "auto" and len(self.config.tiers) > 1:
-            import sys
-
-            print(f"polyspec: note: speculation.lengths: auto is not tuned online with runtime.backend: ray yet; "
-                  f"using {self.config.speculation_lengths()}", file=sys.stderr)
         self.scheduler = ray_chain(self.config, eos)
         self.tiers = self.scheduler.tiers  # TierViews: name, vocab_size, busy_s
+        if auto_tune and self.config.speculation.lengths == "auto" and len(self.tiers) > 1:
+            self.scheduler.tuner = self.make_tuner()
 
     def close(self) -> None:
         """Stop the chain's actors (ray backend); nothing to do embedded."""
@@ -98,6 +95,14 @@ class Engine:
             context = synthetic_context(self.vocab_size, max(2, min(PROFILE_CONTEXT_TOKENS, room)))
         sampling = self.config.sampling
         params = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
+        if self.config.runtime.backend == "ray":  # each tier profiles itself in its own process
+            from orchestrator.distributed import profile_remote
+
+            profile, _ = profile_remote(self.scheduler, len(context), params, max_length)
+            tuner = Tuner(profile, max_length=max_length, tree_width=spec.tree_width)
+            tuner.fixed_tiers = True  # a distributed chain runs every tier (its repair loop bypasses dead ones)
+            tuner.pipelined = bool(self.scheduler.pipeline)
+            return tuner
         profile = profile_tiers(self.tiers, context, params, max_length, spec.tree_width, spec.verifier)
         return Tuner(profile, max_length=max_length, tree_width=spec.tree_width)
 

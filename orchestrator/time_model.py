@@ -126,6 +126,7 @@ class StageSpec:
     forward_ms: LatencyTable  # verifier t_i(m), m = new tokens in the forward
     accept_rates: tuple[float, ...]  # per position, for this (verifier, drafter) pair
     overhead_ms: float = 0.0  # per round, outside forwards / verification / drafting (scheduler bookkeeping)
+    pipelined: bool = False  # the drafter drafts ahead while its block is verified (runtime pipeline: true)
 
 
 def ideal_stage_cost(stage: StageSpec, length: int, below_ms: float) -> float:
@@ -236,6 +237,10 @@ def block_from_below(below: RoundModel | None, draft_ms: LatencyTable, need: int
 
 def round_model(stage: StageSpec, block_pmf: Sequence[float], block_ms: float, tree_width: int = 1) -> RoundModel:
     """A tier's round: score the block (tree_width * L nodes + the last token) and verify it."""
+    if stage.pipelined and tree_width == 1:
+        pipelined = pipelined_round_model(stage, block_pmf, block_ms)
+        if pipelined is not None:
+            return pipelined
     emitted = [0.0] * (len(block_pmf) + 1)
     forward_ms = 0.0
     for block_len, p in enumerate(block_pmf):
@@ -245,6 +250,45 @@ def round_model(stage: StageSpec, block_pmf: Sequence[float], block_ms: float, t
         for accepted, q in enumerate(_cached_accepted_pmf(tuple(stage.accept_rates), block_len)):
             emitted[accepted + 1] += p * q
     return RoundModel(tuple(emitted), block_ms + forward_ms + stage.overhead_ms)
+
+
+AHEAD_THRESHOLD = 0.5  # a drafter drafts past its block while at least this share of its blocks is accepted whole
+
+
+def pipelined_round_model(stage: StageSpec, block_pmf: Sequence[float], block_ms: float) -> RoundModel | None:
+    """A round of a draft-ahead stage (docs/time-model.md §5), or None when its drafter would
+    not bet on whole blocks (then the stage runs as in serial mode).
+
+    While the verifier scores block n the drafter drafts block n+1, betting that n is accepted
+    whole (P = P[A = L]). Accepted whole: the next block is ready after max(t + o, D) and the
+    round emits L tokens (no bonus: the drafter's continuation is verified next, and the
+    next forward covers L new tokens, not L + 1). Otherwise the draft-ahead work is lost and
+    the next block costs D after the verdict: t + o + D, and the round emits A + 1 tokens.
+    By renewal-reward, with outcomes independent from block to block:
+
+        round_ms = P * max(t_avg + o, D) + (1 - P) * (t_avg + o + D)
+        t_avg    = P * t(L) + (1 - P) * t(L + 1)      (the previous round's outcome)
+    """
+    rates = tuple(stage.accept_rates)
+    whole = 0.0
+    for block_len, p in enumerate(block_pmf):
+        if p and block_len:
+            whole += p * _cached_accepted_pmf(rates, block_len)[block_len]
+    if whole < AHEAD_THRESHOLD:
+        return None
+    emitted = [0.0] * (len(block_pmf) + 1)
+    cold_ms = warm_ms = 0.0
+    for block_len, p in enumerate(block_pmf):
+        if p == 0.0:
+            continue
+        cold_ms += p * latency(stage.forward_ms, block_len + 1)
+        warm_ms += p * latency(stage.forward_ms, max(1, block_len))
+        for accepted, q in enumerate(_cached_accepted_pmf(rates, block_len)):
+            bonus = 0 if (block_len and accepted == block_len) else 1
+            emitted[accepted + bonus] += p * q
+    forward_ms = whole * warm_ms + (1.0 - whole) * cold_ms + stage.overhead_ms
+    round_ms = whole * max(forward_ms, block_ms) + (1.0 - whole) * (forward_ms + block_ms)
+    return RoundModel(tuple(emitted), round_ms)
 
 
 def round_models(

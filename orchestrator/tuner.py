@@ -193,6 +193,8 @@ class Tuner:
         self.warmup_rounds = warmup_rounds
         self.explore_every = explore_every
         self.fixed: Plan | None = None  # set to run one plan while still learning (polyspec tune)
+        self.pipelined = False  # the chain's drafters draft ahead (runtime pipeline: true): the pipelined time model
+        self.fixed_tiers = False  # every tier always runs (a distributed chain: its tiers cannot be bypassed per round)
         self.shadow = True  # estimate skip pairs from committed tokens (polyspec tune measures them directly)
         self.history: list[dict] = []  # every plan change: {"class", "round", "lengths", "active", "predicted_ms_per_token"}
         self._classes: dict[str, _ClassState] = {}
@@ -280,6 +282,47 @@ class Tuner:
         else:
             self._shadows[resume_at] = shadow  # all matched so far: wait for the next round
 
+    # ------------------------------------------------------- a distributed chain's hook
+
+    def plan_remote(self, params: SamplingParams) -> list[int]:
+        """Before a distributed chain's target round: the lengths to send with it. Rounds of
+        concurrent requests arrive whole (`observe_remote`), so no per-round state is kept
+        here; the caller serialises the two calls."""
+        key = request_class(params)
+        state = self._state(key)
+        if self.fixed is not None:
+            plan = self.fixed
+        else:
+            if state.plan is None or state.rounds % self.retune_every == 0:
+                self._retune(key, state)
+            plan = state.plan
+        state.rounds += 1
+        self._running = plan
+        return list(plan.lengths)
+
+    def observe_remote(self, params: SamplingParams, reports, wall_s: float, model_s: float, first: bool) -> None:
+        """After a distributed chain's target round: its stage reports (protos tier.proto
+        StageReport: verification rounds, and the bottom tier's proposals with tier == drafter),
+        the round's wall time at the driver and the model time in it. `first`: the request's
+        first round (it prefilled the prompt: no latency sample)."""
+        key = request_class(params)
+        config = tuple(range(self.num_tiers))
+        rounds = 0
+        for report in reports:
+            if report.drafter == report.tier:
+                if not first:
+                    self.profile.observe_draft(report.tier, report.length, report.seconds * 1000.0, config)
+                continue
+            is_tree = self.tree_width > 1 and report.drafter == self.num_tiers - 1
+            proposed = report.length if is_tree else max(report.length, report.proposed)
+            self._estimate(key, report.tier, report.drafter).observe(proposed, min(report.accepted, proposed))
+            if not first:
+                self.profile.observe_forward(report.tier, report.proposed + 1, report.seconds * 1000.0, config)
+            rounds += 1
+        if not first and rounds:
+            residual_ms = 1000.0 * max(0.0, wall_s - model_s) / rounds
+            self.round_overhead_ms += OVERHEAD_SMOOTHING * (residual_ms - self.round_overhead_ms)
+
     def _config(self) -> tuple[int, ...]:
         return self._running.active if self._running is not None else ()
 
@@ -296,7 +339,7 @@ class Tuner:
     def stages(self, key: str, active: tuple[int, ...]) -> tuple[list[StageSpec], dict[int, float]]:
         """The time model's inputs for a chain of `active` tiers: stages (target first) and the bottom's draft_ms."""
         stages = [
-            StageSpec(self.profile.forward_ms(a, active), self.accept_rates(key, a, b), self.round_overhead_ms)
+            StageSpec(self.profile.forward_ms(a, active), self.accept_rates(key, a, b), self.round_overhead_ms, self.pipelined)
             for a, b in zip(active, active[1:])
         ]
         return stages, self.profile.draft_ms(active[-1], active)
@@ -326,7 +369,7 @@ class Tuner:
         """Tier sets the chain can run: the target plus any ordered subset of the others whose
         members above the bottom can verify and whose bottom can draft."""
         others = range(1, self.num_tiers)
-        sizes = range(1, self.num_tiers) if bypass else [self.num_tiers - 1]
+        sizes = range(1, self.num_tiers) if bypass and not self.fixed_tiers else [self.num_tiers - 1]
         sets = []
         for size in sizes:
             for subset in itertools.combinations(others, size):

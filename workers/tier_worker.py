@@ -38,6 +38,7 @@ from concurrent import futures
 import grpc
 import torch
 
+from orchestrator.time_model import AHEAD_THRESHOLD  # the time model reads the same bet
 from protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
 from workers.sampling import SamplingParams
 from workers.tiers import Tier
@@ -58,7 +59,6 @@ AHEAD_THREADS = 8
 # idle core; on a shared one they slow the verifier (benchmarks/ray-pipeline.md), so a
 # sequence drafts ahead only while its blocks are mostly accepted whole (EMA >= threshold).
 AHEAD_PRIOR = 0.5
-AHEAD_THRESHOLD = 0.5
 AHEAD_SMOOTHING = 0.2
 
 _local = threading.local()  # per thread: model seconds of the current call, lock priority
@@ -361,6 +361,7 @@ class TierWorker:
             seq.reset_call()
             if request.tree:
                 tree = self._with_fallback(seq, lambda s: self._draft_tree(s, seq, context, need))
+                self._report_draft(seq, need, len(tree.tokens))
                 return tier_pb2.DraftReply(tokens=tree.tokens, parents=tree.parents,
                                            rows=encode_rows(tree.draft_rows, self.counters, self.dist, dst_rank),
                                            model_s=_model_seconds() + seq.model_below_s, stages=seq.reports,
@@ -378,6 +379,7 @@ class TierWorker:
                     self.ahead_misses += 1
                     self._drop_stream(seq)
                 tokens, rows = self._with_fallback(seq, lambda s: self._emit(s, seq, context, need))
+                self._report_draft(seq, need, len(tokens))
                 if request.header.pipeline and tokens:
                     seq.stream = _Stream(len(context), context + tokens, list(rows) if rows is not None else [None] * len(tokens),
                                          request.header.epoch)
@@ -394,6 +396,12 @@ class TierWorker:
                                         model_s=_model_seconds() + seq.model_below_s, ahead_hit=hit is not None,
                                         stages=seq.reports, degraded=seq.degraded, continues=continues)
         return reply
+
+    def _report_draft(self, seq: _Sequence, need: int, proposed: int) -> None:
+        """As the bottom of the chain: how long this proposal took (the tuner's draft_ms)."""
+        if self.lower is None:
+            seq.reports.append(tier_pb2.StageReport(tier=self.index, drafter=self.index, length=need, proposed=proposed,
+                                                    seconds=_model_seconds()))
 
     def _emit(self, scheduler, seq: _Sequence, context: list[int], need: int):
         return scheduler._emit(seq.run, 0, context, need)
@@ -535,27 +543,34 @@ class TierWorker:
         )
 
     def profile(self, request: tier_pb2.ProfileRequest) -> tier_pb2.ProfileReply:
-        """Median wall time of one scoring forward over m new tokens, m = 1..max_tokens."""
-        if not self.tier.can_verify:
-            return tier_pb2.ProfileReply(forward_ms=[0.0] * request.max_tokens)
-        params = SamplingParams(temperature=0.0)
-        generator = torch.Generator().manual_seed(0)
-        context = torch.randint(0, self.tier.vocab_size, (max(2, request.context_len),), generator=generator).tolist()
-        seq_id = -(1 << 40) - os.getpid()
-        out = []
-        try:
-            self.local.score(seq_id, context, DraftTree([], [], None), params)  # prefill
-            for m in range(1, request.max_tokens + 1):
-                block = torch.randint(0, self.tier.vocab_size, (m - 1,), generator=generator).tolist()
-                times = []
-                for _ in range(max(1, request.repeats)):
-                    started = time.perf_counter()
-                    self.local.score(seq_id, context, DraftTree.chain(block, None), params)
-                    times.append((time.perf_counter() - started) * 1000.0)
-                out.append(statistics.median(times))
-        finally:
-            self.local.release(seq_id)
-        return tier_pb2.ProfileReply(forward_ms=out)
+        """This tier's latency profile, measured here (orchestrator.profiler, as in embedded
+        mode): median ms of a verification round over m = 1..max_tokens new tokens, of
+        proposing k = 1..max_draft tokens, and of prefilling each of `prefill_lens` tokens."""
+        from orchestrator.profiler import profile_draft, profile_forward, synthetic_context
+
+        params = SamplingParams(temperature=request.temperature, top_p=request.top_p or 1.0, top_k=request.top_k)
+        repeats = max(1, request.repeats)
+        context = synthetic_context(self.tier.vocab_size, max(2, request.context_len))
+        reply = tier_pb2.ProfileReply(can_verify=self.tier.can_verify, deterministic_drafts=self.tier.deterministic_drafts)
+        if request.max_tokens > 0 and self.tier.can_verify:
+            table = profile_forward(self.local, context, range(1, request.max_tokens + 1), params, repeats)
+            reply.forward_ms.extend(table[m] for m in sorted(table))
+        if request.max_draft > 0:
+            table = profile_draft(self.local, context, range(1, request.max_draft + 1), params, max(1, request.tree_width),
+                                  request.scheme or "specinfer", repeats)
+            reply.draft_ms.extend(table[k] for k in sorted(table))
+        for number, length in enumerate(request.prefill_lens):
+            prompt = synthetic_context(self.tier.vocab_size, max(1, length), seed=1 + number)
+            samples = []
+            for repeat in range(repeats if self.tier.can_verify else 1):
+                seq_id = ("profile-prefill", os.getpid(), number, repeat)
+                started = time.perf_counter()
+                if self.tier.can_verify:
+                    self.local.score(seq_id, prompt, DraftTree([], [], None), params)
+                samples.append((time.perf_counter() - started) * 1000.0)
+                self.local.release(seq_id)
+            reply.prefill_ms.append(statistics.median(samples))
+        return reply
 
 
 class _Servicer(tier_pb2_grpc.TierServicer):

@@ -84,6 +84,49 @@ def test_concurrent_requests_match_one_at_a_time(tiny_family, embedded):
             worker.stop()
 
 
+@pytest.mark.parametrize("pipeline", [False, True], ids=["serial", "pipelined"])
+def test_online_tuner_sets_lengths_of_a_distributed_chain(tiny_family, embedded, pipeline):
+    """lengths: auto on a distributed chain: every tier profiles itself (Profile RPC), the
+    driver's tuner hears each round's stage reports (rounds, and the bottom tier's proposals)
+    and sets the lengths sent with the next round; concurrent requests report safely; the
+    output is still the target's greedy text."""
+    from orchestrator.distributed import profile_remote
+    from orchestrator.tuner import Plan, Tuner
+
+    config = chain_config(tiny_family, ["target", "mid", "small"], lengths=[1, 1])
+    tiers, _ = load_tiers(config.tiers)
+    chain, workers = in_process_chain(tiers, [1, 1], pipeline=pipeline, eos_token_ids=EOS)
+    try:
+        profile, prefill = profile_remote(chain, 24, SamplingParams(temperature=0.0), max_length=4, repeats=1,
+                                          prefill_lens=[8, 16])
+        assert profile.forward[0] and profile.forward[1] and profile.forward[2] is None  # the bottom only drafts
+        assert sorted(profile.draft[2]) == [1, 2, 3, 4] and profile.draft[0] is None
+        assert len(prefill[0]) == 2 and all(ms > 0 for ms in prefill[0])
+        tuner = Tuner(profile, max_length=4, retune_every=2, warmup_rounds=2)
+        tuner.fixed_tiers, tuner.pipelined = True, pipeline
+        chain.tuner = tuner
+        jobs = [(ids, MAX_NEW, SamplingParams(temperature=0.0), None) for ids, _ in embedded.values()] * 2
+        results = {}
+        chain.generate_many(jobs, concurrency=3, on_done=lambda i, out: results.__setitem__(i, out))
+        assert [results[i].token_ids for i in range(len(jobs))] == [tokens for _, tokens in embedded.values()] * 2
+        estimates = tuner.estimates("greedy")
+        assert set(estimates) == {(0, 1), (1, 2)} and all(e.blocks > 0 for e in estimates.values())
+        assert any(table.online for (tier, _), table in profile.online_draft.items() if tier == 2)  # proposals reported
+        assert any(table.online for (tier, _), table in profile.online_forward.items() if tier == 0)
+        assert tuner.history and all(entry["active"] == ["target", "mid", "small"] for entry in tuner.history)  # no bypass
+        for out in results.values():  # each request ran the plans the tuner chose
+            assert out.stats["plans"] and all(plan["lengths"] in [h["lengths"] for h in tuner.history] for plan in out.stats["plans"])
+        tuner.fixed = Plan((3, 2), (0, 1, 2), 0.0)  # the driver sends the tuner's lengths with every round
+        ids, expected = next(iter(embedded.values()))
+        out = chain.generate(ids, MAX_NEW, SamplingParams(temperature=0.0))
+        assert out.token_ids == expected
+        assert [stage["lengths"][0] for stage in out.stats["stages"]] == [3, 2]  # (then clipped near max_new_tokens)
+    finally:
+        chain.close()
+        for worker in workers:
+            worker.stop()
+
+
 def test_drafter_death_falls_back_to_the_target(tiny_family, embedded):
     """The drafter's server stops mid-run: rounds go on with the target alone, output unchanged."""
     config = chain_config(tiny_family, ["target", "mid"], lengths=[4])

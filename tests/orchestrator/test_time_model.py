@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -150,3 +151,40 @@ def test_tree_rates_and_cost():
     stage = StageSpec(TARGET_MS, tuple(rates))
     rounds = round_models([stage], DRAFT_MS, [2], tree_width=3)
     assert rounds[0].round_ms == pytest.approx(DRAFT_MS[2] + TARGET_MS[7])
+
+
+def test_pipelined_stage_by_hand():
+    """Draft-ahead (docs/time-model.md §5): with block length 2 and per-token acceptance 0.9 the
+    block is accepted whole with P = 0.81; then the round emits 2 tokens (no bonus) and the
+    next block was drafted during the forward; otherwise the draft is redone after the verdict."""
+    from orchestrator.time_model import pipelined_round_model
+
+    stage = StageSpec(TARGET_MS, (0.9,), overhead_ms=0.5, pipelined=True)
+    model = round_models([stage], DRAFT_MS, [2])[0]
+    whole = 0.81
+    forward = whole * TARGET_MS[2] + (1 - whole) * TARGET_MS[3] + 0.5
+    assert model.round_ms == pytest.approx(whole * max(forward, DRAFT_MS[2]) + (1 - whole) * (forward + DRAFT_MS[2]))
+    assert list(model.emitted_pmf) == pytest.approx([0.0, 0.1, 0.09 + 0.81, 0.0])  # whole: 2 tokens; one rejected: 1 + 1
+    # a slow drafter is hidden behind the forward only when the block is accepted whole
+    slow = {k: 30.0 * k for k in range(1, 40)}
+    assert round_models([stage], slow, [2])[0].round_ms == pytest.approx(whole * 60.0 + (1 - whole) * (forward + 60.0))
+    # the drafter does not bet (P < AHEAD_THRESHOLD): exactly the serial round
+    low = StageSpec(TARGET_MS, (0.5,), overhead_ms=0.5, pipelined=True)
+    assert pipelined_round_model(low, [0.0, 0.0, 1.0], DRAFT_MS[2]) is None
+    serial = round_models([dataclasses.replace(low, pipelined=False)], DRAFT_MS, [2])[0]
+    assert round_models([low], DRAFT_MS, [2])[0] == serial
+
+
+def test_pipelining_pays_when_blocks_are_accepted_whole():
+    """With a drafter as costly as the verifier and high acceptance, draft-ahead beats serial;
+    the optimiser finds the pipelined optimum."""
+    drafter = {k: 8.0 * k for k in range(1, 40)}
+    serial = StageSpec(TARGET_MS, (0.97,))
+    pipelined = dataclasses.replace(serial, pipelined=True)
+    for k in range(2, 9):
+        assert cost_per_token([pipelined], drafter, [k]) < cost_per_token([serial], drafter, [k])
+    # k = 1: the overlap (8 ms) does not make up for the bonus token a whole block gives up
+    assert cost_per_token([pipelined], drafter, [1]) > cost_per_token([serial], drafter, [1])
+    (k_pipe,), best = search_lengths([pipelined], drafter, 8)
+    assert best == pytest.approx(min(cost_per_token([pipelined], drafter, [k]) for k in range(1, 9)))
+    assert best < min(cost_per_token([serial], drafter, [k]) for k in range(1, 9))
