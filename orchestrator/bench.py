@@ -43,6 +43,8 @@ from orchestrator.config import ChainConfig, TierConfig
 from workers.errors import PolyspecError
 
 QUICK_PROMPTS = {"code": 4, "prose": 2}  # --quick: the first prompts of each class (about a minute in all)
+REPETITIVE_CODE = "repetitive-code"  # the class of REPETITIVE_CUTS' prompts
+SHIFT_ONLY_CLASSES = (REPETITIVE_CODE,)  # prompts for `polyspec tune`'s code -> prose test alone (see measured_prompts)
 QUICK_MAX_NEW_TOKENS = 64
 DEFAULT_MAX_NEW_TOKENS = 128
 DEFAULT_REPEATS = 1  # 40 prompts already give a stable median; raise it with --repeats
@@ -53,6 +55,15 @@ EOS_POLICY = "disabled in every system: polyspec scheduler eos_token_ids = {}; t
 PROMPT_MIN_TOKENS, PROMPT_MAX_TOKENS = 100, 200
 MIN_BODY_LINES = 4  # a cut is only worth completing if the body goes on for a while
 SKIPPED_DIRS = ("encodings/",)  # generated codec tables: boilerplate an n-gram drafter would flatter
+# ... which is what the "repetitive-code" class is for (the tune shift test's code half, never
+# measured by bench): held-out code-page tables, one entry per line, each prompt ending at the
+# first character of an entry; (file, 1-based line the prompt ends in), all in the upper halves
+# (0x80-0xff), where code pages differ (every codec's lower half is the same ASCII table)
+REPETITIVE_CUTS = (
+    ("encodings/cp1251.py", 200), ("encodings/cp1251.py", 246), ("encodings/cp1251.py", 280),
+    ("encodings/cp850.py", 124), ("encodings/cp850.py", 319), ("encodings/cp850.py", 620),
+    ("encodings/iso8859_6.py", 198), ("encodings/iso8859_6.py", 265),
+)
 
 PROSE_PROMPTS = (
     "The library keeps a small cache of recently used objects. When the cache is full, the oldest entry is",
@@ -321,12 +332,12 @@ def cut_points(source: str) -> list[int]:
     return sorted(set(cuts))
 
 
-def prompt_before(lines: list[str], cut: int, tokenizer) -> str | None:
-    """Whole lines ending at line `cut`, PROMPT_MIN..MAX_TOKENS long: the longest that starts
-    after a blank line (a paragraph boundary), else the longest."""
+def prompt_before(lines: list[str], cut: int, tokenizer, tail: str = "") -> str | None:
+    """Whole lines ending at line `cut` (then `tail`), PROMPT_MIN..MAX_TOKENS long: the longest
+    that starts after a blank line (a paragraph boundary), else the longest."""
     longest = paragraph = None
     for start in range(cut, 0, -1):
-        candidate = "".join(lines[start - 1 : cut])
+        candidate = "".join(lines[start - 1 : cut]) + tail
         count = len(tokenizer(candidate, add_special_tokens=False)["input_ids"])
         if count > PROMPT_MAX_TOKENS:
             break
@@ -358,12 +369,31 @@ def code_prompts(tokenizer, count: int, seed: int = 0, stdlib_dir: str | None = 
     return prompts
 
 
+def repetitive_prompts(tokenizer, stdlib_dir: str | None = None) -> list[BenchPrompt]:
+    """The REPETITIVE_CUTS prompts: the table lines before the cut line, then that line's
+    indentation and first character (the prompt ends part-way into another entry)."""
+    from workers.zoo import split_corpus
+
+    held_out = dict(split_corpus(stdlib_dir)[1])
+    prompts = []
+    for path, line in REPETITIVE_CUTS:
+        lines = held_out.get(path, "").splitlines(keepends=True)
+        if len(lines) < line:
+            continue  # another Python's standard library
+        entry = lines[line - 1]
+        text = prompt_before(lines, line - 1, tokenizer, tail=entry[: len(entry) - len(entry.lstrip()) + 1])
+        if text:
+            prompts.append(BenchPrompt(text, REPETITIVE_CODE, f"{path}:{line}"))
+    return prompts
+
+
 def write_prompts(path: str, tokenizer_source: str, code_count: int = 32, seed: int = 0) -> list[BenchPrompt]:
     """Build the demo family's held-out prompt set and write it as `{"prompt", "class"}` JSONL."""
     from workers.loading import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_source, "target")
     prompts = code_prompts(tokenizer, code_count, seed) + [BenchPrompt(text, "prose") for text in PROSE_PROMPTS]
+    prompts += repetitive_prompts(tokenizer)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8") as out:
         for prompt in prompts:
@@ -389,6 +419,13 @@ def read_prompts(path: str) -> list[BenchPrompt]:
     if not prompts:
         raise PolyspecError(f"prompts file {path} has no prompts")
     return prompts
+
+
+def measured_prompts(prompts: list[BenchPrompt]) -> list[BenchPrompt]:
+    """The prompts bench measures (and `polyspec tune` tunes and holds out): every class but
+    SHIFT_ONLY_CLASSES, whose prompts (tables an n-gram drafter copies) exist for the shift
+    test alone and would flatter the drafter in an average."""
+    return [prompt for prompt in prompts if prompt.kind not in SHIFT_ONLY_CLASSES]
 
 
 def quick_subset(prompts: list[BenchPrompt]) -> list[BenchPrompt]:
@@ -738,7 +775,9 @@ def cmd_bench(args) -> int:
         print(f"wrote {len(prompts)} prompts to {args.write_prompts}")
         return 0
     prompts_path = args.prompts or default_prompts_path(config)
-    prompts = read_prompts(prompts_path)
+    prompts = measured_prompts(read_prompts(prompts_path))
+    if not prompts:
+        raise PolyspecError(f"prompts file {prompts_path} has only {', '.join(SHIFT_ONLY_CLASSES)} prompts (the tune shift test's)")
     if args.quick:
         prompts = quick_subset(prompts)
     report = run_bench(config, prompts, settings_from_args(args), _display_path(prompts_path))

@@ -100,7 +100,7 @@ class Engine:
 
             profile, _ = profile_remote(self.scheduler, len(context), params, max_length)
             tuner = Tuner(profile, max_length=max_length, tree_width=spec.tree_width)
-            tuner.fixed_tiers = True  # a distributed chain runs every tier (its repair loop bypasses dead ones)
+            tuner.distributed = True  # a distributed chain runs every tier (its repair loop bypasses dead ones)
             tuner.pipelined = bool(self.scheduler.pipeline)
             return tuner
         profile = profile_tiers(self.tiers, context, params, max_length, spec.tree_width, spec.verifier)

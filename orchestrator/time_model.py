@@ -221,6 +221,15 @@ def first_passage(step_pmf: Sequence[float], need: int) -> tuple[list[float], fl
     return totals, sum(reach)  # steps taken = partial sums visited below `need`
 
 
+def block_for(stage: StageSpec, below: RoundModel | None, draft_ms: LatencyTable, need: int) -> tuple[list[float], float]:
+    """The block `stage` verifies when it asks for `need` tokens. A pipelined drafter hands up
+    exactly `need` tokens and keeps any overshoot of its rounds for the next block (its
+    draft-ahead stream), so a block costs `need` tokens at the drafter's cost per token."""
+    if stage.pipelined and below is not None and need > 0:
+        return [0.0] * need + [1.0], need * below.ms_per_token
+    return block_from_below(below, draft_ms, need)
+
+
 def block_from_below(below: RoundModel | None, draft_ms: LatencyTable, need: int) -> tuple[list[float], float]:
     """The block a tier receives when it asks the tier below for `need` tokens.
 
@@ -306,7 +315,7 @@ def round_models(
         if memo is not None and key in memo:
             below = memo[key]
         else:
-            block_pmf, block_ms = block_from_below(below, draft_ms, lengths[index])
+            block_pmf, block_ms = block_for(stages[index], below, draft_ms, lengths[index])
             width = tree_width if index == len(stages) - 1 else 1
             below = round_model(stages[index], block_pmf, block_ms, width)
             if memo is not None:
@@ -333,7 +342,7 @@ def generation_ms(
     target_width = tree_width if len(stages) == 1 else 1
     rounds: dict[int, RoundModel] = {}
     for need in range(0, min(lengths[0], new_tokens - 1) + 1):
-        block_pmf, block_ms = block_from_below(below, draft_ms, need)
+        block_pmf, block_ms = block_for(stages[0], below, draft_ms, need)
         rounds[need] = round_model(stages[0], block_pmf, block_ms, target_width)
     remaining_ms = [0.0] * (new_tokens + 1)  # [r] = expected ms to emit r more tokens
     for remaining in range(1, new_tokens + 1):

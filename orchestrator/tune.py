@@ -24,10 +24,12 @@ Steps (all in this process, embedded mode):
    tuner) on held-out prompts; a fresh tuner on code prompts then prose prompts (how many
    rounds until its plan changes).
 
-Prompt file: JSONL, one `{"prompt": "..."}` object per line (other fields, such as
-`"class"`, are ignored) -- the format of `models/stdlib/prompts.jsonl`, the set that ships
-with the demo family and the default here (found beside the target model's folder); with
-no such file a few built-in code prompts are used.
+Prompt file: JSONL, one `{"prompt": "..."}` object per line, optionally with a `"class"`
+-- the format of `models/stdlib/prompts.jsonl`, the set that ships with the demo family and
+the default here (found beside the target model's folder); with no such file a few built-in
+code prompts are used. The tuning and held-out sets are evenly spaced through the prompts of
+every class but "repetitive-code"; the shift test runs that class's prompts (evenly spaced),
+else the held-out "code" prompts, then "prose" prompts from outside the tuning set.
 """
 
 from __future__ import annotations
@@ -91,10 +93,11 @@ def default_prompts_path(config: ChainConfig) -> Path:
 
 
 def read_prompts(path: Path) -> list[str]:
-    """The prompts of a bench/tune prompt file (JSONL, one {"prompt", "class"} per line)."""
-    from orchestrator.bench import read_prompts as read_bench_prompts
+    """The prompts of a bench/tune prompt file (JSONL, one {"prompt", "class"} per line) that
+    bench measures and tune tunes on (not the shift test's own class)."""
+    from orchestrator.bench import measured_prompts, read_prompts as read_bench_prompts
 
-    return [entry.text for entry in read_bench_prompts(str(path))]
+    return [entry.text for entry in measured_prompts(read_bench_prompts(str(path)))]
 
 
 def _classed_prompts(path: str | None, config: ChainConfig) -> tuple[list[tuple[str, str]], str]:
@@ -119,16 +122,27 @@ def _evenly(items: list, count: int) -> list:
     return [items[int(i * step)] for i in range(count)]
 
 
+def _tuning_classes(classed: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Every prompt but the shift test's own class (bench.SHIFT_ONLY_CLASSES): the sets picked
+    from these stay what they were before a file gained that class."""
+    from orchestrator.bench import SHIFT_ONLY_CLASSES
+
+    return [(text, kind) for text, kind in classed if kind not in SHIFT_ONLY_CLASSES]
+
+
 def load_prompts(path: str | None, config: ChainConfig, max_prompts: int) -> tuple[list[str], str]:
-    """(prompts, where they came from); at most `max_prompts`, evenly spaced through the file."""
+    """(prompts, where they came from); at most `max_prompts`, evenly spaced through the file
+    (the shift test's own class left out)."""
     classed, source = _classed_prompts(path, config)
-    return [text for text, _ in _evenly(classed, max_prompts)], source
+    return [text for text, _ in _evenly(_tuning_classes(classed), max_prompts)], source
 
 
 @dataclasses.dataclass
 class PromptSets:
     """The tuning set (grid, calibration), a disjoint held-out set (best grid point vs
-    `lengths: auto`), and a code-then-prose sequence from outside the tuning set (the shift test)."""
+    `lengths: auto`), and a code-then-prose sequence from outside the tuning set (the shift test:
+    its code half is the "repetitive-code" class, text the n-gram drafter's copies continue
+    even at T = 1, where the file has one, else held-out "code" prompts)."""
 
     tuning: list[str]
     heldout: list[str]  # empty when the file has no prompts left over
@@ -138,7 +152,12 @@ class PromptSets:
 
 
 def split_prompts(path: str | None, config: ChainConfig, max_prompts: int) -> PromptSets:
-    classed, source = _classed_prompts(path, config)
+    from orchestrator.bench import REPETITIVE_CODE
+
+    everything, source = _classed_prompts(path, config)
+    classed = _tuning_classes(everything)
+    repetitive = [text for text, kind in everything if kind == REPETITIVE_CODE]
+    half = max(1, max_prompts // 2)
     tuning_index = set(_evenly(range(len(classed)), max_prompts))
     rest = [i for i in range(len(classed)) if i not in tuning_index]
     heldout_index = _evenly(rest, max_prompts)
@@ -146,8 +165,8 @@ def split_prompts(path: str | None, config: ChainConfig, max_prompts: int) -> Pr
     return PromptSets(
         tuning=[classed[i][0] for i in sorted(tuning_index)],
         heldout=[text for text, _ in heldout],
-        shift_code=[text for text, kind in heldout if kind == "code"][: max(1, max_prompts // 2)],
-        shift_prose=[classed[i][0] for i in rest if classed[i][1] == "prose"][: max(1, max_prompts // 2)],
+        shift_code=_evenly(repetitive, half) if repetitive else [text for text, kind in heldout if kind == "code"][:half],
+        shift_prose=[classed[i][0] for i in rest if classed[i][1] == "prose"][:half],
         source=source,
     )
 
@@ -379,6 +398,11 @@ def acceptance_entry(engine: Engine, tuner: Tuner, key: str, verifier: int, draf
     }
 
 
+def distributed(engine: Engine) -> bool:
+    """The chain runs as tier workers (runtime.backend: ray): every tier runs every round."""
+    return hasattr(engine.scheduler, "membership")
+
+
 def calibration_plans(tuner: Tuner, grid_max: int) -> list[Plan]:
     """Every usable set of tiers at a few lengths: long, middle and short blocks.
 
@@ -394,12 +418,22 @@ def calibrate(engine: Engine, prompt_ids: list[list[int]], settings: TuneSetting
     log("profiling the tiers")
     typical = int(statistics.median(len(ids) for ids in prompt_ids)) + settings.max_new_tokens // 2
     context = (list(prompt_ids[0]) * (typical // len(prompt_ids[0]) + 1))[:typical]
-    tuner = engine.make_tuner(context, max_length=settings.grid_max)
+    if distributed(engine):  # every tier profiles itself (and its prefills) in its own process
+        from orchestrator.distributed import profile_remote
+
+        profile, prefill_ms = profile_remote(engine.scheduler, typical, settings.params(), settings.grid_max,
+                                             prefill_lens=[len(ids) for ids in prompt_ids])
+        tuner = Tuner(profile, max_length=settings.grid_max, tree_width=engine.scheduler.tree_width)
+        tuner.distributed, tuner.pipelined = True, bool(engine.scheduler.pipeline)
+        prefills = [[prefill_ms[tier][number] for tier in range(len(engine.tiers))] for number in range(len(prompt_ids))]
+    else:
+        tuner = engine.make_tuner(context, max_length=settings.grid_max)
+        prefills = [measure_prefill_ms(engine, list(ids)) for ids in prompt_ids]
     tuner.decay = 1.0  # calibration: plain counts over all prompts
     tuner.shadow = False  # skip pairs are measured directly below
     profile = tuner.profile
     first_forward = [latency(profile.forward_ms(i), 1) if profile.forward[i] is not None else 0.0 for i in range(len(engine.tiers))]
-    prefill_extra = [[max(0.0, ms - first) for ms, first in zip(measure_prefill_ms(engine, list(ids)), first_forward)] for ids in prompt_ids]
+    prefill_extra = [[max(0.0, ms - first) for ms, first in zip(row, first_forward)] for row in prefills]
 
     full = tuple(range(len(engine.tiers)))
     longest = Plan((settings.grid_max,) * (len(full) - 1), full)
@@ -440,9 +474,10 @@ def run_tune(config: ChainConfig, prompts: list[str], settings: TuneSettings, lo
     full = tuple(range(len(engine.tiers)))
     grid = [Plan(lengths, full) for lengths in itertools.product(range(1, settings.grid_max + 1), repeat=len(full) - 1)]
     chosen = tuner.choose(key)
-    bypass = [(tier, tuner.choose(key, exclude=tier)) for tier in range(1, len(full))]
-    baseline = Plan((settings.grid_max,) * (len(full) - 1), (0,))
-    plans = list(dict.fromkeys(grid + [chosen] + [plan for _, plan in bypass] + [baseline]))
+    # a distributed chain runs every tier every round: no bypass, no target alone to compare
+    bypass = [] if tuner.distributed else [(tier, tuner.choose(key, exclude=tier)) for tier in range(1, len(full))]
+    baseline = None if tuner.distributed else Plan((settings.grid_max,) * (len(full) - 1), (0,))
+    plans = list(dict.fromkeys(grid + [chosen] + [plan for _, plan in bypass] + ([baseline] if baseline else [])))
     def predict_all() -> dict:
         return {plan: predict_plan(tuner, key, plan, prefill_extra, settings.max_new_tokens) for plan in plans}
 
@@ -455,7 +490,9 @@ def run_tune(config: ChainConfig, prompts: list[str], settings: TuneSettings, lo
         profile = copy.deepcopy(tuner.profile)
         profile.online_forward.clear()
         profile.online_draft.clear()
-        return Tuner(profile, max_length=settings.grid_max, tree_width=tuner.tree_width)
+        fresh = Tuner(profile, max_length=settings.grid_max, tree_width=tuner.tree_width)
+        fresh.distributed, fresh.pipelined = tuner.distributed, tuner.pipelined
+        return fresh
 
     def pass_predictions(repeat: int) -> dict:
         """Predictions for one measurement pass, from calibration runs made just before it (the
@@ -520,7 +557,8 @@ def run_tune(config: ChainConfig, prompts: list[str], settings: TuneSettings, lo
         "grid": [entry(plan) for plan in grid],
         "chosen": entry(chosen),
         "bypass": [{"bypassed": engine.tiers[tier].name, **entry(plan)} for tier, plan in bypass],
-        "baseline": entry(baseline),
+        "baseline": entry(baseline) if baseline else None,
+        "runtime": {"backend": config.runtime.backend, "pipeline": tuner.pipelined if tuner.distributed else False},
         "auto": {
             "measured_ms_per_token": round(measured["auto"].wall_ms, 4),
             "measured_cpu_ms_per_token": round(measured["auto"].cpu_ms, 4),
@@ -570,7 +608,8 @@ def format_report(report: dict) -> str:
     lines.append(describe("tuner's choice", report["chosen"]))
     for entry in report["bypass"]:
         lines.append(describe(f"without {entry['bypassed']}", entry))
-    lines.append(describe("target alone", report["baseline"]))
+    if report["baseline"]:
+        lines.append(describe("target alone", report["baseline"]))
     lines.append(f"lengths: auto (fresh tuner): measured {report['auto']['measured_ms_per_token']:.3f} ms/token, {len(report['auto']['plans'])} plan changes")
     heldout = report.get("heldout")
     if heldout:

@@ -194,7 +194,11 @@ class Tuner:
         self.explore_every = explore_every
         self.fixed: Plan | None = None  # set to run one plan while still learning (polyspec tune)
         self.pipelined = False  # the chain's drafters draft ahead (runtime pipeline: true): the pipelined time model
-        self.fixed_tiers = False  # every tier always runs (a distributed chain: its tiers cannot be bypassed per round)
+        # A distributed chain (tier workers): every tier runs every round (no bypass; its repair
+        # loop routes around dead tiers), and the time outside forwards is per gRPC hop:
+        # `round_overhead_ms` is one hop, a target round costs two (driver -> target -> its
+        # drafter), any other stage's round one (verifier -> drafter).
+        self.distributed = False
         self.shadow = True  # estimate skip pairs from committed tokens (polyspec tune measures them directly)
         self.history: list[dict] = []  # every plan change: {"class", "round", "lengths", "active", "predicted_ms_per_token"}
         self._classes: dict[str, _ClassState] = {}
@@ -318,9 +322,9 @@ class Tuner:
             self._estimate(key, report.tier, report.drafter).observe(proposed, min(report.accepted, proposed))
             if not first:
                 self.profile.observe_forward(report.tier, report.proposed + 1, report.seconds * 1000.0, config)
-            rounds += 1
+            rounds += not report.ahead  # rounds run while drafting ahead were off this round's critical path
         if not first and rounds:
-            residual_ms = 1000.0 * max(0.0, wall_s - model_s) / rounds
+            residual_ms = 1000.0 * max(0.0, wall_s - model_s) / (rounds + 1)  # hops: the driver's call + one per round
             self.round_overhead_ms += OVERHEAD_SMOOTHING * (residual_ms - self.round_overhead_ms)
 
     def _config(self) -> tuple[int, ...]:
@@ -339,7 +343,8 @@ class Tuner:
     def stages(self, key: str, active: tuple[int, ...]) -> tuple[list[StageSpec], dict[int, float]]:
         """The time model's inputs for a chain of `active` tiers: stages (target first) and the bottom's draft_ms."""
         stages = [
-            StageSpec(self.profile.forward_ms(a, active), self.accept_rates(key, a, b), self.round_overhead_ms, self.pipelined)
+            StageSpec(self.profile.forward_ms(a, active), self.accept_rates(key, a, b),
+                      self.round_overhead_ms * (2 if self.distributed and a == 0 else 1), self.pipelined)
             for a, b in zip(active, active[1:])
         ]
         return stages, self.profile.draft_ms(active[-1], active)
@@ -369,7 +374,7 @@ class Tuner:
         """Tier sets the chain can run: the target plus any ordered subset of the others whose
         members above the bottom can verify and whose bottom can draft."""
         others = range(1, self.num_tiers)
-        sizes = range(1, self.num_tiers) if bypass and not self.fixed_tiers else [self.num_tiers - 1]
+        sizes = range(1, self.num_tiers) if bypass and not self.distributed else [self.num_tiers - 1]
         sets = []
         for size in sizes:
             for subset in itertools.combinations(others, size):

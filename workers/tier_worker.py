@@ -191,9 +191,15 @@ class _Sequence:
         self.full_rate += AHEAD_SMOOTHING * ((1.0 if whole else 0.0) - self.full_rate)
 
     def reset_call(self) -> None:
-        self.reports: list[tier_pb2.StageReport] = []
+        if not hasattr(self, "reports"):
+            # rounds run since the last reply (draft-ahead rounds too: they go up with the next one)
+            self.reports: list[tier_pb2.StageReport] = []
         self.model_below_s = 0.0
         self.degraded = False
+
+    def take_reports(self) -> list[tier_pb2.StageReport]:
+        reports, self.reports = self.reports, []
+        return reports
 
     def header_for_lower(self) -> tier_pb2.SequenceHeader:
         header = tier_pb2.SequenceHeader()
@@ -215,7 +221,8 @@ class _Recorder:
 
     def observe_round(self, level, drafter, length, proposed, accepted, seconds) -> None:
         self.seq.reports.append(tier_pb2.StageReport(tier=self.worker.index, drafter=self.lower.index, length=length,
-                                                     proposed=proposed, accepted=accepted, seconds=seconds))
+                                                     proposed=proposed, accepted=accepted, seconds=seconds,
+                                                     ahead=getattr(_local, "ahead", False)))
 
     def observe_draft(self, *args) -> None:
         pass
@@ -348,7 +355,7 @@ class TierWorker:
                 return emitted
 
             emitted = self._with_fallback(seq, one_round)[: request.max_tokens]
-            return tier_pb2.VerifyReply(tokens=emitted, stages=seq.reports, model_s=_model_seconds() + seq.model_below_s,
+            return tier_pb2.VerifyReply(tokens=emitted, stages=seq.take_reports(), model_s=_model_seconds() + seq.model_below_s,
                                         degraded=seq.degraded, degraded_reason=self.lower_error if seq.degraded else "")
 
     # ------------------------------------------------------------------- draft
@@ -364,7 +371,7 @@ class TierWorker:
                 self._report_draft(seq, need, len(tree.tokens))
                 return tier_pb2.DraftReply(tokens=tree.tokens, parents=tree.parents,
                                            rows=encode_rows(tree.draft_rows, self.counters, self.dist, dst_rank),
-                                           model_s=_model_seconds() + seq.model_below_s, stages=seq.reports,
+                                           model_s=_model_seconds() + seq.model_below_s, stages=seq.take_reports(),
                                            degraded=seq.degraded)
             if request.header.pipeline and seq.served_end >= 0 and request.header.epoch == seq.served_epoch \
                     and len(context) >= seq.served_end:
@@ -394,7 +401,7 @@ class TierWorker:
                 self._start_ahead(seq)
             reply = tier_pb2.DraftReply(tokens=tokens, rows=encode_rows(rows, self.counters, self.dist, dst_rank),
                                         model_s=_model_seconds() + seq.model_below_s, ahead_hit=hit is not None,
-                                        stages=seq.reports, degraded=seq.degraded, continues=continues)
+                                        stages=seq.take_reports(), degraded=seq.degraded, continues=continues)
         return reply
 
     def _report_draft(self, seq: _Sequence, need: int, proposed: int) -> None:
@@ -420,8 +427,11 @@ class TierWorker:
             return None
         seq.ahead_until = max(seq.ahead_until, len(context) + need)
         self._start_ahead(seq)
+        started = time.perf_counter()
         while stream is seq.stream and len(stream.tokens) - len(context) < need and seq.ahead_running:
             seq.cond.wait()
+        # waiting for the drafting ahead is model time on the caller's critical path, not overhead
+        _local.model_s = _model_seconds() + time.perf_counter() - started
         if stream is not seq.stream:
             return None
         start = len(context) - stream.base

@@ -103,7 +103,7 @@ def test_online_tuner_sets_lengths_of_a_distributed_chain(tiny_family, embedded,
         assert sorted(profile.draft[2]) == [1, 2, 3, 4] and profile.draft[0] is None
         assert len(prefill[0]) == 2 and all(ms > 0 for ms in prefill[0])
         tuner = Tuner(profile, max_length=4, retune_every=2, warmup_rounds=2)
-        tuner.fixed_tiers, tuner.pipelined = True, pipeline
+        tuner.distributed, tuner.pipelined = True, pipeline
         chain.tuner = tuner
         jobs = [(ids, MAX_NEW, SamplingParams(temperature=0.0), None) for ids, _ in embedded.values()] * 2
         results = {}
