@@ -25,6 +25,10 @@ Two forms of the cost are provided:
   Costs of the blocks below follow from Wald's identity (expected rounds x expected round
   cost). `generation_ms` gives the expected wall time of a whole request (before prefill).
 
+Pipelined stages (`StageSpec.pipelined`, the distributed runtime with `pipeline: true`):
+the drafter hands up exactly the block asked for and drafts the next one while this one is
+verified, betting on whole blocks (`pipelined_round_model`, docs/time-model.md §5).
+
 Trees: when the bottom stage proposes `tree_width` candidate chains of depth k, the verifier
 scores width * k nodes and the accepted path is at most k long; its `accept_rates` are the
 tree's (position 1 = acceptance of the best of `tree_width` candidates, deeper positions the
