@@ -27,7 +27,8 @@ sys.path.insert(0, str(REPO))
 
 
 def load_prompts(path: Path, count: int) -> list[str]:
-    prompts = [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()]
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    prompts = [r["prompt"] for r in records if r.get("class") != "repetitive-code"]  # that class: tune's shift test only
     step = max(1, len(prompts) // count)
     return prompts[::step][:count]
 

@@ -34,7 +34,7 @@ sed -e "s|address: auto|address: $IP:$PORT|" configs/demo-ray.yaml > "$WORK/chai
 sed -i "s|\.\./models|$PWD/models|g" "$WORK/chain.yaml"
 python - "$REQUESTS" > "$WORK/requests.jsonl" <<'PY'
 import json, sys
-prompts = [json.loads(line)["prompt"][-400:] for line in open("models/stdlib/prompts.jsonl")]
+prompts = [r["prompt"][-400:] for r in map(json.loads, open("models/stdlib/prompts.jsonl")) if r.get("class") != "repetitive-code"]
 for i in range(int(sys.argv[1])):
     print(json.dumps({"id": f"r{i}", "prompt": prompts[i % len(prompts)], "max_new_tokens": 48}))
 PY

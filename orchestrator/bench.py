@@ -20,7 +20,9 @@ whether every output equals the target's own greedy output.
 
 The prompts ship with the demo family (`models/stdlib/prompts.jsonl`, `{"prompt", "class"}`
 lines): code-completion prompts cut at function / class boundaries from standard-library
-files the family never trained on, plus free-text English prompts (`write_prompts`).
+files the family never trained on, plus free-text English prompts (`write_prompts`); its
+"repetitive-code" rows (held-out code-page tables) are for `polyspec tune`'s shift test
+and are not measured here (`measured_prompts`).
 """
 
 from __future__ import annotations

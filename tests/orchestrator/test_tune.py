@@ -50,3 +50,39 @@ def test_tune_user_mistakes(config_path, tmp_path, capsys):
     assert main(["tune", "-c", config_path, "--prompts", str(bad)]) == 2
     assert 'expected {"prompt": "..."}' in capsys.readouterr().err
     assert main(["tune", "-c", config_path, "--grid-max", "0"]) == 2
+
+
+def test_split_prompts_runs_repetitive_code_in_the_shift_test_only(tmp_path):
+    from orchestrator.tune import split_prompts
+
+    rows = [{"prompt": f"code {i}", "class": "code"} for i in range(12)] + [{"prompt": f"prose {i}", "class": "prose"} for i in range(6)]
+    repetitive = [{"prompt": f"table {i}", "class": "repetitive-code"} for i in range(6)]
+    plain, mixed = tmp_path / "plain.jsonl", tmp_path / "mixed.jsonl"
+    plain.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    mixed.write_text("".join(json.dumps(row) + "\n" for row in rows[:5] + repetitive[:3] + rows[5:] + repetitive[3:]))
+    expected_tables = {1: [0], 4: [0, 3], 6: [0, 2, 4], 8: [0, 1, 3, 4]}  # max(1, count // 2), evenly spaced
+    for count, tables in expected_tables.items():
+        before, after = split_prompts(str(plain), None, count), split_prompts(str(mixed), None, count)
+        # the tuning, held-out and prose sets are the ones picked before the file had the class
+        assert (after.tuning, after.heldout, after.shift_prose) == (before.tuning, before.heldout, before.shift_prose)
+        assert not any(text.startswith("table") for text in after.tuning + after.heldout)
+        # the shift test's code half: that class, evenly spaced (else held-out code prompts)
+        assert after.shift_code == [f"table {i}" for i in tables]
+        assert before.shift_code and all(text.startswith("code") and text in before.heldout for text in before.shift_code)
+
+
+def test_shipped_prompts_keep_repetitive_code_out_of_tuning_and_bench():
+    from pathlib import Path
+
+    from orchestrator.bench import measured_prompts, quick_subset, read_prompts
+    from orchestrator.tune import split_prompts
+
+    path = Path(__file__).resolve().parents[2] / "models" / "stdlib" / "prompts.jsonl"
+    prompts = read_prompts(str(path))
+    repetitive = {p.text for p in prompts if p.kind == "repetitive-code"}
+    assert len(repetitive) >= 4
+    sets = split_prompts(str(path), None, 8)
+    assert set(sets.shift_code) <= repetitive and len(sets.shift_code) == 4
+    assert not repetitive & set(sets.tuning + sets.heldout + sets.shift_prose)
+    measured = measured_prompts(prompts)
+    assert {p.kind for p in measured} == {"code", "prose"} and {p.kind for p in quick_subset(measured)} == {"code", "prose"}
