@@ -324,9 +324,29 @@ def measure_heldout(engine: Engine, best: Plan, prompt_ids: list[list[int]], set
     }
 
 
+def shift_view(engine: Engine, tuner: Tuner, key: str) -> dict:
+    """What the tuner believes at one moment of the shift test: acceptance per pair it has
+    measured (positions 1-4) and the best plan it predicts with every tier and without each."""
+    names = [tier.name for tier in engine.tiers]
+    acceptance = {
+        f"{names[v]}<-{names[d]}": {"per_position": [round(r, 3) for r in tuner.accept_rates(key, v, d)[:4]], "blocks": round(estimate.blocks, 1)}
+        for (v, d), estimate in sorted(tuner.estimates(key).items())
+    }
+    contenders = [tuner.choose(key, bypass=False)]
+    if not getattr(tuner, "fixed_tiers", False):
+        contenders += [tuner.choose(key, exclude=tier) for tier in range(1, len(engine.tiers))]
+    predicted = [
+        {"tiers": [names[t] for t in plan.active], "lengths": [plan.lengths[level] for level in plan.active[:-1]], "ms_per_token": round(plan.predicted_ms, 4)}
+        for plan in dict.fromkeys(contenders)
+    ]
+    return {"acceptance": acceptance, "predicted": predicted}
+
+
 def measure_shift(engine: Engine, tuner: Tuner, code_ids: list[list[int]], prose_ids: list[list[int]], settings: TuneSettings) -> dict:
     """`lengths: auto` on code prompts, then prose prompts, in one tuner: the target rounds
-    from the first prose round to the next change of plan (lengths or tiers)."""
+    from the first prose round to the next change of plan (lengths or tiers) made after it.
+    (A change planned for the first prose round itself is not counted: it was decided before
+    that round, from code rounds only.) With the tuner's view at the switch and at the end."""
     params = settings.params()
     key = request_class(params)
     engine.scheduler.tuner = tuner
@@ -336,12 +356,13 @@ def measure_shift(engine: Engine, tuner: Tuner, code_ids: list[list[int]], prose
             engine.scheduler.generate(list(ids), settings.max_new_tokens, params, seed=settings.seed + number)
         switch_round = tuner._state(key).rounds
         plan_before = tuner._state(key).plan
+        at_switch = shift_view(engine, tuner, key)
         for number, ids in enumerate(prose_ids):
             engine.scheduler.generate(list(ids), settings.max_new_tokens, params, seed=settings.seed + 100 + number)
         end_round = tuner._state(key).rounds
     finally:
         engine.scheduler.tuner = None
-    changes = [h for h in tuner.history if h["round"] >= switch_round]
+    changes = [h for h in tuner.history if h["round"] > switch_round]
     return {
         "code_prompts": len(code_ids),
         "prose_prompts": len(prose_ids),
@@ -352,6 +373,8 @@ def measure_shift(engine: Engine, tuner: Tuner, code_ids: list[list[int]], prose
             "tiers": [engine.tiers[t].name for t in plan_before.active],
         },
         "rounds_to_first_change": (changes[0]["round"] - switch_round) if changes else None,
+        "at_switch": at_switch,
+        "at_end": shift_view(engine, tuner, key),
         "history": tuner.history,
     }
 
