@@ -131,6 +131,7 @@ class StageSpec:
     accept_rates: tuple[float, ...]  # per position, for this (verifier, drafter) pair
     overhead_ms: float = 0.0  # per round, outside forwards / verification / drafting (scheduler bookkeeping)
     pipelined: bool = False  # the drafter drafts ahead while its block is verified (runtime pipeline: true)
+    drafter_slowdown: float = 1.0  # pipelined: measured / modelled time of a block drafted ahead
 
 
 def ideal_stage_cost(stage: StageSpec, length: int, below_ms: float) -> float:
@@ -189,6 +190,7 @@ class RoundModel:
 
     emitted_pmf: tuple[float, ...]  # [x] = P(the round emits x tokens), x >= 1 ([0] = 0)
     round_ms: float  # expected wall time of the round, the block's drafting included
+    cold_extra_ms: float = 0.0  # a pipelined stage's first round: nothing was drafted ahead for it
 
     @property
     def expected_emitted(self) -> float:
@@ -229,8 +231,9 @@ def block_for(stage: StageSpec, below: RoundModel | None, draft_ms: LatencyTable
     """The block `stage` verifies when it asks for `need` tokens. A pipelined drafter hands up
     exactly `need` tokens and keeps any overshoot of its rounds for the next block (its
     draft-ahead stream), so a block costs `need` tokens at the drafter's cost per token."""
-    if stage.pipelined and below is not None and need > 0:
-        return [0.0] * need + [1.0], need * below.ms_per_token
+    if stage.pipelined and need > 0:
+        ms = need * below.ms_per_token if below is not None else latency(draft_ms, need)
+        return [0.0] * need + [1.0], ms * stage.drafter_slowdown
     return block_from_below(below, draft_ms, need)
 
 
@@ -301,7 +304,7 @@ def pipelined_round_model(stage: StageSpec, block_pmf: Sequence[float], block_ms
             emitted[accepted + bonus] += p * q
     forward_ms = whole * warm_ms + (1.0 - whole) * cold_ms + stage.overhead_ms
     round_ms = whole * max(forward_ms, block_ms) + (1.0 - whole) * (forward_ms + block_ms)
-    return RoundModel(tuple(emitted), round_ms)
+    return RoundModel(tuple(emitted), round_ms, whole * min(forward_ms, block_ms))
 
 
 def round_models(
@@ -353,7 +356,7 @@ def generation_ms(
         model = rounds[min(lengths[0], remaining - 1)]
         future = sum(p * remaining_ms[max(0, remaining - x)] for x, p in enumerate(model.emitted_pmf) if p)
         remaining_ms[remaining] = model.round_ms + future
-    return remaining_ms[new_tokens]
+    return remaining_ms[new_tokens] + rounds[min(lengths[0], new_tokens - 1)].cold_extra_ms
 
 
 def search_lengths(

@@ -589,6 +589,8 @@ def run_tune(config: ChainConfig, prompts: list[str], settings: TuneSettings, lo
         },
         "tiers": tiers,
         "round_overhead_ms": round(overhead_ms, 4),
+        "step_overhead_ms": round(tuner.step_overhead_ms, 4) if tuner.distributed else None,  # per target round (distributed)
+        "ahead_slowdown": {engine.tiers[t].name: round(v, 4) for t, v in tuner.ahead_slowdown.items()},  # pipelined drafters
         "summary": summary("wall_ms"),
         "summary_cpu": summary("cpu_ms"),
         "heldout": heldout,
@@ -613,6 +615,8 @@ def format_report(report: dict) -> str:
             parts.append(f"accepts {tier['acceptance']['drafter']}: " + " ".join(f"{r:.2f}" for r in rates))
         lines.append("  ".join(parts))
     lines.append(f"{'':>10}  per-round overhead outside forwards: {report['round_overhead_ms']:.3f} ms")
+    if report.get("step_overhead_ms") is not None:
+        lines.append(f"{'':>10}  per target round (the driver's call, the target's call to its drafter): {report['step_overhead_ms']:.3f} ms")
     lines += ["", f"{'lengths':>12} {'predicted':>10} {'measured':>9} {'error':>7} {'cpu':>7}   (ms per token; cpu: this process's CPU time)"]
     for entry in report["grid"]:
         error = relative_error(entry["predicted_ms_per_token"], entry["measured_ms_per_token"])

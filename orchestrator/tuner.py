@@ -41,7 +41,7 @@ import math
 import time
 
 from orchestrator.profiler import LatencyProfile
-from orchestrator.time_model import StageSpec, cost_per_token, search_lengths
+from orchestrator.time_model import StageSpec, cost_per_token, latency, round_models, search_lengths
 from workers.sampling import SamplingParams
 
 MAX_POSITIONS = 32
@@ -53,6 +53,8 @@ SHIFT_FORGET = 0.1  # what a shift leaves of the old counts
 OVERHEAD_SMOOTHING = 0.1
 MIN_BLOCKS = 4  # a skip pair's shadow estimate counts from this many blocks on, and only until it has as many of its own
 MAX_PENDING = 256  # requests the tuner follows at once (round-robin serving)
+OVERHEAD_DECAY = 0.98  # distributed chains: the overhead fit's memory (~50 target rounds)
+OVERHEAD_PRIOR = 2.0  # ... and the weight, in target rounds, of its prior a = 2 b
 
 
 @dataclasses.dataclass
@@ -195,10 +197,18 @@ class Tuner:
         self.fixed: Plan | None = None  # set to run one plan while still learning (polyspec tune)
         self.pipelined = False  # the chain's drafters draft ahead (runtime pipeline: true): the pipelined time model
         # A distributed chain (tier workers): every tier runs every round (no bypass; its repair
-        # loop routes around dead tiers), and the time outside forwards is per gRPC hop:
-        # `round_overhead_ms` is one hop, a target round costs two (driver -> target -> its
-        # drafter), any other stage's round one (verifier -> drafter).
+        # loop routes around dead tiers), and the time outside forwards is gRPC hops and the
+        # workers' Python: per target round `step_overhead_ms` (the driver's call, the target's
+        # call to its drafter), per round of any other stage on the critical path
+        # `round_overhead_ms` (a verifier's call to its drafter), fitted to each round's residual
+        # (driver wall - model time) by a recency-weighted least squares (`_fit_overheads`).
         self.distributed = False
+        self.step_overhead_ms = 0.0
+        # pipelined: per drafting tier, how much longer its blocks take to draft ahead than the
+        # model's own cost of them (cores shared with the verifier, calls below, waiting while
+        # real calls go first), an EMA of measured / modelled (`drafter_slowdown`)
+        self.ahead_slowdown: dict[int, float] = {}
+        self._overhead_sums = [0.0] * 5  # decayed sums of 1, n, n^2, r, n*r (n: other rounds on the path, r: residual ms)
         self.shadow = True  # estimate skip pairs from committed tokens (polyspec tune measures them directly)
         self.history: list[dict] = []  # every plan change: {"class", "round", "lengths", "active", "predicted_ms_per_token"}
         self._classes: dict[str, _ClassState] = {}
@@ -312,7 +322,13 @@ class Tuner:
         key = request_class(params)
         config = tuple(range(self.num_tiers))
         rounds = 0
+        lengths = dict(enumerate(self._running.lengths)) if self._running is not None else {}
+        lengths.update({report.tier: report.length for report in reports if report.tier < report.drafter})
         for report in reports:
+            if report.block_seconds > 0:  # a block drafted ahead: the pipelined model's D, measured
+                if not first:
+                    self._observe_ahead_block(key, report.tier, report.proposed, report.block_seconds * 1000.0, lengths)
+                continue
             if report.drafter == report.tier:
                 if not first:
                     self.profile.observe_draft(report.tier, report.length, report.seconds * 1000.0, config)
@@ -324,8 +340,51 @@ class Tuner:
                 self.profile.observe_forward(report.tier, report.proposed + 1, report.seconds * 1000.0, config)
             rounds += not report.ahead  # rounds run while drafting ahead were off this round's critical path
         if not first and rounds:
-            residual_ms = 1000.0 * max(0.0, wall_s - model_s) / (rounds + 1)  # hops: the driver's call + one per round
-            self.round_overhead_ms += OVERHEAD_SMOOTHING * (residual_ms - self.round_overhead_ms)
+            self._fit_overheads(rounds - 1, 1000.0 * max(0.0, wall_s - model_s))
+
+    def _observe_ahead_block(self, key: str, drafter: int, tokens: int, block_ms: float, lengths: dict[int, int]) -> None:
+        """A block of `tokens` drafted ahead by `drafter` in `block_ms`: against the model's cost of
+        the same block (the drafter's cost per token with the lengths in use), the slow-down."""
+        chain = tuple(range(drafter, self.num_tiers))
+        if tokens <= 0 or (len(chain) > 1 and any(level not in lengths for level in chain[:-1])):
+            return
+        full = tuple(range(self.num_tiers))
+        if len(chain) == 1:  # the bottom tier: one proposal
+            modelled = latency(self.profile.draft_ms(drafter, full), tokens)
+        else:
+            stages = [StageSpec(self.profile.forward_ms(a, full), self.accept_rates(key, a, b), self._stage_overhead_ms(a),
+                                self.pipelined, self.ahead_slowdown.get(b, 1.0)) for a, b in zip(chain, chain[1:])]
+            below = round_models(stages, self.profile.draft_ms(chain[-1], full), [lengths[level] for level in chain[:-1]],
+                                 self.tree_width)[0]
+            modelled = below.ms_per_token * tokens
+        if modelled <= 0:
+            return
+        ratio = min(max(block_ms / modelled, 1.0 / 3), 3.0)
+        current = self.ahead_slowdown.get(drafter, 1.0)
+        self.ahead_slowdown[drafter] = current + OVERHEAD_SMOOTHING * (ratio - current)
+
+    def _fit_overheads(self, other_rounds: int, residual_ms: float) -> None:
+        """residual = a + b * other_rounds, a = step_overhead_ms, b = round_overhead_ms: least
+        squares over recent target rounds (each weight decays by OVERHEAD_DECAY per round),
+        shrunk towards a = 2 b (a target round is two calls, another stage's round one) with the
+        weight of OVERHEAD_PRIOR rounds, so a pipelined chain, whose other rounds are almost never
+        on the critical path, still gets a sensible b."""
+        sums = self._overhead_sums
+        n, r = float(other_rounds), residual_ms
+        for i, value in enumerate((1.0, n, n * n, r, n * r)):
+            sums[i] = OVERHEAD_DECAY * sums[i] + value
+        s0, sn, snn, sr, snr = sums
+        lam = OVERHEAD_PRIOR
+        # normal equations of sum w (r - a - b n)^2 + lam (a - 2 b)^2
+        a11, a12, a22 = s0 + lam, sn - 2 * lam, snn + 4 * lam
+        det = a11 * a22 - a12 * a12
+        if det <= 1e-9:
+            return
+        a = (sr * a22 - a12 * snr) / det
+        b = (a11 * snr - a12 * sr) / det
+        if b < 0.0:  # no evidence that other rounds cost anything: all of it per target round
+            a, b = sr / s0, 0.0
+        self.step_overhead_ms, self.round_overhead_ms = max(0.0, a), b
 
     def _config(self) -> tuple[int, ...]:
         return self._running.active if self._running is not None else ()
@@ -344,10 +403,16 @@ class Tuner:
         """The time model's inputs for a chain of `active` tiers: stages (target first) and the bottom's draft_ms."""
         stages = [
             StageSpec(self.profile.forward_ms(a, active), self.accept_rates(key, a, b),
-                      self.round_overhead_ms * (2 if self.distributed and a == 0 else 1), self.pipelined)
+                      self._stage_overhead_ms(a), self.pipelined, self.ahead_slowdown.get(b, 1.0) if self.pipelined else 1.0)
             for a, b in zip(active, active[1:])
         ]
         return stages, self.profile.draft_ms(active[-1], active)
+
+    def _stage_overhead_ms(self, verifier: int) -> float:
+        """Time outside forwards per round of the stage verified by `verifier` (see __init__)."""
+        if not self.distributed:
+            return self.round_overhead_ms
+        return self.step_overhead_ms if verifier == 0 else self.round_overhead_ms
 
     def accept_rates(self, key: str, verifier: int, drafter: int) -> tuple[float, ...]:
         """Posterior per-position acceptance; an unmeasured skip pair's prior is the product of

@@ -147,6 +147,7 @@ class _Stream:
     tokens: list[int]
     rows: list[torch.Tensor | None]
     epoch: int
+    times: list[float] = dataclasses.field(default_factory=list)  # perf_counter when each drafted token was ready
 
     def drafted(self) -> int:
         return len(self.tokens) - self.base
@@ -181,6 +182,7 @@ class _Sequence:
         self.full_rate = AHEAD_PRIOR  # EMA: how often this tier's blocks are accepted whole (the draft-ahead bet)
         self.served_end = -1  # context length just past the last block handed up (-1: its outcome is known)
         self.served_epoch = -1
+        self.served_at = 0.0  # perf_counter when that block was handed up
         self.stream: _Stream | None = None
         self.ahead_until = 0
         self.ahead_running = False
@@ -362,9 +364,12 @@ class TierWorker:
 
     def draft(self, request: tier_pb2.DraftRequest, dst_rank: int | None) -> tier_pb2.DraftReply:
         seq = self._sequence(request.header)
-        _local.model_s = 0.0
         context, need = list(request.context), request.num_tokens
+        started = time.perf_counter()
         with seq.cond:
+            # a draft-ahead round holds the sequence: waiting for it is this tier's model time
+            # on the caller's critical path, not transport overhead
+            _local.model_s = time.perf_counter() - started
             seq.reset_call()
             if request.tree:
                 tree = self._with_fallback(seq, lambda s: self._draft_tree(s, seq, context, need))
@@ -373,14 +378,21 @@ class TierWorker:
                                            rows=encode_rows(tree.draft_rows, self.counters, self.dist, dst_rank),
                                            model_s=_model_seconds() + seq.model_below_s, stages=seq.take_reports(),
                                            degraded=seq.degraded)
-            if request.header.pipeline and seq.served_end >= 0 and request.header.epoch == seq.served_epoch \
-                    and len(context) >= seq.served_end:
+            continued = request.header.pipeline and seq.served_end >= 0 and request.header.epoch == seq.served_epoch \
+                and len(context) >= seq.served_end
+            if continued:
                 seq.track_whole(True)  # accepted whole and continued (no verdict was sent)
             seq.served_end = -1
             hit = self._from_stream(seq, context, need, request.header.epoch)
             if hit is not None:
                 tokens, rows = hit
                 self.ahead_hits += 1
+                stream = seq.stream
+                if continued and tokens and stream is not None and stream.times:
+                    # the pipelined model's drafting time D: this block, drafted ahead since the last hand-up
+                    ready = stream.times[min(len(stream.times), len(context) + len(tokens) - stream.base) - 1]
+                    seq.reports.append(tier_pb2.StageReport(tier=self.index, drafter=self.index, length=need, proposed=len(tokens),
+                                                            ahead=True, block_seconds=max(1e-6, ready - seq.served_at)))
             else:
                 if request.header.pipeline:
                     self.ahead_misses += 1
@@ -389,7 +401,7 @@ class TierWorker:
                 self._report_draft(seq, need, len(tokens))
                 if request.header.pipeline and tokens:
                     seq.stream = _Stream(len(context), context + tokens, list(rows) if rows is not None else [None] * len(tokens),
-                                         request.header.epoch)
+                                         request.header.epoch, [time.perf_counter()] * len(tokens))
                     tokens, rows = tokens[:need], (rows[:need] if rows is not None else None)
             continues = False
             if request.header.pipeline and seq.stream is not None:
@@ -397,6 +409,7 @@ class TierWorker:
                 continues = seq.full_rate >= AHEAD_THRESHOLD
                 # bet on the block: draft one more past it; else stop at the block (a verdict restarts the stream)
                 seq.ahead_until = len(context) + (2 * need if continues else len(tokens))
+                seq.served_at = time.perf_counter()
                 continues = continues or len(seq.stream.tokens) > seq.served_end  # overshoot already drafted
                 self._start_ahead(seq)
             reply = tier_pb2.DraftReply(tokens=tokens, rows=encode_rows(rows, self.counters, self.dist, dst_rank),
@@ -471,6 +484,7 @@ class TierWorker:
                     if stream is not seq.stream or not tokens:
                         return
                     stream.tokens.extend(tokens)
+                    stream.times.extend([time.perf_counter()] * len(tokens))
                     stream.rows.extend(list(rows) if rows is not None else [None] * len(tokens))
                     seq.cond.notify_all()
         except KeyError:

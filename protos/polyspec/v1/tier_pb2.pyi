@@ -66,7 +66,7 @@ class Rows(_message.Message):
     def __init__(self, encoding: _Optional[_Union[Rows.Encoding, str]] = ..., num_rows: _Optional[int] = ..., vocab: _Optional[int] = ..., dense: _Optional[bytes] = ..., counts: _Optional[_Iterable[int]] = ..., indices: _Optional[_Iterable[int]] = ..., values: _Optional[_Iterable[float]] = ..., dist_tag: _Optional[int] = ..., dist_src: _Optional[int] = ...) -> None: ...
 
 class StageReport(_message.Message):
-    __slots__ = ("tier", "drafter", "length", "proposed", "accepted", "seconds", "ahead")
+    __slots__ = ("tier", "drafter", "length", "proposed", "accepted", "seconds", "ahead", "block_seconds")
     TIER_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +74,7 @@ class StageReport(_message.Message):
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     AHEAD_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SECONDS_FIELD_NUMBER: _ClassVar[int]
     tier: int
     drafter: int
     length: int
@@ -81,7 +82,8 @@ class StageReport(_message.Message):
     accepted: int
     seconds: float
     ahead: bool
-    def __init__(self, tier: _Optional[int] = ..., drafter: _Optional[int] = ..., length: _Optional[int] = ..., proposed: _Optional[int] = ..., accepted: _Optional[int] = ..., seconds: _Optional[float] = ..., ahead: _Optional[bool] = ...) -> None: ...
+    block_seconds: float
+    def __init__(self, tier: _Optional[int] = ..., drafter: _Optional[int] = ..., length: _Optional[int] = ..., proposed: _Optional[int] = ..., accepted: _Optional[int] = ..., seconds: _Optional[float] = ..., ahead: _Optional[bool] = ..., block_seconds: _Optional[float] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
     __slots__ = ("header", "context", "num_tokens", "tree", "caller", "accept_dist")

@@ -1,0 +1,97 @@
+"""The tuner's hook for a distributed chain (Tuner.plan_remote / observe_remote): the stage
+reports of protos tier.proto in, lengths out; overheads per target round and per other round
+fitted from the driver's residuals; a pipelined drafter's measured block time."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.profiler import LatencyProfile
+from orchestrator.time_model import cost_per_token
+from orchestrator.tuner import Tuner
+from protos.polyspec.v1 import tier_pb2
+from workers.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def remote_tuner(pipelined: bool = False) -> Tuner:
+    profile = LatencyProfile(
+        ["target", "mid", "ngram"],
+        forward=[{m: 8.0 + 0.3 * m for m in range(1, 14)}, {m: 4.0 + 0.2 * m for m in range(1, 14)}, None],
+        draft=[None, {k: 3.5 * k for k in range(1, 7)}, {k: 0.05 for k in range(1, 7)}],
+    )
+    tuner = Tuner(profile, max_length=6)
+    tuner.distributed, tuner.pipelined = True, pipelined
+    return tuner
+
+
+def report(tier, drafter, length, proposed, accepted, seconds=0.0, **extra) -> tier_pb2.StageReport:
+    return tier_pb2.StageReport(tier=tier, drafter=drafter, length=length, proposed=proposed, accepted=accepted,
+                                seconds=seconds, **extra)
+
+
+def test_overheads_per_target_round_and_per_other_round():
+    """Residual (driver wall - model time) = a + b * (other rounds on the path): the fit recovers
+    a = 3 ms and b = 1.5 ms from exact data; with no other rounds ever on the path (pipelined),
+    the prior a = 2 b splits it."""
+    tuner = remote_tuner()
+    for step in range(200):
+        others = step % 4
+        reports = [report(0, 1, 4, 4, 4, 0.010)] + [report(1, 2, 3, 3, 1, 0.005)] * others
+        model_s = 0.010 + 0.005 * others
+        tuner.observe_remote(GREEDY, reports, model_s + (3.0 + 1.5 * others) / 1000.0, model_s, first=False)
+    assert tuner.step_overhead_ms == pytest.approx(3.0, rel=0.02)
+    assert tuner.round_overhead_ms == pytest.approx(1.5, rel=0.02)
+    stages, _ = tuner.stages("greedy", (0, 1, 2))
+    assert [s.overhead_ms for s in stages] == pytest.approx([3.0, 1.5], rel=0.02)
+
+    only_target = remote_tuner(pipelined=True)
+    for _ in range(200):
+        only_target.observe_remote(GREEDY, [report(0, 1, 4, 4, 4, 0.010)], 0.010 + 0.004, 0.010, first=False)
+    assert only_target.step_overhead_ms == pytest.approx(4.0, rel=0.02)
+    assert only_target.round_overhead_ms == pytest.approx(2.0, rel=0.02)
+
+
+def test_first_round_gives_acceptance_but_no_latency():
+    tuner = remote_tuner()
+    tuner.observe_remote(GREEDY, [report(0, 1, 4, 4, 2, 0.5), report(2, 2, 3, 3, 0, 0.5)], 1.0, 0.9, first=True)
+    assert tuner.estimates("greedy")[(0, 1)].blocks == pytest.approx(1.0)
+    assert not tuner.profile.online_forward and not tuner.profile.online_draft
+    assert tuner.step_overhead_ms == 0.0
+
+
+def test_drafted_ahead_blocks_set_the_drafters_slowdown():
+    """A pipelined drafter's blocks (block_seconds reports) take 1.5x what the model says they
+    cost: the slow-down converges there and the pipelined model's D grows with it."""
+    tuner = remote_tuner(pipelined=True)
+    lengths = [4, 3]
+
+    def step(block_ms: float | None = None) -> None:
+        reports = [report(0, 1, 4, 4, 4, 0.009), report(1, 2, 3, 3, 1, 0.005, ahead=True)]
+        if block_ms is not None:
+            reports.append(report(1, 1, 4, 4, 0, ahead=True, block_seconds=block_ms / 1000.0))
+        tuner.observe_remote(GREEDY, reports, 0.02, 0.014, first=False)
+
+    for _ in range(200):  # the same rounds again and again: the estimates settle
+        step()
+    stages, draft_ms = tuner.stages("greedy", (0, 1, 2))
+    modelled_block_ms = 4 * cost_per_token(stages[1:], draft_ms, lengths[1:])
+    before = cost_per_token(stages, draft_ms, lengths)
+    for _ in range(60):
+        step(1.5 * modelled_block_ms)
+    assert tuner.ahead_slowdown[1] == pytest.approx(1.5, rel=0.02)
+    stages, draft_ms = tuner.stages("greedy", (0, 1, 2))
+    assert stages[0].drafter_slowdown == pytest.approx(1.5, rel=0.02)
+    assert cost_per_token(stages, draft_ms, lengths) > before
+
+
+def test_plan_remote_never_bypasses():
+    tuner = remote_tuner()
+    for _ in range(40):
+        lengths = tuner.plan_remote(GREEDY)
+        assert len(lengths) == 2
+        # the n-gram tier never helps here: an embedded tuner would bypass it
+        tuner.observe_remote(GREEDY, [report(0, 1, lengths[0], lengths[0], lengths[0], 0.009),
+                                      report(1, 2, lengths[1], lengths[1], 0, 0.005)], 0.02, 0.014, first=False)
+    assert tuner.history and all(entry["active"] == ["target", "mid", "ngram"] for entry in tuner.history)
