@@ -333,7 +333,7 @@ def shift_view(engine: Engine, tuner: Tuner, key: str) -> dict:
         for (v, d), estimate in sorted(tuner.estimates(key).items())
     }
     contenders = [tuner.choose(key, bypass=False)]
-    if not getattr(tuner, "fixed_tiers", False):
+    if not tuner.distributed:  # a distributed chain cannot bypass a tier
         contenders += [tuner.choose(key, exclude=tier) for tier in range(1, len(engine.tiers))]
     predicted = [
         {"tiers": [names[t] for t in plan.active], "lengths": [plan.lengths[level] for level in plan.active[:-1]], "ms_per_token": round(plan.predicted_ms, 4)}
@@ -484,6 +484,13 @@ def run_tune(config: ChainConfig, prompts: list[str], settings: TuneSettings, lo
         raise TuneError("tune needs a chain of at least two tiers")
     torch.manual_seed(settings.seed)
     engine = Engine(config, auto_tune=False)
+    try:
+        return _tune(engine, config, prompts, settings, log, sets)
+    finally:
+        engine.close()  # a ray chain's actors go
+
+
+def _tune(engine: Engine, config: ChainConfig, prompts: list[str], settings: TuneSettings, log, sets: PromptSets | None) -> dict:
     engine.scheduler.eos_token_ids = frozenset()  # every run generates exactly max_new_tokens
     prompt_ids = [engine.parse_request({"prompt": p, "max_new_tokens": settings.max_new_tokens}).prompt_ids for p in prompts]
     limit = engine.scheduler.max_context
@@ -592,7 +599,8 @@ def run_tune(config: ChainConfig, prompts: list[str], settings: TuneSettings, lo
         "step_overhead_ms": round(tuner.step_overhead_ms, 4) if tuner.distributed else None,  # per target round (distributed)
         "ahead_slowdown": {engine.tiers[t].name: round(v, 4) for t, v in tuner.ahead_slowdown.items()},  # pipelined drafters
         "summary": summary("wall_ms"),
-        "summary_cpu": summary("cpu_ms"),
+        # this process's CPU time: meaningless when the tiers run in other processes
+        "summary_cpu": None if tuner.distributed else summary("cpu_ms"),
         "heldout": heldout,
         "shift": shift,
     }
@@ -651,6 +659,8 @@ def format_report(report: dict) -> str:
             f" first change of plan after {shift['rounds_to_first_change']} rounds"
         )
     for label, summary in (("wall", report["summary"]), ("cpu", report["summary_cpu"])):
+        if summary is None:
+            continue
         confirmed = summary["confirmed"]
         lines.append(
             f"[{label} time] measured again with the {len(confirmed['plans'])} best: best {confirmed['best_grid_lengths']},"

@@ -248,3 +248,33 @@ def test_restarted_drafter_rejoins(cluster, tiny_family, embedded):
         assert chain.degraded_rounds == degraded and out.stats["stages"][0]["blocks"] > 0, "the drafter is back in the chain"
     finally:
         engine.close()
+
+
+def test_lengths_auto_and_tune_on_the_cluster(cluster, tiny_family, embedded):
+    """`lengths: auto` with the ray backend: the tiers profile themselves and the driver's tuner
+    sets every round's lengths (greedy output unchanged); `polyspec tune`'s run on the same
+    chain reports the grid, the pipelined model's predictions and no bypass rows."""
+    import dataclasses
+
+    from orchestrator.tune import TuneSettings, run_tune
+
+    cfg = config(tiny_family, cluster[0].address, pipeline=True)
+    cfg = dataclasses.replace(cfg, speculation=dataclasses.replace(cfg.speculation, lengths="auto"))
+    engine = Engine(cfg)
+    try:
+        tuner = engine.scheduler.tuner
+        assert tuner is not None and tuner.distributed and tuner.pipelined
+        for ids, expected in embedded[1][:2]:
+            out = engine.scheduler.generate(ids, MAX_NEW, SamplingParams(temperature=0.0))
+            assert out.token_ids == expected
+            assert out.stats["plans"][0]["tiers"] == ["target", "mid", "small"]
+        assert tuner.estimates("greedy")[(0, 1)].blocks > 0
+    finally:
+        engine.close()
+
+    report = run_tune(cfg, PROMPTS[:2], TuneSettings(max_new_tokens=8, grid_max=2, max_prompts=2))
+    assert [entry["lengths"] for entry in report["grid"]] == [[1, 1], [1, 2], [2, 1], [2, 2]]
+    assert all(entry["predicted_ms_per_token"] > 0 and entry["measured_ms_per_token"] > 0 for entry in report["grid"])
+    assert report["bypass"] == [] and report["baseline"] is None and report["summary_cpu"] is None
+    assert report["runtime"] == {"backend": "ray", "pipeline": True}
+    assert report["tiers"][0]["forward_ms"] and report["tiers"][2]["draft_ms"]
