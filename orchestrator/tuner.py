@@ -52,6 +52,7 @@ SHIFT_LOG_RATIO = 4.0  # log likelihood ratio that counts as a shift in the text
 SHIFT_FORGET = 0.1  # what a shift leaves of the old counts
 OVERHEAD_SMOOTHING = 0.1
 MIN_BLOCKS = 4  # a skip pair's shadow estimate counts from this many blocks on, and only until it has as many of its own
+PROBE_BUDGET = 0.01  # probes of bypassed tiers may cost this share of the predicted time
 MAX_PENDING = 256  # requests the tuner follows at once (round-robin serving)
 OVERHEAD_DECAY = 0.98  # distributed chains: the overhead fit's memory (~50 target rounds)
 OVERHEAD_PRIOR = 2.0  # ... and the weight, in target rounds, of its prior a = 2 b
@@ -68,7 +69,7 @@ class AcceptanceEstimate:
 
     prior_mean: float = 0.6
     prior_strength: float = 2.0
-    decay: float = 0.93  # per observed block; 1.0 = plain counts
+    decay: float = 0.93  # per age() step (an observed block, or the tuner's target round); 1.0 = plain counts
     successes: list[float] = dataclasses.field(default_factory=lambda: [0.0] * MAX_POSITIONS)
     trials: list[float] = dataclasses.field(default_factory=lambda: [0.0] * MAX_POSITIONS)
     blocks: float = 0.0  # decayed number of observed blocks
@@ -76,6 +77,7 @@ class AcceptanceEstimate:
     recent: list[float] = dataclasses.field(default_factory=list)  # position 1's last outcomes (shift detector)
     settled: float | None = None  # slow EMA of position 1's acceptance
     shifts: int = 0  # shifts detected so far
+    age_per_block: bool = True  # False: the owner calls age() (the tuner: once per target round)
 
     def __post_init__(self) -> None:
         self.prior_weight = self.prior_strength
@@ -83,11 +85,8 @@ class AcceptanceEstimate:
     def observe(self, proposed: int, accepted: int) -> None:
         """A block of `proposed` positions (missing proposals count as rejected) with `accepted` kept."""
         assert 0 <= accepted <= proposed
-        if self.decay < 1.0:
-            self.successes = [s * self.decay for s in self.successes]
-            self.trials = [t * self.decay for t in self.trials]
-            self.blocks *= self.decay
-            self.prior_weight = max(MIN_PRIOR_WEIGHT, self.prior_weight * self.decay)
+        if self.age_per_block:
+            self.age()
         self.blocks += 1.0
         for position in range(min(accepted, MAX_POSITIONS)):
             self.successes[position] += 1.0
@@ -96,6 +95,14 @@ class AcceptanceEstimate:
             self.trials[accepted] += 1.0
         if proposed > 0:
             self._track_shift(1.0 if accepted > 0 else 0.0)
+
+    def age(self) -> None:
+        """One step of forgetting (per observed block, or per target round when the tuner ages it)."""
+        if self.decay < 1.0:
+            self.successes = [s * self.decay for s in self.successes]
+            self.trials = [t * self.decay for t in self.trials]
+            self.blocks *= self.decay
+            self.prior_weight = max(MIN_PRIOR_WEIGHT, self.prior_weight * self.decay)
 
     def _track_shift(self, first_accepted: float) -> None:
         """Generalised likelihood ratio of position 1's last SHIFT_WINDOW outcomes: their own
@@ -152,6 +159,8 @@ class _ClassState:
     shadow_estimates: dict[tuple[int, int], AcceptanceEstimate] = dataclasses.field(default_factory=dict)  # skip pairs, from commits
     plan: Plan | None = None
     rounds: int = 0
+    probe_every: int = 0  # while bypassing: rounds between probes of all tiers (0: not bypassing)
+    since_probe: int = 0
 
 
 @dataclasses.dataclass
@@ -238,15 +247,18 @@ class Tuner:
         self._round_start = committed_len
         self._key = request_class(params)
         state = self._state(self._key)
+        self._age(state)
         if self.fixed is not None:
             plan = self.fixed
         else:
             if state.plan is None or state.rounds % self.retune_every == 0:
                 self._retune(self._key, state)
             plan = state.plan
-            bypassing = plan.active != tuple(range(self.num_tiers))
-            if bypassing and self.explore_every and state.rounds % self.explore_every == self.explore_every - 1:
-                plan = self.choose(self._key, bypass=False)  # a probe: the bypassed tiers' stages get data
+            if state.probe_every:
+                state.since_probe += 1
+                if state.since_probe >= state.probe_every:
+                    state.since_probe = 0
+                    plan = self.choose(self._key, bypass=False)  # a probe: the bypassed tiers' stages get data
         state.rounds += 1
         previous = self._running.active if self._running is not None else plan.active
         self._catching_up = frozenset(plan.active) - frozenset(previous)
@@ -304,6 +316,7 @@ class Tuner:
         here; the caller serialises the two calls."""
         key = request_class(params)
         state = self._state(key)
+        self._age(state)
         if self.fixed is not None:
             plan = self.fixed
         else:
@@ -476,9 +489,12 @@ class Tuner:
             # other tiers cost more to switch to (a returning tier re-feeds what it missed)
             margin = self.hysteresis if best.active == current.active else self.switch_hysteresis
             if not best.predicted_ms < current_ms * (1.0 - margin):
-                state.plan = dataclasses.replace(current, predicted_ms=current_ms)
+                best = dataclasses.replace(current, predicted_ms=current_ms)
+                state.plan = best
+                self._set_probing(key, state)
                 return
         state.plan = best
+        self._set_probing(key, state)
         self.history.append(
             {
                 "class": key,
@@ -489,6 +505,19 @@ class Tuner:
             }
         )
 
+    def _set_probing(self, key: str, state: _ClassState) -> None:
+        """While the plan bypasses tiers their acceptance goes stale, so every so often a round
+        runs all of them (a probe). The closer the plan with all tiers is predicted to come, the
+        likelier stale estimates hide a better plan and the cheaper a probe is: probes come
+        every gap / PROBE_BUDGET rounds (at least 2, at most `explore_every`), so they cost
+        about PROBE_BUDGET of the predicted time."""
+        if not self.explore_every or state.plan.active == tuple(range(self.num_tiers)):
+            state.probe_every = 0
+            return
+        full = self.choose(key, bypass=False)
+        gap = max(0.0, full.predicted_ms / state.plan.predicted_ms - 1.0)
+        state.probe_every = int(min(self.explore_every, max(2, math.ceil(gap / PROBE_BUDGET))))
+
     # ---------------------------------------------------------------- state
 
     def _state(self, key: str) -> _ClassState:
@@ -497,12 +526,22 @@ class Tuner:
             state = self._classes[key] = _ClassState({})
         return state
 
+    @staticmethod
+    def _age(state: _ClassState) -> None:
+        """A target round of this class begins: its estimates forget one step. (Per round, not
+        per block: a middle stage verifies several blocks a round, and would otherwise forget
+        several times faster than the stage above it.)"""
+        for estimate in itertools.chain(state.estimates.values(), state.shadow_estimates.values()):
+            if not estimate.age_per_block:
+                estimate.age()
+
     def _estimate(self, key: str, verifier: int, drafter: int, shadow: bool = False) -> AcceptanceEstimate:
         state = self._state(key)
         estimates = state.shadow_estimates if shadow else state.estimates
         estimate = estimates.get((verifier, drafter))
         if estimate is None:
-            estimate = estimates[(verifier, drafter)] = AcceptanceEstimate(self.prior_mean, self.prior_strength, self.decay)
+            estimate = estimates[(verifier, drafter)] = AcceptanceEstimate(
+                self.prior_mean, self.prior_strength, self.decay, age_per_block=False)
         return estimate
 
     def estimates(self, key: str, shadow: bool = False) -> dict[tuple[int, int], AcceptanceEstimate]:

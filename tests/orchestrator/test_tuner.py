@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from orchestrator.config import parse_config
 from orchestrator.engine import Engine
 from orchestrator.profiler import LatencyProfile, OnlineTable
-from orchestrator.tuner import AcceptanceEstimate, Plan, Tuner
+from orchestrator.tuner import PROBE_BUDGET, AcceptanceEstimate, Plan, Tuner
 from workers.sampling import SamplingParams
 
 GREEDY = SamplingParams()
@@ -118,6 +119,66 @@ def test_bypass_a_slow_middle_tier():
     assert plans[-1][1] == (0, 2)
     # and a probe runs the full chain now and then
     assert any(active == (0, 1, 2) for _, active in simulate(tuner, lambda r, i, j: 0.7, tuner.explore_every, random.Random(3), start=40))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_bypassed_drafter_returns_when_it_starts_to_agree(seed):
+    # the n-gram tier first agrees on nothing (bypassed), then on most tokens: probes (every
+    # 2..16 rounds, the more often the closer the full chain is predicted to come) bring it
+    # back; a probe every 16 rounds and a re-tune every 4 bound the return at ~2 x 16 rounds
+    profile = fixed_profile(
+        ["target", "mid", "ngram"], [lambda m: 8.0 + 0.3 * m, lambda m: 3.0 + 0.2 * m, None], [None, lambda k: 3.0 * k, lambda k: 0.03]
+    )
+    tuner = Tuner(profile, max_length=8)
+    rate = lambda r, i, j: 0.97 if j == 1 else (0.02 if r < 40 else 0.99)  # noqa: E731
+    plans = simulate(tuner, rate, 100, random.Random(seed))
+    assert all(active == (0, 1) for _, active in plans[20:40] if active != (0, 1, 2))  # bypassed while it agreed on nothing ...
+    assert sum(active == (0, 1) for _, active in plans[20:40]) >= 16  # ... but for the probes
+    back = [h["round"] for h in tuner.history if h["round"] >= 40 and "ngram" in h["active"]]
+    assert back and back[0] - 40 <= 36, tuner.history
+    assert 2 in plans[-1][1]
+
+
+def test_probes_come_more_often_the_closer_the_bypassed_plan():
+    # probes of a bypassed tier cost about PROBE_BUDGET of the time: every gap / budget rounds
+    def probe_every(ngram_rate: float) -> tuple[int, float]:
+        profile = fixed_profile(
+            ["target", "mid", "ngram"], [lambda m: 8.0 + 0.3 * m, lambda m: 3.0 + 0.2 * m, None], [None, lambda k: 3.0 * k, lambda k: 0.03]
+        )
+        tuner = Tuner(profile, max_length=8, decay=1.0)
+        for pair, rate in (((0, 1), 0.97), ((1, 2), ngram_rate)):
+            estimate = tuner._estimate("greedy", *pair)
+            estimate.successes, estimate.trials, estimate.blocks = [1000.0 * rate] * 32, [1000.0] * 32, 1000.0
+        state = tuner._state("greedy")
+        state.plan = tuner.choose("greedy", exclude=2)  # the n-gram tier bypassed
+        tuner._set_probing("greedy", state)
+        return state.probe_every, tuner.choose("greedy", bypass=False).predicted_ms / state.plan.predicted_ms - 1.0
+
+    far, far_gap = probe_every(0.0)  # the full chain predicted ~10 % slower
+    near, near_gap = probe_every(0.1)  # ... ~3 % slower
+    assert far_gap > 0.08 and 0 < near_gap < 0.04
+    assert far == math.ceil(far_gap / PROBE_BUDGET) and near == math.ceil(near_gap / PROBE_BUDGET)
+    assert probe_every(0.9)[0] == 2  # full chain predicted faster: the next re-tune takes it
+
+
+def test_estimates_forget_per_target_round_not_per_block():
+    # a middle stage verifies several blocks per target round; its memory, counted in target
+    # rounds, must be the same as the target stage's (forgetting per block would make it
+    # five times shorter here, and its estimates five times noisier)
+    profile = fixed_profile(["target", "mid", "ngram"], [lambda m: 10.0, lambda m: 3.0, None], [None, lambda k: 3.0 * k, lambda k: 0.05])
+    tuner = Tuner(profile, max_length=8, allow_bypass=False)
+    tuner.fixed = Plan((4, 2, 8), (0, 1, 2))
+    committed = 100
+    for _ in range(200):
+        tuner.plan(GREEDY, committed)
+        for _ in range(5):
+            tuner.observe_round(1, 2, 2, 2, 1, 0.003)
+        tuner.observe_round(0, 1, 4, 4, 4, 0.01)
+        tuner.observe_commit([0] * 5)
+        committed += 5
+    estimates = tuner.estimates("greedy")
+    assert estimates[(0, 1)].blocks == pytest.approx(1 / (1 - tuner.decay), rel=0.01)
+    assert estimates[(1, 2)].blocks == pytest.approx(5 * estimates[(0, 1)].blocks, rel=0.01)
 
 
 def test_skip_pair_estimated_from_committed_tokens():
