@@ -359,6 +359,19 @@ def generation_ms(
     return remaining_ms[new_tokens] + rounds[min(lengths[0], new_tokens - 1)].cold_extra_ms
 
 
+def first_round_ms(
+    stages: Sequence[StageSpec], draft_ms: LatencyTable, lengths: Sequence[int], new_tokens: int, tree_width: int = 1
+) -> float:
+    """Expected ms of a request's first target round, prefills excluded: its block
+    (min(k_0, new_tokens - 1) tokens) is drafted after the prompt is in, with nothing drafted
+    ahead, so in the pipelined form the forward and the block add up (`generation_ms` charges
+    that as the first round's `cold_extra_ms`)."""
+    below = round_models(stages[1:], draft_ms, lengths[1:], tree_width)[0] if len(stages) > 1 else None
+    block_pmf, block_ms = block_for(stages[0], below, draft_ms, min(lengths[0], max(0, new_tokens - 1)))
+    first = round_model(stages[0], block_pmf, block_ms, tree_width if len(stages) == 1 else 1)
+    return first.round_ms + first.cold_extra_ms
+
+
 def search_lengths(
     stages: Sequence[StageSpec], draft_ms: LatencyTable, max_length: int, tree_width: int = 1, exhaustive_limit: int = 512
 ) -> tuple[list[int], float]:

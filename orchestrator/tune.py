@@ -48,7 +48,7 @@ import torch
 
 from orchestrator.config import ChainConfig, load_config
 from orchestrator.engine import Engine
-from orchestrator.time_model import generation_ms, latency, relative_error
+from orchestrator.time_model import first_round_ms, generation_ms, latency, relative_error
 from orchestrator.tuner import Plan, Tuner, request_class
 from workers.errors import PolyspecError
 from workers.sampling import SamplingParams
@@ -293,7 +293,29 @@ def predict_plan(tuner: Tuner, key: str, plan: Plan, prefill_extra_ms: list[list
         lengths = [plan.lengths[level] for level in plan.active[:-1]]
         decode_ms = generation_ms(stages, draft_ms, lengths, new_tokens, tuner.tree_width)
     total = sum(decode_ms + sum(extra[t] for t in plan.active) for extra in prefill_extra_ms)
+    if tuner.first_round_scale != 1.0 and len(plan.active) > 1:  # a distributed chain: its first rounds, as calibrated
+        first = first_round_ms(stages, draft_ms, lengths, new_tokens, tuner.tree_width)
+        total += (tuner.first_round_scale - 1.0) * sum(first + sum(extra[t] for t in plan.active) for extra in prefill_extra_ms)
     return total / (new_tokens * len(prefill_extra_ms))
+
+
+def calibrate_first_rounds(tuner: Tuner, key: str, runs: list[tuple[Plan, list[float]]], prefill_extra_ms: list[list[float]], new_tokens: int) -> None:
+    """A distributed chain's first target round of a request costs more than its model (the
+    prefills as profiled + a round with nothing drafted ahead): every tier sets the sequence up,
+    and a pipelined drafter starts drafting ahead beside the target's prefill. `runs`: the
+    calibration's plans with the first-round wall ms of each prompt, in prompt order; the
+    tuner keeps the median of measured / modelled (`first_round_scale`)."""
+    ratios = []
+    for plan, walls in runs:
+        stages, draft_ms = tuner.stages(key, plan.active)
+        lengths = [plan.lengths[level] for level in plan.active[:-1]]
+        first = first_round_ms(stages, draft_ms, lengths, new_tokens, tuner.tree_width)
+        for wall, extra in zip(walls, prefill_extra_ms):
+            modelled = first + sum(extra[t] for t in plan.active)
+            if modelled > 0:
+                ratios.append(wall / modelled)
+    if ratios:
+        tuner.first_round_scale = statistics.median(ratios)
 
 
 def measure_heldout(engine: Engine, best: Plan, prompt_ids: list[list[int]], settings: TuneSettings, make_auto_tuner, log) -> dict:
@@ -462,18 +484,25 @@ def calibrate(engine: Engine, prompt_ids: list[list[int]], settings: TuneSetting
     longest = Plan((settings.grid_max,) * (len(full) - 1), full)
     log("warming up")
     run_plan(engine, longest, prompt_ids[:1], dataclasses.replace(settings, max_new_tokens=min(16, settings.max_new_tokens)))
-    plans = calibration_plans(tuner, settings.grid_max)
-    recalibrate(engine, tuner, prompt_ids, settings, log)
+    recalibrate(engine, tuner, prompt_ids, settings, log, prefill_extra)
     return tuner, prefill_extra
 
 
-def recalibrate(engine: Engine, tuner: Tuner, prompt_ids: list[list[int]], settings: TuneSettings, log) -> None:
+def recalibrate(engine: Engine, tuner: Tuner, prompt_ids: list[list[int]], settings: TuneSettings, log,
+                prefill_extra_ms: list[list[float]]) -> None:
     """One pass of the calibration plans through the tuner's hooks: acceptance counts grow,
-    and the latency tables follow the machine's speed now (a shared CPU drifts over minutes)."""
+    and the latency tables follow the machine's speed now (a shared CPU drifts over minutes);
+    a distributed chain's first rounds are calibrated from the same runs."""
     plans = calibration_plans(tuner, settings.grid_max)
+    first_rounds = []
     for number, plan in enumerate(plans, start=1):
         log(f"calibrating {number}/{len(plans)}: {'+'.join(engine.tiers[t].name for t in plan.active)} at {plan.lengths[0]}")
+        tuner.first_rounds.clear()
         run_plan(engine, plan, prompt_ids, settings, tuner)
+        if tuner.distributed and len(tuner.first_rounds) == len(prompt_ids):
+            first_rounds.append((plan, [wall for _, wall in tuner.first_rounds]))
+    if first_rounds:
+        calibrate_first_rounds(tuner, request_class(settings.params()), first_rounds, prefill_extra_ms, settings.max_new_tokens)
 
 
 def run_tune(config: ChainConfig, prompts: list[str], settings: TuneSettings, log=None, sets: PromptSets | None = None) -> dict:
@@ -528,7 +557,7 @@ def _tune(engine: Engine, config: ChainConfig, prompts: list[str], settings: Tun
         """Predictions for one measurement pass, from calibration runs made just before it (the
         first pass: the initial calibration). Never from the measured runs themselves."""
         if repeat > 0:
-            recalibrate(engine, tuner, prompt_ids, settings, log)
+            recalibrate(engine, tuner, prompt_ids, settings, log, prefill_extra)
         return predict_all()
 
     measured, auto_histories, per_pass = measure(engine, plans, prompt_ids, settings, make_auto_tuner, log, pass_predictions)
@@ -598,6 +627,7 @@ def _tune(engine: Engine, config: ChainConfig, prompts: list[str], settings: Tun
         "round_overhead_ms": round(overhead_ms, 4),
         "step_overhead_ms": round(tuner.step_overhead_ms, 4) if tuner.distributed else None,  # per target round (distributed)
         "ahead_slowdown": {engine.tiers[t].name: round(v, 4) for t, v in tuner.ahead_slowdown.items()},  # pipelined drafters
+        "first_round_scale": round(tuner.first_round_scale, 4) if tuner.distributed else None,  # first rounds, measured / modelled
         "summary": summary("wall_ms"),
         # this process's CPU time: meaningless when the tiers run in other processes
         "summary_cpu": None if tuner.distributed else summary("cpu_ms"),
@@ -625,6 +655,8 @@ def format_report(report: dict) -> str:
     lines.append(f"{'':>10}  per-round overhead outside forwards: {report['round_overhead_ms']:.3f} ms")
     if report.get("step_overhead_ms") is not None:
         lines.append(f"{'':>10}  per target round (the driver's call, the target's call to its drafter): {report['step_overhead_ms']:.3f} ms")
+    if report.get("first_round_scale") is not None:
+        lines.append(f"{'':>10}  a request's first round (prefills + set-up), measured / modelled: {report['first_round_scale']:.3f}")
     lines += ["", f"{'lengths':>12} {'predicted':>10} {'measured':>9} {'error':>7} {'cpu':>7}   (ms per token; cpu: this process's CPU time)"]
     for entry in report["grid"]:
         error = relative_error(entry["predicted_ms_per_token"], entry["measured_ms_per_token"])

@@ -95,3 +95,41 @@ def test_plan_remote_never_bypasses():
         tuner.observe_remote(GREEDY, [report(0, 1, lengths[0], lengths[0], lengths[0], 0.009),
                                       report(1, 2, lengths[1], lengths[1], 0, 0.005)], 0.02, 0.014, first=False)
     assert tuner.history and all(entry["active"] == ["target", "mid", "ngram"] for entry in tuner.history)
+
+
+def test_pipelined_round_without_a_block_is_no_latency_sample():
+    """Pipelined, the verifier shares the cores with its drafter drafting ahead, except in a
+    round without a block (a request's last token): that forward is not what the model charges
+    and must not pull the table down; serially it is an ordinary sample."""
+    for pipelined, expected in ((True, 20.0), (False, None)):
+        tuner = remote_tuner(pipelined)
+        for _ in range(30):
+            tuner.observe_remote(GREEDY, [report(0, 1, 4, 4, 4, 0.020)], 0.025, 0.020, first=False)
+        for _ in range(5):
+            tuner.observe_remote(GREEDY, [report(0, 1, 4, 0, 0, 0.005)], 0.008, 0.005, first=False)
+        table = tuner.profile.online_forward[(0, (0, 1, 2))]
+        if expected is not None:
+            assert table.online[5] == pytest.approx(expected, rel=0.01)
+            assert 1 not in table.online
+        else:
+            assert 1 in table.online  # sampled (the serial form charges it as it runs)
+
+
+def test_first_rounds_are_kept_for_calibration():
+    """The first round's wall time goes to `first_rounds` (what polyspec tune calibrates the
+    per-request cost from); `calibrate_first_rounds` keeps measured / modelled."""
+    from orchestrator.time_model import first_round_ms
+    from orchestrator.tune import calibrate_first_rounds
+    from orchestrator.tuner import Plan
+
+    tuner = remote_tuner(pipelined=True)
+    for number in range(3):
+        tuner.plan_remote(GREEDY)
+        tuner.observe_remote(GREEDY, [report(0, 1, 6, 6, 6, 0.05)], 0.060 + 0.01 * number, 0.05, first=True)
+    assert [wall for _, wall in tuner.first_rounds] == pytest.approx([60.0, 70.0, 80.0])
+    plan = Plan((4, 4), (0, 1, 2))
+    stages, draft_ms = tuner.stages("greedy", plan.active)
+    modelled = first_round_ms(stages, draft_ms, [4, 4], 48)
+    prefill = [[10.0, 5.0, 0.0]] * 3
+    calibrate_first_rounds(tuner, "greedy", [(plan, [1.5 * (modelled + 15.0)] * 2 + [9.0 * (modelled + 15.0)])], prefill, 48)
+    assert tuner.first_round_scale == pytest.approx(1.5)  # the median: one outlier does not move it

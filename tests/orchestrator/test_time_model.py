@@ -15,6 +15,7 @@ from orchestrator.time_model import (
     expected_emitted,
     expected_emitted_scalar,
     first_passage,
+    first_round_ms,
     generation_ms,
     ideal_bottom_up,
     ideal_cost_per_token,
@@ -188,3 +189,17 @@ def test_pipelining_pays_when_blocks_are_accepted_whole():
     (k_pipe,), best = search_lengths([pipelined], drafter, 8)
     assert best == pytest.approx(min(cost_per_token([pipelined], drafter, [k]) for k in range(1, 9)))
     assert best < min(cost_per_token([serial], drafter, [k]) for k in range(1, 9))
+
+
+def test_first_round_has_nothing_drafted_ahead():
+    """A request's first round: its block is drafted after the prompt is in, so even a
+    pipelined stage pays forward + block in full; a serial stage's first round is its round.
+    The block is cut to new_tokens - 1 as in generation_ms."""
+    pipelined = StageSpec(TARGET_MS, (0.9,), overhead_ms=0.5, pipelined=True)
+    whole = 0.81
+    forward = whole * TARGET_MS[2] + (1 - whole) * TARGET_MS[3] + 0.5
+    assert first_round_ms([pipelined], DRAFT_MS, [2], new_tokens=48) == pytest.approx(forward + DRAFT_MS[2])
+    serial = StageSpec(TARGET_MS, (0.9,), overhead_ms=0.5)
+    assert first_round_ms([serial], DRAFT_MS, [2], 48) == pytest.approx(round_models([serial], DRAFT_MS, [2])[0].round_ms)
+    assert first_round_ms([serial], DRAFT_MS, [6], new_tokens=3) == pytest.approx(round_models([serial], DRAFT_MS, [2])[0].round_ms)
+    assert first_round_ms([pipelined], DRAFT_MS, [2], 48) > round_models([pipelined], DRAFT_MS, [2])[0].round_ms
