@@ -509,14 +509,28 @@ class Tuner:
         """While the plan bypasses tiers their acceptance goes stale, so every so often a round
         runs all of them (a probe). The closer the plan with all tiers is predicted to come, the
         likelier stale estimates hide a better plan and the cheaper a probe is: probes come
-        every gap / PROBE_BUDGET rounds (at least 2, at most `explore_every`), so they cost
-        about PROBE_BUDGET of the predicted time."""
-        if not self.explore_every or state.plan.active == tuple(range(self.num_tiers)):
+        every (gap + catch-up) / PROBE_BUDGET rounds (at least 2, at most `explore_every`), so
+        they cost about PROBE_BUDGET of the predicted time. The catch-up: a bypassed model tier
+        re-feeds what it missed in one forward when it returns, whose fixed part (t(1)) each
+        probe pays again (its per-token part is the same however rarely it is probed); on the
+        demo chain it keeps probes of the int8 tier at one round in `explore_every`, while an
+        n-gram tier (no forward) is probed as often as its gap allows."""
+        full_set = tuple(range(self.num_tiers))
+        if not self.explore_every or state.plan.active == full_set:
             state.probe_every = 0
             return
+        plan = state.plan
         full = self.choose(key, bypass=False)
-        gap = max(0.0, full.predicted_ms / state.plan.predicted_ms - 1.0)
-        state.probe_every = int(min(self.explore_every, max(2, math.ceil(gap / PROBE_BUDGET))))
+        gap = max(0.0, full.predicted_ms / plan.predicted_ms - 1.0)
+        if len(plan.active) > 1:
+            stages, draft_ms = self.stages(key, plan.active)
+            round_ms = round_models(stages, draft_ms, [plan.lengths[level] for level in plan.active[:-1]], self.tree_width)[0].round_ms
+        else:
+            round_ms = latency(self.profile.forward_ms(0, plan.active), 1)
+        catch_up_ms = sum(latency(self.profile.forward_ms(tier, full_set), 1)
+                          for tier in full_set if tier not in plan.active and self.profile.forward[tier] is not None)
+        share = gap + catch_up_ms / max(round_ms, 1e-9)
+        state.probe_every = int(min(self.explore_every, max(2, math.ceil(share / PROBE_BUDGET))))
 
     # ---------------------------------------------------------------- state
 

@@ -11,6 +11,7 @@ import torch
 from orchestrator.config import parse_config
 from orchestrator.engine import Engine
 from orchestrator.profiler import LatencyProfile, OnlineTable
+from orchestrator.time_model import round_models
 from orchestrator.tuner import PROBE_BUDGET, AcceptanceEstimate, Plan, Tuner
 from workers.sampling import SamplingParams
 
@@ -159,6 +160,26 @@ def test_probes_come_more_often_the_closer_the_bypassed_plan():
     assert far_gap > 0.08 and 0 < near_gap < 0.04
     assert far == math.ceil(far_gap / PROBE_BUDGET) and near == math.ceil(near_gap / PROBE_BUDGET)
     assert probe_every(0.9)[0] == 2  # full chain predicted faster: the next re-tune takes it
+
+    # a bypassed model tier re-feeds what it missed when it returns: t(1) = 3.2 ms per probe on
+    # top of the gap (~2 %), against a round of ~10 ms, i.e. ~32 % of a round: one probe in ~34
+    # rounds instead of one in 2
+    profile = fixed_profile(
+        ["target", "mid", "ngram"], [lambda m: 8.0 + 0.3 * m, lambda m: 3.0 + 0.2 * m, None], [None, lambda k: 3.0 * k, lambda k: 0.03]
+    )
+    tuner = Tuner(profile, max_length=8, decay=1.0, explore_every=64)
+    for pair, rate in (((0, 1), 0.97), ((1, 2), 0.5), ((0, 2), 0.7)):
+        estimate = tuner._estimate("greedy", *pair)
+        estimate.successes, estimate.trials, estimate.blocks = [1000.0 * rate] * 32, [1000.0] * 32, 1000.0
+    state = tuner._state("greedy")
+    state.plan = tuner.choose("greedy", exclude=1)  # the int8 tier bypassed
+    tuner._set_probing("greedy", state)
+    stages, draft_ms = tuner.stages("greedy", state.plan.active)
+    round_ms = round_models(stages, draft_ms, [state.plan.lengths[0]])[0].round_ms
+    gap = tuner.choose("greedy", bypass=False).predicted_ms / state.plan.predicted_ms - 1.0
+    assert 0 < gap < 0.03
+    assert math.ceil(gap / PROBE_BUDGET) <= 3  # the gap alone: a probe every 2-3 rounds
+    assert state.probe_every == math.ceil((gap + 3.2 / round_ms) / PROBE_BUDGET) > 30
 
 
 def test_estimates_forget_per_target_round_not_per_block():
