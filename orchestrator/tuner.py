@@ -35,6 +35,7 @@ for each usable set of tiers and switches only when the predicted gain exceeds `
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import math
@@ -217,6 +218,10 @@ class Tuner:
         # model's own cost of them (cores shared with the verifier, calls below, waiting while
         # real calls go first), an EMA of measured / modelled (`drafter_slowdown`)
         self.ahead_slowdown: dict[int, float] = {}
+        # a distributed chain's first target round of each request (prefills, sequence set-up on
+        # every tier): (lengths, wall ms), for `polyspec tune` to calibrate the per-request cost
+        self.first_rounds: collections.deque[tuple[tuple[int, ...], float]] = collections.deque(maxlen=256)
+        self.first_round_scale = 1.0  # measured / modelled first rounds (set by polyspec tune's calibration)
         self._overhead_sums = [0.0] * 5  # decayed sums of 1, n, n^2, r, n*r (n: other rounds on the path, r: residual ms)
         self.shadow = True  # estimate skip pairs from committed tokens (polyspec tune measures them directly)
         self.history: list[dict] = []  # every plan change: {"class", "round", "lengths", "active", "predicted_ms_per_token"}
@@ -337,6 +342,8 @@ class Tuner:
         rounds = 0
         lengths = dict(enumerate(self._running.lengths)) if self._running is not None else {}
         lengths.update({report.tier: report.length for report in reports if report.tier < report.drafter})
+        if first:
+            self.first_rounds.append((tuple(lengths[level] for level in sorted(lengths)), 1000.0 * wall_s))
         for report in reports:
             if report.block_seconds > 0:  # a block drafted ahead: the pipelined model's D, measured
                 if not first:
@@ -349,7 +356,10 @@ class Tuner:
             is_tree = self.tree_width > 1 and report.drafter == self.num_tiers - 1
             proposed = report.length if is_tree else max(report.length, report.proposed)
             self._estimate(key, report.tier, report.drafter).observe(proposed, min(report.accepted, proposed))
-            if not first:
+            # pipelined: a round without a block (the last token of a request) had no drafter
+            # running beside it, unlike the rounds the model charges (the verifier shares the
+            # cores with the drafter drafting ahead: measured 1.3-1.5x slower on the demo chain)
+            if not first and not (self.pipelined and report.proposed == 0):
                 self.profile.observe_forward(report.tier, report.proposed + 1, report.seconds * 1000.0, config)
             rounds += not report.ahead  # rounds run while drafting ahead were off this round's critical path
         if not first and rounds:
