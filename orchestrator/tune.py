@@ -294,9 +294,17 @@ def predict_plan(tuner: Tuner, key: str, plan: Plan, prefill_extra_ms: list[list
         decode_ms = generation_ms(stages, draft_ms, lengths, new_tokens, tuner.tree_width)
     total = sum(decode_ms + sum(extra[t] for t in plan.active) for extra in prefill_extra_ms)
     if tuner.first_round_scale != 1.0 and len(plan.active) > 1:  # a distributed chain: its first rounds, as calibrated
-        first = first_round_ms(stages, draft_ms, lengths, new_tokens, tuner.tree_width)
-        total += (tuner.first_round_scale - 1.0) * sum(first + sum(extra[t] for t in plan.active) for extra in prefill_extra_ms)
+        total += (tuner.first_round_scale - 1.0) * sum(modelled_first_rounds(tuner, key, plan, prefill_extra_ms, new_tokens))
     return total / (new_tokens * len(prefill_extra_ms))
+
+
+def modelled_first_rounds(tuner: Tuner, key: str, plan: Plan, prefill_extra_ms: list[list[float]], new_tokens: int) -> list[float]:
+    """Per prompt, the model's ms for a request's first target round with `plan`: the prefills'
+    extra time of the tiers in use + the round with nothing drafted ahead (`first_round_ms`)."""
+    stages, draft_ms = tuner.stages(key, plan.active)
+    lengths = [plan.lengths[level] for level in plan.active[:-1]]
+    first = first_round_ms(stages, draft_ms, lengths, new_tokens, tuner.tree_width)
+    return [first + sum(extra[t] for t in plan.active) for extra in prefill_extra_ms]
 
 
 def calibrate_first_rounds(tuner: Tuner, key: str, runs: list[tuple[Plan, list[float]]], prefill_extra_ms: list[list[float]], new_tokens: int) -> None:
@@ -307,11 +315,7 @@ def calibrate_first_rounds(tuner: Tuner, key: str, runs: list[tuple[Plan, list[f
     tuner keeps the median of measured / modelled (`first_round_scale`)."""
     ratios = []
     for plan, walls in runs:
-        stages, draft_ms = tuner.stages(key, plan.active)
-        lengths = [plan.lengths[level] for level in plan.active[:-1]]
-        first = first_round_ms(stages, draft_ms, lengths, new_tokens, tuner.tree_width)
-        for wall, extra in zip(walls, prefill_extra_ms):
-            modelled = first + sum(extra[t] for t in plan.active)
+        for wall, modelled in zip(walls, modelled_first_rounds(tuner, key, plan, prefill_extra_ms, new_tokens)):
             if modelled > 0:
                 ratios.append(wall / modelled)
     if ratios:
@@ -500,7 +504,7 @@ def recalibrate(engine: Engine, tuner: Tuner, prompt_ids: list[list[int]], setti
         tuner.first_rounds.clear()
         run_plan(engine, plan, prompt_ids, settings, tuner)
         if tuner.distributed and len(tuner.first_rounds) == len(prompt_ids):
-            first_rounds.append((plan, [wall for _, wall in tuner.first_rounds]))
+            first_rounds.append((plan, list(tuner.first_rounds)))
     if first_rounds:
         calibrate_first_rounds(tuner, request_class(settings.params()), first_rounds, prefill_extra_ms, settings.max_new_tokens)
 

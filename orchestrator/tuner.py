@@ -219,8 +219,8 @@ class Tuner:
         # real calls go first), an EMA of measured / modelled (`drafter_slowdown`)
         self.ahead_slowdown: dict[int, float] = {}
         # a distributed chain's first target round of each request (prefills, sequence set-up on
-        # every tier): (lengths, wall ms), for `polyspec tune` to calibrate the per-request cost
-        self.first_rounds: collections.deque[tuple[tuple[int, ...], float]] = collections.deque(maxlen=256)
+        # every tier): its wall ms, for `polyspec tune` to calibrate the per-request cost
+        self.first_rounds: collections.deque[float] = collections.deque(maxlen=256)
         self.first_round_scale = 1.0  # measured / modelled first rounds (set by polyspec tune's calibration)
         self._overhead_sums = [0.0] * 5  # decayed sums of 1, n, n^2, r, n*r (n: other rounds on the path, r: residual ms)
         self.shadow = True  # estimate skip pairs from committed tokens (polyspec tune measures them directly)
@@ -343,7 +343,7 @@ class Tuner:
         lengths = dict(enumerate(self._running.lengths)) if self._running is not None else {}
         lengths.update({report.tier: report.length for report in reports if report.tier < report.drafter})
         if first:
-            self.first_rounds.append((tuple(lengths[level] for level in sorted(lengths)), 1000.0 * wall_s))
+            self.first_rounds.append(1000.0 * wall_s)
         for report in reports:
             if report.block_seconds > 0:  # a block drafted ahead: the pipelined model's D, measured
                 if not first:
@@ -499,8 +499,7 @@ class Tuner:
             # other tiers cost more to switch to (a returning tier re-feeds what it missed)
             margin = self.hysteresis if best.active == current.active else self.switch_hysteresis
             if not best.predicted_ms < current_ms * (1.0 - margin):
-                best = dataclasses.replace(current, predicted_ms=current_ms)
-                state.plan = best
+                state.plan = dataclasses.replace(current, predicted_ms=current_ms)
                 self._set_probing(key, state)
                 return
         state.plan = best

@@ -126,7 +126,7 @@ def test_first_rounds_are_kept_for_calibration():
     for number in range(3):
         tuner.plan_remote(GREEDY)
         tuner.observe_remote(GREEDY, [report(0, 1, 6, 6, 6, 0.05)], 0.060 + 0.01 * number, 0.05, first=True)
-    assert [wall for _, wall in tuner.first_rounds] == pytest.approx([60.0, 70.0, 80.0])
+    assert list(tuner.first_rounds) == pytest.approx([60.0, 70.0, 80.0])
     plan = Plan((4, 4), (0, 1, 2))
     stages, draft_ms = tuner.stages("greedy", plan.active)
     modelled = first_round_ms(stages, draft_ms, [4, 4], 48)
