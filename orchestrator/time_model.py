@@ -132,6 +132,14 @@ class StageSpec:
     overhead_ms: float = 0.0  # per round, outside forwards / verification / drafting (scheduler bookkeeping)
     pipelined: bool = False  # the drafter drafts ahead while its block is verified (runtime pipeline: true)
     drafter_slowdown: float = 1.0  # pipelined: measured / modelled time of a block drafted ahead
+    # expected share of an asked block the drafter really proposes: an n-gram lookup with no
+    # match proposes nothing, and the verifier then scores fill * L + 1 tokens, not L + 1.
+    # Acceptance already counts a missing proposal as a rejection, so only the forward changes.
+    fill: float = 1.0
+    # pipelined: coefficient of variation of the verifier's round (t + o) and of the block
+    # drafted ahead (D). A round accepted whole waits for the later of the two, and the mean
+    # of a maximum exceeds the maximum of the means, most when t + o and D are close.
+    jitter_cv: float = 0.0
 
 
 def ideal_stage_cost(stage: StageSpec, length: int, below_ms: float) -> float:
@@ -262,10 +270,22 @@ def round_model(stage: StageSpec, block_pmf: Sequence[float], block_ms: float, t
     for block_len, p in enumerate(block_pmf):
         if p == 0.0:
             continue
-        forward_ms += p * latency(stage.forward_ms, tree_width * block_len + 1)
+        forward_ms += p * latency(stage.forward_ms, tree_width * block_len * stage.fill + 1)
         for accepted, q in enumerate(_cached_accepted_pmf(tuple(stage.accept_rates), block_len)):
             emitted[accepted + 1] += p * q
     return RoundModel(tuple(emitted), block_ms + forward_ms + stage.overhead_ms)
+
+
+def expected_max(mean_a: float, sd_a: float, mean_b: float, sd_b: float) -> float:
+    """E[max(A, B)] of two independent normal variables (Clark, 1961):
+    mean_a Phi(x) + mean_b Phi(-x) + theta phi(x), theta^2 = sd_a^2 + sd_b^2, x = (mean_a - mean_b) / theta."""
+    theta = math.hypot(sd_a, sd_b)
+    if theta <= 1e-12:
+        return max(mean_a, mean_b)
+    x = (mean_a - mean_b) / theta
+    cdf = 0.5 * (1.0 + math.erf(x / math.sqrt(2.0)))
+    pdf = math.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi)
+    return mean_a * cdf + mean_b * (1.0 - cdf) + theta * pdf
 
 
 AHEAD_THRESHOLD = 0.5  # a drafter drafts past its block while at least this share of its blocks is accepted whole
@@ -282,8 +302,11 @@ def pipelined_round_model(stage: StageSpec, block_pmf: Sequence[float], block_ms
     the next block costs D after the verdict: t + o + D, and the round emits A + 1 tokens.
     By renewal-reward, with outcomes independent from block to block:
 
-        round_ms = P * max(t_avg + o, D) + (1 - P) * (t_avg + o + D)
+        round_ms = P * E[max(t_avg + o, D)] + (1 - P) * (t_avg + o + D)
         t_avg    = P * t(L) + (1 - P) * t(L + 1)      (the previous round's outcome)
+
+    (with L the tokens really proposed: fill * L for a drafter that proposes less than asked;
+    E[max] of two normal times with the stage's `jitter_cv`, `expected_max`)
     """
     rates = tuple(stage.accept_rates)
     whole = 0.0
@@ -297,14 +320,15 @@ def pipelined_round_model(stage: StageSpec, block_pmf: Sequence[float], block_ms
     for block_len, p in enumerate(block_pmf):
         if p == 0.0:
             continue
-        cold_ms += p * latency(stage.forward_ms, block_len + 1)
-        warm_ms += p * latency(stage.forward_ms, max(1, block_len))
+        cold_ms += p * latency(stage.forward_ms, block_len * stage.fill + 1)
+        warm_ms += p * latency(stage.forward_ms, max(1.0, block_len * stage.fill))
         for accepted, q in enumerate(_cached_accepted_pmf(rates, block_len)):
             bonus = 0 if (block_len and accepted == block_len) else 1
             emitted[accepted + bonus] += p * q
     forward_ms = whole * warm_ms + (1.0 - whole) * cold_ms + stage.overhead_ms
-    round_ms = whole * max(forward_ms, block_ms) + (1.0 - whole) * (forward_ms + block_ms)
-    return RoundModel(tuple(emitted), round_ms, whole * min(forward_ms, block_ms))
+    overlap_ms = expected_max(forward_ms, stage.jitter_cv * forward_ms, block_ms, stage.jitter_cv * block_ms)
+    round_ms = whole * overlap_ms + (1.0 - whole) * (forward_ms + block_ms)
+    return RoundModel(tuple(emitted), round_ms, whole * max(0.0, forward_ms + block_ms - overlap_ms))
 
 
 def round_models(

@@ -429,6 +429,7 @@ def tier_report(engine: Engine, tuner: Tuner, key: str, grid_max: int) -> list[d
             entry["forward_ms"] = {str(m): round(v, 4) for m, v in profile.forward_ms(index, full).items()}
         if profile.draft[index] is not None:
             entry["draft_ms"] = {str(k): round(v, 4) for k, v in profile.draft_ms(index, full).items()}
+            entry["proposal_fill"] = round(tuner.fill(key, index), 4)  # share of an asked block it proposes
         if index < last:
             entry["acceptance"] = acceptance_entry(engine, tuner, key, index, index + 1, grid_max)
         if index == 0 and last >= 2:
@@ -632,6 +633,7 @@ def _tune(engine: Engine, config: ChainConfig, prompts: list[str], settings: Tun
         "step_overhead_ms": round(tuner.step_overhead_ms, 4) if tuner.distributed else None,  # per target round (distributed)
         "ahead_slowdown": {engine.tiers[t].name: round(v, 4) for t, v in tuner.ahead_slowdown.items()},  # pipelined drafters
         "first_round_scale": round(tuner.first_round_scale, 4) if tuner.distributed else None,  # first rounds, measured / modelled
+        "jitter_cv": round(tuner.jitter_cv, 4) if tuner.distributed and tuner.pipelined else None,  # spread of round / block times
         "summary": summary("wall_ms"),
         # this process's CPU time: meaningless when the tiers run in other processes
         "summary_cpu": None if tuner.distributed else summary("cpu_ms"),

@@ -56,6 +56,7 @@ MIN_BLOCKS = 4  # a skip pair's shadow estimate counts from this many blocks on,
 PROBE_BUDGET = 0.01  # probes of bypassed tiers may cost this share of the predicted time
 MAX_PENDING = 256  # requests the tuner follows at once (round-robin serving)
 OVERHEAD_DECAY = 0.98  # distributed chains: the overhead fit's memory (~50 target rounds)
+JITTER_SMOOTHING = 0.05  # pipelined: memory of the spread of round and block times (~20 samples)
 OVERHEAD_PRIOR = 2.0  # ... and the weight, in target rounds, of its prior a = 2 b
 
 
@@ -141,6 +142,32 @@ def _bernoulli_log(outcome: float, rate: float) -> float:
     return math.log(rate if outcome else 1.0 - rate)
 
 
+@dataclasses.dataclass
+class FillEstimate:
+    """The share of an asked block a bottom drafter really proposes (1.0 for a model drafter;
+    an n-gram lookup proposes nothing when the context has no match): the mean of
+    proposed / asked over recent proposals, forgetting like the acceptance estimates, with
+    a prior of `prior_weight` proposals in full."""
+
+    decay: float = 0.93
+    prior_weight: float = 2.0
+    total: float = 0.0  # decayed sum of proposed / asked
+    count: float = 0.0  # decayed number of proposals
+
+    def observe(self, asked: int, proposed: int) -> None:
+        if asked > 0:
+            self.total += min(1.0, max(0, proposed) / asked)
+            self.count += 1.0
+
+    def age(self) -> None:
+        self.total *= self.decay
+        self.count *= self.decay
+
+    @property
+    def fill(self) -> float:
+        return (self.prior_weight + self.total) / (self.prior_weight + self.count)
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """What the scheduler runs: a length per verifying level and the tiers in use."""
@@ -158,6 +185,7 @@ def request_class(params: SamplingParams) -> str:
 class _ClassState:
     estimates: dict[tuple[int, int], AcceptanceEstimate]  # measured where the pair runs
     shadow_estimates: dict[tuple[int, int], AcceptanceEstimate] = dataclasses.field(default_factory=dict)  # skip pairs, from commits
+    fills: dict[int, FillEstimate] = dataclasses.field(default_factory=dict)  # per bottom drafter: proposed / asked
     plan: Plan | None = None
     rounds: int = 0
     probe_every: int = 0  # while bypassing: rounds between probes of all tiers (0: not bypassing)
@@ -222,6 +250,9 @@ class Tuner:
         # every tier): its wall ms, for `polyspec tune` to calibrate the per-request cost
         self.first_rounds: collections.deque[float] = collections.deque(maxlen=256)
         self.first_round_scale = 1.0  # measured / modelled first rounds (set by polyspec tune's calibration)
+        # pipelined: how much the target's forwards and the blocks drafted ahead vary around the
+        # model (EMA of squared relative deviations, pooled): StageSpec.jitter_cv
+        self._jitter_sq = 0.0
         self._overhead_sums = [0.0] * 5  # decayed sums of 1, n, n^2, r, n*r (n: other rounds on the path, r: residual ms)
         self.shadow = True  # estimate skip pairs from committed tokens (polyspec tune measures them directly)
         self.history: list[dict] = []  # every plan change: {"class", "round", "lengths", "active", "predicted_ms_per_token"}
@@ -285,6 +316,8 @@ class Tuner:
         """After the bottom tier proposed `tokens` (asked for `length`) continuing `context_len` tokens."""
         if not self._prefilling and tier not in self._catching_up:
             self.profile.observe_draft(tier, length, seconds * 1000.0, self._config())
+        if tokens is not None:
+            self._fill(self._key, tier).observe(length, len(tokens))
         self._reported_s += seconds
         running = self._running
         at_committed = context_len == self._round_start and context_len not in self._shadows
@@ -350,16 +383,21 @@ class Tuner:
                     self._observe_ahead_block(key, report.tier, report.proposed, report.block_seconds * 1000.0, lengths)
                 continue
             if report.drafter == report.tier:
+                self._fill(key, report.tier).observe(report.length, report.proposed)
                 if not first:
                     self.profile.observe_draft(report.tier, report.length, report.seconds * 1000.0, config)
                 continue
             is_tree = self.tree_width > 1 and report.drafter == self.num_tiers - 1
             proposed = report.length if is_tree else max(report.length, report.proposed)
             self._estimate(key, report.tier, report.drafter).observe(proposed, min(report.accepted, proposed))
-            # pipelined: a round without a block (the last token of a request) had no drafter
-            # running beside it, unlike the rounds the model charges (the verifier shares the
-            # cores with the drafter drafting ahead: measured 1.3-1.5x slower on the demo chain)
-            if not first and not (self.pipelined and report.proposed == 0):
+            # pipelined: the target's round without a block (the last token of a request) had no
+            # drafter running beside it, unlike the rounds the model charges (the verifier shares
+            # the cores with the drafter drafting ahead: measured 1.3-1.5x slower on the demo
+            # chain). A lower stage's empty block (an n-gram tier with no match) is an ordinary round.
+            if not first and not (self.pipelined and report.proposed == 0 and report.tier == 0):
+                if self.pipelined and report.tier == 0:
+                    modelled = latency(self.profile.forward_ms(0, config), report.proposed + 1)
+                    self._observe_jitter(report.seconds * 1000.0 / modelled - 1.0)
                 self.profile.observe_forward(report.tier, report.proposed + 1, report.seconds * 1000.0, config)
             rounds += not report.ahead  # rounds run while drafting ahead were off this round's critical path
         if not first and rounds:
@@ -376,7 +414,9 @@ class Tuner:
             modelled = latency(self.profile.draft_ms(drafter, full), tokens)
         else:
             stages = [StageSpec(self.profile.forward_ms(a, full), self.accept_rates(key, a, b), self._stage_overhead_ms(a),
-                                self.pipelined, self.ahead_slowdown.get(b, 1.0)) for a, b in zip(chain, chain[1:])]
+                                self.pipelined, self.ahead_slowdown.get(b, 1.0),
+                                self.fill(key, b) if b == chain[-1] and self.tree_width == 1 else 1.0)
+                      for a, b in zip(chain, chain[1:])]
             below = round_models(stages, self.profile.draft_ms(chain[-1], full), [lengths[level] for level in chain[:-1]],
                                  self.tree_width)[0]
             modelled = below.ms_per_token * tokens
@@ -384,7 +424,18 @@ class Tuner:
             return
         ratio = min(max(block_ms / modelled, 1.0 / 3), 3.0)
         current = self.ahead_slowdown.get(drafter, 1.0)
+        if drafter == 1:  # the target's drafter: its blocks are what the target's rounds wait for
+            self._observe_jitter(ratio / current - 1.0)
         self.ahead_slowdown[drafter] = current + OVERHEAD_SMOOTHING * (ratio - current)
+
+    def _observe_jitter(self, deviation: float) -> None:
+        deviation = min(max(deviation, -1.0), 1.0)  # one stall (a GC pause, a page fault) is not the spread
+        self._jitter_sq += JITTER_SMOOTHING * (deviation * deviation - self._jitter_sq)
+
+    @property
+    def jitter_cv(self) -> float:
+        """Coefficient of variation of the target's rounds and its drafter's blocks drafted ahead."""
+        return math.sqrt(self._jitter_sq)
 
     def _fit_overheads(self, other_rounds: int, residual_ms: float) -> None:
         """residual = a + b * other_rounds, a = step_overhead_ms, b = round_overhead_ms: least
@@ -426,7 +477,9 @@ class Tuner:
         """The time model's inputs for a chain of `active` tiers: stages (target first) and the bottom's draft_ms."""
         stages = [
             StageSpec(self.profile.forward_ms(a, active), self.accept_rates(key, a, b),
-                      self._stage_overhead_ms(a), self.pipelined, self.ahead_slowdown.get(b, 1.0) if self.pipelined else 1.0)
+                      self._stage_overhead_ms(a), self.pipelined, self.ahead_slowdown.get(b, 1.0) if self.pipelined else 1.0,
+                      self.fill(key, b) if b == active[-1] and self.tree_width == 1 else 1.0,
+                      self.jitter_cv if self.pipelined and a == 0 else 0.0)
             for a, b in zip(active, active[1:])
         ]
         return stages, self.profile.draft_ms(active[-1], active)
@@ -557,6 +610,8 @@ class Tuner:
         for estimate in itertools.chain(state.estimates.values(), state.shadow_estimates.values()):
             if not estimate.age_per_block:
                 estimate.age()
+        for fill in state.fills.values():
+            fill.age()
 
     def _estimate(self, key: str, verifier: int, drafter: int, shadow: bool = False) -> AcceptanceEstimate:
         state = self._state(key)
@@ -566,6 +621,16 @@ class Tuner:
             estimate = estimates[(verifier, drafter)] = AcceptanceEstimate(
                 self.prior_mean, self.prior_strength, self.decay, age_per_block=False)
         return estimate
+
+    def _fill(self, key: str, drafter: int) -> FillEstimate:
+        fills = self._state(key).fills
+        if drafter not in fills:
+            fills[drafter] = FillEstimate(self.decay)
+        return fills[drafter]
+
+    def fill(self, key: str, drafter: int) -> float:
+        """Expected share of an asked block the bottom drafter `drafter` proposes (StageSpec.fill)."""
+        return self._fill(key, drafter).fill
 
     def estimates(self, key: str, shadow: bool = False) -> dict[tuple[int, int], AcceptanceEstimate]:
         state = self._state(key)

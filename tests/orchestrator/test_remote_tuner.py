@@ -113,6 +113,13 @@ def test_pipelined_round_without_a_block_is_no_latency_sample():
             assert 1 not in table.online
         else:
             assert 1 in table.online  # sampled (the serial form charges it as it runs)
+    # a middle stage's empty block (the n-gram tier found no match) is an ordinary round: the
+    # middle tier's t(1) is learned from it (on sampled text most of its rounds are such)
+    tuner = remote_tuner(pipelined=True)
+    for _ in range(30):
+        tuner.observe_remote(GREEDY, [report(0, 1, 4, 4, 4, 0.020), report(1, 2, 3, 0, 0, 0.007, ahead=True)],
+                             0.025, 0.020, first=False)
+    assert tuner.profile.online_forward[(1, (0, 1, 2))].online[1] == pytest.approx(7.0, rel=0.01)
 
 
 def test_first_rounds_are_kept_for_calibration():
@@ -133,3 +140,18 @@ def test_first_rounds_are_kept_for_calibration():
     prefill = [[10.0, 5.0, 0.0]] * 3
     calibrate_first_rounds(tuner, "greedy", [(plan, [1.5 * (modelled + 15.0)] * 2 + [9.0 * (modelled + 15.0)])], prefill, 48)
     assert tuner.first_round_scale == pytest.approx(1.5)  # the median: one outlier does not move it
+
+
+def test_proposal_fill_from_the_bottom_tiers_reports():
+    """A distributed chain's bottom tier reports `length` asked and `proposed`: an n-gram tier
+    that proposes nothing in 3 of 4 asks has fill 1/4; a model drafter's stays 1."""
+    tuner = remote_tuner(pipelined=True)
+    for step in range(200):
+        proposed = 3 if step % 4 == 0 else 0
+        reports = [report(0, 1, 4, 4, 4, 0.009), report(1, 2, 3, proposed, 0, 0.005, ahead=True),
+                   report(2, 2, 3, proposed, 0, 0.0001)]
+        tuner.observe_remote(GREEDY, reports, 0.02, 0.014, first=False)
+    assert tuner.fill("greedy", 2) == pytest.approx(0.25, abs=0.03)
+    assert tuner.fill("greedy", 1) == 1.0
+    stages, _ = tuner.stages("greedy", (0, 1, 2))
+    assert [s.fill for s in stages] == pytest.approx([1.0, 0.25], abs=0.03)

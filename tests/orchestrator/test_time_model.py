@@ -203,3 +203,31 @@ def test_first_round_has_nothing_drafted_ahead():
     assert first_round_ms([serial], DRAFT_MS, [2], 48) == pytest.approx(round_models([serial], DRAFT_MS, [2])[0].round_ms)
     assert first_round_ms([serial], DRAFT_MS, [6], new_tokens=3) == pytest.approx(round_models([serial], DRAFT_MS, [2])[0].round_ms)
     assert first_round_ms([pipelined], DRAFT_MS, [2], 48) > round_models([pipelined], DRAFT_MS, [2])[0].round_ms
+
+
+def test_a_drafter_that_proposes_less_than_asked():
+    """fill: the share of an asked block the bottom drafter really proposes (an n-gram lookup
+    with no match proposes nothing). The verifier then scores fill * k + 1 tokens; acceptance
+    (missing proposals already count as rejected) and so the emitted tokens do not change."""
+    full = StageSpec(TARGET_MS, (0.5,))
+    half = dataclasses.replace(full, fill=0.5)
+    for k in (2, 4, 6):
+        full_round = round_models([full], DRAFT_MS, [k])[0]
+        half_round = round_models([half], DRAFT_MS, [k])[0]
+        assert half_round.emitted_pmf == full_round.emitted_pmf
+        # t(m) = 10 + m: scoring 0.5 k + 1 tokens instead of k + 1 saves 0.5 k ms
+        assert full_round.round_ms - half_round.round_ms == pytest.approx(0.5 * k)
+    # pipelined: the forward after a whole block covers fill * k tokens, after a rejection one more
+    pipe = StageSpec(TARGET_MS, (0.9,), pipelined=True, fill=0.9)
+    whole = 0.81
+    forward = whole * latency(TARGET_MS, 1.8) + (1 - whole) * latency(TARGET_MS, 2.8)
+    assert forward == pytest.approx(whole * 11.8 + (1 - whole) * 12.8)
+    assert round_models([pipe], DRAFT_MS, [2])[0].round_ms == pytest.approx(
+        whole * max(forward, DRAFT_MS[2]) + (1 - whole) * (forward + DRAFT_MS[2]))
+    # an n-gram-like drafter (rarely a match, but a match is usually right) in front of a verifier
+    # whose cost grows with the block: asking for long blocks costs little when most are empty
+    steep = {m: 2.0 + 3.0 * m for m in range(1, 40)}
+    lookup = {k: 0.05 for k in range(1, 40)}
+    (k_full,), _ = search_lengths([StageSpec(steep, (0.3, 0.9))], lookup, 8)
+    (k_sparse,), _ = search_lengths([StageSpec(steep, (0.3, 0.9), fill=0.3)], lookup, 8)
+    assert k_full == 1 and k_sparse > 2

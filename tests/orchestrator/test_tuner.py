@@ -302,3 +302,29 @@ def test_auto_lengths_sampling_runs(tiny_family):
     result = engine.generate(engine.parse_request({"prompt": PROMPTS[0], "max_new_tokens": 24, "temperature": 1.0, "seed": 3}))
     assert len(result["token_ids"]) == 24
     assert "sampling" in {h["class"] for h in engine.scheduler.tuner.history}
+
+
+def test_proposal_fill_from_the_bottom_drafters_proposals():
+    """An n-gram tier that finds a match in one proposal of four (and then proposes in full):
+    the fill estimate goes to 1/4 from its prior of 1, only the bottom stage carries it, and
+    the predicted cost of long blocks falls with it (fewer tokens scored per verification)."""
+    profile = fixed_profile(["target", "mid", "ngram"], [lambda m: 10.0 + m, lambda m: 3.0 + 0.5 * m, None],
+                            [None, lambda k: 3.0 * k, lambda k: 0.05])
+    tuner = Tuner(profile, max_length=8, allow_bypass=False)
+    tuner.fixed = Plan((4, 6), (0, 1, 2))
+    assert tuner.fill("greedy", 2) == 1.0
+    before = tuner.predict("greedy", (0, 1, 2), (4, 6))
+    committed = 100
+    for round_index in range(200):
+        tuner.plan(GREEDY, committed)
+        for proposal in range(4):
+            tokens = [7] * 6 if (4 * round_index + proposal) % 4 == 0 else []
+            tuner.observe_draft(2, 6, committed + 999, tokens, 0.0)  # (not at the committed context: no shadow)
+            tuner.observe_round(1, 2, 6, len(tokens), 0, 0.003)
+        tuner.observe_round(0, 1, 4, 4, 4, 0.01)
+        tuner.observe_commit([0] * 5)
+        committed += 5
+    assert tuner.fill("greedy", 2) == pytest.approx(0.25, abs=0.03)
+    stages, _ = tuner.stages("greedy", (0, 1, 2))
+    assert stages[0].fill == 1.0 and stages[1].fill == pytest.approx(0.25, abs=0.03)
+    assert tuner.predict("greedy", (0, 1, 2), (4, 6)) < before
