@@ -20,8 +20,10 @@ every target round (made at the committed context) is matched against the tokens
 target then commits. For greedy decoding and for deterministic drafters (the n-gram tier)
 the matched prefix has exactly the distribution of the target's accepted prefix; for a
 sampled model drafter it is a lower bound (P[match] = sum p_t p_d <= sum min(p_t, p_d)).
-Such shadow estimates overrate bursty drafters, so they only count once they have MIN_BLOCKS
-blocks, and only until the pair has as many of its own. A tier that is bypassed gets no data, so every
+The full chain samples contexts evenly along the text, a chain running the pair once per
+round, so position 1 of each shadow sample is weighted 1 / (matched + 1) (see observe_commit).
+Shadow estimates only count once they have MIN_BLOCKS blocks, and only until the pair has as
+many of its own. A tier that is bypassed gets no data, so every
 `explore_every` rounds the full chain runs for one round (a probe).
 
 Time outside the reported rounds (the scheduler's bookkeeping, a streaming callback) is
@@ -84,17 +86,19 @@ class AcceptanceEstimate:
     def __post_init__(self) -> None:
         self.prior_weight = self.prior_strength
 
-    def observe(self, proposed: int, accepted: int) -> None:
-        """A block of `proposed` positions (missing proposals count as rejected) with `accepted` kept."""
+    def observe(self, proposed: int, accepted: int, first_weight: float = 1.0) -> None:
+        """A block of `proposed` positions (missing proposals count as rejected) with `accepted`
+        kept; position 1 counted `first_weight` times (a shadow sample's weight, see Tuner)."""
         assert 0 <= accepted <= proposed
         if self.age_per_block:
             self.age()
-        self.blocks += 1.0
+        self.blocks += first_weight
         for position in range(min(accepted, MAX_POSITIONS)):
-            self.successes[position] += 1.0
-            self.trials[position] += 1.0
+            weight = first_weight if position == 0 else 1.0
+            self.successes[position] += weight
+            self.trials[position] += weight
         if accepted < min(proposed, MAX_POSITIONS):
-            self.trials[accepted] += 1.0
+            self.trials[accepted] += first_weight if accepted == 0 else 1.0
         if proposed > 0:
             self._track_shift(1.0 if accepted > 0 else 0.0)
 
@@ -211,7 +215,7 @@ class Tuner:
         tree_width: int = 1,
         retune_every: int = 4,
         hysteresis: float = 0.03,
-        switch_hysteresis: float = 0.08,
+        switch_hysteresis: float = 0.2,
         decay: float = 0.93,
         prior_mean: float = 0.6,
         prior_strength: float = 2.0,
@@ -342,7 +346,15 @@ class Tuner:
         while matched < min(len(shadow.proposal), len(shadow.committed)) and shadow.proposal[matched] == shadow.committed[matched]:
             matched += 1
         if matched < len(shadow.committed) or matched == len(shadow.proposal):
-            self._estimate(shadow.key, 0, shadow.drafter, shadow=True).observe(max(shadow.requested, len(shadow.proposal)), matched)
+            # The full chain's target rounds sample contexts about evenly along the text; a chain
+            # running this pair samples them once per round, and a round from a context where
+            # the drafter matches `matched` tokens covers matched + 1 of them. Runs of the text
+            # where the drafter fails take more of its rounds: weighting each sample by
+            # 1 / (matched + 1) turns the per-token sample into a per-round one (the
+            # inverse-length weighting of renewal theory). Unweighted, the demo chain's
+            # target<-n-gram position 1 read 0.60 against 0.32 measured directly.
+            estimate = self._estimate(shadow.key, 0, shadow.drafter, shadow=True)
+            estimate.observe(max(shadow.requested, len(shadow.proposal)), matched, 1.0 / (matched + 1))
         else:
             self._shadows[resume_at] = shadow  # all matched so far: wait for the next round
 
@@ -549,7 +561,9 @@ class Tuner:
         current = state.plan
         if current is not None:
             current_ms = self.predict(key, current.active, current.lengths)
-            # other tiers cost more to switch to (a returning tier re-feeds what it missed)
+            # another set of tiers needs a bigger predicted gain: a returning tier re-feeds what
+            # it missed, and the gain rests on ~14 rounds of a bursty drafter's acceptance, read
+            # just when it looks best (it then regresses); benchmarks/switch-margin-t0.md
             margin = self.hysteresis if best.active == current.active else self.switch_hysteresis
             if not best.predicted_ms < current_ms * (1.0 - margin):
                 state.plan = dataclasses.replace(current, predicted_ms=current_ms)

@@ -155,3 +155,21 @@ def test_proposal_fill_from_the_bottom_tiers_reports():
     assert tuner.fill("greedy", 1) == 1.0
     stages, _ = tuner.stages("greedy", (0, 1, 2))
     assert [s.fill for s in stages] == pytest.approx([1.0, 0.25], abs=0.03)
+
+
+def test_pipelined_jitter_from_the_targets_rounds():
+    """The spread of the target's forwards around the profile (here 0.8x and 1.2x in turn: a
+    coefficient of variation of 0.2) becomes the target stage's jitter_cv; serial chains have none."""
+    tuner = remote_tuner(pipelined=True)
+    base = tuner.profile.forward_ms(0, (0, 1, 2))[5]
+    for step in range(200):
+        ms = base * (0.8 if step % 2 else 1.2)
+        tuner.observe_remote(GREEDY, [report(0, 1, 4, 4, 4, ms / 1000.0)], 0.03, ms / 1000.0, first=False)
+    assert tuner.jitter_cv == pytest.approx(0.2, abs=0.04)
+    stages, _ = tuner.stages("greedy", (0, 1, 2))
+    assert stages[0].jitter_cv == pytest.approx(tuner.jitter_cv) and stages[1].jitter_cv == 0.0
+    serial = remote_tuner(pipelined=False)
+    for step in range(50):
+        ms = base * (0.8 if step % 2 else 1.2)
+        serial.observe_remote(GREEDY, [report(0, 1, 4, 4, 4, ms / 1000.0)], 0.03, ms / 1000.0, first=False)
+    assert all(stage.jitter_cv == 0.0 for stage in serial.stages("greedy", (0, 1, 2))[0])

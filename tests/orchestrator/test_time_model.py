@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 
 import pytest
 
@@ -231,3 +232,23 @@ def test_a_drafter_that_proposes_less_than_asked():
     (k_full,), _ = search_lengths([StageSpec(steep, (0.3, 0.9))], lookup, 8)
     (k_sparse,), _ = search_lengths([StageSpec(steep, (0.3, 0.9), fill=0.3)], lookup, 8)
     assert k_full == 1 and k_sparse > 2
+
+
+def test_expected_max_and_a_jittery_pipelined_round():
+    """E[max(A, B)] of two normal times (Clark): equal means sd s each -> mean + s / sqrt(pi);
+    far apart -> the larger mean; never below max of the means. A pipelined round accepted whole
+    waits for the later of forward and block, so jitter costs most when the two are close."""
+    from orchestrator.time_model import expected_max
+
+    assert expected_max(10.0, 2.0, 10.0, 2.0) == pytest.approx(10.0 + 2.0 / math.sqrt(math.pi))
+    assert expected_max(10.0, 1.0, 30.0, 1.0) == pytest.approx(30.0)
+    assert expected_max(10.0, 0.0, 12.0, 0.0) == 12.0
+    for a, b in ((10.0, 11.0), (11.0, 10.0), (5.0, 20.0)):
+        assert expected_max(a, 0.2 * a, b, 0.2 * b) >= max(a, b)
+    drafter_close = {k: 6.0 * k for k in range(1, 40)}  # a 2-token block costs 12 ms, the forward ~12.5
+    drafter_slow = {k: 20.0 * k for k in range(1, 40)}
+    steady = StageSpec(TARGET_MS, (0.95,), pipelined=True)
+    jittery = dataclasses.replace(steady, jitter_cv=0.2)
+    extra_close = round_models([jittery], drafter_close, [2])[0].round_ms - round_models([steady], drafter_close, [2])[0].round_ms
+    extra_slow = round_models([jittery], drafter_slow, [2])[0].round_ms - round_models([steady], drafter_slow, [2])[0].round_ms
+    assert extra_close > 1.0 and 0.0 <= extra_slow < 0.05

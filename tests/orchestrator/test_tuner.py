@@ -214,8 +214,34 @@ def test_skip_pair_estimated_from_committed_tokens():
     tuner.plan(GREEDY, 12)
     tuner.observe_commit([9])  # third position mismatched: 2 accepted
     estimate = tuner.estimates("greedy", shadow=True)[(0, 2)]
-    assert estimate.trials[:4] == pytest.approx([1.0, 1.0, 1.0, 0.0])
-    assert estimate.successes[:3] == pytest.approx([1.0, 1.0, 0.0])
+    # position 1 weighted 1 / (matched + 1) = 1/3: a chain running target<-n-gram would cover
+    # these 3 tokens in one round, where the full chain's rounds sample tokens about evenly
+    assert estimate.trials[:4] == pytest.approx([1 / 3, 1.0, 1.0, 0.0])
+    assert estimate.successes[:3] == pytest.approx([1 / 3, 1.0, 0.0])
+
+
+def test_shadow_estimate_is_per_round_not_per_token():
+    """The full chain samples the n-gram drafter at contexts spread evenly over the text; a
+    target<-n-gram chain samples once per round, and a round from a context where 6 tokens
+    match covers 7 tokens. With as many fully matching samples as failing ones, position 1
+    counts the matches at weight 1/7 and the failures at 1: a rate of 1/8, not 1/2. Deeper
+    positions (how far a match runs once it started) keep unit weights."""
+    profile = fixed_profile(["target", "mid", "ngram"], [lambda m: 10.0, lambda m: 3.0, None], [None, lambda k: 3.0 * k, lambda k: 0.05])
+    tuner = Tuner(profile, max_length=8)
+    tuner.decay = 1.0
+    tuner.fixed = Plan((6, 6), (0, 1, 2))
+    committed = 10
+    for index in range(40):
+        tuner.plan(GREEDY, committed)
+        proposal = [1, 2, 3, 4, 5, 6]
+        tuner.observe_draft(2, 6, committed, proposal, 0.0)
+        tokens = proposal + [7] if index % 2 == 0 else [9]  # all 6 matched, or none
+        tuner.observe_commit(tokens)
+        committed += len(tokens)
+    estimate = tuner.estimates("greedy", shadow=True)[(0, 2)]
+    assert estimate.successes[0] / estimate.trials[0] == pytest.approx(1 / 8)
+    assert estimate.successes[1] / estimate.trials[1] == pytest.approx(1.0)
+    assert estimate.trials[1] == pytest.approx(20.0)
 
 
 def test_interleaved_requests_and_per_config_latency():
