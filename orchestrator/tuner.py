@@ -58,8 +58,8 @@ MIN_BLOCKS = 4  # a skip pair's shadow estimate counts from this many blocks on,
 PROBE_BUDGET = 0.01  # probes of bypassed tiers may cost this share of the predicted time
 MAX_PENDING = 256  # requests the tuner follows at once (round-robin serving)
 OVERHEAD_DECAY = 0.98  # distributed chains: the overhead fit's memory (~50 target rounds)
-JITTER_SMOOTHING = 0.05  # pipelined: memory of the spread of round and block times (~20 samples)
 OVERHEAD_PRIOR = 2.0  # ... and the weight, in target rounds, of its prior a = 2 b
+JITTER_SMOOTHING = 0.05  # pipelined: memory of the spread of round and block times (~20 samples)
 
 
 @dataclasses.dataclass
@@ -425,12 +425,8 @@ class Tuner:
         if len(chain) == 1:  # the bottom tier: one proposal
             modelled = latency(self.profile.draft_ms(drafter, full), tokens)
         else:
-            stages = [StageSpec(self.profile.forward_ms(a, full), self.accept_rates(key, a, b), self._stage_overhead_ms(a),
-                                self.pipelined, self.ahead_slowdown.get(b, 1.0),
-                                self.fill(key, b) if b == chain[-1] and self.tree_width == 1 else 1.0)
-                      for a, b in zip(chain, chain[1:])]
-            below = round_models(stages, self.profile.draft_ms(chain[-1], full), [lengths[level] for level in chain[:-1]],
-                                 self.tree_width)[0]
+            stages, draft_ms = self.stages(key, chain, config=full)  # the chain runs with every tier
+            below = round_models(stages, draft_ms, [lengths[level] for level in chain[:-1]], self.tree_width)[0]
             modelled = below.ms_per_token * tokens
         if modelled <= 0:
             return
@@ -485,16 +481,18 @@ class Tuner:
 
     # ---------------------------------------------------------------- decisions
 
-    def stages(self, key: str, active: tuple[int, ...]) -> tuple[list[StageSpec], dict[int, float]]:
-        """The time model's inputs for a chain of `active` tiers: stages (target first) and the bottom's draft_ms."""
+    def stages(self, key: str, active: tuple[int, ...], config: tuple[int, ...] | None = None) -> tuple[list[StageSpec], dict[int, float]]:
+        """The time model's inputs for a chain of `active` tiers: stages (first tier first) and the
+        bottom's draft_ms, from the latency tables of `config` (the tiers running; default `active`)."""
+        config = active if config is None else config
         stages = [
-            StageSpec(self.profile.forward_ms(a, active), self.accept_rates(key, a, b),
+            StageSpec(self.profile.forward_ms(a, config), self.accept_rates(key, a, b),
                       self._stage_overhead_ms(a), self.pipelined, self.ahead_slowdown.get(b, 1.0) if self.pipelined else 1.0,
                       self.fill(key, b) if b == active[-1] and self.tree_width == 1 else 1.0,
                       self.jitter_cv if self.pipelined and a == 0 else 0.0)
             for a, b in zip(active, active[1:])
         ]
-        return stages, self.profile.draft_ms(active[-1], active)
+        return stages, self.profile.draft_ms(active[-1], config)
 
     def _stage_overhead_ms(self, verifier: int) -> float:
         """Time outside forwards per round of the stage verified by `verifier` (see __init__)."""
