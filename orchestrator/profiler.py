@@ -51,6 +51,7 @@ class OnlineTable:
     smoothing: float = DEFAULT_SMOOTHING
     online: dict[int, float] = dataclasses.field(default_factory=dict)
     scale: float = 1.0  # EMA of observed / start-up
+    _fitted: dict[int, float] | None = dataclasses.field(default=None, repr=False, compare=False)  # table(), until the next observation
 
     def estimate(self, size: int) -> float:
         if size in self.online:
@@ -58,6 +59,7 @@ class OnlineTable:
         return latency(self.base, size) * self.scale if self.base else latency(self.online, size)
 
     def observe(self, size: int, ms: float) -> None:
+        self._fitted = None
         if not self.base and not self.online:
             self.online[size] = ms
             return
@@ -69,8 +71,11 @@ class OnlineTable:
             self.scale += self.smoothing * (ratio - self.scale)
 
     def table(self) -> dict[int, float]:
-        """Every size known (start-up or online) -> the affine fit through the current estimates."""
-        return fit_affine({size: self.estimate(size) for size in sorted(set(self.base) | set(self.online))})
+        """Every size known (start-up or online) -> the affine fit through the current estimates.
+        (The tuner reads it several times per round: the fit is kept until the next observation.)"""
+        if self._fitted is None:
+            self._fitted = fit_affine({size: self.estimate(size) for size in sorted(set(self.base) | set(self.online))})
+        return dict(self._fitted)
 
 
 Config = tuple[int, ...]  # the tiers in use (ChainScheduler.active); () = none in particular

@@ -32,7 +32,9 @@ round, as an EMA (`round_overhead_ms`), added to every round the model predicts.
 
 Every `retune_every` rounds of a class the tuner searches lengths (time_model.search_lengths)
 for each usable set of tiers and switches only when the predicted gain exceeds `hysteresis`
-(`switch_hysteresis` to another set of tiers).
+for new lengths on the same tiers, `drop_hysteresis` for dropping the bottom of the current
+chain (the rest's estimates are its own, measured directly, and nothing has to re-feed),
+`switch_hysteresis` for any other set of tiers.
 """
 
 from __future__ import annotations
@@ -216,6 +218,7 @@ class Tuner:
         retune_every: int = 4,
         hysteresis: float = 0.03,
         switch_hysteresis: float = 0.2,
+        drop_hysteresis: float = 0.08,
         decay: float = 0.93,
         prior_mean: float = 0.6,
         prior_strength: float = 2.0,
@@ -230,6 +233,7 @@ class Tuner:
         self.retune_every = retune_every
         self.hysteresis = hysteresis
         self.switch_hysteresis = switch_hysteresis
+        self.drop_hysteresis = drop_hysteresis
         self.decay = decay
         self.prior_mean = prior_mean
         self.prior_strength = prior_strength
@@ -559,10 +563,7 @@ class Tuner:
         current = state.plan
         if current is not None:
             current_ms = self.predict(key, current.active, current.lengths)
-            # another set of tiers needs a bigger predicted gain: a returning tier re-feeds what
-            # it missed, and the gain rests on ~14 rounds of a bursty drafter's acceptance, read
-            # just when it looks best (it then regresses); benchmarks/switch-margin-t0.md
-            margin = self.hysteresis if best.active == current.active else self.switch_hysteresis
+            margin = self._switch_margin(current.active, best.active)
             if not best.predicted_ms < current_ms * (1.0 - margin):
                 state.plan = dataclasses.replace(current, predicted_ms=current_ms)
                 self._set_probing(key, state)
@@ -578,6 +579,19 @@ class Tuner:
                 "predicted_ms_per_token": round(best.predicted_ms, 4),
             }
         )
+
+    def _switch_margin(self, current: tuple[int, ...], new: tuple[int, ...]) -> float:
+        """The predicted gain a plan on `new` tiers needs over the current plan on `current`."""
+        if new == current:
+            return self.hysteresis
+        if new == current[: len(new)]:
+            # dropping the bottom of the chain: the stages left are measured in the current
+            # chain itself (no skip pair's shadow estimate), and no tier comes back to re-feed
+            return self.drop_hysteresis
+        # another set of tiers: a returning tier re-feeds what it missed, and a skip pair's gain
+        # rests on ~14 rounds of a bursty drafter's acceptance, read just when it looks best
+        # (it then regresses); benchmarks/switch-margin-t0.md
+        return self.switch_hysteresis
 
     def _set_probing(self, key: str, state: _ClassState) -> None:
         """While the plan bypasses tiers their acceptance goes stale, so every so often a round

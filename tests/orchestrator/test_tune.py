@@ -37,8 +37,10 @@ def test_tune_json_report(config_path, tmp_path, capsys):
 
 
 def test_tune_table_with_builtin_prompts(config_path, capsys):
-    assert main(["tune", "-c", config_path, "--grid-max", "1", "--temperature", "1", "-n", "6", "--max-prompts", "1"]) == 0
-    out = capsys.readouterr().out
+    assert main(["tune", "-c", config_path, "--grid-max", "1", "--temperature", "1", "-n", "6", "--max-prompts", "1", "--heldout-repeats", "2"]) == 0
+    captured = capsys.readouterr()
+    out = captured.out
+    assert "held-out pass 2/2" in captured.err
     assert "tuner's choice" in out and "without mid" in out and "median |predicted - measured|" in out
 
 
@@ -50,6 +52,8 @@ def test_tune_user_mistakes(config_path, tmp_path, capsys):
     assert main(["tune", "-c", config_path, "--prompts", str(bad)]) == 2
     assert 'expected {"prompt": "..."}' in capsys.readouterr().err
     assert main(["tune", "-c", config_path, "--grid-max", "0"]) == 2
+    assert main(["tune", "-c", config_path, "--heldout-repeats", "0"]) == 2
+    assert "--heldout-repeats must be >= 1" in capsys.readouterr().err
 
 
 def test_split_prompts_runs_repetitive_code_in_the_shift_test_only(tmp_path):

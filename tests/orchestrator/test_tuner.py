@@ -354,3 +354,30 @@ def test_proposal_fill_from_the_bottom_drafters_proposals():
     stages, _ = tuner.stages("greedy", (0, 1, 2))
     assert stages[0].fill == 1.0 and stages[1].fill == pytest.approx(0.25, abs=0.03)
     assert tuner.predict("greedy", (0, 1, 2), (4, 6)) < before
+
+
+@pytest.mark.parametrize(
+    ("new_active", "gain", "switches"),
+    [
+        ((0, 1, 2), 0.05, True),  # new lengths, same tiers: 3 %
+        ((0, 1, 2), 0.02, False),
+        ((0, 1), 0.12, True),  # drop the bottom tier: 8 % (its stages are measured in the chain itself)
+        ((0, 1), 0.05, False),
+        ((0, 2), 0.12, False),  # bypass the middle tier: a skip pair's estimate, 20 %
+        ((0, 2), 0.25, True),
+    ],
+)
+def test_switch_margin_depends_on_what_changes(new_active, gain, switches):
+    profile = fixed_profile(
+        ["target", "mid", "ngram"], [lambda m: 8.0 + 0.3 * m, lambda m: 3.0 + 0.2 * m, None], [None, lambda k: 3.0 * k, lambda k: 0.03]
+    )
+    tuner = Tuner(profile, max_length=8)
+    state = tuner._state("greedy")
+    current = Plan((6, 6), (0, 1, 2), 10.0)
+    state.plan = current
+    new_lengths = (5, 6) if new_active == (0, 1, 2) else (6, 6)
+    tuner.predict = lambda key, active, lengths: 10.0  # the current plan's prediction
+    tuner.choose = lambda key, bypass=None, exclude=None: Plan(new_lengths, new_active, 10.0 * (1.0 - gain))
+    tuner._retune("greedy", state)
+    assert (state.plan.active, state.plan.lengths) == ((new_active, new_lengths) if switches else (current.active, current.lengths))
+    assert len(tuner.history) == int(switches)
