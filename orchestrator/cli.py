@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--max-prompts", type=int, default=8, help="prompts used, evenly spaced through the file")
     tune.add_argument("--seed", type=int, default=0)
     tune.add_argument("--repeats", type=int, default=1, help="passes over every plan (median reported)")
-    tune.add_argument("--heldout-repeats", type=int, default=7, help="alternating passes of best grid point vs lengths: auto on the held-out prompts")
+    tune.add_argument("--heldout-repeats", type=int, default=7, help="passes of the held-out comparison: best grid point vs lengths: auto (fresh and warm tuner)")
     tune.add_argument("--json", action="store_true", help="print the report as JSON")
 
     bench = sub.add_parser("bench", help="polyspec side by side with transformers generate / assisted / prompt lookup")

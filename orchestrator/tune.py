@@ -20,10 +20,11 @@ Steps (all in this process, embedded mode):
    drifts; the reported prediction is the median over passes (the first calibration's alone
    is reported too);
 5. the best grid points again against the tuner's choice (fresh passes: the minimum of many
-   noisy measurements is biased low); the best grid point against `lengths: auto` (a fresh
-   tuner) on held-out prompts, in `--heldout-repeats` alternating passes (two short runs
-   each: one run varies by ~15 % on a shared 2-core machine, and the goal is a 5 % ratio,
-   so the median of 3 is not enough to tell); a fresh tuner on code prompts then prose prompts (how many
+   noisy measurements is biased low); the best grid point against `lengths: auto` on
+   held-out prompts, with a fresh tuner and with one that has served the tuning prompts
+   (warm), in `--heldout-repeats` passes in rotating order (one run varies by ~15 % on a
+   shared 2-core machine, and the goal is a 5 % ratio, so the median of 3 cannot tell);
+   a fresh tuner on code prompts then prose prompts (how many
    rounds until its plan changes).
 
 Prompt file: JSONL, one `{"prompt": "..."}` object per line, optionally with a `"class"`
@@ -242,14 +243,14 @@ def run_auto(engine: Engine, tuner: Tuner, prompt_ids: list[list[int]], settings
         engine.scheduler.tuner = None
 
 
-def measure(engine: Engine, plans: list[Plan], prompt_ids: list[list[int]], settings: TuneSettings, make_auto_tuner, log, predict=None) -> tuple[dict, list[dict], list[dict]]:
+def measure(engine: Engine, plans: list[Plan], prompt_ids: list[list[int]], settings: TuneSettings, make_auto_tuner, log, predict=None) -> tuple[dict, list[Tuner], list[dict]]:
     """Step 4: `settings.repeats` passes, each over every plan and one fresh `lengths: auto`
     run, in a shuffled order (slow phases of a shared machine then hit plans at random, not
     the end of the list). `predict(repeat)`, called before each pass, returns that pass's
-    predictions. Returns ({plan or "auto": median Measurement}, auto plan histories,
+    predictions. Returns ({plan or "auto": median Measurement}, the auto runs' tuners,
     [per-pass predictions])."""
     runs: dict = {plan: [] for plan in [*plans, "auto"]}
-    histories = []
+    tuners = []
     predictions = []
     started = time.perf_counter()
     for repeat in range(settings.repeats):
@@ -261,7 +262,7 @@ def measure(engine: Engine, plans: list[Plan], prompt_ids: list[list[int]], sett
             if item == "auto":
                 auto_tuner = make_auto_tuner()
                 runs[item].append(run_auto(engine, auto_tuner, prompt_ids, settings))
-                histories.append(auto_tuner.history)
+                tuners.append(auto_tuner)
             else:
                 runs[item].append(run_plan(engine, item, prompt_ids, settings))
             log(f"pass {repeat + 1}/{settings.repeats}: measured {number}/{len(order)} ({time.perf_counter() - started:.0f} s)")
@@ -269,7 +270,7 @@ def measure(engine: Engine, plans: list[Plan], prompt_ids: list[list[int]], sett
         item: Measurement(statistics.median(m.wall_ms for m in values), statistics.median(m.cpu_ms for m in values))
         for item, values in runs.items()
     }
-    return medians, histories, predictions
+    return medians, tuners, predictions
 
 
 def measure_plans(engine: Engine, plans: list[Plan], prompt_ids: list[list[int]], settings: TuneSettings, log) -> dict:
@@ -325,22 +326,33 @@ def calibrate_first_rounds(tuner: Tuner, key: str, runs: list[tuple[Plan, list[f
         tuner.first_round_scale = statistics.median(ratios)
 
 
-def measure_heldout(engine: Engine, best: Plan, prompt_ids: list[list[int]], settings: TuneSettings, make_auto_tuner, log) -> dict:
-    """The best grid point (fixed lengths, chosen on the tuning set) against `lengths: auto`
-    (a fresh tuner) on prompts neither saw; `heldout_repeats` passes in alternating order."""
-    fixed, auto = [], []
+def measure_heldout(engine: Engine, best: Plan, prompt_ids: list[list[int]], settings: TuneSettings, make_auto_tuner, log,
+                    warm_tuner: Tuner | None = None) -> dict:
+    """The best grid point (fixed lengths, chosen on the tuning set) against `lengths: auto` on
+    prompts neither saw; `heldout_repeats` passes in rotating order. Auto runs twice a pass:
+    a fresh tuner (start-up profile only: a server's first requests), and, when `warm_tuner`
+    is given, a copy of it (a tuner that has already served other prompts: the tuning set,
+    in one `lengths: auto` run), as in a server that has been up for a while."""
+    runs: dict[str, list[Measurement]] = {"fixed": [], "auto": [], "warm": []}
+    items = ["fixed", "auto"] + (["warm"] if warm_tuner is not None else [])
     for repeat in range(settings.heldout_repeats):
-        order = ["fixed", "auto"] if repeat % 2 == 0 else ["auto", "fixed"]
+        order = items[repeat % len(items):] + items[: repeat % len(items)]
         for item in order:
             if item == "fixed":
-                fixed.append(run_plan(engine, best, prompt_ids, settings))
+                runs[item].append(run_plan(engine, best, prompt_ids, settings))
             else:
-                auto.append(run_auto(engine, make_auto_tuner(), prompt_ids, settings))
+                tuner = make_auto_tuner() if item == "auto" else copy.deepcopy(warm_tuner)
+                runs[item].append(run_auto(engine, tuner, prompt_ids, settings))
         log(f"held-out pass {repeat + 1}/{settings.heldout_repeats}")
+    fixed, auto = runs["fixed"], runs["auto"]
     fixed_ms = statistics.median(m.wall_ms for m in fixed)
     auto_ms = statistics.median(m.wall_ms for m in auto)
     fixed_cpu = statistics.median(m.cpu_ms for m in fixed)
     auto_cpu = statistics.median(m.cpu_ms for m in auto)
+    warm = {}
+    if runs["warm"]:
+        warm_ms = statistics.median(m.wall_ms for m in runs["warm"])
+        warm = {"warm_auto_ms_per_token": round(warm_ms, 4), "warm_auto_tokens_per_s_over_best": round(fixed_ms / warm_ms, 4)}
     return {
         "prompts": len(prompt_ids),
         "passes": settings.heldout_repeats,
@@ -351,6 +363,7 @@ def measure_heldout(engine: Engine, best: Plan, prompt_ids: list[list[int]], set
         "best_grid_cpu_ms_per_token": round(fixed_cpu, 4),
         "auto_cpu_ms_per_token": round(auto_cpu, 4),
         "auto_cpu_tokens_per_s_over_best": round(fixed_cpu / auto_cpu, 4),
+        **warm,
     }
 
 
@@ -569,7 +582,7 @@ def _tune(engine: Engine, config: ChainConfig, prompts: list[str], settings: Tun
             recalibrate(engine, tuner, prompt_ids, settings, log, prefill_extra)
         return predict_all()
 
-    measured, auto_histories, per_pass = measure(engine, plans, prompt_ids, settings, make_auto_tuner, log, pass_predictions)
+    measured, auto_tuners, per_pass = measure(engine, plans, prompt_ids, settings, make_auto_tuner, log, pass_predictions)
     predicted = {plan: statistics.median(p[plan] for p in per_pass) for plan in plans}
 
     def ids_of(texts: list[str]) -> list[list[int]]:
@@ -578,7 +591,7 @@ def _tune(engine: Engine, config: ChainConfig, prompts: list[str], settings: Tun
     heldout = shift = None
     best_wall = min(grid, key=lambda plan: measured[plan].wall_ms)
     if sets is not None and sets.heldout:
-        heldout = measure_heldout(engine, best_wall, ids_of(sets.heldout), settings, make_auto_tuner, log)
+        heldout = measure_heldout(engine, best_wall, ids_of(sets.heldout), settings, make_auto_tuner, log, warm_tuner=auto_tuners[-1])
     if sets is not None and sets.shift_code and sets.shift_prose:
         log("shift: code prompts, then prose")
         shift = measure_shift(engine, make_auto_tuner(), ids_of(sets.shift_code), ids_of(sets.shift_prose), settings)
@@ -630,7 +643,7 @@ def _tune(engine: Engine, config: ChainConfig, prompts: list[str], settings: Tun
         "auto": {
             "measured_ms_per_token": round(measured["auto"].wall_ms, 4),
             "measured_cpu_ms_per_token": round(measured["auto"].cpu_ms, 4),
-            "plans": auto_histories[-1],
+            "plans": auto_tuners[-1].history,
         },
         "tiers": tiers,
         "round_overhead_ms": round(overhead_ms, 4),
@@ -694,6 +707,11 @@ def format_report(report: dict) -> str:
             f"held out ({heldout['prompts']} prompts): best grid point {heldout['best_grid_lengths']} {heldout['best_grid_ms_per_token']:.3f},"
             f" lengths: auto {heldout['auto_ms_per_token']:.3f} ms/token: auto's tokens/s {heldout['auto_tokens_per_s_over_best']:.3f}x the best grid point's"
         )
+        if "warm_auto_ms_per_token" in heldout:
+            lines.append(
+                f"held out, lengths: auto with a tuner that has served the tuning prompts: {heldout['warm_auto_ms_per_token']:.3f} ms/token,"
+                f" {heldout['warm_auto_tokens_per_s_over_best']:.3f}x"
+            )
     shift = report.get("shift")
     if shift:
         lines.append(

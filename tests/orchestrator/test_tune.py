@@ -42,6 +42,7 @@ def test_tune_table_with_builtin_prompts(config_path, capsys):
     out = captured.out
     assert "held-out pass 2/2" in captured.err
     assert "tuner's choice" in out and "without mid" in out and "median |predicted - measured|" in out
+    assert "held out, lengths: auto with a tuner that has served the tuning prompts" in out
 
 
 def test_tune_user_mistakes(config_path, tmp_path, capsys):

@@ -381,3 +381,32 @@ def test_switch_margin_depends_on_what_changes(new_active, gain, switches):
     tuner._retune("greedy", state)
     assert (state.plan.active, state.plan.lengths) == ((new_active, new_lengths) if switches else (current.active, current.lengths))
     assert len(tuner.history) == int(switches)
+
+
+def test_heldout_runs_a_fresh_and_a_warm_tuner_without_changing_the_warm_one(tiny_family):
+    import copy
+
+    from orchestrator.tune import TuneSettings, measure_heldout
+
+    engine = auto_engine(tiny_family, ["target", "mid", "ngram"])
+    warm = engine.scheduler.tuner
+    engine.scheduler.tuner = None
+    ids = [engine.parse_request({"prompt": p, "max_new_tokens": 8}).prompt_ids for p in PROMPTS[:2]]
+    settings = TuneSettings(max_new_tokens=8, grid_max=4, heldout_repeats=2)
+    for prompt in ids:  # the warm tuner serves other prompts first
+        warm.fixed = None
+        engine.scheduler.tuner = warm
+        engine.scheduler.generate(list(prompt), 8, settings.params(), seed=0)
+    engine.scheduler.tuner = None
+    rounds, history = warm._state("greedy").rounds, list(warm.history)
+    fresh = []
+
+    def make_fresh():
+        fresh.append(Tuner(copy.deepcopy(warm.profile), max_length=4))
+        return fresh[-1]
+
+    report = measure_heldout(engine, Plan((3, 3), (0, 1, 2)), ids, settings, make_fresh, lambda message: None, warm_tuner=warm)
+    assert len(fresh) == 2 and all(t._state("greedy").rounds > 0 for t in fresh)  # one fresh tuner per pass, each used
+    assert (warm._state("greedy").rounds, warm.history) == (rounds, history)  # each pass ran a copy
+    assert report["passes"] == 2 and report["warm_auto_ms_per_token"] > 0
+    assert report["warm_auto_tokens_per_s_over_best"] == pytest.approx(report["best_grid_ms_per_token"] / report["warm_auto_ms_per_token"], rel=1e-3)
