@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     from orchestrator import tuner as tuner_module
     from orchestrator.config import load_config
     from orchestrator.engine import Engine
+    from orchestrator.time_model import renewal_rates
     from orchestrator.tuner import Plan
 
     torch.set_num_threads(1)
@@ -76,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         tuner._state("greedy").estimates.pop(skip)
         from_shadow = tuner.predict("greedy", skip, (6,) * last)
         print(f"{name} prompts ({len(ids)} x {args.max_new_tokens} tokens), shadow weighting {args.weighting!r}")
-        print("  direct  rates 1-6:", [round(r, 3) for r in direct.rates()[:6]], f"({direct.blocks:.0f} blocks)")
+        # the direct estimate is per position of the text: as rounds at k = 6 see it
+        print("  direct  rates 1-6:", [round(r, 3) for r in renewal_rates(direct.rates(), 6)[:6]], f"({direct.blocks:.0f} blocks)")
         print("  shadow  rates 1-6:", [round(r, 3) for r in shadow.rates()[:6]], f"({shadow.blocks:.1f} weighted samples)")
         print(f"  predicted target+{engine.tiers[last].name} [6]: {from_direct:.3f} ms/token from direct, "
               f"{from_shadow:.3f} from shadow ({100 * (from_shadow / from_direct - 1):+.0f} %)")

@@ -113,6 +113,32 @@ def _cached_accepted_pmf(accept_rates: tuple[float, ...], block_len: int) -> tup
     return tuple(accepted_pmf(accept_rates, block_len))
 
 
+@functools.lru_cache(maxsize=4096)
+def renewal_rates(text_rates: tuple[float, ...], length: int) -> tuple[float, ...]:
+    """Per-position rates of the rounds of a chain asking for `length` tokens, from rates per
+    position of the text (`text_rates[j-1]` = P(a drafter run from a context chosen evenly along
+    the text reaches position j | it reached j - 1)).
+
+    A chain does not sample contexts evenly: a round from a context where the drafter's run is
+    a tokens long emits min(a, length) + 1 of them, so the next round starts that much later,
+    and contexts where the drafter fails take more of the rounds. Renewal-reward: rounds visit
+    contexts in proportion to 1 / (min(a, length) + 1). With Q(a) the text's distribution of
+    run lengths, the rounds' is P(a) ~ Q(a) / (min(a, length) + 1), whose conditional rates
+    are returned. Longer blocks jump through the drafter's good stretches faster, so the same
+    drafter's rounds accept less per position at length 6 than at length 2 (the demo n-gram
+    tier: 2.31 against 2.62 tokens a round at length 6 from one per-position table pooled
+    over lengths 2, 3 and 6; docs/time-model.md §4)."""
+    positions = len(text_rates)
+    reach = [1.0]  # reach[m] = Q(a >= m)
+    for rate in text_rates:
+        reach.append(reach[-1] * rate)
+    tail = [0.0] * (positions + 1)  # tail[m] = sum over a >= m of Q(a) / (min(a, length) + 1)
+    tail[positions] = reach[positions] / (min(positions, length) + 1)
+    for m in range(positions - 1, -1, -1):
+        tail[m] = tail[m + 1] + (reach[m] - reach[m + 1]) / (min(m, length) + 1)
+    return tuple(tail[j] / tail[j - 1] if tail[j - 1] > 0 else 0.0 for j in range(1, positions + 1))
+
+
 def tree_accept_rates(first_rate_with_width: float, chain_rates: Sequence[float]) -> list[float]:
     """Per-position rates of a tree of candidate chains: the first position is accepted if any
     of the candidates is (measured with that many candidates); deeper ones follow the chain."""
@@ -140,11 +166,21 @@ class StageSpec:
     # drafted ahead (D). A round accepted whole waits for the later of the two, and the mean
     # of a maximum exceeds the maximum of the means, most when t + o and D are close.
     jitter_cv: float = 0.0
+    # accept_rates are per position of the text (the tuner's estimates, `renewal_rates`): a
+    # round asking for k tokens sees `at_length(k)`'s rates
+    per_text_position: bool = False
+
+    def at_length(self, length: int) -> "StageSpec":
+        """The stage as its rounds of `length` asked tokens see it."""
+        if not self.per_text_position:
+            return self
+        return dataclasses.replace(self, accept_rates=renewal_rates(tuple(self.accept_rates), max(1, length)), per_text_position=False)
 
 
 def ideal_stage_cost(stage: StageSpec, length: int, below_ms: float) -> float:
     """C_i = (t_i(k+1) + cost of the k-token block) / E_i(k); `below_ms` is that block's cost."""
-    return (latency(stage.forward_ms, length + 1) + below_ms) / expected_emitted(stage.accept_rates, length)
+    rates = stage.at_length(length).accept_rates
+    return (latency(stage.forward_ms, length + 1) + below_ms) / expected_emitted(rates, length)
 
 
 def ideal_cost_per_token(stages: Sequence[StageSpec], draft_ms: LatencyTable, lengths: Sequence[int]) -> float:
@@ -346,9 +382,10 @@ def round_models(
         if memo is not None and key in memo:
             below = memo[key]
         else:
-            block_pmf, block_ms = block_for(stages[index], below, draft_ms, lengths[index])
+            stage = stages[index].at_length(lengths[index])
+            block_pmf, block_ms = block_for(stage, below, draft_ms, lengths[index])
             width = tree_width if index == len(stages) - 1 else 1
-            below = round_model(stages[index], block_pmf, block_ms, width)
+            below = round_model(stage, block_pmf, block_ms, width)
             if memo is not None:
                 memo[key] = below
         models.insert(0, below)
@@ -371,10 +408,11 @@ def generation_ms(
         return 0.0
     below = round_models(stages[1:], draft_ms, lengths[1:], tree_width)[0] if len(stages) > 1 else None
     target_width = tree_width if len(stages) == 1 else 1
+    target = stages[0].at_length(lengths[0])  # a request's short last rounds are too few to move where rounds start
     rounds: dict[int, RoundModel] = {}
     for need in range(0, min(lengths[0], new_tokens - 1) + 1):
-        block_pmf, block_ms = block_for(stages[0], below, draft_ms, need)
-        rounds[need] = round_model(stages[0], block_pmf, block_ms, target_width)
+        block_pmf, block_ms = block_for(target, below, draft_ms, need)
+        rounds[need] = round_model(target, block_pmf, block_ms, target_width)
     remaining_ms = [0.0] * (new_tokens + 1)  # [r] = expected ms to emit r more tokens
     for remaining in range(1, new_tokens + 1):
         model = rounds[min(lengths[0], remaining - 1)]
@@ -391,8 +429,9 @@ def first_round_ms(
     ahead, so in the pipelined form the forward and the block add up (`generation_ms` charges
     that as the first round's `cold_extra_ms`)."""
     below = round_models(stages[1:], draft_ms, lengths[1:], tree_width)[0] if len(stages) > 1 else None
-    block_pmf, block_ms = block_for(stages[0], below, draft_ms, min(lengths[0], max(0, new_tokens - 1)))
-    first = round_model(stages[0], block_pmf, block_ms, tree_width if len(stages) == 1 else 1)
+    target = stages[0].at_length(lengths[0])
+    block_pmf, block_ms = block_for(target, below, draft_ms, min(lengths[0], max(0, new_tokens - 1)))
+    first = round_model(target, block_pmf, block_ms, tree_width if len(stages) == 1 else 1)
     return first.round_ms + first.cold_extra_ms
 
 

@@ -6,7 +6,9 @@ round (`observe_commit`). From those reports it keeps
 
 - latency: `profiler.LatencyProfile` (start-up profile, refined by an EMA per (tier, m));
 - acceptance: per request class ("greedy" / "sampling"), per (verifier, drafter) pair, per
-  position in the block, a recency-weighted Beta posterior (`AcceptanceEstimate`): every
+  position in the block, a recency-weighted Beta posterior (`AcceptanceEstimate`), kept per
+  position of the text (each round weighted by the tokens it covers) so that one table
+  predicts rounds at every length (`time_model.renewal_rates`); every
   count decays by `decay` per observed block, so after a shift (repetitive code -> prose)
   the estimates, and with them the lengths, move within a few rounds. Position 1's prior
   is Beta(prior_mean, strength); position j's prior mean is position j-1's posterior mean,
@@ -66,9 +68,19 @@ JITTER_SMOOTHING = 0.05  # pipelined: memory of the spread of round and block ti
 
 @dataclasses.dataclass
 class AcceptanceEstimate:
-    """Per-position acceptance of one (verifier, drafter) pair, recency weighted.
+    """Per-position acceptance of one (verifier, drafter) pair per position of the text,
+    recency weighted.
 
-    successes[j] / trials[j]: decayed counts for position j+1 (blocks that reached it).
+    successes[j] / trials[j]: decayed counts for position j+1 (blocks that reached it), each
+    block weighted by the tokens its round covers (accepted + 1), which turns the rounds'
+    sample of contexts into an even sample along the text (renewal-reward: a chain's rounds
+    visit a context in proportion to 1 / the tokens a round from it emits). Rates per text
+    position do not depend on the length the chain ran at; `time_model.renewal_rates` turns
+    them into the rates of rounds at any length. A shadow sample (Tuner.observe_commit) is
+    already an even sample along the text, but not one a chain's rounds would take (they enter
+    a repeated run at its start and jump through it, and rarely start near its end where the
+    matches are short), so shadow estimates stay per round (`along_text=False`) with their own
+    position-1 weighting (Tuner.observe_commit).
     Position 1's prior, Beta(prior_mean * w, (1 - prior_mean) * w), decays like the data
     (down to MIN_PRIOR_WEIGHT) so it cannot cap a rate the data keep showing; position j's
     prior is position j-1's posterior mean with a fixed weight `prior_strength`."""
@@ -84,23 +96,27 @@ class AcceptanceEstimate:
     settled: float | None = None  # slow EMA of position 1's acceptance
     shifts: int = 0  # shifts detected so far
     age_per_block: bool = True  # False: the owner calls age() (the tuner: once per target round)
+    along_text: bool = True  # counts per position of the text (rounds weighted by accepted + 1); False: per round
 
     def __post_init__(self) -> None:
         self.prior_weight = self.prior_strength
 
     def observe(self, proposed: int, accepted: int, first_weight: float = 1.0) -> None:
-        """A block of `proposed` positions (missing proposals count as rejected) with `accepted`
-        kept; position 1 counted `first_weight` times (a shadow sample's weight, see Tuner)."""
+        """A round's block of `proposed` positions (missing proposals count as rejected) with
+        `accepted` kept: weight accepted + 1 at every position (`along_text`), else weight 1,
+        position 1 counted `first_weight` times (a shadow sample's weight, see Tuner)."""
         assert 0 <= accepted <= proposed
         if self.age_per_block:
             self.age()
         self.blocks += first_weight
-        for position in range(min(accepted, MAX_POSITIONS)):
-            weight = first_weight if position == 0 else 1.0
-            self.successes[position] += weight
+        for position in range(min(accepted + 1, proposed, MAX_POSITIONS)):
+            if self.along_text:
+                weight = accepted + 1.0
+            else:
+                weight = first_weight if position == 0 else 1.0
             self.trials[position] += weight
-        if accepted < min(proposed, MAX_POSITIONS):
-            self.trials[accepted] += first_weight if accepted == 0 else 1.0
+            if position < accepted:
+                self.successes[position] += weight
         if proposed > 0:
             self._track_shift(1.0 if accepted > 0 else 0.0)
 
@@ -133,7 +149,8 @@ class AcceptanceEstimate:
             self.shifts += 1
 
     def rates(self, prior_mean: float | None = None) -> tuple[float, ...]:
-        """Posterior mean acceptance for positions 1..MAX_POSITIONS."""
+        """Posterior mean acceptance per text position 1..MAX_POSITIONS (the priors' weights
+        are in the same units: tokens of text)."""
         mean = self.prior_mean if prior_mean is None else prior_mean
         weight = self.prior_weight
         out = []
@@ -353,10 +370,12 @@ class Tuner:
             # The full chain's target rounds sample contexts about evenly along the text; a chain
             # running this pair samples them once per round, and a round from a context where
             # the drafter matches `matched` tokens covers matched + 1 of them. Runs of the text
-            # where the drafter fails take more of its rounds: weighting each sample by
-            # 1 / (matched + 1) turns the per-token sample into a per-round one (the
+            # where the drafter fails take more of its rounds: weighting position 1 of each
+            # sample by 1 / (matched + 1) turns the per-token sample into a per-round one (the
             # inverse-length weighting of renewal theory). Unweighted, the demo chain's
-            # target<-n-gram position 1 read 0.60 against 0.32 measured directly.
+            # target<-n-gram position 1 read 0.60 against 0.32 measured directly. (Deeper
+            # positions keep unit weights, and the estimate stays per round: an even sample of
+            # the text includes the ends of repeated runs, where a chain's rounds rarely start.)
             estimate = self._estimate(shadow.key, 0, shadow.drafter, shadow=True)
             estimate.observe(max(shadow.requested, len(shadow.proposal)), matched, 1.0 / (matched + 1))
         else:
@@ -489,13 +508,14 @@ class Tuner:
         """The time model's inputs for a chain of `active` tiers: stages (first tier first) and the
         bottom's draft_ms, from the latency tables of `config` (the tiers running; default `active`)."""
         config = active if config is None else config
-        stages = [
-            StageSpec(self.profile.forward_ms(a, config), self.accept_rates(key, a, b),
-                      self._stage_overhead_ms(a), self.pipelined, self.ahead_slowdown.get(b, 1.0) if self.pipelined else 1.0,
-                      self.fill(key, b) if b == active[-1] and self.tree_width == 1 else 1.0,
-                      self.jitter_cv if self.pipelined and a == 0 else 0.0)
-            for a, b in zip(active, active[1:])
-        ]
+        stages = []
+        for a, b in zip(active, active[1:]):
+            rates, per_text = self.rates_of(key, a, b)
+            stages.append(StageSpec(
+                self.profile.forward_ms(a, config), rates, self._stage_overhead_ms(a), self.pipelined,
+                self.ahead_slowdown.get(b, 1.0) if self.pipelined else 1.0,
+                self.fill(key, b) if b == active[-1] and self.tree_width == 1 else 1.0,
+                self.jitter_cv if self.pipelined and a == 0 else 0.0, per_text_position=per_text))
         return stages, self.profile.draft_ms(active[-1], config)
 
     def _stage_overhead_ms(self, verifier: int) -> float:
@@ -505,8 +525,14 @@ class Tuner:
         return self.step_overhead_ms if verifier == 0 else self.round_overhead_ms
 
     def accept_rates(self, key: str, verifier: int, drafter: int) -> tuple[float, ...]:
-        """Posterior per-position acceptance; an unmeasured skip pair's prior is the product of
-        the adjacent pairs' first-position rates (pessimistic: no bypass without evidence)."""
+        """Posterior per-position acceptance (per position of the text, or per round for a
+        shadow estimate: `rates_of`)."""
+        return self.rates_of(key, verifier, drafter)[0]
+
+    def rates_of(self, key: str, verifier: int, drafter: int) -> tuple[tuple[float, ...], bool]:
+        """(posterior per-position acceptance, whether it is per position of the text); an
+        unmeasured skip pair's prior is the product of the adjacent pairs' first-position
+        rates (pessimistic: no bypass without evidence)."""
         prior = None
         if drafter > verifier + 1:
             prior = 1.0
@@ -517,8 +543,9 @@ class Tuner:
         shadow = state.shadow_estimates.get((verifier, drafter))
         direct_known = direct is not None and direct.blocks >= MIN_BLOCKS
         if not direct_known and shadow is not None and shadow.blocks >= MIN_BLOCKS:
-            return shadow.rates(prior)  # a fallback only: it overrates bursty drafters (docs/time-model.md)
-        return self._estimate(key, verifier, drafter).rates(prior)
+            return shadow.rates(prior), shadow.along_text  # a fallback only (docs/time-model.md §4)
+        estimate = self._estimate(key, verifier, drafter)
+        return estimate.rates(prior), estimate.along_text
 
     def predict(self, key: str, active: tuple[int, ...], lengths: list[int] | tuple[int, ...]) -> float:
         """Predicted ms per target token for `active` tiers and per-level `lengths`."""
@@ -645,7 +672,7 @@ class Tuner:
         estimate = estimates.get((verifier, drafter))
         if estimate is None:
             estimate = estimates[(verifier, drafter)] = AcceptanceEstimate(
-                self.prior_mean, self.prior_strength, self.decay, age_per_block=False)
+                self.prior_mean, self.prior_strength, self.decay, age_per_block=False, along_text=not shadow)
         return estimate
 
     def _fill(self, key: str, drafter: int) -> FillEstimate:

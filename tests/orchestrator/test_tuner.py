@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import torch
 from orchestrator.config import parse_config
 from orchestrator.engine import Engine
 from orchestrator.profiler import LatencyProfile, OnlineTable
-from orchestrator.time_model import round_models
+from orchestrator.time_model import expected_emitted, renewal_rates, round_models
 from orchestrator.tuner import PROBE_BUDGET, AcceptanceEstimate, Plan, Tuner
 from workers.sampling import SamplingParams
 
@@ -21,12 +22,74 @@ GREEDY = SamplingParams()
 def test_acceptance_estimate_by_hand():
     estimate = AcceptanceEstimate(prior_mean=0.5, prior_strength=2.0, decay=1.0)
     estimate.observe(proposed=3, accepted=1)  # position 1 accepted, position 2 rejected, 3 unseen
+    # the round covered 2 tokens of text: its outcomes count twice (per position of the text)
     rates = estimate.rates()
-    assert rates[0] == pytest.approx((0.5 * 2 + 1) / 3)
-    assert rates[1] == pytest.approx((rates[0] * 2 + 0) / 3)
+    assert rates[0] == pytest.approx((0.5 * 2 + 2) / 4)
+    assert rates[1] == pytest.approx((rates[0] * 2 + 0) / 4)
     assert rates[2] == pytest.approx(rates[1])  # unseen positions fall back on their neighbour
     estimate.observe(proposed=2, accepted=2)  # a fully accepted block says nothing about position 3
-    assert estimate.trials[:3] == [2.0, 2.0, 0.0]
+    assert estimate.trials[:3] == [5.0, 5.0, 0.0]
+    assert estimate.blocks == 2.0
+    per_round = AcceptanceEstimate(prior_mean=0.5, prior_strength=2.0, decay=1.0, along_text=False)
+    per_round.observe(proposed=4, accepted=1, first_weight=0.5)  # a shadow sample: weight 1 but position 1's
+    assert per_round.trials[:3] == [0.5, 1.0, 0.0] and per_round.successes[:2] == [0.5, 0.0] and per_round.blocks == 0.5
+
+
+def test_renewal_rates_by_hand():
+    """Text where the drafter's run from a context is 0 tokens half the time and 3 tokens (or
+    more) the other half: a chain at length 1 starts a round from each kind of context in
+    proportion to 1 / (tokens its round emits), i.e. 1 : 1/2, so its position-1 rate is 1/3;
+    at length 3, 1 : 1/4, so 1/5; beyond the length a round asks for, the text's rates."""
+    text = (0.5, 1.0, 1.0, 0.2)
+    assert renewal_rates(text, 1)[0] == pytest.approx((0.5 / 2) / (0.5 / 1 + 0.5 / 2))
+    at3 = renewal_rates(text, 3)
+    assert at3[0] == pytest.approx((0.5 / 4) / (0.5 / 1 + 0.5 / 4))
+    assert at3[1:3] == pytest.approx((1.0, 1.0)) and at3[3] == pytest.approx(0.2)
+    # E(k) of the rounds = 1 / E_text[1 / (min(a, k) + 1)]: harmonic, not arithmetic
+    for k in (1, 2, 3, 4):
+        q = {0: 0.5, 3: 0.5 * 0.8, 4: 0.5 * 0.2}  # the text's run lengths
+        harmonic = 1.0 / sum(p / (min(a, k) + 1) for a, p in q.items())
+        assert expected_emitted(renewal_rates(text, k), k) == pytest.approx(harmonic)
+
+
+def bursty_runs(stretches: int = 40) -> list[int]:
+    """Per context of a text, how many tokens a copying drafter matches: prose stretches (no
+    match) between repeated stretches (a match running to the stretch's end)."""
+    rng = random.Random(0)
+    runs: list[int] = []
+    for _ in range(stretches):
+        runs += [0] * rng.randint(3, 12)
+        length = rng.randint(4, 30)
+        runs += [length - i for i in range(length)]
+    return runs
+
+
+def rounds_at(runs: list[int], k: int) -> list[int]:
+    """A chain asking for k tokens over that text: each round's accepted count."""
+    accepted, at = [], 0
+    while at < len(runs):
+        accepted.append(min(runs[at], k))
+        at += accepted[-1] + 1
+    return accepted
+
+
+def test_one_table_along_the_text_predicts_rounds_at_every_length():
+    """Rounds at k = 6 only (a chain running k = 6 online): counted along the text, their table
+    predicts the tokens per round of chains at k = 1..6 on the same text within 3 % (measured:
+    1 %); counted per round, it under-predicts k = 1 and 2 by more than 15 % (measured: 17-18 %;
+    the rounds at 6 jump through the repeated stretches, the rounds at 1 crawl through them)."""
+    runs = bursty_runs()
+    along, per_round = AcceptanceEstimate(decay=1.0), AcceptanceEstimate(decay=1.0, along_text=False)
+    for accepted in rounds_at(runs, 6):
+        along.observe(6, accepted)
+        per_round.observe(6, accepted)
+    errors_along, errors_round = [], []
+    for k in range(1, 7):
+        true = statistics.mean(a + 1 for a in rounds_at(runs, k))
+        errors_along.append(expected_emitted(renewal_rates(along.rates(), k), k) / true - 1.0)
+        errors_round.append(expected_emitted(per_round.rates(), k) / true - 1.0)
+    assert max(abs(e) for e in errors_along) < 0.03, errors_along
+    assert max(errors_round[:2]) < -0.15, errors_round
 
 
 def test_acceptance_estimate_forgets():
@@ -155,9 +218,9 @@ def test_probes_come_more_often_the_closer_the_bypassed_plan():
         tuner._set_probing("greedy", state)
         return state.probe_every, tuner.choose("greedy", bypass=False).predicted_ms / state.plan.predicted_ms - 1.0
 
-    far, far_gap = probe_every(0.0)  # the full chain predicted ~10 % slower
-    near, near_gap = probe_every(0.1)  # ... ~3 % slower
-    assert far_gap > 0.08 and 0 < near_gap < 0.04
+    far, far_gap = probe_every(0.0)  # the full chain predicted ~7 % slower
+    near, near_gap = probe_every(0.1)  # ... ~4 % slower
+    assert far_gap > 0.06 and 0 < near_gap < far_gap - 0.02
     assert far == math.ceil(far_gap / PROBE_BUDGET) and near == math.ceil(near_gap / PROBE_BUDGET)
     assert probe_every(0.9)[0] == 2  # full chain predicted faster: the next re-tune takes it
 
@@ -168,7 +231,7 @@ def test_probes_come_more_often_the_closer_the_bypassed_plan():
         ["target", "mid", "ngram"], [lambda m: 8.0 + 0.3 * m, lambda m: 3.0 + 0.2 * m, None], [None, lambda k: 3.0 * k, lambda k: 0.03]
     )
     tuner = Tuner(profile, max_length=8, decay=1.0, explore_every=64)
-    for pair, rate in (((0, 1), 0.97), ((1, 2), 0.5), ((0, 2), 0.7)):
+    for pair, rate in (((0, 1), 0.97), ((1, 2), 0.5), ((0, 2), 0.75)):
         estimate = tuner._estimate("greedy", *pair)
         estimate.successes, estimate.trials, estimate.blocks = [1000.0 * rate] * 32, [1000.0] * 32, 1000.0
     state = tuner._state("greedy")
