@@ -297,10 +297,24 @@ def block_from_below(below: RoundModel | None, draft_ms: LatencyTable, need: int
 
 def round_model(stage: StageSpec, block_pmf: Sequence[float], block_ms: float, tree_width: int = 1) -> RoundModel:
     """A tier's round: score the block (tree_width * L nodes + the last token) and verify it."""
-    if stage.pipelined and tree_width == 1:
-        pipelined = pipelined_round_model(stage, block_pmf, block_ms)
-        if pipelined is not None:
-            return pipelined
+    serial = _serial_round_model(stage, block_pmf, block_ms, tree_width)
+    if not stage.pipelined or tree_width != 1:
+        return serial
+    rates = tuple(stage.accept_rates)
+    whole = sum(p * _cached_accepted_pmf(rates, block_len)[block_len] for block_len, p in enumerate(block_pmf) if p and block_len)
+    share = ahead_share(whole)
+    if share < 1e-3:
+        return serial
+    pipelined = pipelined_round_model(stage, block_pmf, block_ms, bet=True)
+    if share > 1.0 - 1e-3:
+        return pipelined
+    size = max(len(serial.emitted_pmf), len(pipelined.emitted_pmf))
+    pad = lambda pmf: list(pmf) + [0.0] * (size - len(pmf))  # noqa: E731
+    emitted = tuple(share * a + (1.0 - share) * b for a, b in zip(pad(pipelined.emitted_pmf), pad(serial.emitted_pmf)))
+    return RoundModel(emitted, share * pipelined.round_ms + (1.0 - share) * serial.round_ms, share * pipelined.cold_extra_ms)
+
+
+def _serial_round_model(stage: StageSpec, block_pmf: Sequence[float], block_ms: float, tree_width: int) -> RoundModel:
     emitted = [0.0] * (len(block_pmf) + 1)
     forward_ms = 0.0
     for block_len, p in enumerate(block_pmf):
@@ -325,11 +339,26 @@ def expected_max(mean_a: float, sd_a: float, mean_b: float, sd_b: float) -> floa
 
 
 AHEAD_THRESHOLD = 0.5  # a drafter drafts past its block while at least this share of its blocks is accepted whole
+AHEAD_SMOOTHING = 0.2  # ... measured as an EMA of whole / not whole with this smoothing (workers/tier_worker.py)
 
 
-def pipelined_round_model(stage: StageSpec, block_pmf: Sequence[float], block_ms: float) -> RoundModel | None:
+def ahead_share(whole: float) -> float:
+    """Share of a stage's rounds in which its drafter drafts ahead, when its blocks are
+    accepted whole with probability `whole`: the runtime bets while its EMA (smoothing a) of
+    the outcomes is >= AHEAD_THRESHOLD. The EMA has mean `whole` and variance
+    a / (2 - a) * whole * (1 - whole) (sd 0.17 at whole = 0.5); taken as normal, the share is
+    Phi((whole - threshold) / sd). A hard switch at the threshold would make the model jump
+    where the runtime flips back and forth (an n-gram stage at k = 1 with ~50 % acceptance)."""
+    variance = AHEAD_SMOOTHING / (2.0 - AHEAD_SMOOTHING) * whole * (1.0 - whole)
+    if variance <= 1e-12:
+        return 1.0 if whole >= AHEAD_THRESHOLD else 0.0
+    return 0.5 * (1.0 + math.erf((whole - AHEAD_THRESHOLD) / math.sqrt(2.0 * variance)))
+
+
+def pipelined_round_model(stage: StageSpec, block_pmf: Sequence[float], block_ms: float, bet: bool = False) -> RoundModel | None:
     """A round of a draft-ahead stage (docs/time-model.md §5), or None when its drafter would
-    not bet on whole blocks (then the stage runs as in serial mode).
+    not bet on whole blocks (then the stage runs as in serial mode; `round_model` mixes the
+    two by `ahead_share`).
 
     While the verifier scores block n the drafter drafts block n+1, betting that n is accepted
     whole (P = P[A = L]). Accepted whole: the next block is ready after max(t + o, D) and the
@@ -349,7 +378,7 @@ def pipelined_round_model(stage: StageSpec, block_pmf: Sequence[float], block_ms
     for block_len, p in enumerate(block_pmf):
         if p and block_len:
             whole += p * _cached_accepted_pmf(rates, block_len)[block_len]
-    if whole < AHEAD_THRESHOLD:
+    if whole < AHEAD_THRESHOLD and not bet:  # `bet`: the round as it runs when the drafter does bet
         return None
     emitted = [0.0] * (len(block_pmf) + 1)
     cold_ms = warm_ms = 0.0

@@ -38,7 +38,7 @@ from concurrent import futures
 import grpc
 import torch
 
-from orchestrator.time_model import AHEAD_THRESHOLD  # the time model reads the same bet
+from orchestrator.time_model import AHEAD_SMOOTHING, AHEAD_THRESHOLD  # the time model reads the same bet
 from protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
 from workers.sampling import SamplingParams
 from workers.tiers import Tier
@@ -59,7 +59,6 @@ AHEAD_THREADS = 8
 # idle core; on a shared one they slow the verifier (benchmarks/ray-pipeline.md), so a
 # sequence drafts ahead only while its blocks are mostly accepted whole (EMA >= threshold).
 AHEAD_PRIOR = 0.5
-AHEAD_SMOOTHING = 0.2
 
 _local = threading.local()  # per thread: model seconds of the current call, lock priority
 

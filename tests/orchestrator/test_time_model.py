@@ -155,7 +155,36 @@ def test_tree_rates_and_cost():
     assert rounds[0].round_ms == pytest.approx(DRAFT_MS[2] + TARGET_MS[7])
 
 
-def test_pipelined_stage_by_hand():
+@pytest.fixture
+def hard_bet(monkeypatch):
+    """The runtime's bet as a hard switch at AHEAD_THRESHOLD (the formulas by hand below);
+    `ahead_share` smooths it (test_the_bet_is_mixed_near_the_threshold)."""
+    from orchestrator import time_model
+
+    monkeypatch.setattr(time_model, "ahead_share", lambda whole: 1.0 if whole >= time_model.AHEAD_THRESHOLD else 0.0)
+
+
+def test_the_bet_is_mixed_near_the_threshold():
+    """The runtime drafts ahead while an EMA (0.2) of whole blocks is >= 0.5: near the
+    threshold it flips back and forth, and the round is the mixture of the two regimes."""
+    from orchestrator.time_model import AHEAD_SMOOTHING, ahead_share, pipelined_round_model, round_model
+
+    assert ahead_share(0.5) == pytest.approx(0.5)
+    sd = math.sqrt(AHEAD_SMOOTHING / (2 - AHEAD_SMOOTHING) * 0.6 * 0.4)
+    assert ahead_share(0.6) == pytest.approx(0.5 * (1 + math.erf(0.1 / sd / math.sqrt(2))))
+    assert ahead_share(0.99) > 0.999 and ahead_share(0.1) < 0.001 and ahead_share(1.0) == 1.0 and ahead_share(0.0) == 0.0
+    stage = StageSpec(TARGET_MS, (0.55,), overhead_ms=0.5, pipelined=True)  # k = 1: whole = 0.55
+    block = [0.0, 1.0]
+    share = ahead_share(0.55)
+    pipe = pipelined_round_model(stage, block, DRAFT_MS[1], bet=True)
+    serial = round_model(dataclasses.replace(stage, pipelined=False), block, DRAFT_MS[1])
+    mixed = round_model(stage, block, DRAFT_MS[1])
+    assert 0.5 < share < 0.8
+    assert mixed.round_ms == pytest.approx(share * pipe.round_ms + (1 - share) * serial.round_ms)
+    assert mixed.expected_emitted == pytest.approx(share * 1.0 + (1 - share) * 1.55)  # a whole 1-token block: no bonus
+
+
+def test_pipelined_stage_by_hand(hard_bet):
     """Draft-ahead (docs/time-model.md §5): with block length 2 and per-token acceptance 0.9 the
     block is accepted whole with P = 0.81; then the round emits 2 tokens (no bonus) and the
     next block was drafted during the forward; otherwise the draft is redone after the verdict."""
@@ -192,7 +221,7 @@ def test_pipelining_pays_when_blocks_are_accepted_whole():
     assert best < min(cost_per_token([serial], drafter, [k]) for k in range(1, 9))
 
 
-def test_first_round_has_nothing_drafted_ahead():
+def test_first_round_has_nothing_drafted_ahead(hard_bet):
     """A request's first round: its block is drafted after the prompt is in, so even a
     pipelined stage pays forward + block in full; a serial stage's first round is its round.
     The block is cut to new_tokens - 1 as in generation_ms."""
@@ -206,7 +235,7 @@ def test_first_round_has_nothing_drafted_ahead():
     assert first_round_ms([pipelined], DRAFT_MS, [2], 48) > round_models([pipelined], DRAFT_MS, [2])[0].round_ms
 
 
-def test_a_drafter_that_proposes_less_than_asked():
+def test_a_drafter_that_proposes_less_than_asked(hard_bet):
     """fill: the share of an asked block the bottom drafter really proposes (an n-gram lookup
     with no match proposes nothing). The verifier then scores fill * k + 1 tokens; acceptance
     (missing proposals already count as rejected) and so the emitted tokens do not change."""
