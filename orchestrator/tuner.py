@@ -565,13 +565,14 @@ class Tuner:
                     sets.append(active)
         return sets
 
-    def choose(self, key: str, bypass: bool | None = None, exclude: int | None = None) -> Plan:
-        """The plan with the lowest predicted C_0 (optionally never using tier `exclude`)."""
+    def choose(self, key: str, bypass: bool | None = None, exclude: int | None = None, only: tuple[int, ...] | None = None) -> Plan:
+        """The plan with the lowest predicted C_0 (optionally never using tier `exclude`, or
+        only on the tiers `only`)."""
         if bypass is None:
             bypass = self.allow_bypass
         best: Plan | None = None
-        for active in self.candidate_sets(bypass or exclude is not None):
-            if exclude is not None and exclude in active:
+        for active in self.candidate_sets(bypass or exclude is not None or only is not None):
+            if (exclude is not None and exclude in active) or (only is not None and active != only):
                 continue
             stages, draft_ms = self.stages(key, active)
             chosen, cost = search_lengths(stages, draft_ms, self.max_length, self.tree_width)
@@ -590,8 +591,10 @@ class Tuner:
         current = state.plan
         if current is not None:
             current_ms = self.predict(key, current.active, current.lengths)
-            margin = self._switch_margin(current.active, best.active)
-            if not best.predicted_ms < current_ms * (1.0 - margin):
+            if not best.predicted_ms < current_ms * (1.0 - self._switch_margin(current.active, best.active)) and best.active != current.active:
+                # another set of tiers is not worth the switch yet; the lengths on these tiers may be
+                best = self.choose(key, only=current.active)
+            if not best.predicted_ms < current_ms * (1.0 - self._switch_margin(current.active, best.active)):
                 state.plan = dataclasses.replace(current, predicted_ms=current_ms)
                 self._set_probing(key, state)
                 return
