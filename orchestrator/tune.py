@@ -80,7 +80,7 @@ class TuneSettings:
     max_prompts: int = DEFAULT_MAX_PROMPTS
     seed: int = 0
     repeats: int = 1  # passes over every plan; the median pass is reported
-    heldout_repeats: int = 7  # passes of the held-out comparison (best grid point, then auto, alternating)
+    heldout_repeats: int = 7  # passes of the held-out comparison (best grid point, fresh auto, warm auto; rotating order)
     top_p: float = 1.0
     top_k: int = 0
 

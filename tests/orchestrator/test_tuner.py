@@ -424,8 +424,8 @@ def test_proposal_fill_from_the_bottom_drafters_proposals():
     [
         ((0, 1, 2), 0.05, True),  # new lengths, same tiers: 3 %
         ((0, 1, 2), 0.02, False),
-        ((0, 1), 0.12, True),  # drop the bottom tier: 8 % (its stages are measured in the chain itself)
-        ((0, 1), 0.05, False),
+        ((0, 1), 0.12, False),  # drop the bottom tier: 20 % too (its value was read from a bursty window)
+        ((0, 1), 0.25, True),
         ((0, 2), 0.12, False),  # bypass the middle tier: a skip pair's estimate, 20 %
         ((0, 2), 0.25, True),
     ],
@@ -447,7 +447,7 @@ def test_switch_margin_depends_on_what_changes(new_active, gain, switches):
 
 
 def test_lengths_on_the_same_tiers_move_while_another_set_waits_for_its_margin():
-    """The best plan overall drops the n-gram tier, 5 % faster: under the 8 % margin, so the
+    """The best plan overall drops the n-gram tier, 5 % faster: under the 20 % margin, so the
     tiers stay; the best lengths on them (also 5 % faster) clear the 3 % margin and are taken."""
     profile = fixed_profile(
         ["target", "mid", "ngram"], [lambda m: 8.0 + 0.3 * m, lambda m: 3.0 + 0.2 * m, None], [None, lambda k: 3.0 * k, lambda k: 0.03]
