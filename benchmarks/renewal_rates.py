@@ -10,7 +10,7 @@ tokens per round at each k. Against it, what the tuner would predict from the ro
 chains at `--lengths` (as `polyspec tune`'s calibration runs them):
 
 - per-round table: per-position rates counted per round (the tuner before the renewal
-  weighting), pooled over the lengths;
+  weighting; `AcceptanceEstimate(along_text=False)`), pooled over the lengths;
 - text table: each round weighted by the tokens it covers, turned back into rounds at k by
   `time_model.renewal_rates` (the tuner now);
 - both again from the rounds at the longest length only (a chain running it online).
@@ -29,17 +29,15 @@ REPO = Path(__file__).resolve().parents[1]
 K_MAX = 6
 
 
-def per_position(rounds: list[tuple[int, int]], weighted: bool) -> tuple[float, ...]:
-    """Rates per position from (length asked, accepted) rounds; `weighted`: each round counts
-    accepted + 1 times (per position of the text)."""
-    trials, successes = [0.0] * K_MAX, [0.0] * K_MAX
+def per_position(rounds: list[tuple[int, int]], along_text: bool) -> tuple[float, ...]:
+    """The tuner's own estimate (tuner.AcceptanceEstimate, no forgetting) from (length asked,
+    accepted) rounds: per position of the text (each round weighted accepted + 1) or per round."""
+    from orchestrator.tuner import AcceptanceEstimate
+
+    estimate = AcceptanceEstimate(decay=1.0, along_text=along_text)
     for asked, accepted in rounds:
-        weight = accepted + 1.0 if weighted else 1.0
-        for position in range(min(asked, K_MAX)):
-            if accepted >= position:
-                trials[position] += weight
-                successes[position] += weight if accepted > position else 0.0
-    return tuple(s / t if t else 0.0 for s, t in zip(successes, trials))
+        estimate.observe(asked, accepted)
+    return estimate.rates()[:K_MAX]
 
 
 def chain_rounds(runs: list[int], k: int) -> list[tuple[int, int]]:

@@ -297,17 +297,15 @@ def block_from_below(below: RoundModel | None, draft_ms: LatencyTable, need: int
 
 def round_model(stage: StageSpec, block_pmf: Sequence[float], block_ms: float, tree_width: int = 1) -> RoundModel:
     """A tier's round: score the block (tree_width * L nodes + the last token) and verify it."""
-    serial = _serial_round_model(stage, block_pmf, block_ms, tree_width)
     if not stage.pipelined or tree_width != 1:
-        return serial
-    rates = tuple(stage.accept_rates)
-    whole = sum(p * _cached_accepted_pmf(rates, block_len)[block_len] for block_len, p in enumerate(block_pmf) if p and block_len)
-    share = ahead_share(whole)
+        return _serial_round_model(stage, block_pmf, block_ms, tree_width)
+    share = ahead_share(_whole_probability(tuple(stage.accept_rates), block_pmf))
     if share < 1e-3:
-        return serial
+        return _serial_round_model(stage, block_pmf, block_ms, tree_width)
     pipelined = pipelined_round_model(stage, block_pmf, block_ms, bet=True)
     if share > 1.0 - 1e-3:
         return pipelined
+    serial = _serial_round_model(stage, block_pmf, block_ms, tree_width)
     size = max(len(serial.emitted_pmf), len(pipelined.emitted_pmf))
     pad = lambda pmf: list(pmf) + [0.0] * (size - len(pmf))  # noqa: E731
     emitted = tuple(share * a + (1.0 - share) * b for a, b in zip(pad(pipelined.emitted_pmf), pad(serial.emitted_pmf)))
@@ -342,6 +340,11 @@ AHEAD_THRESHOLD = 0.5  # a drafter drafts past its block while at least this sha
 AHEAD_SMOOTHING = 0.2  # ... measured as an EMA of whole / not whole with this smoothing (workers/tier_worker.py)
 
 
+def _whole_probability(rates: tuple[float, ...], block_pmf: Sequence[float]) -> float:
+    """P(a block, of length drawn from `block_pmf`, is accepted whole)."""
+    return sum(p * _cached_accepted_pmf(rates, block_len)[block_len] for block_len, p in enumerate(block_pmf) if p and block_len)
+
+
 def ahead_share(whole: float) -> float:
     """Share of a stage's rounds in which its drafter drafts ahead, when its blocks are
     accepted whole with probability `whole`: the runtime bets while its EMA (smoothing a) of
@@ -374,10 +377,7 @@ def pipelined_round_model(stage: StageSpec, block_pmf: Sequence[float], block_ms
     E[max] of two normal times with the stage's `jitter_cv`, `expected_max`)
     """
     rates = tuple(stage.accept_rates)
-    whole = 0.0
-    for block_len, p in enumerate(block_pmf):
-        if p and block_len:
-            whole += p * _cached_accepted_pmf(rates, block_len)[block_len]
+    whole = _whole_probability(rates, block_pmf)
     if whole < AHEAD_THRESHOLD and not bet:  # `bet`: the round as it runs when the drafter does bet
         return None
     emitted = [0.0] * (len(block_pmf) + 1)
