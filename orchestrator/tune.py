@@ -243,12 +243,53 @@ def run_auto(engine: Engine, tuner: Tuner, prompt_ids: list[list[int]], settings
         engine.scheduler.tuner = None
 
 
+def interleaved_pass(engine: Engine, items: list, prompt_ids: list[list[int]], settings: TuneSettings, seed: int) -> list[Measurement]:
+    """One measurement pass, interleaved per prompt: every item generates prompt 1 (in a
+    shuffled order), then every item prompt 2, and so on. An item is a Plan (fixed lengths and
+    tiers) or a Tuner (`lengths: auto`, learning as it goes over the prompts in order).
+
+    A shared CPU's speed drifts over seconds: the demo chain at fixed lengths measured 4.0 and
+    5.2 ms/token in whole passes a minute apart, and two plans measured one after the other
+    (every prompt with one, then every prompt with the other) came out anywhere from 0.99x to
+    1.24x apart from one pass to the next, where per-prompt interleaving kept the same pair
+    within 0.98-1.00x. Items compared here see the same seconds of the machine.
+    Returns one Measurement per item, in the order given."""
+    params = settings.params()
+    scheduler = engine.scheduler
+    totals = [[0.0, 0.0, 0] for _ in items]  # wall s, this process's CPU s, tokens
+    rng = random.Random(seed)
+    try:
+        for number, ids in enumerate(prompt_ids):
+            order = list(range(len(items)))
+            rng.shuffle(order)
+            for index in order:
+                item = items[index]
+                if isinstance(item, Plan):
+                    scheduler.tuner = None
+                    scheduler.lengths, scheduler.active = list(item.lengths), tuple(item.active)
+                else:
+                    item.fixed = None
+                    scheduler.tuner = item
+                cpu_started = time.process_time()
+                output = scheduler.generate(list(ids), settings.max_new_tokens, params, seed=settings.seed + number)
+                total = totals[index]
+                total[0] += output.stats["time_s"]
+                total[1] += time.process_time() - cpu_started
+                total[2] += len(output.token_ids)
+    finally:
+        scheduler.tuner = None
+    return [Measurement(1000.0 * wall / max(1, tokens), 1000.0 * cpu / max(1, tokens)) for wall, cpu, tokens in totals]
+
+
+def _medians(runs: list[Measurement]) -> Measurement:
+    return Measurement(statistics.median(m.wall_ms for m in runs), statistics.median(m.cpu_ms for m in runs))
+
+
 def measure(engine: Engine, plans: list[Plan], prompt_ids: list[list[int]], settings: TuneSettings, make_auto_tuner, log, predict=None) -> tuple[dict, list[Tuner], list[dict]]:
     """Step 4: `settings.repeats` passes, each over every plan and one fresh `lengths: auto`
-    run, in a shuffled order (slow phases of a shared machine then hit plans at random, not
-    the end of the list). `predict(repeat)`, called before each pass, returns that pass's
-    predictions. Returns ({plan or "auto": median Measurement}, the auto runs' tuners,
-    [per-pass predictions])."""
+    tuner, interleaved per prompt (`interleaved_pass`). `predict(repeat)`, called before each
+    pass, returns that pass's predictions. Returns ({plan or "auto": median Measurement}, the
+    auto runs' tuners, [per-pass predictions])."""
     runs: dict = {plan: [] for plan in [*plans, "auto"]}
     tuners = []
     predictions = []
@@ -256,36 +297,23 @@ def measure(engine: Engine, plans: list[Plan], prompt_ids: list[list[int]], sett
     for repeat in range(settings.repeats):
         if predict is not None:
             predictions.append(predict(repeat))
-        order = list(runs)
-        random.Random(settings.seed + repeat).shuffle(order)
-        for number, item in enumerate(order, start=1):
-            if item == "auto":
-                auto_tuner = make_auto_tuner()
-                runs[item].append(run_auto(engine, auto_tuner, prompt_ids, settings))
-                tuners.append(auto_tuner)
-            else:
-                runs[item].append(run_plan(engine, item, prompt_ids, settings))
-            log(f"pass {repeat + 1}/{settings.repeats}: measured {number}/{len(order)} ({time.perf_counter() - started:.0f} s)")
-    medians = {
-        item: Measurement(statistics.median(m.wall_ms for m in values), statistics.median(m.cpu_ms for m in values))
-        for item, values in runs.items()
-    }
-    return medians, tuners, predictions
+        auto_tuner = make_auto_tuner()
+        results = interleaved_pass(engine, [*plans, auto_tuner], prompt_ids, settings, seed=settings.seed + repeat)
+        for item, result in zip([*plans, "auto"], results):
+            runs[item].append(result)
+        tuners.append(auto_tuner)
+        log(f"pass {repeat + 1}/{settings.repeats}: {len(plans) + 1} runs of {len(prompt_ids)} prompts ({time.perf_counter() - started:.0f} s)")
+    return {item: _medians(values) for item, values in runs.items()}, tuners, predictions
 
 
 def measure_plans(engine: Engine, plans: list[Plan], prompt_ids: list[list[int]], settings: TuneSettings, log) -> dict:
-    """{plan: median Measurement} over `settings.repeats` fresh passes, each in a shuffled order."""
+    """{plan: median Measurement} over `settings.repeats` fresh interleaved passes."""
     runs: dict = {plan: [] for plan in plans}
     for repeat in range(settings.repeats):
-        order = list(plans)
-        random.Random(settings.seed + 1000 + repeat).shuffle(order)
-        for plan in order:
-            runs[plan].append(run_plan(engine, plan, prompt_ids, settings))
+        for plan, result in zip(plans, interleaved_pass(engine, plans, prompt_ids, settings, seed=settings.seed + 1000 + repeat)):
+            runs[plan].append(result)
         log(f"confirm pass {repeat + 1}/{settings.repeats}")
-    return {
-        plan: Measurement(statistics.median(m.wall_ms for m in values), statistics.median(m.cpu_ms for m in values))
-        for plan, values in runs.items()
-    }
+    return {plan: _medians(values) for plan, values in runs.items()}
 
 
 def predict_plan(tuner: Tuner, key: str, plan: Plan, prefill_extra_ms: list[list[float]], new_tokens: int) -> float:
@@ -329,20 +357,18 @@ def calibrate_first_rounds(tuner: Tuner, key: str, runs: list[tuple[Plan, list[f
 def measure_heldout(engine: Engine, best: Plan, prompt_ids: list[list[int]], settings: TuneSettings, make_auto_tuner, log,
                     warm_tuner: Tuner | None = None) -> dict:
     """The best grid point (fixed lengths, chosen on the tuning set) against `lengths: auto` on
-    prompts neither saw; `heldout_repeats` passes in rotating order. Auto runs twice a pass:
+    prompts neither saw; `heldout_repeats` passes, interleaved per prompt. Auto runs twice a pass:
     a fresh tuner (start-up profile only: a server's first requests), and, when `warm_tuner`
     is given, a copy of it (a tuner that has already served other prompts: the tuning set,
     in one `lengths: auto` run), as in a server that has been up for a while."""
     runs: dict[str, list[Measurement]] = {"fixed": [], "auto": [], "warm": []}
-    items = ["fixed", "auto"] + (["warm"] if warm_tuner is not None else [])
     for repeat in range(settings.heldout_repeats):
-        order = items[repeat % len(items):] + items[: repeat % len(items)]
-        for item in order:
-            if item == "fixed":
-                runs[item].append(run_plan(engine, best, prompt_ids, settings))
-            else:
-                tuner = make_auto_tuner() if item == "auto" else copy.deepcopy(warm_tuner)
-                runs[item].append(run_auto(engine, tuner, prompt_ids, settings))
+        items = {"fixed": best, "auto": make_auto_tuner()}
+        if warm_tuner is not None:
+            items["warm"] = copy.deepcopy(warm_tuner)
+        results = interleaved_pass(engine, list(items.values()), prompt_ids, settings, seed=settings.seed + 2000 + repeat)
+        for name, result in zip(items, results):
+            runs[name].append(result)
         log(f"held-out pass {repeat + 1}/{settings.heldout_repeats}")
     fixed, auto = runs["fixed"], runs["auto"]
     fixed_ms = statistics.median(m.wall_ms for m in fixed)
