@@ -243,10 +243,14 @@ def run_auto(engine: Engine, tuner: Tuner, prompt_ids: list[list[int]], settings
         engine.scheduler.tuner = None
 
 
-def interleaved_pass(engine: Engine, items: list, prompt_ids: list[list[int]], settings: TuneSettings, seed: int) -> list[Measurement]:
+def interleaved_pass(engine: Engine, items: list, prompt_ids: list[list[int]], settings: TuneSettings, seed: int,
+                     after=None, log=None) -> list[Measurement]:
     """One measurement pass, interleaved per prompt: every item generates prompt 1 (in a
     shuffled order), then every item prompt 2, and so on. An item is a Plan (fixed lengths and
-    tiers) or a Tuner (`lengths: auto`, learning as it goes over the prompts in order).
+    tiers), a Tuner (`lengths: auto`, learning as it goes over the prompts in order), or a
+    (Plan, Tuner) pair (the plan's fixed lengths through the tuner's hooks: it learns, it does
+    not re-tune; the calibration). `after(index)` is called after each run of item `index`;
+    `log(message)` after each prompt.
 
     A shared CPU's speed drifts over seconds: the demo chain at fixed lengths measured 4.0 and
     5.2 ms/token in whole passes a minute apart, and two plans measured one after the other
@@ -267,6 +271,10 @@ def interleaved_pass(engine: Engine, items: list, prompt_ids: list[list[int]], s
                 if isinstance(item, Plan):
                     scheduler.tuner = None
                     scheduler.lengths, scheduler.active = list(item.lengths), tuple(item.active)
+                elif isinstance(item, tuple):
+                    plan, scheduler.tuner = item
+                    scheduler.tuner.fixed = plan
+                    scheduler.lengths, scheduler.active = list(plan.lengths), tuple(plan.active)
                 else:
                     item.fixed = None
                     scheduler.tuner = item
@@ -276,6 +284,10 @@ def interleaved_pass(engine: Engine, items: list, prompt_ids: list[list[int]], s
                 total[0] += output.stats["time_s"]
                 total[1] += time.process_time() - cpu_started
                 total[2] += len(output.token_ids)
+                if after is not None:
+                    after(index)
+            if log is not None:
+                log(f"prompt {number + 1}/{len(prompt_ids)}")
     finally:
         scheduler.tuner = None
     return [Measurement(1000.0 * wall / max(1, tokens), 1000.0 * cpu / max(1, tokens)) for wall, cpu, tokens in totals]
@@ -537,18 +549,25 @@ def calibrate(engine: Engine, prompt_ids: list[list[int]], settings: TuneSetting
 
 
 def recalibrate(engine: Engine, tuner: Tuner, prompt_ids: list[list[int]], settings: TuneSettings, log,
-                prefill_extra_ms: list[list[float]]) -> None:
+                prefill_extra_ms: list[list[float]], pass_number: int = 0) -> None:
     """One pass of the calibration plans through the tuner's hooks: acceptance counts grow,
     and the latency tables follow the machine's speed now (a shared CPU drifts over minutes);
     a distributed chain's first rounds are calibrated from the same runs."""
     plans = calibration_plans(tuner, settings.grid_max)
-    first_rounds = []
-    for number, plan in enumerate(plans, start=1):
-        log(f"calibrating {number}/{len(plans)}: {'+'.join(engine.tiers[t].name for t in plan.active)} at {plan.lengths[0]}")
+    walls: list[list[float]] = [[] for _ in plans]  # per plan: first-round wall ms per prompt (distributed)
+
+    def after(index: int) -> None:
+        walls[index].extend(tuner.first_rounds)
         tuner.first_rounds.clear()
-        run_plan(engine, plan, prompt_ids, settings, tuner)
-        if tuner.distributed and len(tuner.first_rounds) == len(prompt_ids):
-            first_rounds.append((plan, list(tuner.first_rounds)))
+
+    tuner.first_rounds.clear()
+    names = ", ".join(sorted({"+".join(engine.tiers[t].name for t in plan.active) for plan in plans}))
+    # interleaved per prompt like the measurements: every set of tiers' latency table is
+    # refined over the same seconds of the machine (one after the other, a slow phase
+    # landed on one set: the target's t(1) came out 7.3 ms in one set and 10.4 ms in another)
+    interleaved_pass(engine, [(plan, tuner) for plan in plans], prompt_ids, settings, seed=settings.seed + 3000 + pass_number,
+                     after=after, log=lambda message: log(f"calibrating {len(plans)} plans ({names}): {message}"))
+    first_rounds = [(plan, runs) for plan, runs in zip(plans, walls) if tuner.distributed and len(runs) == len(prompt_ids)]
     if first_rounds:
         calibrate_first_rounds(tuner, request_class(settings.params()), first_rounds, prefill_extra_ms, settings.max_new_tokens)
 
@@ -605,7 +624,7 @@ def _tune(engine: Engine, config: ChainConfig, prompts: list[str], settings: Tun
         """Predictions for one measurement pass, from calibration runs made just before it (the
         first pass: the initial calibration). Never from the measured runs themselves."""
         if repeat > 0:
-            recalibrate(engine, tuner, prompt_ids, settings, log, prefill_extra)
+            recalibrate(engine, tuner, prompt_ids, settings, log, prefill_extra, pass_number=repeat)
         return predict_all()
 
     measured, auto_tuners, per_pass = measure(engine, plans, prompt_ids, settings, make_auto_tuner, log, pass_predictions)

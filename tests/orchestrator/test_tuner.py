@@ -112,7 +112,8 @@ def fixed_profile(names, forward, draft) -> LatencyProfile:
 
 
 def simulate(tuner: Tuner, accept_rate, rounds: int, rng: random.Random, start: int = 0) -> list[tuple[list[int], tuple]]:
-    """Drive the tuner as ChainScheduler would, with Bernoulli acceptance per stage."""
+    """Drive the tuner as ChainScheduler would, with Bernoulli acceptance per stage and every
+    forward taking its start-up profile's time."""
     plans = []
     committed = 1000 + start
     for round_index in range(start, start + rounds):
@@ -124,7 +125,7 @@ def simulate(tuner: Tuner, accept_rate, rounds: int, rng: random.Random, start: 
             accepted = 0
             while accepted < k and rng.random() < accept_rate(round_index, level, drafter):
                 accepted += 1
-            tuner.observe_round(level, drafter, k, k, accepted, 0.001 * (10 + k))
+            tuner.observe_round(level, drafter, k, k, accepted, 0.001 * tuner.profile.forward[level][k + 1])  # as profiled
             if level == 0:
                 emitted = accepted + 1
         tuner.observe_commit([0] * emitted)
@@ -189,9 +190,11 @@ def test_bypass_a_slow_middle_tier():
 def test_a_bypassed_drafter_returns_when_it_starts_to_agree(seed):
     # the n-gram tier first agrees on nothing (bypassed), then on most tokens: probes (every
     # 2..16 rounds, the more often the closer the full chain is predicted to come) bring it
-    # back; a probe every 16 rounds and a re-tune every 4 bound the return at ~2 x 16 rounds
+    # back; a probe every 16 rounds and a re-tune every 4 bound the return at ~2 x 16 rounds.
+    # The middle tier's forward grows steeply with the block (1.5 ms a token), so scoring
+    # useless n-gram blocks costs it more than drafting alone (3 ms a token)
     profile = fixed_profile(
-        ["target", "mid", "ngram"], [lambda m: 8.0 + 0.3 * m, lambda m: 3.0 + 0.2 * m, None], [None, lambda k: 3.0 * k, lambda k: 0.03]
+        ["target", "mid", "ngram"], [lambda m: 8.0 + 0.3 * m, lambda m: 1.5 + 1.5 * m, None], [None, lambda k: 3.0 * k, lambda k: 0.03]
     )
     tuner = Tuner(profile, max_length=8)
     rate = lambda r, i, j: 0.97 if j == 1 else (0.02 if r < 40 else 0.99)  # noqa: E731
@@ -335,6 +338,20 @@ def test_profile_moves_with_a_slower_node():
     table.observe(2, 1000.0)  # one prefill-sized outlier is clipped
     assert table.estimate(2) < 22.0 * 1.5
 
+
+
+def test_a_middle_tier_that_only_verified_drafts_at_its_observed_slowdown():
+    """A set of tiers not run yet reads the start-up table times the tier's slow-down in the
+    sets that ran; a middle tier that has only verified (no draft observed anywhere) takes its
+    forwards' slow-down for its drafts, not the start-up draft cost as it is."""
+    profile = LatencyProfile(["t", "m", "d"], [{1: 10.0, 9: 18.0}, {1: 4.0, 9: 6.0}, None], [None, {1: 3.0, 6: 18.0}, {1: 0.1, 6: 0.1}])
+    for _ in range(40):
+        profile.observe_forward(1, 5, 1.5 * 5.0, (0, 1, 2))  # inside the full chain the middle tier runs 1.5x its start-up time
+    assert profile.draft_ms(1, (0, 1))[6] == pytest.approx(1.5 * 18.0, rel=0.01)
+    for _ in range(40):
+        profile.observe_draft(1, 6, 2.0 * 18.0, (0, 1))  # once it drafts, its own drafts count
+    assert profile.draft_ms(1, (0, 1, 3))[6] == pytest.approx(2.0 * 18.0, rel=0.01)
+    assert profile.draft_ms(2, (0, 2))[1] == pytest.approx(0.1)  # never observed in any role: the start-up table
 
 # ------------------------------------------------------------------- end to end
 
