@@ -14,7 +14,10 @@ Steps (all in this process, embedded mode):
    1..K for every stage), of the tuner's choice and of the best chain with each tier
    bypassed: (sum of prefills + time_model.generation_ms) / tokens;
 4. measure every one of them (the same prompts, seeds and token counts; EOS is ignored so
-   every run generates exactly max_new_tokens), in `--repeats` passes; before every pass
+   every run generates exactly max_new_tokens), in `--repeats` passes, each interleaved per
+   prompt (every plan generates prompt 1 in a shuffled order, then prompt 2, ...: the
+   machine's speed drifts over seconds, and plans compared must see the same seconds;
+   the calibration runs are interleaved the same way); before every pass
    after the first the calibration plans run again, so each pass is predicted from
    latencies measured minutes (not a quarter of an hour) before it on a machine whose speed
    drifts; the reported prediction is the median over passes (the first calibration's alone
@@ -22,8 +25,7 @@ Steps (all in this process, embedded mode):
 5. the best grid points again against the tuner's choice (fresh passes: the minimum of many
    noisy measurements is biased low); the best grid point against `lengths: auto` on
    held-out prompts, with a fresh tuner and with one that has served the tuning prompts
-   (warm), in `--heldout-repeats` passes in rotating order (one run varies by ~15 % on a
-   shared 2-core machine, and the goal is a 5 % ratio, so the median of 3 cannot tell);
+   (warm), in `--heldout-repeats` interleaved passes (the goal is a 5 % ratio);
    a fresh tuner on code prompts then prose prompts (how many
    rounds until its plan changes).
 
@@ -80,7 +82,7 @@ class TuneSettings:
     max_prompts: int = DEFAULT_MAX_PROMPTS
     seed: int = 0
     repeats: int = 1  # passes over every plan; the median pass is reported
-    heldout_repeats: int = 7  # passes of the held-out comparison (best grid point, fresh auto, warm auto; rotating order)
+    heldout_repeats: int = 7  # passes of the held-out comparison (best grid point, fresh auto, warm auto; interleaved per prompt)
     top_p: float = 1.0
     top_k: int = 0
 

@@ -32,7 +32,7 @@ Time outside the reported rounds (the scheduler's bookkeeping, a streaming callb
 measured too: wall time between two target rounds minus what the rounds reported, per
 round, as an EMA (`round_overhead_ms`), added to every round the model predicts.
 
-Every `retune_every` rounds of a class the tuner searches lengths (time_model.search_lengths)
+Every round of a class's warm-up (`warmup_rounds`), then every `retune_every` rounds, the tuner searches lengths (time_model.search_lengths)
 for each usable set of tiers and switches only when the predicted gain exceeds `hysteresis`
 for new lengths on the same tiers, `switch_hysteresis` for another set of tiers (then the
 best lengths on the current tiers are still taken if they clear `hysteresis`).
@@ -309,7 +309,7 @@ class Tuner:
         if self.fixed is not None:
             plan = self.fixed
         else:
-            if state.plan is None or state.rounds % self.retune_every == 0:
+            if self._retune_due(state):
                 self._retune(self._key, state)
             plan = state.plan
             if state.probe_every:
@@ -390,7 +390,7 @@ class Tuner:
         if self.fixed is not None:
             plan = self.fixed
         else:
-            if state.plan is None or state.rounds % self.retune_every == 0:
+            if self._retune_due(state):
                 self._retune(key, state)
             plan = state.plan
         state.rounds += 1
@@ -606,6 +606,12 @@ class Tuner:
                 "predicted_ms_per_token": round(best.predicted_ms, 4),
             }
         )
+
+    def _retune_due(self, state: _ClassState) -> bool:
+        """Every round during the warm-up (a fresh tuner's first plan rests on priors alone, and
+        each round's data moves it most: waiting 4 rounds kept the demo chain at [1, 1] for 8
+        rounds), then every `retune_every` rounds."""
+        return state.plan is None or state.rounds < self.warmup_rounds or state.rounds % self.retune_every == 0
 
     def _switch_margin(self, current: tuple[int, ...], new: tuple[int, ...]) -> float:
         """The predicted gain a plan on `new` tiers needs over the current plan on `current`.

@@ -199,8 +199,10 @@ def test_a_bypassed_drafter_returns_when_it_starts_to_agree(seed):
     tuner = Tuner(profile, max_length=8)
     rate = lambda r, i, j: 0.97 if j == 1 else (0.02 if r < 40 else 0.99)  # noqa: E731
     plans = simulate(tuner, rate, 100, random.Random(seed))
-    assert all(active == (0, 1) for _, active in plans[20:40] if active != (0, 1, 2))  # bypassed while it agreed on nothing ...
-    assert sum(active == (0, 1) for _, active in plans[20:40]) >= 16  # ... but for the probes
+    # bypassed while it agreed on nothing (from round 8 to 24 depending on the seed: the 20 %
+    # margin against the best full-chain lengths) ...
+    assert all(active == (0, 1) for _, active in plans[24:40] if active != (0, 1, 2))
+    assert sum(active == (0, 1) for _, active in plans[24:40]) >= 13  # ... but for the probes
     back = [h["round"] for h in tuner.history if h["round"] >= 40 and "ngram" in h["active"]]
     assert back and back[0] - 40 <= 36, tuner.history
     assert 2 in plans[-1][1]
