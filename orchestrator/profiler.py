@@ -124,19 +124,20 @@ class LatencyProfile:
             raise KeyError(f"tier {self.names[tier]!r} has no {kind} profile")
         # a set of tiers not run yet: the start-up table, slowed down as much as this tier
         # runs slower than it in the sets that did run (a slower node slows them all)
-        return {size: ms * self._slowdown(online, tier) for size, ms in base[tier].items()}
+        scale = self._slowdown(online, tier)
+        return {size: ms * scale for size, ms in base[tier].items()}
 
     def _slowdown(self, online: dict, tier: int) -> float:
         """The tier's mean online / start-up factor in the sets that ran it in this role; with
         none, in its other role (a model tier's drafts are its forwards too). Without that a
         middle tier that has only verified so far kept its start-up draft cost: in a fresh
-        tuner on the demo chain, 1.3x less than inside the chain, and the chain without the
-        bottom tier looked 20 % better than it is, so the tuner dropped the n-gram tier and
-        came back, over and over."""
+        tuner on the demo chain, up to 1.5x less than it then measured inside the chain, so
+        the chain without the bottom tier looked better than it is (by the 20 % switch
+        margin), and the tuner dropped the n-gram tier and came back, over and over."""
         for tables in (online, self.online_draft if online is self.online_forward else self.online_forward):
             scales = [t.scale for (index, _), t in tables.items() if index == tier and t.base]
             if scales:
-                return sum(scales) / len(scales)  # (statistics.mean's exact fractions were a quarter of a re-tune)
+                return sum(scales) / len(scales)
         return 1.0
 
     def as_dict(self, config: Config = ()) -> list[dict]:

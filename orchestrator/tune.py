@@ -208,41 +208,15 @@ class Measurement:
     cpu_ms: float
 
 
-def generate_all(engine: Engine, prompt_ids: list[list[int]], settings: TuneSettings) -> Measurement:
-    """Generate every prompt as the scheduler is set up now."""
-    params = settings.params()
-    total_s, total_tokens = 0.0, 0
-    cpu_started = time.process_time()
-    for number, ids in enumerate(prompt_ids):
-        output = engine.scheduler.generate(list(ids), settings.max_new_tokens, params, seed=settings.seed + number)
-        total_s += output.stats["time_s"]
-        total_tokens += len(output.token_ids)
-    tokens = max(1, total_tokens)
-    return Measurement(1000.0 * total_s / tokens, 1000.0 * (time.process_time() - cpu_started) / tokens)
-
-
 def run_plan(engine: Engine, plan: Plan, prompt_ids: list[list[int]], settings: TuneSettings, tuner: Tuner | None = None) -> Measurement:
     """Every prompt with `plan` (fixed lengths / tiers); with `tuner`, through its hooks
     (it learns but does not re-tune)."""
-    if tuner is not None:
-        tuner.fixed = plan
-    scheduler = engine.scheduler
-    scheduler.tuner = tuner
-    scheduler.lengths, scheduler.active = list(plan.lengths), tuple(plan.active)
-    try:
-        return generate_all(engine, prompt_ids, settings)
-    finally:
-        scheduler.tuner = None
+    return interleaved_pass(engine, [plan if tuner is None else (plan, tuner)], prompt_ids, settings, seed=0)[0]
 
 
 def run_auto(engine: Engine, tuner: Tuner, prompt_ids: list[list[int]], settings: TuneSettings) -> Measurement:
     """Every prompt with `lengths: auto` (the tuner learning as it goes)."""
-    tuner.fixed = None
-    engine.scheduler.tuner = tuner
-    try:
-        return generate_all(engine, prompt_ids, settings)
-    finally:
-        engine.scheduler.tuner = None
+    return interleaved_pass(engine, [tuner], prompt_ids, settings, seed=0)[0]
 
 
 def interleaved_pass(engine: Engine, items: list, prompt_ids: list[list[int]], settings: TuneSettings, seed: int,
