@@ -220,12 +220,13 @@ def run_auto(engine: Engine, tuner: Tuner, prompt_ids: list[list[int]], settings
 
 
 def interleaved_pass(engine: Engine, items: list, prompt_ids: list[list[int]], settings: TuneSettings, seed: int,
-                     after=None, log=None) -> list[Measurement]:
+                     after=None, log=None, record=None) -> list[Measurement]:
     """One measurement pass, interleaved per prompt: every item generates prompt 1 (in a
     shuffled order), then every item prompt 2, and so on. An item is a Plan (fixed lengths and
     tiers), a Tuner (`lengths: auto`, learning as it goes over the prompts in order), or a
     (Plan, Tuner) pair (the plan's fixed lengths through the tuner's hooks: it learns, it does
     not re-tune; the calibration). `after(index)` is called after each run of item `index`;
+    `record(index, prompt_number, output)` too, with the run's GenerationOutput;
     `log(message)` after each prompt.
 
     A shared CPU's speed drifts over seconds: the demo chain at fixed lengths measured 4.0 and
@@ -262,6 +263,8 @@ def interleaved_pass(engine: Engine, items: list, prompt_ids: list[list[int]], s
                 total[2] += len(output.token_ids)
                 if after is not None:
                     after(index)
+                if record is not None:
+                    record(index, number, output)
             if log is not None:
                 log(f"prompt {number + 1}/{len(prompt_ids)}")
     finally:
@@ -350,13 +353,25 @@ def measure_heldout(engine: Engine, best: Plan, prompt_ids: list[list[int]], set
     is given, a copy of it (a tuner that has already served other prompts: the tuning set,
     in one `lengths: auto` run), as in a server that has been up for a while."""
     runs: dict[str, list[Measurement]] = {"fixed": [], "auto": [], "warm": []}
+    detail = []  # per pass, per item: ms/token of each prompt, and the tuners' plans in each
     for repeat in range(settings.heldout_repeats):
         items = {"fixed": best, "auto": make_auto_tuner()}
         if warm_tuner is not None:
             items["warm"] = copy.deepcopy(warm_tuner)
-        results = interleaved_pass(engine, list(items.values()), prompt_ids, settings, seed=settings.seed + 2000 + repeat)
+        names = list(items)
+        this_pass = {name: {"prompt_ms_per_token": [None] * len(prompt_ids)} for name in names}
+
+        def record(index: int, number: int, output) -> None:
+            entry = this_pass[names[index]]
+            entry["prompt_ms_per_token"][number] = round(1000.0 * output.stats["time_s"] / max(1, len(output.token_ids)), 3)
+            if "plans" in output.stats:  # what the tuner ran in that prompt: [new tokens so far, lengths, tiers] at each change
+                entry.setdefault("plans", [None] * len(prompt_ids))[number] = [[p["new_tokens"], p["lengths"], p.get("tiers")] for p in output.stats["plans"]]
+
+        results = interleaved_pass(engine, list(items.values()), prompt_ids, settings, seed=settings.seed + 2000 + repeat, record=record)
         for name, result in zip(items, results):
             runs[name].append(result)
+            this_pass[name]["ms_per_token"] = round(result.wall_ms, 4)
+        detail.append(this_pass)
         log(f"held-out pass {repeat + 1}/{settings.heldout_repeats}")
     fixed, auto = runs["fixed"], runs["auto"]
     fixed_ms = statistics.median(m.wall_ms for m in fixed)
@@ -378,6 +393,7 @@ def measure_heldout(engine: Engine, best: Plan, prompt_ids: list[list[int]], set
         "auto_cpu_ms_per_token": round(auto_cpu, 4),
         "auto_cpu_tokens_per_s_over_best": round(fixed_cpu / auto_cpu, 4),
         **warm,
+        "per_pass": detail,
     }
 
 

@@ -134,3 +134,38 @@ def test_interleaved_pass_runs_every_item_on_a_prompt_before_the_next():
     assert results[0].wall_ms == pytest.approx(20.0) and results[2].wall_ms == pytest.approx(20.0)
     orders = [tuple(who for who, prompt, _ in calls if prompt == p) for p in range(3)]
     assert len(set(orders)) > 1, "the order within a prompt is shuffled"
+
+
+def test_heldout_report_keeps_each_pass_per_prompt_with_the_tuners_plans():
+    """The held-out comparison reports every pass: each item's ms/token per prompt, and for a
+    tuner the plans it ran in each prompt (what a reader needs to see why auto lost a pass)."""
+    import types
+
+    from orchestrator.tune import TuneSettings, measure_heldout
+    from orchestrator.tuner import Plan
+
+    class Scheduler:
+        tuner = None
+        lengths, active = [1, 1], (0, 1, 2)
+
+        def generate(self, ids, max_new_tokens, params, seed):
+            stats = {"time_s": 0.004 * (1 + ids[0])}
+            if self.tuner is not None:  # a tuner's run: slower on prompt 1, where it switched plans
+                stats["time_s"] *= 2 if ids[0] == 1 else 1
+                stats["plans"] = [{"new_tokens": 0, "lengths": [1, 1], "tiers": ["t", "m", "n"]}]
+                if ids[0] == 1:
+                    stats["plans"].append({"new_tokens": 3, "lengths": [4, 2], "tiers": ["t", "m", "n"]})
+            return types.SimpleNamespace(stats=stats, token_ids=[0] * 4)
+
+    class FakeTuner:
+        fixed = None
+
+    engine = types.SimpleNamespace(scheduler=Scheduler())
+    settings = TuneSettings(max_new_tokens=4, heldout_repeats=2)
+    report = measure_heldout(engine, Plan((2, 2), (0, 1, 2)), [[0], [1]], settings, FakeTuner, lambda message: None, warm_tuner=FakeTuner())
+    assert len(report["per_pass"]) == 2
+    first = report["per_pass"][0]
+    assert first["fixed"]["prompt_ms_per_token"] == [1.0, 2.0] and "plans" not in first["fixed"]
+    assert first["auto"]["prompt_ms_per_token"] == [1.0, 4.0] and first["auto"]["ms_per_token"] == pytest.approx(2.5)
+    assert first["auto"]["plans"][1] == [[0, [1, 1], ["t", "m", "n"]], [3, [4, 2], ["t", "m", "n"]]]
+    assert report["auto_tokens_per_s_over_best"] == pytest.approx(1.5 / 2.5)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 import statistics
@@ -163,6 +164,40 @@ def test_three_tier_lengths_follow_a_shift_from_code_to_prose(seed):
     assert tuner._state("greedy").plan != code_plan  # the plan moved with the text ...
     first_change = next(h["round"] for h in tuner.history if h["round"] >= 60)
     assert first_change - 60 < 20  # ... within 20 rounds of the switch
+
+
+def test_a_fresh_class_opens_with_one_round_at_max_length():
+    """The prior alone would pick short blocks, and a round of length k shows at most k
+    positions: the first round runs every tier at max_length, then the data decide."""
+    profile = fixed_profile(["target", "ngram"], [lambda m: 10.0 + 1.0 * m, None], [None, lambda k: 0.05])
+    tuner = Tuner(profile, max_length=8)
+    plans = simulate(tuner, lambda r, i, j: 0.1, 6, random.Random(0))
+    assert plans[0] == ([8], (0, 1))
+    assert plans[-1][0][0] <= 2  # a poor drafter: short blocks from the second round's data on
+    assert Tuner(profile, max_length=8).choose("greedy").lengths[0] < 8  # what the prior alone would run
+
+
+def test_each_request_starts_from_the_class_long_run_acceptance():
+    """Acceptance differs more between prompts than along one. After one hard request among
+    many easy ones, the next request starts on the long-run estimate (long blocks), not on
+    the hard request's recent rounds; a request that goes on keeps its own rounds' view."""
+    profile = fixed_profile(["target", "ngram"], [lambda m: 10.0 + 1.0 * m, None], [None, lambda k: 0.05])
+    rng = random.Random(3)
+    tuner = Tuner(profile, max_length=8)
+    easy, hard = (lambda r, i, j: 0.95), (lambda r, i, j: 0.15)
+    for request in range(10):  # a new committed length each time: a new request
+        simulate(tuner, easy, 8, rng, start=100 * request)
+    assert tuner._state("greedy").plan.lengths[0] >= 6
+    hard_plans = simulate(tuner, hard, 16, rng, start=1000)
+    assert hard_plans[-1][0][0] <= 3
+    continuing = copy.deepcopy(tuner)
+    next_request = simulate(tuner, easy, 1, rng, start=1200)
+    assert next_request[0][0][0] >= 6, "a new request starts from the long-run estimate"
+    # the hard request's next round (it continues at its committed length): still short
+    state = continuing._state("greedy")
+    resume_at = next(iter(reversed(continuing._continuing)))
+    lengths, _ = continuing.plan(GREEDY, resume_at)
+    assert lengths[0] <= 3 and state.plan.lengths[0] <= 3
 
 
 def test_hysteresis_keeps_a_near_tie():
