@@ -713,6 +713,13 @@ class Tuner:
         """A verification round of the pair: into its estimate and its long-run estimate."""
         self._estimate(key, verifier, drafter).observe(proposed, accepted)
         state = self._state(key)
+        if state.rounds <= 1:
+            # The opening round (every tier at max_length) is a one-off look at positions the
+            # class may not reach again for a long while: a long memory would keep one
+            # rejection there for ~100 rounds and put it back at every request's start
+            # (measured, T = 1: the int8 tier's position 3 held at 0.69 on one opening round,
+            # and a fresh tuner ran [2, 1] through two prompts, 0.93x the best fixed lengths).
+            return
         long_run = state.long_run.get((verifier, drafter))
         if long_run is None:
             long_run = state.long_run[(verifier, drafter)] = AcceptanceEstimate(
@@ -721,6 +728,8 @@ class Tuner:
 
     def _observe_fill(self, key: str, drafter: int, asked: int, proposed: int) -> None:
         self._fill(key, drafter).observe(asked, proposed)
+        if self._state(key).rounds <= 1:  # the opening round: as above
+            return
         fills = self._state(key).long_run_fills
         if drafter not in fills:
             fills[drafter] = FillEstimate(max(self.decay, SLOW_DECAY))

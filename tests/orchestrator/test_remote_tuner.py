@@ -173,3 +173,25 @@ def test_pipelined_jitter_from_the_targets_rounds():
         ms = base * (0.8 if step % 2 else 1.2)
         serial.observe_remote(GREEDY, [report(0, 1, 4, 4, 4, ms / 1000.0)], 0.03, ms / 1000.0, first=False)
     assert all(stage.jitter_cv == 0.0 for stage in serial.stages("greedy", (0, 1, 2))[0])
+
+
+def test_a_new_request_starts_from_the_long_run_acceptance():
+    """Distributed: a request's first round (`first=True`) resets the recent estimates to the
+    class's long-run ones and the next plan_remote re-tunes (Tuner._restart)."""
+    tuner = remote_tuner()
+    for _ in range(60):  # the int8-like pair agrees: long blocks
+        lengths = tuner.plan_remote(GREEDY)
+        tuner.observe_remote(GREEDY, [report(0, 1, lengths[0], lengths[0], lengths[0], 0.01),
+                                      report(1, 2, lengths[1], lengths[1], lengths[1], 0.005)], 0.02, 0.015, first=False)
+    long_plan = tuner.plan_remote(GREEDY)
+    for _ in range(16):  # one hard request: the target rejects its drafter's first token
+        lengths = tuner.plan_remote(GREEDY)
+        tuner.observe_remote(GREEDY, [report(0, 1, lengths[0], lengths[0], 0, 0.01),
+                                      report(1, 2, lengths[1], lengths[1], lengths[1], 0.005)], 0.02, 0.015, first=False)
+    assert tuner.accept_rates("greedy", 0, 1)[0] < 0.5
+    short = tuner.plan_remote(GREEDY)
+    assert short[0] < long_plan[0]
+    tuner.observe_remote(GREEDY, [], 0.05, 0.04, first=True)  # a new request's first round
+    assert tuner.accept_rates("greedy", 0, 1)[0] > 0.7
+    after = tuner.plan_remote(GREEDY)  # re-tuned at once, on the long-run rates
+    assert after != short and after == list(tuner.choose("greedy").lengths)
