@@ -17,7 +17,6 @@ round (`observe_commit`). From those reports it keeps
   on position 1's last outcomes detects the shift and the old counts are then mostly forgotten.
   Acceptance differs more between prompts than along one, so the same counts are also kept
   with a long memory (SLOW_DECAY), and each new request starts from those (`_restart`).
-  A class's very first round runs every tier at max_length: one round measures every position.
 
 Pairs the chain does not run directly are estimated from data it already has: while a
 middle tier sits between the target and the bottom drafter, the bottom's first proposal of
@@ -615,16 +614,6 @@ class Tuner:
         bypass = self.allow_bypass and state.rounds >= self.warmup_rounds
         best = self.choose(key, bypass=bypass)
         current = state.plan
-        if current is None and not any(estimate.blocks for estimate in state.estimates.values()):
-            # A class's first round: every tier at max_length. The prior alone picks short
-            # blocks, and a round of length k shows k positions' acceptance at most: from the
-            # prior's [1, 1] the demo chain took 7 rounds (22 tokens) to reach [6, 2], and a
-            # fresh tuner ran its first held-out prompt 1.33x slower than fixed [6, 6]. One
-            # long round measures every position at once (and costs one round's drafts if
-            # the drafters turn out poor).
-            full = tuple(range(self.num_tiers))
-            lengths = (self.max_length,) * (self.num_tiers - 1)
-            best = Plan(lengths, full, self.predict(key, full, lengths))
         if current is not None:
             current_ms = self.predict(key, current.active, current.lengths)
             if not best.predicted_ms < current_ms * (1.0 - self._switch_margin(current.active, best.active)) and best.active != current.active:
@@ -713,13 +702,6 @@ class Tuner:
         """A verification round of the pair: into its estimate and its long-run estimate."""
         self._estimate(key, verifier, drafter).observe(proposed, accepted)
         state = self._state(key)
-        if state.rounds <= 1:
-            # The opening round (every tier at max_length) is a one-off look at positions the
-            # class may not reach again for a long while: a long memory would keep one
-            # rejection there for ~100 rounds and put it back at every request's start
-            # (measured, T = 1: the int8 tier's position 3 held at 0.69 on one opening round,
-            # and a fresh tuner ran [2, 1] through two prompts, 0.93x the best fixed lengths).
-            return
         long_run = state.long_run.get((verifier, drafter))
         if long_run is None:
             long_run = state.long_run[(verifier, drafter)] = AcceptanceEstimate(
@@ -728,8 +710,6 @@ class Tuner:
 
     def _observe_fill(self, key: str, drafter: int, asked: int, proposed: int) -> None:
         self._fill(key, drafter).observe(asked, proposed)
-        if self._state(key).rounds <= 1:  # the opening round: as above
-            return
         fills = self._state(key).long_run_fills
         if drafter not in fills:
             fills[drafter] = FillEstimate(max(self.decay, SLOW_DECAY))

@@ -166,17 +166,6 @@ def test_three_tier_lengths_follow_a_shift_from_code_to_prose(seed):
     assert first_change - 60 < 20  # ... within 20 rounds of the switch
 
 
-def test_a_fresh_class_opens_with_one_round_at_max_length():
-    """The prior alone would pick short blocks, and a round of length k shows at most k
-    positions: the first round runs every tier at max_length, then the data decide."""
-    profile = fixed_profile(["target", "ngram"], [lambda m: 10.0 + 1.0 * m, None], [None, lambda k: 0.05])
-    tuner = Tuner(profile, max_length=8)
-    plans = simulate(tuner, lambda r, i, j: 0.1, 6, random.Random(0))
-    assert plans[0] == ([8], (0, 1))
-    assert plans[-1][0][0] <= 2  # a poor drafter: short blocks from the second round's data on
-    assert Tuner(profile, max_length=8).choose("greedy").lengths[0] < 8  # what the prior alone would run
-
-
 def test_each_request_starts_from_the_class_long_run_acceptance():
     """Acceptance differs more between prompts than along one. After one hard request among
     many easy ones, the next request starts on the long-run estimate (long blocks), not on
