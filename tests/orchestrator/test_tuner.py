@@ -189,6 +189,27 @@ def test_each_request_starts_from_the_class_long_run_acceptance():
     assert lengths[0] <= 3 and state.plan.lengths[0] <= 3
 
 
+def test_a_restart_leaves_the_pairs_a_bypassing_plan_does_not_run():
+    """While the plan bypasses a tier, that pair's long-run counts date from before the
+    bypass: a new request does not put them back (the bypassed tier stays out until a probe
+    or its margin brings it back)."""
+    profile = fixed_profile(["target", "mid", "ngram"], [lambda m: 8.0 + 0.3 * m, lambda m: 3.0 + 0.2 * m, None],
+                            [None, lambda k: 3.0 * k, lambda k: 0.03])
+    tuner = Tuner(profile, max_length=6)
+    simulate(tuner, lambda r, i, j: 0.9, 40, random.Random(0))
+    state = tuner._state("greedy")
+    state.plan = Plan((6, 6), (0, 1))  # now bypassing the n-gram tier
+    stale = copy.deepcopy(state.estimates[(1, 2)])
+    stale.successes = [0.0] * len(stale.successes)
+    state.estimates[(1, 2)] = stale
+    before_run = tuner.accept_rates("greedy", 0, 1)
+    state.estimates[(0, 1)].successes = [0.0] * len(state.estimates[(0, 1)].successes)  # a hard request
+    tuner._restart(state)
+    assert tuner.accept_rates("greedy", 1, 2)[0] == stale.rates()[0]  # left alone
+    assert tuner.accept_rates("greedy", 0, 1)[0] == pytest.approx(before_run[0], abs=0.05)  # restarted
+    assert state.retune_now
+
+
 def test_hysteresis_keeps_a_near_tie():
     # two lengths predicted within 1 % of each other must not flip back and forth
     profile = fixed_profile(["target", "ngram"], [lambda m: 10.0, None], [None, lambda k: 0.0])
