@@ -365,7 +365,7 @@ def measure_heldout(engine: Engine, best: Plan, prompt_ids: list[list[int]], set
             entry = this_pass[names[index]]
             entry["prompt_ms_per_token"][number] = round(1000.0 * output.stats["time_s"] / max(1, len(output.token_ids)), 3)
             if "plans" in output.stats:  # what the tuner ran in that prompt: [new tokens so far, lengths, tiers] at each change
-                entry.setdefault("plans", [None] * len(prompt_ids))[number] = [[p["new_tokens"], p["lengths"], p.get("tiers")] for p in output.stats["plans"]]
+                entry.setdefault("plans", [None] * len(prompt_ids))[number] = [[p["new_tokens"], p["lengths"], p["tiers"]] for p in output.stats["plans"]]
 
         results = interleaved_pass(engine, list(items.values()), prompt_ids, settings, seed=settings.seed + 2000 + repeat, record=record)
         for name, result in zip(items, results):

@@ -120,7 +120,7 @@ class AcceptanceEstimate:
             self.trials[position] += weight
             if position < accepted:
                 self.successes[position] += weight
-        if proposed > 0:
+        if proposed > 0 and self.detect_shifts:
             self._track_shift(1.0 if accepted > 0 else 0.0)
 
     def age(self) -> None:
@@ -140,7 +140,7 @@ class AcceptanceEstimate:
         del self.recent[:-SHIFT_WINDOW]
         settled = min(max(self.settled, 0.02), 0.98)
         self.settled = SETTLED_DECAY * self.settled + (1.0 - SETTLED_DECAY) * first_accepted
-        if self.decay >= 1.0 or not self.detect_shifts or len(self.recent) < SHIFT_WINDOW:
+        if self.decay >= 1.0 or len(self.recent) < SHIFT_WINDOW:
             return
         recent = min(max(sum(self.recent) / len(self.recent), 0.02), 0.98)
         log_ratio = sum(_bernoulli_log(x, recent) - _bernoulli_log(x, settled) for x in self.recent)
@@ -611,6 +611,7 @@ class Tuner:
         return best
 
     def _retune(self, key: str, state: _ClassState) -> None:
+        state.retune_now = False
         bypass = self.allow_bypass and state.rounds >= self.warmup_rounds
         best = self.choose(key, bypass=bypass)
         current = state.plan
@@ -639,9 +640,7 @@ class Tuner:
         """Every round during the warm-up (a fresh tuner's first plan rests on priors alone, and
         each round's data moves it most: waiting 4 rounds kept the demo chain at [1, 1] for 8
         rounds), then every `retune_every` rounds."""
-        due = state.plan is None or state.retune_now or state.rounds < self.warmup_rounds or state.rounds % self.retune_every == 0
-        state.retune_now = False
-        return due
+        return state.plan is None or state.retune_now or state.rounds < self.warmup_rounds or state.rounds % self.retune_every == 0
 
     def _switch_margin(self, current: tuple[int, ...], new: tuple[int, ...]) -> float:
         """The predicted gain a plan on `new` tiers needs over the current plan on `current`.
