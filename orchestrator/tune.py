@@ -51,6 +51,7 @@ from pathlib import Path
 
 import torch
 
+from orchestrator.bench import machine_info
 from orchestrator.config import ChainConfig, load_config
 from orchestrator.engine import Engine
 from orchestrator.time_model import first_round_ms, generation_ms, latency, relative_error
@@ -677,6 +678,9 @@ def _tune(engine: Engine, config: ChainConfig, prompts: list[str], settings: Tun
         "bypass": [{"bypassed": engine.tiers[tier].name, **entry(plan)} for tier, plan in bypass],
         "baseline": entry(baseline) if baseline else None,
         "runtime": {"backend": config.runtime.backend, "pipeline": tuner.pipelined if tuner.distributed else False},
+        # the CPU matters: the demo chain's int8 tier costs 0.6x the target on one Xeon, 0.9x on another
+        "machine": {**machine_info(torch.get_num_threads(), config.tiers[0].dtype, "cpu"),
+                    "tier_threads": {tier.name: tier.threads for tier in config.tiers}},
         "auto": {
             "measured_ms_per_token": round(measured["auto"].wall_ms, 4),
             "measured_cpu_ms_per_token": round(measured["auto"].cpu_ms, 4),

@@ -54,8 +54,8 @@ from workers.sampling import SamplingParams
 
 MAX_POSITIONS = 32
 MIN_PRIOR_WEIGHT = 0.5
-SHIFT_WINDOW = 8  # position 1's last outcomes ...
-SETTLED_DECAY = 0.97  # ... against its slow tracker (~30 blocks)
+SHIFT_WINDOWS = (8, 24)  # position 1's last outcomes (a big shift shows in 8, a moderate one in 24) ...
+SETTLED_DECAY = 0.97  # ... against its slow tracker (~30 blocks) as it stood before them
 SHIFT_LOG_RATIO = 4.0  # log likelihood ratio that counts as a shift in the text (~55:1)
 SHIFT_FORGET = 0.1  # what a shift leaves of the old counts
 OVERHEAD_SMOOTHING = 0.1
@@ -66,6 +66,7 @@ MAX_PENDING = 256  # requests the tuner follows at once (round-robin serving)
 OVERHEAD_DECAY = 0.98  # distributed chains: the overhead fit's memory (~50 target rounds)
 OVERHEAD_PRIOR = 2.0  # ... and the weight, in target rounds, of its prior a = 2 b
 JITTER_SMOOTHING = 0.05  # pipelined: memory of the spread of round and block times (~20 samples)
+RETUNE_BUDGET = 0.02  # routine re-tunes may take this share of the wall time (a search costs ~1-3 ms of Python)
 
 
 @dataclasses.dataclass
@@ -95,6 +96,7 @@ class AcceptanceEstimate:
     blocks: float = 0.0  # decayed number of observed blocks
     prior_weight: float = dataclasses.field(init=False)  # position 1's prior weight now
     recent: list[float] = dataclasses.field(default_factory=list)  # position 1's last outcomes (shift detector)
+    recent_settled: list[float] = dataclasses.field(default_factory=list)  # the slow tracker before each of them
     settled: float | None = None  # slow EMA of position 1's acceptance
     shifts: int = 0  # shifts detected so far
     age_per_block: bool = True  # False: the owner calls age() (the tuner: once per target round)
@@ -132,24 +134,35 @@ class AcceptanceEstimate:
             self.prior_weight = max(MIN_PRIOR_WEIGHT, self.prior_weight * self.decay)
 
     def _track_shift(self, first_accepted: float) -> None:
-        """Generalised likelihood ratio of position 1's last SHIFT_WINDOW outcomes: their own
-        rate against the slow tracker's. A big ratio means the text changed: forget."""
+        """Generalised likelihood ratio of position 1's last outcomes, in windows of each
+        SHIFT_WINDOWS length: their own rate against the slow tracker's before the window (the
+        tracker drifts towards the new rate inside it). A big ratio means the text changed:
+        forget. Eight outcomes show a big shift (0.9 -> 0.1: log ratio ~12), not a moderate one
+        (0.38 -> 0.1, an n-gram drafter on code, then on prose, sampling: ~1.6 in 8, ~4.9 in 24)."""
         if self.settled is None:
             self.settled = self.rates()[0]
         self.recent.append(first_accepted)
-        del self.recent[:-SHIFT_WINDOW]
-        settled = min(max(self.settled, 0.02), 0.98)
+        self.recent_settled.append(min(max(self.settled, 0.02), 0.98))
+        longest = SHIFT_WINDOWS[-1]
+        if len(self.recent) > 2 * longest:  # trim in batches (this runs for every observed block)
+            del self.recent[:-longest], self.recent_settled[:-longest]
         self.settled = SETTLED_DECAY * self.settled + (1.0 - SETTLED_DECAY) * first_accepted
-        if self.decay >= 1.0 or len(self.recent) < SHIFT_WINDOW:
+        if self.decay >= 1.0:
             return
-        recent = min(max(sum(self.recent) / len(self.recent), 0.02), 0.98)
-        log_ratio = sum(_bernoulli_log(x, recent) - _bernoulli_log(x, settled) for x in self.recent)
-        if log_ratio > SHIFT_LOG_RATIO:
-            self.successes = [s * SHIFT_FORGET for s in self.successes]
-            self.trials = [t * SHIFT_FORGET for t in self.trials]
-            self.settled = recent
-            self.recent = []
-            self.shifts += 1
+        for window in SHIFT_WINDOWS:
+            if len(self.recent) < window:
+                break
+            ones = sum(self.recent[-window:])
+            recent = min(max(ones / window, 0.02), 0.98)
+            settled = self.recent_settled[-window]
+            log_ratio = ones * math.log(recent / settled) + (window - ones) * math.log((1.0 - recent) / (1.0 - settled))
+            if log_ratio > SHIFT_LOG_RATIO:
+                self.successes = [s * SHIFT_FORGET for s in self.successes]
+                self.trials = [t * SHIFT_FORGET for t in self.trials]
+                self.settled = recent
+                self.recent, self.recent_settled = [], []
+                self.shifts += 1
+                return
 
     def restart_from(self, long_run: "AcceptanceEstimate") -> None:
         """A request starts: take `long_run`'s counts, scaled to this estimate's weight now
@@ -160,7 +173,7 @@ class AcceptanceEstimate:
         self.successes = [value * scale for value in long_run.successes]
         self.trials = [value * scale for value in long_run.trials]
         self.blocks = long_run.blocks * scale
-        self.recent = []
+        self.recent, self.recent_settled = [], []
         self.settled = long_run.rates()[0]
 
     def rates(self, prior_mean: float | None = None) -> tuple[float, ...]:
@@ -174,10 +187,6 @@ class AcceptanceEstimate:
             out.append(mean)
             weight = self.prior_strength
         return tuple(out)
-
-
-def _bernoulli_log(outcome: float, rate: float) -> float:
-    return math.log(rate if outcome else 1.0 - rate)
 
 
 @dataclasses.dataclass
@@ -236,7 +245,9 @@ class _ClassState:
     # the same counts with a long memory (SLOW_DECAY): what a new request of the class starts from
     long_run: dict[tuple[int, int], AcceptanceEstimate] = dataclasses.field(default_factory=dict)
     long_run_fills: dict[int, FillEstimate] = dataclasses.field(default_factory=dict)
-    retune_now: bool = False  # a request started: its estimates were reset, re-tune before the next round
+    retune_now: bool = False  # a request started (its estimates were reset) or the text shifted: re-tune before the next round
+    since_retune: int = 0  # target rounds since the last re-tune
+    eager_rounds: int = 0  # after a shift in the text: rounds left that re-tune every round (the estimates are still moving)
 
 
 @dataclasses.dataclass
@@ -314,6 +325,15 @@ class Tuner:
         self._catching_up: frozenset[int] = frozenset()  # tiers back from bypass: this round re-feeds what they missed
         self._shadows: dict[int, _Shadow] = {}  # pending skip-pair proposals, by the committed length they resume at
         self.round_overhead_ms = 0.0
+        # Routine re-tunes are paid from a budget: each target round earns RETUNE_BUDGET of its
+        # wall time, a search costs what it took (an EMA). On a chain whose rounds take a few
+        # ms, a search every `retune_every` rounds cost 9 % of the time (the demo chain on a
+        # fast Xeon). Searches that must happen (a class's first rounds, a request's start, a
+        # shift in the text) run regardless and draw the budget down.
+        self.clock = time.perf_counter
+        self.retune_ms = 0.0
+        self._retune_credit_ms = 0.0
+        self._last_plan_at: float | None = None
         self._last_commit = 0
         self._round_started: float | None = None  # perf_counter when the current target round began
         self._reported_s = 0.0  # seconds the rounds since then reported
@@ -331,6 +351,7 @@ class Tuner:
         self._key = request_class(params)
         state = self._state(self._key)
         self._age(state)
+        self._earn_retune_credit(state)
         if self._prefilling:
             self._restart(state)
         if self.fixed is not None:
@@ -414,6 +435,7 @@ class Tuner:
         key = request_class(params)
         state = self._state(key)
         self._age(state)
+        self._earn_retune_credit(state)
         if self.fixed is not None:
             plan = self.fixed
         else:
@@ -611,7 +633,29 @@ class Tuner:
         return best
 
     def _retune(self, key: str, state: _ClassState) -> None:
-        state.retune_now = False
+        started = self.clock()
+        try:
+            self._search(key, state)
+        finally:
+            spent_ms = 1000.0 * (self.clock() - started)
+            self.retune_ms = spent_ms if self.retune_ms == 0.0 else self.retune_ms + OVERHEAD_SMOOTHING * (spent_ms - self.retune_ms)
+            if state.rounds >= self.warmup_rounds:  # (a class's warm-up is paid once)
+                self._retune_credit_ms -= spent_ms
+            state.retune_now = False
+            state.since_retune = 0
+
+    def _earn_retune_credit(self, state: _ClassState) -> None:
+        """A target round begins: the budget earns RETUNE_BUDGET of the wall time since the last
+        one (capped at two searches' worth, so an idle spell buys no burst of searches)."""
+        now = self.clock()
+        if self._last_plan_at is not None:
+            earned = RETUNE_BUDGET * 1000.0 * (now - self._last_plan_at)
+            self._retune_credit_ms = min(self._retune_credit_ms + earned, 2.0 * self.retune_ms)
+        self._last_plan_at = now
+        state.since_retune += 1
+        state.eager_rounds = max(0, state.eager_rounds - 1)
+
+    def _search(self, key: str, state: _ClassState) -> None:
         bypass = self.allow_bypass and state.rounds >= self.warmup_rounds
         best = self.choose(key, bypass=bypass)
         current = state.plan
@@ -639,8 +683,15 @@ class Tuner:
     def _retune_due(self, state: _ClassState) -> bool:
         """Every round during the warm-up (a fresh tuner's first plan rests on priors alone, and
         each round's data moves it most: waiting 4 rounds kept the demo chain at [1, 1] for 8
-        rounds), then every `retune_every` rounds."""
-        return state.plan is None or state.retune_now or state.rounds < self.warmup_rounds or state.rounds % self.retune_every == 0
+        rounds), when a request starts, every round for `retune_every` rounds after a shift in
+        the text (the forgetting leaves a tenth of the old counts, which the next rounds'
+        data outweigh), then every `retune_every` rounds while the re-tune budget allows (see
+        __init__)."""
+        if state.plan is None or state.retune_now or state.rounds < self.warmup_rounds:
+            return True
+        if state.eager_rounds > 0:
+            return True
+        return state.since_retune >= self.retune_every and self._retune_credit_ms >= 0.0
 
     def _switch_margin(self, current: tuple[int, ...], new: tuple[int, ...]) -> float:
         """The predicted gain a plan on `new` tiers needs over the current plan on `current`.
@@ -698,9 +749,15 @@ class Tuner:
             fill.age()
 
     def _observe_pair(self, key: str, verifier: int, drafter: int, proposed: int, accepted: int) -> None:
-        """A verification round of the pair: into its estimate and its long-run estimate."""
-        self._estimate(key, verifier, drafter).observe(proposed, accepted)
+        """A verification round of the pair: into its estimate and its long-run estimate (a
+        shift in the text, seen by the estimate's detector, calls for a re-tune now)."""
+        estimate = self._estimate(key, verifier, drafter)
+        shifts = estimate.shifts
+        estimate.observe(proposed, accepted)
         state = self._state(key)
+        if estimate.shifts != shifts:
+            state.retune_now = True
+            state.eager_rounds = self.retune_every
         long_run = state.long_run.get((verifier, drafter))
         if long_run is None:
             long_run = state.long_run[(verifier, drafter)] = AcceptanceEstimate(

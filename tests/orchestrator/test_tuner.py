@@ -14,7 +14,8 @@ from orchestrator.config import parse_config
 from orchestrator.engine import Engine
 from orchestrator.profiler import LatencyProfile, OnlineTable
 from orchestrator.time_model import expected_emitted, renewal_rates, round_models
-from orchestrator.tuner import PROBE_BUDGET, AcceptanceEstimate, Plan, Tuner
+import orchestrator.tuner as tuner_module
+from orchestrator.tuner import PROBE_BUDGET, RETUNE_BUDGET, AcceptanceEstimate, Plan, Tuner
 from workers.sampling import SamplingParams
 
 GREEDY = SamplingParams()
@@ -112,9 +113,22 @@ def fixed_profile(names, forward, draft) -> LatencyProfile:
     )
 
 
+class FakeClock:
+    """The tuner's clock in simulations: it moves by the simulated forwards' time only (the
+    re-tune budget then sees rounds as long as they would really be, and searches as free)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def simulate(tuner: Tuner, accept_rate, rounds: int, rng: random.Random, start: int = 0) -> list[tuple[list[int], tuple]]:
     """Drive the tuner as ChainScheduler would, with Bernoulli acceptance per stage and every
-    forward taking its start-up profile's time."""
+    forward taking its start-up profile's time (on a FakeClock)."""
+    if not isinstance(tuner.clock, FakeClock):
+        tuner.clock = FakeClock()
     plans = []
     committed = 1000 + start
     for round_index in range(start, start + rounds):
@@ -126,7 +140,9 @@ def simulate(tuner: Tuner, accept_rate, rounds: int, rng: random.Random, start: 
             accepted = 0
             while accepted < k and rng.random() < accept_rate(round_index, level, drafter):
                 accepted += 1
-            tuner.observe_round(level, drafter, k, k, accepted, 0.001 * tuner.profile.forward[level][k + 1])  # as profiled
+            seconds = 0.001 * tuner.profile.forward[level][k + 1]  # as profiled
+            tuner.clock.now += seconds
+            tuner.observe_round(level, drafter, k, k, accepted, seconds)
             if level == 0:
                 emitted = accepted + 1
         tuner.observe_commit([0] * emitted)
@@ -164,6 +180,93 @@ def test_three_tier_lengths_follow_a_shift_from_code_to_prose(seed):
     assert tuner._state("greedy").plan != code_plan  # the plan moved with the text ...
     first_change = next(h["round"] for h in tuner.history if h["round"] >= 60)
     assert first_change - 60 < 20  # ... within 20 rounds of the switch
+
+
+def shift_delays(trials: int, before: float, after: float, rng: random.Random) -> list[int]:
+    """Blocks until the detector sees position 1 move from `before` to `after` (1000: not within 100)."""
+    delays = []
+    for _ in range(trials):
+        estimate = AcceptanceEstimate(decay=0.93)
+        for _ in range(200):
+            estimate.observe(2, 1 if rng.random() < before else 0)
+        shifts = estimate.shifts
+        delays.append(next((block for block in range(1, 101)
+                            if estimate.observe(2, 1 if rng.random() < after else 0) or estimate.shifts > shifts), 1000))
+    return delays
+
+
+def test_a_moderate_shift_is_detected_in_the_longer_window(monkeypatch):
+    # an n-gram drafter on code then prose, sampling: position 1 from 0.38 to 0.1. Eight
+    # outcomes hardly tell (all eight rejected: log ratio 8 ln(0.98 / 0.62) = 3.7 < 4); 24 can.
+    # 40 trials each; the long window must find it in most, and sooner than eight alone.
+    both = shift_delays(40, 0.38, 0.1, random.Random(3))
+    monkeypatch.setattr(tuner_module, "SHIFT_WINDOWS", (8,))
+    short_only = shift_delays(40, 0.38, 0.1, random.Random(3))
+    assert sum(d <= 100 for d in both) >= 30
+    assert statistics.median(both) <= 40 < statistics.median(short_only)
+    monkeypatch.undo()
+    assert statistics.median(shift_delays(40, 0.9, 0.1, random.Random(4))) <= 8  # a big shift: the short window, as before
+
+    # false alarms on a steady rate (the slow tracker is itself noisy, so they are not rare;
+    # a false alarm only shortens the estimate's memory): 20 x 500 blocks at 0.38
+    rng = random.Random(5)
+    alarms = 0
+    for _ in range(20):
+        estimate = AcceptanceEstimate(decay=0.93)
+        for _ in range(100):
+            estimate.observe(2, 1 if rng.random() < 0.38 else 0)
+        shifts = estimate.shifts
+        for _ in range(500):
+            estimate.observe(2, 1 if rng.random() < 0.38 else 0)
+        alarms += estimate.shifts - shifts
+    assert alarms <= 250  # <= 25 per 1000 blocks (the window of 8 alone: ~14)
+
+
+def test_a_detected_shift_retunes_at_once():
+    profile = fixed_profile(["target", "ngram"], [lambda m: 10.0 + 1.0 * m, None], [None, lambda k: 0.05])
+    tuner = Tuner(profile, max_length=8, retune_every=1000)  # no routine re-tunes after the warm-up
+    rng = random.Random(0)
+    simulate(tuner, lambda r, i, j: 0.95, 40, rng)
+    code_plan = tuner._state("greedy").plan
+    assert code_plan.lengths[0] >= 6
+    simulate(tuner, lambda r, i, j: 0.1, 10, rng, start=40)
+    assert tuner._state("greedy").plan.lengths[0] < code_plan.lengths[0]  # moved with the text, not on a schedule
+    assert tuner.estimates("greedy")[(0, 1)].shifts >= 1
+
+
+def count_retunes(round_ms: float, search_ms: float, rounds: int = 200) -> int:
+    """Searches after the warm-up of a tuner whose rounds take `round_ms` of wall time and whose
+    searches take `search_ms` (one request; every block accepted whole)."""
+    profile = fixed_profile(["target", "ngram"], [lambda m: 10.0 + 1.0 * m, None], [None, lambda k: 0.05])
+    tuner = Tuner(profile, max_length=8)
+    clock = tuner.clock = FakeClock()
+    search = tuner._search
+    searches = []
+
+    def slow_search(key, state):
+        clock.now += search_ms / 1000.0
+        searches.append(state.rounds)
+        search(key, state)
+
+    tuner._search = slow_search
+    committed = 1000
+    for _ in range(tuner.warmup_rounds + rounds):
+        lengths, active = tuner.plan(GREEDY, committed)
+        clock.now += round_ms / 1000.0
+        tuner.observe_round(0, 1, lengths[0], lengths[0], lengths[0], round_ms / 1000.0)
+        tuner.observe_commit([0] * (lengths[0] + 1))
+        committed += lengths[0] + 1
+    assert tuner.estimates("greedy")[(0, 1)].shifts == 0
+    return sum(r >= tuner.warmup_rounds for r in searches)
+
+
+def test_routine_retunes_stay_within_their_budget():
+    # slow rounds (40 ms) and a 2 ms search: every `retune_every` (4) rounds, as always
+    assert count_retunes(round_ms=40.0, search_ms=2.0) == 200 // 4
+    # fast rounds (5 ms, the demo chain on a fast CPU) and the same search: one search costs
+    # 2 ms of the 0.1 ms each round earns, so about one in 20 rounds (2 % of the time)
+    fast = count_retunes(round_ms=5.0, search_ms=2.0)
+    assert abs(fast - 200 * 5.0 * RETUNE_BUDGET / 2.0) <= 2
 
 
 def test_each_request_starts_from_the_class_long_run_acceptance():
