@@ -411,7 +411,11 @@ def round_models(
         if memo is not None and key in memo:
             below = memo[key]
         else:
-            stage = stages[index].at_length(lengths[index])
+            if memo is None:
+                stage = stages[index].at_length(lengths[index])
+            else:  # (at_length builds a new StageSpec: once per stage and length in a search)
+                at_key = ("at", index, lengths[index])
+                stage = memo.get(at_key) or memo.setdefault(at_key, stages[index].at_length(lengths[index]))
             block_pmf, block_ms = block_for(stage, below, draft_ms, lengths[index])
             width = tree_width if index == len(stages) - 1 else 1
             below = round_model(stage, block_pmf, block_ms, width)

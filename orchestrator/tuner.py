@@ -617,20 +617,25 @@ class Tuner:
         only on the tiers `only`)."""
         if bypass is None:
             bypass = self.allow_bypass
-        best: Plan | None = None
-        for active in self.candidate_sets(bypass or exclude is not None or only is not None):
-            if (exclude is not None and exclude in active) or (only is not None and active != only):
-                continue
+        sets = [active for active in self.candidate_sets(bypass or exclude is not None or only is not None)
+                if not ((exclude is not None and exclude in active) or (only is not None and active != only))]
+        plans = self._best_plans(key, sets)
+        if not plans:
+            raise ValueError("no usable set of tiers")
+        return min(plans.values(), key=lambda plan: plan.predicted_ms)
+
+    def _best_plans(self, key: str, sets: list[tuple[int, ...]]) -> dict[tuple[int, ...], Plan]:
+        """The best lengths (`time_model.search_lengths`) on each set of tiers."""
+        current = self._state(key).plan
+        plans = {}
+        for active in sets:
             stages, draft_ms = self.stages(key, active)
             chosen, cost = search_lengths(stages, draft_ms, self.max_length, self.tree_width)
-            if best is None or cost < best.predicted_ms:
-                lengths = list(self._state(key).plan.lengths if self._state(key).plan else [self.max_length] * (self.num_tiers - 1))
-                for level, k in zip(active, chosen):
-                    lengths[level] = k
-                best = Plan(tuple(lengths), active, cost)
-        if best is None:
-            raise ValueError("no usable set of tiers")
-        return best
+            lengths = list(current.lengths if current else [self.max_length] * (self.num_tiers - 1))
+            for level, k in zip(active, chosen):
+                lengths[level] = k
+            plans[active] = Plan(tuple(lengths), active, cost)
+        return plans
 
     def _retune(self, key: str, state: _ClassState) -> None:
         started = self.clock()
@@ -657,19 +662,20 @@ class Tuner:
 
     def _search(self, key: str, state: _ClassState) -> None:
         bypass = self.allow_bypass and state.rounds >= self.warmup_rounds
-        best = self.choose(key, bypass=bypass)
+        plans = self._best_plans(key, self.candidate_sets(bypass))  # one search per set of tiers, reused below
+        best = min(plans.values(), key=lambda plan: plan.predicted_ms)
         current = state.plan
         if current is not None:
             current_ms = self.predict(key, current.active, current.lengths)
             if not best.predicted_ms < current_ms * (1.0 - self._switch_margin(current.active, best.active)) and best.active != current.active:
                 # another set of tiers is not worth the switch yet; the lengths on these tiers may be
-                best = self.choose(key, only=current.active)
+                best = plans.get(current.active) or self.choose(key, only=current.active)
             if not best.predicted_ms < current_ms * (1.0 - self._switch_margin(current.active, best.active)):
                 state.plan = dataclasses.replace(current, predicted_ms=current_ms)
-                self._set_probing(key, state)
+                self._set_probing(key, state, plans)
                 return
         state.plan = best
-        self._set_probing(key, state)
+        self._set_probing(key, state, plans)
         self.history.append(
             {
                 "class": key,
@@ -702,7 +708,7 @@ class Tuner:
         first prompt's 8 rounds and ran 0.885x the best fixed lengths on held-out prompts."""
         return self.hysteresis if new == current else self.switch_hysteresis
 
-    def _set_probing(self, key: str, state: _ClassState) -> None:
+    def _set_probing(self, key: str, state: _ClassState, plans: dict[tuple[int, ...], Plan] | None = None) -> None:
         """While the plan bypasses tiers their acceptance goes stale, so every so often a round
         runs all of them (a probe). The closer the plan with all tiers is predicted to come, the
         likelier stale estimates hide a better plan and the cheaper a probe is: probes come
@@ -717,7 +723,7 @@ class Tuner:
             state.probe_every = 0
             return
         plan = state.plan
-        full = self.choose(key, bypass=False)
+        full = (plans or {}).get(full_set) or self.choose(key, bypass=False)
         gap = max(0.0, full.predicted_ms / plan.predicted_ms - 1.0)
         if len(plan.active) > 1:
             stages, draft_ms = self.stages(key, plan.active)

@@ -607,15 +607,15 @@ def test_switch_margin_depends_on_what_changes(new_active, gain, switches):
     state.plan = current
     new_lengths = (5, 6) if new_active == (0, 1, 2) else (6, 6)
     tuner.predict = lambda key, active, lengths: 10.0  # the current plan's prediction
-    tuner.choose = lambda key, bypass=None, exclude=None, only=None: Plan(new_lengths, new_active, 10.0 * (1.0 - gain)) if only is None else current
+    tuner._best_plans = lambda key, sets: {current.active: current, new_active: Plan(new_lengths, new_active, 10.0 * (1.0 - gain))}
     tuner._retune("greedy", state)
     assert (state.plan.active, state.plan.lengths) == ((new_active, new_lengths) if switches else (current.active, current.lengths))
     assert len(tuner.history) == int(switches)
 
 
 def test_lengths_on_the_same_tiers_move_while_another_set_waits_for_its_margin():
-    """The best plan overall drops the n-gram tier, 5 % faster: under the 20 % margin, so the
-    tiers stay; the best lengths on them (also 5 % faster) clear the 3 % margin and are taken."""
+    """The best plan overall drops the n-gram tier, 6 % faster: under the 20 % margin, so the
+    tiers stay; the best lengths on them (5 % faster) clear the 3 % margin and are taken."""
     profile = fixed_profile(
         ["target", "mid", "ngram"], [lambda m: 8.0 + 0.3 * m, lambda m: 3.0 + 0.2 * m, None], [None, lambda k: 3.0 * k, lambda k: 0.03]
     )
@@ -623,8 +623,7 @@ def test_lengths_on_the_same_tiers_move_while_another_set_waits_for_its_margin()
     state = tuner._state("greedy")
     state.plan = Plan((6, 6), (0, 1, 2), 10.0)
     tuner.predict = lambda key, active, lengths: 10.0
-    tuner.choose = lambda key, bypass=None, exclude=None, only=None: (
-        Plan((6, 2), (0, 1, 2), 9.5) if only == (0, 1, 2) else Plan((6, 6), (0, 1), 9.5))
+    tuner._best_plans = lambda key, sets: {(0, 1, 2): Plan((6, 2), (0, 1, 2), 9.5), (0, 1): Plan((6, 6), (0, 1), 9.4)}
     tuner._retune("greedy", state)
     assert (state.plan.active, state.plan.lengths) == ((0, 1, 2), (6, 2))
     assert tuner.history[-1]["lengths"] == [6, 2]
