@@ -689,15 +689,13 @@ class Tuner:
     def _retune_due(self, state: _ClassState) -> bool:
         """Every round during the warm-up (a fresh tuner's first plan rests on priors alone, and
         each round's data moves it most: waiting 4 rounds kept the demo chain at [1, 1] for 8
-        rounds), when a request starts, every round for `retune_every` rounds after a shift in
-        the text (the forgetting leaves a tenth of the old counts, which the next rounds'
-        data outweigh), then every `retune_every` rounds while the re-tune budget allows (see
-        __init__)."""
+        rounds), when a request starts or the text shifts; and while the re-tune budget allows
+        (see __init__), every `retune_every` rounds, or every round for `retune_every` rounds
+        after a shift (the forgetting leaves a tenth of the old counts, which the next rounds'
+        data outweigh)."""
         if state.plan is None or state.retune_now or state.rounds < self.warmup_rounds:
             return True
-        if state.eager_rounds > 0:
-            return True
-        return state.since_retune >= self.retune_every and self._retune_credit_ms >= 0.0
+        return (state.eager_rounds > 0 or state.since_retune >= self.retune_every) and self._retune_credit_ms >= 0.0
 
     def _switch_margin(self, current: tuple[int, ...], new: tuple[int, ...]) -> float:
         """The predicted gain a plan on `new` tiers needs over the current plan on `current`.
