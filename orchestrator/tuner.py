@@ -28,7 +28,7 @@ The full chain samples contexts evenly along the text, a chain running the pair 
 round, so position 1 of each shadow sample is weighted 1 / (matched + 1) (see observe_commit).
 Shadow estimates only count once they have MIN_BLOCKS blocks, and only until the pair has as
 many of its own. A tier that is bypassed gets no data, so every
-`explore_every` rounds the full chain runs for one round (a probe).
+so often (`_set_probing`) the full chain runs for one round (a probe).
 
 Time outside the reported rounds (the scheduler's bookkeeping, a streaming callback) is
 measured too: wall time between two target rounds minus what the rounds reported, per
@@ -66,6 +66,7 @@ MAX_PENDING = 256  # requests the tuner follows at once (round-robin serving)
 OVERHEAD_DECAY = 0.98  # distributed chains: the overhead fit's memory (~50 target rounds)
 OVERHEAD_PRIOR = 2.0  # ... and the weight, in target rounds, of its prior a = 2 b
 JITTER_SMOOTHING = 0.05  # pipelined: memory of the spread of round and block times (~20 samples)
+CATCH_UP_SMOOTHING = 0.3  # memory of what a returning tier's re-feeding costs (~3 probes)
 RETUNE_BUDGET = 0.02  # routine re-tunes may take this share of the wall time (a search costs ~1-3 ms of Python)
 
 
@@ -275,7 +276,7 @@ class Tuner:
         prior_strength: float = 2.0,
         allow_bypass: bool = True,
         warmup_rounds: int = 8,
-        explore_every: int = 16,
+        explore_every: int = 64,
     ) -> None:
         self.profile = profile
         self.num_tiers = len(profile.names)
@@ -325,6 +326,10 @@ class Tuner:
         self._catching_up: frozenset[int] = frozenset()  # tiers back from bypass: this round re-feeds what they missed
         self._shadows: dict[int, _Shadow] = {}  # pending skip-pair proposals, by the committed length they resume at
         self.round_overhead_ms = 0.0
+        # per model tier: the extra ms of its first forward when it returns from a bypass (it
+        # re-feeds what it missed: the tokens since it last ran, and the prompt when a request
+        # began without it), an EMA; what a probe of a bypassed tier costs (`_set_probing`)
+        self.catch_up_ms: dict[int, float] = {}
         # Routine re-tunes are paid from a budget: each target round earns RETUNE_BUDGET of its
         # wall time, a search costs what it took (an EMA). On a chain whose rounds take a few
         # ms, a search every `retune_every` rounds cost 9 % of the time (the demo chain on a
@@ -377,7 +382,11 @@ class Tuner:
         is_tree = self.tree_width > 1 and self._running is not None and drafter == self._running.active[-1]
         proposed = length if is_tree else max(length, block_len)
         self._observe_pair(self._key, level, drafter, proposed, min(accepted, proposed))
-        if not self._prefilling and level not in self._catching_up:  # such forwards also feed a long tail
+        if level in self._catching_up:  # a tier back from bypass: what its re-feeding cost
+            extra = max(0.0, seconds * 1000.0 - latency(self.profile.forward_ms(level, self._config()), block_len + 1))
+            previous = self.catch_up_ms.get(level)
+            self.catch_up_ms[level] = extra if previous is None else previous + CATCH_UP_SMOOTHING * (extra - previous)
+        elif not self._prefilling:  # such forwards also feed a long tail
             self.profile.observe_forward(level, block_len + 1, seconds * 1000.0, self._config())
         self._reported_s += seconds
         self._reported_rounds += 1
@@ -712,10 +721,11 @@ class Tuner:
         likelier stale estimates hide a better plan and the cheaper a probe is: probes come
         every (gap + catch-up) / PROBE_BUDGET rounds (at least 2, at most `explore_every`), so
         they cost about PROBE_BUDGET of the predicted time. The catch-up: a bypassed model tier
-        re-feeds what it missed in one forward when it returns, whose fixed part (t(1)) each
-        probe pays again (its per-token part is the same however rarely it is probed); on the
-        demo chain it keeps probes of the int8 tier at one round in `explore_every`, while an
-        n-gram tier (no forward) is probed as often as its gap allows."""
+        re-feeds what it missed in one forward when it returns, measured (`catch_up_ms`; t(1)
+        until it is). With short requests that is mostly the prompt: a request that began
+        without the tier has it re-fed at the probe (the demo chain at T = 0 on a fast CPU:
+        probes of the int8 tier every 16 rounds cost ~13 ms each, 9 % of the time). An n-gram
+        tier (no forward) is probed as often as its gap allows."""
         full_set = tuple(range(self.num_tiers))
         if not self.explore_every or state.plan.active == full_set:
             state.probe_every = 0
@@ -728,7 +738,7 @@ class Tuner:
             round_ms = round_models(stages, draft_ms, [plan.lengths[level] for level in plan.active[:-1]], self.tree_width)[0].round_ms
         else:
             round_ms = latency(self.profile.forward_ms(0, plan.active), 1)
-        catch_up_ms = sum(latency(self.profile.forward_ms(tier, full_set), 1)
+        catch_up_ms = sum(self.catch_up_ms.get(tier, latency(self.profile.forward_ms(tier, full_set), 1))
                           for tier in full_set if tier not in plan.active and self.profile.forward[tier] is not None)
         share = gap + catch_up_ms / max(round_ms, 1e-9)
         state.probe_every = int(min(self.explore_every, max(2, math.ceil(share / PROBE_BUDGET))))

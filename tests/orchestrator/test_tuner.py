@@ -397,6 +397,17 @@ def test_probes_come_more_often_the_closer_the_bypassed_plan():
     assert math.ceil(gap / PROBE_BUDGET) <= 3  # the gap alone: a probe every 2-3 rounds
     assert state.probe_every == math.ceil((gap + 3.2 / round_ms) / PROBE_BUDGET) > 30
 
+    # what a return really costs is measured: a probe whose int8 forward took 4 ms more than
+    # a round's (it re-fed a prompt the request began without) spaces the probes by that
+    full = tuner.choose("greedy", bypass=False)
+    tuner._running, tuner._catching_up = full, frozenset({1})
+    normal_ms = profile.forward_ms(1, full.active)[full.lengths[1] + 1]
+    tuner.observe_round(1, 2, full.lengths[1], full.lengths[1], 1, (normal_ms + 4.0) / 1000.0)
+    assert tuner.catch_up_ms[1] == pytest.approx(4.0)
+    tuner._set_probing("greedy", state)
+    expected = math.ceil((gap + 4.0 / round_ms) / PROBE_BUDGET)  # (the probe's verdict moved the gap a hair)
+    assert abs(state.probe_every - expected) <= 1 and expected > 40
+
 
 def test_estimates_forget_per_target_round_not_per_block():
     # a middle stage verifies several blocks per target round; its memory, counted in target
