@@ -157,7 +157,7 @@ class StageSpec:
     accept_rates: tuple[float, ...]  # per position, for this (verifier, drafter) pair
     overhead_ms: float = 0.0  # per round, outside forwards / verification / drafting (scheduler bookkeeping)
     pipelined: bool = False  # the drafter drafts ahead while its block is verified (runtime pipeline: true)
-    drafter_slowdown: float = 1.0  # pipelined: measured / modelled time of a block drafted ahead
+    drafter_slowdown: float = 1.0  # pipelined: the drafter's slow-down while the verifier computes beside it (`contended_block_ms`)
     # expected share of an asked block the drafter really proposes: an n-gram lookup with no
     # match proposes nothing, and the verifier then scores fill * L + 1 tokens, not L + 1.
     # Acceptance already counts a missing proposal as a rejection, so only the forward changes.
@@ -274,11 +274,35 @@ def first_passage(step_pmf: Sequence[float], need: int) -> tuple[list[float], fl
 def block_for(stage: StageSpec, below: RoundModel | None, draft_ms: LatencyTable, need: int) -> tuple[list[float], float]:
     """The block `stage` verifies when it asks for `need` tokens. A pipelined drafter hands up
     exactly `need` tokens and keeps any overshoot of its rounds for the next block (its
-    draft-ahead stream), so a block costs `need` tokens at the drafter's cost per token."""
+    draft-ahead stream), so a block costs `need` tokens at the drafter's cost per token (on
+    cores of its own: the slow-down while it shares them is `pipelined_round_model`'s)."""
     if stage.pipelined and need > 0:
         ms = need * below.ms_per_token if below is not None else latency(draft_ms, need)
-        return [0.0] * need + [1.0], ms * stage.drafter_slowdown
+        return [0.0] * need + [1.0], ms
     return block_from_below(below, draft_ms, need)
+
+
+def contended_block_ms(block_ms: float, forward_ms: float, slowdown: float) -> float:
+    """A block drafted ahead while the verifier scores the previous one: the two share the
+    cores for `forward_ms`, during which the drafter runs `slowdown` times slower; past that
+    the verifier waits and the drafter has the cores. So a block that fits in the overlap
+    costs block_ms * slowdown, a longer one block_ms + forward_ms * (1 - 1 / slowdown).
+    (One factor for the whole block over-charged long blocks: on the Ray demo chain at
+    T = 1 the model's error grew with k_0 to +21 % at [6, 1], docs/time-model.md §6.)"""
+    if block_ms * slowdown <= forward_ms:
+        return block_ms * slowdown
+    return block_ms + forward_ms * (1.0 - 1.0 / slowdown)
+
+
+def fitted_slowdown(measured_ms: float, block_ms: float, forward_ms: float) -> float:
+    """The slow-down that makes `contended_block_ms(block_ms, forward_ms, s)` = `measured_ms`
+    (the inverse, clamped to 1/3..3)."""
+    if block_ms <= 0:
+        return 1.0
+    if measured_ms <= forward_ms:  # (the block fitted in the overlap iff it ended within it)
+        return min(max(measured_ms / block_ms, 1.0 / 3), 3.0)
+    shared = (measured_ms - block_ms) / forward_ms  # = 1 - 1 / s
+    return min(max(1.0 / (1.0 - shared), 1.0 / 3), 3.0) if shared < 2.0 / 3 else 3.0
 
 
 def block_from_below(below: RoundModel | None, draft_ms: LatencyTable, need: int) -> tuple[list[float], float]:
@@ -370,8 +394,9 @@ def pipelined_round_model(stage: StageSpec, block_pmf: Sequence[float], block_ms
     the next block costs D after the verdict: t + o + D, and the round emits A + 1 tokens.
     By renewal-reward, with outcomes independent from block to block:
 
-        round_ms = P * E[max(t_avg + o, D)] + (1 - P) * (t_avg + o + D)
+        round_ms = P * E[max(t_avg + o, D_ahead)] + (1 - P) * (t_avg + o + D)
         t_avg    = P * t(L) + (1 - P) * t(L + 1)      (the previous round's outcome)
+        D_ahead  = contended_block_ms(D, t_avg + o, s)  (drafted beside the verifier)
 
     (with L the tokens really proposed: fill * L for a drafter that proposes less than asked;
     E[max] of two normal times with the stage's `jitter_cv`, `expected_max`)
@@ -391,7 +416,8 @@ def pipelined_round_model(stage: StageSpec, block_pmf: Sequence[float], block_ms
             bonus = 0 if (block_len and accepted == block_len) else 1
             emitted[accepted + bonus] += p * q
     forward_ms = whole * warm_ms + (1.0 - whole) * cold_ms + stage.overhead_ms
-    overlap_ms = expected_max(forward_ms, stage.jitter_cv * forward_ms, block_ms, stage.jitter_cv * block_ms)
+    ahead_ms = contended_block_ms(block_ms, forward_ms, stage.drafter_slowdown)
+    overlap_ms = expected_max(forward_ms, stage.jitter_cv * forward_ms, ahead_ms, stage.jitter_cv * ahead_ms)
     round_ms = whole * overlap_ms + (1.0 - whole) * (forward_ms + block_ms)
     return RoundModel(tuple(emitted), round_ms, whole * max(0.0, forward_ms + block_ms - overlap_ms))
 

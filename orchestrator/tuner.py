@@ -49,7 +49,7 @@ import math
 import time
 
 from orchestrator.profiler import LatencyProfile
-from orchestrator.time_model import StageSpec, cost_per_token, latency, round_models, search_lengths
+from orchestrator.time_model import StageSpec, contended_block_ms, cost_per_token, fitted_slowdown, latency, round_models, search_lengths
 from workers.sampling import SamplingParams
 
 MAX_POSITIONS = 32
@@ -496,9 +496,12 @@ class Tuner:
 
     def _observe_ahead_block(self, key: str, drafter: int, tokens: int, block_ms: float, lengths: dict[int, int]) -> None:
         """A block of `tokens` drafted ahead by `drafter` in `block_ms`: against the model's cost of
-        the same block (the drafter's cost per token with the lengths in use), the slow-down."""
+        the same block on cores of its own (the drafter's cost per token with the lengths in
+        use) and its verifier's round beside it, the slow-down while the two share the cores
+        (`time_model.fitted_slowdown`), an EMA."""
         chain = tuple(range(drafter, self.num_tiers))
-        if tokens <= 0 or (len(chain) > 1 and any(level not in lengths for level in chain[:-1])):
+        verifier = drafter - 1
+        if tokens <= 0 or verifier < 0 or verifier not in lengths or (len(chain) > 1 and any(level not in lengths for level in chain[:-1])):
             return
         full = tuple(range(self.num_tiers))
         if len(chain) == 1:  # the bottom tier: one proposal
@@ -509,11 +512,12 @@ class Tuner:
             modelled = below.ms_per_token * tokens
         if modelled <= 0:
             return
-        ratio = min(max(block_ms / modelled, 1.0 / 3), 3.0)
+        beside_ms = latency(self.profile.forward_ms(verifier, full), lengths[verifier]) + self._stage_overhead_ms(verifier)
         current = self.ahead_slowdown.get(drafter, 1.0)
         if drafter == 1:  # the target's drafter: its blocks are what the target's rounds wait for
-            self._observe_jitter(ratio / current - 1.0)
-        self.ahead_slowdown[drafter] = current + OVERHEAD_SMOOTHING * (ratio - current)
+            self._observe_jitter(block_ms / contended_block_ms(modelled, beside_ms, current) - 1.0)
+        fitted = fitted_slowdown(block_ms, modelled, beside_ms)
+        self.ahead_slowdown[drafter] = current + OVERHEAD_SMOOTHING * (fitted - current)
 
     def _observe_jitter(self, deviation: float) -> None:
         deviation = min(max(deviation, -1.0), 1.0)  # one stall (a GC pause, a page fault) is not the spread

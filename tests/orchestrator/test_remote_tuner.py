@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.profiler import LatencyProfile
-from orchestrator.time_model import cost_per_token
+from orchestrator.time_model import contended_block_ms, cost_per_token, fitted_slowdown, latency
 from orchestrator.tuner import Tuner
 from protos.polyspec.v1 import tier_pb2
 from workers.sampling import SamplingParams
@@ -62,8 +62,9 @@ def test_first_round_gives_acceptance_but_no_latency():
 
 
 def test_drafted_ahead_blocks_set_the_drafters_slowdown():
-    """A pipelined drafter's blocks (block_seconds reports) take 1.5x what the model says they
-    cost: the slow-down converges there and the pipelined model's D grows with it."""
+    """A pipelined drafter's blocks (block_seconds reports) take what the model says they cost
+    with the drafter 1.5x slower while the target scores beside it: the slow-down converges
+    there and the pipelined model's round grows with it."""
     tuner = remote_tuner(pipelined=True)
     lengths = [4, 3]
 
@@ -77,13 +78,26 @@ def test_drafted_ahead_blocks_set_the_drafters_slowdown():
         step()
     stages, draft_ms = tuner.stages("greedy", (0, 1, 2))
     modelled_block_ms = 4 * cost_per_token(stages[1:], draft_ms, lengths[1:])
+    beside_ms = latency(tuner.profile.forward_ms(0, (0, 1, 2)), 4) + tuner.step_overhead_ms
     before = cost_per_token(stages, draft_ms, lengths)
     for _ in range(60):
-        step(1.5 * modelled_block_ms)
+        step(contended_block_ms(modelled_block_ms, beside_ms, 1.5))
     assert tuner.ahead_slowdown[1] == pytest.approx(1.5, rel=0.02)
     stages, draft_ms = tuner.stages("greedy", (0, 1, 2))
     assert stages[0].drafter_slowdown == pytest.approx(1.5, rel=0.02)
     assert cost_per_token(stages, draft_ms, lengths) > before
+
+
+def test_contention_slows_only_the_part_of_a_block_drafted_beside_the_verifier():
+    # a block that fits in the verifier's 10 ms: all of it slowed; a longer one: only its
+    # first 10 ms are shared (6.67 ms of work done in them at 1.5x), the rest at full speed
+    assert contended_block_ms(4.0, 10.0, 1.5) == pytest.approx(6.0)
+    assert contended_block_ms(30.0, 10.0, 1.5) == pytest.approx(30.0 + 10.0 / 3)
+    assert contended_block_ms(30.0, 10.0, 1.5) < 1.5 * 30.0
+    for block_ms in (2.0, 6.0, 12.0, 40.0):
+        for slowdown in (0.8, 1.0, 1.3, 2.0):
+            measured = contended_block_ms(block_ms, 10.0, slowdown)
+            assert fitted_slowdown(measured, block_ms, 10.0) == pytest.approx(slowdown, rel=1e-6)
 
 
 def test_plan_remote_never_bypasses():
