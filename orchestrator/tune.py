@@ -678,7 +678,7 @@ def _tune(engine: Engine, config: ChainConfig, prompts: list[str], settings: Tun
         "bypass": [{"bypassed": engine.tiers[tier].name, **entry(plan)} for tier, plan in bypass],
         "baseline": entry(baseline) if baseline else None,
         "runtime": {"backend": config.runtime.backend, "pipeline": tuner.pipelined if tuner.distributed else False},
-        # the CPU matters: the demo chain's int8 tier costs 0.6x the target on one Xeon, 0.9x on another
+        # the CPU matters: the demo chain's int8 tier costs 0.6x the target's forward on an AMD EPYC, 0.8x on an AVX-512 Xeon
         "machine": {**machine_info(torch.get_num_threads(), config.tiers[0].dtype, "cpu"),
                     "tier_threads": {tier.name: tier.threads for tier in config.tiers}},
         "auto": {
