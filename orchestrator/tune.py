@@ -755,10 +755,9 @@ def format_report(report: dict) -> str:
             )
     shift = report.get("shift")
     if shift:
-        lines.append(
-            f"code -> prose: {shift['prose_rounds']} prose rounds from round {shift['prose_from_round']};"
-            f" first change of plan after {shift['rounds_to_first_change']} rounds"
-        )
+        rounds = shift["rounds_to_first_change"]
+        change = "no change of plan" if rounds is None else f"first change of plan after {rounds} rounds"
+        lines.append(f"code -> prose: {shift['prose_rounds']} prose rounds from round {shift['prose_from_round']}; {change}")
     for label, summary in (("wall", report["summary"]), ("cpu", report["summary_cpu"])):
         if summary is None:
             continue

@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from orchestrator.cli import main
+from orchestrator.tune import format_report
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +35,10 @@ def test_tune_json_report(config_path, tmp_path, capsys):
     assert report["tiers"][0]["acceptance"]["drafter"] == "mid" and report["tiers"][2]["acceptance"] is None
     assert report["prompts"] == 2 and 0 <= report["summary"]["median_relative_error"]
     assert report["auto"]["measured_ms_per_token"] > 0 and report["auto"]["plans"]
+    # the table's code -> prose line, with and without a change of plan
+    for rounds, expected in ((None, "16 prose rounds from round 9; no change of plan"), (3, "first change of plan after 3 rounds")):
+        report["shift"] = {"prose_rounds": 16, "prose_from_round": 9, "rounds_to_first_change": rounds}
+        assert expected in format_report(report)
 
 
 def test_tune_table_with_builtin_prompts(config_path, capsys):
