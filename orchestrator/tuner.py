@@ -49,7 +49,7 @@ import math
 import time
 
 from orchestrator.profiler import LatencyProfile
-from orchestrator.time_model import StageSpec, contended_block_ms, cost_per_token, fitted_slowdown, latency, round_models, search_lengths
+from orchestrator.time_model import StageSpec, contended_block_ms, cost_per_token, fitted_slowdown, latency, local_search, round_models, search_lengths
 from workers.sampling import SamplingParams
 
 MAX_POSITIONS = 32
@@ -68,6 +68,7 @@ OVERHEAD_PRIOR = 2.0  # ... and the weight, in target rounds, of its prior a = 2
 JITTER_SMOOTHING = 0.05  # pipelined: memory of the spread of round and block times (~20 samples)
 CATCH_UP_SMOOTHING = 0.3  # memory of what a returning tier's re-feeding costs (~3 probes)
 RETUNE_BUDGET = 0.02  # routine re-tunes may take this share of the wall time (a search: ~0.7 ms of Python on the demo chain)
+FULL_SEARCH_EVERY = 32  # target rounds between full searches (every length); re-tunes between them search near the last lengths
 
 
 @dataclasses.dataclass
@@ -249,6 +250,9 @@ class _ClassState:
     retune_now: bool = False  # a request started (its estimates were reset) or the text shifted: re-tune before the next round
     since_retune: int = 0  # target rounds since the last re-tune
     eager_rounds: int = 0  # after a shift in the text: rounds left that re-tune every round (the estimates are still moving)
+    since_full: int = 0  # target rounds since the last full search
+    full_now: bool = False  # the text shifted: the next re-tune is a full search
+    set_plans: dict[tuple[int, ...], Plan] = dataclasses.field(default_factory=dict)  # the last search's best plan per set of tiers
 
 
 @dataclasses.dataclass
@@ -336,7 +340,8 @@ class Tuner:
         # fast Xeon). Searches that must happen (a class's first rounds, a request's start, a
         # shift in the text) run regardless and draw the budget down.
         self.clock = time.perf_counter
-        self.retune_ms = 0.0
+        self.retune_ms = 0.0  # a full search's cost (EMA) ...
+        self.local_retune_ms = 0.0  # ... and a local one's
         self._retune_credit_ms = 0.0
         self._last_plan_at: float | None = None
         self._last_commit = 0
@@ -651,12 +656,24 @@ class Tuner:
         return plans
 
     def _retune(self, key: str, state: _ClassState) -> None:
+        """A full search (`_search`) during the warm-up, after a shift in the text and every
+        FULL_SEARCH_EVERY rounds; otherwise (a request's start, the routine re-tunes) a local one
+        (`_search(local=True)`): on the demo chain a full search took 0.9-1.8 ms of Python, and at a
+        2 % budget the rounds of a 48-token request earned about one, so the lengths stayed
+        where the request's start put them (a code prompt ran [3] on target+n-gram for all of
+        its 20 rounds with every block accepted)."""
+        full = state.plan is None or state.full_now or state.rounds < self.warmup_rounds or state.since_full >= FULL_SEARCH_EVERY
         started = self.clock()
         try:
-            self._search(key, state)
+            self._search(key, state, local=not full)
         finally:
             spent_ms = 1000.0 * (self.clock() - started)
-            self.retune_ms = spent_ms if self.retune_ms == 0.0 else self.retune_ms + OVERHEAD_SMOOTHING * (spent_ms - self.retune_ms)
+            if full:
+                self.retune_ms = spent_ms if self.retune_ms == 0.0 else self.retune_ms + OVERHEAD_SMOOTHING * (spent_ms - self.retune_ms)
+                state.since_full = 0
+                state.full_now = False
+            else:
+                self.local_retune_ms = spent_ms if self.local_retune_ms == 0.0 else self.local_retune_ms + OVERHEAD_SMOOTHING * (spent_ms - self.local_retune_ms)
             if state.rounds >= self.warmup_rounds:  # (a class's warm-up is paid once)
                 self._retune_credit_ms -= spent_ms
             state.retune_now = False
@@ -671,11 +688,18 @@ class Tuner:
             self._retune_credit_ms = min(self._retune_credit_ms + earned, 2.0 * self.retune_ms)
         self._last_plan_at = now
         state.since_retune += 1
+        state.since_full += 1
         state.eager_rounds = max(0, state.eager_rounds - 1)
 
-    def _search(self, key: str, state: _ClassState) -> None:
+    def _search(self, key: str, state: _ClassState, local: bool = False) -> None:
+        """The best plan on each usable set of tiers, and a switch to the best of them if it
+        clears the margin (`_switch_margin`). Each set's lengths come from every combination
+        (time_model.search_lengths), or with `local` from hill-climbing from the set's lengths
+        at the last search (time_model.local_search: about a ninth of the cost on the demo chain)."""
         bypass = self.allow_bypass and state.rounds >= self.warmup_rounds
-        plans = self._best_plans(key, self.candidate_sets(bypass))  # one search per set of tiers, reused below
+        sets = self.candidate_sets(bypass)
+        plans = self._local_plans(key, state, sets) if local else self._best_plans(key, sets)  # one search per set, reused below
+        state.set_plans = plans
         best = min(plans.values(), key=lambda plan: plan.predicted_ms)
         current = state.plan
         if current is not None:
@@ -687,8 +711,28 @@ class Tuner:
                 state.plan = dataclasses.replace(current, predicted_ms=current_ms)
                 self._set_probing(key, state, plans)
                 return
-        state.plan = best
+        self._adopt(key, state, best)
         self._set_probing(key, state, plans)
+
+    def _local_plans(self, key: str, state: _ClassState, sets: list[tuple[int, ...]]) -> dict[tuple[int, ...], Plan]:
+        """Each set's best lengths near its lengths at the last search (the current plan's for
+        the current set)."""
+        plans = {}
+        for active in sets:
+            last = state.plan if state.plan.active == active else state.set_plans.get(active)
+            if last is None:  # a set the last search did not consider: a full search for it
+                plans.update(self._best_plans(key, [active]))
+                continue
+            stages, draft_ms = self.stages(key, active)
+            chosen, cost = local_search(stages, draft_ms, [last.lengths[level] for level in active[:-1]], self.max_length, self.tree_width)
+            lengths = list(state.plan.lengths)
+            for level, k in zip(active, chosen):
+                lengths[level] = k
+            plans[active] = Plan(tuple(lengths), active, cost)
+        return plans
+
+    def _adopt(self, key: str, state: _ClassState, best: Plan) -> None:
+        state.plan = best
         self.history.append(
             {
                 "class": key,
@@ -774,7 +818,7 @@ class Tuner:
         estimate.observe(proposed, accepted)
         state = self._state(key)
         if estimate.shifts != shifts:
-            state.retune_now = True
+            state.retune_now = state.full_now = True
             state.eager_rounds = self.retune_every
         long_run = state.long_run.get((verifier, drafter))
         if long_run is None:

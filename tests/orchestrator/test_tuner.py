@@ -15,7 +15,7 @@ from orchestrator.engine import Engine
 from orchestrator.profiler import LatencyProfile, OnlineTable
 from orchestrator.time_model import expected_emitted, renewal_rates, round_models
 import orchestrator.tuner as tuner_module
-from orchestrator.tuner import PROBE_BUDGET, RETUNE_BUDGET, AcceptanceEstimate, Plan, Tuner
+from orchestrator.tuner import FULL_SEARCH_EVERY, PROBE_BUDGET, RETUNE_BUDGET, AcceptanceEstimate, Plan, Tuner
 from workers.sampling import SamplingParams
 
 GREEDY = SamplingParams()
@@ -234,19 +234,21 @@ def test_a_detected_shift_retunes_at_once():
     assert tuner.estimates("greedy")[(0, 1)].shifts >= 1
 
 
-def count_retunes(round_ms: float, search_ms: float, rounds: int = 200) -> int:
-    """Searches after the warm-up of a tuner whose rounds take `round_ms` of wall time and whose
-    searches take `search_ms` (one request; every block accepted whole)."""
+def count_retunes(round_ms: float, search_ms: float, rounds: int = 200, local_ms: float | None = None) -> tuple[int, int]:
+    """(full, local) searches after the warm-up of a tuner whose rounds take `round_ms` of wall
+    time, whose full searches take `search_ms` and local ones `local_ms` (default the same);
+    one request, every block accepted whole."""
     profile = fixed_profile(["target", "ngram"], [lambda m: 10.0 + 1.0 * m, None], [None, lambda k: 0.05])
     tuner = Tuner(profile, max_length=8)
     clock = tuner.clock = FakeClock()
-    search = tuner._search
-    searches = []
+    searches = {"full": [], "local": []}
 
-    def slow_search(key, state):
-        clock.now += search_ms / 1000.0
-        searches.append(state.rounds)
-        search(key, state)
+    search = tuner._search
+
+    def slow_search(key, state, local=False):
+        clock.now += (search_ms if not local or local_ms is None else local_ms) / 1000.0
+        searches["local" if local else "full"].append(state.rounds)
+        search(key, state, local)
 
     tuner._search = slow_search
     committed = 1000
@@ -257,16 +259,22 @@ def count_retunes(round_ms: float, search_ms: float, rounds: int = 200) -> int:
         tuner.observe_commit([0] * (lengths[0] + 1))
         committed += lengths[0] + 1
     assert tuner.estimates("greedy")[(0, 1)].shifts == 0
-    return sum(r >= tuner.warmup_rounds for r in searches)
+    return tuple(sum(r >= tuner.warmup_rounds for r in searches[kind]) for kind in ("full", "local"))
 
 
 def test_routine_retunes_stay_within_their_budget():
-    # slow rounds (40 ms) and a 2 ms search: every `retune_every` (4) rounds, as always
-    assert count_retunes(round_ms=40.0, search_ms=2.0) == 200 // 4
+    # slow rounds (40 ms) and a 2 ms search: every `retune_every` (4) rounds, as always; a
+    # full search (every set of tiers, every length) every FULL_SEARCH_EVERY rounds of them
+    full, local = count_retunes(round_ms=40.0, search_ms=2.0)
+    assert full + local == 200 // 4
+    assert full == math.ceil(200 / FULL_SEARCH_EVERY) - 1 or full == 200 // FULL_SEARCH_EVERY
     # fast rounds (5 ms, the demo chain on a fast CPU) and the same search: one search costs
     # 2 ms of the 0.1 ms each round earns, so about one in 20 rounds (2 % of the time)
-    fast = count_retunes(round_ms=5.0, search_ms=2.0)
-    assert abs(fast - 200 * 5.0 * RETUNE_BUDGET / 2.0) <= 2
+    full, local = count_retunes(round_ms=5.0, search_ms=2.0)
+    assert abs(full + local - 200 * 5.0 * RETUNE_BUDGET / 2.0) <= 2
+    # ... and with local searches at a tenth of a full one's cost, about one every 4 rounds again
+    full, local = count_retunes(round_ms=5.0, search_ms=2.0, local_ms=0.2)
+    assert local >= 200 // 4 - 200 // 4 // 4 and full >= 2
 
 
 def test_each_request_starts_from_the_class_long_run_acceptance():
