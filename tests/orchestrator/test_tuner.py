@@ -272,7 +272,7 @@ def test_routine_retunes_stay_within_their_budget():
     # 2 ms of the 0.1 ms each round earns, so about one in 20 rounds (2 % of the time)
     full, local = count_retunes(round_ms=5.0, search_ms=2.0)
     assert abs(full + local - 200 * 5.0 * RETUNE_BUDGET / 2.0) <= 2
-    # ... and with local searches at a tenth of a full one's cost, about one every 4 rounds again
+    # ... and were local searches a tenth of a full one's cost, about one every 4 rounds again
     full, local = count_retunes(round_ms=5.0, search_ms=2.0, local_ms=0.2)
     assert local >= 200 // 4 - 200 // 4 // 4 and full >= 2
 
