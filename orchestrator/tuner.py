@@ -68,6 +68,8 @@ OVERHEAD_PRIOR = 2.0  # ... and the weight, in target rounds, of its prior a = 2
 JITTER_SMOOTHING = 0.05  # pipelined: memory of the spread of round and block times (~20 samples)
 CATCH_UP_SMOOTHING = 0.3  # memory of what a returning tier's re-feeding costs (~3 probes)
 RETUNE_BUDGET = 0.02  # routine re-tunes may take this share of the wall time (a search: ~0.7 ms of Python on the demo chain)
+WARMUP_OPTIMISM = 1.0  # a class's warm-up searches on acceptance one posterior sd above the mean (see Tuner._search)
+OPTIMISTIC_CAP = 0.99
 FULL_SEARCH_EVERY = 32  # target rounds between full searches (every length); re-tunes between them search near the last lengths
 
 
@@ -178,15 +180,17 @@ class AcceptanceEstimate:
         self.recent, self.recent_settled = [], []
         self.settled = long_run.rates()[0]
 
-    def rates(self, prior_mean: float | None = None) -> tuple[float, ...]:
+    def rates(self, prior_mean: float | None = None, optimism: float = 0.0) -> tuple[float, ...]:
         """Posterior mean acceptance per text position 1..MAX_POSITIONS (the priors' weights
-        are in the same units: tokens of text)."""
+        are in the same units: tokens of text); with `optimism` z, each position's mean plus
+        z standard deviations of its Beta posterior (capped at OPTIMISTIC_CAP; the next
+        position's prior is still the mean)."""
         mean = self.prior_mean if prior_mean is None else prior_mean
         weight = self.prior_weight
         out = []
         for successes, trials in zip(self.successes, self.trials):
             mean = (mean * weight + successes) / (weight + trials)
-            out.append(mean)
+            out.append(mean if not optimism else min(OPTIMISTIC_CAP, mean + optimism * math.sqrt(mean * (1.0 - mean) / (weight + trials + 1.0))))
             weight = self.prior_strength
         return tuple(out)
 
@@ -340,6 +344,8 @@ class Tuner:
         # fast Xeon). Searches that must happen (a class's first rounds, a request's start, a
         # shift in the text) run regardless and draw the budget down.
         self.clock = time.perf_counter
+        self.warmup_optimism = WARMUP_OPTIMISM
+        self._optimism = 0.0  # z of the acceptance rates the time model sees (warmup_optimism in a class's warm-up searches)
         self.retune_ms = 0.0  # a full search's cost (EMA; a local one costs about a third)
         self._retune_credit_ms = 0.0
         self._last_plan_at: float | None = None
@@ -609,7 +615,7 @@ class Tuner:
         if not direct_known and shadow is not None and shadow.blocks >= MIN_BLOCKS:
             return shadow.rates(prior), shadow.along_text  # a fallback only (docs/time-model.md §4)
         estimate = self._estimate(key, verifier, drafter)
-        return estimate.rates(prior), estimate.along_text
+        return estimate.rates(prior, self._optimism), estimate.along_text
 
     def predict(self, key: str, active: tuple[int, ...], lengths: list[int] | tuple[int, ...]) -> float:
         """Predicted ms per target token for `active` tiers and per-level `lengths`."""
@@ -693,7 +699,22 @@ class Tuner:
         clears the margin (`_switch_margin`). Each set's lengths come from every combination
         (time_model.search_lengths), or with `local` from hill-climbing from the set's lengths
         at the last search (time_model.local_search: on the demo chain's three sets 0.33 ms against
-        0.92 for a full search in isolation, 0.48 against 1.2 inside a generating process)."""
+        0.92 for a full search in isolation, 0.48 against 1.2 inside a generating process).
+        During a class's warm-up the time model sees acceptance `warmup_optimism` posterior
+        standard deviations above the mean: a block of k shows at most k positions, so lengths
+        cut from the prior (0.6) leave the deeper positions unseen, and the ramp to long blocks
+        took a fresh Ray chain 14 rounds at T = 0; optimistic, it reached [6, 6] in 4, and a
+        poor drafter's positions, once seen, lose the optimism as their counts grow.
+        (Optimism ends with the warm-up: an opening round at max_length alone, tried in session 8,
+        left one rejected position standing.)
+        """
+        self._optimism = self.warmup_optimism if state.rounds < self.warmup_rounds else 0.0
+        try:
+            self._search_plans(key, state, local)
+        finally:
+            self._optimism = 0.0
+
+    def _search_plans(self, key: str, state: _ClassState, local: bool) -> None:
         bypass = self.allow_bypass and state.rounds >= self.warmup_rounds
         sets = self.candidate_sets(bypass)
         plans = self._local_plans(key, state, sets) if local else self._best_plans(key, sets)  # one search per set, reused below

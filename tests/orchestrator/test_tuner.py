@@ -234,6 +234,32 @@ def test_a_detected_shift_retunes_at_once():
     assert tuner.estimates("greedy")[(0, 1)].shifts >= 1
 
 
+def test_warmup_optimism_reaches_long_blocks_sooner_and_ends_with_the_warmup():
+    """A fresh class's first lengths rest on the prior (0.6): a block of k shows k positions,
+    so the ramp to long blocks waits on data from short ones. With the warm-up's searches one
+    posterior sd optimistic, a drafter that agrees on nearly everything gets long blocks
+    within a few rounds; one that agrees on little loses the optimism where it has been seen,
+    and after the warm-up the plan rests on the posterior means alone."""
+    def ramp(optimism: float, rate: float) -> list[int]:
+        profile = fixed_profile(["target", "mid"], [lambda m: 10.0 + 0.5 * m, None], [None, lambda k: 1.5 * k])
+        tuner = Tuner(profile, max_length=8)
+        tuner.warmup_optimism = optimism
+        plans = simulate(tuner, lambda r, i, j: rate, 16, random.Random(4))
+        return [lengths[0] for lengths, _ in plans]
+
+    plain, optimistic = ramp(0.0, 0.98), ramp(1.0, 0.98)
+    assert optimistic[1] > plain[1] and max(optimistic[:4]) >= 6, (plain, optimistic)
+    assert sum(optimistic[:8]) > sum(plain[:8])
+    # a poor drafter: short blocks once the warm-up is over, with or without the optimism
+    assert ramp(1.0, 0.2)[-1] == ramp(0.0, 0.2)[-1] <= 2
+    # the optimism is the Beta posterior's sd: large with no data, small with many counts
+    estimate = AcceptanceEstimate(prior_mean=0.6, prior_strength=2.0, decay=1.0)
+    assert estimate.rates(optimism=1.0)[0] == pytest.approx(0.6 + math.sqrt(0.6 * 0.4 / 3.0))
+    for _ in range(200):
+        estimate.observe(1, 0)
+    assert estimate.rates(optimism=1.0)[0] - estimate.rates()[0] < 0.01
+
+
 def count_retunes(round_ms: float, search_ms: float, rounds: int = 200, local_ms: float | None = None) -> tuple[int, int]:
     """(full, local) searches after the warm-up of a tuner whose rounds take `round_ms` of wall
     time, whose full searches take `search_ms` and local ones `local_ms` (default the same);
