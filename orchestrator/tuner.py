@@ -34,10 +34,14 @@ Time outside the reported rounds (the scheduler's bookkeeping, a streaming callb
 measured too: wall time between two target rounds minus what the rounds reported, per
 round, as an EMA (`round_overhead_ms`), added to every round the model predicts.
 
-Every round of a class's warm-up (`warmup_rounds`), then every `retune_every` rounds, the tuner searches lengths (time_model.search_lengths)
-for each usable set of tiers and switches only when the predicted gain exceeds `hysteresis`
-for new lengths on the same tiers, `switch_hysteresis` for another set of tiers (then the
-best lengths on the current tiers are still taken if they clear `hysteresis`).
+Every round of a class's warm-up (`warmup_rounds`; its searches see acceptance one posterior
+sd optimistic, so the deeper positions get tried), then every `retune_every` rounds (as the
+re-tune budget allows), the tuner searches lengths for each usable set of tiers: every
+combination (time_model.search_lengths) in the warm-up, after a shift and every
+FULL_SEARCH_EVERY rounds, else near the set's last lengths (time_model.local_search). It
+switches only when the predicted gain exceeds `hysteresis` for new lengths on the same
+tiers, `switch_hysteresis` for another set of tiers (then the best lengths on the current
+tiers are still taken if they clear `hysteresis`).
 """
 
 from __future__ import annotations
