@@ -651,13 +651,19 @@ class Tuner:
             raise ValueError("no usable set of tiers")
         return min(plans.values(), key=lambda plan: plan.predicted_ms)
 
-    def _best_plans(self, key: str, sets: list[tuple[int, ...]]) -> dict[tuple[int, ...], Plan]:
-        """The best lengths (`time_model.search_lengths`) on each set of tiers."""
+    def _best_plans(self, key: str, sets: list[tuple[int, ...]], near: dict[tuple[int, ...], Plan] | None = None) -> dict[tuple[int, ...], Plan]:
+        """The best lengths on each set of tiers: every combination (`time_model.search_lengths`),
+        or for a set with a plan in `near`, hill-climbed from that plan's lengths
+        (`time_model.local_search`)."""
         current = self._state(key).plan
         plans = {}
         for active in sets:
             stages, draft_ms = self.stages(key, active)
-            chosen, cost = search_lengths(stages, draft_ms, self.max_length, self.tree_width)
+            start = (near or {}).get(active)
+            if start is None:
+                chosen, cost = search_lengths(stages, draft_ms, self.max_length, self.tree_width)
+            else:
+                chosen, cost = local_search(stages, draft_ms, [start.lengths[level] for level in active[:-1]], self.max_length, self.tree_width)
             lengths = list(current.lengths if current else [self.max_length] * (self.num_tiers - 1))
             for level, k in zip(active, chosen):
                 lengths[level] = k
@@ -721,7 +727,10 @@ class Tuner:
     def _search_plans(self, key: str, state: _ClassState, local: bool) -> None:
         bypass = self.allow_bypass and state.rounds >= self.warmup_rounds
         sets = self.candidate_sets(bypass)
-        plans = self._local_plans(key, state, sets) if local else self._best_plans(key, sets)  # one search per set, reused below
+        # one search per set of tiers, reused below; a local one starts from each set's plan at
+        # the last search (the current plan for the current set)
+        near = {**state.set_plans, state.plan.active: state.plan} if local else None
+        plans = self._best_plans(key, sets, near)
         state.set_plans = plans
         best = min(plans.values(), key=lambda plan: plan.predicted_ms)
         current = state.plan
@@ -736,23 +745,6 @@ class Tuner:
                 return
         self._adopt(key, state, best)
         self._set_probing(key, state, plans)
-
-    def _local_plans(self, key: str, state: _ClassState, sets: list[tuple[int, ...]]) -> dict[tuple[int, ...], Plan]:
-        """Each set's best lengths near its lengths at the last search (the current plan's for
-        the current set)."""
-        plans = {}
-        for active in sets:
-            last = state.plan if state.plan.active == active else state.set_plans.get(active)
-            if last is None:  # a set the last search did not consider: a full search for it
-                plans.update(self._best_plans(key, [active]))
-                continue
-            stages, draft_ms = self.stages(key, active)
-            chosen, cost = local_search(stages, draft_ms, [last.lengths[level] for level in active[:-1]], self.max_length, self.tree_width)
-            lengths = list(state.plan.lengths)
-            for level, k in zip(active, chosen):
-                lengths[level] = k
-            plans[active] = Plan(tuple(lengths), active, cost)
-        return plans
 
     def _adopt(self, key: str, state: _ClassState, best: Plan) -> None:
         state.plan = best

@@ -652,7 +652,7 @@ def test_switch_margin_depends_on_what_changes(new_active, gain, switches):
     state.plan = current
     new_lengths = (5, 6) if new_active == (0, 1, 2) else (6, 6)
     tuner.predict = lambda key, active, lengths: 10.0  # the current plan's prediction
-    tuner._best_plans = lambda key, sets: {current.active: current, new_active: Plan(new_lengths, new_active, 10.0 * (1.0 - gain))}
+    tuner._best_plans = lambda key, sets, near=None: {current.active: current, new_active: Plan(new_lengths, new_active, 10.0 * (1.0 - gain))}
     tuner._retune("greedy", state)
     assert (state.plan.active, state.plan.lengths) == ((new_active, new_lengths) if switches else (current.active, current.lengths))
     assert len(tuner.history) == int(switches)
@@ -668,7 +668,7 @@ def test_lengths_on_the_same_tiers_move_while_another_set_waits_for_its_margin()
     state = tuner._state("greedy")
     state.plan = Plan((6, 6), (0, 1, 2), 10.0)
     tuner.predict = lambda key, active, lengths: 10.0
-    tuner._best_plans = lambda key, sets: {(0, 1, 2): Plan((6, 2), (0, 1, 2), 9.5), (0, 1): Plan((6, 6), (0, 1), 9.4)}
+    tuner._best_plans = lambda key, sets, near=None: {(0, 1, 2): Plan((6, 2), (0, 1, 2), 9.5), (0, 1): Plan((6, 6), (0, 1), 9.4)}
     tuner._retune("greedy", state)
     assert (state.plan.active, state.plan.lengths) == ((0, 1, 2), (6, 2))
     assert tuner.history[-1]["lengths"] == [6, 2]
