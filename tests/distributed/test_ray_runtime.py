@@ -177,6 +177,18 @@ def test_drafter_node_removed_mid_batch(cluster, tiny_family, embedded):
         engine.close()
         nodes["tier_mid"] = head_cluster.add_node(num_cpus=2, resources={"tier_mid": 2})  # for later tests
         head_cluster.wait_for_nodes()
+        _wait_until_alive(nodes["tier_mid"])
+
+
+def _wait_until_alive(node, timeout_s: float = 60.0) -> None:
+    """Until Ray lists `node` as alive. wait_for_nodes counts live nodes, and the removed node
+    can still count as live while its replacement has not registered: under the full suite's
+    load the next tests then found no node with tier_mid (CI, 2 cores)."""
+    deadline = time.monotonic() + timeout_s
+    while not any(entry["NodeID"] == node.node_id and entry["Alive"] for entry in ray.nodes()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"node {node.node_id} not alive after {timeout_s:g} s")
+        time.sleep(0.2)
 
 
 def test_target_killed_mid_batch(cluster, tiny_family, embedded):
