@@ -183,7 +183,7 @@ class DistributedChain:
         lengths = self.lengths
         if tuner is not None:
             with self._tuner_lock:
-                lengths = tuner.plan_remote(run.params)
+                lengths = tuner.plan_remote(run.params, new_tokens=state.max_new_tokens if state.rounds == 0 else None)
             if not state.plans or state.plans[-1]["lengths"] != lengths:  # the same entries as ChainScheduler's
                 state.plans.append({"new_tokens": len(state.new_tokens), "lengths": list(lengths),
                                     "tiers": [view.name for view in self.tiers]})

@@ -169,6 +169,12 @@ class StageSpec:
     # accept_rates are per position of the text (the tuner's estimates, `renewal_rates`): a
     # round asking for k tokens sees `at_length(k)`'s rates
     per_text_position: bool = False
+    # pipelined, the target's stage only: a request's first round scores the prompt too, so its
+    # forward lasts `head_start_ms` longer, and the drafter drafts the second block beside it
+    # (RoundModel.head_start_saving_ms); with `request_tokens` (new tokens of a typical request)
+    # the searches weigh a request's first rounds against its length (`request_ms_per_token`)
+    head_start_ms: float = 0.0
+    request_tokens: int = 0
 
     def at_length(self, length: int) -> "StageSpec":
         """The stage as its rounds of `length` asked tokens see it."""
@@ -235,6 +241,9 @@ class RoundModel:
     emitted_pmf: tuple[float, ...]  # [x] = P(the round emits x tokens), x >= 1 ([0] = 0)
     round_ms: float  # expected wall time of the round, the block's drafting included
     cold_extra_ms: float = 0.0  # a pipelined stage's first round: nothing was drafted ahead for it
+    # ... and the second round's saving: its block was drafted beside the first round's long
+    # forward (the prompt's), so it is ready sooner than a block drafted beside a round's forward
+    head_start_saving_ms: float = 0.0
 
     @property
     def expected_emitted(self) -> float:
@@ -305,6 +314,28 @@ def fitted_slowdown(measured_ms: float, block_ms: float, forward_ms: float) -> f
     return min(max(1.0 / (1.0 - shared), 1.0 / 3), 3.0) if shared < 2.0 / 3 else 3.0
 
 
+def fit_slowdown(samples: Sequence[tuple[float, float, float, float]], start: float = 1.0) -> float:
+    """The slow-down s whose `contended_block_ms` matches blocks drafted ahead on (weighted)
+    average: samples (weight, measured_ms, block_ms, forward_ms), sum w (contended(s) - measured)
+    = 0 by Newton steps from `start` (the sum rises with s), clamped to 1/3..3. Averaging each
+    block's own `fitted_slowdown` instead was biased and noisy (s = 1 / (1 - excess / forward)
+    is convex in a block's excess time; on the Ray demo chain at T = 1 an EMA of it read 1.04 to
+    1.81 within one run, the blocks' mean excess 1.2-1.3)."""
+    s = min(max(start, 1.0 / 3), 3.0)
+    for _ in range(6):
+        gap = slope = 0.0
+        for weight, measured_ms, block_ms, forward_ms in samples:
+            gap += weight * (contended_block_ms(block_ms, forward_ms, s) - measured_ms)
+            slope += weight * (block_ms if block_ms * s <= forward_ms else forward_ms / (s * s))
+        if slope <= 1e-12:
+            break
+        step = gap / slope
+        s = min(max(s - step, 1.0 / 3), 3.0)
+        if abs(step) < 1e-4:
+            break
+    return s
+
+
 def block_from_below(below: RoundModel | None, draft_ms: LatencyTable, need: int) -> tuple[list[float], float]:
     """The block a tier receives when it asks the tier below for `need` tokens.
 
@@ -333,7 +364,8 @@ def round_model(stage: StageSpec, block_pmf: Sequence[float], block_ms: float, t
     size = max(len(serial.emitted_pmf), len(pipelined.emitted_pmf))
     pad = lambda pmf: list(pmf) + [0.0] * (size - len(pmf))  # noqa: E731
     emitted = tuple(share * a + (1.0 - share) * b for a, b in zip(pad(pipelined.emitted_pmf), pad(serial.emitted_pmf)))
-    return RoundModel(emitted, share * pipelined.round_ms + (1.0 - share) * serial.round_ms, share * pipelined.cold_extra_ms)
+    return RoundModel(emitted, share * pipelined.round_ms + (1.0 - share) * serial.round_ms, share * pipelined.cold_extra_ms,
+                      share * pipelined.head_start_saving_ms)
 
 
 def _serial_round_model(stage: StageSpec, block_pmf: Sequence[float], block_ms: float, tree_width: int) -> RoundModel:
@@ -419,7 +451,16 @@ def pipelined_round_model(stage: StageSpec, block_pmf: Sequence[float], block_ms
     ahead_ms = contended_block_ms(block_ms, forward_ms, stage.drafter_slowdown)
     overlap_ms = expected_max(forward_ms, stage.jitter_cv * forward_ms, ahead_ms, stage.jitter_cv * ahead_ms)
     round_ms = whole * overlap_ms + (1.0 - whole) * (forward_ms + block_ms)
-    return RoundModel(tuple(emitted), round_ms, whole * max(0.0, forward_ms + block_ms - overlap_ms))
+    saving = 0.0
+    if stage.head_start_ms > 0.0:
+        # the request's second block, drafted beside the first round's forward (head_start_ms
+        # longer): the next round waits only for what is left of it when that forward ends
+        # (what is left of it, counted from that forward's last head_start_ms, like ahead_ms)
+        first_ms = forward_ms + stage.head_start_ms
+        left_ms = max(0.0, contended_block_ms(block_ms, first_ms, stage.drafter_slowdown) - stage.head_start_ms)
+        second_ms = expected_max(forward_ms, stage.jitter_cv * forward_ms, left_ms, stage.jitter_cv * left_ms)
+        saving = whole * max(0.0, overlap_ms - second_ms)
+    return RoundModel(tuple(emitted), round_ms, whole * max(0.0, forward_ms + block_ms - overlap_ms), saving)
 
 
 def round_models(
@@ -456,6 +497,24 @@ def cost_per_token(stages: Sequence[StageSpec], draft_ms: LatencyTable, lengths:
     return round_models(stages, draft_ms, lengths, tree_width)[0].ms_per_token
 
 
+def request_ms_per_token(target: RoundModel, request_tokens: int) -> float:
+    """ms per token of a request of `request_tokens` new tokens, from the target's round model:
+    C_0, plus a pipelined chain's first rounds spread over the request (the first block drafted
+    with nothing ahead, `cold_extra_ms`; the second drafted beside the prompt's forward,
+    `head_start_saving_ms`). Their difference grows with k_0: on the Ray demo chain at T = 1,
+    48-token requests, the second round ran 15-20 ms against a steady 40 at k_0 = 6 (C_0 was
+    flat from k_0 = 3 to 6, requests 9 % faster at 6). 0 tokens: C_0."""
+    if request_tokens <= 0:
+        return target.ms_per_token
+    return target.ms_per_token + (target.cold_extra_ms - target.head_start_saving_ms) / request_tokens
+
+
+def chain_cost(stages: Sequence[StageSpec], draft_ms: LatencyTable, lengths: Sequence[int], tree_width: int = 1, memo: dict | None = None) -> float:
+    """What the searches minimise: C_0, or with the target stage's `request_tokens` set,
+    `request_ms_per_token`."""
+    return request_ms_per_token(round_models(stages, draft_ms, lengths, tree_width, memo)[0], stages[0].request_tokens)
+
+
 def generation_ms(
     stages: Sequence[StageSpec], draft_ms: LatencyTable, lengths: Sequence[int], new_tokens: int, tree_width: int = 1
 ) -> float:
@@ -477,7 +536,8 @@ def generation_ms(
         model = rounds[min(lengths[0], remaining - 1)]
         future = sum(p * remaining_ms[max(0, remaining - x)] for x, p in enumerate(model.emitted_pmf) if p)
         remaining_ms[remaining] = model.round_ms + future
-    return remaining_ms[new_tokens] + rounds[min(lengths[0], new_tokens - 1)].cold_extra_ms
+    first = rounds[min(lengths[0], new_tokens - 1)]
+    return remaining_ms[new_tokens] + first.cold_extra_ms - first.head_start_saving_ms
 
 
 def first_round_ms(
@@ -497,7 +557,7 @@ def first_round_ms(
 def search_lengths(
     stages: Sequence[StageSpec], draft_ms: LatencyTable, max_length: int, tree_width: int = 1, exhaustive_limit: int = 512
 ) -> tuple[list[int], float]:
-    """Lengths minimising `cost_per_token`. Every combination when there are at most
+    """Lengths minimising `chain_cost` (C_0). Every combination when there are at most
     `exhaustive_limit`; else bottom-up (each stage's k minimising its own ms per token given
     the stages below, the ideal form's argument), then coordinate descent on C_0, because a
     middle tier's overshoot couples a stage's best k to the k above it. Returns (lengths, C_0)."""
@@ -505,7 +565,7 @@ def search_lengths(
     memo: dict = {}
 
     def total(lengths: Sequence[int]) -> float:
-        return round_models(stages, draft_ms, lengths, tree_width, memo)[0].ms_per_token
+        return chain_cost(stages, draft_ms, lengths, tree_width, memo)
 
     if max_length ** len(stages) <= exhaustive_limit:
         best = list(min(itertools.product(options, repeat=len(stages)), key=total))
@@ -532,7 +592,7 @@ def search_lengths(
 def local_search(
     stages: Sequence[StageSpec], draft_ms: LatencyTable, start: Sequence[int], max_length: int, tree_width: int = 1, max_steps: int | None = None
 ) -> tuple[list[int], float]:
-    """Lengths minimising `cost_per_token` near `start`: hill-climbing to the best neighbour
+    """Lengths minimising `chain_cost` near `start`: hill-climbing to the best neighbour
     (every k moved by -1, 0 or +1, at least one moved) while it improves. A routine re-tune
     between full searches: the estimates move a little between two of them, so the optimum
     does too, and 3 ** len(stages) - 1 evaluations a step cost a fraction of `search_lengths`'
@@ -542,7 +602,7 @@ def local_search(
     memo: dict = {}
 
     def total(lengths: Sequence[int]) -> float:
-        return round_models(stages, draft_ms, lengths, tree_width, memo)[0].ms_per_token
+        return chain_cost(stages, draft_ms, lengths, tree_width, memo)
 
     moves = [move for move in itertools.product((-1, 0, 1), repeat=len(stages)) if any(move)]
     lengths = [min(max(1, k), max_length) for k in start]

@@ -311,12 +311,16 @@ def measure_plans(engine: Engine, plans: list[Plan], prompt_ids: list[list[int]]
 def predict_plan(tuner: Tuner, key: str, plan: Plan, prefill_extra_ms: list[list[float]], new_tokens: int) -> float:
     """Predicted ms per token over the prompts: prefills of the tiers in use + decoding."""
     if len(plan.active) == 1:
-        decode_ms = new_tokens * (latency(tuner.profile.forward_ms(0, plan.active), 1) + tuner.round_overhead_ms)
+        decode = [new_tokens * (latency(tuner.profile.forward_ms(0, plan.active), 1) + tuner.round_overhead_ms)] * len(prefill_extra_ms)
     else:
         stages, draft_ms = tuner.stages(key, plan.active)
         lengths = [plan.lengths[level] for level in plan.active[:-1]]
-        decode_ms = generation_ms(stages, draft_ms, lengths, new_tokens, tuner.tree_width)
-    total = sum(decode_ms + sum(extra[t] for t in plan.active) for extra in prefill_extra_ms)
+        if stages[0].pipelined:  # each prompt's prefill is the head start of its second block (time_model.RoundModel)
+            decode = [generation_ms([dataclasses.replace(stages[0], head_start_ms=extra[0])] + stages[1:], draft_ms, lengths, new_tokens, tuner.tree_width)
+                      for extra in prefill_extra_ms]
+        else:
+            decode = [generation_ms(stages, draft_ms, lengths, new_tokens, tuner.tree_width)] * len(prefill_extra_ms)
+    total = sum(ms + sum(extra[t] for t in plan.active) for ms, extra in zip(decode, prefill_extra_ms))
     if tuner.first_round_scale != 1.0 and len(plan.active) > 1:  # a distributed chain: its first rounds, as calibrated
         total += (tuner.first_round_scale - 1.0) * sum(modelled_first_rounds(tuner, key, plan, prefill_extra_ms, new_tokens))
     return total / (new_tokens * len(prefill_extra_ms))

@@ -53,7 +53,7 @@ import math
 import time
 
 from orchestrator.profiler import LatencyProfile
-from orchestrator.time_model import StageSpec, contended_block_ms, cost_per_token, fitted_slowdown, latency, local_search, round_models, search_lengths
+from orchestrator.time_model import StageSpec, chain_cost, contended_block_ms, fit_slowdown, latency, local_search, round_models, search_lengths
 from workers.sampling import SamplingParams
 
 MAX_POSITIONS = 32
@@ -74,6 +74,9 @@ CATCH_UP_SMOOTHING = 0.3  # memory of what a returning tier's re-feeding costs (
 RETUNE_BUDGET = 0.02  # routine re-tunes may take this share of the wall time (a search: ~0.7 ms of Python on the demo chain)
 WARMUP_OPTIMISM = 1.0  # a class's warm-up searches on acceptance one posterior sd above the mean (see Tuner._search)
 OPTIMISTIC_CAP = 0.99
+AHEAD_WINDOW = 64  # pipelined: blocks drafted ahead that the drafter's slow-down is fitted to ...
+AHEAD_DECAY = 0.97  # ... each weighed this much less than the next (~33 blocks)
+REQUEST_SMOOTHING = 0.2  # pipelined: memory of requests' lengths and prompt forwards (~5 requests)
 FULL_SEARCH_EVERY = 32  # target rounds between full searches (every length); re-tunes between them search near the last lengths
 
 
@@ -315,12 +318,19 @@ class Tuner:
         self.step_overhead_ms = 0.0
         # pipelined: per drafting tier, how much longer its blocks take to draft ahead than the
         # model's own cost of them (cores shared with the verifier, calls below, waiting while
-        # real calls go first), an EMA of measured / modelled (`drafter_slowdown`)
+        # real calls go first): the slow-down that matches its recent blocks (`_observe_ahead_block`)
         self.ahead_slowdown: dict[int, float] = {}
+        self._ahead_blocks: dict[int, collections.deque] = {}  # per drafter: (measured, modelled, beside ms) of its last blocks
         # a distributed chain's first target round of each request (prefills, sequence set-up on
         # every tier): its wall ms, for `polyspec tune` to calibrate the per-request cost
         self.first_rounds: collections.deque[float] = collections.deque(maxlen=256)
         self.first_round_scale = 1.0  # measured / modelled first rounds (set by polyspec tune's calibration)
+        # pipelined: a request's first round scores the prompt, and the drafter drafts the second
+        # block beside it; the searches charge the first rounds' extra time (StageSpec.head_start_ms)
+        # over a request's length (`request_tokens`: new tokens asked for, an EMA; 0 = unknown, C_0
+        # alone). Both from a distributed chain's first rounds (plan_remote / observe_remote).
+        self.head_start_ms = 0.0
+        self.request_tokens = 0.0
         # pipelined: how much the target's forwards and the blocks drafted ahead vary around the
         # model (EMA of squared relative deviations, pooled): StageSpec.jitter_cv
         self._jitter_sq = 0.0
@@ -451,10 +461,14 @@ class Tuner:
 
     # ------------------------------------------------------- a distributed chain's hook
 
-    def plan_remote(self, params: SamplingParams) -> list[int]:
+    def plan_remote(self, params: SamplingParams, new_tokens: int | None = None) -> list[int]:
         """Before a distributed chain's target round: the lengths to send with it. Rounds of
         concurrent requests arrive whole (`observe_remote`), so no per-round state is kept
-        here; the caller serialises the two calls."""
+        here; the caller serialises the two calls. `new_tokens`: given before a request's first
+        round, the tokens it asks for (a pipelined chain's searches weigh its first rounds by
+        them: `request_tokens`)."""
+        if new_tokens:
+            self.request_tokens = new_tokens if self.request_tokens == 0 else self.request_tokens + REQUEST_SMOOTHING * (new_tokens - self.request_tokens)
         key = request_class(params)
         state = self._state(key)
         self._age(state)
@@ -499,6 +513,10 @@ class Tuner:
             # drafter running beside it, unlike the rounds the model charges (the verifier shares
             # the cores with the drafter drafting ahead: measured 1.3-1.5x slower on the demo
             # chain). A lower stage's empty block (an n-gram tier with no match) is an ordinary round.
+            if first and self.pipelined and report.tier == 0:
+                # the prompt's forward: how long the drafter drafts the second block beside it
+                extra = max(0.0, report.seconds * 1000.0 - latency(self.profile.forward_ms(0, config), report.proposed + 1))
+                self.head_start_ms = extra if self.head_start_ms == 0.0 else self.head_start_ms + REQUEST_SMOOTHING * (extra - self.head_start_ms)
             if not first and not (self.pipelined and report.proposed == 0 and report.tier == 0):
                 if self.pipelined and report.tier == 0:
                     modelled = latency(self.profile.forward_ms(0, config), report.proposed + 1)
@@ -512,7 +530,8 @@ class Tuner:
         """A block of `tokens` drafted ahead by `drafter` in `block_ms`: against the model's cost of
         the same block on cores of its own (the drafter's cost per token with the lengths in
         use) and its verifier's round beside it, the slow-down while the two share the cores
-        (`time_model.fitted_slowdown`), an EMA."""
+        (`time_model.fit_slowdown` over the last AHEAD_WINDOW blocks, each weighed AHEAD_DECAY
+        less than the next)."""
         chain = tuple(range(drafter, self.num_tiers))
         verifier = drafter - 1
         if tokens <= 0 or verifier < 0 or verifier not in lengths or (len(chain) > 1 and any(level not in lengths for level in chain[:-1])):
@@ -530,8 +549,10 @@ class Tuner:
         current = self.ahead_slowdown.get(drafter, 1.0)
         if drafter == 1:  # the target's drafter: its blocks are what the target's rounds wait for
             self._observe_jitter(block_ms / contended_block_ms(modelled, beside_ms, current) - 1.0)
-        fitted = fitted_slowdown(block_ms, modelled, beside_ms)
-        self.ahead_slowdown[drafter] = current + OVERHEAD_SMOOTHING * (fitted - current)
+        blocks = self._ahead_blocks.setdefault(drafter, collections.deque(maxlen=AHEAD_WINDOW))
+        blocks.append((block_ms, modelled, beside_ms))
+        samples = [(AHEAD_DECAY ** age, *sample) for age, sample in enumerate(reversed(blocks))]
+        self.ahead_slowdown[drafter] = fit_slowdown(samples, current)
 
     def _observe_jitter(self, deviation: float) -> None:
         deviation = min(max(deviation, -1.0), 1.0)  # one stall (a GC pause, a page fault) is not the spread
@@ -590,6 +611,8 @@ class Tuner:
                 self.ahead_slowdown.get(b, 1.0) if self.pipelined else 1.0,
                 self.fill(key, b) if b == active[-1] and self.tree_width == 1 else 1.0,
                 self.jitter_cv if self.pipelined and a == 0 else 0.0, per_text_position=per_text))
+        if self.pipelined and stages and active[0] == 0:  # (the target's stage: a request's first rounds)
+            stages[0] = dataclasses.replace(stages[0], head_start_ms=self.head_start_ms, request_tokens=int(round(self.request_tokens)))
         return stages, self.profile.draft_ms(active[-1], config)
 
     def _stage_overhead_ms(self, verifier: int) -> float:
@@ -622,9 +645,10 @@ class Tuner:
         return estimate.rates(prior, self._optimism), estimate.along_text
 
     def predict(self, key: str, active: tuple[int, ...], lengths: list[int] | tuple[int, ...]) -> float:
-        """Predicted ms per target token for `active` tiers and per-level `lengths`."""
+        """Predicted ms per target token for `active` tiers and per-level `lengths` (what the searches
+        minimise: `time_model.chain_cost`)."""
         stages, draft_ms = self.stages(key, active)
-        return cost_per_token(stages, draft_ms, [lengths[level] for level in active[:-1]], self.tree_width)
+        return chain_cost(stages, draft_ms, [lengths[level] for level in active[:-1]], self.tree_width)
 
     def candidate_sets(self, bypass: bool = True) -> list[tuple[int, ...]]:
         """Tier sets the chain can run: the target plus any ordered subset of the others whose

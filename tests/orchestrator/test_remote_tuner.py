@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.profiler import LatencyProfile
-from orchestrator.time_model import contended_block_ms, cost_per_token, fitted_slowdown, latency
+from orchestrator.time_model import chain_cost, contended_block_ms, cost_per_token, fit_slowdown, fitted_slowdown, latency
 from orchestrator.tuner import Tuner
 from protos.polyspec.v1 import tier_pb2
 from workers.sampling import SamplingParams
@@ -59,6 +59,34 @@ def test_first_round_gives_acceptance_but_no_latency():
     assert tuner.estimates("greedy")[(0, 1)].blocks == pytest.approx(1.0)
     assert not tuner.profile.online_forward and not tuner.profile.online_draft
     assert tuner.step_overhead_ms == 0.0
+
+
+def test_first_rounds_give_the_head_start_and_the_request_length():
+    """A pipelined chain: the prompt's forward (the first round's target report less a round's
+    forward) is the head start of the second block, and plan_remote's new_tokens (given at a
+    request's first round) the request's length; the target's stage carries both, and the
+    searches then weigh the first rounds (time_model.chain_cost)."""
+    tuner = remote_tuner(pipelined=True)
+    prompt_ms = 30.0
+    for request in range(12):
+        tuner.plan_remote(GREEDY, new_tokens=64 if request < 6 else 32)
+        forward_s = (latency(tuner.profile.forward_ms(0, (0, 1, 2)), 5) + prompt_ms) / 1000.0
+        tuner.observe_remote(GREEDY, [report(0, 1, 4, 4, 4, forward_s)], 0.1, 0.09, first=True)
+        for _ in range(3):
+            tuner.plan_remote(GREEDY)  # later rounds leave both alone
+            tuner.observe_remote(GREEDY, [report(0, 1, 4, 4, 4, 0.009)], 0.02, 0.014, first=False)
+    assert tuner.head_start_ms == pytest.approx(prompt_ms)
+    assert 32 < tuner.request_tokens < 32 + 32 * 0.8 ** 6 + 0.5  # an EMA moving to the recent requests' 32
+    stages, draft_ms = tuner.stages("greedy", (0, 1, 2))
+    assert stages[0].head_start_ms == pytest.approx(prompt_ms) and stages[0].request_tokens == round(tuner.request_tokens)
+    assert stages[1].head_start_ms == 0.0 and stages[1].request_tokens == 0
+    assert tuner.predict("greedy", (0, 1, 2), (4, 3)) == pytest.approx(chain_cost(stages, draft_ms, [4, 3]))
+    serial = remote_tuner()  # no draft-ahead: nothing to weigh, C_0 alone
+    serial.plan_remote(GREEDY, new_tokens=64)
+    serial.observe_remote(GREEDY, [report(0, 1, 4, 4, 4, 0.05)], 0.1, 0.09, first=True)
+    stages, draft_ms = serial.stages("greedy", (0, 1, 2))
+    assert stages[0].head_start_ms == 0.0 and serial.head_start_ms == 0.0
+    assert serial.predict("greedy", (0, 1, 2), (4, 3)) == pytest.approx(cost_per_token(stages, draft_ms, [4, 3]))
 
 
 def test_drafted_ahead_blocks_set_the_drafters_slowdown():
@@ -209,3 +237,27 @@ def test_a_new_request_starts_from_the_long_run_acceptance():
     assert tuner.accept_rates("greedy", 0, 1)[0] > 0.7
     after = tuner.plan_remote(GREEDY)  # re-tuned at once, on the long-run rates
     assert after != short and after == list(tuner.choose("greedy").lengths)
+
+
+def test_the_slowdown_fit_matches_the_blocks_mean_time():
+    """Blocks drafted ahead vary (the drafter's rounds, the estimates behind the modelled time):
+    the fit matches their weighted mean time, where averaging each block's own inverse is biased
+    upwards (s = 1 / (1 - excess / forward) is convex) and swings with single stalls."""
+    import random
+
+    rng = random.Random(0)
+    samples = []
+    for _ in range(64):
+        block_ms, forward_ms = rng.uniform(15.0, 45.0), rng.uniform(12.0, 18.0)
+        measured = contended_block_ms(block_ms, forward_ms, 1.25) + rng.gauss(0.0, 5.0)  # excess ~ N(3.2, 5)
+        samples.append((1.0, measured, block_ms, forward_ms))
+    s = fit_slowdown(samples, start=1.0)
+    mean_gap = sum(contended_block_ms(b, f, s) - m for _, m, b, f in samples) / len(samples)
+    assert abs(mean_gap) < 1e-3
+    assert 1.1 < s < 1.45
+    per_block = sum(fitted_slowdown(m, b, f) for _, m, b, f in samples) / len(samples)
+    assert per_block > s + 0.1
+    # exact data in both regimes (blocks within the verifier's forward and longer): s recovered
+    exact = [(1.0, contended_block_ms(b, 10.0, 1.6), b, 10.0) for b in (2.0, 5.0, 8.0, 20.0, 40.0)]
+    assert fit_slowdown(exact, start=1.0) == pytest.approx(1.6, rel=1e-3)
+    assert fit_slowdown(exact, start=2.9) == pytest.approx(1.6, rel=1e-3)

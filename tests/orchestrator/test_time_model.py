@@ -11,6 +11,7 @@ import pytest
 from orchestrator.time_model import (
     StageSpec,
     accepted_pmf,
+    chain_cost,
     best_stage_cost,
     cost_per_token,
     expected_emitted,
@@ -256,6 +257,39 @@ def test_first_round_has_nothing_drafted_ahead(hard_bet):
     assert first_round_ms([serial], DRAFT_MS, [2], 48) == pytest.approx(round_models([serial], DRAFT_MS, [2])[0].round_ms)
     assert first_round_ms([serial], DRAFT_MS, [6], new_tokens=3) == pytest.approx(round_models([serial], DRAFT_MS, [2])[0].round_ms)
     assert first_round_ms([pipelined], DRAFT_MS, [2], 48) > round_models([pipelined], DRAFT_MS, [2])[0].round_ms
+
+
+def test_the_second_block_is_drafted_beside_the_prompts_forward(hard_bet):
+    """A pipelined request's first round scores the prompt (head_start_ms longer than a round's
+    forward) while its drafter drafts the second block, so the second round waits only for what
+    is left of that block (the Ray demo chain at T = 1: 15-20 ms against a steady 40 at k_0 = 6).
+    By hand with a slow drafter (D = 8 k ms beside forwards of ~16 ms, slow-down 1): the
+    steady round waits for the block (D), the second round for max(forward, D - head start)."""
+    slow = {k: 8.0 * k for k in range(1, 40)}
+    stage = StageSpec(TARGET_MS, (1.0,), overhead_ms=0.5, pipelined=True)
+    for k, head_start in ((6, 40.0), (6, 20.0), (3, 40.0)):
+        started = dataclasses.replace(stage, head_start_ms=head_start)
+        steady = round_models([stage], slow, [k])[0]
+        second = round_models([started], slow, [k])[0]
+        forward = TARGET_MS[k] + 0.5  # every block accepted whole: the next forward covers k tokens
+        block = 8.0 * k
+        assert steady.round_ms == pytest.approx(max(forward, block))
+        assert second.head_start_saving_ms == pytest.approx(max(forward, block) - max(forward, block - head_start))
+        assert second.round_ms == steady.round_ms and second.cold_extra_ms == steady.cold_extra_ms  # steady rounds unchanged
+        # a request: the first round pays the block in full (cold), the second saves the head start
+        without = generation_ms([stage], slow, [k], 48)
+        assert generation_ms([started], slow, [k], 48) == pytest.approx(without - second.head_start_saving_ms)
+    assert round_models([stage], slow, [6])[0].head_start_saving_ms == 0.0
+    # the searches weigh the first rounds over a request: C_0 is flat in k here (the drafter's
+    # 8 ms a token sets the pace), a 24-token request runs faster the longer the blocks
+    flat = [cost_per_token([stage], slow, [k]) for k in range(2, 9)]
+    assert max(flat) - min(flat) < 0.01
+    request = dataclasses.replace(stage, head_start_ms=40.0, request_tokens=24)
+    costs = {k: chain_cost([request], slow, [k]) for k in range(2, 9)}
+    # (the second round hides min(head start, D - forward): 8 ms at k = 3, 40 from k = 8 on)
+    assert all(costs[k + 1] < costs[k] for k in range(2, 8)) and costs[8] < costs[2] * 0.9
+    assert search_lengths([request], slow, 8)[0] == [8] and local_search([request], slow, [2], 8)[0] == [8]
+    assert chain_cost([stage], slow, [4]) == pytest.approx(cost_per_token([stage], slow, [4]))  # no request: C_0
 
 
 def test_a_drafter_that_proposes_less_than_asked(hard_bet):
