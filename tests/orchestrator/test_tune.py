@@ -39,6 +39,12 @@ def test_tune_json_report(config_path, tmp_path, capsys):
     for rounds, expected in ((None, "16 prose rounds from round 9; no change of plan"), (3, "first change of plan after 3 rounds")):
         report["shift"] = {"prose_rounds": 16, "prose_from_round": 9, "rounds_to_first_change": rounds}
         assert expected in format_report(report)
+    # no change: whether the model's best on the prose differs from the plan at the switch
+    plan = {"tiers": ["target", "mid"], "lengths": [6]}
+    report["shift"] = {"prose_rounds": 16, "prose_from_round": 9, "rounds_to_first_change": None, "plan_at_switch": plan, "best_at_end": dict(plan)}
+    assert "no change of plan (the model's best on the prose is the plan at the switch, target+mid [6])" in format_report(report)
+    report["shift"]["best_at_end"] = {"tiers": ["target", "ng"], "lengths": [2]}
+    assert "no change of plan (the model's best on the prose: target+ng [2])" in format_report(report)
 
 
 def test_tune_table_with_builtin_prompts(config_path, capsys):
