@@ -454,8 +454,8 @@ def pipelined_round_model(stage: StageSpec, block_pmf: Sequence[float], block_ms
     saving = 0.0
     if stage.head_start_ms > 0.0:
         # the request's second block, drafted beside the first round's forward (head_start_ms
-        # longer): the next round waits only for what is left of it when that forward ends
-        # (what is left of it, counted from that forward's last head_start_ms, like ahead_ms)
+        # longer): the next round waits only for what is left of it, counted like ahead_ms
+        # from the start of that forward's last forward_ms
         first_ms = forward_ms + stage.head_start_ms
         left_ms = max(0.0, contended_block_ms(block_ms, first_ms, stage.drafter_slowdown) - stage.head_start_ms)
         second_ms = expected_max(forward_ms, stage.jitter_cv * forward_ms, left_ms, stage.jitter_cv * left_ms)
@@ -560,7 +560,7 @@ def search_lengths(
     """Lengths minimising `chain_cost` (C_0). Every combination when there are at most
     `exhaustive_limit`; else bottom-up (each stage's k minimising its own ms per token given
     the stages below, the ideal form's argument), then coordinate descent on C_0, because a
-    middle tier's overshoot couples a stage's best k to the k above it. Returns (lengths, C_0)."""
+    middle tier's overshoot couples a stage's best k to the k above it. Returns (lengths, cost)."""
     options = range(1, max_length + 1)
     memo: dict = {}
 
@@ -598,7 +598,7 @@ def local_search(
     does too, and 3 ** len(stages) - 1 evaluations a step cost a fraction of `search_lengths`'
     max_length ** len(stages). Moving one k at a time is not enough: the stages' ks are
     coupled (at rates 0.99 / 0.95, from [1, 1] it stopped at [2, 8], 8 % above [8, 6]).
-    Returns (lengths, C_0)."""
+    Returns (lengths, cost)."""
     memo: dict = {}
 
     def total(lengths: Sequence[int]) -> float:
