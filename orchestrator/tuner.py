@@ -80,6 +80,11 @@ REQUEST_SMOOTHING = 0.2  # pipelined: memory of requests' lengths and prompt for
 FULL_SEARCH_EVERY = 32  # target rounds between full searches (every length); re-tunes between them search near the last lengths
 
 
+def _ema(previous: float | None, value: float, smoothing: float) -> float:
+    """An exponential moving average's next value (the first value as is: `previous` None)."""
+    return value if previous is None else previous + smoothing * (value - previous)
+
+
 @dataclasses.dataclass
 class AcceptanceEstimate:
     """Per-position acceptance of one (verifier, drafter) pair per position of the text,
@@ -409,7 +414,7 @@ class Tuner:
         if level in self._catching_up:  # a tier back from bypass: what its re-feeding cost
             extra = max(0.0, seconds * 1000.0 - latency(self.profile.forward_ms(level, self._config()), block_len + 1))
             previous = self.catch_up_ms.get(level)
-            self.catch_up_ms[level] = extra if previous is None else previous + CATCH_UP_SMOOTHING * (extra - previous)
+            self.catch_up_ms[level] = _ema(previous, extra, CATCH_UP_SMOOTHING)
         elif not self._prefilling:  # such forwards also feed a long tail
             self.profile.observe_forward(level, block_len + 1, seconds * 1000.0, self._config())
         self._reported_s += seconds
@@ -468,7 +473,7 @@ class Tuner:
         round, the tokens it asks for (a pipelined chain's searches weigh its first rounds by
         them: `request_tokens`)."""
         if new_tokens:
-            self.request_tokens = new_tokens if self.request_tokens == 0 else self.request_tokens + REQUEST_SMOOTHING * (new_tokens - self.request_tokens)
+            self.request_tokens = _ema(self.request_tokens or None, new_tokens, REQUEST_SMOOTHING)
         key = request_class(params)
         state = self._state(key)
         self._age(state)
@@ -516,7 +521,7 @@ class Tuner:
             if first and self.pipelined and report.tier == 0:
                 # the prompt's forward: how long the drafter drafts the second block beside it
                 extra = max(0.0, report.seconds * 1000.0 - latency(self.profile.forward_ms(0, config), report.proposed + 1))
-                self.head_start_ms = extra if self.head_start_ms == 0.0 else self.head_start_ms + REQUEST_SMOOTHING * (extra - self.head_start_ms)
+                self.head_start_ms = _ema(self.head_start_ms or None, extra, REQUEST_SMOOTHING)
             if not first and not (self.pipelined and report.proposed == 0 and report.tier == 0):
                 if self.pipelined and report.tier == 0:
                     modelled = latency(self.profile.forward_ms(0, config), report.proposed + 1)
@@ -610,9 +615,10 @@ class Tuner:
                 self.profile.forward_ms(a, config), rates, self._stage_overhead_ms(a), self.pipelined,
                 self.ahead_slowdown.get(b, 1.0) if self.pipelined else 1.0,
                 self.fill(key, b) if b == active[-1] and self.tree_width == 1 else 1.0,
-                self.jitter_cv if self.pipelined and a == 0 else 0.0, per_text_position=per_text))
-        if self.pipelined and stages and active[0] == 0:  # (the target's stage: a request's first rounds)
-            stages[0] = dataclasses.replace(stages[0], head_start_ms=self.head_start_ms, request_tokens=int(round(self.request_tokens)))
+                self.jitter_cv if self.pipelined and a == 0 else 0.0, per_text_position=per_text,
+                # the target's stage of a pipelined chain: a request's first rounds
+                head_start_ms=self.head_start_ms if self.pipelined and a == 0 else 0.0,
+                request_tokens=int(round(self.request_tokens)) if self.pipelined and a == 0 else 0))
         return stages, self.profile.draft_ms(active[-1], config)
 
     def _stage_overhead_ms(self, verifier: int) -> float:
@@ -708,7 +714,7 @@ class Tuner:
         finally:
             spent_ms = 1000.0 * (self.clock() - started)
             if full:
-                self.retune_ms = spent_ms if self.retune_ms == 0.0 else self.retune_ms + OVERHEAD_SMOOTHING * (spent_ms - self.retune_ms)
+                self.retune_ms = _ema(self.retune_ms or None, spent_ms, OVERHEAD_SMOOTHING)
                 state.since_full = 0
                 state.full_now = False
             if state.rounds >= self.warmup_rounds:  # (a class's warm-up is paid once)
