@@ -64,6 +64,7 @@ SHIFT_LOG_RATIO = 4.0  # log likelihood ratio that counts as a shift in the text
 SHIFT_FORGET = 0.1  # what a shift leaves of the old counts
 OVERHEAD_SMOOTHING = 0.1
 SLOW_DECAY = 0.99  # the class's long-run acceptance (~100 target rounds): where each request starts from
+STALE_BLOCKS = 2.0  # an estimate without new data (a bypassed tier's) forgets down to this many blocks' weight
 MIN_BLOCKS = 4  # a skip pair's shadow estimate counts from this many blocks on, and only until it has as many of its own
 PROBE_BUDGET = 0.01  # probes of bypassed tiers may cost this share of the predicted time
 MAX_PENDING = 256  # requests the tuner follows at once (round-robin serving)
@@ -72,6 +73,7 @@ OVERHEAD_PRIOR = 2.0  # ... and the weight, in target rounds, of its prior a = 2
 JITTER_SMOOTHING = 0.05  # pipelined: memory of the spread of round and block times (~20 samples)
 CATCH_UP_SMOOTHING = 0.3  # memory of what a returning tier's re-feeding costs (~3 probes)
 RETUNE_BUDGET = 0.02  # routine re-tunes may take this share of the wall time (a search: ~0.7 ms of Python on the demo chain)
+PROBE_OPTIMISM = 1.0  # the probes' schedule sees the full chain's acceptance this many posterior sd above the mean (Tuner._set_probing)
 WARMUP_OPTIMISM = 1.0  # a class's warm-up searches on acceptance one posterior sd above the mean (see Tuner._search)
 OPTIMISTIC_CAP = 0.99
 AHEAD_WINDOW = 64  # pipelined: blocks drafted ahead that the drafter's slow-down is fitted to ...
@@ -115,7 +117,8 @@ class AcceptanceEstimate:
     recent_settled: list[float] = dataclasses.field(default_factory=list)  # the slow tracker before each of them
     settled: float | None = None  # slow EMA of position 1's acceptance
     shifts: int = 0  # shifts detected so far
-    age_per_block: bool = True  # False: the owner calls age() (the tuner: once per target round)
+    age_per_block: bool = True  # False: the owner calls age() (the tuner: once per target round it was observed in)
+    observed: bool = False  # a block came since the last age() (the tuner ages only such estimates)
     along_text: bool = True  # counts per position of the text (rounds weighted by accepted + 1); False: per round
     detect_shifts: bool = True  # False: a long-run estimate, which follows shifts by its decay alone
 
@@ -129,6 +132,7 @@ class AcceptanceEstimate:
         assert 0 <= accepted <= proposed
         if self.age_per_block:
             self.age()
+        self.observed = True
         self.blocks += first_weight
         for position in range(min(accepted + 1, proposed, MAX_POSITIONS)):
             if self.along_text:
@@ -143,6 +147,7 @@ class AcceptanceEstimate:
 
     def age(self) -> None:
         """One step of forgetting (per observed block, or per target round when the tuner ages it)."""
+        self.observed = False
         if self.decay < 1.0:
             self.successes = [s * self.decay for s in self.successes]
             self.trials = [t * self.decay for t in self.trials]
@@ -218,13 +223,16 @@ class FillEstimate:
     prior_weight: float = 2.0
     total: float = 0.0  # decayed sum of proposed / asked
     count: float = 0.0  # decayed number of proposals
+    observed: bool = False  # a proposal came since the last age()
 
     def observe(self, asked: int, proposed: int) -> None:
         if asked > 0:
             self.total += min(1.0, max(0, proposed) / asked)
             self.count += 1.0
+            self.observed = True
 
     def age(self) -> None:
+        self.observed = False
         self.total *= self.decay
         self.count *= self.decay
 
@@ -364,7 +372,9 @@ class Tuner:
         # shift in the text) run regardless and draw the budget down.
         self.clock = time.perf_counter
         self.warmup_optimism = WARMUP_OPTIMISM
+        self.probe_optimism = PROBE_OPTIMISM
         self._optimism = 0.0  # z of the acceptance rates the time model sees (warmup_optimism in a class's warm-up searches)
+        self._optimistic_pairs: frozenset[tuple[int, int]] | None = None  # the pairs it applies to (None: all)
         self.retune_ms = 0.0  # a full search's cost (EMA; a local one costs about a third)
         self._retune_credit_ms = 0.0
         self._last_plan_at: float | None = None
@@ -648,7 +658,8 @@ class Tuner:
         if not direct_known and shadow is not None and shadow.blocks >= MIN_BLOCKS:
             return shadow.rates(prior), shadow.along_text  # a fallback only (docs/time-model.md §4)
         estimate = self._estimate(key, verifier, drafter)
-        return estimate.rates(prior, self._optimism), estimate.along_text
+        optimism = self._optimism if self._optimistic_pairs is None or (verifier, drafter) in self._optimistic_pairs else 0.0
+        return estimate.rates(prior, optimism), estimate.along_text
 
     def predict(self, key: str, active: tuple[int, ...], lengths: list[int] | tuple[int, ...]) -> float:
         """Predicted ms per target token for `active` tiers and per-level `lengths` (what the searches
@@ -824,7 +835,17 @@ class Tuner:
             state.probe_every = 0
             return
         plan = state.plan
-        full = (plans or {}).get(full_set) or self.choose(key, bypass=False)
+        # the full chain as it may be: the pairs the plan does not run at acceptance
+        # PROBE_OPTIMISM posterior sd above the mean, so a bypassed pair whose counts have thinned
+        # to STALE_BLOCKS (what it showed before the bypass, on little weight) is probed sooner
+        # than one measured lately
+        saved = self._optimism, self._optimistic_pairs
+        self._optimism = self.probe_optimism
+        self._optimistic_pairs = frozenset(itertools.combinations(full_set, 2)) - frozenset(zip(plan.active, plan.active[1:]))
+        try:
+            full = self._best_plans(key, [full_set], near=plans)[full_set]
+        finally:
+            self._optimism, self._optimistic_pairs = saved
         gap = max(0.0, full.predicted_ms / plan.predicted_ms - 1.0)
         if len(plan.active) > 1:
             stages, draft_ms = self.stages(key, plan.active)
@@ -846,14 +867,20 @@ class Tuner:
 
     @staticmethod
     def _age(state: _ClassState) -> None:
-        """A target round of this class begins: its estimates forget one step. (Per round, not
+        """A target round of this class begins: the estimates forget one step. (Per round, not
         per block: a middle stage verifies several blocks a round, and would otherwise forget
-        several times faster than the stage above it.)"""
+        several times faster than the stage above it.) An estimate that got no data since the
+        last step (a bypassed tier's pairs) forgets only down to STALE_BLOCKS blocks' weight:
+        aged to nothing, a bypassed pair fell to its prior between probes (the demo chain at
+        T = 1: target <- int8 read 0.73 on 0.1 blocks' weight 64 rounds into a bypass, against
+        0.99 measured), so a tier once bypassed was forgotten; at the floor it keeps what it
+        last showed, and a probe's block (weighted by the tokens it covers) still moves it."""
         for estimate in itertools.chain(state.estimates.values(), state.shadow_estimates.values(), state.long_run.values()):
-            if not estimate.age_per_block:
+            if not estimate.age_per_block and (estimate.observed or estimate.blocks * estimate.decay >= STALE_BLOCKS):
                 estimate.age()
         for fill in itertools.chain(state.fills.values(), state.long_run_fills.values()):
-            fill.age()
+            if fill.observed or fill.count * fill.decay >= STALE_BLOCKS:
+                fill.age()
 
     def _observe_pair(self, key: str, verifier: int, drafter: int, proposed: int, accepted: int) -> None:
         """A verification round of the pair: into its estimate and its long-run estimate (a

@@ -418,6 +418,7 @@ def test_probes_come_more_often_the_closer_the_bypassed_plan():
         ["target", "mid", "ngram"], [lambda m: 8.0 + 0.3 * m, lambda m: 3.0 + 0.2 * m, None], [None, lambda k: 3.0 * k, lambda k: 0.03]
     )
     tuner = Tuner(profile, max_length=8, decay=1.0, explore_every=64)
+    tuner.probe_optimism = 0.0  # the schedule's formula on the estimates as they are (optimism: the next test)
     for pair, rate in (((0, 1), 0.97), ((1, 2), 0.5), ((0, 2), 0.75)):
         estimate = tuner._estimate("greedy", *pair)
         estimate.successes, estimate.trials, estimate.blocks = [1000.0 * rate] * 32, [1000.0] * 32, 1000.0
@@ -441,6 +442,54 @@ def test_probes_come_more_often_the_closer_the_bypassed_plan():
     tuner._set_probing("greedy", state)
     expected = math.ceil((gap + 4.0 / round_ms) / PROBE_BUDGET)  # (the probe's verdict moved the gap a hair)
     assert abs(state.probe_every - expected) <= 1 and expected > 40
+
+
+@pytest.mark.parametrize("floor", [None, 0.0])
+def test_a_bypassed_tier_keeps_what_it_last_showed(floor, monkeypatch):
+    # the int8-like middle tier agrees on 97 % of tokens, then the plan bypasses it for 200 rounds
+    # (fixed here): its pair gets no data, and forgets only down to STALE_BLOCKS blocks' weight,
+    # so it still reads > 0.9; aged every round like the pairs that run (floor 0, the old
+    # behaviour) it falls to its prior, and the bypass looks ever better
+    if floor is not None:
+        monkeypatch.setattr(tuner_module, "STALE_BLOCKS", floor)
+    profile = fixed_profile(["target", "mid", "ngram"], [lambda m: 8.0 + 0.3 * m, lambda m: 3.0 + 0.2 * m, None],
+                            [None, lambda k: 3.0 * k, lambda k: 0.03])
+    tuner = Tuner(profile, max_length=6, allow_bypass=False)
+    simulate(tuner, lambda r, i, j: 0.97 if j == 1 else 0.5, 40, random.Random(0))
+    assert tuner.accept_rates("greedy", 0, 1)[0] > 0.95
+    tuner.fixed = Plan((6, 6), (0, 2))
+    simulate(tuner, lambda r, i, j: 0.5, 200, random.Random(1), start=40)
+    state = tuner._state("greedy")
+    assert state.estimates[(0, 2)].blocks > 10  # the pair that runs: its usual memory (~14 blocks)
+    if floor is None:
+        assert state.estimates[(0, 1)].blocks == pytest.approx(tuner_module.STALE_BLOCKS, rel=0.1)
+        assert state.long_run[(0, 1)].blocks >= 0.9 * tuner_module.STALE_BLOCKS  # (0.99 a round: still on its way down)
+        # (> 0.9, not 0.97: the shift detector forgot a tenth of the counts in the warm-up, as the
+        # rate rose from the prior, so two blocks now carry ~5 tokens' weight against the prior's 0.5)
+        assert tuner.accept_rates("greedy", 0, 1)[0] > 0.9
+    else:
+        assert state.estimates[(0, 1)].blocks < 0.01
+        assert tuner.accept_rates("greedy", 0, 1)[0] < 0.7
+
+
+def test_a_stale_bypassed_pair_is_probed_sooner():
+    # the same mean acceptance for the bypassed n-gram tier, measured on 1000 blocks or down to
+    # STALE_BLOCKS: the probes' schedule sees the stale one PROBE_OPTIMISM sd more hopeful
+    def probe_every(blocks: float) -> int:
+        profile = fixed_profile(
+            ["target", "mid", "ngram"], [lambda m: 8.0 + 0.3 * m, lambda m: 3.0 + 0.2 * m, None], [None, lambda k: 3.0 * k, lambda k: 0.03]
+        )
+        tuner = Tuner(profile, max_length=8, decay=1.0)
+        for pair, rate, weight in (((0, 1), 0.97, 1000.0), ((1, 2), 0.1, blocks)):
+            estimate = tuner._estimate("greedy", *pair)
+            estimate.successes, estimate.trials, estimate.blocks = [weight * rate] * 32, [weight] * 32, weight
+        state = tuner._state("greedy")
+        state.plan = tuner.choose("greedy", exclude=2)  # the n-gram tier bypassed
+        tuner._set_probing("greedy", state)
+        return state.probe_every
+
+    measured, stale = probe_every(1000.0), probe_every(tuner_module.STALE_BLOCKS)
+    assert stale < measured / 2, (stale, measured)
 
 
 def test_estimates_forget_per_target_round_not_per_block():
