@@ -45,12 +45,15 @@ DEFAULT_REPEATS = 5
 
 @dataclasses.dataclass
 class OnlineTable:
-    """A start-up table (size -> ms) refined by an EMA per size and a tier-wide slow-down factor."""
+    """A start-up table (size -> ms) refined by an EMA per size and a tier-wide slow-down factor,
+    or (`counts` not None: `LatencyProfile.restart_means`) by plain means since the restart."""
 
     base: dict[int, float]
     smoothing: float = DEFAULT_SMOOTHING
     online: dict[int, float] = dataclasses.field(default_factory=dict)
     scale: float = 1.0  # EMA of observed / start-up
+    counts: dict[int, int] | None = None  # plain-mean mode: observations per size since the restart ...
+    scale_count: int = 0  # ... and of the slow-down factor
     _fitted: dict[int, float] | None = dataclasses.field(default=None, repr=False, compare=False)  # table(), until the next observation
 
     def estimate(self, size: int) -> float:
@@ -65,10 +68,21 @@ class OnlineTable:
             return
         current = self.estimate(size)
         ms = min(max(ms, current / OUTLIER_FACTOR), current * OUTLIER_FACTOR)
-        self.online[size] = current + self.smoothing * (ms - current)
+        if self.counts is not None:
+            self.counts[size] = self.counts.get(size, 0) + 1
+        self.online[size] = current + self._weight(self.counts[size] if self.counts is not None else 0) * (ms - current)
         if self.base:
             ratio = ms / latency(self.base, size)
-            self.scale += self.smoothing * (ratio - self.scale)
+            self.scale_count += 1
+            self.scale += self._weight(self.scale_count) * (ratio - self.scale)
+
+    def _weight(self, count: int) -> float:
+        return 1.0 / count if self.counts is not None else self.smoothing
+
+    def restart_means(self) -> None:
+        """From now on each size's estimate is the plain mean of the observations that follow
+        (its first one replaces the estimate)."""
+        self.counts, self.scale_count = {}, 0
 
     def table(self) -> dict[int, float]:
         """Every size known (start-up or online) -> the affine fit through the current estimates.
@@ -97,6 +111,7 @@ class LatencyProfile:
     smoothing: float = DEFAULT_SMOOTHING
     online_forward: dict[tuple[int, Config], OnlineTable] = dataclasses.field(default_factory=dict)
     online_draft: dict[tuple[int, Config], OnlineTable] = dataclasses.field(default_factory=dict)
+    plain_means: bool = False  # new online tables start in plain-mean mode (restart_means)
 
     def observe_forward(self, tier: int, new_tokens: int, ms: float, config: Config = ()) -> None:
         self._online(self.online_forward, self.forward, tier, config).observe(new_tokens, ms)
@@ -114,7 +129,17 @@ class LatencyProfile:
         table = online.get((tier, config))
         if table is None:
             table = online[(tier, config)] = OnlineTable(dict(base[tier] or {}), self.smoothing)
+            if self.plain_means:
+                table.restart_means()
         return table
+
+    def restart_means(self) -> None:
+        """Every online table (and every one made later) becomes the plain mean of what is
+        observed from now on (`polyspec tune`: one calibration pass's mean, not its last
+        few forwards); `plain_means = False` makes new tables EMAs again."""
+        self.plain_means = True
+        for table in itertools.chain(self.online_forward.values(), self.online_draft.values()):
+            table.restart_means()
 
     def _table(self, online: dict, base: list, tier: int, config: Config, kind: str) -> dict[int, float]:
         table = online.get((tier, config))

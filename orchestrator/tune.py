@@ -17,11 +17,11 @@ Steps (all in this process, embedded mode):
    every run generates exactly max_new_tokens), in `--repeats` passes, each interleaved per
    prompt (every plan generates prompt 1 in a shuffled order, then prompt 2, ...: the
    machine's speed drifts over seconds, and plans compared must see the same seconds;
-   the calibration runs are interleaved the same way); before every pass
-   after the first the calibration plans run again, so each pass is predicted from
-   latencies measured minutes (not a quarter of an hour) before it on a machine whose speed
-   drifts; the reported prediction is the median over passes (the first calibration's alone
-   is reported too);
+   the calibration runs are interleaved the same way); the calibration plans run again
+   inside every pass, interleaved with the measured runs, and each pass is predicted from
+   them (latency tables: that pass's plain means), so prediction and measurement see the
+   same seconds of a machine whose speed drifts; the reported prediction is the median over
+   passes (the first calibration's alone, made before any pass, is reported too);
 5. the best grid points again against the tuner's choice (fresh passes: the minimum of many
    noisy measurements is biased low); the best grid point against `lengths: auto` on
    held-out prompts, with a fresh tuner and with one that has served the tuning prompts
@@ -277,24 +277,32 @@ def _medians(runs: list[Measurement]) -> Measurement:
     return Measurement(statistics.median(m.wall_ms for m in runs), statistics.median(m.cpu_ms for m in runs))
 
 
-def measure(engine: Engine, plans: list[Plan], prompt_ids: list[list[int]], settings: TuneSettings, make_auto_tuner, log, predict=None) -> tuple[dict, list[Tuner], list[dict]]:
+def measure(engine: Engine, plans: list[Plan], prompt_ids: list[list[int]], settings: TuneSettings, make_auto_tuner, log,
+            predict=None, calibration=None) -> tuple[dict, list[Tuner], list[dict]]:
     """Step 4: `settings.repeats` passes, each over every plan and one fresh `lengths: auto`
-    tuner, interleaved per prompt (`interleaved_pass`). `predict(repeat)`, called before each
-    pass, returns that pass's predictions. Returns ({plan or "auto": median Measurement}, the
-    auto runs' tuners, [per-pass predictions])."""
+    tuner, interleaved per prompt (`interleaved_pass`), with `calibration()`'s items (see
+    `calibration_items`) interleaved in the same pass; after each pass `predict(repeat)`
+    returns its predictions (from the calibration runs, never the measured ones). Returns
+    ({plan or "auto": median Measurement}, the auto runs' tuners, [per-pass predictions])."""
     runs: dict = {plan: [] for plan in [*plans, "auto"]}
     tuners = []
     predictions = []
     started = time.perf_counter()
     for repeat in range(settings.repeats):
-        if predict is not None:
-            predictions.append(predict(repeat))
+        extra, after, finish = calibration() if calibration is not None else ([], None, None)
         auto_tuner = make_auto_tuner()
-        results = interleaved_pass(engine, [*plans, auto_tuner], prompt_ids, settings, seed=settings.seed + repeat)
+        measured = [*plans, auto_tuner]
+        hook = (lambda index: after(index - len(measured)) if index >= len(measured) else None) if after is not None else None
+        results = interleaved_pass(engine, [*measured, *extra], prompt_ids, settings, seed=settings.seed + repeat, after=hook)
+        if finish is not None:
+            finish()
         for item, result in zip([*plans, "auto"], results):
             runs[item].append(result)
         tuners.append(auto_tuner)
-        log(f"pass {repeat + 1}/{settings.repeats}: {len(plans) + 1} runs of {len(prompt_ids)} prompts ({time.perf_counter() - started:.0f} s)")
+        if predict is not None:
+            predictions.append(predict(repeat))
+        log(f"pass {repeat + 1}/{settings.repeats}: {len(plans) + 1} runs of {len(prompt_ids)} prompts"
+            f"{f' and {len(extra)} calibration runs' if extra else ''} ({time.perf_counter() - started:.0f} s)")
     return {item: _medians(values) for item, values in runs.items()}, tuners, predictions
 
 
@@ -553,26 +561,40 @@ def calibrate(engine: Engine, prompt_ids: list[list[int]], settings: TuneSetting
 
 def recalibrate(engine: Engine, tuner: Tuner, prompt_ids: list[list[int]], settings: TuneSettings, log,
                 prefill_extra_ms: list[list[float]], pass_number: int = 0) -> None:
-    """One pass of the calibration plans through the tuner's hooks: acceptance counts grow,
-    and the latency tables follow the machine's speed now (a shared CPU drifts over minutes);
+    """One pass of the calibration plans through the tuner's hooks (`calibration_items`), alone."""
+    items, after, finish = calibration_items(engine, tuner, settings, prefill_extra_ms)
+    names = ", ".join(sorted({"+".join(engine.tiers[t].name for t in plan.active) for plan, _ in items}))
+    # interleaved per prompt like the measurements: every set of tiers' latency table is
+    # refined over the same seconds of the machine (one after the other, a slow phase
+    # landed on one set: the target's t(1) came out 7.3 ms in one set and 10.4 ms in another)
+    interleaved_pass(engine, items, prompt_ids, settings, seed=settings.seed + 3000 + pass_number,
+                     after=after, log=lambda message: log(f"calibrating {len(items)} plans ({names}): {message}"))
+    finish()
+
+
+def calibration_items(engine: Engine, tuner: Tuner, settings: TuneSettings, prefill_extra_ms: list[list[float]]):
+    """A pass of the calibration plans through the tuner's hooks, as items of an
+    `interleaved_pass` (with its `after` hook, and `finish()` to call once the pass is over):
+    acceptance counts grow, and the latency tables become this pass's plain means (a shared
+    CPU drifts over minutes; an EMA kept the last prompt's few forwards, and the predictions of
+    whole runs moved with them: all 36 grid rows 13 % over in one run, 16 % under in another);
     a distributed chain's first rounds are calibrated from the same runs."""
+    prompts = len(prefill_extra_ms)
     plans = calibration_plans(tuner, settings.grid_max)
     walls: list[list[float]] = [[] for _ in plans]  # per plan: first-round wall ms per prompt (distributed)
+    tuner.profile.restart_means()
+    tuner.first_rounds.clear()
 
     def after(index: int) -> None:
         walls[index].extend(tuner.first_rounds)
         tuner.first_rounds.clear()
 
-    tuner.first_rounds.clear()
-    names = ", ".join(sorted({"+".join(engine.tiers[t].name for t in plan.active) for plan in plans}))
-    # interleaved per prompt like the measurements: every set of tiers' latency table is
-    # refined over the same seconds of the machine (one after the other, a slow phase
-    # landed on one set: the target's t(1) came out 7.3 ms in one set and 10.4 ms in another)
-    interleaved_pass(engine, [(plan, tuner) for plan in plans], prompt_ids, settings, seed=settings.seed + 3000 + pass_number,
-                     after=after, log=lambda message: log(f"calibrating {len(plans)} plans ({names}): {message}"))
-    first_rounds = [(plan, runs) for plan, runs in zip(plans, walls) if tuner.distributed and len(runs) == len(prompt_ids)]
-    if first_rounds:
-        calibrate_first_rounds(tuner, request_class(settings.params()), first_rounds, prefill_extra_ms, settings.max_new_tokens)
+    def finish() -> None:
+        first_rounds = [(plan, runs) for plan, runs in zip(plans, walls) if tuner.distributed and len(runs) == prompts]
+        if first_rounds:
+            calibrate_first_rounds(tuner, request_class(settings.params()), first_rounds, prefill_extra_ms, settings.max_new_tokens)
+
+    return [(plan, tuner) for plan in plans], after, finish
 
 
 def run_tune(config: ChainConfig, prompts: list[str], settings: TuneSettings, log=None, sets: PromptSets | None = None) -> dict:
@@ -619,18 +641,18 @@ def _tune(engine: Engine, config: ChainConfig, prompts: list[str], settings: Tun
         profile = copy.deepcopy(tuner.profile)
         profile.online_forward.clear()
         profile.online_draft.clear()
+        profile.plain_means = False  # (the calibration's tables are pass means; a tuner's are EMAs)
         fresh = Tuner(profile, max_length=settings.grid_max, tree_width=tuner.tree_width)
         fresh.distributed, fresh.pipelined = tuner.distributed, tuner.pipelined
         return fresh
 
-    def pass_predictions(repeat: int) -> dict:
-        """Predictions for one measurement pass, from calibration runs made just before it (the
-        first pass: the initial calibration). Never from the measured runs themselves."""
-        if repeat > 0:
-            recalibrate(engine, tuner, prompt_ids, settings, log, prefill_extra, pass_number=repeat)
-        return predict_all()
-
-    measured, auto_tuners, per_pass = measure(engine, plans, prompt_ids, settings, make_auto_tuner, log, pass_predictions)
+    # Each pass is predicted from calibration runs interleaved with it (the same seconds of a
+    # machine whose speed drifts by 10-30 % over minutes: calibrated in a pass of its own just
+    # before, the whole grid of a run came out 13 % over- or 16 % under-predicted, every row
+    # the same way), never from the measured runs themselves.
+    measured, auto_tuners, per_pass = measure(engine, plans, prompt_ids, settings, make_auto_tuner, log,
+                                              predict=lambda repeat: predict_all(),
+                                              calibration=lambda: calibration_items(engine, tuner, settings, prefill_extra))
     predicted = {plan: statistics.median(p[plan] for p in per_pass) for plan in plans}
 
     def ids_of(texts: list[str]) -> list[list[int]]:

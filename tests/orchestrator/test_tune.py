@@ -147,6 +147,57 @@ def test_interleaved_pass_runs_every_item_on_a_prompt_before_the_next():
     assert len(set(orders)) > 1, "the order within a prompt is shuffled"
 
 
+def test_each_pass_is_predicted_from_calibration_runs_interleaved_with_it():
+    """measure(): the calibration items run inside each pass (per prompt, shuffled with the
+    measured plans), their `after` hook sees only their own runs, `finish` ends the pass, and
+    the pass's predictions are taken after it; the calibration runs are not measured."""
+    import types
+
+    from orchestrator.tune import TuneSettings, measure
+    from orchestrator.tuner import Plan
+
+    calls = []
+
+    class Scheduler:
+        tuner = None
+        lengths, active = [1, 1], (0, 1, 2)
+
+        def generate(self, ids, max_new_tokens, params, seed):
+            calls.append(("cal" if self.tuner is calibrating else "measured", ids[0]))
+            return types.SimpleNamespace(stats={"time_s": 0.004}, token_ids=[0] * 4)
+
+    class FakeTuner:
+        fixed = None
+
+    calibrating = FakeTuner()
+    events = []
+    fixed = [Plan((2, 2), (0, 1, 2)), Plan((3, 1), (0, 1, 2))]
+    calibration_plans = [Plan((6, 6), (0, 1, 2)), Plan((1, 1), (0, 1, 2))]
+
+    def calibration():
+        events.append("start")
+        return ([(plan, calibrating) for plan in calibration_plans], lambda index: events.append(("after", index)),
+                lambda: events.append("finish"))
+
+    def predict(repeat):
+        events.append(("predict", repeat))
+        return {"pass": repeat}
+
+    engine = types.SimpleNamespace(scheduler=Scheduler())
+    settings = TuneSettings(max_new_tokens=4, repeats=2)
+    measured, tuners, predictions = measure(engine, fixed, [[0], [1]], settings, FakeTuner, lambda message: None,
+                                            predict=predict, calibration=calibration)
+    assert predictions == [{"pass": 0}, {"pass": 1}] and len(tuners) == 2
+    assert set(measured) == {*fixed, "auto"}  # the calibration runs are not measurements
+    per_pass = events[: events.index(("predict", 0)) + 1]
+    assert per_pass[0] == "start" and per_pass[-2:] == ["finish", ("predict", 0)]
+    assert sorted(e for e in per_pass if isinstance(e, tuple) and e[0] == "after") == [("after", 0), ("after", 0), ("after", 1), ("after", 1)]
+    # per prompt: both calibration runs among the measured ones (prompt 0's before prompt 1's)
+    first = calls[: len(calls) // 2]
+    assert [prompt for _, prompt in first] == [0] * 5 + [1] * 5
+    assert sum(kind == "cal" for kind, _ in first) == 4
+
+
 def test_heldout_report_keeps_each_pass_per_prompt_with_the_tuners_plans():
     """The held-out comparison reports every pass: each item's ms/token per prompt, and for a
     tuner the plans it ran in each prompt (what a reader needs to see why auto lost a pass)."""

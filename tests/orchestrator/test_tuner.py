@@ -584,6 +584,28 @@ def test_profile_moves_with_a_slower_node():
 
 
 
+def test_a_calibration_pass_keeps_plain_means():
+    # polyspec tune: after restart_means each size's estimate is the mean of what followed (an
+    # EMA keeps the last few forwards: here the slow phase at the end of the pass), and tables
+    # made later start that way too; a tuner's profile (plain_means off) keeps EMAs
+    profile = LatencyProfile(["t", "d"], [{1: 10.0, 9: 18.0}, None], [None, {1: 1.0, 6: 6.0}])
+    profile.observe_forward(0, 5, 99.0, (0, 1))
+    profile.restart_means()
+    observed = [12.0] * 20 + [20.0] * 5  # the machine slows down at the end of the pass
+    for ms in observed:
+        profile.observe_forward(0, 5, ms, (0, 1))
+        profile.observe_forward(0, 5, ms, (0, 2))  # a table made after the restart
+    for config in ((0, 1), (0, 2)):
+        assert profile.online_forward[(0, config)].estimate(5) == pytest.approx(sum(observed) / len(observed))
+    ema = OnlineTable({1: 10.0, 9: 18.0})
+    for ms in observed:
+        ema.observe(5, ms)
+    assert ema.estimate(5) > 17.0 > sum(observed) / len(observed) + 3.0  # mostly the last five forwards
+    profile.plain_means = False
+    profile.observe_forward(0, 5, 12.0, (0, 3))
+    assert profile.online_forward[(0, (0, 3))].counts is None
+
+
 def test_a_middle_tier_that_only_verified_drafts_at_its_observed_slowdown():
     """A set of tiers not run yet reads the start-up table times the tier's slow-down in the
     sets that ran; a middle tier that has only verified (no draft observed anywhere) takes its
