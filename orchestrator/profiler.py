@@ -68,16 +68,14 @@ class OnlineTable:
             return
         current = self.estimate(size)
         ms = min(max(ms, current / OUTLIER_FACTOR), current * OUTLIER_FACTOR)
-        if self.counts is not None:
+        means = self.counts is not None
+        if means:
             self.counts[size] = self.counts.get(size, 0) + 1
-        self.online[size] = current + self._weight(self.counts[size] if self.counts is not None else 0) * (ms - current)
+        self.online[size] = current + (1.0 / self.counts[size] if means else self.smoothing) * (ms - current)
         if self.base:
             ratio = ms / latency(self.base, size)
             self.scale_count += 1
-            self.scale += self._weight(self.scale_count) * (ratio - self.scale)
-
-    def _weight(self, count: int) -> float:
-        return 1.0 / count if self.counts is not None else self.smoothing
+            self.scale += (1.0 / self.scale_count if means else self.smoothing) * (ratio - self.scale)
 
     def restart_means(self) -> None:
         """From now on each size's estimate is the plain mean of the observations that follow

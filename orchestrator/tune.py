@@ -560,14 +560,14 @@ def calibrate(engine: Engine, prompt_ids: list[list[int]], settings: TuneSetting
 
 
 def recalibrate(engine: Engine, tuner: Tuner, prompt_ids: list[list[int]], settings: TuneSettings, log,
-                prefill_extra_ms: list[list[float]], pass_number: int = 0) -> None:
+                prefill_extra_ms: list[list[float]]) -> None:
     """One pass of the calibration plans through the tuner's hooks (`calibration_items`), alone."""
     items, after, finish = calibration_items(engine, tuner, settings, prefill_extra_ms)
     names = ", ".join(sorted({"+".join(engine.tiers[t].name for t in plan.active) for plan, _ in items}))
     # interleaved per prompt like the measurements: every set of tiers' latency table is
     # refined over the same seconds of the machine (one after the other, a slow phase
     # landed on one set: the target's t(1) came out 7.3 ms in one set and 10.4 ms in another)
-    interleaved_pass(engine, items, prompt_ids, settings, seed=settings.seed + 3000 + pass_number,
+    interleaved_pass(engine, items, prompt_ids, settings, seed=settings.seed + 3000,
                      after=after, log=lambda message: log(f"calibrating {len(items)} plans ({names}): {message}"))
     finish()
 

@@ -47,6 +47,7 @@ tiers are still taken if they clear `hysteresis`).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 import math
@@ -759,11 +760,19 @@ class Tuner:
         (Optimism ends with the warm-up: an opening round at max_length alone, tried in session 8,
         left one rejected position standing.)
         """
-        self._optimism = self.warmup_optimism if state.rounds < self.warmup_rounds else 0.0
-        try:
+        with self._optimistic(self.warmup_optimism if state.rounds < self.warmup_rounds else 0.0):
             self._search_plans(key, state, local)
+
+    @contextlib.contextmanager
+    def _optimistic(self, z: float, pairs: frozenset[tuple[int, int]] | None = None):
+        """Inside the block the time model sees acceptance `z` posterior sd above the mean (for
+        the (verifier, drafter) `pairs` only; None: every pair), as it was after."""
+        saved = self._optimism, self._optimistic_pairs
+        self._optimism, self._optimistic_pairs = z, pairs
+        try:
+            yield
         finally:
-            self._optimism = 0.0
+            self._optimism, self._optimistic_pairs = saved
 
     def _search_plans(self, key: str, state: _ClassState, local: bool) -> None:
         bypass = self.allow_bypass and state.rounds >= self.warmup_rounds
@@ -839,13 +848,9 @@ class Tuner:
         # PROBE_OPTIMISM posterior sd above the mean, so a bypassed pair whose counts have thinned
         # to STALE_BLOCKS (what it showed before the bypass, on little weight) is probed sooner
         # than one measured lately
-        saved = self._optimism, self._optimistic_pairs
-        self._optimism = self.probe_optimism
-        self._optimistic_pairs = frozenset(itertools.combinations(full_set, 2)) - frozenset(zip(plan.active, plan.active[1:]))
-        try:
+        unrun = frozenset(itertools.combinations(full_set, 2)) - frozenset(zip(plan.active, plan.active[1:]))
+        with self._optimistic(self.probe_optimism, unrun):
             full = self._best_plans(key, [full_set], near=plans)[full_set]
-        finally:
-            self._optimism, self._optimistic_pairs = saved
         gap = max(0.0, full.predicted_ms / plan.predicted_ms - 1.0)
         if len(plan.active) > 1:
             stages, draft_ms = self.stages(key, plan.active)
