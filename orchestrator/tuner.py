@@ -499,15 +499,20 @@ class Tuner:
         self._running = plan
         return list(plan.lengths)
 
-    def observe_remote(self, params: SamplingParams, reports, wall_s: float, model_s: float, first: bool) -> None:
+    def observe_remote(self, params: SamplingParams, reports, wall_s: float, model_s: float, first: bool,
+                       lengths: list[int] | None = None) -> None:
         """After a distributed chain's target round: its stage reports (protos tier.proto
         StageReport: verification rounds, and the bottom tier's proposals with tier == drafter),
         the round's wall time at the driver and the model time in it. `first`: the request's
-        first round (it prefilled the prompt: no latency sample)."""
+        first round (it prefilled the prompt: no latency sample). `lengths`: the ones the round
+        was sent with (default: the last plan_remote's; the driver reports a round during the
+        next one, after that has been planned)."""
         key = request_class(params)
         config = tuple(range(self.num_tiers))
         rounds = 0
-        lengths = dict(enumerate(self._running.lengths)) if self._running is not None else {}
+        if lengths is None:
+            lengths = self._running.lengths if self._running is not None else []
+        lengths = dict(enumerate(lengths))
         lengths.update({report.tier: report.length for report in reports if report.tier < report.drafter})
         if first:
             self.first_rounds.append(1000.0 * wall_s)

@@ -127,6 +127,82 @@ def test_online_tuner_sets_lengths_of_a_distributed_chain(tiny_family, embedded,
             worker.stop()
 
 
+def test_the_tuner_hears_each_round_while_the_next_one_runs(tiny_family, embedded):
+    """The driver folds a round's report into the tuner while the next round is in flight (off
+    the critical path), with the lengths that round was sent with; a request's first round is
+    folded in at once (it restarts the class's estimates) and its last one by `finish`: every
+    round is heard exactly once, in order."""
+    import dataclasses
+
+    from orchestrator.distributed import profile_remote
+    from orchestrator.tuner import Tuner
+
+    config = chain_config(tiny_family, ["target", "mid", "small"], lengths=[1, 1])
+    tiers, _ = load_tiers(config.tiers)
+    chain, workers = in_process_chain(tiers, [1, 1], pipeline=True, eos_token_ids=EOS)
+    try:
+        profile, _ = profile_remote(chain, 24, SamplingParams(temperature=0.0), max_length=4, repeats=1, prefill_lens=[8])
+        calls = {"sent": [], "done": 0}  # the lengths of each Verify sent; how many replies arrived
+
+        class CountingMethod:
+            def __init__(self, method):
+                self.method = method
+
+            def future(self, request, timeout=None):
+                calls["sent"].append(list(request.header.lengths))
+                call = self.method.future(request, timeout=timeout)
+                call.add_done_callback(lambda _: calls.__setitem__("done", calls["done"] + 1))
+                return call
+
+            def __call__(self, request, timeout=None):
+                calls["sent"].append(list(request.header.lengths))
+                reply = self.method(request, timeout=timeout)
+                calls["done"] += 1
+                return reply
+
+        class CountingStub:
+            def __init__(self, stub):
+                self.Verify = CountingMethod(stub.Verify)
+
+        real_stub = chain._stub
+        chain._stub = lambda: dataclasses.replace(real_stub(), stub=CountingStub(real_stub().stub))
+        heard = []  # (lengths given, Verify calls sent, replies arrived) at each observe_remote
+
+        class Recording(Tuner):
+            def observe_remote(self, params, reports, wall_s, model_s, first, lengths=None):
+                heard.append((first, lengths, len(calls["sent"]), calls["done"]))
+                super().observe_remote(params, reports, wall_s, model_s, first, lengths=lengths)
+
+        tuner = Recording(profile, max_length=4, retune_every=1, warmup_rounds=4)
+        tuner.distributed = tuner.pipelined = True
+        chain.tuner = tuner
+        deferred = 0
+        for ids, expected in embedded.values():
+            calls["sent"].clear()
+            calls["done"] = 0
+            heard.clear()
+            out = chain.generate(ids, MAX_NEW, SamplingParams(temperature=0.0))
+            assert out.token_ids == expected
+            rounds = out.stats["rounds"]
+            assert len(calls["sent"]) == rounds == len(heard)
+            assert [lengths for _, lengths, _, _ in heard] == calls["sent"]  # each round with its own lengths, in order
+            assert heard[0][0] and not any(first for first, *_ in heard[1:])
+            assert heard[0][2:] == (1, 1)  # the first round: at once
+            middle = heard[1:-1]  # round j (from 0) heard just after round j + 1 was sent ...
+            assert [sent for _, _, sent, _ in middle] == list(range(3, rounds + 1))
+            # ... and before its reply came (a reply quicker than the few microseconds in
+            # between would need this thread descheduled for a whole forward: allowed rarely)
+            in_flight = sum(done == sent - 1 for _, _, sent, done in middle)
+            assert in_flight >= 0.8 * len(middle), middle
+            assert heard[-1][2:] == (rounds, rounds)  # the last: by finish
+            deferred += len(middle)
+        assert deferred >= 10 and tuner.history
+    finally:
+        chain.close()
+        for worker in workers:
+            worker.stop()
+
+
 def test_drafter_death_falls_back_to_the_target(tiny_family, embedded):
     """The drafter's server stops mid-run: rounds go on with the target alone, output unchanged."""
     config = chain_config(tiny_family, ["target", "mid"], lengths=[4])
