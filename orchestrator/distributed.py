@@ -15,6 +15,7 @@ which also restarts and rewires tiers.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import random
 import threading
@@ -205,16 +206,17 @@ class DistributedChain:
         del header.lengths[:]
         header.lengths.extend(lengths)
         request = tier_pb2.VerifyRequest(header=header, context=state.committed, max_tokens=remaining)
-        # The tuner's bookkeeping of the last round (~0.3-0.5 ms of Python a round on the demo
-        # chain, 3x what plan_remote costs) runs while this round is in flight, off the
-        # critical path: the target waits for nothing but the lengths. The plan just sent has
+        # The tuner's bookkeeping of the last round (observe_remote: ~0.33 ms of Python a round
+        # on the demo chain; plan_remote, which must come first, 0.5-0.6 ms with its re-tunes)
+        # runs while this round is in flight, off the critical path. The plan just sent has
         # not seen that round (a one-round lag); a request's first round, whose report
         # restarts the class's estimates, is folded in at once.
         pending, state.unobserved = state.unobserved, None
         reply, wall = self._call_target("Verify", request, meanwhile=(lambda: self._observe(pending)) if pending else None)
         state.overhead_s += max(0.0, wall - reply.model_s)
-        if tuner is not None:
-            observation = (run.params, reply.stages, wall, reply.model_s, state.rounds == 0, list(lengths))
+        if tuner is not None:  # (bound to the tuner that planned the round)
+            observation = functools.partial(tuner.observe_remote, run.params, reply.stages, wall, reply.model_s,
+                                            first=state.rounds == 0, lengths=list(lengths))
             if state.rounds == 0:
                 self._observe(observation)
             else:
@@ -236,10 +238,9 @@ class DistributedChain:
             state.finish_reason = "length"
         return emitted
 
-    def _observe(self, observation: tuple) -> None:
-        params, reports, wall, model_s, first, lengths = observation
+    def _observe(self, observation: Callable[[], None]) -> None:
         with self._tuner_lock:
-            self.tuner.observe_remote(params, reports, wall, model_s, first=first, lengths=lengths)
+            observation()
 
     def _record(self, run: _Run, reports) -> None:
         for report in reports:
