@@ -729,6 +729,27 @@ def test_switch_margin_depends_on_what_changes(new_active, gain, switches):
     assert len(tuner.history) == int(switches)
 
 
+@pytest.mark.parametrize("after_shift", [False, True])
+def test_after_a_shift_new_lengths_need_no_margin(after_shift):
+    """A 2 % predicted gain stays under the 3 % margin on steady estimates; in the eager rounds
+    after a detected shift the plan has no claim left and the better lengths are taken. Another
+    set of tiers still needs its 20 %."""
+    profile = fixed_profile(
+        ["target", "mid", "ngram"], [lambda m: 8.0 + 0.3 * m, lambda m: 3.0 + 0.2 * m, None], [None, lambda k: 3.0 * k, lambda k: 0.03]
+    )
+    tuner = Tuner(profile, max_length=8)
+    state = tuner._state("greedy")
+    state.rounds = tuner.warmup_rounds
+    current = Plan((3, 3), (0, 1, 2), 10.0)
+    state.plan = current
+    state.eager_rounds = tuner.retune_every if after_shift else 0
+    tuner.predict = lambda key, active, lengths: 10.0
+    tuner._best_plans = lambda key, sets, near=None: {current.active: Plan((6, 1), current.active, 9.8), (0, 1): Plan((6, 6), (0, 1), 9.0)}
+    tuner._retune("greedy", state)
+    assert (state.plan.active, state.plan.lengths) == (((0, 1, 2), (6, 1)) if after_shift else ((0, 1, 2), (3, 3)))
+    assert len(tuner.history) == int(after_shift)
+
+
 def test_lengths_on_the_same_tiers_move_while_another_set_waits_for_its_margin():
     """The best plan overall drops the n-gram tier, 6 % faster: under the 20 % margin, so the
     tiers stay; the best lengths on them (5 % faster) clear the 3 % margin and are taken."""
