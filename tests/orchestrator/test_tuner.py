@@ -731,9 +731,9 @@ def test_switch_margin_depends_on_what_changes(new_active, gain, switches):
 
 @pytest.mark.parametrize("after_shift", [False, True])
 def test_after_a_shift_new_lengths_need_no_margin(after_shift):
-    """A 2 % predicted gain stays under the 3 % margin on steady estimates; in the eager rounds
-    after a detected shift the plan has no claim left and the better lengths are taken. Another
-    set of tiers still needs its 20 %."""
+    """A 2 % predicted gain stays under the 3 % margin on steady estimates; in the full search a
+    detected shift calls for, the plan has no claim left and the better lengths are taken
+    (another set of tiers still needs its 20 %); the eager re-tunes after it need the margin again."""
     profile = fixed_profile(
         ["target", "mid", "ngram"], [lambda m: 8.0 + 0.3 * m, lambda m: 3.0 + 0.2 * m, None], [None, lambda k: 3.0 * k, lambda k: 0.03]
     )
@@ -742,11 +742,17 @@ def test_after_a_shift_new_lengths_need_no_margin(after_shift):
     state.rounds = tuner.warmup_rounds
     current = Plan((3, 3), (0, 1, 2), 10.0)
     state.plan = current
+    state.full_now = state.retune_now = after_shift
     state.eager_rounds = tuner.retune_every if after_shift else 0
     tuner.predict = lambda key, active, lengths: 10.0
     tuner._best_plans = lambda key, sets, near=None: {current.active: Plan((6, 1), current.active, 9.8), (0, 1): Plan((6, 6), (0, 1), 9.0)}
     tuner._retune("greedy", state)
     assert (state.plan.active, state.plan.lengths) == (((0, 1, 2), (6, 1)) if after_shift else ((0, 1, 2), (3, 3)))
+    assert len(tuner.history) == int(after_shift)
+    assert not state.full_now
+    tuner.predict = lambda key, active, lengths: 9.8  # an eager re-tune: 2 % again is not enough
+    tuner._best_plans = lambda key, sets, near=None: {current.active: Plan((5, 2), current.active, 9.8 * 0.98)}
+    tuner._retune("greedy", state)
     assert len(tuner.history) == int(after_shift)
 
 
