@@ -40,7 +40,8 @@ re-tune budget allows), the tuner searches lengths for each usable set of tiers:
 combination (time_model.search_lengths) in the warm-up, after a shift and every
 FULL_SEARCH_EVERY rounds, else near the set's last lengths (time_model.local_search). It
 switches only when the predicted gain exceeds `hysteresis` for new lengths on the same
-tiers, `switch_hysteresis` for another set of tiers (then the best lengths on the current
+tiers (none in the full search a detected shift calls for: `_switch_margin`),
+`switch_hysteresis` for another set of tiers (then the best lengths on the current
 tiers are still taken if they clear `hysteresis`).
 """
 
@@ -824,7 +825,7 @@ class Tuner:
             return True
         return (state.eager_rounds > 0 or state.since_retune >= self.retune_every) and self._retune_credit_ms >= 0.0
 
-    def _switch_margin(self, current: tuple[int, ...], new: tuple[int, ...], state: _ClassState | None = None) -> float:
+    def _switch_margin(self, current: tuple[int, ...], new: tuple[int, ...], state: _ClassState) -> float:
         """The predicted gain a plan on `new` tiers needs over the current plan on `current`.
         Another set of tiers needs more: a returning tier re-feeds what it missed, and the gain
         rests on ~14 rounds of a bursty drafter's acceptance, read just when it looks best (it
@@ -844,7 +845,7 @@ class Tuner:
         with the margin, and `lengths: auto` lost 1-14 % more to the best fixed lengths."""
         if new != current:
             return self.switch_hysteresis
-        return 0.0 if state is not None and state.full_now else self.hysteresis
+        return 0.0 if state.full_now else self.hysteresis
 
     def _set_probing(self, key: str, state: _ClassState, plans: dict[tuple[int, ...], Plan] | None = None) -> None:
         """While the plan bypasses tiers their acceptance goes stale, so every so often a round
