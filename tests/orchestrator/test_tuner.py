@@ -799,3 +799,43 @@ def test_heldout_runs_a_fresh_and_a_warm_tuner_without_changing_the_warm_one(tin
     assert (warm._state("greedy").rounds, warm.history) == (rounds, history)  # each pass ran a copy
     assert report["passes"] == 2 and report["warm_auto_ms_per_token"] > 0
     assert report["warm_auto_tokens_per_s_over_best"] == pytest.approx(report["best_grid_ms_per_token"] / report["warm_auto_ms_per_token"], rel=1e-3)
+
+
+def test_positions_no_block_asked_for_forget_faster(monkeypatch):
+    """One rejection at position 3 (a block of 3 with 2 accepted), then blocks of 2, all
+    accepted: position 3 gets no data, and only its extra forgetting (UNASKED_DECAY a step) brings
+    its rate back to the rate above it. Per-round ageing as the tuner does it (decay 0.93)."""
+
+    def run(unasked: float) -> AcceptanceEstimate:
+        monkeypatch.setattr(tuner_module, "UNASKED_DECAY", unasked)
+        estimate = AcceptanceEstimate(0.6, 2.0, 0.93, age_per_block=False)
+        estimate.observe(3, 2)
+        estimate.age()
+        for _ in range(8):
+            estimate.observe(2, 2)
+            estimate.age()
+        return estimate
+
+    unasked = tuner_module.UNASKED_DECAY
+    fast, plain = run(unasked), run(1.0)
+    # position 3 trials: 3 * 0.93^9 = 1.56 at the common decay alone, 0.26 with 0.8^8 on top:
+    # rate (2 m_2 + 0) / (2 + trials), m_2 ~ 0.96 -> ~0.54 against ~0.85
+    assert plain.rates()[2] < 0.6 < 0.8 < fast.rates()[2]
+    assert fast.rates()[:2] == pytest.approx(plain.rates()[:2])  # positions blocks asked for: the common decay
+    assert fast.trials[2] == pytest.approx(3 * 0.93 ** 9 * unasked ** 8)
+
+    # positions a block asked for but never reached (rejected earlier) keep the common decay
+    reached = AcceptanceEstimate(0.6, 2.0, 0.93, age_per_block=False)
+    reached.observe(4, 3)  # positions 1-4 seen
+    reached.age()
+    reached.observe(6, 0)  # asks for 6, position 1 rejected: 2-6 unseen but asked for
+    reached.age()
+    assert reached.trials[3] == pytest.approx(4 * 0.93 ** 2)
+
+    # calibration's plain counts (decay 1.0) forget nothing
+    plain_counts = AcceptanceEstimate(0.6, 2.0, 1.0, age_per_block=False)
+    plain_counts.observe(6, 6)
+    plain_counts.age()
+    plain_counts.observe(2, 2)
+    plain_counts.age()
+    assert plain_counts.trials[5] == 7.0
