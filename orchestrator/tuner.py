@@ -64,7 +64,7 @@ SHIFT_WINDOWS = (8, 24)  # position 1's last outcomes (a big shift shows in 8, a
 SETTLED_DECAY = 0.97  # ... against its slow tracker (~30 blocks) as it stood before them
 SHIFT_LOG_RATIO = 4.0  # log likelihood ratio that counts as a shift in the text (~55:1)
 SHIFT_FORGET = 0.1  # what a shift leaves of the old counts
-UNASKED_DECAY = 0.8  # extra forgetting per step of positions no block asked for since the last step (AcceptanceEstimate.age)
+UNASKED_DECAY = 0.8  # extra forgetting per step of positions no block asked for, rated below the position above (AcceptanceEstimate.age)
 OVERHEAD_SMOOTHING = 0.1
 SLOW_DECAY = 0.99  # the class's long-run acceptance (~100 target rounds): where each request starts from
 STALE_BLOCKS = 2.0  # an estimate without new data (a bypassed tier's) forgets down to this many blocks' weight
@@ -153,27 +153,33 @@ class AcceptanceEstimate:
     def age(self) -> None:
         """One step of forgetting (per observed block, or per target round when the tuner ages it).
 
-        Positions deeper than every block of the step asked for forget UNASKED_DECAY faster.
-        The lengths in use decide which positions get data: after one rejection at position
-        p (weighted p, a round that emitted p tokens), the lengths fall below p, position p
-        gets no more data, and at the common decay its rate came back from the rejection in
-        ~40 rounds. The Ray demo chain at T = 1 (int8 drafter, 0.99 at every position) ran a
-        fresh tuner's first two held-out prompts at k_0 = 2 after one rejection at position 3,
-        1.13-1.29x the best fixed lengths' time. Faster, an unasked position's rate returns
-        to the one above it (its prior) in ~8 rounds, and the lengths try it again; a position
-        that really is worse pays for that with a round at the longer length now and then."""
+        Positions deeper than every block of the step asked for, and rated below the position
+        above them, forget UNASKED_DECAY faster. The lengths in use decide which positions get
+        data: after one rejection at position p (weighted p, a round that emitted p tokens),
+        the lengths fall below p, position p gets no more data, and at the common decay its
+        rate came back from the rejection in ~40 rounds. The Ray demo chain at T = 1 (int8
+        drafter, 0.99 at every position) ran a fresh tuner's first two held-out prompts at
+        k_0 = 2 after one rejection at position 3, 1.13-1.29x the best fixed lengths' time.
+        Faster, such a position's rate returns to the one above it (its prior) in ~8 rounds,
+        and the lengths try it again; a position that really is worse pays for that with a
+        round at the longer length now and then. Only evidence against a position is trapped
+        this way (evidence for it makes the lengths ask for it, and fresh data follow), and a
+        drafter whose deeper positions really are better (an n-gram tier continuing a match:
+        0.09 at position 1, 0.31 at 2) keeps what it showed there."""
         asked, self.asked = self.asked, 0
         observed, self.observed = self.observed, False
         if self.decay < 1.0:
             decay = self.decay
             self.successes = [s * decay for s in self.successes]
             self.trials = [t * decay for t in self.trials]
-            if observed and asked < MAX_POSITIONS:
+            if observed and 0 < asked < MAX_POSITIONS and self.trials[asked] > 0.0:
+                rates = self.rates()
                 for position in range(asked, MAX_POSITIONS):
                     if self.trials[position] == 0.0:
                         break  # (deeper positions were never reached either)
-                    self.successes[position] *= UNASKED_DECAY
-                    self.trials[position] *= UNASKED_DECAY
+                    if rates[position] < rates[position - 1]:
+                        self.successes[position] *= UNASKED_DECAY
+                        self.trials[position] *= UNASKED_DECAY
             self.blocks *= decay
             self.prior_weight = max(MIN_PRIOR_WEIGHT, self.prior_weight * decay)
 

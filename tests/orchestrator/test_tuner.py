@@ -803,8 +803,8 @@ def test_heldout_runs_a_fresh_and_a_warm_tuner_without_changing_the_warm_one(tin
 
 def test_positions_no_block_asked_for_forget_faster(monkeypatch):
     """One rejection at position 3 (a block of 3 with 2 accepted), then blocks of 2, all
-    accepted: position 3 gets no data, and only its extra forgetting (UNASKED_DECAY a step) brings
-    its rate back to the rate above it. Per-round ageing as the tuner does it (decay 0.93)."""
+    accepted: position 3 gets no data, and only its extra forgetting (UNASKED_DECAY a step,
+    as it is rated below position 2) brings its rate back to the rate above it. Per-round ageing as the tuner does it (decay 0.93)."""
 
     def run(unasked: float) -> AcceptanceEstimate:
         monkeypatch.setattr(tuner_module, "UNASKED_DECAY", unasked)
@@ -831,6 +831,19 @@ def test_positions_no_block_asked_for_forget_faster(monkeypatch):
     reached.observe(6, 0)  # asks for 6, position 1 rejected: 2-6 unseen but asked for
     reached.age()
     assert reached.trials[3] == pytest.approx(4 * 0.93 ** 2)
+
+    # a position rated above the one above it (an n-gram tier continuing a match) keeps the
+    # common decay: evidence for a position does not trap the lengths below it
+    better_deeper = AcceptanceEstimate(0.6, 2.0, 0.93, age_per_block=False)
+    for _ in range(3):
+        better_deeper.observe(2, 0)  # position 1 rejected (weight 1)
+    better_deeper.observe(2, 2)  # both accepted (weight 3): position 1 ~0.53, position 2 ~0.81
+    better_deeper.age()
+    assert better_deeper.rates()[1] > better_deeper.rates()[0]
+    for _ in range(4):
+        better_deeper.observe(1, 0)
+        better_deeper.age()
+    assert better_deeper.trials[1] == pytest.approx(3 * 0.93 ** 5)
 
     # calibration's plain counts (decay 1.0) forget nothing
     plain_counts = AcceptanceEstimate(0.6, 2.0, 1.0, age_per_block=False)
