@@ -359,23 +359,61 @@ def block_from_below(below: RoundModel | None, draft_ms: LatencyTable, need: int
 
 def round_model(stage: StageSpec, block_pmf: Sequence[float], block_ms: float, tree_width: int = 1) -> RoundModel:
     """A tier's round: score the block (tree_width * L nodes + the last token) and verify it."""
-    if not stage.pipelined or tree_width != 1:
-        return _serial_round_model(stage, block_pmf, block_ms, tree_width)
-    share = ahead_share(_whole_probability(tuple(stage.accept_rates), block_pmf))
-    if share < 1e-3:
-        return _serial_round_model(stage, block_pmf, block_ms, tree_width)
-    pipelined = pipelined_round_model(stage, block_pmf, block_ms, bet=True)
-    if share > 1.0 - 1e-3:
+    return round_from_shape(stage, round_shape(stage, block_pmf, tree_width), block_ms)
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundShape:
+    """What a round's model takes from the block's length distribution alone, not from what the
+    block costs: the emitted tokens, the verifier's forwards and (pipelined) how often the
+    drafter drafts ahead. A pipelined stage's block is exactly k tokens whatever the stages
+    below it do, so a search computes this once per k and only `round_from_shape` per
+    combination of the lengths below (`round_models`' memo)."""
+
+    serial_emitted: tuple[float, ...] | None  # the round as the serial form runs it (None: never)
+    serial_forward_ms: float
+    share: float  # of rounds in which the drafter drafts ahead (`ahead_share`)
+    whole: float  # P(a block is accepted whole)
+    pipelined_emitted: tuple[float, ...] | None  # the round as it runs when the drafter bets (None: never)
+    pipelined_forward_ms: float  # t_avg + o of `pipelined_round_model`
+    emitted: tuple[float, ...]  # the mix of the two by `share`
+
+
+def round_shape(stage: StageSpec, block_pmf: Sequence[float], tree_width: int = 1) -> RoundShape:
+    serial = pipelined = None
+    serial_ms = pipelined_ms = whole = share = 0.0
+    if stage.pipelined and tree_width == 1:
+        whole = _whole_probability(tuple(stage.accept_rates), block_pmf)
+        share = ahead_share(whole)
+        if share >= 1e-3:
+            pipelined, pipelined_ms = _pipelined_shape(stage, block_pmf, whole)
+    if pipelined is None or share <= 1.0 - 1e-3:
+        serial, serial_ms = _serial_shape(stage, block_pmf, tree_width)
+    if pipelined is None:
+        share, emitted = 0.0, serial
+    elif serial is None:
+        share, emitted = 1.0, pipelined
+    else:
+        size = max(len(serial), len(pipelined))
+        pad = lambda pmf: list(pmf) + [0.0] * (size - len(pmf))  # noqa: E731
+        emitted = tuple(share * a + (1.0 - share) * b for a, b in zip(pad(pipelined), pad(serial)))
+    return RoundShape(serial, serial_ms, share, whole, pipelined, pipelined_ms, emitted)
+
+
+def round_from_shape(stage: StageSpec, shape: RoundShape, block_ms: float) -> RoundModel:
+    """The round model of `shape` (`round_shape` of the stage and its block) for a block costing `block_ms`."""
+    if shape.pipelined_emitted is None:
+        return RoundModel(shape.serial_emitted, block_ms + shape.serial_forward_ms + stage.overhead_ms)
+    pipelined = _pipelined_round(stage, shape.whole, shape.pipelined_emitted, shape.pipelined_forward_ms, block_ms)
+    if shape.serial_emitted is None:
         return pipelined
-    serial = _serial_round_model(stage, block_pmf, block_ms, tree_width)
-    size = max(len(serial.emitted_pmf), len(pipelined.emitted_pmf))
-    pad = lambda pmf: list(pmf) + [0.0] * (size - len(pmf))  # noqa: E731
-    emitted = tuple(share * a + (1.0 - share) * b for a, b in zip(pad(pipelined.emitted_pmf), pad(serial.emitted_pmf)))
-    return RoundModel(emitted, share * pipelined.round_ms + (1.0 - share) * serial.round_ms, share * pipelined.cold_extra_ms,
+    share = shape.share
+    serial_ms = block_ms + shape.serial_forward_ms + stage.overhead_ms
+    return RoundModel(shape.emitted, share * pipelined.round_ms + (1.0 - share) * serial_ms, share * pipelined.cold_extra_ms,
                       share * pipelined.head_start_saving_ms)
 
 
-def _serial_round_model(stage: StageSpec, block_pmf: Sequence[float], block_ms: float, tree_width: int) -> RoundModel:
+def _serial_shape(stage: StageSpec, block_pmf: Sequence[float], tree_width: int) -> tuple[tuple[float, ...], float]:
     emitted = [0.0] * (len(block_pmf) + 1)
     forward_ms = 0.0
     for block_len, p in enumerate(block_pmf):
@@ -384,7 +422,7 @@ def _serial_round_model(stage: StageSpec, block_pmf: Sequence[float], block_ms: 
         forward_ms += p * latency(stage.forward_ms, tree_width * block_len * stage.fill + 1)
         for accepted, q in enumerate(_cached_accepted_pmf(tuple(stage.accept_rates), block_len)):
             emitted[accepted + 1] += p * q
-    return RoundModel(tuple(emitted), block_ms + forward_ms + stage.overhead_ms)
+    return tuple(emitted), forward_ms
 
 
 def expected_max(mean_a: float, sd_a: float, mean_b: float, sd_b: float) -> float:
@@ -440,10 +478,16 @@ def pipelined_round_model(stage: StageSpec, block_pmf: Sequence[float], block_ms
     (with L the tokens really proposed: fill * L for a drafter that proposes less than asked;
     E[max] of two normal times with the stage's `jitter_cv`, `expected_max`)
     """
-    rates = tuple(stage.accept_rates)
-    whole = _whole_probability(rates, block_pmf)
+    whole = _whole_probability(tuple(stage.accept_rates), block_pmf)
     if whole < AHEAD_THRESHOLD and not bet:  # `bet`: the round as it runs when the drafter does bet
         return None
+    emitted, forward_ms = _pipelined_shape(stage, block_pmf, whole)
+    return _pipelined_round(stage, whole, emitted, forward_ms, block_ms)
+
+
+def _pipelined_shape(stage: StageSpec, block_pmf: Sequence[float], whole: float) -> tuple[tuple[float, ...], float]:
+    """`pipelined_round_model`'s emitted pmf and t_avg + o (the block's cost plays no part in them)."""
+    rates = tuple(stage.accept_rates)
     emitted = [0.0] * (len(block_pmf) + 1)
     cold_ms = warm_ms = 0.0
     for block_len, p in enumerate(block_pmf):
@@ -454,7 +498,11 @@ def pipelined_round_model(stage: StageSpec, block_pmf: Sequence[float], block_ms
         for accepted, q in enumerate(_cached_accepted_pmf(rates, block_len)):
             bonus = 0 if (block_len and accepted == block_len) else 1
             emitted[accepted + bonus] += p * q
-    forward_ms = whole * warm_ms + (1.0 - whole) * cold_ms + stage.overhead_ms
+    return tuple(emitted), whole * warm_ms + (1.0 - whole) * cold_ms + stage.overhead_ms
+
+
+def _pipelined_round(stage: StageSpec, whole: float, emitted: tuple[float, ...], forward_ms: float, block_ms: float) -> RoundModel:
+    """`pipelined_round_model`'s round for a block costing `block_ms`."""
     ahead_ms = contended_block_ms(block_ms, forward_ms, stage.drafter_slowdown)
     overlap_ms = expected_max(forward_ms, stage.jitter_cv * forward_ms, ahead_ms, stage.jitter_cv * ahead_ms)
     round_ms = whole * overlap_ms + (1.0 - whole) * (forward_ms + block_ms)
@@ -467,7 +515,7 @@ def pipelined_round_model(stage: StageSpec, block_pmf: Sequence[float], block_ms
         left_ms = max(0.0, contended_block_ms(block_ms, first_ms, stage.drafter_slowdown) - stage.head_start_ms)
         second_ms = expected_max(forward_ms, stage.jitter_cv * forward_ms, left_ms, stage.jitter_cv * left_ms)
         saving = whole * max(0.0, overlap_ms - second_ms)
-    return RoundModel(tuple(emitted), round_ms, whole * max(0.0, forward_ms + block_ms - overlap_ms), saving)
+    return RoundModel(emitted, round_ms, whole * max(0.0, forward_ms + block_ms - overlap_ms), saving)
 
 
 def round_models(
@@ -492,7 +540,13 @@ def round_models(
                 stage = memo.get(at_key) or memo.setdefault(at_key, stages[index].at_length(lengths[index]))
             block_pmf, block_ms = block_for(stage, below, draft_ms, lengths[index])
             width = tree_width if index == len(stages) - 1 else 1
-            below = round_model(stage, block_pmf, block_ms, width)
+            if memo is not None and stage.pipelined and lengths[index] > 0:
+                # a pipelined stage's block is k tokens whatever the lengths below: one shape per k
+                shape_key = ("shape", index, lengths[index])
+                shape = memo.get(shape_key) or memo.setdefault(shape_key, round_shape(stage, block_pmf, width))
+            else:
+                shape = round_shape(stage, block_pmf, width)
+            below = round_from_shape(stage, shape, block_ms)
             if memo is not None:
                 memo[key] = below
         models.insert(0, below)

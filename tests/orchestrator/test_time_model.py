@@ -208,6 +208,31 @@ def test_the_bet_is_mixed_near_the_threshold():
     assert mixed.expected_emitted == pytest.approx(share * 1.0 + (1 - share) * 1.55)  # a whole 1-token block: no bonus
 
 
+def test_a_search_reuses_each_pipelined_round_shape_with_the_same_floats():
+    """A pipelined stage's block is k tokens whatever the stages below: a search's memo keeps one
+    RoundShape per (stage, k) and recomputes only what depends on the block's cost. Every
+    (k_0, k_1) through one shared memo must equal the model built from scratch, float for
+    float, in all three regimes (never bets, mixed near the threshold, always bets)."""
+    regimes = set()
+    for rates in [(0.3, 0.2), (0.75, 0.7), (0.98, 0.97)]:
+        stages = [StageSpec(TARGET_MS, rates, overhead_ms=0.5, pipelined=True, drafter_slowdown=1.3, jitter_cv=0.1,
+                            head_start_ms=7.0, request_tokens=48),
+                  StageSpec(MID_MS, (0.6, 0.5, 0.4), overhead_ms=0.2, pipelined=True, fill=0.8, per_text_position=True)]
+        memo: dict = {}
+        shapes = []
+        for lengths in itertools.product(range(1, 6), repeat=2):
+            fresh = round_models(stages, DRAFT_MS, lengths)
+            assert round_models(stages, DRAFT_MS, lengths, memo=memo) == fresh
+            assert chain_cost(stages, DRAFT_MS, lengths, memo=memo) == chain_cost(stages, DRAFT_MS, lengths)
+        shapes = [key for key in memo if key[0] == "shape"]
+        assert sorted(shapes) == [("shape", index, k) for index in (0, 1) for k in range(1, 6)]
+        for key in shapes:
+            shape = memo[key]
+            assert (shape.serial_emitted is None) == (shape.share == 1.0) and (shape.pipelined_emitted is None) == (shape.share == 0.0)
+            regimes.add("serial" if shape.share == 0.0 else "ahead" if shape.share == 1.0 else "mixed")
+    assert regimes == {"serial", "mixed", "ahead"}
+
+
 def test_pipelined_stage_by_hand(hard_bet):
     """Draft-ahead (docs/time-model.md §5): with block length 2 and per-token acceptance 0.9 the
     block is accepted whole with P = 0.81; then the round emits 2 tokens (no bonus) and the
