@@ -99,6 +99,7 @@ class _Target:
 
 class DistributedChain:
     concurrent_steps = True  # steps of different requests may run at once (the server overlaps them)
+    plan_ahead = True  # with a tuner: plan the next round while this one is in flight (`step`)
 
     def __init__(self, membership: Membership, lengths: list[int], *, tree_width: int = 1, scheme: str = "specinfer",
                  eos_token_ids: tuple[int, ...] = (), max_context: int | None = None, pipeline: bool = False) -> None:
@@ -184,6 +185,7 @@ class DistributedChain:
         state.overhead_s = 0.0
         state.rounds = 0
         state.unobserved = None  # with a tuner: the last round's report, folded in during the next round (`step`)
+        state.planned = None  # with a tuner: (tuner, lengths) of the next round, planned while this one was in flight
         return state
 
     def step(self, state: RequestState) -> list[int]:
@@ -198,21 +200,37 @@ class DistributedChain:
         tuner = self.tuner
         lengths = self.lengths
         if tuner is not None:
-            with self._tuner_lock:
-                lengths = tuner.plan_remote(run.params, new_tokens=state.max_new_tokens if state.rounds == 0 else None)
+            planned, state.planned = state.planned, None
+            if planned is not None and planned[0] is tuner:
+                lengths = planned[1]
+            else:
+                with self._tuner_lock:
+                    lengths = tuner.plan_remote(run.params, new_tokens=state.max_new_tokens if state.rounds == 0 else None)
             if not state.plans or state.plans[-1]["lengths"] != lengths:  # the same entries as ChainScheduler's
                 state.plans.append({"new_tokens": len(state.new_tokens), "lengths": list(lengths),
                                     "tiers": [view.name for view in self.tiers]})
         del header.lengths[:]
         header.lengths.extend(lengths)
         request = tier_pb2.VerifyRequest(header=header, context=state.committed, max_tokens=remaining)
-        # The tuner's bookkeeping of the last round (observe_remote: ~0.33 ms of Python a round
-        # on the demo chain; plan_remote, which must come first, 0.5-0.6 ms with its re-tunes)
-        # runs while this round is in flight, off the critical path. The plan just sent has
-        # not seen that round (a one-round lag); a request's first round, whose report
-        # restarts the class's estimates, is folded in at once.
+        # The tuner's bookkeeping of the last round (observe_remote) runs while this round is in
+        # flight, off the critical path, and so does the plan of the next round (plan_remote,
+        # with its re-tunes: 0.5-1 ms of Python a round on the Ray demo chain) when this round
+        # cannot end the request. The tuner sees the same calls in the same order as when
+        # each round is planned at its start: plan n, observe n - 2, plan n + 1, observe n - 1, ...
+        # (a plan has not seen the round before it: a one-round lag); a request's first
+        # round, whose report restarts the class's estimates, is folded in at once.
         pending, state.unobserved = state.unobserved, None
-        reply, wall = self._call_target("Verify", request, meanwhile=(lambda: self._observe(pending)) if pending else None)
+        plan_ahead = (tuner is not None and self.plan_ahead and state.rounds > 0 and remaining > lengths[0] + 1
+                      and len(state.committed) + lengths[0] + 1 < run.limit)
+        work = None
+        if pending or plan_ahead:
+            def work() -> None:
+                with self._tuner_lock:
+                    if pending:
+                        pending()
+                    if plan_ahead:
+                        state.planned = (tuner, tuner.plan_remote(run.params))
+        reply, wall = self._call_target("Verify", request, meanwhile=work)
         state.overhead_s += max(0.0, wall - reply.model_s)
         if tuner is not None:  # (bound to the tuner that planned the round)
             observation = functools.partial(tuner.observe_remote, run.params, reply.stages, wall, reply.model_s,

@@ -203,6 +203,97 @@ def test_the_tuner_hears_each_round_while_the_next_one_runs(tiny_family, embedde
             worker.stop()
 
 
+def test_the_next_round_is_planned_while_this_one_runs(tiny_family, embedded):
+    """The driver plans round n + 1 while round n is in flight (plan_remote off the critical
+    path) whenever round n cannot end the request, and the tuner still sees its calls in the
+    order of planning each round at its start: plan 0, observe 0, plan 1, then plan k before
+    observe k - 1, so each plan has seen every round but the one before it."""
+    import dataclasses
+
+    from orchestrator.distributed import profile_remote
+    from orchestrator.tuner import Tuner
+
+    config = chain_config(tiny_family, ["target", "mid", "small"], lengths=[1, 1])
+    tiers, _ = load_tiers(config.tiers)
+    chain, workers = in_process_chain(tiers, [1, 1], pipeline=True, eos_token_ids=EOS)
+    try:
+        profile, _ = profile_remote(chain, 24, SamplingParams(temperature=0.0), max_length=4, repeats=1, prefill_lens=[8])
+        calls = {"sent": 0, "collected": 0}  # Verify calls sent; their replies taken by the driver
+
+        class Collected:
+            def __init__(self, call):
+                self.call = call
+
+            def add_done_callback(self, callback):
+                self.call.add_done_callback(callback)
+
+            def result(self, timeout=None):
+                reply = self.call.result(timeout)
+                calls["collected"] += 1
+                return reply
+
+        class CountingMethod:
+            def __init__(self, method):
+                self.method = method
+
+            def future(self, request, timeout=None):
+                calls["sent"] += 1
+                return Collected(self.method.future(request, timeout=timeout))
+
+            def __call__(self, request, timeout=None):
+                calls["sent"] += 1
+                reply = self.method(request, timeout=timeout)
+                calls["collected"] += 1
+                return reply
+
+        class CountingStub:
+            def __init__(self, stub):
+                self.Verify = CountingMethod(stub.Verify)
+
+        real_stub = chain._stub
+        chain._stub = lambda: dataclasses.replace(real_stub(), stub=CountingStub(real_stub().stub))
+        events = []  # ("plan" | "observe", Verify calls sent, replies collected)
+
+        class Recording(Tuner):
+            def plan_remote(self, params, new_tokens=None):
+                events.append(("plan", calls["sent"], calls["collected"]))
+                return super().plan_remote(params, new_tokens)
+
+            def observe_remote(self, params, reports, wall_s, model_s, first, lengths=None):
+                events.append(("observe", calls["sent"], calls["collected"]))
+                super().observe_remote(params, reports, wall_s, model_s, first, lengths=lengths)
+
+        tuner = Recording(profile, max_length=4, retune_every=1, warmup_rounds=4)
+        tuner.distributed = tuner.pipelined = True
+        chain.tuner = tuner
+        ahead = 0
+        for ids, expected in embedded.values():
+            calls["sent"] = calls["collected"] = 0
+            events.clear()
+            out = chain.generate(ids, MAX_NEW, SamplingParams(temperature=0.0))
+            assert out.token_ids == expected
+            rounds = out.stats["rounds"]
+            kinds = [kind for kind, _, _ in events]
+            planned = kinds.count("plan")
+            # a plan made ahead for a round that never came: only when the request ended early (EOS)
+            assert planned == rounds or (planned == rounds + 1 and out.finish_reason == "eos")
+            order = ["plan", "observe", "plan"] + ["plan", "observe"] * (rounds - 2) + ["observe"]
+            if planned > rounds:
+                order = order[:-1] + ["plan", "observe"]
+            assert kinds == order
+            plans = [(sent, collected) for kind, sent, collected in events if kind == "plan"]
+            assert plans[0] == (0, 0) and plans[1] == (1, 1)  # round 1: planned at its start, after round 0's report
+            for k, (sent, collected) in enumerate(plans[2:], start=2):
+                # round k: planned while round k - 1 was in flight (its reply not yet taken), or at its start
+                assert sent == k and collected in (k - 1, k)
+                ahead += collected == k - 1
+        assert ahead >= 10 and tuner.history
+    finally:
+        chain.close()
+        for worker in workers:
+            worker.stop()
+
+
 def test_drafter_death_falls_back_to_the_target(tiny_family, embedded):
     """The drafter's server stops mid-run: rounds go on with the target alone, output unchanged."""
     config = chain_config(tiny_family, ["target", "mid"], lengths=[4])
