@@ -5,6 +5,7 @@ token, serial and pipelined (draft-ahead, no bonus token on a fully accepted blo
 from __future__ import annotations
 
 import collections
+import contextlib
 
 import pytest
 
@@ -127,65 +128,113 @@ def test_online_tuner_sets_lengths_of_a_distributed_chain(tiny_family, embedded,
             worker.stop()
 
 
-def test_the_tuner_hears_each_round_while_the_next_one_runs(tiny_family, embedded):
-    """The driver folds a round's report into the tuner while the next round is in flight (off
-    the critical path), with the lengths that round was sent with; a request's first round is
-    folded in at once (it restarts the class's estimates) and its last one by `finish`: every
-    round is heard exactly once, in order."""
+class VerifyCalls:
+    """The driver's Verify calls to the target: the lengths each was sent with, the replies
+    arrived (`done`) and those the driver has taken (`collected`)."""
+
+    def __init__(self) -> None:
+        self.sent: list[list[int]] = []
+        self.done = self.collected = 0
+
+    def clear(self) -> None:
+        self.sent.clear()
+        self.done = self.collected = 0
+
+
+@contextlib.contextmanager
+def pipelined_chain_with_tuner(tiny_family, tuner_class):
+    """A pipelined in-process chain (target <- mid <- small) driven by a `tuner_class` tuner on
+    its start-up profile, with its Verify calls counted. Yields (chain, tuner, VerifyCalls)."""
     import dataclasses
 
     from orchestrator.distributed import profile_remote
-    from orchestrator.tuner import Tuner
 
     config = chain_config(tiny_family, ["target", "mid", "small"], lengths=[1, 1])
     tiers, _ = load_tiers(config.tiers)
     chain, workers = in_process_chain(tiers, [1, 1], pipeline=True, eos_token_ids=EOS)
+    calls = VerifyCalls()
+
+    class Collected:
+        def __init__(self, call):
+            self.call = call
+
+        def add_done_callback(self, callback):
+            self.call.add_done_callback(callback)
+
+        def result(self, timeout=None):
+            reply = self.call.result(timeout)
+            calls.collected += 1
+            return reply
+
+    class CountingMethod:
+        def __init__(self, method):
+            self.method = method
+
+        def future(self, request, timeout=None):
+            calls.sent.append(list(request.header.lengths))
+            call = self.method.future(request, timeout=timeout)
+            call.add_done_callback(lambda _: setattr(calls, "done", calls.done + 1))
+            return Collected(call)
+
+        def __call__(self, request, timeout=None):
+            calls.sent.append(list(request.header.lengths))
+            reply = self.method(request, timeout=timeout)
+            calls.done += 1
+            calls.collected += 1
+            return reply
+
+    class CountingStub:
+        def __init__(self, stub):
+            self.Verify = CountingMethod(stub.Verify)
+
     try:
         profile, _ = profile_remote(chain, 24, SamplingParams(temperature=0.0), max_length=4, repeats=1, prefill_lens=[8])
-        calls = {"sent": [], "done": 0}  # the lengths of each Verify sent; how many replies arrived
-
-        class CountingMethod:
-            def __init__(self, method):
-                self.method = method
-
-            def future(self, request, timeout=None):
-                calls["sent"].append(list(request.header.lengths))
-                call = self.method.future(request, timeout=timeout)
-                call.add_done_callback(lambda _: calls.__setitem__("done", calls["done"] + 1))
-                return call
-
-            def __call__(self, request, timeout=None):
-                calls["sent"].append(list(request.header.lengths))
-                reply = self.method(request, timeout=timeout)
-                calls["done"] += 1
-                return reply
-
-        class CountingStub:
-            def __init__(self, stub):
-                self.Verify = CountingMethod(stub.Verify)
-
         real_stub = chain._stub
         chain._stub = lambda: dataclasses.replace(real_stub(), stub=CountingStub(real_stub().stub))
-        heard = []  # (lengths given, Verify calls sent, replies arrived) at each observe_remote
-
-        class Recording(Tuner):
-            def observe_remote(self, params, reports, wall_s, model_s, first, lengths=None):
-                heard.append((first, lengths, len(calls["sent"]), calls["done"]))
-                super().observe_remote(params, reports, wall_s, model_s, first, lengths=lengths)
-
-        tuner = Recording(profile, max_length=4, retune_every=1, warmup_rounds=4)
+        tuner = tuner_class(profile, max_length=4, retune_every=1, warmup_rounds=4)
         tuner.distributed = tuner.pipelined = True
         chain.tuner = tuner
-        deferred = 0
+        yield chain, tuner, calls
+    finally:
+        chain.close()
+        for worker in workers:
+            worker.stop()
+
+
+def test_the_tuner_hears_each_round_and_plans_the_next_while_rounds_run(tiny_family, embedded):
+    """The driver folds a round's report into the tuner while the next round is in flight (off
+    the critical path), with the lengths that round was sent with; a request's first round is
+    folded in at once (it restarts the class's estimates) and its last one by `finish`: every
+    round is heard exactly once, in order. It also plans round n + 1 while round n is in flight
+    (plan_remote off the critical path) whenever round n cannot end the request, and the tuner
+    sees its calls in the order of planning each round at its start: plan 0, observe 0, plan 1,
+    then plan k before observe k - 1, so each plan has seen every round but the one before it."""
+    from orchestrator.tuner import Tuner
+
+    plans, heard = [], []  # (Verify calls sent, replies taken) at each plan_remote; (first, lengths, sent, replies arrived) at each observe_remote
+    kinds = []  # "plan" | "observe", in call order
+
+    class Recording(Tuner):
+        def plan_remote(self, params, new_tokens=None):
+            kinds.append("plan")
+            plans.append((len(calls.sent), calls.collected))
+            return super().plan_remote(params, new_tokens)
+
+        def observe_remote(self, params, reports, wall_s, model_s, first, lengths=None):
+            kinds.append("observe")
+            heard.append((first, lengths, len(calls.sent), calls.done))
+            super().observe_remote(params, reports, wall_s, model_s, first, lengths=lengths)
+
+    with pipelined_chain_with_tuner(tiny_family, Recording) as (chain, tuner, calls):
+        deferred = ahead = 0
         for ids, expected in embedded.values():
-            calls["sent"].clear()
-            calls["done"] = 0
-            heard.clear()
+            for record in (calls, plans, heard, kinds):
+                record.clear()
             out = chain.generate(ids, MAX_NEW, SamplingParams(temperature=0.0))
             assert out.token_ids == expected
             rounds = out.stats["rounds"]
-            assert len(calls["sent"]) == rounds == len(heard)
-            assert [lengths for _, lengths, _, _ in heard] == calls["sent"]  # each round with its own lengths, in order
+            assert len(calls.sent) == rounds == len(heard)
+            assert [lengths for _, lengths, _, _ in heard] == calls.sent  # each round with its own lengths, in order
             assert heard[0][0] and not any(first for first, *_ in heard[1:])
             assert heard[0][2:] == (1, 1)  # the first round: at once
             middle = heard[1:-1]  # round j (from 0) heard just after round j + 1 was sent ...
@@ -196,102 +245,18 @@ def test_the_tuner_hears_each_round_while_the_next_one_runs(tiny_family, embedde
             assert in_flight >= 0.8 * len(middle), middle
             assert heard[-1][2:] == (rounds, rounds)  # the last: by finish
             deferred += len(middle)
-        assert deferred >= 10 and tuner.history
-    finally:
-        chain.close()
-        for worker in workers:
-            worker.stop()
-
-
-def test_the_next_round_is_planned_while_this_one_runs(tiny_family, embedded):
-    """The driver plans round n + 1 while round n is in flight (plan_remote off the critical
-    path) whenever round n cannot end the request, and the tuner still sees its calls in the
-    order of planning each round at its start: plan 0, observe 0, plan 1, then plan k before
-    observe k - 1, so each plan has seen every round but the one before it."""
-    import dataclasses
-
-    from orchestrator.distributed import profile_remote
-    from orchestrator.tuner import Tuner
-
-    config = chain_config(tiny_family, ["target", "mid", "small"], lengths=[1, 1])
-    tiers, _ = load_tiers(config.tiers)
-    chain, workers = in_process_chain(tiers, [1, 1], pipeline=True, eos_token_ids=EOS)
-    try:
-        profile, _ = profile_remote(chain, 24, SamplingParams(temperature=0.0), max_length=4, repeats=1, prefill_lens=[8])
-        calls = {"sent": 0, "collected": 0}  # Verify calls sent; their replies taken by the driver
-
-        class Collected:
-            def __init__(self, call):
-                self.call = call
-
-            def add_done_callback(self, callback):
-                self.call.add_done_callback(callback)
-
-            def result(self, timeout=None):
-                reply = self.call.result(timeout)
-                calls["collected"] += 1
-                return reply
-
-        class CountingMethod:
-            def __init__(self, method):
-                self.method = method
-
-            def future(self, request, timeout=None):
-                calls["sent"] += 1
-                return Collected(self.method.future(request, timeout=timeout))
-
-            def __call__(self, request, timeout=None):
-                calls["sent"] += 1
-                reply = self.method(request, timeout=timeout)
-                calls["collected"] += 1
-                return reply
-
-        class CountingStub:
-            def __init__(self, stub):
-                self.Verify = CountingMethod(stub.Verify)
-
-        real_stub = chain._stub
-        chain._stub = lambda: dataclasses.replace(real_stub(), stub=CountingStub(real_stub().stub))
-        events = []  # ("plan" | "observe", Verify calls sent, replies collected)
-
-        class Recording(Tuner):
-            def plan_remote(self, params, new_tokens=None):
-                events.append(("plan", calls["sent"], calls["collected"]))
-                return super().plan_remote(params, new_tokens)
-
-            def observe_remote(self, params, reports, wall_s, model_s, first, lengths=None):
-                events.append(("observe", calls["sent"], calls["collected"]))
-                super().observe_remote(params, reports, wall_s, model_s, first, lengths=lengths)
-
-        tuner = Recording(profile, max_length=4, retune_every=1, warmup_rounds=4)
-        tuner.distributed = tuner.pipelined = True
-        chain.tuner = tuner
-        ahead = 0
-        for ids, expected in embedded.values():
-            calls["sent"] = calls["collected"] = 0
-            events.clear()
-            out = chain.generate(ids, MAX_NEW, SamplingParams(temperature=0.0))
-            assert out.token_ids == expected
-            rounds = out.stats["rounds"]
-            kinds = [kind for kind, _, _ in events]
-            planned = kinds.count("plan")
             # a plan made ahead for a round that never came: only when the request ended early (EOS)
-            assert planned == rounds or (planned == rounds + 1 and out.finish_reason == "eos")
+            assert len(plans) == rounds or (len(plans) == rounds + 1 and out.finish_reason == "eos")
             order = ["plan", "observe", "plan"] + ["plan", "observe"] * (rounds - 2) + ["observe"]
-            if planned > rounds:
+            if len(plans) > rounds:
                 order = order[:-1] + ["plan", "observe"]
             assert kinds == order
-            plans = [(sent, collected) for kind, sent, collected in events if kind == "plan"]
             assert plans[0] == (0, 0) and plans[1] == (1, 1)  # round 1: planned at its start, after round 0's report
             for k, (sent, collected) in enumerate(plans[2:], start=2):
                 # round k: planned while round k - 1 was in flight (its reply not yet taken), or at its start
                 assert sent == k and collected in (k - 1, k)
                 ahead += collected == k - 1
-        assert ahead >= 10 and tuner.history
-    finally:
-        chain.close()
-        for worker in workers:
-            worker.stop()
+        assert deferred >= 10 and ahead >= 10 and tuner.history
 
 
 def test_drafter_death_falls_back_to_the_target(tiny_family, embedded):
