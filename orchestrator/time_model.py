@@ -402,13 +402,13 @@ def round_shape(stage: StageSpec, block_pmf: Sequence[float], tree_width: int = 
 
 def round_from_shape(stage: StageSpec, shape: RoundShape, block_ms: float) -> RoundModel:
     """The round model of `shape` (`round_shape` of the stage and its block) for a block costing `block_ms`."""
+    serial_ms = block_ms + shape.serial_forward_ms + stage.overhead_ms
     if shape.pipelined_emitted is None:
-        return RoundModel(shape.serial_emitted, block_ms + shape.serial_forward_ms + stage.overhead_ms)
+        return RoundModel(shape.emitted, serial_ms)
     pipelined = _pipelined_round(stage, shape.whole, shape.pipelined_emitted, shape.pipelined_forward_ms, block_ms)
     if shape.serial_emitted is None:
         return pipelined
     share = shape.share
-    serial_ms = block_ms + shape.serial_forward_ms + stage.overhead_ms
     return RoundModel(shape.emitted, share * pipelined.round_ms + (1.0 - share) * serial_ms, share * pipelined.cold_extra_ms,
                       share * pipelined.head_start_saving_ms)
 

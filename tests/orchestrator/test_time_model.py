@@ -219,7 +219,6 @@ def test_a_search_reuses_each_pipelined_round_shape_with_the_same_floats():
                             head_start_ms=7.0, request_tokens=48),
                   StageSpec(MID_MS, (0.6, 0.5, 0.4), overhead_ms=0.2, pipelined=True, fill=0.8, per_text_position=True)]
         memo: dict = {}
-        shapes = []
         for lengths in itertools.product(range(1, 6), repeat=2):
             fresh = round_models(stages, DRAFT_MS, lengths)
             assert round_models(stages, DRAFT_MS, lengths, memo=memo) == fresh
