@@ -42,6 +42,7 @@ class Tier(abc.ABC):
     can_verify: bool = True
     deterministic_drafts: bool = False  # drafts are a function of the context (n-gram lookup)
     drafts_ahead: bool = False  # keeps drafting past the block it handed up (a pipelined remote tier)
+    has_weights: bool = True  # its forwards stream model weights through the caches (not the n-gram lookup)
 
     def __init__(self) -> None:
         self.busy_s = 0.0  # wall time spent in forwards / lookups
@@ -291,6 +292,7 @@ class NGramTier(Tier):
 
     can_verify = False
     deterministic_drafts = True
+    has_weights = False
 
     def __init__(self, name: str, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1) -> None:
         super().__init__()

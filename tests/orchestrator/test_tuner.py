@@ -13,7 +13,7 @@ import torch
 from orchestrator.config import parse_config
 from orchestrator.engine import Engine
 from orchestrator.profiler import LatencyProfile, OnlineTable
-from orchestrator.time_model import expected_emitted, renewal_rates, round_models
+from orchestrator.time_model import expected_emitted, latency, renewal_rates, round_models
 import orchestrator.tuner as tuner_module
 from orchestrator.tuner import FULL_SEARCH_EVERY, PROBE_BUDGET, RETUNE_BUDGET, AcceptanceEstimate, Plan, Tuner
 from workers.sampling import SamplingParams
@@ -618,6 +618,38 @@ def test_a_middle_tier_that_only_verified_drafts_at_its_observed_slowdown():
         profile.observe_draft(1, 6, 2.0 * 18.0, (0, 1))  # once it drafts, its own drafts count
     assert profile.draft_ms(1, (0, 1, 3))[6] == pytest.approx(2.0 * 18.0, rel=0.01)
     assert profile.draft_ms(2, (0, 2))[1] == pytest.approx(0.1)  # never observed in any role: the start-up table
+
+
+def test_a_tier_with_no_other_weights_in_a_set_not_run_yet_reads_its_start_up_table():
+    """The slow-down inside a chain is other models evicting the tier's weights: in a set not run
+    yet where no other tier has weights (the target with the n-gram tier, or alone) the tier
+    reads its start-up table, measured alone; beside another model it is scaled as before, and
+    with `weights` unknown (None) every set is."""
+    def profile(weights):
+        return LatencyProfile(["t", "m", "d"], [{1: 10.0, 9: 18.0}, {1: 4.0, 9: 6.0}, None], [None, {1: 3.0, 6: 18.0}, {1: 0.1, 6: 0.1}],
+                              weights=weights)
+
+    known, unknown = profile([True, True, False]), profile(None)
+    for p in (known, unknown):
+        for _ in range(40):
+            p.observe_forward(0, 5, 1.4 * 14.0, (0, 1, 2))  # the full chain: 1.4x the start-up t(5)
+    assert latency(known.forward_ms(0, (0, 2)), 5) == pytest.approx(14.0)
+    assert latency(known.forward_ms(0, (0,)), 5) == pytest.approx(14.0)
+    assert latency(known.forward_ms(0, (0, 1)), 5) == pytest.approx(1.4 * 14.0, rel=0.01)  # beside the middle model
+    assert latency(unknown.forward_ms(0, (0, 2)), 5) == pytest.approx(1.4 * 14.0, rel=0.01)
+    assert latency(known.forward_ms(0, (0, 1, 2)), 5) == pytest.approx(1.4 * 14.0, rel=0.01)  # a set that ran: its own table
+    assert latency(known.draft_ms(2, (0, 2)), 1) == pytest.approx(0.1)  # the n-gram tier: its own (start-up) table
+
+
+def test_profile_tiers_records_which_tiers_have_weights(tiny_family):
+    from orchestrator.profiler import profile_tiers
+
+    engine = auto_engine(tiny_family, ["target", "mid", "ngram"])
+    try:
+        profile = profile_tiers(engine.tiers, list(range(5, 25)), GREEDY, max_length=2, repeats=1)
+    finally:
+        engine.close()
+    assert profile.weights == [True, True, False]
 
 # ------------------------------------------------------------------- end to end
 
