@@ -177,9 +177,6 @@ class StageSpec:
     # the searches weigh a request's first rounds against its length (`request_ms_per_token`)
     head_start_ms: float = 0.0
     request_tokens: int = 0
-    # pipelined: a block drafted ahead costs drafter_scale x the model's own cost of it before
-    # the slow-down (`fit_block_model`: the drafter's rounds as measured, not as modelled)
-    drafter_scale: float = 1.0
 
     def at_length(self, length: int) -> "StageSpec":
         """The stage as its rounds of `length` asked tokens see it."""
@@ -346,55 +343,6 @@ def fit_slowdown(samples: Sequence[tuple[float, float, float, float]], start: fl
     return s
 
 
-def fit_block_model(samples: Sequence[tuple[float, float, float, float]], start: tuple[float, float] = (1.0, 1.0),
-                    prior_weight: float = 0.25) -> tuple[float, float]:
-    """The slow-down s and the scale a whose `contended_block_ms(a * block, forward, s)` matches
-    blocks drafted ahead in the least-squares sense: samples (weight, measured_ms, block_ms,
-    forward_ms). Gauss-Newton steps from `start` = (s, a); a is held towards start's a with
-    the weight of `prior_weight` blocks, s is clamped to 1/3..3 and a to 0.5..2.
-
-    Why a: past the verifier's forward a contended block costs a * block + forward * (1 - 1 / s),
-    a line in the modelled block with slope a. With a = 1 (`fit_slowdown`) the slope was fixed
-    at 1, and blocks did not follow it: on the Ray demo chain at T = 1 they measured
-    0.96 x modelled + 3.5 ms (k_0 = 2, 4, 6: 18.2, 33.5, 47.6 ms against 15.4, 30.7, 46.1
-    modelled on cores of their own; a drafter's round overhead is mostly a prior, its rounds are
-    rarely on the critical path), so one slow-down fitted to a mix of lengths charged the long
-    blocks too much (k_0 = 6 predicted 4-7 % slower than k_0 = 2-4, relative to what they
-    measured). a and s are told apart only by blocks of different lengths (a calibration's mix);
-    while one length runs, the prior holds a where the last fit left it."""
-    s, a = min(max(start[0], 1.0 / 3), 3.0), min(max(start[1], 0.5), 2.0)
-    prior_a, total, squares = a, 0.0, 0.0
-    for weight, _, block_ms, _ in samples:
-        total += weight
-        squares += weight * block_ms * block_ms
-    if total <= 0.0:
-        return s, a
-    ridge = prior_weight * squares / total  # a residual of (a - prior) * block on `prior_weight` blocks
-    for _ in range(8):
-        gss = gsa = gaa = rs = ra = 0.0
-        for weight, measured_ms, block_ms, forward_ms in samples:
-            scaled = a * block_ms
-            if scaled * s <= forward_ms:
-                residual, by_s, by_a = scaled * s - measured_ms, scaled, block_ms * s
-            else:
-                residual, by_s, by_a = scaled + forward_ms * (1.0 - 1.0 / s) - measured_ms, forward_ms / (s * s), block_ms
-            gss += weight * by_s * by_s
-            gsa += weight * by_s * by_a
-            gaa += weight * by_a * by_a
-            rs += weight * by_s * residual
-            ra += weight * by_a * residual
-        a11, a12, a22 = gss, gsa, gaa + ridge
-        det = a11 * a22 - a12 * a12
-        if det <= 1e-12:
-            break
-        b1, b2 = -rs, -(ra + ridge * (a - prior_a))
-        ds, da = (b1 * a22 - a12 * b2) / det, (a11 * b2 - a12 * b1) / det
-        s, a = min(max(s + ds, 1.0 / 3), 3.0), min(max(a + da, 0.5), 2.0)
-        if abs(ds) < 1e-4 and abs(da) < 1e-4:
-            break
-    return s, a
-
-
 def block_from_below(below: RoundModel | None, draft_ms: LatencyTable, need: int) -> tuple[list[float], float]:
     """The block a tier receives when it asks the tier below for `need` tokens.
 
@@ -525,7 +473,7 @@ def pipelined_round_model(stage: StageSpec, block_pmf: Sequence[float], block_ms
 
         round_ms = P * E[max(t_avg + o, D_ahead)] + (1 - P) * (t_avg + o + D)
         t_avg    = P * t(L) + (1 - P) * t(L + 1)      (the previous round's outcome)
-        D_ahead  = contended_block_ms(a * D, t_avg + o, s)  (drafted beside the verifier; a, s: `fit_block_model`)
+        D_ahead  = contended_block_ms(D, t_avg + o, s)  (drafted beside the verifier)
 
     (with L the tokens really proposed: fill * L for a drafter that proposes less than asked;
     E[max] of two normal times with the stage's `jitter_cv`, `expected_max`)
@@ -555,7 +503,7 @@ def _pipelined_shape(stage: StageSpec, block_pmf: Sequence[float], whole: float)
 
 def _pipelined_round(stage: StageSpec, whole: float, emitted: tuple[float, ...], forward_ms: float, block_ms: float) -> RoundModel:
     """`pipelined_round_model`'s round for a block costing `block_ms`."""
-    ahead_ms = contended_block_ms(stage.drafter_scale * block_ms, forward_ms, stage.drafter_slowdown)
+    ahead_ms = contended_block_ms(block_ms, forward_ms, stage.drafter_slowdown)
     overlap_ms = expected_max(forward_ms, stage.jitter_cv * forward_ms, ahead_ms, stage.jitter_cv * ahead_ms)
     round_ms = whole * overlap_ms + (1.0 - whole) * (forward_ms + block_ms)
     saving = 0.0
@@ -564,7 +512,7 @@ def _pipelined_round(stage: StageSpec, whole: float, emitted: tuple[float, ...],
         # longer): the next round waits only for what is left of it, counted like ahead_ms
         # from the start of that forward's last forward_ms
         first_ms = forward_ms + stage.head_start_ms
-        left_ms = max(0.0, contended_block_ms(stage.drafter_scale * block_ms, first_ms, stage.drafter_slowdown) - stage.head_start_ms)
+        left_ms = max(0.0, contended_block_ms(block_ms, first_ms, stage.drafter_slowdown) - stage.head_start_ms)
         second_ms = expected_max(forward_ms, stage.jitter_cv * forward_ms, left_ms, stage.jitter_cv * left_ms)
         saving = whole * max(0.0, overlap_ms - second_ms)
     return RoundModel(emitted, round_ms, whole * max(0.0, forward_ms + block_ms - overlap_ms), saving)

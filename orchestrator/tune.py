@@ -722,7 +722,6 @@ def _tune(engine: Engine, config: ChainConfig, prompts: list[str], settings: Tun
         "round_overhead_ms": round(overhead_ms, 4),
         "step_overhead_ms": round(tuner.step_overhead_ms, 4) if tuner.distributed else None,  # per target round (distributed)
         "ahead_slowdown": {engine.tiers[t].name: round(v, 4) for t, v in tuner.ahead_slowdown.items()},  # pipelined drafters
-        "ahead_scale": {engine.tiers[t].name: round(v, 4) for t, v in tuner.ahead_scale.items()},  # ... their blocks / modelled, before it
         "first_round_scale": round(tuner.first_round_scale, 4) if tuner.distributed else None,  # first rounds, measured / modelled
         "jitter_cv": round(tuner.jitter_cv, 4) if tuner.distributed and tuner.pipelined else None,  # spread of round / block times
         "summary": summary("wall_ms"),

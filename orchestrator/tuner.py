@@ -55,7 +55,7 @@ import math
 import time
 
 from orchestrator.profiler import LatencyProfile
-from orchestrator.time_model import StageSpec, chain_cost, contended_block_ms, fit_block_model, fit_slowdown, latency, local_search, round_models, search_lengths
+from orchestrator.time_model import StageSpec, chain_cost, contended_block_ms, fit_slowdown, latency, local_search, round_models, search_lengths
 from workers.sampling import SamplingParams
 
 MAX_POSITIONS = 32
@@ -81,7 +81,6 @@ WARMUP_OPTIMISM = 1.0  # a class's warm-up searches on acceptance one posterior 
 OPTIMISTIC_CAP = 0.99
 AHEAD_WINDOW = 64  # pipelined: blocks drafted ahead that the drafter's slow-down is fitted to ...
 AHEAD_DECAY = 0.97  # ... each weighed this much less than the next (~33 blocks)
-AHEAD_SCALE_PRIOR = 0.25  # ... and a middle tier's scale held towards the last fit with the weight of this many blocks
 REQUEST_SMOOTHING = 0.2  # pipelined: memory of requests' lengths and prompt forwards (~5 requests)
 FULL_SEARCH_EVERY = 32  # target rounds between full searches (every length); re-tunes between them search near the last lengths
 
@@ -363,7 +362,6 @@ class Tuner:
         # model's own cost of them (cores shared with the verifier, calls below, waiting while
         # real calls go first): the slow-down that matches its recent blocks (`_observe_ahead_block`)
         self.ahead_slowdown: dict[int, float] = {}
-        self.ahead_scale: dict[int, float] = {}  # ... and how its blocks scale against the model's cost of them (`fit_block_model`)
         self._ahead_blocks: dict[int, collections.deque] = {}  # per drafter: (measured, modelled, beside ms) of its last blocks
         # a distributed chain's first target round of each request (prefills, sequence set-up on
         # every tier): its wall ms, for `polyspec tune` to calibrate the per-request cost
@@ -580,9 +578,9 @@ class Tuner:
     def _observe_ahead_block(self, key: str, drafter: int, tokens: int, block_ms: float, lengths: dict[int, int]) -> None:
         """A block of `tokens` drafted ahead by `drafter` in `block_ms`: against the model's cost of
         the same block on cores of its own (the drafter's cost per token with the lengths in
-        use) and its verifier's round beside it: the slow-down while the two share the cores and
-        the scale of the drafter's own cost (`time_model.fit_block_model` over the last
-        AHEAD_WINDOW blocks, each weighed AHEAD_DECAY less than the next)."""
+        use) and its verifier's round beside it, the slow-down while the two share the cores
+        (`time_model.fit_slowdown` over the last AHEAD_WINDOW blocks, each weighed AHEAD_DECAY
+        less than the next)."""
         chain = tuple(range(drafter, self.num_tiers))
         verifier = drafter - 1
         if tokens <= 0 or verifier < 0 or verifier not in lengths or (len(chain) > 1 and any(level not in lengths for level in chain[:-1])):
@@ -597,16 +595,13 @@ class Tuner:
         if modelled <= 0:
             return
         beside_ms = latency(self.profile.forward_ms(verifier, full), lengths[verifier]) + self._stage_overhead_ms(verifier)
-        current = self.ahead_slowdown.get(drafter, 1.0), self.ahead_scale.get(drafter, 1.0)
+        current = self.ahead_slowdown.get(drafter, 1.0)
         if drafter == 1:  # the target's drafter: its blocks are what the target's rounds wait for
-            self._observe_jitter(block_ms / contended_block_ms(current[1] * modelled, beside_ms, current[0]) - 1.0)
+            self._observe_jitter(block_ms / contended_block_ms(modelled, beside_ms, current) - 1.0)
         blocks = self._ahead_blocks.setdefault(drafter, collections.deque(maxlen=AHEAD_WINDOW))
         blocks.append((block_ms, modelled, beside_ms))
         samples = [(AHEAD_DECAY ** age, *sample) for age, sample in enumerate(reversed(blocks))]
-        if len(chain) == 1:  # the bottom tier's cost is its own measured draft table: the slow-down alone
-            self.ahead_slowdown[drafter] = fit_slowdown(samples, current[0])
-        else:  # a middle tier's is a model of its rounds (overheads mostly a prior): its scale too
-            self.ahead_slowdown[drafter], self.ahead_scale[drafter] = fit_block_model(samples, current, AHEAD_SCALE_PRIOR)
+        self.ahead_slowdown[drafter] = fit_slowdown(samples, current)
 
     def _observe_jitter(self, deviation: float) -> None:
         deviation = min(max(deviation, -1.0), 1.0)  # one stall (a GC pause, a page fault) is not the spread
@@ -665,7 +660,6 @@ class Tuner:
                 self.ahead_slowdown.get(b, 1.0) if self.pipelined else 1.0,
                 self.fill(key, b) if b == active[-1] and self.tree_width == 1 else 1.0,
                 self.jitter_cv if self.pipelined and a == 0 else 0.0, per_text_position=per_text,
-                drafter_scale=self.ahead_scale.get(b, 1.0) if self.pipelined else 1.0,
                 # the target's stage of a pipelined chain: a request's first rounds
                 head_start_ms=self.head_start_ms if self.pipelined and a == 0 else 0.0,
                 request_tokens=int(round(self.request_tokens)) if self.pipelined and a == 0 else 0))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.profiler import LatencyProfile
-from orchestrator.time_model import chain_cost, contended_block_ms, cost_per_token, fit_block_model, fit_slowdown, fitted_slowdown, latency
+from orchestrator.time_model import chain_cost, contended_block_ms, cost_per_token, fit_slowdown, fitted_slowdown, latency
 from orchestrator.tuner import Tuner
 from protos.polyspec.v1 import tier_pb2
 from workers.sampling import SamplingParams
@@ -261,27 +261,3 @@ def test_the_slowdown_fit_matches_the_blocks_mean_time():
     exact = [(1.0, contended_block_ms(b, 10.0, 1.6), b, 10.0) for b in (2.0, 5.0, 8.0, 20.0, 40.0)]
     assert fit_slowdown(exact, start=1.0) == pytest.approx(1.6, rel=1e-3)
     assert fit_slowdown(exact, start=2.9) == pytest.approx(1.6, rel=1e-3)
-
-
-def test_the_block_model_tells_the_drafters_own_speed_from_the_slow_down_by_block_length():
-    """Blocks of several lengths (a calibration's mix) that cost 0.9 x their model before a 1.3x
-    slow-down beside a 15 ms forward: both recovered, where one slow-down cannot follow them
-    (its line through the blocks has slope 1) and over-charges the long ones. With blocks of one
-    length the two cannot be told apart: the scale stays where the last fit left it."""
-    exact = [(1.0, contended_block_ms(0.9 * b, 15.0, 1.3), b, 15.0) for b in (4.0, 8.0, 15.0, 30.0, 45.0, 60.0)] * 5
-    s, a = fit_block_model(exact, (1.0, 1.0), prior_weight=0.0)
-    assert s == pytest.approx(1.3, rel=1e-3) and a == pytest.approx(0.9, rel=1e-3)
-    s, a = fit_block_model(exact, (1.0, 1.0), prior_weight=0.25)  # the tuner's prior: 30 blocks move it most of the way
-    assert s == pytest.approx(1.3, rel=0.02) and a == pytest.approx(0.9, rel=0.01)
-    one = fit_slowdown(exact, start=1.0)
-    long_block = contended_block_ms(0.9 * 60.0, 15.0, 1.3)
-    assert contended_block_ms(60.0, 15.0, one) > 1.03 * long_block  # one factor: the 60 ms block 3 % + over
-    # one length, from a calibrated start: the scale is kept, the slow-down absorbs the rest
-    single = [(0.97 ** age, contended_block_ms(0.9 * 30.0, 15.0, 1.3) + 0.5, 30.0, 15.0) for age in range(64)]
-    s, a = fit_block_model(single, (1.3, 0.9), prior_weight=0.25)
-    assert a == pytest.approx(0.9, abs=0.01) and s > 1.3
-    assert contended_block_ms(a * 30.0, 15.0, s) == pytest.approx(single[0][1], rel=0.01)
-    # blocks too short to leave the verifier's forward: only a * s is seen
-    short = [(1.0, contended_block_ms(0.9 * 4.0, 15.0, 1.3), 4.0, 15.0)] * 32
-    s, a = fit_block_model(short, (1.0, 1.0), prior_weight=0.25)
-    assert a * s == pytest.approx(0.9 * 1.3, rel=1e-3)
