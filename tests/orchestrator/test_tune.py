@@ -139,7 +139,14 @@ def test_interleaved_pass_runs_every_item_on_a_prompt_before_the_next():
     results = interleaved_pass(engine, items, [[0], [1], [2]], settings, seed=0)
     assert [prompt for _, prompt, _ in calls] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     assert [{who for who, prompt, _ in calls if prompt == p} for p in range(3)] == [{(2, 2), (3, 1), "auto"}] * 3
-    assert all(seed == 7 + prompt for _, prompt, seed in calls)
+    assert all(seed == 7 + prompt for _, prompt, seed in calls)  # one seed per prompt for every item
+    # another pass samples another realisation: new seeds, still one per prompt for every item
+    first = {prompt: seed for _, prompt, seed in calls}
+    calls.clear()
+    interleaved_pass(engine, [Plan((2, 2), (0, 1, 2)), Plan((3, 1), (0, 2))], [[0], [1], [2]], settings, seed=1)
+    again = {prompt: {seed for _, p, seed in calls if p == prompt} for prompt in range(3)}
+    assert all(len(seeds) == 1 for seeds in again.values())
+    assert len({first[p] for p in range(3)} | {next(iter(again[p])) for p in range(3)}) == 6
     assert auto.seen == [0, 1, 2] and engine.scheduler.tuner is None
     # 2x2 plan: 4 tokens at 10 ms each x (1 + prompt) -> (40 + 80 + 120) ms / 12 tokens
     assert results[0].wall_ms == pytest.approx(20.0) and results[2].wall_ms == pytest.approx(20.0)
