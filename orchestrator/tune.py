@@ -1,7 +1,8 @@
 """`polyspec tune`: the time model against the clock, on the chain of a config.
 
     polyspec tune -c CONFIG [--prompts FILE] [--temperature T] [--max-new-tokens N]
-                  [--grid-max K] [--max-prompts P] [--repeats R] [--heldout-repeats H] [--json]
+                  [--grid-max K] [--max-prompts P] [--repeats R] [--heldout-prompts Q]
+                  [--heldout-repeats H] [--json]
 
 Steps (all in this process, embedded mode):
 1. profile every tier (profiler.profile_tiers) at the prompts' typical context length, and
@@ -24,7 +25,8 @@ Steps (all in this process, embedded mode):
    passes (the first calibration's alone, made before any pass, is reported too);
 5. the best grid points again against the tuner's choice (fresh passes: the minimum of many
    noisy measurements is biased low); the best grid point against `lengths: auto` on
-   held-out prompts, with a fresh tuner and with one that has served the tuning prompts
+   `--heldout-prompts` held-out prompts (16; evenly spaced through the prompts the tuning
+   set left over), with a fresh tuner and with one that has served the tuning prompts
    (warm), in `--heldout-repeats` interleaved passes (the goal is a 5 % ratio);
    a fresh tuner on code prompts then prose prompts (how many
    rounds until its plan changes).
@@ -84,6 +86,14 @@ class TuneSettings:
     seed: int = 0
     repeats: int = 1  # passes over every plan; the median pass is reported
     heldout_repeats: int = 7  # passes of the held-out comparison (best grid point, fresh auto, warm auto; interleaved per prompt)
+    # Held-out prompts. At T = 0 on the Ray demo chain a few prompts decide that comparison:
+    # the int8 tier's greedy token flips at a near-tie with the lengths it runs at (its
+    # logits come from forwards of k_1 + 1 tokens), so [6, 6] drew a rejection on two of 8
+    # held-out prompts that [6, 4] did not, each ~50 ms of ~2 s a pass (recovering the draft-ahead
+    # stream takes two slow rounds), and lost 6-9 % to [6, 4] in 4 of 5 passes-of-4, where
+    # on the tuning prompts the two were within 1.4 %. With 8 prompts one such event moved the
+    # ratio 2.5 %; with 16, about 1.2 % (docs/time-model.md §6, session 20).
+    heldout_prompts: int = 16
     top_p: float = 1.0
     top_k: int = 0
 
@@ -158,7 +168,9 @@ class PromptSets:
     source: str
 
 
-def split_prompts(path: str | None, config: ChainConfig, max_prompts: int) -> PromptSets:
+def split_prompts(path: str | None, config: ChainConfig, max_prompts: int, heldout_prompts: int | None = None) -> PromptSets:
+    """`max_prompts` tuning prompts, evenly spaced; `heldout_prompts` (default: as many)
+    held-out ones, evenly spaced through the rest; the shift test's code and prose halves."""
     from orchestrator.bench import REPETITIVE_CODE
 
     everything, source = _classed_prompts(path, config)
@@ -167,7 +179,7 @@ def split_prompts(path: str | None, config: ChainConfig, max_prompts: int) -> Pr
     half = max(1, max_prompts // 2)
     tuning_index = set(_evenly(range(len(classed)), max_prompts))
     rest = [i for i in range(len(classed)) if i not in tuning_index]
-    heldout_index = _evenly(rest, max_prompts)
+    heldout_index = _evenly(rest, heldout_prompts or max_prompts)
     heldout = [classed[i] for i in heldout_index]
     return PromptSets(
         tuning=[classed[i][0] for i in sorted(tuning_index)],
@@ -837,12 +849,15 @@ def cmd_tune(args) -> int:
         seed=args.seed,
         repeats=args.repeats,
         heldout_repeats=args.heldout_repeats,
+        heldout_prompts=args.heldout_prompts,
         top_p=config.sampling.top_p,
         top_k=config.sampling.top_k,
     )
-    if min(settings.grid_max, settings.max_new_tokens, settings.max_prompts, settings.repeats, settings.heldout_repeats) < 1 or settings.temperature < 0:
-        raise TuneError("--grid-max, --max-new-tokens, --max-prompts, --repeats and --heldout-repeats must be >= 1 and --temperature >= 0")
-    sets = split_prompts(args.prompts, config, settings.max_prompts)
+    if min(settings.grid_max, settings.max_new_tokens, settings.max_prompts, settings.repeats, settings.heldout_repeats, settings.heldout_prompts) < 1 \
+            or settings.temperature < 0:
+        raise TuneError("--grid-max, --max-new-tokens, --max-prompts, --repeats, --heldout-prompts and --heldout-repeats"
+                        " must be >= 1 and --temperature >= 0")
+    sets = split_prompts(args.prompts, config, settings.max_prompts, settings.heldout_prompts)
     prompts, source = sets.tuning, sets.source
 
     def log(message: str) -> None:

@@ -66,6 +66,8 @@ def test_tune_user_mistakes(config_path, tmp_path, capsys):
     assert main(["tune", "-c", config_path, "--grid-max", "0"]) == 2
     assert main(["tune", "-c", config_path, "--heldout-repeats", "0"]) == 2
     assert "--heldout-repeats must be >= 1" in capsys.readouterr().err
+    assert main(["tune", "-c", config_path, "--heldout-prompts", "0"]) == 2
+    assert "--heldout-prompts" in capsys.readouterr().err
 
 
 def test_split_prompts_runs_repetitive_code_in_the_shift_test_only(tmp_path):
@@ -100,6 +102,9 @@ def test_shipped_prompts_keep_repetitive_code_out_of_tuning_and_bench():
     sets = split_prompts(str(path), None, 8)
     assert set(sets.shift_code) <= repetitive and len(sets.shift_code) == 4
     assert not repetitive & set(sets.tuning + sets.heldout + sets.shift_prose)
+    wide = split_prompts(str(path), None, 8, heldout_prompts=16)  # polyspec tune's default held-out set
+    assert wide.tuning == sets.tuning and len(set(wide.heldout)) == 16 and set(sets.heldout) <= set(wide.heldout)
+    assert not (set(wide.heldout) & (set(wide.tuning) | repetitive))
     measured = measured_prompts(prompts)
     assert {p.kind for p in measured} == {"code", "prose"} and {p.kind for p in quick_subset(measured)} == {"code", "prose"}
 
