@@ -90,8 +90,8 @@ class TuneSettings:
     # the int8 tier's greedy token flips at a near-tie with the lengths it runs at (its
     # logits come from forwards of k_1 + 1 tokens), so [6, 6] drew a rejection on two of 8
     # held-out prompts that [6, 4] did not, each ~50 ms of ~2 s a pass (recovering the draft-ahead
-    # stream takes two slow rounds), and lost 6-9 % to [6, 4] in 4 of 5 passes-of-4, where
-    # on the tuning prompts the two were within 1.4 %. With 8 prompts one such event moved the
+    # stream takes two slow rounds), and lost 6-9 % to [6, 4] in four runs of 3-5 passes (in
+    # every one of the 16 passes), where on the tuning prompts the two were within 1.4 %. With 8 prompts one such event moved the
     # ratio 2.5 %; with 16, about 1.2 % (docs/time-model.md §6, session 20).
     heldout_prompts: int = 16
     top_p: float = 1.0
