@@ -243,3 +243,37 @@ def test_heldout_report_keeps_each_pass_per_prompt_with_the_tuners_plans():
     assert first["auto"]["prompt_ms_per_token"] == [1.0, 4.0] and first["auto"]["ms_per_token"] == pytest.approx(2.5)
     assert first["auto"]["plans"][1] == [[0, [1, 1], ["t", "m", "n"]], [3, [4, 2], ["t", "m", "n"]]]
     assert report["auto_tokens_per_s_over_best"] == pytest.approx(1.5 / 2.5)
+
+
+def test_heldout_ratio_pairs_each_pass_with_the_fixed_run_beside_it():
+    """The held-out ratio is the median over passes of (best grid point's ms / auto's ms) in the
+    same pass, not the ratio of the two medians: passes 2x and 4x slower than the first (a
+    machine's drift, or at T = 1 other sampled texts) with auto 1.25x slower than the fixed run
+    in one pass only give 1.0 paired (two of three passes even) where the ratio of medians
+    (2 / 2.5) would say 0.8."""
+    import types
+
+    from orchestrator.tune import PASS_SEED_STRIDE, TuneSettings, measure_heldout
+    from orchestrator.tuner import Plan
+
+    pass_speed, auto_slowdown = [1.0, 2.0, 4.0], [1.0, 1.25, 1.0]
+
+    class Scheduler:
+        tuner = None
+        lengths, active = [1, 1], (0, 1, 2)
+
+        def generate(self, ids, max_new_tokens, params, seed):
+            repeat = seed // PASS_SEED_STRIDE - 2000  # measure_heldout's pass seeds: settings.seed + 2000 + repeat
+            ms = pass_speed[repeat] * (auto_slowdown[repeat] if self.tuner is not None else 1.0)
+            return types.SimpleNamespace(stats={"time_s": ms * 4 / 1000.0}, token_ids=[0] * 4)
+
+    class FakeTuner:
+        fixed = None
+
+    engine = types.SimpleNamespace(scheduler=Scheduler())
+    settings = TuneSettings(max_new_tokens=4, heldout_repeats=3)
+    report = measure_heldout(engine, Plan((2, 2), (0, 1, 2)), [[0]], settings, FakeTuner, lambda message: None, warm_tuner=FakeTuner())
+    assert [p["auto"]["ms_per_token"] for p in report["per_pass"]] == pytest.approx([1.0, 2.5, 4.0])
+    assert report["auto_tokens_per_s_over_best"] == pytest.approx(1.0)
+    assert report["auto_ratio_of_medians"] == pytest.approx(0.8)
+    assert report["warm_auto_tokens_per_s_over_best"] == pytest.approx(1.0) and report["warm_auto_ratio_of_medians"] == pytest.approx(0.8)
