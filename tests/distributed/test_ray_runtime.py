@@ -43,6 +43,23 @@ def cluster():
     cluster.shutdown()
 
 
+@pytest.fixture(autouse=True)
+def _labelled_nodes_alive(request):
+    """Before each test on the cluster: every labelled worker node alive, a dead one replaced.
+    test_drafter_node_removed_mid_batch replaces the node it removes, but in one CI run (2
+    cores, full suite) the replacement, listed alive there, was gone two tests later: the
+    placement check found no node with tier_mid, and two tests failed for want of it."""
+    if "cluster" in request.fixturenames:
+        head_cluster, nodes = request.getfixturevalue("cluster")
+        alive = {entry["NodeID"] for entry in ray.nodes() if entry["Alive"]}
+        for label, node in list(nodes.items()):
+            if node.node_id not in alive:
+                nodes[label] = head_cluster.add_node(num_cpus=2, resources={label: 2})
+                head_cluster.wait_for_nodes()
+                _wait_until_alive(nodes[label])
+    yield
+
+
 def config(family, address, *, pipeline, names=("target", "mid", "small"), lengths=(4, 2), **runtime):
     pins = {"target": "tier_target", "mid": "tier_mid", "small": "tier_small"}
     tiers = [{"name": n, "model": family[n], "resources": {pins[n]: 1}} for n in names]
