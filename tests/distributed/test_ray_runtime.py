@@ -54,10 +54,15 @@ def _labelled_nodes_alive(request):
         alive = {entry["NodeID"] for entry in ray.nodes() if entry["Alive"]}
         for label, node in list(nodes.items()):
             if node.node_id not in alive:
-                nodes[label] = head_cluster.add_node(num_cpus=2, resources={label: 2})
-                head_cluster.wait_for_nodes()
-                _wait_until_alive(nodes[label])
+                _replace_node(head_cluster, nodes, label)
     yield
+
+
+def _replace_node(head_cluster, nodes: dict, label: str) -> None:
+    """A new worker node with resource `label` in place of nodes[label], once Ray lists it alive."""
+    nodes[label] = head_cluster.add_node(num_cpus=2, resources={label: 2})
+    head_cluster.wait_for_nodes()
+    _wait_until_alive(nodes[label])
 
 
 def config(family, address, *, pipeline, names=("target", "mid", "small"), lengths=(4, 2), **runtime):
@@ -192,9 +197,7 @@ def test_drafter_node_removed_mid_batch(cluster, tiny_family, embedded):
         assert engine.scheduler.degraded_rounds > 0, "the mid tier's loss was noticed"
     finally:
         engine.close()
-        nodes["tier_mid"] = head_cluster.add_node(num_cpus=2, resources={"tier_mid": 2})  # for later tests
-        head_cluster.wait_for_nodes()
-        _wait_until_alive(nodes["tier_mid"])
+        _replace_node(head_cluster, nodes, "tier_mid")  # for later tests
 
 
 def _wait_until_alive(node, timeout_s: float = 60.0) -> None:

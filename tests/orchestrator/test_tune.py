@@ -253,17 +253,18 @@ def test_heldout_ratio_pairs_each_pass_with_the_fixed_run_beside_it():
     (2 / 2.5) would say 0.8."""
     import types
 
-    from orchestrator.tune import PASS_SEED_STRIDE, TuneSettings, measure_heldout
+    from orchestrator.tune import TuneSettings, measure_heldout
     from orchestrator.tuner import Plan
 
     pass_speed, auto_slowdown = [1.0, 2.0, 4.0], [1.0, 1.25, 1.0]
+    pass_of_seed: dict[int, int] = {}  # one prompt: every item of a pass runs with the pass's own seed
 
     class Scheduler:
         tuner = None
         lengths, active = [1, 1], (0, 1, 2)
 
         def generate(self, ids, max_new_tokens, params, seed):
-            repeat = seed // PASS_SEED_STRIDE - 2000  # measure_heldout's pass seeds: settings.seed + 2000 + repeat
+            repeat = pass_of_seed.setdefault(seed, len(pass_of_seed))
             ms = pass_speed[repeat] * (auto_slowdown[repeat] if self.tuner is not None else 1.0)
             return types.SimpleNamespace(stats={"time_s": ms * 4 / 1000.0}, token_ids=[0] * 4)
 
@@ -277,3 +278,4 @@ def test_heldout_ratio_pairs_each_pass_with_the_fixed_run_beside_it():
     assert report["auto_tokens_per_s_over_best"] == pytest.approx(1.0)
     assert report["auto_ratio_of_medians"] == pytest.approx(0.8)
     assert report["warm_auto_tokens_per_s_over_best"] == pytest.approx(1.0) and report["warm_auto_ratio_of_medians"] == pytest.approx(0.8)
+    assert len(pass_of_seed) == 3
