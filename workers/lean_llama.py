@@ -41,7 +41,7 @@ def _linear(module):
         weight, bias = module.weight, module.bias
         return lambda x: F.linear(x, weight, bias)
     if isinstance(module, Int8Linear):
-        return module.forward
+        return module.function()
     return None
 
 
@@ -49,7 +49,7 @@ def _projections(modules):
     """One callable x -> (modules[0](x), modules[1](x), ...): a single product for int8 `Linear`s
     (`Int8Linear.concat`: one quantization of x, the same columns bit for bit), else one call each."""
     if all(isinstance(m, Int8Linear) for m in modules):
-        fused = Int8Linear.concat(modules).forward
+        fused = Int8Linear.concat(modules).function()
         sizes = [m.out_features for m in modules]
         return lambda x: fused(x).split(sizes, dim=-1)
     calls = [_linear(m) for m in modules]

@@ -6,19 +6,22 @@ import pytest
 import torch
 
 from orchestrator.config import TierConfig
-from workers.int8 import Int8Linear, quantize_linears, quantize_rows
+from workers.int8 import Int8Linear, quantize_linears
 from workers.loading import load_model_tier
 from workers.sampling import SamplingParams
 from workers.tree import DraftTree
 
 
-def test_rows_are_quantized_each_with_its_own_scale():
-    x = torch.tensor([[0.5, -1.0, 0.25], [100.0, 0.0, -50.0], [0.0, 0.0, 0.0]])
-    q, scale = quantize_rows(x)
-    assert q.dtype == torch.int8
-    assert q[0].tolist() == [64, -127, 32] and q[1].tolist() == [127, 0, -64]  # round(0.5 * 127), round(-50 / 100 * 127)
-    assert q[2].tolist() == [0, 0, 0]  # an all-zero row: no division by zero
-    assert torch.allclose(scale[:2, 0], torch.tensor([1.0 / 127, 100.0 / 127]))
+def test_weights_are_int8_with_a_scale_per_output_channel():
+    linear = torch.nn.Linear(3, 2, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(torch.tensor([[0.5, -1.0, 0.25], [100.0, 0.0, -50.0]]))
+    layer = Int8Linear.from_float(linear)
+    assert layer.weight.dtype == torch.int8
+    assert layer.weight.tolist() == [[64, -127, 32], [127, 0, -64]]  # round(0.5 * 127), round(-50 / 100 * 127)
+    assert torch.allclose(layer.weight_scale, torch.tensor([1.0 / 127, 100.0 / 127]))
+    zero = layer(torch.zeros(2, 3))  # an all-zero row: no division by zero
+    assert torch.equal(zero, torch.zeros(2, 2))
 
 
 def test_int8_linear_is_close_to_the_float_layer():
@@ -27,9 +30,9 @@ def test_int8_linear_is_close_to_the_float_layer():
     x = torch.randn(5, 3, 96)
     got, want = Int8Linear.from_float(linear)(x), linear(x).detach()
     assert got.shape == want.shape == (5, 3, 40)
-    # int8 weights per output channel x int8 activations per row: ~0.5 % relative error on random data
+    # int8 weights per output channel x 7-bit activations per row: ~1.5 % relative error on random data
     relative = (got - want).norm() / want.norm()
-    assert relative < 0.02, relative
+    assert relative < 0.03, relative
 
 
 def test_a_rows_output_does_not_depend_on_the_other_rows():

@@ -48,7 +48,7 @@ def test_int8_tier_is_a_quantized_copy(tiny_family):
 
     assert not any(isinstance(m, torch.nn.Linear) for m in quantized.modules())
     int8 = [m for m in quantized.modules() if isinstance(m, Int8Linear)]
-    assert int8 and all(m.weight_t.dtype == torch.int8 for m in int8)
+    assert int8 and all(m.weight.dtype == torch.int8 for m in int8)
     assert engine.tiers[1]._lean is not None  # the lean forward covers the int8 copy
 
 
