@@ -285,7 +285,7 @@ def check_tiers(config: ChainConfig) -> list[MemoryEstimate]:
         if tier.quantize == "int4" and tier.device == "cpu":
             raise ConfigError(f"tier {tier.name!r}: quantize: int4 runs on a CUDA GPU only (bitsandbytes); on CPU use int8")
         if tier.quantize == "int8" and tier.device.startswith("cuda"):
-            raise ConfigError(f"tier {tier.name!r}: quantize: int8 (row-wise int8 CPU kernels, workers/int8.py) runs on CPU only; use int4 on a GPU")
+            raise ConfigError(f"tier {tier.name!r}: quantize: int8 (torch dynamic quantization) runs on CPU only; use int4 on a GPU")
     for i in range(1, len(config.tiers)):
         verifier, drafter = config.tiers[i - 1], config.tiers[i]
         verifier_bytes, drafter_bytes = estimates[i - 1].weights_bytes, estimates[i].weights_bytes

@@ -5,9 +5,8 @@ Python (module dispatch, hooks, mask and rotary construction, cache bookkeeping)
 copying the growing KV cache (`torch.cat` per layer per forward) as in its matrix
 products; for the int8 copy the overhead is twice the kernels' time. This module runs the
 same operations, in the same order and dtypes, as `LlamaForCausalLM.forward` with the SDPA
-attention of transformers 5.x, from the model's own weights (plain `Linear`s, or the int8
-ones of workers/int8.py, whose q / k / v and gate / up projections run as one product each:
-bit for bit the same columns), on a KV cache preallocated per sequence:
+attention of transformers 5.x, from the model's own weights (plain or dynamically
+quantized int8 `Linear`s), on a KV cache preallocated per sequence:
 
 - rotary cos / sin: one table over all positions, computed with transformers' formula
   (an elementwise product per position, so every row is bit-identical);
@@ -30,30 +29,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from workers.int8 import Int8Linear
-
 INITIAL_CAPACITY = 256
 
 
 def _linear(module):
-    """`module(x)` without the module call: float `Linear` or int8 `Linear` (workers/int8.py)."""
+    """`module(x)` without the module call: float `Linear` or dynamically quantized int8 `Linear`."""
     if isinstance(module, torch.nn.Linear):
         weight, bias = module.weight, module.bias
         return lambda x: F.linear(x, weight, bias)
-    if isinstance(module, Int8Linear):
-        return module.function()
+    packed = getattr(module, "_packed_params", None)
+    if packed is not None and getattr(packed, "dtype", None) == torch.qint8 and getattr(module, "version", 4) >= 4:
+        params = packed._packed_params
+        op = torch.ops.quantized.linear_dynamic.default  # the overload itself: no per-call dispatch checks in Python
+        return lambda x: op(x, params, True) if x.dtype == torch.float32 else op(x, params, True).to(x.dtype)
     return None
-
-
-def _projections(modules):
-    """One callable x -> (modules[0](x), modules[1](x), ...): a single product for int8 `Linear`s
-    (`Int8Linear.concat`: one quantization of x, the same columns bit for bit), else one call each."""
-    if all(isinstance(m, Int8Linear) for m in modules):
-        fused = Int8Linear.concat(modules).function()
-        sizes = [m.out_features for m in modules]
-        return lambda x: fused(x).split(sizes, dim=-1)
-    calls = [_linear(m) for m in modules]
-    return lambda x: tuple(call(x) for call in calls)
 
 
 class LeanCache:
@@ -168,10 +157,13 @@ class LeanLlama:
             self.layers.append(
                 (
                     layer.input_layernorm.weight,
-                    _projections([attn.q_proj, attn.k_proj, attn.v_proj]),
+                    _linear(attn.q_proj),
+                    _linear(attn.k_proj),
+                    _linear(attn.v_proj),
                     _linear(attn.o_proj),
                     layer.post_attention_layernorm.weight,
-                    _projections([mlp.gate_proj, mlp.up_proj]),
+                    _linear(mlp.gate_proj),
+                    _linear(mlp.up_proj),
                     _linear(mlp.down_proj),
                     layer.input_layernorm.variance_epsilon,
                     layer.post_attention_layernorm.variance_epsilon,
@@ -246,12 +238,11 @@ class LeanLlama:
         shape = (1, count, -1, self.head_dim)
         rotate = self._rotate_half
         groups = self.groups
-        for index, (w_in, qkv_proj, o_proj, w_post, gate_up, down, eps_in, eps_post) in enumerate(self.layers):
+        for index, (w_in, q_proj, k_proj, v_proj, o_proj, w_post, gate, up, down, eps_in, eps_post) in enumerate(self.layers):
             h = self._rms(x, w_in, eps_in)
-            q, k, v = qkv_proj(h)
-            q = q.view(shape).transpose(1, 2)
-            k = k.view(shape).transpose(1, 2)
-            v = v.view(shape).transpose(1, 2)
+            q = q_proj(h).view(shape).transpose(1, 2)
+            k = k_proj(h).view(shape).transpose(1, 2)
+            v = v_proj(h).view(shape).transpose(1, 2)
             q = (q * cos) + (rotate(q) * sin)
             k = (k * cos) + (rotate(k) * sin)
             keys, values = cache.keys[index], cache.values[index]
@@ -265,7 +256,6 @@ class LeanLlama:
             attn = attn.transpose(1, 2).contiguous().reshape(1, count, -1).contiguous()
             x = x + o_proj(attn)
             h = self._rms(x, w_post, eps_post)
-            gate, up = gate_up(h)
-            x = x + down(F.silu(gate) * up)
+            x = x + down(F.silu(gate(h)) * up(h))
         x = self._rms(x, self.norm_weight, self.norm_eps)
         return self.lm_head(x)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import logging
 import os
 import re
@@ -108,11 +110,12 @@ def load_tokenizer(model: str, tier_name: str):
 
 
 def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
-    """int8 copy: every Linear with int8 weights per output channel and activations quantized
-    per row on the fly (workers/int8.py: a row's output does not depend on the rows beside it)."""
-    from workers.int8 import quantize_linears
+    """Dynamic int8 quantization of every Linear (weights int8 per tensor, activations quantized on the fly)."""
+    from torch.ao.quantization import quantize_dynamic
 
-    return quantize_linears(model)
+    with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+        warnings.simplefilter("ignore")
+        return quantize_dynamic(model.float(), {torch.nn.Linear}, dtype=torch.qint8)
 
 
 def int4_quantization_config(tier, device: torch.device):
@@ -145,7 +148,7 @@ def load_model_tier(tier, vocab_size: int | None = None) -> ModelTier:
     if tier.quantize == "int4":
         extra = {"quantization_config": int4_quantization_config(tier, device), "device_map": {"": device.index or 0}}
     if tier.quantize == "int8" and device.type != "cpu":
-        raise ModelLoadError(f"tier {tier.name!r}: quantize: int8 (row-wise int8 CPU kernels, workers/int8.py) runs on CPU only; set device: cpu")
+        raise ModelLoadError(f"tier {tier.name!r}: quantize: int8 (torch dynamic quantization) runs on CPU only; set device: cpu")
     dtype = torch.float32 if tier.quantize == "int8" else TORCH_DTYPES[tier.dtype]
     if tier.threads:
         torch.set_num_threads(tier.threads)

@@ -109,7 +109,7 @@ class ModelTier(Tier):
         self.max_context = getattr(model.config, "max_position_embeddings", None)
         self._dtype = next(model.parameters()).dtype if any(True for _ in model.parameters()) else torch.float32
         if self._dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            self._dtype = torch.float32  # (a model without float parameters computes in fp32)
+            self._dtype = torch.float32  # dynamically quantized models compute activations in fp32
         self._sequences: dict[object, _Sequence] = {}
         self._lean = LeanLlama(self.model) if lean and LeanLlama.supports(self.model, torch.device(device)) else None
 

@@ -44,12 +44,8 @@ def test_int8_tier_is_a_quantized_copy(tiny_family):
     engine = Engine(parse_config({"tiers": [{"name": "t", "model": tiny_family["target"]},
                                             {"name": "q", "model": tiny_family["target"], "quantize": "int8"}]}))
     quantized = engine.tiers[1].model
-    from workers.int8 import Int8Linear
-
-    assert not any(isinstance(m, torch.nn.Linear) for m in quantized.modules())
-    int8 = [m for m in quantized.modules() if isinstance(m, Int8Linear)]
-    assert int8 and all(m.weight.dtype == torch.int8 for m in int8)
-    assert engine.tiers[1]._lean is not None  # the lean forward covers the int8 copy
+    linears = [m for m in quantized.modules() if type(m).__name__ == "Linear"]
+    assert linears and all("quantized.dynamic" in type(m).__module__ for m in linears)
 
 
 def test_missing_path_is_a_clear_error(tmp_path):
