@@ -361,7 +361,8 @@ class Tuner:
         # pipelined: per drafting tier, how much longer its blocks take to draft ahead than the
         # model's own cost of them (cores shared with the verifier, calls below, waiting while
         # real calls go first): the slow-down that matches its recent blocks (`_observe_ahead_block`)
-        self.ahead_slowdown: dict[int, float] = {}
+        self._slowdown: dict[int, float] = {}  # (`ahead_slowdown`: fitted when read, not on every block)
+        self._slowdown_stale: set[int] = set()  # drafters with blocks since their last fit
         self._ahead_blocks: dict[int, collections.deque] = {}  # per drafter: (measured, modelled, beside ms) of its last blocks
         # a distributed chain's first target round of each request (prefills, sequence set-up on
         # every tier): its wall ms, for `polyspec tune` to calibrate the per-request cost
@@ -589,19 +590,34 @@ class Tuner:
         if len(chain) == 1:  # the bottom tier: one proposal
             modelled = latency(self.profile.draft_ms(drafter, full), tokens)
         else:
-            stages, draft_ms = self.stages(key, chain, config=full)  # the chain runs with every tier
+            stages, draft_ms = self.stages(key, chain, config=full, refit=False)  # the chain runs with every tier
             below = round_models(stages, draft_ms, [lengths[level] for level in chain[:-1]], self.tree_width)[0]
             modelled = below.ms_per_token * tokens
         if modelled <= 0:
             return
         beside_ms = latency(self.profile.forward_ms(verifier, full), lengths[verifier]) + self._stage_overhead_ms(verifier)
-        current = self.ahead_slowdown.get(drafter, 1.0)
         if drafter == 1:  # the target's drafter: its blocks are what the target's rounds wait for
-            self._observe_jitter(block_ms / contended_block_ms(modelled, beside_ms, current) - 1.0)
+            # (against the slow-down as last fitted: refitting it on every block, to read it
+            # here, was two thirds of this hook's driver CPU on the Ray demo chain)
+            self._observe_jitter(block_ms / contended_block_ms(modelled, beside_ms, self._slowdown_of(drafter, refit=False)) - 1.0)
         blocks = self._ahead_blocks.setdefault(drafter, collections.deque(maxlen=AHEAD_WINDOW))
         blocks.append((block_ms, modelled, beside_ms))
-        samples = [(AHEAD_DECAY ** age, *sample) for age, sample in enumerate(reversed(blocks))]
-        self.ahead_slowdown[drafter] = fit_slowdown(samples, current)
+        self._slowdown_stale.add(drafter)
+
+    @property
+    def ahead_slowdown(self) -> dict[int, float]:
+        """Per pipelined drafter, the slow-down of its blocks drafted ahead (`_observe_ahead_block`),
+        fitted when read: the searches read it a few times a second, blocks arrive every round."""
+        for drafter in list(self._slowdown_stale):
+            self._slowdown_of(drafter)
+        return self._slowdown
+
+    def _slowdown_of(self, drafter: int, refit: bool = True) -> float:
+        if refit and drafter in self._slowdown_stale:
+            self._slowdown_stale.discard(drafter)
+            samples = [(AHEAD_DECAY ** age, *sample) for age, sample in enumerate(reversed(self._ahead_blocks[drafter]))]
+            self._slowdown[drafter] = fit_slowdown(samples, self._slowdown.get(drafter, 1.0))
+        return self._slowdown.get(drafter, 1.0)
 
     def _observe_jitter(self, deviation: float) -> None:
         deviation = min(max(deviation, -1.0), 1.0)  # one stall (a GC pause, a page fault) is not the spread
@@ -648,16 +664,18 @@ class Tuner:
 
     # ---------------------------------------------------------------- decisions
 
-    def stages(self, key: str, active: tuple[int, ...], config: tuple[int, ...] | None = None) -> tuple[list[StageSpec], dict[int, float]]:
+    def stages(self, key: str, active: tuple[int, ...], config: tuple[int, ...] | None = None,
+               refit: bool = True) -> tuple[list[StageSpec], dict[int, float]]:
         """The time model's inputs for a chain of `active` tiers: stages (first tier first) and the
-        bottom's draft_ms, from the latency tables of `config` (the tiers running; default `active`)."""
+        bottom's draft_ms, from the latency tables of `config` (the tiers running; default `active`).
+        `refit=False`: the drafters' slow-downs as last fitted (the per-block hook)."""
         config = active if config is None else config
         stages = []
         for a, b in zip(active, active[1:]):
             rates, per_text = self.rates_of(key, a, b)
             stages.append(StageSpec(
                 self.profile.forward_ms(a, config), rates, self._stage_overhead_ms(a), self.pipelined,
-                self.ahead_slowdown.get(b, 1.0) if self.pipelined else 1.0,
+                self._slowdown_of(b, refit) if self.pipelined else 1.0,
                 self.fill(key, b) if b == active[-1] and self.tree_width == 1 else 1.0,
                 self.jitter_cv if self.pipelined and a == 0 else 0.0, per_text_position=per_text,
                 # the target's stage of a pipelined chain: a request's first rounds

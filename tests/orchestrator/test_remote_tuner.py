@@ -8,6 +8,7 @@ import pytest
 
 from orchestrator.profiler import LatencyProfile
 from orchestrator.time_model import chain_cost, contended_block_ms, cost_per_token, fit_slowdown, fitted_slowdown, latency
+import orchestrator.tuner as tuner_module
 from orchestrator.tuner import Tuner
 from protos.polyspec.v1 import tier_pb2
 from workers.sampling import SamplingParams
@@ -89,7 +90,7 @@ def test_first_rounds_give_the_head_start_and_the_request_length():
     assert serial.predict("greedy", (0, 1, 2), (4, 3)) == pytest.approx(cost_per_token(stages, draft_ms, [4, 3]))
 
 
-def test_drafted_ahead_blocks_set_the_drafters_slowdown():
+def test_drafted_ahead_blocks_set_the_drafters_slowdown(monkeypatch):
     """A pipelined drafter's blocks (block_seconds reports) take what the model says they cost
     with the drafter 1.5x slower while the target scores beside it: the slow-down converges
     there and the pipelined model's round grows with it."""
@@ -108,9 +109,16 @@ def test_drafted_ahead_blocks_set_the_drafters_slowdown():
     modelled_block_ms = 4 * cost_per_token(stages[1:], draft_ms, lengths[1:])
     beside_ms = latency(tuner.profile.forward_ms(0, (0, 1, 2)), 4) + tuner.step_overhead_ms
     before = cost_per_token(stages, draft_ms, lengths)
+    fits = []
+    real_fit = tuner_module.fit_slowdown
+    monkeypatch.setattr(tuner_module, "fit_slowdown", lambda *args: fits.append(1) or real_fit(*args))
     for _ in range(60):
         step(contended_block_ms(modelled_block_ms, beside_ms, 1.5))
+    assert not fits  # fitted when read, not on every block (it was most of the hook's driver CPU)
     assert tuner.ahead_slowdown[1] == pytest.approx(1.5, rel=0.02)
+    assert len(fits) == 1
+    tuner.stages("greedy", (0, 1, 2))
+    assert len(fits) == 1  # no new block: no refit
     stages, draft_ms = tuner.stages("greedy", (0, 1, 2))
     assert stages[0].drafter_slowdown == pytest.approx(1.5, rel=0.02)
     assert cost_per_token(stages, draft_ms, lengths) > before
