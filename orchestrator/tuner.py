@@ -40,7 +40,8 @@ re-tune budget allows), the tuner searches lengths for each usable set of tiers:
 combination (time_model.search_lengths) in the warm-up, after a shift and every
 FULL_SEARCH_EVERY rounds, else near the set's last lengths (time_model.local_search). It
 switches only when the predicted gain exceeds `hysteresis` for new lengths on the same
-tiers (none in the full search a detected shift calls for: `_switch_margin`),
+tiers (none in the full search a detected shift calls for, nor once the plan's own
+predicted time has drifted `replan_drift` from its last weighing: `_switch_margin`),
 `switch_hysteresis` for another set of tiers (then the best lengths on the current
 tiers are still taken if they clear `hysteresis`).
 """
@@ -305,6 +306,7 @@ class _ClassState:
     eager_rounds: int = 0  # after a shift in the text: rounds left that re-tune every round (the estimates are still moving)
     since_full: int = 0  # target rounds since the last full search
     full_now: bool = False  # the text shifted: the next re-tune is a full search
+    anchor_ms: float | None = None  # the plan's predicted ms when it was last weighed with no margin (`_switch_margin`)
     set_plans: dict[tuple[int, ...], Plan] = dataclasses.field(default_factory=dict)  # the last search's best plan per set of tiers
 
 
@@ -328,6 +330,7 @@ class Tuner:
         retune_every: int = 4,
         hysteresis: float = 0.03,
         switch_hysteresis: float = 0.2,
+        replan_drift: float = 0.1,
         decay: float = 0.93,
         prior_mean: float = 0.6,
         prior_strength: float = 2.0,
@@ -342,6 +345,7 @@ class Tuner:
         self.retune_every = retune_every
         self.hysteresis = hysteresis
         self.switch_hysteresis = switch_hysteresis
+        self.replan_drift = replan_drift
         self.decay = decay
         self.prior_mean = prior_mean
         self.prior_strength = prior_strength
@@ -837,11 +841,14 @@ class Tuner:
         current = state.plan
         if current is not None:
             current_ms = self.predict(key, current.active, current.lengths)
-            if not best.predicted_ms < current_ms * (1.0 - self._switch_margin(current.active, best.active, state)) and best.active != current.active:
+            drifted = self._drifted(state, current_ms)
+            if not best.predicted_ms < current_ms * (1.0 - self._switch_margin(current.active, best.active, state, drifted)) and best.active != current.active:
                 # another set of tiers is not worth the switch yet; the lengths on these tiers may be
                 best = plans.get(current.active) or self.choose(key, only=current.active)
-            if not best.predicted_ms < current_ms * (1.0 - self._switch_margin(current.active, best.active, state)):
+            if not best.predicted_ms < current_ms * (1.0 - self._switch_margin(current.active, best.active, state, drifted)):
                 state.plan = dataclasses.replace(current, predicted_ms=current_ms)
+                if drifted or state.full_now:
+                    state.anchor_ms = current_ms  # weighed afresh with no margin, and kept
                 self._set_probing(key, state, plans)
                 return
         self._adopt(key, state, best)
@@ -849,6 +856,7 @@ class Tuner:
 
     def _adopt(self, key: str, state: _ClassState, best: Plan) -> None:
         state.plan = best
+        state.anchor_ms = best.predicted_ms
         self.history.append(
             {
                 "class": key,
@@ -870,7 +878,14 @@ class Tuner:
             return True
         return (state.eager_rounds > 0 or state.since_retune >= self.retune_every) and self._retune_credit_ms >= 0.0
 
-    def _switch_margin(self, current: tuple[int, ...], new: tuple[int, ...], state: _ClassState) -> float:
+    def _drifted(self, state: _ClassState, current_ms: float) -> bool:
+        """The plan's predicted time has moved by more than `replan_drift` since it was last
+        weighed with no margin (adopted, or kept by such a search): the estimates it was cut
+        for have moved, whether or not the shift detector saw it happen."""
+        anchor = state.anchor_ms
+        return bool(anchor) and math.isfinite(anchor) and abs(current_ms / anchor - 1.0) > self.replan_drift
+
+    def _switch_margin(self, current: tuple[int, ...], new: tuple[int, ...], state: _ClassState, drifted: bool = False) -> float:
         """The predicted gain a plan on `new` tiers needs over the current plan on `current`.
         Another set of tiers needs more: a returning tier re-feeds what it missed, and the gain
         rests on ~14 rounds of a bursty drafter's acceptance, read just when it looks best (it
@@ -887,10 +902,15 @@ class Tuner:
         shift was seen). Only that search: with no margin in the eager re-tunes after it too
         (every round for `retune_every` rounds, on estimates just forgotten to a tenth), the
         judged runs' plans changed 1.5-2.2 times a held-out prompt at T = 0 against 0.4-0.8
-        with the margin, and `lengths: auto` lost 1-14 % more to the best fixed lengths."""
+        with the margin, and `lengths: auto` lost 1-14 % more to the best fixed lengths.
+
+        None either once the plan's predicted time has drifted (`_drifted`): a shift the detector
+        missed, or a slow one (an n-gram tier that finds no match on prose proposes nothing, so
+        the lengths hardly matter and the prose's best led the code's by under 3 %: the
+        embedded demo chain at T = 1 kept target+ngram [2] for 79 prose rounds)."""
         if new != current:
             return self.switch_hysteresis
-        return 0.0 if state.full_now else self.hysteresis
+        return 0.0 if state.full_now or drifted else self.hysteresis
 
     def _set_probing(self, key: str, state: _ClassState, plans: dict[tuple[int, ...], Plan] | None = None) -> None:
         """While the plan bypasses tiers their acceptance goes stale, so every so often a round
