@@ -79,8 +79,16 @@ def test_a_long_request_does_not_hold_a_short_one_back(server):
                 await aclient.generate("import sys", max_new_tokens=n)
                 finished.append(name)
 
-            long_task = asyncio.create_task(one("long", LONG))
-            await asyncio.sleep(0.2)
+            async def long_one():
+                async for _ in aclient.stream("import sys", max_new_tokens=LONG):
+                    started.set()
+                finished.append("long")
+
+            # the short request goes in once the long one is running (a fixed head start of
+            # 0.2 s was longer than all 240 tokens took on an AMD EPYC: 0.197 s)
+            started = asyncio.Event()
+            long_task = asyncio.create_task(long_one())
+            await asyncio.wait_for(started.wait(), 60)
             await one("short", 4)
             await long_task
             return finished
@@ -89,13 +97,19 @@ def test_a_long_request_does_not_hold_a_short_one_back(server):
 
 
 def test_cancel_and_deadline_stop_the_work(client):
+    # the deadline is a quarter of what the whole request takes here (a fixed 0.1 s was not
+    # short: on an AMD EPYC the tiny models ran "class B:" to EOS after 95 tokens in 0.07 s)
+    started = time.monotonic()
+    whole = client.generate("import sys", max_new_tokens=LONG)
+    deadline = (time.monotonic() - started) / 4
+    assert len(whole["token_ids"]) == LONG  # greedy: the request below runs as long
     before = client.stats()
     stream = client.stream("class A:", max_new_tokens=LONG)
     first = next(stream)
     assert first.token_ids
     stream.close()  # cancels the call
     with pytest.raises(DeadlineExceeded):
-        for _ in client.stream("class B:", max_new_tokens=LONG, timeout=0.1):
+        for _ in client.stream("import sys", max_new_tokens=LONG, timeout=deadline):
             pass
     stats = wait_until(lambda: (s := client.stats())["requests"]["cancelled"] >= before["requests"]["cancelled"] + 2
                        and s["queue"]["running"] == 0 and s,
