@@ -841,13 +841,13 @@ class Tuner:
         current = state.plan
         if current is not None:
             current_ms = self.predict(key, current.active, current.lengths)
-            drifted = self._drifted(state, current_ms)
-            if not best.predicted_ms < current_ms * (1.0 - self._switch_margin(current.active, best.active, state, drifted)) and best.active != current.active:
+            afresh = state.full_now or self._drifted(state, current_ms)  # no margin for new lengths on these tiers
+            if not best.predicted_ms < current_ms * (1.0 - self._switch_margin(current.active, best.active, afresh)) and best.active != current.active:
                 # another set of tiers is not worth the switch yet; the lengths on these tiers may be
                 best = plans.get(current.active) or self.choose(key, only=current.active)
-            if not best.predicted_ms < current_ms * (1.0 - self._switch_margin(current.active, best.active, state, drifted)):
+            if not best.predicted_ms < current_ms * (1.0 - self._switch_margin(current.active, best.active, afresh)):
                 state.plan = dataclasses.replace(current, predicted_ms=current_ms)
-                if drifted or state.full_now:
+                if afresh:
                     state.anchor_ms = current_ms  # weighed afresh with no margin, and kept
                 self._set_probing(key, state, plans)
                 return
@@ -885,7 +885,7 @@ class Tuner:
         anchor = state.anchor_ms
         return bool(anchor) and math.isfinite(anchor) and abs(current_ms / anchor - 1.0) > self.replan_drift
 
-    def _switch_margin(self, current: tuple[int, ...], new: tuple[int, ...], state: _ClassState, drifted: bool = False) -> float:
+    def _switch_margin(self, current: tuple[int, ...], new: tuple[int, ...], afresh: bool) -> float:
         """The predicted gain a plan on `new` tiers needs over the current plan on `current`.
         Another set of tiers needs more: a returning tier re-feeds what it missed, and the gain
         rests on ~14 rounds of a bursty drafter's acceptance, read just when it looks best (it
@@ -893,8 +893,8 @@ class Tuner:
         tier too: with 8 % for a drop, a fresh tuner at T = 0 dropped the n-gram tier after the
         first prompt's 8 rounds and ran 0.885x the best fixed lengths on held-out prompts.
 
-        New lengths on the same tiers need none in the full search a detected shift in the text
-        calls for (`state.full_now`): the margin keeps a plan against noise in estimates that
+        New lengths on the same tiers need none (`afresh`) in the full search a detected shift
+        in the text calls for (`state.full_now`): the margin keeps a plan against noise in estimates that
         have not moved, and the plan's claim is void once the text it was cut for is gone (a
         change of lengths costs nothing: the next round asks for other ones). With the margin
         there, the Ray demo chain at T = 1 kept [3, 3] for 62 rounds of prose whose best lengths
@@ -910,7 +910,7 @@ class Tuner:
         embedded demo chain at T = 1 kept target+ngram [2] for 79 prose rounds)."""
         if new != current:
             return self.switch_hysteresis
-        return 0.0 if state.full_now or drifted else self.hysteresis
+        return 0.0 if afresh else self.hysteresis
 
     def _set_probing(self, key: str, state: _ClassState, plans: dict[tuple[int, ...], Plan] | None = None) -> None:
         """While the plan bypasses tiers their acceptance goes stale, so every so often a round

@@ -79,14 +79,15 @@ def test_a_long_request_does_not_hold_a_short_one_back(server):
                 await aclient.generate("import sys", max_new_tokens=n)
                 finished.append(name)
 
+            # the short request goes in once the long one is running (a fixed head start of
+            # 0.2 s was longer than all 240 tokens took on an AMD EPYC: 0.197 s)
+            started = asyncio.Event()
+
             async def long_one():
                 async for _ in aclient.stream("import sys", max_new_tokens=LONG):
                     started.set()
                 finished.append("long")
 
-            # the short request goes in once the long one is running (a fixed head start of
-            # 0.2 s was longer than all 240 tokens took on an AMD EPYC: 0.197 s)
-            started = asyncio.Event()
             long_task = asyncio.create_task(long_one())
             await asyncio.wait_for(started.wait(), 60)
             await one("short", 4)
