@@ -57,7 +57,7 @@ def predict(chain, modes, hist, overheads, requests, embedded_ms: float | None =
     for every mode, so the ray modes' predictions stay out of sample."""
     import grpc
 
-    from protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
+    from polyspec.protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
 
     k = chain.lengths[0]
     profiles = []
@@ -115,9 +115,9 @@ def main() -> int:
 
     import torch
 
-    from orchestrator.config import load_config
-    from orchestrator.engine import Engine
-    from workers.sampling import SamplingParams
+    from polyspec.orchestrator.config import load_config
+    from polyspec.orchestrator.engine import Engine
+    from polyspec.workers.core.sampling import SamplingParams
 
     torch.set_num_threads(1)
     config = load_config(args.config)

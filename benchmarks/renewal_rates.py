@@ -32,7 +32,7 @@ K_MAX = 6
 def per_position(rounds: list[tuple[int, int]], along_text: bool) -> tuple[float, ...]:
     """The tuner's own estimate (tuner.AcceptanceEstimate, no forgetting) from (length asked,
     accepted) rounds: per position of the text (each round weighted accepted + 1) or per round."""
-    from orchestrator.tuner import AcceptanceEstimate
+    from polyspec.orchestrator.tuning.tuner import AcceptanceEstimate
 
     estimate = AcceptanceEstimate(decay=1.0, along_text=along_text)
     for asked, accepted in rounds:
@@ -62,11 +62,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from orchestrator import tune
-    from orchestrator.config import load_config
-    from orchestrator.engine import Engine
-    from orchestrator.time_model import expected_emitted, renewal_rates
-    from workers.tiers import NGramTier
+    from polyspec.harness import tune
+    from polyspec.orchestrator.config import load_config
+    from polyspec.orchestrator.engine import Engine
+    from polyspec.orchestrator.tuning.time_model import expected_emitted, renewal_rates
+    from polyspec.workers.tiers.tier import NGramTier
 
     torch.set_num_threads(1)
     config = load_config(args.config)

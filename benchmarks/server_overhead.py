@@ -55,7 +55,7 @@ def server_run(client, prompt: str, max_new_tokens: int) -> tuple[float, float, 
 def start_server(config: str, state_dir: str) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     log = open(Path(state_dir) / "serve.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "serve", "-c", config, "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "polyspec.orchestrator.cli", "serve", "-c", config, "--port", "0",
                              "--state-dir", state_dir, "--metrics-port", "0"], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -87,9 +87,9 @@ def main() -> int:
 
     import torch
 
-    from orchestrator.client import Client
-    from orchestrator.config import load_config
-    from orchestrator.engine import Engine
+    from polyspec.client import Client
+    from polyspec.orchestrator.config import load_config
+    from polyspec.orchestrator.engine import Engine
 
     torch.set_num_threads(1)
     prompts = load_prompts(Path(args.prompts), args.max_prompts)

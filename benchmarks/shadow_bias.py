@@ -31,12 +31,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from orchestrator import tune
-    from orchestrator import tuner as tuner_module
-    from orchestrator.config import load_config
-    from orchestrator.engine import Engine
-    from orchestrator.time_model import renewal_rates
-    from orchestrator.tuner import Plan
+    from polyspec.harness import tune
+    from polyspec.orchestrator.tuning import tuner as tuner_module
+    from polyspec.orchestrator.config import load_config
+    from polyspec.orchestrator.engine import Engine
+    from polyspec.orchestrator.tuning.time_model import renewal_rates
+    from polyspec.orchestrator.tuning.tuner import Plan
 
     torch.set_num_threads(1)
     if args.weighting != "first":

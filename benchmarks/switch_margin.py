@@ -41,10 +41,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from orchestrator import tune
-    from orchestrator.config import load_config
-    from orchestrator.engine import Engine
-    from orchestrator.tuner import Plan
+    from polyspec.harness import tune
+    from polyspec.orchestrator.config import load_config
+    from polyspec.orchestrator.engine import Engine
+    from polyspec.orchestrator.tuning.tuner import Plan
 
     torch.set_num_threads(1)
     config = load_config(args.config)

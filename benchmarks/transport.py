@@ -44,8 +44,8 @@ def _free_port() -> int:
 def _grpc_server(port: int, ready) -> None:
     import grpc
 
-    from protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
-    from workers.transport import CHANNEL_OPTIONS, Counters, encode_rows
+    from polyspec.protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
+    from polyspec.orchestrator.distributed.transport import CHANNEL_OPTIONS, Counters, encode_rows
 
     torch.set_num_threads(1)
     tensors = {rows: torch.softmax(torch.randn(rows, VOCAB), dim=-1) if rows else None for rows in ROWS}
@@ -66,8 +66,8 @@ def bench_grpc(repeats: int) -> dict:
     """Round trips of a Draft call whose reply carries the rows inline: encode, send, decode."""
     import grpc
 
-    from protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
-    from workers.transport import CHANNEL_OPTIONS, decode_rows
+    from polyspec.protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
+    from polyspec.orchestrator.distributed.transport import CHANNEL_OPTIONS, decode_rows
 
     port = _free_port()
     ctx = mp.get_context("spawn")

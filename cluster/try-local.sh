@@ -41,7 +41,7 @@ WAIT_S=${POLYSPEC_TRY_LOCAL_WAIT_S:-600}
 # the Python that has polyspec and Ray installed (POLYSPEC_PYTHON to choose one)
 PYTHON=""
 for candidate in ${POLYSPEC_PYTHON:-} python python3; do
-    if command -v "$candidate" >/dev/null && "$candidate" -c 'import orchestrator.cli, ray' 2>/dev/null; then
+    if command -v "$candidate" >/dev/null && "$candidate" -c 'import polyspec.orchestrator.cli, ray' 2>/dev/null; then
         PYTHON=$("$candidate" -c 'import sys; print(sys.executable)')
         break
     fi
@@ -164,7 +164,7 @@ config["auth"] = {"ssh_user": user, "ssh_private_key": key}
 # the nodes share this machine's filesystem: the checkout is already everywhere
 config["file_mounts"] = {}
 config["setup_commands"] = [
-    f"{path}; cd {repo} && (python -c 'import orchestrator.cli, ray' 2>/dev/null"
+    f"{path}; cd {repo} && (python -c 'import polyspec.orchestrator.cli, ray' 2>/dev/null"
     f" || python -m pip install 'torch==2.13.0' -e '.[dev]')"
 ]
 # 100 MB object store per node: the demo moves token ids only; no usage stats (loopback only)
@@ -300,7 +300,7 @@ cmd_up() {
     start_serve
     ray_status -v >&2 || true
     say "polyspec serves the demo chain on $HEAD_IP:$SERVE_PORT (metrics: http://$HEAD_IP:$METRICS_PORT/metrics)"
-    say "try: python -c \"from orchestrator.client import Client; print(Client('$HEAD_IP:$SERVE_PORT').generate('def fibonacci(n):', max_new_tokens=32)['text'])\""
+    say "try: python -c \"from polyspec.client import Client; print(Client('$HEAD_IP:$SERVE_PORT').generate('def fibonacci(n):', max_new_tokens=32)['text'])\""
     say "check against embedded mode: $0 check; stop everything: $0 down"
     echo "$HEAD_IP:$SERVE_PORT"
 }
@@ -312,9 +312,9 @@ import dataclasses
 import json
 import sys
 
-from orchestrator.client import Client
-from orchestrator.config import RuntimeConfig, load_config
-from orchestrator.engine import Engine
+from polyspec.client import Client
+from polyspec.orchestrator.config import RuntimeConfig, load_config
+from polyspec.orchestrator.engine import Engine
 
 address, config_path = sys.argv[1:]
 prompts = ["def fibonacci(n):", "import os\n", "class Stack:\n    def push(self, item):"]

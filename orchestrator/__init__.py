@@ -1,0 +1,1 @@
+"""Control layers: decoding, tuning, distribution, the engine, serving and the CLI."""

@@ -13,8 +13,8 @@ import sys
 import time
 from pathlib import Path
 
-from orchestrator import serving_cli, validate
-from workers.errors import PolyspecError, RequestError
+from polyspec.orchestrator import serving_cli, validate
+from polyspec.workers.core.errors import PolyspecError, RequestError
 
 EXIT_USER_ERROR = 2
 
@@ -87,8 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load_engine(config_path: str, no_speculation: bool):
-    from orchestrator.config import load_config
-    from orchestrator.engine import Engine
+    from polyspec.orchestrator.config import load_config
+    from polyspec.orchestrator.engine import Engine
 
     return Engine(load_config(config_path), speculative=not no_speculation)
 
@@ -238,20 +238,20 @@ def _is_json(line: str) -> bool:
 
 
 def cmd_zoo(args) -> int:
-    from workers.zoo import build
+    from polyspec.harness.zoo import build
 
     build(args.out, args.work, only=args.only, threads=args.threads)
     return 0
 
 
 def cmd_bench(args) -> int:
-    from orchestrator.bench import cmd_bench as run
+    from polyspec.harness.bench import cmd_bench as run
 
     return run(args)
 
 
 def cmd_tune(args) -> int:
-    from orchestrator.tune import cmd_tune as run
+    from polyspec.harness.tune import cmd_tune as run
 
     return run(args)
 

@@ -21,8 +21,8 @@ from typing import Any
 
 import yaml
 
-from workers.errors import ConfigError
-from workers.tiers import NGRAM_MODEL
+from polyspec.workers.core.errors import ConfigError
+from polyspec.workers.tiers.tier import NGRAM_MODEL
 
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZE = ("int8", "int4")

@@ -13,11 +13,11 @@ import dataclasses
 import threading
 from typing import Any, Callable
 
-from orchestrator.chain import ChainScheduler, RequestState
-from orchestrator.config import ChainConfig
-from workers.errors import ConfigError, RequestError
-from workers.loading import load_tiers, quiet_transformers
-from workers.sampling import SamplingParams
+from polyspec.orchestrator.decode.scheduler import ChainScheduler, RequestState
+from polyspec.orchestrator.config import ChainConfig
+from polyspec.workers.core.errors import ConfigError, RequestError
+from polyspec.workers.tiers.loading import load_tiers, quiet_transformers
+from polyspec.workers.core.sampling import SamplingParams
 
 DEFAULT_MAX_LENGTH = 8  # the tuner's largest speculation length
 PROFILE_CONTEXT_TOKENS = 128  # committed tokens when the start-up profile has no real prompt
@@ -68,9 +68,9 @@ class Engine:
             self.scheduler.tuner = self.make_tuner()
 
     def _start_ray(self, auto_tune: bool) -> None:
-        """The tiers run as Ray actors (orchestrator.ray_runtime); this process only drives them."""
-        from orchestrator.ray_runtime import ray_chain
-        from workers.loading import describe_chain
+        """The tiers run as Ray actors (polyspec.orchestrator.distributed.ray_runtime); this process only drives them."""
+        from polyspec.orchestrator.distributed.ray_runtime import ray_chain
+        from polyspec.workers.tiers.loading import describe_chain
 
         self.tokenizer, eos = describe_chain(self.config.tiers)
         self.scheduler = ray_chain(self.config, eos)
@@ -85,9 +85,9 @@ class Engine:
             close()
 
     def make_tuner(self, context: list[int] | None = None, max_length: int = DEFAULT_MAX_LENGTH):
-        """Profile every tier (a few seconds) and build the online tuner (orchestrator.tuner)."""
-        from orchestrator.profiler import profile_tiers, synthetic_context
-        from orchestrator.tuner import Tuner
+        """Profile every tier (a few seconds) and build the online tuner (polyspec.orchestrator.tuning.tuner)."""
+        from polyspec.orchestrator.tuning.profiler import profile_tiers, synthetic_context
+        from polyspec.orchestrator.tuning.tuner import Tuner
 
         spec = self.config.speculation
         if context is None:
@@ -96,7 +96,7 @@ class Engine:
         sampling = self.config.sampling
         params = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
         if self.config.runtime.backend == "ray":  # each tier profiles itself in its own process
-            from orchestrator.distributed import profile_remote
+            from polyspec.orchestrator.distributed.driver import profile_remote
 
             profile, _ = profile_remote(self.scheduler, len(context), params, max_length)
             tuner = Tuner(profile, max_length=max_length, tree_width=spec.tree_width)

@@ -1,6 +1,6 @@
 """CLI commands around the server: `polyspec serve`, `polyspec submit`, `polyspec jobs ...`.
 
-`submit` and `jobs` are clients (orchestrator.client): they load grpcio and protobuf only.
+`submit` and `jobs` are clients (polyspec.client): they load grpcio and protobuf only.
 A server-side error is one line naming its gRPC status, e.g.
 `polyspec: error: NOT_FOUND: no job 'job-42'`.
 """
@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from workers.errors import RequestError
+from polyspec.workers.core.errors import RequestError
 
 SERVER_ENV = "POLYSPEC_SERVER"
 TOKEN_ENV = "POLYSPEC_TOKEN"
@@ -59,7 +59,7 @@ def _add_client_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(args) -> int:
-    from orchestrator.server import cmd_serve as serve
+    from polyspec.orchestrator.serving.server import cmd_serve as serve
 
     return serve(args)
 
@@ -71,7 +71,7 @@ class _Connection:
     """A Client from the common flags; ClientError -> one-line RequestError."""
 
     def __init__(self, args) -> None:
-        from orchestrator.client import Client
+        from polyspec.client import Client
 
         self.address = args.server or os.environ.get(SERVER_ENV) or "127.0.0.1:50051"
         token = os.environ.get(TOKEN_ENV)
@@ -88,7 +88,7 @@ class _Connection:
         return self.client
 
     def __exit__(self, kind, exc, tb):
-        from orchestrator.client import ClientError, Unavailable
+        from polyspec.client import ClientError, Unavailable
 
         self.client.close()
         if isinstance(exc, Unavailable) and "connect" in exc.details.lower():
@@ -100,7 +100,7 @@ class _Connection:
 
 def read_requests(path: str) -> list[dict]:
     """JSONL requests as `polyspec batch` reads them: a line without an id gets `line-N`."""
-    from orchestrator.client import ClientError, request_message
+    from polyspec.client import ClientError, request_message
 
     source = Path(path)
     if not source.is_file():

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import yaml
 
-from orchestrator.config import ChainConfig, TierConfig, load_config
-from workers.errors import ConfigError
+from polyspec.orchestrator.config import ChainConfig, TierConfig, load_config
+from polyspec.workers.core.errors import ConfigError
 
 CLUSTER_DIR = Path(__file__).resolve().parent.parent / "cluster"
 KV_CONTEXT_TOKENS = 4096  # the KV cache is sized for one sequence of this many tokens

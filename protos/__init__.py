@@ -1,1 +1,1 @@
-"""Generated gRPC code for the polyspec API; `python -m protos.generate` rebuilds it from the .proto files."""
+"""Generated gRPC code for the polyspec API; `python -m polyspec.protos.generate` rebuilds it from the .proto files."""

@@ -1,8 +1,8 @@
-"""Regenerate the Python stubs next to each .proto: `python -m protos.generate [OUT_DIR]`.
+"""Regenerate the Python stubs next to each .proto: `python -m polyspec.protos.generate [OUT_DIR]`.
 
 protoc writes `from polyspec.v1 import polyspec_pb2` into the gRPC stub (the import path
 the .proto is compiled under); the stubs live in the `protos` package, so that one import
-is rewritten to `from protos.polyspec.v1 import ...`. tests/serving/test_stubs.py
+is rewritten to `from polyspec.protos.polyspec.v1 import ...`. tests/serving/test_stubs.py
 regenerates into a temporary folder and checks the committed files are identical.
 """
 
@@ -43,7 +43,7 @@ def generate(out_dir: Path = PROTO_ROOT) -> list[Path]:
             path = Path(str(stem) + suffix)
             text = path.read_text(encoding="utf-8")
             package = ".".join(Path(proto).parent.parts)  # polyspec.v1
-            text = text.replace(f"from {package} import", f"from protos.{package} import")
+            text = text.replace(f"from {package} import", f"from polyspec.protos.{package} import")
             path.write_text(text, encoding="utf-8")
             written.append(path)
     return written

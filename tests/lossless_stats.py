@@ -14,7 +14,7 @@ import collections
 import torch
 from scipy.stats import chisquare
 
-from workers.sampling import SamplingParams, warp_logits
+from polyspec.workers.core.sampling import SamplingParams, warp_logits
 
 ALPHA = 1e-3
 MIN_EXPECTED = 5.0

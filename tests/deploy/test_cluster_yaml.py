@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchestrator.config import load_config
-from orchestrator.validate import cluster_node_types, validate_cluster_yaml
-from workers.errors import ConfigError
+from polyspec.orchestrator.config import load_config
+from polyspec.orchestrator.validate import cluster_node_types, validate_cluster_yaml
+from polyspec.workers.core.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 CLUSTER_YAMLS = sorted((REPO / "cluster").glob("*.yaml"))

@@ -16,8 +16,8 @@ import jsonschema
 import pytest
 import yaml
 
-from orchestrator.cli import build_parser
-from orchestrator.config import load_config
+from polyspec.orchestrator.cli import build_parser
+from polyspec.orchestrator.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEMA = json.loads((Path(__file__).parent / "compose-spec" / "compose-spec.json").read_text())

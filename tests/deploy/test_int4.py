@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from orchestrator.config import parse_config
-from workers import loading
-from workers.errors import ModelLoadError
+from polyspec.orchestrator.config import parse_config
+from polyspec.workers.tiers import loading
+from polyspec.workers.core.errors import ModelLoadError
 
 REPO = Path(__file__).resolve().parents[2]
 TARGET = str(REPO / "models/stdlib/target")

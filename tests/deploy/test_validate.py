@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchestrator.cli import main
-from orchestrator.config import parse_config
-from orchestrator.validate import KNOWN_MODELS, estimate_memory, model_shape
+from polyspec.orchestrator.cli import main
+from polyspec.orchestrator.config import parse_config
+from polyspec.orchestrator.validate import KNOWN_MODELS, estimate_memory, model_shape
 
 REPO = Path(__file__).resolve().parents[2]
 CHAIN_CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
@@ -23,7 +23,7 @@ PAPER_FAMILIES = ["llama2-chat-7b", "llama3-8b-instruct", "vicuna-7b", "qwen2-7b
 def run_validate(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", "validate", *args], capture_output=True, text=True, timeout=120, cwd=REPO, env=env
+        [sys.executable, "-m", "polyspec.orchestrator.cli", "validate", *args], capture_output=True, text=True, timeout=120, cwd=REPO, env=env
     )
 
 

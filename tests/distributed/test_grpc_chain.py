@@ -10,11 +10,11 @@ import contextlib
 import pytest
 
 from family_chains import tier_specs
-from orchestrator.config import parse_config
-from orchestrator.distributed import in_process_chain
-from orchestrator.engine import Engine
-from workers.loading import load_tiers
-from workers.sampling import SamplingParams
+from polyspec.orchestrator.config import parse_config
+from polyspec.orchestrator.distributed.driver import in_process_chain
+from polyspec.orchestrator.engine import Engine
+from polyspec.workers.tiers.loading import load_tiers
+from polyspec.workers.core.sampling import SamplingParams
 
 PROMPTS = ["def add(a, b):\n    return", "import os\nimport sys\n", "for i in range(10):\n    print(i)\nfor i in"]
 MAX_NEW = 40
@@ -91,8 +91,8 @@ def test_online_tuner_sets_lengths_of_a_distributed_chain(tiny_family, embedded,
     driver's tuner hears each round's stage reports (rounds, and the bottom tier's proposals)
     and sets the lengths sent with the next round; concurrent requests report safely; the
     output is still the target's greedy text."""
-    from orchestrator.distributed import profile_remote
-    from orchestrator.tuner import Plan, Tuner
+    from polyspec.orchestrator.distributed.driver import profile_remote
+    from polyspec.orchestrator.tuning.tuner import Plan, Tuner
 
     config = chain_config(tiny_family, ["target", "mid", "small"], lengths=[1, 1])
     tiers, _ = load_tiers(config.tiers)
@@ -147,7 +147,7 @@ def pipelined_chain_with_tuner(tiny_family, tuner_class):
     its start-up profile, with its Verify calls counted. Yields (chain, tuner, VerifyCalls)."""
     import dataclasses
 
-    from orchestrator.distributed import profile_remote
+    from polyspec.orchestrator.distributed.driver import profile_remote
 
     config = chain_config(tiny_family, ["target", "mid", "small"], lengths=[1, 1])
     tiers, _ = load_tiers(config.tiers)
@@ -209,7 +209,7 @@ def test_the_tuner_hears_each_round_and_plans_the_next_while_rounds_run(tiny_fam
     (plan_remote off the critical path) whenever round n cannot end the request, and the tuner
     sees its calls in the order of planning each round at its start: plan 0, observe 0, plan 1,
     then plan k before observe k - 1, so each plan has seen every round but the one before it."""
-    from orchestrator.tuner import Tuner
+    from polyspec.orchestrator.tuning.tuner import Tuner
 
     plans, heard = [], []  # (Verify calls sent, replies taken) at each plan_remote; (first, lengths, sent, replies arrived) at each observe_remote
     kinds = []  # "plan" | "observe", in call order
@@ -336,7 +336,7 @@ def test_prefill_rollback_and_profile_rpcs(tiny_family, embedded):
     the request still ends with the target's own greedy tokens (every call carries its context)."""
     import grpc
 
-    from protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
+    from polyspec.protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
 
     config = chain_config(tiny_family, ["target", "mid"], lengths=[4])
     tiers, _ = load_tiers(config.tiers)

@@ -16,10 +16,10 @@ import pytest
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from orchestrator.config import parse_config  # noqa: E402
-from orchestrator.engine import Engine  # noqa: E402
-from workers.errors import ConfigError  # noqa: E402
-from workers.sampling import SamplingParams  # noqa: E402
+from polyspec.orchestrator.config import parse_config  # noqa: E402
+from polyspec.orchestrator.engine import Engine  # noqa: E402
+from polyspec.workers.core.errors import ConfigError  # noqa: E402
+from polyspec.workers.core.sampling import SamplingParams  # noqa: E402
 
 PROMPTS = ["def add(a, b):\n    return", "import os\nimport sys\n", "for i in range(10):\n    print(i)\nfor i in",
            "class Point:\n    def __init__(self", "while True:\n    line ="]
@@ -244,7 +244,7 @@ def test_batch_cli_on_the_cluster(cluster, tiny_family, embedded, tmp_path):
     (tmp_path / "chain.yaml").write_text(yaml.safe_dump(raw))
     requests = [{"id": f"r{i}", "prompt": PROMPTS[i % len(PROMPTS)]} for i in range(10)] + [{"id": "bad", "prompt": ""}]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in requests))
-    proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", "batch", "-c", str(tmp_path / "chain.yaml"),
+    proc = subprocess.run([sys.executable, "-m", "polyspec.orchestrator.cli", "batch", "-c", str(tmp_path / "chain.yaml"),
                            "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"), "--stats", str(tmp_path / "stats.json")],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -288,7 +288,7 @@ def test_lengths_auto_and_tune_on_the_cluster(cluster, tiny_family, embedded):
     chain reports the grid, the pipelined model's predictions and no bypass rows."""
     import dataclasses
 
-    from orchestrator.tune import TuneSettings, run_tune
+    from polyspec.harness.tune import TuneSettings, run_tune
 
     cfg = config(tiny_family, cluster[0].address, pipeline=True)
     cfg = dataclasses.replace(cfg, speculation=dataclasses.replace(cfg.speculation, lengths="auto"))

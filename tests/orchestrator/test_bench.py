@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from orchestrator.bench import QUICK_PROMPTS, BenchPrompt, BenchSettings, cut_points, markdown_table, quick_subset, run_bench, write_outputs
-from orchestrator.cli import main
-from orchestrator.config import parse_config
+from polyspec.harness.bench import QUICK_PROMPTS, BenchPrompt, BenchSettings, cut_points, markdown_table, quick_subset, run_bench, write_outputs
+from polyspec.orchestrator.cli import main
+from polyspec.orchestrator.config import parse_config
 
 PROMPTS = [
     BenchPrompt("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n", "code"),
@@ -111,7 +111,7 @@ def test_cli_reports_a_missing_prompts_file(tiny_family, tmp_path, capsys):
 def test_quick_leaves_out_the_auto_chains():
     import argparse
 
-    from orchestrator.bench import settings_from_args
+    from polyspec.harness.bench import settings_from_args
 
     args = argparse.Namespace(threads=1, max_new_tokens=None, repeats=None, temperature=None, quick=True)
     assert settings_from_args(args).tuned is False

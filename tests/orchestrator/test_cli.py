@@ -10,12 +10,12 @@ import sys
 import pytest
 import yaml
 
-from orchestrator.cli import main
+from polyspec.orchestrator.cli import main
 
 
 def polyspec_command() -> list[str]:
     exe = shutil.which("polyspec")
-    return [exe] if exe else [sys.executable, "-m", "orchestrator.cli"]
+    return [exe] if exe else [sys.executable, "-m", "polyspec.orchestrator.cli"]
 
 
 @pytest.fixture(scope="module")
@@ -163,8 +163,8 @@ def test_batch_bad_lines_get_errors_and_the_rest_go_on(config_path, tmp_path):
 
 
 def test_eos_ends_generation(tiny_family, tmp_path, capsys):
-    from orchestrator.config import parse_config
-    from orchestrator.engine import Engine
+    from polyspec.orchestrator.config import parse_config
+    from polyspec.orchestrator.engine import Engine
 
     engine = Engine(parse_config({"tiers": [{"name": "t", "model": tiny_family["target"]}, {"name": "m", "model": tiny_family["mid"]}]}))
     prompt = engine.tokenizer("import os")["input_ids"]

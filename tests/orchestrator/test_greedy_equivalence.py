@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from family_chains import tier_specs
-from orchestrator.config import parse_config
-from orchestrator.engine import Engine
+from polyspec.orchestrator.config import parse_config
+from polyspec.orchestrator.engine import Engine
 
 PROMPTS = ["def add(a, b):\n    return", "import os\nimport sys\n", "for i in range(10):\n    print(i)\nfor i in"]
 MAX_NEW = 48

@@ -15,9 +15,9 @@ import collections
 import pytest
 import torch
 
-from orchestrator.config import parse_config
-from orchestrator.engine import Engine
-from workers.sampling import SamplingParams
+from polyspec.orchestrator.config import parse_config
+from polyspec.orchestrator.engine import Engine
+from polyspec.workers.core.sampling import SamplingParams
 
 from family_chains import tier_specs
 from lossless_stats import ALPHA, chi_square_p_value, exact_two_token_probs

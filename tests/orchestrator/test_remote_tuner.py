@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.profiler import LatencyProfile
-from orchestrator.time_model import chain_cost, contended_block_ms, cost_per_token, fit_slowdown, fitted_slowdown, latency
-import orchestrator.tuner as tuner_module
-from orchestrator.tuner import Tuner
-from protos.polyspec.v1 import tier_pb2
-from workers.sampling import SamplingParams
+from polyspec.orchestrator.tuning.profiler import LatencyProfile
+from polyspec.orchestrator.tuning.time_model import chain_cost, contended_block_ms, cost_per_token, fit_slowdown, fitted_slowdown, latency
+import polyspec.orchestrator.tuning.tuner as tuner_module
+from polyspec.orchestrator.tuning.tuner import Tuner
+from polyspec.protos.polyspec.v1 import tier_pb2
+from polyspec.workers.core.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -175,9 +175,9 @@ def test_pipelined_round_without_a_block_is_no_latency_sample():
 def test_first_rounds_are_kept_for_calibration():
     """The first round's wall time goes to `first_rounds` (what polyspec tune calibrates the
     per-request cost from); `calibrate_first_rounds` keeps measured / modelled."""
-    from orchestrator.time_model import first_round_ms
-    from orchestrator.tune import calibrate_first_rounds
-    from orchestrator.tuner import Plan
+    from polyspec.orchestrator.tuning.time_model import first_round_ms
+    from polyspec.harness.tune import calibrate_first_rounds
+    from polyspec.orchestrator.tuning.tuner import Plan
 
     tuner = remote_tuner(pipelined=True)
     for number in range(3):

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from orchestrator.config import parse_config
-from orchestrator.engine import Engine
+from polyspec.orchestrator.config import parse_config
+from polyspec.orchestrator.engine import Engine
 
 
 def make_engine(family) -> Engine:

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from orchestrator.time_model import (
+from polyspec.orchestrator.tuning.time_model import (
     StageSpec,
     accepted_pmf,
     chain_cost,
@@ -183,7 +183,7 @@ def test_tree_rates_and_cost():
 def hard_bet(monkeypatch):
     """The runtime's bet as a hard switch at AHEAD_THRESHOLD (the formulas by hand below);
     `ahead_share` smooths it (test_the_bet_is_mixed_near_the_threshold)."""
-    from orchestrator import time_model
+    from polyspec.orchestrator.tuning import time_model
 
     monkeypatch.setattr(time_model, "ahead_share", lambda whole: 1.0 if whole >= time_model.AHEAD_THRESHOLD else 0.0)
 
@@ -191,7 +191,7 @@ def hard_bet(monkeypatch):
 def test_the_bet_is_mixed_near_the_threshold():
     """The runtime drafts ahead while an EMA (0.2) of whole blocks is >= 0.5: near the
     threshold it flips back and forth, and the round is the mixture of the two regimes."""
-    from orchestrator.time_model import AHEAD_SMOOTHING, ahead_share, pipelined_round_model, round_model
+    from polyspec.orchestrator.tuning.time_model import AHEAD_SMOOTHING, ahead_share, pipelined_round_model, round_model
 
     assert ahead_share(0.5) == pytest.approx(0.5)
     sd = math.sqrt(AHEAD_SMOOTHING / (2 - AHEAD_SMOOTHING) * 0.6 * 0.4)
@@ -236,7 +236,7 @@ def test_pipelined_stage_by_hand(hard_bet):
     """Draft-ahead (docs/time-model.md §5): with block length 2 and per-token acceptance 0.9 the
     block is accepted whole with P = 0.81; then the round emits 2 tokens (no bonus) and the
     next block was drafted during the forward; otherwise the draft is redone after the verdict."""
-    from orchestrator.time_model import pipelined_round_model
+    from polyspec.orchestrator.tuning.time_model import pipelined_round_model
 
     stage = StageSpec(TARGET_MS, (0.9,), overhead_ms=0.5, pipelined=True)
     model = round_models([stage], DRAFT_MS, [2])[0]
@@ -348,7 +348,7 @@ def test_expected_max_and_a_jittery_pipelined_round():
     """E[max(A, B)] of two normal times (Clark): equal means sd s each -> mean + s / sqrt(pi);
     far apart -> the larger mean; never below max of the means. A pipelined round accepted whole
     waits for the later of forward and block, so jitter costs most when the two are close."""
-    from orchestrator.time_model import expected_max
+    from polyspec.orchestrator.tuning.time_model import expected_max
 
     assert expected_max(10.0, 2.0, 10.0, 2.0) == pytest.approx(10.0 + 2.0 / math.sqrt(math.pi))
     assert expected_max(10.0, 1.0, 30.0, 1.0) == pytest.approx(30.0)

@@ -10,13 +10,13 @@ import statistics
 import pytest
 import torch
 
-from orchestrator.config import parse_config
-from orchestrator.engine import Engine
-from orchestrator.profiler import LatencyProfile, OnlineTable
-from orchestrator.time_model import expected_emitted, latency, renewal_rates, round_models
-import orchestrator.tuner as tuner_module
-from orchestrator.tuner import FULL_SEARCH_EVERY, PROBE_BUDGET, RETUNE_BUDGET, AcceptanceEstimate, Plan, Tuner
-from workers.sampling import SamplingParams
+from polyspec.orchestrator.config import parse_config
+from polyspec.orchestrator.engine import Engine
+from polyspec.orchestrator.tuning.profiler import LatencyProfile, OnlineTable
+from polyspec.orchestrator.tuning.time_model import expected_emitted, latency, renewal_rates, round_models
+import polyspec.orchestrator.tuning.tuner as tuner_module
+from polyspec.orchestrator.tuning.tuner import FULL_SEARCH_EVERY, PROBE_BUDGET, RETUNE_BUDGET, AcceptanceEstimate, Plan, Tuner
+from polyspec.workers.core.sampling import SamplingParams
 
 GREEDY = SamplingParams()
 
@@ -646,7 +646,7 @@ def test_a_tier_with_no_other_weights_in_a_set_not_run_yet_reads_its_start_up_ta
 
 
 def test_profile_tiers_records_which_tiers_have_weights(tiny_family):
-    from orchestrator.profiler import profile_tiers
+    from polyspec.orchestrator.tuning.profiler import profile_tiers
 
     engine = auto_engine(tiny_family, ["target", "mid", "ngram"])
     try:
@@ -843,7 +843,7 @@ def test_lengths_on_the_same_tiers_move_while_another_set_waits_for_its_margin()
 def test_heldout_runs_a_fresh_and_a_warm_tuner_without_changing_the_warm_one(tiny_family):
     import copy
 
-    from orchestrator.tune import TuneSettings, measure_heldout
+    from polyspec.harness.tune import TuneSettings, measure_heldout
 
     engine = auto_engine(tiny_family, ["target", "mid", "ngram"])
     warm = engine.scheduler.tuner

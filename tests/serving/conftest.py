@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from serving_helpers import ServerProcess, free_port, write_config
 
-from orchestrator.client import Client
+from polyspec.client import Client
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from orchestrator.client import Client
+from polyspec.client import Client
 
 START_TIMEOUT_S = 60.0
 LISTENING = re.compile(r"listening on [\d.]+:(\d+)")
@@ -33,7 +33,7 @@ def free_port() -> int:
 
 def polyspec_command() -> list[str]:
     exe = shutil.which("polyspec")
-    return [exe] if exe else [sys.executable, "-m", "orchestrator.cli"]
+    return [exe] if exe else [sys.executable, "-m", "polyspec.orchestrator.cli"]
 
 
 def server_env() -> dict:

@@ -13,9 +13,9 @@ import grpc
 import pytest
 from serving_helpers import free_port, polyspec_command, server_env, write_config
 
-from orchestrator.client import Client, InvalidArgument, NotFound, ResourceExhausted, Unauthenticated
-from protos.polyspec.v1 import polyspec_pb2 as pb
-from protos.polyspec.v1 import polyspec_pb2_grpc as pb_grpc
+from polyspec.client import Client, InvalidArgument, NotFound, ResourceExhausted, Unauthenticated
+from polyspec.protos.polyspec.v1 import polyspec_pb2 as pb
+from polyspec.protos.polyspec.v1 import polyspec_pb2_grpc as pb_grpc
 
 TOKEN = "s3cret-token"
 

@@ -12,7 +12,7 @@ import time
 import grpc
 import pytest
 
-from orchestrator.client import AsyncClient, DeadlineExceeded
+from polyspec.client import AsyncClient, DeadlineExceeded
 
 from serving_helpers import polyspec_command, server_env
 
@@ -147,7 +147,7 @@ def test_health_and_reflection(server):
 def test_a_client_built_from_the_proto_alone_gets_the_same_text(server, client, tmp_path):
     from grpc_tools import protoc
 
-    from protos.generate import PROTO_ROOT
+    from polyspec.protos.generate import PROTO_ROOT
 
     assert protoc.main(["protoc", f"-I{PROTO_ROOT}", f"--python_out={tmp_path}", f"--grpc_python_out={tmp_path}",
                         "polyspec/v1/polyspec.proto"]) == 0

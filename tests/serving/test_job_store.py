@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from orchestrator.jobs import JobStore
+from polyspec.orchestrator.serving.jobs import JobStore
 
 
 def test_items_finish_once_and_the_job_settles(tmp_path):

@@ -11,7 +11,7 @@ import time
 import pytest
 from serving_helpers import polyspec_command, server_env
 
-from orchestrator.client import Unavailable
+from polyspec.client import Unavailable
 
 KILL_TEST_ITEMS = 200  # as the issue asks
 
@@ -123,7 +123,7 @@ def test_job_survives_sigkill_with_every_id_exactly_once(start_server, serving_c
 def test_async_client_jobs(server):
     import asyncio
 
-    from orchestrator.client import AsyncClient, NotFound
+    from polyspec.client import AsyncClient, NotFound
 
     async def run():
         async with AsyncClient(server.address) as aclient:

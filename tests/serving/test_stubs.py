@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from protos.generate import GENERATED_SUFFIXES, PROTO_FILES, PROTO_ROOT, generate
+from polyspec.protos.generate import GENERATED_SUFFIXES, PROTO_FILES, PROTO_ROOT, generate
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -18,12 +18,12 @@ def test_committed_stubs_match_the_proto(tmp_path):
         for suffix in GENERATED_SUFFIXES:
             fresh = (tmp_path / (stem + suffix)).read_text()
             committed = (PROTO_ROOT / (stem + suffix)).read_text()
-            assert committed == fresh, f"protos/{stem}{suffix} is stale: run `python -m protos.generate`"
+            assert committed == fresh, f"protos/{stem}{suffix} is stale: run `python -m polyspec.protos.generate`"
 
 
 def test_sdk_imports_no_torch_ray_or_transformers():
     code = (
-        "import sys; import orchestrator.client as c; c.Client('127.0.0.1:1').close(); "
+        "import sys; import polyspec.client as c; c.Client('127.0.0.1:1').close(); "
         "heavy = sorted(m for m in ('torch', 'ray', 'transformers') if m in sys.modules); "
         "assert not heavy, heavy"
     )

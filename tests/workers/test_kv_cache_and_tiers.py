@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from orchestrator.config import TierConfig
-from workers.loading import load_model_tier
-from workers.sampling import SamplingParams
-from workers.tiers import NGramTier
-from workers.tree import DraftTree
+from polyspec.orchestrator.config import TierConfig
+from polyspec.workers.tiers.loading import load_model_tier
+from polyspec.workers.core.sampling import SamplingParams
+from polyspec.workers.tiers.tier import NGramTier
+from polyspec.workers.core.tree import DraftTree
 
 ATOL = 1e-4  # fp32 logits of a forward over other chunkings of the same tokens
 GREEDY = SamplingParams()

@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from orchestrator.config import TierConfig
-from workers.loading import load_model_tier
-from workers.sampling import SamplingParams
-from workers.tiers import ModelTier
-from workers.tree import DraftTree
+from polyspec.orchestrator.config import TierConfig
+from polyspec.workers.tiers.loading import load_model_tier
+from polyspec.workers.core.sampling import SamplingParams
+from polyspec.workers.tiers.tier import ModelTier
+from polyspec.workers.core.tree import DraftTree
 
 DEMO = Path(__file__).resolve().parents[2] / "models" / "stdlib" / "target"
 
@@ -77,6 +77,6 @@ def test_lean_matches_transformers_on_the_demo_target(quantize):
 def test_unsupported_models_keep_the_transformers_forward(tiny_family):
     tier = load_model_tier(TierConfig(name="t", model=tiny_family["target"]))
     tier.model.config.attention_bias = True  # something the lean path does not implement
-    from workers.lean_llama import LeanLlama
+    from polyspec.workers.tiers.lean_llama import LeanLlama
 
     assert not LeanLlama.supports(tier.model, tier.device)

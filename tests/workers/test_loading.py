@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from orchestrator.config import parse_config
-from orchestrator.engine import Engine
-from workers.errors import ModelLoadError, RequestError
+from polyspec.orchestrator.config import parse_config
+from polyspec.orchestrator.engine import Engine
+from polyspec.workers.core.errors import ModelLoadError, RequestError
 
 
 def bare_model(path, vocab_size: int, seed: int, hidden: int = 32):

@@ -18,9 +18,9 @@ import scipy.optimize
 import scipy.stats
 import torch
 
-from workers import verification
-from workers.sampling import make_generator
-from workers.verification import (
+from polyspec.workers.core import verification
+from polyspec.workers.core.sampling import make_generator
+from polyspec.workers.core.verification import (
     MULTI_DRAFT_SCHEMES,
     NO_CANDIDATE_ACCEPTED,
     _importance_induced_distribution,

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos.polyspec.v1 import tier_pb2 as polyspec_dot_v1_dot_tier__pb2
+from polyspec.protos.polyspec.v1 import tier_pb2 as polyspec_dot_v1_dot_tier__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

@@ -36,7 +36,7 @@ import bisect
 
 import torch
 
-from workers.sampling import sample
+from polyspec.workers.core.sampling import sample
 
 NO_CANDIDATE_ACCEPTED = -1  # accepted_index when the token came from the final residual
 MULTI_DRAFT_SCHEMES = ("specinfer", "rsd", "spectr", "importance")

@@ -2,7 +2,7 @@
 
 A `TierWorker` owns one `Tier` and serves the tier-to-tier protocol
 (protos/polyspec/v1/tier.proto) on its node's address. A verifier holds a `RemoteTier`
-proxy of the worker below and runs the same `orchestrator.chain.ChainScheduler` code as
+proxy of the worker below and runs the same `polyspec.orchestrator.decode.scheduler.ChainScheduler` code as
 embedded mode over the two-tier chain [its own tier, the proxy]; the proxy's `draft` is the
 lower worker's `Draft`, which runs that worker's own rounds against the tier below it. So
 neighbours talk directly and the driver only calls the target's `Verify`.
@@ -38,11 +38,11 @@ from concurrent import futures
 import grpc
 import torch
 
-from orchestrator.time_model import AHEAD_SMOOTHING, AHEAD_THRESHOLD  # the time model reads the same bet
-from protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
-from workers.sampling import SamplingParams
-from workers.tiers import Tier
-from workers.transport import (
+from polyspec.orchestrator.tuning.time_model import AHEAD_SMOOTHING, AHEAD_THRESHOLD  # the time model reads the same bet
+from polyspec.protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
+from polyspec.workers.core.sampling import SamplingParams
+from polyspec.workers.tiers.tier import Tier
+from polyspec.orchestrator.distributed.transport import (
     CHANNEL_OPTIONS,
     Counters,
     DistChannel,
@@ -51,7 +51,7 @@ from workers.transport import (
     encode_rows,
     header_params,
 )
-from workers.tree import DraftTree
+from polyspec.workers.core.tree import DraftTree
 
 MAX_RPC_THREADS = 64
 AHEAD_THREADS = 8
@@ -156,7 +156,7 @@ class _Sequence:
     """One request as seen by this worker."""
 
     def __init__(self, worker: "TierWorker", header: tier_pb2.SequenceHeader) -> None:
-        from orchestrator.chain import StageStats, _Run
+        from polyspec.orchestrator.decode.scheduler import StageStats, _Run
 
         self.worker = worker
         self.header = tier_pb2.SequenceHeader()
@@ -316,7 +316,7 @@ class TierWorker:
         return self._sequences[seq_id]
 
     def _scheduler(self, seq: _Sequence, lower: RemoteTier | None):
-        from orchestrator.chain import ChainScheduler
+        from polyspec.orchestrator.decode.scheduler import ChainScheduler
 
         header = seq.header
         if lower is None:
@@ -566,10 +566,10 @@ class TierWorker:
         )
 
     def profile(self, request: tier_pb2.ProfileRequest) -> tier_pb2.ProfileReply:
-        """This tier's latency profile, measured here (orchestrator.profiler, as in embedded
+        """This tier's latency profile, measured here (polyspec.orchestrator.tuning.profiler, as in embedded
         mode): median ms of a verification round over m = 1..max_tokens new tokens, of
         proposing k = 1..max_draft tokens, and of prefilling each of `prefill_lens` tokens."""
-        from orchestrator.profiler import profile_draft, profile_forward, synthetic_context
+        from polyspec.orchestrator.tuning.profiler import profile_draft, profile_forward, synthetic_context
 
         params = SamplingParams(temperature=request.temperature, top_p=request.top_p or 1.0, top_k=request.top_k)
         repeats = max(1, request.repeats)

@@ -53,14 +53,14 @@ from pathlib import Path
 
 import torch
 
-from orchestrator.bench import machine_info
-from orchestrator.config import ChainConfig, load_config
-from orchestrator.engine import Engine
-from orchestrator.time_model import first_round_ms, generation_ms, latency, relative_error
-from orchestrator.tuner import Plan, Tuner, request_class
-from workers.errors import PolyspecError
-from workers.sampling import SamplingParams
-from workers.tree import DraftTree
+from polyspec.harness.bench import machine_info
+from polyspec.orchestrator.config import ChainConfig, load_config
+from polyspec.orchestrator.engine import Engine
+from polyspec.orchestrator.tuning.time_model import first_round_ms, generation_ms, latency, relative_error
+from polyspec.orchestrator.tuning.tuner import Plan, Tuner, request_class
+from polyspec.workers.core.errors import PolyspecError
+from polyspec.workers.core.sampling import SamplingParams
+from polyspec.workers.core.tree import DraftTree
 
 BUILTIN_PROMPTS = (
     "import os\nimport sys\n\n\ndef main(argv):\n    \"\"\"Print every file under the given folders.\"\"\"\n    for folder in argv[1:]:\n",
@@ -112,14 +112,14 @@ def default_prompts_path(config: ChainConfig) -> Path:
 def read_prompts(path: Path) -> list[str]:
     """The prompts of a bench/tune prompt file (JSONL, one {"prompt", "class"} per line) that
     bench measures and tune tunes on (not the shift test's own class)."""
-    from orchestrator.bench import measured_prompts, read_prompts as read_bench_prompts
+    from polyspec.harness.bench import measured_prompts, read_prompts as read_bench_prompts
 
     return [entry.text for entry in measured_prompts(read_bench_prompts(str(path)))]
 
 
 def _classed_prompts(path: str | None, config: ChainConfig) -> tuple[list[tuple[str, str]], str]:
     """[(text, class)] of the prompt file (or the built-in code prompts), and where they came from."""
-    from orchestrator.bench import read_prompts as read_bench_prompts
+    from polyspec.harness.bench import read_prompts as read_bench_prompts
 
     if path is not None:
         if not Path(path).exists():
@@ -142,7 +142,7 @@ def _evenly(items: list, count: int) -> list:
 def _tuning_classes(classed: list[tuple[str, str]]) -> list[tuple[str, str]]:
     """Every prompt but the shift test's own class (bench.SHIFT_ONLY_CLASSES): the sets picked
     from these stay what they were before a file gained that class."""
-    from orchestrator.bench import SHIFT_ONLY_CLASSES
+    from polyspec.harness.bench import SHIFT_ONLY_CLASSES
 
     return [(text, kind) for text, kind in classed if kind not in SHIFT_ONLY_CLASSES]
 
@@ -171,7 +171,7 @@ class PromptSets:
 def split_prompts(path: str | None, config: ChainConfig, max_prompts: int, heldout_prompts: int | None = None) -> PromptSets:
     """`max_prompts` tuning prompts, evenly spaced; `heldout_prompts` (default: as many)
     held-out ones, evenly spaced through the rest; the shift test's code and prose halves."""
-    from orchestrator.bench import REPETITIVE_CODE
+    from polyspec.harness.bench import REPETITIVE_CODE
 
     everything, source = _classed_prompts(path, config)
     classed = _tuning_classes(everything)
@@ -578,7 +578,7 @@ def calibrate(engine: Engine, prompt_ids: list[list[int]], settings: TuneSetting
     typical = int(statistics.median(len(ids) for ids in prompt_ids)) + settings.max_new_tokens // 2
     context = (list(prompt_ids[0]) * (typical // len(prompt_ids[0]) + 1))[:typical]
     if distributed(engine):  # every tier profiles itself (and its prefills) in its own process
-        from orchestrator.distributed import profile_remote
+        from polyspec.orchestrator.distributed.driver import profile_remote
 
         profile, prefill_ms = profile_remote(engine.scheduler, typical, settings.params(), settings.grid_max,
                                              prefill_lens=[len(ids) for ids in prompt_ids])

@@ -32,11 +32,11 @@ import time
 
 import torch
 
-from orchestrator.time_model import latency
-from workers.sampling import SamplingParams
-from workers.tiers import Tier
-from workers.tree import DraftTree
-from workers.verification import verify_chain, verify_greedy
+from polyspec.orchestrator.tuning.time_model import latency
+from polyspec.workers.core.sampling import SamplingParams
+from polyspec.workers.tiers.tier import Tier
+from polyspec.workers.core.tree import DraftTree
+from polyspec.workers.core.verification import verify_chain, verify_greedy
 
 OUTLIER_FACTOR = 3.0
 DEFAULT_SMOOTHING = 0.2

@@ -14,8 +14,8 @@ import warnings
 
 import torch
 
-from workers.errors import ModelLoadError
-from workers.tiers import ModelTier, NGramTier, Tier
+from polyspec.workers.core.errors import ModelLoadError
+from polyspec.workers.tiers.tier import ModelTier, NGramTier, Tier
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -140,7 +140,7 @@ def int4_quantization_config(tier, device: torch.device):
 
 
 def load_model_tier(tier, vocab_size: int | None = None) -> ModelTier:
-    """Load one model tier from its TierConfig (orchestrator.config)."""
+    """Load one model tier from its TierConfig (polyspec.orchestrator.config)."""
     from transformers import AutoModelForCausalLM
 
     device = resolve_device(tier.device)

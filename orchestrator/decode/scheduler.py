@@ -11,7 +11,7 @@ distributed exactly as that tier's warped distribution, so when tier i-1 verifie
 draft rows are tier i's rows — the induction that makes the whole chain lossless. With
 one tier the loop is plain autoregressive sampling from the target (the baseline).
 
-The scheduler only talks to `workers.tiers.Tier` objects, so the same code drives tiers
+The scheduler only talks to `polyspec.workers.tiers.tier.Tier` objects, so the same code drives tiers
 in this process or behind remote actors.
 """
 
@@ -24,10 +24,10 @@ from typing import Callable
 
 import torch
 
-from workers.sampling import SamplingParams
-from workers.tiers import Tier
-from workers.tree import DraftTree, verify_tree
-from workers.verification import verify_chain, verify_greedy
+from polyspec.workers.core.sampling import SamplingParams
+from polyspec.workers.tiers.tier import Tier
+from polyspec.workers.core.tree import DraftTree, verify_tree
+from polyspec.workers.core.verification import verify_chain, verify_greedy
 
 _sequence_ids = itertools.count()
 
@@ -132,7 +132,7 @@ class ChainScheduler:
         self.scheme = scheme
         self.eos_token_ids = frozenset(eos_token_ids)
         self.active = tuple(range(len(tiers)))  # tiers in use, target first; a tuner may bypass some
-        # optional orchestrator.tuner.Tuner: sets lengths / active tiers before each target round
+        # optional polyspec.orchestrator.tuning.tuner.Tuner: sets lengths / active tiers before each target round
         # (plan) and hears every round (observe_round, observe_draft, observe_commit)
         self.tuner = tuner
         self.draft_ahead = draft_ahead

@@ -17,7 +17,7 @@ Two forms of the cost are provided:
   with the bottom drafter's cost of k tokens read from its own table (`draft_ms`; for a
   model drafter that is about k * t(1), for the n-gram lookup it is about 0). Its optimum
   comes from one bottom-up pass (`ideal_bottom_up`).
-- `round_models` / `cost_per_token` / `generation_ms`: what `orchestrator.chain` really does.
+- `round_models` / `cost_per_token` / `generation_ms`: what `polyspec.orchestrator.decode.scheduler` really does.
   A middle tier asked for `need` tokens runs whole rounds of its own length and hands up
   everything they emitted, so the block its verifier scores is a random length >= need
   (first passage of a sum of per-round emissions); the target's round length is clipped to

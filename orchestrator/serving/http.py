@@ -25,8 +25,8 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from orchestrator.rounds import Draining, QueueFull, Work
-from workers.errors import RequestError
+from polyspec.orchestrator.serving.request_loop import Draining, QueueFull, Work
+from polyspec.workers.core.errors import RequestError
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_BODY_BYTES = 8 << 20

@@ -1,6 +1,6 @@
 """Python SDK for a `polyspec serve` server: `Client` (blocking) and `AsyncClient` (asyncio).
 
-    from orchestrator.client import Client
+    from polyspec.client import Client
     with Client("127.0.0.1:50051") as client:
         print(client.generate("def f(x):", max_new_tokens=32)["text"])
         for delta in client.stream("import os", max_new_tokens=32):
@@ -28,8 +28,8 @@ from typing import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 
 import grpc
 
-from protos.polyspec.v1 import polyspec_pb2 as pb
-from protos.polyspec.v1 import polyspec_pb2_grpc as pb_grpc
+from polyspec.protos.polyspec.v1 import polyspec_pb2 as pb
+from polyspec.protos.polyspec.v1 import polyspec_pb2_grpc as pb_grpc
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 REQUEST_FIELDS = ("id", "prompt", "prompt_ids", "max_new_tokens", "temperature", "top_p", "top_k", "seed")

@@ -33,12 +33,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
-from orchestrator.jobs import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord, JobStore
-from orchestrator.metrics import Metrics
-from orchestrator.rounds import Draining, QueueFull, RoundScheduler, Work, is_unavailable
-from protos.polyspec.v1 import polyspec_pb2 as pb
-from protos.polyspec.v1 import polyspec_pb2_grpc as pb_grpc
-from workers.errors import ConfigError, PolyspecError, RequestError
+from polyspec.orchestrator.serving.jobs import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord, JobStore
+from polyspec.orchestrator.serving.metrics import Metrics
+from polyspec.orchestrator.serving.request_loop import Draining, QueueFull, RoundScheduler, Work, is_unavailable
+from polyspec.protos.polyspec.v1 import polyspec_pb2 as pb
+from polyspec.protos.polyspec.v1 import polyspec_pb2_grpc as pb_grpc
+from polyspec.workers.core.errors import ConfigError, PolyspecError, RequestError
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Polyspec"].full_name  # polyspec.v1.Polyspec
 STREAMING_METHODS = ("Generate", "StreamJobResults")
@@ -381,7 +381,7 @@ def cmd_serve(args) -> int:
     if bool(args.tls_cert) != bool(args.tls_key):
         raise ConfigError("--tls-cert and --tls-key go together")
     tls = (_read_file(args.tls_key, "TLS key"), _read_file(args.tls_cert, "TLS certificate")) if args.tls_cert else None
-    from orchestrator.config import load_config  # imports torch: after the quick checks
+    from polyspec.orchestrator.config import load_config  # imports torch: after the quick checks
 
     config = load_config(args.config)
     state_dir = args.state_dir or default_state_dir()
@@ -477,7 +477,7 @@ async def _serve(config, host, port, store, token, tls, metrics_port, http_port,
         except OSError as exc:
             _log(f"warning: no metrics: cannot listen on {host}:{metrics_port} ({exc.strerror or exc})")
     if http_port:
-        from orchestrator.openai_http import start_openai_http
+        from polyspec.orchestrator.serving.http import start_openai_http
 
         try:
             start_openai_http(service, host, http_port, token)
@@ -519,7 +519,7 @@ def _add_reflection(server) -> None:
 
 def _load_and_warm(config):
     """Load the chain and run one short generation so the first request pays no start-up cost."""
-    from orchestrator.engine import Engine
+    from polyspec.orchestrator.engine import Engine
 
     engine = Engine(config)
     engine.generate(engine.parse_request({"prompt_ids": [0], "max_new_tokens": 2}))

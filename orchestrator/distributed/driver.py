@@ -8,7 +8,7 @@ never relays blocks. The driver keeps each request's committed tokens, so a requ
 survives any tier's death: a step that failed committed nothing and is simply redone.
 
 Where the workers live is a `Membership`: `StaticMembership` for workers the caller
-started (tests, one process), `orchestrator.ray_runtime.RayMembership` for Ray actors,
+started (tests, one process), `polyspec.orchestrator.distributed.ray_runtime.RayMembership` for Ray actors,
 which also restarts and rewires tiers.
 """
 
@@ -26,10 +26,10 @@ from typing import Callable
 import grpc
 import torch
 
-from orchestrator.chain import ChainScheduler, GenerationOutput, RequestState, StageStats, _Run
-from protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
-from workers.sampling import SamplingParams
-from workers.transport import CHANNEL_OPTIONS, UNAVAILABLE_CODES, Counters, TierUnavailableError
+from polyspec.orchestrator.decode.scheduler import ChainScheduler, GenerationOutput, RequestState, StageStats, _Run
+from polyspec.protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
+from polyspec.workers.core.sampling import SamplingParams
+from polyspec.orchestrator.distributed.transport import CHANNEL_OPTIONS, UNAVAILABLE_CODES, Counters, TierUnavailableError
 
 VERIFY_TIMEOUT_S = 300.0
 
@@ -112,7 +112,7 @@ class DistributedChain:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_context = max_context
         self.pipeline = pipeline
-        self.tuner = None  # orchestrator.tuner.Tuner (lengths: auto): sets the lengths of every round
+        self.tuner = None  # polyspec.orchestrator.tuning.tuner.Tuner (lengths: auto): sets the lengths of every round
         self._tuner_lock = threading.Lock()  # steps of concurrent requests report to it
         self.counters = Counters()
         self.failovers = 0
@@ -349,9 +349,9 @@ class DistributedChain:
 def profile_remote(chain: DistributedChain, context_len: int, params: SamplingParams, max_length: int,
                    repeats: int = 5, prefill_lens: list[int] | tuple[int, ...] = ()):
     """Each tier's latency profile measured in its own process (the Profile RPC), one tier at
-    a time, as `orchestrator.profiler.profile_tiers` measures an embedded chain. Returns
+    a time, as `polyspec.orchestrator.tuning.profiler.profile_tiers` measures an embedded chain. Returns
     (LatencyProfile, [per tier: [ms of prefilling each of `prefill_lens` tokens]])."""
-    from orchestrator.profiler import LatencyProfile, fit_affine, fit_proportional, forward_sizes
+    from polyspec.orchestrator.tuning.profiler import LatencyProfile, fit_affine, fit_proportional, forward_sizes
 
     views = chain.tiers
     forward, draft, prefill = [], [], []
@@ -382,7 +382,7 @@ def in_process_chain(tiers, lengths: list[int], *, eos_token_ids=(), tree_width:
     """Loaded `tiers` (target first) served by TierWorkers in this process, wired over gRPC on
     loopback: the distributed protocol without Ray (tests, and the transport overhead benchmark).
     Returns the chain and the workers (stop them with `worker.stop()`)."""
-    from workers.tier_worker import TierWorker
+    from polyspec.orchestrator.distributed.worker import TierWorker
 
     workers = [TierWorker(tier, i, eos_token_ids=eos_token_ids, host=host) for i, tier in enumerate(tiers)]
     for upper, lower in zip(reversed(workers[:-1]), reversed(workers[1:])):

@@ -24,11 +24,11 @@ import time
 
 import torch
 
-from workers.kv_cache import SequenceCache
-from workers.lean_llama import LeanCache, LeanLlama
-from workers.sampling import SamplingParams, warp_logits
-from workers.tree import DraftTree, tree_attention_mask
-from workers.verification import draw_without_replacement
+from polyspec.workers.core.kv_cache import SequenceCache
+from polyspec.workers.tiers.lean_llama import LeanCache, LeanLlama
+from polyspec.workers.core.sampling import SamplingParams, warp_logits
+from polyspec.workers.core.tree import DraftTree, tree_attention_mask
+from polyspec.workers.core.verification import draw_without_replacement
 
 NGRAM_MODEL = "ngram"
 
@@ -93,7 +93,7 @@ class _Sequence:
 class ModelTier(Tier):
     """A causal LM from transformers, with one KV cache per open sequence.
 
-    Llama-architecture models on CPU run through `workers.lean_llama.LeanLlama` (the same
+    Llama-architecture models on CPU run through `polyspec.workers.tiers.lean_llama.LeanLlama` (the same
     operations as transformers' forward, bit-identical logits, without its per-module
     overhead, on a preallocated KV cache); `lean=False` or any other model keeps the
     transformers forward on a `DynamicCache`.

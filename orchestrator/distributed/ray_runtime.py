@@ -2,7 +2,7 @@
 
 Ray owns placement, lifecycle and restarts; the data plane is the tier-to-tier gRPC protocol
 served by each actor's TierWorker on its node's address (workers/tier_worker.py), and the
-driver is orchestrator.distributed.DistributedChain. This module:
+driver is polyspec.orchestrator.distributed.driver.DistributedChain. This module:
 
 - checks the cluster can place every tier before asking (a tier whose resources no node has
   is an error naming the tier and the resource, not a hang);
@@ -25,9 +25,9 @@ import socket
 import threading
 import time
 
-from orchestrator.config import ChainConfig
-from orchestrator.distributed import ChainUnavailableError, DistributedChain, Membership, TierView
-from workers.errors import ConfigError
+from polyspec.orchestrator.config import ChainConfig
+from polyspec.orchestrator.distributed.driver import ChainUnavailableError, DistributedChain, Membership, TierView
+from polyspec.workers.core.errors import ConfigError
 
 START_TIMEOUT_S = float(os.environ.get("POLYSPEC_RAY_START_TIMEOUT_S", "180"))
 RESTART_TIMEOUT_S = float(os.environ.get("POLYSPEC_RAY_RESTART_TIMEOUT_S", "180"))
@@ -41,9 +41,9 @@ class TierActor:
         import ray
         import torch
 
-        from workers.loading import load_model_tier, quiet_transformers
-        from workers.tier_worker import TierWorker
-        from workers.tiers import NGramTier
+        from polyspec.workers.tiers.loading import load_model_tier, quiet_transformers
+        from polyspec.orchestrator.distributed.worker import TierWorker
+        from polyspec.workers.tiers.tier import NGramTier
 
         quiet_transformers()
         torch.set_num_threads(threads)
@@ -193,7 +193,7 @@ class RayMembership(Membership):
             except Exception as exc:  # the actor's constructor failed: a ModelLoadError, say
                 self.close()
                 cause = getattr(exc, "cause", None) or exc
-                from workers.errors import PolyspecError
+                from polyspec.workers.core.errors import PolyspecError
 
                 if isinstance(cause, PolyspecError):
                     raise type(cause)(str(cause)) from None
@@ -279,7 +279,7 @@ class RayMembership(Membership):
     def _ping(address: str) -> bool:
         import grpc
 
-        from protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
+        from polyspec.protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
 
         try:
             with grpc.insecure_channel(address) as channel:

@@ -55,9 +55,9 @@ import itertools
 import math
 import time
 
-from orchestrator.profiler import LatencyProfile
-from orchestrator.time_model import StageSpec, chain_cost, contended_block_ms, fit_slowdown, latency, local_search, round_models, search_lengths
-from workers.sampling import SamplingParams
+from polyspec.orchestrator.tuning.profiler import LatencyProfile
+from polyspec.orchestrator.tuning.time_model import StageSpec, chain_cost, contended_block_ms, fit_slowdown, latency, local_search, round_models, search_lengths
+from polyspec.workers.core.sampling import SamplingParams
 
 MAX_POSITIONS = 32
 MIN_PRIOR_WEIGHT = 0.5

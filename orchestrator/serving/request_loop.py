@@ -23,9 +23,9 @@ import time
 import traceback
 from typing import Any, Callable
 
-from orchestrator.jobs import JobStore, PendingItem
-from orchestrator.metrics import Metrics
-from workers.errors import RequestError
+from polyspec.orchestrator.serving.jobs import JobStore, PendingItem
+from polyspec.orchestrator.serving.metrics import Metrics
+from polyspec.workers.core.errors import RequestError
 
 MAX_ACTIVE = 32  # interactive requests holding caches at once; the rest wait their turn
 IDLE_WAIT_S = 1.0  # re-check the job table this often when idle

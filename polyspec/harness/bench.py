@@ -41,8 +41,8 @@ import sys
 import time
 from pathlib import Path
 
-from orchestrator.config import ChainConfig, TierConfig
-from workers.errors import PolyspecError
+from polyspec.orchestrator.config import ChainConfig, TierConfig
+from polyspec.workers.core.errors import PolyspecError
 
 QUICK_PROMPTS = {"code": 4, "prose": 2}  # --quick: the first prompts of each class (about a minute in all)
 REPETITIVE_CODE = "repetitive-code"  # the class of REPETITIVE_CUTS' prompts
@@ -134,7 +134,7 @@ class EngineSystem(System):
     """Our engine (target alone, or a chain) with end-of-sequence disabled."""
 
     def __init__(self, name: str, config: ChainConfig, speculative: bool = True) -> None:
-        from orchestrator.engine import Engine
+        from polyspec.orchestrator.engine import Engine
 
         self.name = name
         self.engine = Engine(config, speculative=speculative)
@@ -191,7 +191,7 @@ def _without_eos(model):
 
 def _hf_model(tier: TierConfig):
     """A tier's model exactly as our loader builds it (dtype, int8), for transformers to drive."""
-    from workers.loading import load_model_tier
+    from polyspec.workers.tiers.loading import load_model_tier
 
     return _without_eos(load_model_tier(tier).model)
 
@@ -223,7 +223,7 @@ def shared_model_tiers(loaded: dict):
     Our systems then share their model tiers, as the transformers systems share the target
     model: loading is most of `--quick`'s start-up. Sharing is safe: a tier keeps one cache
     per sequence id (unique per request) and the scheduler counts busy time per request."""
-    import workers.loading as loading
+    import polyspec.workers.tiers.loading as loading
 
     original = loading.load_model_tier
 
@@ -352,7 +352,7 @@ def prompt_before(lines: list[str], cut: int, tokenizer, tail: str = "") -> str 
 
 def code_prompts(tokenizer, count: int, seed: int = 0, stdlib_dir: str | None = None) -> list[BenchPrompt]:
     """`count` prompts, at most one per held-out standard-library file, cut before a def/class body."""
-    from workers.zoo import split_corpus
+    from polyspec.harness.zoo import split_corpus
 
     _, held_out = split_corpus(stdlib_dir)
     rng = random.Random(seed)
@@ -374,7 +374,7 @@ def code_prompts(tokenizer, count: int, seed: int = 0, stdlib_dir: str | None = 
 def repetitive_prompts(tokenizer, stdlib_dir: str | None = None) -> list[BenchPrompt]:
     """The REPETITIVE_CUTS prompts: the table lines before the cut line, then that line's
     indentation and first character (the prompt ends part-way into another entry)."""
-    from workers.zoo import split_corpus
+    from polyspec.harness.zoo import split_corpus
 
     held_out = dict(split_corpus(stdlib_dir)[1])
     prompts = []
@@ -391,7 +391,7 @@ def repetitive_prompts(tokenizer, stdlib_dir: str | None = None) -> list[BenchPr
 
 def write_prompts(path: str, tokenizer_source: str, code_count: int = 32, seed: int = 0) -> list[BenchPrompt]:
     """Build the demo family's held-out prompt set and write it as `{"prompt", "class"}` JSONL."""
-    from workers.loading import load_tokenizer
+    from polyspec.workers.tiers.loading import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_source, "target")
     prompts = code_prompts(tokenizer, code_count, seed) + [BenchPrompt(text, "prose") for text in PROSE_PROMPTS]
@@ -611,7 +611,7 @@ def run_bench(config: ChainConfig, prompts: list[BenchPrompt], settings: BenchSe
     """Load every system, run the interleaved comparison, return the report (JSON-ready)."""
     import torch
 
-    from workers.loading import quiet_transformers
+    from polyspec.workers.tiers.loading import quiet_transformers
 
     quiet_transformers()
     torch.set_num_threads(settings.threads)
@@ -741,7 +741,7 @@ def default_prompts_path(config: ChainConfig) -> str:
 
 
 def target_device(config: ChainConfig) -> str:
-    from workers.loading import resolve_device
+    from polyspec.workers.tiers.loading import resolve_device
 
     return resolve_device(config.tiers[0].device).type
 
@@ -769,7 +769,7 @@ def settings_from_args(args) -> BenchSettings:
 
 def cmd_bench(args) -> int:
     """`polyspec bench`: see the module docstring."""
-    from orchestrator.config import load_config
+    from polyspec.orchestrator.config import load_config
 
     config = load_config(args.config)
     if args.write_prompts:

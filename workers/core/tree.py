@@ -102,7 +102,7 @@ def verify_tree(
     A node with one child is single-draft speculative sampling; a node with several
     children uses the multi-draft `scheme` (candidates as the drafter drew them).
     """
-    from workers.verification import select_multi_draft
+    from polyspec.workers.core.verification import select_multi_draft
 
     assert target_probs.shape[0] == len(tree) + 1, (target_probs.shape, len(tree))
     children_of: dict[int, list[int]] = {}

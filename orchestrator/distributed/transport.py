@@ -1,9 +1,9 @@
 """Transport between distributed tiers (DESIGN §6): the gRPC proxy of a remote tier, and
 how dense probability rows travel.
 
-`RemoteTier` implements `workers.tiers.Tier` on top of the tier-to-tier protocol
+`RemoteTier` implements `polyspec.workers.tiers.tier.Tier` on top of the tier-to-tier protocol
 (protos/polyspec/v1/tier.proto), so a verifier runs the very same scheduler code
-(`orchestrator.chain.ChainScheduler`) whether the tier below it is an object in this process
+(`polyspec.orchestrator.decode.scheduler.ChainScheduler`) whether the tier below it is an object in this process
 or an actor on another node.
 
 Rows (only sampling needs them: greedy blocks are token ids):
@@ -39,9 +39,9 @@ from typing import Callable
 import grpc
 import torch
 
-from protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
-from workers.tiers import Tier
-from workers.tree import DraftTree
+from polyspec.protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
+from polyspec.workers.tiers.tier import Tier
+from polyspec.workers.core.tree import DraftTree
 
 SPARSE_FRACTION = 0.25
 DIST_MIN_BYTES = int(os.environ.get("POLYSPEC_DIST_MIN_BYTES", 256 << 10))  # gloo beats inline above this (measured)
@@ -169,7 +169,7 @@ def decode_rows(message: tier_pb2.Rows, dist: DistChannel | None = None) -> torc
 
 
 def header_params(header: tier_pb2.SequenceHeader):
-    from workers.sampling import SamplingParams
+    from polyspec.workers.core.sampling import SamplingParams
 
     return SamplingParams(temperature=header.temperature, top_p=header.top_p, top_k=header.top_k)
 

@@ -1,0 +1,1 @@
+"""The time model, latency profiles and the online tuner that picks speculation lengths and tiers."""
