@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from polyspec.harness import tune
+    from polyspec.harness import tune, tune_measure
     from polyspec.orchestrator.config import load_config
     from polyspec.orchestrator.engine import Engine
     from polyspec.orchestrator.tuning.tuner import Plan
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                 tuner = copy.deepcopy(base)
                 for name, value in autos[arm].items():
                     setattr(tuner, name, value)
-                wall[arm].append(tune.run_auto(engine, tuner, ids, settings).wall_ms)
+                wall[arm].append(tune_measure.run_auto(engine, tuner, ids, settings).wall_ms)
                 changes[arm].append(len(tuner.history))
         print(f"pass {repeat + 1}/{args.repeats}: " + ", ".join(f"{a} {wall[a][-1]:.2f}" for a in arms), file=sys.stderr, flush=True)
     engine.close()

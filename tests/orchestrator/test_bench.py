@@ -9,7 +9,8 @@ import json
 
 import pytest
 
-from polyspec.harness.bench import QUICK_PROMPTS, BenchPrompt, BenchSettings, cut_points, markdown_table, quick_subset, run_bench, write_outputs
+from polyspec.harness.bench import BenchSettings, markdown_table, run_bench, write_outputs
+from polyspec.harness.bench_prompts import QUICK_PROMPTS, BenchPrompt, cut_points, quick_subset
 from polyspec.orchestrator.cli import main
 from polyspec.orchestrator.config import parse_config
 

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from polyspec.orchestrator.cli import main
-from polyspec.harness.tune import format_report
+from polyspec.harness.tune_report import format_report
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,7 @@ def test_tune_user_mistakes(config_path, tmp_path, capsys):
 
 
 def test_split_prompts_runs_repetitive_code_in_the_shift_test_only(tmp_path):
-    from polyspec.harness.tune import split_prompts
+    from polyspec.harness.tune_prompts import split_prompts
 
     rows = [{"prompt": f"code {i}", "class": "code"} for i in range(12)] + [{"prompt": f"prose {i}", "class": "prose"} for i in range(6)]
     repetitive = [{"prompt": f"table {i}", "class": "repetitive-code"} for i in range(6)]
@@ -92,8 +92,8 @@ def test_split_prompts_runs_repetitive_code_in_the_shift_test_only(tmp_path):
 def test_shipped_prompts_keep_repetitive_code_out_of_tuning_and_bench():
     from pathlib import Path
 
-    from polyspec.harness.bench import measured_prompts, quick_subset, read_prompts
-    from polyspec.harness.tune import split_prompts
+    from polyspec.harness.bench_prompts import measured_prompts, quick_subset, read_prompts
+    from polyspec.harness.tune_prompts import split_prompts
 
     path = Path(__file__).resolve().parents[2] / "models" / "stdlib" / "prompts.jsonl"
     prompts = read_prompts(str(path))
@@ -115,7 +115,7 @@ def test_interleaved_pass_runs_every_item_on_a_prompt_before_the_next():
     keeps learning over the prompts in order; wall time and tokens add up per item."""
     import types
 
-    from polyspec.harness.tune import TuneSettings, interleaved_pass
+    from polyspec.harness.tune_measure import TuneSettings, interleaved_pass
     from polyspec.orchestrator.tuning.tuner import Plan
 
     calls = []
@@ -165,7 +165,7 @@ def test_each_pass_is_predicted_from_calibration_runs_interleaved_with_it():
     the pass's predictions are taken after it; the calibration runs are not measured."""
     import types
 
-    from polyspec.harness.tune import TuneSettings, measure
+    from polyspec.harness.tune_measure import TuneSettings, measure
     from polyspec.orchestrator.tuning.tuner import Plan
 
     calls = []
@@ -215,7 +215,7 @@ def test_heldout_report_keeps_each_pass_per_prompt_with_the_tuners_plans():
     tuner the plans it ran in each prompt (what a reader needs to see why auto lost a pass)."""
     import types
 
-    from polyspec.harness.tune import TuneSettings, measure_heldout
+    from polyspec.harness.tune_measure import TuneSettings, measure_heldout
     from polyspec.orchestrator.tuning.tuner import Plan
 
     class Scheduler:
@@ -253,7 +253,7 @@ def test_heldout_ratio_pairs_each_pass_with_the_fixed_run_beside_it():
     (2 / 2.5) would say 0.8."""
     import types
 
-    from polyspec.harness.tune import TuneSettings, measure_heldout
+    from polyspec.harness.tune_measure import TuneSettings, measure_heldout
     from polyspec.orchestrator.tuning.tuner import Plan
 
     pass_speed, auto_slowdown = [1.0, 2.0, 4.0], [1.0, 1.25, 1.0]
