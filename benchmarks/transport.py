@@ -7,9 +7,10 @@ Two processes on this machine (loopback). For each payload size (float32 rows):
               request out, empty reply back: what a Draft reply with rows costs;
 - gloo-p2p:   dist.send / dist.recv of the same tensor (what Rows.DIST uses), plus the
               gRPC call that would carry the tag (counted separately, see the table);
-- gloo-bcast: dist.broadcast in the 2-rank group (for reference: FACTS.md says it is cheaper).
+- gloo-bcast: dist.broadcast in the 2-rank group (for reference: a collective may be cheaper
+              than a send/recv pair).
 Median and p90 over `repeats` round trips after a warm-up; 1 torch thread per process.
-Writes OUT.json and OUT.md; workers/transport.py cites the result.
+Writes OUT.json and OUT.md; orchestrator/distributed/transport.py cites the result.
 """
 
 from __future__ import annotations

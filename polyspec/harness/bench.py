@@ -1,4 +1,4 @@
-"""`polyspec bench`: polyspec side by side with what a user would run instead (issue 3).
+"""`polyspec bench`: polyspec side by side with what a user would run instead.
 
 Every system runs on the same prompts, interleaved: for each prompt and repeat, every
 system generates back to back (in a rotating order), so machine noise hits all alike.

@@ -180,7 +180,7 @@ def calibration_items(engine: Engine, tuner: Tuner, settings: TuneSettings, pref
     `interleaved_pass` (with its `after` hook, and `finish()` to call once the pass is over):
     acceptance counts grow, and the latency tables become this pass's plain means (a shared
     CPU drifts over minutes; an EMA kept the last prompt's few forwards, and the predictions of
-    whole runs moved with them: all 36 grid rows 13 % over in one run, 16 % under in another);
+    whole runs moved with them, every grid row off by the same 10-20 %);
     a distributed chain's first rounds are calibrated from the same runs."""
     prompts = len(prefill_extra_ms)
     plans = calibration_plans(tuner, settings.grid_max)

@@ -1,7 +1,7 @@
 """Sampling parameters and the logits -> probabilities warp shared by every tier.
 
 Losslessness across tiers needs the *same* warp on both sides of every verification
-(DESIGN §3), so there is exactly one implementation of it, here. Probabilities are
+(the verifier's rows and the drafter's rows it checks against), so there is exactly one implementation of it, here. Probabilities are
 always float32, whatever the model's dtype.
 """
 

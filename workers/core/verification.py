@@ -1,6 +1,6 @@
 """Lossless verification rules: greedy, chain speculative sampling, multi-draft selection.
 
-Terminology (as in DESIGN §3):
+Terminology:
 - target: the tier doing the verifying; `target_probs` are its warped float32
   probabilities. draft: the tier (or tiers) that proposed; `draft_probs` are the
   probabilities each proposed token was actually sampled from.
@@ -21,7 +21,7 @@ candidates must be drawn for the scheme to be lossless:
   from one draft row by Gumbel-top-k, see `draw_without_replacement`.
 - "spectr"     (SpecTr k-sequential selection): K i.i.d. candidates (with replacement)
   from one draft row.
-- "importance" (two-step canonical scheme, seed 002): candidate j drawn independently
+- "importance" (the two-step canonical scheme of the multi-draft paper): candidate j drawn independently
   from draft_probs[j]; rows may differ. Step 1 picks one candidate with an
   independence-sampler chain (Barker acceptance), step 2 speculatively samples it
   against the target using the exact distribution induced by step 1.
