@@ -87,7 +87,7 @@ class _Connection:
     def __enter__(self):
         return self.client
 
-    def __exit__(self, kind, exc, tb):
+    def __exit__(self, _kind, exc, _tb):
         from polyspec.client import ClientError, Unavailable
 
         self.client.close()
