@@ -227,6 +227,11 @@ def measure_heldout(engine: Engine, best: Plan, prompt_ids: list[list[int]], set
             this_pass[name]["ms_per_token"] = round(result.wall_ms, 4)
         detail.append(this_pass)
         log(f"held-out pass {repeat + 1}/{settings.heldout_repeats}")
+    return heldout_summary(runs, detail, best, len(prompt_ids), settings.heldout_repeats)
+
+
+def heldout_summary(runs: dict[str, list[Measurement]], detail: list[dict], best: Plan, prompts: int, passes: int) -> dict:
+    """The held-out section of the report from each item's measurements, pass by pass."""
     fixed, auto = runs["fixed"], runs["auto"]
     fixed_ms = statistics.median(m.wall_ms for m in fixed)
     auto_ms = statistics.median(m.wall_ms for m in auto)
@@ -249,8 +254,8 @@ def measure_heldout(engine: Engine, best: Plan, prompt_ids: list[list[int]], set
     # bootstrap sd is about two thirds of the ratio of medians' (kept below), with no lean
     # either way (benchmarks/HISTORY.md).
     return {
-        "prompts": len(prompt_ids),
-        "passes": settings.heldout_repeats,
+        "prompts": prompts,
+        "passes": passes,
         "best_grid_lengths": [best.lengths[level] for level in best.active[:-1]],
         "best_grid_ms_per_token": round(fixed_ms, 4),
         "auto_ms_per_token": round(auto_ms, 4),
