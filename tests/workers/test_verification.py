@@ -1,4 +1,4 @@
-"""Tests for workers/verification.py: exact unit cases and statistical losslessness checks.
+"""Tests for workers/core/verification.py: exact unit cases and statistical losslessness checks.
 
 Statistical conventions (all seeds fixed, so every outcome is deterministic):
 - distributions: chi-square goodness of fit (scipy.stats.chisquare) over the target's
