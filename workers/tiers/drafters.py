@@ -31,12 +31,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from polyspec.workers.core.errors import ModelLoadError
+
 DRAFTER_FILE = "drafter.json"
 WEIGHTS_FILE = "model.safetensors"
 KINDS = ("feature", "early_exit")
 
 
-class DrafterError(ValueError):
+class DrafterError(ModelLoadError):
     """A drafter checkpoint that is missing, malformed, or made for another target."""
 
 
