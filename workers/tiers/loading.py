@@ -169,6 +169,21 @@ def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
         return quantize_dynamic(model.float(), {torch.nn.Linear}, dtype=torch.qint8)
 
 
+def retie_lm_head(model) -> bool:
+    """Share the embedding with an LM head that is an exact copy of it (a GGUF conversion
+    unties them): one 152k-row matrix less in memory and in the caches. True if tied."""
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is None or embed is None or head.weight is embed.weight or getattr(head, "bias", None) is not None:
+        return False
+    if head.weight.shape != embed.weight.shape or head.weight.dtype != embed.weight.dtype:
+        return False
+    if not torch.equal(head.weight, embed.weight):
+        return False
+    head.weight = embed.weight
+    model.config.tie_word_embeddings = True
+    return True
+
+
 def int4_quantization_config(tier, device: torch.device):
     """bitsandbytes 4-bit (NF4, double quantization) weights computing in the tier's dtype:
     the paper's middle tier, a 4-bit copy of the target. CUDA only."""
@@ -216,6 +231,8 @@ def load_model_tier(tier, vocab_size: int | None = None) -> ModelTier:
     if tier.quantize != "int4":  # a bitsandbytes model is placed by device_map and cannot be moved
         model = model.to(device)
     model = model.eval()
+    if tier.quantize != "int4":
+        retie_lm_head(model)
     head = model.get_output_embeddings()
     out_features = head.weight.shape[0] if head is not None else model.config.vocab_size
     if tier.quantize == "int8":
