@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--write-prompts", metavar="OUT", help="build the held-out prompt set for the config's target, then exit")
     serving_cli.add_parsers(sub)  # serve, submit, jobs
     validate.add_parser(sub)
+    from polyspec.harness import train_draft_cli
+
+    train_draft_cli.add_parser(sub)
     return parser
 
 
@@ -265,6 +268,15 @@ def cmd_tune(args) -> int:
 COMMANDS = {"generate": cmd_generate, "batch": cmd_batch, "zoo": cmd_zoo, "bench": cmd_bench, "tune": cmd_tune}
 COMMANDS.update(serving_cli.COMMANDS)  # serve, submit, jobs
 COMMANDS["validate"] = validate.cmd_validate
+
+
+def cmd_train_draft(args) -> int:
+    from polyspec.harness.train_draft import cmd_train_draft as run
+
+    return run(args)
+
+
+COMMANDS["train-draft"] = cmd_train_draft
 
 
 def main(argv: list[str] | None = None) -> int:
