@@ -106,7 +106,7 @@ class FeatureObjective:
             classification = soft_cross_entropy(self.target.lm_head(logit_input[:, valid]), probs[:, valid])
             weight = 1.0 if step == 0 else 0.5
             total = total + weight * (regression + self.cls_weight * classification)
-            parts[f"reg{step}"], parts[f"ce{step}"] = float(regression), float(classification)
+            parts[f"reg{step}"], parts[f"ce{step}"] = float(regression.detach()), float(classification.detach())
             previous = torch.cat([torch.zeros_like(feature[:, :1]), feature[:, :-1]], dim=1)
         return total, parts
 
@@ -128,7 +128,7 @@ class EarlyExitObjective:
         x = self.adapter.layer(shallow, attention_mask=None, position_ids=positions, position_embeddings=rotary)
         logits = self.target.lm_head(self.adapter.norm(x))
         loss = soft_cross_entropy(logits, probs)
-        return loss, {"ce": float(loss)}
+        return loss, {"ce": float(loss.detach())}
 
 
 def train(
