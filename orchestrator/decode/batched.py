@@ -195,7 +195,7 @@ class BatchedScheduler(ChainScheduler):
             if below is not None:
                 self.stage(run, level, below).record(len(block), accepted, length, seconds)
                 if self.planner is not None:
-                    self.planner.observe_round(level, below, len(block), accepted)
+                    self.planner.observe_round(level, below, len(block), accepted, run.params.greedy)
             emitted = block.tokens[:accepted] + [next_token]
             rows = None if run.params.greedy else target_probs[: accepted + 1]
             out.append((emitted, rows))
