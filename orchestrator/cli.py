@@ -86,11 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load_engine(config_path: str, no_speculation: bool):
+def _load_engine(config_path: str, no_speculation: bool, batched: bool = False):
     from polyspec.orchestrator.config import load_config
     from polyspec.orchestrator.engine import Engine
 
-    return Engine(load_config(config_path), speculative=not no_speculation)
+    return Engine(load_config(config_path), speculative=not no_speculation, batched=batched)
 
 
 def _request_from_flags(args) -> dict:
@@ -152,7 +152,7 @@ def cmd_batch(args) -> int:
     if args.concurrency is not None and args.concurrency < 1:
         raise RequestError(f"--concurrency must be >= 1, got {args.concurrency}")
     lines = input_path.read_text(encoding="utf-8").splitlines()
-    engine = _load_engine(args.config, args.no_speculation)
+    engine = _load_engine(args.config, args.no_speculation, batched=True)
     distributed = engine.config.runtime.backend == "ray"
     if not distributed and not engine.batched and (args.concurrency or 1) > 1:
         raise RequestError("--concurrency > 1 needs runtime.backend: ray or batching (the round-robin chain runs one request at a time)")

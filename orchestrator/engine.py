@@ -41,8 +41,10 @@ def _number(name: str, value, kind):
 
 
 class Engine:
-    def __init__(self, config: ChainConfig, speculative: bool = True, auto_tune: bool = True) -> None:
-        """`auto_tune`: with `speculation.lengths: auto`, profile the tiers and let the tuner set the lengths."""
+    def __init__(self, config: ChainConfig, speculative: bool = True, auto_tune: bool = True, batched: bool = False) -> None:
+        """`auto_tune`: with `speculation.lengths: auto`, profile the tiers and let the tuner set the lengths.
+        `batched`: step many requests per forward (`polyspec batch`, jobs, `serve`), where the config allows it
+        (`batching.enabled`, a local chain of chains); otherwise requests take turns, one round each."""
         quiet_transformers()
         self._decode_lock = threading.Lock()
         self.batched = False
@@ -60,7 +62,7 @@ class Engine:
             configured = getattr(source, "eos_token_id", None)
             if configured is not None:
                 eos.update([configured] if isinstance(configured, int) else configured)
-        self.batched = self.config.batching.enabled and self.config.speculation.tree_width == 1
+        self.batched = batched and self.config.batching.enabled and self.config.speculation.tree_width == 1
         if self.batched:
             self._start_batched(tuple(sorted(eos)), auto_tune)
             return
