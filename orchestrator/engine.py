@@ -40,6 +40,18 @@ def _number(name: str, value, kind):
     return kind(value)
 
 
+def requests_within_memory(max_requests: int, kv_memory_mb: int | None, bytes_per_request: int) -> int:
+    """How many requests may hold caches at once: `max_requests`, lowered so their KV caches (each at
+    the full model context) stay within `kv_memory_mb`."""
+    if kv_memory_mb is None or bytes_per_request <= 0:
+        return max_requests
+    fits = kv_memory_mb * 2**20 // bytes_per_request
+    if fits < 1:
+        raise ConfigError(f"batching.kv_memory_mb ({kv_memory_mb}) holds no request: one request's KV caches "
+                          f"at the full model context take {bytes_per_request / 2**20:.1f} MB")
+    return int(min(max_requests, fits))
+
+
 class Engine:
     def __init__(self, config: ChainConfig, speculative: bool = True, auto_tune: bool = True, batched: bool = False) -> None:
         """`auto_tune`: with `speculation.lengths: auto`, profile the tiers and let the tuner set the lengths.
@@ -85,15 +97,10 @@ class Engine:
         self.max_requests = batching.max_requests
         tiers = batched_tiers(self.tiers, batching.max_requests)
         per_request = sum(t.bytes_per_request() for t in tiers if hasattr(t, "bytes_per_request"))
-        if batching.kv_memory_mb is not None and per_request:
-            fits = batching.kv_memory_mb * 2**20 // per_request
-            if fits < 1:
-                raise ConfigError(f"batching.kv_memory_mb ({batching.kv_memory_mb}) holds no request: one request's KV caches "
-                                  f"at the full model context take {per_request / 2**20:.1f} MB")
-            self.max_requests = min(self.max_requests, int(fits))
-            for tier in tiers:
-                if hasattr(tier, "cache"):
-                    tier.cache.max_slots = self.max_requests
+        self.max_requests = requests_within_memory(batching.max_requests, batching.kv_memory_mb, per_request)
+        for tier in tiers:
+            if hasattr(tier, "cache"):
+                tier.cache.max_slots = self.max_requests
         prefill = max(1, batching.max_batched_tokens - self.max_requests)
         self.scheduler = BatchedScheduler(tiers, self.config.speculation_lengths(), eos_token_ids=eos, prefill_budget=prefill)
         if auto_tune and self.config.speculation.lengths == "auto" and len(self.tiers) > 1:
