@@ -119,6 +119,7 @@ def test_greedy_batched_equals_target_alone(tiny_family, target_model, names, sp
         _check_greedy(target_model, prompt_ids, results[request_id]["token_ids"], count)
 
 
+@pytest.mark.slow
 def test_batched_sampling_matches_target_distribution(tiny_family):
     """1200 seeded samples of the first two tokens, drawn 48 at a time beside greedy and other-prompt requests."""
     engine = build(tiny_family, ["target", "mid", "ngram"], {"lengths": [3, 2]}, {"max_requests": 64})
