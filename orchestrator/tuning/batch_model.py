@@ -19,8 +19,10 @@ tokens per second; speculation off is always a candidate.
 is refined online from every batched forward (an EMA per grid cell). Each plan's predicted
 step time is also corrected online by the ratio of measured to predicted step times for
 that plan and batch size (Python overhead, rounds that overshoot), and every
-`EXPLORE_EVERY` steps with speculation on the planner runs one step with it off, so a wrong
-correction cannot keep it speculating at a loss.
+`EXPLORE_EVERY` steps the planner runs one step on the other side (off when speculating,
+the best speculating plan when off). The measured tokens/s of both sides are kept per batch
+size: when speculating has measured slower than not, speculation stays off whatever the
+model predicts, so under load the planner is not slower than speculation off.
 """
 
 from __future__ import annotations
@@ -42,8 +44,8 @@ SMOOTHING = 0.2
 EXPLORE_EVERY = 24  # steps with speculation on between two steps with it off (per batch-size bucket)
 PRIOR_RATE = 0.9  # acceptance rate before any round is seen: optimistic, so every drafter gets tried
 PRIOR_WEIGHT = 4.0  # ... worth this many observed tokens
-LENGTHS = (2, 4, 6, 8, 12)
-INNER_LENGTHS = (2, 4, 6, 10)
+LENGTHS = (3, 6, 12)
+INNER_LENGTHS = (4, 10)
 
 
 def expected_tokens(rate: float, k: int) -> float:
@@ -124,7 +126,8 @@ class BatchPlanner:
         self.max_length = max_length
         self.accepted: dict[tuple, float] = {}
         self.rejected: dict[tuple, float] = {}
-        self.correction: dict[tuple, float] = {}  # (plan, bucket) -> measured / predicted step time
+        self.correction: dict[tuple, float] = {}  # (plan, bucket), (plan, 0), (None, bucket), (None, 0) -> measured / predicted step time
+        self.measured: dict[tuple[int, bool], float] = {}  # (bucket, speculating) -> EMA of measured tokens/s
         self.steps: dict[int, int] = {}  # bucket -> steps since speculation was last off
         self.plans = self._candidates()
         self.chosen: dict[int, Plan] = {}
@@ -172,11 +175,22 @@ class BatchPlanner:
         plan = self._pending
         if plan is None or self._predicted_ms <= 0:
             return
-        key = (plan, bucket(batch))
+        group = bucket(batch)
         ratio = min(4.0, max(0.25, seconds * 1000.0 / self._predicted_ms))
-        current = self.correction.get(key, self.correction.get((plan, 0), 1.0))
-        self.correction[key] = current + SMOOTHING * (ratio - current)
-        self.correction[(plan, 0)] = self.correction.get((plan, 0), 1.0) + SMOOTHING * (ratio - self.correction.get((plan, 0), 1.0))
+        for key in ((plan, group), (plan, 0), (None, group), (None, 0)):
+            current = self.corrected(*key)
+            self.correction[key] = current + SMOOTHING * (ratio - current)
+        if seconds > 0:
+            key = (group, plan.speculating)
+            rate = tokens / seconds
+            self.measured[key] = rate if key not in self.measured else self.measured[key] + SMOOTHING * (rate - self.measured[key])
+
+    def corrected(self, plan, group: int) -> float:
+        """Measured / predicted step time: this plan at this batch size, else this plan, else all plans at this size, else all."""
+        for key in ((plan, group), (plan, 0), (None, group), (None, 0)):
+            if key in self.correction:
+                return self.correction[key]
+        return 1.0
 
     def rate(self, level: int, drafter: int, greedy: bool = True) -> float:
         key = (level, drafter, greedy)
@@ -223,7 +237,7 @@ class BatchPlanner:
     def goodput(self, plan: Plan, batch: int) -> float:
         """Expected total tokens/s of a step of `batch` requests under `plan`."""
         ms, tokens = self.step_ms(plan, batch)
-        ms *= self.correction.get((plan, bucket(batch)), self.correction.get((plan, 0), 1.0))
+        ms *= self.corrected(plan, bucket(batch))
         return batch * tokens / max(ms, 1e-6) * 1000.0
 
     def plan(self, batch: int, params: list[SamplingParams] | None = None) -> tuple[list[int], tuple[int, ...]]:
@@ -233,17 +247,23 @@ class BatchPlanner:
             self.greedy_share = sum(p.greedy for p in params) / len(params)
         allowed = [p for p in self.plans if self.fits(p, batch)] or self.plans[:1]
         best = max(allowed, key=lambda p: self.goodput(p, batch))
-        if best.speculating:
-            self.steps[group] = self.steps.get(group, 0) + 1
-            if self.steps[group] >= EXPLORE_EVERY:
-                self.steps[group] = 0
-                best = self.plans[0]  # measure "off" again
+        off = self.plans[0]
+        spec_rate, off_rate = self.measured.get((group, True)), self.measured.get((group, False))
+        if best.speculating and spec_rate is not None and off_rate is not None and spec_rate < off_rate:
+            best = off  # measured: speculating at this load has been slower than not
+        self.steps[group] = self.steps.get(group, 0) + 1
+        if self.steps[group] >= EXPLORE_EVERY:  # measure the other side again now and then
+            self.steps[group] = 0
+            if best.speculating:
+                best = off
+            else:
+                best = max((p for p in allowed if p.speculating), key=lambda p: self.goodput(p, batch), default=off)
         if self.chosen.get(group) != best:
             self.chosen[group] = best
             self.history.append({"batch": batch, "tiers": list(best.active), "lengths": list(best.lengths)})
             del self.history[:-64]
         self._pending = best
-        self._predicted_ms = self.step_ms(best, batch)[0] * self.correction.get((best, group), self.correction.get((best, 0), 1.0))
+        self._predicted_ms = self.step_ms(best, batch)[0] * self.corrected(best, group)
         return list(best.lengths), best.active
 
     def describe(self) -> dict:

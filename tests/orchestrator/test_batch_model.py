@@ -92,3 +92,16 @@ def test_step_time_correction_moves_away_from_a_slow_plan():
         plan.observe_step(4, 4, (4 if slow else 1) * predicted / 1000.0, lengths, active)  # that plan runs 4x slower than predicted
     assert plan.correction[(first, 4)] > 1.5
     assert plan.chosen[4] != first
+
+
+def test_measured_slower_speculation_is_turned_off():
+    """Whatever the model predicts, a batch size where speculating measured slower than off runs off."""
+    plan = planner(lambda b, w: 10.0)
+    accept(plan, 0, 1, 0.95)
+    lengths, active = plan.plan(16)
+    assert len(active) > 1
+    plan.observe_step(16, 16, 1.0, lengths, active)  # speculating: 16 tokens/s
+    plan.measured[(16, False)] = 40.0  # off measured at 40 tokens/s
+    chosen = [plan.plan(16)[1] for _ in range(EXPLORE_EVERY)]
+    assert chosen.count((0,)) >= EXPLORE_EVERY - 2 and any(len(a) > 1 for a in chosen)  # off, but speculation is re-measured
+    assert plan.plan(1)[1] != (0,)  # other batch sizes keep their own measurements
