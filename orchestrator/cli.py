@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from polyspec.harness import zoo_fetch
 from polyspec.orchestrator import serving_cli, validate
 from polyspec.workers.core.errors import PolyspecError, RequestError
 
@@ -48,13 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="requests in flight at once (batched: default and most batching.max_requests; ray backend: default 8; round-robin: 1)")
     batch.add_argument("--stats", metavar="FILE", help="write the run's runtime stats (transport, busy/idle per tier) as JSON")
 
-    zoo = sub.add_parser("zoo", help="the demo model family trained on the Python standard library")
+    zoo = sub.add_parser("zoo", help="models: fetch real pretrained ones, or build the demo family trained on the standard library")
     zoo_sub = zoo.add_subparsers(dest="zoo_command", required=True)
     zoo_build = zoo_sub.add_parser("build", help="train (or resume training) the tokenizer and models")
     zoo_build.add_argument("--out", default="models/stdlib")
     zoo_build.add_argument("--work", default=".zoo-work", help="checkpoints and token caches (resumable)")
     zoo_build.add_argument("--only", action="append", help="train only this member (repeatable)")
     zoo_build.add_argument("--threads", type=int, default=1)
+    zoo_fetch.add_parsers(zoo_sub)  # fetch, list
 
     tune = sub.add_parser("tune", help="time model: predicted vs measured ms/token over a grid of speculation lengths")
     tune.add_argument("-c", "--config", required=True)
@@ -83,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--write-prompts", metavar="OUT", help="build the held-out prompt set for the config's target, then exit")
     serving_cli.add_parsers(sub)  # serve, submit, jobs
     validate.add_parser(sub)
+    from polyspec.harness import train_draft_cli
+
+    train_draft_cli.add_parser(sub)
     return parser
 
 
@@ -261,6 +266,10 @@ def _is_json(line: str) -> bool:
 
 
 def cmd_zoo(args) -> int:
+    if args.zoo_command == "fetch":
+        return zoo_fetch.cmd_fetch(args)
+    if args.zoo_command == "list":
+        return zoo_fetch.cmd_list(args)
     from polyspec.harness.zoo import build
 
     build(args.out, args.work, only=args.only, threads=args.threads)
@@ -282,6 +291,15 @@ def cmd_tune(args) -> int:
 COMMANDS = {"generate": cmd_generate, "batch": cmd_batch, "zoo": cmd_zoo, "bench": cmd_bench, "tune": cmd_tune}
 COMMANDS.update(serving_cli.COMMANDS)  # serve, submit, jobs
 COMMANDS["validate"] = validate.cmd_validate
+
+
+def cmd_train_draft(args) -> int:
+    from polyspec.harness.train_draft import cmd_train_draft as run
+
+    return run(args)
+
+
+COMMANDS["train-draft"] = cmd_train_draft
 
 
 def main(argv: list[str] | None = None) -> int:

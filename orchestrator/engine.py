@@ -10,6 +10,8 @@ request means the same thing everywhere (DESIGN §8):
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import math
 import threading
 from typing import Any, Callable
 
@@ -22,6 +24,8 @@ from polyspec.workers.core.sampling import SamplingParams
 DEFAULT_MAX_LENGTH = 8  # the tuner's largest speculation length
 PROFILE_CONTEXT_TOKENS = 128  # committed tokens when the start-up profile has no real prompt
 PROFILE_MAX_BATCH = 16  # the batched profile stops here; larger batches are extrapolated in proportion to their rows
+SEED_LIMIT = 1 << 63  # seeds are in [0, 2^63): an int64 on the wire, every bit used
+MAX_TEMPERATURE = 1000.0  # far past uniform sampling; larger (or inf) is a mistake
 REQUEST_FIELDS = ("id", "prompt", "prompt_ids", "max_new_tokens", "temperature", "top_p", "top_k", "seed")
 
 
@@ -36,8 +40,19 @@ class GenerationRequest:
 
 def _number(name: str, value, kind):
     if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
-        raise RequestError(f"{name} must be {'a number' if kind is float else 'an integer'}, got {value!r}")
-    return kind(value)
+        raise RequestError(f"{name} must be {'a number' if kind is float else 'an integer'}, got {str(value)[:40]!r}")
+    try:
+        return kind(value)
+    except OverflowError:  # an int past float's range
+        raise RequestError(f"{name} is out of range, got {str(value)[:40]}") from None
+
+
+def seed_stream(seed: int | None) -> int | None:
+    """The seed the chain's generators start from: a hash of all 64 bits of the request's
+    seed (torch's CPU generator keeps only the low 32 bits of what it is given)."""
+    if seed is None:
+        return None
+    return int.from_bytes(hashlib.blake2b(int(seed).to_bytes(8, "little"), digest_size=8).digest(), "little") >> 1
 
 
 def requests_within_memory(max_requests: int, kv_memory_mb: int | None, bytes_per_request: int) -> int:
@@ -201,6 +216,8 @@ class Engine:
         if max_new <= 0:
             raise RequestError(f"max_new_tokens must be > 0, got {max_new}")
         temperature = _number("temperature", raw.get("temperature", defaults.temperature), float)
+        if not math.isfinite(temperature) or temperature > MAX_TEMPERATURE:
+            raise RequestError(f"temperature must be finite and <= {MAX_TEMPERATURE:g}, got {temperature!r}")
         top_p = _number("top_p", raw.get("top_p", defaults.top_p), float)
         top_k = _number("top_k", raw.get("top_k", defaults.top_k), int)
         try:
@@ -210,17 +227,19 @@ class Engine:
         seed = raw.get("seed")
         if seed is not None:
             seed = _number("seed", seed, int)
+            if not 0 <= seed < SEED_LIMIT:
+                raise RequestError(f"seed must be in [0, 2^63), got {str(seed)[:40]}")
         request_id = raw.get("id")
         return GenerationRequest(tuple(ids), max_new, params, seed, None if request_id is None else str(request_id))
 
     def generate(self, request: GenerationRequest, on_commit: Callable[[list[int]], None] | None = None) -> dict:
-        output = self.scheduler.generate(list(request.prompt_ids), request.max_new_tokens, request.params, request.seed, on_commit)
+        output = self.scheduler.generate(list(request.prompt_ids), request.max_new_tokens, request.params, seed_stream(request.seed), on_commit)
         return self._result(request, output)
 
     # Round-by-round API for callers that interleave requests (the server). One thread only.
 
     def start(self, request: GenerationRequest) -> RequestState:
-        state = self.scheduler.start(list(request.prompt_ids), request.max_new_tokens, request.params, request.seed)
+        state = self.scheduler.start(list(request.prompt_ids), request.max_new_tokens, request.params, seed_stream(request.seed))
         state.request = request
         return state
 
