@@ -15,7 +15,8 @@ import math
 import threading
 from typing import Any, Callable
 
-from polyspec.orchestrator.decode.scheduler import ChainScheduler, RequestState
+from polyspec.orchestrator.decode.contract import RequestState
+from polyspec.orchestrator.decode.scheduler import ChainScheduler
 from polyspec.orchestrator.config import ChainConfig
 from polyspec.workers.core.errors import ConfigError, RequestError
 from polyspec.workers.tiers.loading import load_tiers, quiet_transformers
