@@ -8,6 +8,7 @@
     sampling: {temperature: 0.0, top_p: 1.0, top_k: 0, max_new_tokens: 64}
     runtime: {backend: local}
     server: {host: 127.0.0.1, port: 50051}
+    batching: {enabled: true, max_requests: 64, max_batched_tokens: 2048, kv_memory_mb: null}
 
 Every mistake is a `ConfigError` with one line that names the offending key.
 """
@@ -85,12 +86,23 @@ class ServerConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class BatchingConfig:
+    """How many requests one batched step may carry (docs/serving.md, "Admission")."""
+
+    enabled: bool = True  # local chains with tree_width 1 step all their requests in one batched round
+    max_requests: int = 64  # requests holding caches and stepping together; more wait
+    max_batched_tokens: int = 2048  # new positions one forward may carry (rows x padded block), prefill included
+    kv_memory_mb: int | None = None  # bound on the KV caches of all requests; lowers max_requests to fit
+
+
+@dataclasses.dataclass(frozen=True)
 class ChainConfig:
     tiers: tuple[TierConfig, ...]
     speculation: SpeculationConfig = SpeculationConfig()
     sampling: SamplingConfig = SamplingConfig()
     runtime: RuntimeConfig = RuntimeConfig()
     server: ServerConfig = ServerConfig()
+    batching: BatchingConfig = BatchingConfig()
     source: str | None = None  # the file it was read from
 
     def speculation_lengths(self) -> list[int]:
@@ -246,7 +258,7 @@ def _parse_lengths(raw: Any, num_tiers: int):
 def parse_config(raw: Any, source: str | None = None) -> ChainConfig:
     if not isinstance(raw, dict):
         raise ConfigError("config must be a YAML mapping with a 'tiers' list")
-    known = {"tiers", "speculation", "sampling", "runtime", "server"}
+    known = {"tiers", "speculation", "sampling", "runtime", "server", "batching"}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ConfigError(f"unknown config key '{unknown[0]}' (known keys: {', '.join(sorted(known))})")
@@ -303,7 +315,27 @@ def parse_config(raw: Any, source: str | None = None) -> ChainConfig:
     if "port" in srv:
         _typed("server", "port", srv["port"], int)
     server = ServerConfig(**srv)
-    return ChainConfig(tiers=tiers, speculation=speculation, sampling=sampling, runtime=runtime, server=server, source=source)
+    batching = _parse_batching(raw.get("batching"))
+    return ChainConfig(tiers=tiers, speculation=speculation, sampling=sampling, runtime=runtime, server=server,
+                       batching=batching, source=source)
+
+
+def _parse_batching(raw: Any) -> BatchingConfig:
+    values = _check_keys("batching", raw, BatchingConfig)
+    if "enabled" in values:
+        _typed("batching", "enabled", values["enabled"], bool)
+    for key in ("max_requests", "max_batched_tokens", "kv_memory_mb"):
+        if key in values:
+            values[key] = _typed("batching", key, values[key], int, allow_none=key == "kv_memory_mb")
+            if values[key] is not None and values[key] < 1:
+                raise ConfigError(f"config key 'batching.{key}' must be >= 1, got {values[key]}")
+    batching = BatchingConfig(**values)
+    if batching.max_batched_tokens < batching.max_requests:
+        raise ConfigError(
+            f"batching.max_batched_tokens ({batching.max_batched_tokens}) must be >= batching.max_requests "
+            f"({batching.max_requests}): every request in a step feeds at least one token"
+        )
+    return batching
 
 
 def load_config(path: str) -> ChainConfig:
