@@ -226,7 +226,10 @@ def new_drafter(kind: str, target_model, *, layers: int = 2, sampling: bool = Tr
     meta = {"target": target_signature(config), "intermediate_size": intermediate_size or config.intermediate_size}
     if kind == "feature":
         meta.update(sampling=sampling, decoupled=decoupled)
-        return build_feature_head(meta, config), meta
+        head = build_feature_head(meta, config)
+        if meta["intermediate_size"] == config.intermediate_size:
+            _warm_start_feature_head(head, target_model)
+        return head, meta
     if kind != "early_exit":
         raise ValueError(f"unknown drafter kind {kind!r}")
     if not 1 <= layers < config.num_hidden_layers:
@@ -237,3 +240,19 @@ def new_drafter(kind: str, target_model, *, layers: int = 2, sampling: bool = Tr
         adapter.layer.load_state_dict(target_model.model.layers[layers].state_dict())
     adapter.norm.load_state_dict(target_model.model.norm.state_dict())
     return adapter, meta
+
+
+@torch.no_grad()
+def _warm_start_feature_head(head: FeatureHead, target_model) -> None:
+    """Start as the target's first layer over the token embedding, then its final norm and LM
+    head: a one-layer language model, already a drafter, to which training adds the features.
+    (The fc passes the embedding through; the feature inputs start at a small random weight.)"""
+    hidden = head.config.hidden_size
+    weight = head.fc.weight  # [H, k * H]: features, embedding, (features * embedding)
+    weight.mul_(0.1)
+    weight[:, hidden : 2 * hidden] = torch.eye(hidden)
+    head.fc.bias.zero_()
+    head.decoder.layers[0].load_state_dict(target_model.model.layers[0].state_dict())
+    head.feature_norm.load_state_dict(target_model.model.norm.state_dict())
+    if head.decoupled:
+        head.logit_norm.load_state_dict(target_model.model.norm.state_dict())
