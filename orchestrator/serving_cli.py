@@ -53,6 +53,10 @@ def add_parsers(sub) -> None:
     _add_client_flags(submit)
     submit.add_argument("--wait", action="store_true", help="wait for the job, with a progress bar")
     submit.add_argument("-o", "--output", default=None, help="with --wait: write the results here as JSONL")
+    submit.add_argument("--idempotency-key", default=None,
+                        help="the same key again (same tenant) returns the job it made instead of a second one")
+    submit.add_argument("--retry-s", type=float, default=0.0,
+                        help="keep retrying this long while the server is unreachable (with the same key: one job)")
 
     jobs = sub.add_parser("jobs", help="list, inspect, fetch or cancel jobs on a server")
     jobs_sub = jobs.add_subparsers(dest="jobs_command", required=True)
@@ -163,7 +167,7 @@ def _describe(job) -> str:
 def cmd_submit(args) -> int:
     requests = read_requests(args.input)
     with _Connection(args) as client:
-        job = client.submit_job(requests)
+        job = client.submit_job(requests, idempotency_key=args.idempotency_key, retry_s=args.retry_s)
         print(job.job_id, flush=True)
         if not args.wait:
             return 0
