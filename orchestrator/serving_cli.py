@@ -126,13 +126,19 @@ def read_requests(path: str) -> list[dict]:
     if not source.is_file():
         raise RequestError(f"input file not found: {path}")
     requests = []
-    for number, line in enumerate(source.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, data in enumerate(source.read_bytes().splitlines(), start=1):
+        try:
+            line = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise RequestError(f"{path} line {number}: not valid UTF-8 (byte {exc.start + 1})") from None
         if not line.strip():
             continue
         try:
             raw = json.loads(line)
         except json.JSONDecodeError as exc:
             raise RequestError(f"{path} line {number}: malformed JSON: {exc.msg} at column {exc.colno}") from None
+        except (ValueError, RecursionError) as exc:  # an integer of thousands of digits, nesting past the recursion limit
+            raise RequestError(f"{path} line {number}: malformed JSON: {str(exc).splitlines()[0][:100]}") from None
         if not isinstance(raw, dict):
             raise RequestError(f"{path} line {number}: a request must be a JSON object")
         raw = {**raw, "id": str(raw["id"]) if raw.get("id") is not None else f"line-{number}"}
