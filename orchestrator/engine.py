@@ -15,7 +15,8 @@ import math
 import threading
 from typing import Any, Callable
 
-from polyspec.orchestrator.decode.scheduler import ChainScheduler, RequestState
+from polyspec.orchestrator.decode.contract import RequestState
+from polyspec.orchestrator.decode.scheduler import ChainScheduler
 from polyspec.orchestrator.config import ChainConfig
 from polyspec.workers.core.errors import ConfigError, RequestError
 from polyspec.workers.tiers.loading import load_tiers, quiet_transformers
@@ -23,6 +24,7 @@ from polyspec.workers.core.sampling import SamplingParams
 
 DEFAULT_MAX_LENGTH = 8  # the tuner's largest speculation length
 PROFILE_CONTEXT_TOKENS = 128  # committed tokens when the start-up profile has no real prompt
+PROFILE_MAX_BATCH = 16  # the batched profile stops here; larger batches are extrapolated in proportion to their rows
 SEED_LIMIT = 1 << 63  # seeds are in [0, 2^63): an int64 on the wire, every bit used
 MAX_TEMPERATURE = 1000.0  # far past uniform sampling; larger (or inf) is a mistake
 REQUEST_FIELDS = ("id", "prompt", "prompt_ids", "max_new_tokens", "temperature", "top_p", "top_k", "seed")
@@ -54,11 +56,27 @@ def seed_stream(seed: int | None) -> int | None:
     return int.from_bytes(hashlib.blake2b(int(seed).to_bytes(8, "little"), digest_size=8).digest(), "little") >> 1
 
 
+def requests_within_memory(max_requests: int, kv_memory_mb: int | None, bytes_per_request: int) -> int:
+    """How many requests may hold caches at once: `max_requests`, lowered so their KV caches (each at
+    the full model context) stay within `kv_memory_mb`."""
+    if kv_memory_mb is None or bytes_per_request <= 0:
+        return max_requests
+    fits = kv_memory_mb * 2**20 // bytes_per_request
+    if fits < 1:
+        raise ConfigError(f"batching.kv_memory_mb ({kv_memory_mb}) holds no request: one request's KV caches "
+                          f"at the full model context take {bytes_per_request / 2**20:.1f} MB")
+    return int(min(max_requests, fits))
+
+
 class Engine:
-    def __init__(self, config: ChainConfig, speculative: bool = True, auto_tune: bool = True) -> None:
-        """`auto_tune`: with `speculation.lengths: auto`, profile the tiers and let the tuner set the lengths."""
+    def __init__(self, config: ChainConfig, speculative: bool = True, auto_tune: bool = True, batched: bool = False) -> None:
+        """`auto_tune`: with `speculation.lengths: auto`, profile the tiers and let the tuner set the lengths.
+        `batched`: step many requests per forward (`polyspec batch`, jobs, `serve`), where the config allows it
+        (`batching.enabled`, a local chain of chains); otherwise requests take turns, one round each."""
         quiet_transformers()
         self._decode_lock = threading.Lock()
+        self.batched = False
+        self.max_requests = 1
         self.config = config if speculative else config.target_only()
         if config.runtime.backend == "ray":
             self._start_ray(auto_tune)
@@ -72,6 +90,10 @@ class Engine:
             configured = getattr(source, "eos_token_id", None)
             if configured is not None:
                 eos.update([configured] if isinstance(configured, int) else configured)
+        self.batched = batched and self.config.batching.enabled and self.config.speculation.tree_width == 1
+        if self.batched:
+            self._start_batched(tuple(sorted(eos)), auto_tune)
+            return
         self.scheduler = ChainScheduler(
             self.tiers,
             self.config.speculation_lengths(),
@@ -81,6 +103,39 @@ class Engine:
         )
         if auto_tune and self.config.speculation.lengths == "auto" and len(self.tiers) > 1:
             self.scheduler.tuner = self.make_tuner()
+
+    def _start_batched(self, eos: tuple[int, ...], auto_tune: bool) -> None:
+        """Every active request in one batched round per step (polyspec.orchestrator.decode.batched)."""
+        from polyspec.orchestrator.decode.batched import BatchedScheduler
+        from polyspec.workers.tiers.batched import batched_tiers
+
+        batching = self.config.batching
+        self.max_requests = batching.max_requests
+        tiers = batched_tiers(self.tiers, batching.max_requests)
+        per_request = sum(t.bytes_per_request() for t in tiers if hasattr(t, "bytes_per_request"))
+        self.max_requests = requests_within_memory(batching.max_requests, batching.kv_memory_mb, per_request)
+        for tier in tiers:
+            if hasattr(tier, "cache"):
+                tier.cache.max_slots = self.max_requests
+        prefill = max(1, batching.max_batched_tokens - self.max_requests)
+        self.scheduler = BatchedScheduler(tiers, self.config.speculation_lengths(), eos_token_ids=eos, prefill_budget=prefill)
+        if auto_tune and self.config.speculation.lengths == "auto" and len(self.tiers) > 1:
+            self.scheduler.planner = self.make_planner()
+
+    def make_planner(self):
+        """Profile each tier's batched forward (a few seconds) and build the goodput planner."""
+        from polyspec.orchestrator.tuning.batch_model import BatchPlanner, profile_batched
+
+        tiers = self.scheduler.tiers
+        tables, lookup = profile_batched(tiers, self.vocab_size, min(self.max_requests, PROFILE_MAX_BATCH))
+        return BatchPlanner(tiers, tables, lookup, max_batched_tokens=self.config.batching.max_batched_tokens)
+
+    def step_all(self, states: list[RequestState]) -> list[list[int]]:
+        """One round of every request in `states` (batched chains: one forward per tier; otherwise in turn)."""
+        step_all = getattr(self.scheduler, "step_all", None)
+        if step_all is not None:
+            return step_all(states)
+        return [self.scheduler.step(state) for state in states]
 
     def _start_ray(self, auto_tune: bool) -> None:
         """The tiers run as Ray actors (polyspec.orchestrator.distributed.ray_runtime); this process only drives them."""

@@ -345,13 +345,13 @@ def test_prefill_rollback_and_profile_rpcs(tiny_family, embedded):
     try:
         (ids, expected), *_ = embedded.values()
         state = chain.start(ids, MAX_NEW, SamplingParams(temperature=0.0))
-        stubs[0].Prefill(tier_pb2.PrefillRequest(header=state.header, context=ids))
-        assert len(tiers[0]._sequences[state.header.seq_id].cache) == len(ids)  # the prompt is in the cache
+        stubs[0].Prefill(tier_pb2.PrefillRequest(header=state.run.header, context=ids))
+        assert len(tiers[0]._sequences[state.seq_id].cache) == len(ids)  # the prompt is in the cache
         chain.step(state)
         chain.step(state)
         for stub in stubs:
-            stub.Rollback(tier_pb2.RollbackRequest(seq_id=state.header.seq_id, length=3))
-        assert len(tiers[0]._sequences[state.header.seq_id].cache) == 3
+            stub.Rollback(tier_pb2.RollbackRequest(seq_id=state.seq_id, length=3))
+        assert len(tiers[0]._sequences[state.seq_id].cache) == 3
         while not state.done:
             chain.step(state)
         assert chain.finish(state).token_ids == expected
