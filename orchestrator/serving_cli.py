@@ -44,6 +44,7 @@ def add_parsers(sub) -> None:
         ("--max-prompts", int, "64", "prompts in one HTTP /v1/completions list"),
         ("--max-body-bytes", int, "8 MiB", "bytes of one HTTP request body"),
         ("--max-connections", int, "256", "open HTTP connections (more get 503)"),
+        ("--max-rpcs", int, "1024", "gRPC calls in progress, streams included (more get RESOURCE_EXHAUSTED)"),
         ("--request-timeout-s", float, "30", "seconds an HTTP client has to send its request"),
     ):
         limits.add_argument(flag, type=kind, default=None, help=f"{text} (default {default})")

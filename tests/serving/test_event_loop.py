@@ -46,8 +46,6 @@ class FakeScheduler:
     def submit(self, work) -> None:
         work.on_event("done", ({"finish_reason": "length", "token_ids": [], "stats": {}}, "", {"queue_s": 0.0, "first_token_s": 0.0}))
 
-    submit_all = None
-
     def cancel(self, work) -> None:
         pass
 
