@@ -336,12 +336,13 @@ def test_prefill_rollback_and_profile_rpcs(tiny_family, embedded):
     the request still ends with the target's own greedy tokens (every call carries its context)."""
     import grpc
 
+    from polyspec.orchestrator.distributed import cluster_auth
     from polyspec.protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
 
     config = chain_config(tiny_family, ["target", "mid"], lengths=[4])
     tiers, _ = load_tiers(config.tiers)
     chain, workers = in_process_chain(tiers, [4], pipeline=True, eos_token_ids=EOS)
-    stubs = [tier_pb2_grpc.TierStub(grpc.insecure_channel(w.address)) for w in workers]
+    stubs = [tier_pb2_grpc.TierStub(cluster_auth.insecure_channel(w.address)) for w in workers]
     try:
         (ids, expected), *_ = embedded.values()
         state = chain.start(ids, MAX_NEW, SamplingParams(temperature=0.0))
