@@ -2,9 +2,13 @@
 
 The Engine is not thread-safe, so all model work happens on this thread. Each pass:
 
-    1. admit waiting interactive requests (at most MAX_ACTIVE hold caches at once)
+    1. admit waiting interactive requests (at most MAX_ACTIVE hold caches at once; with the
+       batched engine, its `max_requests`)
     2. one round (`engine.step`) for every active interactive request, round robin —
-       a long request never holds the others back by more than one round each
+       a long request never holds the others back by more than one round each. With the
+       batched engine all of them take that round together: one `engine.step_all` (one
+       forward per tier), after the prompts of newly admitted requests are cached within
+       the step's token budget (they join the round once cached)
     3. only when no interactive request is waiting or running: one round of the current
        job item (interactive first); the item pauses, caches kept, while interactive
        traffic is served
@@ -155,7 +159,8 @@ class RoundScheduler(threading.Thread):
                     self._cond.wait(IDLE_WAIT_S)
                 if self._stopping:
                     break
-                room = MAX_ACTIVE - len(self._active)
+                # batched: a paused job item keeps its cache slot
+                room = (self.engine.max_requests - (self._job_work is not None) if self._batched else MAX_ACTIVE) - len(self._active)
                 admitted, self._waiting = self._waiting[:room], self._waiting[room:]
                 self._active.extend(admitted)
                 active = list(self._active)
@@ -167,6 +172,8 @@ class RoundScheduler(threading.Thread):
 
                     self._pool = ThreadPoolExecutor(MAX_ACTIVE, thread_name_prefix="polyspec-round")
                 over = list(self._pool.map(self._advance, active))
+            elif self._batched and active:
+                over = self._advance_batch(active)
             else:
                 over = [self._advance(work) for work in active]
             for work, finished in zip(active, over):
@@ -179,6 +186,54 @@ class RoundScheduler(threading.Thread):
             if not active:
                 self._advance_job()
         self._abandon_all()
+
+    @property
+    def _batched(self) -> bool:
+        return bool(getattr(self.engine, "batched", False))
+
+    def _advance_batch(self, active: list[Work]) -> list[bool]:
+        """One batched round of every active request; for each, True when it is over."""
+        over = [False] * len(active)
+        live = []
+        for index, work in enumerate(active):
+            try:
+                if work.cancelled:
+                    over[index] = self._cancel(work)
+                    continue
+                if work.state is None:
+                    work.started_at = time.perf_counter()
+                    work.state = self.engine.start(work.request)
+                live.append(index)
+            except Exception as exc:  # noqa: BLE001 - one bad request must not take the server down
+                self._failed(work, exc)
+                over[index] = True
+        scheduler = self.engine.scheduler
+        try:
+            scheduler.prefill([active[i].state for i in live])
+            ready = [i for i in live if active[i].state.done or scheduler.ready(active[i].state)]
+            emitted = self.engine.step_all([active[i].state for i in ready]) if ready else []
+        except Exception as exc:  # noqa: BLE001 - the step failed for all of them
+            for i in live:
+                self._failed(active[i], exc)
+                over[i] = True
+            return over
+        step = scheduler.last_step
+        if ready and step.get("batch"):
+            self.metrics.batch_step(step["batch"], step["tokens"], step["seconds"], len(step.get("tiers", ())) > 1)
+        for i, tokens in zip(ready, emitted):
+            work = active[i]
+            try:
+                if tokens:
+                    self._emit_delta(work, tokens)
+                if work.state.done:
+                    with self.tokenizer_lock:
+                        result = self.engine.finish(work.state)
+                    self._finished(work, result)
+                    over[i] = True
+            except Exception as exc:  # noqa: BLE001
+                self._failed(work, exc)
+                over[i] = True
+        return over
 
     def _decode(self, token_ids: list[int]) -> str:
         with self.tokenizer_lock:
