@@ -237,6 +237,6 @@ def _load_and_warm(config):
     """Load the chain and run one short generation so the first request pays no start-up cost."""
     from polyspec.orchestrator.engine import Engine
 
-    engine = Engine(config)
+    engine = Engine(config, batched=True)  # every active request in one batched round (batching.enabled)
     engine.generate(engine.parse_request({"prompt_ids": [0], "max_new_tokens": 2}))
     return engine

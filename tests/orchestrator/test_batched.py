@@ -19,6 +19,7 @@ from family_chains import tier_specs
 from lossless_stats import ALPHA, chi_square_p_value, exact_two_token_probs
 from polyspec.orchestrator.batch_runner import ContinuousBatch, run_requests
 from polyspec.orchestrator.config import parse_config
+from polyspec.orchestrator.decode.contract import Decoder
 from polyspec.orchestrator.engine import Engine, requests_within_memory
 from polyspec.workers.core.errors import ConfigError
 from polyspec.workers.core.sampling import SamplingParams
@@ -146,6 +147,7 @@ def test_batched_sampling_matches_target_distribution(tiny_family):
 def test_seeded_sampling_is_the_same_batched_or_alone(tiny_family):
     """Per request, the round and its draws are the serial scheduler's: same seed, same tokens."""
     engine = build(tiny_family, ["target", "mid", "ngram"], {"lengths": [4, 2]})
+    assert isinstance(engine.scheduler, Decoder)
     serial = Engine(parse_config({"tiers": tier_specs(tiny_family, ["target", "mid", "ngram"]), "speculation": {"lengths": [4, 2]}}))
     raw = {"prompt": PROMPTS[2], "max_new_tokens": 16, "temperature": 0.8, "top_k": 20, "seed": 11, "id": "x"}
     alone = serial.generate(serial.parse_request(raw))["token_ids"]

@@ -174,10 +174,10 @@ def _load_weights(module: nn.Module, directory, where: str) -> None:
     if not weights.exists():
         raise DrafterError(f"{where}: {weights} is missing")
     state = load_file(str(weights))
-    own = {k for k in module.state_dict() if not k.startswith("decoder.embed_tokens")}
-    if set(state) != own:
-        missing = sorted(own - set(state)) or sorted(set(state) - own)
-        raise DrafterError(f"{where}: the weights in {weights} do not match the drafter's shape (e.g. {missing[0]!r})")
+    own = {k: v.shape for k, v in module.state_dict().items() if not k.startswith("decoder.embed_tokens")}
+    differing = sorted(set(own) ^ set(state)) or sorted(k for k in own if state[k].shape != own[k])
+    if differing:
+        raise DrafterError(f"{where}: the weights in {weights} do not match the drafter's shape (e.g. {differing[0]!r})")
     module.load_state_dict(state, strict=False)
 
 
