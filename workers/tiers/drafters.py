@@ -174,10 +174,10 @@ def _load_weights(module: nn.Module, directory, where: str) -> None:
     if not weights.exists():
         raise DrafterError(f"{where}: {weights} is missing")
     state = load_file(str(weights))
-    own = {k for k in module.state_dict() if not k.startswith("decoder.embed_tokens")}
-    if set(state) != own:
-        missing = sorted(own - set(state)) or sorted(set(state) - own)
-        raise DrafterError(f"{where}: the weights in {weights} do not match the drafter's shape (e.g. {missing[0]!r})")
+    own = {k: v.shape for k, v in module.state_dict().items() if not k.startswith("decoder.embed_tokens")}
+    differing = sorted(set(own) ^ set(state)) or sorted(k for k in own if state[k].shape != own[k])
+    if differing:
+        raise DrafterError(f"{where}: the weights in {weights} do not match the drafter's shape (e.g. {differing[0]!r})")
     module.load_state_dict(state, strict=False)
 
 
@@ -226,7 +226,10 @@ def new_drafter(kind: str, target_model, *, layers: int = 2, sampling: bool = Tr
     meta = {"target": target_signature(config), "intermediate_size": intermediate_size or config.intermediate_size}
     if kind == "feature":
         meta.update(sampling=sampling, decoupled=decoupled)
-        return build_feature_head(meta, config), meta
+        head = build_feature_head(meta, config)
+        if meta["intermediate_size"] == config.intermediate_size:
+            _warm_start_feature_head(head, target_model)
+        return head, meta
     if kind != "early_exit":
         raise ValueError(f"unknown drafter kind {kind!r}")
     if not 1 <= layers < config.num_hidden_layers:
@@ -237,3 +240,19 @@ def new_drafter(kind: str, target_model, *, layers: int = 2, sampling: bool = Tr
         adapter.layer.load_state_dict(target_model.model.layers[layers].state_dict())
     adapter.norm.load_state_dict(target_model.model.norm.state_dict())
     return adapter, meta
+
+
+@torch.no_grad()
+def _warm_start_feature_head(head: FeatureHead, target_model) -> None:
+    """Start as the target's first layer over the token embedding, then its final norm and LM
+    head: a one-layer language model, already a drafter, to which training adds the features.
+    (The fc passes the embedding through; the feature inputs start at a small random weight.)"""
+    hidden = head.config.hidden_size
+    weight = head.fc.weight  # [H, k * H]: features, embedding, (features * embedding)
+    weight.mul_(0.1)
+    weight[:, hidden : 2 * hidden] = torch.eye(hidden)
+    head.fc.bias.zero_()
+    head.decoder.layers[0].load_state_dict(target_model.model.layers[0].state_dict())
+    head.feature_norm.load_state_dict(target_model.model.norm.state_dict())
+    if head.decoupled:
+        head.logit_norm.load_state_dict(target_model.model.norm.state_dict())
