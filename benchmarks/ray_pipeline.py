@@ -57,12 +57,13 @@ def predict(chain, modes, hist, overheads, requests, embedded_ms: float | None =
     for every mode, so the ray modes' predictions stay out of sample."""
     import grpc
 
+    from polyspec.orchestrator.distributed import cluster_auth
     from polyspec.protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
 
     k = chain.lengths[0]
     profiles = []
     for view in chain.tiers:
-        with grpc.insecure_channel(view.address) as channel:
+        with cluster_auth.insecure_channel(view.address) as channel:
             profiles.append(list(tier_pb2_grpc.TierStub(channel).Profile(
                 tier_pb2.ProfileRequest(context_len=256, max_tokens=k + 1, repeats=7), timeout=120).forward_ms))
     t = profiles[0][k]  # target forward over k+1 tokens

@@ -337,22 +337,23 @@ def test_prefill_rollback_and_profile_rpcs(tiny_family, embedded):
     the request still ends with the target's own greedy tokens (every call carries its context)."""
     import grpc
 
+    from polyspec.orchestrator.distributed import cluster_auth
     from polyspec.protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
 
     config = chain_config(tiny_family, ["target", "mid"], lengths=[4])
     tiers, _ = load_tiers(config.tiers)
     chain, workers = in_process_chain(tiers, [4], pipeline=True, eos_token_ids=EOS)
-    stubs = [tier_pb2_grpc.TierStub(grpc.insecure_channel(w.address)) for w in workers]
+    stubs = [tier_pb2_grpc.TierStub(cluster_auth.insecure_channel(w.address)) for w in workers]
     try:
         (ids, expected), *_ = embedded.values()
         state = chain.start(ids, MAX_NEW, SamplingParams(temperature=0.0))
-        stubs[0].Prefill(tier_pb2.PrefillRequest(header=state.header, context=ids))
-        assert len(tiers[0]._sequences[state.header.seq_id].cache) == len(ids)  # the prompt is in the cache
+        stubs[0].Prefill(tier_pb2.PrefillRequest(header=state.run.header, context=ids))
+        assert len(tiers[0]._sequences[state.seq_id].cache) == len(ids)  # the prompt is in the cache
         chain.step(state)
         chain.step(state)
         for stub in stubs:
-            stub.Rollback(tier_pb2.RollbackRequest(seq_id=state.header.seq_id, length=3))
-        assert len(tiers[0]._sequences[state.header.seq_id].cache) == 3
+            stub.Rollback(tier_pb2.RollbackRequest(seq_id=state.seq_id, length=3))
+        assert len(tiers[0]._sequences[state.seq_id].cache) == 3
         while not state.done:
             chain.step(state)
         assert chain.finish(state).token_ids == expected
