@@ -97,3 +97,35 @@ def test_the_engine_tokenizes_like_the_model_expects(bos_model):
     model = AutoModelForCausalLM.from_pretrained(bos_model).eval()
     reference = model.generate(torch.tensor([request.prompt_ids]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert engine.generate(request)["token_ids"] == reference[0, len(request.prompt_ids):].tolist()
+
+
+def test_generate_chat_and_batch_messages(bos_model, tmp_path, capsys):
+    import json
+
+    import yaml
+
+    from polyspec.orchestrator.cli import main
+
+    config = tmp_path / "chain.yaml"
+    config.write_text(yaml.safe_dump({"tiers": [{"name": "target", "model": bos_model}]}))
+    assert main(["generate", "-c", str(config), "--chat", "--system", "Be brief.", "-p", "hi", "-n", "3", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert 1 <= len(result["token_ids"]) <= 3
+    assert main(["generate", "-c", str(config), "--system", "x", "-p", "hi"]) == 2
+    assert capsys.readouterr().err == "polyspec: error: --system needs --chat\n"
+    requests = tmp_path / "in.jsonl"
+    requests.write_text(json.dumps({"id": "c", "messages": [{"role": "user", "content": "hi"}], "max_new_tokens": 3}) + "\n"
+                        + json.dumps({"id": "bad", "messages": [{"role": "user"}]}) + "\n")
+    assert main(["batch", "-c", str(config), "-i", str(requests), "-o", str(tmp_path / "out.jsonl")]) == 0
+    results = {r["id"]: r for r in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
+    assert results["c"]["token_ids"]
+    assert results["bad"] == {"id": "bad", "error": "line 2: messages[0] has no 'content'"}
+
+
+def test_the_sdk_sends_messages_the_server_reads():
+    from polyspec.client import request_message
+    from polyspec.orchestrator.serving.server import request_dict
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    assert request_dict(request_message({"id": "a", "messages": messages, "max_new_tokens": 5})) == {
+        "id": "a", "messages": messages, "max_new_tokens": 5}

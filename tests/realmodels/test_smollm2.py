@@ -120,3 +120,22 @@ def test_the_chi_square_rejects_a_wrong_sampler(model, tokenizer):
     draws = torch.multinomial(torch.tensor([wrong[p] for p in pairs]), SAMPLES, replacement=True, generator=torch.Generator().manual_seed(0))
     counts = collections.Counter(pairs[int(d)] for d in draws)
     assert chi_square_p_value_sparse(counts, joint, SAMPLES) < ALPHA
+
+
+def test_a_tier_can_name_the_gguf_file_itself(smollm2, reference, tmp_path, capsys):
+    """`model: file.gguf` dequantizes at load to the same weights the zoo folder holds."""
+    import yaml
+
+    from polyspec.harness.zoo_fetch import MODELS
+    from polyspec.orchestrator.cli import main
+    from polyspec.workers.tiers.model_cache import model_cache_dir
+
+    gguf = model_cache_dir() / "gguf" / MODELS["smollm2"].gguf_file
+    engine = Engine(parse_config({"tiers": [{"name": "target", "model": str(gguf)}, {"name": "ng", "model": "ngram"}]}))
+    engine.scheduler.eos_token_ids = frozenset()
+    result = engine.generate(engine.parse_request({"prompt": PROMPTS[1], "max_new_tokens": MAX_NEW}))
+    assert result["token_ids"] == reference[PROMPTS[1]][1]
+    config = tmp_path / "gguf.yaml"
+    config.write_text(yaml.safe_dump({"tiers": [{"name": "target", "model": str(gguf)}, {"name": "int8", "model": str(gguf), "quantize": "int8"}]}))
+    assert main(["validate", "-c", str(config)]) == 0
+    assert "134.5M params, GGUF header" in capsys.readouterr().out
