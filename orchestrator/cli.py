@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from polyspec.harness import zoo_fetch
 from polyspec.orchestrator import serving_cli, validate
 from polyspec.workers.core.errors import PolyspecError, RequestError
 
@@ -34,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text for one prompt")
     gen.add_argument("-c", "--config", required=True, help="chain config (YAML)")
     gen.add_argument("-p", "--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a user message through the model's chat template")
+    gen.add_argument("--system", help="with --chat: a system message before it")
     _add_sampling_flags(gen)
     gen.add_argument("--no-speculation", action="store_true", help="sample from the target alone (the baseline)")
     gen.add_argument("--json", action="store_true", help="print {text, token_ids, finish_reason, stats} as JSON")
@@ -48,13 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="requests in flight at once (ray backend: default 8, so the tiers overlap requests; embedded: 1)")
     batch.add_argument("--stats", metavar="FILE", help="write the run's runtime stats (transport, busy/idle per tier) as JSON")
 
-    zoo = sub.add_parser("zoo", help="the demo model family trained on the Python standard library")
+    zoo = sub.add_parser("zoo", help="models: fetch real pretrained ones, or build the demo family trained on the standard library")
     zoo_sub = zoo.add_subparsers(dest="zoo_command", required=True)
     zoo_build = zoo_sub.add_parser("build", help="train (or resume training) the tokenizer and models")
     zoo_build.add_argument("--out", default="models/stdlib")
     zoo_build.add_argument("--work", default=".zoo-work", help="checkpoints and token caches (resumable)")
     zoo_build.add_argument("--only", action="append", help="train only this member (repeatable)")
     zoo_build.add_argument("--threads", type=int, default=1)
+    zoo_fetch.add_parsers(zoo_sub)  # fetch, list
 
     tune = sub.add_parser("tune", help="time model: predicted vs measured ms/token over a grid of speculation lengths")
     tune.add_argument("-c", "--config", required=True)
@@ -94,7 +98,13 @@ def _load_engine(config_path: str, no_speculation: bool):
 
 
 def _request_from_flags(args) -> dict:
-    raw = {"prompt": args.prompt}
+    if args.system is not None and not args.chat:
+        raise RequestError("--system needs --chat")
+    if args.chat:
+        system = [{"role": "system", "content": args.system}] if args.system is not None else []
+        raw = {"messages": [*system, {"role": "user", "content": args.prompt}]}
+    else:
+        raw = {"prompt": args.prompt}
     for field, value in (
         ("max_new_tokens", args.max_new_tokens),
         ("temperature", args.temperature),
@@ -238,6 +248,10 @@ def _is_json(line: str) -> bool:
 
 
 def cmd_zoo(args) -> int:
+    if args.zoo_command == "fetch":
+        return zoo_fetch.cmd_fetch(args)
+    if args.zoo_command == "list":
+        return zoo_fetch.cmd_list(args)
     from polyspec.harness.zoo import build
 
     build(args.out, args.work, only=args.only, threads=args.threads)

@@ -22,6 +22,7 @@ from typing import Any
 import yaml
 
 from polyspec.workers.core.errors import ConfigError
+from polyspec.workers.tiers.model_cache import resolve_zoo_reference
 from polyspec.workers.tiers.tier import NGRAM_MODEL
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -129,8 +130,12 @@ def _typed(section: str, key: str, value, kind, *, allow_none: bool = False):
 
 
 def resolve_model_path(model: str, base_dir: Path | None) -> str:
-    """A relative path is looked up next to the config file, then in the working directory;
-    anything else is passed to from_pretrained as is (a hub id)."""
+    """`zoo:NAME` is the folder `polyspec zoo fetch NAME` wrote; `~` is expanded; a relative
+    path is looked up next to the config file, then in the working directory; anything
+    else is passed to from_pretrained as is (a hub id)."""
+    model = resolve_zoo_reference(model)
+    if model.startswith("~"):
+        model = os.path.expanduser(model)
     if model == NGRAM_MODEL or os.path.isabs(model):
         return model
     if base_dir is not None and (base_dir / model).exists():
