@@ -16,7 +16,7 @@ import platform
 import statistics
 from pathlib import Path
 
-FORWARD_SIZES = (1, 2, 3, 5, 7, 9)
+FORWARD_SIZES = (1, 3, 5, 9)
 MAX_LENGTH = 8
 
 
@@ -24,7 +24,7 @@ MAX_LENGTH = 8
 
 
 def profile_costs(systems: list, context: list[int]) -> dict | None:
-    """forward_ms[m] of every model tier (median of 3 verification rounds over m new tokens at
+    """forward_ms[m] of every model tier (median of 2 verification rounds over m new tokens at
     the first prompt's context) and the n-gram lookup's draft_ms: the time model's inputs."""
     from polyspec.orchestrator.tuning.profiler import profile_draft, profile_forward
     from polyspec.workers.core.sampling import SamplingParams
@@ -41,9 +41,9 @@ def profile_costs(systems: list, context: list[int]) -> dict | None:
     out = {}
     for name, tier in tiers.items():
         if tier.can_verify:
-            out[name] = {"forward_ms": {m: round(v, 2) for m, v in profile_forward(tier, context, range(1, max(FORWARD_SIZES) + 1), params, 3).items() if m in FORWARD_SIZES}}
+            out[name] = {"forward_ms": {m: round(v, 2) for m, v in profile_forward(tier, context, FORWARD_SIZES, params, 2).items()}}
         else:
-            out[name] = {"draft_ms": {k: round(v, 3) for k, v in profile_draft(tier, context, range(1, MAX_LENGTH + 1), params, repeats=3).items()}}
+            out[name] = {"draft_ms": {k: round(v, 3) for k, v in profile_draft(tier, context, range(1, MAX_LENGTH + 1), params, repeats=2).items()}}
     return out
 
 
