@@ -229,8 +229,9 @@ def load_model_tier(tier, vocab_size: int | None = None) -> ModelTier:
         extra = {"quantization_config": int4_quantization_config(tier, device), "device_map": {"": device.index or 0}}
     if tier.quantize == "int8" and device.type != "cpu":
         raise ModelLoadError(f"tier {tier.name!r}: quantize: int8 (torch dynamic quantization) runs on CPU only; set device: cpu")
-    # int8: the stored weights as they are (quantize_int8 widens them a module at a time)
-    dtype = "auto" if tier.quantize == "int8" else TORCH_DTYPES[tier.dtype]
+    # int8: loaded in bfloat16 (half a float32 checkpoint's memory; int8 rounds far coarser),
+    # quantize_int8 widens them to float32 a module at a time
+    dtype = torch.bfloat16 if tier.quantize == "int8" else TORCH_DTYPES[tier.dtype]
     if tier.threads:
         torch.set_num_threads(tier.threads)
     try:
