@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=128, help="new tokens per run")
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--threads", type=int, default=None, help="torch threads of the in-process systems (default: every core)")
-    parser.add_argument("--systems", nargs="+", default=None, help=f"name prefixes to run (of: {', '.join(system_names())})")
+    parser.add_argument("--systems", nargs="+", default=None, help=f"systems to run: names, or prefixes ending in ':' or '*' (of: {', '.join(system_names())})")
     parser.add_argument("--no-profile", action="store_true", help="skip the forward-cost profile (no time-model prediction)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "real-models"), help="output stem")
     parser.add_argument("--fresh", action="store_true", help="discard the partial runs of an earlier invocation")

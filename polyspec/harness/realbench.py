@@ -59,7 +59,7 @@ class RealBenchSettings:
     tokens: int = 128
     temperatures: tuple[float, ...] = (0.0, 1.0)
     threads: int | None = None  # per in-process system; default: every core
-    systems: tuple[str, ...] | None = None  # name prefixes to keep
+    systems: tuple[str, ...] | None = None  # names to keep, or prefixes ending in ':' / '*'
     out: str = "benchmarks/real-models"
     prose_file: str = "benchmarks/prose_prompts.jsonl"
     seed: int = 0
@@ -152,7 +152,8 @@ def selected(settings: RealBenchSettings) -> list[str]:
     names = system_names()
     if not settings.systems:
         return names
-    keep = [n for n in names if any(n == s or n.startswith(s) for s in settings.systems)]
+    # a name, or a prefix ending in ':' or '*' ("chain:", "hf-*")
+    keep = [n for n in names if any(n == s or (s.endswith((":", "*")) and n.startswith(s.rstrip("*"))) for s in settings.systems)]
     if "target" not in keep:
         keep.insert(0, "target")  # every speedup is over the target alone
     return keep
