@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def main(argv: list[str] | None = None) -> int:
-    from polyspec.harness.realbench import RealBenchSettings, run, system_names
+    from polyspec.harness.realbench import RealBenchSettings, report_only, run, system_names
     from polyspec.workers.tiers.model_cache import model_cache_dir
 
     cache = model_cache_dir()
@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-profile", action="store_true", help="skip the forward-cost profile (no time-model prediction)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "real-models"), help="output stem")
     parser.add_argument("--fresh", action="store_true", help="discard the partial runs of an earlier invocation")
+    parser.add_argument("--report-only", action="store_true", help="write the report from the partial runs, running nothing")
     args = parser.parse_args(argv)
     for path, what in ((args.target, "--target"), (args.drafter, "--drafter")):
         if not Path(path).is_dir():
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         temperatures=tuple(args.temperatures), threads=args.threads, systems=tuple(args.systems) if args.systems else None,
         out=args.out, prose_file=str(REPO / "benchmarks" / "prose_prompts.jsonl"), profile=not args.no_profile,
     )
-    report = run(settings, fresh=args.fresh)
+    report = report_only(settings) if args.report_only else run(settings, fresh=args.fresh)
     print(f"wrote {args.out}.json / .md / .png ({report['runs']} runs)")
     return 0
 

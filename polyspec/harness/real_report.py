@@ -47,6 +47,50 @@ def profile_costs(systems: list, context: list[int]) -> dict | None:
     return out
 
 
+def costs_from_runs(rows: list[dict]) -> dict | None:
+    """Forward costs measured inside the runs themselves (same load as the speeds they
+    explain): per model tier, ms per forward over m new tokens, from its busy time and its
+    stage's blocks (m = tokens proposed per block + 1); a bottom drafter's ms per drafted
+    token as its forward_ms[1]; the target alone's busy time per token as the target's."""
+    sums: dict[str, dict[int, list[float]]] = {}
+
+    def add(tier: str, m: int, seconds: float, count: float) -> None:
+        entry = sums.setdefault(tier, {}).setdefault(m, [0.0, 0.0])
+        entry[0] += seconds
+        entry[1] += count
+
+    for run in rows:
+        busy = run.get("tier_busy_s") or {}
+        stages = run.get("stages") or []
+        if not busy:
+            continue
+        if not stages and "target" in busy and run["tokens"]:
+            add("target", 1, busy["target"], len(run["tokens"]))
+            continue
+        if len(stages) != len(busy) - 1 or any(s["blocks"] == 0 for s in stages):
+            continue  # a chain whose stages do not line up with its tiers (bypass): skip
+        tiers = list(busy)
+        for index, stage in enumerate(stages):
+            verifier, drafter = tiers[index], tiers[index + 1]
+            m = max(1, round(stage["proposed"] / stage["blocks"])) + 1
+            add(verifier, m, busy[verifier], stage["blocks"])
+            if index == len(stages) - 1 and stage["proposed"]:
+                if drafter == "ngram":
+                    add(drafter, 0, busy[drafter], stage["blocks"])
+                else:
+                    add(drafter, 1, busy[drafter], stage["proposed"])
+    if not sums:
+        return None
+    out = {}
+    for tier, table in sums.items():
+        if tier == "ngram":
+            per = table[0][0] / table[0][1] * 1000.0
+            out[tier] = {"draft_ms": {k: round(per, 3) for k in range(1, MAX_LENGTH + 1)}}
+        else:
+            out[tier] = {"forward_ms": {m: round(v[0] / v[1] * 1000.0, 1) for m, v in sorted(table.items()) if v[1]}}
+    return out
+
+
 def _table(costs: dict, tier: str) -> dict[int, float]:
     entry = costs[tier]
     table = entry.get("forward_ms") or entry.get("draft_ms")
@@ -221,17 +265,20 @@ def time_model_predictions(summary: list[dict], costs: dict | None) -> list[dict
 
 def build_report(settings, prompts, described, rows, costs, load_s) -> dict:
     summary = summarize(rows, described, prompts)
+    in_runs = costs_from_runs(rows)
     report = {
         "settings": {k: v for k, v in dataclasses.asdict(settings).items() if k not in ("out",)},
         "machine": {"cpu": cpu_name(), "cores": __import__("os").cpu_count(), "python": platform.python_version(),
                     "loadavg_during_runs": _load_range(rows)},
         "prompts": [{"id": p.id, "kind": p.kind} for p in prompts],
         "systems": described,
-        "load_seconds": round(load_s, 1),
+        "load_seconds": round(load_s, 1) if load_s is not None else None,
         "results": summary,
         "judged": {kind: judged(summary, kind) for kind in ("code", "prose", "all")},
         "forward_costs_ms": costs,
-        "time_model": time_model_predictions(summary, costs),
+        "forward_costs_from_runs_ms": in_runs,
+        "time_model_costs": "from_runs" if usable(in_runs) else "profile",
+        "time_model": time_model_predictions(summary, in_runs if usable(in_runs) else costs),
         "runs": len(rows),
     }
     return report
@@ -245,6 +292,12 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def usable(costs: dict | None) -> bool:
+    """Costs the time model can read: the target's single-token forward and one larger block."""
+    target = (costs or {}).get("target", {}).get("forward_ms", {})
+    return 1 in {int(k) for k in target} and len(target) >= 2
 
 
 def _load_range(rows: list[dict]) -> dict | None:
@@ -288,9 +341,11 @@ def markdown(report: dict) -> str:
         for p in report["time_model"]:
             lines.append(f"| {p['system']} | {p['temperature']:g} | {', '.join(f'{r:.2f}' for r in p['stage_rates'])} | {p['best_lengths']} | "
                          f"{p['predicted_speedup']:.2f} | {p['measured_speedup']:.2f} |")
-    if report["forward_costs_ms"]:
-        lines += ["", "Forward costs (ms, one verification round over m new tokens; n-gram: one lookup of k tokens): "
-                  + "; ".join(f"{t}: {json.dumps(c)}" for t, c in report["forward_costs_ms"].items())]
+    for key, what in (("forward_costs_from_runs_ms", "measured inside the runs"), ("forward_costs_ms", "profiled before the runs")):
+        if report.get(key):
+            lines += ["", f"Forward costs {what} (ms per forward over m new tokens; a bottom drafter's m = 1 is per drafted token; "
+                      f"n-gram: one lookup): " + "; ".join(f"{t}: {json.dumps(c)}" for t, c in report[key].items())]
+    lines += ["", f"The time model read the costs {'measured inside the runs' if report.get('time_model_costs') == 'from_runs' else 'profiled before the runs'}."]
     return "\n".join(lines) + "\n"
 
 

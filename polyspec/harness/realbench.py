@@ -159,28 +159,48 @@ def selected(settings: RealBenchSettings) -> list[str]:
     return keep
 
 
+def describe(settings: RealBenchSettings, names: list[str]) -> dict[str, dict]:
+    """Per system what it runs with (dtype, threads, lengths, backend), without loading anything."""
+    from polyspec.harness.bench_systems import HF_PROMPT_LOOKUP_TOKENS
+
+    threads = settings.threads or default_threads()
+    dtype = best_dtype()
+    described = {}
+    for name in names:
+        if name == "target":
+            described[name] = {"dtype": dtype, "threads": threads, "backend": "embedded"}
+        elif name in CHAINS:
+            chain, lengths = CHAINS[name]
+            described[name] = {"dtype": dtype, "int8": "int8" in chain, "threads": threads, "lengths": list(lengths), "backend": "embedded"}
+        elif name.startswith("auto:"):
+            described[name] = {"dtype": dtype, "threads": threads, "lengths": "auto", "backend": "embedded"}
+        elif name.startswith("hf-"):
+            extra = {"prompt_lookup_num_tokens": HF_PROMPT_LOOKUP_TOKENS, "max_matching_ngram_size": NGRAM_MAX} if name == "hf-prompt-lookup" else {}
+            described[name] = {"dtype": dtype, "threads": threads, "backend": "transformers", **extra}
+        elif name.startswith("ray:"):
+            described[name] = {"dtype": dtype, "threads": "1 per tier, one core each", "lengths": list(RAY_LENGTHS), "backend": "ray, draft-ahead"}
+    return described
+
+
 def build_systems(settings: RealBenchSettings, names: list[str]) -> tuple[list, dict[str, dict]]:
-    """The systems, and per system what it ran with (dtype, threads, lengths, backend)."""
+    """The systems (sharing their loaded models), and `describe` of them."""
     from polyspec.harness.bench_systems import EngineSystem, HFSystem, shared_model_tiers
 
     threads = settings.threads or default_threads()
     dtype = best_dtype()
     tiers = tier_configs(settings, threads, dtype)
-    systems, described = [], {}
+    systems = []
     loaded: dict = {}
     target_model = None
     for name in names:
         with shared_model_tiers(loaded):
             if name == "target":
                 systems.append(EngineSystem(name, chain_config(tiers, ("target",), ()), speculative=False))
-                described[name] = {"dtype": dtype, "threads": threads, "backend": "embedded"}
             elif name in CHAINS:
                 chain, lengths = CHAINS[name]
                 systems.append(EngineSystem(name, chain_config(tiers, chain, lengths)))
-                described[name] = {"dtype": dtype, "int8": "int8" in chain, "threads": threads, "lengths": list(lengths), "backend": "embedded"}
             elif name.startswith("auto:"):
                 systems.append(EngineSystem(name, chain_config(tiers, AUTO_CHAIN, "auto")))
-                described[name] = {"dtype": dtype, "threads": threads, "lengths": "auto", "backend": "embedded"}
         if name.startswith("hf-"):
             if target_model is None:
                 target_model = hf_model(tiers["target"], loaded)
@@ -192,13 +212,11 @@ def build_systems(settings: RealBenchSettings, names: list[str]) -> tuple[list, 
 
                 kwargs = {"prompt_lookup_num_tokens": HF_PROMPT_LOOKUP_TOKENS, "max_matching_ngram_size": NGRAM_MAX}
             systems.append(HFSystem(name, target_model, **kwargs))
-            described[name] = {"dtype": dtype, "threads": threads, "backend": "transformers", **{k: v for k, v in kwargs.items() if k != "assistant_model"}}
         elif name.startswith("ray:"):
             one = {k: dataclasses.replace(t, threads=1) if not t.is_ngram else t for k, t in tiers.items()}
             config = chain_config(one, RAY_CHAIN, RAY_LENGTHS, RuntimeConfig(backend="ray", pipeline=True))
             systems.append(EngineSystem(name, config))
-            described[name] = {"dtype": dtype, "threads": "1 per tier, one core each", "lengths": list(RAY_LENGTHS), "backend": "ray, draft-ahead"}
-    return systems, described
+    return systems, describe(settings, names)
 
 
 def hf_model(tier: TierConfig, loaded: dict):
@@ -279,20 +297,47 @@ def tokenize(settings: RealBenchSettings, prompts: list[Prompt]) -> dict[str, li
     return {p.id: tokenizer(p.text)["input_ids"] for p in prompts}
 
 
+def report_only(settings: RealBenchSettings) -> dict:
+    """The report from the runs already in the partial file (nothing is loaded or run)."""
+    from polyspec.harness import real_report
+
+    prompts = humaneval_prompts(settings.code) + prose_prompts(settings.prose_file, settings.prose)
+    described = describe(settings, selected(settings))
+    wanted = {p.id for p in prompts}
+    rows = [r for r in read_partial(settings.partial_path)
+            if r["prompt"] in wanted and r["system"] in described and r["temperature"] in settings.temperatures]
+    profile_path = Path(settings.out + ".profile.json")
+    profile = json.loads(profile_path.read_text()) if profile_path.exists() else None
+    report = real_report.build_report(settings, prompts, described, rows, profile, None)
+    real_report.write_outputs(report, settings.out)
+    return report
+
+
 def run(settings: RealBenchSettings, fresh: bool = False) -> dict:
     from polyspec.harness import real_report
     from polyspec.workers.tiers.loading import quiet_transformers
 
     quiet_transformers()
-    if fresh and os.path.exists(settings.partial_path):
-        os.remove(settings.partial_path)
+    if fresh:
+        for path in (settings.partial_path, settings.out + ".profile.json"):
+            if os.path.exists(path):
+                os.remove(path)
     prompts = humaneval_prompts(settings.code) + prose_prompts(settings.prose_file, settings.prose)
     prompt_ids = tokenize(settings, prompts)
     names = selected(settings)
     started = time.time()
     systems, described = build_systems(settings, names)
     load_s = time.time() - started
-    profile = real_report.profile_costs(systems, prompt_ids[prompts[0].id]) if settings.profile else None
+    profile_path = Path(settings.out + ".profile.json")
+    profile = None
+    if settings.profile:
+        if profile_path.exists() and not fresh:
+            profile = json.loads(profile_path.read_text())  # measured by the run this one resumes
+        else:
+            profile = real_report.profile_costs(systems, prompt_ids[prompts[0].id])
+            if profile is not None:
+                profile_path.parent.mkdir(parents=True, exist_ok=True)
+                profile_path.write_text(json.dumps(profile))
     rows = measure(settings, systems, prompts, prompt_ids)
     wanted = {p.id for p in prompts}
     rows = [r for r in rows if r["prompt"] in wanted and r["system"] in described and r["temperature"] in settings.temperatures]

@@ -32,7 +32,7 @@ def make_qwen2(path: Path, tokenizer, hidden: int, layers: int, seed: int) -> st
 
 @pytest.mark.slow
 def test_one_command_writes_the_report_and_resumes(tmp_path):
-    from polyspec.harness.realbench import RealBenchSettings, run
+    from polyspec.harness.realbench import RealBenchSettings, report_only, run
 
     tokenizer = make_tokenizer()
     settings = RealBenchSettings(
@@ -57,6 +57,10 @@ def test_one_command_writes_the_report_and_resumes(tmp_path):
     assert saved["machine"]["loadavg_during_runs"] is not None
     assert set(saved["forward_costs_ms"]) >= {"target", "int8", "small", "ngram"}
     assert all(p["predicted_speedup"] > 0 for p in saved["time_model"])
+    in_runs = saved["forward_costs_from_runs_ms"]
+    assert set(in_runs["target"]["forward_ms"]) >= {"1"} and len(in_runs["target"]["forward_ms"]) >= 2
     lines = Path(settings.partial_path).read_text().splitlines()
     run(settings)  # everything is there: nothing runs again
     assert Path(settings.partial_path).read_text().splitlines() == lines
+    again = report_only(settings)  # from the partial file, nothing loaded
+    assert again["runs"] == report["runs"] and again["judged"]["all"]["T=0"]["greedy_equal"] == equal
