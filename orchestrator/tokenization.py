@@ -17,7 +17,7 @@ from typing import Any
 
 from polyspec.workers.core.errors import RequestError
 
-ROLES = ("system", "user", "assistant", "tool", "developer")
+ROLES = ("system", "user", "assistant", "tool", "developer", "function")
 _SENTINEL = "polyspec-end-of-turn-probe"
 
 
@@ -55,9 +55,11 @@ def check_messages(messages: Any) -> list[dict[str, str]]:
 
 def encode_chat(tokenizer, messages: Any) -> list[int]:
     """The conversation through the tokenizer's chat template, the assistant's turn opened."""
+    if tokenizer is None:
+        raise RequestError("the target model has no tokenizer, so it cannot take chat messages")
     checked = check_messages(messages)
     if not getattr(tokenizer, "chat_template", None):
-        raise RequestError("the target's tokenizer has no chat template; send 'prompt' instead of 'messages'")
+        raise RequestError("the target model's tokenizer has no chat template; send a prompt instead of messages")
     try:
         text = tokenizer.apply_chat_template(checked, add_generation_prompt=True, tokenize=False)
     except Exception as exc:  # noqa: BLE001 - a template may raise on a conversation it does not accept

@@ -24,6 +24,7 @@ import asyncio
 import dataclasses
 import json
 import time
+import uuid
 from pathlib import Path
 from typing import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 
@@ -33,6 +34,7 @@ from polyspec.protos.polyspec.v1 import polyspec_pb2 as pb
 from polyspec.protos.polyspec.v1 import polyspec_pb2_grpc as pb_grpc
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
+RETRY_PAUSE_S = 0.5
 REQUEST_FIELDS = ("id", "prompt", "prompt_ids", "messages", "max_new_tokens", "temperature", "top_p", "top_k", "seed")
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 SERVING = 1  # grpc.health.v1.HealthCheckResponse.SERVING
@@ -156,6 +158,11 @@ def _request(prompt, prompt_ids, messages, max_new_tokens, temperature, top_p, t
     raw = {"id": id, "prompt": prompt, "prompt_ids": prompt_ids, "messages": messages, "max_new_tokens": max_new_tokens,
            "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed}
     return request_message(raw)
+
+
+def _submit_message(requests: Iterable[dict], idempotency_key: str | None) -> pb.SubmitJobRequest:
+    return pb.SubmitJobRequest(requests=[request_message(raw) for raw in requests],
+                               idempotency_key=idempotency_key or uuid.uuid4().hex)
 
 
 def _delta(message: pb.GenerateResponse) -> Delta:
@@ -283,9 +290,20 @@ class Client:
 
     # ------------------------------------------------------------------- jobs
 
-    def submit_job(self, requests: Iterable[dict], timeout: float | None = None) -> Job:
-        message = pb.SubmitJobRequest(requests=[request_message(raw) for raw in requests])
-        return _job(self._call(self._stub.SubmitJob, message, timeout))
+    def submit_job(self, requests: Iterable[dict], timeout: float | None = None, idempotency_key: str | None = None,
+                   retry_s: float = 0.0) -> Job:
+        """Submit a job. Every submission carries an idempotency key (a fresh one unless given):
+        for `retry_s` seconds a call that fails UNAVAILABLE (server down or restarting, reply
+        lost) is sent again with the same key, so it makes one job however often it is sent."""
+        message = _submit_message(requests, idempotency_key)
+        deadline = time.monotonic() + retry_s
+        while True:
+            try:
+                return _job(self._call(self._stub.SubmitJob, message, timeout))
+            except Unavailable:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(RETRY_PAUSE_S)
 
     def job(self, job_id: str) -> Job:
         return _job(self._call(self._stub.GetJob, pb.GetJobRequest(job_id=job_id)))
@@ -391,9 +409,18 @@ class AsyncClient:
             collector.add(delta)
         return collector.result()
 
-    async def submit_job(self, requests: Iterable[dict], timeout: float | None = None) -> Job:
-        message = pb.SubmitJobRequest(requests=[request_message(raw) for raw in requests])
-        return _job(await self._call(self._stub.SubmitJob, message, timeout))
+    async def submit_job(self, requests: Iterable[dict], timeout: float | None = None, idempotency_key: str | None = None,
+                         retry_s: float = 0.0) -> Job:
+        """As Client.submit_job."""
+        message = _submit_message(requests, idempotency_key)
+        deadline = time.monotonic() + retry_s
+        while True:
+            try:
+                return _job(await self._call(self._stub.SubmitJob, message, timeout))
+            except Unavailable:
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(RETRY_PAUSE_S)
 
     async def job(self, job_id: str) -> Job:
         return _job(await self._call(self._stub.GetJob, pb.GetJobRequest(job_id=job_id)))

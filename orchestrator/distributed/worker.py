@@ -38,6 +38,9 @@ from concurrent import futures
 import grpc
 import torch
 
+from polyspec.orchestrator.distributed import cluster_auth
+from polyspec.orchestrator.decode.contract import NO_LIMIT, StageStats, first_eos, seeded_generator
+from polyspec.orchestrator.decode.scheduler import ChainScheduler, Run
 from polyspec.orchestrator.tuning.time_model import AHEAD_SMOOTHING, AHEAD_THRESHOLD  # the time model reads the same bet
 from polyspec.protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
 from polyspec.workers.core.sampling import SamplingParams
@@ -156,24 +159,17 @@ class _Sequence:
     """One request as seen by this worker."""
 
     def __init__(self, worker: "TierWorker", header: tier_pb2.SequenceHeader) -> None:
-        from polyspec.orchestrator.decode.scheduler import StageStats, _Run
-
         self.worker = worker
         self.header = tier_pb2.SequenceHeader()
         self.header.CopyFrom(header)
         self.params = header_params(header)
         seed = header.seeds[worker.index] if worker.index < len(header.seeds) else None
-        generator = torch.Generator()
-        if seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(int(seed))
-        self.run = _Run(
+        self.run = Run(
             seq_id=header.seq_id,
             params=self.params,
-            generators=[generator, torch.Generator()],  # the tier below draws with its own
+            generators=[seeded_generator(seed), torch.Generator()],  # the tier below draws with its own
             stages=[StageStats(worker.tier.name, "below")],
-            limit=header.limit or 1 << 62,
+            limit=header.limit or NO_LIMIT,
         )
         self.cond = threading.Condition()
         self.epoch_below = 0  # verdicts with a correction sent to the tier below
@@ -240,7 +236,7 @@ class TierWorker:
         sys.setswitchinterval(float(os.environ.get("POLYSPEC_SWITCH_INTERVAL_S", "0.0005")))
         self.tier = tier
         self.index = index
-        self.eos_token_ids = tuple(eos_token_ids)
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.lock = ModelLock()
         self.local = LockedTier(tier, self.lock)
         self.lower: RemoteTier | None = None
@@ -255,7 +251,7 @@ class TierWorker:
         self._wiring = threading.Lock()
         self._ahead_pool = futures.ThreadPoolExecutor(AHEAD_THREADS, thread_name_prefix=f"ahead-{tier.name}")
         self.server = grpc.server(futures.ThreadPoolExecutor(MAX_RPC_THREADS, thread_name_prefix=f"tier-{tier.name}"),
-                                  options=CHANNEL_OPTIONS)
+                                  options=CHANNEL_OPTIONS, interceptors=cluster_auth.server_interceptors())
         tier_pb2_grpc.add_TierServicer_to_server(_Servicer(self), self.server)
         self.port = self.server.add_insecure_port(f"{host}:{port}")
         if not self.port:
@@ -315,18 +311,16 @@ class TierWorker:
     def _sequence_of(self, seq_id: int) -> _Sequence:
         return self._sequences[seq_id]
 
-    def _scheduler(self, seq: _Sequence, lower: RemoteTier | None):
-        from polyspec.orchestrator.decode.scheduler import ChainScheduler
-
+    def _scheduler(self, seq: _Sequence, lower: RemoteTier | None) -> ChainScheduler:
+        """This tier's own chain for one call: [this tier, the tier below] (or this tier alone).
+        The sequence's `Run` carries the whole chain's context limit (from the header)."""
         header = seq.header
         if lower is None:
-            return ChainScheduler([self.local], [], eos_token_ids=self.eos_token_ids)
+            return ChainScheduler([self.local], [], eos_token_ids=self.eos_token_ids, max_context=None)
         length = header.lengths[self.index] if self.index < len(header.lengths) else 0
-        scheduler = ChainScheduler([self.local, lower], [length], tree_width=max(1, header.tree_width),
-                                   scheme=header.scheme or "specinfer", eos_token_ids=self.eos_token_ids,
-                                   tuner=_Recorder(self, seq, lower), draft_ahead=header.pipeline)
-        scheduler.max_context = None  # the header's limit (the whole chain's) rules
-        return scheduler
+        return ChainScheduler([self.local, lower], [length], tree_width=max(1, header.tree_width),
+                              scheme=header.scheme or "specinfer", eos_token_ids=self.eos_token_ids,
+                              tuner=_Recorder(self, seq, lower), draft_ahead=header.pipeline, max_context=None)
 
     def _with_fallback(self, seq: _Sequence, work):
         """Run `work(scheduler)`; if the tier below is gone, redo it without the tier below."""
@@ -351,8 +345,8 @@ class TierWorker:
             context = list(request.context)
 
             def one_round(scheduler):
-                length = min(scheduler._length(0), max(0, request.max_tokens - 1))
-                emitted, _ = scheduler._round(seq.run, 0, context, length)
+                length = min(scheduler.length_at(0), max(0, request.max_tokens - 1))
+                emitted, _ = scheduler.verify_round(seq.run, 0, context, length)
                 return emitted
 
             emitted = self._with_fallback(seq, one_round)[: request.max_tokens]
@@ -423,7 +417,7 @@ class TierWorker:
                                                     seconds=_model_seconds()))
 
     def _emit(self, scheduler, seq: _Sequence, context: list[int], need: int):
-        return scheduler._emit(seq.run, 0, context, need)
+        return scheduler.emit(seq.run, 0, context, need)
 
     def _draft_tree(self, scheduler, seq: _Sequence, context: list[int], depth: int) -> DraftTree:
         header = seq.header
@@ -471,7 +465,7 @@ class TierWorker:
                     stream = seq.stream
                     if seq.closed or stream is None or len(stream.tokens) >= min(seq.ahead_until, seq.run.limit - 1):
                         return
-                    if any(t in self.eos_token_ids for t in stream.tokens[stream.base:]):
+                    if first_eos(stream.tokens[stream.base:], self.eos_token_ids) is not None:
                         return
                     context = list(stream.tokens)
                     lower = self.lower

@@ -3,7 +3,12 @@
 Prometheus names (all prefixed `polyspec_`): requests_total{status}, generated_tokens_total,
 stage_proposed_tokens_total / stage_accepted_tokens_total{tier,drafter},
 speculation_length{tier,drafter}, time_to_first_token_seconds and request_latency_seconds
-(histograms), queue_depth{state}, job_items_done_total{outcome}, tier_up{tier}.
+(histograms), queue_depth{state}, job_items_done_total{outcome}, tier_up{tier}; with the
+batched engine also batch_size (requests in the latest batched step, histogram),
+goodput_tokens_per_second (tokens committed per second of batched steps, smoothed) and
+speculating (1 while the planner speculates at the current batch size).
+`build_metrics_app` serves them at GET /metrics (with a Tenants object: only to a caller
+with a token).
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 import collections
 import threading
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 STATUSES = ("ok", "cancelled", "invalid_argument", "resource_exhausted", "unauthenticated", "unavailable", "internal")
@@ -36,13 +41,15 @@ class Metrics:
         self._queue = Gauge("polyspec_queue_depth", "Interactive requests waiting / running", ["state"], registry=r)
         self._items = Counter("polyspec_job_items_done", "Job items finished", ["outcome"], registry=r)
         self._tier_up = Gauge("polyspec_tier_up", "1 while the tier is loaded and serving", ["tier"], registry=r)
+        self._batch = Histogram("polyspec_batch_size", "Requests in one batched step", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
+        self._goodput = Gauge("polyspec_goodput_tokens_per_second", "Tokens committed per second of batched steps (smoothed)", registry=r)
+        self._speculating = Gauge("polyspec_speculating", "1 while the batched steps speculate", registry=r)
+        self.goodput = 0.0
+        self.last_batch = 0
         for status in STATUSES:
             self._requests.labels(status)
         for outcome in ("done", "failed"):
             self._items.labels(outcome)
-
-    def serve_http(self, port: int, host: str) -> None:
-        start_http_server(port, addr=host, registry=self.registry)
 
     # ------------------------------------------------------------------ recording
 
@@ -52,6 +59,17 @@ class Metrics:
         self._requests.labels(status).inc()
         if latency_s is not None:
             self._latency.observe(latency_s)
+
+    def batch_step(self, size: int, tokens: int, seconds: float, speculating: bool) -> None:
+        """One batched step: its size, and its tokens per second into the smoothed goodput."""
+        self._batch.observe(size)
+        self._speculating.set(1 if speculating else 0)
+        if seconds > 0:
+            with self._lock:
+                rate = tokens / seconds
+                self.goodput = rate if not self.last_batch else self.goodput + 0.2 * (rate - self.goodput)
+                self.last_batch = size
+            self._goodput.set(self.goodput)
 
     def first_token(self, seconds: float) -> None:
         self._ttft.observe(seconds)
@@ -97,3 +115,24 @@ class Metrics:
                 "generated_tokens": self.generated_tokens,
                 "stages": {key: dict(value) for key, value in self.stages.items()},
             }
+
+
+def build_metrics_app(metrics: Metrics, tenants=None):
+    """An ASGI app: GET /metrics in Prometheus' text format; 401 without a token when `tenants` is given."""
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse, Response
+    from starlette.routing import Route
+
+    async def scrape(request) -> Response:
+        if tenants is not None and tenants.enabled:
+            given = request.headers.get("authorization", "")
+            if tenants.tenant_of(given) is None:
+                return PlainTextResponse(tenants.denial(given) + "\n", status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def not_found(request, exc) -> Response:
+        return PlainTextResponse("only GET /metrics here\n", status_code=exc.status_code)
+
+    from starlette.exceptions import HTTPException
+
+    return Starlette(routes=[Route("/metrics", scrape, methods=["GET"])], exception_handlers={HTTPException: not_found})

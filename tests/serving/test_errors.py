@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import socket
+import ssl
 import subprocess
 import threading
 import time
@@ -101,7 +102,10 @@ def test_token_tls_queue_limit_and_metrics(start_server, tiny_family, tmp_path):
         client.generate("x", max_new_tokens=2)
     long_request.join(60)
 
-    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    with pytest.raises(OSError):  # with TLS configured, /metrics speaks TLS too
+        urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10)
+    context = ssl.create_default_context(cafile=str(cert))
+    text = urllib.request.urlopen(f"https://127.0.0.1:{metrics_port}/metrics", timeout=10, context=context).read().decode()
     for line in ('polyspec_requests_total{status="ok"} 2.0', 'polyspec_requests_total{status="unauthenticated"} 4.0',
                  'polyspec_requests_total{status="resource_exhausted"} 1.0', 'polyspec_tier_up{tier="mid"} 1.0',
                  'polyspec_speculation_length{drafter="mid",tier="target"} 4.0', 'polyspec_queue_depth{state="waiting"}'):
@@ -118,11 +122,17 @@ def test_serve_mistakes_are_one_line(serving_config, tmp_path):
     busy.listen()
     port = str(busy.getsockname()[1])
     state = ["--state-dir", str(tmp_path / "s"), "--metrics-port", "0"]
+    short_token, bad_line = tmp_path / "short.txt", tmp_path / "bad.txt"
+    short_token.write_text("alice short\n")
+    bad_line.write_text("# tenants\nalice\n")
     cases = [
         (["-c", str(tmp_path / "none.yaml")] + state, "config file not found"),
         (["-c", serving_config, "--tls-cert", "c.pem"] + state, "--tls-cert and --tls-key go together"),
         (["-c", serving_config, "--auth-token-file", str(tmp_path / "missing")] + state, "cannot read auth token file"),
         (["-c", serving_config, "--port", port] + state, f"cannot listen on 127.0.0.1:{port}"),
+        (["-c", serving_config, "--tenants-file", str(short_token)] + state, "line 1: the token is shorter than 16 characters"),
+        (["-c", serving_config, "--tenants-file", str(bad_line)] + state, "line 2: expected 'TENANT TOKEN'"),
+        (["-c", serving_config, "--max-live-jobs", "0"] + state, "--max-live-jobs must be > 0"),
     ]
     with busy:
         for args, message in cases:

@@ -232,8 +232,9 @@ class LeanLlama:
         return attn.reshape(1, -1, count, self.head_dim)
 
     @torch.inference_mode()
-    def forward(self, cache: LeanCache, tokens: list[int], positions: list[int], mask: torch.Tensor | None) -> torch.Tensor:
-        """Append `tokens` (at `positions`) to `cache`; logits [1, T, V] in the model's dtype."""
+    def forward(self, cache: LeanCache, tokens: list[int], positions: list[int], mask: torch.Tensor | None, hidden: list | None = None) -> torch.Tensor:
+        """Append `tokens` (at `positions`) to `cache`; logits [1, T, V] in the model's dtype.
+        `hidden`: a list that receives the last hidden states [T, H] (after the final norm)."""
         count = len(tokens)
         start = len(cache)
         end = start + count
@@ -275,4 +276,6 @@ class LeanLlama:
             h = self._rms(x, w_post, eps_post)
             x = x + down(F.silu(gate(h)) * up(h))
         x = self._rms(x, self.norm_weight, self.norm_eps)
+        if hidden is not None:
+            hidden.append(x[0])
         return self.lm_head(x)

@@ -281,9 +281,29 @@ def check_vocabulary_sizes(tiers: list[ModelTier]) -> None:
             raise ModelLoadError(f"tiers {sizes[0][0]!r} and {name!r} do not share a vocabulary ({sizes[0][1]} vs {size} tokens)")
 
 
+def load_drafter_tier(tier, target: ModelTier) -> Tier:
+    """A trained drafter (polyspec.workers.tiers.drafters) over the loaded target tier: it shares
+    the target's weights (early exit) or reads its hidden states (feature head)."""
+    from polyspec.workers.tiers.drafters import DrafterError, load_early_exit, load_feature_head
+    from polyspec.workers.tiers.feature_tier import FeatureTier
+
+    where = f"tier {tier.name!r}"
+    threads = tier.threads or target.threads
+    try:
+        if tier.drafter == "feature":
+            head, _ = load_feature_head(tier.model, target.model, where)
+            return FeatureTier(tier.name, head, target, threads)
+        model, _ = load_early_exit(tier.model, target.model, tier.layers, where)
+    except DrafterError as exc:
+        raise ModelLoadError(str(exc)) from None
+    early = ModelTier(tier.name, model, target.vocab_size, target.device, threads)
+    early.exit_threshold = tier.exit_threshold
+    return early
+
+
 def load_tiers(tiers_config) -> tuple[list[Tier], object]:
     """Tiers (target first) and the shared tokenizer (None when no tier ships one)."""
-    model_configs = [t for t in tiers_config if not t.is_ngram]
+    model_configs = [t for t in tiers_config if not t.is_ngram and not t.drafter]
     tokenizers = {}
     for tier in model_configs:
         tokenizers[tier.name] = load_tokenizer(tier.model, tier.name)
@@ -299,7 +319,12 @@ def load_tiers(tiers_config) -> tuple[list[Tier], object]:
     ordered: list[Tier] = []
     model_iter = iter(tiers)
     for tier in tiers_config:
-        ordered.append(NGramTier(tier.name, vocab_size, tier.max_ngram, tier.min_ngram) if tier.is_ngram else next(model_iter))
+        if tier.drafter:
+            drafter = load_drafter_tier(tier, ordered[0])
+            drafter.vocab_size = vocab_size
+            ordered.append(drafter)
+        else:
+            ordered.append(NGramTier(tier.name, vocab_size, tier.max_ngram, tier.min_ngram) if tier.is_ngram else next(model_iter))
     shared = next((tok for tok in tokenizers.values() if tok is not None), None)
     return ordered, shared
 
