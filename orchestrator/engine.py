@@ -1,7 +1,7 @@
 """The engine: a loaded chain plus request handling (validation, tokenization, results).
 
 The CLI, the batch runner and (later) the server all go through `Engine.generate`, so a
-request means the same thing everywhere (DESIGN §8):
+request means the same thing everywhere:
 
     request: {id, prompt | prompt_ids | messages, max_new_tokens, temperature, top_p, top_k, seed}
     result:  {id, text, token_ids, finish_reason, stats}
@@ -23,7 +23,6 @@ from polyspec.workers.core.errors import ConfigError, RequestError
 from polyspec.workers.tiers.loading import load_tiers, quiet_transformers
 from polyspec.workers.core.sampling import SamplingParams
 
-DEFAULT_MAX_LENGTH = 8  # the tuner's largest speculation length
 PROFILE_CONTEXT_TOKENS = 128  # committed tokens when the start-up profile has no real prompt
 PROFILE_MAX_BATCH = 16  # the batched profile stops here; larger batches are extrapolated in proportion to their rows
 SEED_LIMIT = 1 << 63  # seeds are in [0, 2^63): an int64 on the wire, every bit used
@@ -153,12 +152,15 @@ class Engine:
         if close is not None:
             close()
 
-    def make_tuner(self, context: list[int] | None = None, max_length: int = DEFAULT_MAX_LENGTH):
-        """Profile every tier (a few seconds) and build the online tuner (polyspec.orchestrator.tuning.tuner)."""
+    def make_tuner(self, context: list[int] | None = None, **knobs):
+        """Profile every tier (a few seconds) and build the online tuner (polyspec.orchestrator.tuning.tuner)
+        with the config's `tuning:` knobs, `knobs` overriding single ones (`max_length=6`)."""
         from polyspec.orchestrator.tuning.profiler import profile_tiers, synthetic_context
         from polyspec.orchestrator.tuning.tuner import Tuner
 
         spec = self.config.speculation
+        tuning = dataclasses.replace(self.config.tuning, **knobs)
+        max_length = tuning.max_length
         if context is None:
             room = (self.scheduler.max_context or 1 << 30) - 2 * spec.tree_width * max_length - 4
             context = synthetic_context(self.vocab_size, max(2, min(PROFILE_CONTEXT_TOKENS, room)))
@@ -168,12 +170,10 @@ class Engine:
             from polyspec.orchestrator.distributed.driver import profile_remote
 
             profile, _ = profile_remote(self.scheduler, len(context), params, max_length)
-            tuner = Tuner(profile, max_length=max_length, tree_width=spec.tree_width)
-            tuner.distributed = True  # a distributed chain runs every tier (its repair loop bypasses dead ones)
-            tuner.pipelined = bool(self.scheduler.pipeline)
-            return tuner
+            # a distributed chain runs every tier (its repair loop routes around dead ones)
+            return Tuner(profile, tuning, tree_width=spec.tree_width, distributed=True, pipelined=bool(self.scheduler.pipeline))
         profile = profile_tiers(self.tiers, context, params, max_length, spec.tree_width, spec.verifier)
-        return Tuner(profile, max_length=max_length, tree_width=spec.tree_width)
+        return Tuner(profile, tuning, tree_width=spec.tree_width)
 
     @property
     def vocab_size(self) -> int:

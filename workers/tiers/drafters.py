@@ -92,7 +92,10 @@ class FeatureHead(nn.Module):
         x = self.fc(torch.cat(parts, dim=-1))
         # the cache goes positionally: transformers 5.x renames its keyword (past_key_values -> cache)
         out = self.decoder(None, attention_mask, position_ids, cache, x, use_cache=cache is not None)
-        trunk = out.last_hidden_state
+        return self.outputs(out.last_hidden_state)
+
+    def outputs(self, trunk):
+        """The layer's raw output -> (predicted feature, the LM head's input)."""
         feature = self.feature_norm(trunk)
         if not self.decoupled:
             return feature, feature
