@@ -18,7 +18,7 @@ from typing import Any, Callable
 from polyspec.orchestrator.decode.contract import RequestState
 from polyspec.orchestrator.decode.scheduler import ChainScheduler
 from polyspec.orchestrator.config import ChainConfig
-from polyspec.workers.core.errors import RequestError
+from polyspec.workers.core.errors import ConfigError, RequestError
 from polyspec.workers.tiers.loading import load_tiers, quiet_transformers
 from polyspec.workers.core.sampling import SamplingParams
 
