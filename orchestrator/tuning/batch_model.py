@@ -289,7 +289,7 @@ class BatchPlanner:
 # ----------------------------------------------------------------- profiling
 
 
-def profile_batched(tiers, vocab_size: int, max_batch: int, repeats: int = 1) -> tuple[list[ForwardTable | None], list[float]]:
+def profile_batched(tiers, vocab_size: int, max_batch: int, repeats: int = 2) -> tuple[list[ForwardTable | None], list[float]]:
     """Start-up tables: each model tier's forward on the (batch, width) grid, each lookup tier's ms per request."""
     generator = torch.Generator().manual_seed(0)
     tables: list[ForwardTable | None] = []
@@ -328,8 +328,23 @@ def profile_batched(tiers, vocab_size: int, max_batch: int, repeats: int = 1) ->
             if b not in batches:
                 for w in WIDTH_GRID:
                     ms[(b, w)] = ms[(batches[-1], w)] * b / batches[-1]
-        tables.append(ForwardTable(ms))
+        tables.append(ForwardTable(monotone(ms)))
     return tables, lookup
+
+
+def monotone(ms: dict[tuple[int, int], float]) -> dict[tuple[int, int], float]:
+    """A forward never gets cheaper with more rows or more tokens: each cell becomes the smallest
+    measurement at or beyond it, so one slow outlier (a busy machine) cannot dent the table."""
+    out = dict(ms)
+    for b in BATCH_GRID:
+        for w in reversed(WIDTH_GRID[:-1]):
+            nxt = WIDTH_GRID[WIDTH_GRID.index(w) + 1]
+            out[(b, w)] = min(out[(b, w)], out[(b, nxt)])
+    for w in WIDTH_GRID:
+        for b in reversed(BATCH_GRID[:-1]):
+            nxt = BATCH_GRID[BATCH_GRID.index(b) + 1]
+            out[(b, w)] = min(out[(b, w)], out[(nxt, w)])
+    return out
 
 
 def _chains(tokens: list[int], count: int):

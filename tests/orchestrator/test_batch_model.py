@@ -138,3 +138,13 @@ def test_ngram_index_proposes_what_the_scan_does():
         expected, _ = scan.draft(0, context, count, SamplingParams(), None)
         (got, _), = indexed.draft_batch(["r"], [context], [count], [SamplingParams()], [None])
         assert got == expected, (step, context, count)
+
+
+def test_profile_outliers_are_flattened():
+    from polyspec.orchestrator.tuning.batch_model import monotone
+
+    ms = {(b, w): float(b * w) for b in BATCH_GRID for w in WIDTH_GRID}
+    ms[(1, 4)] = 500.0  # one slow measurement
+    fixed = monotone(ms)
+    assert fixed[(1, 4)] == ms[(1, 8)] and fixed[(16, 8)] == ms[(16, 8)]
+    assert all(fixed[(b, w)] <= fixed[(b, w2)] for b in BATCH_GRID for w, w2 in zip(WIDTH_GRID, WIDTH_GRID[1:]))
