@@ -110,14 +110,11 @@ def prose_prompts(path: str, count: int) -> list[Prompt]:
 
 
 def best_dtype() -> str:
-    """bfloat16 where the CPU computes it natively (AVX512-BF16 / AMX), else float32."""
-    import torch
+    """bfloat16 where the CPU computes it natively (AVX512-BF16 / AMX), else float32: the
+    same rule `polyspec zoo fetch` stores the weights by."""
+    from polyspec.harness.zoo_fetch import cpu_has_native_bf16
 
-    try:
-        native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    except (AttributeError, RuntimeError):
-        native = False
-    return "bfloat16" if native else "float32"
+    return "bfloat16" if cpu_has_native_bf16() else "float32"
 
 
 def default_threads() -> int:
