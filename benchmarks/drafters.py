@@ -91,6 +91,7 @@ def run(prompts: int, tokens: int) -> dict:
     from polyspec.harness.bench_systems import EngineSystem
     from polyspec.harness.draft_report import held_out_prompts, stage_summary
     from polyspec.orchestrator.config import parse_config
+    from polyspec.orchestrator.tokenization import encode_prompt
 
     load_before = os.getloadavg()
     base = parse_config({"tiers": [TARGET], "speculation": {"lengths": []}})
@@ -101,7 +102,7 @@ def run(prompts: int, tokens: int) -> dict:
         flags[name] = trained
     texts = held_out_prompts(str(FAMILY / "target"), prompts)
     tokenizer = systems[0].engine.tokenizer
-    prompt_ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    prompt_ids = [encode_prompt(tokenizer, t) for t in texts]
     settings = BenchSettings(max_new_tokens=tokens, temperatures=(0.0, 1.0), repeats=1, threads=1)
     runs = measure(systems, prompt_ids, settings)
     rows = []

@@ -35,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text for one prompt")
     gen.add_argument("-c", "--config", required=True, help="chain config (YAML)")
     gen.add_argument("-p", "--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a user message through the model's chat template")
+    gen.add_argument("--system", help="with --chat: a system message before it")
     _add_sampling_flags(gen)
     gen.add_argument("--no-speculation", action="store_true", help="sample from the target alone (the baseline)")
     gen.add_argument("--json", action="store_true", help="print {text, token_ids, finish_reason, stats} as JSON")
@@ -46,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--no-speculation", action="store_true")
     batch.add_argument("--resume", action="store_true", help="keep results already in --output and skip their ids")
     batch.add_argument("--concurrency", type=int, default=None,
-                       help="requests in flight at once (ray backend: default 8, so the tiers overlap requests; embedded: 1)")
+                       help="requests in flight at once (batched: default and most batching.max_requests; ray backend: default 8; round-robin: 1)")
     batch.add_argument("--stats", metavar="FILE", help="write the run's runtime stats (transport, busy/idle per tier) as JSON")
 
     zoo = sub.add_parser("zoo", help="models: fetch real pretrained ones, or build the demo family trained on the standard library")
@@ -91,15 +93,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load_engine(config_path: str, no_speculation: bool):
+def _load_engine(config_path: str, no_speculation: bool, batched: bool = False):
     from polyspec.orchestrator.config import load_config
     from polyspec.orchestrator.engine import Engine
 
-    return Engine(load_config(config_path), speculative=not no_speculation)
+    return Engine(load_config(config_path), speculative=not no_speculation, batched=batched)
 
 
 def _request_from_flags(args) -> dict:
-    raw = {"prompt": args.prompt}
+    if args.system is not None and not args.chat:
+        raise RequestError("--system needs --chat")
+    if args.chat:
+        system = [{"role": "system", "content": args.system}] if args.system is not None else []
+        raw = {"messages": [*system, {"role": "user", "content": args.prompt}]}
+    else:
+        raw = {"prompt": args.prompt}
     for field, value in (
         ("max_new_tokens", args.max_new_tokens),
         ("temperature", args.temperature),
@@ -157,10 +165,10 @@ def cmd_batch(args) -> int:
     if args.concurrency is not None and args.concurrency < 1:
         raise RequestError(f"--concurrency must be >= 1, got {args.concurrency}")
     lines = input_path.read_text(encoding="utf-8").splitlines()
-    engine = _load_engine(args.config, args.no_speculation)
+    engine = _load_engine(args.config, args.no_speculation, batched=True)
     distributed = engine.config.runtime.backend == "ray"
-    if not distributed and (args.concurrency or 1) > 1:
-        raise RequestError("--concurrency > 1 needs runtime.backend: ray (the embedded chain runs one request at a time)")
+    if not distributed and not engine.batched and (args.concurrency or 1) > 1:
+        raise RequestError("--concurrency > 1 needs runtime.backend: ray or batching (the round-robin chain runs one request at a time)")
     concurrency = args.concurrency or (8 if distributed else 1)
     finished = _finished_results(output_path) if args.resume else []
     done = {str(record["id"]) for record in map(json.loads, finished) if isinstance(record, dict) and "id" in record}
@@ -199,7 +207,20 @@ def cmd_batch(args) -> int:
                 result = {"id": request_id, "error": f"line {number}: {exc}"}
             write(result)
 
-        if concurrency == 1:
+        if engine.batched:  # continuous batching: every running request in one batched round
+            from polyspec.orchestrator.batch_runner import run_requests
+
+            requests = []
+            for number, request_id, raw, parse_error in todo:
+                try:
+                    if parse_error:
+                        raise RequestError(parse_error)
+                    requests.append(engine.parse_request({**raw, "id": request_id} if isinstance(raw, dict) else raw))
+                except RequestError as exc:
+                    failures[0] += 1
+                    write({"id": request_id, "error": f"line {number}: {exc}"})
+            run_requests(engine, requests, write, max_requests=min(args.concurrency or engine.max_requests, engine.max_requests))
+        elif concurrency == 1:
             for item in todo:
                 run_one(item)
         else:
@@ -218,6 +239,16 @@ def cmd_batch(args) -> int:
         print(f"polyspec: {tokens[0]} tokens in {elapsed:.1f}s ({stats['tokens_per_s']:.1f} tok/s), "
               f"{stats['failovers']} target failover(s), {stats['degraded_rounds']} round(s) on a shortened chain", file=sys.stderr)
         engine.close()
+    elif engine.batched:
+        rate = tokens[0] / elapsed if elapsed > 0 else 0.0
+        stats = {"requests": len(todo), "generated_tokens": tokens[0], "time_s": round(elapsed, 3), "tokens_per_s": round(rate, 3),
+                 "max_requests": engine.max_requests}
+        planner = getattr(engine.scheduler, "planner", None)
+        if planner is not None:
+            stats["planner"] = planner.describe()
+        if args.stats:
+            Path(args.stats).write_text(json.dumps(stats, indent=2) + "\n", encoding="utf-8")
+        print(f"polyspec: {tokens[0]} tokens in {elapsed:.1f}s ({rate:.1f} tok/s)", file=sys.stderr)
     if failures[0]:
         print(f"polyspec: {failures[0]} request(s) failed; see their 'error' field in {output_path}", file=sys.stderr)
     return 0

@@ -1,9 +1,9 @@
 """The engine: a loaded chain plus request handling (validation, tokenization, results).
 
 The CLI, the batch runner and (later) the server all go through `Engine.generate`, so a
-request means the same thing everywhere (DESIGN §8):
+request means the same thing everywhere:
 
-    request: {id, prompt | prompt_ids, max_new_tokens, temperature, top_p, top_k, seed}
+    request: {id, prompt | prompt_ids | messages, max_new_tokens, temperature, top_p, top_k, seed}
     result:  {id, text, token_ids, finish_reason, stats}
 """
 
@@ -15,17 +15,19 @@ import math
 import threading
 from typing import Any, Callable
 
-from polyspec.orchestrator.decode.scheduler import ChainScheduler, RequestState
+from polyspec.orchestrator.decode.contract import RequestState
+from polyspec.orchestrator.decode.scheduler import ChainScheduler
 from polyspec.orchestrator.config import ChainConfig
+from polyspec.orchestrator.tokenization import encode_chat, encode_prompt, stop_token_ids
 from polyspec.workers.core.errors import ConfigError, RequestError
 from polyspec.workers.tiers.loading import load_tiers, quiet_transformers
 from polyspec.workers.core.sampling import SamplingParams
 
-DEFAULT_MAX_LENGTH = 8  # the tuner's largest speculation length
 PROFILE_CONTEXT_TOKENS = 128  # committed tokens when the start-up profile has no real prompt
+PROFILE_MAX_BATCH = 16  # the batched profile stops here; larger batches are extrapolated in proportion to their rows
 SEED_LIMIT = 1 << 63  # seeds are in [0, 2^63): an int64 on the wire, every bit used
 MAX_TEMPERATURE = 1000.0  # far past uniform sampling; larger (or inf) is a mistake
-REQUEST_FIELDS = ("id", "prompt", "prompt_ids", "max_new_tokens", "temperature", "top_p", "top_k", "seed")
+REQUEST_FIELDS = ("id", "prompt", "prompt_ids", "messages", "max_new_tokens", "temperature", "top_p", "top_k", "seed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,33 +56,84 @@ def seed_stream(seed: int | None) -> int | None:
     return int.from_bytes(hashlib.blake2b(int(seed).to_bytes(8, "little"), digest_size=8).digest(), "little") >> 1
 
 
+def requests_within_memory(max_requests: int, kv_memory_mb: int | None, bytes_per_request: int) -> int:
+    """How many requests may hold caches at once: `max_requests`, lowered so their KV caches (each at
+    the full model context) stay within `kv_memory_mb`."""
+    if kv_memory_mb is None or bytes_per_request <= 0:
+        return max_requests
+    fits = kv_memory_mb * 2**20 // bytes_per_request
+    if fits < 1:
+        raise ConfigError(f"batching.kv_memory_mb ({kv_memory_mb}) holds no request: one request's KV caches "
+                          f"at the full model context take {bytes_per_request / 2**20:.1f} MB")
+    return int(min(max_requests, fits))
+
+
 class Engine:
-    def __init__(self, config: ChainConfig, speculative: bool = True, auto_tune: bool = True) -> None:
-        """`auto_tune`: with `speculation.lengths: auto`, profile the tiers and let the tuner set the lengths."""
+    def __init__(self, config: ChainConfig, speculative: bool = True, auto_tune: bool = True, batched: bool = False) -> None:
+        """`auto_tune`: with `speculation.lengths: auto`, profile the tiers and let the tuner set the lengths.
+        `batched`: step many requests per forward (`polyspec batch`, jobs, `serve`), where the config allows it
+        (`batching.enabled`, a local chain of chains); otherwise requests take turns, one round each."""
         quiet_transformers()
         self._decode_lock = threading.Lock()
+        self.batched = False
+        self.max_requests = 1
         self.config = config if speculative else config.target_only()
         if config.runtime.backend == "ray":
             self._start_ray(auto_tune)
             return
         self.tiers, self.tokenizer = load_tiers(self.config.tiers)
         eos = set()
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            eos.add(int(self.tokenizer.eos_token_id))
         target_model = self.tiers[0].model
         for source in (getattr(target_model, "generation_config", None), target_model.config):
             configured = getattr(source, "eos_token_id", None)
             if configured is not None:
                 eos.update([configured] if isinstance(configured, int) else configured)
+        self.batched = batched and self.config.batching.enabled and self.config.speculation.tree_width == 1
+        if self.batched:
+            self._start_batched(tuple(sorted(eos)), auto_tune)
+            return
         self.scheduler = ChainScheduler(
             self.tiers,
             self.config.speculation_lengths(),
             tree_width=self.config.speculation.tree_width,
             scheme=self.config.speculation.verifier,
-            eos_token_ids=tuple(sorted(eos)),
+            eos_token_ids=stop_token_ids(self.tokenizer, eos),
         )
         if auto_tune and self.config.speculation.lengths == "auto" and len(self.tiers) > 1:
             self.scheduler.tuner = self.make_tuner()
+
+    def _start_batched(self, eos: tuple[int, ...], auto_tune: bool) -> None:
+        """Every active request in one batched round per step (polyspec.orchestrator.decode.batched)."""
+        from polyspec.orchestrator.decode.batched import BatchedScheduler
+        from polyspec.workers.tiers.batched import batched_tiers
+
+        batching = self.config.batching
+        self.max_requests = batching.max_requests
+        tiers = batched_tiers(self.tiers, batching.max_requests)
+        per_request = sum(t.bytes_per_request() for t in tiers if hasattr(t, "bytes_per_request"))
+        self.max_requests = requests_within_memory(batching.max_requests, batching.kv_memory_mb, per_request)
+        for tier in tiers:
+            if hasattr(tier, "cache"):
+                tier.cache.max_slots = self.max_requests
+        prefill = max(1, batching.max_batched_tokens - self.max_requests)
+        self.scheduler = BatchedScheduler(tiers, self.config.speculation_lengths(), eos_token_ids=eos, prefill_budget=prefill)
+        if auto_tune and self.config.speculation.lengths == "auto" and len(self.tiers) > 1:
+            self.scheduler.planner = self.make_planner()
+
+    def make_planner(self):
+        """Profile each tier's batched forward (a few seconds) and build the goodput planner."""
+        from polyspec.orchestrator.tuning.batch_model import BatchPlanner, profile_batched
+
+        tiers = self.scheduler.tiers
+        tables, lookup = profile_batched(tiers, self.vocab_size, min(self.max_requests, PROFILE_MAX_BATCH))
+        return BatchPlanner(tiers, tables, lookup, max_batched_tokens=self.config.batching.max_batched_tokens)
+
+    def step_all(self, states: list[RequestState]) -> list[list[int]]:
+        """One round of every request in `states` (batched chains: one forward per tier; otherwise in turn)."""
+        step_all = getattr(self.scheduler, "step_all", None)
+        if step_all is not None:
+            return step_all(states)
+        return [self.scheduler.step(state) for state in states]
 
     def _start_ray(self, auto_tune: bool) -> None:
         """The tiers run as Ray actors (polyspec.orchestrator.distributed.ray_runtime); this process only drives them."""
@@ -88,7 +141,7 @@ class Engine:
         from polyspec.workers.tiers.loading import describe_chain
 
         self.tokenizer, eos = describe_chain(self.config.tiers)
-        self.scheduler = ray_chain(self.config, eos)
+        self.scheduler = ray_chain(self.config, stop_token_ids(self.tokenizer, eos))
         self.tiers = self.scheduler.tiers  # TierViews: name, vocab_size, busy_s
         if auto_tune and self.config.speculation.lengths == "auto" and len(self.tiers) > 1:
             self.scheduler.tuner = self.make_tuner()
@@ -99,12 +152,15 @@ class Engine:
         if close is not None:
             close()
 
-    def make_tuner(self, context: list[int] | None = None, max_length: int = DEFAULT_MAX_LENGTH):
-        """Profile every tier (a few seconds) and build the online tuner (polyspec.orchestrator.tuning.tuner)."""
+    def make_tuner(self, context: list[int] | None = None, **knobs):
+        """Profile every tier (a few seconds) and build the online tuner (polyspec.orchestrator.tuning.tuner)
+        with the config's `tuning:` knobs, `knobs` overriding single ones (`max_length=6`)."""
         from polyspec.orchestrator.tuning.profiler import profile_tiers, synthetic_context
         from polyspec.orchestrator.tuning.tuner import Tuner
 
         spec = self.config.speculation
+        tuning = dataclasses.replace(self.config.tuning, **knobs)
+        max_length = tuning.max_length
         if context is None:
             room = (self.scheduler.max_context or 1 << 30) - 2 * spec.tree_width * max_length - 4
             context = synthetic_context(self.vocab_size, max(2, min(PROFILE_CONTEXT_TOKENS, room)))
@@ -114,12 +170,10 @@ class Engine:
             from polyspec.orchestrator.distributed.driver import profile_remote
 
             profile, _ = profile_remote(self.scheduler, len(context), params, max_length)
-            tuner = Tuner(profile, max_length=max_length, tree_width=spec.tree_width)
-            tuner.distributed = True  # a distributed chain runs every tier (its repair loop bypasses dead ones)
-            tuner.pipelined = bool(self.scheduler.pipeline)
-            return tuner
+            # a distributed chain runs every tier (its repair loop routes around dead ones)
+            return Tuner(profile, tuning, tree_width=spec.tree_width, distributed=True, pipelined=bool(self.scheduler.pipeline))
         profile = profile_tiers(self.tiers, context, params, max_length, spec.tree_width, spec.verifier)
-        return Tuner(profile, max_length=max_length, tree_width=spec.tree_width)
+        return Tuner(profile, tuning, tree_width=spec.tree_width)
 
     @property
     def vocab_size(self) -> int:
@@ -135,10 +189,14 @@ class Engine:
         if unknown:
             raise RequestError(f"unknown request field {unknown[0]!r} (known: {', '.join(REQUEST_FIELDS)})")
         defaults = self.config.sampling
-        prompt, prompt_ids = raw.get("prompt"), raw.get("prompt_ids")
-        if prompt is not None and prompt_ids is not None:
-            raise RequestError("give either 'prompt' or 'prompt_ids', not both")
-        if prompt_ids is not None:
+        prompt, prompt_ids, messages = raw.get("prompt"), raw.get("prompt_ids"), raw.get("messages")
+        if sum(x is not None for x in (prompt, prompt_ids, messages)) > 1:
+            raise RequestError("give one of 'prompt', 'prompt_ids' or 'messages', not several")
+        if messages is not None:
+            if self.tokenizer is None:
+                raise RequestError("the target model has no tokenizer; send 'prompt_ids' instead of 'messages'")
+            ids = encode_chat(self.tokenizer, messages)
+        elif prompt_ids is not None:
             if not isinstance(prompt_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids):
                 raise RequestError("prompt_ids must be a list of integers")
             bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
@@ -150,9 +208,9 @@ class Engine:
                 raise RequestError(f"prompt must be a string, got {type(prompt).__name__}")
             if self.tokenizer is None:
                 raise RequestError("the target model has no tokenizer; send 'prompt_ids' instead of 'prompt'")
-            ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"] if prompt else []
+            ids = encode_prompt(self.tokenizer, prompt) if prompt else []
         else:
-            raise RequestError("request has no 'prompt' (or 'prompt_ids')")
+            raise RequestError("request has no 'prompt' (or 'prompt_ids' or 'messages')")
         if not ids:
             raise RequestError("prompt is empty")
         limit = self.scheduler.max_context

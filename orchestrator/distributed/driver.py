@@ -1,8 +1,9 @@
-"""The driver of a distributed chain (DESIGN §4, §6): requests in, verified tokens out.
+"""The driver of a distributed chain: requests in, verified tokens out.
 
-`DistributedChain` has the scheduler's API (start / step / finish / cancel / generate), so the
-engine, the batch runner and the server drive a distributed chain exactly as an embedded
-one. A step is one `Verify` call to the target's worker (workers/tier_worker.py); the
+`DistributedChain` is a decoder (`polyspec.orchestrator.decode.contract.Decoder`: start /
+step / finish / cancel), so the engine, the batch runner and the server drive a distributed
+chain exactly as an embedded one. A step is one `Verify` call to the target's worker
+(polyspec.orchestrator.distributed.worker); the
 target pulls its block from the tier below, which pulls from the tier below it: the driver
 never relays blocks. The driver keeps each request's committed tokens, so a request
 survives any tier's death: a step that failed committed nothing and is simply redone.
@@ -24,9 +25,21 @@ from concurrent import futures
 from typing import Callable
 
 import grpc
-import torch
 
-from polyspec.orchestrator.decode.scheduler import ChainScheduler, GenerationOutput, RequestState, StageStats, _Run
+from polyspec.orchestrator.distributed import cluster_auth
+from polyspec.orchestrator.decode.contract import (
+    NO_LIMIT,
+    GenerationOutput,
+    RequestState,
+    StageStats,
+    commit,
+    finish_if_full,
+    generate,
+    mark_cancelled,
+    output,
+    remaining,
+    tier_seeds,
+)
 from polyspec.protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
 from polyspec.workers.core.sampling import SamplingParams
 from polyspec.orchestrator.distributed.transport import CHANNEL_OPTIONS, UNAVAILABLE_CODES, Counters, TierUnavailableError
@@ -70,7 +83,7 @@ class Membership:
         replies = []
         for view in self.views:
             try:
-                with grpc.insecure_channel(view.address, options=CHANNEL_OPTIONS) as channel:
+                with cluster_auth.insecure_channel(view.address, options=CHANNEL_OPTIONS) as channel:
                     replies.append(tier_pb2_grpc.TierStub(channel).Health(tier_pb2.HealthRequest(), timeout=5.0))
             except grpc.RpcError:
                 replies.append(None)
@@ -88,6 +101,18 @@ class StaticMembership(Membership):
 
     def target_address(self) -> str:
         return self.views[0].address
+
+
+@dataclasses.dataclass
+class RemoteRun:
+    """What the driver keeps of one request besides its tokens (`RequestState.run`)."""
+
+    header: tier_pb2.SequenceHeader  # sent with every round: sampling, seeds, lengths, limit
+    stages: dict[tuple[int, int], StageStats] = dataclasses.field(default_factory=dict)  # (tier, drafter) -> stats
+    rounds: int = 0
+    overhead_s: float = 0.0  # round trips not spent in model forwards on the critical path
+    unobserved: Callable[[], None] | None = None  # with a tuner: the last round's report, folded in during the next round
+    planned: tuple | None = None  # with a tuner: (tuner, lengths) of the next round, planned while this one was in flight
 
 
 @dataclasses.dataclass
@@ -130,7 +155,7 @@ class DistributedChain:
             if self._target is None or self._target.address != address:
                 if self._target is not None:
                     self._target.channel.close()
-                channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+                channel = cluster_auth.insecure_channel(address, options=CHANNEL_OPTIONS)
                 self._target = _Target(address, channel, tier_pb2_grpc.TierStub(channel))
             return self._target
 
@@ -164,64 +189,51 @@ class DistributedChain:
 
     # -------------------------------------------------------------------- API
 
-    generate = ChainScheduler.generate  # the same loop over start / step / finish
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams, seed: int | None = None,
+                 on_commit: Callable[[list[int]], None] | None = None) -> GenerationOutput:
+        """`contract.generate` on this chain."""
+        return generate(self, prompt_ids, max_new_tokens, params, seed, on_commit)
 
     def start(self, prompt_ids, max_new_tokens, params: SamplingParams, seed=None) -> RequestState:
-        base = torch.Generator()
-        if seed is None:
-            base.seed()
-        else:
-            base.manual_seed(seed)
-        # the same per-tier seeds as ChainScheduler.start: a seeded request samples the same tokens in both modes
-        seeds = [int(torch.randint(0, 2**62, (1,), generator=base)) for _ in self.tiers]
         header = tier_pb2.SequenceHeader(
             seq_id=next(self._seq_ids), temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-            seeds=seeds, lengths=self.lengths, pipeline=self.pipeline, scheme=self.scheme, tree_width=self.tree_width,
-            limit=self.max_context or 0,
+            seeds=tier_seeds(seed, len(self.tiers)), lengths=self.lengths, pipeline=self.pipeline, scheme=self.scheme,
+            tree_width=self.tree_width, limit=self.max_context or 0,
         )
-        run = _Run(seq_id=header.seq_id, params=params, generators=[], stages=[], limit=self.max_context or 1 << 62)
-        state = RequestState(run=run, committed=list(prompt_ids), max_new_tokens=max_new_tokens, tier_busy_s=[0.0] * len(self.tiers))
-        state.header = header
-        state.overhead_s = 0.0
-        state.rounds = 0
-        state.unobserved = None  # with a tuner: the last round's report, folded in during the next round (`step`)
-        state.planned = None  # with a tuner: (tuner, lengths) of the next round, planned while this one was in flight
-        return state
+        return RequestState(seq_id=header.seq_id, params=params, committed=list(prompt_ids), max_new_tokens=max_new_tokens,
+                            limit=self.max_context or NO_LIMIT, run=RemoteRun(header), tier_busy_s=[0.0] * len(self.tiers))
 
     def step(self, state: RequestState) -> list[int]:
-        if state.done:
+        if finish_if_full(state):
             return []
-        run = state.run
-        if len(state.new_tokens) >= state.max_new_tokens or len(state.committed) >= run.limit:
-            state.finish_reason = "length"
-            return []
-        remaining = state.max_new_tokens - len(state.new_tokens)
-        header = state.header
+        run: RemoteRun = state.run
+        left = remaining(state)
+        header = run.header
         tuner = self.tuner
         lengths = self.lengths
         if tuner is not None:
-            planned, state.planned = state.planned, None
+            planned, run.planned = run.planned, None
             if planned is not None and planned[0] is tuner:
                 lengths = planned[1]
             else:
                 with self._tuner_lock:
-                    lengths = tuner.plan_remote(run.params, new_tokens=state.max_new_tokens if state.rounds == 0 else None)
+                    lengths = tuner.plan_remote(state.params, new_tokens=state.max_new_tokens if run.rounds == 0 else None)
             if not state.plans or state.plans[-1]["lengths"] != lengths:  # the same entries as ChainScheduler's
                 state.plans.append({"new_tokens": len(state.new_tokens), "lengths": list(lengths),
                                     "tiers": [view.name for view in self.tiers]})
         del header.lengths[:]
         header.lengths.extend(lengths)
-        request = tier_pb2.VerifyRequest(header=header, context=state.committed, max_tokens=remaining)
+        request = tier_pb2.VerifyRequest(header=header, context=state.committed, max_tokens=left)
         # The tuner's bookkeeping of the last round (observe_remote) runs while this round is in
         # flight, off the critical path, and so does the plan of the next round (plan_remote,
-        # with its re-tunes: 0.5-1 ms of Python a round on the Ray demo chain) when this round
-        # cannot end the request. The tuner sees the same calls in the same order as when
-        # each round is planned at its start: plan n, observe n - 2, plan n + 1, observe n - 1, ...
-        # (a plan has not seen the round before it: a one-round lag); a request's first
-        # round, whose report restarts the class's estimates, is folded in at once.
-        pending, state.unobserved = state.unobserved, None
-        plan_ahead = (tuner is not None and self.plan_ahead and state.rounds > 0 and remaining > lengths[0] + 1
-                      and len(state.committed) + lengths[0] + 1 < run.limit)
+        # with its re-tunes: about a millisecond of Python a round) when this round cannot end
+        # the request. The tuner sees the same calls in the same order as when each round is
+        # planned at its start: plan n, observe n - 2, plan n + 1, observe n - 1, ... (a plan
+        # has not seen the round before it: a one-round lag); a request's first round, whose
+        # report restarts the class's estimates, is folded in at once.
+        pending, run.unobserved = run.unobserved, None
+        plan_ahead = (tuner is not None and self.plan_ahead and run.rounds > 0 and left > lengths[0] + 1
+                      and len(state.committed) + lengths[0] + 1 < state.limit)
         work = None
         if pending or plan_ahead:
             def work() -> None:
@@ -229,54 +241,45 @@ class DistributedChain:
                     if pending:
                         pending()
                     if plan_ahead:
-                        state.planned = (tuner, tuner.plan_remote(run.params))
+                        run.planned = (tuner, tuner.plan_remote(state.params))
         reply, wall = self._call_target("Verify", request, meanwhile=work)
-        state.overhead_s += max(0.0, wall - reply.model_s)
+        run.overhead_s += max(0.0, wall - reply.model_s)
         if tuner is not None:  # (bound to the tuner that planned the round)
-            observation = functools.partial(tuner.observe_remote, run.params, reply.stages, wall, reply.model_s,
-                                            first=state.rounds == 0, lengths=list(lengths))
-            if state.rounds == 0:
+            observation = functools.partial(tuner.observe_remote, state.params, reply.stages, wall, reply.model_s,
+                                            first=run.rounds == 0, lengths=list(lengths))
+            if run.rounds == 0:
                 self._observe(observation)
             else:
-                state.unobserved = observation
-        state.rounds += 1
+                run.unobserved = observation
+        run.rounds += 1
         self._record(run, reply.stages)
         if reply.degraded:
             self.degraded_rounds += 1
             self.membership.degraded(reply.degraded_reason)
-        emitted = list(reply.tokens)[:remaining]
-        eos_at = next((j for j, t in enumerate(emitted) if t in self.eos_token_ids), None)
-        if eos_at is not None:
-            emitted = emitted[: eos_at + 1]
-        state.committed += emitted
-        state.new_tokens += emitted
-        if eos_at is not None:
-            state.finish_reason = "eos"
-        elif len(state.new_tokens) >= state.max_new_tokens or len(state.committed) >= run.limit:
-            state.finish_reason = "length"
-        return emitted
+        return commit(state, list(reply.tokens), self.eos_token_ids)
 
     def _observe(self, observation: Callable[[], None]) -> None:
         with self._tuner_lock:
             observation()
 
-    def _record(self, run: _Run, reports) -> None:
+    def _record(self, run: RemoteRun, reports) -> None:
         for report in reports:
             if report.drafter == report.tier:
                 continue  # a bottom tier's proposal, not a verification round
             key = (report.tier, report.drafter)
-            stage = run.bypass_stages.get(key)
+            stage = run.stages.get(key)
             if stage is None:
                 names = [v.name for v in self.tiers]
-                stage = run.bypass_stages[key] = StageStats(names[report.tier], names[report.drafter] if report.drafter < len(names) else "?")
+                stage = run.stages[key] = StageStats(names[report.tier], names[report.drafter] if report.drafter < len(names) else "?")
             stage.record(report.proposed, report.accepted, report.length, report.seconds)
 
     def finish(self, state: RequestState) -> GenerationOutput:
-        if state.unobserved is not None:  # the last round's report (in the request's time: its caller waits for it)
-            pending, state.unobserved = state.unobserved, None
+        run: RemoteRun = state.run
+        if run.unobserved is not None:  # the last round's report (in the request's time: its caller waits for it)
+            pending, run.unobserved = run.unobserved, None
             self._observe(pending)
         stub = self._stub().stub
-        seq_id = state.run.seq_id
+        seq_id = state.seq_id
 
         def release() -> None:
             try:
@@ -285,23 +288,13 @@ class DistributedChain:
                 pass  # the target is gone: its caches went with it
 
         self._releases.submit(release)
-        elapsed = time.perf_counter() - state.started
-        stages = sorted(state.run.bypass_stages.items())
-        stats = {
-            "tokens_per_s": round(len(state.new_tokens) / elapsed, 3) if elapsed > 0 else 0.0,
-            "new_tokens": len(state.new_tokens),
-            "time_s": round(elapsed, 6),
-            "stages": [stage.as_dict() for _, stage in stages],
-            "rounds": state.rounds,
-            "overhead_s": round(state.overhead_s, 6),  # round trips not spent in model forwards on the critical path
-        }
+        extra = {"rounds": run.rounds, "overhead_s": round(run.overhead_s, 6)}
         if state.plans:
-            stats["plans"] = state.plans
-        return GenerationOutput(list(state.new_tokens), state.finish_reason or "length", stats)
+            extra["plans"] = state.plans
+        return output(state, [stage for _, stage in sorted(run.stages.items())], **extra)
 
     def cancel(self, state: RequestState) -> GenerationOutput:
-        if not state.done:
-            state.finish_reason = "cancelled"
+        mark_cancelled(state)
         return self.finish(state)
 
     def generate_many(self, jobs: list[tuple], concurrency: int, on_done: Callable[[int, object], None]) -> None:
@@ -363,7 +356,7 @@ def profile_remote(chain: DistributedChain, context_len: int, params: SamplingPa
             max_draft=max_length if index > 0 else 0, tree_width=chain.tree_width, scheme=chain.scheme,
             prefill_lens=list(prefill_lens),
         )
-        with grpc.insecure_channel(view.address, options=CHANNEL_OPTIONS) as channel:
+        with cluster_auth.insecure_channel(view.address, options=CHANNEL_OPTIONS) as channel:
             try:
                 reply = tier_pb2_grpc.TierStub(channel).Profile(request, timeout=VERIFY_TIMEOUT_S)
             except grpc.RpcError as exc:
@@ -375,22 +368,3 @@ def profile_remote(chain: DistributedChain, context_len: int, params: SamplingPa
         draft.append(fit(drafts) if drafts else None)
         prefill.append(list(reply.prefill_ms))
     return LatencyProfile([view.name for view in views], forward, draft), prefill
-
-
-def in_process_chain(tiers, lengths: list[int], *, eos_token_ids=(), tree_width: int = 1, scheme: str = "specinfer",
-                     pipeline: bool = False, host: str = "127.0.0.1") -> tuple[DistributedChain, list]:
-    """Loaded `tiers` (target first) served by TierWorkers in this process, wired over gRPC on
-    loopback: the distributed protocol without Ray (tests, and the transport overhead benchmark).
-    Returns the chain and the workers (stop them with `worker.stop()`)."""
-    from polyspec.orchestrator.distributed.worker import TierWorker
-
-    workers = [TierWorker(tier, i, eos_token_ids=eos_token_ids, host=host) for i, tier in enumerate(tiers)]
-    for upper, lower in zip(reversed(workers[:-1]), reversed(workers[1:])):
-        upper.connect(lower.address)
-    contexts = [t.max_context for t in tiers if t.max_context]
-    membership = StaticMembership([w.address for w in workers], [t.name for t in tiers])
-    for view, tier in zip(membership.views, tiers):
-        view.vocab_size, view.max_context = tier.vocab_size, tier.max_context
-    chain = DistributedChain(membership, lengths, tree_width=tree_width, scheme=scheme, eos_token_ids=tuple(eos_token_ids),
-                             max_context=min(contexts) if contexts else None, pipeline=pipeline)
-    return chain, workers

@@ -1,7 +1,7 @@
-"""`runtime.backend: ray`: one Ray actor per tier, on one node or many (DESIGN §6).
+"""`runtime.backend: ray`: one Ray actor per tier, on one node or many.
 
 Ray owns placement, lifecycle and restarts; the data plane is the tier-to-tier gRPC protocol
-served by each actor's TierWorker on its node's address (workers/tier_worker.py), and the
+served by each actor's TierWorker on its node's address (polyspec.orchestrator.distributed.worker), and the
 driver is polyspec.orchestrator.distributed.driver.DistributedChain. This module:
 
 - checks the cluster can place every tier before asking (a tier whose resources no node has
@@ -25,6 +25,7 @@ import socket
 import threading
 import time
 
+from polyspec.orchestrator.distributed import cluster_auth
 from polyspec.orchestrator.config import ChainConfig
 from polyspec.orchestrator.distributed.driver import ChainUnavailableError, DistributedChain, Membership, TierView
 from polyspec.workers.core.errors import ConfigError
@@ -156,7 +157,8 @@ class RayMembership(Membership):
         for i, (tier, need) in enumerate(zip(config.tiers, needs)):
             custom = {k: v for k, v in need.items() if k not in ("CPU", "GPU")}
             options = dict(num_cpus=need.get("CPU", 0), num_gpus=need.get("GPU", 0), resources=custom or None,
-                           max_restarts=-1, max_task_retries=0, max_concurrency=4, name=None)
+                           max_restarts=-1, max_task_retries=0, max_concurrency=4, name=None,
+                           runtime_env=cluster_auth.actor_runtime_env())  # the chain's cluster token
             if strategies[i] is not None:
                 options["scheduling_strategy"] = strategies[i]
             threads = tier.threads or 1
@@ -180,7 +182,7 @@ class RayMembership(Membership):
         import ray
 
         refs = [actor.info.remote() for actor in self.actors]
-        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=START_TIMEOUT_S)
+        _, pending = ray.wait(refs, num_returns=len(refs), timeout=START_TIMEOUT_S)
         if pending:
             stuck = [self.config.tiers[refs.index(ref)].name for ref in pending]
             self.close()
@@ -282,7 +284,7 @@ class RayMembership(Membership):
         from polyspec.protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
 
         try:
-            with grpc.insecure_channel(address) as channel:
+            with cluster_auth.insecure_channel(address) as channel:
                 tier_pb2_grpc.TierStub(channel).Health(tier_pb2.HealthRequest(), timeout=2.0)
             return True
         except grpc.RpcError:

@@ -1,4 +1,4 @@
-"""One tier of a distributed chain: its model, its gRPC service, its draft-ahead loop (DESIGN §4, §6).
+"""One tier of a distributed chain: its model, its gRPC service, its draft-ahead loop.
 
 A `TierWorker` owns one `Tier` and serves the tier-to-tier protocol
 (protos/polyspec/v1/tier.proto) on its node's address. A verifier holds a `RemoteTier`
@@ -9,7 +9,7 @@ neighbours talk directly and the driver only calls the target's `Verify`.
 
 Concurrency: the gRPC server has a thread per call, so while the target scores request A,
 the drafters draft request B. One model forward at a time per tier (`ModelLock`); calls of
-one sequence are serialised by the sequence's lock.
+one sequence are serialised by the sequence's lock (model_lock.py).
 
 Pipelined mode (`header.pipeline`): after handing a block up, a drafter keeps drafting past
 it (`_ahead`), betting the block is accepted. Its stream is tagged with the verifier's epoch;
@@ -26,7 +26,6 @@ tier drafts or verifies alone; the target alone is always a valid chain) and the
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import statistics
@@ -38,10 +37,22 @@ from concurrent import futures
 import grpc
 import torch
 
+from polyspec.orchestrator.distributed import cluster_auth
+from polyspec.orchestrator.decode.contract import NO_LIMIT, StageStats, first_eos, seeded_generator
+from polyspec.orchestrator.decode.scheduler import ChainScheduler, Run
 from polyspec.orchestrator.tuning.time_model import AHEAD_SMOOTHING, AHEAD_THRESHOLD  # the time model reads the same bet
 from polyspec.protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
 from polyspec.workers.core.sampling import SamplingParams
 from polyspec.workers.tiers.tier import Tier
+from polyspec.orchestrator.distributed.model_lock import (
+    LockedTier,
+    ModelLock,
+    add_model_seconds,
+    drafting_ahead,
+    model_seconds,
+    set_drafting_ahead,
+    set_model_seconds,
+)
 from polyspec.orchestrator.distributed.transport import (
     CHANNEL_OPTIONS,
     Counters,
@@ -59,83 +70,6 @@ AHEAD_THREADS = 8
 # idle core; on a shared one they slow the verifier (benchmarks/ray-pipeline.md), so a
 # sequence drafts ahead only while its blocks are mostly accepted whole (EMA >= threshold).
 AHEAD_PRIOR = 0.5
-
-_local = threading.local()  # per thread: model seconds of the current call, lock priority
-
-
-def _model_seconds() -> float:
-    return getattr(_local, "model_s", 0.0)
-
-
-class ModelLock:
-    """One forward at a time; calls a verifier waits on go before draft-ahead work."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._busy = False
-        self._urgent_waiting = 0
-
-    @contextlib.contextmanager
-    def hold(self):
-        urgent = not getattr(_local, "ahead", False)
-        with self._cond:
-            if urgent:
-                self._urgent_waiting += 1
-            while self._busy or (not urgent and self._urgent_waiting):
-                self._cond.wait()
-            if urgent:
-                self._urgent_waiting -= 1
-            self._busy = True
-        started = time.perf_counter()
-        try:
-            yield
-        finally:
-            _local.model_s = _model_seconds() + time.perf_counter() - started
-            with self._cond:
-                self._busy = False
-                self._cond.notify_all()
-
-
-class LockedTier(Tier):
-    """A local tier behind the worker's ModelLock (the scheduler code stays unaware of threads)."""
-
-    def __init__(self, tier: Tier, lock: ModelLock) -> None:
-        self.inner = tier
-        self.lock = lock
-        for name in ("name", "vocab_size", "max_context", "can_verify", "deterministic_drafts"):
-            setattr(self, name, getattr(tier, name))
-
-    @property
-    def busy_s(self) -> float:
-        return self.inner.busy_s
-
-    @property
-    def forwards(self) -> int:
-        return self.inner.forwards
-
-    def draft(self, *args, **kwargs):
-        with self.lock.hold():
-            return self.inner.draft(*args, **kwargs)
-
-    def draft_tree(self, *args, **kwargs):
-        with self.lock.hold():
-            return self.inner.draft_tree(*args, **kwargs)
-
-    def score(self, *args, **kwargs):
-        with self.lock.hold():
-            return self.inner.score(*args, **kwargs)
-
-    def accept_path(self, *args, **kwargs):
-        with self.lock.hold():
-            return self.inner.accept_path(*args, **kwargs)
-
-    def release(self, seq_id):
-        with self.lock.hold():
-            return self.inner.release(seq_id)
-
-    def truncate(self, seq_id, length):
-        with self.lock.hold():
-            return self.inner.truncate(seq_id, length)
 
 
 @dataclasses.dataclass
@@ -156,24 +90,17 @@ class _Sequence:
     """One request as seen by this worker."""
 
     def __init__(self, worker: "TierWorker", header: tier_pb2.SequenceHeader) -> None:
-        from polyspec.orchestrator.decode.scheduler import StageStats, _Run
-
         self.worker = worker
         self.header = tier_pb2.SequenceHeader()
         self.header.CopyFrom(header)
         self.params = header_params(header)
         seed = header.seeds[worker.index] if worker.index < len(header.seeds) else None
-        generator = torch.Generator()
-        if seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(int(seed))
-        self.run = _Run(
+        self.run = Run(
             seq_id=header.seq_id,
             params=self.params,
-            generators=[generator, torch.Generator()],  # the tier below draws with its own
+            generators=[seeded_generator(seed), torch.Generator()],  # the tier below draws with its own
             stages=[StageStats(worker.tier.name, "below")],
-            limit=header.limit or 1 << 62,
+            limit=header.limit or NO_LIMIT,
         )
         self.cond = threading.Condition()
         self.epoch_below = 0  # verdicts with a correction sent to the tier below
@@ -223,7 +150,7 @@ class _Recorder:
     def observe_round(self, level, drafter, length, proposed, accepted, seconds) -> None:
         self.seq.reports.append(tier_pb2.StageReport(tier=self.worker.index, drafter=self.lower.index, length=length,
                                                      proposed=proposed, accepted=accepted, seconds=seconds,
-                                                     ahead=getattr(_local, "ahead", False)))
+                                                     ahead=drafting_ahead()))
 
     def observe_draft(self, *args) -> None:
         pass
@@ -240,7 +167,7 @@ class TierWorker:
         sys.setswitchinterval(float(os.environ.get("POLYSPEC_SWITCH_INTERVAL_S", "0.0005")))
         self.tier = tier
         self.index = index
-        self.eos_token_ids = tuple(eos_token_ids)
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.lock = ModelLock()
         self.local = LockedTier(tier, self.lock)
         self.lower: RemoteTier | None = None
@@ -255,7 +182,7 @@ class TierWorker:
         self._wiring = threading.Lock()
         self._ahead_pool = futures.ThreadPoolExecutor(AHEAD_THREADS, thread_name_prefix=f"ahead-{tier.name}")
         self.server = grpc.server(futures.ThreadPoolExecutor(MAX_RPC_THREADS, thread_name_prefix=f"tier-{tier.name}"),
-                                  options=CHANNEL_OPTIONS)
+                                  options=CHANNEL_OPTIONS, interceptors=cluster_auth.server_interceptors())
         tier_pb2_grpc.add_TierServicer_to_server(_Servicer(self), self.server)
         self.port = self.server.add_insecure_port(f"{host}:{port}")
         if not self.port:
@@ -315,18 +242,16 @@ class TierWorker:
     def _sequence_of(self, seq_id: int) -> _Sequence:
         return self._sequences[seq_id]
 
-    def _scheduler(self, seq: _Sequence, lower: RemoteTier | None):
-        from polyspec.orchestrator.decode.scheduler import ChainScheduler
-
+    def _scheduler(self, seq: _Sequence, lower: RemoteTier | None) -> ChainScheduler:
+        """This tier's own chain for one call: [this tier, the tier below] (or this tier alone).
+        The sequence's `Run` carries the whole chain's context limit (from the header)."""
         header = seq.header
         if lower is None:
-            return ChainScheduler([self.local], [], eos_token_ids=self.eos_token_ids)
+            return ChainScheduler([self.local], [], eos_token_ids=self.eos_token_ids, max_context=None)
         length = header.lengths[self.index] if self.index < len(header.lengths) else 0
-        scheduler = ChainScheduler([self.local, lower], [length], tree_width=max(1, header.tree_width),
-                                   scheme=header.scheme or "specinfer", eos_token_ids=self.eos_token_ids,
-                                   tuner=_Recorder(self, seq, lower), draft_ahead=header.pipeline)
-        scheduler.max_context = None  # the header's limit (the whole chain's) rules
-        return scheduler
+        return ChainScheduler([self.local, lower], [length], tree_width=max(1, header.tree_width),
+                              scheme=header.scheme or "specinfer", eos_token_ids=self.eos_token_ids,
+                              tuner=_Recorder(self, seq, lower), draft_ahead=header.pipeline, max_context=None)
 
     def _with_fallback(self, seq: _Sequence, work):
         """Run `work(scheduler)`; if the tier below is gone, redo it without the tier below."""
@@ -345,18 +270,18 @@ class TierWorker:
 
     def verify(self, request: tier_pb2.VerifyRequest) -> tier_pb2.VerifyReply:
         seq = self._sequence(request.header)
-        _local.model_s = 0.0
+        set_model_seconds(0.0)
         with seq.cond:
             seq.reset_call()
             context = list(request.context)
 
             def one_round(scheduler):
-                length = min(scheduler._length(0), max(0, request.max_tokens - 1))
-                emitted, _ = scheduler._round(seq.run, 0, context, length)
+                length = min(scheduler.length_at(0), max(0, request.max_tokens - 1))
+                emitted, _ = scheduler.verify_round(seq.run, 0, context, length)
                 return emitted
 
             emitted = self._with_fallback(seq, one_round)[: request.max_tokens]
-            return tier_pb2.VerifyReply(tokens=emitted, stages=seq.take_reports(), model_s=_model_seconds() + seq.model_below_s,
+            return tier_pb2.VerifyReply(tokens=emitted, stages=seq.take_reports(), model_s=model_seconds() + seq.model_below_s,
                                         degraded=seq.degraded, degraded_reason=self.lower_error if seq.degraded else "")
 
     # ------------------------------------------------------------------- draft
@@ -368,14 +293,14 @@ class TierWorker:
         with seq.cond:
             # a draft-ahead round holds the sequence: waiting for it is this tier's model time
             # on the caller's critical path, not transport overhead
-            _local.model_s = time.perf_counter() - started
+            set_model_seconds(time.perf_counter() - started)
             seq.reset_call()
             if request.tree:
                 tree = self._with_fallback(seq, lambda s: self._draft_tree(s, seq, context, need))
                 self._report_draft(seq, need, len(tree.tokens))
                 return tier_pb2.DraftReply(tokens=tree.tokens, parents=tree.parents,
                                            rows=encode_rows(tree.draft_rows, self.counters, self.dist, dst_rank),
-                                           model_s=_model_seconds() + seq.model_below_s, stages=seq.take_reports(),
+                                           model_s=model_seconds() + seq.model_below_s, stages=seq.take_reports(),
                                            degraded=seq.degraded)
             continued = request.header.pipeline and seq.served_end >= 0 and request.header.epoch == seq.served_epoch \
                 and len(context) >= seq.served_end
@@ -412,7 +337,7 @@ class TierWorker:
                 continues = continues or len(seq.stream.tokens) > seq.served_end  # overshoot already drafted
                 self._start_ahead(seq)
             reply = tier_pb2.DraftReply(tokens=tokens, rows=encode_rows(rows, self.counters, self.dist, dst_rank),
-                                        model_s=_model_seconds() + seq.model_below_s, ahead_hit=hit is not None,
+                                        model_s=model_seconds() + seq.model_below_s, ahead_hit=hit is not None,
                                         stages=seq.take_reports(), degraded=seq.degraded, continues=continues)
         return reply
 
@@ -420,10 +345,10 @@ class TierWorker:
         """As the bottom of the chain: how long this proposal took (the tuner's draft_ms)."""
         if self.lower is None:
             seq.reports.append(tier_pb2.StageReport(tier=self.index, drafter=self.index, length=need, proposed=proposed,
-                                                    seconds=_model_seconds()))
+                                                    seconds=model_seconds()))
 
     def _emit(self, scheduler, seq: _Sequence, context: list[int], need: int):
-        return scheduler._emit(seq.run, 0, context, need)
+        return scheduler.emit(seq.run, 0, context, need)
 
     def _draft_tree(self, scheduler, seq: _Sequence, context: list[int], depth: int) -> DraftTree:
         header = seq.header
@@ -443,7 +368,7 @@ class TierWorker:
         while stream is seq.stream and len(stream.tokens) - len(context) < need and seq.ahead_running:
             seq.cond.wait()
         # waiting for the drafting ahead is model time on the caller's critical path, not overhead
-        _local.model_s = _model_seconds() + time.perf_counter() - started
+        add_model_seconds(time.perf_counter() - started)
         if stream is not seq.stream:
             return None
         start = len(context) - stream.base
@@ -464,14 +389,14 @@ class TierWorker:
 
     def _ahead(self, seq: _Sequence) -> None:
         """Extend `seq.stream` up to `seq.ahead_until` tokens, a round (or a token) at a time."""
-        _local.ahead = True
+        set_drafting_ahead(True)
         try:
             while True:
                 with seq.cond:
                     stream = seq.stream
                     if seq.closed or stream is None or len(stream.tokens) >= min(seq.ahead_until, seq.run.limit - 1):
                         return
-                    if any(t in self.eos_token_ids for t in stream.tokens[stream.base:]):
+                    if first_eos(stream.tokens[stream.base:], self.eos_token_ids) is not None:
                         return
                     context = list(stream.tokens)
                     lower = self.lower
@@ -494,7 +419,7 @@ class TierWorker:
             with seq.cond:
                 seq.ahead_running = False
                 seq.cond.notify_all()
-            _local.ahead = False
+            set_drafting_ahead(False)
 
     # --------------------------------------------------------------- verdicts
 

@@ -11,10 +11,11 @@ import pytest
 
 from family_chains import tier_specs
 from polyspec.orchestrator.config import parse_config
-from polyspec.orchestrator.distributed.driver import in_process_chain
+from inprocess_chain import in_process_chain
 from polyspec.orchestrator.engine import Engine
 from polyspec.workers.tiers.loading import load_tiers
 from polyspec.workers.core.sampling import SamplingParams
+from polyspec.orchestrator.tokenization import encode_prompt
 
 PROMPTS = ["def add(a, b):\n    return", "import os\nimport sys\n", "for i in range(10):\n    print(i)\nfor i in"]
 MAX_NEW = 40
@@ -34,7 +35,7 @@ def embedded(tiny_family):
     tokenizer = engine.tokenizer
     outputs = {}
     for prompt in PROMPTS:
-        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        ids = encode_prompt(tokenizer, prompt)
         outputs[prompt] = (ids, engine.scheduler.generate(ids, MAX_NEW, SamplingParams(temperature=0.0)).token_ids)
     return outputs
 
@@ -103,8 +104,7 @@ def test_online_tuner_sets_lengths_of_a_distributed_chain(tiny_family, embedded,
         assert profile.forward[0] and profile.forward[1] and profile.forward[2] is None  # the bottom only drafts
         assert sorted(profile.draft[2]) == [1, 2, 3, 4] and profile.draft[0] is None
         assert len(prefill[0]) == 2 and all(ms > 0 for ms in prefill[0])
-        tuner = Tuner(profile, max_length=4, retune_every=2, warmup_rounds=2)
-        tuner.distributed, tuner.pipelined = True, pipeline
+        tuner = Tuner(profile, max_length=4, retune_every=2, warmup_rounds=2, distributed=True, pipelined=pipeline)
         chain.tuner = tuner
         jobs = [(ids, MAX_NEW, SamplingParams(temperature=0.0), None) for ids, _ in embedded.values()] * 2
         results = {}
@@ -117,7 +117,7 @@ def test_online_tuner_sets_lengths_of_a_distributed_chain(tiny_family, embedded,
         assert tuner.history and all(entry["active"] == ["target", "mid", "small"] for entry in tuner.history)  # no bypass
         for out in results.values():  # each request ran the plans the tuner chose
             assert out.stats["plans"] and all(plan["lengths"] in [h["lengths"] for h in tuner.history] for plan in out.stats["plans"])
-        tuner.fixed = Plan((3, 2), (0, 1, 2), 0.0)  # the driver sends the tuner's lengths with every round
+        tuner.fix(Plan((3, 2), (0, 1, 2), 0.0))  # the driver sends the tuner's lengths with every round
         ids, expected = next(iter(embedded.values()))
         out = chain.generate(ids, MAX_NEW, SamplingParams(temperature=0.0))
         assert out.token_ids == expected
@@ -191,8 +191,7 @@ def pipelined_chain_with_tuner(tiny_family, tuner_class):
         profile, _ = profile_remote(chain, 24, SamplingParams(temperature=0.0), max_length=4, repeats=1, prefill_lens=[8])
         real_stub = chain._stub
         chain._stub = lambda: dataclasses.replace(real_stub(), stub=CountingStub(real_stub().stub))
-        tuner = tuner_class(profile, max_length=4, retune_every=1, warmup_rounds=4)
-        tuner.distributed = tuner.pipelined = True
+        tuner = tuner_class(profile, max_length=4, retune_every=1, warmup_rounds=4, distributed=True, pipelined=True)
         chain.tuner = tuner
         yield chain, tuner, calls
     finally:
@@ -284,7 +283,7 @@ def test_seeded_sampling_matches_embedded(tiny_family):
     """Same seeds, same chain: the distributed serial chain samples exactly the embedded tokens."""
     config = chain_config(tiny_family, ["target", "mid", "small"], lengths=[3, 2])
     engine = Engine(config)
-    ids = engine.tokenizer("def f(x):", add_special_tokens=False)["input_ids"]
+    ids = encode_prompt(engine.tokenizer, "def f(x):")
     params = SamplingParams(temperature=1.0)
     tiers, _ = load_tiers(config.tiers)
     chain, workers = in_process_chain(tiers, [3, 2], pipeline=False, eos_token_ids=EOS)
@@ -336,22 +335,23 @@ def test_prefill_rollback_and_profile_rpcs(tiny_family, embedded):
     the request still ends with the target's own greedy tokens (every call carries its context)."""
     import grpc
 
+    from polyspec.orchestrator.distributed import cluster_auth
     from polyspec.protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
 
     config = chain_config(tiny_family, ["target", "mid"], lengths=[4])
     tiers, _ = load_tiers(config.tiers)
     chain, workers = in_process_chain(tiers, [4], pipeline=True, eos_token_ids=EOS)
-    stubs = [tier_pb2_grpc.TierStub(grpc.insecure_channel(w.address)) for w in workers]
+    stubs = [tier_pb2_grpc.TierStub(cluster_auth.insecure_channel(w.address)) for w in workers]
     try:
         (ids, expected), *_ = embedded.values()
         state = chain.start(ids, MAX_NEW, SamplingParams(temperature=0.0))
-        stubs[0].Prefill(tier_pb2.PrefillRequest(header=state.header, context=ids))
-        assert len(tiers[0]._sequences[state.header.seq_id].cache) == len(ids)  # the prompt is in the cache
+        stubs[0].Prefill(tier_pb2.PrefillRequest(header=state.run.header, context=ids))
+        assert len(tiers[0]._sequences[state.seq_id].cache) == len(ids)  # the prompt is in the cache
         chain.step(state)
         chain.step(state)
         for stub in stubs:
-            stub.Rollback(tier_pb2.RollbackRequest(seq_id=state.header.seq_id, length=3))
-        assert len(tiers[0]._sequences[state.header.seq_id].cache) == 3
+            stub.Rollback(tier_pb2.RollbackRequest(seq_id=state.seq_id, length=3))
+        assert len(tiers[0]._sequences[state.seq_id].cache) == 3
         while not state.done:
             chain.step(state)
         assert chain.finish(state).token_ids == expected

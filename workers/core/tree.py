@@ -47,13 +47,6 @@ class DraftTree:
         """Children of `node` (-1 = the root), in index order."""
         return [j for j, parent in enumerate(self.parents) if parent == node]
 
-    def ancestors_and_self(self, node: int) -> list[int]:
-        path = []
-        while node >= 0:
-            path.append(node)
-            node = self.parents[node]
-        return path[::-1]
-
     def is_chain(self) -> bool:
         return self.parents == list(range(-1, len(self.tokens) - 1))
 
@@ -129,3 +122,13 @@ def verify_tree(
             return path, token
         path.append(children[index])
         node = children[index]
+
+
+def windowed_mask(mask: torch.Tensor, query_positions: list[int], slot_positions: list[int], window: int) -> torch.Tensor:
+    """`mask` ([1, 1, Q, S], additive) with every slot at or past `window` positions behind
+    its query hidden: a sliding-window layer's view of a tree forward. Positions are token
+    positions (a tree node's is its prefix length + depth), not cache slots."""
+    queries = torch.tensor(query_positions, dtype=torch.long)[:, None]  # [Q, 1]
+    slots = torch.tensor(slot_positions, dtype=torch.long)[None, :]  # [1, S]
+    outside = (queries - slots) >= window  # [Q, S]; transformers' overlay keeps kv > q - window
+    return mask.masked_fill(outside[None, None], torch.finfo(mask.dtype).min)

@@ -1,0 +1,219 @@
+"""The decoder contract: what every decoder (embedded, distributed, batched) promises its callers.
+
+A decoder turns requests into verified tokens, one target round at a time:
+
+    state = decoder.start(prompt_ids, max_new_tokens, params, seed)
+    while not state.done:
+        tokens = decoder.step(state)      # the tokens this round committed (may be empty)
+    output = decoder.finish(state)        # or decoder.cancel(state): frees the request's caches
+
+`generate` is that loop. The engine and the server drive any `Decoder` through it, so a
+request means the same thing whichever decoder runs it. The rules every decoder shares
+live here, in one place:
+
+- end of a request (`commit`): a round's tokens are cut at `max_new_tokens` and just after
+  the first end-of-sequence token; the request finishes as "eos", or as "length" when it
+  has all its tokens or its context is full; `cancel` finishes it as "cancelled";
+- seeds (`tier_seeds`, `seeded_generator`): a request's seed is expanded into one seed per
+  tier, so a seeded request samples the same tokens whichever decoder runs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Iterable, Protocol, runtime_checkable
+
+import torch
+
+from polyspec.workers.core.sampling import SamplingParams
+
+FINISH_LENGTH = "length"  # max_new_tokens reached, or the context is full
+FINISH_EOS = "eos"  # the last committed token ends the sequence
+FINISH_CANCELLED = "cancelled"  # the caller stopped the request
+NO_LIMIT = 1 << 62  # the context limit of a chain whose models state none
+
+
+@dataclasses.dataclass
+class StageStats:
+    """One verifying stage: tier `tier` verifies the blocks of tier `drafter`."""
+
+    tier: str
+    drafter: str
+    blocks: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    time_s: float = 0.0
+    lengths: list[int] = dataclasses.field(default_factory=list)  # speculation length each time it changed
+    accepted_counts: list[int] = dataclasses.field(default_factory=list)  # [j] = blocks with exactly j accepted
+
+    def record(self, proposed: int, accepted: int, length: int, seconds: float) -> None:
+        self.blocks += 1
+        self.proposed += proposed
+        self.accepted += accepted
+        self.time_s += seconds
+        if not self.lengths or self.lengths[-1] != length:
+            self.lengths.append(length)
+        while len(self.accepted_counts) <= accepted:
+            self.accepted_counts.append(0)
+        self.accepted_counts[accepted] += 1
+
+    def as_dict(self) -> dict:
+        return {
+            "tier": self.tier,
+            "drafter": self.drafter,
+            "blocks": self.blocks,
+            "proposed": self.proposed,
+            "accepted": self.accepted,
+            "mean_accepted_length": round(self.accepted / self.blocks, 4) if self.blocks else 0.0,
+            "lengths": list(self.lengths),
+            "accepted_counts": list(self.accepted_counts),
+            "time_s": round(self.time_s, 6),
+        }
+
+
+@dataclasses.dataclass
+class GenerationOutput:
+    token_ids: list[int]
+    finish_reason: str  # FINISH_LENGTH | FINISH_EOS | FINISH_CANCELLED
+    stats: dict
+
+
+@dataclasses.dataclass
+class RequestState:
+    """One request between a decoder's `start` and its `finish` / `cancel`."""
+
+    seq_id: int  # the request's id in every tier's caches
+    params: SamplingParams
+    committed: list[int]  # prompt + accepted tokens
+    max_new_tokens: int
+    limit: int  # no position may reach this (the smallest model context of the chain)
+    run: Any  # what only the decoder that started the request reads (ChainScheduler: its `Run`)
+    tier_busy_s: list[float]  # model time spent on this request, per tier (where the decoder can tell)
+    new_tokens: list[int] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None  # set once done
+    plans: list[dict] = dataclasses.field(default_factory=list)  # with a tuner: lengths / tiers each time they changed
+    started: float = dataclasses.field(default_factory=time.perf_counter)
+    request: object = None  # the caller's request object, carried along (Engine keeps its GenerationRequest here)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+
+@runtime_checkable
+class Decoder(Protocol):
+    """The four calls every decoder implements (see the module docstring)."""
+
+    tiers: list  # target first; each has at least `name` and `busy_s`
+    max_context: int | None  # the longest context any request may reach (None: no limit)
+    eos_token_ids: frozenset[int]
+
+    def start(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams, seed: int | None = None) -> RequestState:
+        """Open a request. Requests are independent: a caller may interleave their steps."""
+
+    def step(self, state: RequestState) -> list[int]:
+        """One target round; returns the newly committed tokens (nothing once the request is done)."""
+
+    def finish(self, state: RequestState) -> GenerationOutput:
+        """Release the request's caches and return its tokens and stats."""
+
+    def cancel(self, state: RequestState) -> GenerationOutput:
+        """Stop the request now: it finishes as "cancelled" (unless it was already done)."""
+
+
+def generate(decoder: Decoder, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams, seed: int | None = None,
+             on_commit: Callable[[list[int]], None] | None = None) -> GenerationOutput:
+    """Generate up to `max_new_tokens` after `prompt_ids`; `on_commit` sees each round's new tokens.
+    Whatever goes wrong, the request's caches are freed (`cancel`) before the error propagates."""
+    state = decoder.start(prompt_ids, max_new_tokens, params, seed)
+    try:
+        while not state.done:
+            emitted = decoder.step(state)
+            if on_commit is not None and emitted:
+                on_commit(emitted)
+    except BaseException:
+        decoder.cancel(state)
+        raise
+    return decoder.finish(state)
+
+
+# ----------------------------------------------------------------- end of a request
+
+
+def at_length(state: RequestState) -> bool:
+    """The request has all its tokens, or its context is full."""
+    return len(state.new_tokens) >= state.max_new_tokens or len(state.committed) >= state.limit
+
+
+def finish_if_full(state: RequestState) -> bool:
+    """Before a round: finish the request as "length" when no token fits. True when done."""
+    if not state.done and at_length(state):
+        state.finish_reason = FINISH_LENGTH
+    return state.done
+
+
+def remaining(state: RequestState) -> int:
+    """How many more tokens the request may commit."""
+    return state.max_new_tokens - len(state.new_tokens)
+
+
+def first_eos(tokens: Iterable[int], eos_token_ids: frozenset[int]) -> int | None:
+    """The index of the first end-of-sequence token in `tokens` (None: there is none)."""
+    return next((j for j, t in enumerate(tokens) if t in eos_token_ids), None)
+
+
+def commit(state: RequestState, emitted: list[int], eos_token_ids: frozenset[int]) -> list[int]:
+    """Commit one round's tokens: cut at `max_new_tokens` and just after the first EOS, append
+    them, and finish the request ("eos", or "length" when full). Returns the committed tokens."""
+    emitted = emitted[: remaining(state)]
+    eos_at = first_eos(emitted, eos_token_ids)
+    if eos_at is not None:
+        emitted = emitted[: eos_at + 1]
+    state.committed += emitted
+    state.new_tokens += emitted
+    if eos_at is not None:
+        state.finish_reason = FINISH_EOS
+    elif at_length(state):
+        state.finish_reason = FINISH_LENGTH
+    return emitted
+
+
+def mark_cancelled(state: RequestState) -> None:
+    """What `cancel` does before `finish`: a request that was not done ends as "cancelled"."""
+    if not state.done:
+        state.finish_reason = FINISH_CANCELLED
+
+
+def output(state: RequestState, stages: Iterable[StageStats], **extra) -> GenerationOutput:
+    """The request's result: its tokens, finish reason and the stats every decoder reports
+    (throughput, time, the stages), plus the decoder's own `extra` stats."""
+    elapsed = time.perf_counter() - state.started
+    stats = {
+        "tokens_per_s": round(len(state.new_tokens) / elapsed, 3) if elapsed > 0 else 0.0,
+        "new_tokens": len(state.new_tokens),
+        "time_s": round(elapsed, 6),
+        "stages": [stage.as_dict() for stage in stages],
+        **extra,
+    }
+    return GenerationOutput(list(state.new_tokens), state.finish_reason or FINISH_LENGTH, stats)
+
+
+# ----------------------------------------------------------------------------- seeds
+
+
+def seeded_generator(seed: int | None) -> torch.Generator:
+    """A generator seeded with `seed`, or from the operating system's entropy when None."""
+    generator = torch.Generator()
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(int(seed))
+    return generator
+
+
+def tier_seeds(seed: int | None, tiers: int) -> list[int]:
+    """One seed per tier, drawn from the request's `seed`: every decoder derives them this way,
+    so a seeded request samples the same tokens embedded and distributed."""
+    base = seeded_generator(seed)
+    return [int(torch.randint(0, 2**62, (1,), generator=base)) for _ in range(tiers)]
