@@ -182,13 +182,15 @@ class Engine:
 
     # ------------------------------------------------------------------- requests
 
-    def parse_request(self, raw: dict[str, Any]) -> GenerationRequest:
-        """Validate one request (a JSONL line's object, CLI flags, or an RPC) -> GenerationRequest."""
+    def parse_request(self, raw: dict[str, Any], tokenizer=None) -> GenerationRequest:
+        """Validate one request (a JSONL line's object, CLI flags, or an RPC) -> GenerationRequest.
+        `tokenizer`: a copy of the target's to tokenize with (the server's request threads use
+        their own, so a long prompt never waits on or holds up the model thread's decoding)."""
         if not isinstance(raw, dict):
             raise RequestError(f"a request must be a JSON object, got {type(raw).__name__}")
         unknown = sorted(set(raw) - set(REQUEST_FIELDS))
         if unknown:
-            raise RequestError(f"unknown request field {unknown[0]!r} (known: {', '.join(REQUEST_FIELDS)})")
+            raise RequestError(f"unknown request field {unknown[0][:64]!r} (known: {', '.join(REQUEST_FIELDS)})")
         defaults = self.config.sampling
         prompt, prompt_ids = raw.get("prompt"), raw.get("prompt_ids")
         if prompt is not None and prompt_ids is not None:
@@ -205,7 +207,7 @@ class Engine:
                 raise RequestError(f"prompt must be a string, got {type(prompt).__name__}")
             if self.tokenizer is None:
                 raise RequestError("the target model has no tokenizer; send 'prompt_ids' instead of 'prompt'")
-            ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"] if prompt else []
+            ids = (tokenizer or self.tokenizer)(prompt, add_special_tokens=False)["input_ids"] if prompt else []
         else:
             raise RequestError("request has no 'prompt' (or 'prompt_ids')")
         if not ids:
