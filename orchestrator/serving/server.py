@@ -23,8 +23,10 @@ so the round thread's decoding never waits for it) and every SQLite call go thro
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
+import queue
 import threading
 import time
 
@@ -48,6 +50,7 @@ from polyspec.workers.core.errors import RequestError
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Polyspec"].full_name  # polyspec.v1.Polyspec
 STREAMING_METHODS = ("Generate", "StreamJobResults")
 MAX_MESSAGE_BYTES = 64 << 20  # a job's requests arrive in one message
+PROMPT_TOKENIZERS = 4  # requests tokenized at once (each with its own copy of the tokenizer)
 JOB_STATES = {
     QUEUED: pb.JOB_STATE_QUEUED,
     RUNNING: pb.JOB_STATE_RUNNING,
@@ -134,15 +137,25 @@ class PolyspecService(pb_grpc.PolyspecServicer):
         self.draining = False
         self.started = time.time()
         self.tokenizer_lock = threading.Lock()  # the engine's tokenizer: the round thread's (decoding)
-        self.prompt_tokenizer = None  # a copy for tokenizing requests in worker threads
-        self.prompt_lock = threading.Lock()
+        self._prompt_tokenizers: queue.Queue = queue.Queue()  # copies for tokenizing requests in worker threads
         self._jobs_changed = asyncio.Event()
         self._loop = asyncio.get_running_loop()
 
     def attach(self, engine, scheduler: RoundScheduler) -> None:
-        if getattr(engine, "tokenizer", None) is not None:
-            self.prompt_tokenizer = copy.deepcopy(engine.tokenizer)
+        for _ in range(PROMPT_TOKENIZERS):
+            tokenizer = getattr(engine, "tokenizer", None)
+            self._prompt_tokenizers.put(copy.deepcopy(tokenizer) if tokenizer is not None else None)
         self.engine, self.scheduler = engine, scheduler
+
+    @contextlib.contextmanager
+    def prompt_tokenizer(self):
+        """One of the request threads' tokenizer copies, for as long as the block runs (a
+        tokenizer is not safe to share between threads; a long prompt holds up only its own copy)."""
+        tokenizer = self._prompt_tokenizers.get()
+        try:
+            yield tokenizer
+        finally:
+            self._prompt_tokenizers.put(tokenizer)
 
     def jobs_changed(self) -> None:
         """Wake every StreamJobResults (called from any thread)."""
@@ -191,8 +204,8 @@ class PolyspecService(pb_grpc.PolyspecServicer):
         """Validate and tokenize (on the calling thread: never the event loop's), with the
         request threads' own tokenizer: the round thread's decoding never waits for it."""
         self.check_sizes(raw)
-        with self.prompt_lock:
-            return self.engine.parse_request(raw, tokenizer=self.prompt_tokenizer)
+        with self.prompt_tokenizer() as tokenizer:
+            return self.engine.parse_request(raw, tokenizer=tokenizer)
 
     async def parse(self, raw: dict):
         self.check_sizes(raw)  # cheap, and before the thread hop

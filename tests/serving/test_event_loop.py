@@ -101,3 +101,27 @@ def test_blocking_work_runs_off_the_event_loop(what):
     assert reply is not None
     if what.startswith("tokenizing"):
         assert engine.round_lock_held == [False], "tokenizing held the round thread's tokenizer lock"
+
+
+def test_a_long_prompt_does_not_hold_up_another_requests_tokenizing():
+    gate = Gate()
+
+    class Engine(FakeEngine):
+        def parse_request(self, raw, tokenizer=None):
+            if raw["prompt"] == "long":
+                self.gate.block()
+            return ("parsed", raw["prompt"])
+
+    async def main():
+        service = PolyspecService(FakeStore(gate), Metrics(), 8)
+        service.attach(Engine(gate), FakeScheduler())
+        long = threading.Thread(target=service.parse_now, args=({"prompt": "long"},))
+        long.start()
+        assert gate.entered.wait(10)
+        short = await asyncio.to_thread(service.parse_now, {"prompt": "short"})  # while "long" is still tokenizing
+        gate.release.set()
+        long.join(10)
+        return short
+
+    assert asyncio.run(main()) == ("parsed", "short")
+    assert not gate.stalled, "a short prompt waited for a long one's tokenizing"
