@@ -4,7 +4,7 @@
 #
 #   cluster/try-local.sh up       # sshd on 127.0.0.{1,2,3}:22, ray up, polyspec serve; prints the address
 #   cluster/try-local.sh check    # the SDK against the server, compared with embedded mode; ray status
-#   cluster/try-local.sh down     # ray down, stop everything it started, remove what it wrote
+#   cluster/try-local.sh down     # stop everything it started (bounded), remove what it wrote
 #   cluster/try-local.sh render OUT.yaml   # only write the rendered cluster YAML (used by the tests)
 #
 # What it does, so nothing is a surprise:
@@ -243,7 +243,7 @@ start_serve() {
     fi
     say "starting polyspec serve -c $CONFIG on the head"
     rm -f "$STATE/serve.log"
-    ray exec --no-config-cache "$CLUSTER_YAML" \
+    timeout --kill-after=10 "$WAIT_S" ray exec --no-config-cache "$CLUSTER_YAML" \
         "export PATH=$BIN:\$PATH RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=$RAY_AUTH_TOKEN_PATH RAY_ADDRESS=$HEAD_IP:$RAY_PORT; cd $REPO && setsid nohup polyspec serve -c $CONFIG --host $HEAD_IP --port $SERVE_PORT --metrics-port $METRICS_PORT --state-dir $STATE/serve-state >$STATE/serve.log 2>&1 </dev/null & sleep 1" >"$STATE/serve-exec.log" 2>&1
     local deadline=$((SECONDS + WAIT_S))
     until health "$address"; do
@@ -292,7 +292,7 @@ cmd_up() {
     for file in ray_bootstrap_key.pem ray_bootstrap_config.yaml; do   # remember what ray up will overwrite
         if [ -e ~/"$file" ] && [ ! -e "$STATE/saved-$file" ]; then cp -p ~/"$file" "$STATE/saved-$file"; fi
     done
-    if ! ray up -y --no-config-cache "$CLUSTER_YAML" >"$STATE/ray-up.log" 2>&1; then
+    if ! timeout --kill-after=10 "$WAIT_S" ray up -y --no-config-cache "$CLUSTER_YAML" >"$STATE/ray-up.log" 2>&1; then
         tail -n 30 "$STATE/ray-up.log" >&2
         die "ray up failed; the full log is $STATE/ray-up.log ('$0 down' cleans up)"
     fi
@@ -334,19 +334,14 @@ EOF
 }
 
 cmd_down() {
-    if [ -f "$CLUSTER_YAML" ] && [ -f "$STATE/ns-$HEAD_IP.pid" ] && $SUDO kill -0 "$(cat "$STATE/ns-$HEAD_IP.pid")" 2>/dev/null; then
-        say "ray down"
-        local caches_before
-        caches_before=$(ls -d /tmp/ray-config-* 2>/dev/null || true)
-        if ! ray down -y "$CLUSTER_YAML" >"$STATE/ray-down.log" 2>&1; then
-            tail -n 5 "$STATE/ray-down.log" >&2
-            say "ray down reported an error; stopping the nodes anyway"
-        fi
-        for cache in /tmp/ray-config-*; do   # `ray down` has no --no-config-cache: drop the cache it wrote
-            if [ -e "$cache" ] && ! grep -qxF "$cache" <<<"$caches_before"; then rm -f "$cache"; fi
-        done
-    fi
+    # No `ray down`: it runs `ray stop` over SSH in a login shell, where `ray` is not on the
+    # PATH unless this Python's bin folder is, and then retries for many minutes. Every
+    # process of the cluster (raylets, GCS, autoscaler, workers, polyspec serve) lives in
+    # one of the nodes' PID namespaces, so killing the namespaces ends all of them at once.
+    if [ -f "$STATE/ns-$HEAD_IP.pid" ]; then say "stopping the nodes"; fi
     stop_sshd
+    # a `ray up` / `ray exec` of an interrupted `up` runs outside the namespaces: its command line names $STATE/
+    pkill -KILL -f -- "$STATE/" 2>/dev/null || true
     # what `ray up` wrote outside $STATE: the bootstrap files (restored if they existed before)
     # and the on-premises provider's node state
     if [ -f "$STATE/.up-started" ]; then
@@ -355,7 +350,11 @@ cmd_down() {
         done
     fi
     rm -f /tmp/ray/cluster-polyspec-try-local.state /tmp/ray/cluster-polyspec-try-local.lock
-    sleep 1
+    local ip deadline=$((SECONDS + 30))   # the kernel reaps the namespaces' processes; wait for their ports
+    for ip in "${NODE_IPS[@]}"; do
+        while port_busy "$ip" 22 && [ $SECONDS -lt $deadline ]; do sleep 0.5; done
+    done
+    while { port_busy "$HEAD_IP" "$SERVE_PORT" || port_busy "$HEAD_IP" "$RAY_PORT"; } && [ $SECONDS -lt $deadline ]; do sleep 0.5; done
     rm -rf "$STATE"
     say "down: nothing of the try-local cluster is running"
 }

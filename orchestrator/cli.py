@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from polyspec.harness import zoo_fetch
 from polyspec.orchestrator import serving_cli, validate
 from polyspec.workers.core.errors import PolyspecError, RequestError
 
@@ -45,16 +46,17 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--no-speculation", action="store_true")
     batch.add_argument("--resume", action="store_true", help="keep results already in --output and skip their ids")
     batch.add_argument("--concurrency", type=int, default=None,
-                       help="requests in flight at once (ray backend: default 8, so the tiers overlap requests; embedded: 1)")
+                       help="requests in flight at once (batched: default and most batching.max_requests; ray backend: default 8; round-robin: 1)")
     batch.add_argument("--stats", metavar="FILE", help="write the run's runtime stats (transport, busy/idle per tier) as JSON")
 
-    zoo = sub.add_parser("zoo", help="the demo model family trained on the Python standard library")
+    zoo = sub.add_parser("zoo", help="models: fetch real pretrained ones, or build the demo family trained on the standard library")
     zoo_sub = zoo.add_subparsers(dest="zoo_command", required=True)
     zoo_build = zoo_sub.add_parser("build", help="train (or resume training) the tokenizer and models")
     zoo_build.add_argument("--out", default="models/stdlib")
     zoo_build.add_argument("--work", default=".zoo-work", help="checkpoints and token caches (resumable)")
     zoo_build.add_argument("--only", action="append", help="train only this member (repeatable)")
     zoo_build.add_argument("--threads", type=int, default=1)
+    zoo_fetch.add_parsers(zoo_sub)  # fetch, list
 
     tune = sub.add_parser("tune", help="time model: predicted vs measured ms/token over a grid of speculation lengths")
     tune.add_argument("-c", "--config", required=True)
@@ -83,14 +85,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--write-prompts", metavar="OUT", help="build the held-out prompt set for the config's target, then exit")
     serving_cli.add_parsers(sub)  # serve, submit, jobs
     validate.add_parser(sub)
+    from polyspec.harness import train_draft_cli
+
+    train_draft_cli.add_parser(sub)
     return parser
 
 
-def _load_engine(config_path: str, no_speculation: bool):
+def _load_engine(config_path: str, no_speculation: bool, batched: bool = False):
     from polyspec.orchestrator.config import load_config
     from polyspec.orchestrator.engine import Engine
 
-    return Engine(load_config(config_path), speculative=not no_speculation)
+    return Engine(load_config(config_path), speculative=not no_speculation, batched=batched)
 
 
 def _request_from_flags(args) -> dict:
@@ -152,10 +157,10 @@ def cmd_batch(args) -> int:
     if args.concurrency is not None and args.concurrency < 1:
         raise RequestError(f"--concurrency must be >= 1, got {args.concurrency}")
     lines = input_path.read_text(encoding="utf-8").splitlines()
-    engine = _load_engine(args.config, args.no_speculation)
+    engine = _load_engine(args.config, args.no_speculation, batched=True)
     distributed = engine.config.runtime.backend == "ray"
-    if not distributed and (args.concurrency or 1) > 1:
-        raise RequestError("--concurrency > 1 needs runtime.backend: ray (the embedded chain runs one request at a time)")
+    if not distributed and not engine.batched and (args.concurrency or 1) > 1:
+        raise RequestError("--concurrency > 1 needs runtime.backend: ray or batching (the round-robin chain runs one request at a time)")
     concurrency = args.concurrency or (8 if distributed else 1)
     finished = _finished_results(output_path) if args.resume else []
     done = {str(record["id"]) for record in map(json.loads, finished) if isinstance(record, dict) and "id" in record}
@@ -194,7 +199,20 @@ def cmd_batch(args) -> int:
                 result = {"id": request_id, "error": f"line {number}: {exc}"}
             write(result)
 
-        if concurrency == 1:
+        if engine.batched:  # continuous batching: every running request in one batched round
+            from polyspec.orchestrator.batch_runner import run_requests
+
+            requests = []
+            for number, request_id, raw, parse_error in todo:
+                try:
+                    if parse_error:
+                        raise RequestError(parse_error)
+                    requests.append(engine.parse_request({**raw, "id": request_id} if isinstance(raw, dict) else raw))
+                except RequestError as exc:
+                    failures[0] += 1
+                    write({"id": request_id, "error": f"line {number}: {exc}"})
+            run_requests(engine, requests, write, max_requests=min(args.concurrency or engine.max_requests, engine.max_requests))
+        elif concurrency == 1:
             for item in todo:
                 run_one(item)
         else:
@@ -213,6 +231,16 @@ def cmd_batch(args) -> int:
         print(f"polyspec: {tokens[0]} tokens in {elapsed:.1f}s ({stats['tokens_per_s']:.1f} tok/s), "
               f"{stats['failovers']} target failover(s), {stats['degraded_rounds']} round(s) on a shortened chain", file=sys.stderr)
         engine.close()
+    elif engine.batched:
+        rate = tokens[0] / elapsed if elapsed > 0 else 0.0
+        stats = {"requests": len(todo), "generated_tokens": tokens[0], "time_s": round(elapsed, 3), "tokens_per_s": round(rate, 3),
+                 "max_requests": engine.max_requests}
+        planner = getattr(engine.scheduler, "planner", None)
+        if planner is not None:
+            stats["planner"] = planner.describe()
+        if args.stats:
+            Path(args.stats).write_text(json.dumps(stats, indent=2) + "\n", encoding="utf-8")
+        print(f"polyspec: {tokens[0]} tokens in {elapsed:.1f}s ({rate:.1f} tok/s)", file=sys.stderr)
     if failures[0]:
         print(f"polyspec: {failures[0]} request(s) failed; see their 'error' field in {output_path}", file=sys.stderr)
     return 0
@@ -238,6 +266,10 @@ def _is_json(line: str) -> bool:
 
 
 def cmd_zoo(args) -> int:
+    if args.zoo_command == "fetch":
+        return zoo_fetch.cmd_fetch(args)
+    if args.zoo_command == "list":
+        return zoo_fetch.cmd_list(args)
     from polyspec.harness.zoo import build
 
     build(args.out, args.work, only=args.only, threads=args.threads)
@@ -259,6 +291,15 @@ def cmd_tune(args) -> int:
 COMMANDS = {"generate": cmd_generate, "batch": cmd_batch, "zoo": cmd_zoo, "bench": cmd_bench, "tune": cmd_tune}
 COMMANDS.update(serving_cli.COMMANDS)  # serve, submit, jobs
 COMMANDS["validate"] = validate.cmd_validate
+
+
+def cmd_train_draft(args) -> int:
+    from polyspec.harness.train_draft import cmd_train_draft as run
+
+    return run(args)
+
+
+COMMANDS["train-draft"] = cmd_train_draft
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,6 +8,7 @@
     sampling: {temperature: 0.0, top_p: 1.0, top_k: 0, max_new_tokens: 64}
     runtime: {backend: local}
     server: {host: 127.0.0.1, port: 50051}
+    batching: {enabled: true, max_requests: 64, max_batched_tokens: 2048, kv_memory_mb: null}
     tuning: {max_length: 8, hysteresis: 0.03}   # optional: the online tuner's knobs (lengths: auto)
 
 Every mistake is a `ConfigError` with one line that names the offending key.
@@ -23,6 +24,7 @@ from typing import Any
 import yaml
 
 from polyspec.workers.core.errors import ConfigError
+from polyspec.workers.tiers.model_cache import resolve_zoo_reference
 from polyspec.workers.tiers.tier import NGRAM_MODEL
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -43,6 +45,10 @@ class TierConfig:
     max_ngram: int = 3  # n-gram tiers only
     min_ngram: int = 1
     resources: dict | None = None  # Ray custom resources (ray backend)
+    # trained drafters (`model: {feature_head: PATH}` / `model: {early_exit: PATH, ...}`): `model` is PATH
+    drafter: str | None = None  # "feature" | "early_exit"
+    layers: int | None = None  # early_exit: the target layers the adapter reads (checked against the checkpoint)
+    exit_threshold: float | None = None  # early_exit: stop a block after a token drafted below this confidence
 
     @property
     def is_ngram(self) -> bool:
@@ -78,6 +84,16 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     max_queue: int = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchingConfig:
+    """How many requests one batched step may carry (docs/serving.md, "Admission")."""
+
+    enabled: bool = True  # local chains with tree_width 1 step all their requests in one batched round
+    max_requests: int = 64  # requests holding caches and stepping together; more wait
+    max_batched_tokens: int = 2048  # new positions one forward may carry (rows x padded block), prefill included
+    kv_memory_mb: int | None = None  # bound on the KV caches of all requests; lowers max_requests to fit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +143,7 @@ class ChainConfig:
     sampling: SamplingConfig = SamplingConfig()
     runtime: RuntimeConfig = RuntimeConfig()
     server: ServerConfig = ServerConfig()
+    batching: BatchingConfig = BatchingConfig()
     tuning: TuningConfig = TuningConfig()
     source: str | None = None  # the file it was read from
 
@@ -171,8 +188,12 @@ def _typed(section: str, key: str, value, kind, *, allow_none: bool = False):
 
 
 def resolve_model_path(model: str, base_dir: Path | None) -> str:
-    """A relative path is looked up next to the config file, then in the working directory;
-    anything else is passed to from_pretrained as is (a hub id)."""
+    """`zoo:NAME` is the folder `polyspec zoo fetch NAME` wrote; `~` is expanded; a relative
+    path is looked up next to the config file, then in the working directory; anything
+    else is passed to from_pretrained as is (a hub id)."""
+    model = resolve_zoo_reference(model)
+    if model.startswith("~"):
+        model = os.path.expanduser(model)
     if model == NGRAM_MODEL or os.path.isabs(model):
         return model
     if base_dir is not None and (base_dir / model).exists():
@@ -182,11 +203,47 @@ def resolve_model_path(model: str, base_dir: Path | None) -> str:
     return model
 
 
+DRAFTER_KEYS = {"feature_head": "feature", "early_exit": "early_exit"}
+DRAFTER_FIELDS = ("drafter", "layers", "exit_threshold")
+
+
+def _parse_drafter(section: str, model: dict, values: dict, base_dir: Path | None) -> None:
+    """`model: {feature_head: PATH}` or `model: {early_exit: PATH, layers: L, exit_threshold: x}` into `values`."""
+    kinds = [key for key in DRAFTER_KEYS if key in model]
+    if len(kinds) != 1:
+        raise ConfigError(f"{section}.model as a mapping needs exactly one of feature_head: PATH or early_exit: PATH, got keys {sorted(model)}")
+    key = kinds[0]
+    allowed = {key} | ({"layers", "exit_threshold"} if key == "early_exit" else set())
+    unknown = sorted(set(model) - allowed)
+    if unknown:
+        raise ConfigError(f"unknown config key '{section}.model.{unknown[0]}' (known keys: {', '.join(sorted(allowed))})")
+    path = _typed(f"{section}.model", key, model[key], str)
+    values["drafter"] = DRAFTER_KEYS[key]
+    resolved = resolve_model_path(path, base_dir)
+    if not Path(resolved).is_dir():
+        raise ConfigError(f"{section}.model.{key}: drafter checkpoint {path!r} is not a directory (train one with `polyspec train-draft`)")
+    values["model"] = resolved
+    if "layers" in model:
+        values["layers"] = _typed(f"{section}.model", "layers", model["layers"], int)
+        if values["layers"] < 1:
+            raise ConfigError(f"config key '{section}.model.layers' must be >= 1, got {values['layers']}")
+    if "exit_threshold" in model:
+        threshold = _typed(f"{section}.model", "exit_threshold", model["exit_threshold"], float)
+        if not 0.0 <= threshold <= 1.0:
+            raise ConfigError(f"config key '{section}.model.exit_threshold' must be a probability in [0, 1], got {threshold}")
+        values["exit_threshold"] = threshold
+
+
 def _parse_tier(index: int, raw: Any, base_dir: Path | None) -> TierConfig:
     section = f"tiers[{index}]"
     if not isinstance(raw, dict):
         raise ConfigError(f"{section} must be a mapping like {{name: target, model: <path>}}, got {raw!r}")
+    misplaced = sorted(set(raw) & set(DRAFTER_FIELDS))
+    if misplaced:
+        raise ConfigError(f"unknown config key '{section}.{misplaced[0]}' (a trained drafter is written model: {{early_exit: PATH, layers: L, exit_threshold: x}})")
     values = _check_keys(section, raw, TierConfig)
+    if isinstance(values.get("model"), dict):
+        _parse_drafter(section, values["model"], values, base_dir)
     if "model" not in values:
         raise ConfigError(f"{section} has no 'model' (a Hugging Face id, a local path, or 'ngram')")
     values.setdefault("name", f"tier{index}")
@@ -207,8 +264,21 @@ def _parse_tier(index: int, raw: Any, base_dir: Path | None) -> TierConfig:
         raise ConfigError(f"{section}.quantize must be one of {', '.join(QUANTIZE)}, got {values['quantize']!r}")
     if values.get("resources") is not None and not isinstance(values["resources"], dict):
         raise ConfigError(f"{section}.resources must be a mapping of Ray resource names to amounts")
-    values["model"] = resolve_model_path(values["model"], base_dir)
+    if values.get("drafter") is None:
+        values["model"] = resolve_model_path(values["model"], base_dir)
+    elif values.get("quantize") is not None:
+        raise ConfigError(f"{section}: a trained drafter shares the target's weights; quantize the target instead")
     return TierConfig(**values)
+
+
+def _check_drafters(tiers: tuple[TierConfig, ...]) -> None:
+    if tiers[0].drafter:
+        raise ConfigError(f"tier {tiers[0].name!r}: the first tier is the target; a trained drafter goes under it")
+    for i, tier in enumerate(tiers):
+        if tier.drafter == "feature" and i != 1:
+            raise ConfigError(f"tier {tier.name!r}: a feature head reads the target's hidden states, so it must be the second tier (directly under the target)")
+        if tier.drafter and (tier.device != "auto" and tier.device != tiers[0].device):
+            raise ConfigError(f"tier {tier.name!r}: a trained drafter runs on its target's device ({tiers[0].device})")
 
 
 def _parse_lengths(raw: Any, num_tiers: int):
@@ -243,7 +313,7 @@ def parse_tuning(raw: Any) -> TuningConfig:
 def parse_config(raw: Any, source: str | None = None) -> ChainConfig:
     if not isinstance(raw, dict):
         raise ConfigError("config must be a YAML mapping with a 'tiers' list")
-    known = {"tiers", "speculation", "sampling", "runtime", "server", "tuning"}
+    known = {"tiers", "speculation", "sampling", "runtime", "server", "batching", "tuning"}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ConfigError(f"unknown config key '{unknown[0]}' (known keys: {', '.join(sorted(known))})")
@@ -262,6 +332,7 @@ def parse_config(raw: Any, source: str | None = None) -> ChainConfig:
             raise ConfigError(f"tier {tier.name!r}: an n-gram tier has no weights to quantize")
     if tiers[0].is_ngram:
         raise ConfigError("the first tier is the target and must be a model, not 'ngram'")
+    _check_drafters(tiers)
 
     spec = _check_keys("speculation", raw.get("speculation"), SpeculationConfig)
     spec["lengths"] = _parse_lengths(spec.get("lengths"), len(tiers))
@@ -288,14 +359,39 @@ def parse_config(raw: Any, source: str | None = None) -> ChainConfig:
     if run.get("backend", "local") not in BACKENDS:
         raise ConfigError(f"runtime.backend must be one of {', '.join(BACKENDS)}, got {run['backend']!r}")
     runtime = RuntimeConfig(**run)
+    trained = next((t for t in tiers if t.drafter), None)
+    if trained is not None and runtime.backend != "local":
+        raise ConfigError(f"tier {trained.name!r}: trained drafters (feature_head, early_exit) run embedded only; use runtime.backend: local")
+    feature = next((i for i, t in enumerate(tiers) if t.drafter == "feature"), None)
+    if feature is not None and feature < len(tiers) - 1 and speculation.tree_width > 1:
+        raise ConfigError(f"tier {tiers[feature].name!r}: a feature head verifies chains only; with tree_width > 1 it must be the last tier")
 
     srv = _check_keys("server", raw.get("server"), ServerConfig)
     if "port" in srv:
         _typed("server", "port", srv["port"], int)
     server = ServerConfig(**srv)
+    batching = _parse_batching(raw.get("batching"))
     tuning = parse_tuning(raw.get("tuning"))
     return ChainConfig(tiers=tiers, speculation=speculation, sampling=sampling, runtime=runtime, server=server,
-                       tuning=tuning, source=source)
+                       batching=batching, tuning=tuning, source=source)
+
+
+def _parse_batching(raw: Any) -> BatchingConfig:
+    values = _check_keys("batching", raw, BatchingConfig)
+    if "enabled" in values:
+        _typed("batching", "enabled", values["enabled"], bool)
+    for key in ("max_requests", "max_batched_tokens", "kv_memory_mb"):
+        if key in values:
+            values[key] = _typed("batching", key, values[key], int, allow_none=key == "kv_memory_mb")
+            if values[key] is not None and values[key] < 1:
+                raise ConfigError(f"config key 'batching.{key}' must be >= 1, got {values[key]}")
+    batching = BatchingConfig(**values)
+    if batching.max_batched_tokens < batching.max_requests:
+        raise ConfigError(
+            f"batching.max_batched_tokens ({batching.max_batched_tokens}) must be >= batching.max_requests "
+            f"({batching.max_requests}): every request in a step feeds at least one token"
+        )
+    return batching
 
 
 def load_config(path: str) -> ChainConfig:

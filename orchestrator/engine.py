@@ -10,17 +10,22 @@ request means the same thing everywhere:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import math
 import threading
 from typing import Any, Callable
 
 from polyspec.orchestrator.decode.contract import RequestState
 from polyspec.orchestrator.decode.scheduler import ChainScheduler
 from polyspec.orchestrator.config import ChainConfig
-from polyspec.workers.core.errors import RequestError
+from polyspec.workers.core.errors import ConfigError, RequestError
 from polyspec.workers.tiers.loading import load_tiers, quiet_transformers
 from polyspec.workers.core.sampling import SamplingParams
 
 PROFILE_CONTEXT_TOKENS = 128  # committed tokens when the start-up profile has no real prompt
+PROFILE_MAX_BATCH = 16  # the batched profile stops here; larger batches are extrapolated in proportion to their rows
+SEED_LIMIT = 1 << 63  # seeds are in [0, 2^63): an int64 on the wire, every bit used
+MAX_TEMPERATURE = 1000.0  # far past uniform sampling; larger (or inf) is a mistake
 REQUEST_FIELDS = ("id", "prompt", "prompt_ids", "max_new_tokens", "temperature", "top_p", "top_k", "seed")
 
 
@@ -35,15 +40,42 @@ class GenerationRequest:
 
 def _number(name: str, value, kind):
     if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
-        raise RequestError(f"{name} must be {'a number' if kind is float else 'an integer'}, got {value!r}")
-    return kind(value)
+        raise RequestError(f"{name} must be {'a number' if kind is float else 'an integer'}, got {str(value)[:40]!r}")
+    try:
+        return kind(value)
+    except OverflowError:  # an int past float's range
+        raise RequestError(f"{name} is out of range, got {str(value)[:40]}") from None
+
+
+def seed_stream(seed: int | None) -> int | None:
+    """The seed the chain's generators start from: a hash of all 64 bits of the request's
+    seed (torch's CPU generator keeps only the low 32 bits of what it is given)."""
+    if seed is None:
+        return None
+    return int.from_bytes(hashlib.blake2b(int(seed).to_bytes(8, "little"), digest_size=8).digest(), "little") >> 1
+
+
+def requests_within_memory(max_requests: int, kv_memory_mb: int | None, bytes_per_request: int) -> int:
+    """How many requests may hold caches at once: `max_requests`, lowered so their KV caches (each at
+    the full model context) stay within `kv_memory_mb`."""
+    if kv_memory_mb is None or bytes_per_request <= 0:
+        return max_requests
+    fits = kv_memory_mb * 2**20 // bytes_per_request
+    if fits < 1:
+        raise ConfigError(f"batching.kv_memory_mb ({kv_memory_mb}) holds no request: one request's KV caches "
+                          f"at the full model context take {bytes_per_request / 2**20:.1f} MB")
+    return int(min(max_requests, fits))
 
 
 class Engine:
-    def __init__(self, config: ChainConfig, speculative: bool = True, auto_tune: bool = True) -> None:
-        """`auto_tune`: with `speculation.lengths: auto`, profile the tiers and let the tuner set the lengths."""
+    def __init__(self, config: ChainConfig, speculative: bool = True, auto_tune: bool = True, batched: bool = False) -> None:
+        """`auto_tune`: with `speculation.lengths: auto`, profile the tiers and let the tuner set the lengths.
+        `batched`: step many requests per forward (`polyspec batch`, jobs, `serve`), where the config allows it
+        (`batching.enabled`, a local chain of chains); otherwise requests take turns, one round each."""
         quiet_transformers()
         self._decode_lock = threading.Lock()
+        self.batched = False
+        self.max_requests = 1
         self.config = config if speculative else config.target_only()
         if config.runtime.backend == "ray":
             self._start_ray(auto_tune)
@@ -57,6 +89,10 @@ class Engine:
             configured = getattr(source, "eos_token_id", None)
             if configured is not None:
                 eos.update([configured] if isinstance(configured, int) else configured)
+        self.batched = batched and self.config.batching.enabled and self.config.speculation.tree_width == 1
+        if self.batched:
+            self._start_batched(tuple(sorted(eos)), auto_tune)
+            return
         self.scheduler = ChainScheduler(
             self.tiers,
             self.config.speculation_lengths(),
@@ -66,6 +102,39 @@ class Engine:
         )
         if auto_tune and self.config.speculation.lengths == "auto" and len(self.tiers) > 1:
             self.scheduler.tuner = self.make_tuner()
+
+    def _start_batched(self, eos: tuple[int, ...], auto_tune: bool) -> None:
+        """Every active request in one batched round per step (polyspec.orchestrator.decode.batched)."""
+        from polyspec.orchestrator.decode.batched import BatchedScheduler
+        from polyspec.workers.tiers.batched import batched_tiers
+
+        batching = self.config.batching
+        self.max_requests = batching.max_requests
+        tiers = batched_tiers(self.tiers, batching.max_requests)
+        per_request = sum(t.bytes_per_request() for t in tiers if hasattr(t, "bytes_per_request"))
+        self.max_requests = requests_within_memory(batching.max_requests, batching.kv_memory_mb, per_request)
+        for tier in tiers:
+            if hasattr(tier, "cache"):
+                tier.cache.max_slots = self.max_requests
+        prefill = max(1, batching.max_batched_tokens - self.max_requests)
+        self.scheduler = BatchedScheduler(tiers, self.config.speculation_lengths(), eos_token_ids=eos, prefill_budget=prefill)
+        if auto_tune and self.config.speculation.lengths == "auto" and len(self.tiers) > 1:
+            self.scheduler.planner = self.make_planner()
+
+    def make_planner(self):
+        """Profile each tier's batched forward (a few seconds) and build the goodput planner."""
+        from polyspec.orchestrator.tuning.batch_model import BatchPlanner, profile_batched
+
+        tiers = self.scheduler.tiers
+        tables, lookup = profile_batched(tiers, self.vocab_size, min(self.max_requests, PROFILE_MAX_BATCH))
+        return BatchPlanner(tiers, tables, lookup, max_batched_tokens=self.config.batching.max_batched_tokens)
+
+    def step_all(self, states: list[RequestState]) -> list[list[int]]:
+        """One round of every request in `states` (batched chains: one forward per tier; otherwise in turn)."""
+        step_all = getattr(self.scheduler, "step_all", None)
+        if step_all is not None:
+            return step_all(states)
+        return [self.scheduler.step(state) for state in states]
 
     def _start_ray(self, auto_tune: bool) -> None:
         """The tiers run as Ray actors (polyspec.orchestrator.distributed.ray_runtime); this process only drives them."""
@@ -148,6 +217,8 @@ class Engine:
         if max_new <= 0:
             raise RequestError(f"max_new_tokens must be > 0, got {max_new}")
         temperature = _number("temperature", raw.get("temperature", defaults.temperature), float)
+        if not math.isfinite(temperature) or temperature > MAX_TEMPERATURE:
+            raise RequestError(f"temperature must be finite and <= {MAX_TEMPERATURE:g}, got {temperature!r}")
         top_p = _number("top_p", raw.get("top_p", defaults.top_p), float)
         top_k = _number("top_k", raw.get("top_k", defaults.top_k), int)
         try:
@@ -157,17 +228,19 @@ class Engine:
         seed = raw.get("seed")
         if seed is not None:
             seed = _number("seed", seed, int)
+            if not 0 <= seed < SEED_LIMIT:
+                raise RequestError(f"seed must be in [0, 2^63), got {str(seed)[:40]}")
         request_id = raw.get("id")
         return GenerationRequest(tuple(ids), max_new, params, seed, None if request_id is None else str(request_id))
 
     def generate(self, request: GenerationRequest, on_commit: Callable[[list[int]], None] | None = None) -> dict:
-        output = self.scheduler.generate(list(request.prompt_ids), request.max_new_tokens, request.params, request.seed, on_commit)
+        output = self.scheduler.generate(list(request.prompt_ids), request.max_new_tokens, request.params, seed_stream(request.seed), on_commit)
         return self._result(request, output)
 
     # Round-by-round API for callers that interleave requests (the server). One thread only.
 
     def start(self, request: GenerationRequest) -> RequestState:
-        state = self.scheduler.start(list(request.prompt_ids), request.max_new_tokens, request.params, request.seed)
+        state = self.scheduler.start(list(request.prompt_ids), request.max_new_tokens, request.params, seed_stream(request.seed))
         state.request = request
         return state
 

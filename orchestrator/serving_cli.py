@@ -28,9 +28,25 @@ def add_parsers(sub) -> None:
     serve.add_argument("--metrics-port", type=int, default=9464, help="Prometheus /metrics port (0 = off)")
     serve.add_argument("--http-port", type=int, default=None, help="OpenAI-compatible /v1/completions and /v1/models on this port")
     serve.add_argument("--auth-token-file", default=None, help="require 'authorization: Bearer <token>' with the token in this file")
-    serve.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key): serve TLS")
+    serve.add_argument("--tenants-file", default=None,
+                       help="one 'TENANT TOKEN' per line: each token's tenant sees, reads and cancels only its own jobs")
+    serve.add_argument("--auth-reflection", action="store_true", help="server reflection needs a token too (health stays open)")
+    serve.add_argument("--auth-metrics", action="store_true", help="/metrics needs a token too")
+    serve.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key): gRPC, HTTP and /metrics speak TLS")
     serve.add_argument("--tls-key", default=None)
     serve.add_argument("--grace", type=float, default=30.0, help="seconds running streams get to finish after SIGTERM")
+    limits = serve.add_argument_group("limits (a request over one: RESOURCE_EXHAUSTED, HTTP 413 / 429)")
+    for flag, kind, default, text in (
+        ("--max-prompt-bytes", int, "1 MiB", "bytes of one prompt, checked before tokenizing"),
+        ("--max-job-items", int, "100000", "requests in one job"),
+        ("--max-live-jobs", int, "1000", "queued or running jobs"),
+        ("--max-pending-items", int, "1000000", "job items not run yet, all jobs together"),
+        ("--max-prompts", int, "64", "prompts in one HTTP /v1/completions list"),
+        ("--max-body-bytes", int, "8 MiB", "bytes of one HTTP request body"),
+        ("--max-connections", int, "256", "open HTTP connections (more get 503)"),
+        ("--request-timeout-s", float, "30", "seconds an HTTP client has to send its request"),
+    ):
+        limits.add_argument(flag, type=kind, default=None, help=f"{text} (default {default})")
 
     submit = sub.add_parser("submit", help="submit a JSONL file (polyspec batch's format) as a job to a server")
     submit.add_argument("-i", "--input", required=True)
@@ -59,7 +75,7 @@ def _add_client_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(args) -> int:
-    from polyspec.orchestrator.serving.server import cmd_serve as serve
+    from polyspec.orchestrator.serving.serve import cmd_serve as serve
 
     return serve(args)
 

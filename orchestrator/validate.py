@@ -339,6 +339,8 @@ def format_plan(config: ChainConfig, placements: list[TierPlacement], cluster_na
     for placement in placements:
         tier, memory = placement.tier, placement.memory
         kind = "n-gram" if tier.is_ngram else (f"{tier.quantize}" if tier.quantize else tier.dtype)
+        if tier.drafter:  # its weights beyond the target's; it computes in the target's dtype
+            kind = "feature head" if tier.drafter == "feature" else f"early exit over {tier.layers or 'its'} target layers"
         lines.append(f"  {tier.name}: {tier.model} [{kind}]")
         if memory.weights_bytes is None:
             lines.append(f"    memory: {memory.note}")

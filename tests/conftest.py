@@ -78,3 +78,37 @@ def tiny_family(tmp_path_factory):
     make_model(root / "small", tokenizer, hidden=32, layers=1, seed=3)
     make_model(root / "other_vocab", make_tokenizer(extra_tokens=5), hidden=32, layers=1, seed=4)
     return {name: str(root / name) for name in ("target", "mid", "small", "other_vocab")}
+
+
+@pytest.fixture(scope="session")
+def tiny_drafters(tiny_family, tmp_path_factory):
+    """tiny_family plus trained-drafter checkpoints over its target:
+
+    - "feature": a feature head trained for a few steps on the target's own samples;
+    - "early_exit": the target's first layer plus an adapter copied from its second layer
+      and final norm, i.e. exactly the target (every draft is accepted);
+    - "early_exit_noisy": the same adapter perturbed (some drafts rejected).
+    Losslessness does not depend on how good a drafter is, only on its rows being used
+    consistently, so the heads are cheap to make.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from polyspec.harness.train_draft import FeatureObjective, train
+    from polyspec.workers.tiers.drafters import new_drafter, save_drafter
+
+    root = tmp_path_factory.mktemp("tiny_drafters")
+    target = AutoModelForCausalLM.from_pretrained(tiny_family["target"]).eval()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        stream = target.generate(torch.tensor([[10, 20, 30]]), max_new_tokens=200, do_sample=True, eos_token_id=None, pad_token_id=0)[0].numpy()
+    head, meta = new_drafter("feature", target)
+    train(target, head, FeatureObjective(target, head, "fspad"), stream, root / "feature.ckpt",
+          steps=30, batch=4, context=48, lr=3e-3, minutes=5, seed=0, desc="tiny feature head")
+    save_drafter(root / "feature", "feature", head, meta)
+    adapter, meta = new_drafter("early_exit", target, layers=1)
+    save_drafter(root / "early_exit", "early_exit", adapter, meta)
+    with torch.no_grad():
+        for parameter in adapter.parameters():
+            parameter.add_(0.3 * parameter.std() * torch.randn_like(parameter))
+    save_drafter(root / "early_exit_noisy", "early_exit", adapter, meta)
+    return {**tiny_family, **{name: str(root / name) for name in ("feature", "early_exit", "early_exit_noisy")}}

@@ -4,6 +4,8 @@ Prometheus names (all prefixed `polyspec_`): requests_total{status}, generated_t
 stage_proposed_tokens_total / stage_accepted_tokens_total{tier,drafter},
 speculation_length{tier,drafter}, time_to_first_token_seconds and request_latency_seconds
 (histograms), queue_depth{state}, job_items_done_total{outcome}, tier_up{tier}.
+`build_metrics_app` serves them at GET /metrics (with a Tenants object: only to a caller
+with a token).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import collections
 import threading
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 STATUSES = ("ok", "cancelled", "invalid_argument", "resource_exhausted", "unauthenticated", "unavailable", "internal")
@@ -40,9 +42,6 @@ class Metrics:
             self._requests.labels(status)
         for outcome in ("done", "failed"):
             self._items.labels(outcome)
-
-    def serve_http(self, port: int, host: str) -> None:
-        start_http_server(port, addr=host, registry=self.registry)
 
     # ------------------------------------------------------------------ recording
 
@@ -97,3 +96,24 @@ class Metrics:
                 "generated_tokens": self.generated_tokens,
                 "stages": {key: dict(value) for key, value in self.stages.items()},
             }
+
+
+def build_metrics_app(metrics: Metrics, tenants=None):
+    """An ASGI app: GET /metrics in Prometheus' text format; 401 without a token when `tenants` is given."""
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse, Response
+    from starlette.routing import Route
+
+    async def scrape(request) -> Response:
+        if tenants is not None and tenants.enabled:
+            given = request.headers.get("authorization", "")
+            if tenants.tenant_of(given) is None:
+                return PlainTextResponse(tenants.denial(given) + "\n", status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def not_found(request, exc) -> Response:
+        return PlainTextResponse("only GET /metrics here\n", status_code=exc.status_code)
+
+    from starlette.exceptions import HTTPException
+
+    return Starlette(routes=[Route("/metrics", scrape, methods=["GET"])], exception_handlers={HTTPException: not_found})

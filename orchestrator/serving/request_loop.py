@@ -94,14 +94,25 @@ class RoundScheduler(threading.Thread):
     # --------------------------------------------------------- called from any thread
 
     def submit(self, work: Work) -> None:
+        self.submit_all([work])
+
+    def submit_all(self, works: list[Work]) -> None:
+        """Queue every one of `works`, or (QueueFull, Draining) none of them."""
         with self._cond:
             if self._draining:
                 raise Draining("the server is shutting down")
-            if len(self._waiting) + len(self._active) >= self.max_queue:
-                raise QueueFull(f"the server queue is full ({self.max_queue} requests); retry later")
-            self._waiting.append(work)
+            queued = len(self._waiting) + len(self._active)
+            if queued + len(works) > self.max_queue:
+                more = f" for {len(works)} more" if len(works) > 1 else ""
+                raise QueueFull(f"the server queue is full ({self.max_queue} requests){more}; retry later")
+            self._waiting.extend(works)
+            self._publish_queue()
             self.idle.clear()
             self._cond.notify()
+
+    def _publish_queue(self) -> None:
+        """The queue_depth gauge, whenever waiting / running change (caller holds _cond)."""
+        self.metrics.queue(len(self._waiting), len(self._active))
 
     def cancel(self, work: Work) -> None:
         work.cancelled = True
@@ -148,7 +159,7 @@ class RoundScheduler(threading.Thread):
                 admitted, self._waiting = self._waiting[:room], self._waiting[room:]
                 self._active.extend(admitted)
                 active = list(self._active)
-                self.metrics.queue(len(self._waiting), len(self._active))
+                self._publish_queue()
             if len(active) > 1 and getattr(self.engine.scheduler, "concurrent_steps", False):
                 # a distributed chain: the tiers overlap the rounds of different requests
                 if self._pool is None:
@@ -162,6 +173,7 @@ class RoundScheduler(threading.Thread):
                 if finished:
                     with self._cond:
                         self._active.remove(work)
+                        self._publish_queue()
                         if not self._active and not self._waiting:
                             self.idle.set()
             if not active:
@@ -297,6 +309,7 @@ class RoundScheduler(threading.Thread):
         with self._cond:
             pending = self._waiting + self._active + ([self._job_work] if self._job_work else [])
             self._waiting, self._active, self._job_work = [], [], None
+            self._publish_queue()
         for work in pending:
             work.cancelled = True
             try:

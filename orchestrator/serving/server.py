@@ -1,4 +1,4 @@
-"""`polyspec serve`: the gRPC API (protos/polyspec/v1/polyspec.proto) over one Engine.
+"""The gRPC API (protos/polyspec/v1/polyspec.proto) over one Engine; `serve.py` runs it.
 
     event loop (grpc.aio)  --Work-->  RoundScheduler thread (all model work, rounds.py)
          ^                                    |
@@ -11,41 +11,42 @@ A client that cancels (or whose deadline passes) cancels its request's work. SIG
 seconds to finish, the current job item is dropped and runs again at the next start.
 
 Errors map to status codes: RequestError -> INVALID_ARGUMENT, unknown job -> NOT_FOUND,
-token -> UNAUTHENTICATED, queue full -> RESOURCE_EXHAUSTED, loading / draining / no valid
-chain -> UNAVAILABLE. Each with one line of text.
+token -> UNAUTHENTICATED, queue full or a limit (security.Limits) -> RESOURCE_EXHAUSTED,
+loading / draining / no valid chain -> UNAVAILABLE, bytes that are not the method's message
+-> INVALID_ARGUMENT. Each with one line of text.
+
+Nothing that can block runs on the event loop: tokenizing (under the tokenizer lock the
+round thread also takes) and every SQLite call go through `asyncio.to_thread`, and every
+size is checked before that work starts.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
-import os
-import signal
-import socket
-import sqlite3
-import sys
 import threading
 import time
-from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
-from polyspec.orchestrator.serving.jobs import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord, JobStore
+from polyspec.orchestrator.serving.jobs import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord, JobStore, LimitExceeded
 from polyspec.orchestrator.serving.metrics import Metrics
 from polyspec.orchestrator.serving.request_loop import Draining, QueueFull, RoundScheduler, Work, is_unavailable
+from polyspec.orchestrator.serving.security import (
+    MAX_ID_CHARS,
+    MAX_IDEMPOTENCY_KEY_CHARS,
+    MAX_JOB_ID_CHARS,
+    Limits,
+    Tenants,
+    short,
+)
 from polyspec.protos.polyspec.v1 import polyspec_pb2 as pb
 from polyspec.protos.polyspec.v1 import polyspec_pb2_grpc as pb_grpc
-from polyspec.workers.core.errors import ConfigError, PolyspecError, RequestError
+from polyspec.workers.core.errors import RequestError
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Polyspec"].full_name  # polyspec.v1.Polyspec
 STREAMING_METHODS = ("Generate", "StreamJobResults")
 MAX_MESSAGE_BYTES = 64 << 20  # a job's requests arrive in one message
-MAX_JOB_ITEMS = 100_000
-DEFAULT_GRACE_S = 30.0
-DEFAULT_METRICS_PORT = 9464
 JOB_STATES = {
     QUEUED: pb.JOB_STATE_QUEUED,
     RUNNING: pb.JOB_STATE_RUNNING,
@@ -115,14 +116,18 @@ def job_message(job: JobRecord) -> pb.Job:
     )
 
 
+
 # ------------------------------------------------------------------------- service
 
 
 class PolyspecService(pb_grpc.PolyspecServicer):
-    def __init__(self, store: JobStore, metrics: Metrics, max_queue: int) -> None:
+    def __init__(self, store: JobStore, metrics: Metrics, max_queue: int, tenants: Tenants | None = None,
+                 limits: Limits | None = None) -> None:
         self.store = store
         self.metrics = metrics
         self.max_queue = max_queue
+        self.tenants = tenants or Tenants({})
+        self.limits = limits or Limits()
         self.engine = None
         self.scheduler: RoundScheduler | None = None
         self.draining = False
@@ -153,28 +158,66 @@ class PolyspecService(pb_grpc.PolyspecServicer):
         if self.scheduler is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the models are still loading; retry when health says SERVING")
 
-    def _parse(self, raw: dict):
+    def _tenant(self, context) -> str | None:
+        """The caller's tenant; None (every job) when the server has no tokens. The Guard
+        interceptor has already turned away a caller without a valid token."""
+        if not self.tenants.enabled:
+            return None
+        given = dict(context.invocation_metadata() or ()).get("authorization", "")
+        return self.tenants.tenant_of(given) or ""
+
+    # ------------------------------------------------------- shared with HTTP
+
+    def check_sizes(self, raw: dict) -> None:
+        """Bounds checked before any work: the id's length (RequestError), the prompt's bytes (LimitExceeded)."""
+        request_id = raw.get("id")
+        if isinstance(request_id, str) and len(request_id) > MAX_ID_CHARS:
+            raise RequestError(f"id has {len(request_id)} characters (at most {MAX_ID_CHARS})")
+        prompt = raw.get("prompt")
+        if isinstance(prompt, str) and len(prompt) > self.limits.max_prompt_bytes // 4:
+            size = len(prompt.encode("utf-8", "surrogatepass"))
+            if size > self.limits.max_prompt_bytes:
+                raise LimitExceeded(f"the prompt has {size} bytes (at most {self.limits.max_prompt_bytes})")
+        ids = raw.get("prompt_ids")
+        if isinstance(ids, list) and len(ids) > self.limits.max_prompt_bytes // 4:
+            raise LimitExceeded(f"prompt_ids has {len(ids)} tokens (at most {self.limits.max_prompt_bytes // 4})")
+
+    def parse_now(self, raw: dict):
+        """Validate and tokenize (on the calling thread: never the event loop's)."""
+        self.check_sizes(raw)
         with self.tokenizer_lock:
             return self.engine.parse_request(raw)
 
-    # ---------------------------------------------------------------- Generate
+    async def parse(self, raw: dict):
+        self.check_sizes(raw)  # cheap, and before the thread hop
+        return await asyncio.to_thread(self.parse_now, raw)
 
-    async def Generate(self, request, context):
-        await self._ready(context)
-        try:
-            parsed = self._parse(request_dict(request))
-        except RequestError as exc:
-            self.metrics.request_finished("invalid_argument")
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    def events(self) -> tuple[asyncio.Queue, object]:
+        """A queue on this loop and the `on_event` that feeds it from the round thread."""
         events: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
 
         def on_event(kind, payload) -> None:
             try:
                 loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
-            except RuntimeError:
+            except RuntimeError:  # the loop is closed: shutting down
                 pass
 
+        return events, on_event
+
+    # ---------------------------------------------------------------- Generate
+
+    async def Generate(self, request, context):
+        await self._ready(context)
+        try:
+            parsed = await self.parse(request_dict(request))
+        except RequestError as exc:
+            self.metrics.request_finished("invalid_argument")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except LimitExceeded as exc:
+            self.metrics.request_finished("resource_exhausted")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        events, on_event = self.events()
         work = Work(parsed, on_event=on_event)
         try:
             self.scheduler.submit(work)
@@ -210,7 +253,7 @@ class PolyspecService(pb_grpc.PolyspecServicer):
                         else grpc.StatusCode.UNAVAILABLE if is_unavailable(payload)
                         else grpc.StatusCode.INTERNAL
                     )
-                    await context.abort(code, str(payload) or type(payload).__name__)
+                    await context.abort(code, str(payload).splitlines()[0][:500] if str(payload) else type(payload).__name__)
         finally:
             if not finished:  # the client went away, or its deadline passed
                 self.scheduler.cancel(work)
@@ -221,48 +264,75 @@ class PolyspecService(pb_grpc.PolyspecServicer):
         await self._ready(context)
         if not request.requests:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a job needs at least one request")
-        if len(request.requests) > MAX_JOB_ITEMS:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"a job holds at most {MAX_JOB_ITEMS} requests, got {len(request.requests)}")
-        items = await asyncio.to_thread(self._job_items, request.requests)  # tokenizing many prompts: off the loop
+        if len(request.requests) > self.limits.max_job_items:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"a job holds at most {self.limits.max_job_items} requests, got {len(request.requests)}")
+        key = request.idempotency_key
+        if len(key) > MAX_IDEMPOTENCY_KEY_CHARS:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"idempotency_key has {len(key)} characters (at most {MAX_IDEMPOTENCY_KEY_CHARS})")
+        tenant = self._tenant(context) or ""
+        if key:  # a retry: answer before tokenizing anything
+            job = await asyncio.to_thread(self.store.create, [], tenant, key)
+            if job is not None:
+                return job_message(job)
+        try:
+            items = await asyncio.to_thread(self._job_items, request.requests)  # tokenizing many prompts: off the loop
+        except LimitExceeded as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         if isinstance(items, str):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, items)
-        job = await asyncio.to_thread(self.store.create, items)
+        try:
+            job = await asyncio.to_thread(self.store.create, items, tenant, key or None,
+                                          self.limits.max_live_jobs, self.limits.max_pending_items)
+        except LimitExceeded as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         self.scheduler.jobs_added()
         self.jobs_changed()
         return job_message(job)
 
     def _job_items(self, requests) -> list[tuple[str, dict, str | None]] | str:
-        """(id, raw request, validation error) per request, or the message for a job that cannot be taken."""
+        """(id, raw request, validation error) per request, or the message for a job that
+        cannot be taken; LimitExceeded for a prompt over the limit."""
         items, seen = [], set()
         for number, item in enumerate(requests, start=1):
+            if len(item.id) > MAX_ID_CHARS:
+                return f"request {number}: id has {len(item.id)} characters (at most {MAX_ID_CHARS})"
             item_id = item.id or f"item-{number}"
             if item_id in seen:
-                return f"request id {item_id!r} appears twice in the job (ids must be unique)"
+                return f"request id {short(item_id)!r} appears twice in the job (ids must be unique)"
             seen.add(item_id)
             raw = request_dict(item, item_id)
             try:
-                self._parse(raw)
+                self.parse_now(raw)
                 error = None
             except RequestError as exc:
                 error = f"request {number}: {exc}"
+            except LimitExceeded as exc:
+                raise LimitExceeded(f"request {number}: {exc}") from None
             items.append((item_id, raw, error))
         return items
 
     async def _job(self, job_id: str, context) -> JobRecord:
-        job = self.store.get(job_id) if job_id else None
+        if not job_id:
+            await context.abort(grpc.StatusCode.NOT_FOUND, "job_id is empty")
+        job = None
+        if len(job_id) <= MAX_JOB_ID_CHARS:
+            job = await asyncio.to_thread(self.store.get, job_id, self._tenant(context))
         if job is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no job {job_id!r}" if job_id else "job_id is empty")
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no job {short(job_id)!r}")
         return job
 
     async def GetJob(self, request, context):
         return job_message(await self._job(request.job_id, context))
 
     async def ListJobs(self, request, context):
-        return pb.ListJobsResponse(jobs=[job_message(job) for job in self.store.list(max(0, request.limit))])
+        jobs = await asyncio.to_thread(self.store.list, max(0, request.limit), self._tenant(context))
+        return pb.ListJobsResponse(jobs=[job_message(job) for job in jobs])
 
     async def CancelJob(self, request, context):
         await self._job(request.job_id, context)
-        job = await asyncio.to_thread(self.store.cancel, request.job_id)
+        job = await asyncio.to_thread(self.store.cancel, request.job_id, self._tenant(context))
         if self.scheduler is not None:
             self.scheduler.cancel_job(request.job_id)
         self.jobs_changed()
@@ -274,7 +344,7 @@ class PolyspecService(pb_grpc.PolyspecServicer):
         while True:
             changed = self._jobs_changed
             over = job.finished
-            for seq, item in self.store.results_after(job.job_id, seq):
+            for seq, item in await asyncio.to_thread(self.store.results_after, job.job_id, seq):
                 result = item.result or {}
                 yield pb.JobResult(
                     id=item.id,
@@ -290,21 +360,21 @@ class PolyspecService(pb_grpc.PolyspecServicer):
                 await asyncio.wait_for(changed.wait(), timeout=1.0)
             except asyncio.TimeoutError:
                 pass
-            job = self.store.get(job.job_id)
+            job = await asyncio.to_thread(self.store.get, job.job_id)
 
     # ------------------------------------------------------------------- stats
 
     async def GetStats(self, request, context):
         snapshot = self.metrics.snapshot()
         waiting, running = self.scheduler.queue_depth() if self.scheduler else (0, 0)
+        pending = await asyncio.to_thread(self.store.pending_count)
         response = pb.StatsResponse(
             stages=[
                 stage_message({"tier": tier, "drafter": drafter, **totals,
                                "mean_accepted_length": totals["accepted"] / totals["blocks"] if totals["blocks"] else 0.0})
                 for (tier, drafter), totals in snapshot["stages"].items()
             ],
-            queue=pb.QueueStats(waiting=waiting, running=running, max_queue=self.max_queue,
-                                job_items_pending=self.store.pending_count()),
+            queue=pb.QueueStats(waiting=waiting, running=running, max_queue=self.max_queue, job_items_pending=pending),
             requests=pb.RequestCounts(
                 ok=snapshot["requests"].get("ok", 0),
                 cancelled=snapshot["requests"].get("cancelled", 0),
@@ -328,199 +398,91 @@ class PolyspecService(pb_grpc.PolyspecServicer):
         return response
 
 
-# --------------------------------------------------------------------------- auth
+# ------------------------------------------------------------------ the guard
 
 
-class TokenAuth(grpc.aio.ServerInterceptor):
-    """`authorization: Bearer <token>` on every Polyspec call (health and reflection stay open)."""
+class _Undecodable:
+    """What a method gets instead of its message when the bytes do not parse."""
 
-    def __init__(self, token: str, metrics: Metrics) -> None:
-        self.expected = f"Bearer {token}".encode()
+
+class Guard(grpc.aio.ServerInterceptor):
+    """Every call passes here first.
+
+    - Auth: with tokens, every Polyspec call (and reflection, with `protect_reflection`)
+      needs `authorization: Bearer <token>` of a known tenant; health stays open.
+    - Bytes that are not the method's message: INVALID_ARGUMENT with one line (gRPC
+      itself would answer UNKNOWN naming the Python exception).
+    """
+
+    def __init__(self, tenants: Tenants, metrics: Metrics, protect_reflection: bool = False) -> None:
+        self.tenants = tenants
         self.metrics = metrics
+        self.protect_reflection = protect_reflection
 
     async def intercept_service(self, continuation, details):
-        if not details.method.startswith(f"/{SERVICE_NAME}/"):
-            return await continuation(details)
-        given = dict(details.invocation_metadata or ()).get("authorization", "")
-        given = given.encode() if isinstance(given, str) else given
-        if hmac.compare_digest(given, self.expected):
-            return await continuation(details)
-        message = "missing authorization token" if not given else "wrong authorization token"
-        self.metrics.request_finished("unauthenticated")
-
-        async def deny(request, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-        if details.method.rsplit("/", 1)[-1] in STREAMING_METHODS:
-            return grpc.unary_stream_rpc_method_handler(deny)
-        return grpc.unary_unary_rpc_method_handler(deny)
+        ours = details.method.startswith(f"/{SERVICE_NAME}/")
+        reflection = "ServerReflection/" in details.method
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        if self.tenants.enabled and (ours or (reflection and self.protect_reflection)):
+            given = dict(details.invocation_metadata or ()).get("authorization", "")
+            if self.tenants.tenant_of(given) is None:
+                if ours:
+                    self.metrics.request_finished("unauthenticated")
+                return _deny(handler, Tenants.denial(given))
+        return _tolerant(handler) if ours else handler
 
 
-# -------------------------------------------------------------------------- serve
+def _deny(handler, message: str):
+    async def deny(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def deny_stream(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # an async generator, like the method it stands in for
+
+    serializer = handler.response_serializer
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(deny_stream, response_serializer=serializer)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(deny, response_serializer=serializer)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(deny_stream, response_serializer=serializer)
+    return grpc.unary_unary_rpc_method_handler(deny, response_serializer=serializer)
 
 
-def _read_file(path: str | None, what: str) -> bytes | None:
-    if path is None:
-        return None
-    try:
-        content = Path(path).read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
-    if not content.strip():
-        raise ConfigError(f"{what} {path} is empty")
-    return content
+def _tolerant(handler):
+    """The same handler, with a request that does not parse answered INVALID_ARGUMENT."""
+    decode = handler.request_deserializer
 
-
-def default_state_dir() -> str:
-    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
-    return os.path.join(base, "polyspec")
-
-
-def cmd_serve(args) -> int:
-    token = _read_file(args.auth_token_file, "auth token file")
-    if bool(args.tls_cert) != bool(args.tls_key):
-        raise ConfigError("--tls-cert and --tls-key go together")
-    tls = (_read_file(args.tls_key, "TLS key"), _read_file(args.tls_cert, "TLS certificate")) if args.tls_cert else None
-    from polyspec.orchestrator.config import load_config  # imports torch: after the quick checks
-
-    config = load_config(args.config)
-    state_dir = args.state_dir or default_state_dir()
-    try:
-        store = JobStore(state_dir)
-    except (OSError, sqlite3.Error) as exc:
-        raise ConfigError(f"cannot use state dir {state_dir}: {exc}") from None
-    host = args.host or config.server.host
-    port = config.server.port if args.port is None else args.port
-    options = {
-        "config": config,
-        "host": host,
-        "port": port,
-        "store": store,
-        "token": token.decode().strip() if token else None,
-        "tls": tls,
-        "metrics_port": args.metrics_port,
-        "http_port": getattr(args, "http_port", None),
-        "grace_s": args.grace,
-    }
-    try:
-        return asyncio.run(_serve(**options))
-    finally:
-        store.close()
-
-
-def _check_bindable(host: str, port: int) -> None:
-    """A clear one-line error before gRPC tries (and logs its own multi-line complaint)."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror:
-        raise ConfigError(f"cannot listen on {host}:{port}: unknown host") from None
-    family, _, _, _, sockaddr = infos[0]
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    def safe_decode(data: bytes):
         try:
-            probe.bind(sockaddr)
-        except OSError as exc:
-            raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+            return decode(data)
+        except Exception:  # noqa: BLE001 - any parse failure is the client's bytes
+            return _Undecodable()
 
+    async def check(request, context) -> None:
+        if isinstance(request, _Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the request is not a valid message of this method (malformed protobuf)")
 
-def _log(message: str) -> None:
-    print(f"polyspec serve: {message}", file=sys.stderr, flush=True)
+    if handler.unary_unary is not None:
+        behavior = handler.unary_unary
 
+        async def unary(request, context):
+            await check(request, context)
+            return await behavior(request, context)
 
-async def _serve(config, host, port, store, token, tls, metrics_port, http_port, grace_s) -> int:
-    metrics = Metrics()
-    service = PolyspecService(store, metrics, config.server.max_queue)
-    health_servicer = health.aio.HealthServicer()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    server = grpc.aio.server(
-        interceptors=[TokenAuth(token, metrics)] if token else None,
-        options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)],
-    )
-    pb_grpc.add_PolyspecServicer_to_server(service, server)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    _add_reflection(server)
-    address = f"{host}:{port}"
-    _check_bindable(host, port)
-    try:
-        if tls:
-            bound = server.add_secure_port(address, grpc.ssl_server_credentials([tls]))
-        else:
-            bound = server.add_insecure_port(address)
-    except RuntimeError:
-        bound = 0
-    if not bound:
-        raise ConfigError(f"cannot listen on {address} (in use, or not an address of this machine)")
-    await server.start()
-    _log(f"listening on {host}:{bound}{' (TLS)' if tls else ''}; loading models")
+        return grpc.unary_unary_rpc_method_handler(unary, request_deserializer=safe_decode,
+                                                   response_serializer=handler.response_serializer)
+    if handler.unary_stream is not None:
+        behavior = handler.unary_stream
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
+        async def stream(request, context):
+            await check(request, context)
+            async for message in behavior(request, context):
+                yield message
 
-    try:
-        engine = await asyncio.to_thread(_load_and_warm, config)
-    except PolyspecError:
-        await server.stop(0)
-        raise
-    scheduler = RoundScheduler(engine, store, metrics, config.server.max_queue, service.jobs_changed, service.tokenizer_lock)
-    scheduler.start()
-    service.attach(engine, scheduler)
-    for tier in engine.tiers:
-        metrics.tier_up(tier.name, True)
-    scheduler.publish_speculation()
-    if metrics_port:
-        try:
-            metrics.serve_http(metrics_port, host)
-            _log(f"metrics on http://{host}:{metrics_port}/metrics")
-        except OSError as exc:
-            _log(f"warning: no metrics: cannot listen on {host}:{metrics_port} ({exc.strerror or exc})")
-    if http_port:
-        from polyspec.orchestrator.serving.http import start_openai_http
-
-        try:
-            start_openai_http(service, host, http_port, token)
-            _log(f"OpenAI-compatible API on http://{host}:{http_port}/v1")
-        except OSError as exc:
-            _log(f"warning: no OpenAI-compatible API: cannot listen on {host}:{http_port} ({exc.strerror or exc})")
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    pending = store.pending_count()
-    _log(f"ready{f'; resuming {pending} job item(s)' if pending else ''}")
-
-    await stop.wait()
-    _log(f"draining (up to {grace_s:g}s)")
-    service.draining = True
-    await health_servicer.enter_graceful_shutdown()
-    scheduler.drain()
-    deadline = time.monotonic() + grace_s
-    await asyncio.to_thread(scheduler.idle.wait, grace_s)
-    await server.stop(max(0.0, deadline - time.monotonic()))
-    scheduler.stop()
-    await asyncio.to_thread(scheduler.join, 10.0)
-    _log("stopped")
-    return 0
-
-
-def _add_reflection(server) -> None:
-    """Server reflection under both names clients ask for: grpc.reflection.v1alpha (what
-    grpcio-reflection ships) and grpc.reflection.v1 (the same messages, renamed)."""
-    names = (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
-    servicer = reflection.aio.ReflectionServicer(names)
-    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
-    v1 = grpc.stream_stream_rpc_method_handler(
-        servicer.ServerReflectionInfo,
-        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
-        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
-    )
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("grpc.reflection.v1.ServerReflection", {"ServerReflectionInfo": v1}),))
-
-
-def _load_and_warm(config):
-    """Load the chain and run one short generation so the first request pays no start-up cost."""
-    from polyspec.orchestrator.engine import Engine
-
-    engine = Engine(config)
-    engine.generate(engine.parse_request({"prompt_ids": [0], "max_new_tokens": 2}))
-    return engine
+        return grpc.unary_stream_rpc_method_handler(stream, request_deserializer=safe_decode,
+                                                    response_serializer=handler.response_serializer)
+    return handler

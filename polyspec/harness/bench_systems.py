@@ -182,6 +182,9 @@ def hf_systems(config: ChainConfig, notes: list[str]) -> tuple[list[System], lis
         if tier.is_ngram:
             skipped.append(Skipped(name, "model-free n-gram tier: transformers' counterpart is hf-prompt-lookup"))
             continue
+        if tier.drafter:
+            skipped.append(Skipped(name, f"trained {tier.drafter} drafter: it shares the target's weights or features, transformers cannot assist with it"))
+            continue
         systems.append(HFSystem(name, target_model, assistant_model=_hf_model(tier)))
         systems.append(HFSystem(f"{name}@k{fixed[index]}", target_model, assistant_model=_fixed_length_assistant(tier, fixed[index])))
     lookup = {"prompt_lookup_num_tokens": HF_PROMPT_LOOKUP_TOKENS}

@@ -3,8 +3,12 @@
 server through the SDK and compares with embedded mode, and prints `ray status -v`; `down`
 must leave no process behind. About 2-3 minutes on 2 cores.
 
-Needs root (or passwordless sudo) for sshd on port 22 and PID namespaces, and free ports
-(22 on 127.0.0.1-3, 6379, 50051, 9464); skipped otherwise, or with POLYSPEC_SKIP_TRY_LOCAL=1.
+Opt-in (marker `needs_root`, deselected by default): it installs packages with apt-get,
+starts sshd on port 22 and needs root (or passwordless sudo) for PID namespaces, and free
+ports (22 on 127.0.0.1-3, 6379, 50051, 9464). Run it with
+`python -m pytest -m needs_root tests/deploy/test_try_local.py`; skipped when a requirement
+is missing, or with POLYSPEC_SKIP_TRY_LOCAL=1. Every step is bounded, and `down` runs in a
+finalizer whatever failed.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 from pathlib import Path
@@ -62,16 +67,26 @@ def _node_blocks(status: str) -> dict[str, str]:
     return {parts[i]: parts[i + 1] for i in range(1, len(parts) - 1, 2)}
 
 
+@pytest.mark.needs_root
 @pytest.mark.skipif(_why_not() is not None, reason=_why_not() or "")
 def test_up_serves_each_tier_on_its_own_node_and_down_leaves_nothing(tmp_path):
     state = f"/tmp/polyspec-try-local-test-{os.getpid()}"
     env = {**os.environ, "POLYSPEC_TRY_LOCAL_DIR": state}
 
     def run(command: str, timeout: int) -> subprocess.CompletedProcess:
-        return subprocess.run(["bash", str(SCRIPT), command], capture_output=True, text=True, env=env, timeout=timeout)
+        # its own process group: on a timeout the script's children (ray up, ssh) go too
+        proc = subprocess.Popen(["bash", str(SCRIPT), command], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=env, start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            err += f"\n(timed out after {timeout}s)"
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
     try:
-        up = run("up", timeout=1500)
+        up = run("up", timeout=1200)
         assert up.returncode == 0, up.stderr[-3000:]
         assert up.stdout.strip().splitlines()[-1] == "127.0.0.1:50051"
 
@@ -87,7 +102,7 @@ def test_up_serves_each_tier_on_its_own_node_and_down_leaves_nothing(tmp_path):
         (head,) = set(nodes) - set(NODE_TIERS)  # Ray names the head by the machine's address
         assert in_use[head] == ["tier_target"], in_use
     finally:
-        down = run("down", timeout=300)
+        down = run("down", timeout=120)
     assert down.returncode == 0, down.stderr
     assert _processes_mentioning(state) == []
     assert not any(_busy(ip, 22) for ip in ("127.0.0.1", "127.0.0.2", "127.0.0.3"))

@@ -25,6 +25,16 @@ CHAINS = {
     "tree:target+small": (["target", "small"], {"tree_width": 2, "lengths": [3]}),
     "tree:target+mid+small": (["target", "mid", "small"], {"tree_width": 2}),
     "tree:target+int8+ngram": (["target", "int8", "ngram"], {"tree_width": 3}),
+    # trained drafters (tests/conftest.py: tiny_drafters)
+    "target+feature": (["target", "feature"], {"lengths": [4]}),
+    "target+feature+ngram": (["target", "feature", "ngram"], {"lengths": [4, 3]}),
+    "target+feature+small": (["target", "feature", "small"], {"lengths": [3, 2]}),
+    "target+early_exit": (["target", "early_exit"], {"lengths": [5]}),
+    "target+early_exit_noisy": (["target", "early_exit_noisy"], {"lengths": [4]}),
+    "target+early_exit_noisy+ngram": (["target", "early_exit_noisy", "ngram"], {"lengths": [4, 3]}),
+    "target+feature+early_exit_noisy": (["target", "feature", "early_exit_noisy"], {"lengths": [3, 2]}),
+    "tree:target+feature": (["target", "feature"], {"tree_width": 3, "lengths": [3]}),
+    "tree:target+early_exit_noisy": (["target", "early_exit_noisy"], {"tree_width": 2, "lengths": [3]}),
 }
 
 
@@ -48,9 +58,9 @@ def reference(tiny_family):
 
 
 @pytest.mark.parametrize("chain", sorted(CHAINS))
-def test_greedy_equals_target(tiny_family, reference, chain):
+def test_greedy_equals_target(tiny_drafters, reference, chain):
     names, speculation = CHAINS[chain]
-    engine = build(tiny_family, names, speculation)
+    engine = build(tiny_drafters, names, speculation)
     engine.scheduler.eos_token_ids = frozenset()  # compare full-length continuations
     for prompt in PROMPTS:
         result = engine.generate(engine.parse_request({"prompt": prompt, "max_new_tokens": MAX_NEW}))

@@ -43,6 +43,12 @@ CASES = {
     "tree rsd": (["target", "mid", "small"], {"lengths": [3, 2], "tree_width": 3, "verifier": "rsd"}, SamplingParams(temperature=1.0), 1200),
     "tree spectr": (["target", "small"], {"lengths": [3], "tree_width": 3, "verifier": "spectr"}, SamplingParams(temperature=1.0), 1200),
     "tree importance": (["target", "small"], {"lengths": [3], "tree_width": 3, "verifier": "importance"}, SamplingParams(temperature=1.0), 1200),
+    # trained drafters (tests/conftest.py: tiny_drafters)
+    "feature head": (["target", "feature"], {"lengths": [3]}, SamplingParams(temperature=1.0), 1200),
+    "feature head + ngram": (["target", "feature", "ngram"], {"lengths": [3, 2]}, SamplingParams(temperature=1.0), 1200),
+    "early exit (dynamic length)": (["target", "early_exit_noisy"], {"lengths": [3]}, SamplingParams(temperature=1.0), 1200),
+    "feature head + early exit": (["target", "feature", "early_exit_noisy"], {"lengths": [3, 2]}, SamplingParams(temperature=0.8, top_k=12), 1200),
+    "tree feature head": (["target", "feature"], {"lengths": [2], "tree_width": 3, "verifier": "specinfer"}, SamplingParams(temperature=1.0), 1200),
 }
 
 
@@ -52,9 +58,9 @@ def make_engine(family, names, speculation) -> Engine:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
-def test_first_two_tokens_match_target(tiny_family, case):
+def test_first_two_tokens_match_target(tiny_drafters, case):
     names, speculation, params, samples = CASES[case]
-    engine = make_engine(tiny_family, names, speculation)
+    engine = make_engine(tiny_drafters, names, speculation)
     prompt_ids = engine.tokenizer(PROMPT)["input_ids"]
     joint = exact_two_token_probs(engine.tiers[0].model, engine.vocab_size, prompt_ids, params)
     counts = sample_first_two(engine, prompt_ids, params, samples)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -32,8 +31,8 @@ def free_port() -> int:
 
 
 def polyspec_command() -> list[str]:
-    exe = shutil.which("polyspec")
-    return [exe] if exe else [sys.executable, "-m", "polyspec.orchestrator.cli"]
+    """The `polyspec` of the Python running the tests (not whichever one PATH finds first)."""
+    return [sys.executable, "-m", "polyspec.orchestrator.cli"]
 
 
 def server_env() -> dict:

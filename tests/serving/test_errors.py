@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import socket
+import ssl
 import subprocess
 import threading
 import time
@@ -101,7 +102,10 @@ def test_token_tls_queue_limit_and_metrics(start_server, tiny_family, tmp_path):
         client.generate("x", max_new_tokens=2)
     long_request.join(60)
 
-    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    with pytest.raises(OSError):  # with TLS configured, /metrics speaks TLS too
+        urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10)
+    context = ssl.create_default_context(cafile=str(cert))
+    text = urllib.request.urlopen(f"https://127.0.0.1:{metrics_port}/metrics", timeout=10, context=context).read().decode()
     for line in ('polyspec_requests_total{status="ok"} 2.0', 'polyspec_requests_total{status="unauthenticated"} 4.0',
                  'polyspec_requests_total{status="resource_exhausted"} 1.0', 'polyspec_tier_up{tier="mid"} 1.0',
                  'polyspec_speculation_length{drafter="mid",tier="target"} 4.0', 'polyspec_queue_depth{state="waiting"}'):

@@ -1,4 +1,4 @@
-"""A lean forward for Llama-architecture tiers: the same math as transformers, without its per-module overhead.
+"""A lean forward for Llama-architecture tiers (Llama, Qwen2): the same math as transformers, without its per-module overhead.
 
 On the CPU demo family one forward of the 8.7M-parameter target spends about as long in
 Python (module dispatch, hooks, mask and rotary construction, cache bookkeeping) and in
@@ -16,9 +16,12 @@ quantized int8 `Linear`s), on a KV cache preallocated per sequence:
 - the cache is written in place; keys / values are views of its first n positions, so a
   rollback (`truncate`) costs nothing and `keep` (tree paths) is one gather per layer.
 
-Grouped-query attention follows transformers' SDPA path too (`enable_gqa` without a mask,
+Qwen2 is the same computation with biases on the query / key / value projections (the
+`Linear`s carry them) and, for small models, an LM head tied to the embedding (the same
+tensor, used as is); its sliding-window layers are not covered. Grouped-query attention
+follows transformers' SDPA path too (`enable_gqa` without a mask,
 the packed query for one token with a mask, repeated keys / values otherwise).
-`tests/workers/test_lean_llama.py` checks bit-equality of logits with the transformers
+`tests/workers/test_lean_llama.py` and `test_lean_qwen2.py` check bit-equality of logits with the transformers
 forward for prefill, single tokens, blocks, trees and rollbacks. Models this path does not
 cover (other architectures, biases, scaled RoPE, non-CPU devices) keep the transformers
 forward (`LeanLlama.supports`).
@@ -108,19 +111,33 @@ class LeanCache:
         self.tokens = [self.tokens[p] for p in positions]
 
 
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+
+
+def _full_attention_only(config) -> bool:
+    """Qwen2 layers may use a sliding window (`use_sliding_window`); the lean path attends over everything."""
+    if getattr(config, "use_sliding_window", False):
+        return False
+    return all(kind == "full_attention" for kind in getattr(config, "layer_types", None) or [])
+
+
 class LeanLlama:
-    """`LlamaForCausalLM` logits for a batch of one, on a `LeanCache`."""
+    """`LlamaForCausalLM` / `Qwen2ForCausalLM` logits for a batch of one, on a `LeanCache`."""
 
     @staticmethod
     def supports(model, device: torch.device) -> bool:
         config = getattr(model, "config", None)
-        if config is None or type(model).__name__ != "LlamaForCausalLM" or device.type != "cpu":
+        architecture = type(model).__name__
+        if config is None or architecture not in ARCHITECTURES or device.type != "cpu":
             return False
         rope = getattr(config, "rope_parameters", None) or {}
         heads = config.num_attention_heads
+        # Llama's projections are bias-free unless attention_bias; Qwen2's q / k / v always carry biases
+        llama_bias = architecture == "LlamaForCausalLM" and getattr(config, "attention_bias", False)
         simple = (
             rope.get("rope_type", "default") == "default"
-            and not getattr(config, "attention_bias", False)
+            and not llama_bias
+            and _full_attention_only(config)
             and not getattr(config, "mlp_bias", False)
             and config.hidden_act == "silu"
             and heads % getattr(config, "num_key_value_heads", heads) == 0
@@ -215,8 +232,9 @@ class LeanLlama:
         return attn.reshape(1, -1, count, self.head_dim)
 
     @torch.inference_mode()
-    def forward(self, cache: LeanCache, tokens: list[int], positions: list[int], mask: torch.Tensor | None) -> torch.Tensor:
-        """Append `tokens` (at `positions`) to `cache`; logits [1, T, V] in the model's dtype."""
+    def forward(self, cache: LeanCache, tokens: list[int], positions: list[int], mask: torch.Tensor | None, hidden: list | None = None) -> torch.Tensor:
+        """Append `tokens` (at `positions`) to `cache`; logits [1, T, V] in the model's dtype.
+        `hidden`: a list that receives the last hidden states [T, H] (after the final norm)."""
         count = len(tokens)
         start = len(cache)
         end = start + count
@@ -258,4 +276,6 @@ class LeanLlama:
             h = self._rms(x, w_post, eps_post)
             x = x + down(F.silu(gate(h)) * up(h))
         x = self._rms(x, self.norm_weight, self.norm_eps)
+        if hidden is not None:
+            hidden.append(x[0])
         return self.lm_head(x)

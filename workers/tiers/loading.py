@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import io
 import logging
 import os
@@ -15,6 +16,7 @@ import warnings
 import torch
 
 from polyspec.workers.core.errors import ModelLoadError
+from polyspec.workers.tiers.model_cache import fetch_hint
 from polyspec.workers.tiers.tier import ModelTier, NGramTier, Tier
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -68,14 +70,18 @@ def hub_reachable(timeout_s: float = 3.0) -> bool:
     return bool(result and result[0])
 
 
+def is_gguf(model: str) -> bool:
+    return model.lower().endswith(".gguf")
+
+
 def check_model_reference(model: str, tier_name: str) -> None:
     """Fail early, in one line, on a path that does not exist; go offline if the Hub is unreachable."""
-    if os.path.isdir(model):
+    if os.path.isdir(model) or (is_gguf(model) and os.path.isfile(model)):
         return
     if os.path.exists(model):
-        raise ModelLoadError(f"tier {tier_name!r}: model path {model!r} is a file; give the model's directory")
-    if model.startswith(("/", "./", "../", "~")) or not _HUB_ID.match(model):
-        raise ModelLoadError(f"tier {tier_name!r}: model path {model!r} does not exist")
+        raise ModelLoadError(f"tier {tier_name!r}: model path {model!r} is a file; give the model's directory or a .gguf file")
+    if model.startswith(("/", "./", "../", "~")) or is_gguf(model) or not _HUB_ID.match(model):
+        raise ModelLoadError(f"tier {tier_name!r}: model path {model!r} does not exist{fetch_hint(model)}")
     import huggingface_hub.constants as hub_constants
 
     if not hub_constants.HF_HUB_OFFLINE and not hub_reachable():
@@ -96,6 +102,11 @@ def load_tokenizer(model: str, tier_name: str):
     from transformers import AutoTokenizer
 
     check_model_reference(model, tier_name)
+    if is_gguf(model):
+        try:
+            return load_gguf_tokenizer(model)
+        except Exception as exc:  # noqa: BLE001 - gguf raises many kinds on a damaged file
+            raise ModelLoadError(f"tier {tier_name!r}: cannot read a tokenizer from {model!r}: {_short(exc)}") from None
     if os.path.isdir(model) and not any(os.path.exists(os.path.join(model, f)) for f in TOKENIZER_FILES):
         return None
     try:
@@ -109,6 +120,46 @@ def load_tokenizer(model: str, tier_name: str):
         raise ModelLoadError(f"tier {tier_name!r}: cannot load a tokenizer from {model!r}: {_short(exc)}") from None
 
 
+def _gguf_args(path: str) -> tuple[str, dict]:
+    if not importlib.util.find_spec("gguf"):
+        raise ModelLoadError(f"{path}: loading a .gguf file needs the gguf package: pip install gguf")
+    return os.path.dirname(os.path.abspath(path)), {"gguf_file": os.path.basename(path)}
+
+
+def load_gguf_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    directory, extra = _gguf_args(path)
+    return AutoTokenizer.from_pretrained(directory, **extra)
+
+
+def load_gguf_model(path: str, dtype, tie_lm_head: bool | None = None, **kwargs):
+    """A GGUF file dequantized to `dtype` as a plain transformers model.
+
+    The GGUF loader gives the model a separate LM head even where the original ties it to
+    the embedding (a 152k-row copy for Qwen); `tie_lm_head` (None: when the two are equal)
+    ties them again, which saves that memory and the time of reading it."""
+    from transformers import AutoModelForCausalLM
+
+    directory, extra = _gguf_args(path)
+    dtype = TORCH_DTYPES.get(dtype, dtype)
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **extra, **kwargs)
+    model.hf_quantizer = None  # the weights are dequantized: save and move as a plain model
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is not None and head.weight is not embedding.weight:
+        same_shape = head.weight.shape == embedding.weight.shape
+        if tie_lm_head is None:
+            tie_lm_head = same_shape and torch.equal(head.weight, embedding.weight)
+        if tie_lm_head and same_shape:
+            head.weight = embedding.weight
+            model.config.tie_word_embeddings = True
+            if hasattr(model.config, "get_text_config"):
+                model.config.get_text_config().tie_word_embeddings = True
+    return model
+
+
 def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
     """Dynamic int8 quantization of every Linear (weights int8 per tensor, activations quantized on the fly)."""
     from torch.ao.quantization import quantize_dynamic
@@ -116,6 +167,21 @@ def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
     with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
         warnings.simplefilter("ignore")
         return quantize_dynamic(model.float(), {torch.nn.Linear}, dtype=torch.qint8)
+
+
+def retie_lm_head(model) -> bool:
+    """Share the embedding with an LM head that is an exact copy of it (a GGUF conversion
+    unties them): one 152k-row matrix less in memory and in the caches. True if tied."""
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is None or embed is None or head.weight is embed.weight or getattr(head, "bias", None) is not None:
+        return False
+    if head.weight.shape != embed.weight.shape or head.weight.dtype != embed.weight.dtype:
+        return False
+    if not torch.equal(head.weight, embed.weight):
+        return False
+    head.weight = embed.weight
+    model.config.tie_word_embeddings = True
+    return True
 
 
 def int4_quantization_config(tier, device: torch.device):
@@ -153,13 +219,20 @@ def load_model_tier(tier, vocab_size: int | None = None) -> ModelTier:
     if tier.threads:
         torch.set_num_threads(tier.threads)
     try:
-        model = AutoModelForCausalLM.from_pretrained(tier.model, dtype=dtype, attn_implementation="sdpa", **extra)
+        if is_gguf(tier.model):
+            model = load_gguf_model(tier.model, dtype, attn_implementation="sdpa", **extra)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(tier.model, dtype=dtype, attn_implementation="sdpa", **extra)
+    except ModelLoadError:
+        raise
     except Exception as exc:
         where = "local directory" if os.path.isdir(tier.model) else "local path or a Hugging Face model id"
         raise ModelLoadError(f"tier {tier.name!r}: cannot load model {tier.model!r} (not a loadable {where}): {_short(exc)}") from None
     if tier.quantize != "int4":  # a bitsandbytes model is placed by device_map and cannot be moved
         model = model.to(device)
     model = model.eval()
+    if tier.quantize != "int4":
+        retie_lm_head(model)
     head = model.get_output_embeddings()
     out_features = head.weight.shape[0] if head is not None else model.config.vocab_size
     if tier.quantize == "int8":
@@ -192,9 +265,29 @@ def check_vocabulary_sizes(tiers: list[ModelTier]) -> None:
             raise ModelLoadError(f"tiers {sizes[0][0]!r} and {name!r} do not share a vocabulary ({sizes[0][1]} vs {size} tokens)")
 
 
+def load_drafter_tier(tier, target: ModelTier) -> Tier:
+    """A trained drafter (polyspec.workers.tiers.drafters) over the loaded target tier: it shares
+    the target's weights (early exit) or reads its hidden states (feature head)."""
+    from polyspec.workers.tiers.drafters import DrafterError, load_early_exit, load_feature_head
+    from polyspec.workers.tiers.feature_tier import FeatureTier
+
+    where = f"tier {tier.name!r}"
+    threads = tier.threads or target.threads
+    try:
+        if tier.drafter == "feature":
+            head, _ = load_feature_head(tier.model, target.model, where)
+            return FeatureTier(tier.name, head, target, threads)
+        model, _ = load_early_exit(tier.model, target.model, tier.layers, where)
+    except DrafterError as exc:
+        raise ModelLoadError(str(exc)) from None
+    early = ModelTier(tier.name, model, target.vocab_size, target.device, threads)
+    early.exit_threshold = tier.exit_threshold
+    return early
+
+
 def load_tiers(tiers_config) -> tuple[list[Tier], object]:
     """Tiers (target first) and the shared tokenizer (None when no tier ships one)."""
-    model_configs = [t for t in tiers_config if not t.is_ngram]
+    model_configs = [t for t in tiers_config if not t.is_ngram and not t.drafter]
     tokenizers = {}
     for tier in model_configs:
         tokenizers[tier.name] = load_tokenizer(tier.model, tier.name)
@@ -210,7 +303,12 @@ def load_tiers(tiers_config) -> tuple[list[Tier], object]:
     ordered: list[Tier] = []
     model_iter = iter(tiers)
     for tier in tiers_config:
-        ordered.append(NGramTier(tier.name, vocab_size, tier.max_ngram, tier.min_ngram) if tier.is_ngram else next(model_iter))
+        if tier.drafter:
+            drafter = load_drafter_tier(tier, ordered[0])
+            drafter.vocab_size = vocab_size
+            ordered.append(drafter)
+        else:
+            ordered.append(NGramTier(tier.name, vocab_size, tier.max_ngram, tier.min_ngram) if tier.is_ngram else next(model_iter))
     shared = next((tok for tok in tokenizers.values() if tok is not None), None)
     return ordered, shared
 
@@ -226,7 +324,11 @@ def describe_chain(tiers_config) -> tuple[object, tuple[int, ...]]:
     configs = {}
     for tier in model_configs:
         try:
-            configs[tier.name] = AutoConfig.from_pretrained(tier.model)
+            if is_gguf(tier.model):
+                directory, extra = _gguf_args(tier.model)
+                configs[tier.name] = AutoConfig.from_pretrained(directory, **extra)
+            else:
+                configs[tier.name] = AutoConfig.from_pretrained(tier.model)
         except Exception as exc:
             raise ModelLoadError(f"tier {tier.name!r}: cannot read the model config of {tier.model!r}: {_short(exc)}") from None
     if any(tok is None for tok in tokenizers.values()):
@@ -241,7 +343,8 @@ def describe_chain(tiers_config) -> tuple[object, tuple[int, ...]]:
     target = model_configs[0]
     sources = [configs[target.name]]
     try:
-        sources.append(GenerationConfig.from_pretrained(target.model))
+        if not is_gguf(target.model):
+            sources.append(GenerationConfig.from_pretrained(target.model))
     except Exception:  # noqa: BLE001 - no generation_config.json: the model config's ids stand
         pass
     for source in sources:

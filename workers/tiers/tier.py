@@ -89,6 +89,7 @@ class _PendingTree:
 class _Sequence:
     cache: SequenceCache | LeanCache
     pending: _PendingTree | None = None
+    features: torch.Tensor | None = None  # [capacity, H] last hidden state per cache slot (keep_features)
 
 
 class ModelTier(Tier):
@@ -98,7 +99,19 @@ class ModelTier(Tier):
     operations as transformers' forward, bit-identical logits, without its per-module
     overhead, on a preallocated KV cache); `lean=False` or any other model keeps the
     transformers forward on a `DynamicCache`.
+
+    Two options serve the trained drafters (polyspec.workers.tiers.drafters):
+
+    - `keep_features`: record the last hidden state (after the final norm, what the LM
+      head reads) of every cached position, rolled back with the KV, so that a feature
+      drafter under this tier can read them (`features`);
+    - `exit_threshold`: a drafting tier stops a block early, after the first token its
+      own (temperature-1) top probability puts below the threshold. The block length
+      then depends only on the drafter's distributions, so verification stays exact.
     """
+
+    keep_features = False
+    exit_threshold: float | None = None
 
     def __init__(self, name: str, model, vocab_size: int, device: torch.device, threads: int | None = None, lean: bool = True) -> None:
         super().__init__()
@@ -146,9 +159,13 @@ class ModelTier(Tier):
         if self.threads and torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)
         started = time.perf_counter()
+        start = len(seq.cache)
         if self._lean is not None:
-            logits = self._lean.forward(seq.cache, tokens, positions, mask)  # [1, T, V]
+            hidden: list | None = [] if self.keep_features else None
+            logits = self._lean.forward(seq.cache, tokens, positions, mask, hidden)  # [1, T, V]
             seq.cache.appended(tokens)
+            if hidden:
+                self._store_features(seq, start, hidden[0])
             logits = logits[0, :, : self.vocab_size].float()  # [T, V]
             self.busy_s += time.perf_counter() - started
             self.forwards += 1
@@ -159,12 +176,47 @@ class ModelTier(Tier):
         if mask is not None:
             kwargs["attention_mask"] = mask.to(self.device)
         with torch.inference_mode():
-            out = self.model(input_ids=input_ids, position_ids=position_ids, past_key_values=seq.cache.kv, use_cache=True, **kwargs)
+            if self.keep_features:  # the decoder then the head, as the model's own forward does
+                out = self.model.base_model(input_ids=input_ids, position_ids=position_ids, past_key_values=seq.cache.kv, use_cache=True, **kwargs)
+                out.logits = self.model.get_output_embeddings()(out.last_hidden_state)
+                self._store_features(seq, start, out.last_hidden_state[0])
+            else:
+                out = self.model(input_ids=input_ids, position_ids=position_ids, past_key_values=seq.cache.kv, use_cache=True, **kwargs)
         seq.cache.appended(tokens)
         logits = out.logits[0, :, : self.vocab_size].float().cpu()  # [T, V]
         self.busy_s += time.perf_counter() - started
         self.forwards += 1
         return logits
+
+    @staticmethod
+    def _store_features(seq: _Sequence, start: int, hidden: torch.Tensor) -> None:
+        """Write the hidden states [T, H] of cache slots start.. (growing the buffer by doubling)."""
+        end = start + hidden.shape[0]
+        buffer = seq.features
+        if buffer is None or buffer.shape[0] < end:
+            grown = torch.empty(max(end, 64, 2 * (0 if buffer is None else buffer.shape[0])), hidden.shape[-1], dtype=torch.float32)
+            if buffer is not None:
+                grown[:start] = buffer[:start]
+            seq.features = buffer = grown
+        buffer[start:end] = hidden.detach().float().cpu()
+
+    def features(self, seq_id, context: list[int], length: int, compute: bool = False) -> torch.Tensor:
+        """The last hidden states of the longest prefix of `context[:length]` this tier has
+        computed ([m, H] float32, a fresh tensor). With `compute`, the missing positions
+        are computed now, in one forward (then m = length): the next `score` of the same
+        context finds them cached. Needs `keep_features`."""
+        if not self.keep_features:
+            raise RuntimeError(f"tier {self.name!r} does not keep its hidden states (keep_features)")
+        seq = self._sequence(seq_id)
+        have = seq.cache.common_prefix(context[: max(length, 0)])
+        if seq.pending is not None:
+            have = min(have, seq.pending.prefix_len)
+        if compute and have < length:
+            self._linear_forward(seq, self._sync(seq, context[:length] + [0])[:-1])  # [0]: _sync keeps >= 1 token to feed
+            have = length
+        if have <= 0 or seq.features is None:
+            return torch.zeros(0, 0)
+        return seq.features[:have].clone()
 
     def _linear_forward(self, seq: _Sequence, tokens: list[int]) -> torch.Tensor:
         start = len(seq.cache)
@@ -197,11 +249,14 @@ class ModelTier(Tier):
         tokens: list[int] = []
         rows = []
         for _ in range(num_tokens):
-            probs = warp_logits(self._linear_forward(seq, feed)[-1], params)  # [V]
+            logits = self._linear_forward(seq, feed)[-1]  # [V]
+            probs = warp_logits(logits, params)
             token = int(probs.argmax()) if params.greedy else int(torch.multinomial(probs, 1, generator=generator))
             tokens.append(token)
             rows.append(probs)
             feed = [token]
+            if self.exit_threshold is not None and confidence(logits) < self.exit_threshold:
+                break
         return tokens, (None if params.greedy or not rows else torch.stack(rows))
 
     def draft_tree(self, seq_id, context, width, depth, params, scheme, generator):
@@ -214,14 +269,19 @@ class ModelTier(Tier):
         root_logits = self._linear_forward(seq, tail)[-1]  # [V]
         root_probs = warp_logits(root_logits, params)
         seq.pending = _PendingTree(prefix_len=len(context), node_slots={})
-        for token in _first_candidates(root_logits, root_probs, width, params, scheme, generator):
+        for token in first_candidates(root_logits, root_probs, width, params, scheme, generator):
             tree.tokens.append(token)
             tree.parents.append(-1)
             row_list.append(root_probs)
         frontier = list(range(len(tree.tokens)))
         depths = [0] * len(frontier)
+        sure = self.exit_threshold is None or float(confidence(root_logits)) >= self.exit_threshold
         for level in range(1, depth):
+            if not sure:  # early exit: every branch's last token fell below the threshold
+                break
             logits = self._tree_forward(seq, [], tree, frontier, depths)  # [len(frontier), V]
+            if self.exit_threshold is not None:
+                sure = bool((confidence(logits) >= self.exit_threshold).any())
             next_frontier = []
             for node, node_logits in zip(frontier, logits):
                 probs = warp_logits(node_logits, params)
@@ -259,10 +319,17 @@ class ModelTier(Tier):
                 break  # the drafter did not feed its last level
             kept.append(pending.node_slots[node])
         seq.cache.keep(kept)
+        if seq.features is not None:
+            seq.features[: len(kept)] = seq.features[torch.tensor(kept, dtype=torch.long)]
         seq.pending = None
 
 
-def _first_candidates(root_logits, root_probs, width: int, params: SamplingParams, scheme: str, generator) -> list[int]:
+def confidence(logits: torch.Tensor) -> torch.Tensor:
+    """The top probability of each row at temperature 1: an early-exit drafter's stopping signal."""
+    return torch.softmax(logits.float(), dim=-1).max(dim=-1).values
+
+
+def first_candidates(root_logits, root_probs, width: int, params: SamplingParams, scheme: str, generator) -> list[int]:
     """The root's children: top-`width` when greedy, without replacement for RSD, else i.i.d."""
     if params.greedy:
         return [int(t) for t in torch.topk(root_logits, min(width, root_logits.numel())).indices]

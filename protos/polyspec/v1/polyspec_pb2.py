@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apolyspec/v1/polyspec.proto\x12\x0bpolyspec.v1\"\xdb\x01\n\x0fGenerateRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x12\n\nprompt_ids\x18\x03 \x03(\x05\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\x97\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12+\n\x05stats\x18\x04 \x01(\x0b\x32\x1c.polyspec.v1.GenerationStats\x12\n\n\x02id\x18\x05 \x01(\t\x12\x12\n\nstats_json\x18\x06 \x01(\t\"\xc2\x01\n\x0fGenerationStats\x12\x14\n\x0ctokens_per_s\x18\x01 \x01(\x01\x12\x12\n\nnew_tokens\x18\x02 \x01(\x05\x12\x0e\n\x06time_s\x18\x03 \x01(\x01\x12\'\n\x06stages\x18\x04 \x03(\x0b\x32\x17.polyspec.v1.StageStats\x12$\n\x05tiers\x18\x05 \x03(\x0b\x32\x15.polyspec.v1.TierBusy\x12\x0f\n\x07queue_s\x18\x06 \x01(\x01\x12\x15\n\rfirst_token_s\x18\x07 \x01(\x01\"\xb7\x01\n\nStageStats\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x02 \x01(\t\x12\x0e\n\x06\x62locks\x18\x03 \x01(\x03\x12\x10\n\x08proposed\x18\x04 \x01(\x03\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x05 \x01(\x03\x12\x1c\n\x14mean_accepted_length\x18\x06 \x01(\x01\x12\x0f\n\x07lengths\x18\x07 \x03(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_counts\x18\x08 \x03(\x03\x12\x0e\n\x06time_s\x18\t \x01(\x01\"(\n\x08TierBusy\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x0e\n\x06\x62usy_s\x18\x02 \x01(\x01\"B\n\x10SubmitJobRequest\x12.\n\x08requests\x18\x01 \x03(\x0b\x32\x1c.polyspec.v1.GenerateRequest\"\x96\x01\n\x03Job\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12$\n\x05state\x18\x02 \x01(\x0e\x32\x15.polyspec.v1.JobState\x12\r\n\x05total\x18\x03 \x01(\x05\x12\x11\n\tcompleted\x18\x04 \x01(\x05\x12\x0e\n\x06\x66\x61iled\x18\x05 \x01(\x05\x12\x12\n\ncreated_at\x18\x06 \x01(\x01\x12\x13\n\x0b\x66inished_at\x18\x07 \x01(\x01\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\" \n\x0fListJobsRequest\x12\r\n\x05limit\x18\x01 \x01(\x05\"2\n\x10ListJobsResponse\x12\x1e\n\x04jobs\x18\x01 \x03(\x0b\x32\x10.polyspec.v1.Job\"\"\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\")\n\x17StreamJobResultsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"r\n\tJobResult\x12\n\n\x02id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x12\n\nstats_json\x18\x06 \x01(\t\"\x11\n\x0fGetStatsRequest\"\xb6\x02\n\rStatsResponse\x12\'\n\x06stages\x18\x01 \x03(\x0b\x32\x17.polyspec.v1.StageStats\x12\x1b\n\x13speculation_lengths\x18\x02 \x03(\x05\x12\x14\n\x0c\x61\x63tive_tiers\x18\x03 \x03(\t\x12&\n\x05tiers\x18\x04 \x03(\x0b\x32\x17.polyspec.v1.TierHealth\x12&\n\x05queue\x18\x05 \x01(\x0b\x32\x17.polyspec.v1.QueueStats\x12,\n\x08requests\x18\x06 \x01(\x0b\x32\x1a.polyspec.v1.RequestCounts\x12\x18\n\x10generated_tokens\x18\x07 \x01(\x03\x12\x10\n\x08uptime_s\x18\x08 \x01(\x01\x12\r\n\x05ready\x18\t \x01(\x08\x12\x10\n\x08\x64raining\x18\n \x01(\x08\"E\n\nTierHealth\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\n\n\x02up\x18\x03 \x01(\x08\x12\x0e\n\x06\x62usy_s\x18\x04 \x01(\x01\"\\\n\nQueueStats\x12\x0f\n\x07waiting\x18\x01 \x01(\x05\x12\x0f\n\x07running\x18\x02 \x01(\x05\x12\x11\n\tmax_queue\x18\x03 \x01(\x05\x12\x19\n\x11job_items_pending\x18\x04 \x01(\x05\"y\n\rRequestCounts\x12\n\n\x02ok\x18\x01 \x01(\x03\x12\x11\n\tcancelled\x18\x02 \x01(\x03\x12\x0f\n\x07invalid\x18\x03 \x01(\x03\x12\x10\n\x08rejected\x18\x04 \x01(\x03\x12\x0e\n\x06\x66\x61iled\x18\x05 \x01(\x03\x12\x16\n\x0ejob_items_done\x18\x06 \x01(\x03*\x9a\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10JOB_STATE_QUEUED\x10\x01\x12\x15\n\x11JOB_STATE_RUNNING\x10\x02\x12\x17\n\x13JOB_STATE_SUCCEEDED\x10\x03\x12\x14\n\x10JOB_STATE_FAILED\x10\x04\x12\x17\n\x13JOB_STATE_CANCELLED\x10\x05\x32\xec\x03\n\x08Polyspec\x12I\n\x08Generate\x12\x1c.polyspec.v1.GenerateRequest\x1a\x1d.polyspec.v1.GenerateResponse0\x01\x12<\n\tSubmitJob\x12\x1d.polyspec.v1.SubmitJobRequest\x1a\x10.polyspec.v1.Job\x12\x36\n\x06GetJob\x12\x1a.polyspec.v1.GetJobRequest\x1a\x10.polyspec.v1.Job\x12G\n\x08ListJobs\x12\x1c.polyspec.v1.ListJobsRequest\x1a\x1d.polyspec.v1.ListJobsResponse\x12<\n\tCancelJob\x12\x1d.polyspec.v1.CancelJobRequest\x1a\x10.polyspec.v1.Job\x12R\n\x10StreamJobResults\x12$.polyspec.v1.StreamJobResultsRequest\x1a\x16.polyspec.v1.JobResult0\x01\x12\x44\n\x08GetStats\x12\x1c.polyspec.v1.GetStatsRequest\x1a\x1a.polyspec.v1.StatsResponseB+\n\x0f\x64\x65v.polyspec.v1P\x01Z\x16polyspec/v1;polyspecv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apolyspec/v1/polyspec.proto\x12\x0bpolyspec.v1\"\xdb\x01\n\x0fGenerateRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x12\n\nprompt_ids\x18\x03 \x03(\x05\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\x97\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12+\n\x05stats\x18\x04 \x01(\x0b\x32\x1c.polyspec.v1.GenerationStats\x12\n\n\x02id\x18\x05 \x01(\t\x12\x12\n\nstats_json\x18\x06 \x01(\t\"\xc2\x01\n\x0fGenerationStats\x12\x14\n\x0ctokens_per_s\x18\x01 \x01(\x01\x12\x12\n\nnew_tokens\x18\x02 \x01(\x05\x12\x0e\n\x06time_s\x18\x03 \x01(\x01\x12\'\n\x06stages\x18\x04 \x03(\x0b\x32\x17.polyspec.v1.StageStats\x12$\n\x05tiers\x18\x05 \x03(\x0b\x32\x15.polyspec.v1.TierBusy\x12\x0f\n\x07queue_s\x18\x06 \x01(\x01\x12\x15\n\rfirst_token_s\x18\x07 \x01(\x01\"\xb7\x01\n\nStageStats\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x02 \x01(\t\x12\x0e\n\x06\x62locks\x18\x03 \x01(\x03\x12\x10\n\x08proposed\x18\x04 \x01(\x03\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x05 \x01(\x03\x12\x1c\n\x14mean_accepted_length\x18\x06 \x01(\x01\x12\x0f\n\x07lengths\x18\x07 \x03(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_counts\x18\x08 \x03(\x03\x12\x0e\n\x06time_s\x18\t \x01(\x01\"(\n\x08TierBusy\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x0e\n\x06\x62usy_s\x18\x02 \x01(\x01\"[\n\x10SubmitJobRequest\x12.\n\x08requests\x18\x01 \x03(\x0b\x32\x1c.polyspec.v1.GenerateRequest\x12\x17\n\x0fidempotency_key\x18\x02 \x01(\t\"\x96\x01\n\x03Job\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12$\n\x05state\x18\x02 \x01(\x0e\x32\x15.polyspec.v1.JobState\x12\r\n\x05total\x18\x03 \x01(\x05\x12\x11\n\tcompleted\x18\x04 \x01(\x05\x12\x0e\n\x06\x66\x61iled\x18\x05 \x01(\x05\x12\x12\n\ncreated_at\x18\x06 \x01(\x01\x12\x13\n\x0b\x66inished_at\x18\x07 \x01(\x01\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\" \n\x0fListJobsRequest\x12\r\n\x05limit\x18\x01 \x01(\x05\"2\n\x10ListJobsResponse\x12\x1e\n\x04jobs\x18\x01 \x03(\x0b\x32\x10.polyspec.v1.Job\"\"\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\")\n\x17StreamJobResultsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"r\n\tJobResult\x12\n\n\x02id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x12\n\nstats_json\x18\x06 \x01(\t\"\x11\n\x0fGetStatsRequest\"\xb6\x02\n\rStatsResponse\x12\'\n\x06stages\x18\x01 \x03(\x0b\x32\x17.polyspec.v1.StageStats\x12\x1b\n\x13speculation_lengths\x18\x02 \x03(\x05\x12\x14\n\x0c\x61\x63tive_tiers\x18\x03 \x03(\t\x12&\n\x05tiers\x18\x04 \x03(\x0b\x32\x17.polyspec.v1.TierHealth\x12&\n\x05queue\x18\x05 \x01(\x0b\x32\x17.polyspec.v1.QueueStats\x12,\n\x08requests\x18\x06 \x01(\x0b\x32\x1a.polyspec.v1.RequestCounts\x12\x18\n\x10generated_tokens\x18\x07 \x01(\x03\x12\x10\n\x08uptime_s\x18\x08 \x01(\x01\x12\r\n\x05ready\x18\t \x01(\x08\x12\x10\n\x08\x64raining\x18\n \x01(\x08\"E\n\nTierHealth\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\n\n\x02up\x18\x03 \x01(\x08\x12\x0e\n\x06\x62usy_s\x18\x04 \x01(\x01\"\\\n\nQueueStats\x12\x0f\n\x07waiting\x18\x01 \x01(\x05\x12\x0f\n\x07running\x18\x02 \x01(\x05\x12\x11\n\tmax_queue\x18\x03 \x01(\x05\x12\x19\n\x11job_items_pending\x18\x04 \x01(\x05\"y\n\rRequestCounts\x12\n\n\x02ok\x18\x01 \x01(\x03\x12\x11\n\tcancelled\x18\x02 \x01(\x03\x12\x0f\n\x07invalid\x18\x03 \x01(\x03\x12\x10\n\x08rejected\x18\x04 \x01(\x03\x12\x0e\n\x06\x66\x61iled\x18\x05 \x01(\x03\x12\x16\n\x0ejob_items_done\x18\x06 \x01(\x03*\x9a\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10JOB_STATE_QUEUED\x10\x01\x12\x15\n\x11JOB_STATE_RUNNING\x10\x02\x12\x17\n\x13JOB_STATE_SUCCEEDED\x10\x03\x12\x14\n\x10JOB_STATE_FAILED\x10\x04\x12\x17\n\x13JOB_STATE_CANCELLED\x10\x05\x32\xec\x03\n\x08Polyspec\x12I\n\x08Generate\x12\x1c.polyspec.v1.GenerateRequest\x1a\x1d.polyspec.v1.GenerateResponse0\x01\x12<\n\tSubmitJob\x12\x1d.polyspec.v1.SubmitJobRequest\x1a\x10.polyspec.v1.Job\x12\x36\n\x06GetJob\x12\x1a.polyspec.v1.GetJobRequest\x1a\x10.polyspec.v1.Job\x12G\n\x08ListJobs\x12\x1c.polyspec.v1.ListJobsRequest\x1a\x1d.polyspec.v1.ListJobsResponse\x12<\n\tCancelJob\x12\x1d.polyspec.v1.CancelJobRequest\x1a\x10.polyspec.v1.Job\x12R\n\x10StreamJobResults\x12$.polyspec.v1.StreamJobResultsRequest\x1a\x16.polyspec.v1.JobResult0\x01\x12\x44\n\x08GetStats\x12\x1c.polyspec.v1.GetStatsRequest\x1a\x1a.polyspec.v1.StatsResponseB+\n\x0f\x64\x65v.polyspec.v1P\x01Z\x16polyspec/v1;polyspecv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,8 +32,8 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'polyspec.v1.polyspec_pb2', 
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\017dev.polyspec.v1P\001Z\026polyspec/v1;polyspecv1'
-  _globals['_JOBSTATE']._serialized_start=2000
-  _globals['_JOBSTATE']._serialized_end=2154
+  _globals['_JOBSTATE']._serialized_start=2025
+  _globals['_JOBSTATE']._serialized_end=2179
   _globals['_GENERATEREQUEST']._serialized_start=44
   _globals['_GENERATEREQUEST']._serialized_end=263
   _globals['_GENERATERESPONSE']._serialized_start=266
@@ -45,31 +45,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TIERBUSY']._serialized_start=802
   _globals['_TIERBUSY']._serialized_end=842
   _globals['_SUBMITJOBREQUEST']._serialized_start=844
-  _globals['_SUBMITJOBREQUEST']._serialized_end=910
-  _globals['_JOB']._serialized_start=913
-  _globals['_JOB']._serialized_end=1063
-  _globals['_GETJOBREQUEST']._serialized_start=1065
-  _globals['_GETJOBREQUEST']._serialized_end=1096
-  _globals['_LISTJOBSREQUEST']._serialized_start=1098
-  _globals['_LISTJOBSREQUEST']._serialized_end=1130
-  _globals['_LISTJOBSRESPONSE']._serialized_start=1132
-  _globals['_LISTJOBSRESPONSE']._serialized_end=1182
-  _globals['_CANCELJOBREQUEST']._serialized_start=1184
-  _globals['_CANCELJOBREQUEST']._serialized_end=1218
-  _globals['_STREAMJOBRESULTSREQUEST']._serialized_start=1220
-  _globals['_STREAMJOBRESULTSREQUEST']._serialized_end=1261
-  _globals['_JOBRESULT']._serialized_start=1263
-  _globals['_JOBRESULT']._serialized_end=1377
-  _globals['_GETSTATSREQUEST']._serialized_start=1379
-  _globals['_GETSTATSREQUEST']._serialized_end=1396
-  _globals['_STATSRESPONSE']._serialized_start=1399
-  _globals['_STATSRESPONSE']._serialized_end=1709
-  _globals['_TIERHEALTH']._serialized_start=1711
-  _globals['_TIERHEALTH']._serialized_end=1780
-  _globals['_QUEUESTATS']._serialized_start=1782
-  _globals['_QUEUESTATS']._serialized_end=1874
-  _globals['_REQUESTCOUNTS']._serialized_start=1876
-  _globals['_REQUESTCOUNTS']._serialized_end=1997
-  _globals['_POLYSPEC']._serialized_start=2157
-  _globals['_POLYSPEC']._serialized_end=2649
+  _globals['_SUBMITJOBREQUEST']._serialized_end=935
+  _globals['_JOB']._serialized_start=938
+  _globals['_JOB']._serialized_end=1088
+  _globals['_GETJOBREQUEST']._serialized_start=1090
+  _globals['_GETJOBREQUEST']._serialized_end=1121
+  _globals['_LISTJOBSREQUEST']._serialized_start=1123
+  _globals['_LISTJOBSREQUEST']._serialized_end=1155
+  _globals['_LISTJOBSRESPONSE']._serialized_start=1157
+  _globals['_LISTJOBSRESPONSE']._serialized_end=1207
+  _globals['_CANCELJOBREQUEST']._serialized_start=1209
+  _globals['_CANCELJOBREQUEST']._serialized_end=1243
+  _globals['_STREAMJOBRESULTSREQUEST']._serialized_start=1245
+  _globals['_STREAMJOBRESULTSREQUEST']._serialized_end=1286
+  _globals['_JOBRESULT']._serialized_start=1288
+  _globals['_JOBRESULT']._serialized_end=1402
+  _globals['_GETSTATSREQUEST']._serialized_start=1404
+  _globals['_GETSTATSREQUEST']._serialized_end=1421
+  _globals['_STATSRESPONSE']._serialized_start=1424
+  _globals['_STATSRESPONSE']._serialized_end=1734
+  _globals['_TIERHEALTH']._serialized_start=1736
+  _globals['_TIERHEALTH']._serialized_end=1805
+  _globals['_QUEUESTATS']._serialized_start=1807
+  _globals['_QUEUESTATS']._serialized_end=1899
+  _globals['_REQUESTCOUNTS']._serialized_start=1901
+  _globals['_REQUESTCOUNTS']._serialized_end=2022
+  _globals['_POLYSPEC']._serialized_start=2182
+  _globals['_POLYSPEC']._serialized_end=2674
 # @@protoc_insertion_point(module_scope)

@@ -107,10 +107,12 @@ class TierBusy(_message.Message):
     def __init__(self, tier: _Optional[str] = ..., busy_s: _Optional[float] = ...) -> None: ...
 
 class SubmitJobRequest(_message.Message):
-    __slots__ = ("requests",)
+    __slots__ = ("requests", "idempotency_key")
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
     requests: _containers.RepeatedCompositeFieldContainer[GenerateRequest]
-    def __init__(self, requests: _Optional[_Iterable[_Union[GenerateRequest, _Mapping]]] = ...) -> None: ...
+    idempotency_key: str
+    def __init__(self, requests: _Optional[_Iterable[_Union[GenerateRequest, _Mapping]]] = ..., idempotency_key: _Optional[str] = ...) -> None: ...
 
 class Job(_message.Message):
     __slots__ = ("job_id", "state", "total", "completed", "failed", "created_at", "finished_at")

@@ -1,0 +1,230 @@
+"""Throughput and latency under load: the batched engine against the round-robin one and transformers' static batches.
+
+    python benchmarks/load.py [--config configs/demo.yaml] [--concurrency 1,4,16,64] [--new-tokens 32]
+                              [--temperatures 0,1] [--out benchmarks/load]
+
+C clients each keep one request in flight (closed loop: a client sends its next request
+when the previous one finishes) until max(C, 8) requests are done; every request asks for
+`--new-tokens` tokens (end of sequence ignored, so every system generates the same count)
+from a held-out code prompt. For each temperature and concurrency the systems run back to
+back (interleaved, on one machine, 1 torch thread each):
+
+- batched auto:  the batched engine, `speculation.lengths: auto` (the goodput planner)
+- batched off:   the batched engine with speculation off (target only)
+- round-robin:   the engine before batching: one round of one request at a time, in turn
+                 (the config's fixed lengths, as `polyspec serve` stepped them)
+- hf static:     transformers `generate` of the target, static batches of C left-padded prompts
+
+Total tokens/s = all new tokens / wall time; latency = a request's finish - its send.
+Writes <out>.json (with the machine's load average during each cell), <out>.md, <out>.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SYSTEMS = ("batched auto", "batched off", "round-robin", "hf static")
+PROMPT_TOKENS = 160  # prompts keep their last this many tokens
+
+
+@dataclasses.dataclass
+class Cell:
+    tokens: int
+    seconds: float
+    latencies: list[float]
+    load: float
+
+    def summary(self) -> dict:
+        ordered = sorted(self.latencies)
+        p99 = ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
+        return {"tokens": self.tokens, "seconds": round(self.seconds, 3), "tokens_per_s": round(self.tokens / self.seconds, 2),
+                "p50_s": round(statistics.median(ordered), 3), "p99_s": round(p99, 3), "requests": len(ordered),
+                "load_avg_1m": round(self.load, 2)}
+
+
+def closed_loop(engine, requests, concurrency: int, batched: bool) -> Cell:
+    """`concurrency` clients over `requests`; batched: one `step_all` per step, else one round per request in turn."""
+    from polyspec.orchestrator.batch_runner import ContinuousBatch
+
+    queue = list(requests)
+    batch = ContinuousBatch(engine, concurrency)
+    sent: dict[int, float] = {}
+    latencies: list[float] = []
+    tokens = 0
+    started = time.perf_counter()
+    while queue or batch.running:
+        while queue and len(batch.running) < concurrency:
+            state = batch.admit(queue.pop(0))
+            sent[id(state)] = time.perf_counter()
+        if batched:
+            batch.step()
+        else:
+            for state in batch.running:
+                engine.step(state)
+        for state in batch.pop_finished():
+            latencies.append(time.perf_counter() - sent.pop(id(state)))
+            tokens += len(engine.finish(state)["token_ids"])
+    return Cell(tokens, time.perf_counter() - started, latencies, os.getloadavg()[0])
+
+
+def hf_static(model, prompts: list[list[int]], concurrency: int, new_tokens: int, temperature: float) -> Cell:
+    """Static batches of `concurrency` left-padded prompts through `generate`; every request of a batch waits for all of it."""
+    latencies, tokens = [], 0
+    started = time.perf_counter()
+    for first in range(0, len(prompts), concurrency):
+        group = prompts[first : first + concurrency]
+        width = max(len(p) for p in group)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in group])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
+        sent = time.perf_counter()
+        kwargs = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else {"do_sample": False}
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                 eos_token_id=None, pad_token_id=0, **kwargs)
+        done = time.perf_counter()
+        tokens += (out.shape[1] - width) * len(group)
+        latencies += [done - sent] * len(group)
+    return Cell(tokens, time.perf_counter() - started, latencies, os.getloadavg()[0])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=str(REPO / "configs" / "demo.yaml"))
+    parser.add_argument("--concurrency", default="1,4,16,64")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--temperatures", default="0,1")
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "load"))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    from transformers import AutoModelForCausalLM
+
+    from polyspec.harness.bench_prompts import code_prompts
+    from polyspec.orchestrator.config import load_config
+    from polyspec.orchestrator.engine import Engine
+    from polyspec.workers.tiers.loading import quiet_transformers
+
+    quiet_transformers()
+    levels = [int(c) for c in args.concurrency.split(",")]
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+    config = load_config(args.config)
+    auto = dataclasses.replace(config, speculation=dataclasses.replace(config.speculation, lengths="auto"))
+    load_started = time.perf_counter()
+    engines = {
+        "batched auto": Engine(auto, batched=True),
+        "batched off": Engine(config, speculative=False, batched=True),
+        "round-robin": Engine(config),
+    }
+    for engine in engines.values():
+        engine.scheduler.eos_token_ids = frozenset()  # every request generates exactly --new-tokens
+    tokenizer = engines["round-robin"].tokenizer
+    model = AutoModelForCausalLM.from_pretrained(config.tiers[0].model, dtype=torch.float32).eval()
+    print(f"engines ready in {time.perf_counter() - load_started:.0f}s (the planner's profile included)", file=sys.stderr)
+    total = max(max(levels), 8)
+    prompts = [tokenizer(p.text, add_special_tokens=False)["input_ids"][-PROMPT_TOKENS:] for p in code_prompts(tokenizer, total)]
+    while len(prompts) < total:
+        prompts += prompts[: total - len(prompts)]
+    results: dict = {}
+    for temperature in temperatures:
+        for concurrency in levels:
+            count = max(concurrency, 8)
+            raws = [{"prompt_ids": p, "max_new_tokens": args.new_tokens, "temperature": temperature, "seed": i}
+                    for i, p in enumerate(prompts[:count])]
+            row = {}
+            for name in SYSTEMS:
+                if name == "hf static":
+                    cell = hf_static(model, prompts[:count], concurrency, args.new_tokens, temperature)
+                else:
+                    engine = engines[name]
+                    requests = [engine.parse_request(r) for r in raws]
+                    cell = closed_loop(engine, requests, concurrency, batched=engine.batched)
+                row[name] = cell.summary()
+                print(f"T={temperature:g} C={concurrency:>2} {name:<13} {row[name]['tokens_per_s']:8.1f} tok/s  "
+                      f"p50 {row[name]['p50_s']:.2f}s  p99 {row[name]['p99_s']:.2f}s  load {cell.load:.1f}", file=sys.stderr, flush=True)
+            results.setdefault(f"T={temperature:g}", {})[str(concurrency)] = row
+    planner = engines["batched auto"].scheduler.planner
+    report = {
+        "config": os.path.relpath(args.config, REPO), "new_tokens": args.new_tokens, "prompt_tokens_max": PROMPT_TOKENS,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch_threads": 1,
+                    "load_avg_at_end": [round(x, 2) for x in os.getloadavg()]},
+        "results": results, "ratios": ratios(results), "planner": planner.describe() if planner is not None else None,
+    }
+    out = Path(args.out)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    out.with_suffix(".md").write_text(markdown(report), encoding="utf-8")
+    plot(report, out.with_suffix(".png"))
+    return 0
+
+
+def ratios(results: dict) -> dict:
+    """The issue's bars, per temperature: ratios of total tokens/s and of p99 latency."""
+    out = {}
+    for temp, rows in results.items():
+        rate = {c: {s: rows[c][s]["tokens_per_s"] for s in SYSTEMS} for c in rows}
+        entry = {c: {"auto / off": round(r["batched auto"] / r["batched off"], 3),
+                     "auto / round-robin": round(r["batched auto"] / r["round-robin"], 3),
+                     "auto / hf static": round(r["batched auto"] / r["hf static"], 3)} for c, r in rate.items()}
+        if "1" in rows and "16" in rows:
+            entry["p99 at 16 / p99 at 1 (auto)"] = round(rows["16"]["batched auto"]["p99_s"] / rows["1"]["batched auto"]["p99_s"], 3)
+        out[temp] = entry
+    return out
+
+
+def markdown(report: dict) -> str:
+    lines = ["# Throughput and latency under load (benchmarks/load.py)", "",
+             f"Config `{report['config']}`, {report['new_tokens']} new tokens per request, closed loop of C clients, "
+             f"max(C, 8) requests per cell; load average at the end {report['machine']['load_avg_at_end']} "
+             f"on {report['machine']['cpus']} CPUs (each cell's own in the JSON).", ""]
+    for temp, rows in report["results"].items():
+        lines += [f"## {temp}", "", "| C | system | tokens/s | p50 s | p99 s | load |", "|---:|---|---:|---:|---:|---:|"]
+        for concurrency, row in rows.items():
+            for name in SYSTEMS:
+                r = row[name]
+                lines.append(f"| {concurrency} | {name} | {r['tokens_per_s']:.1f} | {r['p50_s']:.2f} | {r['p99_s']:.2f} | {r['load_avg_1m']:.1f} |")
+        lines += ["", "| C | auto / off | auto / round-robin | auto / hf static |", "|---:|---:|---:|---:|"]
+        for concurrency, entry in report["ratios"][temp].items():
+            if isinstance(entry, dict):
+                lines.append(f"| {concurrency} | {entry['auto / off']:.2f} | {entry['auto / round-robin']:.2f} | {entry['auto / hf static']:.2f} |")
+        p99 = report["ratios"][temp].get("p99 at 16 / p99 at 1 (auto)")
+        if p99 is not None:
+            lines += ["", f"p99 latency at 16 concurrent / at 1 (batched auto): {p99:.2f}"]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    temps = list(report["results"])
+    fig, axes = plt.subplots(1, len(temps), figsize=(6 * len(temps), 4), squeeze=False)
+    for ax, temp in zip(axes[0], temps):
+        rows = report["results"][temp]
+        levels = [int(c) for c in rows]
+        for name in SYSTEMS:
+            ax.plot(levels, [rows[str(c)][name]["tokens_per_s"] for c in levels], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(c) for c in levels])
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel("total tokens/s")
+        ax.set_title(f"{report['config']}, {temp}")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

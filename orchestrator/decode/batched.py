@@ -1,0 +1,202 @@
+"""The batched chain scheduler: one verification round of every active request per step.
+
+`BatchedScheduler.step_all(states)` runs the round of `ChainScheduler.step` for all the
+given requests together: each tier's forward of the round takes every request's block at
+once (ragged blocks and contexts, `polyspec.workers.tiers.batched`). Per request the round
+is the serial one — same blocks, same verification rule, same draws from the same
+per-tier generators — so a request's output does not depend on what else is in the batch
+(up to the last bits of batched float arithmetic) and seeds mean what they mean alone.
+
+    round_batch(level, R):  blocks = emit_batch(below, R, k_level)      # one block per request
+                            rows   = tier[level].score_batch(R, blocks)  # ONE forward
+                            verify each request against its own rows and generator
+    emit_batch(level, R, need): bottom tier: draft_batch (one forward per position)
+                            otherwise: round_batch(level, those still short) until each has `need`
+
+Requests join and leave between steps (continuous batching): `start` opens one, `prefill`
+caches new prompts within a token budget before they join the rounds (chunked prefill),
+`finish` / `cancel` free its slots. The lengths and tiers of the round are the same for
+every request of a step; a planner (polyspec.orchestrator.tuning.batch_model) sets them
+for the current batch size before each step.
+
+Chains only: a config with `tree_width > 1` keeps the round-by-round scheduler.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from polyspec.orchestrator.decode.scheduler import ChainScheduler, RequestState, StageStats
+from polyspec.workers.core.tree import DraftTree
+from polyspec.workers.core.verification import verify_chain, verify_greedy
+from polyspec.workers.tiers.batched import BatchedTier
+
+DEFAULT_PREFILL_BUDGET = 512  # prompt tokens cached per step for joining requests
+
+
+class BatchedScheduler(ChainScheduler):
+    """`ChainScheduler`'s requests (start / finish / cancel), advanced many per forward."""
+
+    def __init__(self, tiers: list[BatchedTier], lengths: list[int], eos_token_ids: tuple[int, ...] = (), planner=None,
+                 prefill_budget: int = DEFAULT_PREFILL_BUDGET) -> None:
+        super().__init__(tiers, lengths, eos_token_ids=eos_token_ids)
+        self.planner = planner  # polyspec.orchestrator.tuning.batch_model.BatchPlanner or None
+        self.prefill_budget = prefill_budget
+        self.last_step: dict = {}  # batch size, tokens, seconds and plan of the latest step
+
+    # ------------------------------------------------------------------ API
+
+    def step(self, state: RequestState) -> list[int]:
+        return self.step_all([state])[0]
+
+    def ready(self, state: RequestState) -> bool:
+        """Has every model tier cached the request's prompt (all but its last token)?"""
+        need = len(state.committed) - 1
+        return all(t.cached(state.run.seq_id) >= need for t in self.tiers if t.has_weights)
+
+    def prefill(self, states: list[RequestState], budget: int | None = None) -> int:
+        """Cache prompts of requests not yet `ready`, oldest first, at most `budget` tokens per tier."""
+        budget = self.prefill_budget if budget is None else budget
+        waiting = [s for s in states if not s.done and not self.ready(s)]
+        fed = 0
+        for tier in self.tiers:
+            if tier.has_weights and waiting:
+                fed += tier.prefill([s.run.seq_id for s in waiting], [s.committed for s in waiting], budget)
+        return fed
+
+    def step_all(self, states: list[RequestState]) -> list[list[int]]:
+        """One target round for every request in `states`; the newly committed tokens of each."""
+        started = time.perf_counter()
+        out: list[list[int]] = [[] for _ in states]
+        live = []
+        for index, state in enumerate(states):
+            if state.done:
+                continue
+            if len(state.new_tokens) >= state.max_new_tokens or len(state.committed) >= state.run.limit:
+                state.finish_reason = "length"
+                continue
+            live.append(index)
+        if not live:
+            return out
+        if self.planner is not None:
+            self.lengths, self.active = self.planner.plan(len(live), [states[i].run.params for i in live])
+            shown = {"lengths": [self.lengths[t] for t in self.active[:-1]], "tiers": [self.tiers[t].name for t in self.active]}
+            for i in live:
+                plans = states[i].plans
+                if not plans or {k: plans[-1][k] for k in shown} != shown:
+                    plans.append({"new_tokens": len(states[i].new_tokens), **shown})
+        busy_before = [t.busy_s for t in self.tiers]
+        items = []
+        for i in live:
+            state = states[i]
+            remaining = state.max_new_tokens - len(state.new_tokens)
+            items.append((state.run, list(state.committed), min(self.length_at(0), remaining - 1)))
+        results = self.round_batch(0, items)
+        spent = [t.busy_s - b for t, b in zip(self.tiers, busy_before)]
+        committed = 0
+        for i, (emitted, _) in zip(live, results):
+            state = states[i]
+            emitted = emitted[: state.max_new_tokens - len(state.new_tokens)]
+            eos_at = next((j for j, t in enumerate(emitted) if t in self.eos_token_ids), None)
+            if eos_at is not None:
+                emitted = emitted[: eos_at + 1]
+            state.committed += emitted
+            state.new_tokens += emitted
+            for t, seconds in enumerate(spent):
+                state.tier_busy_s[t] += seconds / len(live)  # a shared forward: each request's share
+            if eos_at is not None:
+                state.finish_reason = "eos"
+            elif len(state.new_tokens) >= state.max_new_tokens or len(state.committed) >= state.run.limit:
+                state.finish_reason = "length"
+            out[i] = emitted
+            committed += len(emitted)
+        seconds = time.perf_counter() - started
+        self.last_step = {"batch": len(live), "tokens": committed, "seconds": seconds,
+                          "lengths": [self.lengths[t] for t in self.active[:-1]], "tiers": list(self.active)}
+        if self.planner is not None:
+            self.planner.observe_step(len(live), committed, seconds, self.lengths, self.active)
+        return out
+
+    # ------------------------------------------------------------ the round
+
+    def below(self, level: int) -> int | None:
+        return next((t for t in self.active if t > level), None)
+
+    def length_at(self, level: int) -> int:
+        return self.lengths[level] if level < len(self.lengths) else 0
+
+    @staticmethod
+    def room(run, context: list[int]) -> int:
+        return max(0, run.limit - len(context) - 1)
+
+    def stage(self, run, level: int, drafter: int) -> StageStats:
+        if drafter == level + 1:
+            return run.stages[level]
+        key = (level, drafter)
+        if key not in run.bypass_stages:
+            run.bypass_stages[key] = StageStats(self.tiers[level].name, self.tiers[drafter].name)
+        return run.bypass_stages[key]
+
+    def emit_batch(self, level: int, items: list[tuple]) -> list[tuple[list[int], torch.Tensor | None]]:
+        """At least `need` tokens from tier `level` for each (run, context, need), with its rows."""
+        tier = self.tiers[level]
+        items = [(run, context, min(need, self.room(run, context))) for run, context, need in items]
+        if self.below(level) is None:
+            return tier.draft_batch([r.seq_id for r, _, _ in items], [c for _, c, _ in items], [n for _, _, n in items],
+                                    [r.params for r, _, _ in items], [r.generators[level] for r, _, _ in items])
+        tokens: list[list[int]] = [[] for _ in items]
+        rows: list[list[torch.Tensor]] = [[] for _ in items]
+        stopped = [False] * len(items)
+        while True:
+            short = [j for j, (run, context, need) in enumerate(items) if not stopped[j] and len(tokens[j]) < need]
+            if not short:
+                break
+            round_items = []
+            for j in short:
+                run, context, _ = items[j]
+                ctx = context + tokens[j]
+                round_items.append((run, ctx, min(self.length_at(level), self.room(run, ctx))))
+            for j, (emitted, emitted_rows) in zip(short, self.round_batch(level, round_items)):
+                tokens[j] += emitted
+                if emitted_rows is not None:
+                    rows[j].append(emitted_rows)
+                if any(t in self.eos_token_ids for t in emitted):
+                    stopped[j] = True  # nothing after an end of sequence will be kept
+        out = []
+        for j, (run, context, _) in enumerate(items):
+            kept = tokens[j][: self.room(run, context)]  # rounds overshoot `need`; keep what fits
+            out.append((kept, torch.cat(rows[j])[: len(kept)] if rows[j] else None))
+        return out
+
+    def round_batch(self, level: int, items: list[tuple]) -> list[tuple[list[int], torch.Tensor | None]]:
+        """One verification forward of tier `level` over every (run, context, length)."""
+        tier = self.tiers[level]
+        below = self.below(level)
+        blocks = [DraftTree([], [], None) for _ in items]
+        if below is not None:
+            wanted = [j for j, (_, _, length) in enumerate(items) if length > 0]
+            if wanted:
+                emitted = self.emit_batch(below, [items[j] for j in wanted])
+                for j, (tokens, rows) in zip(wanted, emitted):
+                    blocks[j] = DraftTree.chain(tokens, rows)
+        started = time.perf_counter()
+        probs = tier.score_batch([r.seq_id for r, _, _ in items], [c for _, c, _ in items], blocks, [r.params for r, _, _ in items])
+        seconds = (time.perf_counter() - started) / len(items)
+        out = []
+        for (run, context, length), block, target_probs in zip(items, blocks, probs):
+            draft_tokens = torch.tensor(block.tokens, dtype=torch.long)
+            if run.params.greedy:
+                accepted, next_token = verify_greedy(target_probs.argmax(dim=-1), draft_tokens)
+            else:
+                draft_rows = block.draft_rows if block.draft_rows is not None else target_probs[:0]
+                accepted, next_token = verify_chain(target_probs, draft_rows, draft_tokens, run.generators[level])
+            if below is not None:
+                self.stage(run, level, below).record(len(block), accepted, length, seconds)
+                if self.planner is not None:
+                    self.planner.observe_round(level, below, len(block), accepted, run.params.greedy)
+            emitted = block.tokens[:accepted] + [next_token]
+            rows = None if run.params.greedy else target_probs[: accepted + 1]
+            out.append((emitted, rows))
+        return out

@@ -1,0 +1,241 @@
+"""`polyspec serve`: gRPC (server.py), the OpenAI-compatible HTTP API (http.py) and /metrics,
+all on one event loop; the models on the RoundScheduler thread (request_loop.py).
+
+The gRPC server starts first and answers health NOT_SERVING while the models load;
+SERVING once they are loaded and warm. SIGTERM (or Ctrl-C) drains: health NOT_SERVING,
+no new work, running streams get `--grace` seconds to finish, the current job item is
+dropped and runs again at the next start.
+
+Security: with `--tls-cert/--tls-key`, gRPC, HTTP and /metrics all speak TLS. With
+`--auth-token-file` or `--tenants-file` every call but health needs a token (security.py);
+`--auth-reflection` / `--auth-metrics` put reflection and /metrics behind it too. Binding
+an address other than loopback without a token prints a warning.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import sqlite3
+import sys
+import time
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
+
+from polyspec.orchestrator.serving.jobs import JobStore
+from polyspec.orchestrator.serving.metrics import Metrics
+from polyspec.orchestrator.serving.request_loop import RoundScheduler
+from polyspec.orchestrator.serving.security import Limits, Tenants, is_loopback
+from polyspec.orchestrator.serving.server import MAX_MESSAGE_BYTES, SERVICE_NAME, Guard, PolyspecService
+from polyspec.protos.polyspec.v1 import polyspec_pb2_grpc as pb_grpc
+from polyspec.workers.core.errors import ConfigError, PolyspecError
+
+DEFAULT_GRACE_S = 30.0
+DEFAULT_METRICS_PORT = 9464
+
+
+def _read_file(path: str | None, what: str) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as handle:
+            content = handle.read()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    if not content.strip():
+        raise ConfigError(f"{what} {path} is empty")
+    return content
+
+
+def default_state_dir() -> str:
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(base, "polyspec")
+
+
+def limits_from_args(args) -> Limits:
+    values = {}
+    for name in Limits.__dataclass_fields__:
+        value = getattr(args, name, None)
+        if value is not None:
+            values[name] = value
+    return Limits(**values)
+
+
+def cmd_serve(args) -> int:
+    tenants = Tenants.from_files(args.auth_token_file, getattr(args, "tenants_file", None))
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ConfigError("--tls-cert and --tls-key go together")
+    tls = (_read_file(args.tls_key, "TLS key"), _read_file(args.tls_cert, "TLS certificate")) if args.tls_cert else None
+    limits = limits_from_args(args)
+    from polyspec.orchestrator.config import load_config  # imports torch: after the quick checks
+
+    config = load_config(args.config)
+    state_dir = args.state_dir or default_state_dir()
+    try:
+        store = JobStore(state_dir)
+    except (OSError, sqlite3.Error) as exc:
+        raise ConfigError(f"cannot use state dir {state_dir}: {exc}") from None
+    host = args.host or config.server.host
+    port = config.server.port if args.port is None else args.port
+    options = {
+        "config": config,
+        "host": host,
+        "port": port,
+        "store": store,
+        "tenants": tenants,
+        "limits": limits,
+        "tls": tls,
+        "tls_files": (args.tls_cert, args.tls_key) if tls else None,
+        "metrics_port": args.metrics_port,
+        "http_port": getattr(args, "http_port", None),
+        "grace_s": args.grace,
+        "auth_reflection": bool(getattr(args, "auth_reflection", False)),
+        "auth_metrics": bool(getattr(args, "auth_metrics", False)),
+    }
+    try:
+        return asyncio.run(_serve(**options))
+    finally:
+        store.close()
+
+
+def _check_bindable(host: str, port: int) -> None:
+    """A clear one-line error before gRPC tries (and logs its own multi-line complaint)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        raise ConfigError(f"cannot listen on {host}:{port}: unknown host") from None
+    family, _, _, _, sockaddr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(sockaddr)
+        except OSError as exc:
+            raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
+def _log(message: str) -> None:
+    print(f"polyspec serve: {message}", file=sys.stderr, flush=True)
+
+
+async def _serve(config, host, port, store, tenants, limits, tls, tls_files, metrics_port, http_port, grace_s,
+                 auth_reflection, auth_metrics) -> int:
+    metrics = Metrics()
+    service = PolyspecService(store, metrics, config.server.max_queue, tenants, limits)
+    health_servicer = health.aio.HealthServicer()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    server = grpc.aio.server(
+        interceptors=[Guard(tenants, metrics, protect_reflection=auth_reflection)],
+        options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)],
+    )
+    pb_grpc.add_PolyspecServicer_to_server(service, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    _add_reflection(server)
+    address = f"{host}:{port}"
+    _check_bindable(host, port)
+    try:
+        if tls:
+            bound = server.add_secure_port(address, grpc.ssl_server_credentials([tls]))
+        else:
+            bound = server.add_insecure_port(address)
+    except RuntimeError:
+        bound = 0
+    if not bound:
+        raise ConfigError(f"cannot listen on {address} (in use, or not an address of this machine)")
+    await server.start()
+    _log(f"listening on {host}:{bound}{' (TLS)' if tls else ''}; loading models")
+    if not tenants.enabled and not is_loopback(host):
+        _log(f"warning: {host} is reachable from other machines and no --auth-token-file / --tenants-file is set: "
+             "anyone who can reach it may generate, and read and cancel every job")
+    if tenants.enabled and not tls and not is_loopback(host):
+        _log(f"warning: tokens cross the network in clear text to {host} (no --tls-cert / --tls-key)")
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+
+    try:
+        engine = await asyncio.to_thread(_load_and_warm, config)
+    except PolyspecError:
+        await server.stop(0)
+        raise
+    scheduler = RoundScheduler(engine, store, metrics, config.server.max_queue, service.jobs_changed, service.tokenizer_lock)
+    scheduler.start()
+    service.attach(engine, scheduler)
+    for tier in engine.tiers:
+        metrics.tier_up(tier.name, True)
+    scheduler.publish_speculation()
+    web = await _start_web(service, host, metrics_port, http_port, tls_files, limits, auth_metrics)
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    pending = await asyncio.to_thread(store.pending_count)
+    _log(f"ready{f'; resuming {pending} job item(s)' if pending else ''}")
+
+    await stop.wait()
+    _log(f"draining (up to {grace_s:g}s)")
+    service.draining = True
+    await health_servicer.enter_graceful_shutdown()
+    scheduler.drain()
+    deadline = time.monotonic() + grace_s
+    await asyncio.to_thread(scheduler.idle.wait, grace_s)
+    await server.stop(max(0.0, deadline - time.monotonic()))
+    for running in web:
+        await running.stop()
+    scheduler.stop()
+    await asyncio.to_thread(scheduler.join, 10.0)
+    _log("stopped")
+    return 0
+
+
+async def _start_web(service, host, metrics_port, http_port, tls_files, limits, auth_metrics) -> list:
+    """The HTTP servers (metrics, OpenAI API); a port that cannot be bound is a warning."""
+    from polyspec.orchestrator.serving.asgi import start_asgi
+    from polyspec.orchestrator.serving.http import build_app
+    from polyspec.orchestrator.serving.metrics import build_metrics_app
+
+    scheme = "https" if tls_files else "http"
+    started = []
+    wanted = []
+    if metrics_port:
+        wanted.append(("metrics", metrics_port, build_metrics_app(service.metrics, service.tenants if auth_metrics else None),
+                       "/metrics"))
+    if http_port:
+        wanted.append(("OpenAI-compatible API", http_port, build_app(service), "/v1"))
+    for what, port, app, path in wanted:
+        try:
+            running = await start_asgi(app, host, port, tls=tls_files, max_connections=limits.max_connections,
+                                       request_timeout_s=limits.request_timeout_s)
+        except OSError as exc:
+            _log(f"warning: no {what}: cannot listen on {host}:{port} ({exc.strerror or exc})")
+            continue
+        started.append(running)
+        _log(f"{what} on {scheme}://{host}:{running.port}{path}")
+    return started
+
+
+def _add_reflection(server) -> None:
+    """Server reflection under both names clients ask for: grpc.reflection.v1alpha (what
+    grpcio-reflection ships) and grpc.reflection.v1 (the same messages, renamed)."""
+    names = (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
+    servicer = reflection.aio.ReflectionServicer(names)
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
+    v1 = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo,
+        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("grpc.reflection.v1.ServerReflection", {"ServerReflectionInfo": v1}),))
+
+
+def _load_and_warm(config):
+    """Load the chain and run one short generation so the first request pays no start-up cost."""
+    from polyspec.orchestrator.engine import Engine
+
+    engine = Engine(config)
+    engine.generate(engine.parse_request({"prompt_ids": [0], "max_new_tokens": 2}))
+    return engine

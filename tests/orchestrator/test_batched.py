@@ -1,0 +1,201 @@
+"""Batched speculative decoding: the slot cache and ragged forward, losslessness under batching, admission bounds.
+
+Greedy: every request's output equals the target's own greedy `generate` alone, whatever
+else is in the batch (requests of other lengths and sampling requests join and leave
+mid-run). Where a batched forward's last-bit rounding flips a near-tie, the test checks
+that the target's top-two logit gap at the divergence is at float-rounding size.
+Sampling: a chi-square test of the first two tokens against the exact target
+distribution, with every sample drawn inside a batch of other requests.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+from family_chains import tier_specs
+from lossless_stats import ALPHA, chi_square_p_value, exact_two_token_probs
+from polyspec.orchestrator.batch_runner import ContinuousBatch, run_requests
+from polyspec.orchestrator.config import parse_config
+from polyspec.orchestrator.engine import Engine, requests_within_memory
+from polyspec.workers.core.errors import ConfigError
+from polyspec.workers.core.sampling import SamplingParams
+from polyspec.workers.tiers.batched_llama import BatchedLlama
+from polyspec.workers.tiers.lean_llama import LeanLlama
+
+ROUNDING_GAP = 1e-3  # a top-two logit gap this small can flip under a different summation order (fp32)
+PROMPTS = ["def add(a, b):\n    return", "import os\nimport sys\n", "for i in range(10):\n    print(i)\nfor i in",
+           "x = [1, 2, 3]\ny = [", "class A:\n    def __init__(self):\n        self.", "# a comment\n"]
+
+
+def build(family, names, speculation, batching=None) -> Engine:
+    raw = {"tiers": tier_specs(family, names), "speculation": speculation}
+    if batching is not None:
+        raw["batching"] = batching
+    return Engine(parse_config(raw), batched=True)
+
+
+@pytest.fixture(scope="module")
+def target_model(tiny_family):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_family["target"], dtype=torch.float32).eval()
+
+
+def test_batched_forward_matches_one_sequence_forward(target_model):
+    """Ragged rows in every attention mode (slot range, slots with gaps, far-apart slots) and rollback."""
+    lean, batched = LeanLlama(target_model), BatchedLlama(target_model)
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 200, (n,), generator=generator).tolist() for n in (5, 17, 9, 30, 3, 11, 8, 2, 6, 4)]
+    blocks = [torch.randint(1, 200, (k,), generator=generator).tolist() for k in (3, 1, 6, 2, 4, 1, 2, 5, 1, 3)]
+
+    def alone(tokens: list[int]) -> torch.Tensor:
+        cache = lean.new_cache()
+        return lean.forward(cache, tokens, list(range(len(tokens))), None)[0]  # [T, V]
+
+    cache = batched.new_cache()
+    slots = [cache.slot(i) for i in range(len(prompts))]
+    assert slots == list(range(len(prompts)))
+    outs = batched.forward(cache, slots, prompts, [len(p) - 1 for p in prompts])
+    for prompt, out in zip(prompts, outs):
+        assert torch.allclose(out, alone(prompt)[-1:], atol=1e-4)
+    for rows in ([0, 1, 2, 3], [2, 0, 3], [0, 9], [9, 4, 5, 6, 7, 8]):  # view, span with an idle slot, gather, view
+        before = {r: cache.length(slots[r]) for r in rows}
+        outs = batched.forward(cache, [slots[r] for r in rows], [blocks[r] for r in rows], [0] * len(rows))
+        for r, out in zip(rows, outs):
+            expected = alone(prompts[r] + blocks[r])[-len(blocks[r]):]
+            assert torch.allclose(out, expected, atol=1e-4), (rows, r, (out - expected).abs().max())
+        for r in rows:  # exact per-request rollback: drop the block again
+            cache.truncate(slots[r], before[r])
+    cache.release(1)
+    assert cache.slot("new") == 1  # the lowest free slot is reused
+    assert cache.length(1) == 0
+
+
+def _greedy_reference(model, prompt_ids: list[int], count: int) -> tuple[list[int], list[float]]:
+    """The target's own greedy continuation and the top-two logit gap at each step."""
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=count, do_sample=False, eos_token_id=None,
+                             pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, len(prompt_ids):].tolist()
+    gaps = [float(top[0] - top[1]) for top in (torch.topk(score[0], 2).values for score in out.scores)]
+    return tokens, gaps
+
+
+def _check_greedy(model, prompt_ids, output, count):
+    expected, gaps = _greedy_reference(model, prompt_ids, count)
+    diverged = next((j for j, (a, b) in enumerate(zip(output, expected)) if a != b), None)
+    if diverged is None:
+        assert output == expected[: len(output)] and len(output) == count
+    else:  # only a near-tie may flip under batched arithmetic
+        assert gaps[diverged] < ROUNDING_GAP, f"diverged at {diverged} with logit gap {gaps[diverged]}"
+
+
+@pytest.mark.parametrize("names,speculation", [
+    (["target", "mid", "ngram"], {"lengths": [5, 2]}),
+    (["target", "small"], {"lengths": [3]}),
+    (["target", "mid"], {"lengths": "auto"}),
+])
+def test_greedy_batched_equals_target_alone(tiny_family, target_model, names, speculation):
+    engine = build(tiny_family, names, speculation, {"max_requests": 4, "max_batched_tokens": 64})
+    engine.scheduler.eos_token_ids = frozenset()
+    tokenizer = engine.tokenizer
+    requests, greedy = [], []
+    for index, prompt in enumerate(PROMPTS * 2):
+        count = 12 + 5 * (index % 4)
+        sampled = index % 3 == 2  # sampling requests share the batch with the greedy ones
+        raw = {"prompt": prompt, "max_new_tokens": count, "id": str(index)}
+        if sampled:
+            raw.update(temperature=1.0, seed=index)
+        requests.append(engine.parse_request(raw))
+        if not sampled:
+            greedy.append((str(index), tokenizer(prompt, add_special_tokens=False)["input_ids"], count))
+    results = {}
+    run_requests(engine, requests, lambda result: results.__setitem__(result["id"], result))  # 4 at a time, joining as others finish
+    assert set(results) == {r.id for r in requests}
+    for request_id, prompt_ids, count in greedy:
+        _check_greedy(target_model, prompt_ids, results[request_id]["token_ids"], count)
+
+
+@pytest.mark.slow
+def test_batched_sampling_matches_target_distribution(tiny_family):
+    """1200 seeded samples of the first two tokens, drawn 48 at a time beside greedy and other-prompt requests."""
+    engine = build(tiny_family, ["target", "mid", "ngram"], {"lengths": [3, 2]}, {"max_requests": 64})
+    engine.scheduler.eos_token_ids = frozenset()
+    params = SamplingParams(temperature=1.0)
+    prompt_ids = engine.tokenizer(PROMPTS[0], add_special_tokens=False)["input_ids"]
+    joint = exact_two_token_probs(engine.tiers[0].model, engine.vocab_size, prompt_ids, params)
+    samples, per_batch = 1200, 48
+    counts: collections.Counter = collections.Counter()
+    for first in range(0, samples, per_batch):
+        requests = [engine.parse_request({"prompt_ids": prompt_ids, "max_new_tokens": 3, "temperature": 1.0, "seed": seed, "id": f"s{seed}"})
+                    for seed in range(first, first + per_batch)]
+        requests += [engine.parse_request({"prompt": p, "max_new_tokens": 6, "id": f"o{j}"}) for j, p in enumerate(PROMPTS[1:4])]
+        results = []
+        run_requests(engine, requests, results.append)
+        for result in results:
+            if result["id"].startswith("s"):
+                counts[tuple(result["token_ids"][:2])] += 1
+    assert sum(counts.values()) == samples
+    p_value = chi_square_p_value(counts, joint, samples)
+    assert p_value > ALPHA, f"chi-square p={p_value:.2e} over {samples} samples"
+
+
+def test_seeded_sampling_is_the_same_batched_or_alone(tiny_family):
+    """Per request, the round and its draws are the serial scheduler's: same seed, same tokens."""
+    engine = build(tiny_family, ["target", "mid", "ngram"], {"lengths": [4, 2]})
+    serial = Engine(parse_config({"tiers": tier_specs(tiny_family, ["target", "mid", "ngram"]), "speculation": {"lengths": [4, 2]}}))
+    raw = {"prompt": PROMPTS[2], "max_new_tokens": 16, "temperature": 0.8, "top_k": 20, "seed": 11, "id": "x"}
+    alone = serial.generate(serial.parse_request(raw))["token_ids"]
+    results = {}
+    others = [engine.parse_request({"prompt": p, "max_new_tokens": 10, "id": str(j)}) for j, p in enumerate(PROMPTS)]
+    run_requests(engine, [engine.parse_request(raw)] + others, lambda r: results.__setitem__(r["id"], r))
+    assert results["x"]["token_ids"] == alone
+
+
+def test_continuous_batch_admits_up_to_max_requests_and_prefills_in_chunks(tiny_family):
+    engine = build(tiny_family, ["target", "mid"], {"lengths": [3]}, {"max_requests": 3, "max_batched_tokens": 8})
+    batch = ContinuousBatch(engine)
+    assert batch.max_requests == 3 and engine.scheduler.prefill_budget == 5
+    long_prompt = engine.parse_request({"prompt": PROMPTS[4] * 2, "max_new_tokens": 4})
+    short = engine.parse_request({"prompt": "ab", "max_new_tokens": 8})
+    running = batch.admit(short)
+    batch.step()
+    assert len(running.new_tokens) > 0
+    joining = batch.admit(long_prompt)
+    stepped = dict((id(s), tokens) for s, tokens in batch.step())
+    # the long prompt is cached 5 tokens per step; the running request goes on meanwhile
+    assert id(running) in stepped and id(joining) not in stepped
+    assert engine.scheduler.tiers[0].cached(joining.run.seq_id) == 5
+    while not joining.done or not running.done:
+        batch.step()
+    assert [s.done for s in batch.pop_finished()] == [True, True] and batch.room == 3
+
+
+def test_batching_config_errors():
+    tiers = [{"name": "target", "model": "some/model"}]
+    for batching, message in [
+        ({"max_requests": 0}, "batching.max_requests' must be >= 1"),
+        ({"max_requests": "many"}, "batching.max_requests' must be an integer"),
+        ({"max_requests": 8, "max_batched_tokens": 4}, "max_batched_tokens (4) must be >= batching.max_requests (8)"),
+        ({"kv_memory_mb": -1}, "batching.kv_memory_mb' must be >= 1"),
+        ({"enabled": "yes"}, "batching.enabled' must be true or false"),
+        ({"slots": 3}, "unknown config key 'batching.slots'"),
+    ]:
+        with pytest.raises(ConfigError, match=__import__("re").escape(message)):
+            parse_config({"tiers": tiers, "batching": batching})
+    config = parse_config({"tiers": tiers, "batching": {"max_requests": 8, "kv_memory_mb": 100}})
+    assert config.batching.max_requests == 8 and config.batching.kv_memory_mb == 100
+
+
+def test_kv_memory_bound_lowers_max_requests(tiny_family):
+    engine = build(tiny_family, ["target", "mid"], {"lengths": [3]}, {"max_requests": 64, "kv_memory_mb": 1})
+    per_request = sum(t.bytes_per_request() for t in engine.scheduler.tiers)
+    assert engine.max_requests == (2**20) // per_request < 64
+    assert all(t.cache.max_slots == engine.max_requests for t in engine.scheduler.tiers)
+    assert requests_within_memory(64, None, 10**6) == 64
+    assert requests_within_memory(64, 10, 2**20) == 10
+    with pytest.raises(ConfigError, match=r"batching.kv_memory_mb \(1\) holds no request: one request's KV caches at the full model context take 2.0 MB"):
+        requests_within_memory(64, 1, 2 * 2**20)

@@ -1,0 +1,184 @@
+"""Tiers that serve many requests per call: the batched seam the batched scheduler talks to.
+
+A batched tier answers the same questions as a `Tier` (polyspec.workers.tiers.tier), for
+a list of requests at once:
+
+- `score_batch(seq_ids, contexts, blocks, params)`: ONE forward over every request's
+  uncached context tail plus its block; returns each request's warped rows
+  [len(block) + 1, V] (ragged blocks and contexts; per-request sampling parameters);
+- `draft_batch(seq_ids, contexts, counts, params, generators)`: each request's block,
+  sampled autoregressively with its own generator (one forward per drafted position, all
+  requests in it);
+- `prefill(seq_ids, contexts, budget)`: cache up to `budget` prompt tokens (chunked
+  prefill), so a long new prompt does not pad every row of the next round.
+
+Per request the operations, and the draws from its generators, are those of the one-request
+tier in the same order, so seeding means the same thing batched or alone.
+
+`BatchedModelTier` runs Llama-architecture models through `BatchedLlama` on a `SlotCache`;
+`RowByRow` serves any other tier (the n-gram lookup, other architectures, remote tiers)
+one request after the other behind the same interface.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from polyspec.workers.core.sampling import SamplingParams, warp_logits
+from polyspec.workers.core.tree import DraftTree
+from polyspec.workers.tiers.batched_llama import BatchedLlama
+from polyspec.workers.tiers.tier import ModelTier, Tier
+
+
+class BatchedTier:
+    """Common bookkeeping: the wrapped tier's identity and the time its forwards took."""
+
+    def __init__(self, tier: Tier) -> None:
+        self.tier = tier
+        self.name = tier.name
+        self.vocab_size = tier.vocab_size
+        self.max_context = tier.max_context
+        self.can_verify = tier.can_verify
+        self.has_weights = tier.has_weights
+        self.forward_log: list[tuple[int, int, float]] = []  # (rows, padded width, seconds) of recent forwards
+
+    @property
+    def busy_s(self) -> float:
+        return self.tier.busy_s
+
+    def log_forward(self, rows: int, width: int, seconds: float) -> None:
+        self.forward_log.append((rows, width, seconds))
+        if len(self.forward_log) > 256:
+            del self.forward_log[:128]
+
+    def cached(self, seq_id) -> int:
+        """Tokens of `seq_id` this tier holds (0 for tiers without a cache)."""
+        return 0
+
+    def prefill(self, seq_ids: list, contexts: list[list[int]], budget: int) -> int:
+        """Cache up to `budget` tokens of the contexts' prefixes (all but the last token); returns tokens fed."""
+        return 0
+
+    # the one-request calls, so a batched tier can stand where a Tier is expected
+    def release(self, seq_id) -> None:
+        self.tier.release(seq_id)
+
+    def truncate(self, seq_id, length: int) -> None:
+        self.tier.truncate(seq_id, length)
+
+
+class RowByRow(BatchedTier):
+    """A batch served one request at a time by the wrapped tier (no shared forward)."""
+
+    def score_batch(self, seq_ids, contexts, blocks: list[DraftTree], params: list[SamplingParams]) -> list[torch.Tensor]:
+        return [self.tier.score(s, c, b, p) for s, c, b, p in zip(seq_ids, contexts, blocks, params)]
+
+    def draft_batch(self, seq_ids, contexts, counts, params, generators):
+        return [self.tier.draft(s, c, n, p, g) for s, c, n, p, g in zip(seq_ids, contexts, counts, params, generators)]
+
+    def draft_tree(self, seq_id, context, width, depth, params, scheme, generator) -> DraftTree:
+        return self.tier.draft_tree(seq_id, context, width, depth, params, scheme, generator)
+
+    def accept_path(self, seq_id, path) -> None:
+        self.tier.accept_path(seq_id, path)
+
+
+class BatchedModelTier(BatchedTier):
+    """A Llama-architecture `ModelTier` whose open requests share one slot cache and one forward per call."""
+
+    def __init__(self, tier: ModelTier, max_slots: int | None = None) -> None:
+        super().__init__(tier)
+        self.model = BatchedLlama(tier.model)
+        self.cache = self.model.new_cache(max_slots)
+        self.threads = tier.threads
+
+    @staticmethod
+    def supports(tier: Tier) -> bool:
+        return isinstance(tier, ModelTier) and BatchedLlama.supports(tier.model, torch.device(tier.device))
+
+    def release(self, seq_id) -> None:
+        self.cache.release(seq_id)
+
+    def truncate(self, seq_id, length: int) -> None:
+        slot = self.cache.slot_of.get(seq_id)
+        if slot is not None:
+            self.cache.truncate(slot, min(length, self.cache.length(slot)))
+
+    def cached(self, seq_id) -> int:
+        slot = self.cache.slot_of.get(seq_id)
+        return 0 if slot is None else self.cache.length(slot)
+
+    def bytes_per_request(self) -> int:
+        return self.cache.bytes_per_slot()
+
+    def _sync(self, slot: int, context: list[int]) -> list[int]:
+        """Roll the slot back to what `context` shares with it; the uncached tail (>= 1 token)."""
+        keep = min(self.cache.common_prefix(slot, context), len(context) - 1)
+        self.cache.truncate(slot, keep)
+        return context[keep:]
+
+    def _forward(self, slots: list[int], feeds: list[list[int]], outputs: list[int]) -> list[torch.Tensor]:
+        if self.threads and torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
+        started = time.perf_counter()
+        logits = self.model.forward(self.cache, slots, feeds, outputs)
+        logits = [row[:, : self.vocab_size].float() for row in logits]
+        seconds = time.perf_counter() - started
+        self.tier.busy_s += seconds
+        self.tier.forwards += 1
+        self.log_forward(len(slots), max(len(f) for f in feeds), seconds)
+        return logits
+
+    def prefill(self, seq_ids, contexts, budget: int) -> int:
+        slots, feeds = [], []
+        for seq_id, context in zip(seq_ids, contexts):
+            if budget <= 0:
+                break
+            slot = self.cache.slot(seq_id)
+            keep = min(self.cache.common_prefix(slot, context), len(context) - 1)
+            self.cache.truncate(slot, keep)
+            chunk = context[keep : min(len(context) - 1, keep + budget)]
+            if chunk:
+                slots.append(slot)
+                feeds.append(chunk)
+                budget -= len(chunk)
+        if not slots:
+            return 0
+        self._forward(slots, feeds, [len(f) for f in feeds])  # no logits wanted
+        return sum(len(f) for f in feeds)
+
+    def score_batch(self, seq_ids, contexts, blocks: list[DraftTree], params: list[SamplingParams]) -> list[torch.Tensor]:
+        slots, feeds, outputs = [], [], []
+        for seq_id, context, block in zip(seq_ids, contexts, blocks):
+            if not block.is_chain():
+                raise NotImplementedError(f"tier {self.name!r}: batched verification takes chains")
+            slot = self.cache.slot(seq_id)
+            tail = self._sync(slot, context)
+            slots.append(slot)
+            feeds.append(tail + block.tokens)
+            outputs.append(len(tail) - 1)
+        logits = self._forward(slots, feeds, outputs)  # each [k + 1, V]
+        return [warp_logits(rows, p) for rows, p in zip(logits, params)]
+
+    def draft_batch(self, seq_ids, contexts, counts, params, generators):
+        slots = [self.cache.slot(s) for s in seq_ids]
+        feeds = [self._sync(slot, context) for slot, context in zip(slots, contexts)]
+        tokens: list[list[int]] = [[] for _ in seq_ids]
+        rows: list[list[torch.Tensor]] = [[] for _ in seq_ids]
+        for step in range(max(counts, default=0)):
+            live = [r for r, count in enumerate(counts) if step < count]
+            logits = self._forward([slots[r] for r in live], [feeds[r] for r in live], [len(feeds[r]) - 1 for r in live])
+            for r, row_logits in zip(live, logits):
+                probs = warp_logits(row_logits[-1], params[r])  # [V]
+                token = int(probs.argmax()) if params[r].greedy else int(torch.multinomial(probs, 1, generator=generators[r]))
+                tokens[r].append(token)
+                rows[r].append(probs)
+                feeds[r] = [token]
+        return [(t, None if p.greedy or not rs else torch.stack(rs)) for t, rs, p in zip(tokens, rows, params)]
+
+
+def batched_tiers(tiers: list[Tier], max_slots: int | None = None) -> list[BatchedTier]:
+    """Each tier behind the batched seam: one shared forward where the model allows it."""
+    return [BatchedModelTier(t, max_slots) if BatchedModelTier.supports(t) else RowByRow(t) for t in tiers]

@@ -1,0 +1,233 @@
+"""Many sequences in one forward of a Llama-architecture tier: a slot KV cache and a ragged batched forward.
+
+`SlotCache` keeps every open sequence of a tier in one buffer per layer,
+`[slots, kv_heads, capacity, head_dim]`: a sequence owns a slot, its length is a number
+and its tokens a list, so a rollback (`truncate`) is free and exact per sequence, and a
+released slot is reused by the next request. Buffers grow (slots and capacity double) up
+to the bounds the caller sets (`max_slots`, the model context).
+
+`BatchedLlama.forward` appends a ragged set of rows — row r feeds `tokens[r]` after the
+`start[r]` positions its slot already holds — in one forward: the new tokens are
+right-padded to the longest row, each query attends to its own slot's keys up to its own
+position (a per-row boolean mask), and positions (hence rotary angles) are per row. Padding
+only writes past a slot's length, where nothing is read before it is overwritten. The
+operations are those of `LeanLlama` (transformers' Llama forward), batched; matrix
+products over a different number of rows may round differently in the last bits, which is
+why losslessness under batching is tested against the target's own greedy output with the
+logit gap at any divergence reported (tests/orchestrator/test_batched.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from polyspec.workers.tiers.lean_llama import LeanLlama
+
+INITIAL_SLOTS = 4
+INITIAL_CAPACITY = 128
+GATHER_SPAN_RATIO = 2  # rows spread over more than this many times their number of slots: gather instead of slicing
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    input_dtype = x.dtype
+    x = x.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(input_dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class SlotCache:
+    """The KV entries of many sequences of one tier, one slot each, with exact per-sequence rollback."""
+
+    def __init__(self, layers: int, heads: int, head_dim: int, dtype: torch.dtype, limit: int | None, max_slots: int | None = None) -> None:
+        self.shape = (layers, heads, head_dim)
+        self.dtype = dtype
+        self.limit = limit
+        self.max_slots = max_slots
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.slots = 0
+        self.capacity = 0
+        self.tokens: list[list[int] | None] = []  # per slot: the token at each cached position (None: free)
+        self.slot_of: dict[object, int] = {}
+
+    # ------------------------------------------------------------- sequences
+
+    def slot(self, seq_id) -> int:
+        """The slot of `seq_id`, taking the lowest free one for a new sequence."""
+        slot = self.slot_of.get(seq_id)
+        if slot is not None:
+            return slot
+        free = next((s for s, held in enumerate(self.tokens) if held is None), None)
+        if free is None:
+            if self.max_slots is not None and len(self.tokens) >= self.max_slots:
+                raise RuntimeError(f"all {self.max_slots} cache slots are in use")
+            free = len(self.tokens)
+            self.tokens.append(None)
+        self.tokens[free] = []
+        self.slot_of[seq_id] = free
+        return free
+
+    def release(self, seq_id) -> None:
+        slot = self.slot_of.pop(seq_id, None)
+        if slot is not None:
+            self.tokens[slot] = None
+            while self.tokens and self.tokens[-1] is None:
+                self.tokens.pop()
+
+    def length(self, slot: int) -> int:
+        return len(self.tokens[slot])
+
+    def truncate(self, slot: int, length: int) -> None:
+        del self.tokens[slot][length:]
+
+    def common_prefix(self, slot: int, context: list[int]) -> int:
+        cached = self.tokens[slot]
+        limit = min(len(cached), len(context))
+        if cached[:limit] == context[:limit]:
+            return limit
+        n = 0
+        while n < limit and cached[n] == context[n]:
+            n += 1
+        return n
+
+    @property
+    def open_sequences(self) -> int:
+        return len(self.slot_of)
+
+    def bytes_per_slot(self, capacity: int | None = None) -> int:
+        layers, heads, head_dim = self.shape
+        width = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * layers * heads * head_dim * (capacity or self.limit or self.capacity) * width
+
+    # ------------------------------------------------------------- buffers
+
+    @torch.inference_mode()
+    def reserve(self, slots: int, length: int) -> None:
+        """Room for `slots` slots of `length` positions (grown by doubling, copying what is cached)."""
+        if slots <= self.slots and length <= self.capacity:
+            return
+        new_slots = max(self.slots, slots) if slots <= self.slots else max(INITIAL_SLOTS, 2 * self.slots, slots)
+        if self.max_slots is not None:
+            new_slots = max(slots, min(new_slots, self.max_slots))
+        new_capacity = self.capacity if length <= self.capacity else max(INITIAL_CAPACITY, 2 * self.capacity, length)
+        if self.limit:
+            new_capacity = max(length, min(new_capacity, self.limit))
+        layers, heads, head_dim = self.shape
+        keys, values = [], []
+        for layer in range(layers):
+            k = torch.zeros(new_slots, heads, new_capacity, head_dim, dtype=self.dtype)
+            v = torch.zeros(new_slots, heads, new_capacity, head_dim, dtype=self.dtype)
+            if self.slots:
+                k[: self.slots, :, : self.capacity] = self.keys[layer]
+                v[: self.slots, :, : self.capacity] = self.values[layer]
+            keys.append(k)
+            values.append(v)
+        self.keys, self.values, self.slots, self.capacity = keys, values, new_slots, new_capacity
+
+
+class BatchedLlama:
+    """`LlamaForCausalLM` logits for ragged rows of many sequences, on a `SlotCache`."""
+
+    supports = staticmethod(LeanLlama.supports)
+
+    def __init__(self, model) -> None:
+        lean = LeanLlama(model)  # the weights, in the order and dtypes of transformers' forward
+        self.layers = lean.layers
+        self.heads, self.kv_heads, self.groups, self.head_dim = lean.heads, lean.kv_heads, lean.groups, lean.head_dim
+        self.scaling = lean.scaling
+        self.limit = lean.limit
+        self.embed = lean.embed
+        self.dtype = lean.dtype
+        self.norm_weight, self.norm_eps = lean.norm_weight, lean.norm_eps
+        self.lm_head = lean.lm_head
+        self.cos, self.sin = lean.cos, lean.sin
+
+    def new_cache(self, max_slots: int | None = None) -> SlotCache:
+        return SlotCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.limit, max_slots)
+
+    @torch.inference_mode()
+    def forward(self, cache: SlotCache, slots: list[int], tokens: list[list[int]], outputs: list[int]) -> list[torch.Tensor]:
+        """Append `tokens[r]` to slot `slots[r]` for every row r (>= 1 token each, distinct slots).
+
+        `outputs[r]`: logits are returned for row r's new positions from index `outputs[r]`
+        on (len(tokens[r]) for none). Returns one [len(tokens[r]) - outputs[r], V] tensor per
+        row, in the model's dtype. Slot lengths and tokens are updated.
+        """
+        rows = len(slots)
+        starts = [cache.length(s) for s in slots]
+        counts = [len(t) for t in tokens]
+        width = max(counts)
+        end = max(start + count for start, count in zip(starts, counts))
+        cache.reserve(max(slots) + 1, max(start + width for start in starts))
+        ids = torch.tensor([t + [0] * (width - len(t)) for t in tokens], dtype=torch.long)  # [B, W]
+        start_t = torch.tensor(starts, dtype=torch.long)
+        offsets = torch.arange(width)
+        positions = start_t[:, None] + offsets[None, :]  # [B, W]
+        rotary_index = positions.clamp_max(self.cos.shape[0] - 1)  # padding may run past the table
+        cos = self.cos[rotary_index][:, None]  # [B, 1, W, D]
+        sin = self.sin[rotary_index][:, None]
+        # query (r, j) sees its slot's positions 0 .. start_r + j
+        mask = (torch.arange(end)[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, W, end]
+        lo, hi = min(slots), max(slots) + 1
+        slot_t = torch.tensor(slots, dtype=torch.long)
+        row_of = slot_t - lo
+        if slots == list(range(lo, hi)):
+            mode = "view"  # the rows are exactly a slot range: attend over a view of the buffers
+        elif hi - lo <= GATHER_SPAN_RATIO * rows:
+            mode = "span"  # a view of the slot range; slots not in this call are idle rows
+            span_mask = torch.zeros(hi - lo, 1, width, end, dtype=torch.bool)
+            span_mask[:, :, :, 0] = True  # idle rows attend to something (their output is dropped)
+            span_mask[row_of] = mask
+        else:
+            mode = "gather"  # few rows far apart: copy their slots
+        write_slots = slot_t[:, None].expand(rows, width)
+        x = F.embedding(ids, self.embed)  # [B, W, H*D]
+        shape = (rows, width, -1, self.head_dim)
+        for index, (w_in, q_proj, k_proj, v_proj, o_proj, w_post, gate, up, down, eps_in, eps_post) in enumerate(self.layers):
+            h = _rms(x, w_in, eps_in)
+            q = q_proj(h).view(shape).transpose(1, 2)  # [B, heads, W, D]
+            k = k_proj(h).view(shape).transpose(1, 2)
+            v = v_proj(h).view(shape).transpose(1, 2)
+            q = (q * cos) + (_rotate_half(q) * sin)
+            k = (k * cos) + (_rotate_half(k) * sin)
+            keys, values = cache.keys[index], cache.values[index]
+            keys[write_slots, :, positions] = k.transpose(1, 2)  # [B, W, kv_heads, D] into [slot, :, position]
+            values[write_slots, :, positions] = v.transpose(1, 2)
+            if mode == "gather":
+                key = keys[:, :, :end].index_select(0, slot_t)
+                value = values[:, :, :end].index_select(0, slot_t)
+                q_in, attn_mask = q, mask
+            else:
+                key, value = keys[lo:hi, :, :end], values[lo:hi, :, :end]
+                if mode == "view":
+                    q_in, attn_mask = q, mask
+                else:
+                    q_in = q.new_zeros(hi - lo, *q.shape[1:])
+                    q_in[row_of] = q
+                    attn_mask = span_mask
+            if self.groups > 1:
+                b, length = key.shape[0], key.shape[2]
+                key = key[:, :, None].expand(b, self.kv_heads, self.groups, length, self.head_dim).reshape(b, self.heads, length, self.head_dim)
+                value = value[:, :, None].expand(b, self.kv_heads, self.groups, length, self.head_dim).reshape(b, self.heads, length, self.head_dim)
+            attn = F.scaled_dot_product_attention(q_in, key, value, attn_mask=attn_mask, dropout_p=0.0, scale=self.scaling)
+            if mode == "span":
+                attn = attn[row_of]
+            attn = attn.transpose(1, 2).reshape(rows, width, -1)
+            x = x + o_proj(attn)
+            h = _rms(x, w_post, eps_post)
+            x = x + down(F.silu(gate(h)) * up(h))
+        for slot, row_tokens in zip(slots, tokens):
+            cache.tokens[slot].extend(row_tokens)
+        wanted = [(r, j) for r in range(rows) for j in range(outputs[r], counts[r])]
+        if not wanted:
+            return [x.new_zeros(0, 0) for _ in range(rows)]
+        flat = torch.tensor([r * width + j for r, j in wanted], dtype=torch.long)
+        picked = x.reshape(rows * width, -1).index_select(0, flat)  # [N, H*D]
+        logits = self.lm_head(_rms(picked, self.norm_weight, self.norm_eps))  # [N, V]
+        return list(torch.split(logits, [max(0, c - o) for c, o in zip(counts, outputs)]))
