@@ -57,12 +57,13 @@ def predict(chain, modes, hist, overheads, requests, embedded_ms: float | None =
     for every mode, so the ray modes' predictions stay out of sample."""
     import grpc
 
+    from polyspec.orchestrator.distributed import cluster_auth
     from polyspec.protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
 
     k = chain.lengths[0]
     profiles = []
     for view in chain.tiers:
-        with grpc.insecure_channel(view.address) as channel:
+        with cluster_auth.insecure_channel(view.address) as channel:
             profiles.append(list(tier_pb2_grpc.TierStub(channel).Profile(
                 tier_pb2.ProfileRequest(context_len=256, max_tokens=k + 1, repeats=7), timeout=120).forward_ms))
     t = profiles[0][k]  # target forward over k+1 tokens
@@ -117,6 +118,7 @@ def main() -> int:
 
     from polyspec.orchestrator.config import load_config
     from polyspec.orchestrator.engine import Engine
+    from polyspec.orchestrator.tokenization import encode_prompt
     from polyspec.workers.core.sampling import SamplingParams
 
     torch.set_num_threads(1)
@@ -128,7 +130,7 @@ def main() -> int:
     records = [json.loads(line) for line in lines if line.strip()]
     prompts = [r["prompt"] for r in records if r.get("class") != "repetitive-code"]  # that class: tune's shift test only
     prompts = prompts[:: max(1, len(prompts) // args.prompts)][: args.prompts]
-    ids = [embedded.tokenizer(p, add_special_tokens=False)["input_ids"][-256:] for p in prompts]
+    ids = [encode_prompt(embedded.tokenizer, p)[-256:] for p in prompts]
     greedy = SamplingParams(temperature=0.0)
 
     reference = [embedded.scheduler.generate(i, args.max_new_tokens, greedy).token_ids for i in ids]  # + warm-up

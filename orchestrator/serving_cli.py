@@ -44,6 +44,7 @@ def add_parsers(sub) -> None:
         ("--max-prompts", int, "64", "prompts in one HTTP /v1/completions list"),
         ("--max-body-bytes", int, "8 MiB", "bytes of one HTTP request body"),
         ("--max-connections", int, "256", "open HTTP connections (more get 503)"),
+        ("--max-rpcs", int, "1024", "gRPC calls in progress, streams included (more get RESOURCE_EXHAUSTED)"),
         ("--request-timeout-s", float, "30", "seconds an HTTP client has to send its request"),
     ):
         limits.add_argument(flag, type=kind, default=None, help=f"{text} (default {default})")
@@ -53,6 +54,10 @@ def add_parsers(sub) -> None:
     _add_client_flags(submit)
     submit.add_argument("--wait", action="store_true", help="wait for the job, with a progress bar")
     submit.add_argument("-o", "--output", default=None, help="with --wait: write the results here as JSONL")
+    submit.add_argument("--idempotency-key", default=None,
+                        help="the same key again (same tenant) returns the job it made instead of a second one")
+    submit.add_argument("--retry-s", type=float, default=0.0,
+                        help="keep retrying this long while the server is unreachable (with the same key: one job)")
 
     jobs = sub.add_parser("jobs", help="list, inspect, fetch or cancel jobs on a server")
     jobs_sub = jobs.add_subparsers(dest="jobs_command", required=True)
@@ -122,13 +127,19 @@ def read_requests(path: str) -> list[dict]:
     if not source.is_file():
         raise RequestError(f"input file not found: {path}")
     requests = []
-    for number, line in enumerate(source.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, data in enumerate(source.read_bytes().splitlines(), start=1):
+        try:
+            line = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise RequestError(f"{path} line {number}: not valid UTF-8 (byte {exc.start + 1})") from None
         if not line.strip():
             continue
         try:
             raw = json.loads(line)
         except json.JSONDecodeError as exc:
             raise RequestError(f"{path} line {number}: malformed JSON: {exc.msg} at column {exc.colno}") from None
+        except (ValueError, RecursionError) as exc:  # an integer of thousands of digits, nesting past the recursion limit
+            raise RequestError(f"{path} line {number}: malformed JSON: {str(exc).splitlines()[0][:100]}") from None
         if not isinstance(raw, dict):
             raise RequestError(f"{path} line {number}: a request must be a JSON object")
         raw = {**raw, "id": str(raw["id"]) if raw.get("id") is not None else f"line-{number}"}
@@ -160,7 +171,7 @@ def _describe(job) -> str:
 def cmd_submit(args) -> int:
     requests = read_requests(args.input)
     with _Connection(args) as client:
-        job = client.submit_job(requests)
+        job = client.submit_job(requests, idempotency_key=args.idempotency_key, retry_s=args.retry_s)
         print(job.job_id, flush=True)
         if not args.wait:
             return 0

@@ -3,6 +3,7 @@
     from polyspec.client import Client
     with Client("127.0.0.1:50051") as client:
         print(client.generate("def f(x):", max_new_tokens=32)["text"])
+        print(client.generate(messages=[{"role": "user", "content": "Write a haiku"}])["text"])
         for delta in client.stream("import os", max_new_tokens=32):
             print(delta.text, end="", flush=True)
         job = client.submit_job([{"id": "a", "prompt": "x"}, {"id": "b", "prompt": "y"}])
@@ -23,6 +24,7 @@ import asyncio
 import dataclasses
 import json
 import time
+import uuid
 from pathlib import Path
 from typing import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 
@@ -32,7 +34,8 @@ from polyspec.protos.polyspec.v1 import polyspec_pb2 as pb
 from polyspec.protos.polyspec.v1 import polyspec_pb2_grpc as pb_grpc
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
-REQUEST_FIELDS = ("id", "prompt", "prompt_ids", "max_new_tokens", "temperature", "top_p", "top_k", "seed")
+RETRY_PAUSE_S = 0.5
+REQUEST_FIELDS = ("id", "prompt", "prompt_ids", "messages", "max_new_tokens", "temperature", "top_p", "top_k", "seed")
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 SERVING = 1  # grpc.health.v1.HealthCheckResponse.SERVING
 MAX_MESSAGE_BYTES = 64 << 20
@@ -151,10 +154,15 @@ def request_message(raw: dict) -> pb.GenerateRequest:
         raise InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, f"bad request field: {exc}") from None
 
 
-def _request(prompt, prompt_ids, max_new_tokens, temperature, top_p, top_k, seed, id) -> pb.GenerateRequest:
-    raw = {"id": id, "prompt": prompt, "prompt_ids": prompt_ids, "max_new_tokens": max_new_tokens,
+def _request(prompt, prompt_ids, messages, max_new_tokens, temperature, top_p, top_k, seed, id) -> pb.GenerateRequest:
+    raw = {"id": id, "prompt": prompt, "prompt_ids": prompt_ids, "messages": messages, "max_new_tokens": max_new_tokens,
            "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed}
     return request_message(raw)
+
+
+def _submit_message(requests: Iterable[dict], idempotency_key: str | None) -> pb.SubmitJobRequest:
+    return pb.SubmitJobRequest(requests=[request_message(raw) for raw in requests],
+                               idempotency_key=idempotency_key or uuid.uuid4().hex)
 
 
 def _delta(message: pb.GenerateResponse) -> Delta:
@@ -258,11 +266,12 @@ class Client:
 
     # ------------------------------------------------------------- generation
 
-    def stream(self, prompt: str | None = None, *, prompt_ids: list[int] | None = None, max_new_tokens: int | None = None,
+    def stream(self, prompt: str | None = None, *, prompt_ids: list[int] | None = None, messages: list[dict] | None = None,
+               max_new_tokens: int | None = None,
                temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
                seed: int | None = None, id: str | None = None, timeout: float | None = None) -> Iterator[Delta]:
         """Deltas as they are committed; leaving the loop early cancels the request on the server."""
-        request = _request(prompt, prompt_ids, max_new_tokens, temperature, top_p, top_k, seed, id)
+        request = _request(prompt, prompt_ids, messages, max_new_tokens, temperature, top_p, top_k, seed, id)
         call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
         try:
             for message in call:
@@ -281,9 +290,20 @@ class Client:
 
     # ------------------------------------------------------------------- jobs
 
-    def submit_job(self, requests: Iterable[dict], timeout: float | None = None) -> Job:
-        message = pb.SubmitJobRequest(requests=[request_message(raw) for raw in requests])
-        return _job(self._call(self._stub.SubmitJob, message, timeout))
+    def submit_job(self, requests: Iterable[dict], timeout: float | None = None, idempotency_key: str | None = None,
+                   retry_s: float = 0.0) -> Job:
+        """Submit a job. Every submission carries an idempotency key (a fresh one unless given):
+        for `retry_s` seconds a call that fails UNAVAILABLE (server down or restarting, reply
+        lost) is sent again with the same key, so it makes one job however often it is sent."""
+        message = _submit_message(requests, idempotency_key)
+        deadline = time.monotonic() + retry_s
+        while True:
+            try:
+                return _job(self._call(self._stub.SubmitJob, message, timeout))
+            except Unavailable:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(RETRY_PAUSE_S)
 
     def job(self, job_id: str) -> Job:
         return _job(self._call(self._stub.GetJob, pb.GetJobRequest(job_id=job_id)))
@@ -369,10 +389,11 @@ class AsyncClient:
         except grpc.RpcError as exc:
             raise _client_error(exc) from None
 
-    async def stream(self, prompt: str | None = None, *, prompt_ids: list[int] | None = None, max_new_tokens: int | None = None,
+    async def stream(self, prompt: str | None = None, *, prompt_ids: list[int] | None = None, messages: list[dict] | None = None,
+                     max_new_tokens: int | None = None,
                      temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
                      seed: int | None = None, id: str | None = None, timeout: float | None = None) -> AsyncIterator[Delta]:
-        request = _request(prompt, prompt_ids, max_new_tokens, temperature, top_p, top_k, seed, id)
+        request = _request(prompt, prompt_ids, messages, max_new_tokens, temperature, top_p, top_k, seed, id)
         call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
         try:
             async for message in call:
@@ -388,9 +409,18 @@ class AsyncClient:
             collector.add(delta)
         return collector.result()
 
-    async def submit_job(self, requests: Iterable[dict], timeout: float | None = None) -> Job:
-        message = pb.SubmitJobRequest(requests=[request_message(raw) for raw in requests])
-        return _job(await self._call(self._stub.SubmitJob, message, timeout))
+    async def submit_job(self, requests: Iterable[dict], timeout: float | None = None, idempotency_key: str | None = None,
+                         retry_s: float = 0.0) -> Job:
+        """As Client.submit_job."""
+        message = _submit_message(requests, idempotency_key)
+        deadline = time.monotonic() + retry_s
+        while True:
+            try:
+                return _job(await self._call(self._stub.SubmitJob, message, timeout))
+            except Unavailable:
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(RETRY_PAUSE_S)
 
     async def job(self, job_id: str) -> Job:
         return _job(await self._call(self._stub.GetJob, pb.GetJobRequest(job_id=job_id)))

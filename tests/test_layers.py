@@ -4,10 +4,9 @@ crosses a module boundary, no module grows past MAX_LINES.
 Layers, lowest first (a module may import its own layer and the ones below it):
 
     core math and wire format (workers/core, protos, the SDK client)
-    <- tiers (workers/tiers) <- the config <- decode (the decoder contract, the scheduler)
+    <- tiers (workers/tiers) <- the config, tokenization <- decode (the decoder contract, the schedulers)
     <- tuning (time model, profiler, tuner) <- distributed (worker, transport, driver, Ray)
-    <- engine, tokenization <- serving (server, request loop, jobs, metrics, HTTP), validate,
-       the batch runner
+    <- engine, the batch runner <- serving (server, request loop, jobs, metrics, HTTP), validate
     <- harness (bench, tune, zoo) <- the `polyspec` command (cli.py, __main__)
 
 Nothing in the runtime imports polyspec.harness: only the command, which dispatches to it,
@@ -35,15 +34,15 @@ LAYERS = {
     "polyspec.client": 0,
     "polyspec.workers.tiers": 1,
     "polyspec.orchestrator.config": 2,
+    "polyspec.orchestrator.tokenization": 2,
     "polyspec.orchestrator.decode": 3,
     "polyspec.orchestrator.tuning": 4,
     "polyspec.orchestrator.distributed": 5,
-    "polyspec.orchestrator.tokenization": 6,
     "polyspec.orchestrator.engine": 6,
+    "polyspec.orchestrator.batch_runner": 6,
     "polyspec.orchestrator.serving": 7,
     "polyspec.orchestrator.serving_cli": 7,
     "polyspec.orchestrator.validate": 7,
-    "polyspec.orchestrator.batch_runner": 7,
     "polyspec.harness": 8,
     "polyspec.orchestrator.cli": 9,
     "polyspec.__main__": 9,

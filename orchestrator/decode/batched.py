@@ -28,7 +28,8 @@ import time
 
 import torch
 
-from polyspec.orchestrator.decode.scheduler import ChainScheduler, RequestState, StageStats
+from polyspec.orchestrator.decode.contract import GenerationOutput, RequestState, StageStats, commit, finish_if_full, remaining
+from polyspec.orchestrator.decode.scheduler import ChainScheduler
 from polyspec.workers.core.tree import DraftTree
 from polyspec.workers.core.verification import verify_chain, verify_greedy
 from polyspec.workers.tiers.batched import BatchedTier
@@ -37,7 +38,8 @@ DEFAULT_PREFILL_BUDGET = 512  # prompt tokens cached per step for joining reques
 
 
 class BatchedScheduler(ChainScheduler):
-    """`ChainScheduler`'s requests (start / finish / cancel), advanced many per forward."""
+    """A `polyspec.orchestrator.decode.contract.Decoder`: `ChainScheduler`'s requests (start /
+    finish / cancel, its seeds and stats), advanced many per forward by `step_all`."""
 
     def __init__(self, tiers: list[BatchedTier], lengths: list[int], eos_token_ids: tuple[int, ...] = (), planner=None,
                  prefill_budget: int = DEFAULT_PREFILL_BUDGET) -> None:
@@ -72,12 +74,8 @@ class BatchedScheduler(ChainScheduler):
         out: list[list[int]] = [[] for _ in states]
         live = []
         for index, state in enumerate(states):
-            if state.done:
-                continue
-            if len(state.new_tokens) >= state.max_new_tokens or len(state.committed) >= state.run.limit:
-                state.finish_reason = "length"
-                continue
-            live.append(index)
+            if not finish_if_full(state):
+                live.append(index)
         if not live:
             return out
         if self.planner is not None:
@@ -91,25 +89,15 @@ class BatchedScheduler(ChainScheduler):
         items = []
         for i in live:
             state = states[i]
-            remaining = state.max_new_tokens - len(state.new_tokens)
-            items.append((state.run, list(state.committed), min(self.length_at(0), remaining - 1)))
+            items.append((state.run, list(state.committed), min(self.length_at(0), remaining(state) - 1)))
         results = self.round_batch(0, items)
         spent = [t.busy_s - b for t, b in zip(self.tiers, busy_before)]
         committed = 0
         for i, (emitted, _) in zip(live, results):
             state = states[i]
-            emitted = emitted[: state.max_new_tokens - len(state.new_tokens)]
-            eos_at = next((j for j, t in enumerate(emitted) if t in self.eos_token_ids), None)
-            if eos_at is not None:
-                emitted = emitted[: eos_at + 1]
-            state.committed += emitted
-            state.new_tokens += emitted
+            emitted = commit(state, emitted, self.eos_token_ids)
             for t, seconds in enumerate(spent):
                 state.tier_busy_s[t] += seconds / len(live)  # a shared forward: each request's share
-            if eos_at is not None:
-                state.finish_reason = "eos"
-            elif len(state.new_tokens) >= state.max_new_tokens or len(state.committed) >= state.run.limit:
-                state.finish_reason = "length"
             out[i] = emitted
             committed += len(emitted)
         seconds = time.perf_counter() - started
@@ -118,6 +106,12 @@ class BatchedScheduler(ChainScheduler):
         if self.planner is not None:
             self.planner.observe_step(len(live), committed, seconds, self.lengths, self.active)
         return out
+
+    def finish(self, state: RequestState) -> GenerationOutput:
+        result = super().finish(state)
+        if self.planner is not None:
+            result.stats["plans"] = state.plans
+        return result
 
     # ------------------------------------------------------------ the round
 

@@ -26,6 +26,7 @@ from typing import Callable
 
 import grpc
 
+from polyspec.orchestrator.distributed import cluster_auth
 from polyspec.orchestrator.decode.contract import (
     NO_LIMIT,
     GenerationOutput,
@@ -82,7 +83,7 @@ class Membership:
         replies = []
         for view in self.views:
             try:
-                with grpc.insecure_channel(view.address, options=CHANNEL_OPTIONS) as channel:
+                with cluster_auth.insecure_channel(view.address, options=CHANNEL_OPTIONS) as channel:
                     replies.append(tier_pb2_grpc.TierStub(channel).Health(tier_pb2.HealthRequest(), timeout=5.0))
             except grpc.RpcError:
                 replies.append(None)
@@ -154,7 +155,7 @@ class DistributedChain:
             if self._target is None or self._target.address != address:
                 if self._target is not None:
                     self._target.channel.close()
-                channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+                channel = cluster_auth.insecure_channel(address, options=CHANNEL_OPTIONS)
                 self._target = _Target(address, channel, tier_pb2_grpc.TierStub(channel))
             return self._target
 
@@ -355,7 +356,7 @@ def profile_remote(chain: DistributedChain, context_len: int, params: SamplingPa
             max_draft=max_length if index > 0 else 0, tree_width=chain.tree_width, scheme=chain.scheme,
             prefill_lens=list(prefill_lens),
         )
-        with grpc.insecure_channel(view.address, options=CHANNEL_OPTIONS) as channel:
+        with cluster_auth.insecure_channel(view.address, options=CHANNEL_OPTIONS) as channel:
             try:
                 reply = tier_pb2_grpc.TierStub(channel).Profile(request, timeout=VERIFY_TIMEOUT_S)
             except grpc.RpcError as exc:

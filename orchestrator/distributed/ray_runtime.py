@@ -25,6 +25,7 @@ import socket
 import threading
 import time
 
+from polyspec.orchestrator.distributed import cluster_auth
 from polyspec.orchestrator.config import ChainConfig
 from polyspec.orchestrator.distributed.driver import ChainUnavailableError, DistributedChain, Membership, TierView
 from polyspec.workers.core.errors import ConfigError
@@ -156,7 +157,8 @@ class RayMembership(Membership):
         for i, (tier, need) in enumerate(zip(config.tiers, needs)):
             custom = {k: v for k, v in need.items() if k not in ("CPU", "GPU")}
             options = dict(num_cpus=need.get("CPU", 0), num_gpus=need.get("GPU", 0), resources=custom or None,
-                           max_restarts=-1, max_task_retries=0, max_concurrency=4, name=None)
+                           max_restarts=-1, max_task_retries=0, max_concurrency=4, name=None,
+                           runtime_env=cluster_auth.actor_runtime_env())  # the chain's cluster token
             if strategies[i] is not None:
                 options["scheduling_strategy"] = strategies[i]
             threads = tier.threads or 1
@@ -282,7 +284,7 @@ class RayMembership(Membership):
         from polyspec.protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
 
         try:
-            with grpc.insecure_channel(address) as channel:
+            with cluster_auth.insecure_channel(address) as channel:
                 tier_pb2_grpc.TierStub(channel).Health(tier_pb2.HealthRequest(), timeout=2.0)
             return True
         except grpc.RpcError:

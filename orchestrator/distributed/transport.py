@@ -38,6 +38,7 @@ from typing import Callable
 import grpc
 import torch
 
+from polyspec.orchestrator.distributed import cluster_auth
 from polyspec.protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
 from polyspec.workers.tiers.tier import Tier
 from polyspec.workers.core.tree import DraftTree
@@ -193,7 +194,7 @@ class RemoteTier(Tier):
         self.counters = counters
         self.dist = dist
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = cluster_auth.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = tier_pb2_grpc.TierStub(self._channel)
         self._casts = futures.ThreadPoolExecutor(1, thread_name_prefix="tier-casts")
         info = self._call("Health", tier_pb2.HealthRequest(), timeout=10.0, name=address)

@@ -37,6 +37,7 @@ from concurrent import futures
 import grpc
 import torch
 
+from polyspec.orchestrator.distributed import cluster_auth
 from polyspec.orchestrator.decode.contract import NO_LIMIT, StageStats, first_eos, seeded_generator
 from polyspec.orchestrator.decode.scheduler import ChainScheduler, Run
 from polyspec.orchestrator.tuning.time_model import AHEAD_SMOOTHING, AHEAD_THRESHOLD  # the time model reads the same bet
@@ -181,7 +182,7 @@ class TierWorker:
         self._wiring = threading.Lock()
         self._ahead_pool = futures.ThreadPoolExecutor(AHEAD_THREADS, thread_name_prefix=f"ahead-{tier.name}")
         self.server = grpc.server(futures.ThreadPoolExecutor(MAX_RPC_THREADS, thread_name_prefix=f"tier-{tier.name}"),
-                                  options=CHANNEL_OPTIONS)
+                                  options=CHANNEL_OPTIONS, interceptors=cluster_auth.server_interceptors())
         tier_pb2_grpc.add_TierServicer_to_server(_Servicer(self), self.server)
         self.port = self.server.add_insecure_port(f"{host}:{port}")
         if not self.port:

@@ -266,6 +266,26 @@ class JobStore:
                     return PendingItem(job_id, row[0], row[1], json.loads(row[2]))
         return None
 
+    def pending_items(self, limit: int, skip: set[tuple[str, int]]) -> list[PendingItem]:
+        """Up to `limit` pending items, oldest live job first, leaving out `skip` ((job_id, idx) already in flight)."""
+        found: list[PendingItem] = []
+        with self._lock:
+            live = self._db.execute(
+                "SELECT job_id FROM jobs WHERE state IN (?, ?) ORDER BY created_at, rowid", (QUEUED, RUNNING)
+            ).fetchall()
+            for (job_id,) in live:
+                taken = sum(1 for job, _ in skip if job == job_id)
+                rows = self._db.execute(
+                    "SELECT idx, id, request FROM items WHERE status = ? AND job_id = ? ORDER BY idx LIMIT ?",
+                    (PENDING, job_id, limit - len(found) + taken),
+                ).fetchall()
+                for idx, item_id, request in rows:
+                    if (job_id, idx) not in skip and len(found) < limit:
+                        found.append(PendingItem(job_id, idx, item_id, json.loads(request)))
+                if len(found) >= limit:
+                    break
+        return found
+
     def pending_count(self) -> int:
         with self._lock:
             return self._pending_count()

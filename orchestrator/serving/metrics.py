@@ -3,7 +3,10 @@
 Prometheus names (all prefixed `polyspec_`): requests_total{status}, generated_tokens_total,
 stage_proposed_tokens_total / stage_accepted_tokens_total{tier,drafter},
 speculation_length{tier,drafter}, time_to_first_token_seconds and request_latency_seconds
-(histograms), queue_depth{state}, job_items_done_total{outcome}, tier_up{tier}.
+(histograms), queue_depth{state}, job_items_done_total{outcome}, tier_up{tier}; with the
+batched engine also batch_size (requests in the latest batched step, histogram),
+goodput_tokens_per_second (tokens committed per second of batched steps, smoothed) and
+speculating (1 while the planner speculates at the current batch size).
 `build_metrics_app` serves them at GET /metrics (with a Tenants object: only to a caller
 with a token).
 """
@@ -38,6 +41,11 @@ class Metrics:
         self._queue = Gauge("polyspec_queue_depth", "Interactive requests waiting / running", ["state"], registry=r)
         self._items = Counter("polyspec_job_items_done", "Job items finished", ["outcome"], registry=r)
         self._tier_up = Gauge("polyspec_tier_up", "1 while the tier is loaded and serving", ["tier"], registry=r)
+        self._batch = Histogram("polyspec_batch_size", "Requests in one batched step", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
+        self._goodput = Gauge("polyspec_goodput_tokens_per_second", "Tokens committed per second of batched steps (smoothed)", registry=r)
+        self._speculating = Gauge("polyspec_speculating", "1 while the batched steps speculate", registry=r)
+        self.goodput = 0.0
+        self.last_batch = 0
         for status in STATUSES:
             self._requests.labels(status)
         for outcome in ("done", "failed"):
@@ -51,6 +59,17 @@ class Metrics:
         self._requests.labels(status).inc()
         if latency_s is not None:
             self._latency.observe(latency_s)
+
+    def batch_step(self, size: int, tokens: int, seconds: float, speculating: bool) -> None:
+        """One batched step: its size, and its tokens per second into the smoothed goodput."""
+        self._batch.observe(size)
+        self._speculating.set(1 if speculating else 0)
+        if seconds > 0:
+            with self._lock:
+                rate = tokens / seconds
+                self.goodput = rate if not self.last_batch else self.goodput + 0.2 * (rate - self.goodput)
+                self.last_batch = size
+            self._goodput.set(self.goodput)
 
     def first_token(self, seconds: float) -> None:
         self._ttft.observe(seconds)

@@ -2,12 +2,18 @@
 
 The Engine is not thread-safe, so all model work happens on this thread. Each pass:
 
-    1. admit waiting interactive requests (at most MAX_ACTIVE hold caches at once)
+    1. admit waiting interactive requests (at most MAX_ACTIVE hold caches at once; with the
+       batched engine, its `max_requests`)
     2. one round (`engine.step`) for every active interactive request, round robin —
-       a long request never holds the others back by more than one round each
+       a long request never holds the others back by more than one round each. With the
+       batched engine all of them take that round together: one `engine.step_all` (one
+       forward per tier), after the prompts of newly admitted requests are cached within
+       the step's token budget (they join the round once cached)
     3. only when no interactive request is waiting or running: one round of the current
        job item (interactive first); the item pauses, caches kept, while interactive
-       traffic is served
+       traffic is served. With the batched engine, job items instead fill the batch's free
+       slots (all but JOB_RESERVE_SHARE of them, kept for interactive requests) and take the
+       same batched rounds
 
 A request reports through its `on_event(kind, payload)`, called on this thread:
 ("delta", (token_ids, text)) after each round, then ("done", result) or ("error", exc).
@@ -28,6 +34,7 @@ from polyspec.orchestrator.serving.metrics import Metrics
 from polyspec.workers.core.errors import RequestError
 
 MAX_ACTIVE = 32  # interactive requests holding caches at once; the rest wait their turn
+JOB_RESERVE_SHARE = 0.25  # batched: this share of the slots is never taken by job items
 IDLE_WAIT_S = 1.0  # re-check the job table this often when idle
 UNAVAILABLE_RETRY_S = 1.0  # a job item that met a down chain is retried after this
 REPLACEMENT_CHAR = "\ufffd"  # a token that ends inside a multi-byte character decodes to this
@@ -86,6 +93,7 @@ class RoundScheduler(threading.Thread):
         self._waiting: list[Work] = []
         self._active: list[Work] = []
         self._job_work: Work | None = None
+        self._job_batch: list[Work] = []  # batched: job items in flight
         self._cancelled_jobs: set[str] = set()
         self._draining = False
         self._stopping = False
@@ -150,12 +158,14 @@ class RoundScheduler(threading.Thread):
     def run(self) -> None:
         while True:
             with self._cond:
-                while not self._stopping and not self._waiting and not self._active and not self._has_job_work():
+                while not self._stopping and not self._waiting and not self._active and not self._job_batch and not self._has_job_work():
                     self.idle.set()
                     self._cond.wait(IDLE_WAIT_S)
                 if self._stopping:
                     break
-                room = MAX_ACTIVE - len(self._active)
+                # batched: a paused job item keeps its cache slot
+                # batched: job items in flight keep their cache slots
+                room = (self.engine.max_requests - len(self._job_batch) if self._batched else MAX_ACTIVE) - len(self._active)
                 admitted, self._waiting = self._waiting[:room], self._waiting[room:]
                 self._active.extend(admitted)
                 active = list(self._active)
@@ -167,6 +177,13 @@ class RoundScheduler(threading.Thread):
 
                     self._pool = ThreadPoolExecutor(MAX_ACTIVE, thread_name_prefix="polyspec-round")
                 over = list(self._pool.map(self._advance, active))
+            elif self._batched:
+                jobs = self._fill_job_batch(len(active))
+                over = self._advance_batch(active + jobs) if active or jobs else []
+                for work, finished in zip(jobs, over[len(active):]):
+                    if finished:
+                        self._job_batch.remove(work)
+                over = over[: len(active)]
             else:
                 over = [self._advance(work) for work in active]
             for work, finished in zip(active, over):
@@ -176,9 +193,57 @@ class RoundScheduler(threading.Thread):
                         self._publish_queue()
                         if not self._active and not self._waiting:
                             self.idle.set()
-            if not active:
+            if not active and not self._batched:
                 self._advance_job()
         self._abandon_all()
+
+    @property
+    def _batched(self) -> bool:
+        return bool(getattr(self.engine, "batched", False))
+
+    def _advance_batch(self, active: list[Work]) -> list[bool]:
+        """One batched round of every active request; for each, True when it is over."""
+        over = [False] * len(active)
+        live = []
+        for index, work in enumerate(active):
+            try:
+                if work.cancelled:
+                    over[index] = self._cancel(work)
+                    continue
+                if work.state is None:
+                    work.started_at = time.perf_counter()
+                    work.state = self.engine.start(work.request)
+                live.append(index)
+            except Exception as exc:  # noqa: BLE001 - one bad request must not take the server down
+                self._failed(work, exc)
+                over[index] = True
+        scheduler = self.engine.scheduler
+        try:
+            scheduler.prefill([active[i].state for i in live])
+            ready = [i for i in live if active[i].state.done or scheduler.ready(active[i].state)]
+            emitted = self.engine.step_all([active[i].state for i in ready]) if ready else []
+        except Exception as exc:  # noqa: BLE001 - the step failed for all of them
+            for i in live:
+                self._failed(active[i], exc)
+                over[i] = True
+            return over
+        step = scheduler.last_step
+        if ready and step.get("batch"):
+            self.metrics.batch_step(step["batch"], step["tokens"], step["seconds"], len(step.get("tiers", ())) > 1)
+        for i, tokens in zip(ready, emitted):
+            work = active[i]
+            try:
+                if tokens:
+                    self._emit_delta(work, tokens)
+                if work.state.done:
+                    with self.tokenizer_lock:
+                        result = self.engine.finish(work.state)
+                    self._finished(work, result)
+                    over[i] = True
+            except Exception as exc:  # noqa: BLE001
+                self._failed(work, exc)
+                over[i] = True
+        return over
 
     def _decode(self, token_ids: list[int]) -> str:
         with self.tokenizer_lock:
@@ -278,6 +343,28 @@ class RoundScheduler(threading.Thread):
 
     # ---------------------------------------------------------------------- jobs
 
+    def _fill_job_batch(self, interactive: int) -> list[Work]:
+        """Batched: mark cancelled job items, then admit pending ones into the free slots (but the reserve)."""
+        for work in self._job_batch:
+            if work.job_item.job_id in self._cancelled_jobs or self._draining:
+                work.cancelled = True
+        reserve = max(1, int(self.engine.max_requests * JOB_RESERVE_SHARE)) if self.engine.max_requests > 1 else 0
+        room = self.engine.max_requests - reserve - interactive - len(self._job_batch)
+        if room > 0 and not self._draining and self.store is not None:
+            skip = {(w.job_item.job_id, w.job_item.idx) for w in self._job_batch}
+            for item in self.store.pending_items(room, skip):
+                if item.job_id in self._cancelled_jobs:
+                    continue
+                self.store.mark_running(item.job_id)
+                try:
+                    with self.tokenizer_lock:
+                        request = self.engine.parse_request({**item.request, "id": item.id})
+                except RequestError as exc:
+                    self._write_item(Work(None, job_item=item), None, str(exc))
+                    continue
+                self._job_batch.append(Work(request, job_item=item))
+        return list(self._job_batch)
+
     def _advance_job(self) -> None:
         work = self._job_work
         if work is not None and (work.job_item.job_id in self._cancelled_jobs or self._draining):
@@ -307,8 +394,8 @@ class RoundScheduler(threading.Thread):
     def _abandon_all(self) -> None:
         """Stopping: free every cache; interactive requests end as cancelled."""
         with self._cond:
-            pending = self._waiting + self._active + ([self._job_work] if self._job_work else [])
-            self._waiting, self._active, self._job_work = [], [], None
+            pending = self._waiting + self._active + ([self._job_work] if self._job_work else []) + self._job_batch
+            self._waiting, self._active, self._job_work, self._job_batch = [], [], None, []
             self._publish_queue()
         for work in pending:
             work.cancelled = True

@@ -37,6 +37,7 @@ class Limits:
     max_prompts: int = 64  # prompts in one HTTP /v1/completions list
     max_body_bytes: int = 8 << 20  # one HTTP request body
     max_connections: int = 256  # open HTTP connections; more get 503
+    max_rpcs: int = 1024  # gRPC calls in progress (streams included); more get RESOURCE_EXHAUSTED
     request_timeout_s: float = 30.0  # an HTTP client has this long to send its headers and body
 
     def __post_init__(self) -> None:

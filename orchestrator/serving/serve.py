@@ -130,6 +130,7 @@ async def _serve(config, host, port, store, tenants, limits, tls, tls_files, met
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     server = grpc.aio.server(
         interceptors=[Guard(tenants, metrics, protect_reflection=auth_reflection)],
+        maximum_concurrent_rpcs=limits.max_rpcs,
         options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)],
     )
     pb_grpc.add_PolyspecServicer_to_server(service, server)
@@ -236,6 +237,6 @@ def _load_and_warm(config):
     """Load the chain and run one short generation so the first request pays no start-up cost."""
     from polyspec.orchestrator.engine import Engine
 
-    engine = Engine(config)
+    engine = Engine(config, batched=True)  # every active request in one batched round (batching.enabled)
     engine.generate(engine.parse_request({"prompt_ids": [0], "max_new_tokens": 2}))
     return engine

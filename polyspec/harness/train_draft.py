@@ -190,7 +190,8 @@ def train(
         record["steps"] += 1
         record["tokens"] += batch * context
         record["train_seconds"] = round(spent_before + time.monotonic() - started, 1)
-        smoothed = float(loss) if smoothed is None else 0.95 * smoothed + 0.05 * float(loss)
+        value = float(loss.detach())
+        smoothed = value if smoothed is None else 0.95 * smoothed + 0.05 * value
         record["loss"] = round(smoothed, 4)
         record["last"] = {k: round(v, 4) for k, v in parts.items()}
         bar.set_postfix(loss=f"{smoothed:.3f}")

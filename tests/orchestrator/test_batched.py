@@ -19,7 +19,9 @@ from family_chains import tier_specs
 from lossless_stats import ALPHA, chi_square_p_value, exact_two_token_probs
 from polyspec.orchestrator.batch_runner import ContinuousBatch, run_requests
 from polyspec.orchestrator.config import parse_config
+from polyspec.orchestrator.decode.contract import Decoder
 from polyspec.orchestrator.engine import Engine, requests_within_memory
+from polyspec.orchestrator.tokenization import encode_prompt
 from polyspec.workers.core.errors import ConfigError
 from polyspec.workers.core.sampling import SamplingParams
 from polyspec.workers.tiers.batched_llama import BatchedLlama
@@ -111,7 +113,7 @@ def test_greedy_batched_equals_target_alone(tiny_family, target_model, names, sp
             raw.update(temperature=1.0, seed=index)
         requests.append(engine.parse_request(raw))
         if not sampled:
-            greedy.append((str(index), tokenizer(prompt, add_special_tokens=False)["input_ids"], count))
+            greedy.append((str(index), encode_prompt(tokenizer, prompt), count))
     results = {}
     run_requests(engine, requests, lambda result: results.__setitem__(result["id"], result))  # 4 at a time, joining as others finish
     assert set(results) == {r.id for r in requests}
@@ -125,7 +127,7 @@ def test_batched_sampling_matches_target_distribution(tiny_family):
     engine = build(tiny_family, ["target", "mid", "ngram"], {"lengths": [3, 2]}, {"max_requests": 64})
     engine.scheduler.eos_token_ids = frozenset()
     params = SamplingParams(temperature=1.0)
-    prompt_ids = engine.tokenizer(PROMPTS[0], add_special_tokens=False)["input_ids"]
+    prompt_ids = encode_prompt(engine.tokenizer, PROMPTS[0])
     joint = exact_two_token_probs(engine.tiers[0].model, engine.vocab_size, prompt_ids, params)
     samples, per_batch = 1200, 48
     counts: collections.Counter = collections.Counter()
@@ -146,6 +148,7 @@ def test_batched_sampling_matches_target_distribution(tiny_family):
 def test_seeded_sampling_is_the_same_batched_or_alone(tiny_family):
     """Per request, the round and its draws are the serial scheduler's: same seed, same tokens."""
     engine = build(tiny_family, ["target", "mid", "ngram"], {"lengths": [4, 2]})
+    assert isinstance(engine.scheduler, Decoder)
     serial = Engine(parse_config({"tiers": tier_specs(tiny_family, ["target", "mid", "ngram"]), "speculation": {"lengths": [4, 2]}}))
     raw = {"prompt": PROMPTS[2], "max_new_tokens": 16, "temperature": 0.8, "top_k": 20, "seed": 11, "id": "x"}
     alone = serial.generate(serial.parse_request(raw))["token_ids"]

@@ -45,7 +45,6 @@ CASES = {
     "tree importance": (["target", "small"], {"lengths": [3], "tree_width": 3, "verifier": "importance"}, SamplingParams(temperature=1.0), 1200),
     # trained drafters (tests/conftest.py: tiny_drafters)
     "feature head": (["target", "feature"], {"lengths": [3]}, SamplingParams(temperature=1.0), 1200),
-    "feature head + ngram": (["target", "feature", "ngram"], {"lengths": [3, 2]}, SamplingParams(temperature=1.0), 1200),
     "early exit (dynamic length)": (["target", "early_exit_noisy"], {"lengths": [3]}, SamplingParams(temperature=1.0), 1200),
     "feature head + early exit": (["target", "feature", "early_exit_noisy"], {"lengths": [3, 2]}, SamplingParams(temperature=0.8, top_k=12), 1200),
     "tree feature head": (["target", "feature"], {"lengths": [2], "tree_width": 3, "verifier": "specinfer"}, SamplingParams(temperature=1.0), 1200),

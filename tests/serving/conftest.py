@@ -35,10 +35,12 @@ def serving_config(tiny_family, tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def server(serving_config, tmp_path_factory):
-    """One shared server (no auth, max_queue 64, OpenAI API on `http_port`) for the tests that only talk to it."""
-    http_port = free_port()
-    process = ServerProcess(serving_config, tmp_path_factory.mktemp("shared") / "state", "--http-port", str(http_port))
-    process.http_port = http_port
+    """One shared server (no auth, max_queue 64, OpenAI API on `http_port`, /metrics on
+    `metrics_port`) for the tests that only talk to it."""
+    http_port, metrics_port = free_port(), free_port()
+    process = ServerProcess(serving_config, tmp_path_factory.mktemp("shared") / "state", "--http-port", str(http_port),
+                            "--metrics-port", str(metrics_port))
+    process.http_port, process.metrics_port = http_port, metrics_port
     try:
         process.wait_ready().close()
         yield process

@@ -31,7 +31,7 @@ def stub(server):
     "fields, message",
     [
         ({}, "request has no 'prompt'"),
-        ({"prompt": "x", "prompt_ids": [1, 2]}, "give either 'prompt' or 'prompt_ids', not both"),
+        ({"prompt": "x", "prompt_ids": [1, 2]}, "give one of 'prompt', 'prompt_ids' or 'messages', not several"),
         ({"prompt": "x", "max_new_tokens": -1}, "max_new_tokens must be > 0"),
         ({"prompt": "x", "temperature": -0.5}, "temperature must be >= 0"),
         ({"prompt": "x", "top_p": 2.0}, "top_p must be in (0, 1]"),
@@ -122,11 +122,17 @@ def test_serve_mistakes_are_one_line(serving_config, tmp_path):
     busy.listen()
     port = str(busy.getsockname()[1])
     state = ["--state-dir", str(tmp_path / "s"), "--metrics-port", "0"]
+    short_token, bad_line = tmp_path / "short.txt", tmp_path / "bad.txt"
+    short_token.write_text("alice short\n")
+    bad_line.write_text("# tenants\nalice\n")
     cases = [
         (["-c", str(tmp_path / "none.yaml")] + state, "config file not found"),
         (["-c", serving_config, "--tls-cert", "c.pem"] + state, "--tls-cert and --tls-key go together"),
         (["-c", serving_config, "--auth-token-file", str(tmp_path / "missing")] + state, "cannot read auth token file"),
         (["-c", serving_config, "--port", port] + state, f"cannot listen on 127.0.0.1:{port}"),
+        (["-c", serving_config, "--tenants-file", str(short_token)] + state, "line 1: the token is shorter than 16 characters"),
+        (["-c", serving_config, "--tenants-file", str(bad_line)] + state, "line 2: expected 'TENANT TOKEN'"),
+        (["-c", serving_config, "--max-live-jobs", "0"] + state, "--max-live-jobs must be > 0"),
     ]
     with busy:
         for args, message in cases:

@@ -37,3 +37,17 @@ def test_cancel_stops_pending_items_and_keeps_finished_jobs(tmp_path):
     assert failed.state == "failed" and store.cancel(failed.job_id).state == "failed"
     assert store.get("job-unknown") is None and store.cancel("job-unknown") is None
     assert [j.job_id for j in store.list()] == [failed.job_id, job.job_id] and len(store.list(1)) == 1
+
+
+def test_pending_items_skip_those_in_flight(tmp_path):
+    """The batched request loop takes several items at once, never one already running."""
+    store = JobStore(tmp_path)
+    first = store.create([(f"a{i}", {"prompt": "x"}, None) for i in range(3)])
+    second = store.create([(f"b{i}", {"prompt": "y"}, None) for i in range(2)])
+    taken = store.pending_items(4, set())
+    assert [item.id for item in taken] == ["a0", "a1", "a2", "b0"]
+    skip = {(item.job_id, item.idx) for item in taken}
+    assert [item.id for item in store.pending_items(4, skip)] == ["b1"]
+    store.finish_item(taken[0], {"token_ids": [1]}, None)
+    assert [item.id for item in store.pending_items(2, skip - {(first, 0)})] == ["b1"]
+    assert second and store.pending_items(0, set()) == []

@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 import sqlite3
 import subprocess
+import threading
 import time
 
 import pytest
-from serving_helpers import polyspec_command, server_env
+from serving_helpers import free_port, polyspec_command, server_env
 
-from polyspec.client import Unavailable
+from polyspec.client import Client, Unavailable
 
 KILL_TEST_ITEMS = 200  # as the issue asks
 
@@ -82,7 +83,7 @@ def test_job_survives_sigkill_with_every_id_exactly_once(start_server, serving_c
     first = start_server(serving_config, state)
     client = first.wait_ready()
     requests = job_requests(KILL_TEST_ITEMS, max_new_tokens=8)
-    job = client.submit_job(requests)
+    job = client.submit_job(requests, idempotency_key="kill-test")
     deadline = time.monotonic() + 60
     while client.job(job.job_id).completed < KILL_TEST_ITEMS // 4:
         assert time.monotonic() < deadline, first.output()
@@ -93,9 +94,25 @@ def test_job_survives_sigkill_with_every_id_exactly_once(start_server, serving_c
         done_before = db.execute("SELECT COUNT(*) FROM items WHERE status = 'done'").fetchone()[0]
     assert 0 < done_before < KILL_TEST_ITEMS
 
-    second = start_server(serving_config, state)
+    # a submission sent while the server is down is retried with its key until the new
+    # server answers; sent again after that, it is still one job
+    port = free_port()
+    late_requests = job_requests(2, max_new_tokens=2)
+    late: dict = {}
+
+    def submit_while_down() -> None:
+        with Client(f"127.0.0.1:{port}") as retrying:
+            late["job"] = retrying.submit_job(late_requests, idempotency_key="while-down", retry_s=120)
+
+    submitter = threading.Thread(target=submit_while_down)
+    submitter.start()
+    second = start_server(serving_config, state, "--port", str(port))
     client = second.wait_ready()
+    submitter.join(120)
     assert "resuming" in second.output()
+    assert client.submit_job(requests, idempotency_key="kill-test").job_id == job.job_id  # the retry after a lost reply
+    assert client.submit_job(late_requests, idempotency_key="while-down").job_id == late["job"].job_id
+    assert len(client.jobs()) == 2
     finished = client.wait(job.job_id, poll_s=0.1, timeout=120)
     assert (finished.state, finished.completed, finished.failed) == ("succeeded", KILL_TEST_ITEMS, 0)
     results = list(client.results(job.job_id))
