@@ -118,6 +118,7 @@ def main() -> int:
 
     from polyspec.orchestrator.config import load_config
     from polyspec.orchestrator.engine import Engine
+    from polyspec.orchestrator.tokenization import encode_prompt
     from polyspec.workers.core.sampling import SamplingParams
 
     torch.set_num_threads(1)
@@ -129,7 +130,7 @@ def main() -> int:
     records = [json.loads(line) for line in lines if line.strip()]
     prompts = [r["prompt"] for r in records if r.get("class") != "repetitive-code"]  # that class: tune's shift test only
     prompts = prompts[:: max(1, len(prompts) // args.prompts)][: args.prompts]
-    ids = [embedded.tokenizer(p, add_special_tokens=False)["input_ids"][-256:] for p in prompts]
+    ids = [encode_prompt(embedded.tokenizer, p)[-256:] for p in prompts]
     greedy = SamplingParams(temperature=0.0)
 
     reference = [embedded.scheduler.generate(i, args.max_new_tokens, greedy).token_ids for i in ids]  # + warm-up

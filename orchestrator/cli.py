@@ -35,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text for one prompt")
     gen.add_argument("-c", "--config", required=True, help="chain config (YAML)")
     gen.add_argument("-p", "--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a user message through the model's chat template")
+    gen.add_argument("--system", help="with --chat: a system message before it")
     _add_sampling_flags(gen)
     gen.add_argument("--no-speculation", action="store_true", help="sample from the target alone (the baseline)")
     gen.add_argument("--json", action="store_true", help="print {text, token_ids, finish_reason, stats} as JSON")
@@ -99,7 +101,13 @@ def _load_engine(config_path: str, no_speculation: bool, batched: bool = False):
 
 
 def _request_from_flags(args) -> dict:
-    raw = {"prompt": args.prompt}
+    if args.system is not None and not args.chat:
+        raise RequestError("--system needs --chat")
+    if args.chat:
+        system = [{"role": "system", "content": args.system}] if args.system is not None else []
+        raw = {"messages": [*system, {"role": "user", "content": args.prompt}]}
+    else:
+        raw = {"prompt": args.prompt}
     for field, value in (
         ("max_new_tokens", args.max_new_tokens),
         ("temperature", args.temperature),

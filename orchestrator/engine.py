@@ -3,7 +3,7 @@
 The CLI, the batch runner and (later) the server all go through `Engine.generate`, so a
 request means the same thing everywhere:
 
-    request: {id, prompt | prompt_ids, max_new_tokens, temperature, top_p, top_k, seed}
+    request: {id, prompt | prompt_ids | messages, max_new_tokens, temperature, top_p, top_k, seed}
     result:  {id, text, token_ids, finish_reason, stats}
 """
 
@@ -18,7 +18,8 @@ from typing import Any, Callable
 from polyspec.orchestrator.decode.contract import RequestState
 from polyspec.orchestrator.decode.scheduler import ChainScheduler
 from polyspec.orchestrator.config import ChainConfig
-from polyspec.workers.core.errors import RequestError
+from polyspec.orchestrator.tokenization import encode_chat, encode_prompt, stop_token_ids
+from polyspec.workers.core.errors import ConfigError, RequestError
 from polyspec.workers.tiers.loading import load_tiers, quiet_transformers
 from polyspec.workers.core.sampling import SamplingParams
 
@@ -26,7 +27,7 @@ PROFILE_CONTEXT_TOKENS = 128  # committed tokens when the start-up profile has n
 PROFILE_MAX_BATCH = 16  # the batched profile stops here; larger batches are extrapolated in proportion to their rows
 SEED_LIMIT = 1 << 63  # seeds are in [0, 2^63): an int64 on the wire, every bit used
 MAX_TEMPERATURE = 1000.0  # far past uniform sampling; larger (or inf) is a mistake
-REQUEST_FIELDS = ("id", "prompt", "prompt_ids", "max_new_tokens", "temperature", "top_p", "top_k", "seed")
+REQUEST_FIELDS = ("id", "prompt", "prompt_ids", "messages", "max_new_tokens", "temperature", "top_p", "top_k", "seed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,8 +83,6 @@ class Engine:
             return
         self.tiers, self.tokenizer = load_tiers(self.config.tiers)
         eos = set()
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            eos.add(int(self.tokenizer.eos_token_id))
         target_model = self.tiers[0].model
         for source in (getattr(target_model, "generation_config", None), target_model.config):
             configured = getattr(source, "eos_token_id", None)
@@ -98,7 +97,7 @@ class Engine:
             self.config.speculation_lengths(),
             tree_width=self.config.speculation.tree_width,
             scheme=self.config.speculation.verifier,
-            eos_token_ids=tuple(sorted(eos)),
+            eos_token_ids=stop_token_ids(self.tokenizer, eos),
         )
         if auto_tune and self.config.speculation.lengths == "auto" and len(self.tiers) > 1:
             self.scheduler.tuner = self.make_tuner()
@@ -142,7 +141,7 @@ class Engine:
         from polyspec.workers.tiers.loading import describe_chain
 
         self.tokenizer, eos = describe_chain(self.config.tiers)
-        self.scheduler = ray_chain(self.config, eos)
+        self.scheduler = ray_chain(self.config, stop_token_ids(self.tokenizer, eos))
         self.tiers = self.scheduler.tiers  # TierViews: name, vocab_size, busy_s
         if auto_tune and self.config.speculation.lengths == "auto" and len(self.tiers) > 1:
             self.scheduler.tuner = self.make_tuner()
@@ -192,10 +191,14 @@ class Engine:
         if unknown:
             raise RequestError(f"unknown request field {unknown[0][:64]!r} (known: {', '.join(REQUEST_FIELDS)})")
         defaults = self.config.sampling
-        prompt, prompt_ids = raw.get("prompt"), raw.get("prompt_ids")
-        if prompt is not None and prompt_ids is not None:
-            raise RequestError("give either 'prompt' or 'prompt_ids', not both")
-        if prompt_ids is not None:
+        prompt, prompt_ids, messages = raw.get("prompt"), raw.get("prompt_ids"), raw.get("messages")
+        if sum(x is not None for x in (prompt, prompt_ids, messages)) > 1:
+            raise RequestError("give one of 'prompt', 'prompt_ids' or 'messages', not several")
+        if messages is not None:
+            if self.tokenizer is None:
+                raise RequestError("the target model has no tokenizer; send 'prompt_ids' instead of 'messages'")
+            ids = encode_chat(tokenizer or self.tokenizer, messages)
+        elif prompt_ids is not None:
             if not isinstance(prompt_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids):
                 raise RequestError("prompt_ids must be a list of integers")
             bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
@@ -207,9 +210,9 @@ class Engine:
                 raise RequestError(f"prompt must be a string, got {type(prompt).__name__}")
             if self.tokenizer is None:
                 raise RequestError("the target model has no tokenizer; send 'prompt_ids' instead of 'prompt'")
-            ids = (tokenizer or self.tokenizer)(prompt, add_special_tokens=False)["input_ids"] if prompt else []
+            ids = encode_prompt(tokenizer or self.tokenizer, prompt) if prompt else []
         else:
-            raise RequestError("request has no 'prompt' (or 'prompt_ids')")
+            raise RequestError("request has no 'prompt' (or 'prompt_ids' or 'messages')")
         if not ids:
             raise RequestError("prompt is empty")
         limit = self.scheduler.max_context

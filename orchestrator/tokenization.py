@@ -1,31 +1,98 @@
-"""Turning chat messages into the target's prompt token ids.
+"""Prompts and chats tokenized as the model expects, and the tokens that end a generation.
 
-`encode_chat` applies the tokenizer's chat template with the generation prompt added, so
-the model continues as the assistant. A model without a chat template, or messages the
-template rejects, are the client's mistake: RequestError with one line.
+A plain prompt goes through the tokenizer with its defaults, special tokens included: a
+model trained with a BOS token (Llama-2/3, Vicuna, Gemma) produces degenerate text
+without it. A chat (`messages`) goes through the tokenizer's chat template with the
+assistant turn opened; the template's text already carries its special tokens, so it is
+encoded without adding any (as transformers' own `apply_chat_template` does).
+
+A chat model ends its turn with a token of its template (`<|im_end|>`, `<|eot_id|>`,
+`<end_of_turn>`) that is not always the tokenizer's EOS; `stop_token_ids` adds it, so
+every request stops there whether it came in as `prompt` or `messages`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from typing import Any
 
 from polyspec.workers.core.errors import RequestError
 
+ROLES = ("system", "user", "assistant", "tool", "developer", "function")
+_SENTINEL = "polyspec-end-of-turn-probe"
 
-def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
-    """`messages` ([{role, content}, ...]) -> prompt token ids, ending with the assistant's turn."""
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """`text` with the tokenizer's defaults (its BOS token where it adds one)."""
+    return list(tokenizer(text)["input_ids"])
+
+
+def _content(index: int, content: Any) -> str:
+    """A message's text: a string, or OpenAI's list of {type: text, text} parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                                         for p in content):
+        return "".join(part["text"] for part in content)
+    raise RequestError(f"messages[{index}].content must be a string (or a list of text parts), got {type(content).__name__}")
+
+
+def check_messages(messages: Any) -> list[dict[str, str]]:
+    """[{role, content}] with string contents; one-line RequestError otherwise."""
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages must be a non-empty list of {role, content} objects")
+    checked = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise RequestError(f"messages[{index}] must be an object with 'role' and 'content', got {type(message).__name__}")
+        role = message.get("role")
+        if role not in ROLES:
+            raise RequestError(f"messages[{index}].role must be one of {', '.join(ROLES)}, got {str(role)[:40]!r}")
+        if "content" not in message:
+            raise RequestError(f"messages[{index}] has no 'content'")
+        checked.append({"role": role, "content": _content(index, message["content"])})
+    return checked
+
+
+def encode_chat(tokenizer, messages: Any) -> list[int]:
+    """The conversation through the tokenizer's chat template, the assistant's turn opened."""
     if tokenizer is None:
         raise RequestError("the target model has no tokenizer, so it cannot take chat messages")
+    checked = check_messages(messages)
     if not getattr(tokenizer, "chat_template", None):
-        raise RequestError("the target model's tokenizer has no chat template; use /v1/completions with a prompt")
+        raise RequestError("the target model's tokenizer has no chat template; send a prompt instead of messages")
     try:
-        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    except Exception as exc:  # noqa: BLE001 - a template raises anything (jinja errors, its own raise_exception)
-        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise RequestError(f"the chat template rejected the messages: {message[:300]}") from None
-    if isinstance(encoded, Mapping):
-        encoded = encoded["input_ids"]
-    ids = list(encoded)
-    if ids and isinstance(ids[0], list):  # a batch of one conversation
-        ids = list(ids[0])
-    return [int(token) for token in ids]
+        text = tokenizer.apply_chat_template(checked, add_generation_prompt=True, tokenize=False)
+    except Exception as exc:  # noqa: BLE001 - a template may raise on a conversation it does not accept
+        first = str(exc).strip().splitlines()
+        raise RequestError(f"the chat template rejected these messages: {first[0] if first else type(exc).__name__}") from None
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def end_of_turn_ids(tokenizer) -> set[int]:
+    """The special token the chat template closes an assistant turn with (empty set without a template)."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return set()
+    try:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _SENTINEL}], tokenize=False
+        )
+    except Exception:  # noqa: BLE001 - a template that cannot render a plain exchange has no turn end to find
+        return set()
+    if _SENTINEL not in text:
+        return set()
+    after = text.split(_SENTINEL, 1)[1]
+    special = set(getattr(tokenizer, "all_special_ids", ()))
+    special.update(getattr(tokenizer, "added_tokens_decoder", {}) or {})
+    for token in tokenizer(after, add_special_tokens=False)["input_ids"][:4]:
+        if token in special:
+            return {int(token)}
+    return set()
+
+
+def stop_token_ids(tokenizer, configured: set[int] | tuple[int, ...] = ()) -> tuple[int, ...]:
+    """EOS ids the model's configs name, the tokenizer's EOS and the template's end-of-turn token."""
+    stops = {int(t) for t in configured}
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        stops.add(int(tokenizer.eos_token_id))
+    stops |= end_of_turn_ids(tokenizer)
+    return tuple(sorted(stops))

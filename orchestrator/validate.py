@@ -19,6 +19,7 @@ import dataclasses
 import io
 import json
 import logging
+import os
 import re
 import struct
 from pathlib import Path
@@ -27,6 +28,7 @@ import yaml
 
 from polyspec.orchestrator.config import ChainConfig, TierConfig, load_config
 from polyspec.workers.core.errors import ConfigError
+from polyspec.workers.tiers.model_cache import fetch_hint
 
 CLUSTER_DIR = Path(__file__).resolve().parent.parent / "cluster"
 KV_CONTEXT_TOKENS = 4096  # the KV cache is sized for one sequence of this many tokens
@@ -96,6 +98,7 @@ class MemoryEstimate:
     kv_bytes: float | None
     note: str  # where the parameter count came from, or why it is unknown
     kv_tokens: int = 0
+    params: int | None = None
 
     @property
     def total_bytes(self) -> float | None:
@@ -236,12 +239,55 @@ def _cached_hub_config(model_id: str) -> Path | None:
         from huggingface_hub import try_to_load_from_cache
     except ImportError:
         return None
-    found = try_to_load_from_cache(model_id, "config.json")
+    try:
+        found = try_to_load_from_cache(model_id, "config.json")
+    except Exception:  # noqa: BLE001 - not a valid hub id (HFValidationError): nothing cached under it
+        return None
     return Path(found) if isinstance(found, str) else None
+
+
+def _gguf_shape(path: Path) -> ModelShape | None:
+    """Parameter count and attention shape from a GGUF file's header (the weights stay on disk)."""
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        return None
+    try:
+        reader = GGUFReader(str(path))
+    except Exception:  # noqa: BLE001 - a damaged file: the loader will say so
+        return None
+
+    def field(key: str):
+        entry = reader.fields.get(key)
+        return None if entry is None or not entry.data else entry.parts[entry.data[0]].tolist()[0]
+
+    architecture = bytes(reader.fields["general.architecture"].parts[-1]).decode() if "general.architecture" in reader.fields else ""
+    params = sum(int(tensor.n_elements) for tensor in reader.tensors)
+    heads, kv_heads = field(f"{architecture}.attention.head_count"), field(f"{architecture}.attention.head_count_kv")
+    hidden = field(f"{architecture}.embedding_length")
+    head_dim = hidden // heads if hidden and heads else None
+    return ModelShape(params, field(f"{architecture}.block_count"), kv_heads or heads, head_dim,
+                      field(f"{architecture}.context_length"), "GGUF header (dequantized)")
+
+
+def is_local_path(model: str) -> bool:
+    """A model reference that can only mean a file or folder on this machine (not a hub id)."""
+    return os.path.isabs(model) or model.startswith((".", "~")) or model.lower().endswith(".gguf")
+
+
+def check_model_paths(config: ChainConfig) -> None:
+    """Every local model path exists (one line naming the tier otherwise; zoo folders say how to fetch them)."""
+    for tier in config.tiers:
+        if not tier.is_ngram and is_local_path(tier.model) and not os.path.exists(tier.model):
+            raise ConfigError(f"tier {tier.name!r}: model path {tier.model!r} does not exist{fetch_hint(tier.model)}")
 
 
 def model_shape(model: str) -> ModelShape | None:
     directory = Path(model)
+    if directory.is_file() and model.lower().endswith(".gguf"):
+        return _gguf_shape(directory)
+    if is_local_path(model) and not directory.exists():
+        return None
     if directory.is_dir():
         config_file = directory / "config.json"
         config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.exists() else {}
@@ -263,7 +309,8 @@ def estimate_memory(tier: TierConfig) -> MemoryEstimate:
         return MemoryEstimate(0.0, 0.0, "model-free")
     shape = model_shape(tier.model)
     if shape is None:
-        return MemoryEstimate(None, None, "unknown (hub id not cached)")
+        missing = is_local_path(tier.model) and not Path(tier.model).exists()
+        return MemoryEstimate(None, None, "unknown (model not present here)" if missing else "unknown (hub id not cached)")
     compute_bytes = DTYPE_BYTES[tier.dtype]
     if tier.quantize == "int8":
         compute_bytes = DTYPE_BYTES["float32"]  # the int8 path computes (and keeps its KV) in float32
@@ -272,14 +319,17 @@ def estimate_memory(tier: TierConfig) -> MemoryEstimate:
     if shape.layers and shape.kv_heads and shape.head_dim:
         tokens = min(KV_CONTEXT_TOKENS, shape.max_positions or KV_CONTEXT_TOKENS)
         kv_bytes = 2 * shape.layers * shape.kv_heads * shape.head_dim * tokens * compute_bytes
-    return MemoryEstimate(weight_bytes, kv_bytes, f"{_count(shape.params)} params, {shape.source}", tokens)
+    return MemoryEstimate(weight_bytes, kv_bytes, f"{_count(shape.params)} params, {shape.source}", tokens, shape.params)
 
 
 # ------------------------------------------------------------------------ checks
 
 
 def check_tiers(config: ChainConfig) -> list[MemoryEstimate]:
-    """Quantization against device, and tier order: each drafter is cheaper than its verifier."""
+    """Quantization against device, and tier order: no drafter has more parameters than its verifier.
+
+    Parameters, not bytes: a quantized copy of the target (same parameters, fewer bytes)
+    may verify for a smaller float model, as in target <- int8 copy <- 0.5B."""
     estimates = [estimate_memory(tier) for tier in config.tiers]
     for tier in config.tiers:
         if tier.quantize == "int4" and tier.device == "cpu":
@@ -288,11 +338,11 @@ def check_tiers(config: ChainConfig) -> list[MemoryEstimate]:
             raise ConfigError(f"tier {tier.name!r}: quantize: int8 (torch dynamic quantization) runs on CPU only; use int4 on a GPU")
     for i in range(1, len(config.tiers)):
         verifier, drafter = config.tiers[i - 1], config.tiers[i]
-        verifier_bytes, drafter_bytes = estimates[i - 1].weights_bytes, estimates[i].weights_bytes
-        if verifier_bytes is not None and drafter_bytes is not None and drafter_bytes > verifier_bytes:
+        verifier_params, drafter_params = estimates[i - 1].params, estimates[i].params
+        if verifier_params is not None and drafter_params is not None and drafter_params > verifier_params:
             raise ConfigError(
-                f"tier order: {drafter.name!r} ({drafter_bytes / GIB:.2f} GiB of weights) drafts for the smaller "
-                f"{verifier.name!r} ({verifier_bytes / GIB:.2f} GiB); list the tiers target first, cheapest last"
+                f"tier order: {drafter.name!r} ({_count(drafter_params)} parameters) drafts for the smaller "
+                f"{verifier.name!r} ({_count(verifier_params)}); list the tiers target first, cheapest last"
             )
     return estimates
 
@@ -368,6 +418,8 @@ def format_plan(config: ChainConfig, placements: list[TierPlacement], cluster_na
 
 def cmd_validate(args) -> int:
     config = load_config(args.config)
+    if not args.no_model_check:
+        check_model_paths(config)
     paths = [Path(p) for p in args.cluster] if args.cluster else default_cluster_paths()
     if not paths:
         raise ConfigError(f"no cluster YAMLs given and none in {CLUSTER_DIR}")
@@ -381,6 +433,10 @@ def cmd_validate(args) -> int:
 def add_parser(sub) -> None:
     validate = sub.add_parser("validate", help="check a config offline and print its placement plan (no weights, no Hub)")
     validate.add_argument("-c", "--config", required=True)
+    validate.add_argument(
+        "--no-model-check", action="store_true",
+        help="check structure and placement only, not that local model paths exist (e.g. before `polyspec zoo fetch`)",
+    )
     validate.add_argument(
         "--cluster", action="append", help="cluster YAML the resource pins must exist in (repeatable; default: cluster/*.yaml)"
     )

@@ -3,6 +3,7 @@
     from polyspec.client import Client
     with Client("127.0.0.1:50051") as client:
         print(client.generate("def f(x):", max_new_tokens=32)["text"])
+        print(client.generate(messages=[{"role": "user", "content": "Write a haiku"}])["text"])
         for delta in client.stream("import os", max_new_tokens=32):
             print(delta.text, end="", flush=True)
         job = client.submit_job([{"id": "a", "prompt": "x"}, {"id": "b", "prompt": "y"}])
@@ -34,7 +35,7 @@ from polyspec.protos.polyspec.v1 import polyspec_pb2_grpc as pb_grpc
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 RETRY_PAUSE_S = 0.5
-REQUEST_FIELDS = ("id", "prompt", "prompt_ids", "max_new_tokens", "temperature", "top_p", "top_k", "seed")
+REQUEST_FIELDS = ("id", "prompt", "prompt_ids", "messages", "max_new_tokens", "temperature", "top_p", "top_k", "seed")
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 SERVING = 1  # grpc.health.v1.HealthCheckResponse.SERVING
 MAX_MESSAGE_BYTES = 64 << 20
@@ -153,8 +154,8 @@ def request_message(raw: dict) -> pb.GenerateRequest:
         raise InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, f"bad request field: {exc}") from None
 
 
-def _request(prompt, prompt_ids, max_new_tokens, temperature, top_p, top_k, seed, id) -> pb.GenerateRequest:
-    raw = {"id": id, "prompt": prompt, "prompt_ids": prompt_ids, "max_new_tokens": max_new_tokens,
+def _request(prompt, prompt_ids, messages, max_new_tokens, temperature, top_p, top_k, seed, id) -> pb.GenerateRequest:
+    raw = {"id": id, "prompt": prompt, "prompt_ids": prompt_ids, "messages": messages, "max_new_tokens": max_new_tokens,
            "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed}
     return request_message(raw)
 
@@ -265,11 +266,12 @@ class Client:
 
     # ------------------------------------------------------------- generation
 
-    def stream(self, prompt: str | None = None, *, prompt_ids: list[int] | None = None, max_new_tokens: int | None = None,
+    def stream(self, prompt: str | None = None, *, prompt_ids: list[int] | None = None, messages: list[dict] | None = None,
+               max_new_tokens: int | None = None,
                temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
                seed: int | None = None, id: str | None = None, timeout: float | None = None) -> Iterator[Delta]:
         """Deltas as they are committed; leaving the loop early cancels the request on the server."""
-        request = _request(prompt, prompt_ids, max_new_tokens, temperature, top_p, top_k, seed, id)
+        request = _request(prompt, prompt_ids, messages, max_new_tokens, temperature, top_p, top_k, seed, id)
         call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
         try:
             for message in call:
@@ -387,10 +389,11 @@ class AsyncClient:
         except grpc.RpcError as exc:
             raise _client_error(exc) from None
 
-    async def stream(self, prompt: str | None = None, *, prompt_ids: list[int] | None = None, max_new_tokens: int | None = None,
+    async def stream(self, prompt: str | None = None, *, prompt_ids: list[int] | None = None, messages: list[dict] | None = None,
+                     max_new_tokens: int | None = None,
                      temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
                      seed: int | None = None, id: str | None = None, timeout: float | None = None) -> AsyncIterator[Delta]:
-        request = _request(prompt, prompt_ids, max_new_tokens, temperature, top_p, top_k, seed, id)
+        request = _request(prompt, prompt_ids, messages, max_new_tokens, temperature, top_p, top_k, seed, id)
         call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
         try:
             async for message in call:

@@ -41,3 +41,34 @@ def chi_square_p_value(counts: collections.Counter, joint: torch.Tensor, samples
         expected_big.append(rest_expected)
     scale = sum(observed) / sum(expected_big)  # guard float drift in the totals
     return float(chisquare(observed, [e * scale for e in expected_big]).pvalue)
+
+
+def exact_two_token_probs_top_k(model, vocab: int, prompt_ids: list[int], params: SamplingParams) -> dict[tuple[int, int], float]:
+    """{(x1, x2): P} for a top-k warp (params.top_k > 0): only k first tokens are possible, so
+    k sequences are scored instead of the whole vocabulary (a real model's 49k-152k rows)."""
+    assert params.top_k > 0, "the sparse reference needs a top-k warp"
+    with torch.inference_mode():
+        first = warp_logits(model(torch.tensor([prompt_ids])).logits[0, -1, :vocab].float(), params)  # [V]
+        support = first.nonzero().flatten().tolist()
+        batch = torch.tensor([prompt_ids + [x] for x in support])  # [k, T+1]
+        second = warp_logits(model(batch).logits[:, -1, :vocab].float(), params)  # [k, V]
+    joint = {}
+    for row, x1 in enumerate(support):
+        for x2 in second[row].nonzero().flatten().tolist():
+            joint[(x1, x2)] = float(first[x1] * second[row, x2])
+    return joint
+
+
+def chi_square_p_value_sparse(counts: collections.Counter, joint: dict[tuple[int, int], float], samples: int) -> float:
+    """`chi_square_p_value` over a sparse reference; a sampled pair outside it fails outright (p = 0)."""
+    if any(pair not in joint for pair in counts):
+        return 0.0
+    big = [pair for pair, p in joint.items() if p * samples >= MIN_EXPECTED]
+    observed = [counts.get(pair, 0) for pair in big]
+    expected = [joint[pair] * samples for pair in big]
+    rest_expected = samples - sum(expected)
+    if rest_expected > 1e-9:
+        observed.append(samples - sum(observed))
+        expected.append(rest_expected)
+    scale = sum(observed) / sum(expected)
+    return float(chisquare(observed, [e * scale for e in expected]).pvalue)

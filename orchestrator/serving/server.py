@@ -73,6 +73,8 @@ def request_dict(request: pb.GenerateRequest, request_id: str | None = None) -> 
         raw["prompt"] = request.prompt
     if request.prompt_ids:
         raw["prompt_ids"] = list(request.prompt_ids)
+    if request.messages:
+        raw["messages"] = [{"role": m.role, "content": m.content} for m in request.messages]
     if request.max_new_tokens:
         raw["max_new_tokens"] = request.max_new_tokens
     for field in SAMPLING_FIELDS:

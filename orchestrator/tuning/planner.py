@@ -123,15 +123,24 @@ class Planner:
     def predict(self, key: str, active: tuple[int, ...], lengths: list[int] | tuple[int, ...]) -> float:
         """Predicted ms per target token for `active` tiers and per-level `lengths` (what the searches
         minimise: `time_model.chain_cost`)."""
+        if len(active) == 1:
+            return self.alone_ms()
         stages, draft_ms = self.stages(key, active)
         return chain_cost(stages, draft_ms, [lengths[level] for level in active[:-1]], self.tree_width)
 
+    def alone_ms(self) -> float:
+        """The target alone: one forward over one new token per token (plus a round's overhead)."""
+        return latency(self.profile.forward_ms(0, (0,)), 1) + self.stage_overhead_ms(0)
+
     def candidate_sets(self, bypass: bool = True) -> list[tuple[int, ...]]:
         """Tier sets the chain can run: the target plus any ordered subset of the others whose
-        members above the bottom can verify and whose bottom can draft."""
+        members above the bottom can verify and whose bottom can draft. With bypass, the target
+        alone too (every drafter bypassed): where the drafters' acceptance cannot pay for the
+        verification of their blocks (a CPU whose forward grows with the block, a prompt class
+        the drafters do not know), `lengths: auto` must not be slower than no speculation."""
         others = range(1, self.num_tiers)
         sizes = range(1, self.num_tiers) if bypass and not self.distributed else [self.num_tiers - 1]
-        sets = []
+        sets = [(0,)] if bypass and not self.distributed and self.profile.forward[0] is not None else []
         for size in sizes:
             for subset in itertools.combinations(others, size):
                 active = (0,) + subset
@@ -158,6 +167,9 @@ class Planner:
         current = self.class_state(key).plan
         plans = {}
         for active in sets:
+            if len(active) == 1:
+                plans[active] = Plan(tuple(current.lengths if current else [self.config.max_length] * (self.num_tiers - 1)), active, self.alone_ms())
+                continue
             stages, draft_ms = self.stages(key, active)
             start = (near or {}).get(active)
             if start is None:

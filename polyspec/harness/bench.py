@@ -38,6 +38,7 @@ from polyspec.harness.bench_prompts import SHIFT_ONLY_CLASSES, BenchPrompt, meas
 from polyspec.harness.bench_systems import EngineSystem, HFSystem, System, build_systems
 from polyspec.orchestrator.config import ChainConfig
 from polyspec.workers.core.errors import PolyspecError
+from polyspec.orchestrator.tokenization import encode_prompt
 
 QUICK_MAX_NEW_TOKENS = 64
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -62,7 +63,7 @@ class BenchSettings:
 
 
 def _tokenize(system: EngineSystem, prompts: list[BenchPrompt]) -> list[list[int]]:
-    return [system.engine.tokenizer(p.text, add_special_tokens=False)["input_ids"] for p in prompts]
+    return [encode_prompt(system.engine.tokenizer, p.text) for p in prompts]
 
 
 def _check_room(config_limit: int | None, prompt_ids: list[list[int]], max_new_tokens: int) -> None:

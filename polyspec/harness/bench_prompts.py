@@ -16,6 +16,7 @@ import random
 from pathlib import Path
 
 from polyspec.workers.core.errors import PolyspecError
+from polyspec.orchestrator.tokenization import encode_prompt
 
 QUICK_PROMPTS = {"code": 4, "prose": 2}  # --quick: the first prompts of each class (about a minute in all)
 REPETITIVE_CODE = "repetitive-code"  # the class of REPETITIVE_CUTS' prompts
@@ -86,7 +87,7 @@ def prompt_before(lines: list[str], cut: int, tokenizer, tail: str = "") -> str 
     longest = paragraph = None
     for start in range(cut, 0, -1):
         candidate = "".join(lines[start - 1 : cut]) + tail
-        count = len(tokenizer(candidate, add_special_tokens=False)["input_ids"])
+        count = len(encode_prompt(tokenizer, candidate))
         if count > PROMPT_MAX_TOKENS:
             break
         if count >= PROMPT_MIN_TOKENS and not lines[start - 1].isspace():

@@ -15,6 +15,7 @@ from inprocess_chain import in_process_chain
 from polyspec.orchestrator.engine import Engine
 from polyspec.workers.tiers.loading import load_tiers
 from polyspec.workers.core.sampling import SamplingParams
+from polyspec.orchestrator.tokenization import encode_prompt
 
 PROMPTS = ["def add(a, b):\n    return", "import os\nimport sys\n", "for i in range(10):\n    print(i)\nfor i in"]
 MAX_NEW = 40
@@ -34,7 +35,7 @@ def embedded(tiny_family):
     tokenizer = engine.tokenizer
     outputs = {}
     for prompt in PROMPTS:
-        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        ids = encode_prompt(tokenizer, prompt)
         outputs[prompt] = (ids, engine.scheduler.generate(ids, MAX_NEW, SamplingParams(temperature=0.0)).token_ids)
     return outputs
 
@@ -282,7 +283,7 @@ def test_seeded_sampling_matches_embedded(tiny_family):
     """Same seeds, same chain: the distributed serial chain samples exactly the embedded tokens."""
     config = chain_config(tiny_family, ["target", "mid", "small"], lengths=[3, 2])
     engine = Engine(config)
-    ids = engine.tokenizer("def f(x):", add_special_tokens=False)["input_ids"]
+    ids = encode_prompt(engine.tokenizer, "def f(x):")
     params = SamplingParams(temperature=1.0)
     tiers, _ = load_tiers(config.tiers)
     chain, workers = in_process_chain(tiers, [3, 2], pipeline=False, eos_token_ids=EOS)

@@ -20,6 +20,7 @@ from polyspec.orchestrator.config import parse_config  # noqa: E402
 from polyspec.orchestrator.engine import Engine  # noqa: E402
 from polyspec.workers.core.errors import ConfigError  # noqa: E402
 from polyspec.workers.core.sampling import SamplingParams  # noqa: E402
+from polyspec.orchestrator.tokenization import encode_prompt  # noqa: E402
 
 PROMPTS = ["def add(a, b):\n    return", "import os\nimport sys\n", "for i in range(10):\n    print(i)\nfor i in",
            "class Point:\n    def __init__(self", "while True:\n    line ="]
@@ -75,7 +76,7 @@ def config(family, address, *, pipeline, names=("target", "mid", "small"), lengt
 @pytest.fixture(scope="module")
 def embedded(tiny_family):
     engine = Engine(parse_config({"tiers": [{"name": "target", "model": tiny_family["target"]}]}))
-    ids = [engine.tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    ids = [encode_prompt(engine.tokenizer, p) for p in PROMPTS]
     return engine, [(i, engine.scheduler.generate(i, MAX_NEW, SamplingParams(temperature=0.0)).token_ids) for i in ids]
 
 
@@ -145,7 +146,7 @@ def test_rows_over_gloo_sample_exactly_as_embedded(cluster, tiny_family, monkeyp
         assert engine.scheduler.transport == "gloo"
         local = Engine(parse_config({"tiers": [{"name": n, "model": tiny_family[n]} for n in ("target", "mid", "small")],
                                      "speculation": {"lengths": [4, 2]}}))
-        ids = local.tokenizer("def f(x):", add_special_tokens=False)["input_ids"]
+        ids = encode_prompt(local.tokenizer, "def f(x):")
         params = SamplingParams(temperature=1.0)
         for seed in range(4):
             expected = local.scheduler.generate(ids, 24, params, seed=seed).token_ids

@@ -148,6 +148,9 @@ def simulate(tuner: Tuner, accept_rate, rounds: int, rng: random.Random, start: 
             tuner.observe_round(level, drafter, k, k, accepted, seconds)
             if level == 0:
                 emitted = accepted + 1
+        if len(active) == 1:  # the target alone: one forward, one token
+            tuner.clock.now += 0.001 * tuner.profile.forward[0][1]
+            emitted = 1
         tuner.observe_commit([0] * emitted)
         committed += emitted
     return plans
@@ -372,6 +375,28 @@ def test_bypass_a_slow_middle_tier():
     assert plans[-1][1] == (0, 2)
     # and a probe runs the full chain now and then
     assert any(active == (0, 1, 2) for _, active in simulate(tuner, lambda r, i, j: 0.7, tuner.config.explore_every, random.Random(3), start=40))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_target_alone_when_no_drafter_pays(seed):
+    # a forward that grows with the block as fast as decoding does (bf16 without native
+    # support), drafters that agree on half the tokens: every chain is slower than no speculation
+    profile = fixed_profile(
+        ["target", "small", "ngram"], [lambda m: 10.0 * m, lambda m: 4.0 * m, None], [None, lambda k: 4.0 * k, lambda k: 0.05]
+    )
+    tuner = Tuner(profile, max_length=8, warmup_rounds=4)
+    plans = simulate(tuner, lambda r, i, j: 0.5, 40, random.Random(seed))
+    assert plans[-1][1] == (0,)
+    assert tuner.predict("greedy", (0,), plans[-1][0]) == pytest.approx(10.0, abs=1.0)
+    # where a drafter does pay, the chain stays
+    cheap = fixed_profile(["target", "ngram"], [lambda m: 10.0 + 0.5 * m, None], [None, lambda k: 0.05])
+    assert simulate(Tuner(cheap, max_length=8, warmup_rounds=4), lambda r, i, j: 0.8, 40, random.Random(seed))[-1][1] == (0, 1)
+
+
+def test_no_bypass_keeps_a_drafter():
+    profile = fixed_profile(["target", "ngram"], [lambda m: 10.0 * m, None], [None, lambda k: 0.05])
+    plans = simulate(Tuner(profile, max_length=8, warmup_rounds=4, allow_bypass=False), lambda r, i, j: 0.3, 30, random.Random(0))
+    assert all(active == (0, 1) for _, active in plans)
 
 
 @pytest.mark.parametrize("seed", range(6))

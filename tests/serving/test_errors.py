@@ -31,7 +31,7 @@ def stub(server):
     "fields, message",
     [
         ({}, "request has no 'prompt'"),
-        ({"prompt": "x", "prompt_ids": [1, 2]}, "give either 'prompt' or 'prompt_ids', not both"),
+        ({"prompt": "x", "prompt_ids": [1, 2]}, "give one of 'prompt', 'prompt_ids' or 'messages', not several"),
         ({"prompt": "x", "max_new_tokens": -1}, "max_new_tokens must be > 0"),
         ({"prompt": "x", "temperature": -0.5}, "temperature must be >= 0"),
         ({"prompt": "x", "top_p": 2.0}, "top_p must be in (0, 1]"),

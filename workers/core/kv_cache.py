@@ -12,17 +12,27 @@ Two operations cover every case:
 
 The wrapper also remembers which token sits at each cached position, so a tier can find
 how much of a new context it already has (`common_prefix`).
+
+Sliding-window attention layers (Mistral, Gemma, Qwen2 with `use_sliding_window`) get a
+full-length layer here instead of transformers' windowed one, which drops the entries
+that slide out and so cannot roll back past them. The window is still applied, by the
+attention mask (transformers builds it from the config; a tree forward's own mask gets
+it in `polyspec.workers.core.tree.windowed_mask`), so the model computes exactly what it
+computes with its own cache, for the price of keeping the whole context's KV.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 
 class SequenceCache:
     def __init__(self, model_config) -> None:
         self.kv = DynamicCache(config=model_config)
+        # a full layer for every sliding one (see the module doc): exact rollback past the window
+        self.kv.layers = [DynamicLayer() if isinstance(layer, DynamicSlidingWindowLayer) else layer for layer in self.kv.layers]
         self.tokens: list[int] = []  # token at each cached position (tree nodes included)
 
     def __len__(self) -> int:

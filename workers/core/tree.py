@@ -122,3 +122,13 @@ def verify_tree(
             return path, token
         path.append(children[index])
         node = children[index]
+
+
+def windowed_mask(mask: torch.Tensor, query_positions: list[int], slot_positions: list[int], window: int) -> torch.Tensor:
+    """`mask` ([1, 1, Q, S], additive) with every slot at or past `window` positions behind
+    its query hidden: a sliding-window layer's view of a tree forward. Positions are token
+    positions (a tree node's is its prefix length + depth), not cache slots."""
+    queries = torch.tensor(query_positions, dtype=torch.long)[:, None]  # [Q, 1]
+    slots = torch.tensor(slot_positions, dtype=torch.long)[None, :]  # [1, S]
+    outside = (queries - slots) >= window  # [Q, S]; transformers' overlay keeps kv > q - window
+    return mask.masked_fill(outside[None, None], torch.finfo(mask.dtype).min)

@@ -28,7 +28,7 @@ import torch
 from polyspec.workers.core.kv_cache import SequenceCache
 from polyspec.workers.tiers.lean_llama import LeanCache, LeanLlama
 from polyspec.workers.core.sampling import SamplingParams, warp_logits
-from polyspec.workers.core.tree import DraftTree, tree_attention_mask
+from polyspec.workers.core.tree import DraftTree, tree_attention_mask, windowed_mask
 from polyspec.workers.core.verification import draw_without_replacement
 
 NGRAM_MODEL = "ngram"
@@ -173,7 +173,9 @@ class ModelTier(Tier):
         input_ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, T]
         position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)  # [1, T]
         kwargs = {}
-        if mask is not None:
+        if isinstance(mask, dict):
+            kwargs["attention_mask"] = {kind: m.to(self.device) for kind, m in mask.items()}
+        elif mask is not None:
             kwargs["attention_mask"] = mask.to(self.device)
         with torch.inference_mode():
             if self.keep_features:  # the decoder then the head, as the model's own forward does
@@ -239,7 +241,31 @@ class ModelTier(Tier):
             total_len=first_slot + len(nodes),
             dtype=self._dtype,
         )
+        window = self._sliding_window()
+        if window is not None:
+            slot_positions = list(range(first_slot + len(nodes)))
+            for node, slot in pending.node_slots.items():
+                if slot < len(slot_positions):
+                    slot_positions[slot] = pending.prefix_len + depths[node]
+            windowed = windowed_mask(mask, positions, slot_positions, window)
+            layer_types = getattr(self._text_config(), "layer_types", None)
+            # per-layer-type masks where the model mixes full and sliding layers (Qwen2, Gemma);
+            # one windowed mask where every layer slides (Mistral)
+            mask = {"full_attention": mask, "sliding_attention": windowed} if layer_types is not None else windowed
         return self._forward(seq, tail + [tree.tokens[n] for n in nodes], positions, mask)
+
+    def _text_config(self):
+        config = self.model.config
+        return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+    def _sliding_window(self) -> int | None:
+        """The window of the model's sliding-attention layers; None when no layer slides."""
+        config = self._text_config()
+        window = getattr(config, "sliding_window", None)
+        layer_types = getattr(config, "layer_types", None)
+        if not window or (layer_types is not None and "sliding_attention" not in layer_types):
+            return None
+        return int(window)
 
     # ---------------------------------------------------------------------- drafting
 
