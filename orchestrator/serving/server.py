@@ -198,6 +198,11 @@ class PolyspecService(pb_grpc.PolyspecServicer):
             size = len(prompt.encode("utf-8", "surrogatepass"))
             if size > self.limits.max_prompt_bytes:
                 raise LimitExceeded(f"the prompt has {size} bytes (at most {self.limits.max_prompt_bytes})")
+        messages = raw.get("messages")
+        if isinstance(messages, list):
+            size = sum(len(m.get("content", "")) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str))
+            if size > self.limits.max_prompt_bytes:
+                raise LimitExceeded(f"the messages hold {size} characters (at most {self.limits.max_prompt_bytes} bytes)")
         ids = raw.get("prompt_ids")
         if isinstance(ids, list) and len(ids) > self.limits.max_prompt_bytes // 4:
             raise LimitExceeded(f"prompt_ids has {len(ids)} tokens (at most {self.limits.max_prompt_bytes // 4})")

@@ -125,3 +125,21 @@ def test_a_long_prompt_does_not_hold_up_another_requests_tokenizing():
 
     assert asyncio.run(main()) == ("parsed", "short")
     assert not gate.stalled, "a short prompt waited for a long one's tokenizing"
+
+
+def test_sizes_are_checked_before_tokenizing():
+    from polyspec.orchestrator.serving.jobs import LimitExceeded
+    from polyspec.orchestrator.serving.security import Limits
+    from polyspec.workers.core.errors import RequestError
+
+    async def main():
+        return PolyspecService(FakeStore(Gate()), Metrics(), 8, limits=Limits(max_prompt_bytes=2000))
+
+    service = asyncio.run(main())
+    service.check_sizes({"prompt": "x" * 2000, "messages": [{"role": "user", "content": "y" * 2000}]})  # at the limit
+    for raw in ({"prompt": "é" * 1001}, {"messages": [{"role": "user", "content": "y" * 1500}, {"role": "user", "content": "z" * 600}]},
+                {"prompt_ids": [1] * 501}):
+        with pytest.raises(LimitExceeded):
+            service.check_sizes(raw)
+    with pytest.raises(RequestError, match="id has 257 characters"):
+        service.check_sizes({"id": "i" * 257, "prompt": "x"})
