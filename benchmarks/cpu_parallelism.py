@@ -1,4 +1,4 @@
-"""Can two tiers run at the same time on this machine? Forward time alone vs two processes at once.
+"""Can two tiers run at the same time on the machine this runs on? Forward time alone vs two processes at once.
 
     python benchmarks/cpu_parallelism.py [--repeats 150] [--out benchmarks/cpu-parallelism]
 

@@ -1,4 +1,4 @@
-"""Ray mode on this machine: pipelined vs serial stages, and what the distribution costs per token.
+"""Ray mode on the machine this runs on: pipelined vs serial stages, and what the distribution costs per token.
 
     python benchmarks/ray_pipeline.py -c configs/demo-2tier.yaml [--prompts N] [-n TOKENS] [--repeats R]
 

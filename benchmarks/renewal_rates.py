@@ -16,7 +16,7 @@ chains at `--lengths` (as `polyspec tune`'s calibration runs them):
 - both again from the rounds at the longest length only (a chain running it online).
 
 No timing: the numbers are deterministic for a given model and prompt file. docs/time-model.md
-§4 says what the table shows; benchmarks/HISTORY.md §1 has a run of it.
+(acceptance) says what the table shows; benchmarks/HISTORY.md has a run of it.
 """
 
 from __future__ import annotations

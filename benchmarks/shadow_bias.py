@@ -1,4 +1,4 @@
-"""A skip pair's shadow estimate against the same pair measured directly (docs/time-model.md §4).
+"""A skip pair's shadow estimate against the same pair measured directly (docs/time-model.md, shadow estimates).
 
     python benchmarks/shadow_bias.py [-c configs/demo.yaml] [--weighting first|none|all]
 
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from polyspec.harness import tune
-    from polyspec.orchestrator.tuning import tuner as tuner_module
+    from polyspec.orchestrator.tuning import estimates as estimates_module
     from polyspec.orchestrator.config import load_config
     from polyspec.orchestrator.engine import Engine
     from polyspec.orchestrator.tuning.time_model import renewal_rates
@@ -40,20 +40,20 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     if args.weighting != "first":
-        observe = tuner_module.AcceptanceEstimate.observe
+        observe = estimates_module.AcceptanceEstimate.observe
 
         def reweighted(self, proposed, accepted, first_weight=1.0):
             if first_weight == 1.0 or args.weighting == "none":  # a direct observation, or unit weights
                 return observe(self, proposed, accepted)
             # "all": the whole sample at weight 1 / (matched + 1)
             self.blocks += first_weight
-            for position in range(min(accepted, tuner_module.MAX_POSITIONS)):
+            for position in range(min(accepted, estimates_module.MAX_POSITIONS)):
                 self.successes[position] += first_weight
                 self.trials[position] += first_weight
-            if accepted < min(proposed, tuner_module.MAX_POSITIONS):
+            if accepted < min(proposed, estimates_module.MAX_POSITIONS):
                 self.trials[accepted] += first_weight
 
-        tuner_module.AcceptanceEstimate.observe = reweighted
+        estimates_module.AcceptanceEstimate.observe = reweighted
 
     config = load_config(args.config)
     settings = tune.TuneSettings(temperature=0.0, max_new_tokens=args.max_new_tokens, grid_max=6, max_prompts=8)
@@ -67,14 +67,13 @@ def main(argv: list[str] | None = None) -> int:
     full, skip = tuple(range(last + 1)), (0, last)
     for name, prompts in (("tuning", sets.tuning), ("held-out", sets.heldout)):
         ids = [engine.parse_request({"prompt": p, "max_new_tokens": args.max_new_tokens}).prompt_ids for p in prompts]
-        tuner = engine.make_tuner((list(ids[0]) * 10)[:100], max_length=6)
-        tuner.decay = 1.0
+        tuner = engine.make_tuner((list(ids[0]) * 10)[:100], max_length=6, decay=1.0)
         tune.run_plan(engine, Plan((6,) * last, full), ids, settings, tuner)
         shadow = tuner.estimates("greedy", shadow=True)[skip]
         tune.run_plan(engine, Plan((6,) * last, skip), ids, settings, tuner)
         direct = tuner.estimates("greedy")[skip]
         from_direct = tuner.predict("greedy", skip, (6,) * last)
-        tuner._state("greedy").estimates.pop(skip)
+        tuner.class_state("greedy").estimates.pop(skip)
         from_shadow = tuner.predict("greedy", skip, (6,) * last)
         print(f"{name} prompts ({len(ids)} x {args.max_new_tokens} tokens), shadow weighting {args.weighting!r}")
         # the direct estimate is per position of the text: as rounds at k = 6 see it

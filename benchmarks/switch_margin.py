@@ -5,7 +5,7 @@
                                        [--out benchmarks/switch-margin-t0]
 
 The tuner switches to another set of tiers (bypassing one, or bringing it back) only when
-the predicted gain exceeds `Tuner.switch_hysteresis` (docs/time-model.md §4). This runs, on
+the predicted gain exceeds `tuning.switch_hysteresis` (docs/time-model.md, re-tuning). This runs, on
 the held-out prompts `polyspec tune` uses, each fixed plan (full chain) and, per margin, a
 fresh `lengths: auto` tuner (start-up profile, no acceptance data), plus one tuner that
 never bypasses and one that estimates skip pairs from probes only (no shadow estimates); arms interleaved, order reversed every other pass, `repeats` passes, EOS
@@ -16,7 +16,6 @@ best fixed plan, and how often each auto arm changed plan. Not a test: no assert
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import platform
@@ -71,9 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             if arm in fixed:
                 wall[arm].append(tune.run_plan(engine, fixed[arm], ids, settings).wall_ms)
             else:
-                tuner = copy.deepcopy(base)
-                for name, value in autos[arm].items():
-                    setattr(tuner, name, value)
+                tuner = base.copy_with(**autos[arm])
                 wall[arm].append(tune_measure.run_auto(engine, tuner, ids, settings).wall_ms)
                 changes[arm].append(len(tuner.history))
         print(f"pass {repeat + 1}/{args.repeats}: " + ", ".join(f"{a} {wall[a][-1]:.2f}" for a in arms), file=sys.stderr, flush=True)

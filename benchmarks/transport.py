@@ -2,7 +2,7 @@
 
     python benchmarks/transport.py [--repeats 50] [--out benchmarks/transport]
 
-Two processes on this machine (loopback). For each payload size (float32 rows):
+Two processes on the machine this runs on (loopback). For each payload size (float32 rows):
 - grpc:       one unary call of the tier protocol carrying the rows inline (Rows.INLINE),
               request out, empty reply back: what a Draft reply with rows costs;
 - gloo-p2p:   dist.send / dist.recv of the same tensor (what Rows.DIST uses), plus the

@@ -1,4 +1,4 @@
-"""The chain config: a typed, validated object built once from YAML (DESIGN §8).
+"""The chain config: a typed, validated object built once from YAML.
 
     tiers:
       - {name: target, model: <hf id | path>, dtype: float32, device: auto}
@@ -9,6 +9,7 @@
     runtime: {backend: local}
     server: {host: 127.0.0.1, port: 50051}
     batching: {enabled: true, max_requests: 64, max_batched_tokens: 2048, kv_memory_mb: null}
+    tuning: {max_length: 8, hysteresis: 0.03}   # optional: the online tuner's knobs (lengths: auto)
 
 Every mistake is a `ConfigError` with one line that names the offending key.
 """
@@ -96,6 +97,46 @@ class BatchingConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class TuningConfig:
+    """The online tuner's knobs (`speculation.lengths: auto`; polyspec.orchestrator.tuning.tuner).
+    The defaults suit any chain; docs/time-model.md explains each."""
+
+    max_length: int = 8  # the longest speculation length the searches consider
+    retune_every: int = 4  # target rounds between routine re-tunes (as the re-tune budget allows)
+    hysteresis: float = 0.03  # predicted gain new lengths on the same tiers need before the tuner switches
+    switch_hysteresis: float = 0.2  # predicted gain another set of tiers needs (a returning tier re-feeds what it missed)
+    replan_drift: float = 0.1  # once the plan's predicted time has drifted this far, new lengths need no margin
+    decay: float = 0.93  # what acceptance counts keep per target round (1.0: plain counts, no forgetting)
+    prior_mean: float = 0.6  # prior acceptance of position 1 of a block ...
+    prior_strength: float = 2.0  # ... and its weight, in tokens
+    allow_bypass: bool = True  # the tuner may leave tiers out of the chain when that is predicted faster
+    warmup_rounds: int = 8  # a request class's first target rounds: re-tune every round, optimistic acceptance
+    explore_every: int = 64  # while bypassing: the most target rounds between probes of all tiers (0: never)
+    warmup_optimism: float = 1.0  # warm-up searches see acceptance this many posterior sd above the mean
+    probe_optimism: float = 1.0  # the probe schedule sees unrun pairs' acceptance this many sd above the mean
+    shadow: bool = True  # estimate skipped pairs from the committed tokens (polyspec tune measures them directly)
+
+
+# key -> (kind, lowest, highest, whether the lowest value itself is allowed): the checks of each tuning knob
+_TUNING_RANGES = {
+    "max_length": (int, 1, None, True),
+    "retune_every": (int, 1, None, True),
+    "hysteresis": (float, 0.0, 1.0, True),
+    "switch_hysteresis": (float, 0.0, 1.0, True),
+    "replan_drift": (float, 0.0, None, False),
+    "decay": (float, 0.0, 1.0, False),
+    "prior_mean": (float, 0.0, 1.0, False),
+    "prior_strength": (float, 0.0, None, False),
+    "allow_bypass": (bool, None, None, True),
+    "warmup_rounds": (int, 0, None, True),
+    "explore_every": (int, 0, None, True),
+    "warmup_optimism": (float, 0.0, None, True),
+    "probe_optimism": (float, 0.0, None, True),
+    "shadow": (bool, None, None, True),
+}
+
+
+@dataclasses.dataclass(frozen=True)
 class ChainConfig:
     tiers: tuple[TierConfig, ...]
     speculation: SpeculationConfig = SpeculationConfig()
@@ -103,6 +144,7 @@ class ChainConfig:
     runtime: RuntimeConfig = RuntimeConfig()
     server: ServerConfig = ServerConfig()
     batching: BatchingConfig = BatchingConfig()
+    tuning: TuningConfig = TuningConfig()
     source: str | None = None  # the file it was read from
 
     def speculation_lengths(self) -> list[int]:
@@ -255,10 +297,23 @@ def _parse_lengths(raw: Any, num_tiers: int):
     return tuple(raw)
 
 
+def parse_tuning(raw: Any) -> TuningConfig:
+    """The `tuning:` section: every knob typed and in range, or a ConfigError naming it."""
+    values = _check_keys("tuning", raw, TuningConfig)
+    for key, value in values.items():
+        kind, low, high, low_ok = _TUNING_RANGES[key]
+        values[key] = value = _typed("tuning", key, value, kind)
+        if low is not None and (value < low or (value == low and not low_ok)):
+            raise ConfigError(f"config key 'tuning.{key}' must be {'>=' if low_ok else '>'} {low}, got {value}")
+        if high is not None and value > high:
+            raise ConfigError(f"config key 'tuning.{key}' must be <= {high}, got {value}")
+    return TuningConfig(**values)
+
+
 def parse_config(raw: Any, source: str | None = None) -> ChainConfig:
     if not isinstance(raw, dict):
         raise ConfigError("config must be a YAML mapping with a 'tiers' list")
-    known = {"tiers", "speculation", "sampling", "runtime", "server", "batching"}
+    known = {"tiers", "speculation", "sampling", "runtime", "server", "batching", "tuning"}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ConfigError(f"unknown config key '{unknown[0]}' (known keys: {', '.join(sorted(known))})")
@@ -316,8 +371,9 @@ def parse_config(raw: Any, source: str | None = None) -> ChainConfig:
         _typed("server", "port", srv["port"], int)
     server = ServerConfig(**srv)
     batching = _parse_batching(raw.get("batching"))
+    tuning = parse_tuning(raw.get("tuning"))
     return ChainConfig(tiers=tiers, speculation=speculation, sampling=sampling, runtime=runtime, server=server,
-                       batching=batching, source=source)
+                       batching=batching, tuning=tuning, source=source)
 
 
 def _parse_batching(raw: Any) -> BatchingConfig:

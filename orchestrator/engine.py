@@ -1,7 +1,7 @@
 """The engine: a loaded chain plus request handling (validation, tokenization, results).
 
 The CLI, the batch runner and (later) the server all go through `Engine.generate`, so a
-request means the same thing everywhere (DESIGN §8):
+request means the same thing everywhere:
 
     request: {id, prompt | prompt_ids | messages, max_new_tokens, temperature, top_p, top_k, seed}
     result:  {id, text, token_ids, finish_reason, stats}
@@ -23,7 +23,6 @@ from polyspec.workers.core.errors import ConfigError, RequestError
 from polyspec.workers.tiers.loading import load_tiers, quiet_transformers
 from polyspec.workers.core.sampling import SamplingParams
 
-DEFAULT_MAX_LENGTH = 8  # the tuner's largest speculation length
 PROFILE_CONTEXT_TOKENS = 128  # committed tokens when the start-up profile has no real prompt
 PROFILE_MAX_BATCH = 16  # the batched profile stops here; larger batches are extrapolated in proportion to their rows
 SEED_LIMIT = 1 << 63  # seeds are in [0, 2^63): an int64 on the wire, every bit used
@@ -153,12 +152,15 @@ class Engine:
         if close is not None:
             close()
 
-    def make_tuner(self, context: list[int] | None = None, max_length: int = DEFAULT_MAX_LENGTH):
-        """Profile every tier (a few seconds) and build the online tuner (polyspec.orchestrator.tuning.tuner)."""
+    def make_tuner(self, context: list[int] | None = None, **knobs):
+        """Profile every tier (a few seconds) and build the online tuner (polyspec.orchestrator.tuning.tuner)
+        with the config's `tuning:` knobs, `knobs` overriding single ones (`max_length=6`)."""
         from polyspec.orchestrator.tuning.profiler import profile_tiers, synthetic_context
         from polyspec.orchestrator.tuning.tuner import Tuner
 
         spec = self.config.speculation
+        tuning = dataclasses.replace(self.config.tuning, **knobs)
+        max_length = tuning.max_length
         if context is None:
             room = (self.scheduler.max_context or 1 << 30) - 2 * spec.tree_width * max_length - 4
             context = synthetic_context(self.vocab_size, max(2, min(PROFILE_CONTEXT_TOKENS, room)))
@@ -168,12 +170,10 @@ class Engine:
             from polyspec.orchestrator.distributed.driver import profile_remote
 
             profile, _ = profile_remote(self.scheduler, len(context), params, max_length)
-            tuner = Tuner(profile, max_length=max_length, tree_width=spec.tree_width)
-            tuner.distributed = True  # a distributed chain runs every tier (its repair loop bypasses dead ones)
-            tuner.pipelined = bool(self.scheduler.pipeline)
-            return tuner
+            # a distributed chain runs every tier (its repair loop routes around dead ones)
+            return Tuner(profile, tuning, tree_width=spec.tree_width, distributed=True, pipelined=bool(self.scheduler.pipeline))
         profile = profile_tiers(self.tiers, context, params, max_length, spec.tree_width, spec.verifier)
-        return Tuner(profile, max_length=max_length, tree_width=spec.tree_width)
+        return Tuner(profile, tuning, tree_width=spec.tree_width)
 
     @property
     def vocab_size(self) -> int:
@@ -181,13 +181,15 @@ class Engine:
 
     # ------------------------------------------------------------------- requests
 
-    def parse_request(self, raw: dict[str, Any]) -> GenerationRequest:
-        """Validate one request (a JSONL line's object, CLI flags, or an RPC) -> GenerationRequest."""
+    def parse_request(self, raw: dict[str, Any], tokenizer=None) -> GenerationRequest:
+        """Validate one request (a JSONL line's object, CLI flags, or an RPC) -> GenerationRequest.
+        `tokenizer`: a copy of the target's to tokenize with (the server's request threads use
+        their own, so a long prompt never waits on or holds up the model thread's decoding)."""
         if not isinstance(raw, dict):
             raise RequestError(f"a request must be a JSON object, got {type(raw).__name__}")
         unknown = sorted(set(raw) - set(REQUEST_FIELDS))
         if unknown:
-            raise RequestError(f"unknown request field {unknown[0]!r} (known: {', '.join(REQUEST_FIELDS)})")
+            raise RequestError(f"unknown request field {unknown[0][:64]!r} (known: {', '.join(REQUEST_FIELDS)})")
         defaults = self.config.sampling
         prompt, prompt_ids, messages = raw.get("prompt"), raw.get("prompt_ids"), raw.get("messages")
         if sum(x is not None for x in (prompt, prompt_ids, messages)) > 1:
@@ -195,7 +197,7 @@ class Engine:
         if messages is not None:
             if self.tokenizer is None:
                 raise RequestError("the target model has no tokenizer; send 'prompt_ids' instead of 'messages'")
-            ids = encode_chat(self.tokenizer, messages)
+            ids = encode_chat(tokenizer or self.tokenizer, messages)
         elif prompt_ids is not None:
             if not isinstance(prompt_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids):
                 raise RequestError("prompt_ids must be a list of integers")
@@ -208,7 +210,7 @@ class Engine:
                 raise RequestError(f"prompt must be a string, got {type(prompt).__name__}")
             if self.tokenizer is None:
                 raise RequestError("the target model has no tokenizer; send 'prompt_ids' instead of 'prompt'")
-            ids = encode_prompt(self.tokenizer, prompt) if prompt else []
+            ids = encode_prompt(tokenizer or self.tokenizer, prompt) if prompt else []
         else:
             raise RequestError("request has no 'prompt' (or 'prompt_ids' or 'messages')")
         if not ids:

@@ -153,18 +153,15 @@ def read_requests(path: str) -> list[dict]:
     return requests
 
 
-def _write_results(results, output: str | None) -> int:
-    count = 0
+def _write_results(results, output: str | None) -> None:
     out = open(output, "w", encoding="utf-8") if output else sys.stdout
     try:
         for result in results:
             out.write(json.dumps(result) + "\n")
             out.flush()
-            count += 1
     finally:
         if output:
             out.close()
-    return count
 
 
 def _describe(job) -> str:

@@ -16,52 +16,7 @@ import torch
 
 torch.set_num_threads(1)
 
-EOS = "<|endoftext|>"
-
-
-def make_tokenizer(extra_tokens: int = 0):
-    """Byte-level tokenizer with no merges: 256 byte tokens + EOS (+ `extra_tokens` fillers)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {symbol: i for i, symbol in enumerate(sorted(alphabet))}
-    for j in range(extra_tokens):
-        vocab[f"<extra_{j}>"] = len(vocab)
-    vocab[EOS] = len(vocab)
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=EOS, bos_token=EOS)
-
-
-def make_model(path, tokenizer, hidden: int, layers: int, seed: int, context: int = 256, init_scale: float = 0.2, base=None, noise: float = 0.0):
-    """A random Llama saved with its tokenizer. `base` + `noise`: a perturbed copy of another model."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden,
-        intermediate_size=hidden * 2,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=context,
-        initializer_range=init_scale,  # larger than the default 0.02: sharper, less tie-prone logits
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(config)
-    if base is not None:
-        model.load_state_dict(base.state_dict())
-        with torch.no_grad():
-            for parameter in model.parameters():
-                parameter.add_(noise * parameter.std() * torch.randn_like(parameter))
-    model.save_pretrained(str(path))
-    tokenizer.save_pretrained(str(path))
-    return model
+from tiny_models import EOS, make_model, make_tokenizer  # noqa: E402,F401  (fixtures below; tests import tiny_models)
 
 
 @pytest.fixture(scope="session")
@@ -104,11 +59,11 @@ def tiny_drafters(tiny_family, tmp_path_factory):
     head, meta = new_drafter("feature", target)
     train(target, head, FeatureObjective(target, head, "fspad"), stream, root / "feature.ckpt",
           steps=30, batch=4, context=48, lr=3e-3, minutes=5, seed=0, desc="tiny feature head")
-    save_drafter(root / "feature", "feature", head, meta)
+    save_drafter(root / "feature", "feature", head, meta, torch.float32)
     adapter, meta = new_drafter("early_exit", target, layers=1)
-    save_drafter(root / "early_exit", "early_exit", adapter, meta)
+    save_drafter(root / "early_exit", "early_exit", adapter, meta, torch.float32)  # exact: the target itself
     with torch.no_grad():
         for parameter in adapter.parameters():
             parameter.add_(0.3 * parameter.std() * torch.randn_like(parameter))
-    save_drafter(root / "early_exit_noisy", "early_exit", adapter, meta)
+    save_drafter(root / "early_exit_noisy", "early_exit", adapter, meta, torch.float32)
     return {**tiny_family, **{name: str(root / name) for name in ("feature", "early_exit", "early_exit_noisy")}}

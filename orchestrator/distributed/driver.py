@@ -368,22 +368,3 @@ def profile_remote(chain: DistributedChain, context_len: int, params: SamplingPa
         draft.append(fit(drafts) if drafts else None)
         prefill.append(list(reply.prefill_ms))
     return LatencyProfile([view.name for view in views], forward, draft), prefill
-
-
-def in_process_chain(tiers, lengths: list[int], *, eos_token_ids=(), tree_width: int = 1, scheme: str = "specinfer",
-                     pipeline: bool = False, host: str = "127.0.0.1") -> tuple[DistributedChain, list]:
-    """Loaded `tiers` (target first) served by TierWorkers in this process, wired over gRPC on
-    loopback: the distributed protocol without Ray (tests, and the transport overhead benchmark).
-    Returns the chain and the workers (stop them with `worker.stop()`)."""
-    from polyspec.orchestrator.distributed.worker import TierWorker
-
-    workers = [TierWorker(tier, i, eos_token_ids=eos_token_ids, host=host) for i, tier in enumerate(tiers)]
-    for upper, lower in zip(reversed(workers[:-1]), reversed(workers[1:])):
-        upper.connect(lower.address)
-    contexts = [t.max_context for t in tiers if t.max_context]
-    membership = StaticMembership([w.address for w in workers], [t.name for t in tiers])
-    for view, tier in zip(membership.views, tiers):
-        view.vocab_size, view.max_context = tier.vocab_size, tier.max_context
-    chain = DistributedChain(membership, lengths, tree_width=tree_width, scheme=scheme, eos_token_ids=tuple(eos_token_ids),
-                             max_context=min(contexts) if contexts else None, pipeline=pipeline)
-    return chain, workers

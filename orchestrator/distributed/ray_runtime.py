@@ -1,7 +1,7 @@
-"""`runtime.backend: ray`: one Ray actor per tier, on one node or many (DESIGN §6).
+"""`runtime.backend: ray`: one Ray actor per tier, on one node or many.
 
 Ray owns placement, lifecycle and restarts; the data plane is the tier-to-tier gRPC protocol
-served by each actor's TierWorker on its node's address (workers/tier_worker.py), and the
+served by each actor's TierWorker on its node's address (polyspec.orchestrator.distributed.worker), and the
 driver is polyspec.orchestrator.distributed.driver.DistributedChain. This module:
 
 - checks the cluster can place every tier before asking (a tier whose resources no node has
@@ -182,7 +182,7 @@ class RayMembership(Membership):
         import ray
 
         refs = [actor.info.remote() for actor in self.actors]
-        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=START_TIMEOUT_S)
+        _, pending = ray.wait(refs, num_returns=len(refs), timeout=START_TIMEOUT_S)
         if pending:
             stuck = [self.config.tiers[refs.index(ref)].name for ref in pending]
             self.close()

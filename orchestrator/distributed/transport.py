@@ -1,4 +1,4 @@
-"""Transport between distributed tiers (DESIGN §6): the gRPC proxy of a remote tier, and
+"""Transport between distributed tiers: the gRPC proxy of a remote tier, and
 how dense probability rows travel.
 
 `RemoteTier` implements `polyspec.workers.tiers.tier.Tier` on top of the tier-to-tier protocol
@@ -15,13 +15,12 @@ Rows (only sampling needs them: greedy blocks are token ids):
 - DIST    torch.distributed point-to-point (NCCL between tiers on distinct GPUs, gloo
           otherwise), the gRPC message carrying only the tag.
 
-Which one, by measurement (benchmarks/transport.md: two processes on loopback, this 2-core
-machine, vocabulary 32000): a Draft round trip carrying rows inline costs 0.5 ms with no
-rows, 0.9 ms with one row (128 KB) and 5 ms with a k=8 block (1 MB) — protobuf copies the
-bytes several times — while a gloo send/recv of the same block costs 0.5-0.9 ms on top of
-the 0.5 ms gRPC call that carries its tag. The crossover is near 256 KB (DIST_MIN_BYTES):
-below it inline wins, above it gloo does, by 3-5x at 1-16 MB. (FACTS.md's 2-3 ms per gloo
-message is the p90 here, under load.) `tensor_transport: auto` still keeps CPU rows inline:
+Which one, by measurement (benchmarks/transport.py, two processes on loopback, vocabulary
+32000; its table: benchmarks/transport.md): protobuf copies inline bytes several times, so
+an inline round trip grows with the rows (about ten times slower for a k=8 block of 1 MB than
+with no rows), while a gloo send/recv of the same block costs about one extra gRPC call on
+top of the call that carries its tag. The crossover is near 256 KB (DIST_MIN_BYTES): below
+it inline wins, above it gloo does, by 3-5x at 1-16 MB. `tensor_transport: auto` still keeps CPU rows inline:
 a torch.distributed group is fixed at start-up and a restarted tier cannot rejoin it, so
 inline is what survives failover; the demo vocabulary's blocks (k x 4096 x 4 bytes) stay
 under the crossover anyway. Ask for `gloo` to trade that for speed on big vocabularies;

@@ -1,4 +1,4 @@
-"""One tier of a distributed chain: its model, its gRPC service, its draft-ahead loop (DESIGN §4, §6).
+"""One tier of a distributed chain: its model, its gRPC service, its draft-ahead loop.
 
 A `TierWorker` owns one `Tier` and serves the tier-to-tier protocol
 (protos/polyspec/v1/tier.proto) on its node's address. A verifier holds a `RemoteTier`
@@ -9,7 +9,7 @@ neighbours talk directly and the driver only calls the target's `Verify`.
 
 Concurrency: the gRPC server has a thread per call, so while the target scores request A,
 the drafters draft request B. One model forward at a time per tier (`ModelLock`); calls of
-one sequence are serialised by the sequence's lock.
+one sequence are serialised by the sequence's lock (model_lock.py).
 
 Pipelined mode (`header.pipeline`): after handing a block up, a drafter keeps drafting past
 it (`_ahead`), betting the block is accepted. Its stream is tagged with the verifier's epoch;
@@ -26,7 +26,6 @@ tier drafts or verifies alone; the target alone is always a valid chain) and the
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import statistics
@@ -45,6 +44,15 @@ from polyspec.orchestrator.tuning.time_model import AHEAD_SMOOTHING, AHEAD_THRES
 from polyspec.protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
 from polyspec.workers.core.sampling import SamplingParams
 from polyspec.workers.tiers.tier import Tier
+from polyspec.orchestrator.distributed.model_lock import (
+    LockedTier,
+    ModelLock,
+    add_model_seconds,
+    drafting_ahead,
+    model_seconds,
+    set_drafting_ahead,
+    set_model_seconds,
+)
 from polyspec.orchestrator.distributed.transport import (
     CHANNEL_OPTIONS,
     Counters,
@@ -62,83 +70,6 @@ AHEAD_THREADS = 8
 # idle core; on a shared one they slow the verifier (benchmarks/ray-pipeline.md), so a
 # sequence drafts ahead only while its blocks are mostly accepted whole (EMA >= threshold).
 AHEAD_PRIOR = 0.5
-
-_local = threading.local()  # per thread: model seconds of the current call, lock priority
-
-
-def _model_seconds() -> float:
-    return getattr(_local, "model_s", 0.0)
-
-
-class ModelLock:
-    """One forward at a time; calls a verifier waits on go before draft-ahead work."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._busy = False
-        self._urgent_waiting = 0
-
-    @contextlib.contextmanager
-    def hold(self):
-        urgent = not getattr(_local, "ahead", False)
-        with self._cond:
-            if urgent:
-                self._urgent_waiting += 1
-            while self._busy or (not urgent and self._urgent_waiting):
-                self._cond.wait()
-            if urgent:
-                self._urgent_waiting -= 1
-            self._busy = True
-        started = time.perf_counter()
-        try:
-            yield
-        finally:
-            _local.model_s = _model_seconds() + time.perf_counter() - started
-            with self._cond:
-                self._busy = False
-                self._cond.notify_all()
-
-
-class LockedTier(Tier):
-    """A local tier behind the worker's ModelLock (the scheduler code stays unaware of threads)."""
-
-    def __init__(self, tier: Tier, lock: ModelLock) -> None:
-        self.inner = tier
-        self.lock = lock
-        for name in ("name", "vocab_size", "max_context", "can_verify", "deterministic_drafts"):
-            setattr(self, name, getattr(tier, name))
-
-    @property
-    def busy_s(self) -> float:
-        return self.inner.busy_s
-
-    @property
-    def forwards(self) -> int:
-        return self.inner.forwards
-
-    def draft(self, *args, **kwargs):
-        with self.lock.hold():
-            return self.inner.draft(*args, **kwargs)
-
-    def draft_tree(self, *args, **kwargs):
-        with self.lock.hold():
-            return self.inner.draft_tree(*args, **kwargs)
-
-    def score(self, *args, **kwargs):
-        with self.lock.hold():
-            return self.inner.score(*args, **kwargs)
-
-    def accept_path(self, *args, **kwargs):
-        with self.lock.hold():
-            return self.inner.accept_path(*args, **kwargs)
-
-    def release(self, seq_id):
-        with self.lock.hold():
-            return self.inner.release(seq_id)
-
-    def truncate(self, seq_id, length):
-        with self.lock.hold():
-            return self.inner.truncate(seq_id, length)
 
 
 @dataclasses.dataclass
@@ -219,7 +150,7 @@ class _Recorder:
     def observe_round(self, level, drafter, length, proposed, accepted, seconds) -> None:
         self.seq.reports.append(tier_pb2.StageReport(tier=self.worker.index, drafter=self.lower.index, length=length,
                                                      proposed=proposed, accepted=accepted, seconds=seconds,
-                                                     ahead=getattr(_local, "ahead", False)))
+                                                     ahead=drafting_ahead()))
 
     def observe_draft(self, *args) -> None:
         pass
@@ -339,7 +270,7 @@ class TierWorker:
 
     def verify(self, request: tier_pb2.VerifyRequest) -> tier_pb2.VerifyReply:
         seq = self._sequence(request.header)
-        _local.model_s = 0.0
+        set_model_seconds(0.0)
         with seq.cond:
             seq.reset_call()
             context = list(request.context)
@@ -350,7 +281,7 @@ class TierWorker:
                 return emitted
 
             emitted = self._with_fallback(seq, one_round)[: request.max_tokens]
-            return tier_pb2.VerifyReply(tokens=emitted, stages=seq.take_reports(), model_s=_model_seconds() + seq.model_below_s,
+            return tier_pb2.VerifyReply(tokens=emitted, stages=seq.take_reports(), model_s=model_seconds() + seq.model_below_s,
                                         degraded=seq.degraded, degraded_reason=self.lower_error if seq.degraded else "")
 
     # ------------------------------------------------------------------- draft
@@ -362,14 +293,14 @@ class TierWorker:
         with seq.cond:
             # a draft-ahead round holds the sequence: waiting for it is this tier's model time
             # on the caller's critical path, not transport overhead
-            _local.model_s = time.perf_counter() - started
+            set_model_seconds(time.perf_counter() - started)
             seq.reset_call()
             if request.tree:
                 tree = self._with_fallback(seq, lambda s: self._draft_tree(s, seq, context, need))
                 self._report_draft(seq, need, len(tree.tokens))
                 return tier_pb2.DraftReply(tokens=tree.tokens, parents=tree.parents,
                                            rows=encode_rows(tree.draft_rows, self.counters, self.dist, dst_rank),
-                                           model_s=_model_seconds() + seq.model_below_s, stages=seq.take_reports(),
+                                           model_s=model_seconds() + seq.model_below_s, stages=seq.take_reports(),
                                            degraded=seq.degraded)
             continued = request.header.pipeline and seq.served_end >= 0 and request.header.epoch == seq.served_epoch \
                 and len(context) >= seq.served_end
@@ -406,7 +337,7 @@ class TierWorker:
                 continues = continues or len(seq.stream.tokens) > seq.served_end  # overshoot already drafted
                 self._start_ahead(seq)
             reply = tier_pb2.DraftReply(tokens=tokens, rows=encode_rows(rows, self.counters, self.dist, dst_rank),
-                                        model_s=_model_seconds() + seq.model_below_s, ahead_hit=hit is not None,
+                                        model_s=model_seconds() + seq.model_below_s, ahead_hit=hit is not None,
                                         stages=seq.take_reports(), degraded=seq.degraded, continues=continues)
         return reply
 
@@ -414,7 +345,7 @@ class TierWorker:
         """As the bottom of the chain: how long this proposal took (the tuner's draft_ms)."""
         if self.lower is None:
             seq.reports.append(tier_pb2.StageReport(tier=self.index, drafter=self.index, length=need, proposed=proposed,
-                                                    seconds=_model_seconds()))
+                                                    seconds=model_seconds()))
 
     def _emit(self, scheduler, seq: _Sequence, context: list[int], need: int):
         return scheduler.emit(seq.run, 0, context, need)
@@ -437,7 +368,7 @@ class TierWorker:
         while stream is seq.stream and len(stream.tokens) - len(context) < need and seq.ahead_running:
             seq.cond.wait()
         # waiting for the drafting ahead is model time on the caller's critical path, not overhead
-        _local.model_s = _model_seconds() + time.perf_counter() - started
+        add_model_seconds(time.perf_counter() - started)
         if stream is not seq.stream:
             return None
         start = len(context) - stream.base
@@ -458,7 +389,7 @@ class TierWorker:
 
     def _ahead(self, seq: _Sequence) -> None:
         """Extend `seq.stream` up to `seq.ahead_until` tokens, a round (or a token) at a time."""
-        _local.ahead = True
+        set_drafting_ahead(True)
         try:
             while True:
                 with seq.cond:
@@ -488,7 +419,7 @@ class TierWorker:
             with seq.cond:
                 seq.ahead_running = False
                 seq.cond.notify_all()
-            _local.ahead = False
+            set_drafting_ahead(False)
 
     # --------------------------------------------------------------- verdicts
 

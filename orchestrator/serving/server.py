@@ -15,14 +15,15 @@ token -> UNAUTHENTICATED, queue full or a limit (security.Limits) -> RESOURCE_EX
 loading / draining / no valid chain -> UNAVAILABLE, bytes that are not the method's message
 -> INVALID_ARGUMENT. Each with one line of text.
 
-Nothing that can block runs on the event loop: tokenizing (under the tokenizer lock the
-round thread also takes) and every SQLite call go through `asyncio.to_thread`, and every
-size is checked before that work starts.
+Nothing that can block runs on the event loop: tokenizing (with a copy of the tokenizer,
+so the round thread's decoding never waits for it) and every SQLite call go through
+`asyncio.to_thread`, and every size is checked before that work starts.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import threading
 import time
@@ -134,11 +135,15 @@ class PolyspecService(pb_grpc.PolyspecServicer):
         self.scheduler: RoundScheduler | None = None
         self.draining = False
         self.started = time.time()
-        self.tokenizer_lock = threading.Lock()
+        self.tokenizer_lock = threading.Lock()  # the engine's tokenizer: the round thread's (decoding)
+        self.prompt_tokenizer = None  # a copy for tokenizing requests in worker threads
+        self.prompt_lock = threading.Lock()
         self._jobs_changed = asyncio.Event()
         self._loop = asyncio.get_running_loop()
 
     def attach(self, engine, scheduler: RoundScheduler) -> None:
+        if getattr(engine, "tokenizer", None) is not None:
+            self.prompt_tokenizer = copy.deepcopy(engine.tokenizer)
         self.engine, self.scheduler = engine, scheduler
 
     def jobs_changed(self) -> None:
@@ -185,10 +190,11 @@ class PolyspecService(pb_grpc.PolyspecServicer):
             raise LimitExceeded(f"prompt_ids has {len(ids)} tokens (at most {self.limits.max_prompt_bytes // 4})")
 
     def parse_now(self, raw: dict):
-        """Validate and tokenize (on the calling thread: never the event loop's)."""
+        """Validate and tokenize (on the calling thread: never the event loop's), with the
+        request threads' own tokenizer: the round thread's decoding never waits for it."""
         self.check_sizes(raw)
-        with self.tokenizer_lock:
-            return self.engine.parse_request(raw)
+        with self.prompt_lock:
+            return self.engine.parse_request(raw, tokenizer=self.prompt_tokenizer)
 
     async def parse(self, raw: dict):
         self.check_sizes(raw)  # cheap, and before the thread hop

@@ -21,8 +21,9 @@ step time is also corrected online by the ratio of measured to predicted step ti
 that plan and batch size (Python overhead, rounds that overshoot), and every
 `EXPLORE_EVERY` steps the planner runs one step on the other side (off when speculating,
 the best speculating plan when off). The measured tokens/s of both sides are kept per batch
-size: when speculating has measured slower than not, speculation stays off whatever the
-model predicts, so under load the planner is not slower than speculation off.
+size: the first step at a new batch size runs with speculation off (the bar to clear), and
+when speculating has measured slower than not, speculation stays off whatever the model
+predicts, so under load the planner is not slower than speculation off.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ WIDTH_GRID = (1, 4, 8, 16)
 PROFILE_CONTEXT = 128
 SMOOTHING = 0.2
 EXPLORE_EVERY = 24  # steps with speculation on between two steps with it off (per batch-size bucket)
-PRIOR_RATE = 0.9  # acceptance rate before any round is seen: optimistic, so every drafter gets tried
+PRIOR_RATE = 0.8  # acceptance rate before any round is seen (a model drafter; the lookup's is LOOKUP_PRIOR_RATE)
+LOOKUP_PRIOR_RATE = 0.5
 PRIOR_WEIGHT = 4.0  # ... worth this many observed tokens
 LENGTHS = (3, 6, 12)
 INNER_LENGTHS = (4, 10)
@@ -194,8 +196,9 @@ class BatchPlanner:
 
     def rate(self, level: int, drafter: int, greedy: bool = True) -> float:
         key = (level, drafter, greedy)
-        accepted = self.accepted.get(key, 0.0) + PRIOR_RATE * PRIOR_WEIGHT
-        rejected = self.rejected.get(key, 0.0) + (1 - PRIOR_RATE) * PRIOR_WEIGHT
+        prior = PRIOR_RATE if self.tables[drafter] is not None else LOOKUP_PRIOR_RATE
+        accepted = self.accepted.get(key, 0.0) + prior * PRIOR_WEIGHT
+        rejected = self.rejected.get(key, 0.0) + (1 - prior) * PRIOR_WEIGHT
         return accepted / (accepted + rejected)
 
     # ------------------------------------------------------------- the model
@@ -240,16 +243,25 @@ class BatchPlanner:
         ms *= self.corrected(plan, bucket(batch))
         return batch * tokens / max(ms, 1e-6) * 1000.0
 
+    def allowed(self, batch: int) -> list[Plan]:
+        return [p for p in self.plans if self.fits(p, batch)] or self.plans[:1]
+
+    def predicted_best(self, batch: int) -> Plan:
+        """The plan the time model (with its online corrections) expects to give the most tokens/s."""
+        return max(self.allowed(batch), key=lambda p: self.goodput(p, batch))
+
     def plan(self, batch: int, params: list[SamplingParams] | None = None) -> tuple[list[int], tuple[int, ...]]:
         """(lengths, active tiers) for the next step of `batch` requests."""
         group = bucket(batch)
         if params:
             self.greedy_share = sum(p.greedy for p in params) / len(params)
-        allowed = [p for p in self.plans if self.fits(p, batch)] or self.plans[:1]
-        best = max(allowed, key=lambda p: self.goodput(p, batch))
+        allowed = self.allowed(batch)
+        best = self.predicted_best(batch)
         off = self.plans[0]
         spec_rate, off_rate = self.measured.get((group, True)), self.measured.get((group, False))
-        if best.speculating and spec_rate is not None and off_rate is not None and spec_rate < off_rate:
+        if best.speculating and off_rate is None:
+            best = off  # first measure "off" at this load: the bar speculation has to clear
+        elif best.speculating and spec_rate is not None and spec_rate < off_rate:
             best = off  # measured: speculating at this load has been slower than not
         self.steps[group] = self.steps.get(group, 0) + 1
         if self.steps[group] >= EXPLORE_EVERY:  # measure the other side again now and then
@@ -277,7 +289,7 @@ class BatchPlanner:
 # ----------------------------------------------------------------- profiling
 
 
-def profile_batched(tiers, vocab_size: int, max_batch: int, repeats: int = 1) -> tuple[list[ForwardTable | None], list[float]]:
+def profile_batched(tiers, vocab_size: int, max_batch: int, repeats: int = 2) -> tuple[list[ForwardTable | None], list[float]]:
     """Start-up tables: each model tier's forward on the (batch, width) grid, each lookup tier's ms per request."""
     generator = torch.Generator().manual_seed(0)
     tables: list[ForwardTable | None] = []
@@ -290,6 +302,7 @@ def profile_batched(tiers, vocab_size: int, max_batch: int, repeats: int = 1) ->
             for _ in range(8):
                 tier.draft_batch([("profile", index)], [context], [8], [SamplingParams()], [None])
             lookup.append((time.perf_counter() - started) / 8 * 1000.0)
+            tier.release(("profile", index))
             tables.append(None)
             continue
         lookup.append(0.0)
@@ -315,8 +328,23 @@ def profile_batched(tiers, vocab_size: int, max_batch: int, repeats: int = 1) ->
             if b not in batches:
                 for w in WIDTH_GRID:
                     ms[(b, w)] = ms[(batches[-1], w)] * b / batches[-1]
-        tables.append(ForwardTable(ms))
+        tables.append(ForwardTable(monotone(ms)))
     return tables, lookup
+
+
+def monotone(ms: dict[tuple[int, int], float]) -> dict[tuple[int, int], float]:
+    """A forward never gets cheaper with more rows or more tokens: each cell becomes the smallest
+    measurement at or beyond it, so one slow outlier (a busy machine) cannot dent the table."""
+    out = dict(ms)
+    for b in BATCH_GRID:
+        for w in reversed(WIDTH_GRID[:-1]):
+            nxt = WIDTH_GRID[WIDTH_GRID.index(w) + 1]
+            out[(b, w)] = min(out[(b, w)], out[(b, nxt)])
+    for w in WIDTH_GRID:
+        for b in reversed(BATCH_GRID[:-1]):
+            nxt = BATCH_GRID[BATCH_GRID.index(b) + 1]
+            out[(b, w)] = min(out[(b, w)], out[(nxt, w)])
+    return out
 
 
 def _chains(tokens: list[int], count: int):

@@ -62,7 +62,7 @@ class EngineSystem(System):
         result = self.engine.generate(request)
         seconds = time.perf_counter() - started
         stats = result["stats"]
-        busy = {tier["tier"]: tier["busy_s"] for tier in stats["tiers"]}
+        busy = {tier["tier"]: tier["busy_s"] for tier in stats.get("tiers", [])} or None  # the Ray driver reports no per-tier time
         return RunOutcome(result["token_ids"], seconds, stats["stages"] or None, busy)
 
 

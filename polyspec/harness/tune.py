@@ -62,7 +62,8 @@ from polyspec.harness.tune_prompts import PromptSets, split_prompts
 from polyspec.harness.tune_report import Confirmation, Contenders, TuneResults, build_report, format_report, tier_report
 from polyspec.orchestrator.config import ChainConfig, load_config
 from polyspec.orchestrator.engine import Engine
-from polyspec.orchestrator.tuning.time_model import first_round_ms, generation_ms, latency
+from polyspec.orchestrator.tuning.time_model import latency
+from polyspec.orchestrator.tuning.chain_model import first_round_ms, generation_ms
 from polyspec.orchestrator.tuning.tuner import Plan, Tuner, request_class
 
 CONFIRM_TOP = 5  # grid points measured again with the tuner's choice (see confirm)
@@ -110,7 +111,7 @@ def calibrate_first_rounds(tuner: Tuner, key: str, runs: list[tuple[Plan, list[f
             if modelled > 0:
                 ratios.append(wall / modelled)
     if ratios:
-        tuner.first_round_scale = statistics.median(ratios)
+        tuner.set_first_round_scale(statistics.median(ratios))
 
 
 
@@ -137,19 +138,19 @@ def calibrate(engine: Engine, prompt_ids: list[list[int]], settings: TuneSetting
     log("profiling the tiers")
     typical = int(statistics.median(len(ids) for ids in prompt_ids)) + settings.max_new_tokens // 2
     context = (list(prompt_ids[0]) * (typical // len(prompt_ids[0]) + 1))[:typical]
+    # calibration: plain counts over all prompts (no decay); skip pairs are measured directly below
+    calibrating = dataclasses.replace(engine.config.tuning, max_length=settings.grid_max, decay=1.0, shadow=False)
     if distributed(engine):  # every tier profiles itself (and its prefills) in its own process
         from polyspec.orchestrator.distributed.driver import profile_remote
 
         profile, prefill_ms = profile_remote(engine.scheduler, typical, settings.params(), settings.grid_max,
                                              prefill_lens=[len(ids) for ids in prompt_ids])
-        tuner = Tuner(profile, max_length=settings.grid_max, tree_width=engine.scheduler.tree_width)
-        tuner.distributed, tuner.pipelined = True, bool(engine.scheduler.pipeline)
+        tuner = Tuner(profile, calibrating, tree_width=engine.scheduler.tree_width, distributed=True,
+                      pipelined=bool(engine.scheduler.pipeline))
         prefills = [[prefill_ms[tier][number] for tier in range(len(engine.tiers))] for number in range(len(prompt_ids))]
     else:
-        tuner = engine.make_tuner(context, max_length=settings.grid_max)
+        tuner = engine.make_tuner(context, **dataclasses.asdict(calibrating))
         prefills = [measure_prefill_ms(engine, list(ids)) for ids in prompt_ids]
-    tuner.decay = 1.0  # calibration: plain counts over all prompts
-    tuner.shadow = False  # skip pairs are measured directly below
     profile = tuner.profile
     first_forward = [latency(profile.forward_ms(i), 1) if profile.forward[i] is not None else 0.0 for i in range(len(engine.tiers))]
     prefill_extra = [[max(0.0, ms - first) for ms, first in zip(row, first_forward)] for row in prefills]
@@ -249,8 +250,8 @@ def fresh_tuners(tuner: Tuner, grid_max: int):
         profile.online_forward.clear()
         profile.online_draft.clear()
         profile.plain_means = False  # (the calibration's tables are pass means; a tuner's are EMAs)
-        fresh = Tuner(profile, max_length=grid_max, tree_width=tuner.tree_width)
-        fresh.distributed, fresh.pipelined = tuner.distributed, tuner.pipelined
+        fresh = Tuner(profile, max_length=grid_max, tree_width=tuner.tree_width, distributed=tuner.distributed,
+                      pipelined=tuner.pipelined)
         return fresh
 
     return make

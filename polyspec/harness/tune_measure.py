@@ -134,10 +134,10 @@ def interleaved_pass(engine: Engine, items: list, prompt_ids: list[list[int]], s
                     scheduler.lengths, scheduler.active = list(item.lengths), tuple(item.active)
                 elif isinstance(item, tuple):
                     plan, scheduler.tuner = item
-                    scheduler.tuner.fixed = plan
+                    scheduler.tuner.fix(plan)
                     scheduler.lengths, scheduler.active = list(plan.lengths), tuple(plan.active)
                 else:
-                    item.fixed = None
+                    item.fix(None)
                     scheduler.tuner = item
                 cpu_started = time.process_time()
                 output = scheduler.generate(list(ids), settings.max_new_tokens, params, seed=request_seed(settings, seed, number))
@@ -295,16 +295,16 @@ def measure_shift(engine: Engine, tuner: Tuner, code_ids: list[list[int]], prose
     params = settings.params()
     key = request_class(params)
     engine.scheduler.tuner = tuner
-    tuner.fixed = None
+    tuner.fix(None)
     try:
         for number, ids in enumerate(code_ids):
             engine.scheduler.generate(list(ids), settings.max_new_tokens, params, seed=settings.seed + number)
-        switch_round = tuner._state(key).rounds
-        plan_before = tuner._state(key).plan
+        switch_round = tuner.class_state(key).rounds
+        plan_before = tuner.class_state(key).plan
         at_switch = shift_view(engine, tuner, key)
         for number, ids in enumerate(prose_ids):
             engine.scheduler.generate(list(ids), settings.max_new_tokens, params, seed=settings.seed + 100 + number)
-        end_round = tuner._state(key).rounds
+        end_round = tuner.class_state(key).rounds
     finally:
         engine.scheduler.tuner = None
     changes = [h for h in tuner.history if h["round"] > switch_round]

@@ -12,7 +12,7 @@ from polyspec.harness.bench import machine_info
 from polyspec.harness.tune_measure import Measurement, TuneSettings
 from polyspec.orchestrator.config import ChainConfig
 from polyspec.orchestrator.engine import Engine
-from polyspec.orchestrator.tuning.time_model import relative_error
+from polyspec.orchestrator.tuning.chain_model import relative_error
 from polyspec.orchestrator.tuning.tuner import Plan, Tuner
 
 

@@ -1,7 +1,7 @@
 """The demo model family, trained from the Python standard library's own source.
 
-No model hub is reachable from the machines polyspec is developed on, so the project
-trains its own small family (DESIGN §7): a byte-level BPE tokenizer and Llama-style
+So that the tests, the demo and the benchmarks need no model hub, the project trains its
+own small family: a byte-level BPE tokenizer and Llama-style
 models of very different sizes, all on the `.py` files of the running interpreter's
 standard library. Everything is deterministic from one seed, checkpointed so an
 interrupted build resumes where it stopped, and the finished weights are small enough

@@ -11,7 +11,7 @@ import pytest
 
 from family_chains import tier_specs
 from polyspec.orchestrator.config import parse_config
-from polyspec.orchestrator.distributed.driver import in_process_chain
+from inprocess_chain import in_process_chain
 from polyspec.orchestrator.engine import Engine
 from polyspec.workers.tiers.loading import load_tiers
 from polyspec.workers.core.sampling import SamplingParams
@@ -104,8 +104,7 @@ def test_online_tuner_sets_lengths_of_a_distributed_chain(tiny_family, embedded,
         assert profile.forward[0] and profile.forward[1] and profile.forward[2] is None  # the bottom only drafts
         assert sorted(profile.draft[2]) == [1, 2, 3, 4] and profile.draft[0] is None
         assert len(prefill[0]) == 2 and all(ms > 0 for ms in prefill[0])
-        tuner = Tuner(profile, max_length=4, retune_every=2, warmup_rounds=2)
-        tuner.distributed, tuner.pipelined = True, pipeline
+        tuner = Tuner(profile, max_length=4, retune_every=2, warmup_rounds=2, distributed=True, pipelined=pipeline)
         chain.tuner = tuner
         jobs = [(ids, MAX_NEW, SamplingParams(temperature=0.0), None) for ids, _ in embedded.values()] * 2
         results = {}
@@ -118,7 +117,7 @@ def test_online_tuner_sets_lengths_of_a_distributed_chain(tiny_family, embedded,
         assert tuner.history and all(entry["active"] == ["target", "mid", "small"] for entry in tuner.history)  # no bypass
         for out in results.values():  # each request ran the plans the tuner chose
             assert out.stats["plans"] and all(plan["lengths"] in [h["lengths"] for h in tuner.history] for plan in out.stats["plans"])
-        tuner.fixed = Plan((3, 2), (0, 1, 2), 0.0)  # the driver sends the tuner's lengths with every round
+        tuner.fix(Plan((3, 2), (0, 1, 2), 0.0))  # the driver sends the tuner's lengths with every round
         ids, expected = next(iter(embedded.values()))
         out = chain.generate(ids, MAX_NEW, SamplingParams(temperature=0.0))
         assert out.token_ids == expected
@@ -192,8 +191,7 @@ def pipelined_chain_with_tuner(tiny_family, tuner_class):
         profile, _ = profile_remote(chain, 24, SamplingParams(temperature=0.0), max_length=4, repeats=1, prefill_lens=[8])
         real_stub = chain._stub
         chain._stub = lambda: dataclasses.replace(real_stub(), stub=CountingStub(real_stub().stub))
-        tuner = tuner_class(profile, max_length=4, retune_every=1, warmup_rounds=4)
-        tuner.distributed = tuner.pipelined = True
+        tuner = tuner_class(profile, max_length=4, retune_every=1, warmup_rounds=4, distributed=True, pipelined=True)
         chain.tuner = tuner
         yield chain, tuner, calls
     finally:

@@ -1,4 +1,4 @@
-"""runtime.backend: ray on a multi-node cluster on this machine (ray.cluster_utils.Cluster):
+"""runtime.backend: ray on a multi-node cluster simulated in one machine (ray.cluster_utils.Cluster):
 a head and two worker nodes, each with one custom resource that pins one tier to it.
 
 Kept few and bounded: one cluster for the module (~1 GB, starts in seconds); every test

@@ -7,8 +7,10 @@ from __future__ import annotations
 import pytest
 
 from polyspec.orchestrator.tuning.profiler import LatencyProfile
-from polyspec.orchestrator.tuning.time_model import chain_cost, contended_block_ms, cost_per_token, fit_slowdown, fitted_slowdown, latency
-import polyspec.orchestrator.tuning.tuner as tuner_module
+from polyspec.orchestrator.tuning.time_model import contended_block_ms, fit_slowdown, latency
+from polyspec.orchestrator.tuning.chain_model import chain_cost
+from time_model_reference import cost_per_token, fitted_slowdown
+import polyspec.orchestrator.tuning.timing as timing_module
 from polyspec.orchestrator.tuning.tuner import Tuner
 from polyspec.protos.polyspec.v1 import tier_pb2
 from polyspec.workers.core.sampling import SamplingParams
@@ -22,8 +24,7 @@ def remote_tuner(pipelined: bool = False) -> Tuner:
         forward=[{m: 8.0 + 0.3 * m for m in range(1, 14)}, {m: 4.0 + 0.2 * m for m in range(1, 14)}, None],
         draft=[None, {k: 3.5 * k for k in range(1, 7)}, {k: 0.05 for k in range(1, 7)}],
     )
-    tuner = Tuner(profile, max_length=6)
-    tuner.distributed, tuner.pipelined = True, pipelined
+    tuner = Tuner(profile, max_length=6, distributed=True, pipelined=pipelined)
     return tuner
 
 
@@ -110,8 +111,8 @@ def test_drafted_ahead_blocks_set_the_drafters_slowdown(monkeypatch):
     beside_ms = latency(tuner.profile.forward_ms(0, (0, 1, 2)), 4) + tuner.step_overhead_ms
     before = cost_per_token(stages, draft_ms, lengths)
     fits = []
-    real_fit = tuner_module.fit_slowdown
-    monkeypatch.setattr(tuner_module, "fit_slowdown", lambda *args: fits.append(1) or real_fit(*args))
+    real_fit = timing_module.fit_slowdown
+    monkeypatch.setattr(timing_module, "fit_slowdown", lambda *args: fits.append(1) or real_fit(*args))
     for _ in range(60):
         step(contended_block_ms(modelled_block_ms, beside_ms, 1.5))
     assert not fits  # fitted when read, not on every block (it was most of the hook's driver CPU)
@@ -175,7 +176,7 @@ def test_pipelined_round_without_a_block_is_no_latency_sample():
 def test_first_rounds_are_kept_for_calibration():
     """The first round's wall time goes to `first_rounds` (what polyspec tune calibrates the
     per-request cost from); `calibrate_first_rounds` keeps measured / modelled."""
-    from polyspec.orchestrator.tuning.time_model import first_round_ms
+    from polyspec.orchestrator.tuning.chain_model import first_round_ms
     from polyspec.harness.tune import calibrate_first_rounds
     from polyspec.orchestrator.tuning.tuner import Plan
 
@@ -227,7 +228,7 @@ def test_pipelined_jitter_from_the_targets_rounds():
 
 def test_a_new_request_starts_from_the_long_run_acceptance():
     """Distributed: a request's first round (`first=True`) resets the recent estimates to the
-    class's long-run ones and the next plan_remote re-tunes (Tuner._restart)."""
+    class's long-run ones and the next plan_remote re-tunes (Tuner.restart_class)."""
     tuner = remote_tuner()
     for _ in range(60):  # the int8-like pair agrees: long blocks
         lengths = tuner.plan_remote(GREEDY)

@@ -1,4 +1,4 @@
-"""The time model (DESIGN §5): hand-computed small cases, the optimiser, the bypass condition."""
+"""The time model: hand-computed small cases, the optimiser, the bypass condition."""
 
 from __future__ import annotations
 
@@ -8,26 +8,9 @@ import math
 
 import pytest
 
-from polyspec.orchestrator.tuning.time_model import (
-    StageSpec,
-    accepted_pmf,
-    chain_cost,
-    best_stage_cost,
-    cost_per_token,
-    expected_emitted,
-    expected_emitted_scalar,
-    first_passage,
-    first_round_ms,
-    generation_ms,
-    ideal_bottom_up,
-    ideal_cost_per_token,
-    latency,
-    round_models,
-    local_search,
-    search_lengths,
-    tier_pays_off,
-    tree_accept_rates,
-)
+from polyspec.orchestrator.tuning.time_model import StageSpec, accepted_pmf, expected_emitted, first_passage, latency
+from polyspec.orchestrator.tuning.chain_model import chain_cost, first_round_ms, generation_ms, round_models, local_search, search_lengths
+from time_model_reference import best_stage_cost, cost_per_token, expected_emitted_scalar, ideal_bottom_up, ideal_cost_per_token, tier_pays_off, tree_accept_rates
 
 TARGET_MS = {m: 10.0 + m for m in range(1, 40)}  # t_0(m) = 10 + m
 MID_MS = {m: 4.0 for m in range(1, 40)}  # t_1(m) = 4
@@ -191,7 +174,8 @@ def hard_bet(monkeypatch):
 def test_the_bet_is_mixed_near_the_threshold():
     """The runtime drafts ahead while an EMA (0.2) of whole blocks is >= 0.5: near the
     threshold it flips back and forth, and the round is the mixture of the two regimes."""
-    from polyspec.orchestrator.tuning.time_model import AHEAD_SMOOTHING, ahead_share, pipelined_round_model, round_model
+    from polyspec.orchestrator.tuning.time_model import AHEAD_SMOOTHING, ahead_share, round_model
+    from time_model_reference import pipelined_round_model
 
     assert ahead_share(0.5) == pytest.approx(0.5)
     sd = math.sqrt(AHEAD_SMOOTHING / (2 - AHEAD_SMOOTHING) * 0.6 * 0.4)
@@ -233,10 +217,10 @@ def test_a_search_reuses_each_pipelined_round_shape_with_the_same_floats():
 
 
 def test_pipelined_stage_by_hand(hard_bet):
-    """Draft-ahead (docs/time-model.md §5): with block length 2 and per-token acceptance 0.9 the
+    """Draft-ahead (docs/time-model.md, the pipelined form): with block length 2 and per-token acceptance 0.9 the
     block is accepted whole with P = 0.81; then the round emits 2 tokens (no bonus) and the
     next block was drafted during the forward; otherwise the draft is redone after the verdict."""
-    from polyspec.orchestrator.tuning.time_model import pipelined_round_model
+    from time_model_reference import pipelined_round_model
 
     stage = StageSpec(TARGET_MS, (0.9,), overhead_ms=0.5, pipelined=True)
     model = round_models([stage], DRAFT_MS, [2])[0]

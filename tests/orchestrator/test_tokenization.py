@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import EOS, make_model, make_tokenizer
+from tiny_models import EOS, make_model, make_tokenizer
 from polyspec.orchestrator.config import parse_config
 from polyspec.orchestrator.engine import Engine
 from polyspec.orchestrator.tokenization import encode_chat, encode_prompt, end_of_turn_ids, stop_token_ids

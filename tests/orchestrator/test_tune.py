@@ -137,6 +137,9 @@ def test_interleaved_pass_runs_every_item_on_a_prompt_before_the_next():
         def __init__(self, name):
             self.name, self.fixed, self.seen = name, "fixed", []
 
+        def fix(self, plan):
+            self.fixed = plan
+
     engine = types.SimpleNamespace(scheduler=Scheduler())
     auto = FakeTuner("auto")
     items = [Plan((2, 2), (0, 1, 2)), Plan((3, 1), (0, 2)), auto]
@@ -180,6 +183,9 @@ def test_each_pass_is_predicted_from_calibration_runs_interleaved_with_it():
 
     class FakeTuner:
         fixed = None
+
+        def fix(self, plan):
+            self.fixed = plan
 
     calibrating = FakeTuner()
     events = []
@@ -234,6 +240,9 @@ def test_heldout_report_keeps_each_pass_per_prompt_with_the_tuners_plans():
     class FakeTuner:
         fixed = None
 
+        def fix(self, plan):
+            self.fixed = plan
+
     engine = types.SimpleNamespace(scheduler=Scheduler())
     settings = TuneSettings(max_new_tokens=4, heldout_repeats=2)
     report = measure_heldout(engine, Plan((2, 2), (0, 1, 2)), [[0], [1]], settings, FakeTuner, lambda message: None, warm_tuner=FakeTuner())
@@ -270,6 +279,9 @@ def test_heldout_ratio_pairs_each_pass_with_the_fixed_run_beside_it():
 
     class FakeTuner:
         fixed = None
+
+        def fix(self, plan):
+            self.fixed = plan
 
     engine = types.SimpleNamespace(scheduler=Scheduler())
     settings = TuneSettings(max_new_tokens=4, heldout_repeats=3)

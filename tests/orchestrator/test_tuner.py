@@ -13,9 +13,12 @@ import torch
 from polyspec.orchestrator.config import parse_config
 from polyspec.orchestrator.engine import Engine
 from polyspec.orchestrator.tuning.profiler import LatencyProfile, OnlineTable
-from polyspec.orchestrator.tuning.time_model import expected_emitted, latency, renewal_rates, round_models
+from polyspec.orchestrator.tuning.time_model import expected_emitted, latency, renewal_rates
+from polyspec.orchestrator.tuning.chain_model import round_models
+import polyspec.orchestrator.tuning.estimates as estimates_module
 import polyspec.orchestrator.tuning.tuner as tuner_module
-from polyspec.orchestrator.tuning.tuner import FULL_SEARCH_EVERY, PROBE_BUDGET, RETUNE_BUDGET, AcceptanceEstimate, Plan, Tuner
+from polyspec.orchestrator.tuning.planner import FULL_SEARCH_EVERY, PROBE_BUDGET, RETUNE_BUDGET
+from polyspec.orchestrator.tuning.tuner import AcceptanceEstimate, Plan, Tuner
 from polyspec.workers.core.sampling import SamplingParams
 
 GREEDY = SamplingParams()
@@ -145,6 +148,9 @@ def simulate(tuner: Tuner, accept_rate, rounds: int, rng: random.Random, start: 
             tuner.observe_round(level, drafter, k, k, accepted, seconds)
             if level == 0:
                 emitted = accepted + 1
+        if len(active) == 1:  # the target alone: one forward, one token
+            tuner.clock.now += 0.001 * tuner.profile.forward[0][1]
+            emitted = 1
         tuner.observe_commit([0] * emitted)
         committed += emitted
     return plans
@@ -179,9 +185,9 @@ def test_three_tier_lengths_follow_a_shift_from_code_to_prose(seed):
     rng = random.Random(seed)
     ngram_rate = lambda r, i, j: 0.97 if j == 1 else (0.9 if r < 60 else 0.1)  # noqa: E731
     simulate(tuner, ngram_rate, 60, rng)
-    code_plan = tuner._state("greedy").plan
+    code_plan = tuner.class_state("greedy").plan
     simulate(tuner, ngram_rate, 20, rng, start=60)
-    assert tuner._state("greedy").plan != code_plan  # the plan moved with the text ...
+    assert tuner.class_state("greedy").plan != code_plan  # the plan moved with the text ...
     first_change = next(h["round"] for h in tuner.history if h["round"] >= 60)
     assert first_change - 60 < 20  # ... within 20 rounds of the switch
 
@@ -204,7 +210,7 @@ def test_a_moderate_shift_is_detected_in_the_longer_window(monkeypatch):
     # outcomes hardly tell (all eight rejected: log ratio 8 ln(0.98 / 0.62) = 3.7 < 4); 24 can.
     # 40 trials each; the long window must find it in most, and sooner than eight alone.
     both = shift_delays(40, 0.38, 0.1, random.Random(3))
-    monkeypatch.setattr(tuner_module, "SHIFT_WINDOWS", (8,))
+    monkeypatch.setattr(estimates_module, "SHIFT_WINDOWS", (8,))
     short_only = shift_delays(40, 0.38, 0.1, random.Random(3))
     assert sum(d <= 100 for d in both) >= 30
     assert statistics.median(both) <= 40 < statistics.median(short_only)
@@ -231,10 +237,10 @@ def test_a_detected_shift_retunes_at_once():
     tuner = Tuner(profile, max_length=8, retune_every=1000)  # no routine re-tunes after the warm-up
     rng = random.Random(0)
     simulate(tuner, lambda r, i, j: 0.95, 40, rng)
-    code_plan = tuner._state("greedy").plan
+    code_plan = tuner.class_state("greedy").plan
     assert code_plan.lengths[0] >= 6
     simulate(tuner, lambda r, i, j: 0.1, 10, rng, start=40)
-    assert tuner._state("greedy").plan.lengths[0] < code_plan.lengths[0]  # moved with the text, not on a schedule
+    assert tuner.class_state("greedy").plan.lengths[0] < code_plan.lengths[0]  # moved with the text, not on a schedule
     assert tuner.estimates("greedy")[(0, 1)].shifts >= 1
 
 
@@ -246,8 +252,7 @@ def test_warmup_optimism_reaches_long_blocks_sooner_and_ends_with_the_warmup():
     and after the warm-up the plan rests on the posterior means alone."""
     def ramp(optimism: float, rate: float) -> list[int]:
         profile = fixed_profile(["target", "mid"], [lambda m: 10.0 + 0.5 * m, None], [None, lambda k: 1.5 * k])
-        tuner = Tuner(profile, max_length=8)
-        tuner.warmup_optimism = optimism
+        tuner = Tuner(profile, max_length=8, warmup_optimism=optimism)
         plans = simulate(tuner, lambda r, i, j: rate, 16, random.Random(4))
         return [lengths[0] for lengths, _ in plans]
 
@@ -269,8 +274,8 @@ def count_retunes(round_ms: float, search_ms: float, rounds: int = 200, local_ms
     time, whose full searches take `search_ms` and local ones `local_ms` (default the same);
     one request, every block accepted whole."""
     profile = fixed_profile(["target", "ngram"], [lambda m: 10.0 + 1.0 * m, None], [None, lambda k: 0.05])
-    tuner = Tuner(profile, max_length=8)
-    clock = tuner.clock = FakeClock()
+    clock = FakeClock()
+    tuner = Tuner(profile, max_length=8, clock=clock)
     searches = {"full": [], "local": []}
 
     search = tuner._search
@@ -282,14 +287,14 @@ def count_retunes(round_ms: float, search_ms: float, rounds: int = 200, local_ms
 
     tuner._search = slow_search
     committed = 1000
-    for _ in range(tuner.warmup_rounds + rounds):
+    for _ in range(tuner.config.warmup_rounds + rounds):
         lengths, active = tuner.plan(GREEDY, committed)
         clock.now += round_ms / 1000.0
         tuner.observe_round(0, 1, lengths[0], lengths[0], lengths[0], round_ms / 1000.0)
         tuner.observe_commit([0] * (lengths[0] + 1))
         committed += lengths[0] + 1
     assert tuner.estimates("greedy")[(0, 1)].shifts == 0
-    return tuple(sum(r >= tuner.warmup_rounds for r in searches[kind]) for kind in ("full", "local"))
+    return tuple(sum(r >= tuner.config.warmup_rounds for r in searches[kind]) for kind in ("full", "local"))
 
 
 def test_routine_retunes_stay_within_their_budget():
@@ -317,14 +322,14 @@ def test_each_request_starts_from_the_class_long_run_acceptance():
     easy, hard = (lambda r, i, j: 0.95), (lambda r, i, j: 0.15)
     for request in range(10):  # a new committed length each time: a new request
         simulate(tuner, easy, 8, rng, start=100 * request)
-    assert tuner._state("greedy").plan.lengths[0] >= 6
+    assert tuner.class_state("greedy").plan.lengths[0] >= 6
     hard_plans = simulate(tuner, hard, 16, rng, start=1000)
     assert hard_plans[-1][0][0] <= 3
     continuing = copy.deepcopy(tuner)
     next_request = simulate(tuner, easy, 1, rng, start=1200)
     assert next_request[0][0][0] >= 6, "a new request starts from the long-run estimate"
     # the hard request's next round (it continues at its committed length): still short
-    state = continuing._state("greedy")
+    state = continuing.class_state("greedy")
     resume_at = next(iter(reversed(continuing._continuing)))
     lengths, _ = continuing.plan(GREEDY, resume_at)
     assert lengths[0] <= 3 and state.plan.lengths[0] <= 3
@@ -338,14 +343,14 @@ def test_a_restart_leaves_the_pairs_a_bypassing_plan_does_not_run():
                             [None, lambda k: 3.0 * k, lambda k: 0.03])
     tuner = Tuner(profile, max_length=6)
     simulate(tuner, lambda r, i, j: 0.9, 40, random.Random(0))
-    state = tuner._state("greedy")
+    state = tuner.class_state("greedy")
     state.plan = Plan((6, 6), (0, 1))  # now bypassing the n-gram tier
     stale = copy.deepcopy(state.estimates[(1, 2)])
     stale.successes = [0.0] * len(stale.successes)
     state.estimates[(1, 2)] = stale
     before_run = tuner.accept_rates("greedy", 0, 1)
     state.estimates[(0, 1)].successes = [0.0] * len(state.estimates[(0, 1)].successes)  # a hard request
-    tuner._restart(state)
+    tuner.restart_class(state)
     assert tuner.accept_rates("greedy", 1, 2)[0] == stale.rates()[0]  # left alone
     assert tuner.accept_rates("greedy", 0, 1)[0] == pytest.approx(before_run[0], abs=0.05)  # restarted
     assert state.retune_now
@@ -369,7 +374,29 @@ def test_bypass_a_slow_middle_tier():
     assert plans[0][1] == (0, 1, 2)  # cold start: the full chain, so every stage gets data
     assert plans[-1][1] == (0, 2)
     # and a probe runs the full chain now and then
-    assert any(active == (0, 1, 2) for _, active in simulate(tuner, lambda r, i, j: 0.7, tuner.explore_every, random.Random(3), start=40))
+    assert any(active == (0, 1, 2) for _, active in simulate(tuner, lambda r, i, j: 0.7, tuner.config.explore_every, random.Random(3), start=40))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_target_alone_when_no_drafter_pays(seed):
+    # a forward that grows with the block as fast as decoding does (bf16 without native
+    # support), drafters that agree on half the tokens: every chain is slower than no speculation
+    profile = fixed_profile(
+        ["target", "small", "ngram"], [lambda m: 10.0 * m, lambda m: 4.0 * m, None], [None, lambda k: 4.0 * k, lambda k: 0.05]
+    )
+    tuner = Tuner(profile, max_length=8, warmup_rounds=4)
+    plans = simulate(tuner, lambda r, i, j: 0.5, 40, random.Random(seed))
+    assert plans[-1][1] == (0,)
+    assert tuner.predict("greedy", (0,), plans[-1][0]) == pytest.approx(10.0, abs=1.0)
+    # where a drafter does pay, the chain stays
+    cheap = fixed_profile(["target", "ngram"], [lambda m: 10.0 + 0.5 * m, None], [None, lambda k: 0.05])
+    assert simulate(Tuner(cheap, max_length=8, warmup_rounds=4), lambda r, i, j: 0.8, 40, random.Random(seed))[-1][1] == (0, 1)
+
+
+def test_no_bypass_keeps_a_drafter():
+    profile = fixed_profile(["target", "ngram"], [lambda m: 10.0 * m, None], [None, lambda k: 0.05])
+    plans = simulate(Tuner(profile, max_length=8, warmup_rounds=4, allow_bypass=False), lambda r, i, j: 0.3, 30, random.Random(0))
+    assert all(active == (0, 1) for _, active in plans)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -402,9 +429,9 @@ def test_probes_come_more_often_the_closer_the_bypassed_plan():
         )
         tuner = Tuner(profile, max_length=8, decay=1.0)
         for pair, rate in (((0, 1), 0.97), ((1, 2), ngram_rate)):
-            estimate = tuner._estimate("greedy", *pair)
+            estimate = tuner.pair_estimate("greedy", *pair)
             estimate.successes, estimate.trials, estimate.blocks = [1000.0 * rate] * 32, [1000.0] * 32, 1000.0
-        state = tuner._state("greedy")
+        state = tuner.class_state("greedy")
         state.plan = tuner.choose("greedy", exclude=2)  # the n-gram tier bypassed
         tuner._set_probing("greedy", state)
         return state.probe_every, tuner.choose("greedy", bypass=False).predicted_ms / state.plan.predicted_ms - 1.0
@@ -421,12 +448,12 @@ def test_probes_come_more_often_the_closer_the_bypassed_plan():
     profile = fixed_profile(
         ["target", "mid", "ngram"], [lambda m: 8.0 + 0.3 * m, lambda m: 3.0 + 0.2 * m, None], [None, lambda k: 3.0 * k, lambda k: 0.03]
     )
-    tuner = Tuner(profile, max_length=8, decay=1.0, explore_every=64)
-    tuner.probe_optimism = 0.0  # the schedule's formula on the estimates as they are (optimism: the next test)
+    # probe_optimism 0: the schedule's formula on the estimates as they are (optimism: the next test)
+    tuner = Tuner(profile, max_length=8, decay=1.0, explore_every=64, probe_optimism=0.0)
     for pair, rate in (((0, 1), 0.97), ((1, 2), 0.5), ((0, 2), 0.75)):
-        estimate = tuner._estimate("greedy", *pair)
+        estimate = tuner.pair_estimate("greedy", *pair)
         estimate.successes, estimate.trials, estimate.blocks = [1000.0 * rate] * 32, [1000.0] * 32, 1000.0
-    state = tuner._state("greedy")
+    state = tuner.class_state("greedy")
     state.plan = tuner.choose("greedy", exclude=1)  # the int8 tier bypassed
     tuner._set_probing("greedy", state)
     stages, draft_ms = tuner.stages("greedy", state.plan.active)
@@ -439,7 +466,7 @@ def test_probes_come_more_often_the_closer_the_bypassed_plan():
     # what a return really costs is measured: a probe whose int8 forward took 4 ms more than
     # a round's (it re-fed a prompt the request began without) spaces the probes by that
     full = tuner.choose("greedy", bypass=False)
-    tuner._running, tuner._catching_up = full, frozenset({1})
+    tuner.running, tuner._catching_up = full, frozenset({1})
     normal_ms = profile.forward_ms(1, full.active)[full.lengths[1] + 1]
     tuner.observe_round(1, 2, full.lengths[1], full.lengths[1], 1, (normal_ms + 4.0) / 1000.0)
     assert tuner.catch_up_ms[1] == pytest.approx(4.0)
@@ -461,9 +488,9 @@ def test_a_bypassed_tier_keeps_what_it_last_showed(floor, monkeypatch):
     tuner = Tuner(profile, max_length=6, allow_bypass=False)
     simulate(tuner, lambda r, i, j: 0.97 if j == 1 else 0.5, 40, random.Random(0))
     assert tuner.accept_rates("greedy", 0, 1)[0] > 0.95
-    tuner.fixed = Plan((6, 6), (0, 2))
+    tuner.fix(Plan((6, 6), (0, 2)))
     simulate(tuner, lambda r, i, j: 0.5, 200, random.Random(1), start=40)
-    state = tuner._state("greedy")
+    state = tuner.class_state("greedy")
     assert state.estimates[(0, 2)].blocks > 10  # the pair that runs: its usual memory (~14 blocks)
     if floor is None:
         assert state.estimates[(0, 1)].blocks == pytest.approx(tuner_module.STALE_BLOCKS, rel=0.1)
@@ -485,9 +512,9 @@ def test_a_stale_bypassed_pair_is_probed_sooner():
         )
         tuner = Tuner(profile, max_length=8, decay=1.0)
         for pair, rate, weight in (((0, 1), 0.97, 1000.0), ((1, 2), 0.1, blocks)):
-            estimate = tuner._estimate("greedy", *pair)
+            estimate = tuner.pair_estimate("greedy", *pair)
             estimate.successes, estimate.trials, estimate.blocks = [weight * rate] * 32, [weight] * 32, weight
-        state = tuner._state("greedy")
+        state = tuner.class_state("greedy")
         state.plan = tuner.choose("greedy", exclude=2)  # the n-gram tier bypassed
         tuner._set_probing("greedy", state)
         return state.probe_every
@@ -502,7 +529,7 @@ def test_estimates_forget_per_target_round_not_per_block():
     # five times shorter here, and its estimates five times noisier)
     profile = fixed_profile(["target", "mid", "ngram"], [lambda m: 10.0, lambda m: 3.0, None], [None, lambda k: 3.0 * k, lambda k: 0.05])
     tuner = Tuner(profile, max_length=8, allow_bypass=False)
-    tuner.fixed = Plan((4, 2, 8), (0, 1, 2))
+    tuner.fix(Plan((4, 2, 8), (0, 1, 2)))
     committed = 100
     for _ in range(200):
         tuner.plan(GREEDY, committed)
@@ -512,14 +539,14 @@ def test_estimates_forget_per_target_round_not_per_block():
         tuner.observe_commit([0] * 5)
         committed += 5
     estimates = tuner.estimates("greedy")
-    assert estimates[(0, 1)].blocks == pytest.approx(1 / (1 - tuner.decay), rel=0.01)
+    assert estimates[(0, 1)].blocks == pytest.approx(1 / (1 - tuner.config.decay), rel=0.01)
     assert estimates[(1, 2)].blocks == pytest.approx(5 * estimates[(0, 1)].blocks, rel=0.01)
 
 
 def test_skip_pair_estimated_from_committed_tokens():
     profile = fixed_profile(["target", "mid", "ngram"], [lambda m: 10.0, lambda m: 3.0, None], [None, lambda k: 3.0 * k, lambda k: 0.05])
     tuner = Tuner(profile, max_length=8)
-    tuner.fixed = Plan((4, 4), (0, 1, 2))
+    tuner.fix(Plan((4, 4), (0, 1, 2)))
     tuner.plan(GREEDY, 10)
     tuner.observe_draft(2, 4, 10, [5, 6, 7, 8], 0.0)  # the n-gram's proposal at the committed context
     tuner.observe_draft(2, 4, 12, [1, 1, 1, 1], 0.0)  # later ones (uncommitted context) are ignored
@@ -541,9 +568,8 @@ def test_shadow_estimate_is_per_round_not_per_token():
     counts the matches at weight 1/7 and the failures at 1: a rate of 1/8, not 1/2. Deeper
     positions (how far a match runs once it started) keep unit weights."""
     profile = fixed_profile(["target", "mid", "ngram"], [lambda m: 10.0, lambda m: 3.0, None], [None, lambda k: 3.0 * k, lambda k: 0.05])
-    tuner = Tuner(profile, max_length=8)
-    tuner.decay = 1.0
-    tuner.fixed = Plan((6, 6), (0, 1, 2))
+    tuner = Tuner(profile, max_length=8, decay=1.0)
+    tuner.fix(Plan((6, 6), (0, 1, 2)))
     committed = 10
     for index in range(40):
         tuner.plan(GREEDY, committed)
@@ -561,7 +587,7 @@ def test_shadow_estimate_is_per_round_not_per_token():
 def test_interleaved_requests_and_per_config_latency():
     profile = fixed_profile(["target", "ngram"], [lambda m: 10.0, None], [None, lambda k: 0.05])
     tuner = Tuner(profile, max_length=4)
-    tuner.fixed = Plan((4,), (0, 1))
+    tuner.fix(Plan((4,), (0, 1)))
     committed = {"a": 100, "b": 500}
     for _ in range(3):  # two requests, round robin
         for request in ("a", "b"):
@@ -696,7 +722,7 @@ def test_auto_lengths_keep_greedy_output(tiny_family, reference, names, extra):
 
 def test_forced_bypass_keeps_greedy_output(tiny_family, reference):
     engine = auto_engine(tiny_family, ["target", "mid", "ngram"])
-    engine.scheduler.tuner.fixed = Plan((5, 3), (0, 2))
+    engine.scheduler.tuner.fix(Plan((5, 3), (0, 2)))
     for prompt in PROMPTS:
         result = engine.generate(engine.parse_request({"prompt": prompt, "max_new_tokens": MAX_NEW}))
         assert result["token_ids"] == reference[prompt]
@@ -719,7 +745,7 @@ def test_proposal_fill_from_the_bottom_drafters_proposals():
     profile = fixed_profile(["target", "mid", "ngram"], [lambda m: 10.0 + m, lambda m: 3.0 + 0.5 * m, None],
                             [None, lambda k: 3.0 * k, lambda k: 0.05])
     tuner = Tuner(profile, max_length=8, allow_bypass=False)
-    tuner.fixed = Plan((4, 6), (0, 1, 2))
+    tuner.fix(Plan((4, 6), (0, 1, 2)))
     assert tuner.fill("greedy", 2) == 1.0
     before = tuner.predict("greedy", (0, 1, 2), (4, 6))
     committed = 100
@@ -754,13 +780,13 @@ def test_switch_margin_depends_on_what_changes(new_active, gain, switches):
         ["target", "mid", "ngram"], [lambda m: 8.0 + 0.3 * m, lambda m: 3.0 + 0.2 * m, None], [None, lambda k: 3.0 * k, lambda k: 0.03]
     )
     tuner = Tuner(profile, max_length=8)
-    state = tuner._state("greedy")
+    state = tuner.class_state("greedy")
     current = Plan((6, 6), (0, 1, 2), 10.0)
     state.plan = current
     new_lengths = (5, 6) if new_active == (0, 1, 2) else (6, 6)
     tuner.predict = lambda key, active, lengths: 10.0  # the current plan's prediction
     tuner._best_plans = lambda key, sets, near=None: {current.active: current, new_active: Plan(new_lengths, new_active, 10.0 * (1.0 - gain))}
-    tuner._retune("greedy", state)
+    tuner.retune("greedy", state)
     assert (state.plan.active, state.plan.lengths) == ((new_active, new_lengths) if switches else (current.active, current.lengths))
     assert len(tuner.history) == int(switches)
 
@@ -774,21 +800,21 @@ def test_after_a_shift_new_lengths_need_no_margin(after_shift):
         ["target", "mid", "ngram"], [lambda m: 8.0 + 0.3 * m, lambda m: 3.0 + 0.2 * m, None], [None, lambda k: 3.0 * k, lambda k: 0.03]
     )
     tuner = Tuner(profile, max_length=8)
-    state = tuner._state("greedy")
-    state.rounds = tuner.warmup_rounds
+    state = tuner.class_state("greedy")
+    state.rounds = tuner.config.warmup_rounds
     current = Plan((3, 3), (0, 1, 2), 10.0)
     state.plan = current
     state.full_now = state.retune_now = after_shift
-    state.eager_rounds = tuner.retune_every if after_shift else 0
+    state.eager_rounds = tuner.config.retune_every if after_shift else 0
     tuner.predict = lambda key, active, lengths: 10.0
     tuner._best_plans = lambda key, sets, near=None: {current.active: Plan((6, 1), current.active, 9.8), (0, 1): Plan((6, 6), (0, 1), 9.0)}
-    tuner._retune("greedy", state)
+    tuner.retune("greedy", state)
     assert (state.plan.active, state.plan.lengths) == (((0, 1, 2), (6, 1)) if after_shift else ((0, 1, 2), (3, 3)))
     assert len(tuner.history) == int(after_shift)
     assert not state.full_now
     tuner.predict = lambda key, active, lengths: 9.8  # an eager re-tune: 2 % again is not enough
     tuner._best_plans = lambda key, sets, near=None: {current.active: Plan((5, 2), current.active, 9.8 * 0.98)}
-    tuner._retune("greedy", state)
+    tuner.retune("greedy", state)
     assert len(tuner.history) == int(after_shift)
 
 
@@ -803,14 +829,14 @@ def test_a_plan_whose_prediction_drifted_is_weighed_again_with_no_margin(drift, 
         ["target", "mid", "ngram"], [lambda m: 8.0 + 0.3 * m, lambda m: 3.0 + 0.2 * m, None], [None, lambda k: 3.0 * k, lambda k: 0.03]
     )
     tuner = Tuner(profile, max_length=8)
-    state = tuner._state("greedy")
-    state.rounds = tuner.warmup_rounds
+    state = tuner.class_state("greedy")
+    state.rounds = tuner.config.warmup_rounds
     tuner._adopt("greedy", state, Plan((6, 3), (0, 1, 2), 10.0))
     assert state.anchor_ms == 10.0
     now = 10.0 * (1.0 + drift)
     tuner.predict = lambda key, active, lengths: now
     tuner._best_plans = lambda key, sets, near=None: {(0, 1, 2): Plan((6, 2), (0, 1, 2), now * 0.99), (0, 1): Plan((6, 6), (0, 1), now * 0.9)}
-    tuner._retune("greedy", state)
+    tuner.retune("greedy", state)
     # another set of tiers still needs its 20 %
     assert (state.plan.active, state.plan.lengths) == ((0, 1, 2), (6, 2) if replans else (6, 3))
     assert state.anchor_ms == pytest.approx(now * 0.99 if replans else 10.0)
@@ -819,7 +845,7 @@ def test_a_plan_whose_prediction_drifted_is_weighed_again_with_no_margin(drift, 
     later = state.anchor_ms * (1.15 if replans else 1.08)
     tuner._best_plans = lambda key, sets, near=None: {(0, 1, 2): Plan(state.plan.lengths, (0, 1, 2), later)}
     tuner.predict = lambda key, active, lengths: later
-    tuner._retune("greedy", state)
+    tuner.retune("greedy", state)
     assert state.anchor_ms == pytest.approx(later if replans else 10.0)
     assert len(tuner.history) == 1 + int(replans)
 
@@ -831,11 +857,11 @@ def test_lengths_on_the_same_tiers_move_while_another_set_waits_for_its_margin()
         ["target", "mid", "ngram"], [lambda m: 8.0 + 0.3 * m, lambda m: 3.0 + 0.2 * m, None], [None, lambda k: 3.0 * k, lambda k: 0.03]
     )
     tuner = Tuner(profile, max_length=8)
-    state = tuner._state("greedy")
+    state = tuner.class_state("greedy")
     state.plan = Plan((6, 6), (0, 1, 2), 10.0)
     tuner.predict = lambda key, active, lengths: 10.0
     tuner._best_plans = lambda key, sets, near=None: {(0, 1, 2): Plan((6, 2), (0, 1, 2), 9.5), (0, 1): Plan((6, 6), (0, 1), 9.4)}
-    tuner._retune("greedy", state)
+    tuner.retune("greedy", state)
     assert (state.plan.active, state.plan.lengths) == ((0, 1, 2), (6, 2))
     assert tuner.history[-1]["lengths"] == [6, 2]
 
@@ -851,11 +877,11 @@ def test_heldout_runs_a_fresh_and_a_warm_tuner_without_changing_the_warm_one(tin
     ids = [engine.parse_request({"prompt": p, "max_new_tokens": 8}).prompt_ids for p in PROMPTS[:2]]
     settings = TuneSettings(max_new_tokens=8, grid_max=4, heldout_repeats=2)
     for prompt in ids:  # the warm tuner serves other prompts first
-        warm.fixed = None
+        warm.fix(None)
         engine.scheduler.tuner = warm
         engine.scheduler.generate(list(prompt), 8, settings.params(), seed=0)
     engine.scheduler.tuner = None
-    rounds, history = warm._state("greedy").rounds, list(warm.history)
+    rounds, history = warm.class_state("greedy").rounds, list(warm.history)
     fresh = []
 
     def make_fresh():
@@ -863,8 +889,8 @@ def test_heldout_runs_a_fresh_and_a_warm_tuner_without_changing_the_warm_one(tin
         return fresh[-1]
 
     report = measure_heldout(engine, Plan((3, 3), (0, 1, 2)), ids, settings, make_fresh, lambda message: None, warm_tuner=warm)
-    assert len(fresh) == 2 and all(t._state("greedy").rounds > 0 for t in fresh)  # one fresh tuner per pass, each used
-    assert (warm._state("greedy").rounds, warm.history) == (rounds, history)  # each pass ran a copy
+    assert len(fresh) == 2 and all(t.class_state("greedy").rounds > 0 for t in fresh)  # one fresh tuner per pass, each used
+    assert (warm.class_state("greedy").rounds, warm.history) == (rounds, history)  # each pass ran a copy
     assert report["passes"] == 2 and report["warm_auto_ms_per_token"] > 0
     assert report["warm_auto_ratio_of_medians"] == pytest.approx(report["best_grid_ms_per_token"] / report["warm_auto_ms_per_token"], rel=1e-3)
     paired = sorted(p["fixed"]["ms_per_token"] / p["warm"]["ms_per_token"] for p in report["per_pass"])
@@ -877,7 +903,7 @@ def test_positions_no_block_asked_for_forget_faster(monkeypatch):
     as it is rated below position 2) brings its rate back to the rate above it. Per-round ageing as the tuner does it (decay 0.93)."""
 
     def run(unasked: float) -> AcceptanceEstimate:
-        monkeypatch.setattr(tuner_module, "UNASKED_DECAY", unasked)
+        monkeypatch.setattr(estimates_module, "UNASKED_DECAY", unasked)
         estimate = AcceptanceEstimate(0.6, 2.0, 0.93, age_per_block=False)
         estimate.observe(3, 2)
         estimate.age()
@@ -886,7 +912,7 @@ def test_positions_no_block_asked_for_forget_faster(monkeypatch):
             estimate.age()
         return estimate
 
-    unasked = tuner_module.UNASKED_DECAY
+    unasked = estimates_module.UNASKED_DECAY
     fast, plain = run(unasked), run(1.0)
     # position 3 trials: 3 * 0.93^9 = 1.56 at the common decay alone, 0.26 with 0.8^8 on top:
     # rate (2 m_2 + 0) / (2 + trials), m_2 ~ 0.96 -> ~0.54 against ~0.85

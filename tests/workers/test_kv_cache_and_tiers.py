@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from core_helpers import ancestors_and_self
 from polyspec.orchestrator.config import TierConfig
 from polyspec.workers.tiers.loading import load_model_tier
 from polyspec.workers.core.sampling import SamplingParams
@@ -68,7 +69,7 @@ def test_tree_forward_matches_each_path(target):
     rows = target.score("tree", context, tree, params)  # [7, V]
     assert rows.shape == (len(tree) + 1, target.vocab_size)
     for node in range(len(tree)):
-        path = tree.ancestors_and_self(node)
+        path = ancestors_and_self(tree, node)
         tokens = context + [tree.tokens[j] for j in path]
         reference = torch.softmax(fresh_logits(target, tokens)[-1], -1)
         assert torch.allclose(rows[node + 1], reference, atol=ATOL), node
@@ -90,7 +91,7 @@ def test_draft_tree_nodes_are_drafters_own_continuations(target):
     tree = target.draft_tree("dt", context, width=3, depth=3, params=params, scheme="specinfer", generator=generator)
     assert len(tree) == 9 and tree.parents[:3] == [-1, -1, -1]
     for node in range(len(tree)):
-        parent_path = tree.ancestors_and_self(node)[:-1]
+        parent_path = ancestors_and_self(tree, node)[:-1]
         tokens = context + [tree.tokens[j] for j in parent_path]
         reference = torch.softmax(fresh_logits(target, tokens)[-1], -1)
         assert torch.allclose(tree.draft_rows[node], reference, atol=ATOL), node

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import make_tokenizer
+from tiny_models import make_tokenizer
 from polyspec.orchestrator.config import parse_config
 from polyspec.orchestrator.engine import Engine
 from polyspec.workers.core.kv_cache import SequenceCache

@@ -19,7 +19,7 @@ import scipy.stats
 import torch
 
 from polyspec.workers.core import verification
-from polyspec.workers.core.sampling import make_generator
+from core_helpers import make_generator
 from polyspec.workers.core.verification import (
     MULTI_DRAFT_SCHEMES,
     NO_CANDIDATE_ACCEPTED,

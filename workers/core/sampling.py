@@ -63,12 +63,3 @@ def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """One token from a [V] probability row (float32)."""
     return int(torch.multinomial(probs, 1, generator=generator).item())
-
-
-def make_generator(seed: int | None) -> torch.Generator:
-    generator = torch.Generator(device="cpu")
-    if seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(int(seed))
-    return generator

@@ -47,13 +47,6 @@ class DraftTree:
         """Children of `node` (-1 = the root), in index order."""
         return [j for j, parent in enumerate(self.parents) if parent == node]
 
-    def ancestors_and_self(self, node: int) -> list[int]:
-        path = []
-        while node >= 0:
-            path.append(node)
-            node = self.parents[node]
-        return path[::-1]
-
     def is_chain(self) -> bool:
         return self.parents == list(range(-1, len(self.tokens) - 1))
 

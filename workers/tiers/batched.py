@@ -16,6 +16,8 @@ Per request the operations, and the draws from its generators, are those of the 
 tier in the same order, so seeding means the same thing batched or alone.
 
 `BatchedModelTier` runs Llama-architecture models through `BatchedLlama` on a `SlotCache`;
+`BatchedNGramTier` answers the n-gram lookup from an index per request, kept up to date as
+the context grows and rolled back with it (the same proposals as `NGramTier`'s scan);
 `RowByRow` serves any other tier (the n-gram lookup, other architectures, remote tiers)
 one request after the other behind the same interface.
 """
@@ -29,7 +31,7 @@ import torch
 from polyspec.workers.core.sampling import SamplingParams, warp_logits
 from polyspec.workers.core.tree import DraftTree
 from polyspec.workers.tiers.batched_llama import BatchedLlama
-from polyspec.workers.tiers.tier import ModelTier, Tier
+from polyspec.workers.tiers.tier import ModelTier, NGramTier, Tier
 
 
 class BatchedTier:
@@ -179,6 +181,90 @@ class BatchedModelTier(BatchedTier):
         return [(t, None if p.greedy or not rs else torch.stack(rs)) for t, rs, p in zip(tokens, rows, params)]
 
 
+def copy_forward(context: list[int], start: int, num_tokens: int) -> list[int]:
+    """`num_tokens` tokens copied from `context[start:]`, running on into the copy itself (an
+    overlapping copy: a loop shorter than the block is proposed for the whole block)."""
+    copied: list[int] = []
+    for offset in range(num_tokens):
+        position = start + offset
+        if position >= len(context) and not copied:
+            break
+        copied.append(context[position] if position < len(context) else copied[position - len(context)])
+    return copied
+
+
+class NGramIndex:
+    """Where each n-gram of one context starts (in increasing order), updated as the context changes."""
+
+    def __init__(self, min_ngram: int, max_ngram: int) -> None:
+        self.sizes = range(min_ngram, max_ngram + 1)
+        self.tokens: list[int] = []
+        self.starts: dict[tuple[int, ...], list[int]] = {}
+
+    def sync(self, context: list[int]) -> None:
+        cached = self.tokens
+        keep = min(len(cached), len(context))
+        if cached[:keep] != context[:keep]:
+            keep = next(i for i in range(keep) if cached[i] != context[i])
+        for end in range(len(cached) - 1, keep - 1, -1):  # drop the n-grams ending past `keep`, newest first
+            for n in self.sizes:
+                if end - n + 1 >= 0:
+                    self.starts[tuple(cached[end - n + 1 : end + 1])].pop()
+        del cached[keep:]
+        for token in context[keep:]:
+            cached.append(token)
+            end = len(cached) - 1
+            for n in self.sizes:
+                if end - n + 1 >= 0:
+                    self.starts.setdefault(tuple(cached[end - n + 1 :]), []).append(end - n + 1)
+
+    def lookup(self, num_tokens: int) -> list[int]:
+        """The continuation of the latest earlier occurrence of the longest matching suffix."""
+        length = len(self.tokens)
+        for n in reversed(self.sizes):
+            if n > length - 1:
+                continue
+            starts = self.starts.get(tuple(self.tokens[length - n :]), ())
+            if len(starts) >= 2:  # the last one is the suffix itself
+                return copy_forward(self.tokens, starts[-2] + n, num_tokens)
+        return []
+
+
+class BatchedNGramTier(BatchedTier):
+    """`NGramTier`'s proposals from a per-request index instead of a scan of the whole context."""
+
+    def __init__(self, tier: NGramTier) -> None:
+        super().__init__(tier)
+        self.indexes: dict[object, NGramIndex] = {}
+
+    def release(self, seq_id) -> None:
+        self.indexes.pop(seq_id, None)
+
+    def draft_batch(self, seq_ids, contexts, counts, params, generators):
+        started = time.perf_counter()
+        out = []
+        for seq_id, context, count, p in zip(seq_ids, contexts, counts, params):
+            index = self.indexes.get(seq_id)
+            if index is None:
+                index = self.indexes[seq_id] = NGramIndex(self.tier.min_ngram, self.tier.max_ngram)
+            index.sync(context)
+            tokens = index.lookup(count) if count > 0 else []
+            rows = None
+            if not p.greedy and tokens:
+                rows = torch.nn.functional.one_hot(torch.tensor(tokens, dtype=torch.long), self.vocab_size).float()
+            out.append((tokens, rows))
+        self.tier.busy_s += time.perf_counter() - started
+        return out
+
+
 def batched_tiers(tiers: list[Tier], max_slots: int | None = None) -> list[BatchedTier]:
     """Each tier behind the batched seam: one shared forward where the model allows it."""
-    return [BatchedModelTier(t, max_slots) if BatchedModelTier.supports(t) else RowByRow(t) for t in tiers]
+    out: list[BatchedTier] = []
+    for tier in tiers:
+        if BatchedModelTier.supports(tier):
+            out.append(BatchedModelTier(tier, max_slots))
+        elif isinstance(tier, NGramTier):
+            out.append(BatchedNGramTier(tier))
+        else:
+            out.append(RowByRow(tier))
+    return out

@@ -23,18 +23,20 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import types
 
 import torch
 
 from polyspec.workers.core.kv_cache import SequenceCache
 from polyspec.workers.core.sampling import warp_logits
 from polyspec.workers.core.tree import DraftTree, tree_attention_mask
+from polyspec.workers.tiers.lean_llama import LeanCache, LeanLlama
 from polyspec.workers.tiers.tier import ModelTier, Tier, first_candidates
 
 
 @dataclasses.dataclass
 class _HeadSequence:
-    cache: SequenceCache
+    cache: SequenceCache | LeanCache
     outputs: torch.Tensor  # [capacity, H] the head's predicted feature at each cache slot
     real: int = 0  # cache slots [0, real) were computed from the target's features
     tree_prefix: int | None = None  # linear length under an unaccepted draft tree
@@ -57,13 +59,29 @@ class FeatureTier(Tier):
         self._dtype = next(head.parameters()).dtype
         self._hidden = head.config.hidden_size
         self._sequences: dict[object, _HeadSequence] = {}
+        self._lean = self._lean_layer(head, source.device)
+
+    @staticmethod
+    def _lean_layer(head, device) -> LeanLlama | None:
+        """The head's decoder layer through the lean forward (on CPU): the same operations
+        without transformers' per-module overhead; it reads the layer's weights only."""
+        decoder = head.decoder
+        shim = type("LlamaForCausalLM", (), {})()  # the shape LeanLlama reads (and `supports` checks the name of)
+        shim.config = decoder.config
+        shim.model = types.SimpleNamespace(embed_tokens=decoder.embed_tokens, layers=decoder.layers, norm=head.feature_norm, rotary_emb=decoder.rotary_emb)
+        shim.lm_head = head.fc  # unused: the lean forward returns the layer's raw output here
+        try:
+            return LeanLlama(shim) if LeanLlama.supports(shim, torch.device(device)) else None
+        except AttributeError:
+            return None
 
     # ------------------------------------------------------------------ bookkeeping
 
     def _sequence(self, seq_id) -> _HeadSequence:
         seq = self._sequences.get(seq_id)
         if seq is None:
-            seq = self._sequences[seq_id] = _HeadSequence(SequenceCache(self.head.decoder.config), torch.zeros(64, self._hidden))
+            cache = self._lean.new_cache() if self._lean is not None else SequenceCache(self.head.decoder.config)
+            seq = self._sequences[seq_id] = _HeadSequence(cache, torch.zeros(64, self._hidden))
         return seq
 
     def release(self, seq_id) -> None:
@@ -99,9 +117,14 @@ class FeatureTier(Tier):
         with torch.inference_mode():
             ids = torch.tensor([tokens], dtype=torch.long)
             embeds = self._embed(ids).to(self._dtype)  # [1, T, H]
-            feature, logit_input = self.head(
-                features[None].to(self._dtype), embeds, torch.tensor([positions], dtype=torch.long), cache=seq.cache.kv, attention_mask=mask
-            )
+            features = features[None].to(self._dtype)
+            if self._lean is not None:
+                head = self.head
+                parts = [features, embeds] + ([features * embeds] if head.sampling else [])
+                trunk = self._lean.forward(seq.cache, tokens, positions, mask, inputs=head.fc(torch.cat(parts, dim=-1)), raw=True)
+                feature, logit_input = head.outputs(trunk)
+            else:
+                feature, logit_input = self.head(features, embeds, torch.tensor([positions], dtype=torch.long), cache=seq.cache.kv, attention_mask=mask)
             logits = self._lm_head(logit_input)[0, :, : self.vocab_size].float()  # [T, V]
         seq.cache.appended(tokens)
         end = start + len(tokens)

@@ -232,16 +232,21 @@ class LeanLlama:
         return attn.reshape(1, -1, count, self.head_dim)
 
     @torch.inference_mode()
-    def forward(self, cache: LeanCache, tokens: list[int], positions: list[int], mask: torch.Tensor | None, hidden: list | None = None) -> torch.Tensor:
+    def forward(
+        self, cache: LeanCache, tokens: list[int], positions: list[int], mask: torch.Tensor | None, hidden: list | None = None,
+        inputs: torch.Tensor | None = None, raw: bool = False,
+    ) -> torch.Tensor:
         """Append `tokens` (at `positions`) to `cache`; logits [1, T, V] in the model's dtype.
-        `hidden`: a list that receives the last hidden states [T, H] (after the final norm)."""
+        `hidden`: a list that receives the last hidden states [T, H] (after the final norm).
+        `inputs` [1, T, H]: the layers' input instead of the token embeddings; `raw`: return
+        the last layer's output (before the final norm) instead of logits (a feature head's use)."""
         count = len(tokens)
         start = len(cache)
         end = start + count
         cache.reserve(end)
         ids = torch.tensor(tokens, dtype=torch.long)
         position_index = torch.tensor(positions, dtype=torch.long)
-        x = F.embedding(ids, self.embed)[None]  # [1, T, H*D]
+        x = F.embedding(ids, self.embed)[None] if inputs is None else inputs  # [1, T, H*D]
         cos = self.cos.index_select(0, position_index)[None, None]  # [1, 1, T, D]
         sin = self.sin.index_select(0, position_index)[None, None]
         if mask is not None:
@@ -275,6 +280,8 @@ class LeanLlama:
             x = x + o_proj(attn)
             h = self._rms(x, w_post, eps_post)
             x = x + down(F.silu(gate(h)) * up(h))
+        if raw:
+            return x
         x = self._rms(x, self.norm_weight, self.norm_eps)
         if hidden is not None:
             hidden.append(x[0])

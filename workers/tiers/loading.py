@@ -161,12 +161,26 @@ def load_gguf_model(path: str, dtype, tie_lm_head: bool | None = None, **kwargs)
 
 
 def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
-    """Dynamic int8 quantization of every Linear (weights int8 per tensor, activations quantized on the fly)."""
+    """Dynamic int8 quantization of every Linear (weights int8 per tensor, activations quantized on the fly).
+
+    In place and one child module at a time: a float32 copy of a whole 1.5B-parameter model
+    (6 GB), let alone `quantize_dynamic`'s default deep copy of it, is not needed at once."""
     from torch.ao.quantization import quantize_dynamic
+
+    def convert(module: torch.nn.Module) -> None:
+        if isinstance(module, torch.nn.Linear):
+            return  # quantized through its parent, which swaps the child module
+        children = list(module.children())
+        if sum(p.numel() for p in module.parameters(recurse=True)) > 50_000_000 and children:
+            for child in children:
+                convert(child)
+        module.float()
+        quantize_dynamic(module, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
 
     with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
         warnings.simplefilter("ignore")
-        return quantize_dynamic(model.float(), {torch.nn.Linear}, dtype=torch.qint8)
+        convert(model)
+    return model
 
 
 def retie_lm_head(model) -> bool:
@@ -215,7 +229,9 @@ def load_model_tier(tier, vocab_size: int | None = None) -> ModelTier:
         extra = {"quantization_config": int4_quantization_config(tier, device), "device_map": {"": device.index or 0}}
     if tier.quantize == "int8" and device.type != "cpu":
         raise ModelLoadError(f"tier {tier.name!r}: quantize: int8 (torch dynamic quantization) runs on CPU only; set device: cpu")
-    dtype = torch.float32 if tier.quantize == "int8" else TORCH_DTYPES[tier.dtype]
+    # int8: loaded in bfloat16 (half a float32 checkpoint's memory; int8 rounds far coarser),
+    # quantize_int8 widens them to float32 a module at a time
+    dtype = torch.bfloat16 if tier.quantize == "int8" else TORCH_DTYPES[tier.dtype]
     if tier.threads:
         torch.set_num_threads(tier.threads)
     try:

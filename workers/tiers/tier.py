@@ -1,4 +1,5 @@
-"""Tiers: the models of the chain behind one small interface (the seam of DESIGN §2).
+"""Tiers: the models of the chain behind one small interface (the seam between the
+scheduler and the models: the scheduler sees only this interface).
 
 The scheduler never touches a model. It asks a tier to
 
@@ -13,7 +14,7 @@ The scheduler never touches a model. It asks a tier to
 Every call carries the full context the tier should be conditioned on; the tier keeps
 the KV of the longest prefix it already has and drops the rest (exact rollback, no
 re-prefill). Calls are per block, never per token, so the same interface can be served
-by a remote actor (DESIGN §6). Each tier is used by one thread at a time.
+by a remote actor (polyspec.orchestrator.distributed.transport.RemoteTier). Each tier is used by one thread at a time.
 """
 
 from __future__ import annotations
