@@ -268,7 +268,9 @@ def measure(settings: RealBenchSettings, systems: list, prompts: list[Prompt], p
         for temperature, prompt, system in todo:
             bar.set_postfix_str(f"T={temperature:g} {prompt.id} {system.name}")
             seed = settings.seed + sum(map(ord, prompt.id))
+            cpu_before = time.process_time()
             outcome = system.generate(prompt_ids[prompt.id], settings.tokens, temperature, seed)
+            cpu_seconds = time.process_time() - cpu_before  # this process's threads only (not Ray actors)
             row = {
                 "system": system.name,
                 "temperature": float(temperature),
@@ -277,6 +279,7 @@ def measure(settings: RealBenchSettings, systems: list, prompts: list[Prompt], p
                 "prompt_tokens": len(prompt_ids[prompt.id]),
                 "tokens": outcome.token_ids,
                 "seconds": round(outcome.seconds, 4),
+                "cpu_seconds": None if system.name.startswith("ray:") else round(cpu_seconds, 4),
                 "stages": outcome.stages,
                 "tier_busy_s": outcome.tier_busy_s,
                 "loadavg": load_average(),
