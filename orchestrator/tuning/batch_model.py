@@ -42,6 +42,7 @@ BATCH_GRID = (1, 4, 16, 64)
 WIDTH_GRID = (1, 4, 8, 16)
 PROFILE_CONTEXT = 128
 SMOOTHING = 0.2
+EXPLORE_COST = 3.0  # before speculation is measured at a batch size, no plan predicted to cost more than this many "off" steps
 EXPLORE_EVERY = 24  # steps with speculation on between two steps with it off (per batch-size bucket)
 PRIOR_RATE = 0.8  # acceptance rate before any round is seen (a model drafter; the lookup's is LOOKUP_PRIOR_RATE)
 LOOKUP_PRIOR_RATE = 0.5
@@ -256,9 +257,12 @@ class BatchPlanner:
         if params:
             self.greedy_share = sum(p.greedy for p in params) / len(params)
         allowed = self.allowed(batch)
-        best = self.predicted_best(batch)
         off = self.plans[0]
         spec_rate, off_rate = self.measured.get((group, True)), self.measured.get((group, False))
+        if spec_rate is None:  # nothing measured speculating at this load yet: try only plans whose step is cheap
+            cap = EXPLORE_COST * self.step_ms(off, batch)[0]
+            allowed = [p for p in allowed if not p.speculating or self.step_ms(p, batch)[0] <= cap] or [off]
+        best = max(allowed, key=lambda p: self.goodput(p, batch))
         if best.speculating and off_rate is None:
             best = off  # first measure "off" at this load: the bar speculation has to clear
         elif best.speculating and spec_rate is not None and spec_rate < off_rate:

@@ -2,7 +2,8 @@
 the time model's prediction of the best speedup the measured costs and acceptance allow.
 
 Speedup of a system = geometric mean over prompts of (target alone's seconds / the system's
-seconds) on the same prompt at the same temperature; tokens/s = tokens / seconds over all
+seconds) on the same prompt at the same temperature (`cpu_speedup`: the same with the CPU
+seconds the benchmark's process spent, which other jobs on a shared machine move less); tokens/s = tokens / seconds over all
 its runs of a prompt class. Greedy equality: at T = 0, the system's tokens equal the target
 alone's on the prompt.
 """
@@ -115,18 +116,19 @@ def fitted_rate(mean_accepted: float, length: int) -> float:
 def predict(costs: dict | None, chain: list[str], rates: list[float]) -> dict | None:
     """Best lengths and speedup over the target alone that the serial time model gives for
     `chain` with these forward costs and per-stage acceptance rates."""
-    from polyspec.orchestrator.tuning import time_model as tm
+    from polyspec.orchestrator.tuning.chain_model import search_lengths
+    from polyspec.orchestrator.tuning.time_model import StageSpec
 
     if not costs or any(t not in costs for t in chain):
         return None
-    stages = [tm.StageSpec(forward_ms=_table(costs, chain[i]), accept_rates=(rates[i],)) for i in range(len(chain) - 1)]
+    stages = [StageSpec(forward_ms=_table(costs, chain[i]), accept_rates=(rates[i],)) for i in range(len(chain) - 1)]
     bottom = chain[-1]
     if "draft_ms" in costs[bottom]:
         draft = _table(costs, bottom)
     else:
         one = _table(costs, bottom)[1]
         draft = {k: one * k for k in range(1, MAX_LENGTH + 1)}
-    lengths, ms = tm.search_lengths(stages, draft, MAX_LENGTH)
+    lengths, ms = search_lengths(stages, draft, MAX_LENGTH)
     target_ms = _table(costs, chain[0])[1]
     return {"best_lengths": lengths, "ms_per_token": round(ms, 2), "target_ms_per_token": round(target_ms, 2), "predicted_speedup": round(target_ms / ms, 3)}
 
@@ -172,8 +174,12 @@ def summarize(rows: list[dict], described: dict, prompts: list) -> list[dict]:
                     continue
                 base = {p.id: by.get(("target", temperature, p.id)) for p in prompts}
                 ratios = {r["prompt"]: base[r["prompt"]]["seconds"] / r["seconds"] for r in runs if base.get(r["prompt"])}
+                cpu = {r["prompt"]: base[r["prompt"]]["cpu_seconds"] / r["cpu_seconds"] for r in runs
+                       if base.get(r["prompt"]) and base[r["prompt"]].get("cpu_seconds") and r.get("cpu_seconds")}
                 block = {
                     "prompts": len(runs),
+                    # CPU seconds of this process (its threads' work): less moved by other jobs on a shared machine than wall time
+                    "cpu_speedup": round(_geomean(list(cpu.values())) or 0.0, 3) if cpu else None,
                     "tokens_per_s": round(sum(len(r["tokens"]) for r in runs) / sum(r["seconds"] for r in runs), 3),
                     "speedup": round(_geomean(list(ratios.values())) or 0.0, 3),
                     "speedup_per_prompt": {k: round(v, 3) for k, v in ratios.items()},
@@ -321,8 +327,8 @@ def markdown(report: dict) -> str:
         f"Machine: {report['machine']['cpu']}, {report['machine']['cores']} cores, 1-min load average during the runs "
         f"{json.dumps(report['machine']['loadavg_during_runs'])}.",
         "",
-        "| system | ran with | T | code tok/s | code x target | prose tok/s | prose x target | accepted / block per stage | greedy = target |",
-        "|---|---|---:|---:|---:|---:|---:|---|---|",
+        "| system | ran with | T | code tok/s | code x target | prose tok/s | prose x target | x target in CPU s (all) | accepted / block per stage | greedy = target |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for e in report["results"]:
         info = e["ran_with"]
@@ -332,7 +338,7 @@ def markdown(report: dict) -> str:
         accepted = " / ".join(f"{st['verifier']} {st['mean_accepted']:.2f}" for st in stages) or "—"
         lines.append(
             f"| {e['system']} | {ran} | {e['temperature']:g} | {_fmt(code.get('tokens_per_s'))} | {_fmt(code.get('speedup'))} | "
-            f"{_fmt(prose.get('tokens_per_s'))} | {_fmt(prose.get('speedup'))} | {accepted} | {(e.get('all') or {}).get('greedy_equal', '')} |"
+            f"{_fmt(prose.get('tokens_per_s'))} | {_fmt(prose.get('speedup'))} | {_fmt((e.get('all') or {}).get('cpu_speedup'))} | {accepted} | {(e.get('all') or {}).get('greedy_equal', '')} |"
         )
     lines += ["", "## Judged ratios (HumanEval prompts)", "", "```json", json.dumps(report["judged"]["code"], indent=1), "```"]
     if report["time_model"]:

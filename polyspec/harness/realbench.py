@@ -110,11 +110,13 @@ def prose_prompts(path: str, count: int) -> list[Prompt]:
 
 
 def best_dtype() -> str:
-    """bfloat16 where the CPU computes it natively (AVX512-BF16 / AMX), else float32: the
-    same rule `polyspec zoo fetch` stores the weights by."""
-    from polyspec.harness.zoo_fetch import cpu_has_native_bf16
-
-    return "bfloat16" if cpu_has_native_bf16() else "float32"
+    """bfloat16 where the CPU computes it natively (AVX512-BF16 / AMX), else float32: without
+    native kernels a bfloat16 forward over a block costs more than a float32 one."""
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "").split()
+    except OSError:
+        flags = []
+    return "bfloat16" if {"avx512_bf16", "amx_bf16"} & set(flags) else "float32"
 
 
 def default_threads() -> int:
@@ -266,7 +268,9 @@ def measure(settings: RealBenchSettings, systems: list, prompts: list[Prompt], p
         for temperature, prompt, system in todo:
             bar.set_postfix_str(f"T={temperature:g} {prompt.id} {system.name}")
             seed = settings.seed + sum(map(ord, prompt.id))
+            cpu_before = time.process_time()
             outcome = system.generate(prompt_ids[prompt.id], settings.tokens, temperature, seed)
+            cpu_seconds = time.process_time() - cpu_before  # this process's threads only (not Ray actors)
             row = {
                 "system": system.name,
                 "temperature": float(temperature),
@@ -275,6 +279,7 @@ def measure(settings: RealBenchSettings, systems: list, prompts: list[Prompt], p
                 "prompt_tokens": len(prompt_ids[prompt.id]),
                 "tokens": outcome.token_ids,
                 "seconds": round(outcome.seconds, 4),
+                "cpu_seconds": None if system.name.startswith("ray:") else round(cpu_seconds, 4),
                 "stages": outcome.stages,
                 "tier_busy_s": outcome.tier_busy_s,
                 "loadavg": load_average(),

@@ -148,3 +148,16 @@ def test_profile_outliers_are_flattened():
     fixed = monotone(ms)
     assert fixed[(1, 4)] == ms[(1, 8)] and fixed[(16, 8)] == ms[(16, 8)]
     assert all(fixed[(b, w)] <= fixed[(b, w2)] for b in BATCH_GRID for w, w2 in zip(WIDTH_GRID, WIDTH_GRID[1:]))
+
+
+def test_unmeasured_load_tries_only_cheap_speculation():
+    from polyspec.orchestrator.tuning.batch_model import EXPLORE_COST
+
+    plan = planner(lambda b, w: 1.0 * w, mid_cost=lambda b, w: 5.0 * w)  # a block of k costs k + 1 "off" steps
+    accept(plan, 0, 1, 0.999)
+    accept(plan, 0, 2, 0.999)
+    accept(plan, 1, 2, 0.999)
+    plan.measured[(4, False)] = 1.0
+    lengths, active = plan.plan(4)
+    off_ms = plan.step_ms(plan.plans[0], 4)[0]
+    assert plan.step_ms(plan.chosen[4], 4)[0] <= EXPLORE_COST * off_ms

@@ -55,6 +55,7 @@ def test_one_command_writes_the_report_and_resumes(tmp_path):
     three = next(e for e in saved["results"] if e["system"] == "chain:target+int8+small" and e["temperature"] == 0.0)
     assert [s["verifier"] for s in three["all"]["stages"]] == ["target", "int8"]
     assert saved["machine"]["loadavg_during_runs"] is not None
+    assert three["all"]["cpu_speedup"] > 0
     assert set(saved["forward_costs_ms"]) >= {"target", "int8", "small", "ngram"}
     assert all(p["predicted_speedup"] > 0 for p in saved["time_model"])
     in_runs = saved["forward_costs_from_runs_ms"]
