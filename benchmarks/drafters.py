@@ -39,6 +39,7 @@ FEATURE = {"name": "feature", "model": {"feature_head": str(DRAFTERS / "feature"
 FEATURE_EAGLE = {"name": "feature-eagle", "model": {"feature_head": str(DRAFTERS / "feature-eagle")}, "threads": 1}
 EXIT_THRESHOLD = 0.3
 K = 4  # the common length of the acceptance comparison
+FULL = "--full" in sys.argv  # also target+int8, target+ngram, target+early-exit+ngram
 
 
 def early_exit() -> dict:
@@ -47,17 +48,22 @@ def early_exit() -> dict:
 
 def systems_spec() -> list[tuple[str, list[dict], list[int], bool]]:
     """(name, tiers under... target first, lengths, has a trained drafter)."""
-    return [
+    specs = [
         (f"target+small@{K}", [TARGET, SMALL], [K], False),
-        ("target+int8@12", [TARGET, INT8], [12], False),
-        ("target+ngram@6", [TARGET, NGRAM], [6], False),
-        ("target+int8+ngram@12,10", [TARGET, INT8, NGRAM], [12, 10], False),
+        ("target+int8+ngram@12,10", [TARGET, INT8, NGRAM], [12, 10], False),  # the demo chain
         (f"target+feature@{K}", [TARGET, FEATURE], [K], True),
         (f"target+feature-eagle@{K}", [TARGET, FEATURE_EAGLE], [K], True),
         ("target+feature+ngram@4,6", [TARGET, FEATURE, NGRAM], [4, 6], True),
         ("target+early-exit@6", [TARGET, early_exit()], [6], True),
-        ("target+early-exit+ngram@6,6", [TARGET, early_exit(), NGRAM], [6, 6], True),
     ]
+    if FULL:
+        specs += [
+            ("target+int8@12", [TARGET, INT8], [12], False),
+            ("target+ngram@6", [TARGET, NGRAM], [6], False),
+            ("target+early-exit+ngram@6,6", [TARGET, early_exit(), NGRAM], [6, 6], True),
+        ]
+    present = lambda tiers: all(Path(next(iter(t["model"].values()))).is_dir() for t in tiers if isinstance(t["model"], dict))  # noqa: E731
+    return [spec for spec in specs if present(spec[1])]
 
 
 def drafter_costs() -> dict:
@@ -85,6 +91,7 @@ def run(prompts: int, tokens: int) -> dict:
     from polyspec.harness.bench_systems import EngineSystem
     from polyspec.harness.draft_report import held_out_prompts, stage_summary
     from polyspec.orchestrator.config import parse_config
+    from polyspec.orchestrator.tokenization import encode_prompt
 
     load_before = os.getloadavg()
     base = parse_config({"tiers": [TARGET], "speculation": {"lengths": []}})
@@ -95,7 +102,7 @@ def run(prompts: int, tokens: int) -> dict:
         flags[name] = trained
     texts = held_out_prompts(str(FAMILY / "target"), prompts)
     tokenizer = systems[0].engine.tokenizer
-    prompt_ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    prompt_ids = [encode_prompt(tokenizer, t) for t in texts]
     settings = BenchSettings(max_new_tokens=tokens, temperatures=(0.0, 1.0), repeats=1, threads=1)
     runs = measure(systems, prompt_ids, settings)
     rows = []
@@ -145,6 +152,8 @@ def bars(rows: list[dict]) -> dict:
         out[f"fspad_vs_eagle_accepted_T{temperature:g}"] = {"ratio": round(feature / eagle, 3) if eagle else None}
         with_trained = [r for r in rows if r["temperature"] == temperature and r["trained_drafter"]]
         without = [r for r in rows if r["temperature"] == temperature and not r["trained_drafter"] and r["system"] != "target"]
+        if not with_trained or not without:
+            continue
         best_with, best_without = max(with_trained, key=lambda r: r["tokens_per_s"]), max(without, key=lambda r: r["tokens_per_s"])
         out[f"best_trained_vs_best_untrained_T{temperature:g}"] = {
             "ratio": round(best_with["tokens_per_s"] / best_without["tokens_per_s"], 3), "bar": 1.2,
@@ -184,8 +193,9 @@ def markdown(report: dict) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=40)
+    parser.add_argument("--full", action="store_true", help="three more chains (see FULL)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "drafters"))
     args = parser.parse_args()
     import torch

@@ -111,6 +111,7 @@ def main(argv=None) -> int:
 
     from polyspec.harness.bench_prompts import code_prompts
     from polyspec.orchestrator.config import load_config
+    from polyspec.orchestrator.tokenization import encode_prompt
     from polyspec.orchestrator.engine import Engine
     from polyspec.workers.tiers.loading import quiet_transformers
 
@@ -131,7 +132,7 @@ def main(argv=None) -> int:
     model = AutoModelForCausalLM.from_pretrained(config.tiers[0].model, dtype=torch.float32).eval()
     print(f"engines ready in {time.perf_counter() - load_started:.0f}s (the planner's profile included)", file=sys.stderr)
     total = max(max(levels), 8)
-    prompts = [tokenizer(p.text, add_special_tokens=False)["input_ids"][-PROMPT_TOKENS:] for p in code_prompts(tokenizer, total)]
+    prompts = [encode_prompt(tokenizer, p.text)[-PROMPT_TOKENS:] for p in code_prompts(tokenizer, total)]
     while len(prompts) < total:
         prompts += prompts[: total - len(prompts)]
     results: dict = {}

@@ -181,13 +181,15 @@ class Engine:
 
     # ------------------------------------------------------------------- requests
 
-    def parse_request(self, raw: dict[str, Any]) -> GenerationRequest:
-        """Validate one request (a JSONL line's object, CLI flags, or an RPC) -> GenerationRequest."""
+    def parse_request(self, raw: dict[str, Any], tokenizer=None) -> GenerationRequest:
+        """Validate one request (a JSONL line's object, CLI flags, or an RPC) -> GenerationRequest.
+        `tokenizer`: a copy of the target's to tokenize with (the server's request threads use
+        their own, so a long prompt never waits on or holds up the model thread's decoding)."""
         if not isinstance(raw, dict):
             raise RequestError(f"a request must be a JSON object, got {type(raw).__name__}")
         unknown = sorted(set(raw) - set(REQUEST_FIELDS))
         if unknown:
-            raise RequestError(f"unknown request field {unknown[0]!r} (known: {', '.join(REQUEST_FIELDS)})")
+            raise RequestError(f"unknown request field {unknown[0][:64]!r} (known: {', '.join(REQUEST_FIELDS)})")
         defaults = self.config.sampling
         prompt, prompt_ids, messages = raw.get("prompt"), raw.get("prompt_ids"), raw.get("messages")
         if sum(x is not None for x in (prompt, prompt_ids, messages)) > 1:
@@ -195,7 +197,7 @@ class Engine:
         if messages is not None:
             if self.tokenizer is None:
                 raise RequestError("the target model has no tokenizer; send 'prompt_ids' instead of 'messages'")
-            ids = encode_chat(self.tokenizer, messages)
+            ids = encode_chat(tokenizer or self.tokenizer, messages)
         elif prompt_ids is not None:
             if not isinstance(prompt_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids):
                 raise RequestError("prompt_ids must be a list of integers")
@@ -208,7 +210,7 @@ class Engine:
                 raise RequestError(f"prompt must be a string, got {type(prompt).__name__}")
             if self.tokenizer is None:
                 raise RequestError("the target model has no tokenizer; send 'prompt_ids' instead of 'prompt'")
-            ids = encode_prompt(self.tokenizer, prompt) if prompt else []
+            ids = encode_prompt(tokenizer or self.tokenizer, prompt) if prompt else []
         else:
             raise RequestError("request has no 'prompt' (or 'prompt_ids' or 'messages')")
         if not ids:

@@ -59,11 +59,11 @@ def tiny_drafters(tiny_family, tmp_path_factory):
     head, meta = new_drafter("feature", target)
     train(target, head, FeatureObjective(target, head, "fspad"), stream, root / "feature.ckpt",
           steps=30, batch=4, context=48, lr=3e-3, minutes=5, seed=0, desc="tiny feature head")
-    save_drafter(root / "feature", "feature", head, meta)
+    save_drafter(root / "feature", "feature", head, meta, torch.float32)
     adapter, meta = new_drafter("early_exit", target, layers=1)
-    save_drafter(root / "early_exit", "early_exit", adapter, meta)
+    save_drafter(root / "early_exit", "early_exit", adapter, meta, torch.float32)  # exact: the target itself
     with torch.no_grad():
         for parameter in adapter.parameters():
             parameter.add_(0.3 * parameter.std() * torch.randn_like(parameter))
-    save_drafter(root / "early_exit_noisy", "early_exit", adapter, meta)
+    save_drafter(root / "early_exit_noisy", "early_exit", adapter, meta, torch.float32)
     return {**tiny_family, **{name: str(root / name) for name in ("feature", "early_exit", "early_exit_noisy")}}

@@ -4,9 +4,9 @@ crosses a module boundary, no module grows past MAX_LINES.
 Layers, lowest first (a module may import its own layer and the ones below it):
 
     core math and wire format (workers/core, protos, the SDK client)
-    <- tiers (workers/tiers) <- the config <- decode (the decoder contract, the scheduler)
+    <- tiers (workers/tiers) <- the config, tokenization <- decode (the decoder contract, the schedulers)
     <- tuning (time model, profiler, tuner) <- distributed (worker, transport, driver, Ray)
-    <- engine <- serving (server, request loop, jobs, metrics, HTTP), validate
+    <- engine, the batch runner <- serving (server, request loop, jobs, metrics, HTTP), validate
     <- harness (bench, tune, zoo) <- the `polyspec` command (cli.py, __main__)
 
 Nothing in the runtime imports polyspec.harness: only the command, which dispatches to it,

@@ -324,8 +324,8 @@ class OpenAIApi:
         service = self.service
 
         def encode() -> list[int]:
-            with service.tokenizer_lock:
-                return encode_chat(service.engine.tokenizer, messages)
+            with service.prompt_tokenizer() as tokenizer:
+                return encode_chat(tokenizer, messages)
 
         try:
             ids = await asyncio.to_thread(encode)

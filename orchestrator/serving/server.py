@@ -15,15 +15,18 @@ token -> UNAUTHENTICATED, queue full or a limit (security.Limits) -> RESOURCE_EX
 loading / draining / no valid chain -> UNAVAILABLE, bytes that are not the method's message
 -> INVALID_ARGUMENT. Each with one line of text.
 
-Nothing that can block runs on the event loop: tokenizing (under the tokenizer lock the
-round thread also takes) and every SQLite call go through `asyncio.to_thread`, and every
-size is checked before that work starts.
+Nothing that can block runs on the event loop: tokenizing (with a copy of the tokenizer,
+so the round thread's decoding never waits for it) and every SQLite call go through
+`asyncio.to_thread`, and every size is checked before that work starts.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import copy
 import json
+import queue
 import threading
 import time
 
@@ -47,6 +50,7 @@ from polyspec.workers.core.errors import RequestError
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Polyspec"].full_name  # polyspec.v1.Polyspec
 STREAMING_METHODS = ("Generate", "StreamJobResults")
 MAX_MESSAGE_BYTES = 64 << 20  # a job's requests arrive in one message
+PROMPT_TOKENIZERS = 4  # requests tokenized at once (each with its own copy of the tokenizer)
 JOB_STATES = {
     QUEUED: pb.JOB_STATE_QUEUED,
     RUNNING: pb.JOB_STATE_RUNNING,
@@ -134,12 +138,26 @@ class PolyspecService(pb_grpc.PolyspecServicer):
         self.scheduler: RoundScheduler | None = None
         self.draining = False
         self.started = time.time()
-        self.tokenizer_lock = threading.Lock()
+        self.tokenizer_lock = threading.Lock()  # the engine's tokenizer: the round thread's (decoding)
+        self._prompt_tokenizers: queue.Queue = queue.Queue()  # copies for tokenizing requests in worker threads
         self._jobs_changed = asyncio.Event()
         self._loop = asyncio.get_running_loop()
 
     def attach(self, engine, scheduler: RoundScheduler) -> None:
+        for _ in range(PROMPT_TOKENIZERS):
+            tokenizer = getattr(engine, "tokenizer", None)
+            self._prompt_tokenizers.put(copy.deepcopy(tokenizer) if tokenizer is not None else None)
         self.engine, self.scheduler = engine, scheduler
+
+    @contextlib.contextmanager
+    def prompt_tokenizer(self):
+        """One of the request threads' tokenizer copies, for as long as the block runs (a
+        tokenizer is not safe to share between threads; a long prompt holds up only its own copy)."""
+        tokenizer = self._prompt_tokenizers.get()
+        try:
+            yield tokenizer
+        finally:
+            self._prompt_tokenizers.put(tokenizer)
 
     def jobs_changed(self) -> None:
         """Wake every StreamJobResults (called from any thread)."""
@@ -180,15 +198,21 @@ class PolyspecService(pb_grpc.PolyspecServicer):
             size = len(prompt.encode("utf-8", "surrogatepass"))
             if size > self.limits.max_prompt_bytes:
                 raise LimitExceeded(f"the prompt has {size} bytes (at most {self.limits.max_prompt_bytes})")
+        messages = raw.get("messages")
+        if isinstance(messages, list):
+            size = sum(len(m.get("content", "")) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str))
+            if size > self.limits.max_prompt_bytes:
+                raise LimitExceeded(f"the messages hold {size} characters (at most {self.limits.max_prompt_bytes} bytes)")
         ids = raw.get("prompt_ids")
         if isinstance(ids, list) and len(ids) > self.limits.max_prompt_bytes // 4:
             raise LimitExceeded(f"prompt_ids has {len(ids)} tokens (at most {self.limits.max_prompt_bytes // 4})")
 
     def parse_now(self, raw: dict):
-        """Validate and tokenize (on the calling thread: never the event loop's)."""
+        """Validate and tokenize (on the calling thread: never the event loop's), with the
+        request threads' own tokenizer: the round thread's decoding never waits for it."""
         self.check_sizes(raw)
-        with self.tokenizer_lock:
-            return self.engine.parse_request(raw)
+        with self.prompt_tokenizer() as tokenizer:
+            return self.engine.parse_request(raw, tokenizer=tokenizer)
 
     async def parse(self, raw: dict):
         self.check_sizes(raw)  # cheap, and before the thread hop

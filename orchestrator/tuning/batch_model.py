@@ -42,6 +42,7 @@ BATCH_GRID = (1, 4, 16, 64)
 WIDTH_GRID = (1, 4, 8, 16)
 PROFILE_CONTEXT = 128
 SMOOTHING = 0.2
+EXPLORE_COST = 3.0  # before speculation is measured at a batch size, no plan predicted to cost more than this many "off" steps
 EXPLORE_EVERY = 24  # steps with speculation on between two steps with it off (per batch-size bucket)
 PRIOR_RATE = 0.8  # acceptance rate before any round is seen (a model drafter; the lookup's is LOOKUP_PRIOR_RATE)
 LOOKUP_PRIOR_RATE = 0.5
@@ -256,9 +257,12 @@ class BatchPlanner:
         if params:
             self.greedy_share = sum(p.greedy for p in params) / len(params)
         allowed = self.allowed(batch)
-        best = self.predicted_best(batch)
         off = self.plans[0]
         spec_rate, off_rate = self.measured.get((group, True)), self.measured.get((group, False))
+        if spec_rate is None:  # nothing measured speculating at this load yet: try only plans whose step is cheap
+            cap = EXPLORE_COST * self.step_ms(off, batch)[0]
+            allowed = [p for p in allowed if not p.speculating or self.step_ms(p, batch)[0] <= cap] or [off]
+        best = max(allowed, key=lambda p: self.goodput(p, batch))
         if best.speculating and off_rate is None:
             best = off  # first measure "off" at this load: the bar speculation has to clear
         elif best.speculating and spec_rate is not None and spec_rate < off_rate:
@@ -289,7 +293,7 @@ class BatchPlanner:
 # ----------------------------------------------------------------- profiling
 
 
-def profile_batched(tiers, vocab_size: int, max_batch: int, repeats: int = 1) -> tuple[list[ForwardTable | None], list[float]]:
+def profile_batched(tiers, vocab_size: int, max_batch: int, repeats: int = 2) -> tuple[list[ForwardTable | None], list[float]]:
     """Start-up tables: each model tier's forward on the (batch, width) grid, each lookup tier's ms per request."""
     generator = torch.Generator().manual_seed(0)
     tables: list[ForwardTable | None] = []
@@ -328,8 +332,23 @@ def profile_batched(tiers, vocab_size: int, max_batch: int, repeats: int = 1) ->
             if b not in batches:
                 for w in WIDTH_GRID:
                     ms[(b, w)] = ms[(batches[-1], w)] * b / batches[-1]
-        tables.append(ForwardTable(ms))
+        tables.append(ForwardTable(monotone(ms)))
     return tables, lookup
+
+
+def monotone(ms: dict[tuple[int, int], float]) -> dict[tuple[int, int], float]:
+    """A forward never gets cheaper with more rows or more tokens: each cell becomes the smallest
+    measurement at or beyond it, so one slow outlier (a busy machine) cannot dent the table."""
+    out = dict(ms)
+    for b in BATCH_GRID:
+        for w in reversed(WIDTH_GRID[:-1]):
+            nxt = WIDTH_GRID[WIDTH_GRID.index(w) + 1]
+            out[(b, w)] = min(out[(b, w)], out[(b, nxt)])
+    for w in WIDTH_GRID:
+        for b in reversed(BATCH_GRID[:-1]):
+            nxt = BATCH_GRID[BATCH_GRID.index(b) + 1]
+            out[(b, w)] = min(out[(b, w)], out[(nxt, w)])
+    return out
 
 
 def _chains(tokens: list[int], count: int):

@@ -242,7 +242,7 @@ def fit_slowdown(samples: Sequence[tuple[float, float, float, float]], start: fl
     """The slow-down s whose `contended_block_ms` matches blocks drafted ahead on (weighted)
     average: samples (weight, measured_ms, block_ms, forward_ms), sum w (contended(s) - measured)
     = 0 by Newton steps from `start` (the sum rises with s), clamped to 1/3..3. Averaging each
-    block's own `fitted_slowdown` instead was biased and noisy (s = 1 / (1 - excess / forward)
+    block's own inverse of `contended_block_ms` instead was biased and noisy (s = 1 / (1 - excess / forward)
     is convex in a block's excess time; on the Ray demo chain at T = 1 an EMA of it read 1.04 to
     1.81 within one run, the blocks' mean excess 1.2-1.3)."""
     s = min(max(start, 1.0 / 3), 3.0)
@@ -297,7 +297,7 @@ class RoundShape:
     share: float  # of rounds in which the drafter drafts ahead (`ahead_share`)
     whole: float  # P(a block is accepted whole)
     pipelined_emitted: tuple[float, ...] | None  # the round as it runs when the drafter bets (None: never)
-    pipelined_forward_ms: float  # t_avg + o of `pipelined_round_model`
+    pipelined_forward_ms: float  # t_avg + o of `pipelined_shape`
     emitted: tuple[float, ...]  # the mix of the two by `share`
 
 

@@ -62,6 +62,7 @@ def chain_acceptance(
     the target alone, all on the same prompts, interleaved per prompt."""
     from polyspec.orchestrator.config import parse_config
     from polyspec.orchestrator.engine import Engine
+    from polyspec.orchestrator.tokenization import encode_prompt
     from polyspec.workers.core.sampling import SamplingParams
 
     target = {"name": "target", "model": os.path.abspath(target_dir), "threads": threads}
@@ -71,7 +72,7 @@ def chain_acceptance(
     for engine in engines.values():
         engine.scheduler.eos_token_ids = frozenset()
     tokenizer = engines["target"].tokenizer
-    prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    prompt_ids = [encode_prompt(tokenizer, p) for p in prompts]
     stages: dict = {(n, t): [] for n in engines for t in temperatures}
     speeds: dict = {(n, t): [] for n in engines for t in temperatures}
     names = list(engines)

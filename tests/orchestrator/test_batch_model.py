@@ -138,3 +138,26 @@ def test_ngram_index_proposes_what_the_scan_does():
         expected, _ = scan.draft(0, context, count, SamplingParams(), None)
         (got, _), = indexed.draft_batch(["r"], [context], [count], [SamplingParams()], [None])
         assert got == expected, (step, context, count)
+
+
+def test_profile_outliers_are_flattened():
+    from polyspec.orchestrator.tuning.batch_model import monotone
+
+    ms = {(b, w): float(b * w) for b in BATCH_GRID for w in WIDTH_GRID}
+    ms[(1, 4)] = 500.0  # one slow measurement
+    fixed = monotone(ms)
+    assert fixed[(1, 4)] == ms[(1, 8)] and fixed[(16, 8)] == ms[(16, 8)]
+    assert all(fixed[(b, w)] <= fixed[(b, w2)] for b in BATCH_GRID for w, w2 in zip(WIDTH_GRID, WIDTH_GRID[1:]))
+
+
+def test_unmeasured_load_tries_only_cheap_speculation():
+    from polyspec.orchestrator.tuning.batch_model import EXPLORE_COST
+
+    plan = planner(lambda b, w: 1.0 * w, mid_cost=lambda b, w: 5.0 * w)  # a block of k costs k + 1 "off" steps
+    accept(plan, 0, 1, 0.999)
+    accept(plan, 0, 2, 0.999)
+    accept(plan, 1, 2, 0.999)
+    plan.measured[(4, False)] = 1.0
+    lengths, active = plan.plan(4)
+    off_ms = plan.step_ms(plan.plans[0], 4)[0]
+    assert plan.step_ms(plan.chosen[4], 4)[0] <= EXPLORE_COST * off_ms

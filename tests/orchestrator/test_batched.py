@@ -21,6 +21,7 @@ from polyspec.orchestrator.batch_runner import ContinuousBatch, run_requests
 from polyspec.orchestrator.config import parse_config
 from polyspec.orchestrator.decode.contract import Decoder
 from polyspec.orchestrator.engine import Engine, requests_within_memory
+from polyspec.orchestrator.tokenization import encode_prompt
 from polyspec.workers.core.errors import ConfigError
 from polyspec.workers.core.sampling import SamplingParams
 from polyspec.workers.tiers.batched_llama import BatchedLlama
@@ -112,7 +113,7 @@ def test_greedy_batched_equals_target_alone(tiny_family, target_model, names, sp
             raw.update(temperature=1.0, seed=index)
         requests.append(engine.parse_request(raw))
         if not sampled:
-            greedy.append((str(index), tokenizer(prompt, add_special_tokens=False)["input_ids"], count))
+            greedy.append((str(index), encode_prompt(tokenizer, prompt), count))
     results = {}
     run_requests(engine, requests, lambda result: results.__setitem__(result["id"], result))  # 4 at a time, joining as others finish
     assert set(results) == {r.id for r in requests}
@@ -126,7 +127,7 @@ def test_batched_sampling_matches_target_distribution(tiny_family):
     engine = build(tiny_family, ["target", "mid", "ngram"], {"lengths": [3, 2]}, {"max_requests": 64})
     engine.scheduler.eos_token_ids = frozenset()
     params = SamplingParams(temperature=1.0)
-    prompt_ids = engine.tokenizer(PROMPTS[0], add_special_tokens=False)["input_ids"]
+    prompt_ids = encode_prompt(engine.tokenizer, PROMPTS[0])
     joint = exact_two_token_probs(engine.tiers[0].model, engine.vocab_size, prompt_ids, params)
     samples, per_batch = 1200, 48
     counts: collections.Counter = collections.Counter()

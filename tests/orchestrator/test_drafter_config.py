@@ -80,3 +80,16 @@ def test_validate_prints_one_line_for_a_bad_threshold(tiny_drafters, tmp_path, c
     path.write_text(yaml.safe_dump(chain(tiny_drafters, {"name": "e", "model": {"early_exit": tiny_drafters["early_exit"], "exit_threshold": 0.3}})))
     assert main(["validate", "-c", str(path)]) == 0
     assert "early exit" in capsys.readouterr().out
+
+
+def test_the_tuner_sees_the_early_exit_blocks_length(tiny_drafters):
+    """With lengths: auto the tuner measures the share of an asked block the early-exit tier
+    proposes (its fill), which sizes the verifier's forwards in the time model."""
+    early = {"name": "e", "model": {"early_exit": tiny_drafters["early_exit_noisy"], "exit_threshold": 0.9}}
+    engine = Engine(parse_config(chain(tiny_drafters, early, speculation={"lengths": "auto"})))
+    engine.scheduler.eos_token_ids = frozenset()
+    result = engine.generate(engine.parse_request({"prompt": "def f(x):\n    return", "max_new_tokens": 24}))
+    stage = result["stats"]["stages"][0]
+    assert stage["blocks"] > 0
+    fill = engine.scheduler.tuner.fill("greedy", 1)
+    assert fill < 1.0  # blocks stopped early were seen

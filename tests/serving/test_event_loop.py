@@ -1,4 +1,5 @@
-"""Blocking work (tokenizing a prompt, SQLite) never runs on the server's event loop.
+"""Blocking work (tokenizing a prompt, SQLite) never runs on the server's event loop, and
+tokenizing a prompt never holds the lock the round thread decodes under.
 
 PolyspecService over a fake engine and a fake job store whose calls block until the test
 releases them: while one blocks, a coroutine on the same loop must still run. If the call
@@ -34,10 +35,15 @@ class Gate:
 
 
 class FakeEngine:
+    tokenizer = None
+
     def __init__(self, gate: Gate) -> None:
         self.gate = gate
+        self.round_lock_held = []  # was the round thread's tokenizer lock held while tokenizing?
+        self.service = None
 
-    def parse_request(self, raw):
+    def parse_request(self, raw, tokenizer=None):
+        self.round_lock_held.append(self.service.tokenizer_lock.locked())
         self.gate.block()
         return ("parsed", raw.get("prompt"))
 
@@ -82,12 +88,58 @@ def test_blocking_work_runs_off_the_event_loop(what):
 
     async def main():
         service = PolyspecService(FakeStore(gate), Metrics(), 8)
-        service.attach(FakeEngine(gate), FakeScheduler())
+        engine = FakeEngine(gate)
+        engine.service = service
+        service.attach(engine, FakeScheduler())
         if what.startswith("tokenizing"):
             stream = service.Generate(pb.GenerateRequest(prompt="x" * 1000), FakeContext())
-            return await _loop_stays_free(gate, lambda: stream.__anext__())
-        return await _loop_stays_free(gate, lambda: service.GetJob(pb.GetJobRequest(job_id="job-1"), FakeContext()))
+            return await _loop_stays_free(gate, lambda: stream.__anext__()), engine
+        return await _loop_stays_free(gate, lambda: service.GetJob(pb.GetJobRequest(job_id="job-1"), FakeContext())), engine
 
-    reply = asyncio.run(main())
+    reply, engine = asyncio.run(main())
     assert not gate.stalled, f"{what} blocked the event loop"
     assert reply is not None
+    if what.startswith("tokenizing"):
+        assert engine.round_lock_held == [False], "tokenizing held the round thread's tokenizer lock"
+
+
+def test_a_long_prompt_does_not_hold_up_another_requests_tokenizing():
+    gate = Gate()
+
+    class Engine(FakeEngine):
+        def parse_request(self, raw, tokenizer=None):
+            if raw["prompt"] == "long":
+                self.gate.block()
+            return ("parsed", raw["prompt"])
+
+    async def main():
+        service = PolyspecService(FakeStore(gate), Metrics(), 8)
+        service.attach(Engine(gate), FakeScheduler())
+        long = threading.Thread(target=service.parse_now, args=({"prompt": "long"},))
+        long.start()
+        assert gate.entered.wait(10)
+        short = await asyncio.to_thread(service.parse_now, {"prompt": "short"})  # while "long" is still tokenizing
+        gate.release.set()
+        long.join(10)
+        return short
+
+    assert asyncio.run(main()) == ("parsed", "short")
+    assert not gate.stalled, "a short prompt waited for a long one's tokenizing"
+
+
+def test_sizes_are_checked_before_tokenizing():
+    from polyspec.orchestrator.serving.jobs import LimitExceeded
+    from polyspec.orchestrator.serving.security import Limits
+    from polyspec.workers.core.errors import RequestError
+
+    async def main():
+        return PolyspecService(FakeStore(Gate()), Metrics(), 8, limits=Limits(max_prompt_bytes=2000))
+
+    service = asyncio.run(main())
+    service.check_sizes({"prompt": "x" * 2000, "messages": [{"role": "user", "content": "y" * 2000}]})  # at the limit
+    for raw in ({"prompt": "é" * 1001}, {"messages": [{"role": "user", "content": "y" * 1500}, {"role": "user", "content": "z" * 600}]},
+                {"prompt_ids": [1] * 501}):
+        with pytest.raises(LimitExceeded):
+            service.check_sizes(raw)
+    with pytest.raises(RequestError, match="id has 257 characters"):
+        service.check_sizes({"id": "i" * 257, "prompt": "x"})

@@ -135,15 +135,16 @@ def early_exit_model(target_model, layers: int, adapter: EarlyExitAdapter):
 # ------------------------------------------------------------------------ checkpoints
 
 
-def save_drafter(directory, kind: str, module: nn.Module, meta: dict) -> None:
-    """Write `drafter.json` and the module's weights (float32) into `directory`."""
+def save_drafter(directory, kind: str, module: nn.Module, meta: dict, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Write `drafter.json` and the module's weights into `directory` (bfloat16 by default, as
+    the demo family's models: the tier loads them into the target's dtype)."""
     from safetensors.torch import save_file
 
     if kind not in KINDS:
         raise ValueError(f"unknown drafter kind {kind!r}")
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().float().contiguous().cpu() for k, v in module.state_dict().items() if not k.startswith("decoder.embed_tokens")}
+    state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in module.state_dict().items() if not k.startswith("decoder.embed_tokens")}
     save_file(state, str(path / WEIGHTS_FILE))
     (path / DRAFTER_FILE).write_text(json.dumps({"kind": kind, **meta}, indent=2) + "\n")
 
@@ -181,7 +182,7 @@ def _load_weights(module: nn.Module, directory, where: str) -> None:
     differing = sorted(set(own) ^ set(state)) or sorted(k for k in own if state[k].shape != own[k])
     if differing:
         raise DrafterError(f"{where}: the weights in {weights} do not match the drafter's shape (e.g. {differing[0]!r})")
-    module.load_state_dict(state, strict=False)
+    module.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
 
 
 def build_feature_head(meta: dict, target_config) -> FeatureHead:
