@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 
@@ -14,8 +13,9 @@ from polyspec.orchestrator.cli import main
 
 
 def polyspec_command() -> list[str]:
-    exe = shutil.which("polyspec")
-    return [exe] if exe else [sys.executable, "-m", "polyspec.orchestrator.cli"]
+    # this interpreter's polyspec, not whichever `polyspec` script comes first on PATH (another
+    # checkout's install would test other code)
+    return [sys.executable, "-m", "polyspec"]
 
 
 @pytest.fixture(scope="module")
