@@ -33,6 +33,7 @@ from polyspec.workers.core.errors import ConfigError
 START_TIMEOUT_S = float(os.environ.get("POLYSPEC_RAY_START_TIMEOUT_S", "180"))
 RESTART_TIMEOUT_S = float(os.environ.get("POLYSPEC_RAY_RESTART_TIMEOUT_S", "180"))
 REPAIR_PERIOD_S = 1.0
+REPAIR_JOIN_S = 35.0  # close() waits this long for the repair thread: its longest call is a 30 s setup
 
 
 class TierActor:
@@ -301,6 +302,10 @@ class RayMembership(Membership):
                 return
             changed = False
             for i in range(1, len(self.views)):
+                # once the chain is closed (or the driver disconnected) no more Ray calls: a
+                # `.remote()` without a connection would reconnect this process to the cluster
+                if self._stop.is_set() or not ray.is_initialized():
+                    return
                 view = self.views[i]
                 if view.up and not self._ping(view.address):
                     view.up = False
@@ -329,6 +334,9 @@ class RayMembership(Membership):
 
         self._stop.set()
         self._repair_wanted.set()
+        repairer = getattr(self, "_repairer", None)
+        if repairer is not None and repairer is not threading.current_thread():
+            repairer.join(timeout=REPAIR_JOIN_S)  # its Ray calls end before the caller disconnects
         for actor in getattr(self, "actors", []):
             try:
                 ray.kill(actor, no_restart=True)

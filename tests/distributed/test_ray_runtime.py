@@ -41,7 +41,11 @@ def cluster():
     ray.init(address=cluster.address, logging_level="error", log_to_driver=False)
     yield cluster, workers
     ray.shutdown()
-    cluster.shutdown()
+    try:
+        cluster.shutdown()
+    except ValueError:  # a straggling thread reconnected this driver: disconnect it again, then stop
+        ray.shutdown()
+        cluster.shutdown()
 
 
 @pytest.fixture(autouse=True)
