@@ -31,7 +31,7 @@ import torch
 from polyspec.workers.core.sampling import SamplingParams, warp_logits
 from polyspec.workers.core.tree import DraftTree
 from polyspec.workers.tiers.batched_llama import BatchedLlama
-from polyspec.workers.tiers.tier import ModelTier, NGramTier, Tier
+from polyspec.workers.tiers.tier import ModelTier, NGramTier, Tier, copy_forward
 
 
 class BatchedTier:
@@ -179,18 +179,6 @@ class BatchedModelTier(BatchedTier):
                 rows[r].append(probs)
                 feeds[r] = [token]
         return [(t, None if p.greedy or not rs else torch.stack(rs)) for t, rs, p in zip(tokens, rows, params)]
-
-
-def copy_forward(context: list[int], start: int, num_tokens: int) -> list[int]:
-    """`num_tokens` tokens copied from `context[start:]`, running on into the copy itself (an
-    overlapping copy: a loop shorter than the block is proposed for the whole block)."""
-    copied: list[int] = []
-    for offset in range(num_tokens):
-        position = start + offset
-        if position >= len(context) and not copied:
-            break
-        copied.append(context[position] if position < len(context) else copied[position - len(context)])
-    return copied
 
 
 class NGramIndex:

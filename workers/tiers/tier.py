@@ -364,7 +364,7 @@ def first_candidates(root_logits, root_probs, width: int, params: SamplingParams
     return [int(t) for t in torch.multinomial(root_probs, width, replacement=True, generator=generator)]
 
 
-def _copy_forward(context: list[int], start: int, num_tokens: int) -> list[int]:
+def copy_forward(context: list[int], start: int, num_tokens: int) -> list[int]:
     """`num_tokens` tokens copied from `context[start:]`, continuing into the copy itself when
     the context runs out (an overlapping copy, as in LZ77): a loop of period p shorter than
     the block is proposed for the whole block, not cut at the end of the context."""
@@ -408,7 +408,7 @@ class NGramTier(Tier):
             for start in range(length - n - 1, -1, -1):
                 if context[start : start + n] != suffix:
                     continue
-                continuation = _copy_forward(context, start + n, num_tokens)
+                continuation = copy_forward(context, start + n, num_tokens)
                 if continuation and continuation[0] not in first_tokens:
                     first_tokens.add(continuation[0])
                     found.append(continuation)
