@@ -54,8 +54,9 @@ def test_drafter_placement_rules(tiny_drafters):
     small = {"name": "small", "model": tiny_drafters["small"]}
     with pytest.raises(ConfigError, match="must be the second tier"):
         parse_config(chain(tiny_drafters, small, feature))
-    with pytest.raises(ConfigError, match="run embedded only"):
-        parse_config(chain(tiny_drafters, early, runtime={"backend": "ray"}))
+    with pytest.raises(ConfigError, match="runs in its target's Ray actor"):
+        parse_config(chain(tiny_drafters, {**early, "resources": {"node_a": 1}}, runtime={"backend": "ray"}))
+    assert parse_config(chain(tiny_drafters, early, runtime={"backend": "ray"})).tiers[1].drafter == "early_exit"
     with pytest.raises(ConfigError, match="verifies chains only"):
         parse_config(chain(tiny_drafters, feature, small, speculation={"tree_width": 2}))
     with pytest.raises(ConfigError, match="quantize the target instead"):
