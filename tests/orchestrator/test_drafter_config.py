@@ -81,6 +81,9 @@ def test_validate_prints_one_line_for_a_bad_threshold(tiny_drafters, tmp_path, c
     path.write_text(yaml.safe_dump(chain(tiny_drafters, {"name": "e", "model": {"early_exit": tiny_drafters["early_exit"], "exit_threshold": 0.3}})))
     assert main(["validate", "-c", str(path)]) == 0
     assert "early exit" in capsys.readouterr().out
+    path.write_text(yaml.safe_dump(chain(tiny_drafters, {"name": "e", "model": {"early_exit": tiny_drafters["early_exit"]}}, runtime={"backend": "ray"})))
+    assert main(["validate", "-c", str(path)]) == 0
+    assert "node: its target's ('target'), in the target's actor" in capsys.readouterr().out
 
 
 def test_the_tuner_sees_the_early_exit_blocks_length(tiny_drafters):
