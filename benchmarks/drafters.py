@@ -210,7 +210,7 @@ def main() -> int:
             "The judged run (issue #34's bars), on a quiet machine, one core:\n"
             "    taskset -c 1 env OMP_NUM_THREADS=1 python benchmarks/drafters.py --judged\n"
             f"= --prompts {JUDGED['prompts']} --tokens {JUDGED['tokens']} --full: every chain above at T = 0 and 1 "
-            "(about 40 minutes on one core);\nit rewrites benchmarks/drafters.{json,md}. "
+            "(roughly a quarter of an hour on one idle core);\nit rewrites benchmarks/drafters.{json,md}. "
             "A quick check: --prompts 1 --tokens 8 --out /tmp/drafters."
         ),
     )
