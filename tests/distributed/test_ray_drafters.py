@@ -59,8 +59,9 @@ def expected(tiny_drafters):
     return out
 
 
-def chain(tiny_drafters, drafters: list[dict], lengths, backend: str, address: str | None = None, **speculation) -> dict:
-    runtime = {"backend": backend, "pipeline": False}
+def chain(tiny_drafters, drafters: list[dict], lengths, backend: str, address: str | None = None, pipeline: bool = False,
+          **speculation) -> dict:
+    runtime = {"backend": backend, "pipeline": pipeline}
     if address:
         runtime["address"] = address
     return {"tiers": [{"name": "target", "model": tiny_drafters["target"]}, *drafters],
@@ -79,10 +80,12 @@ def ngram():
     return {"name": "ngram", "model": "ngram"}
 
 
-# each chain costs a Ray start of its actors (several seconds): three cover both tier types,
-# a cheaper tier under each, and trees (the feature head under the seeded test below)
+# each chain costs a Ray start of its actors (several seconds): these cover both tier types,
+# a cheaper tier under each, draft-ahead (pipeline: the co-located tiers share one model
+# lock while the n-gram tier drafts past its blocks) and trees
 CHAINS = {
     "feature<-ngram": (lambda d: [feature(d), ngram()], [3, 2], {}),
+    "feature<-ngram pipelined": (lambda d: [feature(d), ngram()], [3, 2], {"pipeline": True}),
     "early<-ngram": (lambda d: [early(d), ngram()], [4, 2], {}),
     "early-tree": (lambda d: [early(d)], [3], {"tree_width": 2}),
 }
