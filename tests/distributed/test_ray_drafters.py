@@ -82,9 +82,9 @@ def ngram():
 
 # each chain costs a Ray start of its actors (several seconds): these cover both tier types,
 # a cheaper tier under each, draft-ahead (pipeline: the co-located tiers share one model
-# lock while the n-gram tier drafts past its blocks) and trees
+# lock while the n-gram tier drafts past its blocks) and trees; the serial feature <- n-gram
+# chain is the restart test's, below
 CHAINS = {
-    "feature<-ngram": (lambda d: [feature(d), ngram()], [3, 2], {}),
     "feature<-ngram pipelined": (lambda d: [feature(d), ngram()], [3, 2], {"pipeline": True}),
     "early<-ngram": (lambda d: [early(d), ngram()], [4, 2], {}),
     "early-tree": (lambda d: [early(d)], [3], {"tree_width": 2}),
@@ -137,3 +137,27 @@ def test_ray_mode_rules_for_trained_drafters(tiny_drafters):
     raw["runtime"]["tensor_transport"] = "gloo"
     with pytest.raises(ConfigError, match="tensor_transport must be auto or grpc"):
         parse_config(raw)
+
+
+def test_target_restart_brings_its_drafters_back(cluster, tiny_drafters, expected):
+    """target <- feature <- n-gram, serial: the target's greedy output; then the target's actor
+    is killed between requests: Ray restarts it with its feature head (new ports), the driver
+    rewires target -> feature -> n-gram, and decoding gives the target's greedy output again
+    with every tier back up."""
+    engine = Engine(parse_config(chain(tiny_drafters, [feature(tiny_drafters), ngram()], [3, 2], "ray", cluster.address)))
+    try:
+        membership = engine.scheduler.membership
+        for ids, want in expected:
+            assert engine.scheduler.generate(ids, MAX_NEW, SamplingParams(temperature=0.0)).token_ids == want
+        before = ray.get(membership.actors[1].info.remote(1))
+        assert before["pid"] == ray.get(membership.actors[0].info.remote(0))["pid"], "the feature head runs in the target's actor"
+        ray.kill(membership.actors[0], no_restart=False)
+        for ids, want in expected:
+            assert engine.scheduler.generate(ids, MAX_NEW, SamplingParams(temperature=0.0)).token_ids == want
+        after = ray.get(membership.actors[1].info.remote(1))
+        assert after["pid"] != before["pid"], "the feature head restarted with its target"
+        assert membership.views[1].address == after["address"] and all(view.up for view in membership.views)
+        stats = engine.scheduler.runtime_stats()
+        assert stats["tiers"][0]["sent"]["grpc"]["messages"] > 0, "the restarted target drafts with its feature head again"
+    finally:
+        engine.close()
