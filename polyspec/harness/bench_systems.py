@@ -103,9 +103,9 @@ def _without_eos(model):
 
 def _hf_model(tier: TierConfig):
     """A tier's model exactly as our loader builds it (dtype, int8), for transformers to drive."""
-    from polyspec.workers.tiers.loading import load_model_tier
+    from polyspec.workers.tiers.loading import load_model
 
-    return _without_eos(load_model_tier(tier).model)
+    return _without_eos(load_model(tier))
 
 
 def _with_lengths(config: ChainConfig, tiers: tuple[TierConfig, ...], lengths) -> ChainConfig:

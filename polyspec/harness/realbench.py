@@ -219,12 +219,17 @@ def build_systems(settings: RealBenchSettings, names: list[str]) -> tuple[list, 
 
 
 def hf_model(tier: TierConfig, loaded: dict):
-    """The model our loader built for this tier (shared), with end-of-sequence off for `generate()`."""
-    from polyspec.harness.bench_systems import shared_model_tiers
+    """This tier's model as our loader builds it, with end-of-sequence off for `generate()`.
+
+    A copy of its own: our tiers may move large weights to oneDNN for their lean forward,
+    which transformers' forward cannot read. From a safetensors folder both copies map the
+    same file, so the second costs little memory."""
     from polyspec.workers.tiers import loading
 
-    with shared_model_tiers(loaded):
-        model = loading.load_model_tier(tier).model
+    key = ("transformers", tier.name, tier.model, tier.dtype)
+    if key not in loaded:
+        loaded[key] = loading.load_model(tier)
+    model = loaded[key]
     model.generation_config.eos_token_id = None
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = 0

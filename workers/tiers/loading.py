@@ -219,8 +219,12 @@ def int4_quantization_config(tier, device: torch.device):
     )
 
 
-def load_model_tier(tier, vocab_size: int | None = None) -> ModelTier:
-    """Load one model tier from its TierConfig (polyspec.orchestrator.config)."""
+def load_model(tier):
+    """The transformers model of one model tier (dtype, int8 / int4 as configured), as `generate()` can drive it.
+
+    `load_model_tier` wraps it; a `ModelTier` may then move large weights to oneDNN for its
+    own forward (block_linear), so a caller that runs the transformers forward itself (the
+    benchmarks' transformers systems) loads its own copy with this function."""
     from transformers import AutoModelForCausalLM
 
     device = resolve_device(tier.device)
@@ -249,11 +253,17 @@ def load_model_tier(tier, vocab_size: int | None = None) -> ModelTier:
     model = model.eval()
     if tier.quantize != "int4":
         retie_lm_head(model)
-    head = model.get_output_embeddings()
-    out_features = head.weight.shape[0] if head is not None else model.config.vocab_size
     if tier.quantize == "int8":
         model = quantize_int8(model)
-    return ModelTier(tier.name, model, vocab_size or out_features, device, tier.threads)
+    return model
+
+
+def load_model_tier(tier, vocab_size: int | None = None) -> ModelTier:
+    """Load one model tier from its TierConfig (polyspec.orchestrator.config)."""
+    model = load_model(tier)
+    head = model.get_output_embeddings()
+    out_features = getattr(head, "out_features", None) or model.config.vocab_size  # a float or an int8 Linear
+    return ModelTier(tier.name, model, vocab_size or out_features, resolve_device(tier.device), tier.threads)
 
 
 def check_vocabularies(tokenizers: dict) -> None:
