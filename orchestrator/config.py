@@ -361,7 +361,13 @@ def parse_config(raw: Any, source: str | None = None) -> ChainConfig:
     runtime = RuntimeConfig(**run)
     trained = next((t for t in tiers if t.drafter), None)
     if trained is not None and runtime.backend != "local":
-        raise ConfigError(f"tier {trained.name!r}: trained drafters (feature_head, early_exit) run embedded only; use runtime.backend: local")
+        # Ray mode: a trained drafter runs in its target's actor (ray_runtime.actor_groups)
+        pinned = next((t for t in tiers if t.drafter and t.resources), None)
+        if pinned is not None:
+            raise ConfigError(f"tier {pinned.name!r}: a trained drafter runs in its target's Ray actor; set resources on the target")
+        if runtime.tensor_transport in ("nccl", "gloo"):
+            raise ConfigError(f"tier {trained.name!r}: a trained drafter shares its target's process, so rows go inline over gRPC; "
+                              f"runtime.tensor_transport must be auto or grpc, got {runtime.tensor_transport!r}")
     feature = next((i for i, t in enumerate(tiers) if t.drafter == "feature"), None)
     if feature is not None and feature < len(tiers) - 1 and speculation.tree_width > 1:
         raise ConfigError(f"tier {tiers[feature].name!r}: a feature head verifies chains only; with tree_width > 1 it must be the last tier")

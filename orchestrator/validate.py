@@ -404,6 +404,8 @@ def format_plan(config: ChainConfig, placements: list[TierPlacement], cluster_na
             lines.append("    needs a CUDA GPU and bitsandbytes (int4 is unsupported on CPU)")
         if config.runtime.backend == "local":
             lines.append("    node: this process (runtime.backend local: every tier embedded)")
+        elif tier.drafter:
+            lines.append(f"    node: its target's ({config.tiers[0].name!r}), in the target's actor")
         elif not tier.resources:
             lines.append("    node: any with free CPU/GPU (no resources pinned)")
         else:

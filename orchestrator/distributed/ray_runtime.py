@@ -6,7 +6,8 @@ driver is polyspec.orchestrator.distributed.driver.DistributedChain. This module
 
 - checks the cluster can place every tier before asking (a tier whose resources no node has
   is an error naming the tier and the resource, not a hang);
-- starts the actors: one GPU each where the cluster has GPUs (and the tier is a model not
+- starts the actors, one per tier except trained drafters (`actor_groups`), which run in
+  their target's actor: one GPU each where the cluster has GPUs (and the tier is a model not
   pinned to `device: cpu`), else one CPU with the tier's torch threads pinned to it
   (`threads`, default 1); `resources` pin a tier to labelled nodes; `placement: spread`
   puts the tiers in a STRICT_SPREAD placement group (one node each);
@@ -36,42 +37,71 @@ REPAIR_PERIOD_S = 1.0
 REPAIR_JOIN_S = 35.0  # close() waits this long for the repair thread: its longest call is a 30 s setup
 
 
-class TierActor:
-    """The body of a tier's Ray actor: loads the tier and serves it (a restart re-runs this)."""
+def actor_groups(config: ChainConfig) -> list[list[int]]:
+    """The tier indices each actor hosts, its own tier first: the target's actor also hosts
+    every trained drafter, each other tier has an actor of its own.
 
-    def __init__(self, tier_config, index: int, eos_token_ids: tuple[int, ...], threads: int) -> None:
+    A feature head reads the target's hidden states at every call; they live in the target's
+    process next to its KV cache, which rolls them back with it (trees included), so the head
+    must run there. An early-exit drafter IS the target's first L layers, its embeddings and
+    its LM head, plus one adapter layer: in an actor of its own it would need a copy of all
+    of these (for a small model most of the target's weights) and gain only the overlap of
+    drafting with verifying that pipelined mode offers; in the target's actor it costs the
+    adapter alone, as embedded. Co-located tiers keep a gRPC server each (the protocol and
+    the scheduler code stay the same) and share one model lock: one forward at a time.
+    """
+    tiers = config.tiers
+    groups = [[0, *(i for i, t in enumerate(tiers) if t.drafter)]]
+    return groups + [[i] for i in range(1, len(tiers)) if not tiers[i].drafter]
+
+
+class TierActor:
+    """The body of a tier's Ray actor: loads its tiers and serves them (a restart re-runs this).
+    `tier_configs[0]` is the actor's own tier; the rest are trained drafters over it."""
+
+    def __init__(self, tier_configs, indices: list[int], eos_token_ids: tuple[int, ...], threads: int) -> None:
         import ray
         import torch
 
-        from polyspec.workers.tiers.loading import load_model_tier, quiet_transformers
+        from polyspec.orchestrator.distributed.model_lock import ModelLock
+        from polyspec.workers.tiers.loading import load_drafter_tier, load_model_tier, quiet_transformers
         from polyspec.orchestrator.distributed.worker import TierWorker
         from polyspec.workers.tiers.tier import NGramTier
 
         quiet_transformers()
         torch.set_num_threads(threads)
-        if tier_config.is_ngram:
-            tier = NGramTier(tier_config.name, 1, tier_config.max_ngram, tier_config.min_ngram)
+        own = tier_configs[0]
+        if own.is_ngram:
+            tiers = [NGramTier(own.name, 1, own.max_ngram, own.min_ngram)]
             self.out_features = 0  # takes the chain's vocabulary
         else:
-            tier = load_model_tier(tier_config)
-            self.out_features = tier.vocab_size
-        self.worker = TierWorker(tier, index, eos_token_ids=eos_token_ids, host=ray.util.get_node_ip_address())
+            tiers = [load_model_tier(own)]
+            tiers += [load_drafter_tier(drafter, tiers[0]) for drafter in tier_configs[1:]]
+            self.out_features = tiers[0].vocab_size
+        lock = ModelLock()
+        host = ray.util.get_node_ip_address()
+        self.workers = {index: TierWorker(tier, index, eos_token_ids=eos_token_ids, host=host, lock=lock)
+                        for index, tier in zip(indices, tiers)}
+        self.first = indices[0]
         self.node_id = ray.get_runtime_context().get_node_id()
 
-    def info(self) -> dict:
-        tier = self.worker.tier
-        return {"address": self.worker.address, "out_features": self.out_features, "max_context": tier.max_context,
+    def info(self, index: int | None = None) -> dict:
+        worker = self.workers[self.first if index is None else index]
+        tier = worker.tier
+        return {"address": worker.address, "out_features": self.out_features, "max_context": tier.max_context,
                 "node_id": self.node_id, "pid": os.getpid(), "device": str(getattr(tier, "device", "cpu"))}
 
-    def setup(self, vocab_size: int) -> str:
-        self.worker.set_vocab_size(vocab_size)
-        return self.worker.address
+    def setup(self, vocab_size: int) -> None:
+        for worker in self.workers.values():
+            worker.set_vocab_size(vocab_size)
 
-    def connect(self, lower_address: str | None) -> str:
-        return self.worker.connect(lower_address)
+    def connect(self, index: int, lower_address: str | None) -> str:
+        return self.workers[index].connect(lower_address)
 
     def join_dist(self, backend: str, init_method: str, world_size: int, min_bytes: int | None) -> None:
-        self.worker.join_dist(backend, init_method, world_size, min_bytes)
+        # only chains of one tier per actor join a group (config: trained drafters need inline rows)
+        (worker,) = self.workers.values()
+        worker.join_dist(backend, init_method, world_size, min_bytes)
 
     def free_port(self) -> str:
         import ray
@@ -117,6 +147,8 @@ def check_placement(config: ChainConfig, nodes: list[dict]) -> list[dict]:
     gpus = sum(n.get("Resources", {}).get("GPU", 0) for n in alive)
     needs = _requirements(config, gpus)
     for tier, need in zip(config.tiers, needs):
+        if tier.drafter:
+            continue  # placed with its target (actor_groups)
         if any(all(n.get("Resources", {}).get(r, 0) >= amount for r, amount in need.items()) for n in alive):
             continue
         missing = next((r for r, amount in need.items() if not any(n.get("Resources", {}).get(r, 0) >= amount for n in alive)), None)
@@ -137,39 +169,45 @@ class RayMembership(Membership):
         _init_ray(runtime.address, len(config.tiers))
         needs = check_placement(config, ray.nodes())
         self.views = [TierView(t.name, i) for i, t in enumerate(config.tiers)]
+        self.groups = actor_groups(config)
         self._lock = threading.RLock()
         self._pending: dict[int, object] = {}  # tier -> in-flight info() of a restarting actor
         self._stop = threading.Event()
         self._repair_wanted = threading.Event()
         self.placement_group = None
-        strategies = [None] * len(config.tiers)
-        if runtime.placement == "spread" and len(config.tiers) > 1:
+        strategies = [None] * len(self.groups)
+        if runtime.placement == "spread" and len(self.groups) > 1:
             from ray.util.placement_group import placement_group
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-            bundles = [{k: v for k, v in need.items()} for need in needs]
+            bundles = [dict(needs[group[0]]) for group in self.groups]
             self.placement_group = placement_group(bundles, strategy="STRICT_SPREAD")
             ready, _ = ray.wait([self.placement_group.ready()], timeout=START_TIMEOUT_S)
             if not ready:
                 raise ConfigError(f"runtime.placement: spread needs {len(bundles)} nodes with {bundles}; the cluster cannot place them")
             strategies = [PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=i) for i in range(len(bundles))]
         actor_cls = ray.remote(TierActor)
-        self.actors = []
-        for i, (tier, need) in enumerate(zip(config.tiers, needs)):
+        self.actors = [None] * len(config.tiers)  # per tier: its actor (co-located tiers share one)
+        self.unique_actors = []
+        for g, group in enumerate(self.groups):
+            tier, need = config.tiers[group[0]], needs[group[0]]
             custom = {k: v for k, v in need.items() if k not in ("CPU", "GPU")}
             options = dict(num_cpus=need.get("CPU", 0), num_gpus=need.get("GPU", 0), resources=custom or None,
                            max_restarts=-1, max_task_retries=0, max_concurrency=4, name=None,
                            runtime_env=cluster_auth.actor_runtime_env())  # the chain's cluster token
-            if strategies[i] is not None:
-                options["scheduling_strategy"] = strategies[i]
+            if strategies[g] is not None:
+                options["scheduling_strategy"] = strategies[g]
             threads = tier.threads or 1
-            self.actors.append(actor_cls.options(**options).remote(tier, i, tuple(eos_token_ids), threads))
+            actor = actor_cls.options(**options).remote([config.tiers[i] for i in group], group, tuple(eos_token_ids), threads)
+            self.unique_actors.append(actor)
+            for i in group:
+                self.actors[i] = actor
         infos = self._wait_infos()
         models = [info["out_features"] for info in infos if info["out_features"]]
         self.vocab_size = min(models)
         contexts = [info["max_context"] for info in infos if info["max_context"]]
         self.max_context = min(contexts) if contexts else None
-        ray.get([actor.setup.remote(self.vocab_size) for actor in self.actors])
+        ray.get([actor.setup.remote(self.vocab_size) for actor in self.unique_actors])
         for view, info in zip(self.views, infos):
             view.address, view.vocab_size, view.max_context = info["address"], self.vocab_size, info["max_context"]
         self._wire()
@@ -182,7 +220,7 @@ class RayMembership(Membership):
     def _wait_infos(self) -> list[dict]:
         import ray
 
-        refs = [actor.info.remote() for actor in self.actors]
+        refs = [actor.info.remote(i) for i, actor in enumerate(self.actors)]
         _, pending = ray.wait(refs, num_returns=len(refs), timeout=START_TIMEOUT_S)
         if pending:
             stuck = [self.config.tiers[refs.index(ref)].name for ref in pending]
@@ -217,9 +255,9 @@ class RayMembership(Membership):
             backend = "gloo"
         else:
             backend = None  # grpc: rows inline
-        if backend is None:
-            return "grpc"
-        init_method = ray.get(self.actors[0].free_port.remote())
+        if backend is None or len(self.unique_actors) < len(self.actors):
+            return "grpc"  # co-located tiers: config allows only auto or grpc
+        init_method = ray.get(self.unique_actors[0].free_port.remote())
         min_bytes = os.environ.get("POLYSPEC_DIST_MIN_BYTES")  # tests force tiny rows out of band
         ray.get([actor.join_dist.remote(backend, init_method, len(self.actors), int(min_bytes) if min_bytes else None)
                  for actor in self.actors], timeout=120)
@@ -240,7 +278,7 @@ class RayMembership(Membership):
                 if not view.up:
                     continue
                 below = self._alive_below(i)
-                calls.append((i, self.actors[i].connect.remote(self.views[below].address if below is not None else None)))
+                calls.append((i, self.actors[i].connect.remote(i, self.views[below].address if below is not None else None)))
             for i, ref in calls:
                 try:
                     ray.get(ref, timeout=30)
@@ -258,7 +296,7 @@ class RayMembership(Membership):
             deadline = time.monotonic() + RESTART_TIMEOUT_S
             while time.monotonic() < deadline:
                 try:
-                    info = ray.get(self.actors[0].info.remote(), timeout=max(1.0, deadline - time.monotonic()))
+                    info = ray.get(self.actors[0].info.remote(0), timeout=max(1.0, deadline - time.monotonic()))
                 except ray.exceptions.GetTimeoutError:
                     break
                 except ray.exceptions.RayActorError as err:
@@ -271,6 +309,9 @@ class RayMembership(Membership):
                     return  # a transient error: the same actor answers again
                 ray.get(self.actors[0].setup.remote(self.vocab_size))
                 self.views[0].address, self.views[0].up = info["address"], True
+                for i in self.groups[0][1:]:  # its trained drafters restarted with it, on new ports
+                    self.views[i].address = ray.get(self.actors[0].info.remote(i), timeout=30)["address"]
+                    self.views[i].up = True
                 self._wire()
                 return
             raise ChainUnavailableError(f"the target tier did not come back within {RESTART_TIMEOUT_S:g}s ({exc})")
@@ -313,7 +354,7 @@ class RayMembership(Membership):
                 if not view.up:
                     ref = self._pending.get(i)
                     if ref is None:
-                        ref = self._pending[i] = self.actors[i].info.remote()
+                        ref = self._pending[i] = self.actors[i].info.remote(i)
                     ready, _ = ray.wait([ref], timeout=0)
                     if not ready:
                         continue
@@ -337,7 +378,7 @@ class RayMembership(Membership):
         repairer = getattr(self, "_repairer", None)
         if repairer is not None and repairer is not threading.current_thread():
             repairer.join(timeout=REPAIR_JOIN_S)  # its Ray calls end before the caller disconnects
-        for actor in getattr(self, "actors", []):
+        for actor in getattr(self, "unique_actors", []):
             try:
                 ray.kill(actor, no_restart=True)
             except Exception:  # noqa: BLE001 - already gone

@@ -160,7 +160,7 @@ class TierWorker:
     """Tier `index` of a chain, serving protos/polyspec/v1/tier.proto on `host`."""
 
     def __init__(self, tier: Tier, index: int, *, eos_token_ids=(), host: str = "127.0.0.1", port: int = 0,
-                 rpc_timeout_s: float = 120.0) -> None:
+                 rpc_timeout_s: float = 120.0, lock: ModelLock | None = None) -> None:
         # The forward thread holds the GIL for most of a small model's forward (Python module
         # code between short kernels); a gRPC handler thread waiting for it would wait up to the
         # default 5 ms switch interval each time, serialising requests that should overlap.
@@ -168,7 +168,8 @@ class TierWorker:
         self.tier = tier
         self.index = index
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.lock = ModelLock()
+        # tiers sharing one model in one process (a target and its trained drafters) share one lock
+        self.lock = lock or ModelLock()
         self.local = LockedTier(tier, self.lock)
         self.lower: RemoteTier | None = None
         self.lower_error = ""

@@ -54,8 +54,9 @@ def test_drafter_placement_rules(tiny_drafters):
     small = {"name": "small", "model": tiny_drafters["small"]}
     with pytest.raises(ConfigError, match="must be the second tier"):
         parse_config(chain(tiny_drafters, small, feature))
-    with pytest.raises(ConfigError, match="run embedded only"):
-        parse_config(chain(tiny_drafters, early, runtime={"backend": "ray"}))
+    with pytest.raises(ConfigError, match="runs in its target's Ray actor"):
+        parse_config(chain(tiny_drafters, {**early, "resources": {"node_a": 1}}, runtime={"backend": "ray"}))
+    assert parse_config(chain(tiny_drafters, early, runtime={"backend": "ray"})).tiers[1].drafter == "early_exit"
     with pytest.raises(ConfigError, match="verifies chains only"):
         parse_config(chain(tiny_drafters, feature, small, speculation={"tree_width": 2}))
     with pytest.raises(ConfigError, match="quantize the target instead"):
@@ -80,6 +81,9 @@ def test_validate_prints_one_line_for_a_bad_threshold(tiny_drafters, tmp_path, c
     path.write_text(yaml.safe_dump(chain(tiny_drafters, {"name": "e", "model": {"early_exit": tiny_drafters["early_exit"], "exit_threshold": 0.3}})))
     assert main(["validate", "-c", str(path)]) == 0
     assert "early exit" in capsys.readouterr().out
+    path.write_text(yaml.safe_dump(chain(tiny_drafters, {"name": "e", "model": {"early_exit": tiny_drafters["early_exit"]}}, runtime={"backend": "ray"})))
+    assert main(["validate", "-c", str(path)]) == 0
+    assert "node: its target's ('target'), in the target's actor" in capsys.readouterr().out
 
 
 def test_the_tuner_sees_the_early_exit_blocks_length(tiny_drafters):

@@ -29,7 +29,7 @@ import torch
 
 from polyspec.workers.core.kv_cache import SequenceCache
 from polyspec.workers.core.sampling import warp_logits
-from polyspec.workers.core.tree import DraftTree, tree_attention_mask
+from polyspec.workers.core.tree import DraftTree, grow_level, tree_attention_mask
 from polyspec.workers.tiers.lean_llama import LeanCache, LeanLlama
 from polyspec.workers.tiers.tier import ModelTier, Tier, first_candidates
 
@@ -212,16 +212,7 @@ class FeatureTier(Tier):
             inputs = torch.stack([root_feature if tree.parents[n] < 0 else seq.outputs[slots[tree.parents[n]]] for n in frontier])
             mask = tree_attention_mask(tree.parents, slots, frontier, prefix_len=prefix, tail_len=0, total_len=first + len(frontier), dtype=self._dtype)
             _, logits = self._forward(seq, [tree.tokens[n] for n in frontier], [prefix + depths[n] for n in frontier], inputs, mask)
-            next_frontier = []
-            for node, node_logits in zip(frontier, logits):
-                probs = warp_logits(node_logits, params)
-                token = int(probs.argmax()) if params.greedy else int(torch.multinomial(probs, 1, generator=generator))
-                tree.tokens.append(token)
-                tree.parents.append(node)
-                row_list.append(probs)
-                depths.append(level)
-                next_frontier.append(len(tree.tokens) - 1)
-            frontier = next_frontier
+            frontier = grow_level(tree, frontier, logits, level, depths, row_list, params, generator)
         tree.draft_rows = None if params.greedy else torch.stack(row_list)
         return tree
 

@@ -344,7 +344,7 @@ def describe_chain(tiers_config) -> tuple[object, tuple[int, ...]]:
     the shared tokenizer (vocabularies checked as in `load_tiers`) and the target's EOS ids."""
     from transformers import AutoConfig, GenerationConfig
 
-    model_configs = [t for t in tiers_config if not t.is_ngram]
+    model_configs = [t for t in tiers_config if not t.is_ngram and not t.drafter]  # a trained drafter uses its target's
     tokenizers = {tier.name: load_tokenizer(tier.model, tier.name) for tier in model_configs}
     check_vocabularies(tokenizers)
     configs = {}

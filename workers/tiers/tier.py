@@ -28,7 +28,7 @@ import torch
 from polyspec.workers.core.kv_cache import SequenceCache
 from polyspec.workers.tiers.lean_llama import LeanCache, LeanLlama
 from polyspec.workers.core.sampling import SamplingParams, warp_logits
-from polyspec.workers.core.tree import DraftTree, tree_attention_mask, windowed_mask
+from polyspec.workers.core.tree import DraftTree, grow_level, tree_attention_mask, windowed_mask
 from polyspec.workers.core.verification import draw_without_replacement
 
 NGRAM_MODEL = "ngram"
@@ -308,16 +308,7 @@ class ModelTier(Tier):
             logits = self._tree_forward(seq, [], tree, frontier, depths)  # [len(frontier), V]
             if self.exit_threshold is not None:
                 sure = bool((confidence(logits) >= self.exit_threshold).any())
-            next_frontier = []
-            for node, node_logits in zip(frontier, logits):
-                probs = warp_logits(node_logits, params)
-                token = int(probs.argmax()) if params.greedy else int(torch.multinomial(probs, 1, generator=generator))
-                tree.tokens.append(token)
-                tree.parents.append(node)
-                row_list.append(probs)
-                depths.append(level)
-                next_frontier.append(len(tree.tokens) - 1)
-            frontier = next_frontier
+            frontier = grow_level(tree, frontier, logits, level, depths, row_list, params, generator)
         tree.draft_rows = None if params.greedy else torch.stack(row_list)
         return tree
 
