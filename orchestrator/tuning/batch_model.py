@@ -56,6 +56,7 @@ REPROBE_FIRST = 8  # time on the side taken before the first re-probe, in probes
 REPROBE_MAX = 64  # ... up to this: a losing side re-probed costs under 2% of the time
 SWITCH_ON = 1.05  # speculation turns on when it measures this many times off's tokens/s ...
 SWITCH_OFF = 1.0  # ... and off when it measures under this many times off's
+EXPLORE_FLOOR = 0.5  # a new load explores a further set of tiers only if predicted at least this share of off's tokens/s
 CANDIDATE_MARGIN = 1.15  # an unmeasured speculating plan must be predicted this much better than the measured best to be tried
 PRIOR_RATE = 0.8  # acceptance rate before any round is seen (a model drafter; the lookup's is LOOKUP_PRIOR_RATE)
 LOOKUP_PRIOR_RATE = 0.5
@@ -263,6 +264,8 @@ class BatchPlanner:
         spec_rate = max((r for p, r in ((p, arm.measured(p)) for p in arm.rates) if p.speculating and r is not None), default=None)
         if off is None or spec_rate is None:  # the best speculating plan measured so far against off
             return
+        if arm.speculate is None and self.unexplored(arm, batch):
+            return  # a new load decides once each set of tiers has been measured
         verdict = decide(arm.speculate, off, spec_rate)
         if verdict != arm.speculate:
             arm.period = REPROBE_FIRST  # the load changed its mind: look again soon
@@ -333,18 +336,43 @@ class BatchPlanner:
         """The plan the time model (with its online corrections) expects to give the most tokens/s."""
         return max(self.allowed(batch), key=lambda p: self.goodput(p, batch))
 
-    def spec_candidate(self, arm: Arm, batch: int) -> Plan | None:
-        """The speculating side of the A/B: the speculating plan with the most tokens/s, measured where
-        it has been measured at this load, else predicted; an unmeasured plan displaces a measured one
-        only when predicted CANDIDATE_MARGIN times better, so the candidate does not churn."""
-        best, best_value, best_measured = None, 0.0, False
-        for plan in self.allowed(batch):
-            if not plan.speculating:
-                continue
-            measured = arm.measured(plan)
-            value = measured if measured is not None else self.goodput(plan, batch)
-            if best is None or (value > best_value * (CANDIDATE_MARGIN if best_measured and measured is None else 1.0)):
-                best, best_value, best_measured = plan, value, measured is not None
+    def unexplored(self, arm: Arm, batch: int) -> list[Plan]:
+        """Speculating plans whose set of tiers has no plan measured at this load yet and that, with the
+        model corrected by what speculating measured here, are predicted near off's measured tokens/s."""
+        allowed = [p for p in self.allowed(batch) if p.speculating]
+        measured = {p: arm.measured(p) for p in allowed if arm.measured(p) is not None}
+        off = arm.measured(self.plans[0])
+        scale, floor = 1.0, 0.0
+        if off is not None and measured:  # the model's error on the best plan measured, applied to the others
+            best = max(measured, key=measured.get)
+            scale, floor = measured[best] / max(self.goodput(best, batch), 1e-9), EXPLORE_FLOOR * off
+        tried = {p.active for p in measured}
+        return [p for p in allowed if p.active not in tried and scale * self.goodput(p, batch) >= floor]
+
+    def spec_candidate(self, arm: Arm, batch: int, explore: bool = False) -> Plan | None:
+        """The speculating side of the A/B. A plan whose measurement has begun runs until it has
+        MIN_STEPS; exploring (a new load), each set of tiers gets its predicted best plan measured;
+        then the plan with the most measured tokens/s, unless an unmeasured plan is predicted
+        CANDIDATE_MARGIN times better (tried next), so the candidate does not churn."""
+        allowed = [p for p in self.allowed(batch) if p.speculating]
+        if not allowed:
+            return None
+        for plan in allowed:
+            rate = arm.rates.get(plan)
+            if rate is not None and 0 < rate.steps < MIN_STEPS:
+                return plan
+        predicted = {p: self.goodput(p, batch) for p in allowed}
+        if explore:
+            fresh = self.unexplored(arm, batch)
+            if fresh:
+                return max(fresh, key=predicted.get)
+        measured = {p: arm.measured(p) for p in allowed if arm.measured(p) is not None}
+        if not measured:
+            return max(allowed, key=predicted.get)
+        best = max(measured, key=measured.get)
+        challenger = max((p for p in allowed if p not in measured), key=predicted.get, default=None)
+        if challenger is not None and predicted[challenger] > CANDIDATE_MARGIN * measured[best]:
+            return challenger
         return best
 
     def step_seconds(self, arm: Arm, plan: Plan, batch: int) -> float:
@@ -373,16 +401,16 @@ class BatchPlanner:
             self.greedy_share = sum(p.greedy for p in params) / len(params)
         arm = self.arm(batch)
         off = self.plans[0]
-        spec = self.spec_candidate(arm, batch)
+        spec = self.spec_candidate(arm, batch, explore=arm.speculate is None)
         if spec is None:
             best = off
         elif arm.probe:
             best = arm.probe.pop(0)
-            if best.speculating and best != spec:
-                best = spec
+            if best.speculating:
+                best = spec  # the plan queued, unless a better one was measured meanwhile
         elif arm.speculate is None:  # measuring: alternate between the sides until each has MIN_STEPS
-            off_steps, spec_steps = arm.rate(off).steps, arm.rate(spec).steps
-            best = off if off_steps <= spec_steps else spec
+            off_steps = arm.rate(off).steps
+            best = off if off_steps < MIN_STEPS and off_steps <= arm.rate(spec).steps else spec
         else:
             best, other = (spec, off) if arm.speculate else (off, spec)
             unmeasured_bar = arm.speculate and arm.measured(off) is None and arm.rate(spec).steps >= MIN_STEPS

@@ -193,3 +193,16 @@ def test_profile_outliers_are_flattened():
     fixed = monotone(ms)
     assert fixed[(1, 4)] == ms[(1, 8)] and fixed[(16, 8)] == ms[(16, 8)]
     assert all(fixed[(b, w)] <= fixed[(b, w2)] for b in BATCH_GRID for w, w2 in zip(WIDTH_GRID, WIDTH_GRID[1:]))
+
+
+def test_a_new_load_measures_each_set_of_tiers_the_model_ranks_low_included():
+    """The model prefers the mid tier (its profile made the lookup look slow); the machine says the lookup alone
+    pays: exploring a new load measures each set of tiers, and the A/B settles on the lookup."""
+    plan = planner(lambda b, w: 10.0, mid_cost=lambda b, w: 1.0, lookup_ms=5.0)
+    accept(plan, 0, 1, 0.9)
+    accept(plan, 1, 2, 0.9)
+    assert plan.predicted_best(1).active != (0, 2)
+    truth = lambda active: 300.0 if active == (0, 2) else 110.0 if len(active) > 1 else 100.0
+    _, _, speculated = run_steps(plan, 1, 200, truth)
+    assert plan.arms[(1, 0)].speculate and plan.chosen[1].active == (0, 2)
+    assert sum(speculated[-100:]) >= 100 - PROBE_STEPS
