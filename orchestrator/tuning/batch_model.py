@@ -383,7 +383,9 @@ class BatchPlanner:
         return self.step_ms(plan, batch)[0] * self.corrected(plan, bucket(batch)) / 1000.0
 
     def arm(self, batch: int) -> Arm:
-        """The A/B of this load; a new load starts from the decision of the nearest decided one."""
+        """The A/B of this load. A new load starts from the nearest decided load's decision where that
+        decision carries over safely: "off" from a smaller batch, "speculate" from a larger one (a
+        block's cost grows with the batch); otherwise it measures both sides, off first."""
         mix = 0 if self.greedy_share >= 1.0 else 1 if self.greedy_share <= 0.0 else 2
         key = (bucket(batch), mix)
         arm = self.arms.get(key)
@@ -391,7 +393,9 @@ class BatchPlanner:
             arm = self.arms[key] = Arm()
             decided = [(abs(math.log2(b) - math.log2(key[0])), b, a) for (b, m), a in self.arms.items() if m == mix and a.speculate is not None]
             if decided:
-                arm.speculate = min(decided, key=lambda t: (t[0], t[1]))[2].speculate
+                _, size, nearest = min(decided, key=lambda t: (t[0], t[1]))
+                if (size < key[0] and not nearest.speculate) or (size > key[0] and nearest.speculate):
+                    arm.speculate = nearest.speculate
         return arm
 
     def plan(self, batch: int, params: list[SamplingParams] | None = None) -> tuple[list[int], tuple[int, ...]]:

@@ -145,10 +145,10 @@ def test_each_load_has_its_own_ab_and_a_new_one_starts_from_its_neighbour():
     run_steps(plan, 1, 60, WINS)
     run_steps(plan, 16, 60, LOSES)
     assert plan.arms[(1, 0)].speculate and not plan.arms[(16, 0)].speculate
-    lengths, active = plan.plan(2)  # batch 2: never seen; the nearest decided load (1) speculates
-    assert len(active) > 1
-    plan.observe_step(2, 8, 0.02, lengths, active)
-    assert plan.plan(32)[1] == (0,)  # batch 32: the nearest decided load (16) runs off
+    assert plan.plan(32)[1] == (0,) and plan.arms[(32, 0)].speculate is False  # larger than a load that runs off: off
+    assert plan.plan(2)[1] == (0,) and plan.arms[(2, 0)].speculate is None  # larger than a load that speculates: measured, off first
+    plan.arms[(16, 0)].speculate = True  # had 16 measured speculation faster ...
+    assert len(plan.plan(8)[1]) > 1 and plan.arms[(8, 0)].speculate  # ... so 8, smaller, starts speculating
 
 
 def test_the_speculating_side_is_the_best_measured_plan():
