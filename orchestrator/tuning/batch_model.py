@@ -23,9 +23,11 @@ A profile taken on a busy machine can be far off, so the model only proposes; a 
 A/B decides. Per load (batch-size bucket, greedy / sampling / mixed requests) the planner
 keeps the measured tokens/s of the whole batch for speculation off and for each
 speculating plan it ran. The speculating side of the A/B is the plan with the most
-tokens/s, measured where measured, else predicted. A new load first alternates the two
-sides for MIN_STEPS steps each (or starts from the decision of the nearest decided load,
-measuring the other side right after), then runs the winner: speculation turns on only
+tokens/s, measured where measured, else predicted. The first load alternates off with
+each set of tiers' predicted best plan (those predicted near off) for MIN_STEPS steps each;
+a later load tries only the best plan of the nearest decided load against off, and starts
+from that load's decision where it carries over (off to larger batches, speculating to
+smaller ones), measuring the other side right after. Then it runs the winner: speculation turns on only
 when it measured SWITCH_ON times off's tokens/s and stays on while it measures at least
 SWITCH_OFF times off's (hysteresis). The side not taken is re-probed for PROBE_STEPS steps
 after REPROBE_FIRST steps, then at doubling intervals (up to REPROBE_MAX) while the
@@ -162,6 +164,11 @@ class Arm:
     period: float = REPROBE_FIRST  # time between two re-probes, in multiples of a probe's expected time
     since: float = 0.0  # seconds run on the side taken since the last re-probe
     probe: list = dataclasses.field(default_factory=list)  # plans queued to run next (a re-probe)
+    seed: Plan | None = None  # the best speculating plan of the nearest decided load: the one a new load tries
+
+    def best_measured(self) -> Plan | None:
+        measured = {p: self.measured(p) for p in self.rates if p.speculating and self.measured(p) is not None}
+        return max(measured, key=measured.get) if measured else None
 
     def rate(self, plan: Plan) -> Rate:
         if plan not in self.rates:
@@ -341,6 +348,8 @@ class BatchPlanner:
         model corrected by what speculating measured here, are predicted near off's measured tokens/s."""
         allowed = [p for p in self.allowed(batch) if p.speculating]
         measured = {p: arm.measured(p) for p in allowed if arm.measured(p) is not None}
+        if arm.seed is not None and arm.seed in allowed:
+            return [arm.seed] if not measured else []  # a load next to a decided one tries only that one's best plan
         off = arm.measured(self.plans[0])
         scale, floor = 1.0, 0.0
         if off is not None and measured:  # the model's error on the best plan measured, applied to the others
@@ -368,7 +377,7 @@ class BatchPlanner:
                 return max(fresh, key=predicted.get)
         measured = {p: arm.measured(p) for p in allowed if arm.measured(p) is not None}
         if not measured:
-            return max(allowed, key=predicted.get)
+            return arm.seed if arm.seed in allowed else max(allowed, key=predicted.get)
         best = max(measured, key=measured.get)
         challenger = max((p for p in allowed if p not in measured), key=predicted.get, default=None)
         if challenger is not None and predicted[challenger] > CANDIDATE_MARGIN * measured[best]:
@@ -396,6 +405,7 @@ class BatchPlanner:
                 _, size, nearest = min(decided, key=lambda t: (t[0], t[1]))
                 if (size < key[0] and not nearest.speculate) or (size > key[0] and nearest.speculate):
                     arm.speculate = nearest.speculate
+                arm.seed = nearest.best_measured()
         return arm
 
     def plan(self, batch: int, params: list[SamplingParams] | None = None) -> tuple[list[int], tuple[int, ...]]:

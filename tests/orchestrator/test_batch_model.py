@@ -206,3 +206,20 @@ def test_a_new_load_measures_each_set_of_tiers_the_model_ranks_low_included():
     _, _, speculated = run_steps(plan, 1, 200, truth)
     assert plan.arms[(1, 0)].speculate and plan.chosen[1].active == (0, 2)
     assert sum(speculated[-100:]) >= 100 - PROBE_STEPS
+
+
+def test_a_load_next_to_a_decided_one_tries_only_its_best_plan():
+    plan = planner(lambda b, w: 10.0, mid_cost=lambda b, w: 1.0, lookup_ms=5.0)
+    accept(plan, 0, 1, 0.9)
+    accept(plan, 1, 2, 0.9)
+    truth = lambda active: 300.0 if active == (0, 2) else 110.0 if len(active) > 1 else 100.0
+    run_steps(plan, 1, 100, truth)
+    winner = plan.chosen[1]
+    steps = []
+    for _ in range(2 * MIN_STEPS + 2):
+        lengths, active = plan.plan(4)
+        steps.append(active)
+        plan.observe_step(4, 4 * (4 if len(active) > 1 else 1), 0.01 * (1 if len(active) > 1 else 0.3), lengths, active)
+    assert steps[0] == (0,)  # larger than a speculating load: off measured first
+    assert {a for a in steps if len(a) > 1} == {winner.active}
+    assert plan.arms[(4, 0)].speculate
