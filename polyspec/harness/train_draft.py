@@ -68,12 +68,11 @@ def corpus_streams(tokenizer, work: Path, max_train_tokens: int) -> tuple[np.nda
     return np.load(train_path), np.load(held_path)
 
 
-def _lr_at(step: int, total: int, peak: float) -> float:
-    warmup = max(1, total // 20)
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+def _lr_at(progress: float, peak: float) -> float:
+    """Linear warm-up over the first 5 % of the run, then cosine down to a tenth of `peak`."""
+    if progress < 0.05:
+        return peak * max(progress, 1e-3) / 0.05
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, (progress - 0.05) / 0.95))))
 
 
 def soft_cross_entropy(logits: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
@@ -88,7 +87,7 @@ class FeatureObjective:
 
     def __call__(self, ids: torch.Tensor, generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict]:
         batch, length = ids.shape
-        positions = torch.arange(length)[None].expand(batch, length)
+        positions = torch.arange(length, device=ids.device)[None].expand(batch, length)
         with torch.no_grad():
             feats = self.target.model(ids).last_hidden_state  # [B, T, H] after the final norm
             probs = torch.softmax(self.target.lm_head(feats).float(), dim=-1)  # [B, T, V]
@@ -96,7 +95,8 @@ class FeatureObjective:
         previous = torch.cat([torch.zeros_like(feats[:, :1]), feats[:, :-1]], dim=1)  # the feature each position reads
         if self.noise > 0:
             scale = self.noise * feats.pow(2).mean().sqrt()
-            previous = previous + scale * torch.randn(previous.shape, generator=generator)
+            # drawn on the CPU generator whatever the device, so a checkpoint resumes the same stream
+            previous = previous + scale * torch.randn(previous.shape, generator=generator).to(previous.device)
         total, parts = 0.0, {}
         for step in range(self.unroll):
             feature, logit_input = self.head(previous, embeds, positions)
@@ -119,7 +119,7 @@ class EarlyExitObjective:
 
     def __call__(self, ids: torch.Tensor, generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict]:
         batch, length = ids.shape
-        positions = torch.arange(length)[None].expand(batch, length)
+        positions = torch.arange(length, device=ids.device)[None].expand(batch, length)
         with torch.no_grad():
             out = self.target(ids, output_hidden_states=True)
             probs = torch.softmax(out.logits.float(), dim=-1)
@@ -145,6 +145,7 @@ def train(
     minutes: float,
     seed: int,
     desc: str,
+    device: str = "cpu",
 ) -> dict:
     """Train `module` (resuming from `checkpoint`) until `steps` or the time budget; the record so far."""
     from tqdm import tqdm
@@ -157,7 +158,7 @@ def train(
     generator = torch.Generator().manual_seed(seed)
     record = {"steps": 0, "tokens": 0, "train_seconds": 0.0, "loss": None}
     if checkpoint.exists():
-        state = torch.load(checkpoint, weights_only=False)
+        state = torch.load(checkpoint, weights_only=False, map_location=device)
         module.load_state_dict(state["module"])
         optimizer.load_state_dict(state["optimizer"])
         rng.bit_generator.state = state["rng"]
@@ -179,9 +180,12 @@ def train(
     smoothed = None
     while record["steps"] < steps and time.monotonic() - started < minutes * 60:
         starts = rng.integers(0, len(stream) - context - 1, size=batch)
-        ids = torch.from_numpy(np.stack([stream[s : s + context] for s in starts]).astype(np.int64))
+        ids = torch.from_numpy(np.stack([stream[s : s + context] for s in starts]).astype(np.int64)).to(device)
+        # the schedule follows whichever ends first, the step count or this invocation's time
+        # budget, so a budget-bound run (a slow CPU, a short GPU lease) still anneals
+        progress = max(record["steps"] / steps, (time.monotonic() - started) / (minutes * 60))
         for group in optimizer.param_groups:
-            group["lr"] = _lr_at(record["steps"], steps, lr)
+            group["lr"] = _lr_at(progress, lr)
         loss, parts = objective(ids, generator)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -207,7 +211,7 @@ def train(
 
 
 @torch.no_grad()
-def held_out_loss(objective, stream: np.ndarray, context: int, windows: int = 16) -> dict:
+def held_out_loss(objective, stream: np.ndarray, context: int, windows: int = 16, device: str = "cpu") -> dict:
     """The objective's parts on fixed non-overlapping held-out windows (no noise)."""
     noise = getattr(objective, "noise", None)
     if noise is not None:
@@ -215,7 +219,7 @@ def held_out_loss(objective, stream: np.ndarray, context: int, windows: int = 16
     totals: dict = {}
     count = min(windows, (len(stream) - 1) // context)
     for w in range(count):
-        ids = torch.from_numpy(stream[w * context : (w + 1) * context].astype(np.int64))[None]
+        ids = torch.from_numpy(stream[w * context : (w + 1) * context].astype(np.int64))[None].to(device)
         _, parts = objective(ids)
         for key, value in parts.items():
             totals[key] = totals.get(key, 0.0) + value / count
@@ -250,20 +254,26 @@ def _train_one(args, target, stream, held, kind: str, layers: int | None, run_di
     torch.manual_seed(args.seed)
     if kind == "feature":
         module, meta = new_drafter("feature", target, sampling=args.sampling, decoupled=args.loss == "fspad")
+    else:
+        module, meta = new_drafter("early_exit", target, layers=layers)
+    target.to(args.device)
+    module.to(args.device)
+    if kind == "feature":
         objective = FeatureObjective(target, module, args.loss, unroll=args.unroll, noise=args.noise, cls_weight=args.cls_weight)
         desc = f"feature head ({args.loss}{'' if args.sampling else ', no sampling'})"
     else:
-        module, meta = new_drafter("early_exit", target, layers=layers)
         objective = EarlyExitObjective(target, module, layers)
         desc = f"early exit L={layers}"
     run_dir.mkdir(parents=True, exist_ok=True)
     record = train(
         target, module, objective, stream, run_dir / "train.ckpt",
-        steps=args.steps, batch=args.batch, context=args.context, lr=args.lr, minutes=minutes, seed=args.seed, desc=desc,
+        steps=args.steps, batch=args.batch, context=args.context, lr=args.lr, minutes=minutes, seed=args.seed, desc=desc, device=args.device,
     )
-    record["held_out"] = held_out_loss(objective, held, args.context)
+    record["held_out"] = held_out_loss(objective, held, args.context, device=args.device)
+    target.to("cpu")  # the checkpoint and the acceptance report are CPU artefacts whatever trained them
+    module.to("cpu")
     meta = {**meta, "training": {**record, "loss": args.loss if kind == "feature" else "distillation", "batch": args.batch,
-            "context": args.context, "lr": args.lr, "threads": args.threads, "seed": args.seed, "extra_parameters": count_parameters(module)}}
+            "context": args.context, "lr": args.lr, "threads": args.threads, "device": args.device, "seed": args.seed, "extra_parameters": count_parameters(module)}}
     return module, meta
 
 
@@ -281,6 +291,10 @@ def cmd_train_draft(args) -> int:
     from polyspec.workers.tiers.drafters import save_drafter
 
     torch.set_num_threads(args.threads)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise PolyspecError("--device cuda: this torch sees no CUDA device")
     kind = args.kind.replace("-", "_")
     try:
         target, tokenizer = load_target(args.target)

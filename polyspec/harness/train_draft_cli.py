@@ -23,6 +23,7 @@ def add_parser(sub) -> None:
     parser.add_argument("--corpus-tokens", type=int, default=2_000_000, help="training tokens taken from the corpus")
     parser.add_argument("--work", default=".draft-work", help="corpus cache and resumable checkpoints")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="cpu, cuda[:N] or auto: where training runs (the drafter is saved for CPU either way)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--report-prompts", type=int, default=8, help="held-out prompts of the acceptance report (0: no report)")
     parser.add_argument("--report-length", type=int, default=4, help="speculation length of the acceptance report")
