@@ -32,14 +32,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from polyspec.workers.tiers.block_linear import linear_of, pack
+
 INITIAL_CAPACITY = 256
 
 
 def _linear(module):
     """`module(x)` without the module call: float `Linear` or dynamically quantized int8 `Linear`."""
     if isinstance(module, torch.nn.Linear):
-        weight, bias = module.weight, module.bias
-        return lambda x: F.linear(x, weight, bias)
+        return linear_of(module)
     packed = getattr(module, "_packed_params", None)
     if packed is not None and getattr(packed, "dtype", None) == torch.qint8 and getattr(module, "version", 4) >= 4:
         params = packed._packed_params
@@ -158,6 +159,13 @@ class LeanLlama:
     def __init__(self, model) -> None:
         config = model.config
         base = model.model
+        # large projections move to oneDNN where it verifies a block faster (block_linear);
+        # a head tied to the embedding keeps the dense tensor the embedding reads
+        for layer in base.layers:
+            for module in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
+                           layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+                pack(module)
+        pack(model.lm_head, keep_dense=model.lm_head.weight is base.embed_tokens.weight)
         self.config = config
         self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
