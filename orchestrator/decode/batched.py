@@ -104,12 +104,8 @@ class BatchedScheduler(ChainScheduler):
                 plans = states[i].plans
                 if not plans or {k: plans[-1][k] for k in shown} != shown:
                     plans.append({"new_tokens": len(states[i].new_tokens), **shown})
-        catching_up = time.perf_counter()
-        if self.planner is not None:
+        if self.planner is not None:  # in the step's time: keeping a drafter's cache up to date is part of what speculating costs
             self.catch_up([states[i] for i in live])
-        # kept out of the step's rate, as the target's prefill is (a one-off per request and tier, which
-        # the few steps that measure a plan would otherwise carry whole)
-        catching_up = time.perf_counter() - catching_up
         busy_before = [t.busy_s for t in self.tiers]
         items = []
         for i in live:
@@ -129,7 +125,7 @@ class BatchedScheduler(ChainScheduler):
         self.last_step = {"batch": len(live), "tokens": committed, "seconds": seconds,
                           "lengths": [self.lengths[t] for t in self.active[:-1]], "tiers": list(self.active)}
         if self.planner is not None:
-            self.planner.observe_step(len(live), committed, seconds - catching_up, self.lengths, self.active)
+            self.planner.observe_step(len(live), committed, seconds, self.lengths, self.active)
         return out
 
     def finish(self, state: RequestState) -> GenerationOutput:
