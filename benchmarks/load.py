@@ -17,6 +17,14 @@ back (interleaved, on one machine, 1 torch thread each):
 
 Total tokens/s = all new tokens / wall time; latency = a request's finish - its send.
 Writes <out>.json (with the machine's load average during each cell), <out>.md, <out>.png.
+
+The committed result is the full run on a quiet machine (nothing else running; the numbers
+are ratios within one run, but a busy machine makes every cell noisy):
+
+    OMP_NUM_THREADS=1 python benchmarks/load.py
+
+(all defaults: concurrency 1,4,16,64, T = 0 and 1, 32 new tokens, out benchmarks/load).
+A quick check that it runs: --concurrency 1,4 --temperatures 0 --out /tmp/load.
 """
 
 from __future__ import annotations
@@ -99,7 +107,8 @@ def hf_static(model, prompts: list[list[int]], concurrency: int, new_tokens: int
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(REPO / "configs" / "demo.yaml"))
     parser.add_argument("--concurrency", default="1,4,16,64")
     parser.add_argument("--new-tokens", type=int, default=32)

@@ -20,6 +20,8 @@ from polyspec.workers.core.errors import PolyspecError, RequestError
 EXIT_USER_ERROR = 2
 
 
+PROGRESS_EVERY_S = 30.0  # batch progress lines when stderr is not a terminal
+
 def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-n", "--max-new-tokens", type=int, default=None, help="tokens to generate (config default)")
     parser.add_argument("--temperature", type=float, default=None, help="0 = greedy (config default)")
@@ -184,6 +186,7 @@ def cmd_batch(args) -> int:
     write_lock = threading.Lock()
     started = time.perf_counter()
     tokens = [0]
+    reported, written = [started], [0]
     with open(output_path, "a" if args.resume else "w", encoding="utf-8") as out, \
             tqdm(total=len(todo), desc="batch", unit="req", file=sys.stderr, disable=None) as progress:
 
@@ -193,7 +196,12 @@ def cmd_batch(args) -> int:
                 out.flush()  # a result is on disk as soon as it is done
                 os.fsync(out.fileno())
                 tokens[0] += len(result.get("token_ids", ()))
+                written[0] += 1
                 progress.update(1)
+                now = time.perf_counter()
+                if progress.disable and now - reported[0] >= PROGRESS_EVERY_S:  # not a terminal (a log file): a line now and then
+                    reported[0] = now
+                    print(f"polyspec: {written[0]}/{len(todo)} requests, {tokens[0]} tokens in {now - started:.0f}s", file=sys.stderr, flush=True)
 
         def run_one(item) -> None:
             number, request_id, raw, parse_error = item

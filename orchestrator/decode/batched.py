@@ -28,13 +28,14 @@ import time
 
 import torch
 
-from polyspec.orchestrator.decode.contract import GenerationOutput, RequestState, StageStats, commit, finish_if_full, remaining
+from polyspec.orchestrator.decode.contract import GenerationOutput, RequestState, commit, finish_if_full, remaining, stage_of
 from polyspec.orchestrator.decode.scheduler import ChainScheduler
 from polyspec.workers.core.tree import DraftTree
 from polyspec.workers.core.verification import verify_chain, verify_greedy
 from polyspec.workers.tiers.batched import BatchedTier
 
 DEFAULT_PREFILL_BUDGET = 512  # prompt tokens cached per step for joining requests
+CATCH_UP_GAP = 16  # a drafting tier this many tokens behind a request is caught up before the round, not in it
 
 
 class BatchedScheduler(ChainScheduler):
@@ -53,20 +54,38 @@ class BatchedScheduler(ChainScheduler):
     def step(self, state: RequestState) -> list[int]:
         return self.step_all([state])[0]
 
+    def prefill_tiers(self) -> list[BatchedTier]:
+        """The tiers a joining request's prompt is cached in before it joins the rounds: every model tier
+        of a fixed chain; only the target under a planner, since the drafters are not used while
+        speculation is off and catch up (`catch_up`) when a plan uses them."""
+        tiers = self.tiers[:1] if self.planner is not None else self.tiers
+        return [t for t in tiers if t.has_weights]
+
     def ready(self, state: RequestState) -> bool:
-        """Has every model tier cached the request's prompt (all but its last token)?"""
+        """Has every tier of `prefill_tiers` cached the request's prompt (all but its last token)?"""
         need = len(state.committed) - 1
-        return all(t.cached(state.run.seq_id) >= need for t in self.tiers if t.has_weights)
+        return all(t.cached(state.run.seq_id) >= need for t in self.prefill_tiers())
 
     def prefill(self, states: list[RequestState], budget: int | None = None) -> int:
         """Cache prompts of requests not yet `ready`, oldest first, at most `budget` tokens per tier."""
         budget = self.prefill_budget if budget is None else budget
         waiting = [s for s in states if not s.done and not self.ready(s)]
         fed = 0
-        for tier in self.tiers:
-            if tier.has_weights and waiting:
+        for tier in self.prefill_tiers():
+            if waiting:
                 fed += tier.prefill([s.run.seq_id for s in waiting], [s.committed for s in waiting], budget)
         return fed
+
+    def catch_up(self, states: list[RequestState]) -> None:
+        """Cache in each drafting model tier of the plan the contexts it is far behind on, in one
+        forward per tier, before the round (whose forwards pad every row to the longest)."""
+        for level in self.active[1:]:
+            tier = self.tiers[level]
+            if not tier.has_weights:
+                continue
+            behind = [s for s in states if len(s.committed) - 1 - tier.cached(s.run.seq_id) > CATCH_UP_GAP]
+            if behind:
+                tier.prefill([s.run.seq_id for s in behind], [s.committed for s in behind], sum(len(s.committed) for s in behind))
 
     def step_all(self, states: list[RequestState]) -> list[list[int]]:
         """One target round for every request in `states`; the newly committed tokens of each."""
@@ -85,6 +104,8 @@ class BatchedScheduler(ChainScheduler):
                 plans = states[i].plans
                 if not plans or {k: plans[-1][k] for k in shown} != shown:
                     plans.append({"new_tokens": len(states[i].new_tokens), **shown})
+        if self.planner is not None:  # in the step's time: keeping a drafter's cache up to date is part of what speculating costs
+            self.catch_up([states[i] for i in live])
         busy_before = [t.busy_s for t in self.tiers]
         items = []
         for i in live:
@@ -124,14 +145,6 @@ class BatchedScheduler(ChainScheduler):
     @staticmethod
     def room(run, context: list[int]) -> int:
         return max(0, run.limit - len(context) - 1)
-
-    def stage(self, run, level: int, drafter: int) -> StageStats:
-        if drafter == level + 1:
-            return run.stages[level]
-        key = (level, drafter)
-        if key not in run.bypass_stages:
-            run.bypass_stages[key] = StageStats(self.tiers[level].name, self.tiers[drafter].name)
-        return run.bypass_stages[key]
 
     def emit_batch(self, level: int, items: list[tuple]) -> list[tuple[list[int], torch.Tensor | None]]:
         """At least `need` tokens from tier `level` for each (run, context, need), with its rows."""
@@ -187,7 +200,7 @@ class BatchedScheduler(ChainScheduler):
                 draft_rows = block.draft_rows if block.draft_rows is not None else target_probs[:0]
                 accepted, next_token = verify_chain(target_probs, draft_rows, draft_tokens, run.generators[level])
             if below is not None:
-                self.stage(run, level, below).record(len(block), accepted, length, seconds)
+                stage_of(run.stages, run.bypass_stages, self.tiers, level, below).record(len(block), accepted, length, seconds)
                 if self.planner is not None:
                     self.planner.observe_round(level, below, len(block), accepted, run.params.greedy)
             emitted = block.tokens[:accepted] + [next_token]

@@ -72,6 +72,17 @@ class StageStats:
         }
 
 
+def stage_of(stages: list[StageStats], bypass: dict[tuple[int, int], StageStats], tiers, level: int, drafter: int) -> StageStats:
+    """The statistics of tier `level` verifying tier `drafter`: the chain's own stage when `drafter`
+    is the next tier, else the bypass stage (created on first use) when the tiers between sit out."""
+    if drafter == level + 1:
+        return stages[level]
+    key = (level, drafter)
+    if key not in bypass:
+        bypass[key] = StageStats(tiers[level].name, tiers[drafter].name)
+    return bypass[key]
+
+
 @dataclasses.dataclass
 class GenerationOutput:
     token_ids: list[int]

@@ -29,6 +29,7 @@ from polyspec.orchestrator.decode.contract import (
     GenerationOutput,
     RequestState,
     StageStats,
+    stage_of,
     commit,
     finish_if_full,
     first_eos,
@@ -185,12 +186,7 @@ class ChainScheduler:
         return next((t for t in self.active if t > level), None)
 
     def _stage(self, run: Run, level: int, drafter: int) -> StageStats:
-        if drafter == level + 1:
-            return run.stages[level]
-        key = (level, drafter)
-        if key not in run.bypass_stages:
-            run.bypass_stages[key] = StageStats(self.tiers[level].name, self.tiers[drafter].name)
-        return run.bypass_stages[key]
+        return stage_of(run.stages, run.bypass_stages, self.tiers, level, drafter)
 
     def _room(self, run: Run, context: list[int]) -> int:
         """Draft tokens that fit: the block plus the token after it must stay inside the context."""

@@ -355,14 +355,9 @@ class RoundScheduler(threading.Thread):
             for item in self.store.pending_items(room, skip):
                 if item.job_id in self._cancelled_jobs:
                     continue
-                self.store.mark_running(item.job_id)
-                try:
-                    with self.tokenizer_lock:
-                        request = self.engine.parse_request({**item.request, "id": item.id})
-                except RequestError as exc:
-                    self._write_item(Work(None, job_item=item), None, str(exc))
-                    continue
-                self._job_batch.append(Work(request, job_item=item))
+                work = self._parse_job_item(item)
+                if work is not None:
+                    self._job_batch.append(work)
         return list(self._job_batch)
 
     def _advance_job(self) -> None:
@@ -375,16 +370,22 @@ class RoundScheduler(threading.Thread):
             item = self.store.next_pending()
             if item is None:
                 return
-            self.store.mark_running(item.job_id)
-            try:
-                with self.tokenizer_lock:
-                    request = self.engine.parse_request({**item.request, "id": item.id})
-            except RequestError as exc:
-                self._write_item(Work(None, job_item=item), None, str(exc))
+            work = self._job_work = self._parse_job_item(item)
+            if work is None:
                 return
-            work = self._job_work = Work(request, job_item=item)
         if self._advance(work):
             self._job_work = None
+
+    def _parse_job_item(self, item) -> Work | None:
+        """A pending job item marked running and parsed into work; None (its error written) when invalid."""
+        self.store.mark_running(item.job_id)
+        try:
+            with self.tokenizer_lock:
+                request = self.engine.parse_request({**item.request, "id": item.id})
+        except RequestError as exc:
+            self._write_item(Work(None, job_item=item), None, str(exc))
+            return None
+        return Work(request, job_item=item)
 
     def _write_item(self, work: Work, result: dict | None, error: str | None) -> None:
         self.store.finish_item(work.job_item, result, error)

@@ -16,14 +16,23 @@ planner picks, for the number of requests in the step, the plan with the most ex
 tokens per second; speculation off is always a candidate.
 
 `t_i(B, W)` comes from a start-up profile on a grid of (B, W), interpolated in between, and
-is refined online from every batched forward (an EMA per grid cell). Each plan's predicted
-step time is also corrected online by the ratio of measured to predicted step times for
-that plan and batch size (Python overhead, rounds that overshoot), and every
-`EXPLORE_EVERY` steps the planner runs one step on the other side (off when speculating,
-the best speculating plan when off). The measured tokens/s of both sides are kept per batch
-size: the first step at a new batch size runs with speculation off (the bar to clear), and
-when speculating has measured slower than not, speculation stays off whatever the model
-predicts, so under load the planner is not slower than speculation off.
+is refined online from every batched forward (an EMA per grid cell); each plan's predicted
+step time is also corrected by the ratio of measured to predicted step times.
+
+A profile taken on a busy machine can be far off, so the model only proposes; a measured
+A/B decides. Per load (batch-size bucket, greedy / sampling / mixed requests) the planner
+keeps the measured tokens/s of the whole batch for speculation off and for each
+speculating plan it ran. The speculating side of the A/B is the plan with the most
+tokens/s, measured where measured, else predicted. The first load alternates off with
+each set of tiers' predicted best plan (those predicted near off) for MIN_STEPS steps each;
+a later load tries only the best plan of the nearest decided load against off, and starts
+from that load's decision where it carries over (off to larger batches, speculating to
+smaller ones), measuring the other side right after. Then it runs the winner: speculation turns on only
+when it measured SWITCH_ON times off's tokens/s and stays on while it measures at least
+SWITCH_OFF times off's (hysteresis). The side not taken is re-probed for PROBE_STEPS steps
+after REPROBE_FIRST steps, then at doubling intervals (up to REPROBE_MAX) while the
+decision holds, so a change of load or acceptance is noticed and a losing side costs a few
+percent at most.
 """
 
 from __future__ import annotations
@@ -42,8 +51,15 @@ BATCH_GRID = (1, 4, 16, 64)
 WIDTH_GRID = (1, 4, 8, 16)
 PROFILE_CONTEXT = 128
 SMOOTHING = 0.2
-EXPLORE_COST = 3.0  # before speculation is measured at a batch size, no plan predicted to cost more than this many "off" steps
-EXPLORE_EVERY = 24  # steps with speculation on between two steps with it off (per batch-size bucket)
+WINDOW = 8  # steps a measured rate sums before older steps start to fade
+MIN_STEPS = 3  # steps each side of an A/B runs before the A/B decides
+PROBE_STEPS = 3  # steps the side not taken runs when it is looked at again
+REPROBE_FIRST = 8  # time on the side taken before the first re-probe, in probes' times; doubles while the decision holds ...
+REPROBE_MAX = 64  # ... up to this: a losing side re-probed costs under 2% of the time
+SWITCH_ON = 1.05  # speculation turns on when it measures this many times off's tokens/s ...
+SWITCH_OFF = 1.0  # ... and off when it measures under this many times off's
+EXPLORE_FLOOR = 0.5  # a new load explores a further set of tiers only if predicted at least this share of off's tokens/s
+CANDIDATE_MARGIN = 1.5  # an unmeasured speculating plan must be predicted this much better than the measured best to be tried
 PRIOR_RATE = 0.8  # acceptance rate before any round is seen (a model drafter; the lookup's is LOOKUP_PRIOR_RATE)
 LOOKUP_PRIOR_RATE = 0.5
 PRIOR_WEIGHT = 4.0  # ... worth this many observed tokens
@@ -117,8 +133,64 @@ class Plan:
         return len(self.active) > 1
 
 
+@dataclasses.dataclass
+class Rate:
+    """Measured tokens/s of one plan at one load: recent tokens over recent seconds (sums that decay
+    by SMOOTHING per step once WINDOW steps are in, so one noisy step cannot flip a decision)."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    weight: float = 0.0  # steps in the sums, counting the faded ones in part
+    steps: int = 0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        keep = 1.0 - SMOOTHING if self.steps >= WINDOW else 1.0
+        self.tokens = self.tokens * keep + tokens
+        self.seconds = self.seconds * keep + seconds
+        self.weight = self.weight * keep + 1.0
+        self.steps += 1
+
+    @property
+    def value(self) -> float | None:
+        return self.tokens / self.seconds if self.steps and self.seconds > 0 else None
+
+
+@dataclasses.dataclass
+class Arm:
+    """The A/B of one load (batch-size bucket and sampling mix): speculation off against the best speculating plan."""
+
+    rates: dict = dataclasses.field(default_factory=dict)  # Plan -> Rate
+    speculate: bool | None = None  # None: not decided yet
+    period: float = REPROBE_FIRST  # time between two re-probes, in multiples of a probe's expected time
+    since: float = 0.0  # seconds run on the side taken since the last re-probe
+    probe: list = dataclasses.field(default_factory=list)  # plans queued to run next (a re-probe)
+    seed: Plan | None = None  # the best speculating plan of the nearest decided load: the one a new load tries
+
+    def best_measured(self) -> Plan | None:
+        measured = {p: self.measured(p) for p in self.rates if p.speculating and self.measured(p) is not None}
+        return max(measured, key=measured.get) if measured else None
+
+    def rate(self, plan: Plan) -> Rate:
+        if plan not in self.rates:
+            self.rates[plan] = Rate()
+        return self.rates[plan]
+
+    def measured(self, plan: Plan) -> float | None:
+        rate = self.rates.get(plan)
+        return rate.value if rate is not None and rate.steps >= MIN_STEPS else None
+
+
+def decide(speculating_now: bool | None, off_rate: float, spec_rate: float) -> bool:
+    """The A/B's rule with hysteresis: speculation turns on only when it measured SWITCH_ON times
+    off's tokens/s, and once on stays on while it measures at least SWITCH_OFF times off's."""
+    if speculating_now:
+        return spec_rate >= SWITCH_OFF * off_rate
+    return spec_rate > SWITCH_ON * off_rate
+
+
 class BatchPlanner:
-    """Chooses the plan of each batched step from the forward tables and the acceptance seen so far."""
+    """Chooses the plan of each batched step: the time model proposes a speculating plan, a measured
+    A/B against speculation off decides whether to run it."""
 
     def __init__(self, tiers, tables: list[ForwardTable | None], lookup_ms: list[float], max_length: int = max(LENGTHS),
                  max_batched_tokens: int | None = None) -> None:
@@ -129,14 +201,14 @@ class BatchPlanner:
         self.max_length = max_length
         self.accepted: dict[tuple, float] = {}
         self.rejected: dict[tuple, float] = {}
-        self.correction: dict[tuple, float] = {}  # (plan, bucket), (plan, 0), (None, bucket), (None, 0) -> measured / predicted step time
-        self.measured: dict[tuple[int, bool], float] = {}  # (bucket, speculating) -> EMA of measured tokens/s
-        self.steps: dict[int, int] = {}  # bucket -> steps since speculation was last off
+        self.correction: dict[tuple, float] = {}  # (plan | side | None, bucket or 0) -> measured / predicted step time
+        self.arms: dict[tuple[int, int], Arm] = {}  # (bucket, sampling mix) -> its A/B
         self.plans = self._candidates()
         self.chosen: dict[int, Plan] = {}
         self.history: list[dict] = []  # (batch, plan) each time a bucket's choice changed
         self.greedy_share = 1.0  # of the requests in the step being planned
         self._pending: Plan | None = None
+        self._pending_arm: Arm | None = None
         self._predicted_ms = 0.0
 
     def _candidates(self) -> list[Plan]:
@@ -173,24 +245,44 @@ class BatchPlanner:
                 table.observe(rows, width, seconds * 1000.0)
             log.clear()
 
-    def observe_step(self, batch: int, tokens: int, seconds: float, lengths, active) -> None:
+    def observe_step(self, batch: int, tokens: int, seconds: float, lengths=None, active=None) -> None:
+        """The step just planned took `seconds` and committed `tokens`: refine the model, feed the A/B."""
         self.observe_forwards()
-        plan = self._pending
-        if plan is None or self._predicted_ms <= 0:
+        plan, arm = self._pending, self._pending_arm
+        if plan is None or arm is None:
             return
-        group = bucket(batch)
-        ratio = min(4.0, max(0.25, seconds * 1000.0 / self._predicted_ms))
-        for key in ((plan, group), (plan, 0), (None, group), (None, 0)):
-            current = self.corrected(*key)
-            self.correction[key] = current + SMOOTHING * (ratio - current)
+        self._pending = self._pending_arm = None
+        if self._predicted_ms > 0 and seconds > 0:
+            group = bucket(batch)
+            ratio = min(4.0, max(0.25, seconds * 1000.0 / self._predicted_ms))
+            side = "spec" if plan.speculating else "off"
+            for key in ((plan, group), (plan, 0), (side, group), (side, 0), (None, group), (None, 0)):
+                current = self.correction.get(key, 1.0)
+                self.correction[key] = current + SMOOTHING * (ratio - current)
         if seconds > 0:
-            key = (group, plan.speculating)
-            rate = tokens / seconds
-            self.measured[key] = rate if key not in self.measured else self.measured[key] + SMOOTHING * (rate - self.measured[key])
+            arm.rate(plan).add(tokens, seconds)
+            if arm.speculate is not None and not arm.probe and plan.speculating == arm.speculate:
+                arm.since += seconds
+        if not arm.probe:  # between probes only: a probe's steps are all in before the A/B looks again
+            self._decide(arm, batch)
+
+    def _decide(self, arm: Arm, batch: int) -> None:
+        off = arm.measured(self.plans[0])
+        spec_rate = max((r for p, r in ((p, arm.measured(p)) for p in arm.rates) if p.speculating and r is not None), default=None)
+        if off is None or spec_rate is None:  # the best speculating plan measured so far against off
+            return
+        if arm.speculate is None and self.unexplored(arm, batch):
+            return  # a new load decides once each set of tiers has been measured
+        verdict = decide(arm.speculate, off, spec_rate)
+        if verdict != arm.speculate:
+            arm.period = REPROBE_FIRST  # the load changed its mind: look again soon
+        arm.speculate = verdict
 
     def corrected(self, plan, group: int) -> float:
-        """Measured / predicted step time: this plan at this batch size, else this plan, else all plans at this size, else all."""
-        for key in ((plan, group), (plan, 0), (None, group), (None, 0)):
+        """Measured / predicted step time: this plan at this batch size, else this plan, else the plans
+        on its side (speculating or not) at this size, else on its side, else all plans."""
+        side = None if plan is None else "spec" if plan.speculating else "off"
+        for key in ((plan, group), (plan, 0), (side, group), (side, 0), (None, group), (None, 0)):
             if key in self.correction:
                 return self.correction[key]
         return 1.0
@@ -251,34 +343,101 @@ class BatchPlanner:
         """The plan the time model (with its online corrections) expects to give the most tokens/s."""
         return max(self.allowed(batch), key=lambda p: self.goodput(p, batch))
 
+    def unexplored(self, arm: Arm, batch: int) -> list[Plan]:
+        """Speculating plans whose set of tiers has no plan measured at this load yet and that, with the
+        model corrected by what speculating measured here, are predicted near off's measured tokens/s."""
+        allowed = [p for p in self.allowed(batch) if p.speculating]
+        measured = {p: arm.measured(p) for p in allowed if arm.measured(p) is not None}
+        if arm.seed is not None and arm.seed in allowed:
+            return [arm.seed] if not measured else []  # a load next to a decided one tries only that one's best plan
+        off = arm.measured(self.plans[0])
+        scale, floor = 1.0, 0.0
+        if off is not None and measured:  # the model's error on the best plan measured, applied to the others
+            best = max(measured, key=measured.get)
+            scale, floor = measured[best] / max(self.goodput(best, batch), 1e-9), EXPLORE_FLOOR * off
+        tried = {p.active for p in measured}
+        return [p for p in allowed if p.active not in tried and scale * self.goodput(p, batch) >= floor]
+
+    def spec_candidate(self, arm: Arm, batch: int, explore: bool = False) -> Plan | None:
+        """The speculating side of the A/B. A plan whose measurement has begun runs until it has
+        MIN_STEPS; exploring (a new load), each set of tiers gets its predicted best plan measured;
+        then the plan with the most measured tokens/s, unless an unmeasured plan is predicted
+        CANDIDATE_MARGIN times better (tried next), so the candidate does not churn."""
+        allowed = [p for p in self.allowed(batch) if p.speculating]
+        if not allowed:
+            return None
+        for plan in allowed:
+            rate = arm.rates.get(plan)
+            if rate is not None and 0 < rate.steps < MIN_STEPS:
+                return plan
+        predicted = {p: self.goodput(p, batch) for p in allowed}
+        if explore:
+            fresh = self.unexplored(arm, batch)
+            if fresh:
+                return max(fresh, key=predicted.get)
+        measured = {p: arm.measured(p) for p in allowed if arm.measured(p) is not None}
+        if not measured:
+            return arm.seed if arm.seed in allowed else max(allowed, key=predicted.get)
+        best = max(measured, key=measured.get)
+        challenger = max((p for p in allowed if p not in measured), key=predicted.get, default=None)
+        if challenger is not None and predicted[challenger] > CANDIDATE_MARGIN * measured[best]:
+            return challenger
+        return best
+
+    def step_seconds(self, arm: Arm, plan: Plan, batch: int) -> float:
+        """Seconds one step of `plan` takes at this load: measured, else predicted."""
+        rate = arm.rates.get(plan)
+        if rate is not None and rate.steps:
+            return rate.seconds / rate.weight
+        return self.step_ms(plan, batch)[0] * self.corrected(plan, bucket(batch)) / 1000.0
+
+    def arm(self, batch: int) -> Arm:
+        """The A/B of this load. A new load starts from the nearest decided load's decision where that
+        decision carries over safely: "off" from a smaller batch, "speculate" from a larger one (a
+        block's cost grows with the batch); otherwise it measures both sides, off first."""
+        mix = 0 if self.greedy_share >= 1.0 else 1 if self.greedy_share <= 0.0 else 2
+        key = (bucket(batch), mix)
+        arm = self.arms.get(key)
+        if arm is None:
+            arm = self.arms[key] = Arm()
+            decided = [(abs(math.log2(b) - math.log2(key[0])), b, a) for (b, m), a in self.arms.items() if m == mix and a.speculate is not None]
+            if decided:
+                _, size, nearest = min(decided, key=lambda t: (t[0], t[1]))
+                if (size < key[0] and not nearest.speculate) or (size > key[0] and nearest.speculate):
+                    arm.speculate = nearest.speculate
+                arm.seed = nearest.best_measured()
+        return arm
+
     def plan(self, batch: int, params: list[SamplingParams] | None = None) -> tuple[list[int], tuple[int, ...]]:
         """(lengths, active tiers) for the next step of `batch` requests."""
         group = bucket(batch)
         if params:
             self.greedy_share = sum(p.greedy for p in params) / len(params)
-        allowed = self.allowed(batch)
+        arm = self.arm(batch)
         off = self.plans[0]
-        spec_rate, off_rate = self.measured.get((group, True)), self.measured.get((group, False))
-        if spec_rate is None:  # nothing measured speculating at this load yet: try only plans whose step is cheap
-            cap = EXPLORE_COST * self.step_ms(off, batch)[0]
-            allowed = [p for p in allowed if not p.speculating or self.step_ms(p, batch)[0] <= cap] or [off]
-        best = max(allowed, key=lambda p: self.goodput(p, batch))
-        if best.speculating and off_rate is None:
-            best = off  # first measure "off" at this load: the bar speculation has to clear
-        elif best.speculating and spec_rate is not None and spec_rate < off_rate:
-            best = off  # measured: speculating at this load has been slower than not
-        self.steps[group] = self.steps.get(group, 0) + 1
-        if self.steps[group] >= EXPLORE_EVERY:  # measure the other side again now and then
-            self.steps[group] = 0
+        spec = self.spec_candidate(arm, batch, explore=arm.speculate is None)
+        if spec is None:
+            best = off
+        elif arm.probe:
+            best = arm.probe.pop(0)
             if best.speculating:
-                best = off
-            else:
-                best = max((p for p in allowed if p.speculating), key=lambda p: self.goodput(p, batch), default=off)
+                best = spec  # the plan queued, unless a better one was measured meanwhile
+        elif arm.speculate is None:  # measuring: alternate between the sides until each has MIN_STEPS
+            off_steps = arm.rate(off).steps
+            best = off if off_steps < MIN_STEPS and off_steps <= arm.rate(spec).steps else spec
+        else:
+            best, other = (spec, off) if arm.speculate else (off, spec)
+            unmeasured_bar = arm.speculate and arm.measured(off) is None and arm.rate(spec).steps >= MIN_STEPS
+            if unmeasured_bar or arm.since >= arm.period * PROBE_STEPS * self.step_seconds(arm, other, batch):
+                arm.since = 0.0  # look at the other side (again): the load may have changed
+                if not unmeasured_bar:
+                    arm.period = min(2 * arm.period, REPROBE_MAX)
+                arm.probe = [other] * PROBE_STEPS
         if self.chosen.get(group) != best:
             self.chosen[group] = best
             self.history.append({"batch": batch, "tiers": list(best.active), "lengths": list(best.lengths)})
             del self.history[:-64]
-        self._pending = best
+        self._pending, self._pending_arm = best, arm
         self._predicted_ms = self.step_ms(best, batch)[0] * self.corrected(best, group)
         return list(best.lengths), best.active
 
@@ -287,6 +446,10 @@ class BatchPlanner:
             "rates": {f"{self.tiers[a].name}<-{self.tiers[b].name}{'' if g else ' (sampling)'}": round(self.rate(a, b, g), 4)
                       for a, b, g in sorted(self.accepted)},
             "chosen": {str(b): {"tiers": [self.tiers[t].name for t in p.active], "lengths": list(p.lengths)} for b, p in sorted(self.chosen.items())},
+            "ab": {f"batch<={b} {('greedy', 'sampling', 'mixed')[m]}": {
+                "speculate": a.speculate,
+                "tokens_per_s": {"+".join(self.tiers[t].name for t in p.active) + f" {list(p.lengths)}": round(r.value, 1)
+                                 for p, r in a.rates.items() if r.value is not None}} for (b, m), a in sorted(self.arms.items())},
         }
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import types
 
-from polyspec.orchestrator.tuning.batch_model import (BATCH_GRID, EXPLORE_EVERY, WIDTH_GRID, BatchPlanner, ForwardTable,
-                                                      bucket, expected_tokens)
+from polyspec.orchestrator.tuning.batch_model import (BATCH_GRID, MIN_STEPS, PROBE_STEPS, SWITCH_ON, WIDTH_GRID,
+                                                      BatchPlanner, ForwardTable, bucket, decide, expected_tokens)
 
 
 def table(cost) -> ForwardTable:
@@ -68,53 +68,98 @@ def test_load_turns_speculation_off():
     assert not plan.predicted_best(64).speculating
 
 
-def test_max_batched_tokens_and_exploration():
+def test_max_batched_tokens():
     plan = planner(lambda b, w: 10.0, max_batched_tokens=64)
     accept(plan, 0, 1, 0.95)
     accept(plan, 1, 2, 0.9)
     best = plan.predicted_best(16)
     assert not best.speculating or 16 * (best.lengths[0] + 1) <= 64
+    for _ in range(40):
+        lengths, active = plan.plan(16)
+        assert len(active) == 1 or 16 * (lengths[0] + 1) <= 64
+        plan.observe_step(16, 16 * len(active), 0.01, lengths, active)
+
+
+def test_decision_rule_has_hysteresis():
+    assert not decide(None, 100.0, 100.0 * SWITCH_ON)  # a tie is not a reason to speculate
+    assert decide(None, 100.0, 100.0 * SWITCH_ON + 1)
+    assert not decide(False, 100.0, 104.0)
+    assert decide(True, 100.0, 101.0)  # once on, a small edge keeps it on ...
+    assert not decide(True, 100.0, 99.0)  # ... and losing turns it off
+
+
+def run_steps(plan: BatchPlanner, batch: int, steps: int, tokens_per_s) -> tuple[int, float, list[bool]]:
+    """Drive the planner as the scheduler does; `tokens_per_s(active)` is the synthetic machine (per
+    request). Returns tokens, seconds and, per step, whether it speculated."""
+    tokens, seconds, speculated = 0, 0.0, []
+    for _ in range(steps):
+        lengths, active = plan.plan(batch)
+        emitted = batch * (1 if len(active) == 1 else 4)
+        step_s = emitted / (batch * tokens_per_s(active))
+        plan.observe_step(batch, emitted, step_s, lengths, active)
+        tokens, seconds = tokens + emitted, seconds + step_s
+        speculated.append(len(active) > 1)
+    return tokens, seconds, speculated
+
+
+WINS = lambda active: 200.0 if len(active) > 1 else 100.0  # speculating doubles tokens/s
+LOSES = lambda active: 50.0 if len(active) > 1 else 100.0  # ... or halves them
+
+
+def test_ab_keeps_speculation_when_it_measures_faster_whatever_the_model_says():
+    """The profile says speculating costs (a block costs its length), the machine says it pays 2x: the A/B follows the machine."""
+    plan = planner(lambda b, w: 1.0 * w + 1.0, mid_cost=lambda b, w: 1.0 * w)
+    accept(plan, 0, 1, 0.5)
+    tokens, seconds, speculated = run_steps(plan, 1, 400, WINS)
+    assert sum(speculated[: 2 * MIN_STEPS]) == MIN_STEPS  # the first steps alternate: each side measured
+    assert sum(speculated) > 0.9 * len(speculated)
+    assert tokens / seconds > 1.8 * 100.0  # within 10% of always speculating, probes of "off" included
+
+
+def test_ab_turns_speculation_off_when_it_measures_slower_whatever_the_model_says():
+    """The model predicts a big win (blocks free, acceptance high), the machine measures a loss: off, re-probed rarely."""
     plan = planner(lambda b, w: 10.0)
     accept(plan, 0, 1, 0.95)
-    chosen = []
-    for _ in range(EXPLORE_EVERY + 1):
-        lengths, active = plan.plan(1)
-        chosen.append(active)
-        plan.observe_step(1, 1 if active == (0,) else 4, 0.01, lengths, active)  # speculating measures 4x faster
-    assert chosen[0] == (0,)  # "off" is measured first: the bar to clear
-    offs = [j for j, a in enumerate(chosen) if a == (0,)]
-    assert offs == [0, EXPLORE_EVERY - 1]  # ... and again every EXPLORE_EVERY steps
+    accept(plan, 1, 2, 0.9)
+    assert plan.predicted_best(16).speculating
+    tokens, seconds, speculated = run_steps(plan, 16, 1000, LOSES)
+    assert sum(speculated[-300:]) <= PROBE_STEPS  # intervals between re-probes have doubled
+    assert tokens / seconds >= 0.95 * 16 * 100.0  # the whole run, measuring included, within 5% of "off"
 
 
-def test_step_time_correction_moves_away_from_a_slow_plan():
+def test_reprobe_notices_a_change_of_load():
+    """Speculation wins, then (same batch size, a busier machine) loses, then wins again: the re-probes follow."""
     plan = planner(lambda b, w: 10.0)
-    plan.measured[(4, False)] = 1.0  # "off" measured (slow), so the model's choice runs
-    plan.plan(4)
-    first = plan.chosen[4]
-    assert first.speculating
-    for _ in range(30):
-        lengths, active = plan.plan(4)
-        slow = plan.chosen[4] == first
-        predicted = plan.step_ms(plan.chosen[4], 4)[0]
-        plan.observe_step(4, 4, (4 if slow else 1) * predicted / 1000.0, lengths, active)  # that plan runs 4x slower than predicted
-    assert plan.correction[(first, 4)] > 1.5
-    assert plan.chosen[4] != first
+    accept(plan, 0, 1, 0.9)
+    _, _, first = run_steps(plan, 4, 100, WINS)
+    assert sum(first[-20:]) >= 20 - PROBE_STEPS
+    _, _, second = run_steps(plan, 4, 400, LOSES)
+    assert sum(second[-100:]) <= PROBE_STEPS
+    _, _, third = run_steps(plan, 4, 2000, WINS)  # off for a while: the re-probes have spread out
+    assert sum(third[-100:]) >= 100 - PROBE_STEPS
 
 
-def test_measured_slower_speculation_is_turned_off():
-    """Whatever the model predicts, a batch size where speculating measured slower than off runs off."""
+def test_each_load_has_its_own_ab_and_a_new_one_starts_from_its_neighbour():
     plan = planner(lambda b, w: 10.0)
-    accept(plan, 0, 1, 0.95)
-    lengths, active = plan.plan(16)
-    assert active == (0,)  # the first step at a batch size measures "off"
-    plan.observe_step(16, 16 * 40, 16.0, lengths, active)  # off: 40 tokens/s
-    lengths, active = plan.plan(16)
-    assert len(active) > 1
-    plan.observe_step(16, 16, 1.0, lengths, active)  # speculating: 16 tokens/s
-    chosen = [plan.plan(16)[1] for _ in range(EXPLORE_EVERY)]
-    assert chosen.count((0,)) >= EXPLORE_EVERY - 2 and any(len(a) > 1 for a in chosen)  # off, but speculation is re-measured
-    plan.measured[(1, False)] = 1.0
-    assert plan.plan(1)[1] != (0,)  # other batch sizes keep their own measurements
+    accept(plan, 0, 1, 0.9)
+    run_steps(plan, 1, 60, WINS)
+    run_steps(plan, 16, 60, LOSES)
+    assert plan.arms[(1, 0)].speculate and not plan.arms[(16, 0)].speculate
+    assert plan.plan(32)[1] == (0,) and plan.arms[(32, 0)].speculate is False  # larger than a load that runs off: off
+    assert plan.plan(2)[1] == (0,) and plan.arms[(2, 0)].speculate is None  # larger than a load that speculates: measured, off first
+    plan.arms[(16, 0)].speculate = True  # had 16 measured speculation faster ...
+    assert len(plan.plan(8)[1]) > 1 and plan.arms[(8, 0)].speculate  # ... so 8, smaller, starts speculating
+
+
+def test_the_speculating_side_is_the_best_measured_plan():
+    """Two speculating plans measured: the A/B runs the faster one, and the model's guess does not displace it lightly."""
+    plan = planner(lambda b, w: 10.0)
+    accept(plan, 0, 1, 0.9)
+    accept(plan, 1, 2, 0.9)
+    truth = lambda active: {1: 100.0, 2: 300.0, 3: 150.0}[len(active)]  # the two-tier plans are best
+    _, _, speculated = run_steps(plan, 4, 300, truth)
+    assert sum(speculated[-100:]) >= 100 - 2 * PROBE_STEPS
+    assert len(plan.chosen[4].active) == 2
 
 
 def test_ngram_index_proposes_what_the_scan_does():
@@ -150,14 +195,31 @@ def test_profile_outliers_are_flattened():
     assert all(fixed[(b, w)] <= fixed[(b, w2)] for b in BATCH_GRID for w, w2 in zip(WIDTH_GRID, WIDTH_GRID[1:]))
 
 
-def test_unmeasured_load_tries_only_cheap_speculation():
-    from polyspec.orchestrator.tuning.batch_model import EXPLORE_COST
+def test_a_new_load_measures_each_set_of_tiers_the_model_ranks_low_included():
+    """The model prefers the mid tier (its profile made the lookup look slow); the machine says the lookup alone
+    pays: exploring a new load measures each set of tiers, and the A/B settles on the lookup."""
+    plan = planner(lambda b, w: 10.0, mid_cost=lambda b, w: 1.0, lookup_ms=5.0)
+    accept(plan, 0, 1, 0.9)
+    accept(plan, 1, 2, 0.9)
+    assert plan.predicted_best(1).active != (0, 2)
+    truth = lambda active: 300.0 if active == (0, 2) else 110.0 if len(active) > 1 else 100.0
+    _, _, speculated = run_steps(plan, 1, 200, truth)
+    assert plan.arms[(1, 0)].speculate and plan.chosen[1].active == (0, 2)
+    assert sum(speculated[-100:]) >= 100 - PROBE_STEPS
 
-    plan = planner(lambda b, w: 1.0 * w, mid_cost=lambda b, w: 5.0 * w)  # a block of k costs k + 1 "off" steps
-    accept(plan, 0, 1, 0.999)
-    accept(plan, 0, 2, 0.999)
-    accept(plan, 1, 2, 0.999)
-    plan.measured[(4, False)] = 1.0
-    lengths, active = plan.plan(4)
-    off_ms = plan.step_ms(plan.plans[0], 4)[0]
-    assert plan.step_ms(plan.chosen[4], 4)[0] <= EXPLORE_COST * off_ms
+
+def test_a_load_next_to_a_decided_one_tries_only_its_best_plan():
+    plan = planner(lambda b, w: 10.0, mid_cost=lambda b, w: 1.0, lookup_ms=5.0)
+    accept(plan, 0, 1, 0.9)
+    accept(plan, 1, 2, 0.9)
+    truth = lambda active: 300.0 if active == (0, 2) else 110.0 if len(active) > 1 else 100.0
+    run_steps(plan, 1, 100, truth)
+    winner = plan.chosen[1]
+    steps = []
+    for _ in range(2 * MIN_STEPS + 2):
+        lengths, active = plan.plan(4)
+        steps.append(active)
+        plan.observe_step(4, 4 * (4 if len(active) > 1 else 1), 0.01 * (1 if len(active) > 1 else 0.3), lengths, active)
+    assert steps[0] == (0,)  # larger than a speculating load: off measured first
+    assert {a for a in steps if len(a) > 1} == {winner.active}
+    assert plan.arms[(4, 0)].speculate
