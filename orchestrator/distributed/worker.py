@@ -386,7 +386,10 @@ class TierWorker:
     def _start_ahead(self, seq: _Sequence) -> None:
         if not seq.ahead_running and not seq.closed and seq.stream is not None:
             seq.ahead_running = True
-            self._ahead_pool.submit(self._ahead, seq)
+            try:
+                self._ahead_pool.submit(self._ahead, seq)
+            except RuntimeError:  # the worker is stopping (pool shut down): an RPC in flight drafts no further
+                seq.ahead_running = False
 
     def _ahead(self, seq: _Sequence) -> None:
         """Extend `seq.stream` up to `seq.ahead_until` tokens, a round (or a token) at a time."""
