@@ -21,6 +21,7 @@ from polyspec.orchestrator.engine import Engine  # noqa: E402
 from polyspec.workers.core.errors import ConfigError  # noqa: E402
 from polyspec.workers.core.sampling import SamplingParams  # noqa: E402
 from polyspec.orchestrator.tokenization import encode_prompt  # noqa: E402
+from ray_cluster import shutdown_cluster  # noqa: E402
 
 PROMPTS = ["def add(a, b):\n    return", "import os\nimport sys\n", "for i in range(10):\n    print(i)\nfor i in",
            "class Point:\n    def __init__(self", "while True:\n    line ="]
@@ -40,12 +41,7 @@ def cluster():
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, logging_level="error", log_to_driver=False)
     yield cluster, workers
-    ray.shutdown()
-    try:
-        cluster.shutdown()
-    except ValueError:  # a straggling thread reconnected this driver: disconnect it again, then stop
-        ray.shutdown()
-        cluster.shutdown()
+    shutdown_cluster(cluster)
 
 
 @pytest.fixture(autouse=True)
