@@ -61,23 +61,17 @@ def _best_of(function, repeats: int) -> float:
     return best
 
 
-def onednn_is_faster(weight: torch.Tensor) -> bool:
-    """Whether oneDNN beats `F.linear` on this machine for `weight` (measured once per shape)."""
-    mode = _mode()
-    if mode != "auto":
-        return mode == "onednn"
-    key = (tuple(weight.shape), weight.dtype, torch.get_num_threads())
-    if key not in _choices:
-        packed = weight.detach().to_mkldnn()
-        with torch.inference_mode():
-            verdict = True
-            for rows, bound in ((PROBE_ROWS, BLOCK_GAIN), (1, ROW_LOSS)):
-                x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
-                blas = _best_of(lambda: F.linear(x, weight), PROBE_REPEATS)
-                onednn = _best_of(lambda: torch.ops.aten.mkldnn_linear.default(x.to_mkldnn(), packed).to_dense(), PROBE_REPEATS)
-                verdict = verdict and onednn < bound * blas
-        _choices[key] = verdict
-    return _choices[key]
+def _measured_faster(weight: torch.Tensor, packed: torch.Tensor) -> bool:
+    """Whether oneDNN (`packed`, the weight's oneDNN copy) beats `F.linear` for a block and stays
+    close for one row, on this machine."""
+    with torch.inference_mode():
+        for rows, bound in ((PROBE_ROWS, BLOCK_GAIN), (1, ROW_LOSS)):
+            x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+            blas = _best_of(lambda: F.linear(x, weight), PROBE_REPEATS)
+            onednn = _best_of(lambda: torch.ops.aten.mkldnn_linear.default(x.to_mkldnn(), packed).to_dense(), PROBE_REPEATS)
+            if onednn >= bound * blas:
+                return False
+    return True
 
 
 def eligible(module) -> bool:
@@ -94,10 +88,24 @@ def eligible(module) -> bool:
 
 @torch.no_grad()
 def pack(module, keep_dense: bool = False) -> None:
-    """Move a large fp32 `Linear`'s weight to oneDNN where that measured faster (see the module doc)."""
-    if getattr(module, PACKED, None) is not None or not eligible(module) or not onednn_is_faster(module.weight):
+    """Move a large fp32 `Linear`'s weight to oneDNN where that measured faster (see the module doc).
+
+    The verdict is kept per (shape, dtype, threads); the weight that measures a new shape
+    lends its oneDNN copy to the measurement, so no weight is converted twice."""
+    if getattr(module, PACKED, None) is not None or not eligible(module):
         return
-    setattr(module, PACKED, module.weight.detach().to_mkldnn())
+    weight, packed, mode = module.weight, None, _mode()
+    if mode == "auto":
+        key = (tuple(weight.shape), weight.dtype, torch.get_num_threads())
+        if key not in _choices:
+            packed = weight.detach().to_mkldnn()
+            _choices[key] = _measured_faster(weight, packed)
+        faster = _choices[key]
+    else:
+        faster = mode == "onednn"
+    if not faster:
+        return
+    setattr(module, PACKED, packed if packed is not None else weight.detach().to_mkldnn())
     if not keep_dense:
         module.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
 

@@ -115,6 +115,12 @@ class LeanCache:
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 
 
+def _projections(layer) -> tuple:
+    """A decoder layer's seven projections, in the order the lean forward keeps them."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+
+
 def _full_attention_only(config) -> bool:
     """Qwen2 layers may use a sliding window (`use_sliding_window`); the lean path attends over everything."""
     if getattr(config, "use_sliding_window", False):
@@ -152,8 +158,7 @@ class LeanLlama:
             return False
         modules = [model.lm_head]
         for layer in base.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            modules += [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+            modules += _projections(layer)
         return all(_linear(m) is not None for m in modules)
 
     def __init__(self, model) -> None:
@@ -162,8 +167,7 @@ class LeanLlama:
         # large projections move to oneDNN where it verifies a block faster (block_linear);
         # a head tied to the embedding keeps the dense tensor the embedding reads
         for layer in base.layers:
-            for module in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
-                           layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+            for module in _projections(layer):
                 pack(module)
         pack(model.lm_head, keep_dense=model.lm_head.weight is base.embed_tokens.weight)
         self.config = config
