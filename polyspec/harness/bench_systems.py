@@ -93,7 +93,7 @@ class HFSystem(System):
         return RunOutcome(output[0, len(prompt_ids) :].tolist(), seconds)
 
 
-def _without_eos(model):
+def without_eos(model):
     """`eos_token_id=None` in a `generate()` call falls back to the model's generation config, so clear it there."""
     model.generation_config.eos_token_id = None
     if model.generation_config.pad_token_id is None:
@@ -105,7 +105,7 @@ def _hf_model(tier: TierConfig):
     """A tier's model exactly as our loader builds it (dtype, int8), for transformers to drive."""
     from polyspec.workers.tiers.loading import load_model
 
-    return _without_eos(load_model(tier))
+    return without_eos(load_model(tier))
 
 
 def _with_lengths(config: ChainConfig, tiers: tuple[TierConfig, ...], lengths) -> ChainConfig:

@@ -224,16 +224,13 @@ def hf_model(tier: TierConfig, loaded: dict):
     A copy of its own: our tiers may move large weights to oneDNN for their lean forward,
     which transformers' forward cannot read. From a safetensors folder both copies map the
     same file, so the second costs little memory."""
+    from polyspec.harness.bench_systems import without_eos
     from polyspec.workers.tiers import loading
 
     key = ("transformers", tier.name, tier.model, tier.dtype)
     if key not in loaded:
-        loaded[key] = loading.load_model(tier)
-    model = loaded[key]
-    model.generation_config.eos_token_id = None
-    if model.generation_config.pad_token_id is None:
-        model.generation_config.pad_token_id = 0
-    return model
+        loaded[key] = without_eos(loading.load_model(tier))
+    return loaded[key]
 
 
 # ------------------------------------------------------------------------- running
