@@ -1,10 +1,12 @@
 """Throughput and latency under load: the batched engine against the round-robin one and transformers' static batches.
 
     python benchmarks/load.py [--config configs/demo.yaml] [--concurrency 1,4,16,64] [--new-tokens 32]
-                              [--temperatures 0,1] [--out benchmarks/load]
+                              [--requests-per-client 4] [--temperatures 0,1] [--out benchmarks/load]
 
 C clients each keep one request in flight (closed loop: a client sends its next request
-when the previous one finishes) until max(C, 8) requests are done; every request asks for
+when the previous one finishes) until max(4 C, 16) requests are done (each client sends
+several, so requests join and leave the batch as a server's would, and the goodput planner
+runs long enough at each load to settle its A/B); every request asks for
 `--new-tokens` tokens (end of sequence ignored, so every system generates the same count)
 from a held-out code prompt. For each temperature and concurrency the systems run back to
 back (interleaved, on one machine, 1 torch thread each):
@@ -112,6 +114,7 @@ def main(argv=None) -> int:
     parser.add_argument("--config", default=str(REPO / "configs" / "demo.yaml"))
     parser.add_argument("--concurrency", default="1,4,16,64")
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--requests-per-client", type=int, default=4, help="requests per cell: this many per client, at least 16")
     parser.add_argument("--temperatures", default="0,1")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "load"))
     args = parser.parse_args(argv)
@@ -140,14 +143,17 @@ def main(argv=None) -> int:
     tokenizer = engines["round-robin"].tokenizer
     model = AutoModelForCausalLM.from_pretrained(config.tiers[0].model, dtype=torch.float32).eval()
     print(f"engines ready in {time.perf_counter() - load_started:.0f}s (the planner's profile included)", file=sys.stderr)
-    total = max(max(levels), 8)
+    def cell_requests(concurrency: int) -> int:
+        return max(args.requests_per_client * concurrency, 16)
+
+    total = max(cell_requests(c) for c in levels)
     prompts = [encode_prompt(tokenizer, p.text)[-PROMPT_TOKENS:] for p in code_prompts(tokenizer, total)]
     while len(prompts) < total:
         prompts += prompts[: total - len(prompts)]
     results: dict = {}
     for temperature in temperatures:
         for concurrency in levels:
-            count = max(concurrency, 8)
+            count = cell_requests(concurrency)
             raws = [{"prompt_ids": p, "max_new_tokens": args.new_tokens, "temperature": temperature, "seed": i}
                     for i, p in enumerate(prompts[:count])]
             row = {}
@@ -164,7 +170,8 @@ def main(argv=None) -> int:
             results.setdefault(f"T={temperature:g}", {})[str(concurrency)] = row
     planner = engines["batched auto"].scheduler.planner
     report = {
-        "config": os.path.relpath(args.config, REPO), "new_tokens": args.new_tokens, "prompt_tokens_max": PROMPT_TOKENS,
+        "config": os.path.relpath(args.config, REPO), "new_tokens": args.new_tokens,
+        "requests_per_cell": f"max({args.requests_per_client} C, 16)", "prompt_tokens_max": PROMPT_TOKENS,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch_threads": 1,
                     "load_avg_at_end": [round(x, 2) for x in os.getloadavg()]},
         "results": results, "ratios": ratios(results), "planner": planner.describe() if planner is not None else None,
@@ -193,7 +200,7 @@ def ratios(results: dict) -> dict:
 def markdown(report: dict) -> str:
     lines = ["# Throughput and latency under load (benchmarks/load.py)", "",
              f"Config `{report['config']}`, {report['new_tokens']} new tokens per request, closed loop of C clients, "
-             f"max(C, 8) requests per cell; load average at the end {report['machine']['load_avg_at_end']} "
+             f"{report['requests_per_cell']} requests per cell; load average at the end {report['machine']['load_avg_at_end']} "
              f"on {report['machine']['cpus']} CPUs (each cell's own in the JSON).", ""]
     for temp, rows in report["results"].items():
         lines += [f"## {temp}", "", "| C | system | tokens/s | p50 s | p99 s | load |", "|---:|---|---:|---:|---:|---:|"]

@@ -27,7 +27,7 @@ tokens/s, measured where measured, else predicted. The first load alternates off
 each set of tiers' predicted best plan (those predicted near off) for MIN_STEPS steps each;
 a later load tries only the best plan of the nearest decided load against off, and starts
 from that load's decision where it carries over (off to larger batches, speculating to
-smaller ones), measuring the other side right after. Then it runs the winner: speculation turns on only
+smaller ones), measuring the other side once the first has MIN_STEPS steps. Then it runs the winner: speculation turns on only
 when it measured SWITCH_ON times off's tokens/s and stays on while it measures at least
 SWITCH_OFF times off's (hysteresis). The side not taken is re-probed for PROBE_STEPS steps
 after REPROBE_FIRST steps, then at doubling intervals (up to REPROBE_MAX) while the
@@ -361,7 +361,9 @@ class BatchPlanner:
     def spec_candidate(self, arm: Arm, batch: int, explore: bool = False) -> Plan | None:
         """The speculating side of the A/B. A plan whose measurement has begun runs until it has
         MIN_STEPS; exploring (a new load), each set of tiers gets its predicted best plan measured;
-        then the plan with the most measured tokens/s, unless an unmeasured plan is predicted
+        then the lengths next to the best measured plan's (`neighbours`) are measured, one at a
+        time, so a profile that misjudged how a block's cost grows cannot pin the lengths; then the
+        plan with the most measured tokens/s, unless an unmeasured plan is predicted
         CANDIDATE_MARGIN times better (tried next), so the candidate does not churn."""
         allowed = [p for p in self.allowed(batch) if p.speculating]
         if not allowed:
@@ -379,10 +381,29 @@ class BatchPlanner:
         if not measured:
             return arm.seed if arm.seed in allowed else max(allowed, key=predicted.get)
         best = max(measured, key=measured.get)
+        around = [p for p in self.neighbours(best) if p in allowed and p not in measured]
+        if around:  # the model picked the lengths; the machine checks the lengths next to them
+            return max(around, key=predicted.get)
         challenger = max((p for p in allowed if p not in measured), key=predicted.get, default=None)
         if challenger is not None and predicted[challenger] > CANDIDATE_MARGIN * measured[best]:
             return challenger
         return best
+
+    def neighbours(self, plan: Plan) -> list[Plan]:
+        """The plans on the same tiers with one length a step longer or shorter on its grid."""
+        out = []
+        for tier, grid in ((0, LENGTHS), *(((plan.active[1], INNER_LENGTHS),) if len(plan.active) == 3 else ())):
+            if tier >= len(plan.lengths) or plan.lengths[tier] not in grid:
+                continue
+            at = grid.index(plan.lengths[tier])
+            for step in (-1, 1):
+                if 0 <= at + step < len(grid):
+                    lengths = list(plan.lengths)
+                    lengths[tier] = grid[at + step]
+                    candidate = Plan(plan.active, tuple(lengths))
+                    if candidate in self.plans:
+                        out.append(candidate)
+        return out
 
     def step_seconds(self, arm: Arm, plan: Plan, batch: int) -> float:
         """Seconds one step of `plan` takes at this load: measured, else predicted."""
@@ -427,7 +448,13 @@ class BatchPlanner:
             best = off if off_steps < MIN_STEPS and off_steps <= arm.rate(spec).steps else spec
         else:
             best, other = (spec, off) if arm.speculate else (off, spec)
-            unmeasured_bar = arm.speculate and arm.measured(off) is None and arm.rate(spec).steps >= MIN_STEPS
+            # a decision carried over from a neighbouring load has a side never measured here: measure it
+            # once the side taken has MIN_STEPS (off's ceiling is what speculation must beat; a batch where
+            # speculation pays need not be next to one where it does)
+            if arm.speculate:
+                unmeasured_bar = arm.measured(off) is None and arm.rate(spec).steps >= MIN_STEPS
+            else:
+                unmeasured_bar = arm.best_measured() is None and arm.rate(off).steps >= MIN_STEPS
             if unmeasured_bar or arm.since >= arm.period * PROBE_STEPS * self.step_seconds(arm, other, batch):
                 arm.since = 0.0  # look at the other side (again): the load may have changed
                 if not unmeasured_bar:

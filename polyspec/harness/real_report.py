@@ -266,6 +266,32 @@ def time_model_predictions(summary: list[dict], costs: dict | None) -> list[dict
     return out
 
 
+def pipeline_bounds(rows: list[dict]) -> list[dict]:
+    """Per Ray (pipelined) chain and temperature: the most it could gain if its drafting were
+    entirely hidden behind verification. A round still costs the target's verify forward on the
+    one core (one thread) the target's actor has, so tokens/s <= tokens per round / verify time;
+    the ratio to the target alone (every core) on the same prompts is the bound on its speedup."""
+    out = []
+    keys = sorted({(r["system"], r["temperature"]) for r in rows if r["system"].startswith("ray:")})
+    for system, temperature in keys:
+        runs = [r for r in rows if r["system"] == system and r["temperature"] == temperature and r.get("stages")]
+        prompts = {r["prompt"] for r in runs}
+        alone = [r for r in rows if r["system"] == "target" and r["temperature"] == temperature and r["prompt"] in prompts]
+        blocks = sum(r["stages"][0]["blocks"] for r in runs)
+        if not blocks or not alone:
+            continue
+        verify_s = sum(r["stages"][0]["time_s"] for r in runs) / blocks
+        per_round = sum(r["stages"][0]["accepted"] + r["stages"][0]["blocks"] for r in runs) / blocks
+        alone_rate = sum(len(r["tokens"]) for r in alone) / sum(r["seconds"] for r in alone)
+        measured = sum(len(r["tokens"]) for r in runs) / sum(r["seconds"] for r in runs)
+        out.append({"system": system, "temperature": temperature, "prompts": len(prompts),
+                    "target_verify_ms_one_core": round(verify_s * 1000.0, 1),
+                    "block_tokens": round(sum(r["stages"][0]["proposed"] for r in runs) / blocks + 1, 2),
+                    "tokens_per_round": round(per_round, 2), "target_alone_tokens_per_s": round(alone_rate, 3),
+                    "bound_x_target": round(per_round / verify_s / alone_rate, 3), "measured_x_target": round(measured / alone_rate, 3)})
+    return out
+
+
 # ------------------------------------------------------------------ outputs
 
 
@@ -285,6 +311,7 @@ def build_report(settings, prompts, described, rows, costs, load_s) -> dict:
         "forward_costs_from_runs_ms": in_runs,
         "time_model_costs": "from_runs" if usable(in_runs) else "profile",
         "time_model": time_model_predictions(summary, in_runs if usable(in_runs) else costs),
+        "ray_pipeline_bound": pipeline_bounds(rows),
         "runs": len(rows),
     }
     return report
@@ -347,6 +374,16 @@ def markdown(report: dict) -> str:
         for p in report["time_model"]:
             lines.append(f"| {p['system']} | {p['temperature']:g} | {', '.join(f'{r:.2f}' for r in p['stage_rates'])} | {p['best_lengths']} | "
                          f"{p['predicted_speedup']:.2f} | {p['measured_speedup']:.2f} |")
+    if report.get("ray_pipeline_bound"):
+        lines += ["", "## Ray pipelined chains: the bound if drafting were free", "",
+                  "Each model tier is an actor on its own core with one thread, so the target verifies on one core "
+                  "while the target alone uses every core. With drafting entirely hidden behind verification, a round "
+                  "still costs one verify forward: tokens/s <= tokens per round / verify time.", "",
+                  "| chain | T | prompts | target verify, 1 core (ms) | block tokens | tokens per round | bound x target | measured x target |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for b in report["ray_pipeline_bound"]:
+            lines.append(f"| {b['system']} | {b['temperature']:g} | {b['prompts']} | {b['target_verify_ms_one_core']:.0f} | {b['block_tokens']:.2f} | "
+                         f"{b['tokens_per_round']:.2f} | {b['bound_x_target']:.2f} | {b['measured_x_target']:.2f} |")
     for key, what in (("forward_costs_from_runs_ms", "measured inside the runs"), ("forward_costs_ms", "profiled before the runs")):
         if report.get(key):
             lines += ["", f"Forward costs {what} (ms per forward over m new tokens; a bottom drafter's m = 1 is per drafted token; "

@@ -45,8 +45,12 @@ CHAINS: dict[str, tuple[tuple[str, ...], tuple[int, ...]]] = {
     "chain:target+int8+small+ngram": (("target", "int8", "small", "ngram"), (6, 4, 4)),
 }
 AUTO_CHAIN = ("target", "int8", "small", "ngram")
-RAY_CHAIN = ("target", "small", "ngram")
-RAY_LENGTHS = (4, 4)
+# the Ray runtime's chains: the best embedded chain's tiers (int8 drafter) and the one whose
+# drafter is a separate model (the 0.5B), each model tier an actor on its own core
+RAY_CHAINS: dict[str, tuple[tuple[str, ...], tuple[int, ...]]] = {
+    "ray:target+int8+ngram": (("target", "int8", "ngram"), (5, 4)),
+    "ray:target+small+ngram": (("target", "small", "ngram"), (4, 4)),
+}
 HF_SYSTEMS = ("hf-generate", "hf-assisted:small", "hf-prompt-lookup")
 
 
@@ -143,7 +147,7 @@ def chain_config(tiers: dict[str, TierConfig], names, lengths, runtime: RuntimeC
 
 def system_names() -> list[str]:
     return (
-        ["target", *HF_SYSTEMS, *CHAINS, "auto:" + "+".join(AUTO_CHAIN), "ray:" + "+".join(RAY_CHAIN)]
+        ["target", *HF_SYSTEMS, *CHAINS, "auto:" + "+".join(AUTO_CHAIN), *RAY_CHAINS]
     )
 
 
@@ -177,7 +181,7 @@ def describe(settings: RealBenchSettings, names: list[str]) -> dict[str, dict]:
             extra = {"prompt_lookup_num_tokens": HF_PROMPT_LOOKUP_TOKENS, "max_matching_ngram_size": NGRAM_MAX} if name == "hf-prompt-lookup" else {}
             described[name] = {"dtype": dtype, "threads": threads, "backend": "transformers", **extra}
         elif name.startswith("ray:"):
-            described[name] = {"dtype": dtype, "threads": "1 per tier, one core each", "lengths": list(RAY_LENGTHS), "backend": "ray, draft-ahead"}
+            described[name] = {"dtype": dtype, "threads": "1 per tier, one core each", "lengths": list(RAY_CHAINS[name][1]), "backend": "ray, draft-ahead"}
     return described
 
 
@@ -213,7 +217,8 @@ def build_systems(settings: RealBenchSettings, names: list[str]) -> tuple[list, 
             systems.append(HFSystem(name, target_model, **kwargs))
         elif name.startswith("ray:"):
             one = {k: dataclasses.replace(t, threads=1) if not t.is_ngram else t for k, t in tiers.items()}
-            config = chain_config(one, RAY_CHAIN, RAY_LENGTHS, RuntimeConfig(backend="ray", pipeline=True))
+            chain, lengths = RAY_CHAINS[name]
+            config = chain_config(one, chain, lengths, RuntimeConfig(backend="ray", pipeline=True))
             systems.append(EngineSystem(name, config))
     return systems, describe(settings, names)
 

@@ -151,6 +151,21 @@ def test_each_load_has_its_own_ab_and_a_new_one_starts_from_its_neighbour():
     assert len(plan.plan(8)[1]) > 1 and plan.arms[(8, 0)].speculate  # ... so 8, smaller, starts speculating
 
 
+def test_a_decision_carried_over_measures_the_other_side_and_can_flip():
+    """Off carried from a smaller load to a larger one, where speculation pays after all (a batch where a
+    drafter's block is nearly free): speculation is measured once off has its MIN_STEPS, and taken."""
+    plan = planner(lambda b, w: 10.0)
+    accept(plan, 0, 1, 0.9)
+    run_steps(plan, 1, 60, LOSES)
+    assert plan.arms[(1, 0)].speculate is False
+    _, _, speculated = run_steps(plan, 16, 40, WINS)
+    assert speculated[: MIN_STEPS + 1] == [False] * (MIN_STEPS + 1)  # starts from the neighbour's "off" ...
+    assert all(speculated[MIN_STEPS + 1 : MIN_STEPS + 1 + PROBE_STEPS])  # ... measures speculating next (a probe) ...
+    assert plan.arms[(16, 0)].speculate and sum(speculated[-20:]) >= 20 - PROBE_STEPS  # ... and keeps the faster side (off re-probed)
+    _, _, again = run_steps(plan, 64, 40, LOSES)  # larger still, and losing: off after a look
+    assert plan.arms[(64, 0)].speculate is False and sum(again[-20:]) == 0
+
+
 def test_the_speculating_side_is_the_best_measured_plan():
     """Two speculating plans measured: the A/B runs the faster one, and the model's guess does not displace it lightly."""
     plan = planner(lambda b, w: 10.0)
@@ -223,3 +238,21 @@ def test_a_load_next_to_a_decided_one_tries_only_its_best_plan():
     assert steps[0] == (0,)  # larger than a speculating load: off measured first
     assert {a for a in steps if len(a) > 1} == {winner.active}
     assert plan.arms[(4, 0)].speculate
+
+
+def test_lengths_next_to_the_models_choice_are_measured():
+    """The profile says a block's cost grows steeply (short blocks best); on the machine long blocks are
+    nearly free: the planner measures the lengths next to its choice and climbs to the longest."""
+    plan = planner(lambda b, w: 1.0 + 2.0 * w, mid_cost=lambda b, w: 50.0)  # the mid tier: predicted hopeless
+    accept(plan, 0, 2, 0.9)
+    assert plan.predicted_best(1).lengths[0] == 3
+    truth = {3: 150.0, 6: 200.0, 12: 260.0}  # tokens/s of the lookup plan by block length; off is 100
+    chosen = []
+    for _ in range(200):
+        lengths, active = plan.plan(1)
+        rate = 100.0 if len(active) == 1 else truth.get(lengths[0], 100.0) if active == (0, 2) else 50.0
+        plan.observe_step(1, 4, 4 / rate, lengths, active)
+        chosen.append((active, lengths[0]))
+    best = plan.arms[(1, 0)].best_measured()
+    assert plan.arms[(1, 0)].speculate and best.active == (0, 2) and best.lengths[0] == 12
+    assert sum(c == ((0, 2), 12) for c in chosen[-100:]) >= 100 - 2 * PROBE_STEPS  # off's re-probes aside

@@ -65,3 +65,19 @@ def test_one_command_writes_the_report_and_resumes(tmp_path):
     assert Path(settings.partial_path).read_text().splitlines() == lines
     again = report_only(settings)  # from the partial file, nothing loaded
     assert again["runs"] == report["runs"] and again["judged"]["all"]["T=0"]["greedy_equal"] == equal
+
+
+def test_pipeline_bound_is_tokens_per_round_over_the_verify_time():
+    """A Ray chain whose target verifies a 5-token block in 1.5 s and emits 3 tokens per round can reach at
+    most 2 tok/s; against a target alone at 2.5 tok/s on the same prompt that bounds it at 0.8x."""
+    from polyspec.harness.real_report import pipeline_bounds
+
+    stage = {"tier": "target", "drafter": "small", "blocks": 10, "proposed": 40, "accepted": 20, "time_s": 15.0}
+    rows = [
+        {"system": "target", "temperature": 0.0, "prompt": "p", "tokens": [1] * 100, "seconds": 40.0},
+        {"system": "target", "temperature": 0.0, "prompt": "other", "tokens": [1] * 100, "seconds": 10.0},  # not run by Ray
+        {"system": "ray:target+small", "temperature": 0.0, "prompt": "p", "tokens": [1] * 30, "seconds": 30.0, "stages": [stage]},
+    ]
+    (bound,) = pipeline_bounds(rows)
+    assert bound["target_verify_ms_one_core"] == 1500.0 and bound["block_tokens"] == 5.0 and bound["tokens_per_round"] == 3.0
+    assert bound["bound_x_target"] == 0.8 and bound["measured_x_target"] == 0.4
