@@ -72,7 +72,7 @@ class Engine:
     def __init__(self, config: ChainConfig, speculative: bool = True, auto_tune: bool = True, batched: bool = False) -> None:
         """`auto_tune`: with `speculation.lengths: auto`, profile the tiers and let the tuner set the lengths.
         `batched`: step many requests per forward (`polyspec batch`, jobs, `serve`), where the config allows it
-        (`batching.enabled`, a local chain of chains); otherwise requests take turns, one round each."""
+        (`batching.enabled`, a local chain); otherwise requests take turns, one round each."""
         quiet_transformers()
         self._decode_lock = threading.Lock()
         self.batched = False
@@ -88,7 +88,7 @@ class Engine:
             configured = getattr(source, "eos_token_id", None)
             if configured is not None:
                 eos.update([configured] if isinstance(configured, int) else configured)
-        self.batched = batched and self.config.batching.enabled and self.config.speculation.tree_width == 1
+        self.batched = batched and self.config.batching.enabled
         if self.batched:
             self._start_batched(tuple(sorted(eos)), auto_tune)
             return
@@ -116,8 +116,11 @@ class Engine:
             if hasattr(tier, "cache"):
                 tier.cache.max_slots = self.max_requests
         prefill = max(1, batching.max_batched_tokens - self.max_requests)
-        self.scheduler = BatchedScheduler(tiers, self.config.speculation_lengths(), eos_token_ids=eos, prefill_budget=prefill)
-        if auto_tune and self.config.speculation.lengths == "auto" and len(self.tiers) > 1:
+        spec = self.config.speculation
+        self.scheduler = BatchedScheduler(tiers, self.config.speculation_lengths(), eos_token_ids=eos, prefill_budget=prefill,
+                                          tree_width=spec.tree_width, scheme=spec.verifier)
+        # the planner's time model prices chain blocks: a tree chain runs its configured lengths ('auto': the default)
+        if auto_tune and spec.lengths == "auto" and len(self.tiers) > 1 and spec.tree_width == 1:
             self.scheduler.planner = self.make_planner()
 
     def make_planner(self):

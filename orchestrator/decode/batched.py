@@ -1,4 +1,4 @@
-"""The batched chain scheduler: one verification round of every active request per step.
+"""The batched scheduler: one verification round of every active request per step.
 
 `BatchedScheduler.step_all(states)` runs the round of `ChainScheduler.step` for all the
 given requests together: each tier's forward of the round takes every request's block at
@@ -13,13 +13,18 @@ per-tier generators — so a request's output does not depend on what else is in
     emit_batch(level, R, need): bottom tier: draft_batch (one forward per position)
                             otherwise: round_batch(level, those still short) until each has `need`
 
+With `tree_width > 1` the bottom tier proposes a draft tree per request instead of a chain
+(`draft_tree_batch`: one forward per tree level, all requests in it), as `ChainScheduler`
+does; the tier above scores every request's tree in its one forward (tree rows beside
+chain rows), each request walks its own tree with its own generator (`verify_tree`, the
+config's scheme) and both tiers keep only the accepted path (`accept_path`).
+
 Requests join and leave between steps (continuous batching): `start` opens one, `prefill`
 caches new prompts within a token budget before they join the rounds (chunked prefill),
 `finish` / `cancel` free its slots. The lengths and tiers of the round are the same for
 every request of a step; a planner (polyspec.orchestrator.tuning.batch_model) sets them
-for the current batch size before each step.
-
-Chains only: a config with `tree_width > 1` keeps the round-by-round scheduler.
+for the current batch size before each step (chains only: its time model prices chain
+blocks, so a tree chain runs its configured lengths).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import torch
 
 from polyspec.orchestrator.decode.contract import GenerationOutput, RequestState, commit, finish_if_full, remaining, stage_of
 from polyspec.orchestrator.decode.scheduler import ChainScheduler
-from polyspec.workers.core.tree import DraftTree
+from polyspec.workers.core.tree import DraftTree, verify_tree
 from polyspec.workers.core.verification import verify_chain, verify_greedy
 from polyspec.workers.tiers.batched import BatchedTier
 
@@ -43,8 +48,8 @@ class BatchedScheduler(ChainScheduler):
     finish / cancel, its seeds and stats), advanced many per forward by `step_all`."""
 
     def __init__(self, tiers: list[BatchedTier], lengths: list[int], eos_token_ids: tuple[int, ...] = (), planner=None,
-                 prefill_budget: int = DEFAULT_PREFILL_BUDGET) -> None:
-        super().__init__(tiers, lengths, eos_token_ids=eos_token_ids)
+                 prefill_budget: int = DEFAULT_PREFILL_BUDGET, tree_width: int = 1, scheme: str = "specinfer") -> None:
+        super().__init__(tiers, lengths, tree_width=tree_width, scheme=scheme, eos_token_ids=eos_token_ids)
         self.planner = planner  # polyspec.orchestrator.tuning.batch_model.BatchPlanner or None
         self.prefill_budget = prefill_budget
         self.last_step: dict = {}  # batch size, tokens, seconds and plan of the latest step
@@ -184,7 +189,14 @@ class BatchedScheduler(ChainScheduler):
         blocks = [DraftTree([], [], None) for _ in items]
         if below is not None:
             wanted = [j for j, (_, _, length) in enumerate(items) if length > 0]
-            if wanted:
+            if wanted and self.tree_width > 1 and self.below(below) is None:
+                runs = [items[j][0] for j in wanted]
+                trees = self.tiers[below].draft_tree_batch([r.seq_id for r in runs], [items[j][1] for j in wanted], self.tree_width,
+                                                           [items[j][2] for j in wanted], [r.params for r in runs], self.scheme,
+                                                           [r.generators[below] for r in runs])
+                for j, tree in zip(wanted, trees):
+                    blocks[j] = tree
+            elif wanted:
                 emitted = self.emit_batch(below, [items[j] for j in wanted])
                 for j, (tokens, rows) in zip(wanted, emitted):
                     blocks[j] = DraftTree.chain(tokens, rows)
@@ -193,17 +205,26 @@ class BatchedScheduler(ChainScheduler):
         seconds = (time.perf_counter() - started) / len(items)
         out = []
         for (run, context, length), block, target_probs in zip(items, blocks, probs):
-            draft_tokens = torch.tensor(block.tokens, dtype=torch.long)
-            if run.params.greedy:
-                accepted, next_token = verify_greedy(target_probs.argmax(dim=-1), draft_tokens)
-            else:
-                draft_rows = block.draft_rows if block.draft_rows is not None else target_probs[:0]
-                accepted, next_token = verify_chain(target_probs, draft_rows, draft_tokens, run.generators[level])
+            if block.is_chain():
+                draft_tokens = torch.tensor(block.tokens, dtype=torch.long)
+                if run.params.greedy:
+                    accepted, next_token = verify_greedy(target_probs.argmax(dim=-1), draft_tokens)
+                else:
+                    draft_rows = block.draft_rows if block.draft_rows is not None else target_probs[:0]
+                    accepted, next_token = verify_chain(target_probs, draft_rows, draft_tokens, run.generators[level])
+                path = list(range(accepted))
+            else:  # ChainScheduler.verify_round's tree walk, then both tiers keep the accepted path
+                path, next_token = verify_tree(target_probs, block, self.scheme, run.params.greedy, run.generators[level])
+                tier.accept_path(run.seq_id, path)
+                self.tiers[below].accept_path(run.seq_id, path)
             if below is not None:
-                stage_of(run.stages, run.bypass_stages, self.tiers, level, below).record(len(block), accepted, length, seconds)
+                stage_of(run.stages, run.bypass_stages, self.tiers, level, below).record(len(block), len(path), length, seconds)
                 if self.planner is not None:
-                    self.planner.observe_round(level, below, len(block), accepted, run.params.greedy)
-            emitted = block.tokens[:accepted] + [next_token]
-            rows = None if run.params.greedy else target_probs[: accepted + 1]
+                    self.planner.observe_round(level, below, len(block), len(path), run.params.greedy)
+            emitted = [block.tokens[j] for j in path] + [next_token]
+            if run.params.greedy:
+                rows = None
+            else:  # the verifier's row at the root and below each accepted node
+                rows = target_probs[: len(path) + 1] if block.is_chain() else target_probs[[0] + [j + 1 for j in path]]
             out.append((emitted, rows))
         return out

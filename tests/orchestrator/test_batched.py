@@ -202,3 +202,55 @@ def test_kv_memory_bound_lowers_max_requests(tiny_family):
     assert requests_within_memory(64, 10, 2**20) == 10
     with pytest.raises(ConfigError, match=r"batching.kv_memory_mb \(1\) holds no request: one request's KV caches at the full model context take 2.0 MB"):
         requests_within_memory(64, 1, 2 * 2**20)
+
+
+# ----------------------------------------------------------------- draft trees, batched
+
+
+def test_batched_tree_tier_matches_one_sequence_tier(tiny_family):
+    """Trees beside chains in one forward: the same rows as `ModelTier.score`, the same trees
+    (same seeds) as `ModelTier.draft_tree`, and `accept_path` leaves the same cache behind."""
+    from transformers import AutoModelForCausalLM
+
+    from polyspec.workers.core.tree import DraftTree
+    from polyspec.workers.tiers.batched import BatchedModelTier
+    from polyspec.workers.tiers.tier import ModelTier
+
+    def tier(name):
+        model = AutoModelForCausalLM.from_pretrained(tiny_family[name], dtype=torch.float32).eval()
+        return ModelTier(name, model, 257, torch.device("cpu"))
+
+    target, drafter = tier("target"), tier("small")
+    batched_target, batched_drafter = BatchedModelTier(tier("target")), BatchedModelTier(tier("small"))
+    generator = torch.Generator().manual_seed(0)
+    contexts = [torch.randint(1, 200, (n,), generator=generator).tolist() for n in (7, 19, 4, 12)]
+    params = [SamplingParams(temperature=1.0), SamplingParams(), SamplingParams(temperature=0.7, top_k=30), SamplingParams(temperature=1.0)]
+    depths = [3, 2, 4, 0]
+    for step in range(3):  # drafting, verifying and keeping a path, then again on the longer contexts
+        alone = [drafter.draft_tree(r, c, 3, d, p, "specinfer", torch.Generator().manual_seed(10 * step + r))
+                 for r, (c, d, p) in enumerate(zip(contexts, depths, params))]
+        trees = batched_drafter.draft_tree_batch(list(range(4)), contexts, 3, depths, params, "specinfer",
+                                                 [torch.Generator().manual_seed(10 * step + r) for r in range(4)])
+        for one, many in zip(alone, trees):
+            assert many.tokens == one.tokens and many.parents == one.parents
+            assert (many.draft_rows is None) == (one.draft_rows is None)
+            if one.draft_rows is not None:
+                assert torch.allclose(many.draft_rows, one.draft_rows, atol=1e-5)
+        blocks = list(trees)
+        blocks[1] = DraftTree.chain(trees[1].tokens[:2], None)  # a chain row beside the tree rows
+        expected = [target.score(r, c, b, p) for r, (c, b, p) in enumerate(zip(contexts, blocks, params))]
+        rows = batched_target.score_batch(list(range(4)), contexts, blocks, params)
+        for one, many in zip(expected, rows):
+            assert many.shape == one.shape and torch.allclose(many, one, atol=1e-5), (many - one).abs().max()
+        for r, block in enumerate(blocks):
+            if block.is_chain():
+                continue
+            path = [block.children(-1)[-1]]  # the last child of the root, then of each node, down to a leaf
+            while block.children(path[-1]):
+                path.append(block.children(path[-1])[-1])
+            for one, many in ((target, batched_target), (drafter, batched_drafter)):
+                one.accept_path(r, path)
+                many.accept_path(r, path)
+            slot = batched_target.cache.slot_of[r]
+            assert batched_target.cache.tokens[slot] == contexts[r] + [block.tokens[j] for j in path]
+            contexts[r] = contexts[r] + [block.tokens[j] for j in path] + [5 + step]

@@ -53,9 +53,33 @@ class DraftTree:
         return self.parents == list(range(-1, len(self.tokens) - 1))
 
 
+def tree_allowed(
+    parents: list[int],
+    node_positions: list[int] | dict[int, int],
+    fed_nodes: list[int],
+    prefix_len: int,
+    tail_len: int,
+    total_len: int,
+) -> torch.Tensor:
+    """Which positions each query of a tree forward may attend to: a boolean
+    [tail_len + len(fed_nodes), total_len] (see `tree_attention_mask` for the layout)."""
+    linear_len = prefix_len + tail_len
+    num_queries = tail_len + len(fed_nodes)
+    allowed = torch.zeros(num_queries, total_len, dtype=torch.bool)
+    for q in range(tail_len):
+        allowed[q, : prefix_len + q + 1] = True
+    for offset, node in enumerate(fed_nodes):
+        row = tail_len + offset
+        allowed[row, :linear_len] = True
+        while node >= 0:
+            allowed[row, node_positions[node]] = True
+            node = parents[node]
+    return allowed
+
+
 def tree_attention_mask(
     parents: list[int],
-    node_positions: list[int],
+    node_positions: list[int] | dict[int, int],
     fed_nodes: list[int],
     prefix_len: int,
     tail_len: int,
@@ -70,18 +94,8 @@ def tree_attention_mask(
     position p attends to [0, p]; a tree node attends to every linear position and to its
     ancestors and itself. Returns [1, 1, tail_len + len(fed_nodes), total_len].
     """
-    linear_len = prefix_len + tail_len
-    num_queries = tail_len + len(fed_nodes)
-    allowed = torch.zeros(num_queries, total_len, dtype=torch.bool)
-    for q in range(tail_len):
-        allowed[q, : prefix_len + q + 1] = True
-    for offset, node in enumerate(fed_nodes):
-        row = tail_len + offset
-        allowed[row, :linear_len] = True
-        while node >= 0:
-            allowed[row, node_positions[node]] = True
-            node = parents[node]
-    mask = torch.zeros(num_queries, total_len, dtype=dtype)
+    allowed = tree_allowed(parents, node_positions, fed_nodes, prefix_len, tail_len, total_len)
+    mask = torch.zeros(allowed.shape, dtype=dtype)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[None, None]
 

@@ -9,8 +9,14 @@ a list of requests at once:
 - `draft_batch(seq_ids, contexts, counts, params, generators)`: each request's block,
   sampled autoregressively with its own generator (one forward per drafted position, all
   requests in it);
+- `draft_tree_batch(seq_ids, contexts, width, depths, params, scheme, generators)`: each
+  request's draft tree (`Tier.draft_tree`), one forward per tree level, all requests in it;
+- `accept_path(seq_id, path)`: after a tree verdict keep only the accepted path's KV;
 - `prefill(seq_ids, contexts, budget)`: cache up to `budget` prompt tokens (chunked
   prefill), so a long new prompt does not pad every row of the next round.
+
+`score_batch` takes chains and trees in the same forward (a tree row carries its tree
+attention rows, `polyspec.workers.tiers.batched_llama.RowLayout`).
 
 Per request the operations, and the draws from its generators, are those of the one-request
 tier in the same order, so seeding means the same thing batched or alone.
@@ -29,9 +35,9 @@ import time
 import torch
 
 from polyspec.workers.core.sampling import SamplingParams, warp_logits
-from polyspec.workers.core.tree import DraftTree
-from polyspec.workers.tiers.batched_llama import BatchedLlama
-from polyspec.workers.tiers.tier import ModelTier, NGramTier, Tier, copy_forward
+from polyspec.workers.core.tree import DraftTree, grow_level, tree_allowed
+from polyspec.workers.tiers.batched_llama import BatchedLlama, PendingTree, RowLayout
+from polyspec.workers.tiers.tier import ModelTier, NGramTier, Tier, confidence, copy_forward, first_candidates
 
 
 class BatchedTier:
@@ -63,7 +69,14 @@ class BatchedTier:
         """Cache up to `budget` tokens of the contexts' prefixes (all but the last token); returns tokens fed."""
         return 0
 
+    def draft_tree_batch(self, seq_ids, contexts, width: int, depths: list[int], params, scheme: str, generators) -> list[DraftTree]:
+        """Each request's `draft_tree` (of depth `depths[r]`); by default one request after the other."""
+        return [self.tier.draft_tree(s, c, width, d, p, scheme, g) for s, c, d, p, g in zip(seq_ids, contexts, depths, params, generators)]
+
     # the one-request calls, so a batched tier can stand where a Tier is expected
+    def accept_path(self, seq_id, path: list[int]) -> None:
+        self.tier.accept_path(seq_id, path)
+
     def release(self, seq_id) -> None:
         self.tier.release(seq_id)
 
@@ -82,9 +95,6 @@ class RowByRow(BatchedTier):
 
     def draft_tree(self, seq_id, context, width, depth, params, scheme, generator) -> DraftTree:
         return self.tier.draft_tree(seq_id, context, width, depth, params, scheme, generator)
-
-    def accept_path(self, seq_id, path) -> None:
-        self.tier.accept_path(seq_id, path)
 
 
 class BatchedModelTier(BatchedTier):
@@ -106,7 +116,11 @@ class BatchedModelTier(BatchedTier):
     def truncate(self, seq_id, length: int) -> None:
         slot = self.cache.slot_of.get(seq_id)
         if slot is not None:
+            self.cache.drop_tree(slot)
             self.cache.truncate(slot, min(length, self.cache.length(slot)))
+
+    def accept_path(self, seq_id, path: list[int]) -> None:
+        self.cache.accept_path(seq_id, path)
 
     def cached(self, seq_id) -> int:
         slot = self.cache.slot_of.get(seq_id)
@@ -117,15 +131,28 @@ class BatchedModelTier(BatchedTier):
 
     def _sync(self, slot: int, context: list[int]) -> list[int]:
         """Roll the slot back to what `context` shares with it; the uncached tail (>= 1 token)."""
+        self.cache.drop_tree(slot)
         keep = min(self.cache.common_prefix(slot, context), len(context) - 1)
         self.cache.truncate(slot, keep)
         return context[keep:]
 
-    def _forward(self, slots: list[int], feeds: list[list[int]], outputs: list[int]) -> list[torch.Tensor]:
+    def _tree_layout(self, slot: int, pending: PendingTree, tail: list[int], tree: DraftTree, nodes: list[int], depths: list[int]) -> RowLayout:
+        """The linear `tail` then tree `nodes` (whose ancestors are cached or fed here), as
+        `ModelTier._tree_forward` feeds them: nodes at prefix length + depth, seeing the linear
+        context and their ancestors."""
+        cached = self.cache.length(slot)
+        first = cached + len(tail)
+        for offset, node in enumerate(nodes):
+            pending.node_slots[node] = first + offset
+        positions = list(range(cached, first)) + [pending.prefix_len + depths[n] for n in nodes]
+        allowed = tree_allowed(tree.parents, pending.node_slots, nodes, pending.prefix_len - len(tail), len(tail), first + len(nodes))
+        return RowLayout(positions, allowed)
+
+    def _forward(self, slots: list[int], feeds: list[list[int]], outputs: list[int], layouts=None) -> list[torch.Tensor]:
         if self.threads and torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)
         started = time.perf_counter()
-        logits = self.model.forward(self.cache, slots, feeds, outputs)
+        logits = self.model.forward(self.cache, slots, feeds, outputs, layouts)
         logits = [row[:, : self.vocab_size].float() for row in logits]
         seconds = time.perf_counter() - started
         self.tier.busy_s += seconds
@@ -152,16 +179,19 @@ class BatchedModelTier(BatchedTier):
         return sum(len(f) for f in feeds)
 
     def score_batch(self, seq_ids, contexts, blocks: list[DraftTree], params: list[SamplingParams]) -> list[torch.Tensor]:
-        slots, feeds, outputs = [], [], []
+        slots, feeds, outputs, layouts = [], [], [], []
         for seq_id, context, block in zip(seq_ids, contexts, blocks):
-            if not block.is_chain():
-                raise NotImplementedError(f"tier {self.name!r}: batched verification takes chains")
             slot = self.cache.slot(seq_id)
             tail = self._sync(slot, context)
+            layout = None
+            if not block.is_chain():
+                pending = self.cache.pending[slot] = PendingTree(len(context), {})
+                layout = self._tree_layout(slot, pending, tail, block, list(range(len(block))), block.depths())
             slots.append(slot)
             feeds.append(tail + block.tokens)
             outputs.append(len(tail) - 1)
-        logits = self._forward(slots, feeds, outputs)  # each [k + 1, V]
+            layouts.append(layout)
+        logits = self._forward(slots, feeds, outputs, layouts if any(layouts) else None)  # each [len(block) + 1, V]
         return [warp_logits(rows, p) for rows, p in zip(logits, params)]
 
     def draft_batch(self, seq_ids, contexts, counts, params, generators):
@@ -179,6 +209,45 @@ class BatchedModelTier(BatchedTier):
                 rows[r].append(probs)
                 feeds[r] = [token]
         return [(t, None if p.greedy or not rs else torch.stack(rs)) for t, rs, p in zip(tokens, rows, params)]
+
+    def draft_tree_batch(self, seq_ids, contexts, width, depths, params, scheme, generators):
+        """`ModelTier.draft_tree` for every request: the root forward, then one forward per
+        level over every request's frontier; each request's draws in the one-request order."""
+        slots = [self.cache.slot(s) for s in seq_ids]
+        tails = [self._sync(slot, context) for slot, context in zip(slots, contexts)]
+        trees = [DraftTree([], [], None) for _ in seq_ids]
+        live = [r for r, depth in enumerate(depths) if depth > 0]
+        if not live:
+            return trees
+        threshold = self.tier.exit_threshold
+        roots = self._forward([slots[r] for r in live], [tails[r] for r in live], [len(tails[r]) - 1 for r in live])
+        frontier, node_depths, rows, sure, pending = {}, {}, {}, {}, {}
+        for r, logits in zip(live, roots):
+            root_logits = logits[-1]  # [V]
+            root_probs = warp_logits(root_logits, params[r])
+            pending[r] = self.cache.pending[slots[r]] = PendingTree(len(contexts[r]), {})
+            tree = trees[r]
+            for token in first_candidates(root_logits, root_probs, width, params[r], scheme, generators[r]):
+                tree.tokens.append(token)
+                tree.parents.append(-1)
+            rows[r] = [root_probs] * len(tree.tokens)
+            frontier[r] = list(range(len(tree.tokens)))
+            node_depths[r] = [0] * len(tree.tokens)
+            sure[r] = threshold is None or float(confidence(root_logits)) >= threshold
+        for level in range(1, max(depths)):
+            growing = [r for r in live if level < depths[r] and sure[r]]  # early exit: every branch fell below the threshold
+            if not growing:
+                break
+            layouts = [self._tree_layout(slots[r], pending[r], [], trees[r], frontier[r], node_depths[r]) for r in growing]
+            logits = self._forward([slots[r] for r in growing], [[trees[r].tokens[n] for n in frontier[r]] for r in growing],
+                                   [0] * len(growing), layouts)
+            for r, level_logits in zip(growing, logits):  # [len(frontier), V]
+                if threshold is not None:
+                    sure[r] = bool((confidence(level_logits) >= threshold).any())
+                frontier[r] = grow_level(trees[r], frontier[r], level_logits, level, node_depths[r], rows[r], params[r], generators[r])
+        for r in live:
+            trees[r].draft_rows = None if params[r].greedy else torch.stack(rows[r])
+        return trees
 
 
 class NGramIndex:

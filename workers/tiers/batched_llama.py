@@ -10,7 +10,15 @@ to the bounds the caller sets (`max_slots`, the model context).
 `start[r]` positions its slot already holds — in one forward: the new tokens are
 right-padded to the longest row, each query attends to its own slot's keys up to its own
 position (a per-row boolean mask), and positions (hence rotary angles) are per row. Padding
-only writes past a slot's length, where nothing is read before it is overwritten. The
+only writes past a slot's length, where nothing is read before it is overwritten.
+
+A row may carry a draft tree instead of a chain (`RowLayout`): its new tokens are still
+written one after the other into the slot, but each takes the rotary position and the
+attention row the caller gives (`polyspec.workers.core.tree.tree_allowed`: a node sees the
+linear context and its own ancestors, at position prefix length + depth), exactly as the
+one-sequence tree forward (`ModelTier._tree_forward`). `SlotCache.keep` then compacts a
+slot to the accepted path after verification (`accept_path`). Chain rows build no extra
+mask: a batch of chains costs what it did before trees. The
 operations are those of `LeanLlama` (transformers' Llama forward), batched; matrix
 products over a different number of rows may round differently in the last bits, which is
 why losslessness under batching is tested against the target's own greedy output with the
@@ -18,6 +26,8 @@ logit gap at any divergence reported (tests/orchestrator/test_batched.py).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +51,23 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+@dataclasses.dataclass
+class PendingTree:
+    """A slot holding tree nodes after its linear context: not a linear continuation until a path is kept."""
+
+    prefix_len: int  # linear context length the tree hangs off
+    node_slots: dict[int, int]  # node index -> cache position, for nodes fed so far
+
+
+@dataclasses.dataclass
+class RowLayout:
+    """A row's new tokens as a tree: their rotary positions and which of the slot's positions
+    (cached and new, [len(positions), start + len(positions)]) each may attend to."""
+
+    positions: list[int]
+    allowed: torch.Tensor
+
+
 class SlotCache:
     """The KV entries of many sequences of one tier, one slot each, with exact per-sequence rollback."""
 
@@ -55,6 +82,7 @@ class SlotCache:
         self.capacity = 0
         self.tokens: list[list[int] | None] = []  # per slot: the token at each cached position (None: free)
         self.slot_of: dict[object, int] = {}
+        self.pending: dict[int, PendingTree] = {}  # slot -> its unverified tree
 
     # ------------------------------------------------------------- sequences
 
@@ -77,6 +105,7 @@ class SlotCache:
         slot = self.slot_of.pop(seq_id, None)
         if slot is not None:
             self.tokens[slot] = None
+            self.pending.pop(slot, None)
             while self.tokens and self.tokens[-1] is None:
                 self.tokens.pop()
 
@@ -85,6 +114,40 @@ class SlotCache:
 
     def truncate(self, slot: int, length: int) -> None:
         del self.tokens[slot][length:]
+
+    def drop_tree(self, slot: int) -> None:
+        """Cut an unaccepted tree's nodes off the slot (they are not a linear continuation)."""
+        pending = self.pending.pop(slot, None)
+        if pending is not None:
+            self.truncate(slot, min(pending.prefix_len, self.length(slot)))
+
+    @torch.inference_mode()  # the buffers are inference tensors
+    def keep(self, slot: int, positions: list[int]) -> None:
+        """Keep only the slot's `positions` (strictly increasing), packed to the front."""
+        if positions == list(range(len(positions))):
+            self.truncate(slot, len(positions))
+            return
+        index = torch.tensor(positions, dtype=torch.long)
+        count = len(positions)
+        for k, v in zip(self.keys, self.values):
+            k[slot, :, :count] = k[slot].index_select(1, index)
+            v[slot, :, :count] = v[slot].index_select(1, index)
+        cached = self.tokens[slot]
+        self.tokens[slot] = [cached[p] for p in positions]
+
+    def accept_path(self, seq_id, path: list[int]) -> None:
+        """After a tree verdict keep the linear context and the accepted path's nodes (node
+        indices, root to leaf; a drafter stops at the last node it fed), in order."""
+        slot = self.slot_of.get(seq_id)
+        pending = None if slot is None else self.pending.pop(slot, None)
+        if pending is None:
+            return  # chains roll back at the next sync
+        kept = list(range(pending.prefix_len))
+        for node in path:
+            if node not in pending.node_slots:
+                break
+            kept.append(pending.node_slots[node])
+        self.keep(slot, kept)
 
     def common_prefix(self, slot: int, context: list[int]) -> int:
         cached = self.tokens[slot]
@@ -152,12 +215,14 @@ class BatchedLlama:
         return SlotCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.limit, max_slots)
 
     @torch.inference_mode()
-    def forward(self, cache: SlotCache, slots: list[int], tokens: list[list[int]], outputs: list[int]) -> list[torch.Tensor]:
+    def forward(self, cache: SlotCache, slots: list[int], tokens: list[list[int]], outputs: list[int],
+                layouts: list[RowLayout | None] | None = None) -> list[torch.Tensor]:
         """Append `tokens[r]` to slot `slots[r]` for every row r (>= 1 token each, distinct slots).
 
         `outputs[r]`: logits are returned for row r's new positions from index `outputs[r]`
-        on (len(tokens[r]) for none). Returns one [len(tokens[r]) - outputs[r], V] tensor per
-        row, in the model's dtype. Slot lengths and tokens are updated.
+        on (len(tokens[r]) for none). `layouts[r]`: row r is a tree (None: a chain). Returns
+        one [len(tokens[r]) - outputs[r], V] tensor per row, in the model's dtype. Slot
+        lengths and tokens are updated.
         """
         rows = len(slots)
         starts = [cache.length(s) for s in slots]
@@ -168,12 +233,21 @@ class BatchedLlama:
         ids = torch.tensor([t + [0] * (width - len(t)) for t in tokens], dtype=torch.long)  # [B, W]
         start_t = torch.tensor(starts, dtype=torch.long)
         offsets = torch.arange(width)
-        positions = start_t[:, None] + offsets[None, :]  # [B, W]
+        cache_at = start_t[:, None] + offsets[None, :]  # [B, W] where each new token is cached
+        trees = [(r, layout) for r, layout in enumerate(layouts or ()) if layout is not None]
+        positions = cache_at
+        if trees:  # tree nodes sit at prefix length + depth
+            positions = cache_at.clone()
+            for r, layout in trees:
+                positions[r, : counts[r]] = torch.tensor(layout.positions, dtype=torch.long)
         rotary_index = positions.clamp_max(self.cos.shape[0] - 1)  # padding may run past the table
         cos = self.cos[rotary_index][:, None]  # [B, 1, W, D]
         sin = self.sin[rotary_index][:, None]
-        # query (r, j) sees its slot's positions 0 .. start_r + j
-        mask = (torch.arange(end)[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, W, end]
+        # query (r, j) sees its slot's positions 0 .. start_r + j (a tree row: its layout's)
+        mask = (torch.arange(end)[None, None, :] <= cache_at[:, :, None])[:, None]  # [B, 1, W, end]
+        for r, layout in trees:
+            mask[r, 0, : counts[r]] = False
+            mask[r, 0, : counts[r], : starts[r] + counts[r]] = layout.allowed
         lo, hi = min(slots), max(slots) + 1
         slot_t = torch.tensor(slots, dtype=torch.long)
         row_of = slot_t - lo
@@ -197,8 +271,8 @@ class BatchedLlama:
             q = (q * cos) + (_rotate_half(q) * sin)
             k = (k * cos) + (_rotate_half(k) * sin)
             keys, values = cache.keys[index], cache.values[index]
-            keys[write_slots, :, positions] = k.transpose(1, 2)  # [B, W, kv_heads, D] into [slot, :, position]
-            values[write_slots, :, positions] = v.transpose(1, 2)
+            keys[write_slots, :, cache_at] = k.transpose(1, 2)  # [B, W, kv_heads, D] into [slot, :, position]
+            values[write_slots, :, cache_at] = v.transpose(1, 2)
             if mode == "gather":
                 key = keys[:, :, :end].index_select(0, slot_t)
                 value = values[:, :, :end].index_select(0, slot_t)
