@@ -254,3 +254,74 @@ def test_batched_tree_tier_matches_one_sequence_tier(tiny_family):
             slot = batched_target.cache.slot_of[r]
             assert batched_target.cache.tokens[slot] == contexts[r] + [block.tokens[j] for j in path]
             contexts[r] = contexts[r] + [block.tokens[j] for j in path] + [5 + step]
+
+
+@pytest.mark.parametrize("names,speculation", [
+    (["target", "mid", "small"], {"lengths": [3, 2], "tree_width": 2}),
+    (["target", "small"], {"lengths": [3], "tree_width": 3, "verifier": "rsd"}),
+    (["target", "int8", "small"], {"lengths": [4, 3], "tree_width": 3}),
+])
+def test_greedy_batched_trees_equal_target_alone(tiny_family, target_model, names, speculation):
+    engine = build(tiny_family, names, speculation, {"max_requests": 4, "max_batched_tokens": 64})
+    assert engine.batched and engine.scheduler.tree_width == speculation["tree_width"]
+    engine.scheduler.eos_token_ids = frozenset()
+    requests, greedy = [], []
+    for index, prompt in enumerate(PROMPTS):
+        count = 10 + 5 * (index % 3)
+        sampled = index % 3 == 2  # sampling requests share the batch with the greedy ones
+        raw = {"prompt": prompt, "max_new_tokens": count, "id": str(index)}
+        if sampled:
+            raw.update(temperature=1.0, seed=index)
+        requests.append(engine.parse_request(raw))
+        if not sampled:
+            greedy.append((str(index), encode_prompt(engine.tokenizer, prompt), count))
+    results = {}
+    run_requests(engine, requests, lambda result: results.__setitem__(result["id"], result))
+    assert set(results) == {r.id for r in requests}
+    for request_id, prompt_ids, count in greedy:
+        _check_greedy(target_model, prompt_ids, results[request_id]["token_ids"], count)
+    stages = [s for r in results.values() for s in r["stats"]["stages"] if s["drafter"] == engine.tiers[-1].name]
+    # blocks of more nodes than the depth: trees, not chains; and forwards of more than one request
+    assert sum(s["proposed"] for s in stages) > speculation["lengths"][-1] * sum(s["blocks"] for s in stages)
+    assert max(rows for rows, _, _ in engine.scheduler.tiers[-2].forward_log) > 1
+
+
+@pytest.mark.parametrize("scheme", ["specinfer", "rsd"])
+def test_seeded_tree_sampling_is_the_same_batched_or_alone(tiny_family, scheme):
+    """A tree chain's request: the batched round's draws are the serial scheduler's (same seed, same tokens)."""
+    names, speculation = ["target", "mid", "small"], {"lengths": [3, 2], "tree_width": 3, "verifier": scheme}
+    engine = build(tiny_family, names, speculation)
+    serial = Engine(parse_config({"tiers": tier_specs(tiny_family, names), "speculation": speculation}))
+    assert engine.batched and not serial.batched
+    for seed in (11, 12):
+        raw = {"prompt": PROMPTS[2], "max_new_tokens": 16, "temperature": 0.8, "top_k": 20, "seed": seed, "id": "x"}
+        alone = serial.generate(serial.parse_request(raw))["token_ids"]
+        results = {}
+        others = [engine.parse_request({"prompt": p, "max_new_tokens": 10, "id": str(j), **({"temperature": 1.0, "seed": j} if j % 2 else {})})
+                  for j, p in enumerate(PROMPTS)]
+        run_requests(engine, [engine.parse_request(raw)] + others, lambda r: results.__setitem__(r["id"], r))
+        assert results["x"]["token_ids"] == alone
+        batched_alone = engine.generate(engine.parse_request(raw))["token_ids"]
+        assert batched_alone == alone
+
+
+def test_batched_tree_sampling_matches_target_distribution(tiny_family):
+    """1200 seeded samples of the first two tokens from a batched tree chain at T=1, drawn 60 at a time.
+    The drafter is close to the target, so most tokens are accepted drafts and the draft rows
+    (drawn level by level in the batched forwards) decide them."""
+    engine = build(tiny_family, ["target", "mid"], {"lengths": [2], "tree_width": 3}, {"max_requests": 64})
+    engine.scheduler.eos_token_ids = frozenset()
+    prompt_ids = encode_prompt(engine.tokenizer, PROMPTS[0])
+    joint = exact_two_token_probs(engine.tiers[0].model, engine.vocab_size, prompt_ids, SamplingParams(temperature=1.0))
+    samples, per_batch = 1200, 60
+    counts: collections.Counter = collections.Counter()
+    for first in range(0, samples, per_batch):
+        requests = [engine.parse_request({"prompt_ids": prompt_ids, "max_new_tokens": 2, "temperature": 1.0, "seed": seed, "id": f"s{seed}"})
+                    for seed in range(first, first + per_batch)]
+        results = []
+        run_requests(engine, requests, results.append)
+        for result in results:
+            counts[tuple(result["token_ids"][:2])] += 1
+    assert sum(counts.values()) == samples
+    p_value = chi_square_p_value(counts, joint, samples)
+    assert p_value > ALPHA, f"chi-square p={p_value:.2e} over {samples} samples"
