@@ -90,7 +90,7 @@ class ServerConfig:
 class BatchingConfig:
     """How many requests one batched step may carry (docs/serving.md, "Admission")."""
 
-    enabled: bool = True  # local chains with tree_width 1 step all their requests in one batched round
+    enabled: bool = True  # local chains step all their requests in one batched round (draft trees included)
     max_requests: int = 64  # requests holding caches and stepping together; more wait
     max_batched_tokens: int = 2048  # new positions one forward may carry (rows x padded block), prefill included
     kv_memory_mb: int | None = None  # bound on the KV caches of all requests; lowers max_requests to fit

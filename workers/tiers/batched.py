@@ -124,7 +124,10 @@ class BatchedModelTier(BatchedTier):
 
     def cached(self, seq_id) -> int:
         slot = self.cache.slot_of.get(seq_id)
-        return 0 if slot is None else self.cache.length(slot)
+        if slot is None:
+            return 0
+        pending = self.cache.pending.get(slot)  # an unverified tree's nodes are not context
+        return self.cache.length(slot) if pending is None else min(self.cache.length(slot), pending.prefix_len)
 
     def bytes_per_request(self) -> int:
         return self.cache.bytes_per_slot()
@@ -166,6 +169,7 @@ class BatchedModelTier(BatchedTier):
             if budget <= 0:
                 break
             slot = self.cache.slot(seq_id)
+            self.cache.drop_tree(slot)
             keep = min(self.cache.common_prefix(slot, context), len(context) - 1)
             self.cache.truncate(slot, keep)
             chunk = context[keep : min(len(context) - 1, keep + budget)]
