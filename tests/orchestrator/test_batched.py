@@ -6,6 +6,8 @@ mid-run). Where a batched forward's last-bit rounding flips a near-tie, the test
 that the target's top-two logit gap at the divergence is at float-rounding size.
 Sampling: a chi-square test of the first two tokens against the exact target
 distribution, with every sample drawn inside a batch of other requests.
+Draft trees (`tree_width > 1`): the same three checks on tree chains, plus the batched
+tier's tree rows, trees and kept paths against the one-sequence tier's.
 """
 
 from __future__ import annotations
