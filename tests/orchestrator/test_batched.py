@@ -327,3 +327,14 @@ def test_batched_tree_sampling_matches_target_distribution(tiny_family):
     assert sum(counts.values()) == samples
     p_value = chi_square_p_value(counts, joint, samples)
     assert p_value > ALPHA, f"chi-square p={p_value:.2e} over {samples} samples"
+
+
+def test_tree_chain_with_auto_lengths_runs_batched_at_the_default_lengths(tiny_family):
+    """The planner prices chain blocks: a batched tree chain keeps the default lengths (docs/serving.md)."""
+    from polyspec.orchestrator.config import DEFAULT_SPECULATION_LENGTH
+
+    engine = build(tiny_family, ["target", "mid"], {"lengths": "auto", "tree_width": 2})
+    assert engine.batched and engine.scheduler.planner is None
+    assert engine.scheduler.lengths == [DEFAULT_SPECULATION_LENGTH] and engine.scheduler.tree_width == 2
+    result = engine.generate(engine.parse_request({"prompt": PROMPTS[0], "max_new_tokens": 8}))
+    assert len(result["token_ids"]) == 8 or result["finish_reason"] == "eos"
