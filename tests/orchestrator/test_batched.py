@@ -224,6 +224,12 @@ def test_batched_tree_tier_matches_one_sequence_tier(tiny_family):
 
     target, drafter = tier("target"), tier("small")
     batched_target, batched_drafter = BatchedModelTier(tier("target")), BatchedModelTier(tier("small"))
+    for batched in (batched_target, batched_drafter):  # requests 0-3 in slots 0, 1, 5, 12: gather, span and view forwards
+        for pad in range(13):
+            batched.cache.slot(f"pad{pad}")
+        for pad in (0, 1, 5, 12):
+            batched.cache.release(f"pad{pad}")
+        assert [batched.cache.slot(r) for r in range(4)] == [0, 1, 5, 12]
     generator = torch.Generator().manual_seed(0)
     contexts = [torch.randint(1, 200, (n,), generator=generator).tolist() for n in (7, 19, 4, 12)]
     params = [SamplingParams(temperature=1.0), SamplingParams(), SamplingParams(temperature=0.7, top_k=30), SamplingParams(temperature=1.0)]
