@@ -62,9 +62,10 @@ class BatchedScheduler(ChainScheduler):
     def prefill_tiers(self) -> list[BatchedTier]:
         """The tiers a joining request's prompt is cached in before it joins the rounds: every model tier
         of a fixed chain; only the target under a planner, since the drafters are not used while
-        speculation is off and catch up (`catch_up`) when a plan uses them."""
+        speculation is off and catch up (`catch_up`) when a plan uses them. A tier served row by
+        row (a feature head, another architecture) caches what it is given in its own calls."""
         tiers = self.tiers[:1] if self.planner is not None else self.tiers
-        return [t for t in tiers if t.has_weights]
+        return [t for t in tiers if t.has_weights and t.caches_prompts]
 
     def ready(self, state: RequestState) -> bool:
         """Has every tier of `prefill_tiers` cached the request's prompt (all but its last token)?"""
@@ -86,7 +87,7 @@ class BatchedScheduler(ChainScheduler):
         forward per tier, before the round (whose forwards pad every row to the longest)."""
         for level in self.active[1:]:
             tier = self.tiers[level]
-            if not tier.has_weights:
+            if not tier.caches_prompts:
                 continue
             behind = [s for s in states if len(s.committed) - 1 - tier.cached(s.run.seq_id) > CATCH_UP_GAP]
             if behind:

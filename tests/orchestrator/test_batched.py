@@ -344,3 +344,23 @@ def test_tree_chain_with_auto_lengths_runs_batched_at_the_default_lengths(tiny_f
     assert engine.scheduler.lengths == [DEFAULT_SPECULATION_LENGTH] and engine.scheduler.tree_width == 2
     result = engine.generate(engine.parse_request({"prompt": PROMPTS[0], "max_new_tokens": 8}))
     assert len(result["token_ids"]) == 8 or result["finish_reason"] == "eos"
+
+
+@pytest.mark.parametrize("names,speculation", [
+    (["target", "feature"], {"lengths": [3], "tree_width": 3}),
+    (["target", "feature"], {"lengths": [3]}),  # a tier served row by row does not hold a joining request back
+    (["target", "early_exit_noisy"], {"lengths": [3], "tree_width": 2}),
+])
+def test_greedy_batched_trained_drafters_equal_target_alone(tiny_drafters, names, speculation):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_drafters["target"], dtype=torch.float32).eval()
+    engine = build(tiny_drafters, names, speculation, {"max_requests": 4, "max_batched_tokens": 64})
+    assert engine.batched
+    engine.scheduler.eos_token_ids = frozenset()
+    requests = [engine.parse_request({"prompt": p, "max_new_tokens": 12, "id": str(i)}) for i, p in enumerate(PROMPTS)]
+    results = {}
+    run_requests(engine, requests, lambda result: results.__setitem__(result["id"], result))
+    assert set(results) == {r.id for r in requests}
+    for index, prompt in enumerate(PROMPTS):
+        _check_greedy(model, encode_prompt(engine.tokenizer, prompt), results[str(index)]["token_ids"], 12)

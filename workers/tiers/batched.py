@@ -50,6 +50,7 @@ class BatchedTier:
         self.max_context = tier.max_context
         self.can_verify = tier.can_verify
         self.has_weights = tier.has_weights
+        self.caches_prompts = False  # `prefill` caches prompt tokens (a slot cache), so `cached` counts them
         self.forward_log: list[tuple[int, int, float]] = []  # (rows, padded width, seconds) of recent forwards
 
     @property
@@ -104,6 +105,7 @@ class BatchedModelTier(BatchedTier):
         super().__init__(tier)
         self.model = BatchedLlama(tier.model)
         self.cache = self.model.new_cache(max_slots)
+        self.caches_prompts = True
         self.threads = tier.threads
 
     @staticmethod
