@@ -268,6 +268,7 @@ def test_batched_tree_tier_matches_one_sequence_tier(tiny_family):
     (["target", "mid", "small"], {"lengths": [3, 2], "tree_width": 2}),
     (["target", "small"], {"lengths": [3], "tree_width": 3, "verifier": "rsd"}),
     (["target", "int8", "small"], {"lengths": [4, 3], "tree_width": 3}),
+    (["target", "mid", "ngram"], {"lengths": [3, 3], "tree_width": 3}),  # the lookup's trees, one request after the other
 ])
 def test_greedy_batched_trees_equal_target_alone(tiny_family, target_model, names, speculation):
     engine = build(tiny_family, names, speculation, {"max_requests": 4, "max_batched_tokens": 64})
@@ -289,8 +290,8 @@ def test_greedy_batched_trees_equal_target_alone(tiny_family, target_model, name
     for request_id, prompt_ids, count in greedy:
         _check_greedy(target_model, prompt_ids, results[request_id]["token_ids"], count)
     stages = [s for r in results.values() for s in r["stats"]["stages"] if s["drafter"] == engine.tiers[-1].name]
-    # blocks of more nodes than the depth: trees, not chains; and forwards of more than one request
-    assert sum(s["proposed"] for s in stages) > speculation["lengths"][-1] * sum(s["blocks"] for s in stages)
+    # a model drafter's blocks have more nodes than the depth: trees, not chains; and forwards of more than one request
+    assert names[-1] == "ngram" or sum(s["proposed"] for s in stages) > speculation["lengths"][-1] * sum(s["blocks"] for s in stages)
     assert max(rows for rows, _, _ in engine.scheduler.tiers[-2].forward_log) > 1
 
 
