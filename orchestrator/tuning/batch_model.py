@@ -27,7 +27,7 @@ tokens/s, measured where measured, else predicted. The first load alternates off
 each set of tiers' predicted best plan (those predicted near off) for MIN_STEPS steps each;
 a later load tries only the best plan of the nearest decided load against off, and starts
 from that load's decision where it carries over (off to larger batches, speculating to
-smaller ones), measuring the other side once the first has MIN_STEPS steps. Then it runs the winner: speculation turns on only
+smaller ones), measuring the other side right after. Then it runs the winner: speculation turns on only
 when it measured SWITCH_ON times off's tokens/s and stays on while it measures at least
 SWITCH_OFF times off's (hysteresis). The side not taken is re-probed for PROBE_STEPS steps
 after REPROBE_FIRST steps, then at doubling intervals (up to REPROBE_MAX) while the
@@ -361,8 +361,9 @@ class BatchPlanner:
     def spec_candidate(self, arm: Arm, batch: int, explore: bool = False) -> Plan | None:
         """The speculating side of the A/B. A plan whose measurement has begun runs until it has
         MIN_STEPS; exploring (a new load), each set of tiers gets its predicted best plan measured;
-        then the lengths next to the best measured plan's (`neighbours`) are measured, one at a
-        time, so a profile that misjudged how a block's cost grows cannot pin the lengths; then the
+        where speculating won the A/B, the lengths next to the best measured plan's (`neighbours`)
+        are measured, one at a time, so a profile that misjudged how a block's cost grows cannot
+        pin the lengths; then the
         plan with the most measured tokens/s, unless an unmeasured plan is predicted
         CANDIDATE_MARGIN times better (tried next), so the candidate does not churn."""
         allowed = [p for p in self.allowed(batch) if p.speculating]
@@ -381,8 +382,8 @@ class BatchPlanner:
         if not measured:
             return arm.seed if arm.seed in allowed else max(allowed, key=predicted.get)
         best = max(measured, key=measured.get)
-        around = [p for p in self.neighbours(best) if p in allowed and p not in measured]
-        if around:  # the model picked the lengths; the machine checks the lengths next to them
+        around = [p for p in self.neighbours(best) if p in allowed and p not in measured] if arm.speculate else []
+        if around:  # speculating pays here: the model picked the lengths, the machine checks the ones next to them
             return max(around, key=predicted.get)
         challenger = max((p for p in allowed if p not in measured), key=predicted.get, default=None)
         if challenger is not None and predicted[challenger] > CANDIDATE_MARGIN * measured[best]:
@@ -448,13 +449,11 @@ class BatchPlanner:
             best = off if off_steps < MIN_STEPS and off_steps <= arm.rate(spec).steps else spec
         else:
             best, other = (spec, off) if arm.speculate else (off, spec)
-            # a decision carried over from a neighbouring load has a side never measured here: measure it
-            # once the side taken has MIN_STEPS (off's ceiling is what speculation must beat; a batch where
-            # speculation pays need not be next to one where it does)
-            if arm.speculate:
-                unmeasured_bar = arm.measured(off) is None and arm.rate(spec).steps >= MIN_STEPS
-            else:
-                unmeasured_bar = arm.best_measured() is None and arm.rate(off).steps >= MIN_STEPS
+            # speculation carried over from a larger load: off's tokens/s here is the bar it must beat, so
+            # measure it once speculating has MIN_STEPS. Off carried over from a smaller load is left to the
+            # re-probes: a block only costs more at a larger batch, and a speculating step there can cost
+            # many off steps (a drafter served row by row)
+            unmeasured_bar = arm.speculate and arm.measured(off) is None and arm.rate(spec).steps >= MIN_STEPS
             if unmeasured_bar or arm.since >= arm.period * PROBE_STEPS * self.step_seconds(arm, other, batch):
                 arm.since = 0.0  # look at the other side (again): the load may have changed
                 if not unmeasured_bar:

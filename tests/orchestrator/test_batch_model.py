@@ -151,21 +151,6 @@ def test_each_load_has_its_own_ab_and_a_new_one_starts_from_its_neighbour():
     assert len(plan.plan(8)[1]) > 1 and plan.arms[(8, 0)].speculate  # ... so 8, smaller, starts speculating
 
 
-def test_a_decision_carried_over_measures_the_other_side_and_can_flip():
-    """Off carried from a smaller load to a larger one, where speculation pays after all (a batch where a
-    drafter's block is nearly free): speculation is measured once off has its MIN_STEPS, and taken."""
-    plan = planner(lambda b, w: 10.0)
-    accept(plan, 0, 1, 0.9)
-    run_steps(plan, 1, 60, LOSES)
-    assert plan.arms[(1, 0)].speculate is False
-    _, _, speculated = run_steps(plan, 16, 40, WINS)
-    assert speculated[: MIN_STEPS + 1] == [False] * (MIN_STEPS + 1)  # starts from the neighbour's "off" ...
-    assert all(speculated[MIN_STEPS + 1 : MIN_STEPS + 1 + PROBE_STEPS])  # ... measures speculating next (a probe) ...
-    assert plan.arms[(16, 0)].speculate and sum(speculated[-20:]) >= 20 - PROBE_STEPS  # ... and keeps the faster side (off re-probed)
-    _, _, again = run_steps(plan, 64, 40, LOSES)  # larger still, and losing: off after a look
-    assert plan.arms[(64, 0)].speculate is False and sum(again[-20:]) == 0
-
-
 def test_the_speculating_side_is_the_best_measured_plan():
     """Two speculating plans measured: the A/B runs the faster one, and the model's guess does not displace it lightly."""
     plan = planner(lambda b, w: 10.0)
