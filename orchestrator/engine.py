@@ -90,7 +90,7 @@ class Engine:
                 eos.update([configured] if isinstance(configured, int) else configured)
         self.batched = batched and self.config.batching.enabled
         if self.batched:
-            self._start_batched(tuple(sorted(eos)), auto_tune)
+            self._start_batched(stop_token_ids(self.tokenizer, eos), auto_tune)
             return
         self.scheduler = ChainScheduler(
             self.tiers,

@@ -99,6 +99,13 @@ def test_the_engine_tokenizes_like_the_model_expects(bos_model):
     assert engine.generate(request)["token_ids"] == reference[0, len(request.prompt_ids):].tolist()
 
 
+def test_the_batched_engine_stops_at_the_end_of_turn_token_too(bos_model):
+    tokenizer = bos_chat_tokenizer()
+    engine = Engine(parse_config({"tiers": [{"name": "target", "model": bos_model}, {"name": "ng", "model": "ngram"}]}), batched=True)
+    assert engine.batched
+    assert tokenizer.convert_tokens_to_ids(END_OF_TURN) in engine.scheduler.eos_token_ids
+
+
 def test_generate_chat_and_batch_messages(bos_model, tmp_path, capsys):
     import json
 
