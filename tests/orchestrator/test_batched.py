@@ -365,3 +365,37 @@ def test_greedy_batched_trained_drafters_equal_target_alone(tiny_drafters, names
     assert set(results) == {r.id for r in requests}
     for index, prompt in enumerate(PROMPTS):
         _check_greedy(model, encode_prompt(engine.tokenizer, prompt), results[str(index)]["token_ids"], 12)
+
+
+@pytest.mark.parametrize("threshold", [None, 1.1, "median"])
+def test_batched_draft_stops_where_the_one_request_tier_stops(tiny_family, threshold):
+    """`exit_threshold` (early exit): the batched chain draft ends each request's block where
+    `ModelTier.draft` ends it, with the same tokens and rows (same seeds)."""
+    from transformers import AutoModelForCausalLM
+
+    from polyspec.workers.tiers.batched import BatchedModelTier
+    from polyspec.workers.tiers.tier import ModelTier, confidence
+
+    def tier():
+        model = AutoModelForCausalLM.from_pretrained(tiny_family["small"], dtype=torch.float32).eval()
+        return ModelTier("small", model, 257, torch.device("cpu"))
+
+    alone, batched = tier(), BatchedModelTier(tier())
+    generator = torch.Generator().manual_seed(1)
+    contexts = [torch.randint(1, 200, (n,), generator=generator).tolist() for n in (9, 3, 14, 6)]
+    params = [SamplingParams(), SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=20), SamplingParams(temperature=1.0)]
+    if threshold == "median":  # between the confidences the drafts meet: some blocks stop early, some do not
+        with torch.inference_mode():
+            logits = AutoModelForCausalLM.from_pretrained(tiny_family["small"]).eval()(torch.tensor([contexts[0]])).logits[0]
+        threshold = float(torch.stack([confidence(row) for row in logits]).median())
+    alone.exit_threshold = batched.tier.exit_threshold = threshold
+    counts = [6, 6, 4, 6]
+    expected = [alone.draft(r, c, n, p, torch.Generator().manual_seed(r)) for r, (c, n, p) in enumerate(zip(contexts, counts, params))]
+    got = batched.draft_batch(list(range(4)), contexts, counts, params, [torch.Generator().manual_seed(r) for r in range(4)])
+    for (want_tokens, want_rows), (tokens, rows) in zip(expected, got):
+        assert tokens == want_tokens
+        assert (rows is None) == (want_rows is None) and (rows is None or torch.allclose(rows, want_rows, atol=1e-5))
+    if threshold == 1.1:
+        assert all(len(tokens) == 1 for tokens, _ in got)  # no draft is ever that sure: every block stops at once
+    elif threshold is None:
+        assert [len(tokens) for tokens, _ in got] == counts

@@ -205,8 +205,12 @@ class BatchedModelTier(BatchedTier):
         feeds = [self._sync(slot, context) for slot, context in zip(slots, contexts)]
         tokens: list[list[int]] = [[] for _ in seq_ids]
         rows: list[list[torch.Tensor]] = [[] for _ in seq_ids]
+        threshold = self.tier.exit_threshold
+        stopped = [False] * len(seq_ids)  # early exit: the request's block ends as `ModelTier.draft`'s would
         for step in range(max(counts, default=0)):
-            live = [r for r, count in enumerate(counts) if step < count]
+            live = [r for r, count in enumerate(counts) if step < count and not stopped[r]]
+            if not live:
+                break
             logits = self._forward([slots[r] for r in live], [feeds[r] for r in live], [len(feeds[r]) - 1 for r in live])
             for r, row_logits in zip(live, logits):
                 probs = warp_logits(row_logits[-1], params[r])  # [V]
@@ -214,6 +218,8 @@ class BatchedModelTier(BatchedTier):
                 tokens[r].append(token)
                 rows[r].append(probs)
                 feeds[r] = [token]
+                if threshold is not None and confidence(row_logits[-1]) < threshold:
+                    stopped[r] = True
         return [(t, None if p.greedy or not rs else torch.stack(rs)) for t, rs, p in zip(tokens, rows, params)]
 
     def draft_tree_batch(self, seq_ids, contexts, width, depths, params, scheme, generators):
