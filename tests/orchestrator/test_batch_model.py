@@ -241,3 +241,15 @@ def test_lengths_next_to_the_models_choice_are_measured():
     best = plan.arms[(1, 0)].best_measured()
     assert plan.arms[(1, 0)].speculate and best.active == (0, 2) and best.lengths[0] == 12
     assert sum(c == ((0, 2), 12) for c in chosen[-100:]) >= 100 - 2 * PROBE_STEPS  # off's re-probes aside
+
+
+def test_a_set_of_tiers_the_model_calls_hopeless_is_not_run_to_find_out():
+    """At a batch where the mid tier's forward costs 50x the target's (a drafter served row by row), exploring
+    measures off and the lookup, never a plan through the mid tier."""
+    plan = planner(lambda b, w: 10.0 + 0.1 * w, mid_cost=lambda b, w: 500.0)
+    accept(plan, 0, 1, 0.9)
+    accept(plan, 0, 2, 0.6)
+    accept(plan, 1, 2, 0.6)
+    _, _, speculated = run_steps(plan, 16, 60, lambda active: 100.0 if len(active) == 1 else 120.0)
+    ran = {p.active for p in plan.arms[(16, 0)].rates}
+    assert (0,) in ran and (0, 2) in ran and not any(1 in active for active in ran)
