@@ -23,11 +23,15 @@ A profile taken on a busy machine can be far off, so the model only proposes; a 
 A/B decides. Per load (batch-size bucket, greedy / sampling / mixed requests) the planner
 keeps the measured tokens/s of the whole batch for speculation off and for each
 speculating plan it ran. The speculating side of the A/B is the plan with the most
-tokens/s, measured where measured, else predicted. The first load alternates off with
-each set of tiers' predicted best plan (those predicted near off) for MIN_STEPS steps each;
-a later load tries only the best plan of the nearest decided load against off, and starts
-from that load's decision where it carries over (off to larger batches, speculating to
-smaller ones), measuring the other side right after. Then it runs the winner: speculation turns on only
+tokens/s, measured where measured, else predicted. The first load measures off for
+MIN_STEPS steps, then each set of tiers' predicted best plan for MIN_STEPS steps, skipping
+plans the model, scaled by its error on off's measured rate, predicts under EXPLORE_FLOOR of
+off (a step of such a plan at a large batch can cost many steps of off); a later load tries
+only the best plan of the nearest decided load against off, and starts from that load's
+decision where it carries over (off to larger batches, speculating to smaller ones),
+measuring the other side right after. Where speculation won, the lengths next to the best
+measured plan's are measured too. A drafter's catch-up on contexts it has not cached (its
+prefill) is left out of the step times, as the target's prefill is. Then it runs the winner: speculation turns on only
 when it measured SWITCH_ON times off's tokens/s and stays on while it measures at least
 SWITCH_OFF times off's (hysteresis). The side not taken is re-probed for PROBE_STEPS steps
 after REPROBE_FIRST steps, then at doubling intervals (up to REPROBE_MAX) while the
@@ -345,21 +349,27 @@ class BatchPlanner:
 
     def unexplored(self, arm: Arm, batch: int) -> list[Plan]:
         """Speculating plans whose set of tiers has no plan measured at this load yet and that, with the
-        model corrected by what speculating measured here, are predicted near off's measured tokens/s."""
+        model corrected by what was measured here (the best speculating plan, else off), are predicted
+        at least EXPLORE_FLOOR of off's measured tokens/s."""
         allowed = [p for p in self.allowed(batch) if p.speculating]
         measured = {p: arm.measured(p) for p in allowed if arm.measured(p) is not None}
         if arm.seed is not None and arm.seed in allowed:
             return [arm.seed] if not measured else []  # a load next to a decided one tries only that one's best plan
         off = arm.measured(self.plans[0])
         scale, floor = 1.0, 0.0
-        if off is not None and measured:  # the model's error on the best plan measured, applied to the others
-            best = max(measured, key=measured.get)
-            scale, floor = measured[best] / max(self.goodput(best, batch), 1e-9), EXPLORE_FLOOR * off
+        if off is not None:  # the model's error on the best plan measured (off until one speculates), applied to the others
+            best = max(measured, key=measured.get) if measured else self.plans[0]
+            rate = measured[best] if measured else off
+            scale, floor = rate / max(self.goodput(best, batch), 1e-9), EXPLORE_FLOOR * off
         tried = {p.active for p in measured}
         return [p for p in allowed if p.active not in tried and scale * self.goodput(p, batch) >= floor]
 
     def spec_candidate(self, arm: Arm, batch: int, explore: bool = False) -> Plan | None:
-        """The speculating side of the A/B. A plan whose measurement has begun runs until it has
+        """The speculating side of the A/B (None: none worth running). Once off is measured here, a plan
+        not yet run (other than the neighbouring load's winner, `seed`) is a candidate only if the
+        model, scaled by its error on off, predicts it at least
+        EXPLORE_FLOOR of off's tokens/s: one step of a hopeless plan at a large batch (a drafter
+        served row by row) can cost many steps of off. A plan whose measurement has begun runs until it has
         MIN_STEPS; exploring (a new load), each set of tiers gets its predicted best plan measured;
         where speculating won the A/B, the lengths next to the best measured plan's (`neighbours`)
         are measured, one at a time, so a profile that misjudged how a block's cost grows cannot
@@ -367,6 +377,11 @@ class BatchPlanner:
         plan with the most measured tokens/s, unless an unmeasured plan is predicted
         CANDIDATE_MARGIN times better (tried next), so the candidate does not churn."""
         allowed = [p for p in self.allowed(batch) if p.speculating]
+        off = arm.measured(self.plans[0])
+        if off is not None:  # an unmeasured plan the model (scaled by its error on off here) calls hopeless is not run
+            scale = off / max(self.goodput(self.plans[0], batch), 1e-9)
+            allowed = [p for p in allowed if arm.rates.get(p) is not None and arm.rates[p].steps or p == arm.seed
+                       or scale * self.goodput(p, batch) >= EXPLORE_FLOOR * off]
         if not allowed:
             return None
         for plan in allowed:
@@ -375,7 +390,7 @@ class BatchPlanner:
                 return plan
         predicted = {p: self.goodput(p, batch) for p in allowed}
         if explore:
-            fresh = self.unexplored(arm, batch)
+            fresh = [p for p in self.unexplored(arm, batch) if p in predicted]
             if fresh:
                 return max(fresh, key=predicted.get)
         measured = {p: arm.measured(p) for p in allowed if arm.measured(p) is not None}
@@ -444,9 +459,8 @@ class BatchPlanner:
             best = arm.probe.pop(0)
             if best.speculating:
                 best = spec  # the plan queued, unless a better one was measured meanwhile
-        elif arm.speculate is None:  # measuring: alternate between the sides until each has MIN_STEPS
-            off_steps = arm.rate(off).steps
-            best = off if off_steps < MIN_STEPS and off_steps <= arm.rate(spec).steps else spec
+        elif arm.speculate is None:  # measuring: off's MIN_STEPS first (the bar, and the model's check), then the candidates
+            best = off if arm.rate(off).steps < MIN_STEPS else spec
         else:
             best, other = (spec, off) if arm.speculate else (off, spec)
             # speculation carried over from a larger load: off's tokens/s here is the bar it must beat, so

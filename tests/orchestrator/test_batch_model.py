@@ -253,3 +253,14 @@ def test_a_set_of_tiers_the_model_calls_hopeless_is_not_run_to_find_out():
     _, _, speculated = run_steps(plan, 16, 60, lambda active: 100.0 if len(active) == 1 else 120.0)
     ran = {p.active for p in plan.arms[(16, 0)].rates}
     assert (0,) in ran and (0, 2) in ran and not any(1 in active for active in ran)
+
+
+def test_no_plan_is_run_where_the_model_calls_every_one_hopeless():
+    """At batch 64 every block costs in proportion to its tokens and the drafter is slow: the model, checked
+    against off's measured rate, rules every speculating plan out, so none is run (or re-probed) at all."""
+    plan = planner(lambda b, w: 1.0 * b * w, mid_cost=lambda b, w: 5.0 * b * w, lookup_ms=2.0)
+    accept(plan, 0, 1, 0.5)
+    accept(plan, 0, 2, 0.3)
+    accept(plan, 1, 2, 0.3)
+    _, _, speculated = run_steps(plan, 64, 500, lambda active: 100.0 if len(active) == 1 else 20.0)
+    assert not any(speculated)
