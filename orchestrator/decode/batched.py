@@ -110,14 +110,8 @@ class BatchedScheduler(ChainScheduler):
                 plans = states[i].plans
                 if not plans or {k: plans[-1][k] for k in shown} != shown:
                     plans.append({"new_tokens": len(states[i].new_tokens), **shown})
-        caught_up = 0.0
-        if self.planner is not None:
-            # a drafter's first use catches it up on every request's context: its prefill, which the A/B
-            # leaves out of the plan's rate as it leaves the target's prefill out of every plan's (the
-            # planner only starts a drafter where the model predicts it can pay)
-            begun = time.perf_counter()
+        if self.planner is not None:  # in the step's time: keeping a drafter's cache up to date is part of what speculating costs
             self.catch_up([states[i] for i in live])
-            caught_up = time.perf_counter() - begun
         busy_before = [t.busy_s for t in self.tiers]
         items = []
         for i in live:
@@ -137,7 +131,7 @@ class BatchedScheduler(ChainScheduler):
         self.last_step = {"batch": len(live), "tokens": committed, "seconds": seconds,
                           "lengths": [self.lengths[t] for t in self.active[:-1]], "tiers": list(self.active)}
         if self.planner is not None:
-            self.planner.observe_step(len(live), committed, max(seconds - caught_up, 1e-9), self.lengths, self.active)
+            self.planner.observe_step(len(live), committed, seconds, self.lengths, self.active)
         return out
 
     def finish(self, state: RequestState) -> GenerationOutput:

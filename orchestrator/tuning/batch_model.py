@@ -30,8 +30,7 @@ off (a step of such a plan at a large batch can cost many steps of off); a later
 only the best plan of the nearest decided load against off, and starts from that load's
 decision where it carries over (off to larger batches, speculating to smaller ones),
 measuring the other side right after. Where speculation won, the lengths next to the best
-measured plan's are measured too. A drafter's catch-up on contexts it has not cached (its
-prefill) is left out of the step times, as the target's prefill is. Then it runs the winner: speculation turns on only
+measured plan's are measured too. Then it runs the winner: speculation turns on only
 when it measured SWITCH_ON times off's tokens/s and stays on while it measures at least
 SWITCH_OFF times off's (hysteresis). The side not taken is re-probed for PROBE_STEPS steps
 after REPROBE_FIRST steps, then at doubling intervals (up to REPROBE_MAX) while the
@@ -63,6 +62,7 @@ REPROBE_MAX = 64  # ... up to this: a losing side re-probed costs under 2% of th
 SWITCH_ON = 1.05  # speculation turns on when it measures this many times off's tokens/s ...
 SWITCH_OFF = 1.0  # ... and off when it measures under this many times off's
 EXPLORE_FLOOR = 0.5  # a new load explores a further set of tiers only if predicted at least this share of off's tokens/s
+SEED_FLOOR = 0.25  # ... and the neighbouring load's winner only if predicted at least this share
 CANDIDATE_MARGIN = 1.5  # an unmeasured speculating plan must be predicted this much better than the measured best to be tried
 PRIOR_RATE = 0.8  # acceptance rate before any round is seen (a model drafter; the lookup's is LOOKUP_PRIOR_RATE)
 LOOKUP_PRIOR_RATE = 0.5
@@ -366,9 +366,9 @@ class BatchPlanner:
 
     def spec_candidate(self, arm: Arm, batch: int, explore: bool = False) -> Plan | None:
         """The speculating side of the A/B (None: none worth running). Once off is measured here, a plan
-        not yet run (other than the neighbouring load's winner, `seed`) is a candidate only if the
-        model, scaled by its error on off, predicts it at least
-        EXPLORE_FLOOR of off's tokens/s: one step of a hopeless plan at a large batch (a drafter
+        not yet run is a candidate only if the model, scaled by its error on off, predicts it at
+        least EXPLORE_FLOOR of off's tokens/s (SEED_FLOOR for the neighbouring load's winner, which
+        measured better than the model there): one step of a hopeless plan at a large batch (a drafter
         served row by row) can cost many steps of off. A plan whose measurement has begun runs until it has
         MIN_STEPS; exploring (a new load), each set of tiers gets its predicted best plan measured;
         where speculating won the A/B, the lengths next to the best measured plan's (`neighbours`)
@@ -380,8 +380,8 @@ class BatchPlanner:
         off = arm.measured(self.plans[0])
         if off is not None:  # an unmeasured plan the model (scaled by its error on off here) calls hopeless is not run
             scale = off / max(self.goodput(self.plans[0], batch), 1e-9)
-            allowed = [p for p in allowed if arm.rates.get(p) is not None and arm.rates[p].steps or p == arm.seed
-                       or scale * self.goodput(p, batch) >= EXPLORE_FLOOR * off]
+            allowed = [p for p in allowed if arm.rates.get(p) is not None and arm.rates[p].steps
+                       or scale * self.goodput(p, batch) >= (SEED_FLOOR if p == arm.seed else EXPLORE_FLOOR) * off]
         if not allowed:
             return None
         for plan in allowed:
