@@ -104,7 +104,9 @@ class BatchedScheduler(ChainScheduler):
         if not live:
             return out
         if self.planner is not None:
-            self.lengths, self.active = self.planner.plan(len(live), [states[i].run.params for i in live])
+            behind = {level: sum(max(0, len(states[i].committed) - 1 - tier.cached(states[i].run.seq_id)) for i in live)
+                      for level, tier in enumerate(self.tiers) if level and tier.has_weights}
+            self.lengths, self.active = self.planner.plan(len(live), [states[i].run.params for i in live], behind)
             shown = {"lengths": [self.lengths[t] for t in self.active[:-1]], "tiers": [self.tiers[t].name for t in self.active]}
             for i in live:
                 plans = states[i].plans

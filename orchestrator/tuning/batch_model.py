@@ -214,6 +214,7 @@ class BatchPlanner:
         self._pending: Plan | None = None
         self._pending_arm: Arm | None = None
         self._predicted_ms = 0.0
+        self.behind: dict[int, int] = {}  # per drafting tier: tokens of the current requests it has not cached
 
     def _candidates(self) -> list[Plan]:
         n = len(self.tiers)
@@ -340,6 +341,19 @@ class BatchPlanner:
         ms *= self.corrected(plan, bucket(batch))
         return batch * tokens / max(ms, 1e-6) * 1000.0
 
+    def entry_goodput(self, plan: Plan, batch: int) -> float:
+        """`goodput` over a probe of MIN_STEPS steps that starts with its drafters catching up on the
+        contexts they have not cached (a prefill, at the single-row per-token cost of the table's
+        widest block): the price of finding out whether a plan pays."""
+        ms, tokens = self.step_ms(plan, batch)
+        ms *= self.corrected(plan, bucket(batch))
+        catch = 0.0
+        for tier in plan.active[1:]:
+            table = self.tables[tier]
+            if table is not None and self.behind.get(tier):
+                catch += self.behind[tier] * table.estimate(1, WIDTH_GRID[-1]) / WIDTH_GRID[-1]
+        return batch * tokens / max(ms + catch / MIN_STEPS, 1e-6) * 1000.0
+
     def allowed(self, batch: int) -> list[Plan]:
         return [p for p in self.plans if self.fits(p, batch)] or self.plans[:1]
 
@@ -362,12 +376,12 @@ class BatchPlanner:
             rate = measured[best] if measured else off
             scale, floor = rate / max(self.goodput(best, batch), 1e-9), EXPLORE_FLOOR * off
         tried = {p.active for p in measured}
-        return [p for p in allowed if p.active not in tried and scale * self.goodput(p, batch) >= floor]
+        return [p for p in allowed if p.active not in tried and scale * self.entry_goodput(p, batch) >= floor]
 
     def spec_candidate(self, arm: Arm, batch: int, explore: bool = False) -> Plan | None:
         """The speculating side of the A/B (None: none worth running). Once off is measured here, a plan
-        not yet run is a candidate only if the model, scaled by its error on off, predicts it at
-        least EXPLORE_FLOOR of off's tokens/s (SEED_FLOOR for the neighbouring load's winner, which
+        not yet run is a candidate only if the model, scaled by its error on off, predicts it (its
+        drafters' catch-up included, `entry_goodput`) at least EXPLORE_FLOOR of off's tokens/s (SEED_FLOOR for the neighbouring load's winner, which
         measured better than the model there): one step of a hopeless plan at a large batch (a drafter
         served row by row) can cost many steps of off. A plan whose measurement has begun runs until it has
         MIN_STEPS; exploring (a new load), each set of tiers gets its predicted best plan measured;
@@ -381,7 +395,7 @@ class BatchPlanner:
         if off is not None:  # an unmeasured plan the model (scaled by its error on off here) calls hopeless is not run
             scale = off / max(self.goodput(self.plans[0], batch), 1e-9)
             allowed = [p for p in allowed if arm.rates.get(p) is not None and arm.rates[p].steps
-                       or scale * self.goodput(p, batch) >= (SEED_FLOOR if p == arm.seed else EXPLORE_FLOOR) * off]
+                       or scale * self.entry_goodput(p, batch) >= (SEED_FLOOR if p == arm.seed else EXPLORE_FLOOR) * off]
         if not allowed:
             return None
         for plan in allowed:
@@ -445,9 +459,11 @@ class BatchPlanner:
                 arm.seed = nearest.best_measured()
         return arm
 
-    def plan(self, batch: int, params: list[SamplingParams] | None = None) -> tuple[list[int], tuple[int, ...]]:
-        """(lengths, active tiers) for the next step of `batch` requests."""
+    def plan(self, batch: int, params: list[SamplingParams] | None = None, behind: dict[int, int] | None = None) -> tuple[list[int], tuple[int, ...]]:
+        """(lengths, active tiers) for the next step of `batch` requests; `behind`: per drafting model
+        tier, the context tokens of these requests it has not cached (what using it first costs)."""
         group = bucket(batch)
+        self.behind = behind or {}
         if params:
             self.greedy_share = sum(p.greedy for p in params) / len(params)
         arm = self.arm(batch)

@@ -264,3 +264,21 @@ def test_no_plan_is_run_where_the_model_calls_every_one_hopeless():
     accept(plan, 1, 2, 0.3)
     _, _, speculated = run_steps(plan, 64, 500, lambda active: 100.0 if len(active) == 1 else 20.0)
     assert not any(speculated)
+
+
+def test_a_drafter_far_behind_is_not_started_to_find_out():
+    """The mid tier is cheap per step, but has cached none of 64 requests' 200-token contexts: a probe would
+    start with a 12,800-token catch-up, so the planner measures off and the lookup only; caught up, it may try the mid tier."""
+    def run(behind_tokens):
+        plan = planner(lambda b, w: 10.0 + 0.1 * w, mid_cost=lambda b, w: 2.0 + 0.2 * w)
+        accept(plan, 0, 1, 0.9)
+        accept(plan, 0, 2, 0.6)
+        accept(plan, 1, 2, 0.6)
+        for _ in range(60):
+            lengths, active = plan.plan(64, None, {1: behind_tokens})
+            emitted = 64 * (1 if len(active) == 1 else 3)
+            plan.observe_step(64, emitted, emitted / (64 * (100.0 if len(active) == 1 else 120.0)), lengths, active)
+        return {p.active for p in plan.arms[(64, 0)].rates}
+
+    assert not any(1 in active for active in run(64 * 200)) and (0, 2) in run(64 * 200)
+    assert any(1 in active for active in run(0))

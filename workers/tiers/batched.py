@@ -94,6 +94,11 @@ class RowByRow(BatchedTier):
     def draft_batch(self, seq_ids, contexts, counts, params, generators):
         return [self.tier.draft(s, c, n, p, g) for s, c, n, p, g in zip(seq_ids, contexts, counts, params, generators)]
 
+    def cached(self, seq_id) -> int:
+        """The wrapped tier's own cache (it catches up inside its next call, not in `prefill`)."""
+        cached_tokens = getattr(self.tier, "cached_tokens", None)
+        return cached_tokens(seq_id) if cached_tokens is not None else 0
+
     def draft_tree(self, seq_id, context, width, depth, params, scheme, generator) -> DraftTree:
         return self.tier.draft_tree(seq_id, context, width, depth, params, scheme, generator)
 

@@ -136,6 +136,11 @@ class ModelTier(Tier):
             seq = self._sequences[seq_id] = _Sequence(cache)
         return seq
 
+    def cached_tokens(self, seq_id) -> int:
+        """Positions of `seq_id` this tier's cache holds (0 for a sequence it has not seen)."""
+        seq = self._sequences.get(seq_id)
+        return 0 if seq is None else len(seq.cache)
+
     def release(self, seq_id) -> None:
         self._sequences.pop(seq_id, None)
 
