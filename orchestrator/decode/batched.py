@@ -35,8 +35,7 @@ import torch
 
 from polyspec.orchestrator.decode.contract import GenerationOutput, RequestState, commit, finish_if_full, remaining, stage_of
 from polyspec.orchestrator.decode.scheduler import ChainScheduler
-from polyspec.workers.core.tree import DraftTree, verify_tree
-from polyspec.workers.core.verification import verify_chain, verify_greedy
+from polyspec.workers.core.tree import DraftTree, verify_block
 from polyspec.workers.tiers.batched import BatchedTier
 
 DEFAULT_PREFILL_BUDGET = 512  # prompt tokens cached per step for joining requests
@@ -208,16 +207,8 @@ class BatchedScheduler(ChainScheduler):
         seconds = (time.perf_counter() - started) / len(items)
         out = []
         for (run, context, length), block, target_probs in zip(items, blocks, probs):
-            if block.is_chain():
-                draft_tokens = torch.tensor(block.tokens, dtype=torch.long)
-                if run.params.greedy:
-                    accepted, next_token = verify_greedy(target_probs.argmax(dim=-1), draft_tokens)
-                else:
-                    draft_rows = block.draft_rows if block.draft_rows is not None else target_probs[:0]
-                    accepted, next_token = verify_chain(target_probs, draft_rows, draft_tokens, run.generators[level])
-                path = list(range(accepted))
-            else:  # ChainScheduler.verify_round's tree walk, then both tiers keep the accepted path
-                path, next_token = verify_tree(target_probs, block, self.scheme, run.params.greedy, run.generators[level])
+            path, next_token = verify_block(target_probs, block, self.scheme, run.params.greedy, run.generators[level])
+            if not block.is_chain():  # both tiers keep the accepted path, as in ChainScheduler.verify_round
                 tier.accept_path(run.seq_id, path)
                 self.tiers[below].accept_path(run.seq_id, path)
             if below is not None:

@@ -41,8 +41,7 @@ from polyspec.orchestrator.decode.contract import (
     tier_seeds,
 )
 from polyspec.workers.core.sampling import SamplingParams
-from polyspec.workers.core.tree import DraftTree, verify_tree
-from polyspec.workers.core.verification import verify_chain, verify_greedy
+from polyspec.workers.core.tree import DraftTree, verify_block
 from polyspec.workers.tiers.tier import Tier
 
 
@@ -239,16 +238,8 @@ class ChainScheduler:
         block = self._propose(run, below, context, length) if below is not None else DraftTree([], [], None)
         started = time.perf_counter()
         target_probs = tier.score(run.seq_id, context, block, run.params)  # [len(block) + 1, V]
-        if block.is_chain():
-            draft_tokens = torch.tensor(block.tokens, dtype=torch.long)
-            if run.params.greedy:
-                accepted, next_token = verify_greedy(target_probs.argmax(dim=-1), draft_tokens)
-            else:
-                draft_rows = block.draft_rows if block.draft_rows is not None else target_probs[:0]
-                accepted, next_token = verify_chain(target_probs, draft_rows, draft_tokens, generator)
-            path = list(range(accepted))
-        else:
-            path, next_token = verify_tree(target_probs, block, self.scheme, run.params.greedy, generator)
+        path, next_token = verify_block(target_probs, block, self.scheme, run.params.greedy, generator)
+        if not block.is_chain():
             tier.accept_path(run.seq_id, path)
             self.tiers[below].accept_path(run.seq_id, path)
         seconds = time.perf_counter() - started

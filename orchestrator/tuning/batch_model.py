@@ -335,24 +335,22 @@ class BatchPlanner:
             return True
         return batch * (plan.lengths[0] + 1) <= self.max_batched_tokens
 
-    def goodput(self, plan: Plan, batch: int) -> float:
-        """Expected total tokens/s of a step of `batch` requests under `plan`."""
+    def goodput(self, plan: Plan, batch: int, extra_ms: float = 0.0) -> float:
+        """Expected total tokens/s of a step of `batch` requests under `plan` (`extra_ms` added to the step)."""
         ms, tokens = self.step_ms(plan, batch)
-        ms *= self.corrected(plan, bucket(batch))
+        ms = ms * self.corrected(plan, bucket(batch)) + extra_ms
         return batch * tokens / max(ms, 1e-6) * 1000.0
 
     def entry_goodput(self, plan: Plan, batch: int) -> float:
         """`goodput` over a probe of MIN_STEPS steps that starts with its drafters catching up on the
         contexts they have not cached (a prefill, at the single-row per-token cost of the table's
         widest block): the price of finding out whether a plan pays."""
-        ms, tokens = self.step_ms(plan, batch)
-        ms *= self.corrected(plan, bucket(batch))
         catch = 0.0
         for tier in plan.active[1:]:
             table = self.tables[tier]
             if table is not None and self.behind.get(tier):
                 catch += self.behind[tier] * table.estimate(1, WIDTH_GRID[-1]) / WIDTH_GRID[-1]
-        return batch * tokens / max(ms + catch / MIN_STEPS, 1e-6) * 1000.0
+        return self.goodput(plan, batch, catch / MIN_STEPS)
 
     def allowed(self, batch: int) -> list[Plan]:
         return [p for p in self.plans if self.fits(p, batch)] or self.plans[:1]

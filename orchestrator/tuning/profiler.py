@@ -35,8 +35,7 @@ import torch
 from polyspec.orchestrator.tuning.time_model import latency
 from polyspec.workers.core.sampling import SamplingParams
 from polyspec.workers.tiers.tier import Tier
-from polyspec.workers.core.tree import DraftTree
-from polyspec.workers.core.verification import verify_chain, verify_greedy
+from polyspec.workers.core.tree import DraftTree, verify_block
 
 OUTLIER_FACTOR = 3.0
 DEFAULT_SMOOTHING = 0.2
@@ -234,12 +233,8 @@ def _median_ms(run, repeats: int) -> float:
 def _verify_round(tier: Tier, seq_id, context: list[int], block: list[int], params: SamplingParams, generator) -> None:
     """What ChainScheduler._round does for a chain block: score, then the verification rule."""
     target_probs = tier.score(seq_id, context, DraftTree.chain(block, None), params)  # [len(block) + 1, V]
-    draft_tokens = torch.tensor(block, dtype=torch.long)
-    if params.greedy:
-        verify_greedy(target_probs.argmax(dim=-1), draft_tokens)
-    else:
-        draft_rows = torch.nn.functional.one_hot(draft_tokens, target_probs.shape[-1]).float()  # [k, V]
-        verify_chain(target_probs, draft_rows, draft_tokens, generator)
+    rows = None if params.greedy else torch.nn.functional.one_hot(torch.tensor(block, dtype=torch.long), target_probs.shape[-1]).float()
+    verify_block(target_probs, DraftTree.chain(block, rows), "specinfer", params.greedy, generator)
 
 
 def profile_forward(tier: Tier, context: list[int], sizes: range, params: SamplingParams, repeats: int = DEFAULT_REPEATS) -> dict[int, float]:

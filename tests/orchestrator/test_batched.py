@@ -97,6 +97,22 @@ def _check_greedy(model, prompt_ids, output, count):
         assert gaps[diverged] < ROUNDING_GAP, f"diverged at {diverged} with logit gap {gaps[diverged]}"
 
 
+def mixed_requests(engine, prompts: list[str], count_of) -> tuple[list, list[tuple[str, list[int], int]]]:
+    """Requests for `prompts` (`count_of(index)` new tokens each), every third one sampling beside the
+    greedy ones; and (id, prompt ids, count) of the greedy ones, to check against the target."""
+    requests, greedy = [], []
+    for index, prompt in enumerate(prompts):
+        count = count_of(index)
+        sampled = index % 3 == 2  # sampling requests share the batch with the greedy ones
+        raw = {"prompt": prompt, "max_new_tokens": count, "id": str(index)}
+        if sampled:
+            raw.update(temperature=1.0, seed=index)
+        requests.append(engine.parse_request(raw))
+        if not sampled:
+            greedy.append((str(index), encode_prompt(engine.tokenizer, prompt), count))
+    return requests, greedy
+
+
 @pytest.mark.parametrize("names,speculation", [
     (["target", "mid", "ngram"], {"lengths": [5, 2]}),
     (["target", "small"], {"lengths": [3]}),
@@ -105,17 +121,7 @@ def _check_greedy(model, prompt_ids, output, count):
 def test_greedy_batched_equals_target_alone(tiny_family, target_model, names, speculation):
     engine = build(tiny_family, names, speculation, {"max_requests": 4, "max_batched_tokens": 64})
     engine.scheduler.eos_token_ids = frozenset()
-    tokenizer = engine.tokenizer
-    requests, greedy = [], []
-    for index, prompt in enumerate(PROMPTS * 2):
-        count = 12 + 5 * (index % 4)
-        sampled = index % 3 == 2  # sampling requests share the batch with the greedy ones
-        raw = {"prompt": prompt, "max_new_tokens": count, "id": str(index)}
-        if sampled:
-            raw.update(temperature=1.0, seed=index)
-        requests.append(engine.parse_request(raw))
-        if not sampled:
-            greedy.append((str(index), encode_prompt(tokenizer, prompt), count))
+    requests, greedy = mixed_requests(engine, PROMPTS * 2, lambda index: 12 + 5 * (index % 4))
     results = {}
     run_requests(engine, requests, lambda result: results.__setitem__(result["id"], result))  # 4 at a time, joining as others finish
     assert set(results) == {r.id for r in requests}
@@ -274,16 +280,7 @@ def test_greedy_batched_trees_equal_target_alone(tiny_family, target_model, name
     engine = build(tiny_family, names, speculation, {"max_requests": 4, "max_batched_tokens": 64})
     assert engine.batched and engine.scheduler.tree_width == speculation["tree_width"]
     engine.scheduler.eos_token_ids = frozenset()
-    requests, greedy = [], []
-    for index, prompt in enumerate(PROMPTS):
-        count = 10 + 5 * (index % 3)
-        sampled = index % 3 == 2  # sampling requests share the batch with the greedy ones
-        raw = {"prompt": prompt, "max_new_tokens": count, "id": str(index)}
-        if sampled:
-            raw.update(temperature=1.0, seed=index)
-        requests.append(engine.parse_request(raw))
-        if not sampled:
-            greedy.append((str(index), encode_prompt(engine.tokenizer, prompt), count))
+    requests, greedy = mixed_requests(engine, PROMPTS, lambda index: 10 + 5 * (index % 3))
     results = {}
     run_requests(engine, requests, lambda result: results.__setitem__(result["id"], result))
     assert set(results) == {r.id for r in requests}

@@ -100,6 +100,25 @@ def tree_attention_mask(
     return mask[None, None]
 
 
+def verify_block(
+    target_probs: torch.Tensor, block: DraftTree, scheme: str, greedy: bool, generator: torch.Generator | None
+) -> tuple[list[int], int]:
+    """(accepted path of node indices, next token) for a drafted block: a chain by the greedy
+    or single-draft rule (the drafter's rows, none for a lookup's proposals), a tree by
+    `verify_tree`. target_probs: [len(block) + 1, V]."""
+    from polyspec.workers.core.verification import verify_chain, verify_greedy
+
+    if not block.is_chain():
+        return verify_tree(target_probs, block, scheme, greedy, generator)
+    draft_tokens = torch.tensor(block.tokens, dtype=torch.long)
+    if greedy:
+        accepted, next_token = verify_greedy(target_probs.argmax(dim=-1), draft_tokens)
+    else:
+        draft_rows = block.draft_rows if block.draft_rows is not None else target_probs[:0]
+        accepted, next_token = verify_chain(target_probs, draft_rows, draft_tokens, generator)
+    return list(range(accepted)), next_token
+
+
 def verify_tree(
     target_probs: torch.Tensor, tree: DraftTree, scheme: str, greedy: bool, generator: torch.Generator | None
 ) -> tuple[list[int], int]:
