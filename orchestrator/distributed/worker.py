@@ -22,7 +22,7 @@ dropped and counted.
 Failure: if the tier below stops answering, the current call is redone without it (a model
 tier drafts or verifies alone; the target alone is always a valid chain) and the reply says
 `degraded`; the driver wires a replacement in when Ray restarts the actor.
-"""
+Batched calls (VerifyBatch / DraftBatch, continuous batching) are in batched_rounds.py."""
 
 from __future__ import annotations
 
@@ -68,9 +68,8 @@ from polyspec.workers.core.tree import DraftTree
 
 MAX_RPC_THREADS = 64
 AHEAD_THREADS = 8
-# Drafting past a block bets that the block is accepted whole. Lost bets are free only on an
-# idle core; on a shared one they slow the verifier (benchmarks/ray-pipeline.md), so a
-# sequence drafts ahead only while its blocks are mostly accepted whole (EMA >= threshold).
+# Drafting past a block bets it is accepted whole. Lost bets are free only on an idle core, on a shared one they slow the
+# verifier (benchmarks/ray-pipeline.md): a sequence drafts ahead only while its blocks are mostly accepted whole (EMA).
 AHEAD_PRIOR = 0.5
 
 
@@ -184,6 +183,7 @@ class TierWorker(BatchedRounds):
         self._sequences_lock = threading.Lock()
         self._wiring = threading.Lock()
         self._ahead_pool = futures.ThreadPoolExecutor(AHEAD_THREADS, thread_name_prefix=f"ahead-{tier.name}")
+        self._ahead_cond, self._ahead_wanted = threading.Condition(), {}  # batched sequences' draft-ahead (batched_rounds)
         self.server = grpc.server(futures.ThreadPoolExecutor(MAX_RPC_THREADS, thread_name_prefix=f"tier-{tier.name}"),
                                   options=CHANNEL_OPTIONS, interceptors=cluster_auth.server_interceptors())
         tier_pb2_grpc.add_TierServicer_to_server(_Servicer(self), self.server)
@@ -220,6 +220,7 @@ class TierWorker(BatchedRounds):
                 self.lower.dist = self.dist
 
     def stop(self) -> None:
+        self.stop_ahead()
         self.server.stop(0)
         self._ahead_pool.shutdown(wait=False, cancel_futures=True)
         if self.lower is not None:
@@ -403,6 +404,8 @@ class TierWorker(BatchedRounds):
             seq.cond.notify_all()
 
     def _start_ahead(self, seq: _Sequence) -> None:
+        if seq.header.batched:
+            return self.want_ahead(seq)
         if not seq.ahead_running and not seq.closed and seq.stream is not None:
             seq.ahead_running = True
             try:
@@ -424,10 +427,7 @@ class TierWorker(BatchedRounds):
                     context = list(stream.tokens)
                     lower = self.lower
                     try:
-                        if seq.header.batched:
-                            tokens, rows = self.emit_batched(seq, lower, context, 1)
-                        else:
-                            tokens, rows = self._emit(self._scheduler(seq, lower), seq, context, 1)
+                        tokens, rows = self._emit(self._scheduler(seq, lower), seq, context, 1)
                     except TierUnavailableError as exc:
                         self._lower_failed(lower, exc)
                         return
