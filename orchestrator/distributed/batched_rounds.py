@@ -11,10 +11,11 @@ position. So each tier runs one forward per round for the whole batch, as embedd
 
 Draft-ahead stays per sequence: a drafter first serves each sequence of a DraftBatch from
 its draft-ahead stream (tokens drafted past the last block, `TierWorker._from_stream`);
-only the misses are drafted, together. After the reply each sequence's stream grows on its
-own bet (`ahead_until`), but the growing is batched: one thread per worker extends every
-stream that wants tokens by one token per forward (`_ahead_loop`), yielding the model to
-calls a verifier waits on, and skipping a sequence whose call is being served.
+only the misses, and the streams still short of their block, are drafted, together. After
+the reply each sequence's stream grows on its own bet (`ahead_until`), but the growing is
+batched: one thread per worker extends every stream that wants tokens by one token per
+forward (`_ahead_loop`), yielding the model to calls a verifier waits on, and skipping a
+sequence whose call is being served.
 
 A sequence whose header says `batched` lives in the tier's batched cache (a slot cache);
 single Verify / Draft calls for it are served as batches of one, so its KV never splits
@@ -29,6 +30,8 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+
+import torch
 
 from polyspec.orchestrator.decode.batched import CATCH_UP_GAP, BatchedScheduler
 from polyspec.orchestrator.decode.contract import first_eos
@@ -167,21 +170,34 @@ class BatchedRounds:
                 seq.reset_call()
             contexts = [list(r.context) for r in requests]
             trees = [i for i, r in enumerate(requests) if r.tree]
-            hits = {i: self.stream_hit(seqs[i], contexts[i], requests[i]) for i in range(len(requests)) if not requests[i].tree}
+            # what each stream holds now, without waiting on it: streams still short are topped up
+            # below in the misses' forwards (one wait per sequence would grow them one at a time)
+            hits = {i: self.stream_hit(seqs[i], contexts[i], requests[i], wait=False) for i in range(len(requests)) if not requests[i].tree}
             misses = [i for i, hit in hits.items() if hit is None]
+            short = [i for i, hit in hits.items() if hit is not None and len(hit[0]) < requests[i].num_tokens
+                     and first_eos(hit[0], self.eos_token_ids) is None]
             if misses or trees:
                 self._catch_up([seqs[i] for i in misses + trees], [contexts[i] for i in misses + trees])
             drafted: dict[int, tuple] = {}
-            if misses:
+            if misses or short:
                 def emit(lower):
                     out = {}
-                    for length, group in self._by_length(misses, seqs).items():
+                    for length, group in self._by_length(misses + short, seqs).items():
                         scheduler = self._batched_scheduler(lower, length, seqs[group[0]].header)
-                        items = [(seqs[i].run, contexts[i], requests[i].num_tokens) for i in group]
+                        items = [(seqs[i].run, contexts[i] + (hits[i][0] if hits[i] else []),
+                                  requests[i].num_tokens - (len(hits[i][0]) if hits[i] else 0)) for i in group]
                         out.update(zip(group, scheduler.emit_batch(0, items)))
                     return out
 
-                drafted = self._batched_fallback([seqs[i] for i in misses], emit)
+                drafted = self._batched_fallback([seqs[i] for i in misses + short], emit)
+                for i in short:  # the stream goes on from the topped-up block
+                    (tokens, rows), (more, more_rows) = hits[i], drafted.pop(i)
+                    stream = seqs[i].stream
+                    if stream is not None and stream.tokens == contexts[i] + tokens:
+                        stream.tokens.extend(more)
+                        stream.times.extend([time.perf_counter()] * len(more))
+                        stream.rows.extend(list(more_rows) if more_rows is not None else [None] * len(more))
+                    hits[i] = (tokens + more, None if rows is None or more_rows is None else torch.cat([rows, more_rows]))
             grown = {}
             if trees:
                 own = self.batched_tier()

@@ -316,15 +316,16 @@ class TierWorker(BatchedRounds):
             tokens, rows = hit if hit is not None else self._with_fallback(seq, lambda s: self._emit(s, seq, context, need))
             return self.draft_reply(seq, context, request, hit is not None, tokens, rows, dst_rank)
 
-    def stream_hit(self, seq: _Sequence, context: list[int], request: tier_pb2.DraftRequest):
-        """The block `request` asks for from the sequence's draft-ahead stream, or None (a miss). Holds seq.cond."""
+    def stream_hit(self, seq: _Sequence, context: list[int], request: tier_pb2.DraftRequest, wait: bool = True):
+        """The block `request` asks for from the sequence's draft-ahead stream, or None (a miss); without
+        `wait`, what the stream holds now (at least one token). Holds seq.cond."""
         need = request.num_tokens
         continued = request.header.pipeline and seq.served_end >= 0 and request.header.epoch == seq.served_epoch \
             and len(context) >= seq.served_end
         if continued:
             seq.track_whole(True)  # accepted whole and continued (no verdict was sent)
         seq.served_end = -1
-        hit = self._from_stream(seq, context, need, request.header.epoch)
+        hit = self._from_stream(seq, context, need, request.header.epoch, wait)
         if hit is not None:
             tokens, rows = hit
             self.ahead_hits += 1
@@ -376,7 +377,7 @@ class TierWorker(BatchedRounds):
         return self.local.draft_tree(seq.run.seq_id, context, max(1, header.tree_width), depth, seq.params,
                                      header.scheme or "specinfer", seq.run.generators[0])
 
-    def _from_stream(self, seq: _Sequence, context: list[int], need: int, epoch: int):
+    def _from_stream(self, seq: _Sequence, context: list[int], need: int, epoch: int, wait: bool = True):
         """`need` tokens continuing `context` from the draft-ahead stream, or None (a miss)."""
         stream = seq.stream
         if stream is None or stream.epoch != epoch or len(context) < stream.base or len(stream.tokens) <= len(context):
@@ -386,7 +387,7 @@ class TierWorker(BatchedRounds):
         seq.ahead_until = max(seq.ahead_until, len(context) + need)
         self._start_ahead(seq)
         started = time.perf_counter()
-        while stream is seq.stream and len(stream.tokens) - len(context) < need and seq.ahead_running:
+        while wait and stream is seq.stream and len(stream.tokens) - len(context) < need and seq.ahead_running:
             seq.cond.wait()
         # waiting for the drafting ahead is model time on the caller's critical path, not overhead
         add_model_seconds(time.perf_counter() - started)
