@@ -26,8 +26,7 @@ out=${OUT:-/tmp/load-gpu}
 config=${LOAD_CONFIG:-configs/demo-gpu.yaml}
 py=${PYTHON:-python3}
 budget=${BUDGET_S:-420}
-mkdir -p "$out"
-exec > >(tee -a "$out/load_gpu.log") 2>&1
+mkdir -p "$out" || exit 2
 deadline=$((SECONDS + budget))
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false MPLBACKEND=Agg
 status=()
@@ -55,6 +54,7 @@ step() {
     status+=("$name: $verdict")
 }
 
+main() {
 echo "== load_gpu.sh at $(date -u +%FT%TZ) in $repo, budget ${budget}s, output $out"
 step "nvidia-smi" 20 nvidia-smi
 step "versions" 60 "$py" -c "import platform, torch, transformers
@@ -63,7 +63,7 @@ print('cuda', torch.cuda.is_available(), torch.version.cuda, torch.cuda.get_devi
 
 # polyspec as setuptools installs it (pyproject's package-dir): polyspec/ plus workers/,
 # orchestrator/ and protos/ as its subpackages, linked rather than copied
-pkg=$(mktemp -d /tmp/polyspec-path.XXXXXX) || exit 2
+pkg=$(mktemp -d /tmp/polyspec-path.XXXXXX) || return 2
 trap 'rm -rf "$pkg"' EXIT  # links only: the checkout is not touched
 mkdir "$pkg/polyspec"
 for entry in "$repo"/polyspec/*; do
@@ -80,8 +80,8 @@ print('polyspec from', polyspec.__file__)"
 step "device tests" 120 "$py" -P -m pytest -q -p no:cacheprovider -rs -m "not needs_root and not real_models" \
     -k "${TEST_SELECT:-cuda or int4_loads_on_a_gpu}" tests/workers/test_batched_devices.py tests/deploy/test_int4.py
 
-gpu=$("$py" -c "import torch; n = torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'
-print(next((k for k in ('h100', 'h200', 'a100', 'l4') if k in n.lower()), 'gpu' if n != 'cpu' else 'cpu'))" 2>/dev/null || echo gpu)
+gpu=$(timeout 60 "$py" -c "import torch; n = torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'
+print(next((k for k in ('h100', 'h200') if k in n.lower()), 'gpu' if n != 'cpu' else 'cpu'))" 2>/dev/null || echo gpu)
 # shellcheck disable=SC2086  # LOAD_ARGS is a list of arguments
 step "load benchmark" 280 "$py" -P benchmarks/load.py --config "$config" --quick --out "$out/load-$gpu" ${LOAD_ARGS:-}
 [[ -f $out/load-$gpu.md ]] && cat "$out/load-$gpu.md"
@@ -89,5 +89,10 @@ step "load benchmark" 280 "$py" -P benchmarks/load.py --config "$config" --quick
 echo "== summary ($((SECONDS))s in all)"
 printf '   %s\n' "${status[@]}"
 ls -l "$out"
-for s in "${status[@]}"; do [[ $s == *": ok" ]] || exit 1; done
-exit 0
+for s in "${status[@]}"; do [[ $s == *": ok" ]] || return 1; done
+return 0
+}
+
+# a pipeline, not a process substitution: the script ends only once the log has every line
+main 2>&1 | tee -a "$out/load_gpu.log"
+exit "${PIPESTATUS[0]}"
