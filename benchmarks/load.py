@@ -18,9 +18,10 @@ back (interleaved, on one machine, 1 torch thread each):
 - hf static:     transformers `generate` of the target, static batches of C left-padded prompts
 
 Total tokens/s = all new tokens / wall time; latency = a request's finish - its send.
-Writes <out>.json (with the machine's load average during each cell), <out>.md, <out>.png;
-the JSON and the table are rewritten after every cell (marked "partial" until the run ends),
-so a run stopped early keeps the cells it finished.
+Writes <out>.json (with the machine's load average during each cell), <out>.md, <out>.png.
+Until the run ends, <out>.partial.json and <out>.partial.md hold the cells done so far
+(rewritten after each cell, removed at the end): a run stopped early keeps what it measured
+and leaves a previous full result in place.
 
 On a GPU the config's tiers say where each model runs (configs/demo-gpu.yaml: CUDA,
 bfloat16); `hf static` then runs the target as the chain loads it (device, dtype).
@@ -200,16 +201,18 @@ def main(argv=None) -> int:
                 print(f"T={temperature:g} C={concurrency:>2} {name:<13} {row[name]['tokens_per_s']:8.1f} tok/s  "
                       f"p50 {row[name]['p50_s']:.2f}s  p99 {row[name]['p99_s']:.2f}s  load {cell.load:.1f}", file=sys.stderr, flush=True)
             results.setdefault(f"T={temperature:g}", {})[str(concurrency)] = row
-            write(report(partial=True), out)
+            write(report(partial=True), out.with_suffix(".partial.json"), out.with_suffix(".partial.md"))
     final = report(partial=False)
-    write(final, out)
+    write(final, out.with_suffix(".json"), out.with_suffix(".md"))
     plot(final, out.with_suffix(".png"))
+    for partial in (out.with_suffix(".partial.json"), out.with_suffix(".partial.md")):
+        partial.unlink(missing_ok=True)
     return 0
 
 
-def write(report: dict, out: Path) -> None:
-    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    out.with_suffix(".md").write_text(markdown(report), encoding="utf-8")
+def write(report: dict, json_path: Path, markdown_path: Path) -> None:
+    json_path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    markdown_path.write_text(markdown(report), encoding="utf-8")
 
 
 def ratios(results: dict) -> dict:
@@ -235,7 +238,7 @@ def markdown(report: dict) -> str:
     if device != "cpu":
         lines[2:2] = [f"Models on {device}, torch {report['machine']['torch']}.", ""]
     if report.get("partial"):
-        lines[2:2] = ["**Partial: the cells done so far (the table is rewritten after each cell until the run ends).**", ""]
+        lines[2:2] = ["**Partial: the cells done so far; the run had not ended.**", ""]
     for temp, rows in report["results"].items():
         lines += [f"## {temp}", "", "| C | system | tokens/s | p50 s | p99 s | load |", "|---:|---|---:|---:|---:|---:|"]
         for concurrency, row in rows.items():

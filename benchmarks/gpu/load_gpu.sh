@@ -11,11 +11,11 @@
 #    the one-request tier, and batched engines against the target's greedy output, in
 #    float32, bfloat16 and float16) and the int4 loading test (skipped without bitsandbytes);
 # 4. runs benchmarks/load.py --quick on configs/demo-gpu.yaml (or $LOAD_CONFIG), writing
-#    $OUT/load-<gpu>.{json,md,png}; the JSON and table are rewritten after every cell, so a
-#    run cut short keeps the cells it finished.
+#    $OUT/load-<gpu>.{json,md,png}; until it ends, load-<gpu>.partial.{json,md} hold the
+#    cells done so far, so a run cut short keeps what it measured.
 #
 # Every step runs under `timeout`, so the whole script ends within $BUDGET_S seconds (420 by
-# default). Everything it prints also goes to $OUT/load_gpu.log: four files come back in all.
+# default). Everything it prints also goes to $OUT/load_gpu.log: four to six files in all.
 # Environment: OUT (default /tmp/load-gpu), LOAD_CONFIG, BUDGET_S, PYTHON (default python3),
 # LOAD_ARGS (extra arguments for load.py, e.g. "--concurrency 1,4 --temperatures 0"),
 # TEST_SELECT (the tests' -k expression; a CPU try of this script: "cpu and bfloat16").
@@ -84,7 +84,7 @@ gpu=$(timeout 60 "$py" -c "import torch; n = torch.cuda.get_device_name() if tor
 print(next((k for k in ('h100', 'h200') if k in n.lower()), 'gpu' if n != 'cpu' else 'cpu'))" 2>/dev/null || echo gpu)
 # shellcheck disable=SC2086  # LOAD_ARGS is a list of arguments
 step "load benchmark" 280 "$py" -P benchmarks/load.py --config "$config" --quick --out "$out/load-$gpu" ${LOAD_ARGS:-}
-[[ -f $out/load-$gpu.md ]] && cat "$out/load-$gpu.md"
+for table in "$out/load-$gpu.md" "$out/load-$gpu.partial.md"; do [[ -f $table ]] && cat "$table"; done
 
 echo "== summary ($((SECONDS))s in all)"
 printf '   %s\n' "${status[@]}"
