@@ -317,8 +317,7 @@ class TierWorker(BatchedRounds):
             return self.draft_reply(seq, context, request, hit is not None, tokens, rows, dst_rank)
 
     def stream_hit(self, seq: _Sequence, context: list[int], request: tier_pb2.DraftRequest, wait: bool = True):
-        """The block `request` asks for from the sequence's draft-ahead stream, or None (a miss); without
-        `wait`, what the stream holds now (at least one token). Holds seq.cond."""
+        """The requested block from the draft-ahead stream, or None; without `wait`, what it holds now. Holds seq.cond."""
         need = request.num_tokens
         continued = request.header.pipeline and seq.served_end >= 0 and request.header.epoch == seq.served_epoch \
             and len(context) >= seq.served_end
