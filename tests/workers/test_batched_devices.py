@@ -53,7 +53,7 @@ def row_tolerance(device: str, dtype: str) -> float:
 def load(path: str, device: str, dtype: str):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval().to(device)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation="sdpa").eval().to(device)
 
 
 @pytest.mark.parametrize("device,dtype", CASES)
