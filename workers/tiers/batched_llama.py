@@ -35,8 +35,11 @@ import dataclasses
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from polyspec.workers.tiers.lean_llama import LeanLlama
+
+GPU_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 INITIAL_SLOTS = 4
 INITIAL_CAPACITY = 128
@@ -301,7 +304,13 @@ class BatchedLlama:
                 b, length = key.shape[0], key.shape[2]
                 key = key[:, :, None].expand(b, self.kv_heads, self.groups, length, self.head_dim).reshape(b, self.heads, length, self.head_dim)
                 value = value[:, :, None].expand(b, self.kv_heads, self.groups, length, self.head_dim).reshape(b, self.heads, length, self.head_dim)
-            attn = F.scaled_dot_product_attention(q_in, key, value, attn_mask=attn_mask, dropout_p=0.0, scale=self.scaling)
+            if q_in.is_cuda:
+                # not cuDNN attention: it builds an execution plan per new shape, and a batched
+                # round's shapes change every step (KV length, ragged blocks): ~8 ms of host time a call
+                with sdpa_kernel(GPU_ATTENTION):
+                    attn = F.scaled_dot_product_attention(q_in, key, value, attn_mask=attn_mask, dropout_p=0.0, scale=self.scaling)
+            else:
+                attn = F.scaled_dot_product_attention(q_in, key, value, attn_mask=attn_mask, dropout_p=0.0, scale=self.scaling)
             if mode == "span":
                 attn = attn[row_of]
             attn = attn.transpose(1, 2).reshape(rows, width, -1)
