@@ -23,8 +23,8 @@ Requests join and leave between steps (continuous batching): `start` opens one, 
 caches new prompts within a token budget before they join the rounds (chunked prefill),
 `finish` / `cancel` free its slots. The lengths and tiers of the round are the same for
 every request of a step; a planner (polyspec.orchestrator.tuning.batch_model) sets them
-for the current batch size before each step (chains only: its time model prices chain
-blocks, so a tree chain runs its configured lengths).
+for the current batch size before each step (with trees, the depth of the bottom
+drafter's trees; their width stays the config's).
 """
 
 from __future__ import annotations
@@ -214,7 +214,8 @@ class BatchedScheduler(ChainScheduler):
             if below is not None:
                 stage_of(run.stages, run.bypass_stages, self.tiers, level, below).record(len(block), len(path), length, seconds)
                 if self.planner is not None:
-                    self.planner.observe_round(level, below, len(block), len(path), run.params.greedy)
+                    depth = None if block.is_chain() else max(block.depths()) + 1  # a tree's per-depth acceptance prices trees
+                    self.planner.observe_round(level, below, len(block), len(path), run.params.greedy, depth)
             emitted = [block.tokens[j] for j in path] + [next_token]
             if run.params.greedy:
                 rows = None

@@ -333,15 +333,29 @@ def test_batched_tree_sampling_matches_target_distribution(tiny_family):
     assert p_value > ALPHA, f"chi-square p={p_value:.2e} over {samples} samples"
 
 
-def test_tree_chain_with_auto_lengths_runs_batched_at_the_default_lengths(tiny_family):
-    """The planner prices chain blocks: a batched tree chain keeps the default lengths (docs/serving.md)."""
-    from polyspec.orchestrator.config import DEFAULT_SPECULATION_LENGTH
-
-    engine = build(tiny_family, ["target", "mid"], {"lengths": "auto", "tree_width": 2})
-    assert engine.batched and engine.scheduler.planner is None
-    assert engine.scheduler.lengths == [DEFAULT_SPECULATION_LENGTH] and engine.scheduler.tree_width == 2
-    result = engine.generate(engine.parse_request({"prompt": PROMPTS[0], "max_new_tokens": 8}))
-    assert len(result["token_ids"]) == 8 or result["finish_reason"] == "eos"
+def test_tree_chain_with_auto_lengths_plans_tree_depths(tiny_family, target_model):
+    """`lengths: auto` with tree_width 2: the planner prices tree blocks (docs/serving.md) and moves
+    the plan (off measured first, then trees of the depth it picked); each request records the
+    plans it ran, the tree rounds feed the per-depth acceptance, and every request equals the
+    target's own greedy output."""
+    engine = build(tiny_family, ["target", "mid"], {"lengths": "auto", "tree_width": 2}, {"max_requests": 4})
+    planner = engine.scheduler.planner
+    assert engine.batched and planner is not None and planner.tree_width == 2 and engine.scheduler.tree_width == 2
+    engine.scheduler.eos_token_ids = frozenset()
+    requests = [engine.parse_request({"prompt": p, "max_new_tokens": 24, "id": str(i)}) for i, p in enumerate(PROMPTS)]
+    results = {}
+    run_requests(engine, requests, lambda result: results.__setitem__(result["id"], result))
+    assert set(results) == {r.id for r in requests}
+    for index, prompt in enumerate(PROMPTS):
+        _check_greedy(target_model, encode_prompt(engine.tokenizer, prompt), results[str(index)]["token_ids"], 24)
+    plans = [results[str(i)]["stats"]["plans"] for i in range(len(PROMPTS))]
+    assert plans[0][0]["tiers"] == ["target"]  # the first load measures speculation off first ...
+    assert any(len(p) > 1 for p in plans)  # ... and a request's plan moved from there
+    ran = [p for request_plans in plans for p in request_plans if p["tiers"] == ["target", "mid"]]
+    assert ran and all(p["lengths"][0] in (3, 6, 12) for p in ran)  # trees of a depth on the planner's grid
+    reached = planner.acceptance.reached[(0, 1, True)]  # tree rounds were observed per depth
+    assert reached[0] > 0 and len(reached) >= min(p["lengths"][0] for p in ran)
+    assert "tree_depth_rates" in planner.describe()
 
 
 @pytest.mark.parametrize("names,speculation", [
