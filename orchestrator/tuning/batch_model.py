@@ -550,6 +550,11 @@ def profile_batched(tiers, vocab_size: int, max_batch: int, repeats: int = 2) ->
                 for w in WIDTH_GRID:
                     ms[(b, w)] = ms[(batches[-1], w)] * b / batches[-1]
         tables.append(ForwardTable(monotone(ms)))
+    opened = [("profile", index, r) for index in range(len(tiers)) for r in range(max(batches))]
+    for tier in tiers:  # a drafter's profile may open sequences in the tier it reads from (a feature head's target)
+        for seq_id in opened:
+            tier.release(seq_id)
+        tier.forward_log.clear()
     return tables, lookup
 
 

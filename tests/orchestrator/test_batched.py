@@ -217,7 +217,8 @@ def test_kv_memory_bound_lowers_max_requests(tiny_family):
 
 def test_batched_tree_tier_matches_one_sequence_tier(tiny_family):
     """Trees beside chains in one forward: the same rows as `ModelTier.score`, the same trees
-    (same seeds) as `ModelTier.draft_tree`, and `accept_path` leaves the same cache behind."""
+    (same seeds) as `ModelTier.draft_tree`, and `accept_path` leaves the same cache behind,
+    recorded features (`keep_features`, what a feature drafter reads) included."""
     from transformers import AutoModelForCausalLM
 
     from polyspec.workers.core.tree import DraftTree
@@ -230,6 +231,7 @@ def test_batched_tree_tier_matches_one_sequence_tier(tiny_family):
 
     target, drafter = tier("target"), tier("small")
     batched_target, batched_drafter = BatchedModelTier(tier("target")), BatchedModelTier(tier("small"))
+    target.keep_features = batched_target.keep_features = True
     for batched in (batched_target, batched_drafter):  # requests 0-3 in slots 0, 1, 5, 12: gather, span and view forwards
         for pad in range(13):
             batched.cache.slot(f"pad{pad}")
@@ -268,6 +270,16 @@ def test_batched_tree_tier_matches_one_sequence_tier(tiny_family):
             slot = batched_target.cache.slot_of[r]
             assert batched_target.cache.tokens[slot] == contexts[r] + [block.tokens[j] for j in path]
             contexts[r] = contexts[r] + [block.tokens[j] for j in path] + [5 + step]
+        for r in range(4):  # the features of what each cache holds: context and kept path, or context and chain block
+            want, got = target.features(r, contexts[r], len(contexts[r])), batched_target.features(r, contexts[r], len(contexts[r]))
+            assert got.shape == want.shape and got.shape[0] >= len(contexts[r]) - 1
+            assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+    new = torch.randint(1, 200, (9,), generator=generator).tolist()  # a sequence the tier has not seen: computed on demand ...
+    got = batched_target.features("new", new, 8, compute=True)
+    assert torch.allclose(got, target.features("new", new, 8, compute=True), atol=1e-4) and batched_target.cached("new") == 8
+    forwards = batched_target.tier.forwards
+    batched_target.score_batch(["new"], [new], [DraftTree.chain([], None)], [SamplingParams()])
+    assert batched_target.tier.forwards == forwards + 1 and batched_target.forward_log[-1][1] == 1  # ... and the score finds it cached
 
 
 @pytest.mark.parametrize("names,speculation", [
@@ -364,16 +376,23 @@ def test_tree_chain_with_auto_lengths_plans_tree_depths(tiny_family, target_mode
     (["target", "early_exit_noisy"], {"lengths": [3], "tree_width": 2}),
 ])
 def test_greedy_batched_trained_drafters_equal_target_alone(tiny_drafters, names, speculation):
+    """Greedy equality; and every forward of the target is a batched one: a feature head reads the
+    features the batched target's forwards recorded, no target forward runs for it alone."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_drafters["target"], dtype=torch.float32).eval()
     engine = build(tiny_drafters, names, speculation, {"max_requests": 4, "max_batched_tokens": 64})
     assert engine.batched
     engine.scheduler.eos_token_ids = frozenset()
+    target = engine.scheduler.tiers[0]
+    batched_forward, calls = target.model.forward, []
+    target.model.forward = lambda *args, **kwargs: calls.append(1) or batched_forward(*args, **kwargs)
+    forwards_before = target.tier.forwards  # the wrapped tier counts every forward, batched or its own
     requests = [engine.parse_request({"prompt": p, "max_new_tokens": 12, "id": str(i)}) for i, p in enumerate(PROMPTS)]
     results = {}
     run_requests(engine, requests, lambda result: results.__setitem__(result["id"], result))
     assert set(results) == {r.id for r in requests}
+    assert calls and target.tier.forwards - forwards_before == len(calls)
     for index, prompt in enumerate(PROMPTS):
         _check_greedy(model, encode_prompt(engine.tokenizer, prompt), results[str(index)]["token_ids"], 12)
 
