@@ -79,7 +79,7 @@ class Engine:
         self.max_requests = 1
         self.config = config if speculative else config.target_only()
         if config.runtime.backend == "ray":
-            self._start_ray(auto_tune)
+            self._start_ray(auto_tune, batched)
             return
         self.tiers, self.tokenizer = load_tiers(self.config.tiers)
         eos = set()
@@ -138,7 +138,7 @@ class Engine:
             return step_all(states)
         return [self.scheduler.step(state) for state in states]
 
-    def _start_ray(self, auto_tune: bool) -> None:
+    def _start_ray(self, auto_tune: bool, batched: bool) -> None:
         """The tiers run as Ray actors (polyspec.orchestrator.distributed.ray_runtime); this process only drives them."""
         from polyspec.orchestrator.distributed.ray_runtime import ray_chain
         from polyspec.workers.tiers.loading import describe_chain
@@ -146,6 +146,12 @@ class Engine:
         self.tokenizer, eos = describe_chain(self.config.tiers)
         self.scheduler = ray_chain(self.config, stop_token_ids(self.tokenizer, eos))
         self.tiers = self.scheduler.tiers  # TierViews: name, vocab_size, busy_s
+        # a trained drafter reads the target's features from its one-sequence cache: such chains take turns
+        if batched and self.config.batching.enabled and not any(t.drafter for t in self.config.tiers):
+            # every running request in one VerifyBatch per step; each tier actor scores all their
+            # blocks in one forward (polyspec.orchestrator.distributed.batched_rounds)
+            self.batched = self.scheduler.batched = True
+            self.max_requests = self.config.batching.max_requests
         if auto_tune and self.config.speculation.lengths == "auto" and len(self.tiers) > 1:
             self.scheduler.tuner = self.make_tuner()
 

@@ -47,11 +47,15 @@ class BatchedScheduler(ChainScheduler):
     finish / cancel, its seeds and stats), advanced many per forward by `step_all`."""
 
     def __init__(self, tiers: list[BatchedTier], lengths: list[int], eos_token_ids: tuple[int, ...] = (), planner=None,
-                 prefill_budget: int = DEFAULT_PREFILL_BUDGET, tree_width: int = 1, scheme: str = "specinfer") -> None:
-        super().__init__(tiers, lengths, tree_width=tree_width, scheme=scheme, eos_token_ids=eos_token_ids)
+                 prefill_budget: int = DEFAULT_PREFILL_BUDGET, tree_width: int = 1, scheme: str = "specinfer",
+                 draft_ahead: bool = False) -> None:
+        super().__init__(tiers, lengths, tree_width=tree_width, scheme=scheme, eos_token_ids=eos_token_ids, draft_ahead=draft_ahead)
         self.planner = planner  # polyspec.orchestrator.tuning.batch_model.BatchPlanner or None
         self.prefill_budget = prefill_budget
         self.last_step: dict = {}  # batch size, tokens, seconds and plan of the latest step
+        # optional hook on every verification round: (run, level, drafter, length, proposed, accepted, seconds);
+        # the distributed tier worker turns rounds into stage reports with it
+        self.on_round = None
 
     # ------------------------------------------------------------------ API
 
@@ -216,10 +220,19 @@ class BatchedScheduler(ChainScheduler):
                 if self.planner is not None:
                     depth = None if block.is_chain() else max(block.depths()) + 1  # a tree's per-depth acceptance prices trees
                     self.planner.observe_round(level, below, len(block), len(path), run.params.greedy, depth)
-            emitted = [block.tokens[j] for j in path] + [next_token]
+                if self.on_round is not None:
+                    self.on_round(run, level, below, length, len(block), len(path), seconds)
+            # a drafter that drafts ahead (a remote tier, pipelined) has already gone past a block
+            # accepted whole: no bonus token, its continuation is verified next (ChainScheduler.verify_round)
+            no_bonus = (self.draft_ahead and below is not None and self.tiers[below].continues_past(run.seq_id)
+                        and 0 < len(path) == len(block) == length)
+            if below is not None:
+                self.tiers[below].verdict(run.seq_id, len(context), len(block), len(path), None if no_bonus else next_token)
+            emitted = [block.tokens[j] for j in path] + ([] if no_bonus else [next_token])
             if run.params.greedy:
                 rows = None
             else:  # the verifier's row at the root and below each accepted node
                 rows = target_probs[: len(path) + 1] if block.is_chain() else target_probs[[0] + [j + 1 for j in path]]
+                rows = rows[: len(emitted)]
             out.append((emitted, rows))
         return out

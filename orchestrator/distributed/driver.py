@@ -123,7 +123,6 @@ class _Target:
 
 
 class DistributedChain:
-    concurrent_steps = True  # steps of different requests may run at once (the server overlaps them)
     plan_ahead = True  # with a tuner: plan the next round while this one is in flight (`step`)
 
     def __init__(self, membership: Membership, lengths: list[int], *, tree_width: int = 1, scheme: str = "specinfer",
@@ -146,6 +145,8 @@ class DistributedChain:
         self._target_lock = threading.Lock()
         self._seq_ids = itertools.count(random.getrandbits(40) << 20)
         self._releases = futures.ThreadPoolExecutor(1, thread_name_prefix="polyspec-release")
+        self.batched = False  # continuous batching: `step_all` sends every running request in one VerifyBatch
+        self.last_step: dict = {}  # batched: batch size, tokens, seconds of the latest step
 
     # ----------------------------------------------------------------- target
 
@@ -194,11 +195,16 @@ class DistributedChain:
         """`contract.generate` on this chain."""
         return generate(self, prompt_ids, max_new_tokens, params, seed, on_commit)
 
+    @property
+    def concurrent_steps(self) -> bool:
+        """Steps of different requests may run at once (the server overlaps them), unless batched."""
+        return not self.batched
+
     def start(self, prompt_ids, max_new_tokens, params: SamplingParams, seed=None) -> RequestState:
         header = tier_pb2.SequenceHeader(
             seq_id=next(self._seq_ids), temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
             seeds=tier_seeds(seed, len(self.tiers)), lengths=self.lengths, pipeline=self.pipeline, scheme=self.scheme,
-            tree_width=self.tree_width, limit=self.max_context or 0,
+            tree_width=self.tree_width, limit=self.max_context or 0, batched=self.batched,
         )
         return RequestState(seq_id=header.seq_id, params=params, committed=list(prompt_ids), max_new_tokens=max_new_tokens,
                             limit=self.max_context or NO_LIMIT, run=RemoteRun(header), tier_busy_s=[0.0] * len(self.tiers))
@@ -208,22 +214,8 @@ class DistributedChain:
             return []
         run: RemoteRun = state.run
         left = remaining(state)
-        header = run.header
         tuner = self.tuner
-        lengths = self.lengths
-        if tuner is not None:
-            planned, run.planned = run.planned, None
-            if planned is not None and planned[0] is tuner:
-                lengths = planned[1]
-            else:
-                with self._tuner_lock:
-                    lengths = tuner.plan_remote(state.params, new_tokens=state.max_new_tokens if run.rounds == 0 else None)
-            if not state.plans or state.plans[-1]["lengths"] != lengths:  # the same entries as ChainScheduler's
-                state.plans.append({"new_tokens": len(state.new_tokens), "lengths": list(lengths),
-                                    "tiers": [view.name for view in self.tiers]})
-        del header.lengths[:]
-        header.lengths.extend(lengths)
-        request = tier_pb2.VerifyRequest(header=header, context=state.committed, max_tokens=left)
+        request, lengths = self._round_request(state)
         # The tuner's bookkeeping of the last round (observe_remote) runs while this round is in
         # flight, off the critical path, and so does the plan of the next round (plan_remote,
         # with its re-tunes: about a millisecond of Python a round) when this round cannot end
@@ -243,11 +235,65 @@ class DistributedChain:
                     if plan_ahead:
                         run.planned = (tuner, tuner.plan_remote(state.params))
         reply, wall = self._call_target("Verify", request, meanwhile=work)
+        return self._round_reply(state, reply, wall, lengths)
+
+    def prefill(self, states: list[RequestState], budget: int | None = None) -> int:
+        """Batched: each tier caches a joining request's prompt at its first round (in a forward of its own)."""
+        return 0
+
+    def ready(self, state: RequestState) -> bool:
+        return True
+
+    def step_all(self, states: list[RequestState]) -> list[list[int]]:
+        """One target round of every request in `states`, in one VerifyBatch: each tier scores every
+        request's block in one forward (polyspec.orchestrator.distributed.batched_rounds)."""
+        started = time.perf_counter()
+        out: list[list[int]] = [[] for _ in states]
+        live = [i for i, state in enumerate(states) if not finish_if_full(state)]
+        if not live:
+            return out
+        planned = [self._round_request(states[i]) for i in live]
+        batch = tier_pb2.VerifyBatchRequest(requests=[request for request, _ in planned])
+        reply, wall = self._call_target("VerifyBatch", batch)
+        if len(reply.replies) != len(live):
+            raise RuntimeError(f"tier {self.tiers[0].name!r}: VerifyBatch answered {len(reply.replies)} of {len(live)} requests")
+        committed = 0
+        for i, (_, lengths), one in zip(live, planned, reply.replies):
+            out[i] = self._round_reply(states[i], one, wall, lengths, observe_now=True)
+            committed += len(out[i])
+        self.last_step = {"batch": len(live), "tokens": committed, "seconds": time.perf_counter() - started, "tiers": list(self.active)}
+        return out
+
+    def _round_request(self, state: RequestState) -> tuple[tier_pb2.VerifyRequest, list[int]]:
+        """The request's next Verify and the lengths it runs (the tuner's plan)."""
+        run: RemoteRun = state.run
+        header = run.header
+        tuner = self.tuner
+        lengths = self.lengths
+        if tuner is not None:
+            planned, run.planned = run.planned, None
+            if planned is not None and planned[0] is tuner:
+                lengths = planned[1]
+            else:
+                with self._tuner_lock:
+                    lengths = tuner.plan_remote(state.params, new_tokens=state.max_new_tokens if run.rounds == 0 else None)
+            if not state.plans or state.plans[-1]["lengths"] != lengths:  # the same entries as ChainScheduler's
+                state.plans.append({"new_tokens": len(state.new_tokens), "lengths": list(lengths),
+                                    "tiers": [view.name for view in self.tiers]})
+        del header.lengths[:]
+        header.lengths.extend(lengths)
+        return tier_pb2.VerifyRequest(header=header, context=state.committed, max_tokens=remaining(state)), lengths
+
+    def _round_reply(self, state: RequestState, reply: tier_pb2.VerifyReply, wall: float, lengths: list[int],
+                     observe_now: bool = False) -> list[int]:
+        """Fold one round's reply into the request: stats, the tuner's observation, the committed tokens."""
+        run: RemoteRun = state.run
+        tuner = self.tuner
         run.overhead_s += max(0.0, wall - reply.model_s)
         if tuner is not None:  # (bound to the tuner that planned the round)
             observation = functools.partial(tuner.observe_remote, state.params, reply.stages, wall, reply.model_s,
                                             first=run.rounds == 0, lengths=list(lengths))
-            if run.rounds == 0:
+            if run.rounds == 0 or observe_now:
                 self._observe(observation)
             else:
                 run.unobserved = observation

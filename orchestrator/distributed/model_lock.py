@@ -109,3 +109,55 @@ class LockedTier(Tier):
     def truncate(self, seq_id, length):
         with self.lock.hold():
             return self.inner.truncate(seq_id, length)
+
+
+class LockedBatched:
+    """A batched tier (polyspec.workers.tiers.batched) behind the worker's ModelLock: the batched
+    calls and the draft-ahead rounds of single sequences take turns on its one slot cache."""
+
+    def __init__(self, tier, lock: ModelLock) -> None:
+        self.inner = tier
+        self.lock = lock
+        for name in ("tier", "name", "vocab_size", "max_context", "can_verify", "has_weights", "caches_prompts"):
+            setattr(self, name, getattr(tier, name))
+
+    @property
+    def busy_s(self) -> float:
+        return self.inner.busy_s
+
+    def cached(self, seq_id) -> int:
+        return self.inner.cached(seq_id)
+
+    def continues_past(self, seq_id) -> bool:
+        return False
+
+    def verdict(self, *args) -> None:
+        pass
+
+    def score_batch(self, *args):
+        with self.lock.hold():
+            return self.inner.score_batch(*args)
+
+    def draft_batch(self, *args):
+        with self.lock.hold():
+            return self.inner.draft_batch(*args)
+
+    def draft_tree_batch(self, *args):
+        with self.lock.hold():
+            return self.inner.draft_tree_batch(*args)
+
+    def prefill(self, *args) -> int:
+        with self.lock.hold():
+            return self.inner.prefill(*args)
+
+    def accept_path(self, seq_id, path) -> None:
+        with self.lock.hold():
+            self.inner.accept_path(seq_id, path)
+
+    def truncate(self, seq_id, length: int) -> None:
+        with self.lock.hold():
+            self.inner.truncate(seq_id, length)
+
+    def release(self, seq_id) -> None:
+        with self.lock.hold():
+            self.inner.release(seq_id)

@@ -42,6 +42,7 @@ from polyspec.orchestrator.distributed import cluster_auth
 from polyspec.protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
 from polyspec.workers.tiers.tier import Tier
 from polyspec.workers.core.tree import DraftTree
+from polyspec.workers.tiers.batched import BatchedTier
 
 SPARSE_FRACTION = 0.25
 DIST_MIN_BYTES = int(os.environ.get("POLYSPEC_DIST_MIN_BYTES", 256 << 10))  # gloo beats inline above this (measured)
@@ -238,24 +239,34 @@ class RemoteTier(Tier):
         except RuntimeError:  # closed
             pass
 
-    def draft(self, seq_id, context, num_tokens, params, generator):
+    def draft_request(self, seq_id, context, num_tokens: int, tree: bool = False) -> tier_pb2.DraftRequest:
         seq = self._sequence(seq_id)
-        request = tier_pb2.DraftRequest(header=seq.header_for_lower(), context=context, num_tokens=num_tokens, caller=self.caller,
-                                       accept_dist=self.dist is not None)
-        reply = self._call("Draft", request)
+        return tier_pb2.DraftRequest(header=seq.header_for_lower(), context=context, num_tokens=num_tokens, tree=tree,
+                                     caller=self.caller, accept_dist=self.dist is not None)
+
+    def absorb_draft(self, seq_id, reply: tier_pb2.DraftReply, tree: bool = False):
+        """The block (tokens, rows) or tree of one Draft reply; its reports go to the caller's sequence."""
         rows = decode_rows(reply.rows, self.dist)
+        seq = self._sequence(seq_id)
         seq.absorb(reply)
+        if tree:
+            return DraftTree(list(reply.tokens), list(reply.parents), rows)
         seq.lower_continues = reply.continues
         return list(reply.tokens), rows
 
+    def draft(self, seq_id, context, num_tokens, params, generator):
+        return self.absorb_draft(seq_id, self._call("Draft", self.draft_request(seq_id, context, num_tokens)))
+
     def draft_tree(self, seq_id, context, width, depth, params, scheme, generator):
-        seq = self._sequence(seq_id)
-        request = tier_pb2.DraftRequest(header=seq.header_for_lower(), context=context, num_tokens=depth, tree=True, caller=self.caller,
-                                       accept_dist=self.dist is not None)
-        reply = self._call("Draft", request)
-        rows = decode_rows(reply.rows, self.dist)
-        seq.absorb(reply)
-        return DraftTree(list(reply.tokens), list(reply.parents), rows)
+        return self.absorb_draft(seq_id, self._call("Draft", self.draft_request(seq_id, context, depth, tree=True)), tree=True)
+
+    def draft_many(self, seq_ids, contexts, counts, tree: bool = False) -> list:
+        """`draft` (or `draft_tree`) of many sequences in one DraftBatch call."""
+        request = tier_pb2.DraftBatchRequest(requests=[self.draft_request(s, c, n, tree) for s, c, n in zip(seq_ids, contexts, counts)])
+        reply = self._call("DraftBatch", request)
+        if len(reply.replies) != len(seq_ids):
+            raise RuntimeError(f"tier {self.name!r}: DraftBatch answered {len(reply.replies)} of {len(seq_ids)} sequences")
+        return [self.absorb_draft(s, r, tree) for s, r in zip(seq_ids, reply.replies)]
 
     def continues_past(self, seq_id) -> bool:
         seq = self._sequence(seq_id)
@@ -275,3 +286,26 @@ class RemoteTier(Tier):
 
     def release(self, seq_id):
         self._cast("Release", tier_pb2.ReleaseRequest(seq_id=seq_id))
+
+
+class RemoteBatchedTier(BatchedTier):
+    """The tier below behind the batched seam (polyspec.workers.tiers.batched): every
+    sequence of a round asks for its block in one DraftBatch call, which the tier below
+    answers with one batched forward per drafted position (or per round of its own)."""
+
+    def __init__(self, remote: RemoteTier) -> None:
+        super().__init__(remote)
+        self.remote = remote
+        self.index = remote.index
+
+    def draft_batch(self, seq_ids, contexts, counts, params, generators):
+        return self.remote.draft_many(seq_ids, contexts, counts)
+
+    def draft_tree_batch(self, seq_ids, contexts, width, depths, params, scheme, generators):
+        return self.remote.draft_many(seq_ids, contexts, depths, tree=True)
+
+    def continues_past(self, seq_id) -> bool:
+        return self.remote.continues_past(seq_id)
+
+    def verdict(self, seq_id, base_len, proposed, accepted, correction) -> None:
+        self.remote.verdict(seq_id, base_len, proposed, accepted, correction)

@@ -32,12 +32,14 @@ import statistics
 import sys
 import threading
 import time
+import traceback
 from concurrent import futures
 
 import grpc
 import torch
 
 from polyspec.orchestrator.distributed import cluster_auth
+from polyspec.orchestrator.distributed.batched_rounds import BatchedRounds
 from polyspec.orchestrator.decode.contract import NO_LIMIT, StageStats, first_eos, seeded_generator
 from polyspec.orchestrator.decode.scheduler import ChainScheduler, Run
 from polyspec.orchestrator.tuning.time_model import AHEAD_SMOOTHING, AHEAD_THRESHOLD  # the time model reads the same bet
@@ -156,7 +158,7 @@ class _Recorder:
         pass
 
 
-class TierWorker:
+class TierWorker(BatchedRounds):
     """Tier `index` of a chain, serving protos/polyspec/v1/tier.proto on `host`."""
 
     def __init__(self, tier: Tier, index: int, *, eos_token_ids=(), host: str = "127.0.0.1", port: int = 0,
@@ -196,6 +198,8 @@ class TierWorker:
     def set_vocab_size(self, vocab_size: int) -> None:
         self.tier.vocab_size = vocab_size
         self.local.vocab_size = vocab_size
+        with self._wiring:
+            self._batched = None  # made again, with this vocabulary, on first use
 
     def connect(self, address: str | None) -> str:
         """Make `address` the tier below (None: this tier is the bottom). Returns its name."""
@@ -270,6 +274,8 @@ class TierWorker:
     # ------------------------------------------------------------------ verify
 
     def verify(self, request: tier_pb2.VerifyRequest) -> tier_pb2.VerifyReply:
+        if request.header.batched:
+            return self.verify_batch(tier_pb2.VerifyBatchRequest(requests=[request])).replies[0]
         seq = self._sequence(request.header)
         set_model_seconds(0.0)
         with seq.cond:
@@ -288,6 +294,8 @@ class TierWorker:
     # ------------------------------------------------------------------- draft
 
     def draft(self, request: tier_pb2.DraftRequest, dst_rank: int | None) -> tier_pb2.DraftReply:
+        if request.header.batched:
+            return self.draft_batch(tier_pb2.DraftBatchRequest(requests=[request]), dst_rank).replies[0]
         seq = self._sequence(request.header)
         context, need = list(request.context), request.num_tokens
         started = time.perf_counter()
@@ -303,44 +311,55 @@ class TierWorker:
                                            rows=encode_rows(tree.draft_rows, self.counters, self.dist, dst_rank),
                                            model_s=model_seconds() + seq.model_below_s, stages=seq.take_reports(),
                                            degraded=seq.degraded)
-            continued = request.header.pipeline and seq.served_end >= 0 and request.header.epoch == seq.served_epoch \
-                and len(context) >= seq.served_end
-            if continued:
-                seq.track_whole(True)  # accepted whole and continued (no verdict was sent)
-            seq.served_end = -1
-            hit = self._from_stream(seq, context, need, request.header.epoch)
-            if hit is not None:
-                tokens, rows = hit
-                self.ahead_hits += 1
-                stream = seq.stream
-                if continued and tokens and stream is not None and stream.times:
-                    # the pipelined model's drafting time D: this block, drafted ahead since the last hand-up
-                    ready = stream.times[min(len(stream.times), len(context) + len(tokens) - stream.base) - 1]
-                    seq.reports.append(tier_pb2.StageReport(tier=self.index, drafter=self.index, length=need, proposed=len(tokens),
-                                                            ahead=True, block_seconds=max(1e-6, ready - seq.served_at)))
-            else:
-                if request.header.pipeline:
-                    self.ahead_misses += 1
-                    self._drop_stream(seq)
-                tokens, rows = self._with_fallback(seq, lambda s: self._emit(s, seq, context, need))
-                self._report_draft(seq, need, len(tokens))
-                if request.header.pipeline and tokens:
-                    seq.stream = _Stream(len(context), context + tokens, list(rows) if rows is not None else [None] * len(tokens),
-                                         request.header.epoch, [time.perf_counter()] * len(tokens))
-                    tokens, rows = tokens[:need], (rows[:need] if rows is not None else None)
-            continues = False
-            if request.header.pipeline and seq.stream is not None:
-                seq.served_end, seq.served_epoch = len(context) + len(tokens), request.header.epoch
-                continues = seq.full_rate >= AHEAD_THRESHOLD
-                # bet on the block: draft one more past it; else stop at the block (a verdict restarts the stream)
-                seq.ahead_until = len(context) + (2 * need if continues else len(tokens))
-                seq.served_at = time.perf_counter()
-                continues = continues or len(seq.stream.tokens) > seq.served_end  # overshoot already drafted
-                self._start_ahead(seq)
-            reply = tier_pb2.DraftReply(tokens=tokens, rows=encode_rows(rows, self.counters, self.dist, dst_rank),
-                                        model_s=model_seconds() + seq.model_below_s, ahead_hit=hit is not None,
-                                        stages=seq.take_reports(), degraded=seq.degraded, continues=continues)
-        return reply
+            hit = self.stream_hit(seq, context, request)
+            tokens, rows = hit if hit is not None else self._with_fallback(seq, lambda s: self._emit(s, seq, context, need))
+            return self.draft_reply(seq, context, request, hit is not None, tokens, rows, dst_rank)
+
+    def stream_hit(self, seq: _Sequence, context: list[int], request: tier_pb2.DraftRequest):
+        """The block `request` asks for from the sequence's draft-ahead stream, or None (a miss). Holds seq.cond."""
+        need = request.num_tokens
+        continued = request.header.pipeline and seq.served_end >= 0 and request.header.epoch == seq.served_epoch \
+            and len(context) >= seq.served_end
+        if continued:
+            seq.track_whole(True)  # accepted whole and continued (no verdict was sent)
+        seq.served_end = -1
+        hit = self._from_stream(seq, context, need, request.header.epoch)
+        if hit is not None:
+            tokens, rows = hit
+            self.ahead_hits += 1
+            stream = seq.stream
+            if continued and tokens and stream is not None and stream.times:
+                # the pipelined model's drafting time D: this block, drafted ahead since the last hand-up
+                ready = stream.times[min(len(stream.times), len(context) + len(tokens) - stream.base) - 1]
+                seq.reports.append(tier_pb2.StageReport(tier=self.index, drafter=self.index, length=need, proposed=len(tokens),
+                                                        ahead=True, block_seconds=max(1e-6, ready - seq.served_at)))
+        elif request.header.pipeline:
+            self.ahead_misses += 1
+            self._drop_stream(seq)
+        return hit
+
+    def draft_reply(self, seq: _Sequence, context: list[int], request: tier_pb2.DraftRequest, hit: bool, tokens, rows,
+                    dst_rank: int | None) -> tier_pb2.DraftReply:
+        """Hand a block up (from the stream, or just drafted); in pipelined mode bet on it and draft on. Holds seq.cond."""
+        need = request.num_tokens
+        if not hit:
+            self._report_draft(seq, need, len(tokens))
+            if request.header.pipeline and tokens:
+                seq.stream = _Stream(len(context), context + tokens, list(rows) if rows is not None else [None] * len(tokens),
+                                     request.header.epoch, [time.perf_counter()] * len(tokens))
+                tokens, rows = tokens[:need], (rows[:need] if rows is not None else None)
+        continues = False
+        if request.header.pipeline and seq.stream is not None:
+            seq.served_end, seq.served_epoch = len(context) + len(tokens), request.header.epoch
+            continues = seq.full_rate >= AHEAD_THRESHOLD
+            # bet on the block: draft one more past it; else stop at the block (a verdict restarts the stream)
+            seq.ahead_until = len(context) + (2 * need if continues else len(tokens))
+            seq.served_at = time.perf_counter()
+            continues = continues or len(seq.stream.tokens) > seq.served_end  # overshoot already drafted
+            self._start_ahead(seq)
+        return tier_pb2.DraftReply(tokens=tokens, rows=encode_rows(rows, self.counters, self.dist, dst_rank),
+                                   model_s=model_seconds() + seq.model_below_s, ahead_hit=hit, stages=seq.take_reports(),
+                                   degraded=seq.degraded, continues=continues)
 
     def _report_draft(self, seq: _Sequence, need: int, proposed: int) -> None:
         """As the bottom of the chain: how long this proposal took (the tuner's draft_ms)."""
@@ -405,7 +424,10 @@ class TierWorker:
                     context = list(stream.tokens)
                     lower = self.lower
                     try:
-                        tokens, rows = self._emit(self._scheduler(seq, lower), seq, context, 1)
+                        if seq.header.batched:
+                            tokens, rows = self.emit_batched(seq, lower, context, 1)
+                        else:
+                            tokens, rows = self._emit(self._scheduler(seq, lower), seq, context, 1)
                     except TierUnavailableError as exc:
                         self._lower_failed(lower, exc)
                         return
@@ -433,7 +455,7 @@ class TierWorker:
             return
         with seq.cond:
             if request.tree:
-                self.local.accept_path(request.seq_id, list(request.path))
+                (self.batched_tier() if seq.header.batched else self.local).accept_path(request.seq_id, list(request.path))
                 return
             if seq.served_end >= 0 and request.base_len + request.proposed == seq.served_end:
                 seq.track_whole(request.accepted >= request.proposed)  # a bonus or a correction
@@ -457,13 +479,15 @@ class TierWorker:
             return
         with seq.cond:
             self._drop_stream(seq)
-            self.local.truncate(request.seq_id, request.length)
+            (self.batched_tier() if seq.header.batched else self.local).truncate(request.seq_id, request.length)
 
     def prefill(self, request: tier_pb2.PrefillRequest) -> None:
         seq = self._sequence(request.header)
         with seq.cond:
             context = list(request.context)
-            if self.tier.can_verify and len(context) > 1:
+            if seq.header.batched and len(context) > 1:
+                self.batched_tier().prefill([request.header.seq_id], [context], len(context))
+            elif self.tier.can_verify and len(context) > 1:
                 self.local.score(request.header.seq_id, context, DraftTree([], [], None), seq.params)
 
     def release(self, seq_id: int) -> None:
@@ -474,6 +498,8 @@ class TierWorker:
                 seq.closed = True
                 self._drop_stream(seq)
         self.local.release(seq_id)
+        if self._batched is not None:
+            self._batched.release(seq_id)
         lower = self.lower
         if lower is not None:
             lower.release(seq_id)
@@ -535,8 +561,6 @@ class _Servicer(tier_pb2_grpc.TierServicer):
         except TierUnavailableError as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except Exception as exc:  # noqa: BLE001 - reported to the caller as INTERNAL with the cause
-            import traceback
-
             traceback.print_exc()
             context.abort(grpc.StatusCode.INTERNAL, f"tier {self.worker.tier.name!r}: {exc!r}")
 
@@ -545,6 +569,13 @@ class _Servicer(tier_pb2_grpc.TierServicer):
 
     def Draft(self, request, context):
         return self._guard(context, lambda: self.worker.draft(request, request.caller if request.accept_dist else None))
+
+    def VerifyBatch(self, request, context):
+        return self._guard(context, lambda: self.worker.verify_batch(request))
+
+    def DraftBatch(self, request, context):
+        dst = request.requests[0].caller if request.requests and request.requests[0].accept_dist else None
+        return self._guard(context, lambda: self.worker.draft_batch(request, dst))
 
     def Verdict(self, request, context):
         self._guard(context, lambda: self.worker.verdict(request))

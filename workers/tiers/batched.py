@@ -78,6 +78,13 @@ class BatchedTier:
     def accept_path(self, seq_id, path: list[int]) -> None:
         self.tier.accept_path(seq_id, path)
 
+    def continues_past(self, seq_id) -> bool:
+        """Drafts past the block it handed up (a pipelined remote tier); a local tier does not."""
+        return False
+
+    def verdict(self, seq_id, base_len: int, proposed: int, accepted: int, correction: int | None) -> None:
+        """A verifier's decision on this tier's block: a local tier's cache syncs with the next context."""
+
     def release(self, seq_id) -> None:
         self.tier.release(seq_id)
 

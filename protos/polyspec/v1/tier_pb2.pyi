@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SequenceHeader(_message.Message):
-    __slots__ = ("seq_id", "temperature", "top_p", "top_k", "seeds", "lengths", "pipeline", "epoch", "scheme", "tree_width", "limit")
+    __slots__ = ("seq_id", "temperature", "top_p", "top_k", "seeds", "lengths", "pipeline", "epoch", "scheme", "tree_width", "limit", "batched")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,7 @@ class SequenceHeader(_message.Message):
     SCHEME_FIELD_NUMBER: _ClassVar[int]
     TREE_WIDTH_FIELD_NUMBER: _ClassVar[int]
     LIMIT_FIELD_NUMBER: _ClassVar[int]
+    BATCHED_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     temperature: float
     top_p: float
@@ -31,7 +32,8 @@ class SequenceHeader(_message.Message):
     scheme: str
     tree_width: int
     limit: int
-    def __init__(self, seq_id: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seeds: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ..., pipeline: _Optional[bool] = ..., epoch: _Optional[int] = ..., scheme: _Optional[str] = ..., tree_width: _Optional[int] = ..., limit: _Optional[int] = ...) -> None: ...
+    batched: bool
+    def __init__(self, seq_id: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seeds: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ..., pipeline: _Optional[bool] = ..., epoch: _Optional[int] = ..., scheme: _Optional[str] = ..., tree_width: _Optional[int] = ..., limit: _Optional[int] = ..., batched: _Optional[bool] = ...) -> None: ...
 
 class Rows(_message.Message):
     __slots__ = ("encoding", "num_rows", "vocab", "dense", "counts", "indices", "values", "dist_tag", "dist_src")
@@ -144,6 +146,30 @@ class VerifyReply(_message.Message):
     degraded: bool
     degraded_reason: str
     def __init__(self, tokens: _Optional[_Iterable[int]] = ..., stages: _Optional[_Iterable[_Union[StageReport, _Mapping]]] = ..., model_s: _Optional[float] = ..., degraded: _Optional[bool] = ..., degraded_reason: _Optional[str] = ...) -> None: ...
+
+class VerifyBatchRequest(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[VerifyRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[VerifyRequest, _Mapping]]] = ...) -> None: ...
+
+class VerifyBatchReply(_message.Message):
+    __slots__ = ("replies",)
+    REPLIES_FIELD_NUMBER: _ClassVar[int]
+    replies: _containers.RepeatedCompositeFieldContainer[VerifyReply]
+    def __init__(self, replies: _Optional[_Iterable[_Union[VerifyReply, _Mapping]]] = ...) -> None: ...
+
+class DraftBatchRequest(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[DraftRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[DraftRequest, _Mapping]]] = ...) -> None: ...
+
+class DraftBatchReply(_message.Message):
+    __slots__ = ("replies",)
+    REPLIES_FIELD_NUMBER: _ClassVar[int]
+    replies: _containers.RepeatedCompositeFieldContainer[DraftReply]
+    def __init__(self, replies: _Optional[_Iterable[_Union[DraftReply, _Mapping]]] = ...) -> None: ...
 
 class VerdictRequest(_message.Message):
     __slots__ = ("seq_id", "epoch", "base_len", "proposed", "accepted", "correction", "path", "tree")

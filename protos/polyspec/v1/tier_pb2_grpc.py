@@ -49,6 +49,16 @@ class TierStub:
                 request_serializer=polyspec_dot_v1_dot_tier__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=polyspec_dot_v1_dot_tier__pb2.VerifyReply.FromString,
                 _registered_method=True)
+        self.VerifyBatch = channel.unary_unary(
+                '/polyspec.v1.Tier/VerifyBatch',
+                request_serializer=polyspec_dot_v1_dot_tier__pb2.VerifyBatchRequest.SerializeToString,
+                response_deserializer=polyspec_dot_v1_dot_tier__pb2.VerifyBatchReply.FromString,
+                _registered_method=True)
+        self.DraftBatch = channel.unary_unary(
+                '/polyspec.v1.Tier/DraftBatch',
+                request_serializer=polyspec_dot_v1_dot_tier__pb2.DraftBatchRequest.SerializeToString,
+                response_deserializer=polyspec_dot_v1_dot_tier__pb2.DraftBatchReply.FromString,
+                _registered_method=True)
         self.Verdict = channel.unary_unary(
                 '/polyspec.v1.Tier/Verdict',
                 request_serializer=polyspec_dot_v1_dot_tier__pb2.VerdictRequest.SerializeToString,
@@ -97,6 +107,21 @@ class TierServicer:
         """One verification round at this tier: pull a block from the tier below, score it in one
         forward, verify; returns the emitted tokens (the driver calls this on the target).
         """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def VerifyBatch(self, request, context):
+        """Batched forms (continuous batching): one round of many sequences, each tier scoring all
+        their blocks in one forward; replies in request order. A sequence whose header says
+        `batched` is only ever served by these (its caches live in the tier's batched cache).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DraftBatch(self, request, context):
+        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -154,6 +179,16 @@ def add_TierServicer_to_server(servicer, server):
                     servicer.Verify,
                     request_deserializer=polyspec_dot_v1_dot_tier__pb2.VerifyRequest.FromString,
                     response_serializer=polyspec_dot_v1_dot_tier__pb2.VerifyReply.SerializeToString,
+            ),
+            'VerifyBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.VerifyBatch,
+                    request_deserializer=polyspec_dot_v1_dot_tier__pb2.VerifyBatchRequest.FromString,
+                    response_serializer=polyspec_dot_v1_dot_tier__pb2.VerifyBatchReply.SerializeToString,
+            ),
+            'DraftBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.DraftBatch,
+                    request_deserializer=polyspec_dot_v1_dot_tier__pb2.DraftBatchRequest.FromString,
+                    response_serializer=polyspec_dot_v1_dot_tier__pb2.DraftBatchReply.SerializeToString,
             ),
             'Verdict': grpc.unary_unary_rpc_method_handler(
                     servicer.Verdict,
@@ -262,6 +297,60 @@ class Tier:
             '/polyspec.v1.Tier/Verify',
             polyspec_dot_v1_dot_tier__pb2.VerifyRequest.SerializeToString,
             polyspec_dot_v1_dot_tier__pb2.VerifyReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/polyspec.v1.Tier/VerifyBatch',
+            polyspec_dot_v1_dot_tier__pb2.VerifyBatchRequest.SerializeToString,
+            polyspec_dot_v1_dot_tier__pb2.VerifyBatchReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DraftBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/polyspec.v1.Tier/DraftBatch',
+            polyspec_dot_v1_dot_tier__pb2.DraftBatchRequest.SerializeToString,
+            polyspec_dot_v1_dot_tier__pb2.DraftBatchReply.FromString,
             options,
             channel_credentials,
             insecure,

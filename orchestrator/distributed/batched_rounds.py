@@ -1,0 +1,204 @@
+"""A tier worker's batched calls: VerifyBatch and DraftBatch (continuous batching, distributed).
+
+The driver of a batched chain sends one VerifyBatch per step with every running sequence.
+The target worker runs the embedded batched round (polyspec.orchestrator.decode.batched)
+over its own two-tier chain [its batched tier, the tier below]: the tier below is a
+`RemoteBatchedTier`, so every sequence's block comes from ONE DraftBatch call, the target
+scores all the blocks in ONE forward, and each sequence is verified with its own generator.
+A middle tier answers DraftBatch the same way (its rounds batched, its own DraftBatch to
+the tier below); the bottom tier drafts every sequence's block with one forward per
+position. So each tier runs one forward per round for the whole batch, as embedded.
+
+Draft-ahead stays per sequence: a drafter first serves each sequence of a DraftBatch from
+its draft-ahead stream (tokens drafted past the last block, `TierWorker._from_stream`);
+only the misses are drafted, together. After the reply each sequence drafts on by itself
+(`_ahead`, a batch of one), yielding the model to calls a verifier waits on.
+
+A sequence whose header says `batched` lives in the tier's batched cache (a slot cache);
+single Verify / Draft calls for it are served as batches of one, so its KV never splits
+between the batched and the one-sequence caches.
+
+This class is a part of `TierWorker` (worker.py), kept in its own module for size: it uses
+the worker's sequences, locks and draft-ahead streams as the worker's own methods do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+from polyspec.orchestrator.decode.batched import CATCH_UP_GAP, BatchedScheduler
+from polyspec.orchestrator.distributed.model_lock import LockedBatched, drafting_ahead, model_seconds, set_model_seconds
+from polyspec.orchestrator.distributed.transport import RemoteBatchedTier, RemoteTier, TierUnavailableError, encode_rows
+from polyspec.protos.polyspec.v1 import tier_pb2
+from polyspec.workers.tiers.batched import batched_tiers
+
+
+class BatchedRounds:
+    """VerifyBatch / DraftBatch for `TierWorker` (which mixes this class in)."""
+
+    _batched: LockedBatched | None = None
+
+    def batched_tier(self) -> LockedBatched:
+        """This worker's tier behind the batched seam, made on first use (after the chain's vocabulary is set)."""
+        with self._wiring:
+            if self._batched is None:
+                (tier,) = batched_tiers([self.tier])
+                self._batched = LockedBatched(tier, self.lock)
+            return self._batched
+
+    # ----------------------------------------------------------------- plumbing
+
+    @staticmethod
+    def _distinct(seqs, method: str) -> None:
+        if len({s.run.seq_id for s in seqs}) != len(seqs):
+            raise ValueError(f"{method}: a sequence appears twice in one batch")
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _holding(seqs):
+        """Every sequence's lock, in seq-id order (two batches over the same sequences cannot deadlock)."""
+        with contextlib.ExitStack() as stack:
+            for seq in sorted(seqs, key=lambda s: s.run.seq_id):
+                stack.enter_context(seq.cond)
+            yield
+
+    def _batched_scheduler(self, lower: RemoteTier | None, length: int, header: tier_pb2.SequenceHeader) -> BatchedScheduler:
+        """This tier's own chain for one batched call: [this tier, the tier below] (or this tier alone).
+        The chain's shape (tree width, scheme, pipelining) is the same in every sequence's header."""
+        own = self.batched_tier()
+        eos = tuple(self.eos_token_ids)
+        if lower is None:
+            return BatchedScheduler([own], [], eos_token_ids=eos)
+        scheduler = BatchedScheduler([own, RemoteBatchedTier(lower)], [length], eos_token_ids=eos, tree_width=max(1, header.tree_width),
+                                     scheme=header.scheme or "specinfer", draft_ahead=header.pipeline)
+
+        def report(run, level, drafter, asked, proposed, accepted, seconds) -> None:
+            seq = self._sequences.get(run.seq_id)
+            if seq is not None:
+                seq.reports.append(tier_pb2.StageReport(tier=self.index, drafter=lower.index, length=asked, proposed=proposed,
+                                                        accepted=accepted, seconds=seconds, ahead=drafting_ahead()))
+
+        scheduler.on_round = report
+        return scheduler
+
+    def _length(self, seq) -> int:
+        lengths = seq.header.lengths
+        return lengths[self.index] if self.index < len(lengths) else 0
+
+    def _batched_fallback(self, seqs, work):
+        """`work(lower)`; if the tier below is gone, `work(None)`: this tier alone (the reply says degraded)."""
+        lower = self.lower
+        if lower is not None:
+            try:
+                return work(lower)
+            except TierUnavailableError as exc:
+                self._lower_failed(lower, exc)
+                for seq in seqs:
+                    seq.degraded = True
+        elif self.lower_error:
+            for seq in seqs:
+                seq.degraded = True
+        return work(None)
+
+    def _by_length(self, indices, seqs) -> dict[int, list[int]]:
+        groups: dict[int, list[int]] = {}
+        for i in indices:
+            groups.setdefault(self._length(seqs[i]), []).append(i)
+        return groups
+
+    def _catch_up(self, seqs, contexts) -> None:
+        """Cache, in one forward, the contexts this tier is far behind on (a joining sequence's
+        prompt), so the round's forward does not pad every row to that prompt's length."""
+        own = self.batched_tier()
+        if not own.caches_prompts:
+            return
+        behind = [i for i, (s, c) in enumerate(zip(seqs, contexts)) if len(c) - 1 - own.cached(s.run.seq_id) > CATCH_UP_GAP]
+        if behind:
+            own.prefill([seqs[i].run.seq_id for i in behind], [contexts[i] for i in behind], sum(len(contexts[i]) for i in behind))
+
+    def emit_batched(self, seq, lower: RemoteTier | None, context: list[int], need: int):
+        """`need` tokens of one batched sequence (a draft-ahead step): a batch of one."""
+        scheduler = self._batched_scheduler(lower, self._length(seq), seq.header)
+        return scheduler.emit_batch(0, [(seq.run, context, need)])[0]
+
+    # ------------------------------------------------------------------- verify
+
+    def verify_batch(self, request: tier_pb2.VerifyBatchRequest) -> tier_pb2.VerifyBatchReply:
+        seqs = [self._sequence(r.header) for r in request.requests]
+        self._distinct(seqs, "VerifyBatch")
+        set_model_seconds(0.0)
+        with self._holding(seqs):
+            for seq in seqs:
+                seq.reset_call()
+            contexts = [list(r.context) for r in request.requests]
+            self._catch_up(seqs, contexts)
+
+            def one_round(lower):
+                emitted: list[list[int]] = [[] for _ in seqs]
+                for length, group in self._by_length(range(len(seqs)), seqs).items():
+                    scheduler = self._batched_scheduler(lower, length, seqs[group[0]].header)
+                    items = [(seqs[i].run, contexts[i], min(scheduler.length_at(0), max(0, request.requests[i].max_tokens - 1)))
+                             for i in group]
+                    for i, (tokens, _) in zip(group, scheduler.round_batch(0, items)):
+                        emitted[i] = tokens
+                return emitted
+
+            emitted = self._batched_fallback(seqs, one_round)
+            spent = model_seconds()  # the shared forwards: on every sequence's critical path
+            replies = [tier_pb2.VerifyReply(tokens=tokens[: r.max_tokens], stages=seq.take_reports(), model_s=spent + seq.model_below_s,
+                                            degraded=seq.degraded, degraded_reason=self.lower_error if seq.degraded else "")
+                       for seq, r, tokens in zip(seqs, request.requests, emitted)]
+        return tier_pb2.VerifyBatchReply(replies=replies)
+
+    # -------------------------------------------------------------------- draft
+
+    def draft_batch(self, request: tier_pb2.DraftBatchRequest, dst_rank: int | None) -> tier_pb2.DraftBatchReply:
+        requests = list(request.requests)
+        seqs = [self._sequence(r.header) for r in requests]
+        self._distinct(seqs, "DraftBatch")
+        started = time.perf_counter()
+        with self._holding(seqs):
+            # waiting for draft-ahead steps to finish is this tier's model time on the caller's critical path
+            set_model_seconds(time.perf_counter() - started)
+            for seq in seqs:
+                seq.reset_call()
+            contexts = [list(r.context) for r in requests]
+            trees = [i for i, r in enumerate(requests) if r.tree]
+            hits = {i: self.stream_hit(seqs[i], contexts[i], requests[i]) for i in range(len(requests)) if not requests[i].tree}
+            misses = [i for i, hit in hits.items() if hit is None]
+            if misses or trees:
+                self._catch_up([seqs[i] for i in misses + trees], [contexts[i] for i in misses + trees])
+            drafted: dict[int, tuple] = {}
+            if misses:
+                def emit(lower):
+                    out = {}
+                    for length, group in self._by_length(misses, seqs).items():
+                        scheduler = self._batched_scheduler(lower, length, seqs[group[0]].header)
+                        items = [(seqs[i].run, contexts[i], requests[i].num_tokens) for i in group]
+                        out.update(zip(group, scheduler.emit_batch(0, items)))
+                    return out
+
+                drafted = self._batched_fallback([seqs[i] for i in misses], emit)
+            grown = {}
+            if trees:
+                own = self.batched_tier()
+                header = seqs[trees[0]].header
+                grown = dict(zip(trees, own.draft_tree_batch(
+                    [seqs[i].run.seq_id for i in trees], [contexts[i] for i in trees], max(1, header.tree_width),
+                    [requests[i].num_tokens for i in trees], [seqs[i].params for i in trees], header.scheme or "specinfer",
+                    [seqs[i].run.generators[0] for i in trees])))
+            replies = []
+            for i, (seq, r) in enumerate(zip(seqs, requests)):
+                if r.tree:
+                    tree = grown[i]
+                    self._report_draft(seq, r.num_tokens, len(tree.tokens))
+                    replies.append(tier_pb2.DraftReply(tokens=tree.tokens, parents=tree.parents,
+                                                       rows=encode_rows(tree.draft_rows, self.counters, self.dist, dst_rank),
+                                                       model_s=model_seconds() + seq.model_below_s, stages=seq.take_reports(),
+                                                       degraded=seq.degraded))
+                    continue
+                hit = hits[i]
+                tokens, rows = hit if hit is not None else drafted[i]
+                replies.append(self.draft_reply(seq, contexts[i], r, hit is not None, tokens, rows, dst_rank))
+        return tier_pb2.DraftBatchReply(replies=replies)

@@ -1,0 +1,176 @@
+"""The distributed chain, batched: one VerifyBatch per step carries every running request, and
+each tier worker scores all their blocks in one forward (DraftBatch to the tier below).
+TierWorkers in this process over gRPC on loopback, as tests/distributed/test_grpc_chain.py.
+
+Per request a batched round is the one-request round (same blocks, same rule, same draws
+from the request's generators), so greedy output is the target's own and a seeded request
+samples the same tokens in a batch as alone."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+from family_chains import tier_specs
+from inprocess_chain import in_process_chain
+from polyspec.orchestrator.config import parse_config
+from polyspec.orchestrator.engine import Engine
+from polyspec.orchestrator.tokenization import encode_prompt
+from polyspec.workers.core.sampling import SamplingParams
+from polyspec.workers.tiers.loading import load_tiers
+
+PROMPTS = ["def add(a, b):\n    return", "import os\nimport sys\n", "for i in range(10):\n    print(i)\nfor i in"]
+MAX_NEW = 40
+EOS = (256,)  # the byte-level test tokenizer's end of text
+
+
+def chain_config(family, names, **speculation):
+    return parse_config({"tiers": tier_specs(family, names), "speculation": speculation})
+
+
+def batched_chain(family, names, lengths, pipeline, tree_width=1, eos=EOS):
+    config = chain_config(family, names, lengths=lengths, tree_width=tree_width)
+    tiers, tokenizer = load_tiers(config.tiers)
+    chain, workers = in_process_chain(tiers, config.speculation_lengths(), tree_width=tree_width, pipeline=pipeline, eos_token_ids=eos)
+    chain.batched = True
+    return chain, workers, tokenizer
+
+
+def stop(chain, workers) -> None:
+    chain.close()
+    for worker in workers:
+        worker.stop()
+
+
+def run_batch(chain, jobs, max_running: int = 8):
+    """Continuous batching over `chain`: (prompt_ids, max_new, params, seed) jobs, at most
+    `max_running` at once, joining as others finish; the outputs in job order and the batch sizes stepped."""
+    waiting = collections.deque(enumerate(jobs))
+    running, outputs, sizes = [], {}, []
+    while waiting or running:
+        while waiting and len(running) < max_running:
+            index, job = waiting.popleft()
+            running.append((index, chain.start(*job)))
+        chain.step_all([state for _, state in running])
+        sizes.append(chain.last_step.get("batch", 0))
+        for index, state in [r for r in running if r[1].done]:
+            outputs[index] = chain.finish(state)
+        running = [r for r in running if not r[1].done]
+    return [outputs[i] for i in range(len(jobs))], sizes
+
+
+@pytest.fixture(scope="module")
+def embedded(tiny_family):
+    engine = Engine(chain_config(tiny_family, ["target"]))
+    outputs = {}
+    for prompt in PROMPTS:
+        ids = encode_prompt(engine.tokenizer, prompt)
+        outputs[prompt] = (ids, engine.scheduler.generate(ids, MAX_NEW, SamplingParams(temperature=0.0)).token_ids)
+    return outputs
+
+
+@pytest.mark.parametrize("pipeline", [False, True], ids=["serial", "pipelined"])
+@pytest.mark.parametrize("names,lengths,tree_width", [
+    (["target", "mid"], [4], 1),
+    (["target", "mid", "small"], [4, 3], 1),
+    (["target", "int8", "ngram"], [5, 2], 1),
+    (["target", "mid"], [3], 2),
+], ids=["target+mid", "target+mid+small", "target+int8+ngram", "tree:target+mid"])
+def test_batched_greedy_equals_target(tiny_family, embedded, names, lengths, tree_width, pipeline):
+    chain, workers, _ = batched_chain(tiny_family, names, lengths, pipeline, tree_width)
+    try:
+        jobs = [(ids, MAX_NEW, SamplingParams(temperature=0.0), None) for ids, _ in embedded.values()] * 3
+        outputs, sizes = run_batch(chain, jobs, max_running=5)
+        for out, (ids, expected) in zip(outputs, list(embedded.values()) * 3):
+            assert out.token_ids == expected
+            assert out.stats["stages"], "the chain verified blocks"
+        assert max(sizes) == 5, "the driver stepped five requests at once"
+        # the target scored many requests' blocks in one forward, the tier below drafted them in one call
+        target_rows = [rows for rows, _, _ in workers[0].batched_tier().inner.forward_log]
+        assert max(target_rows) >= 4, target_rows
+        for worker in workers[1:]:  # each drafting model tier drafted several requests' blocks per forward too
+            tier = worker.batched_tier().inner  # (pipelined, a drafter mostly serves blocks drafted ahead one request at a time)
+            if not pipeline and worker.tier.has_weights and hasattr(tier, "cache"):
+                assert max(rows for rows, _, _ in tier.forward_log) >= 2, worker.tier.name
+        stats = chain.runtime_stats()
+        assert stats["driver_sent"]["grpc"]["messages"] <= len(sizes) + 1, "one VerifyBatch per step (plus the health check)"
+        if pipeline and tree_width == 1:
+            assert sum(t["draft_ahead"]["hits"] for t in stats["tiers"]) > 0, "drafters served blocks drafted ahead"
+    finally:
+        stop(chain, workers)
+
+
+def test_seeded_request_samples_the_same_in_a_batch_as_alone(tiny_family):
+    """T = 1, serial: a seeded request's tokens do not depend on the other requests of its batch
+    (nor on batching: the one-request distributed chain samples the embedded tokens, test_grpc_chain)."""
+    config = chain_config(tiny_family, ["target", "mid", "small"], lengths=[3, 2])
+    tiers, tokenizer = load_tiers(config.tiers)
+    alone, alone_workers = in_process_chain(tiers, [3, 2], eos_token_ids=EOS)
+    prompts = [encode_prompt(tokenizer, p) for p in PROMPTS]
+    params = SamplingParams(temperature=1.0)
+    jobs = [(prompts[i % 3], 24, params, seed) for i, seed in enumerate(range(11, 17))]
+    try:
+        expected = [alone.generate(*job).token_ids for job in jobs]
+    finally:
+        stop(alone, alone_workers)
+    chain, workers, _ = batched_chain(tiny_family, ["target", "mid", "small"], [3, 2], pipeline=False)
+    try:
+        outputs, sizes = run_batch(chain, jobs, max_running=6)
+        assert max(sizes) == 6
+        assert [out.token_ids for out in outputs] == expected
+    finally:
+        stop(chain, workers)
+
+
+def test_batched_drafter_death_falls_back_to_the_target(tiny_family, embedded):
+    """The drafter's server stops mid-batch: rounds go on with the target alone, outputs unchanged."""
+    chain, workers, _ = batched_chain(tiny_family, ["target", "mid"], [4], pipeline=True)
+    try:
+        pairs = list(embedded.values())
+        states = [chain.start(ids, MAX_NEW, SamplingParams(temperature=0.0)) for ids, _ in pairs]
+        chain.step_all(states)
+        workers[1].stop()
+        while not all(s.done for s in states):
+            chain.step_all(states)
+        assert [chain.finish(s).token_ids for s in states] == [expected for _, expected in pairs]
+        assert chain.degraded_rounds > 0
+    finally:
+        stop(chain, workers[:1])
+
+
+def test_a_batch_naming_one_sequence_twice_is_refused(tiny_family, embedded):
+    from polyspec.protos.polyspec.v1 import tier_pb2
+
+    chain, workers, _ = batched_chain(tiny_family, ["target", "mid"], [4], pipeline=False)
+    try:
+        ids, _ = next(iter(embedded.values()))
+        state = chain.start(ids, MAX_NEW, SamplingParams(temperature=0.0))
+        request = tier_pb2.VerifyRequest(header=state.run.header, context=ids, max_tokens=4)
+        with pytest.raises(RuntimeError, match="appears twice"):
+            chain._call_target("VerifyBatch", tier_pb2.VerifyBatchRequest(requests=[request, request]))
+    finally:
+        stop(chain, workers)
+
+
+@pytest.mark.slow
+def test_batched_pipelined_sampling_is_lossless(tiny_family):
+    """Temperature 1 through the batched, pipelined 3-tier chain (8 requests a step, joining as
+    others end): the first two tokens follow the target's exact joint distribution
+    (chi-square, alpha 1e-3, 800 samples)."""
+    from lossless_stats import ALPHA, chi_square_p_value, exact_two_token_probs
+
+    samples = 800
+    chain, workers, tokenizer = batched_chain(tiny_family, ["target", "mid", "small"], [1, 2], pipeline=True, eos=())
+    try:
+        tiers_target = load_tiers(chain_config(tiny_family, ["target"]).tiers)[0][0]
+        prompt_ids = tokenizer("def f(x):\n    return x +")["input_ids"]
+        params = SamplingParams(temperature=1.0)
+        joint = exact_two_token_probs(tiers_target.model, tiers_target.vocab_size, prompt_ids, params)
+        outputs, sizes = run_batch(chain, [(prompt_ids, 3, params, seed) for seed in range(samples)], max_running=8)
+    finally:
+        stop(chain, workers)
+    assert max(sizes) == 8
+    counts = collections.Counter(tuple(out.token_ids[:2]) for out in outputs)
+    p_value = chi_square_p_value(counts, joint, samples)
+    assert p_value > ALPHA, f"chi-square p={p_value:.2e} over {samples} samples"
