@@ -7,7 +7,9 @@ that the target's top-two logit gap at the divergence is at float-rounding size.
 Sampling: a chi-square test of the first two tokens against the exact target
 distribution, with every sample drawn inside a batch of other requests.
 Draft trees (`tree_width > 1`): the same three checks on tree chains, plus the batched
-tier's tree rows, trees and kept paths against the one-sequence tier's.
+tier's tree rows, trees, kept paths and recorded features against the one-sequence tier's,
+and `lengths: auto` planning tree depths. A feature head batched runs no target forward of
+its own (it reads the batched target's recorded features).
 """
 
 from __future__ import annotations
