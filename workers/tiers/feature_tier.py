@@ -94,6 +94,11 @@ class FeatureTier(Tier):
             seq = self._sequences[seq_id] = _HeadSequence(cache, torch.zeros(64, self._hidden))
         return seq
 
+    def cached_tokens(self, seq_id) -> int:
+        """Positions of `seq_id` the head holds computed from the target's features (the others are recomputed)."""
+        seq = self._sequences.get(seq_id)
+        return 0 if seq is None else min(seq.real, len(seq.cache))
+
     def release(self, seq_id) -> None:
         self._sequences.pop(seq_id, None)
 
