@@ -95,6 +95,14 @@ class ForwardTable:
     """ms of one batched forward on the (batch, width) grid, refined online."""
 
     ms: dict[tuple[int, int], float]
+    # ms per context token of catching up on a request, measured for a tier that caches inside its own
+    # calls (served row by row: a feature head conditions on a whole context in one forward, while
+    # its verification feeds a block one token at a time); None: the widest block's per-token cost
+    catch_up_ms: float | None = None
+
+    def catch_up(self) -> float:
+        """ms per context token a request's catch-up costs this tier (one row)."""
+        return self.catch_up_ms if self.catch_up_ms is not None else self.estimate(1, WIDTH_GRID[-1]) / WIDTH_GRID[-1]
 
     def estimate(self, batch: int, width: int) -> float:
         last, before = WIDTH_GRID[-1], WIDTH_GRID[-2]
@@ -339,13 +347,13 @@ class BatchPlanner:
 
     def entry_goodput(self, plan: Plan, batch: int) -> float:
         """`goodput` over a probe of MIN_STEPS steps that starts with its drafters catching up on the
-        contexts they have not cached (a prefill, at the single-row per-token cost of the table's
-        widest block): the price of finding out whether a plan pays."""
+        contexts they have not cached (a prefill, at the tier's per-token catch-up cost,
+        `ForwardTable.catch_up`): the price of finding out whether a plan pays."""
         catch = 0.0
         for tier in plan.active[1:]:
             table = self.tables[tier]
             if table is not None and self.behind.get(tier):
-                catch += self.behind[tier] * table.estimate(1, WIDTH_GRID[-1]) / WIDTH_GRID[-1]
+                catch += self.behind[tier] * table.catch_up()
         return self.goodput(plan, batch, catch / MIN_STEPS)
 
     def allowed(self, batch: int) -> list[Plan]:
@@ -542,18 +550,27 @@ def profile_batched(tiers, vocab_size: int, max_batch: int, repeats: int = 2) ->
                     best = min(best, (time.perf_counter() - started) * 1000.0)
                 ms[(b, w)] = best
                 warm = True
-        for seq_id in ids:
-            tier.release(seq_id)
+        for other in tiers:  # a drafter's calls may open sequences in the tier it reads from (a feature head's target)
+            for seq_id in ids:
+                other.release(seq_id)
+        catch_up = None
+        if not tier.caches_prompts:  # it catches up inside its next call: time one on a fresh context the caching tiers hold
+            fresh = ("profile", index, len(ids))
+            for other in tiers:
+                if other.has_weights and other.caches_prompts:
+                    other.prefill([fresh], [context], PROFILE_CONTEXT)
+            started = time.perf_counter()
+            tier.draft_batch([fresh], [context], [1], [SamplingParams()], [None])
+            catch_up = (time.perf_counter() - started) * 1000.0 / PROFILE_CONTEXT
+            for other in tiers:
+                other.release(fresh)
         tier.forward_log.clear()
         for b in BATCH_GRID:  # beyond the largest batch profiled: proportional to the rows
             if b not in batches:
                 for w in WIDTH_GRID:
                     ms[(b, w)] = ms[(batches[-1], w)] * b / batches[-1]
-        tables.append(ForwardTable(monotone(ms)))
-    opened = [("profile", index, r) for index in range(len(tiers)) for r in range(max(batches))]
-    for tier in tiers:  # a drafter's profile may open sequences in the tier it reads from (a feature head's target)
-        for seq_id in opened:
-            tier.release(seq_id)
+        tables.append(ForwardTable(monotone(ms), catch_up))
+    for tier in tiers:
         tier.forward_log.clear()
     return tables, lookup
 

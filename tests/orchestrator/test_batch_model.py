@@ -361,3 +361,16 @@ def test_a_tree_plan_is_gated_as_a_chain_plan_is():
     assert speculated == [False] * MIN_STEPS + [True]  # ... but off is measured first
     _, _, speculated = run_steps(plan, 64, 200, lambda active: 100.0 if len(active) == 1 else 20.0)
     assert not any(speculated)
+
+
+def test_a_drafter_catching_up_inside_its_calls_is_priced_at_its_measured_catch_up():
+    """A drafter served row by row that conditions on a whole context in one forward (a feature head) catches
+    up far cheaper per token than its table's widest block (one token at a time): the measured cost is used."""
+    plan = planner(lambda b, w: 10.0 + 0.1 * w, mid_cost=lambda b, w: 2.0 * w)
+    accept(plan, 0, 1, 0.9)
+    mid_plan = next(p for p in plan.plans if p.active == (0, 1) and p.lengths[0] == 3)
+    plan.behind = {1: 3000}
+    assert plan.tables[1].catch_up() == 2.0  # unmeasured: the widest block's per-token cost
+    estimated = plan.entry_goodput(mid_plan, 1)
+    plan.tables[1].catch_up_ms = 0.05
+    assert plan.entry_goodput(mid_plan, 1) == plan.goodput(mid_plan, 1, 3000 * 0.05 / MIN_STEPS) > 10 * estimated

@@ -375,6 +375,7 @@ def test_tree_chain_with_auto_lengths_plans_tree_depths(tiny_family, target_mode
 @pytest.mark.parametrize("names,speculation", [
     (["target", "feature"], {"lengths": [3], "tree_width": 3}),
     (["target", "feature"], {"lengths": [3]}),  # a tier served row by row does not hold a joining request back
+    (["target", "feature"], {"lengths": "auto", "tree_width": 2}),  # the planner, its profile reading features too
     (["target", "early_exit_noisy"], {"lengths": [3], "tree_width": 2}),
 ])
 def test_greedy_batched_trained_drafters_equal_target_alone(tiny_drafters, names, speculation):
@@ -386,7 +387,9 @@ def test_greedy_batched_trained_drafters_equal_target_alone(tiny_drafters, names
     engine = build(tiny_drafters, names, speculation, {"max_requests": 4, "max_batched_tokens": 64})
     assert engine.batched
     engine.scheduler.eos_token_ids = frozenset()
-    target = engine.scheduler.tiers[0]
+    target, planner = engine.scheduler.tiers[0], engine.scheduler.planner
+    if planner is not None:  # the head catches up inside its own calls: its per-token catch-up was measured
+        assert planner.tables[1].catch_up_ms > 0 and planner.tables[0].catch_up_ms is None
     batched_forward, calls = target.model.forward, []
     target.model.forward = lambda *args, **kwargs: calls.append(1) or batched_forward(*args, **kwargs)
     forwards_before = target.tier.forwards  # the wrapped tier counts every forward, batched or its own
