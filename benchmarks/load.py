@@ -1,7 +1,7 @@
 """Throughput and latency under load: the batched engine against the round-robin one and transformers' static batches.
 
     python benchmarks/load.py [--config configs/demo.yaml] [--concurrency 1,4,16,64] [--new-tokens 32]
-                              [--requests-per-client 4] [--temperatures 0,1] [--out benchmarks/load]
+                              [--requests-per-client 4 | --quick] [--temperatures 0,1] [--out benchmarks/load]
 
 C clients each keep one request in flight (closed loop: a client sends its next request
 when the previous one finishes) until max(4 C, 16) requests are done (each client sends
@@ -19,6 +19,14 @@ back (interleaved, on one machine, 1 torch thread each):
 
 Total tokens/s = all new tokens / wall time; latency = a request's finish - its send.
 Writes <out>.json (with the machine's load average during each cell), <out>.md, <out>.png.
+Until the run ends, <out>.partial.json and <out>.partial.md hold the cells done so far
+(rewritten after each cell, removed at the end): a run stopped early keeps what it measured
+and leaves a previous full result in place.
+
+On a GPU the config's tiers say where each model runs (configs/demo-gpu.yaml: CUDA,
+bfloat16); `hf static` then runs the target as the chain loads it (device, dtype).
+`--quick` sends max(C, 16) requests per cell instead of max(4 C, 16), the same levels and
+temperatures (benchmarks/gpu/load_gpu.sh runs it so on a lent GPU).
 
 The committed result is the full run on a quiet machine (nothing else running; the numbers
 are ratios within one run, but a busy machine makes every cell noisy):
@@ -95,13 +103,15 @@ def hf_static(model, prompts: list[list[int]], concurrency: int, new_tokens: int
     for first in range(0, len(prompts), concurrency):
         group = prompts[first : first + concurrency]
         width = max(len(p) for p in group)
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in group])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in group], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group], device=model.device)
         sent = time.perf_counter()
         kwargs = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else {"do_sample": False}
         with torch.inference_mode():
             out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                  eos_token_id=None, pad_token_id=0, **kwargs)
+        if out.device.type == "cuda":
+            torch.cuda.synchronize(out.device)
         done = time.perf_counter()
         tokens += (out.shape[1] - width) * len(group)
         latencies += [done - sent] * len(group)
@@ -114,10 +124,14 @@ def main(argv=None) -> int:
     parser.add_argument("--config", default=str(REPO / "configs" / "demo.yaml"))
     parser.add_argument("--concurrency", default="1,4,16,64")
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--requests-per-client", type=int, default=4, help="requests per cell: this many per client, at least 16")
+    parser.add_argument("--requests-per-client", type=int, default=None,
+                        help="requests per cell: this many per client, at least 16 (default 4; 1 with --quick)")
+    parser.add_argument("--quick", action="store_true", help="one request per client per cell (at least 16): a short run, same levels")
     parser.add_argument("--temperatures", default="0,1")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "load"))
     args = parser.parse_args(argv)
+    if args.requests_per_client is None:
+        args.requests_per_client = 1 if args.quick else 4
     torch.set_num_threads(1)
     from transformers import AutoModelForCausalLM
 
@@ -125,7 +139,7 @@ def main(argv=None) -> int:
     from polyspec.orchestrator.config import load_config
     from polyspec.orchestrator.tokenization import encode_prompt
     from polyspec.orchestrator.engine import Engine
-    from polyspec.workers.tiers.loading import quiet_transformers
+    from polyspec.workers.tiers.loading import load_model, quiet_transformers, resolve_device
 
     quiet_transformers()
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -141,7 +155,11 @@ def main(argv=None) -> int:
     for engine in engines.values():
         engine.scheduler.eos_token_ids = frozenset()  # every request generates exactly --new-tokens
     tokenizer = engines["round-robin"].tokenizer
-    model = AutoModelForCausalLM.from_pretrained(config.tiers[0].model, dtype=torch.float32).eval()
+    device = resolve_device(config.tiers[0].device)
+    if device.type == "cpu":
+        model = AutoModelForCausalLM.from_pretrained(config.tiers[0].model, dtype=torch.float32).eval()
+    else:  # the target as the chain runs it: its device and dtype
+        model = load_model(config.tiers[0]).eval()
     print(f"engines ready in {time.perf_counter() - load_started:.0f}s (the planner's profile included)", file=sys.stderr)
     def cell_requests(concurrency: int) -> int:
         return max(args.requests_per_client * concurrency, 16)
@@ -151,6 +169,21 @@ def main(argv=None) -> int:
     while len(prompts) < total:
         prompts += prompts[: total - len(prompts)]
     results: dict = {}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "torch_threads": 1, "torch": torch.__version__,
+               "device": f"cuda ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else device.type}
+
+    def report(partial: bool) -> dict:
+        planner = engines["batched auto"].scheduler.planner
+        return {
+            "config": os.path.relpath(args.config, REPO), "new_tokens": args.new_tokens,
+            "requests_per_cell": f"max({args.requests_per_client} C, 16)", "prompt_tokens_max": PROMPT_TOKENS,
+            "machine": {**machine, "load_avg_at_end": [round(x, 2) for x in os.getloadavg()]},
+            **({"partial": True} if partial else {}),
+            "results": results, "ratios": ratios(results), "planner": planner.describe() if planner is not None else None,
+        }
+
     for temperature in temperatures:
         for concurrency in levels:
             count = cell_requests(concurrency)
@@ -168,19 +201,18 @@ def main(argv=None) -> int:
                 print(f"T={temperature:g} C={concurrency:>2} {name:<13} {row[name]['tokens_per_s']:8.1f} tok/s  "
                       f"p50 {row[name]['p50_s']:.2f}s  p99 {row[name]['p99_s']:.2f}s  load {cell.load:.1f}", file=sys.stderr, flush=True)
             results.setdefault(f"T={temperature:g}", {})[str(concurrency)] = row
-    planner = engines["batched auto"].scheduler.planner
-    report = {
-        "config": os.path.relpath(args.config, REPO), "new_tokens": args.new_tokens,
-        "requests_per_cell": f"max({args.requests_per_client} C, 16)", "prompt_tokens_max": PROMPT_TOKENS,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch_threads": 1,
-                    "load_avg_at_end": [round(x, 2) for x in os.getloadavg()]},
-        "results": results, "ratios": ratios(results), "planner": planner.describe() if planner is not None else None,
-    }
-    out = Path(args.out)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    out.with_suffix(".md").write_text(markdown(report), encoding="utf-8")
-    plot(report, out.with_suffix(".png"))
+            write(report(partial=True), out.with_suffix(".partial.json"), out.with_suffix(".partial.md"))
+    final = report(partial=False)
+    write(final, out.with_suffix(".json"), out.with_suffix(".md"))
+    plot(final, out.with_suffix(".png"))
+    for partial in (out.with_suffix(".partial.json"), out.with_suffix(".partial.md")):
+        partial.unlink(missing_ok=True)
     return 0
+
+
+def write(report: dict, json_path: Path, markdown_path: Path) -> None:
+    json_path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    markdown_path.write_text(markdown(report), encoding="utf-8")
 
 
 def ratios(results: dict) -> dict:
@@ -202,6 +234,11 @@ def markdown(report: dict) -> str:
              f"Config `{report['config']}`, {report['new_tokens']} new tokens per request, closed loop of C clients, "
              f"{report['requests_per_cell']} requests per cell; load average at the end {report['machine']['load_avg_at_end']} "
              f"on {report['machine']['cpus']} CPUs (each cell's own in the JSON).", ""]
+    device = report["machine"].get("device", "cpu")
+    if device != "cpu":
+        lines[2:2] = [f"Models on {device}, torch {report['machine']['torch']}.", ""]
+    if report.get("partial"):
+        lines[2:2] = ["**Partial: the cells done so far; the run had not ended.**", ""]
     for temp, rows in report["results"].items():
         lines += [f"## {temp}", "", "| C | system | tokens/s | p50 s | p99 s | load |", "|---:|---|---:|---:|---:|---:|"]
         for concurrency, row in rows.items():

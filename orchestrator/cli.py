@@ -241,7 +241,9 @@ def cmd_batch(args) -> int:
     if distributed:
         stats = {"requests": len(todo), "generated_tokens": tokens[0], "time_s": round(elapsed, 3),
                  "tokens_per_s": round(tokens[0] / elapsed, 3) if elapsed > 0 else 0.0, "concurrency": concurrency,
-                 "pipeline": engine.config.runtime.pipeline, **engine.scheduler.runtime_stats()}
+                 "pipeline": engine.config.runtime.pipeline, "batched": engine.batched,
+                 "max_requests": min(args.concurrency or engine.max_requests, engine.max_requests) if engine.batched else None,
+                 **engine.scheduler.runtime_stats()}
         if args.stats:
             Path(args.stats).write_text(json.dumps(stats, indent=2) + "\n", encoding="utf-8")
         print(f"polyspec: {tokens[0]} tokens in {elapsed:.1f}s ({stats['tokens_per_s']:.1f} tok/s), "

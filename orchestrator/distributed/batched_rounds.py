@@ -11,8 +11,11 @@ position. So each tier runs one forward per round for the whole batch, as embedd
 
 Draft-ahead stays per sequence: a drafter first serves each sequence of a DraftBatch from
 its draft-ahead stream (tokens drafted past the last block, `TierWorker._from_stream`);
-only the misses are drafted, together. After the reply each sequence drafts on by itself
-(`_ahead`, a batch of one), yielding the model to calls a verifier waits on.
+only the misses, and the streams still short of their block, are drafted, together. After
+the reply each sequence's stream grows on its own bet (`ahead_until`), but the growing is
+batched: one thread per worker extends every stream that wants tokens by one token per
+forward (`_ahead_loop`), yielding the model to calls a verifier waits on, and skipping a
+sequence whose call is being served.
 
 A sequence whose header says `batched` lives in the tier's batched cache (a slot cache);
 single Verify / Draft calls for it are served as batches of one, so its KV never splits
@@ -25,10 +28,14 @@ the worker's sequences, locks and draft-ahead streams as the worker's own method
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 
+import torch
+
 from polyspec.orchestrator.decode.batched import CATCH_UP_GAP, BatchedScheduler
-from polyspec.orchestrator.distributed.model_lock import LockedBatched, drafting_ahead, model_seconds, set_model_seconds
+from polyspec.orchestrator.decode.contract import first_eos
+from polyspec.orchestrator.distributed.model_lock import LockedBatched, drafting_ahead, model_seconds, set_drafting_ahead, set_model_seconds
 from polyspec.orchestrator.distributed.transport import RemoteBatchedTier, RemoteTier, TierUnavailableError, encode_rows
 from polyspec.protos.polyspec.v1 import tier_pb2
 from polyspec.workers.tiers.batched import batched_tiers
@@ -38,6 +45,9 @@ class BatchedRounds:
     """VerifyBatch / DraftBatch for `TierWorker` (which mixes this class in)."""
 
     _batched: LockedBatched | None = None
+    _ahead_thread: threading.Thread | None = None
+    _ahead_stopping = False
+    IDLE_POLL_S = 0.001  # every wanting sequence busy in a call: look again this soon
 
     def batched_tier(self) -> LockedBatched:
         """This worker's tier behind the batched seam, made on first use (after the chain's vocabulary is set)."""
@@ -117,11 +127,6 @@ class BatchedRounds:
         if behind:
             own.prefill([seqs[i].run.seq_id for i in behind], [contexts[i] for i in behind], sum(len(contexts[i]) for i in behind))
 
-    def emit_batched(self, seq, lower: RemoteTier | None, context: list[int], need: int):
-        """`need` tokens of one batched sequence (a draft-ahead step): a batch of one."""
-        scheduler = self._batched_scheduler(lower, self._length(seq), seq.header)
-        return scheduler.emit_batch(0, [(seq.run, context, need)])[0]
-
     # ------------------------------------------------------------------- verify
 
     def verify_batch(self, request: tier_pb2.VerifyBatchRequest) -> tier_pb2.VerifyBatchReply:
@@ -165,21 +170,34 @@ class BatchedRounds:
                 seq.reset_call()
             contexts = [list(r.context) for r in requests]
             trees = [i for i, r in enumerate(requests) if r.tree]
-            hits = {i: self.stream_hit(seqs[i], contexts[i], requests[i]) for i in range(len(requests)) if not requests[i].tree}
+            # what each stream holds now, without waiting on it: streams still short are topped up
+            # below in the misses' forwards (one wait per sequence would grow them one at a time)
+            hits = {i: self.stream_hit(seqs[i], contexts[i], requests[i], wait=False) for i in range(len(requests)) if not requests[i].tree}
             misses = [i for i, hit in hits.items() if hit is None]
+            short = [i for i, hit in hits.items() if hit is not None and len(hit[0]) < requests[i].num_tokens
+                     and first_eos(hit[0], self.eos_token_ids) is None]
             if misses or trees:
                 self._catch_up([seqs[i] for i in misses + trees], [contexts[i] for i in misses + trees])
             drafted: dict[int, tuple] = {}
-            if misses:
+            if misses or short:
                 def emit(lower):
                     out = {}
-                    for length, group in self._by_length(misses, seqs).items():
+                    for length, group in self._by_length(misses + short, seqs).items():
                         scheduler = self._batched_scheduler(lower, length, seqs[group[0]].header)
-                        items = [(seqs[i].run, contexts[i], requests[i].num_tokens) for i in group]
+                        items = [(seqs[i].run, contexts[i] + (hits[i][0] if hits[i] else []),
+                                  requests[i].num_tokens - (len(hits[i][0]) if hits[i] else 0)) for i in group]
                         out.update(zip(group, scheduler.emit_batch(0, items)))
                     return out
 
-                drafted = self._batched_fallback([seqs[i] for i in misses], emit)
+                drafted = self._batched_fallback([seqs[i] for i in misses + short], emit)
+                for i in short:  # the stream goes on from the topped-up block
+                    (tokens, rows), (more, more_rows) = hits[i], drafted.pop(i)
+                    stream = seqs[i].stream
+                    if stream is not None and stream.tokens == contexts[i] + tokens:
+                        stream.tokens.extend(more)
+                        stream.times.extend([time.perf_counter()] * len(more))
+                        stream.rows.extend(list(more_rows) if more_rows is not None else [None] * len(more))
+                    hits[i] = (tokens + more, None if rows is None or more_rows is None else torch.cat([rows, more_rows]))
             grown = {}
             if trees:
                 own = self.batched_tier()
@@ -202,3 +220,82 @@ class BatchedRounds:
                 tokens, rows = hit if hit is not None else drafted[i]
                 replies.append(self.draft_reply(seq, contexts[i], r, hit is not None, tokens, rows, dst_rank))
         return tier_pb2.DraftBatchReply(replies=replies)
+
+    # ------------------------------------------------------------ draft-ahead
+
+    def want_ahead(self, seq) -> None:
+        """`_start_ahead` for a batched sequence: its stream joins the batched draft-ahead. Holds seq.cond."""
+        if seq.closed or seq.stream is None:
+            return
+        seq.ahead_running = True
+        with self._ahead_cond:
+            self._ahead_wanted[seq.run.seq_id] = seq
+            if self._ahead_thread is None:
+                self._ahead_thread = threading.Thread(target=self._ahead_loop, name=f"ahead-batch-{self.tier.name}", daemon=True)
+                self._ahead_thread.start()
+            self._ahead_cond.notify()
+
+    def stop_ahead(self) -> None:
+        with self._ahead_cond:
+            self._ahead_stopping = True
+            self._ahead_cond.notify_all()
+
+    def _ahead_loop(self) -> None:
+        set_drafting_ahead(True)
+        while True:
+            with self._ahead_cond:
+                while not self._ahead_wanted and not self._ahead_stopping:
+                    self._ahead_cond.wait()
+                if self._ahead_stopping:
+                    return
+                wanted = sorted(self._ahead_wanted.values(), key=lambda s: s.run.seq_id)
+            held = [seq for seq in wanted if seq.cond.acquire(blocking=False)]  # never waits while holding
+            try:
+                self._ahead_step(held)
+            except Exception as exc:  # noqa: BLE001 - draft-ahead is an optimisation; the next Draft redoes the work
+                print(f"polyspec tier {self.tier.name}: draft-ahead stopped: {exc!r}", flush=True)
+                for seq in held:
+                    self._ahead_done(seq)
+            finally:
+                for seq in held:
+                    seq.cond.release()
+            if not held:
+                time.sleep(self.IDLE_POLL_S)
+
+    def _ahead_done(self, seq) -> None:
+        """The sequence's stream is as long as its bet (or gone): it leaves the draft-ahead. Holds seq.cond."""
+        seq.ahead_running = False
+        with self._ahead_cond:
+            self._ahead_wanted.pop(seq.run.seq_id, None)
+        seq.cond.notify_all()
+
+    def _ahead_step(self, held) -> None:
+        """One token more on every held sequence's stream that wants one: one forward (per length group)."""
+        growing = []
+        for seq in held:
+            stream = seq.stream
+            if seq.closed or stream is None or len(stream.tokens) >= min(seq.ahead_until, seq.run.limit - 1) \
+                    or first_eos(stream.tokens[stream.base:], self.eos_token_ids) is not None:
+                self._ahead_done(seq)
+            else:
+                growing.append(seq)
+        if not growing:
+            return
+        lower = self.lower
+        try:
+            for length, group in self._by_length(range(len(growing)), growing).items():
+                scheduler = self._batched_scheduler(lower, length, growing[group[0]].header)
+                drafted = scheduler.emit_batch(0, [(growing[i].run, list(growing[i].stream.tokens), 1) for i in group])
+                for i, (tokens, rows) in zip(group, drafted):
+                    seq, stream = growing[i], growing[i].stream
+                    if not tokens:
+                        self._ahead_done(seq)
+                        continue
+                    stream.tokens.extend(tokens)
+                    stream.times.extend([time.perf_counter()] * len(tokens))
+                    stream.rows.extend(list(rows) if rows is not None else [None] * len(tokens))
+                    seq.cond.notify_all()
+        except TierUnavailableError as exc:
+            self._lower_failed(lower, exc)
+            for seq in growing:
+                self._ahead_done(seq)

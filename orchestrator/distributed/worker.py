@@ -22,7 +22,7 @@ dropped and counted.
 Failure: if the tier below stops answering, the current call is redone without it (a model
 tier drafts or verifies alone; the target alone is always a valid chain) and the reply says
 `degraded`; the driver wires a replacement in when Ray restarts the actor.
-"""
+Batched calls (VerifyBatch / DraftBatch, continuous batching) are in batched_rounds.py."""
 
 from __future__ import annotations
 
@@ -68,9 +68,8 @@ from polyspec.workers.core.tree import DraftTree
 
 MAX_RPC_THREADS = 64
 AHEAD_THREADS = 8
-# Drafting past a block bets that the block is accepted whole. Lost bets are free only on an
-# idle core; on a shared one they slow the verifier (benchmarks/ray-pipeline.md), so a
-# sequence drafts ahead only while its blocks are mostly accepted whole (EMA >= threshold).
+# Drafting past a block bets it is accepted whole. Lost bets are free only on an idle core, on a shared one they slow the
+# verifier (benchmarks/ray-pipeline.md): a sequence drafts ahead only while its blocks are mostly accepted whole (EMA).
 AHEAD_PRIOR = 0.5
 
 
@@ -184,6 +183,7 @@ class TierWorker(BatchedRounds):
         self._sequences_lock = threading.Lock()
         self._wiring = threading.Lock()
         self._ahead_pool = futures.ThreadPoolExecutor(AHEAD_THREADS, thread_name_prefix=f"ahead-{tier.name}")
+        self._ahead_cond, self._ahead_wanted = threading.Condition(), {}  # batched sequences' draft-ahead (batched_rounds)
         self.server = grpc.server(futures.ThreadPoolExecutor(MAX_RPC_THREADS, thread_name_prefix=f"tier-{tier.name}"),
                                   options=CHANNEL_OPTIONS, interceptors=cluster_auth.server_interceptors())
         tier_pb2_grpc.add_TierServicer_to_server(_Servicer(self), self.server)
@@ -220,6 +220,7 @@ class TierWorker(BatchedRounds):
                 self.lower.dist = self.dist
 
     def stop(self) -> None:
+        self.stop_ahead()
         self.server.stop(0)
         self._ahead_pool.shutdown(wait=False, cancel_futures=True)
         if self.lower is not None:
@@ -315,15 +316,15 @@ class TierWorker(BatchedRounds):
             tokens, rows = hit if hit is not None else self._with_fallback(seq, lambda s: self._emit(s, seq, context, need))
             return self.draft_reply(seq, context, request, hit is not None, tokens, rows, dst_rank)
 
-    def stream_hit(self, seq: _Sequence, context: list[int], request: tier_pb2.DraftRequest):
-        """The block `request` asks for from the sequence's draft-ahead stream, or None (a miss). Holds seq.cond."""
+    def stream_hit(self, seq: _Sequence, context: list[int], request: tier_pb2.DraftRequest, wait: bool = True):
+        """The requested block from the draft-ahead stream, or None; without `wait`, what it holds now. Holds seq.cond."""
         need = request.num_tokens
         continued = request.header.pipeline and seq.served_end >= 0 and request.header.epoch == seq.served_epoch \
             and len(context) >= seq.served_end
         if continued:
             seq.track_whole(True)  # accepted whole and continued (no verdict was sent)
         seq.served_end = -1
-        hit = self._from_stream(seq, context, need, request.header.epoch)
+        hit = self._from_stream(seq, context, need, request.header.epoch, wait)
         if hit is not None:
             tokens, rows = hit
             self.ahead_hits += 1
@@ -375,7 +376,7 @@ class TierWorker(BatchedRounds):
         return self.local.draft_tree(seq.run.seq_id, context, max(1, header.tree_width), depth, seq.params,
                                      header.scheme or "specinfer", seq.run.generators[0])
 
-    def _from_stream(self, seq: _Sequence, context: list[int], need: int, epoch: int):
+    def _from_stream(self, seq: _Sequence, context: list[int], need: int, epoch: int, wait: bool = True):
         """`need` tokens continuing `context` from the draft-ahead stream, or None (a miss)."""
         stream = seq.stream
         if stream is None or stream.epoch != epoch or len(context) < stream.base or len(stream.tokens) <= len(context):
@@ -385,7 +386,7 @@ class TierWorker(BatchedRounds):
         seq.ahead_until = max(seq.ahead_until, len(context) + need)
         self._start_ahead(seq)
         started = time.perf_counter()
-        while stream is seq.stream and len(stream.tokens) - len(context) < need and seq.ahead_running:
+        while wait and stream is seq.stream and len(stream.tokens) - len(context) < need and seq.ahead_running:
             seq.cond.wait()
         # waiting for the drafting ahead is model time on the caller's critical path, not overhead
         add_model_seconds(time.perf_counter() - started)
@@ -403,6 +404,8 @@ class TierWorker(BatchedRounds):
             seq.cond.notify_all()
 
     def _start_ahead(self, seq: _Sequence) -> None:
+        if seq.header.batched:
+            return self.want_ahead(seq)
         if not seq.ahead_running and not seq.closed and seq.stream is not None:
             seq.ahead_running = True
             try:
@@ -424,10 +427,7 @@ class TierWorker(BatchedRounds):
                     context = list(stream.tokens)
                     lower = self.lower
                     try:
-                        if seq.header.batched:
-                            tokens, rows = self.emit_batched(seq, lower, context, 1)
-                        else:
-                            tokens, rows = self._emit(self._scheduler(seq, lower), seq, context, 1)
+                        tokens, rows = self._emit(self._scheduler(seq, lower), seq, context, 1)
                     except TierUnavailableError as exc:
                         self._lower_failed(lower, exc)
                         return

@@ -229,9 +229,41 @@ def test_target_killed_mid_batch(cluster, tiny_family, embedded):
         engine.close()
 
 
+def test_target_killed_mid_batched_run(cluster, tiny_family, embedded):
+    """Batched rounds (one VerifyBatch per step, continuous batching): the target's actor is
+    killed mid-run; Ray restarts it, the step is sent again with every request's committed
+    tokens and all finish with the target's greedy output."""
+    from polyspec.orchestrator.batch_runner import run_requests
+
+    engine = Engine(config(tiny_family, cluster[0].address, pipeline=True, names=("target", "small"), lengths=(3,)), batched=True)
+    try:
+        assert engine.batched and engine.scheduler.batched
+        requests = [engine.parse_request({"id": f"r{i}", "prompt_ids": ids, "max_new_tokens": MAX_NEW, "temperature": 0.0})
+                    for i, (ids, _) in enumerate(embedded[1] * 4)]
+        expected = {f"r{i}": tokens for i, (_, tokens) in enumerate(embedded[1] * 4)}
+        results, started, sizes = {}, threading.Event(), []
+
+        def done(result):
+            results[result["id"]] = result
+            sizes.append(engine.scheduler.last_step.get("batch", 0))
+            if len(results) >= 3:
+                started.set()
+
+        runner = threading.Thread(target=run_requests, args=(engine, requests, done), kwargs={"max_requests": 6})
+        runner.start()
+        assert started.wait(120), "the batch did not start"
+        ray.kill(engine.scheduler.membership.actors[0], no_restart=False)
+        runner.join(300)
+        assert not runner.is_alive(), "the batch did not finish"
+        assert {i: r["token_ids"] for i, r in results.items()} == expected
+        assert max(sizes) > 1 and engine.scheduler.failovers > 0
+    finally:
+        engine.close()
+
+
 def test_batch_cli_on_the_cluster(cluster, tiny_family, embedded, tmp_path):
-    """`polyspec batch` with runtime.backend: ray (8 requests in flight): results equal the
-    embedded greedy output, one line per request, and --stats reports the transport."""
+    """`polyspec batch` with runtime.backend: ray (batched rounds, the default): results equal
+    the embedded greedy output, one line per request, and --stats reports the transport."""
     import json
     import subprocess
     import sys
@@ -256,6 +288,7 @@ def test_batch_cli_on_the_cluster(cluster, tiny_family, embedded, tmp_path):
         assert results[f"r{i}"]["token_ids"] == embedded[1][i % len(PROMPTS)][1]
     stats = json.loads((tmp_path / "stats.json").read_text())
     assert stats["requests"] == 11 and stats["tiers"][0]["sent"]["grpc"]["messages"] > 0
+    assert stats["batched"] and stats["max_requests"] == 64  # no --concurrency: batching.max_requests bounds the batch
 
 
 def test_restarted_drafter_rejoins(cluster, tiny_family, embedded):

@@ -196,8 +196,10 @@ class BatchedModelTier(BatchedTier):
         if self.threads and torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)
         started = time.perf_counter()
-        logits = self.model.forward(self.cache, slots, feeds, outputs, layouts)
+        logits = self.model.forward(self.cache, slots, feeds, outputs, layouts)  # on the CPU
         logits = [row[:, : self.vocab_size].float() for row in logits]
+        if self.model.device.type == "cuda":  # a forward with no logits (a prefill) returns before its kernels end
+            torch.cuda.synchronize(self.model.device)
         seconds = time.perf_counter() - started
         self.tier.busy_s += seconds
         self.tier.forwards += 1

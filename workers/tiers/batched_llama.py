@@ -23,6 +23,10 @@ operations are those of `LeanLlama` (transformers' Llama forward), batched; matr
 products over a different number of rows may round differently in the last bits, which is
 why losslessness under batching is tested against the target's own greedy output with the
 logit gap at any divergence reported (tests/orchestrator/test_batched.py).
+
+The forward runs where the model's weights are, CPU or CUDA (`DEVICES`), in the model's
+dtype: the slot buffers, indices and masks are made on that device, and the logits come
+back to the CPU in one copy per forward (tests/workers/test_batched_devices.py).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from polyspec.workers.tiers.lean_llama import LeanLlama
 INITIAL_SLOTS = 4
 INITIAL_CAPACITY = 128
 GATHER_SPAN_RATIO = 2  # rows spread over more than this many times their number of slots: gather instead of slicing
+DEVICES = ("cpu", "cuda")  # where the batched forward runs (every tensor of a forward is made on the model's device)
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -71,9 +76,11 @@ class RowLayout:
 class SlotCache:
     """The KV entries of many sequences of one tier, one slot each, with exact per-sequence rollback."""
 
-    def __init__(self, layers: int, heads: int, head_dim: int, dtype: torch.dtype, limit: int | None, max_slots: int | None = None) -> None:
+    def __init__(self, layers: int, heads: int, head_dim: int, dtype: torch.dtype, limit: int | None, max_slots: int | None = None,
+                 device: torch.device | str = "cpu") -> None:
         self.shape = (layers, heads, head_dim)
         self.dtype = dtype
+        self.device = torch.device(device)  # the model's: the buffers live beside its weights
         self.limit = limit
         self.max_slots = max_slots
         self.keys: list[torch.Tensor] = []
@@ -133,7 +140,7 @@ class SlotCache:
         if positions == list(range(len(positions))):
             self.truncate(slot, len(positions))
             return
-        index = torch.tensor(positions, dtype=torch.long)
+        index = torch.tensor(positions, dtype=torch.long, device=self.device)
         count = len(positions)
         for k, v in zip(self.keys, self.values):
             k[slot, :, :count] = k[slot].index_select(1, index)
@@ -207,8 +214,8 @@ class SlotCache:
         layers, heads, head_dim = self.shape
         keys, values = [], []
         for layer in range(layers):
-            k = torch.zeros(new_slots, heads, new_capacity, head_dim, dtype=self.dtype)
-            v = torch.zeros(new_slots, heads, new_capacity, head_dim, dtype=self.dtype)
+            k = torch.zeros(new_slots, heads, new_capacity, head_dim, dtype=self.dtype, device=self.device)
+            v = torch.zeros(new_slots, heads, new_capacity, head_dim, dtype=self.dtype, device=self.device)
             if self.slots:
                 k[: self.slots, :, : self.capacity] = self.keys[layer]
                 v[: self.slots, :, : self.capacity] = self.values[layer]
@@ -220,7 +227,9 @@ class SlotCache:
 class BatchedLlama:
     """`LlamaForCausalLM` logits for ragged rows of many sequences, on a `SlotCache`."""
 
-    supports = staticmethod(LeanLlama.supports)
+    @staticmethod
+    def supports(model, device: torch.device) -> bool:
+        return LeanLlama.supports(model, device, DEVICES)
 
     def __init__(self, model) -> None:
         lean = LeanLlama(model)  # the weights, in the order and dtypes of transformers' forward
@@ -230,12 +239,13 @@ class BatchedLlama:
         self.limit = lean.limit
         self.embed = lean.embed
         self.dtype = lean.dtype
+        self.device = self.embed.device
         self.norm_weight, self.norm_eps = lean.norm_weight, lean.norm_eps
         self.lm_head = lean.lm_head
         self.cos, self.sin = lean.cos, lean.sin
 
     def new_cache(self, max_slots: int | None = None) -> SlotCache:
-        return SlotCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.limit, max_slots)
+        return SlotCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.limit, max_slots, self.device)
 
     @torch.inference_mode()
     def forward(self, cache: SlotCache, slots: list[int], tokens: list[list[int]], outputs: list[int],
@@ -244,8 +254,9 @@ class BatchedLlama:
 
         `outputs[r]`: logits are returned for row r's new positions from index `outputs[r]`
         on (len(tokens[r]) for none). `layouts[r]`: row r is a tree (None: a chain). Returns
-        one [len(tokens[r]) - outputs[r], V] tensor per row, in the model's dtype. Slot
-        lengths and tokens are updated.
+        one [len(tokens[r]) - outputs[r], V] tensor per row, in the model's dtype, on the CPU
+        (one copy for all rows: the tiers sample there, with their CPU generators, as the
+        one-sequence tier does). Slot lengths and tokens are updated.
         """
         rows = len(slots)
         starts = [cache.length(s) for s in slots]
@@ -253,32 +264,33 @@ class BatchedLlama:
         width = max(counts)
         end = max(start + count for start, count in zip(starts, counts))
         cache.reserve(max(slots) + 1, max(start + width for start in starts))
-        ids = torch.tensor([t + [0] * (width - len(t)) for t in tokens], dtype=torch.long)  # [B, W]
-        start_t = torch.tensor(starts, dtype=torch.long)
-        offsets = torch.arange(width)
+        device = self.device
+        ids = torch.tensor([t + [0] * (width - len(t)) for t in tokens], dtype=torch.long, device=device)  # [B, W]
+        start_t = torch.tensor(starts, dtype=torch.long, device=device)
+        offsets = torch.arange(width, device=device)
         cache_at = start_t[:, None] + offsets[None, :]  # [B, W] where each new token is cached
         trees = [(r, layout) for r, layout in enumerate(layouts or ()) if layout is not None]
         positions = cache_at
         if trees:  # tree nodes sit at prefix length + depth
             positions = cache_at.clone()
             for r, layout in trees:
-                positions[r, : counts[r]] = torch.tensor(layout.positions, dtype=torch.long)
+                positions[r, : counts[r]] = torch.tensor(layout.positions, dtype=torch.long, device=device)
         rotary_index = positions.clamp_max(self.cos.shape[0] - 1)  # padding may run past the table
         cos = self.cos[rotary_index][:, None]  # [B, 1, W, D]
         sin = self.sin[rotary_index][:, None]
         # query (r, j) sees its slot's positions 0 .. start_r + j (a tree row: its layout's)
-        mask = (torch.arange(end)[None, None, :] <= cache_at[:, :, None])[:, None]  # [B, 1, W, end]
+        mask = (torch.arange(end, device=device)[None, None, :] <= cache_at[:, :, None])[:, None]  # [B, 1, W, end]
         for r, layout in trees:
             mask[r, 0, : counts[r]] = False
-            mask[r, 0, : counts[r], : starts[r] + counts[r]] = layout.allowed
+            mask[r, 0, : counts[r], : starts[r] + counts[r]] = layout.allowed.to(device)
         lo, hi = min(slots), max(slots) + 1
-        slot_t = torch.tensor(slots, dtype=torch.long)
+        slot_t = torch.tensor(slots, dtype=torch.long, device=device)
         row_of = slot_t - lo
         if slots == list(range(lo, hi)):
             mode = "view"  # the rows are exactly a slot range: attend over a view of the buffers
         elif hi - lo <= GATHER_SPAN_RATIO * rows:
             mode = "span"  # a view of the slot range; slots not in this call are idle rows
-            span_mask = torch.zeros(hi - lo, 1, width, end, dtype=torch.bool)
+            span_mask = torch.zeros(hi - lo, 1, width, end, dtype=torch.bool, device=device)
             span_mask[:, :, :, 0] = True  # idle rows attend to something (their output is dropped)
             span_mask[row_of] = mask
         else:
@@ -327,8 +339,8 @@ class BatchedLlama:
                 cache.store_features(slot, starts[r], normed[r, : counts[r]])
         wanted = [(r, j) for r in range(rows) for j in range(outputs[r], counts[r])]
         if not wanted:
-            return [x.new_zeros(0, 0) for _ in range(rows)]
-        flat = torch.tensor([r * width + j for r, j in wanted], dtype=torch.long)
+            return [torch.zeros(0, 0, dtype=x.dtype) for _ in range(rows)]
+        flat = torch.tensor([r * width + j for r, j in wanted], dtype=torch.long, device=device)
         picked = x.reshape(rows * width, -1).index_select(0, flat)  # [N, H*D]
-        logits = self.lm_head(_rms(picked, self.norm_weight, self.norm_eps))  # [N, V]
+        logits = self.lm_head(_rms(picked, self.norm_weight, self.norm_eps)).cpu()  # [N, V]
         return list(torch.split(logits, [max(0, c - o) for c, o in zip(counts, outputs)]))

@@ -23,8 +23,10 @@ follows transformers' SDPA path too (`enable_gqa` without a mask,
 the packed query for one token with a mask, repeated keys / values otherwise).
 `tests/workers/test_lean_llama.py` and `test_lean_qwen2.py` check bit-equality of logits with the transformers
 forward for prefill, single tokens, blocks, trees and rollbacks. Models this path does not
-cover (other architectures, biases, scaled RoPE, non-CPU devices) keep the transformers
-forward (`LeanLlama.supports`).
+cover (other architectures, biases, scaled RoPE, quantized GPU layers) keep the transformers
+forward (`LeanLlama.supports`); so does a one-sequence tier on a GPU, where the
+bit-equality above is unchecked. The batched forward (`batched_llama`), built from the same
+weights and tables, also runs on CUDA (`supports(..., devices=...)`).
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ INITIAL_CAPACITY = 256
 def _linear(module):
     """`module(x)` without the module call: float `Linear` or dynamically quantized int8 `Linear`."""
     if isinstance(module, torch.nn.Linear):
-        return linear_of(module)
+        # a float weight only: bitsandbytes' int4 / int8 layers subclass `Linear` with packed integer weights
+        return linear_of(module) if module.weight.is_floating_point() else None
     packed = getattr(module, "_packed_params", None)
     if packed is not None and getattr(packed, "dtype", None) == torch.qint8 and getattr(module, "version", 4) >= 4:
         params = packed._packed_params
@@ -132,10 +135,11 @@ class LeanLlama:
     """`LlamaForCausalLM` / `Qwen2ForCausalLM` logits for a batch of one, on a `LeanCache`."""
 
     @staticmethod
-    def supports(model, device: torch.device) -> bool:
+    def supports(model, device: torch.device, devices: tuple[str, ...] = ("cpu",)) -> bool:
+        """Does the lean forward compute this model's logits (on `device`, one of the device types `devices`)?"""
         config = getattr(model, "config", None)
         architecture = type(model).__name__
-        if config is None or architecture not in ARCHITECTURES or device.type != "cpu":
+        if config is None or architecture not in ARCHITECTURES or device.type not in devices:
             return False
         rope = getattr(config, "rope_parameters", None) or {}
         heads = config.num_attention_heads
@@ -203,7 +207,7 @@ class LeanLlama:
         self.lm_head = _linear(model.lm_head)
         # transformers: freqs = position[..., None].float() * inv_freq; emb = cat(freqs, freqs); cos = emb.cos() * scaling
         inv_freq = base.rotary_emb.inv_freq.float()
-        positions = torch.arange(self.limit or 4096, dtype=torch.long)
+        positions = torch.arange(self.limit or 4096, dtype=torch.long, device=inv_freq.device)  # the tables live with the weights
         freqs = positions[:, None].float() * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         scale = base.rotary_emb.attention_scaling

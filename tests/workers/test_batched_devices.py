@@ -1,0 +1,180 @@
+"""The batched tier on each device and dtype it serves: CPU in float32 and bfloat16, and CUDA
+in float32, bfloat16 and float16 where a GPU is present (these cases are skipped elsewhere;
+run them there with `pytest tests/workers/test_batched_devices.py`).
+
+- The tier really is batched there (not served row by row): its slot cache sits on the
+  model's device, and one forward mixes ragged chains, trees, gaps between slots and
+  rollbacks, whose rows match the one-request `ModelTier`'s (`score`, `draft`,
+  `draft_tree`) within the dtype's rounding.
+- A batched engine of that device and dtype (fixed lengths, draft trees, and the goodput
+  planner with its start-up profile) gives every greedy request the target's own greedy
+  output, except where the target's top-two logit gap is within the dtype's rounding.
+- Without a GPU, device mixing is caught on the meta device (shapes without data), where
+  an operation between a meta and a CPU tensor raises: the batched forward and its cache
+  must make every tensor on the model's device.
+
+The one-request tier on CUDA runs transformers' forward and the batched tier its own
+(`BatchedLlama`): the same operations through different kernels, so rows agree to the
+dtype's rounding, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from family_chains import tier_specs
+from polyspec.orchestrator.batch_runner import run_requests
+from polyspec.orchestrator.config import parse_config
+from polyspec.orchestrator.engine import Engine
+from polyspec.orchestrator.tokenization import encode_prompt
+from polyspec.workers.core.sampling import SamplingParams
+from polyspec.workers.core.tree import DraftTree, tree_allowed
+from polyspec.workers.tiers.batched import BatchedModelTier, batched_tiers
+from polyspec.workers.tiers.batched_llama import INITIAL_CAPACITY, BatchedLlama, RowLayout
+from polyspec.workers.tiers.tier import ModelTier
+
+CASES = [("cpu", "float32"), ("cpu", "bfloat16")]
+if torch.cuda.is_available():
+    CASES += [("cuda", "float32"), ("cuda", "bfloat16"), ("cuda", "float16")]
+# probability rows: what a few last-place units of the logits move a probability by (on a GPU the
+# two tiers' kernels differ; a wrong mask, position or cache entry moves rows by far more)
+ROW_TOLERANCE = {("cpu", "float32"): 1e-5, ("cuda", "float32"): 1e-4, "bfloat16": 5e-2, "float16": 1e-2}
+# a greedy divergence is a rounding flip only where the target's top-two logit gap is this small:
+GAP_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.25, "float16": 0.06}  # logits ~4-8: 8 last-place units of bf16, 16 of fp16
+PROMPTS = ["def add(a, b):\n    return", "import os\nimport sys\n", "for i in range(10):\n    print(i)\nfor i in",
+           "x = [1, 2, 3]\ny = [", "class A:\n    def __init__(self):\n        self.", "# a comment\n"]
+
+
+def row_tolerance(device: str, dtype: str) -> float:
+    return ROW_TOLERANCE.get((device, dtype), ROW_TOLERANCE.get(dtype))
+
+
+def load(path: str, device: str, dtype: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation="sdpa").eval().to(device)
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+def test_batched_tier_on_device_matches_one_request_tier(tiny_family, device, dtype):
+    def tier(name):
+        return ModelTier(name, load(tiny_family[name], device, dtype), 257, torch.device(device))
+
+    target, drafter = tier("target"), tier("small")
+    batched_target, batched_drafter = batched_tiers([tier("target"), tier("small")], max_slots=16)
+    for batched in (batched_target, batched_drafter):
+        assert isinstance(batched, BatchedModelTier)  # one shared forward, not the row-by-row fallback
+        for pad in range(13):  # requests 0-3 in slots 0, 1, 5, 12: gather, span and view forwards
+            batched.cache.slot(f"pad{pad}")
+        for pad in (0, 1, 5, 12):
+            batched.cache.release(f"pad{pad}")
+        assert [batched.cache.slot(r) for r in range(4)] == [0, 1, 5, 12]
+    tolerance = row_tolerance(device, dtype)
+    generator = torch.Generator().manual_seed(0)
+    contexts = [torch.randint(1, 200, (n,), generator=generator).tolist() for n in (7, 19, 4, 12)]
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=30),
+              SamplingParams(temperature=1.0)]
+    for step in range(3):  # draft, verify and keep a path, then again on the longer contexts
+        counts = [3, 2, 4, 1]
+        chains = batched_drafter.draft_batch(list(range(4)), contexts, counts, params, [torch.Generator().manual_seed(r) for r in range(4)])
+        for r, (tokens, rows) in enumerate(chains):
+            assert len(tokens) == counts[r] and rows.device.type == "cpu" and rows.dtype == torch.float32
+            expected = drafter.score(r, contexts[r], DraftTree.chain(tokens[:-1], None), params[r])  # the rows each token was drawn from
+            assert torch.allclose(rows, expected, atol=tolerance), (r, (rows - expected).abs().max())
+        trees = batched_drafter.draft_tree_batch(list(range(4)), contexts, 3, [3, 2, 3, 0], params, "specinfer",
+                                                 [torch.Generator().manual_seed(10 * step + r) for r in range(4)])
+        assert [len(t) > 0 for t in trees] == [True, True, True, False]
+        blocks = list(trees)
+        blocks[1] = DraftTree.chain(chains[1][0], None)  # a chain row beside the tree rows
+        blocks[3] = DraftTree.chain(chains[3][0], None)
+        rows = batched_target.score_batch(list(range(4)), contexts, blocks, params)
+        expected = [target.score(r, c, b, p) for r, (c, b, p) in enumerate(zip(contexts, blocks, params))]
+        for r, (one, many) in enumerate(zip(expected, rows)):
+            assert many.device.type == "cpu" and many.shape == one.shape
+            assert torch.allclose(many, one, atol=tolerance), (r, (many - one).abs().max())
+        for r, block in enumerate(blocks):
+            if block.is_chain():
+                contexts[r] = contexts[r] + block.tokens[:1] + [7 + step]  # the block's rows roll back at the next call
+                continue
+            path = [block.children(-1)[-1]]
+            while block.children(path[-1]):
+                path.append(block.children(path[-1])[-1])
+            for one, many in ((target, batched_target), (drafter, batched_drafter)):
+                one.accept_path(r, path)
+                many.accept_path(r, path)
+            slot = batched_target.cache.slot_of[r]
+            assert batched_target.cache.tokens[slot] == contexts[r] + [block.tokens[j] for j in path]
+            contexts[r] = contexts[r] + [block.tokens[j] for j in path] + [5 + step]
+    for batched in (batched_target, batched_drafter):
+        keys = batched.cache.keys[0]
+        assert keys.device.type == device and keys.dtype == getattr(torch, dtype)
+
+
+def greedy_reference(model, prompt_ids: list[int], count: int) -> tuple[list[int], list[float]]:
+    """The target's own greedy continuation (on its device, in its dtype) and its top-two logit gap at each step."""
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt_ids], device=model.device), max_new_tokens=count, do_sample=False,
+                             eos_token_id=None, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, len(prompt_ids):].tolist()
+    gaps = [float(top[0] - top[1]) for top in (torch.topk(score[0].float(), 2).values for score in out.scores)]
+    return tokens, gaps
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("names,speculation", [
+    (["target", "mid", "ngram"], {"lengths": [4, 2]}),
+    (["target", "mid", "small"], {"lengths": [3, 2], "tree_width": 2}),
+    (["target", "mid"], {"lengths": "auto"}),  # the goodput planner, profiled on this device
+])
+def test_greedy_batched_engine_on_device_equals_target_alone(tiny_family, device, dtype, names, speculation):
+    tiers = [{**spec, "device": device, "dtype": dtype} if spec["model"] != "ngram" else spec for spec in tier_specs(tiny_family, names)]
+    engine = Engine(parse_config({"tiers": tiers, "speculation": speculation, "batching": {"max_requests": 4, "max_batched_tokens": 64}}),
+                    batched=True)
+    assert engine.batched and all(isinstance(t, BatchedModelTier) for t in engine.scheduler.tiers if t.has_weights)
+    assert (engine.scheduler.planner is not None) == (speculation["lengths"] == "auto")
+    engine.scheduler.eos_token_ids = frozenset()
+    requests, greedy = [], []
+    for index, prompt in enumerate(PROMPTS * 2):
+        count = 10 + 5 * (index % 3)
+        sampled = index % 4 == 3  # sampling requests share the batch with the greedy ones
+        raw = {"prompt": prompt, "max_new_tokens": count, "id": str(index), **({"temperature": 1.0, "seed": index} if sampled else {})}
+        requests.append(engine.parse_request(raw))
+        if not sampled:
+            greedy.append((str(index), encode_prompt(engine.tokenizer, prompt), count))
+    results = {}
+    run_requests(engine, requests, lambda result: results.__setitem__(result["id"], result))  # 4 at a time, joining as others finish
+    assert set(results) == {r.id for r in requests}
+    assert all(len(r["token_ids"]) == int(r["id"]) % 3 * 5 + 10 for r in results.values())
+    model = load(tiny_family["target"], device, dtype)
+    for request_id, prompt_ids, count in greedy:
+        expected, gaps = greedy_reference(model, prompt_ids, count)
+        output = results[request_id]["token_ids"]
+        diverged = next((j for j, (a, b) in enumerate(zip(output, expected)) if a != b), None)
+        if diverged is not None:  # only a near-tie may flip under other kernels or summation orders
+            assert gaps[diverged] < GAP_TOLERANCE[dtype], f"request {request_id} diverged at {diverged} with logit gap {gaps[diverged]}"
+
+
+def test_batched_forward_makes_its_tensors_on_the_model_device(tiny_family):
+    """The model on the meta device: prefill forwards (no logits) that grow the cache, chains and
+    a tree row in every attention mode (a slot range, a span with idle slots, far-apart slots)
+    and a kept path run through only if no operation meets a CPU tensor; a forward that wants
+    logits then stops at their one copy to the CPU, which meta tensors cannot give."""
+    batched = BatchedLlama(load(tiny_family["target"], "cpu", "bfloat16").to("meta"))
+    cache = batched.new_cache()
+    assert batched.device.type == "meta" and cache.device.type == "meta" and batched.cos.device.type == "meta"
+    slots = [cache.slot(r) for r in range(9)]
+    prompts = [[1 + r] * (INITIAL_CAPACITY + 5 if r == 0 else 3 + r) for r in range(9)]
+    fed = batched.forward(cache, slots, prompts, [len(p) for p in prompts])
+    assert [tuple(t.shape) for t in fed] == [(0, 0)] * 9 and all(t.device.type == "cpu" for t in fed)
+    assert cache.keys[0].device.type == "meta" and cache.capacity > INITIAL_CAPACITY and cache.slots >= 9
+    for rows in ([0, 1, 2, 3], [0, 2, 3], [0, 8]):
+        length = cache.length(slots[rows[1]])  # the second row is a tree: two roots, a child of the first
+        allowed = tree_allowed([-1, -1, 0], {0: length, 1: length + 1, 2: length + 2}, [0, 1, 2], length, 0, length + 3)
+        layouts = [RowLayout([length, length, length + 1], allowed) if j == 1 else None for j in range(len(rows))]
+        feeds = [[5, 6, 7] if j == 1 else [5, 6][: 1 + j % 2] for j in range(len(rows))]
+        with pytest.raises(NotImplementedError, match="meta"):
+            batched.forward(cache, [slots[r] for r in rows], feeds, [0] * len(rows), layouts)
+        assert cache.length(slots[rows[1]]) == length + 3
+        cache.keep(slots[rows[1]], list(range(length)) + [length, length + 2])  # the path root 0 -> node 2
+        assert cache.length(slots[rows[1]]) == length + 2
