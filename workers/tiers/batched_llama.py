@@ -148,8 +148,8 @@ class SlotCache:
         cached = self.tokens[slot]
         self.tokens[slot] = [cached[p] for p in positions]
         features = self.features.get(slot)
-        if features is not None:
-            features[:count] = features.index_select(0, index)
+        if features is not None:  # kept on the CPU, as ModelTier keeps them
+            features[:count] = features.index_select(0, index.cpu())
 
     def accept_path(self, seq_id, path: list[int]) -> None:
         """After a tree verdict keep the linear context and the accepted path's nodes (node
@@ -166,7 +166,7 @@ class SlotCache:
         self.keep(slot, kept)
 
     def store_features(self, slot: int, start: int, hidden: torch.Tensor) -> None:
-        """Record the hidden states [T, H] of the slot's positions start.. (the buffer grows by doubling)."""
+        """Record the hidden states [T, H] of the slot's positions start.. (a CPU buffer, grown by doubling)."""
         end = start + hidden.shape[0]
         buffer = self.features.get(slot)
         if buffer is None or buffer.shape[0] < end:
@@ -334,7 +334,7 @@ class BatchedLlama:
         for slot, row_tokens in zip(slots, tokens):
             cache.tokens[slot].extend(row_tokens)
         if cache.keep_features:  # what the LM head reads, at every position written (the logits below stay as they were computed)
-            normed = _rms(x, self.norm_weight, self.norm_eps)
+            normed = _rms(x, self.norm_weight, self.norm_eps).float().cpu()  # one copy for all rows
             for r, slot in enumerate(slots):
                 cache.store_features(slot, starts[r], normed[r, : counts[r]])
         wanted = [(r, j) for r in range(rows) for j in range(outputs[r], counts[r])]
