@@ -390,6 +390,7 @@ def test_greedy_batched_trained_drafters_equal_target_alone(tiny_drafters, names
     target, planner = engine.scheduler.tiers[0], engine.scheduler.planner
     if planner is not None:  # the head catches up inside its own calls: its per-token catch-up was measured
         assert planner.tables[1].catch_up_ms > 0 and planner.tables[0].catch_up_ms is None
+        assert target.cache.open_sequences == 0  # the head's profile opened target sequences; all closed again
     batched_forward, calls = target.model.forward, []
     target.model.forward = lambda *args, **kwargs: calls.append(1) or batched_forward(*args, **kwargs)
     forwards_before = target.tier.forwards  # the wrapped tier counts every forward, batched or its own
