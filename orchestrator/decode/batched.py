@@ -218,8 +218,10 @@ class BatchedScheduler(ChainScheduler):
             if below is not None:
                 stage_of(run.stages, run.bypass_stages, self.tiers, level, below).record(len(block), len(path), length, seconds)
                 if self.planner is not None:
-                    # a tree's per-depth acceptance prices trees; a walk that ran out of nodes (a lookup's short branch) accepted all it was offered
-                    depth = None if block.is_chain() else len(path) if path and not block.children(path[-1]) else max(block.depths()) + 1
+                    # a tree's per-depth acceptance prices trees; a walk that ran out of nodes (a lookup's
+                    # short branch) accepted all it was offered
+                    depth = None if block.is_chain() else (len(path) if path and not block.children(path[-1])
+                                                           else max(block.depths()) + 1)
                     self.planner.observe_round(level, below, len(block), len(path), run.params.greedy, depth)
                 if self.on_round is not None:
                     self.on_round(run, level, below, length, len(block), len(path), seconds)

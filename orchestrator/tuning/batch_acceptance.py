@@ -40,7 +40,8 @@ class Acceptance:
         self.reached: dict[tuple, list[float]] = {}  # tree rounds whose walk reached depth i ...
         self.passed: dict[tuple, list[float]] = {}  # ... and accepted a node there
 
-    def observe(self, level: int, drafter: int, proposed: int, accepted: int, greedy: bool = True, depth: int | None = None) -> None:
+    def observe(self, level: int, drafter: int, proposed: int, accepted: int, greedy: bool = True,
+                depth: int | None = None) -> None:
         """A round of `proposed` drafted nodes with an accepted path of `accepted`; `depth`: a tree's depth (None: a chain)."""
         if proposed <= 0:
             return

@@ -9,15 +9,15 @@ cost is built from each tier's forward time `t_i(B, W)` for B rows padded to W n
 
 with E(a, k) = (1 - a^(k+1)) / (1 - a) the expected tokens a round of block k emits at
 per-token acceptance rate a, and draft_d(B, k) = k forwards t_d(B, 1) for a model drafter
-or B lookups for the n-gram tier. With `tree_width` w > 1 the bottom drafter's block is a
-tree of depth k (w candidate chains sharing the root, w nodes per level, as
-`draft_tree_batch` grows it): its verifier's forward is t(B, w k + 1), the draft is the root
-forward then k - 1 level forwards t_d(B, w), and E is the tree's, from the per-depth
-acceptance of the tree rounds seen (polyspec.orchestrator.tuning.batch_acceptance). Acceptance does not move with B, but the cost of a block
+or B lookups for the n-gram tier. Acceptance does not move with B, but the cost of a block
 does: at B = 1 a forward of k + 1 tokens costs little more than one, at B = 64 it costs
 several times more, so the same acceptance can pay at low load and lose at high load. The
 planner picks, for the number of requests in the step, the plan with the most expected
-tokens per second; speculation off is always a candidate.
+tokens per second; speculation off is always a candidate. With `tree_width` w > 1 the
+bottom drafter's block is a tree of depth k (w candidates per level, as `draft_tree_batch`
+grows it): its verifier's forward is t(B, w k + 1), the draft a root forward then k - 1
+level forwards t_d(B, w), and E the tree's, from the per-depth acceptance of the tree
+rounds seen (polyspec.orchestrator.tuning.batch_acceptance).
 
 `t_i(B, W)` comes from a start-up profile on a grid of (B, W), interpolated in between
 (past the grid: in proportion to the rows, and at the last step's cost per token), and
@@ -53,7 +53,8 @@ import time
 
 import torch
 
-from polyspec.orchestrator.tuning.batch_acceptance import LOOKUP_PRIOR_RATE, PRIOR_RATE, Acceptance, expected_tokens  # noqa: F401 (expected_tokens: re-exported)
+from polyspec.orchestrator.tuning.batch_acceptance import (LOOKUP_PRIOR_RATE, PRIOR_RATE, Acceptance,  # noqa: F401 (re-exported)
+                                                            expected_tokens)
 from polyspec.workers.core.sampling import SamplingParams
 
 BATCH_GRID = (1, 4, 16, 64)
@@ -95,9 +96,8 @@ class ForwardTable:
     """ms of one batched forward on the (batch, width) grid, refined online."""
 
     ms: dict[tuple[int, int], float]
-    # ms per context token of catching up on a request, measured for a tier that caches inside its own
-    # calls (served row by row: a feature head conditions on a whole context in one forward, while
-    # its verification feeds a block one token at a time); None: the widest block's per-token cost
+    # ms per context token of a request's catch-up, timed for a tier that catches up inside its own calls (a feature
+    # head: one forward over a context, while it verifies one token at a time); None: the widest block's per-token cost
     catch_up_ms: float | None = None
 
     def catch_up(self) -> float:
@@ -106,7 +106,7 @@ class ForwardTable:
 
     def estimate(self, batch: int, width: int) -> float:
         last, before = WIDTH_GRID[-1], WIDTH_GRID[-2]
-        if width > last:  # past the widest block profiled (a deep tree's nodes): each further token costs what the last step's did
+        if width > last:  # past the widest block profiled (a deep tree's nodes): each token costs what the last step's did
             top = self.estimate(batch, last)
             return top + max(0.0, top - self.estimate(batch, before)) / (last - before) * (width - last)
         bl, bh, bw = _interpolate(BATCH_GRID, batch)
@@ -237,7 +237,8 @@ class BatchPlanner:
 
     # ------------------------------------------------------------- observing
 
-    def observe_round(self, level: int, drafter: int, proposed: int, accepted: int, greedy: bool = True, depth: int | None = None) -> None:
+    def observe_round(self, level: int, drafter: int, proposed: int, accepted: int, greedy: bool = True,
+                      depth: int | None = None) -> None:
         """A verification round: `proposed` drafted nodes, an accepted path of `accepted`; `depth`: a tree's (None: a chain)."""
         self.acceptance.observe(level, drafter, proposed, accepted, greedy, depth)
 
@@ -309,7 +310,8 @@ class BatchPlanner:
     def emitted(self, level: int, drafter: int, k: int, width: int = 1) -> float:
         """Expected tokens of a round, over the batch's mix of greedy and sampling requests."""
         greedy = self.greedy_share
-        return greedy * self.acceptance.expected(level, drafter, True, k, width) + (1 - greedy) * self.acceptance.expected(level, drafter, False, k, width)
+        expected = self.acceptance.expected
+        return greedy * expected(level, drafter, True, k, width) + (1 - greedy) * expected(level, drafter, False, k, width)
 
     def stages(self, plan: Plan) -> list[tuple[int, int, int, int]]:
         """(verifier, drafter, length, width) of each stage of a speculating plan, target first: the
@@ -505,7 +507,8 @@ class BatchPlanner:
                       for a, b, g in self.acceptance.pairs()},
             **({"tree_width": self.tree_width, "tree_depth_rates": {
                 f"{self.tiers[a].name}<-{self.tiers[b].name}{'' if g else ' (sampling)'}":
-                    [round(q, 4) for q in self.acceptance.depth_rates(a, b, g, self.tree_width, len(self.acceptance.reached[(a, b, g)]))]
+                    [round(q, 4) for q in
+                     self.acceptance.depth_rates(a, b, g, self.tree_width, len(self.acceptance.reached[(a, b, g)]))]
                 for a, b, g in self.acceptance.pairs() if (a, b, g) in self.acceptance.reached}} if self.tree_width > 1 else {}),
             "chosen": {str(b): {"tiers": [self.tiers[t].name for t in p.active], "lengths": list(p.lengths)} for b, p in sorted(self.chosen.items())},
             "ab": {f"batch<={b} {('greedy', 'sampling', 'mixed')[m]}": {

@@ -354,7 +354,8 @@ def test_deeper_trees_win_where_acceptance_holds_and_lose_where_it_falls():
 
 def test_a_tree_plan_is_gated_as_a_chain_plan_is():
     """Off is measured first; a tree plan the model calls hopeless at a load (batch 64, every row costs) is never run."""
-    plan = BatchPlanner(chain()[:2], [table(lambda b, w: 4.0 + 0.4 * b * w), table(lambda b, w: 0.1 + 0.05 * b * w)], [0.0, 0.0], tree_width=3)
+    tables = [table(lambda b, w: 4.0 + 0.4 * b * w), table(lambda b, w: 0.1 + 0.05 * b * w)]
+    plan = BatchPlanner(chain()[:2], tables, [0.0, 0.0], tree_width=3)
     tree_rounds(plan, 0, 1, [0.9, 0.8, 0.8], 3)
     assert plan.predicted_best(1).speculating  # at batch 1 the model calls a tree worthwhile ...
     _, _, speculated = run_steps(plan, 1, MIN_STEPS + 1, lambda active: 100.0)

@@ -170,7 +170,8 @@ class SlotCache:
         end = start + hidden.shape[0]
         buffer = self.features.get(slot)
         if buffer is None or buffer.shape[0] < end:
-            grown = torch.empty(max(end, INITIAL_CAPACITY, 2 * (0 if buffer is None else buffer.shape[0])), hidden.shape[-1], dtype=torch.float32)
+            size = max(end, INITIAL_CAPACITY, 2 * (0 if buffer is None else buffer.shape[0]))
+            grown = torch.empty(size, hidden.shape[-1], dtype=torch.float32)
             if buffer is not None:
                 grown[:start] = buffer[:start]
             self.features[slot] = buffer = grown
