@@ -119,8 +119,7 @@ class Engine:
         spec = self.config.speculation
         self.scheduler = BatchedScheduler(tiers, self.config.speculation_lengths(), eos_token_ids=eos, prefill_budget=prefill,
                                           tree_width=spec.tree_width, scheme=spec.verifier)
-        # the planner's time model prices chain blocks: a tree chain runs its configured lengths ('auto': the default)
-        if auto_tune and spec.lengths == "auto" and len(self.tiers) > 1 and spec.tree_width == 1:
+        if auto_tune and spec.lengths == "auto" and len(self.tiers) > 1:
             self.scheduler.planner = self.make_planner()
 
     def make_planner(self):
@@ -129,7 +128,8 @@ class Engine:
 
         tiers = self.scheduler.tiers
         tables, lookup = profile_batched(tiers, self.vocab_size, min(self.max_requests, PROFILE_MAX_BATCH))
-        return BatchPlanner(tiers, tables, lookup, max_batched_tokens=self.config.batching.max_batched_tokens)
+        return BatchPlanner(tiers, tables, lookup, max_batched_tokens=self.config.batching.max_batched_tokens,
+                            tree_width=self.config.speculation.tree_width)
 
     def step_all(self, states: list[RequestState]) -> list[list[int]]:
         """One round of every request in `states` (batched chains: one forward per tier; otherwise in turn)."""

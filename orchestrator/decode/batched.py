@@ -23,8 +23,8 @@ Requests join and leave between steps (continuous batching): `start` opens one, 
 caches new prompts within a token budget before they join the rounds (chunked prefill),
 `finish` / `cancel` free its slots. The lengths and tiers of the round are the same for
 every request of a step; a planner (polyspec.orchestrator.tuning.batch_model) sets them
-for the current batch size before each step (chains only: its time model prices chain
-blocks, so a tree chain runs its configured lengths).
+for the current batch size before each step (with trees, the depth of the bottom
+drafter's trees; their width stays the config's).
 """
 
 from __future__ import annotations
@@ -218,7 +218,11 @@ class BatchedScheduler(ChainScheduler):
             if below is not None:
                 stage_of(run.stages, run.bypass_stages, self.tiers, level, below).record(len(block), len(path), length, seconds)
                 if self.planner is not None:
-                    self.planner.observe_round(level, below, len(block), len(path), run.params.greedy)
+                    # a tree's per-depth acceptance prices trees; a walk that ran out of nodes (a lookup's
+                    # short branch) accepted all it was offered
+                    depth = None if block.is_chain() else (len(path) if path and not block.children(path[-1])
+                                                           else max(block.depths()) + 1)
+                    self.planner.observe_round(level, below, len(block), len(path), run.params.greedy, depth)
                 if self.on_round is not None:
                     self.on_round(run, level, below, length, len(block), len(path), seconds)
             # a drafter that drafts ahead (a remote tier, pipelined) has already gone past a block

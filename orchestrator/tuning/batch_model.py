@@ -13,9 +13,14 @@ or B lookups for the n-gram tier. Acceptance does not move with B, but the cost 
 does: at B = 1 a forward of k + 1 tokens costs little more than one, at B = 64 it costs
 several times more, so the same acceptance can pay at low load and lose at high load. The
 planner picks, for the number of requests in the step, the plan with the most expected
-tokens per second; speculation off is always a candidate.
+tokens per second; speculation off is always a candidate. With `tree_width` w > 1 the
+bottom drafter's block is a tree of depth k (w candidates per level, as `draft_tree_batch`
+grows it): its verifier's forward is t(B, w k + 1), the draft a root forward then k - 1
+level forwards t_d(B, w), and E the tree's, from the per-depth acceptance of the tree
+rounds seen (polyspec.orchestrator.tuning.batch_acceptance).
 
-`t_i(B, W)` comes from a start-up profile on a grid of (B, W), interpolated in between, and
+`t_i(B, W)` comes from a start-up profile on a grid of (B, W), interpolated in between
+(past the grid: in proportion to the rows, and at the last step's cost per token), and
 is refined online from every batched forward (an EMA per grid cell); each plan's predicted
 step time is also corrected by the ratio of measured to predicted step times.
 
@@ -48,6 +53,8 @@ import time
 
 import torch
 
+from polyspec.orchestrator.tuning.batch_acceptance import (LOOKUP_PRIOR_RATE, PRIOR_RATE, Acceptance,  # noqa: F401 (re-exported)
+                                                            expected_tokens)
 from polyspec.workers.core.sampling import SamplingParams
 
 BATCH_GRID = (1, 4, 16, 64)
@@ -64,20 +71,8 @@ SWITCH_OFF = 1.0  # ... and off when it measures under this many times off's
 EXPLORE_FLOOR = 0.5  # a new load explores a further set of tiers only if predicted at least this share of off's tokens/s
 SEED_FLOOR = 0.25  # ... and the neighbouring load's winner only if predicted at least this share
 CANDIDATE_MARGIN = 1.5  # an unmeasured speculating plan must be predicted this much better than the measured best to be tried
-PRIOR_RATE = 0.8  # acceptance rate before any round is seen (a model drafter; the lookup's is LOOKUP_PRIOR_RATE)
-LOOKUP_PRIOR_RATE = 0.5
-PRIOR_WEIGHT = 4.0  # ... worth this many observed tokens
 LENGTHS = (3, 6, 12)
 INNER_LENGTHS = (4, 10)
-
-
-def expected_tokens(rate: float, k: int) -> float:
-    """Tokens one round with a block of k emits (accepted + correction or bonus)."""
-    if k <= 0:
-        return 1.0
-    if rate >= 1.0 - 1e-9:
-        return k + 1.0
-    return (1.0 - rate ** (k + 1)) / (1.0 - rate)
 
 
 def bucket(batch: int) -> int:
@@ -101,8 +96,19 @@ class ForwardTable:
     """ms of one batched forward on the (batch, width) grid, refined online."""
 
     ms: dict[tuple[int, int], float]
+    # ms per context token of a request's catch-up, timed for a tier that catches up inside its own calls (a feature
+    # head: one forward over a context, while it verifies one token at a time); None: the widest block's per-token cost
+    catch_up_ms: float | None = None
+
+    def catch_up(self) -> float:
+        """ms per context token a request's catch-up costs this tier (one row)."""
+        return self.catch_up_ms if self.catch_up_ms is not None else self.estimate(1, WIDTH_GRID[-1]) / WIDTH_GRID[-1]
 
     def estimate(self, batch: int, width: int) -> float:
+        last, before = WIDTH_GRID[-1], WIDTH_GRID[-2]
+        if width > last:  # past the widest block profiled (a deep tree's nodes): each token costs what the last step's did
+            top = self.estimate(batch, last)
+            return top + max(0.0, top - self.estimate(batch, before)) / (last - before) * (width - last)
         bl, bh, bw = _interpolate(BATCH_GRID, batch)
         wl, wh, ww = _interpolate(WIDTH_GRID, width)
 
@@ -112,9 +118,7 @@ class ForwardTable:
         low = at(bl, wl) * (1 - ww) + at(bl, wh) * ww
         high = at(bh, wl) * (1 - ww) + at(bh, wh) * ww
         value = low * (1 - bw) + high * bw
-        # beyond the grid's corners: proportional to the rows fed
-        scale = max(1.0, batch / BATCH_GRID[-1]) * max(1.0, width / WIDTH_GRID[-1])
-        return value * scale
+        return value * max(1.0, batch / BATCH_GRID[-1])  # past the largest batch: proportional to the rows
 
     def observe(self, batch: int, width: int, ms: float) -> None:
         """Move the nearest grid cell toward what this forward's size predicts for it."""
@@ -197,14 +201,14 @@ class BatchPlanner:
     A/B against speculation off decides whether to run it."""
 
     def __init__(self, tiers, tables: list[ForwardTable | None], lookup_ms: list[float], max_length: int = max(LENGTHS),
-                 max_batched_tokens: int | None = None) -> None:
+                 max_batched_tokens: int | None = None, tree_width: int = 1) -> None:
         self.tiers = tiers
+        self.tree_width = tree_width  # the bottom drafter of a plan proposes trees of this many candidates (1: chains)
         self.max_batched_tokens = max_batched_tokens  # a plan whose widest forward would exceed it is not taken
         self.tables = tables  # per tier; None for the n-gram lookup
         self.lookup_ms = lookup_ms  # per tier: ms per request of a model-free draft
         self.max_length = max_length
-        self.accepted: dict[tuple, float] = {}
-        self.rejected: dict[tuple, float] = {}
+        self.acceptance = Acceptance([PRIOR_RATE if t is not None else LOOKUP_PRIOR_RATE for t in tables])
         self.correction: dict[tuple, float] = {}  # (plan | side | None, bucket or 0) -> measured / predicted step time
         self.arms: dict[tuple[int, int], Arm] = {}  # (bucket, sampling mix) -> its A/B
         self.plans = self._candidates()
@@ -233,12 +237,10 @@ class BatchPlanner:
 
     # ------------------------------------------------------------- observing
 
-    def observe_round(self, level: int, drafter: int, proposed: int, accepted: int, greedy: bool = True) -> None:
-        if proposed <= 0:
-            return
-        key = (level, drafter, greedy)
-        self.accepted[key] = self.accepted.get(key, 0.0) + accepted
-        self.rejected[key] = self.rejected.get(key, 0.0) + (1.0 if accepted < proposed else 0.0)
+    def observe_round(self, level: int, drafter: int, proposed: int, accepted: int, greedy: bool = True,
+                      depth: int | None = None) -> None:
+        """A verification round: `proposed` drafted nodes, an accepted path of `accepted`; `depth`: a tree's (None: a chain)."""
+        self.acceptance.observe(level, drafter, proposed, accepted, greedy, depth)
 
     def observe_forwards(self) -> None:
         """Fold the tiers' logged forwards into the tables."""
@@ -293,47 +295,51 @@ class BatchPlanner:
         return 1.0
 
     def rate(self, level: int, drafter: int, greedy: bool = True) -> float:
-        key = (level, drafter, greedy)
-        prior = PRIOR_RATE if self.tables[drafter] is not None else LOOKUP_PRIOR_RATE
-        accepted = self.accepted.get(key, 0.0) + prior * PRIOR_WEIGHT
-        rejected = self.rejected.get(key, 0.0) + (1 - prior) * PRIOR_WEIGHT
-        return accepted / (accepted + rejected)
+        return self.acceptance.rate(level, drafter, greedy)
 
     # ------------------------------------------------------------- the model
 
-    def draft_ms(self, tier: int, batch: int, k: int) -> float:
+    def draft_ms(self, tier: int, batch: int, k: int, width: int = 1) -> float:
+        """A block of k (a tree of depth k with `width` candidates): a chain's k forwards of one token
+        per row, a tree's root forward then k - 1 level forwards of `width` nodes per row."""
         table = self.tables[tier]
         if table is None:
             return self.lookup_ms[tier] * batch
-        return table.estimate(batch, 2) + (k - 1) * table.estimate(batch, 1)
+        return table.estimate(batch, 2) + (k - 1) * table.estimate(batch, width)
 
-    def emitted(self, level: int, drafter: int, k: int) -> float:
+    def emitted(self, level: int, drafter: int, k: int, width: int = 1) -> float:
         """Expected tokens of a round, over the batch's mix of greedy and sampling requests."""
         greedy = self.greedy_share
-        return greedy * expected_tokens(self.rate(level, drafter, True), k) + (1 - greedy) * expected_tokens(self.rate(level, drafter, False), k)
+        expected = self.acceptance.expected
+        return greedy * expected(level, drafter, True, k, width) + (1 - greedy) * expected(level, drafter, False, k, width)
+
+    def stages(self, plan: Plan) -> list[tuple[int, int, int, int]]:
+        """(verifier, drafter, length, width) of each stage of a speculating plan, target first: the
+        bottom drafter's blocks are trees of `tree_width` candidates, the others' chains."""
+        active = plan.active
+        return [(active[i], active[i + 1], plan.lengths[active[i]], self.tree_width if i + 2 == len(active) else 1)
+                for i in range(len(active) - 1)]
 
     def step_ms(self, plan: Plan, batch: int) -> tuple[float, float]:
         """(predicted ms of one step, expected tokens per request) for `plan` at `batch` requests."""
         t0 = self.tables[0]
         if not plan.speculating:
             return t0.estimate(batch, 1), 1.0
-        k = plan.lengths[0]
-        if len(plan.active) == 2:
-            drafter = plan.active[1]
-            return t0.estimate(batch, k + 1) + self.draft_ms(drafter, batch, k), self.emitted(0, drafter, k)
-        mid, bottom = plan.active[1], plan.active[2]
-        j = plan.lengths[mid]
-        per_round = self.emitted(mid, bottom, j)
+        (_, top, k, width), *inner = self.stages(plan)
+        if not inner:
+            return t0.estimate(batch, width * k + 1) + self.draft_ms(top, batch, k, width), self.emitted(0, top, k, width)
+        _, bottom, j, inner_width = inner[0]
+        per_round = self.emitted(top, bottom, j, inner_width)
         rounds = math.ceil(k / per_round)
-        mid_ms = rounds * (self.tables[mid].estimate(batch, j + 1) + self.draft_ms(bottom, batch, j))
+        mid_ms = rounds * (self.tables[top].estimate(batch, inner_width * j + 1) + self.draft_ms(bottom, batch, j, inner_width))
         # the mid tier emits ~k tokens; the target accepts them at its rate against the mid tier
-        return t0.estimate(batch, k + 1) + mid_ms, self.emitted(0, mid, k)
+        return t0.estimate(batch, k + 1) + mid_ms, self.emitted(0, top, k)
 
     def fits(self, plan: Plan, batch: int) -> bool:
-        """Does the plan's widest forward (the target's block) stay within max_batched_tokens?"""
+        """Does the plan's widest forward (a verifier's block: a tree's nodes) stay within max_batched_tokens?"""
         if self.max_batched_tokens is None or not plan.speculating:
             return True
-        return batch * (plan.lengths[0] + 1) <= self.max_batched_tokens
+        return batch * max(width * k + 1 for _, _, k, width in self.stages(plan)) <= self.max_batched_tokens
 
     def goodput(self, plan: Plan, batch: int, extra_ms: float = 0.0) -> float:
         """Expected total tokens/s of a step of `batch` requests under `plan` (`extra_ms` added to the step)."""
@@ -343,13 +349,13 @@ class BatchPlanner:
 
     def entry_goodput(self, plan: Plan, batch: int) -> float:
         """`goodput` over a probe of MIN_STEPS steps that starts with its drafters catching up on the
-        contexts they have not cached (a prefill, at the single-row per-token cost of the table's
-        widest block): the price of finding out whether a plan pays."""
+        contexts they have not cached (a prefill, at the tier's per-token catch-up cost,
+        `ForwardTable.catch_up`): the price of finding out whether a plan pays."""
         catch = 0.0
         for tier in plan.active[1:]:
             table = self.tables[tier]
             if table is not None and self.behind.get(tier):
-                catch += self.behind[tier] * table.estimate(1, WIDTH_GRID[-1]) / WIDTH_GRID[-1]
+                catch += self.behind[tier] * table.catch_up()
         return self.goodput(plan, batch, catch / MIN_STEPS)
 
     def allowed(self, batch: int) -> list[Plan]:
@@ -498,7 +504,12 @@ class BatchPlanner:
     def describe(self) -> dict:
         return {
             "rates": {f"{self.tiers[a].name}<-{self.tiers[b].name}{'' if g else ' (sampling)'}": round(self.rate(a, b, g), 4)
-                      for a, b, g in sorted(self.accepted)},
+                      for a, b, g in self.acceptance.pairs()},
+            **({"tree_width": self.tree_width, "tree_depth_rates": {
+                f"{self.tiers[a].name}<-{self.tiers[b].name}{'' if g else ' (sampling)'}":
+                    [round(q, 4) for q in
+                     self.acceptance.depth_rates(a, b, g, self.tree_width, len(self.acceptance.reached[(a, b, g)]))]
+                for a, b, g in self.acceptance.pairs() if (a, b, g) in self.acceptance.reached}} if self.tree_width > 1 else {}),
             "chosen": {str(b): {"tiers": [self.tiers[t].name for t in p.active], "lengths": list(p.lengths)} for b, p in sorted(self.chosen.items())},
             "ab": {f"batch<={b} {('greedy', 'sampling', 'mixed')[m]}": {
                 "speculate": a.speculate,
@@ -542,14 +553,28 @@ def profile_batched(tiers, vocab_size: int, max_batch: int, repeats: int = 2) ->
                     best = min(best, (time.perf_counter() - started) * 1000.0)
                 ms[(b, w)] = best
                 warm = True
-        for seq_id in ids:
-            tier.release(seq_id)
+        for other in tiers:  # a drafter's calls may open sequences in the tier it reads from (a feature head's target)
+            for seq_id in ids:
+                other.release(seq_id)
+        catch_up = None
+        if not tier.caches_prompts:  # it catches up inside its next call: time one on a fresh context the caching tiers hold
+            fresh = ("profile", index, len(ids))
+            for other in tiers:
+                if other.has_weights and other.caches_prompts:
+                    other.prefill([fresh], [context], PROFILE_CONTEXT)
+            started = time.perf_counter()
+            tier.draft_batch([fresh], [context], [1], [SamplingParams()], [None])
+            catch_up = (time.perf_counter() - started) * 1000.0 / PROFILE_CONTEXT
+            for other in tiers:
+                other.release(fresh)
         tier.forward_log.clear()
         for b in BATCH_GRID:  # beyond the largest batch profiled: proportional to the rows
             if b not in batches:
                 for w in WIDTH_GRID:
                     ms[(b, w)] = ms[(batches[-1], w)] * b / batches[-1]
-        tables.append(ForwardTable(monotone(ms)))
+        tables.append(ForwardTable(monotone(ms), catch_up))
+    for tier in tiers:
+        tier.forward_log.clear()
     return tables, lookup
 
 

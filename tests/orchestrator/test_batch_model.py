@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
+import random
 import types
 
 from polyspec.orchestrator.tuning.batch_model import (BATCH_GRID, MIN_STEPS, PROBE_STEPS, SWITCH_ON, WIDTH_GRID,
-                                                      BatchPlanner, ForwardTable, bucket, decide, expected_tokens)
+                                                      BatchPlanner, ForwardTable, Plan, bucket, decide, expected_tokens)
 
 
 def table(cost) -> ForwardTable:
@@ -39,7 +41,9 @@ def test_expected_tokens():
 def test_table_interpolates_and_refines():
     t = table(lambda b, w: b * w)
     assert t.estimate(4, 8) == 32 and t.estimate(8, 4) == 32  # between grid points: linear
-    assert t.estimate(128, 16) == 2 * 64 * 16  # beyond the grid: proportional to the rows
+    assert t.estimate(128, 16) == 2 * 64 * 16  # beyond the grid: proportional to the rows ...
+    assert t.estimate(4, 25) == 4 * 25  # ... and past the widest block, the last step's cost per token
+    assert table(lambda b, w: 10.0 + 0.5 * w).estimate(1, 32) == 10.0 + 0.5 * 32
     before = t.ms[(16, 8)]
     t.observe(16, 8, 2 * before)
     assert t.ms[(16, 8)] > before
@@ -282,3 +286,92 @@ def test_a_drafter_far_behind_is_not_started_to_find_out():
 
     assert not any(1 in active for active in run(64 * 200)) and (0, 2) in run(64 * 200)
     assert any(1 in active for active in run(0))
+
+
+# ----------------------------------------------------------------- draft trees (tree_width > 1)
+
+
+def tree_rounds(plan: BatchPlanner, level: int, drafter: int, rates: list[float], width: int, rounds: int = 600) -> None:
+    """Tree rounds of depth len(rates) whose walk gets past depth i with probability rates[i] (seeded)."""
+    draw = random.Random(0)
+    for _ in range(rounds):
+        accepted = 0
+        while accepted < len(rates) and draw.random() < rates[accepted]:
+            accepted += 1
+        plan.observe_round(level, drafter, width * len(rates), accepted, depth=len(rates))
+
+
+def test_tree_rounds_give_per_depth_acceptance():
+    """600 rounds: each depth's conditional rate within 0.06 of the truth (its binomial sd at the
+    rounds reaching it is under 0.025); the expected tokens are the tree's, 1 + sum of the products."""
+    plan = planner(lambda b, w: 10.0, tree_width=2)
+    truth = [0.9, 0.7, 0.5, 0.5, 0.5, 0.5]
+    tree_rounds(plan, 0, 1, truth, 2)
+    measured = plan.acceptance.depth_rates(0, 1, True, 2, 6)
+    assert all(abs(m - t) < 0.06 for m, t in zip(measured, truth)), measured
+    expected, reach = 1.0, 1.0
+    for q in measured[:3]:
+        reach *= q
+        expected += reach
+    assert abs(plan.emitted(0, 1, 3, 2) - expected) < 1e-9
+    # past depth 0 the walk follows one candidate chain: the chain rate learns from the deeper levels
+    assert abs(plan.rate(0, 1) - 0.55) < 0.06
+    # a depth no tree reached yet is priced at that chain rate, not at the prior
+    assert plan.acceptance.depth_rates(0, 1, True, 2, 8)[7] == plan.rate(0, 1)
+
+
+def test_tree_plans_price_their_nodes():
+    """A tree of width w and depth k: the verifier's forward takes w k + 1 tokens per row, the drafter runs
+    its root forward then k - 1 level forwards of w nodes per row; max_batched_tokens bounds the nodes."""
+    plan = planner(lambda b, w: float(w), mid_cost=lambda b, w: 10.0 * w, lookup_ms=0.5, tree_width=3, max_batched_tokens=64)
+    target, mid = plan.tables[0], plan.tables[1]
+    two_tier = next(p for p in plan.plans if p.active == (0, 1) and p.lengths[0] == 3)
+    assert plan.step_ms(two_tier, 1)[0] == target.estimate(1, 3 * 3 + 1) + mid.estimate(1, 2) + 2 * mid.estimate(1, 3)
+    three_tier = next(p for p in plan.plans if p.active == (0, 1, 2) and p.lengths == (6, 4))
+    ms, _ = plan.step_ms(three_tier, 1)  # the mid tier verifies the lookup's trees of depth 4; the target a chain of 6
+    rounds = math.ceil(6 / plan.emitted(1, 2, 4, 3))
+    assert abs(ms - (target.estimate(1, 7) + rounds * (mid.estimate(1, 3 * 4 + 1) + 0.5))) < 1e-9
+    assert plan.fits(two_tier, 6) and not plan.fits(two_tier, 7)  # 7 rows of 9 nodes + 1 > 64
+    assert plan.fits(Plan((0, 2), (3, 0)), 2) and not plan.fits(Plan((0, 2), (12, 0)), 2)
+
+
+def test_deeper_trees_win_where_acceptance_holds_and_lose_where_it_falls():
+    """Blocks nearly free (a memory-bound target), the same cheap drafter: with acceptance holding at every
+    depth the deepest tree is best; with the walk rarely getting past depth 2, the shallowest. Where every
+    row costs the same (batch 64), no tree pays and speculation is off."""
+    def best(rates, cost, batch):
+        plan = BatchPlanner(chain()[:2], [table(cost), table(lambda b, w: 0.5 + 0.01 * b * w)], [0.0, 0.0], tree_width=2)
+        tree_rounds(plan, 0, 1, rates, 2)
+        return plan.predicted_best(batch)
+
+    cheap = lambda b, w: 10.0 + 0.01 * b * w
+    holds = best([0.95] * 12, cheap, 1)
+    assert holds.speculating and holds.lengths[0] == 12
+    falls = best([0.95, 0.9, 0.05] + [0.5] * 9, cheap, 1)
+    assert falls.speculating and falls.lengths[0] == 3
+    assert not best([0.95] * 12, lambda b, w: 1.0 * b * w, 64).speculating
+
+
+def test_a_tree_plan_is_gated_as_a_chain_plan_is():
+    """Off is measured first; a tree plan the model calls hopeless at a load (batch 64, every row costs) is never run."""
+    tables = [table(lambda b, w: 4.0 + 0.4 * b * w), table(lambda b, w: 0.1 + 0.05 * b * w)]
+    plan = BatchPlanner(chain()[:2], tables, [0.0, 0.0], tree_width=3)
+    tree_rounds(plan, 0, 1, [0.9, 0.8, 0.8], 3)
+    assert plan.predicted_best(1).speculating  # at batch 1 the model calls a tree worthwhile ...
+    _, _, speculated = run_steps(plan, 1, MIN_STEPS + 1, lambda active: 100.0)
+    assert speculated == [False] * MIN_STEPS + [True]  # ... but off is measured first
+    _, _, speculated = run_steps(plan, 64, 200, lambda active: 100.0 if len(active) == 1 else 20.0)
+    assert not any(speculated)
+
+
+def test_a_drafter_catching_up_inside_its_calls_is_priced_at_its_measured_catch_up():
+    """A drafter served row by row that conditions on a whole context in one forward (a feature head) catches
+    up far cheaper per token than its table's widest block (one token at a time): the measured cost is used."""
+    plan = planner(lambda b, w: 10.0 + 0.1 * w, mid_cost=lambda b, w: 2.0 * w)
+    accept(plan, 0, 1, 0.9)
+    mid_plan = next(p for p in plan.plans if p.active == (0, 1) and p.lengths[0] == 3)
+    plan.behind = {1: 3000}
+    assert plan.tables[1].catch_up() == 2.0  # unmeasured: the widest block's per-token cost
+    estimated = plan.entry_goodput(mid_plan, 1)
+    plan.tables[1].catch_up_ms = 0.05
+    assert plan.entry_goodput(mid_plan, 1) == plan.goodput(mid_plan, 1, 3000 * 0.05 / MIN_STEPS) > 10 * estimated

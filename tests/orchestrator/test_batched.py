@@ -7,7 +7,9 @@ that the target's top-two logit gap at the divergence is at float-rounding size.
 Sampling: a chi-square test of the first two tokens against the exact target
 distribution, with every sample drawn inside a batch of other requests.
 Draft trees (`tree_width > 1`): the same three checks on tree chains, plus the batched
-tier's tree rows, trees and kept paths against the one-sequence tier's.
+tier's tree rows, trees, kept paths and recorded features against the one-sequence tier's,
+and `lengths: auto` planning tree depths. A feature head batched runs no target forward of
+its own (it reads the batched target's recorded features).
 """
 
 from __future__ import annotations
@@ -217,7 +219,8 @@ def test_kv_memory_bound_lowers_max_requests(tiny_family):
 
 def test_batched_tree_tier_matches_one_sequence_tier(tiny_family):
     """Trees beside chains in one forward: the same rows as `ModelTier.score`, the same trees
-    (same seeds) as `ModelTier.draft_tree`, and `accept_path` leaves the same cache behind."""
+    (same seeds) as `ModelTier.draft_tree`, and `accept_path` leaves the same cache behind,
+    recorded features (`keep_features`, what a feature drafter reads) included."""
     from transformers import AutoModelForCausalLM
 
     from polyspec.workers.core.tree import DraftTree
@@ -230,6 +233,7 @@ def test_batched_tree_tier_matches_one_sequence_tier(tiny_family):
 
     target, drafter = tier("target"), tier("small")
     batched_target, batched_drafter = BatchedModelTier(tier("target")), BatchedModelTier(tier("small"))
+    target.keep_features = batched_target.keep_features = True
     for batched in (batched_target, batched_drafter):  # requests 0-3 in slots 0, 1, 5, 12: gather, span and view forwards
         for pad in range(13):
             batched.cache.slot(f"pad{pad}")
@@ -268,6 +272,18 @@ def test_batched_tree_tier_matches_one_sequence_tier(tiny_family):
             slot = batched_target.cache.slot_of[r]
             assert batched_target.cache.tokens[slot] == contexts[r] + [block.tokens[j] for j in path]
             contexts[r] = contexts[r] + [block.tokens[j] for j in path] + [5 + step]
+        for r in range(4):  # the features of what each cache holds: context and kept path, or context and chain block
+            want = target.features(r, contexts[r], len(contexts[r]))
+            got = batched_target.features(r, contexts[r], len(contexts[r]))
+            assert got.shape == want.shape and got.shape[0] >= len(contexts[r]) - 1
+            assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+    new = torch.randint(1, 200, (9,), generator=generator).tolist()  # a sequence the tier has not seen: computed on demand ...
+    got = batched_target.features("new", new, 8, compute=True)
+    assert torch.allclose(got, target.features("new", new, 8, compute=True), atol=1e-4) and batched_target.cached("new") == 8
+    forwards = batched_target.tier.forwards
+    batched_target.score_batch(["new"], [new], [DraftTree.chain([], None)], [SamplingParams()])
+    assert batched_target.tier.forwards == forwards + 1
+    assert batched_target.forward_log[-1][1] == 1  # ... and the score finds it cached: one new position
 
 
 @pytest.mark.parametrize("names,speculation", [
@@ -333,33 +349,58 @@ def test_batched_tree_sampling_matches_target_distribution(tiny_family):
     assert p_value > ALPHA, f"chi-square p={p_value:.2e} over {samples} samples"
 
 
-def test_tree_chain_with_auto_lengths_runs_batched_at_the_default_lengths(tiny_family):
-    """The planner prices chain blocks: a batched tree chain keeps the default lengths (docs/serving.md)."""
-    from polyspec.orchestrator.config import DEFAULT_SPECULATION_LENGTH
-
-    engine = build(tiny_family, ["target", "mid"], {"lengths": "auto", "tree_width": 2})
-    assert engine.batched and engine.scheduler.planner is None
-    assert engine.scheduler.lengths == [DEFAULT_SPECULATION_LENGTH] and engine.scheduler.tree_width == 2
-    result = engine.generate(engine.parse_request({"prompt": PROMPTS[0], "max_new_tokens": 8}))
-    assert len(result["token_ids"]) == 8 or result["finish_reason"] == "eos"
+def test_tree_chain_with_auto_lengths_plans_tree_depths(tiny_family, target_model):
+    """`lengths: auto` with tree_width 2: the planner prices tree blocks (docs/serving.md) and moves
+    the plan (off measured first, then trees of the depth it picked); each request records the
+    plans it ran, the tree rounds feed the per-depth acceptance, and every request equals the
+    target's own greedy output."""
+    engine = build(tiny_family, ["target", "mid"], {"lengths": "auto", "tree_width": 2}, {"max_requests": 4})
+    planner = engine.scheduler.planner
+    assert engine.batched and planner is not None and planner.tree_width == 2 and engine.scheduler.tree_width == 2
+    engine.scheduler.eos_token_ids = frozenset()
+    requests = [engine.parse_request({"prompt": p, "max_new_tokens": 24, "id": str(i)}) for i, p in enumerate(PROMPTS)]
+    results = {}
+    run_requests(engine, requests, lambda result: results.__setitem__(result["id"], result))
+    assert set(results) == {r.id for r in requests}
+    for index, prompt in enumerate(PROMPTS):
+        _check_greedy(target_model, encode_prompt(engine.tokenizer, prompt), results[str(index)]["token_ids"], 24)
+    plans = [results[str(i)]["stats"]["plans"] for i in range(len(PROMPTS))]
+    assert plans[0][0]["tiers"] == ["target"]  # the first load measures speculation off first ...
+    assert any(len(p) > 1 for p in plans)  # ... and a request's plan moved from there
+    ran = [p for request_plans in plans for p in request_plans if p["tiers"] == ["target", "mid"]]
+    assert ran and all(p["lengths"][0] in (3, 6, 12) for p in ran)  # trees of a depth on the planner's grid
+    reached = planner.acceptance.reached[(0, 1, True)]  # tree rounds were observed per depth
+    assert reached[0] > 0 and len(reached) >= min(p["lengths"][0] for p in ran)
+    assert "tree_depth_rates" in planner.describe()
 
 
 @pytest.mark.parametrize("names,speculation", [
     (["target", "feature"], {"lengths": [3], "tree_width": 3}),
     (["target", "feature"], {"lengths": [3]}),  # a tier served row by row does not hold a joining request back
+    (["target", "feature"], {"lengths": "auto", "tree_width": 2}),  # the planner, its profile reading features too
     (["target", "early_exit_noisy"], {"lengths": [3], "tree_width": 2}),
 ])
 def test_greedy_batched_trained_drafters_equal_target_alone(tiny_drafters, names, speculation):
+    """Greedy equality; and every forward of the target is a batched one: a feature head reads the
+    features the batched target's forwards recorded, no target forward runs for it alone."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_drafters["target"], dtype=torch.float32).eval()
     engine = build(tiny_drafters, names, speculation, {"max_requests": 4, "max_batched_tokens": 64})
     assert engine.batched
     engine.scheduler.eos_token_ids = frozenset()
+    target, planner = engine.scheduler.tiers[0], engine.scheduler.planner
+    if planner is not None:  # the head catches up inside its own calls: its per-token catch-up was measured
+        assert planner.tables[1].catch_up_ms > 0 and planner.tables[0].catch_up_ms is None
+        assert target.cache.open_sequences == 0  # the head's profile opened target sequences; all closed again
+    batched_forward, calls = target.model.forward, []
+    target.model.forward = lambda *args, **kwargs: calls.append(1) or batched_forward(*args, **kwargs)
+    forwards_before = target.tier.forwards  # the wrapped tier counts every forward, batched or its own
     requests = [engine.parse_request({"prompt": p, "max_new_tokens": 12, "id": str(i)}) for i, p in enumerate(PROMPTS)]
     results = {}
     run_requests(engine, requests, lambda result: results.__setitem__(result["id"], result))
     assert set(results) == {r.id for r in requests}
+    assert calls and target.tier.forwards - forwards_before == len(calls)
     for index, prompt in enumerate(PROMPTS):
         _check_greedy(model, encode_prompt(engine.tokenizer, prompt), results[str(index)]["token_ids"], 12)
 

@@ -88,6 +88,7 @@ def test_feature_tier_asks_the_target_for_a_new_prompts_features(target, tiny_dr
     context = [3, 4, 5, 6, 7, 8, 9]
     tier.draft(1, context, 2, GREEDY, None)
     assert source.features(1, context, 6).shape[0] == 6  # computed for the head, kept for the target's score
+    assert tier.cached_tokens(1) == 7 and tier.cached_tokens(2) == 0  # the drafted position is provisional: not counted
     with pytest.raises(NotImplementedError, match="chains only"):
         tier.score(1, context, DraftTree([1, 2], [-1, -1], None), GREEDY)
 

@@ -144,7 +144,34 @@ class BatchedModelTier(BatchedTier):
         return self.cache.length(slot) if pending is None else min(self.cache.length(slot), pending.prefix_len)
 
     def bytes_per_request(self) -> int:
-        return self.cache.bytes_per_slot()
+        return self.cache.bytes_per_slot(hidden_size=self.model.embed.shape[-1])
+
+    @property
+    def keep_features(self) -> bool:
+        return self.cache.keep_features
+
+    @keep_features.setter
+    def keep_features(self, keep: bool) -> None:
+        self.cache.keep_features = keep
+
+    def features(self, seq_id, context: list[int], length: int, compute: bool = False) -> torch.Tensor:
+        """`ModelTier.features` from the slot cache: the last hidden states of the longest prefix of
+        `context[:length]` this tier's forwards have computed ([m, H] float32, a fresh tensor). With
+        `compute`, the missing positions are cached now (`prefill`: the next `score_batch` finds them).
+        Needs `keep_features`."""
+        if not self.keep_features:
+            raise RuntimeError(f"tier {self.name!r} does not keep its hidden states (keep_features)")
+        slot = self.cache.slot_of.get(seq_id)
+        have = 0 if slot is None else self.cache.common_prefix(slot, context[: max(length, 0)])
+        pending = None if slot is None else self.cache.pending.get(slot)
+        if pending is not None:  # an unverified tree's nodes are not context
+            have = min(have, pending.prefix_len)
+        if compute and have < length:
+            self.prefill([seq_id], [context[:length] + [0]], length)  # [0]: prefill caches all but the last token
+            slot, have = self.cache.slot_of[seq_id], length
+        if have <= 0:
+            return torch.zeros(0, 0)
+        return self.cache.features[slot][:have].clone()
 
     def _sync(self, slot: int, context: list[int]) -> list[int]:
         """Roll the slot back to what `context` shares with it; the uncached tail (>= 1 token)."""
@@ -341,7 +368,9 @@ class BatchedNGramTier(BatchedTier):
 
 
 def batched_tiers(tiers: list[Tier], max_slots: int | None = None) -> list[BatchedTier]:
-    """Each tier behind the batched seam: one shared forward where the model allows it."""
+    """Each tier behind the batched seam: one shared forward where the model allows it. A feature
+    drafter (served row by row) reads its target's features from the batched target's slot cache,
+    which its forwards fill anyway: no forward of the target runs for the drafter alone."""
     out: list[BatchedTier] = []
     for tier in tiers:
         if BatchedModelTier.supports(tier):
@@ -350,4 +379,11 @@ def batched_tiers(tiers: list[Tier], max_slots: int | None = None) -> list[Batch
             out.append(BatchedNGramTier(tier))
         else:
             out.append(RowByRow(tier))
+    for wrapper in out:
+        read_features_from = getattr(wrapper.tier, "read_features_from", None)
+        source = getattr(wrapper.tier, "source", None)
+        batched_source = next((t for t in out if isinstance(t, BatchedModelTier) and t.tier is source), None)
+        if read_features_from is not None and batched_source is not None:
+            batched_source.keep_features = True
+            read_features_from(batched_source)
     return out

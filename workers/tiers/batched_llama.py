@@ -93,6 +93,11 @@ class SlotCache:
         self.tokens: list[list[int] | None] = []  # per slot: the token at each cached position (None: free)
         self.slot_of: dict[object, int] = {}
         self.pending: dict[int, PendingTree] = {}  # slot -> its unverified tree
+        # keep_features: every forward also records the last hidden state (after the final norm, what
+        # the LM head reads) of each position it writes, per slot [positions, H] float32, rolled back
+        # and compacted with the KV (a feature drafter reads them: BatchedModelTier.features)
+        self.keep_features = False
+        self.features: dict[int, torch.Tensor] = {}
 
     # ------------------------------------------------------------- sequences
 
@@ -116,6 +121,7 @@ class SlotCache:
         if slot is not None:
             self.tokens[slot] = None
             self.pending.pop(slot, None)
+            self.features.pop(slot, None)
             while self.tokens and self.tokens[-1] is None:
                 self.tokens.pop()
 
@@ -144,6 +150,9 @@ class SlotCache:
             v[slot, :, :count] = v[slot].index_select(1, index)
         cached = self.tokens[slot]
         self.tokens[slot] = [cached[p] for p in positions]
+        features = self.features.get(slot)
+        if features is not None:  # kept on the CPU, as ModelTier keeps them
+            features[:count] = features.index_select(0, index.cpu())
 
     def accept_path(self, seq_id, path: list[int]) -> None:
         """After a tree verdict keep the linear context and the accepted path's nodes (node
@@ -159,6 +168,18 @@ class SlotCache:
             kept.append(pending.node_slots[node])
         self.keep(slot, kept)
 
+    def store_features(self, slot: int, start: int, hidden: torch.Tensor) -> None:
+        """Record the hidden states [T, H] of the slot's positions start.. (a CPU buffer, grown by doubling)."""
+        end = start + hidden.shape[0]
+        buffer = self.features.get(slot)
+        if buffer is None or buffer.shape[0] < end:
+            size = max(end, INITIAL_CAPACITY, 2 * (0 if buffer is None else buffer.shape[0]))
+            grown = torch.empty(size, hidden.shape[-1], dtype=torch.float32)
+            if buffer is not None:
+                grown[:start] = buffer[:start]
+            self.features[slot] = buffer = grown
+        buffer[start:end] = hidden.float()
+
     def common_prefix(self, slot: int, context: list[int]) -> int:
         cached = self.tokens[slot]
         limit = min(len(cached), len(context))
@@ -173,10 +194,13 @@ class SlotCache:
     def open_sequences(self) -> int:
         return len(self.slot_of)
 
-    def bytes_per_slot(self, capacity: int | None = None) -> int:
+    def bytes_per_slot(self, capacity: int | None = None, hidden_size: int = 0) -> int:
+        """A slot's KV entries at `capacity` positions (default: the model context), plus its recorded
+        features (`hidden_size` floats per position) where kept."""
         layers, heads, head_dim = self.shape
         width = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * layers * heads * head_dim * (capacity or self.limit or self.capacity) * width
+        positions = capacity or self.limit or self.capacity
+        return 2 * layers * heads * head_dim * positions * width + (4 * hidden_size * positions if self.keep_features else 0)
 
     # ------------------------------------------------------------- buffers
 
@@ -319,6 +343,10 @@ class BatchedLlama:
             x = x + down(F.silu(gate(h)) * up(h))
         for slot, row_tokens in zip(slots, tokens):
             cache.tokens[slot].extend(row_tokens)
+        if cache.keep_features:  # what the LM head reads, at every position written (the logits below stay as they were computed)
+            normed = _rms(x, self.norm_weight, self.norm_eps).float().cpu()  # one copy for all rows
+            for r, slot in enumerate(slots):
+                cache.store_features(slot, starts[r], normed[r, : counts[r]])
         wanted = [(r, j) for r in range(rows) for j in range(outputs[r], counts[r])]
         if not wanted:
             return [torch.zeros(0, 0, dtype=x.dtype) for _ in range(rows)]

@@ -17,6 +17,10 @@ verification against them stays exact.
 
 When the target has nothing cached for a sequence yet (a new prompt), the tier asks it
 for the prompt's features: one forward the target's next `score` finds in its cache.
+
+Served batched (polyspec.workers.tiers.batched), the head reads the features from the
+batched target's slot cache instead (`read_features_from`): the batched forwards record them
+for every position they compute, so the head costs the target no forward of its own.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ class FeatureTier(Tier):
         self.head = head.eval()
         self.source = source
         source.keep_features = True
+        self.features_of = source  # what `features(seq_id, context, length, compute)` is asked of: the target's tier
         self.vocab_size = source.vocab_size
         self.max_context = source.max_context
         self.threads = threads
@@ -75,6 +80,11 @@ class FeatureTier(Tier):
         except AttributeError:
             return None
 
+    def read_features_from(self, provider) -> None:
+        """Read the target's features from `provider` (the same target behind another cache, e.g. the
+        batched tier's slot cache, with `keep_features`) instead of `source`."""
+        self.features_of = provider
+
     # ------------------------------------------------------------------ bookkeeping
 
     def _sequence(self, seq_id) -> _HeadSequence:
@@ -83,6 +93,11 @@ class FeatureTier(Tier):
             cache = self._lean.new_cache() if self._lean is not None else SequenceCache(self.head.decoder.config)
             seq = self._sequences[seq_id] = _HeadSequence(cache, torch.zeros(64, self._hidden))
         return seq
+
+    def cached_tokens(self, seq_id) -> int:
+        """Positions of `seq_id` the head holds computed from the target's features (the others are recomputed)."""
+        seq = self._sequences.get(seq_id)
+        return 0 if seq is None else min(seq.real, len(seq.cache))
 
     def release(self, seq_id) -> None:
         self._sequences.pop(seq_id, None)
@@ -149,9 +164,9 @@ class FeatureTier(Tier):
         seq = self._sequence(seq_id)
         self._drop_tree(seq)
         n = len(context)
-        real = self.source.features(seq_id, context, n - 1, compute=False)
+        real = self.features_of.features(seq_id, context, n - 1, compute=False)
         if real.shape[0] == 0 and n > 1:
-            real = self.source.features(seq_id, context, n - 1, compute=True)  # a new prompt: the target needs it anyway
+            real = self.features_of.features(seq_id, context, n - 1, compute=True)  # a new prompt: the target needs it anyway
         keep = min(seq.cache.common_prefix(context), seq.real, n - 1)
         seq.cache.truncate(keep)
         seq.real = keep

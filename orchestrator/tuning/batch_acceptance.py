@@ -1,0 +1,95 @@
+"""Acceptance as the batched planner sees it: per (verifier, drafter, greedy) pair, the tokens a round emits.
+
+Chain rounds: a per-token rate a, estimated as accepted tokens / (accepted tokens + rounds
+that ended in a rejection), the geometric model's maximum likelihood, with a prior worth
+PRIOR_WEIGHT tokens. A round of block k emits E(a, k) = (1 - a^(k+1)) / (1 - a).
+
+Tree rounds (`tree_width` w > 1: the bottom drafter proposes w candidate chains of depth d
+sharing the root, grown as `draft_tree_batch` grows them, w nodes per level): the accepted
+path reaches depth i + 1 given it reached depth i with a conditional rate q_i, counted per
+depth from each round's accepted length. Priors: depth 0 picks the best of w candidates,
+1 - (1 - a)^w; a deeper level continues one candidate chain, a (the chain rate, which tree
+rounds feed with their acceptance past depth 0, so depths no tree has reached yet are priced
+from what the shallower ones measured). A round of depth d emits 1 + sum_{i<d} prod_{j<=i} q_j.
+The statistics are those of the engine's one tree width (they are not kept per width).
+"""
+
+from __future__ import annotations
+
+PRIOR_RATE = 0.8  # acceptance rate before any round is seen (a model drafter; the lookup's is LOOKUP_PRIOR_RATE)
+LOOKUP_PRIOR_RATE = 0.5
+PRIOR_WEIGHT = 4.0  # ... worth this many observed tokens (rounds, for a tree depth's rate)
+
+
+def expected_tokens(rate: float, k: int) -> float:
+    """Tokens one round with a block of k emits (accepted + correction or bonus)."""
+    if k <= 0:
+        return 1.0
+    if rate >= 1.0 - 1e-9:
+        return k + 1.0
+    return (1.0 - rate ** (k + 1)) / (1.0 - rate)
+
+
+class Acceptance:
+    """Observed acceptance per (verifier level, drafter, greedy): a chain rate and per-depth tree rates."""
+
+    def __init__(self, priors: list[float]) -> None:
+        self.priors = priors  # per tier index: its prior chain rate as a drafter
+        self.accepted: dict[tuple, float] = {}  # chain tokens accepted ...
+        self.rejected: dict[tuple, float] = {}  # ... and chain rounds ended by a rejection
+        self.reached: dict[tuple, list[float]] = {}  # tree rounds whose walk reached depth i ...
+        self.passed: dict[tuple, list[float]] = {}  # ... and accepted a node there
+
+    def observe(self, level: int, drafter: int, proposed: int, accepted: int, greedy: bool = True,
+                depth: int | None = None) -> None:
+        """A round of `proposed` drafted nodes with an accepted path of `accepted`; `depth`: a tree's depth (None: a chain)."""
+        if proposed <= 0:
+            return
+        key = (level, drafter, greedy)
+        if depth is None:
+            self.accepted[key] = self.accepted.get(key, 0.0) + accepted
+            self.rejected[key] = self.rejected.get(key, 0.0) + (1.0 if accepted < proposed else 0.0)
+            return
+        reached, passed = self.reached.setdefault(key, []), self.passed.setdefault(key, [])
+        while len(reached) < depth:
+            reached.append(0.0)
+            passed.append(0.0)
+        for i in range(min(accepted + 1, depth)):
+            reached[i] += 1.0
+            passed[i] += 1.0 if i < accepted else 0.0
+        if depth > 1 and accepted >= 1:  # past depth 0 the walk follows one candidate chain: a chain round of depth - 1
+            self.accepted[key] = self.accepted.get(key, 0.0) + accepted - 1
+            self.rejected[key] = self.rejected.get(key, 0.0) + (1.0 if accepted < depth else 0.0)
+
+    def rate(self, level: int, drafter: int, greedy: bool = True) -> float:
+        key = (level, drafter, greedy)
+        prior = self.priors[drafter]
+        accepted = self.accepted.get(key, 0.0) + prior * PRIOR_WEIGHT
+        rejected = self.rejected.get(key, 0.0) + (1 - prior) * PRIOR_WEIGHT
+        return accepted / (accepted + rejected)
+
+    def depth_rates(self, level: int, drafter: int, greedy: bool, width: int, depth: int) -> list[float]:
+        """q_0 .. q_{depth-1} of a tree of `width` candidates: measured per depth, a prior where few rounds reached it."""
+        key = (level, drafter, greedy)
+        chain = self.rate(level, drafter, greedy)
+        reached, passed = self.reached.get(key, []), self.passed.get(key, [])
+        out = []
+        for i in range(depth):
+            prior = 1.0 - (1.0 - chain) ** width if i == 0 else chain
+            seen = reached[i] if i < len(reached) else 0.0
+            hits = passed[i] if i < len(passed) else 0.0
+            out.append((hits + prior * PRIOR_WEIGHT) / (seen + PRIOR_WEIGHT))
+        return out
+
+    def expected(self, level: int, drafter: int, greedy: bool, k: int, width: int = 1) -> float:
+        """Tokens a round emits: a chain block of k, or (width > 1) a tree of depth k."""
+        if width <= 1:
+            return expected_tokens(self.rate(level, drafter, greedy), k)
+        total, reach = 1.0, 1.0
+        for q in self.depth_rates(level, drafter, greedy, width, k):
+            reach *= q
+            total += reach
+        return total
+
+    def pairs(self) -> list[tuple]:
+        return sorted(set(self.accepted) | set(self.reached))
