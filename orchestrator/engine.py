@@ -153,7 +153,16 @@ class Engine:
             self.batched = self.scheduler.batched = True
             self.max_requests = self.config.batching.max_requests
         if auto_tune and self.config.speculation.lengths == "auto" and len(self.tiers) > 1:
-            self.scheduler.tuner = self.make_tuner()
+            if self.batched:  # the goodput planner sets each step's lengths for the load, speculation off included
+                self.scheduler.planner = self.make_remote_planner()
+            else:
+                self.scheduler.tuner = self.make_tuner()
+
+    def make_remote_planner(self):
+        """The goodput planner of a batched Ray chain (polyspec.orchestrator.distributed.driver.remote_planner)."""
+        from polyspec.orchestrator.distributed.driver import remote_planner
+
+        return remote_planner(self.scheduler, min(self.max_requests, PROFILE_MAX_BATCH), self.config.batching.max_batched_tokens)
 
     def close(self) -> None:
         """Stop the chain's actors (ray backend); nothing to do embedded."""

@@ -221,6 +221,23 @@ class BatchedRounds:
                 replies.append(self.draft_reply(seq, contexts[i], r, hit is not None, tokens, rows, dst_rank))
         return tier_pb2.DraftBatchReply(replies=replies)
 
+    # --------------------------------------------------------------- profile
+
+    def profile_grid(self, request: tier_pb2.ProfileRequest) -> tier_pb2.ProfileReply:
+        """The batched forward's cost on the (batch, width) grid, measured here (the goodput planner's
+        t_i(B, W), polyspec.orchestrator.tuning.batch_model.profile_batched); a lookup tier's ms per request."""
+        from polyspec.orchestrator.tuning.batch_model import profile_batched
+
+        (table,), (lookup,) = profile_batched([self.batched_tier()], self.tier.vocab_size, request.max_batch,
+                                              repeats=max(1, request.repeats))
+        reply = tier_pb2.ProfileReply(can_verify=self.tier.can_verify, deterministic_drafts=self.tier.deterministic_drafts,
+                                      lookup_ms=lookup, catch_up_ms=-1.0)
+        if table is not None:
+            reply.batched.extend(tier_pb2.GridCost(batch=b, width=w, ms=ms) for (b, w), ms in sorted(table.ms.items()))
+            if table.catch_up_ms is not None:
+                reply.catch_up_ms = table.catch_up_ms
+        return reply
+
     # ------------------------------------------------------------ draft-ahead
 
     def want_ahead(self, seq) -> None:

@@ -62,6 +62,7 @@ class TierView:
     address: str = ""
     up: bool = True
     busy_s: float = 0.0
+    can_verify: bool = True
 
 
 class Membership:
@@ -146,6 +147,9 @@ class DistributedChain:
         self._seq_ids = itertools.count(random.getrandbits(40) << 20)
         self._releases = futures.ThreadPoolExecutor(1, thread_name_prefix="polyspec-release")
         self.batched = False  # continuous batching: `step_all` sends every running request in one VerifyBatch
+        # batched, `lengths: auto`: polyspec.orchestrator.tuning.batch_model.BatchPlanner over plans that run every
+        # tier or none (a distributed round cannot skip a tier); it sets every step's lengths for the load
+        self.planner = None
         self.last_step: dict = {}  # batched: batch size, tokens, seconds of the latest step
 
     # ----------------------------------------------------------------- target
@@ -252,6 +256,15 @@ class DistributedChain:
         live = [i for i, state in enumerate(states) if not finish_if_full(state)]
         if not live:
             return out
+        planner = self.planner
+        if planner is not None:
+            lengths, active = planner.plan(len(live), [states[i].params for i in live])
+            self.lengths = list(lengths)  # every request of the step runs the step's plan
+            for i in live:
+                plans = states[i].plans
+                shown = {"lengths": list(lengths), "tiers": [self.tiers[t].name for t in active]}
+                if not plans or {k: plans[-1][k] for k in shown} != shown:
+                    plans.append({"new_tokens": len(states[i].new_tokens), **shown})
         planned = [self._round_request(states[i]) for i in live]
         batch = tier_pb2.VerifyBatchRequest(requests=[request for request, _ in planned])
         reply, wall = self._call_target("VerifyBatch", batch)
@@ -261,7 +274,16 @@ class DistributedChain:
         for i, (_, lengths), one in zip(live, planned, reply.replies):
             out[i] = self._round_reply(states[i], one, wall, lengths, observe_now=True)
             committed += len(out[i])
-        self.last_step = {"batch": len(live), "tokens": committed, "seconds": time.perf_counter() - started, "tiers": list(self.active)}
+            if planner is not None:
+                for report in one.stages:
+                    if report.drafter != report.tier:  # a verification round (a bottom tier reports its drafts too)
+                        planner.observe_round(report.tier, report.drafter, report.proposed, report.accepted, states[i].params.greedy)
+        seconds = time.perf_counter() - started
+        self.last_step = {"batch": len(live), "tokens": committed, "seconds": seconds, "tiers": list(self.active),
+                          "lengths": list(self.lengths)}
+        if planner is not None:
+            self.last_step["tiers"] = list(active)
+            planner.observe_step(len(live), committed, seconds, self.lengths, active)
         return out
 
     def _round_request(self, state: RequestState) -> tuple[tier_pb2.VerifyRequest, list[int]]:
@@ -414,3 +436,37 @@ def profile_remote(chain: DistributedChain, context_len: int, params: SamplingPa
         draft.append(fit(drafts) if drafts else None)
         prefill.append(list(reply.prefill_ms))
     return LatencyProfile([view.name for view in views], forward, draft), prefill
+
+
+def profile_grid_remote(chain: DistributedChain, max_batch: int, repeats: int = 2):
+    """Each tier's batched forward on the (batch, width) grid, measured in its own process (the
+    Profile RPC with `max_batch`), as `polyspec.orchestrator.tuning.batch_model.profile_batched`
+    measures an embedded chain. Returns (tables, lookup_ms), one entry per tier."""
+    from polyspec.orchestrator.tuning.batch_model import ForwardTable
+
+    tables, lookup = [], []
+    for view in chain.tiers:
+        request = tier_pb2.ProfileRequest(max_batch=max_batch, repeats=repeats)
+        with cluster_auth.insecure_channel(view.address, options=CHANNEL_OPTIONS) as channel:
+            try:
+                reply = tier_pb2_grpc.TierStub(channel).Profile(request, timeout=VERIFY_TIMEOUT_S)
+            except grpc.RpcError as exc:
+                raise TierUnavailableError(view.name, f"Profile: {exc.details() or exc.code().name.lower()}") from None
+        view.can_verify = reply.can_verify
+        grid = {(cell.batch, cell.width): cell.ms for cell in reply.batched}
+        tables.append(ForwardTable(grid, reply.catch_up_ms if reply.catch_up_ms >= 0 else None) if grid else None)
+        lookup.append(reply.lookup_ms)
+    return tables, lookup
+
+
+def remote_planner(chain: DistributedChain, max_batch: int, max_batched_tokens: int | None = None):
+    """The goodput planner (polyspec.orchestrator.tuning.batch_model.BatchPlanner) of a batched
+    chain: each tier profiles its batched forward in its own process (a few seconds); its plans
+    run every tier or none, since a distributed round cannot skip a tier."""
+    from polyspec.orchestrator.tuning.batch_model import BatchPlanner
+
+    tables, lookup = profile_grid_remote(chain, max_batch)
+    planner = BatchPlanner(chain.tiers, tables, lookup, max_batched_tokens=max_batched_tokens, tree_width=chain.tree_width)
+    whole = tuple(range(len(chain.tiers)))
+    planner.plans = [plan for plan in planner.plans if plan.active in ((0,), whole)]
+    return planner

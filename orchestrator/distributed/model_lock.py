@@ -125,6 +125,10 @@ class LockedBatched:
     def busy_s(self) -> float:
         return self.inner.busy_s
 
+    @property
+    def forward_log(self) -> list:
+        return self.inner.forward_log
+
     def cached(self, seq_id) -> int:
         return self.inner.cached(seq_id)
 

@@ -597,4 +597,4 @@ class _Servicer(tier_pb2_grpc.TierServicer):
         return self.worker.health()
 
     def Profile(self, request, context):
-        return self._guard(context, lambda: self.worker.profile(request))
+        return self._guard(context, lambda: (self.worker.profile_grid if request.max_batch > 0 else self.worker.profile)(request))

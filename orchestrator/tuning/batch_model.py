@@ -419,8 +419,9 @@ class BatchPlanner:
         if around:  # speculating pays here: the model picked the lengths, the machine checks the ones next to them
             return max(around, key=predicted.get)
         challenger = max((p for p in allowed if p not in measured), key=predicted.get, default=None)
-        if challenger is not None and predicted[challenger] > CANDIDATE_MARGIN * measured[best]:
-            return challenger
+        if challenger is not None and predicted[challenger] > CANDIDATE_MARGIN * measured[best] \
+                and (arm.speculate or off is None or predicted[challenger] / max(predicted[best], 1e-9) * measured[best] > off):
+            return challenger  # (where off wins: only one that, scaled by the model's error on the best, would beat off)
         return best
 
     def neighbours(self, plan: Plan) -> list[Plan]:

@@ -123,6 +123,29 @@ def test_seeded_request_samples_the_same_in_a_batch_as_alone(tiny_family):
         stop(chain, workers)
 
 
+@pytest.mark.parametrize("names,tree_width", [(["target", "int8", "ngram"], 1), (["target", "mid"], 2)], ids=["chain", "tree"])
+def test_goodput_planner_sets_the_lengths_of_batched_rounds(tiny_family, embedded, names, tree_width):
+    """`lengths: auto`, batched: each tier profiles its batched forward in its own worker, the
+    planner measures speculation off first, then a plan running every tier; greedy output stays the target's."""
+    from polyspec.orchestrator.distributed.driver import remote_planner
+
+    chain, workers, _ = batched_chain(tiny_family, names, [2] * (len(names) - 1), pipeline=True, tree_width=tree_width)
+    try:
+        chain.planner = planner = remote_planner(chain, max_batch=4)
+        assert planner.tables[0] is not None and (planner.tables[-1] is None) == (names[-1] == "ngram")
+        assert {p.active for p in planner.plans} == {(0,), tuple(range(len(names)))}, "no plan skips a tier"
+        jobs = [(ids, MAX_NEW, SamplingParams(temperature=0.0), None) for ids, _ in embedded.values()] * 4
+        outputs, _ = run_batch(chain, jobs, max_running=4)
+        assert [out.token_ids for out in outputs] == [expected for _, expected in embedded.values()] * 4
+        plans = [plan for out in outputs for plan in out.stats["plans"]]
+        assert {tuple(p["lengths"]) for p in plans} >= {(0,) * (len(names) - 1)}, "speculation off was measured"
+        assert any(p["lengths"][0] > 0 for p in plans), "a speculating plan was measured"
+        arms = planner.describe()["ab"]
+        assert any(len(arm["tokens_per_s"]) >= 2 for arm in arms.values()), arms
+    finally:
+        stop(chain, workers)
+
+
 def test_batched_drafter_death_falls_back_to_the_target(tiny_family, embedded):
     """The drafter's server stops mid-batch: rounds go on with the target alone, outputs unchanged."""
     chain, workers, _ = batched_chain(tiny_family, ["target", "mid"], [4], pipeline=True)

@@ -375,3 +375,18 @@ def test_a_drafter_catching_up_inside_its_calls_is_priced_at_its_measured_catch_
     estimated = plan.entry_goodput(mid_plan, 1)
     plan.tables[1].catch_up_ms = 0.05
     assert plan.entry_goodput(mid_plan, 1) == plan.goodput(mid_plan, 1, 3000 * 0.05 / MIN_STEPS) > 10 * estimated
+
+
+def test_where_off_wins_other_lengths_are_tried_only_if_the_corrected_model_says_they_beat_off():
+    """The model overrates the lookup (it predicts every length above off); measured, its best length runs
+    at 0.6x off. Re-probes then run that plan, not the other lengths one after another: scaled by the
+    model's error on the measured one, none would beat off."""
+    plan = planner(lambda b, w: 10.0 + 0.1 * w, mid_cost=lambda b, w: 500.0)
+    accept(plan, 0, 2, 0.8)
+    for _ in range(400):
+        lengths, active = plan.plan(1)
+        rate = 100.0 if len(active) == 1 else 60.0  # whatever the length
+        plan.observe_step(1, 4, 4 / rate, lengths, active)
+    arm = plan.arms[(1, 0)]
+    assert arm.speculate is False
+    assert len([p for p in arm.rates if p.speculating]) == 1, [p.lengths for p in arm.rates]

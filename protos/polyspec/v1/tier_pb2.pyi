@@ -270,7 +270,7 @@ class HealthReply(_message.Message):
     def __init__(self, tier: _Optional[str] = ..., index: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., can_verify: _Optional[bool] = ..., deterministic_drafts: _Optional[bool] = ..., lower: _Optional[str] = ..., busy_s: _Optional[float] = ..., uptime_s: _Optional[float] = ..., forwards: _Optional[int] = ..., open_sequences: _Optional[int] = ..., sent: _Optional[_Iterable[_Union[TransportCounters, _Mapping]]] = ..., ahead_hits: _Optional[int] = ..., ahead_misses: _Optional[int] = ..., ahead_dropped_tokens: _Optional[int] = ..., device: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class ProfileRequest(_message.Message):
-    __slots__ = ("context_len", "max_tokens", "repeats", "max_draft", "temperature", "top_p", "top_k", "tree_width", "scheme", "prefill_lens")
+    __slots__ = ("context_len", "max_tokens", "repeats", "max_draft", "temperature", "top_p", "top_k", "tree_width", "scheme", "prefill_lens", "max_batch")
     CONTEXT_LEN_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REPEATS_FIELD_NUMBER: _ClassVar[int]
@@ -281,6 +281,7 @@ class ProfileRequest(_message.Message):
     TREE_WIDTH_FIELD_NUMBER: _ClassVar[int]
     SCHEME_FIELD_NUMBER: _ClassVar[int]
     PREFILL_LENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
     context_len: int
     max_tokens: int
     repeats: int
@@ -291,18 +292,35 @@ class ProfileRequest(_message.Message):
     tree_width: int
     scheme: str
     prefill_lens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, context_len: _Optional[int] = ..., max_tokens: _Optional[int] = ..., repeats: _Optional[int] = ..., max_draft: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., tree_width: _Optional[int] = ..., scheme: _Optional[str] = ..., prefill_lens: _Optional[_Iterable[int]] = ...) -> None: ...
+    max_batch: int
+    def __init__(self, context_len: _Optional[int] = ..., max_tokens: _Optional[int] = ..., repeats: _Optional[int] = ..., max_draft: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., tree_width: _Optional[int] = ..., scheme: _Optional[str] = ..., prefill_lens: _Optional[_Iterable[int]] = ..., max_batch: _Optional[int] = ...) -> None: ...
+
+class GridCost(_message.Message):
+    __slots__ = ("batch", "width", "ms")
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    MS_FIELD_NUMBER: _ClassVar[int]
+    batch: int
+    width: int
+    ms: float
+    def __init__(self, batch: _Optional[int] = ..., width: _Optional[int] = ..., ms: _Optional[float] = ...) -> None: ...
 
 class ProfileReply(_message.Message):
-    __slots__ = ("forward_ms", "draft_ms", "can_verify", "deterministic_drafts", "prefill_ms")
+    __slots__ = ("forward_ms", "draft_ms", "can_verify", "deterministic_drafts", "prefill_ms", "batched", "lookup_ms", "catch_up_ms")
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
     CAN_VERIFY_FIELD_NUMBER: _ClassVar[int]
     DETERMINISTIC_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    BATCHED_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_MS_FIELD_NUMBER: _ClassVar[int]
+    CATCH_UP_MS_FIELD_NUMBER: _ClassVar[int]
     forward_ms: _containers.RepeatedScalarFieldContainer[float]
     draft_ms: _containers.RepeatedScalarFieldContainer[float]
     can_verify: bool
     deterministic_drafts: bool
     prefill_ms: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, forward_ms: _Optional[_Iterable[float]] = ..., draft_ms: _Optional[_Iterable[float]] = ..., can_verify: _Optional[bool] = ..., deterministic_drafts: _Optional[bool] = ..., prefill_ms: _Optional[_Iterable[float]] = ...) -> None: ...
+    batched: _containers.RepeatedCompositeFieldContainer[GridCost]
+    lookup_ms: float
+    catch_up_ms: float
+    def __init__(self, forward_ms: _Optional[_Iterable[float]] = ..., draft_ms: _Optional[_Iterable[float]] = ..., can_verify: _Optional[bool] = ..., deterministic_drafts: _Optional[bool] = ..., prefill_ms: _Optional[_Iterable[float]] = ..., batched: _Optional[_Iterable[_Union[GridCost, _Mapping]]] = ..., lookup_ms: _Optional[float] = ..., catch_up_ms: _Optional[float] = ...) -> None: ...
