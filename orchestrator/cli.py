@@ -244,6 +244,8 @@ def cmd_batch(args) -> int:
                  "pipeline": engine.config.runtime.pipeline, "batched": engine.batched,
                  "max_requests": min(args.concurrency or engine.max_requests, engine.max_requests) if engine.batched else None,
                  **engine.scheduler.runtime_stats()}
+        if getattr(engine.scheduler, "planner", None) is not None:
+            stats["planner"] = engine.scheduler.planner.describe()
         if args.stats:
             Path(args.stats).write_text(json.dumps(stats, indent=2) + "\n", encoding="utf-8")
         print(f"polyspec: {tokens[0]} tokens in {elapsed:.1f}s ({stats['tokens_per_s']:.1f} tok/s), "
