@@ -4,7 +4,7 @@
                               [--requests-per-client 4 | --quick] [--temperatures 0,1] [--out benchmarks/load]
 
 C clients each keep one request in flight (closed loop: a client sends its next request
-when the previous one finishes) until max(4 C, 16) requests are done (each client sends
+when the previous one finishes) until max(4 C, 48) requests are done (each client sends
 several, so requests join and leave the batch as a server's would, and the goodput planner
 runs long enough at each load to settle its A/B); every request asks for
 `--new-tokens` tokens (end of sequence ignored, so every system generates the same count)
@@ -25,7 +25,7 @@ and leaves a previous full result in place.
 
 On a GPU the config's tiers say where each model runs (configs/demo-gpu.yaml: CUDA,
 bfloat16); `hf static` then runs the target as the chain loads it (device, dtype).
-`--quick` sends max(C, 16) requests per cell instead of max(4 C, 16), the same levels and
+`--quick` sends max(C, 16) requests per cell instead of max(4 C, 48), the same levels and
 temperatures (benchmarks/gpu/load_gpu.sh runs it so on a lent GPU).
 
 The committed result is the full run on a quiet machine (nothing else running; the numbers
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
     parser.add_argument("--concurrency", default="1,4,16,64")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--requests-per-client", type=int, default=None,
-                        help="requests per cell: this many per client, at least 16 (default 4; 1 with --quick)")
+                        help="requests per cell: this many per client, at least 48 (default 4; 1 and at least 16 with --quick)")
     parser.add_argument("--quick", action="store_true", help="one request per client per cell (at least 16): a short run, same levels")
     parser.add_argument("--temperatures", default="0,1")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "load"))
@@ -161,8 +161,12 @@ def main(argv=None) -> int:
     else:  # the target as the chain runs it: its device and dtype
         model = load_model(config.tiers[0]).eval()
     print(f"engines ready in {time.perf_counter() - load_started:.0f}s (the planner's profile included)", file=sys.stderr)
+    # short cells at low concurrency (a few seconds) are dominated by the machine's noise and the planner's
+    # first measurements at a new load; a server's load lasts longer
+    floor = 16 if args.quick else 48
+
     def cell_requests(concurrency: int) -> int:
-        return max(args.requests_per_client * concurrency, 16)
+        return max(args.requests_per_client * concurrency, floor)
 
     total = max(cell_requests(c) for c in levels)
     prompts = [encode_prompt(tokenizer, p.text)[-PROMPT_TOKENS:] for p in code_prompts(tokenizer, total)]
@@ -178,7 +182,7 @@ def main(argv=None) -> int:
         planner = engines["batched auto"].scheduler.planner
         return {
             "config": os.path.relpath(args.config, REPO), "new_tokens": args.new_tokens,
-            "requests_per_cell": f"max({args.requests_per_client} C, 16)", "prompt_tokens_max": PROMPT_TOKENS,
+            "requests_per_cell": f"max({args.requests_per_client} C, {floor})", "prompt_tokens_max": PROMPT_TOKENS,
             "machine": {**machine, "load_avg_at_end": [round(x, 2) for x in os.getloadavg()]},
             **({"partial": True} if partial else {}),
             "results": results, "ratios": ratios(results), "planner": planner.describe() if planner is not None else None,
