@@ -29,9 +29,9 @@ bfloat16); `hf static` then runs the target as the chain loads it (device, dtype
 temperatures (benchmarks/gpu/load_gpu.sh runs it so on a lent GPU).
 
 The committed result is the full run on a quiet machine (nothing else running; the numbers
-are ratios within one run, but a busy machine makes every cell noisy):
+are ratios within one run, but a busy machine makes every cell noisy), pinned to one core:
 
-    OMP_NUM_THREADS=1 python benchmarks/load.py
+    OMP_NUM_THREADS=1 taskset -c 0 python benchmarks/load.py
 
 (all defaults: concurrency 1,4,16,64, T = 0 and 1, 32 new tokens, out benchmarks/load).
 A quick check that it runs: --concurrency 1,4 --temperatures 0 --out /tmp/load.
