@@ -36,7 +36,7 @@ import torch
 from polyspec.orchestrator.decode.batched import CATCH_UP_GAP, BatchedScheduler
 from polyspec.orchestrator.decode.contract import first_eos
 from polyspec.orchestrator.distributed.model_lock import LockedBatched, drafting_ahead, model_seconds, set_drafting_ahead, set_model_seconds
-from polyspec.orchestrator.distributed.transport import RemoteBatchedTier, RemoteTier, TierUnavailableError, encode_rows
+from polyspec.orchestrator.distributed.transport import RemoteBatchedTier, RemoteTier, TierUnavailableError
 from polyspec.protos.polyspec.v1 import tier_pb2
 from polyspec.workers.tiers.batched import batched_tiers
 
@@ -96,7 +96,7 @@ class BatchedRounds:
         lengths = seq.header.lengths
         return lengths[self.index] if self.index < len(lengths) else 0
 
-    def _batched_fallback(self, seqs, work):
+    def lower_fallback(self, seqs, work):
         """`work(lower)`; if the tier below is gone, `work(None)`: this tier alone (the reply says degraded)."""
         lower = self.lower
         if lower is not None:
@@ -149,7 +149,7 @@ class BatchedRounds:
                         emitted[i] = tokens
                 return emitted
 
-            emitted = self._batched_fallback(seqs, one_round)
+            emitted = self.lower_fallback(seqs, one_round)
             spent = model_seconds()  # the shared forwards: on every sequence's critical path
             replies = [tier_pb2.VerifyReply(tokens=tokens[: r.max_tokens], stages=seq.take_reports(), model_s=spent + seq.model_below_s,
                                             degraded=seq.degraded, degraded_reason=self.lower_error if seq.degraded else "")
@@ -189,14 +189,12 @@ class BatchedRounds:
                         out.update(zip(group, scheduler.emit_batch(0, items)))
                     return out
 
-                drafted = self._batched_fallback([seqs[i] for i in misses + short], emit)
+                drafted = self.lower_fallback([seqs[i] for i in misses + short], emit)
                 for i in short:  # the stream goes on from the topped-up block
                     (tokens, rows), (more, more_rows) = hits[i], drafted.pop(i)
                     stream = seqs[i].stream
                     if stream is not None and stream.tokens == contexts[i] + tokens:
-                        stream.tokens.extend(more)
-                        stream.times.extend([time.perf_counter()] * len(more))
-                        stream.rows.extend(list(more_rows) if more_rows is not None else [None] * len(more))
+                        stream.extend(more, more_rows)
                     hits[i] = (tokens + more, None if rows is None or more_rows is None else torch.cat([rows, more_rows]))
             grown = {}
             if trees:
@@ -209,12 +207,7 @@ class BatchedRounds:
             replies = []
             for i, (seq, r) in enumerate(zip(seqs, requests)):
                 if r.tree:
-                    tree = grown[i]
-                    self._report_draft(seq, r.num_tokens, len(tree.tokens))
-                    replies.append(tier_pb2.DraftReply(tokens=tree.tokens, parents=tree.parents,
-                                                       rows=encode_rows(tree.draft_rows, self.counters, self.dist, dst_rank),
-                                                       model_s=model_seconds() + seq.model_below_s, stages=seq.take_reports(),
-                                                       degraded=seq.degraded))
+                    replies.append(self.tree_reply(seq, r.num_tokens, grown[i], dst_rank))
                     continue
                 hit = hits[i]
                 tokens, rows = hit if hit is not None else drafted[i]
@@ -308,9 +301,7 @@ class BatchedRounds:
                     if not tokens:
                         self._ahead_done(seq)
                         continue
-                    stream.tokens.extend(tokens)
-                    stream.times.extend([time.perf_counter()] * len(tokens))
-                    stream.rows.extend(list(rows) if rows is not None else [None] * len(tokens))
+                    stream.extend(tokens, rows)
                     seq.cond.notify_all()
         except TierUnavailableError as exc:
             self._lower_failed(lower, exc)

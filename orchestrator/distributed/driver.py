@@ -257,41 +257,39 @@ class DistributedChain:
         if not live:
             return out
         planner = self.planner
-        if planner is not None:
+        lengths, active = list(self.lengths), self.active
+        if planner is not None:  # every request of the step runs the step's plan
             lengths, active = planner.plan(len(live), [states[i].params for i in live])
-            self.lengths = list(lengths)  # every request of the step runs the step's plan
             for i in live:
                 plans = states[i].plans
                 shown = {"lengths": list(lengths), "tiers": [self.tiers[t].name for t in active]}
                 if not plans or {k: plans[-1][k] for k in shown} != shown:
                     plans.append({"new_tokens": len(states[i].new_tokens), **shown})
-        planned = [self._round_request(states[i]) for i in live]
+        planned = [self._round_request(states[i], lengths) for i in live]
         batch = tier_pb2.VerifyBatchRequest(requests=[request for request, _ in planned])
         reply, wall = self._call_target("VerifyBatch", batch)
         if len(reply.replies) != len(live):
             raise RuntimeError(f"tier {self.tiers[0].name!r}: VerifyBatch answered {len(reply.replies)} of {len(live)} requests")
         committed = 0
-        for i, (_, lengths), one in zip(live, planned, reply.replies):
-            out[i] = self._round_reply(states[i], one, wall, lengths, observe_now=True)
+        for i, (_, ran), one in zip(live, planned, reply.replies):
+            out[i] = self._round_reply(states[i], one, wall, ran, observe_now=True)
             committed += len(out[i])
             if planner is not None:
                 for report in one.stages:
                     if report.drafter != report.tier:  # a verification round (a bottom tier reports its drafts too)
                         planner.observe_round(report.tier, report.drafter, report.proposed, report.accepted, states[i].params.greedy)
         seconds = time.perf_counter() - started
-        self.last_step = {"batch": len(live), "tokens": committed, "seconds": seconds, "tiers": list(self.active),
-                          "lengths": list(self.lengths)}
+        self.last_step = {"batch": len(live), "tokens": committed, "seconds": seconds, "tiers": list(active), "lengths": list(lengths)}
         if planner is not None:
-            self.last_step["tiers"] = list(active)
-            planner.observe_step(len(live), committed, seconds, self.lengths, active)
+            planner.observe_step(len(live), committed, seconds, lengths, active)
         return out
 
-    def _round_request(self, state: RequestState) -> tuple[tier_pb2.VerifyRequest, list[int]]:
-        """The request's next Verify and the lengths it runs (the tuner's plan)."""
+    def _round_request(self, state: RequestState, lengths: list[int] | None = None) -> tuple[tier_pb2.VerifyRequest, list[int]]:
+        """The request's next Verify and the lengths it runs: the tuner's plan, else `lengths` (default: the chain's)."""
         run: RemoteRun = state.run
         header = run.header
         tuner = self.tuner
-        lengths = self.lengths
+        lengths = self.lengths if lengths is None else lengths
         if tuner is not None:
             planned, run.planned = run.planned, None
             if planned is not None and planned[0] is tuner:
@@ -407,6 +405,15 @@ class DistributedChain:
         self.membership.close()
 
 
+def _profile(view: TierView, request: tier_pb2.ProfileRequest) -> tier_pb2.ProfileReply:
+    """One tier's Profile RPC, on a channel of its own (profiling runs before any request)."""
+    with cluster_auth.insecure_channel(view.address, options=CHANNEL_OPTIONS) as channel:
+        try:
+            return tier_pb2_grpc.TierStub(channel).Profile(request, timeout=VERIFY_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            raise TierUnavailableError(view.name, f"Profile: {exc.details() or exc.code().name.lower()}") from None
+
+
 def profile_remote(chain: DistributedChain, context_len: int, params: SamplingParams, max_length: int,
                    repeats: int = 5, prefill_lens: list[int] | tuple[int, ...] = ()):
     """Each tier's latency profile measured in its own process (the Profile RPC), one tier at
@@ -424,11 +431,7 @@ def profile_remote(chain: DistributedChain, context_len: int, params: SamplingPa
             max_draft=max_length if index > 0 else 0, tree_width=chain.tree_width, scheme=chain.scheme,
             prefill_lens=list(prefill_lens),
         )
-        with cluster_auth.insecure_channel(view.address, options=CHANNEL_OPTIONS) as channel:
-            try:
-                reply = tier_pb2_grpc.TierStub(channel).Profile(request, timeout=VERIFY_TIMEOUT_S)
-            except grpc.RpcError as exc:
-                raise TierUnavailableError(view.name, f"Profile: {exc.details() or exc.code().name.lower()}") from None
+        reply = _profile(view, request)
         measured = {m: ms for m, ms in enumerate(reply.forward_ms, start=1)}
         forward.append(fit_affine(measured) if verifies and reply.can_verify and measured else None)
         drafts = {k: ms for k, ms in enumerate(reply.draft_ms, start=1)}
@@ -447,11 +450,7 @@ def profile_grid_remote(chain: DistributedChain, max_batch: int, repeats: int = 
     tables, lookup = [], []
     for view in chain.tiers:
         request = tier_pb2.ProfileRequest(max_batch=max_batch, repeats=repeats)
-        with cluster_auth.insecure_channel(view.address, options=CHANNEL_OPTIONS) as channel:
-            try:
-                reply = tier_pb2_grpc.TierStub(channel).Profile(request, timeout=VERIFY_TIMEOUT_S)
-            except grpc.RpcError as exc:
-                raise TierUnavailableError(view.name, f"Profile: {exc.details() or exc.code().name.lower()}") from None
+        reply = _profile(view, request)
         view.can_verify = reply.can_verify
         grid = {(cell.batch, cell.width): cell.ms for cell in reply.batched}
         tables.append(ForwardTable(grid, reply.catch_up_ms if reply.catch_up_ms >= 0 else None) if grid else None)

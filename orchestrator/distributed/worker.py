@@ -86,6 +86,12 @@ class _Stream:
     def drafted(self) -> int:
         return len(self.tokens) - self.base
 
+    def extend(self, tokens: list[int], rows: torch.Tensor | None) -> None:
+        """Tokens drafted past the stream's end, ready now."""
+        self.tokens.extend(tokens)
+        self.times.extend([time.perf_counter()] * len(tokens))
+        self.rows.extend(list(rows) if rows is not None else [None] * len(tokens))
+
 
 class _Sequence:
     """One request as seen by this worker."""
@@ -261,16 +267,7 @@ class TierWorker(BatchedRounds):
 
     def _with_fallback(self, seq: _Sequence, work):
         """Run `work(scheduler)`; if the tier below is gone, redo it without the tier below."""
-        lower = self.lower
-        if lower is not None:
-            try:
-                return work(self._scheduler(seq, lower))
-            except TierUnavailableError as exc:
-                self._lower_failed(lower, exc)
-                seq.degraded = True
-        elif self.lower_error:
-            seq.degraded = True
-        return work(self._scheduler(seq, None))
+        return self.lower_fallback([seq], lambda lower: work(self._scheduler(seq, lower)))
 
     # ------------------------------------------------------------------ verify
 
@@ -307,11 +304,7 @@ class TierWorker(BatchedRounds):
             seq.reset_call()
             if request.tree:
                 tree = self._with_fallback(seq, lambda s: self._draft_tree(s, seq, context, need))
-                self._report_draft(seq, need, len(tree.tokens))
-                return tier_pb2.DraftReply(tokens=tree.tokens, parents=tree.parents,
-                                           rows=encode_rows(tree.draft_rows, self.counters, self.dist, dst_rank),
-                                           model_s=model_seconds() + seq.model_below_s, stages=seq.take_reports(),
-                                           degraded=seq.degraded)
+                return self.tree_reply(seq, need, tree, dst_rank)
             hit = self.stream_hit(seq, context, request)
             tokens, rows = hit if hit is not None else self._with_fallback(seq, lambda s: self._emit(s, seq, context, need))
             return self.draft_reply(seq, context, request, hit is not None, tokens, rows, dst_rank)
@@ -338,6 +331,12 @@ class TierWorker(BatchedRounds):
             self.ahead_misses += 1
             self._drop_stream(seq)
         return hit
+
+    def tree_reply(self, seq: _Sequence, need: int, tree: DraftTree, dst_rank: int | None) -> tier_pb2.DraftReply:
+        self._report_draft(seq, need, len(tree.tokens))
+        rows = encode_rows(tree.draft_rows, self.counters, self.dist, dst_rank)
+        return tier_pb2.DraftReply(tokens=tree.tokens, parents=tree.parents, rows=rows, model_s=model_seconds() + seq.model_below_s,
+                                   stages=seq.take_reports(), degraded=seq.degraded)
 
     def draft_reply(self, seq: _Sequence, context: list[int], request: tier_pb2.DraftRequest, hit: bool, tokens, rows,
                     dst_rank: int | None) -> tier_pb2.DraftReply:
@@ -433,9 +432,7 @@ class TierWorker(BatchedRounds):
                         return
                     if stream is not seq.stream or not tokens:
                         return
-                    stream.tokens.extend(tokens)
-                    stream.times.extend([time.perf_counter()] * len(tokens))
-                    stream.rows.extend(list(rows) if rows is not None else [None] * len(tokens))
+                    stream.extend(tokens, rows)
                     seq.cond.notify_all()
         except KeyError:
             pass  # the sequence was released meanwhile (its request finished): nothing to draft for
