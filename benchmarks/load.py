@@ -71,8 +71,9 @@ class Cell:
                 "load_avg_1m": round(self.load, 2)}
 
 
-def closed_loop(engine, requests, concurrency: int, batched: bool) -> Cell:
-    """`concurrency` clients over `requests`; batched: one `step_all` per step, else one round per request in turn."""
+def closed_loop(engine, requests, concurrency: int, batched: bool, step_round=None) -> Cell:
+    """`concurrency` clients over `requests`; batched: one `step_all` per step, else one round per request
+    (`step_round(states)`: in turn by default)."""
     from polyspec.orchestrator.batch_runner import ContinuousBatch
 
     queue = list(requests)
@@ -87,6 +88,8 @@ def closed_loop(engine, requests, concurrency: int, batched: bool) -> Cell:
             sent[id(state)] = time.perf_counter()
         if batched:
             batch.step()
+        elif step_round is not None:
+            step_round(batch.running)
         else:
             for state in batch.running:
                 engine.step(state)

@@ -33,33 +33,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from load import PROMPT_TOKENS, Cell  # noqa: E402  (benchmarks/load.py: the same cells and summaries)
+from load import PROMPT_TOKENS, Cell, closed_loop  # noqa: E402  (benchmarks/load.py: the same cells and summaries)
 
 SYSTEMS = ("ray batched", "ray per-request")
 
 
 def run_cell(engine, requests, concurrency: int) -> Cell:
-    from polyspec.orchestrator.batch_runner import ContinuousBatch
-
-    queue = list(requests)
-    batch = ContinuousBatch(engine, concurrency)
-    sent: dict[int, float] = {}
-    latencies: list[float] = []
-    tokens = 0
-    started = time.perf_counter()
+    """benchmarks/load.py's closed loop; unbatched, the rounds of the running requests are in flight at once."""
     with futures.ThreadPoolExecutor(max(1, concurrency)) as pool:
-        while queue or batch.running:
-            while queue and len(batch.running) < concurrency:
-                state = batch.admit(queue.pop(0))
-                sent[id(state)] = time.perf_counter()
-            if engine.batched:
-                batch.step()
-            else:
-                list(pool.map(engine.step, batch.running))
-            for state in batch.pop_finished():
-                latencies.append(time.perf_counter() - sent.pop(id(state)))
-                tokens += len(engine.finish(state)["token_ids"])
-    return Cell(tokens, time.perf_counter() - started, latencies, os.getloadavg()[0])
+        return closed_loop(engine, requests, concurrency, engine.batched, step_round=lambda states: list(pool.map(engine.step, states)))
 
 
 def main(argv=None) -> int:
