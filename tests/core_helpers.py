@@ -24,3 +24,18 @@ def ancestors_and_self(tree: DraftTree, node: int) -> list[int]:
         path.append(node)
         node = tree.parents[node]
     return path[::-1]
+
+
+def keep_last_child_path(seq_id, block: DraftTree, pairs, batched_target, context: list[int]) -> list[int]:
+    """Verdict on a drafted tree: the path of each level's last child down to a leaf, kept by every
+    (one-request tier, batched tier) pair; the batched target's cache then holds `context` and the
+    path's tokens, which are returned."""
+    path = [block.children(-1)[-1]]
+    while block.children(path[-1]):
+        path.append(block.children(path[-1])[-1])
+    for one, many in pairs:
+        one.accept_path(seq_id, path)
+        many.accept_path(seq_id, path)
+    kept = [block.tokens[j] for j in path]
+    assert batched_target.cache.tokens[batched_target.cache.slot_of[seq_id]] == context + kept
+    return kept

@@ -19,6 +19,7 @@ import collections
 import pytest
 import torch
 
+from core_helpers import keep_last_child_path
 from family_chains import tier_specs
 from lossless_stats import ALPHA, chi_square_p_value, exact_two_token_probs
 from polyspec.orchestrator.batch_runner import ContinuousBatch, run_requests
@@ -263,15 +264,8 @@ def test_batched_tree_tier_matches_one_sequence_tier(tiny_family):
         for r, block in enumerate(blocks):
             if block.is_chain():
                 continue
-            path = [block.children(-1)[-1]]  # the last child of the root, then of each node, down to a leaf
-            while block.children(path[-1]):
-                path.append(block.children(path[-1])[-1])
-            for one, many in ((target, batched_target), (drafter, batched_drafter)):
-                one.accept_path(r, path)
-                many.accept_path(r, path)
-            slot = batched_target.cache.slot_of[r]
-            assert batched_target.cache.tokens[slot] == contexts[r] + [block.tokens[j] for j in path]
-            contexts[r] = contexts[r] + [block.tokens[j] for j in path] + [5 + step]
+            pairs = ((target, batched_target), (drafter, batched_drafter))
+            contexts[r] = contexts[r] + keep_last_child_path(r, block, pairs, batched_target, contexts[r]) + [5 + step]
         for r in range(4):  # the features of what each cache holds: context and kept path, or context and chain block
             want = target.features(r, contexts[r], len(contexts[r]))
             got = batched_target.features(r, contexts[r], len(contexts[r]))

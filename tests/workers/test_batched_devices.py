@@ -23,6 +23,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from core_helpers import keep_last_child_path
 from family_chains import tier_specs
 from polyspec.orchestrator.batch_runner import run_requests
 from polyspec.orchestrator.config import parse_config
@@ -97,15 +98,8 @@ def test_batched_tier_on_device_matches_one_request_tier(tiny_family, device, dt
             if block.is_chain():
                 contexts[r] = contexts[r] + block.tokens[:1] + [7 + step]  # the block's rows roll back at the next call
                 continue
-            path = [block.children(-1)[-1]]
-            while block.children(path[-1]):
-                path.append(block.children(path[-1])[-1])
-            for one, many in ((target, batched_target), (drafter, batched_drafter)):
-                one.accept_path(r, path)
-                many.accept_path(r, path)
-            slot = batched_target.cache.slot_of[r]
-            assert batched_target.cache.tokens[slot] == contexts[r] + [block.tokens[j] for j in path]
-            contexts[r] = contexts[r] + [block.tokens[j] for j in path] + [5 + step]
+            pairs = ((target, batched_target), (drafter, batched_drafter))
+            contexts[r] = contexts[r] + keep_last_child_path(r, block, pairs, batched_target, contexts[r]) + [5 + step]
     for batched in (batched_target, batched_drafter):
         keys = batched.cache.keys[0]
         assert keys.device.type == device and keys.dtype == getattr(torch, dtype)
