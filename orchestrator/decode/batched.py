@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from polyspec.orchestrator.decode.contract import GenerationOutput, RequestState, commit, finish_if_full, remaining, stage_of
+from polyspec.orchestrator.decode.contract import GenerationOutput, RequestState, commit, finish_if_full, note_plan, remaining, stage_of
 from polyspec.orchestrator.decode.scheduler import ChainScheduler
 from polyspec.workers.core.tree import DraftTree, verify_block
 from polyspec.workers.tiers.batched import BatchedTier
@@ -110,11 +110,9 @@ class BatchedScheduler(ChainScheduler):
             behind = {level: sum(max(0, len(states[i].committed) - 1 - tier.cached(states[i].run.seq_id)) for i in live)
                       for level, tier in enumerate(self.tiers) if level and tier.has_weights}
             self.lengths, self.active = self.planner.plan(len(live), [states[i].run.params for i in live], behind)
-            shown = {"lengths": [self.lengths[t] for t in self.active[:-1]], "tiers": [self.tiers[t].name for t in self.active]}
             for i in live:
-                plans = states[i].plans
-                if not plans or {k: plans[-1][k] for k in shown} != shown:
-                    plans.append({"new_tokens": len(states[i].new_tokens), **shown})
+                note_plan(states[i].plans, len(states[i].new_tokens), [self.lengths[t] for t in self.active[:-1]],
+                          [self.tiers[t].name for t in self.active])
         if self.planner is not None:  # in the step's time: keeping a drafter's cache up to date is part of what speculating costs
             self.catch_up([states[i] for i in live])
         busy_before = [t.busy_s for t in self.tiers]

@@ -190,6 +190,13 @@ def commit(state: RequestState, emitted: list[int], eos_token_ids: frozenset[int
     return emitted
 
 
+def note_plan(plans: list[dict], new_tokens: int, lengths, tiers: list[str]) -> None:
+    """Append a request's plan (lengths, tiers) to `plans`, its result's record, when it differs from the last."""
+    shown = {"lengths": list(lengths), "tiers": list(tiers)}
+    if not plans or {k: plans[-1][k] for k in shown} != shown:
+        plans.append({"new_tokens": new_tokens, **shown})
+
+
 def mark_cancelled(state: RequestState) -> None:
     """What `cancel` does before `finish`: a request that was not done ends as "cancelled"."""
     if not state.done:

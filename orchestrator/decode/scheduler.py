@@ -35,6 +35,7 @@ from polyspec.orchestrator.decode.contract import (
     first_eos,
     generate,
     mark_cancelled,
+    note_plan,
     output,
     remaining,
     seeded_generator,
@@ -176,9 +177,7 @@ class ChainScheduler:
     def _apply_plan(self, run: Run, committed_len: int, new_tokens: int, plans: list[dict]) -> None:
         lengths, active = self.tuner.plan(run.params, committed_len)
         self.lengths, self.active = list(lengths), tuple(active)
-        shown = {"lengths": [self.lengths[level] for level in self.active[:-1]], "tiers": [self.tiers[t].name for t in self.active]}
-        if not plans or {k: plans[-1][k] for k in shown} != shown:
-            plans.append({"new_tokens": new_tokens, **shown})
+        note_plan(plans, new_tokens, [self.lengths[level] for level in self.active[:-1]], [self.tiers[t].name for t in self.active])
 
     def _below(self, level: int) -> int | None:
         """The tier that drafts for tier `level` (None: `level` is the bottom of the chain)."""

@@ -36,6 +36,7 @@ from polyspec.orchestrator.decode.contract import (
     finish_if_full,
     generate,
     mark_cancelled,
+    note_plan,
     output,
     remaining,
     tier_seeds,
@@ -261,10 +262,7 @@ class DistributedChain:
         if planner is not None:  # every request of the step runs the step's plan
             lengths, active = planner.plan(len(live), [states[i].params for i in live])
             for i in live:
-                plans = states[i].plans
-                shown = {"lengths": list(lengths), "tiers": [self.tiers[t].name for t in active]}
-                if not plans or {k: plans[-1][k] for k in shown} != shown:
-                    plans.append({"new_tokens": len(states[i].new_tokens), **shown})
+                note_plan(states[i].plans, len(states[i].new_tokens), lengths, [self.tiers[t].name for t in active])
         planned = [self._round_request(states[i], lengths) for i in live]
         batch = tier_pb2.VerifyBatchRequest(requests=[request for request, _ in planned])
         reply, wall = self._call_target("VerifyBatch", batch)
@@ -297,9 +295,7 @@ class DistributedChain:
             else:
                 with self._tuner_lock:
                     lengths = tuner.plan_remote(state.params, new_tokens=state.max_new_tokens if run.rounds == 0 else None)
-            if not state.plans or state.plans[-1]["lengths"] != lengths:  # the same entries as ChainScheduler's
-                state.plans.append({"new_tokens": len(state.new_tokens), "lengths": list(lengths),
-                                    "tiers": [view.name for view in self.tiers]})
+            note_plan(state.plans, len(state.new_tokens), lengths, [view.name for view in self.tiers])
         del header.lengths[:]
         header.lengths.extend(lengths)
         return tier_pb2.VerifyRequest(header=header, context=state.committed, max_tokens=remaining(state)), lengths
