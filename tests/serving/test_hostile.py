@@ -211,6 +211,10 @@ def test_garbage_bytes_are_invalid_argument(server):
 
 def test_queue_depth_gauge_follows_the_queue(server, client):
     client.generate("def f(x):", max_new_tokens=4)
+    # the client hears "done" before the loop takes the request off its running list: let the queue settle
+    deadline = time.monotonic() + 10
+    while client.stats()["queue"]["running"] and time.monotonic() < deadline:
+        time.sleep(0.01)
     text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
     stats = client.stats()["queue"]
     assert f'polyspec_queue_depth{{state="running"}} {float(stats["running"])}' in text
