@@ -29,6 +29,7 @@ import time
 import traceback
 from typing import Any, Callable
 
+from polyspec.orchestrator.batch_runner import is_unavailable, step_isolated
 from polyspec.orchestrator.serving.jobs import JobStore, PendingItem
 from polyspec.orchestrator.serving.metrics import Metrics
 from polyspec.workers.core.errors import RequestError
@@ -70,12 +71,6 @@ class QueueFull(Exception):
 
 class Draining(Exception):
     pass
-
-
-def is_unavailable(exc: BaseException) -> bool:
-    """A tier (or its actor) is gone and no valid chain is left: UNAVAILABLE, not INTERNAL."""
-    names = {cls.__name__ for cls in type(exc).__mro__}
-    return bool(names & {"TierUnavailableError", "ChainUnavailableError", "RayActorError", "ActorDiedError"})
 
 
 class RoundScheduler(threading.Thread):
@@ -217,20 +212,17 @@ class RoundScheduler(threading.Thread):
             except Exception as exc:  # noqa: BLE001 - one bad request must not take the server down
                 self._failed(work, exc)
                 over[index] = True
-        scheduler = self.engine.scheduler
-        try:
-            scheduler.prefill([active[i].state for i in live])
-            ready = [i for i in live if active[i].state.done or scheduler.ready(active[i].state)]
-            emitted = self.engine.step_all([active[i].state for i in ready]) if ready else []
-        except Exception as exc:  # noqa: BLE001 - the step failed for all of them
-            for i in live:
-                self._failed(active[i], exc)
-                over[i] = True
-            return over
-        step = scheduler.last_step
-        if ready and step.get("batch"):
+        # one request's row raising fails that request alone (polyspec.orchestrator.batch_runner.step_isolated)
+        outcome = step_isolated(self.engine, [active[i].state for i in live])
+        index_of = {id(active[i].state): i for i in live}
+        for state, exc in outcome.failed:
+            self._failed(active[index_of[id(state)]], exc)
+            over[index_of[id(state)]] = True
+        step = self.engine.scheduler.last_step
+        if outcome.advanced and step.get("batch"):
             self.metrics.batch_step(step["batch"], step["tokens"], step["seconds"], len(step.get("tiers", ())) > 1)
-        for i, tokens in zip(ready, emitted):
+        for state, tokens in outcome.advanced:
+            i = index_of[id(state)]
             work = active[i]
             try:
                 if tokens:
