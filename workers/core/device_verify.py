@@ -95,12 +95,16 @@ def warp_batch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Ten
 
 
 def verify_chains(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_tokens: torch.Tensor, cu_num_draft: torch.Tensor,
-                  greedy: torch.Tensor, uniforms: torch.Tensor, exponentials: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                  greedy: torch.Tensor, uniforms: torch.Tensor, exponentials: torch.Tensor,
+                  num_draft: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Verify every request's chain block at once.
 
     target_probs: [N + B, V] float32; draft_probs: [N, V]; draft_tokens: [N] int64;
     cu_num_draft: [B + 1] int64 offsets; greedy: [B] bool (accept while the draft is the
     target's argmax); uniforms: [N] acceptance draws; exponentials: [B, V] noise of the next draw.
+    num_draft: [B], only for a padded layout (every request given the same room in the flat
+    tensors, a static shape): request r's block is its first num_draft[r] tokens, the rest is
+    padding and never read as a draft.
     Returns (num_accepted [B], next_tokens [B]) as int64 tensors on the device.
     """
     num_requests = cu_num_draft.shape[0] - 1
@@ -108,7 +112,8 @@ def verify_chains(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_t
     assert target_probs.shape[0] == num_drafts + num_requests and exponentials.shape == (num_requests, target_probs.shape[1])
     device = target_probs.device
     requests = torch.arange(num_requests, device=device)
-    num_draft = cu_num_draft[1:] - cu_num_draft[:-1]  # [B]
+    if num_draft is None:
+        num_draft = cu_num_draft[1:] - cu_num_draft[:-1]  # [B]
     first_row = cu_num_draft[:-1] + requests  # [B] each request's first target row
     num_accepted = num_draft.clone()
     if num_drafts:
@@ -120,7 +125,7 @@ def verify_chains(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_t
         draft_at = draft_probs.gather(-1, draft_tokens[:, None])[:, 0]  # [N]
         sampled_ok = (draft_at > 0) & (uniforms * draft_at < target_at)  # u < target / draft, never with draft 0
         greedy_ok = target_rows.argmax(dim=-1) == draft_tokens
-        accepted = torch.where(greedy[request_of], greedy_ok, sampled_ok)  # [N]
+        accepted = torch.where(greedy[request_of], greedy_ok, sampled_ok) | (local >= num_draft[request_of])  # [N] padding passes
         rejected_at = torch.where(accepted, torch.full_like(local, num_drafts + 1), local)
         num_accepted = num_accepted.scatter_reduce(0, request_of, rejected_at, reduce="amin", include_self=True)
     next_rows = target_probs[first_row + num_accepted]  # [B, V]
