@@ -88,20 +88,21 @@ class StaticLlama:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.scaling = self.head_dim**-0.5
         self.limit = getattr(config, "max_position_embeddings", None) or 4096
-        self.embed = base.embed_tokens.weight
+        self.embed = base.embed_tokens.weight.detach()
         self.dtype = self.embed.dtype
         self.device = self.embed.device
         self.vocab_size = config.vocab_size
 
+        # detached: a step writes the pool in place, and must not make it part of an autograd graph
         def weights(linear: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
-            return linear.weight, linear.bias
+            return linear.weight.detach(), None if linear.bias is None else linear.bias.detach()
 
         self.layers = []
         for layer in base.layers:
             q, k, v, o, gate, up, down = (weights(m) for m in _projections(layer))
-            self.layers.append((layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon, q, k, v, o,
-                                layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon, gate, up, down))
-        self.norm_weight, self.norm_eps = base.norm.weight, base.norm.variance_epsilon
+            self.layers.append((layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon, q, k, v, o,
+                                layer.post_attention_layernorm.weight.detach(), layer.post_attention_layernorm.variance_epsilon, gate, up, down))
+        self.norm_weight, self.norm_eps = base.norm.weight.detach(), base.norm.variance_epsilon
         self.lm_head = weights(model.lm_head)
         inv_freq = base.rotary_emb.inv_freq.float()
         positions = torch.arange(self.limit, dtype=torch.long, device=inv_freq.device)

@@ -1,0 +1,345 @@
+"""The round that stays on the device: every running request in one static-shape step per tier.
+
+    round(R requests, length k):
+        drafter (optional):  k draft steps, each ONE forward of every request's last token
+                             (the first also re-feeds the token before it, so a drafter whose
+                             block was accepted whole catches up), warp and draw on the device
+        target:              ONE forward of [last committed token, k drafts] per request, warp,
+                             verification of every block (device_verify.verify_chains)
+        host:                one copy of [R, k + 1] token ids and the accepted counts
+
+Nothing else crosses to the host: token ids, positions, slots and block lengths go in as
+tensors, logits never leave the device. Every shape depends only on the step's bucket
+(requests padded up to a power of two, the attended span rounded up to a power of two), so
+on CUDA each tier's step is captured once per bucket as a CUDA graph and replayed
+(`StepGraphs`); on the CPU it runs eagerly (the same tensor program; tests compile it whole).
+
+Randomness comes from counter-based streams keyed by the request's seed and its round number
+(device_verify.stream_uniforms): a seeded request draws the same numbers alone or in any
+batch. The verification is lossless (chain speculative sampling, greedy acceptance at
+temperature 0), so the output is the target's: its greedy text, or its distribution.
+
+`DeviceScheduler` is a `polyspec.orchestrator.decode.contract.Decoder` with the batched
+scheduler's calls (`step_all`, `prefill`, `ready`, `last_step`), so the request loops drive it
+as they drive `BatchedScheduler`. It covers chains of Llama / Qwen2 model tiers with float
+weights (`StaticLlama.supports`), one drafter at most, chain blocks with fixed lengths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import secrets
+import time
+
+import torch
+
+from polyspec.orchestrator.decode.contract import (
+    NO_LIMIT,
+    GenerationOutput,
+    RequestState,
+    StageStats,
+    commit,
+    finish_if_full,
+    generate,
+    mark_cancelled,
+    output,
+    remaining,
+)
+from polyspec.workers.core.device_verify import (
+    DOMAIN_ACCEPT,
+    DOMAIN_DRAFT,
+    DOMAIN_NEXT,
+    emitted_tokens,
+    stream_exponentials,
+    stream_uniforms,
+    verify_chains,
+    warp_batch,
+)
+from polyspec.workers.core.sampling import SamplingParams
+from polyspec.workers.tiers.static_llama import KVPool, StaticLlama
+
+MAX_DRAFT_TOKENS = 16  # the longest block a round verifies (a draft step's counter is round * this + position)
+MIN_SPAN = 64  # the smallest attended span bucket
+PREFILL_CHUNK = 256  # prompt tokens a prefill forward of one request carries at most
+_sequence_ids = itertools.count()
+
+
+def bucket(value: int, smallest: int = 1) -> int:
+    """The power of two at or above `value` (at least `smallest`)."""
+    size = smallest
+    while size < value:
+        size *= 2
+    return size
+
+
+# ------------------------------------------------------------------------------ the steps
+
+
+def target_step(model: StaticLlama, pool: KVPool, ids, positions, slots, span: int, temperature, top_k, top_p, greedy,
+                draft_tokens, draft_probs, num_draft, seeds, counters):
+    """The target's step: forward of [B, k + 1] tokens, warp, verification. Returns
+    (tokens [B, k + 1]: accepted drafts, then the correction / bonus token, then padding; num_accepted [B])."""
+    logits = model.forward(pool, ids, positions, slots, span)  # [B, k + 1, V]
+    rows, width, vocab = logits.shape
+    block = width - 1
+
+    def per_row(values):  # a request's value on each of its k + 1 rows
+        return values[:, None].expand(rows, width).reshape(-1)
+
+    target_probs = warp_batch(logits.reshape(rows * width, vocab), per_row(temperature), per_row(top_k), per_row(top_p))
+    cu_num_draft = torch.arange(rows + 1, device=ids.device) * block  # the padded layout: k slots per request
+    uniforms = stream_uniforms(seeds, counters, DOMAIN_ACCEPT, block).reshape(-1)  # [B * k]
+    exponentials = stream_exponentials(seeds, counters, DOMAIN_NEXT, vocab)  # [B, V]
+    flat_tokens = draft_tokens.reshape(-1)
+    num_accepted, next_tokens = verify_chains(target_probs, draft_probs.reshape(rows * block, vocab), flat_tokens, cu_num_draft,
+                                              greedy, uniforms, exponentials, num_draft)
+    return emitted_tokens(flat_tokens, cu_num_draft, num_accepted, next_tokens, block), num_accepted
+
+
+def draft_step(model: StaticLlama, pool: KVPool, ids, positions, slots, span: int, temperature, top_k, top_p, greedy, seeds, draw_counters):
+    """A drafter's step: forward, warp of the last column, one draw per request. Returns (tokens [B], probs [B, V])."""
+    logits = model.forward(pool, ids, positions, slots, span)[:, -1]  # [B, V]
+    probs = warp_batch(logits, temperature, top_k, top_p)
+    sampled = torch.argmax(probs / stream_exponentials(seeds, draw_counters, DOMAIN_DRAFT, probs.shape[-1]), dim=-1)
+    return torch.where(greedy, probs.argmax(dim=-1), sampled), probs
+
+
+class StepGraphs:
+    """Each step captured once per bucket as a CUDA graph and replayed with new inputs (on CUDA);
+    called directly elsewhere. The inputs are copied into the graph's own buffers before each
+    replay; the outputs are the graph's buffers (read them before the next replay)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.graphs: dict[tuple, tuple] = {}
+        self.memory_pool = None
+
+    def run(self, key: tuple, step, tensors: list[torch.Tensor]):
+        """`step(*tensors)`, replayed from the graph captured for `key` (the bucket: whatever fixes the shapes)."""
+        if not self.enabled:
+            return step(*tensors)
+        entry = self.graphs.get(key)
+        if entry is None:
+            buffers = [t.clone() for t in tensors]
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up outside the capture (the same inputs: its writes are the replay's)
+                step(*buffers)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            if self.memory_pool is None:
+                self.memory_pool = torch.cuda.graph_pool_handle()
+            with torch.cuda.graph(graph, pool=self.memory_pool):
+                outputs = step(*buffers)
+            entry = self.graphs[key] = (graph, buffers, outputs)
+        graph, buffers, outputs = entry
+        for buffer, tensor in zip(buffers, tensors):
+            buffer.copy_(tensor, non_blocking=True)
+        graph.replay()
+        return outputs
+
+
+# ---------------------------------------------------------------------------- the decoder
+
+
+@dataclasses.dataclass
+class DeviceRun:
+    """What the device scheduler keeps of one request besides its tokens (`RequestState.run`)."""
+
+    seq_id: int
+    slot: int
+    seed: int  # the request's stream key (63 bits)
+    rounds: int = 0  # the counter of its streams
+    cached: list[int] = dataclasses.field(default_factory=list)  # per tier: positions whose KV is the committed context's
+    stages: list[StageStats] = dataclasses.field(default_factory=list)
+
+
+class DeviceTier:
+    """One model of the chain on its device: its static forward and its KV pool."""
+
+    def __init__(self, name: str, model: StaticLlama, slots: int, busy_tier=None) -> None:
+        self.name = name
+        self.model = model
+        self.pool = model.new_pool(slots, MAX_DRAFT_TOKENS + 2)
+        self.vocab_size = model.vocab_size
+        self.max_context = model.limit
+        self.busy_s = 0.0
+        self.graphs = StepGraphs(model.device.type == "cuda")
+
+
+class DeviceScheduler:
+    """Requests of a chain [target, drafter?] advanced together, one device round per step (module docstring)."""
+
+    def __init__(self, tiers: list[DeviceTier], lengths: list[int], eos_token_ids: tuple[int, ...] = (), max_requests: int = 64) -> None:
+        if not 1 <= len(tiers) <= 2:
+            raise ValueError(f"the device round runs a target and at most one drafter, got {len(tiers)} tiers")
+        if len(lengths) != len(tiers) - 1 or any(not 0 <= k <= MAX_DRAFT_TOKENS for k in lengths):
+            raise ValueError(f"need {len(tiers) - 1} speculation length(s) in [0, {MAX_DRAFT_TOKENS}], got {lengths}")
+        self.tiers = tiers
+        self.lengths = list(lengths)
+        self.active = tuple(range(len(tiers)))
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_requests = max_requests
+        self.max_context = min(t.max_context for t in tiers)
+        self.device = tiers[0].model.device
+        self.free_slots = list(range(max_requests))
+        self.last_step: dict = {}
+        self.planner = None
+
+    # ----------------------------------------------------------------- decoder API
+
+    def generate(self, prompt_ids, max_new_tokens, params, seed=None, on_commit=None) -> GenerationOutput:
+        return generate(self, prompt_ids, max_new_tokens, params, seed, on_commit)
+
+    def start(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams, seed: int | None = None) -> RequestState:
+        if not self.free_slots:
+            raise RuntimeError(f"all {self.max_requests} request slots are in use")
+        run = DeviceRun(seq_id=next(_sequence_ids), slot=self.free_slots.pop(0),
+                        seed=(secrets.randbits(63) if seed is None else int(seed) & ((1 << 63) - 1)),
+                        cached=[0] * len(self.tiers),
+                        stages=[StageStats(self.tiers[i].name, self.tiers[i + 1].name) for i in range(len(self.tiers) - 1)])
+        return RequestState(seq_id=run.seq_id, params=params, committed=list(prompt_ids), max_new_tokens=max_new_tokens,
+                            limit=self.max_context or NO_LIMIT, run=run, tier_busy_s=[0.0] * len(self.tiers))
+
+    def step(self, state: RequestState) -> list[int]:
+        return self.step_all([state])[0]
+
+    def finish(self, state: RequestState) -> GenerationOutput:
+        run: DeviceRun = state.run
+        if run.slot is not None:
+            self.free_slots.append(run.slot)
+            self.free_slots.sort()
+            run.slot = None
+        extra = {"tiers": [{"tier": t.name, "busy_s": round(busy, 6)} for t, busy in zip(self.tiers, state.tier_busy_s)]}
+        return output(state, run.stages, **extra)
+
+    def cancel(self, state: RequestState) -> GenerationOutput:
+        mark_cancelled(state)
+        return self.finish(state)
+
+    # ------------------------------------------------------------ prefill
+
+    def ready(self, state: RequestState) -> bool:
+        """The target holds the context but its last token; a drafter may be one behind (a block
+        accepted whole: its first draft step re-feeds that token)."""
+        need = len(state.committed) - 1
+        return state.run.cached[0] >= need and all(cached >= need - 1 for cached in state.run.cached[1:])
+
+    def prefill(self, states: list[RequestState], budget: int | None = None) -> int:
+        """Cache every tier's KV of each joining prompt (all but its last token), one request and
+        chunk at a time (eager: prefill shapes vary)."""
+        fed = 0
+        for state in states:
+            if state.done or self.ready(state):
+                continue
+            run: DeviceRun = state.run
+            for level, tier in enumerate(self.tiers):
+                start, end = run.cached[level], len(state.committed) - 1
+                if level and end - start <= 1:
+                    continue  # the round's first draft step catches up one token
+                while start < end:
+                    count = min(PREFILL_CHUNK, end - start)
+                    width = bucket(count, 16)
+                    ids = torch.zeros(1, width, dtype=torch.long)
+                    ids[0, :count] = torch.tensor(state.committed[start:start + count])
+                    positions = (start + torch.arange(width))[None]
+                    begun = time.perf_counter()
+                    with torch.inference_mode():
+                        tier.model.forward(tier.pool, ids.to(self.device), positions.to(self.device),
+                                           torch.tensor([run.slot], device=self.device), self._span(start + width))
+                    tier.busy_s += time.perf_counter() - begun
+                    fed += count
+                    start += count
+                run.cached[level] = max(run.cached[level], end)
+        return fed
+
+    # ------------------------------------------------------------ the round
+
+    def _span(self, longest: int) -> int:
+        return min(bucket(longest, MIN_SPAN), self.tiers[0].pool.capacity)
+
+    @torch.inference_mode()
+    def step_all(self, states: list[RequestState]) -> list[list[int]]:
+        """One device round of every request in `states` (all `ready`); the tokens each committed."""
+        started = time.perf_counter()
+        out: list[list[int]] = [[] for _ in states]
+        live = [i for i, s in enumerate(states) if not finish_if_full(s)]
+        if not live:
+            return out
+        length = self.lengths[0] if len(self.tiers) > 1 else 0
+        rows = bucket(len(live))
+        device = self.device
+        requests = [states[i] for i in live]
+        num_draft = [max(0, min(length, remaining(s) - 1, s.limit - len(s.committed) - 1)) for s in requests]
+        block = max(num_draft) if len(self.tiers) > 1 else 0
+
+        def column(values, dtype, pad):  # one value per request, padded to the bucket
+            return torch.tensor(values + [pad] * (rows - len(values)), dtype=dtype).to(device, non_blocking=True)
+
+        scratch = self.tiers[0].pool.scratch_slot
+        slots = column([s.run.slot for s in requests], torch.long, scratch)
+        temperature = column([s.params.temperature for s in requests], torch.float32, 0.0)
+        top_k = column([s.params.top_k for s in requests], torch.long, 0)
+        top_p = column([s.params.top_p for s in requests], torch.float32, 1.0)
+        greedy = column([s.params.greedy for s in requests], torch.bool, True)
+        seeds = column([s.run.seed for s in requests], torch.long, 0)
+        counters = column([s.run.rounds for s in requests], torch.long, 0)
+        lengths_now = [len(s.committed) for s in requests]
+        vocab = self.tiers[0].vocab_size
+        draft_tokens = torch.zeros(rows, block, dtype=torch.long, device=device)
+        draft_probs = torch.zeros(rows, block, vocab, dtype=torch.float32, device=device)
+        if block:
+            drafter = self.tiers[1]
+            begun = time.perf_counter()
+            # first draft step: the last two committed tokens (a drafter whose block was accepted whole is one behind)
+            first = [[s.committed[-2] if len(s.committed) > 1 else s.committed[-1], s.committed[-1]] for s in requests]
+            ids = torch.tensor(first + [[0, 0]] * (rows - len(requests)), dtype=torch.long).to(device)
+            positions = torch.tensor([[max(n - 2, 0), n - 1] for n in lengths_now] + [[0, 1]] * (rows - len(requests))).to(device)
+            for j in range(block):
+                span = self._span(max(lengths_now) + j + 1)
+                draw_counters = counters * MAX_DRAFT_TOKENS + j
+
+                def drafting(*tensors, span=span):
+                    return draft_step(drafter.model, drafter.pool, *tensors[:3], span, *tensors[3:])
+
+                tokens, probs = drafter.graphs.run(("draft", rows, ids.shape[1], span), drafting,
+                                                   [ids, positions, slots, temperature, top_k, top_p, greedy, seeds, draw_counters])
+                draft_tokens[:, j] = tokens
+                draft_probs[:, j] = probs
+                ids = tokens[:, None]
+                positions = positions[:, -1:] + 1
+            drafter.busy_s += time.perf_counter() - begun
+        target = self.tiers[0]
+        begun = time.perf_counter()
+        ids = torch.cat([column([s.committed[-1] for s in requests], torch.long, 0)[:, None], draft_tokens], dim=1)  # [B, k + 1]
+        positions = (column([n - 1 for n in lengths_now], torch.long, 0)[:, None] + torch.arange(block + 1, device=device)[None])
+        span = self._span(max(lengths_now) + block)
+
+        def verifying(*tensors):
+            return target_step(target.model, target.pool, *tensors[:3], span, *tensors[3:])
+
+        tokens, num_accepted = target.graphs.run(("target", rows, block, span), verifying,
+                                                 [ids, positions, slots, temperature, top_k, top_p, greedy, draft_tokens, draft_probs,
+                                                  column(num_draft, torch.long, 0), seeds, counters])
+        tokens, num_accepted = tokens.cpu().tolist(), num_accepted.cpu().tolist()  # the round's one copy to the host
+        target.busy_s += time.perf_counter() - begun
+        committed = 0
+        for index, (i, state) in enumerate(zip(live, requests)):
+            run: DeviceRun = state.run
+            accepted = num_accepted[index]
+            emitted = tokens[index][: accepted + 1]
+            if len(self.tiers) > 1:
+                run.stages[0].record(num_draft[index], accepted, length, (time.perf_counter() - started) / len(live))
+            before = len(state.committed)
+            out[i] = commit(state, emitted, self.eos_token_ids)
+            committed += len(out[i])
+            run.rounds += 1
+            # the target holds the committed context up to its last token; a drafter what it was fed of it
+            run.cached[0] = len(state.committed) - 1
+            if len(self.tiers) > 1:
+                run.cached[1] = min(before - 1 + min(accepted, max(block - 1, 0)) + (1 if block else 0), len(state.committed) - 1)
+        seconds = time.perf_counter() - started
+        self.last_step = {"batch": len(live), "tokens": committed, "seconds": seconds, "lengths": [length] if len(self.tiers) > 1 else [],
+                          "tiers": list(self.active)}
+        return out
