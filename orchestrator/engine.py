@@ -89,6 +89,9 @@ class Engine:
             if configured is not None:
                 eos.update([configured] if isinstance(configured, int) else configured)
         self.batched = batched and self.config.batching.enabled
+        if self._device_round():
+            self._start_device(stop_token_ids(self.tokenizer, eos))
+            return
         if self.batched:
             self._start_batched(stop_token_ids(self.tokenizer, eos), auto_tune)
             return
@@ -101,6 +104,42 @@ class Engine:
         )
         if auto_tune and self.config.speculation.lengths == "auto" and len(self.tiers) > 1:
             self.scheduler.tuner = self.make_tuner()
+
+    def _device_round(self) -> bool:
+        """Does the device round (polyspec.orchestrator.decode.device_round) run this chain? `batching.round`
+        decides: device (or a one-line ConfigError saying why it cannot), ragged, or auto: device on CUDA
+        where the chain fits it."""
+        from polyspec.orchestrator.decode.device_round import DeviceScheduler
+
+        mode = self.config.batching.round
+        if mode == "ragged":
+            return False
+        spec = self.config.speculation
+        misfit = DeviceScheduler.misfit(self.tiers, spec.lengths if spec.lengths == "auto" else self.config.speculation_lengths(),
+                                        spec.tree_width)
+        if mode == "device":
+            if misfit:
+                raise ConfigError(f"batching.round: device cannot run this chain: {misfit}")
+            return True
+        return misfit is None and str(getattr(self.tiers[0], "device", "cpu")).startswith("cuda")
+
+    def _start_device(self, eos: tuple[int, ...]) -> None:
+        """Every request through the device round; a single request is a batch of one."""
+        from polyspec.orchestrator.decode.device_round import MAX_DRAFT_TOKENS, DeviceScheduler, DeviceTier
+        from polyspec.workers.tiers.static_llama import StaticLlama
+
+        batching = self.config.batching
+        models = [StaticLlama(tier.model) for tier in self.tiers]
+        per_request = sum(m.bytes_per_slot(MAX_DRAFT_TOKENS + 2, batching.max_context) for m in models)
+        wanted = batching.max_requests if self.batched else 1
+        self.max_requests = requests_within_memory(wanted, batching.kv_memory_mb, per_request)
+        threads = getattr(self.tiers[0], "threads", None)
+        if threads:
+            import torch
+
+            torch.set_num_threads(threads)
+        tiers = [DeviceTier(tier.name, model, self.max_requests, batching.max_context) for tier, model in zip(self.tiers, models)]
+        self.scheduler = DeviceScheduler(tiers, self.config.speculation_lengths(), eos_token_ids=eos, max_requests=self.max_requests)
 
     def _start_batched(self, eos: tuple[int, ...], auto_tune: bool) -> None:
         """Every active request in one batched round per step (polyspec.orchestrator.decode.batched)."""

@@ -54,6 +54,7 @@ from polyspec.workers.core.device_verify import (
     stream_exponentials,
     stream_uniforms,
     verify_chains,
+    verify_greedy_chains,
     warp_batch,
 )
 from polyspec.workers.core.sampling import SamplingParams
@@ -76,31 +77,49 @@ def bucket(value: int, smallest: int = 1) -> int:
 # ------------------------------------------------------------------------------ the steps
 
 
-def target_step(model: StaticLlama, pool: KVPool, ids, positions, slots, span: int, temperature, top_k, top_p, greedy,
+GREEDY, PLAIN, TRUNCATED = "greedy", "plain", "truncated"  # a step's sampling: every request greedy; no top-k / top-p; some
+
+
+def sampling_mode(params: list[SamplingParams]) -> str:
+    """The cheapest warp that serves every request of a step (a static choice: one graph each)."""
+    if all(p.greedy for p in params):
+        return GREEDY
+    return TRUNCATED if any(p.top_k > 0 or p.top_p < 1.0 for p in params) else PLAIN
+
+
+def target_step(model: StaticLlama, pool: KVPool, ids, positions, slots, span: int, mode: str, temperature, top_k, top_p, greedy,
                 draft_tokens, draft_probs, num_draft, seeds, counters):
     """The target's step: forward of [B, k + 1] tokens, warp, verification. Returns
     (tokens [B, k + 1]: accepted drafts, then the correction / bonus token, then padding; num_accepted [B])."""
     logits = model.forward(pool, ids, positions, slots, span)  # [B, k + 1, V]
     rows, width, vocab = logits.shape
     block = width - 1
+    cu_num_draft = torch.arange(rows + 1, device=ids.device) * block  # the padded layout: k slots per request
+    flat_tokens = draft_tokens.reshape(-1)
+    if mode == GREEDY:
+        num_accepted, next_tokens = verify_greedy_chains(logits, draft_tokens, num_draft)
+        return emitted_tokens(flat_tokens, cu_num_draft, num_accepted, next_tokens, block), num_accepted
 
     def per_row(values):  # a request's value on each of its k + 1 rows
         return values[:, None].expand(rows, width).reshape(-1)
 
-    target_probs = warp_batch(logits.reshape(rows * width, vocab), per_row(temperature), per_row(top_k), per_row(top_p))
-    cu_num_draft = torch.arange(rows + 1, device=ids.device) * block  # the padded layout: k slots per request
+    target_probs = warp_batch(logits.reshape(rows * width, vocab), per_row(temperature), per_row(top_k), per_row(top_p),
+                              truncate=mode == TRUNCATED)
     uniforms = stream_uniforms(seeds, counters, DOMAIN_ACCEPT, block).reshape(-1)  # [B * k]
     exponentials = stream_exponentials(seeds, counters, DOMAIN_NEXT, vocab)  # [B, V]
-    flat_tokens = draft_tokens.reshape(-1)
     num_accepted, next_tokens = verify_chains(target_probs, draft_probs.reshape(rows * block, vocab), flat_tokens, cu_num_draft,
                                               greedy, uniforms, exponentials, num_draft)
     return emitted_tokens(flat_tokens, cu_num_draft, num_accepted, next_tokens, block), num_accepted
 
 
-def draft_step(model: StaticLlama, pool: KVPool, ids, positions, slots, span: int, temperature, top_k, top_p, greedy, seeds, draw_counters):
-    """A drafter's step: forward, warp of the last column, one draw per request. Returns (tokens [B], probs [B, V])."""
+def draft_step(model: StaticLlama, pool: KVPool, ids, positions, slots, span: int, mode: str, temperature, top_k, top_p, greedy, seeds,
+               draw_counters):
+    """A drafter's step: forward, warp of the last column, one draw per request. Returns (tokens [B], probs [B, V];
+    all-greedy steps return the logits instead of probabilities: the target's greedy verification reads none)."""
     logits = model.forward(pool, ids, positions, slots, span)[:, -1]  # [B, V]
-    probs = warp_batch(logits, temperature, top_k, top_p)
+    if mode == GREEDY:
+        return logits.argmax(dim=-1), logits.float()
+    probs = warp_batch(logits, temperature, top_k, top_p, truncate=mode == TRUNCATED)
     sampled = torch.argmax(probs / stream_exponentials(seeds, draw_counters, DOMAIN_DRAFT, probs.shape[-1]), dim=-1)
     return torch.where(greedy, probs.argmax(dim=-1), sampled), probs
 
@@ -158,12 +177,12 @@ class DeviceRun:
 class DeviceTier:
     """One model of the chain on its device: its static forward and its KV pool."""
 
-    def __init__(self, name: str, model: StaticLlama, slots: int, busy_tier=None) -> None:
+    def __init__(self, name: str, model: StaticLlama, slots: int, context: int | None = None) -> None:
         self.name = name
         self.model = model
-        self.pool = model.new_pool(slots, MAX_DRAFT_TOKENS + 2)
+        self.pool = model.new_pool(slots, MAX_DRAFT_TOKENS + 2, context)
         self.vocab_size = model.vocab_size
-        self.max_context = model.limit
+        self.max_context = min(context or model.limit, model.limit)
         self.busy_s = 0.0
         self.graphs = StepGraphs(model.device.type == "cuda")
 
@@ -204,6 +223,26 @@ class DeviceScheduler:
 
     def step(self, state: RequestState) -> list[int]:
         return self.step_all([state])[0]
+
+    @staticmethod
+    def misfit(tiers, lengths, tree_width: int) -> str | None:
+        """Why the device round cannot run a chain of these (loaded) tiers; None when it can."""
+        if len(tiers) > 2:
+            return f"it runs a target and at most one drafter, not {len(tiers)} tiers"
+        for tier in tiers:
+            model = getattr(tier, "model", None)
+            if model is None or not StaticLlama.supports(model, torch.device(getattr(tier, "device", "cpu"))):
+                return f"tier {tier.name!r} is not a Llama / Qwen2 model with float weights on the CPU or CUDA"
+        vocabularies = {tier.model.config.vocab_size for tier in tiers}
+        if len(vocabularies) > 1:
+            return f"its tiers' logits must have one width, got {sorted(vocabularies)}"
+        if tree_width > 1:
+            return "it verifies chains, not draft trees (speculation.tree_width > 1)"
+        if lengths == "auto":
+            return "it runs fixed speculation lengths, not lengths: auto"
+        if any(k > MAX_DRAFT_TOKENS for k in lengths):
+            return f"its blocks hold at most {MAX_DRAFT_TOKENS} tokens"
+        return None
 
     def finish(self, state: RequestState) -> GenerationOutput:
         run: DeviceRun = state.run
@@ -267,6 +306,7 @@ class DeviceScheduler:
         live = [i for i, s in enumerate(states) if not finish_if_full(s)]
         if not live:
             return out
+        self.prefill([states[i] for i in live])  # a request not yet `ready` (a caller that does not prefill) catches up here
         length = self.lengths[0] if len(self.tiers) > 1 else 0
         rows = bucket(len(live))
         device = self.device
@@ -287,8 +327,10 @@ class DeviceScheduler:
         counters = column([s.run.rounds for s in requests], torch.long, 0)
         lengths_now = [len(s.committed) for s in requests]
         vocab = self.tiers[0].vocab_size
+        mode = sampling_mode([s.params for s in requests])
         draft_tokens = torch.zeros(rows, block, dtype=torch.long, device=device)
-        draft_probs = torch.zeros(rows, block, vocab, dtype=torch.float32, device=device)
+        # greedy steps read no draft rows: a placeholder keeps the step's signature
+        draft_probs = torch.zeros(rows, block, 1 if mode == GREEDY else vocab, dtype=torch.float32, device=device)
         if block:
             drafter = self.tiers[1]
             begun = time.perf_counter()
@@ -301,12 +343,13 @@ class DeviceScheduler:
                 draw_counters = counters * MAX_DRAFT_TOKENS + j
 
                 def drafting(*tensors, span=span):
-                    return draft_step(drafter.model, drafter.pool, *tensors[:3], span, *tensors[3:])
+                    return draft_step(drafter.model, drafter.pool, *tensors[:3], span, mode, *tensors[3:])
 
-                tokens, probs = drafter.graphs.run(("draft", rows, ids.shape[1], span), drafting,
+                tokens, probs = drafter.graphs.run(("draft", rows, ids.shape[1], span, mode), drafting,
                                                    [ids, positions, slots, temperature, top_k, top_p, greedy, seeds, draw_counters])
                 draft_tokens[:, j] = tokens
-                draft_probs[:, j] = probs
+                if mode != GREEDY:
+                    draft_probs[:, j] = probs
                 ids = tokens[:, None]
                 positions = positions[:, -1:] + 1
             drafter.busy_s += time.perf_counter() - begun
@@ -317,9 +360,9 @@ class DeviceScheduler:
         span = self._span(max(lengths_now) + block)
 
         def verifying(*tensors):
-            return target_step(target.model, target.pool, *tensors[:3], span, *tensors[3:])
+            return target_step(target.model, target.pool, *tensors[:3], span, mode, *tensors[3:])
 
-        tokens, num_accepted = target.graphs.run(("target", rows, block, span), verifying,
+        tokens, num_accepted = target.graphs.run(("target", rows, block, span, mode), verifying,
                                                  [ids, positions, slots, temperature, top_k, top_p, greedy, draft_tokens, draft_probs,
                                                   column(num_draft, torch.long, 0), seeds, counters])
         tokens, num_accepted = tokens.cpu().tolist(), num_accepted.cpu().tolist()  # the round's one copy to the host

@@ -133,10 +133,56 @@ def test_the_target_step_compiles_whole_and_once_per_bucket(models):
         ids = torch.randint(1, 200, (rows, block + 1), generator=generator)
         positions = (torch.tensor([5, 9, 2, 0]) + step_index)[:, None] + torch.arange(block + 1)[None]
         draft_probs = torch.softmax(torch.randn(rows, block, vocab, generator=generator), -1)
-        args = (static, pool, ids, positions, torch.tensor([0, 1, 2, pool.scratch_slot]), 64, torch.tensor([0.0, 0.8, 1.0, 0.0]),
+        args = (static, pool, ids, positions, torch.tensor([0, 1, 2, pool.scratch_slot]), 64, "truncated", torch.tensor([0.0, 0.8, 1.0, 0.0]),
                 torch.tensor([0, 20, 0, 0]), torch.tensor([1.0, 0.9, 1.0, 1.0]), torch.tensor([True, False, False, True]),
                 ids[:, 1:], draft_probs, torch.tensor([3, 2, 3, 0]), torch.tensor([1, 2, 3, 0]), torch.full((rows,), step_index))
         tokens, accepted = step(*args)
         assert tokens.shape == (rows, block + 1) and bool((accepted <= torch.tensor([3, 2, 3, 0])).all())
     assert len(graphs) == 1, f"{len(graphs)} graphs for one bucket (a graph break or a recompilation)"
     torch._dynamo.reset()
+
+
+def _config(tmp_path, tiny_family, names, lengths, round_kind) -> str:
+    import yaml
+
+    from family_chains import tier_specs
+
+    path = tmp_path / f"{round_kind}-{'-'.join(names)}.yaml"
+    path.write_text(yaml.safe_dump({"tiers": tier_specs(tiny_family, names), "speculation": {"lengths": lengths},
+                                    "batching": {"round": round_kind, "max_requests": 4, "max_context": 128}}))
+    return str(path)
+
+
+def test_polyspec_batch_through_the_device_round(tiny_family, tmp_path):
+    """End to end through the CLI: `batching.round: device` gives the ragged round's greedy tokens for every
+    request of a continuous batch (4 at a time), and the same seeded samples alone as in the batch."""
+    import json
+
+    from tests.orchestrator.test_cli import run_cli
+
+    requests = [{"id": f"g{i}", "prompt_ids": p, "max_new_tokens": 12} for i, p in enumerate(PROMPTS)]
+    requests.append({"id": "s", "prompt_ids": PROMPTS[0], "max_new_tokens": 12, "temperature": 0.8, "top_p": 0.9, "seed": 9})
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in requests))
+    outputs = {}
+    for round_kind in ("device", "ragged"):
+        config = _config(tmp_path, tiny_family, ["target", "mid"], [3], round_kind)
+        done = run_cli("batch", "-c", config, "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / f"{round_kind}.jsonl"))
+        assert done.returncode == 0, done.stderr[-2000:]
+        outputs[round_kind] = {r["id"]: r for r in map(json.loads, (tmp_path / f"{round_kind}.jsonl").read_text().splitlines())}
+    for request in requests[:-1]:
+        assert outputs["device"][request["id"]]["token_ids"] == outputs["ragged"][request["id"]]["token_ids"], request["id"]
+    (tmp_path / "one.jsonl").write_text(json.dumps(requests[-1]) + "\n")
+    alone = run_cli("batch", "-c", _config(tmp_path, tiny_family, ["target", "mid"], [3], "device"), "-i", str(tmp_path / "one.jsonl"),
+                    "-o", str(tmp_path / "alone.jsonl"))
+    assert alone.returncode == 0, alone.stderr[-2000:]
+    assert json.loads((tmp_path / "alone.jsonl").read_text())["token_ids"] == outputs["device"]["s"]["token_ids"]
+
+
+def test_a_chain_the_device_round_cannot_run_is_one_line(tiny_family, tmp_path):
+    from tests.orchestrator.test_cli import run_cli
+
+    done = run_cli("generate", "-c", _config(tmp_path, tiny_family, ["target", "ngram"], [3], "device"), "-p", "x", "-n", "2")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "polyspec: error: batching.round: device cannot run this chain: tier 'ng' is not a Llama / Qwen2 model with float weights "
+        "on the CPU or CUDA"]

@@ -23,6 +23,7 @@ from polyspec.workers.core.device_verify import (
     DOMAIN_NEXT,
     PLACEHOLDER_TOKEN_ID,
     emitted_tokens,
+    verify_greedy_chains,
     stream_exponentials,
     stream_uniforms,
     verify_chains,
@@ -52,6 +53,28 @@ def test_warp_batch_equals_warp_logits_row_by_row():
     batched = warp_batch(logits, *_param_tensors(params))
     for row, p in enumerate(params):
         assert torch.equal(batched[row], warp_logits(logits[row], p)), (row, p)
+
+
+def test_warp_without_truncation_equals_warp_logits():
+    """The static `truncate=False` path, for steps where no request has top-k or top-p."""
+    params = [p for p in PARAMS if p.top_k == 0 and p.top_p == 1.0]
+    logits = torch.randn(len(params), 97, generator=torch.Generator().manual_seed(1)) * 4
+    batched = warp_batch(logits, *_param_tensors(params), truncate=False)
+    for row, p in enumerate(params):
+        assert torch.equal(batched[row], warp_logits(logits[row], p)), (row, p)
+
+
+def test_greedy_chains_equal_verify_greedy_with_padding():
+    generator = torch.Generator().manual_seed(3)
+    batch, block, vocab = 7, 5, 30
+    logits = torch.randn(batch, block + 1, vocab, generator=generator)
+    drafts = logits[:, :block].argmax(-1)  # drafts that follow the target ...
+    drafts[torch.rand(batch, block, generator=generator) < 0.3] = 0  # ... until they do not
+    num_draft = torch.tensor([5, 0, 3, 5, 1, 2, 4])
+    num_accepted, next_tokens = verify_greedy_chains(logits, drafts, num_draft)
+    for r in range(batch):
+        k = int(num_draft[r])
+        assert (int(num_accepted[r]), int(next_tokens[r])) == verify_greedy(logits[r, : k + 1].argmax(-1), drafts[r, :k]), r
 
 
 def _random_batch(seed: int, vocab: int = 50):

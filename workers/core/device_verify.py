@@ -63,10 +63,13 @@ def stream_exponentials(seeds: torch.Tensor, counters: torch.Tensor, domain: int
 # ------------------------------------------------------------------------------------ warp
 
 
-def warp_batch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def warp_batch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+               truncate: bool = True) -> torch.Tensor:
     """`polyspec.workers.core.sampling.warp_logits` for rows with their own parameters.
 
     logits: [R, V] any dtype; temperature, top_p: [R] float32; top_k: [R] int64 (0: none).
+    `truncate`: False when no row has top-k or top-p (a static choice of the caller, which
+    knows the requests' parameters): the two sorts over the vocabulary are skipped.
     Returns [R, V] float32 rows; a row with temperature 0 is one-hot at its argmax.
     """
     assert logits.dim() == 2 and temperature.shape == top_k.shape == top_p.shape == logits.shape[:1]
@@ -76,6 +79,8 @@ def warp_batch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Ten
     one_hot = torch.nn.functional.one_hot(logits.argmax(dim=-1), vocab).float()  # [R, V]
     safe_temperature = torch.where(greedy, torch.ones_like(temperature[:, None]), temperature[:, None])
     scaled = (logits - logits.amax(dim=-1, keepdim=True)) / safe_temperature  # [R, V]
+    if not truncate:
+        return torch.where(greedy, one_hot, torch.softmax(scaled, dim=-1))
     truncate = ((top_k > 0) & (top_k < vocab))[:, None]
     kth = scaled.sort(dim=-1, descending=True).values.gather(-1, (top_k.clamp(1, vocab) - 1)[:, None])  # [R, 1]
     scaled = torch.where(truncate & (scaled < kth), torch.full_like(scaled, float("-inf")), scaled)
@@ -92,6 +97,19 @@ def warp_batch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Ten
 
 
 # ---------------------------------------------------------------------------- verification
+
+
+def verify_greedy_chains(target_logits: torch.Tensor, draft_tokens: torch.Tensor, num_draft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`verify_chains` for a batch whose requests are all greedy, from the logits (no warp, no draws).
+
+    target_logits: [B, k + 1, V]; draft_tokens: [B, k]; num_draft: [B] (the rest of a row is padding).
+    Returns (num_accepted [B], next_tokens [B])."""
+    target_argmax = target_logits.argmax(dim=-1)  # [B, k + 1]
+    block = draft_tokens.shape[1]
+    columns = torch.arange(block, device=draft_tokens.device)[None, :]
+    matches = (target_argmax[:, :block] == draft_tokens) & (columns < num_draft[:, None])  # [B, k]
+    num_accepted = torch.cumprod(matches.long(), dim=1).sum(dim=1)  # [B]
+    return num_accepted, target_argmax.gather(1, num_accepted[:, None])[:, 0]
 
 
 def verify_chains(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_tokens: torch.Tensor, cu_num_draft: torch.Tensor,

@@ -26,7 +26,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from polyspec.workers.tiers.lean_llama import ARCHITECTURES, _projections
+from polyspec.workers.tiers.lean_llama import ARCHITECTURES, layer_projections
 
 DEVICES = ("cpu", "cuda")
 
@@ -75,7 +75,7 @@ class StaticLlama:
 
         if not LeanLlama.supports(model, device, DEVICES):
             return False
-        modules = [model.lm_head] + [m for layer in model.model.layers for m in _projections(layer)]
+        modules = [model.lm_head] + [m for layer in model.model.layers for m in layer_projections(layer)]
         return all(type(m) is torch.nn.Linear and m.weight.is_floating_point() for m in modules)
 
     def __init__(self, model) -> None:
@@ -99,7 +99,7 @@ class StaticLlama:
 
         self.layers = []
         for layer in base.layers:
-            q, k, v, o, gate, up, down = (weights(m) for m in _projections(layer))
+            q, k, v, o, gate, up, down = (weights(m) for m in layer_projections(layer))
             self.layers.append((layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon, q, k, v, o,
                                 layer.post_attention_layernorm.weight.detach(), layer.post_attention_layernorm.variance_epsilon, gate, up, down))
         self.norm_weight, self.norm_eps = base.norm.weight.detach(), base.norm.variance_epsilon
@@ -112,16 +112,18 @@ class StaticLlama:
         self.cos = (emb.cos() * scale).to(self.dtype)  # [P, D]
         self.sin = (emb.sin() * scale).to(self.dtype)
 
-    def new_pool(self, slots: int, max_tokens: int) -> KVPool:
-        """A pool of `slots` requests (plus the scratch slot), each holding the model context and a block of `max_tokens`."""
-        capacity = self.limit + max_tokens
+    def new_pool(self, slots: int, max_tokens: int, context: int | None = None) -> KVPool:
+        """A pool of `slots` requests (plus the scratch slot), each holding `context` positions (default:
+        the model's context) and a block of `max_tokens`."""
+        capacity = min(context or self.limit, self.limit) + max_tokens
         shape = (slots + 1, self.kv_heads, capacity, self.head_dim)
         keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         return KVPool(keys, values, slots, capacity)
 
-    def bytes_per_slot(self, max_tokens: int) -> int:
-        return KVPool.bytes_per_slot(len(self.layers), self.kv_heads, self.head_dim, self.limit + max_tokens, self.dtype)
+    def bytes_per_slot(self, max_tokens: int, context: int | None = None) -> int:
+        capacity = min(context or self.limit, self.limit) + max_tokens
+        return KVPool.bytes_per_slot(len(self.layers), self.kv_heads, self.head_dim, capacity, self.dtype)
 
     def forward(self, pool: KVPool, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, span: int) -> torch.Tensor:
         """Logits [B, T, V] (model dtype, on the device) of every token of `ids` [B, T]; see the module docstring.
