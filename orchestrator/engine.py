@@ -125,12 +125,14 @@ class Engine:
 
     def _start_device(self, eos: tuple[int, ...]) -> None:
         """Every request through the device round; a single request is a batch of one."""
-        from polyspec.orchestrator.decode.device_round import MAX_DRAFT_TOKENS, DeviceScheduler, DeviceTier
+        from polyspec.orchestrator.decode.device_round import MAX_DRAFT_TOKENS, DeviceScheduler, DeviceTier, HostDrafter
+        from polyspec.workers.tiers.batched import BatchedNGramTier
         from polyspec.workers.tiers.static_llama import StaticLlama
+        from polyspec.workers.tiers.tier import NGramTier
 
         batching = self.config.batching
-        models = [StaticLlama(tier.model) for tier in self.tiers]
-        per_request = sum(m.bytes_per_slot(MAX_DRAFT_TOKENS + 2, batching.max_context) for m in models)
+        models = [None if isinstance(tier, NGramTier) else StaticLlama(tier.model) for tier in self.tiers]
+        per_request = sum(m.bytes_per_slot(MAX_DRAFT_TOKENS + 2, batching.max_context) for m in models if m is not None)
         wanted = batching.max_requests if self.batched else 1
         self.max_requests = requests_within_memory(wanted, batching.kv_memory_mb, per_request)
         threads = getattr(self.tiers[0], "threads", None)
@@ -138,7 +140,9 @@ class Engine:
             import torch
 
             torch.set_num_threads(threads)
-        tiers = [DeviceTier(tier.name, model, self.max_requests, batching.max_context) for tier, model in zip(self.tiers, models)]
+        tiers = [HostDrafter(tier.name, BatchedNGramTier(tier)) if model is None else DeviceTier(tier.name, model, self.max_requests,
+                                                                                                  batching.max_context)
+                 for tier, model in zip(self.tiers, models)]
         self.scheduler = DeviceScheduler(tiers, self.config.speculation_lengths(), eos_token_ids=eos, max_requests=self.max_requests)
 
     def _start_batched(self, eos: tuple[int, ...], auto_tune: bool) -> None:

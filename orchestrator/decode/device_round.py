@@ -187,6 +187,30 @@ class DeviceTier:
         self.graphs = StepGraphs(model.device.type == "cuda")
 
 
+class HostDrafter:
+    """A model-free drafter (the n-gram lookup) in the device round: its proposals are looked up on
+    the host from each request's context (a per-request index) and go to the device as token ids;
+    being deterministic, its draft rows are one-hot, made on the device."""
+
+    model = None
+
+    def __init__(self, name: str, lookup) -> None:
+        self.name = name
+        self.lookup = lookup  # polyspec.workers.tiers.batched.BatchedNGramTier
+        self.max_context = None
+
+    @property
+    def busy_s(self) -> float:
+        return self.lookup.busy_s
+
+    def propose(self, seq_ids: list, contexts: list[list[int]], counts: list[int]) -> list[list[int]]:
+        greedy = [SamplingParams()] * len(seq_ids)  # the rows are made on the device
+        return [tokens for tokens, _ in self.lookup.draft_batch(seq_ids, contexts, counts, greedy, [None] * len(seq_ids))]
+
+    def release(self, seq_id) -> None:
+        self.lookup.release(seq_id)
+
+
 class DeviceScheduler:
     """Requests of a chain [target, drafter?] advanced together, one device round per step (module docstring)."""
 
@@ -200,7 +224,7 @@ class DeviceScheduler:
         self.active = tuple(range(len(tiers)))
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_requests = max_requests
-        self.max_context = min(t.max_context for t in tiers)
+        self.max_context = min(t.max_context for t in tiers if t.max_context)
         self.device = tiers[0].model.device
         self.free_slots = list(range(max_requests))
         self.last_step: dict = {}
@@ -229,11 +253,15 @@ class DeviceScheduler:
         """Why the device round cannot run a chain of these (loaded) tiers; None when it can."""
         if len(tiers) > 2:
             return f"it runs a target and at most one drafter, not {len(tiers)} tiers"
-        for tier in tiers:
+        from polyspec.workers.tiers.tier import NGramTier
+
+        for level, tier in enumerate(tiers):
+            if level and isinstance(tier, NGramTier):
+                continue  # looked up on the host (HostDrafter)
             model = getattr(tier, "model", None)
             if model is None or not StaticLlama.supports(model, torch.device(getattr(tier, "device", "cpu"))):
-                return f"tier {tier.name!r} is not a Llama / Qwen2 model with float weights on the CPU or CUDA"
-        vocabularies = {tier.model.config.vocab_size for tier in tiers}
+                return f"tier {tier.name!r} is not a Llama / Qwen2 model with float weights on the CPU or CUDA, nor an n-gram drafter"
+        vocabularies = {tier.model.config.vocab_size for tier in tiers if getattr(tier, "model", None) is not None}
         if len(vocabularies) > 1:
             return f"its tiers' logits must have one width, got {sorted(vocabularies)}"
         if tree_width > 1:
@@ -246,6 +274,9 @@ class DeviceScheduler:
 
     def finish(self, state: RequestState) -> GenerationOutput:
         run: DeviceRun = state.run
+        for tier in self.tiers:
+            if isinstance(tier, HostDrafter):
+                tier.release(run.seq_id)
         if run.slot is not None:
             self.free_slots.append(run.slot)
             self.free_slots.sort()
@@ -263,7 +294,8 @@ class DeviceScheduler:
         """The target holds the context but its last token; a drafter may be one behind (a block
         accepted whole: its first draft step re-feeds that token)."""
         need = len(state.committed) - 1
-        return state.run.cached[0] >= need and all(cached >= need - 1 for cached in state.run.cached[1:])
+        return state.run.cached[0] >= need and all(cached >= need - 1 for tier, cached in zip(self.tiers[1:], state.run.cached[1:])
+                                                   if tier.model is not None)
 
     def prefill(self, states: list[RequestState], budget: int | None = None) -> int:
         """Cache every tier's KV of each joining prompt (all but its last token), one request and
@@ -274,6 +306,8 @@ class DeviceScheduler:
                 continue
             run: DeviceRun = state.run
             for level, tier in enumerate(self.tiers):
+                if tier.model is None:
+                    continue  # a host drafter indexes the context when it first drafts
                 start, end = run.cached[level], len(state.committed) - 1
                 if level and end - start <= 1:
                     continue  # the round's first draft step catches up one token
@@ -312,6 +346,11 @@ class DeviceScheduler:
         device = self.device
         requests = [states[i] for i in live]
         num_draft = [max(0, min(length, remaining(s) - 1, s.limit - len(s.committed) - 1)) for s in requests]
+        host_drafter = self.tiers[1] if len(self.tiers) > 1 and isinstance(self.tiers[1], HostDrafter) else None
+        proposals = []
+        if host_drafter is not None:  # looked up on the host; a request may get fewer tokens than asked, or none
+            proposals = host_drafter.propose([s.run.seq_id for s in requests], [s.committed for s in requests], num_draft)
+            num_draft = [len(p) for p in proposals]
         block = max(num_draft) if len(self.tiers) > 1 else 0
 
         def column(values, dtype, pad):  # one value per request, padded to the bucket
@@ -331,7 +370,12 @@ class DeviceScheduler:
         draft_tokens = torch.zeros(rows, block, dtype=torch.long, device=device)
         # greedy steps read no draft rows: a placeholder keeps the step's signature
         draft_probs = torch.zeros(rows, block, 1 if mode == GREEDY else vocab, dtype=torch.float32, device=device)
-        if block:
+        if block and host_drafter is not None:
+            draft_tokens = torch.tensor([p + [0] * (block - len(p)) for p in proposals] + [[0] * block] * (rows - len(requests)),
+                                        dtype=torch.long).to(device)
+            if mode != GREEDY:  # a point mass at each proposed token
+                draft_probs.scatter_(2, draft_tokens[:, :, None], 1.0)
+        elif block:
             drafter = self.tiers[1]
             begun = time.perf_counter()
             # first draft step: the last two committed tokens (a drafter whose block was accepted whole is one behind)
@@ -380,7 +424,7 @@ class DeviceScheduler:
             run.rounds += 1
             # the target holds the committed context up to its last token; a drafter what it was fed of it
             run.cached[0] = len(state.committed) - 1
-            if len(self.tiers) > 1:
+            if len(self.tiers) > 1 and host_drafter is None:
                 run.cached[1] = min(before - 1 + min(accepted, max(block - 1, 0)) + (1 if block else 0), len(state.committed) - 1)
         seconds = time.perf_counter() - started
         self.last_step = {"batch": len(live), "tokens": committed, "seconds": seconds, "lengths": [length] if len(self.tiers) > 1 else [],

@@ -181,11 +181,44 @@ def test_polyspec_batch_through_the_device_round(tiny_family, tmp_path):
 def test_a_chain_the_device_round_cannot_run_is_one_line(tiny_family, tmp_path):
     from tests.orchestrator.test_cli import run_cli
 
-    done = run_cli("generate", "-c", _config(tmp_path, tiny_family, ["target", "ngram"], [3], "device"), "-p", "x", "-n", "2")
+    done = run_cli("generate", "-c", _config(tmp_path, tiny_family, ["target", "int8"], [3], "device"), "-p", "x", "-n", "2")
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
-        "polyspec: error: batching.round: device cannot run this chain: tier 'ng' is not a Llama / Qwen2 model with float weights "
-        "on the CPU or CUDA"]
+        "polyspec: error: batching.round: device cannot run this chain: tier 'int8' is not a Llama / Qwen2 model with float weights "
+        "on the CPU or CUDA, nor an n-gram drafter"]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_an_ngram_drafter_in_the_device_round(tiny_family, temperature):
+    """target <- n-gram: the lookup runs on the host, its one-hot rows on the device; greedy tokens equal the
+    ragged round's, and seeded samples are the same alone or beside other requests."""
+    from polyspec.orchestrator.batch_runner import run_requests
+    from polyspec.orchestrator.config import parse_config
+    from polyspec.orchestrator.engine import Engine
+
+    from family_chains import tier_specs
+
+    def engine(round_kind):
+        return Engine(parse_config({"tiers": tier_specs(tiny_family, ["target", "ngram"]), "speculation": {"lengths": [5]},
+                                    "batching": {"round": round_kind, "max_requests": 4, "max_context": 128}}), batched=True)
+
+    repetitive = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]  # the lookup finds continuations
+    raws = [{"id": str(i), "prompt_ids": p, "max_new_tokens": 16, "temperature": temperature, "seed": i}
+            for i, p in enumerate([repetitive] + PROMPTS)]
+    results = {}
+    for round_kind in ("device", "ragged"):
+        chosen = engine(round_kind)
+        out = {}
+        run_requests(chosen, [chosen.parse_request(r) for r in raws], lambda r: out.__setitem__(r["id"], r))
+        results[round_kind] = out
+    stage = results["device"]["0"]["stats"]["stages"][0]
+    assert stage["proposed"] > 0
+    if temperature == 0.0:
+        assert all(results["device"][r["id"]]["token_ids"] == results["ragged"][r["id"]]["token_ids"] for r in raws)
+    else:
+        alone = engine("device")
+        single = alone.generate(alone.parse_request(raws[0]))
+        assert single["token_ids"] == results["device"]["0"]["token_ids"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
