@@ -90,7 +90,7 @@ class Engine:
                 eos.update([configured] if isinstance(configured, int) else configured)
         self.batched = batched and self.config.batching.enabled
         if self._device_round():
-            self._start_device(stop_token_ids(self.tokenizer, eos))
+            self._start_device(stop_token_ids(self.tokenizer, eos), auto_tune)
             return
         if self.batched:
             self._start_batched(stop_token_ids(self.tokenizer, eos), auto_tune)
@@ -123,7 +123,7 @@ class Engine:
             return True
         return misfit is None and str(getattr(self.tiers[0], "device", "cpu")).startswith("cuda")
 
-    def _start_device(self, eos: tuple[int, ...]) -> None:
+    def _start_device(self, eos: tuple[int, ...], auto_tune: bool) -> None:
         """Every request through the device round; a single request is a batch of one."""
         from polyspec.orchestrator.decode.device_round import MAX_DRAFT_TOKENS, DeviceScheduler, DeviceTier, HostDrafter
         from polyspec.workers.tiers.batched import BatchedNGramTier
@@ -143,7 +143,27 @@ class Engine:
         tiers = [HostDrafter(tier.name, BatchedNGramTier(tier)) if model is None else DeviceTier(tier.name, model, self.max_requests,
                                                                                                   batching.max_context)
                  for tier, model in zip(self.tiers, models)]
+        spec = self.config.speculation
         self.scheduler = DeviceScheduler(tiers, self.config.speculation_lengths(), eos_token_ids=eos, max_requests=self.max_requests)
+        if auto_tune and spec.lengths == "auto" and len(self.tiers) > 1:
+            self.scheduler.planner = self.make_device_planner()
+
+    def make_device_planner(self):
+        """The goodput planner over the device round's own step costs (profiled in a few seconds)."""
+        from polyspec.orchestrator.tuning.batch_model import BATCH_GRID, PROFILE_CONTEXT, WIDTH_GRID, BatchPlanner, ForwardTable, monotone
+
+        scheduler = self.scheduler
+        batches = [b for b in BATCH_GRID if b <= max(1, min(self.max_requests, PROFILE_MAX_BATCH))]
+        raw, lookup = scheduler.profile(batches, list(WIDTH_GRID), min(PROFILE_CONTEXT, scheduler.max_context - max(WIDTH_GRID) - 1))
+        tables = []
+        for ms in raw:
+            if ms is not None:
+                for b in BATCH_GRID:  # past the largest batch profiled: in proportion to the rows
+                    if b not in batches:
+                        for w in WIDTH_GRID:
+                            ms[(b, w)] = ms[(batches[-1], w)] * b / batches[-1]
+            tables.append(None if ms is None else ForwardTable(monotone(ms), None))
+        return BatchPlanner(scheduler.tiers, tables, lookup, max_batched_tokens=self.config.batching.max_batched_tokens)
 
     def _start_batched(self, eos: tuple[int, ...], auto_tune: bool) -> None:
         """Every active request in one batched round per step (polyspec.orchestrator.decode.batched)."""

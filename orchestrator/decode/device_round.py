@@ -177,6 +177,9 @@ class DeviceRun:
 class DeviceTier:
     """One model of the chain on its device: its static forward and its KV pool."""
 
+    can_verify = True
+    has_weights = True
+
     def __init__(self, name: str, model: StaticLlama, slots: int, context: int | None = None) -> None:
         self.name = name
         self.model = model
@@ -193,6 +196,8 @@ class HostDrafter:
     being deterministic, its draft rows are one-hot, made on the device."""
 
     model = None
+    can_verify = False
+    has_weights = False
 
     def __init__(self, name: str, lookup) -> None:
         self.name = name
@@ -266,9 +271,7 @@ class DeviceScheduler:
             return f"its tiers' logits must have one width, got {sorted(vocabularies)}"
         if tree_width > 1:
             return "it verifies chains, not draft trees (speculation.tree_width > 1)"
-        if lengths == "auto":
-            return "it runs fixed speculation lengths, not lengths: auto"
-        if any(k > MAX_DRAFT_TOKENS for k in lengths):
+        if lengths != "auto" and any(k > MAX_DRAFT_TOKENS for k in lengths):
             return f"its blocks hold at most {MAX_DRAFT_TOKENS} tokens"
         return None
 
@@ -294,8 +297,8 @@ class DeviceScheduler:
         """The target holds the context but its last token; a drafter may be one behind (a block
         accepted whole: its first draft step re-feeds that token)."""
         need = len(state.committed) - 1
-        return state.run.cached[0] >= need and all(cached >= need - 1 for tier, cached in zip(self.tiers[1:], state.run.cached[1:])
-                                                   if tier.model is not None)
+        return state.run.cached[0] >= need and all(state.run.cached[level] >= need - 1 for level in self.active[1:]
+                                                   if self.tiers[level].model is not None)
 
     def prefill(self, states: list[RequestState], budget: int | None = None) -> int:
         """Cache every tier's KV of each joining prompt (all but its last token), one request and
@@ -306,8 +309,8 @@ class DeviceScheduler:
                 continue
             run: DeviceRun = state.run
             for level, tier in enumerate(self.tiers):
-                if tier.model is None:
-                    continue  # a host drafter indexes the context when it first drafts
+                if tier.model is None or level not in self.active:
+                    continue  # a host drafter indexes the context when it first drafts; a tier out of the plan catches up when used
                 start, end = run.cached[level], len(state.committed) - 1
                 if level and end - start <= 1:
                     continue  # the round's first draft step catches up one token
@@ -340,18 +343,22 @@ class DeviceScheduler:
         live = [i for i, s in enumerate(states) if not finish_if_full(s)]
         if not live:
             return out
-        self.prefill([states[i] for i in live])  # a request not yet `ready` (a caller that does not prefill) catches up here
-        length = self.lengths[0] if len(self.tiers) > 1 else 0
+        requests = [states[i] for i in live]
+        if self.planner is not None:  # lengths and tiers for this load (polyspec.orchestrator.tuning.batch_model.BatchPlanner)
+            lengths, active = self.planner.plan(len(live), [s.params for s in requests], {})
+            self.lengths, self.active = list(lengths), tuple(active)
+        # a request not yet `ready` (a caller that does not prefill, a drafter back in the plan) catches up here
+        self.prefill(requests)
+        length = self.lengths[0] if len(self.active) > 1 else 0
         rows = bucket(len(live))
         device = self.device
-        requests = [states[i] for i in live]
         num_draft = [max(0, min(length, remaining(s) - 1, s.limit - len(s.committed) - 1)) for s in requests]
-        host_drafter = self.tiers[1] if len(self.tiers) > 1 and isinstance(self.tiers[1], HostDrafter) else None
+        host_drafter = self.tiers[1] if len(self.active) > 1 and isinstance(self.tiers[1], HostDrafter) else None
         proposals = []
         if host_drafter is not None:  # looked up on the host; a request may get fewer tokens than asked, or none
             proposals = host_drafter.propose([s.run.seq_id for s in requests], [s.committed for s in requests], num_draft)
             num_draft = [len(p) for p in proposals]
-        block = max(num_draft) if len(self.tiers) > 1 else 0
+        block = max(num_draft) if len(self.active) > 1 else 0
 
         def column(values, dtype, pad):  # one value per request, padded to the bucket
             return torch.tensor(values + [pad] * (rows - len(values)), dtype=dtype).to(device, non_blocking=True)
@@ -416,17 +423,60 @@ class DeviceScheduler:
             run: DeviceRun = state.run
             accepted = num_accepted[index]
             emitted = tokens[index][: accepted + 1]
-            if len(self.tiers) > 1:
+            if len(self.active) > 1:
                 run.stages[0].record(num_draft[index], accepted, length, (time.perf_counter() - started) / len(live))
+                if self.planner is not None:
+                    self.planner.observe_round(0, 1, num_draft[index], accepted, state.params.greedy)
             before = len(state.committed)
             out[i] = commit(state, emitted, self.eos_token_ids)
             committed += len(out[i])
             run.rounds += 1
             # the target holds the committed context up to its last token; a drafter what it was fed of it
             run.cached[0] = len(state.committed) - 1
-            if len(self.tiers) > 1 and host_drafter is None:
+            if len(self.active) > 1 and host_drafter is None:
                 run.cached[1] = min(before - 1 + min(accepted, max(block - 1, 0)) + (1 if block else 0), len(state.committed) - 1)
         seconds = time.perf_counter() - started
-        self.last_step = {"batch": len(live), "tokens": committed, "seconds": seconds, "lengths": [length] if len(self.tiers) > 1 else [],
+        self.last_step = {"batch": len(live), "tokens": committed, "seconds": seconds, "lengths": [length] if len(self.active) > 1 else [],
                           "tiers": list(self.active)}
+        if self.planner is not None:
+            self.planner.observe_step(len(live), committed, seconds, self.lengths, self.active)
         return out
+
+    def profile(self, batches: list[int], widths: list[int], context: int, repeats: int = 2) -> tuple[list[dict | None], list[float]]:
+        """What a planner prices plans with, measured on the steps this round replays: per model tier the ms
+        of one forward of (batch, width) new tokens after `context` cached ones (graph-replayed on CUDA),
+        {(b, w): ms}; per tier the lookup's ms per request (0 for a model). Needs no request running."""
+        tables, lookup = [], []
+        prompt = list(range(1, context + 1))
+        for tier in self.tiers:
+            if tier.model is None:
+                started = time.perf_counter()
+                for _ in range(8):
+                    tier.propose([("profile",)], [prompt], [8])
+                tier.release(("profile",))
+                lookup.append((time.perf_counter() - started) / 8 * 1000.0)
+                tables.append(None)
+                continue
+            lookup.append(0.0)
+            ms = {}
+            for b in batches:
+                for w in widths:
+                    ids = torch.ones(b, w, dtype=torch.long, device=self.device)
+                    positions = (context + torch.arange(w, device=self.device))[None].expand(b, w).contiguous()
+                    slots = torch.arange(b, device=self.device)
+                    span = self._span(context + w)
+
+                    def forward(*tensors, tier=tier, span=span):
+                        return tier.model.forward(tier.pool, *tensors, span)
+
+                    best = float("inf")
+                    with torch.inference_mode():
+                        for _ in range(repeats + 1):  # the first run captures (CUDA) or warms up
+                            begun = time.perf_counter()
+                            tier.graphs.run(("profile", b, w, span), forward, [ids, positions, slots])
+                            if self.device.type == "cuda":
+                                torch.cuda.synchronize()
+                            best = min(best, (time.perf_counter() - begun) * 1000.0)
+                    ms[(b, w)] = best
+            tables.append(ms)
+        return tables, lookup

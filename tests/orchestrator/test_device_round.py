@@ -241,3 +241,32 @@ def test_cuda_graph_round_gives_the_targets_greedy_output(tiny_family, dtype):
         for i, prompt in enumerate(PROMPTS):
             assert results[i].token_ids == expected[tuple(prompt)], (names, dtype, i)
         assert scheduler.tiers[0].graphs.graphs, "no step was captured"
+
+
+@pytest.mark.parametrize("drafter", ["mid", "ngram"])
+def test_lengths_auto_plans_the_device_round(tiny_family, drafter):
+    """`lengths: auto` on the device round: the goodput planner, fed with the round's own step costs,
+    picks each step's plan (speculation off among the candidates); greedy output stays the target's."""
+    from polyspec.orchestrator.batch_runner import run_requests
+    from polyspec.orchestrator.config import parse_config
+    from polyspec.orchestrator.engine import Engine
+
+    from family_chains import tier_specs
+
+    def engine(names, lengths):
+        return Engine(parse_config({"tiers": tier_specs(tiny_family, names), "speculation": {"lengths": lengths},
+                                    "batching": {"round": "device", "max_requests": 4, "max_context": 128}}), batched=True)
+
+    auto = engine(["target", drafter], "auto")
+    assert auto.scheduler.planner is not None
+    alone = engine(["target"], [])
+    raws = [{"id": str(i), "prompt_ids": p * 3, "max_new_tokens": 20} for i, p in enumerate(PROMPTS)]
+    results = {}
+    for chosen in (auto, alone):
+        out = {}
+        run_requests(chosen, [chosen.parse_request(r) for r in raws], lambda r: out.__setitem__(r["id"], r))
+        results[id(chosen)] = out
+    for raw in raws:
+        assert results[id(auto)][raw["id"]]["token_ids"] == results[id(alone)][raw["id"]]["token_ids"], raw["id"]
+    described = auto.scheduler.planner.describe()
+    assert described, "the planner reports its decisions"
