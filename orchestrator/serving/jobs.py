@@ -17,6 +17,12 @@ are the same (their digest is kept with the job), and refuses otherwise.
 Job data holds prompts and results: the folder is made 0700 and the database 0600
 (SQLite gives its -wal / -shm files the database's mode).
 
+Damage and a full disk: an existing file is integrity-checked, read-only, before it is
+opened (DamagedStore: the server refuses it, the file as it was); a row that does not
+decode is that item's error, never its bytes; the request loop's calls (pending items,
+results) never raise for the store's sake, they log one line and pause job work, leaving
+every item not written pending (`_loop_failed`).
+
 Thread use: one connection behind a lock; the scheduler thread writes results, the
 server's event loop reads.
 """
@@ -122,14 +128,22 @@ class DamagedStore(Exception):
     """The job store's file fails its integrity check: the server refuses to start on it."""
 
 
+FULL, DAMAGED, BROKEN = "full", "damaged", "broken"  # what a SQLite error says about the store
+TROUBLE = {
+    FULL: "the server's disk is full: the job store cannot be written",
+    DAMAGED: "the job store is damaged",
+    BROKEN: "the job store failed",
+}
+
+
 def trouble(exc: BaseException) -> str:
-    """What a SQLite error means for the caller, in words a client may read (no stored text)."""
+    """FULL, DAMAGED or BROKEN for a SQLite error (TROUBLE has each in words a client may read)."""
     code = getattr(exc, "sqlite_errorcode", None)
     if code == sqlite3.SQLITE_FULL or "database or disk is full" in str(exc):
-        return "the server's disk is full: the job store cannot be written"
+        return FULL
     if code in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB) or "malformed" in str(exc) or "not a database" in str(exc):
-        return "the job store is damaged"
-    return "the job store failed"
+        return DAMAGED
+    return BROKEN
 
 
 def check_integrity(path: Path) -> None:
@@ -325,7 +339,7 @@ class JobStore:
         now = time.monotonic()
         if now < self._paused_until:  # items already in flight when it began: one line, one pause
             return
-        _log(f"{trouble(exc)} ({what}: {str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}); "
+        _log(f"{TROUBLE[trouble(exc)]} ({what}: {str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}); "
              "job items stay pending and are retried")
         self._pause_s = min(MAX_PAUSE_S, max(MIN_PAUSE_S, self._pause_s * 2))
         self._paused_until = now + self._pause_s

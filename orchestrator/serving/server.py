@@ -37,8 +37,11 @@ import time
 import grpc
 
 from polyspec.orchestrator.serving.jobs import (
+    BROKEN,
     CANCELLED,
+    DAMAGED,
     FAILED,
+    FULL,
     QUEUED,
     RUNNING,
     SUCCEEDED,
@@ -46,6 +49,7 @@ from polyspec.orchestrator.serving.jobs import (
     JobRecord,
     JobStore,
     LimitExceeded,
+    TROUBLE,
     trouble,
 )
 from polyspec.orchestrator.serving.metrics import Metrics
@@ -74,6 +78,7 @@ JOB_STATES = {
     CANCELLED: pb.JOB_STATE_CANCELLED,
 }
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed")
+STORE_STATUS = {FULL: grpc.StatusCode.RESOURCE_EXHAUSTED, DAMAGED: grpc.StatusCode.DATA_LOSS, BROKEN: grpc.StatusCode.INTERNAL}
 
 
 # ------------------------------------------------------------------ message <-> dict
@@ -517,10 +522,8 @@ async def _unexpected(exc: Exception, method: str, context) -> None:
         raise exc
     print(f"polyspec serve: {method.rsplit('/', 1)[-1]} failed: {exc!r}"[:500].replace("\n", " "), file=sys.stderr, flush=True)
     if isinstance(exc, sqlite3.Error):
-        meaning = trouble(exc)
-        code = (grpc.StatusCode.RESOURCE_EXHAUSTED if "disk is full" in meaning
-                else grpc.StatusCode.DATA_LOSS if "damaged" in meaning else grpc.StatusCode.INTERNAL)
-        await context.abort(code, f"{meaning}; retry later" if code == grpc.StatusCode.RESOURCE_EXHAUSTED else meaning)
+        kind = trouble(exc)
+        await context.abort(STORE_STATUS[kind], TROUBLE[kind] + ("; retry later" if kind == FULL else ""))
     await context.abort(grpc.StatusCode.INTERNAL, "internal error (the server's log has the details)")
 
 
