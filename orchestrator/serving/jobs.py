@@ -141,7 +141,8 @@ def trouble(exc: BaseException) -> str:
     code = getattr(exc, "sqlite_errorcode", None)
     if code == sqlite3.SQLITE_FULL or "database or disk is full" in str(exc):
         return FULL
-    if code in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB) or "malformed" in str(exc) or "not a database" in str(exc):
+    if code in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB) or any(
+            sign in str(exc) for sign in ("malformed", "not a database", "Could not decode")):  # the last: text that is not UTF-8
         return DAMAGED
     return BROKEN
 

@@ -17,7 +17,7 @@ import grpc
 import pytest
 from serving_helpers import DEMO_CONFIG, ServerProcess, polyspec_command, server_env
 
-from polyspec.client import Client, FailedPrecondition, ResourceExhausted
+from polyspec.client import Client, ClientError, FailedPrecondition, ResourceExhausted
 from polyspec.orchestrator.serving.jobs import DAMAGED_REQUEST, DAMAGED_RESULT, JobStore
 
 SECRET = "stored-result-text-7f3a"  # what a damaged row holds: never to be quoted to a client
@@ -40,7 +40,8 @@ def damage(path: Path, sql: str, *args) -> None:
 @pytest.fixture(scope="module")
 def damaged_rows(tmp_path_factory):
     """A state dir holding a finished job with one result stored as bytes that are not UTF-8,
-    and a queued job with one request stored that way; -> (state dir, finished id, queued id)."""
+    a queued job with one request stored that way, and a job whose own row is stored that
+    way; -> (state dir, finished id, queued id, broken id)."""
     state = tmp_path_factory.mktemp("damaged_rows") / "state"
     store = JobStore(state)
     done = store.create([(name, {"prompt": "def f(x):", "max_new_tokens": 4}, None) for name in ("a", "b", "c")])
@@ -48,12 +49,14 @@ def damaged_rows(tmp_path_factory):
         store.finish_item(item, {"id": item.id, "text": f"{SECRET} {item.id}", "token_ids": [1, 2], "finish_reason": "length",
                                  "stats": {}}, None)
     queued = store.create([(name, {"prompt": "import os", "max_new_tokens": 4}, None) for name in ("x", "y", "z")])
+    broken = store.create([("only", {"prompt": "x"}, "a request that failed validation")])
     store.close()
     bad = b'{"text": "' + SECRET.encode() + b' \xff\xfe"}'
     damage(store.path, "UPDATE items SET result = CAST(? AS TEXT) WHERE job_id = ? AND id = 'b'", bad, done.job_id)
     damage(store.path, "UPDATE items SET request = CAST(? AS TEXT) WHERE job_id = ? AND id = 'y'",
            b'{"prompt": "\xff', queued.job_id)
-    return state, done.job_id, queued.job_id
+    damage(store.path, "UPDATE jobs SET state = CAST(? AS TEXT) WHERE job_id = ?", SECRET.encode() + b"\xff", broken.job_id)
+    return state, done.job_id, queued.job_id, broken.job_id
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +99,7 @@ def test_an_idempotency_key_reused_for_other_requests_is_refused_naming_it(store
 
 
 def test_a_damaged_result_row_is_that_items_error(store_client, damaged_rows):
-    _, done_id, _ = damaged_rows
+    _, done_id, _, _ = damaged_rows
     results = {result["id"]: result for result in store_client.results(done_id)}
     assert set(results) == {"a", "b", "c"}
     assert results["b"] == {"id": "b", "error": DAMAGED_RESULT}
@@ -104,13 +107,21 @@ def test_a_damaged_result_row_is_that_items_error(store_client, damaged_rows):
 
 
 def test_a_damaged_request_row_fails_that_item_alone(store_client, store_server, damaged_rows):
-    _, _, queued_id = damaged_rows
+    _, _, queued_id, _ = damaged_rows
     job = store_client.wait(queued_id, timeout=120)
     assert (job.state, job.completed, job.failed) == ("succeeded", 2, 1)
     results = {result["id"]: result for result in store_client.results(queued_id)}
     assert results["y"] == {"id": "y", "error": DAMAGED_REQUEST}
     assert results["x"]["token_ids"] and results["z"]["token_ids"]
     assert "Traceback" not in store_server.output()
+
+
+def test_a_damaged_job_row_is_data_loss_without_its_text(store_client, store_server, damaged_rows):
+    with pytest.raises(ClientError) as caught:
+        store_client.job(damaged_rows[3])
+    assert caught.value.code == grpc.StatusCode.DATA_LOSS and caught.value.details == "the job store is damaged"
+    assert "GetJob failed" in store_server.output()  # the details are for the operator
+    assert store_client.job(damaged_rows[1]).state == "succeeded"  # the other jobs are read as ever
 
 
 # ------------------------------------------------------------ damaged at start-up
