@@ -166,6 +166,8 @@ def check_integrity(path: Path) -> None:
         finally:
             db.close()
     except sqlite3.DatabaseError as exc:
+        if trouble(exc) != DAMAGED:  # e.g. it cannot be opened at all: not damage, the caller says why
+            raise
         verdict = [str(exc)]
     if verdict != ["ok"]:
         lines = [line for text in verdict for line in str(text).splitlines() if line and not line.startswith("***")]
@@ -181,18 +183,24 @@ def _create_store(path: Path) -> None:
     for suffix in ("", "-wal", "-shm", "-journal"):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(f"{fresh}{suffix}")
-    os.close(os.open(fresh, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
-    db = sqlite3.connect(str(fresh), isolation_level=None)
     try:
-        db.execute("PRAGMA journal_mode=WAL")
-        db.executescript(_SCHEMA)
-    finally:
-        db.close()  # checkpoints: the file holds it all, no -wal left
-    fd = os.open(fresh, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        os.close(os.open(fresh, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
+        db = sqlite3.connect(str(fresh), isolation_level=None)
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.executescript(_SCHEMA)
+        finally:
+            db.close()  # checkpoints: the file holds it all, no -wal left
+        fd = os.open(fresh, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except (OSError, sqlite3.Error):  # e.g. a full disk: leave nothing half-made behind
+        for suffix in ("", "-wal", "-shm", "-journal"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"{fresh}{suffix}")
+        raise
     try:
         os.link(fresh, path)  # never over a store another process made meanwhile
     except FileExistsError:
