@@ -20,7 +20,8 @@ from polyspec.workers.core.errors import RequestError
 
 FUZZ = settings(max_examples=100, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 ALLOWED_GRPC = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
-                grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED}
+                grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED,
+                grpc.StatusCode.FAILED_PRECONDITION}  # a fuzzed idempotency key drawn twice with other requests
 CALL_TIMEOUT_S = 20
 INT32 = st.integers(-(2**31), 2**31 - 1)
 TEXT = st.text(max_size=40)
