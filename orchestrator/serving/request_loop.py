@@ -65,6 +65,18 @@ class Work:
         }
 
 
+INTERNAL_REASON = "internal error (the server's log has the details)"
+
+
+def public_reason(exc: BaseException) -> str:
+    """What a client is told about `exc`, one line: a request's own mistake or a down chain is
+    described (the server's own words); any other exception's text stays in the server's log."""
+    if isinstance(exc, RequestError) or is_unavailable(exc):
+        text = str(exc)
+        return text.splitlines()[0][:500] if text else type(exc).__name__
+    return INTERNAL_REASON
+
+
 class QueueFull(Exception):
     pass
 
@@ -321,12 +333,12 @@ class RoundScheduler(threading.Thread):
                 pass
         if not isinstance(exc, RequestError):
             print(f"polyspec serve: request failed: {exc!r}", file=sys.stderr)
-            traceback.print_exc(file=sys.stderr)
+            traceback.print_exception(exc, file=sys.stderr)
         if work.job_item is not None:
             if is_unavailable(exc):  # the chain is down, not the item: it stays pending and is retried
                 time.sleep(UNAVAILABLE_RETRY_S)
                 return
-            self._write_item(work, None, str(exc) if isinstance(exc, RequestError) else f"internal error: {exc}")
+            self._write_item(work, None, public_reason(exc))
             return
         status = "invalid_argument" if isinstance(exc, RequestError) else "unavailable" if is_unavailable(exc) else "internal"
         self.metrics.request_finished(status)

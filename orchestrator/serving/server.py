@@ -53,7 +53,7 @@ from polyspec.orchestrator.serving.jobs import (
     trouble,
 )
 from polyspec.orchestrator.serving.metrics import Metrics
-from polyspec.orchestrator.serving.request_loop import Draining, QueueFull, RoundScheduler, Work, is_unavailable
+from polyspec.orchestrator.serving.request_loop import Draining, QueueFull, RoundScheduler, Work, is_unavailable, public_reason
 from polyspec.orchestrator.serving.security import (
     MAX_ID_CHARS,
     MAX_IDEMPOTENCY_KEY_CHARS,
@@ -310,7 +310,7 @@ class PolyspecService(pb_grpc.PolyspecServicer):
                         else grpc.StatusCode.UNAVAILABLE if is_unavailable(payload)
                         else grpc.StatusCode.INTERNAL
                     )
-                    await context.abort(code, str(payload).splitlines()[0][:500] if str(payload) else type(payload).__name__)
+                    await context.abort(code, public_reason(payload))
         finally:
             if not finished:  # the client went away, or its deadline passed
                 self.scheduler.cancel(work)
