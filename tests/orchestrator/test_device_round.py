@@ -17,6 +17,8 @@ import collections
 import pytest
 import torch
 
+from core_helpers import CompiledGraphs
+
 from lossless_stats import ALPHA, chi_square_p_value, exact_two_token_probs
 from polyspec.orchestrator.decode.device_round import DeviceScheduler, DeviceTier, target_step
 from polyspec.workers.core.sampling import SamplingParams
@@ -119,14 +121,7 @@ def test_sampling_is_lossless(models):
 def test_the_target_step_compiles_whole_and_once_per_bucket(models):
     static = StaticLlama(models["target"])
     pool = static.new_pool(slots=4, max_tokens=8)
-    graphs = []
-
-    def counting_backend(graph_module, example_inputs):
-        graphs.append(graph_module)
-        return graph_module.forward
-
-    torch._dynamo.reset()
-    step = torch.compile(target_step, backend=counting_backend, fullgraph=True, dynamic=False)
+    step = CompiledGraphs(target_step)
     rows, block, vocab = 4, 3, static.vocab_size
     generator = torch.Generator().manual_seed(0)
     for step_index in range(3):  # one bucket (4 rows, 3-token blocks, span 64), new values every step
@@ -138,8 +133,8 @@ def test_the_target_step_compiles_whole_and_once_per_bucket(models):
                 ids[:, 1:], draft_probs, torch.tensor([3, 2, 3, 0]), torch.tensor([1, 2, 3, 0]), torch.full((rows,), step_index))
         tokens, accepted = step(*args)
         assert tokens.shape == (rows, block + 1) and bool((accepted <= torch.tensor([3, 2, 3, 0])).all())
-    assert len(graphs) == 1, f"{len(graphs)} graphs for one bucket (a graph break or a recompilation)"
-    torch._dynamo.reset()
+    assert len(step.graphs) == 1, f"{len(step.graphs)} graphs for one bucket (a graph break or a recompilation)"
+    step.close()
 
 
 def _config(tmp_path, tiny_family, names, lengths, round_kind) -> str:

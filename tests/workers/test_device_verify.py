@@ -17,6 +17,8 @@ import pytest
 import torch
 from scipy import stats
 
+from core_helpers import CompiledGraphs
+
 from polyspec.workers.core.device_verify import (
     DOMAIN_ACCEPT,
     DOMAIN_DRAFT,
@@ -179,14 +181,7 @@ def _step(logits, temperature, top_k, top_p, draft_probs, draft_tokens, cu, gree
 
 
 def test_the_step_compiles_whole_and_once_per_bucket():
-    compiled_graphs = []
-
-    def counting_backend(graph_module, example_inputs):
-        compiled_graphs.append(graph_module)
-        return graph_module.forward
-
-    torch._dynamo.reset()
-    step = torch.compile(_step, backend=counting_backend, fullgraph=True, dynamic=False)
+    step = CompiledGraphs(_step)
     generator = torch.Generator().manual_seed(0)
     batch, vocab, lengths = 4, 64, [4, 2, 0, 3]  # one bucket: 4 requests, 9 draft tokens
     cu = torch.tensor([0, 4, 6, 6, 9], dtype=torch.int64)
@@ -207,5 +202,5 @@ def test_the_step_compiles_whole_and_once_per_bucket():
         out = step(*args)
         assert torch.equal(out, _step(*args))  # the traced step computes what the eager one does
         outputs.append(out)
-    assert len(compiled_graphs) == 1, f"{len(compiled_graphs)} graphs for one bucket (a graph break or a recompilation)"
-    torch._dynamo.reset()
+    assert len(step.graphs) == 1, f"{len(step.graphs)} graphs for one bucket (a graph break or a recompilation)"
+    step.close()

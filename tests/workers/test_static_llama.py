@@ -11,6 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from core_helpers import CompiledGraphs
+
 from polyspec.workers.tiers.static_llama import StaticLlama
 
 TOLERANCE = 1e-4
@@ -73,14 +75,7 @@ def test_static_forward_matches_transformers(model):
 def test_a_decode_step_compiles_whole_and_once_per_bucket(model):
     static = StaticLlama(model)
     pool = static.new_pool(slots=4, max_tokens=4)
-    graphs = []
-
-    def counting_backend(graph_module, example_inputs):
-        graphs.append(graph_module)
-        return graph_module.forward
-
-    torch._dynamo.reset()
-    step = torch.compile(static.forward, backend=counting_backend, fullgraph=True, dynamic=False)
+    step = CompiledGraphs(static.forward)
     prompt = [3, 4, 5, 6]
     ids, positions = padded([prompt], [0], 4)
     static.forward(pool, ids, positions, torch.tensor([1]), span=16)
@@ -92,5 +87,5 @@ def test_a_decode_step_compiles_whole_and_once_per_bucket(model):
         out = step(pool, ids, positions, torch.tensor([1]), 16)
         assert torch.allclose(out[0, 0], eager, atol=TOLERANCE)
         tokens.append(int(out[0, 0].argmax()) if step_index else 9)
-    assert len(graphs) == 1, f"{len(graphs)} graphs for one bucket (a graph break or a recompilation)"
-    torch._dynamo.reset()
+    assert len(step.graphs) == 1, f"{len(step.graphs)} graphs for one bucket (a graph break or a recompilation)"
+    step.close()

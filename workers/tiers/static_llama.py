@@ -26,21 +26,10 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from polyspec.workers.tiers.batched_llama import rms_norm, rotate_half
 from polyspec.workers.tiers.lean_llama import ARCHITECTURES, layer_projections
 
 DEVICES = ("cpu", "cuda")
-
-
-def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    input_dtype = x.dtype
-    x = x.to(torch.float32)
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(input_dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 @dataclasses.dataclass
@@ -137,12 +126,12 @@ class StaticLlama:
         x = F.embedding(ids, self.embed)  # [B, T, H]
         shape = (rows, width, -1, self.head_dim)
         for index, (w_in, eps_in, q_w, k_w, v_w, o_w, w_post, eps_post, gate_w, up_w, down_w) in enumerate(self.layers):
-            h = _rms(x, w_in, eps_in)
+            h = rms_norm(x, w_in, eps_in)
             q = F.linear(h, *q_w).view(shape).transpose(1, 2)  # [B, heads, T, D]
             k = F.linear(h, *k_w).view(shape).transpose(1, 2)  # [B, kv_heads, T, D]
             v = F.linear(h, *v_w).view(shape).transpose(1, 2)
-            q = (q * cos) + (_rotate_half(q) * sin)
-            k = (k * cos) + (_rotate_half(k) * sin)
+            q = (q * cos) + (rotate_half(q) * sin)
+            k = (k * cos) + (rotate_half(k) * sin)
             keys, values = pool.keys[index], pool.values[index]
             keys[write_slots, :, positions] = k.transpose(1, 2)  # [B, T, kv_heads, D] into [slot, :, position]
             values[write_slots, :, positions] = v.transpose(1, 2)
@@ -153,6 +142,6 @@ class StaticLlama:
                 value = value[:, :, None].expand(rows, self.kv_heads, self.groups, span, self.head_dim).reshape(rows, self.heads, span, self.head_dim)
             attn = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, dropout_p=0.0, scale=self.scaling)
             x = x + F.linear(attn.transpose(1, 2).reshape(rows, width, -1), *o_w)
-            h = _rms(x, w_post, eps_post)
+            h = rms_norm(x, w_post, eps_post)
             x = x + F.linear(F.silu(F.linear(h, *gate_w)) * F.linear(h, *up_w), *down_w)
-        return F.linear(_rms(x, self.norm_weight, self.norm_eps), *self.lm_head)
+        return F.linear(rms_norm(x, self.norm_weight, self.norm_eps), *self.lm_head)
