@@ -92,7 +92,7 @@ def step_ms(run_step, device, repeats: int) -> float:
 
 def tier_step_costs(target_scheduler, drafter_scheduler, vocab: int, device, repeats: int) -> dict:
     """Graph-replayed costs of the target's step over a 9-token row (8 drafts) and of each model's one-token step."""
-    from polyspec.orchestrator.decode.device_round import GREEDY, draft_step, target_step
+    from polyspec.workers.tiers.device_step import GREEDY, draft_step, target_step
 
     def target_run(block: int):
         tier = target_scheduler.tiers[0]

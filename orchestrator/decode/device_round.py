@@ -46,19 +46,9 @@ from polyspec.orchestrator.decode.contract import (
     output,
     remaining,
 )
-from polyspec.workers.core.device_verify import (
-    DOMAIN_ACCEPT,
-    DOMAIN_DRAFT,
-    DOMAIN_NEXT,
-    emitted_tokens,
-    stream_exponentials,
-    stream_uniforms,
-    verify_chains,
-    verify_greedy_chains,
-    warp_batch,
-)
 from polyspec.workers.core.sampling import SamplingParams
-from polyspec.workers.tiers.static_llama import KVPool, StaticLlama
+from polyspec.workers.tiers.device_step import GREEDY, StepGraphs, draft_step, sampling_mode, target_step
+from polyspec.workers.tiers.static_llama import StaticLlama
 
 MAX_DRAFT_TOKENS = 16  # the longest block a round verifies (a draft step's counter is round * this + position)
 MIN_SPAN = 64  # the smallest attended span bucket
@@ -72,91 +62,6 @@ def bucket(value: int, smallest: int = 1) -> int:
     while size < value:
         size *= 2
     return size
-
-
-# ------------------------------------------------------------------------------ the steps
-
-
-GREEDY, PLAIN, TRUNCATED = "greedy", "plain", "truncated"  # a step's sampling: every request greedy; no top-k / top-p; some
-
-
-def sampling_mode(params: list[SamplingParams]) -> str:
-    """The cheapest warp that serves every request of a step (a static choice: one graph each)."""
-    if all(p.greedy for p in params):
-        return GREEDY
-    return TRUNCATED if any(p.top_k > 0 or p.top_p < 1.0 for p in params) else PLAIN
-
-
-def target_step(model: StaticLlama, pool: KVPool, ids, positions, slots, span: int, mode: str, temperature, top_k, top_p, greedy,
-                draft_tokens, draft_probs, num_draft, seeds, counters):
-    """The target's step: forward of [B, k + 1] tokens, warp, verification. Returns
-    (tokens [B, k + 1]: accepted drafts, then the correction / bonus token, then padding; num_accepted [B])."""
-    logits = model.forward(pool, ids, positions, slots, span)  # [B, k + 1, V]
-    rows, width, vocab = logits.shape
-    block = width - 1
-    cu_num_draft = torch.arange(rows + 1, device=ids.device) * block  # the padded layout: k slots per request
-    flat_tokens = draft_tokens.reshape(-1)
-    if mode == GREEDY:
-        num_accepted, next_tokens = verify_greedy_chains(logits, draft_tokens, num_draft)
-        return emitted_tokens(flat_tokens, cu_num_draft, num_accepted, next_tokens, block), num_accepted
-
-    def per_row(values):  # a request's value on each of its k + 1 rows
-        return values[:, None].expand(rows, width).reshape(-1)
-
-    target_probs = warp_batch(logits.reshape(rows * width, vocab), per_row(temperature), per_row(top_k), per_row(top_p),
-                              truncate=mode == TRUNCATED)
-    uniforms = stream_uniforms(seeds, counters, DOMAIN_ACCEPT, block).reshape(-1)  # [B * k]
-    exponentials = stream_exponentials(seeds, counters, DOMAIN_NEXT, vocab)  # [B, V]
-    num_accepted, next_tokens = verify_chains(target_probs, draft_probs.reshape(rows * block, vocab), flat_tokens, cu_num_draft,
-                                              greedy, uniforms, exponentials, num_draft)
-    return emitted_tokens(flat_tokens, cu_num_draft, num_accepted, next_tokens, block), num_accepted
-
-
-def draft_step(model: StaticLlama, pool: KVPool, ids, positions, slots, span: int, mode: str, temperature, top_k, top_p, greedy, seeds,
-               draw_counters):
-    """A drafter's step: forward, warp of the last column, one draw per request. Returns (tokens [B], probs [B, V];
-    all-greedy steps return the logits instead of probabilities: the target's greedy verification reads none)."""
-    logits = model.forward(pool, ids, positions, slots, span)[:, -1]  # [B, V]
-    if mode == GREEDY:
-        return logits.argmax(dim=-1), logits.float()
-    probs = warp_batch(logits, temperature, top_k, top_p, truncate=mode == TRUNCATED)
-    sampled = torch.argmax(probs / stream_exponentials(seeds, draw_counters, DOMAIN_DRAFT, probs.shape[-1]), dim=-1)
-    return torch.where(greedy, probs.argmax(dim=-1), sampled), probs
-
-
-class StepGraphs:
-    """Each step captured once per bucket as a CUDA graph and replayed with new inputs (on CUDA);
-    called directly elsewhere. The inputs are copied into the graph's own buffers before each
-    replay; the outputs are the graph's buffers (read them before the next replay)."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
-        self.graphs: dict[tuple, tuple] = {}
-        self.memory_pool = None
-
-    def run(self, key: tuple, step, tensors: list[torch.Tensor]):
-        """`step(*tensors)`, replayed from the graph captured for `key` (the bucket: whatever fixes the shapes)."""
-        if not self.enabled:
-            return step(*tensors)
-        entry = self.graphs.get(key)
-        if entry is None:
-            buffers = [t.clone() for t in tensors]
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up outside the capture (the same inputs: its writes are the replay's)
-                step(*buffers)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            if self.memory_pool is None:
-                self.memory_pool = torch.cuda.graph_pool_handle()
-            with torch.cuda.graph(graph, pool=self.memory_pool):
-                outputs = step(*buffers)
-            entry = self.graphs[key] = (graph, buffers, outputs)
-        graph, buffers, outputs = entry
-        for buffer, tensor in zip(buffers, tensors):
-            buffer.copy_(tensor, non_blocking=True)
-        graph.replay()
-        return outputs
 
 
 # ---------------------------------------------------------------------------- the decoder
@@ -214,6 +119,41 @@ class HostDrafter:
 
     def release(self, seq_id) -> None:
         self.lookup.release(seq_id)
+
+
+class _Step:
+    """One round's inputs on the device, every per-request tensor padded to the batch bucket (padding
+    rows: the scratch slot, greedy, no draft)."""
+
+    def __init__(self, scheduler: "DeviceScheduler", requests: list[RequestState], block: int) -> None:
+        self.requests = requests
+        self.block = block
+        self.rows = bucket(len(requests))
+        self.device = scheduler.device
+        self.lengths = [len(s.committed) for s in requests]
+        self.mode = sampling_mode([s.params for s in requests])
+        params = [s.params for s in requests]
+        self.slots = self.column([s.run.slot for s in requests], torch.long, scheduler.tiers[0].pool.scratch_slot)
+        self.sampling = (self.column([p.temperature for p in params], torch.float32, 0.0),  # temperature, top_k, top_p, greedy
+                         self.column([p.top_k for p in params], torch.long, 0),
+                         self.column([p.top_p for p in params], torch.float32, 1.0),
+                         self.column([p.greedy for p in params], torch.bool, True))
+        self.seeds = self.column([s.run.seed for s in requests], torch.long, 0)
+        self.counters = self.column([s.run.rounds for s in requests], torch.long, 0)
+        vocab = scheduler.tiers[0].vocab_size
+        self.draft_tokens = torch.zeros(self.rows, block, dtype=torch.long, device=self.device)
+        # greedy steps read no draft rows: a placeholder keeps the step's signature
+        self.draft_probs = torch.zeros(self.rows, block, 1 if self.mode == GREEDY else vocab, dtype=torch.float32, device=self.device)
+
+    def column(self, values: list, dtype: torch.dtype, pad) -> torch.Tensor:
+        """One value (or row) per request, padded to the bucket with `pad`, on the device."""
+        return torch.tensor(values + [pad] * (self.rows - len(values)), dtype=dtype).to(self.device, non_blocking=True)
+
+    def take_proposals(self, proposals: list[list[int]]) -> None:
+        """A host drafter's blocks as the step's drafts; their rows are point masses (one-hot)."""
+        self.draft_tokens = self.column([p + [0] * (self.block - len(p)) for p in proposals], torch.long, [0] * self.block)
+        if self.mode != GREEDY:
+            self.draft_probs.scatter_(2, self.draft_tokens[:, :, None], 1.0)
 
 
 class DeviceScheduler:
@@ -337,7 +277,7 @@ class DeviceScheduler:
 
     @torch.inference_mode()
     def step_all(self, states: list[RequestState]) -> list[list[int]]:
-        """One device round of every request in `states` (all `ready`); the tokens each committed."""
+        """One device round of every request in `states`; the tokens each committed."""
         started = time.perf_counter()
         out: list[list[int]] = [[] for _ in states]
         live = [i for i, s in enumerate(states) if not finish_if_full(s)]
@@ -350,97 +290,83 @@ class DeviceScheduler:
         # a request not yet `ready` (a caller that does not prefill, a drafter back in the plan) catches up here
         self.prefill(requests)
         length = self.lengths[0] if len(self.active) > 1 else 0
-        rows = bucket(len(live))
-        device = self.device
         num_draft = [max(0, min(length, remaining(s) - 1, s.limit - len(s.committed) - 1)) for s in requests]
         host_drafter = self.tiers[1] if len(self.active) > 1 and isinstance(self.tiers[1], HostDrafter) else None
         proposals = []
         if host_drafter is not None:  # looked up on the host; a request may get fewer tokens than asked, or none
             proposals = host_drafter.propose([s.run.seq_id for s in requests], [s.committed for s in requests], num_draft)
             num_draft = [len(p) for p in proposals]
-        block = max(num_draft) if len(self.active) > 1 else 0
-
-        def column(values, dtype, pad):  # one value per request, padded to the bucket
-            return torch.tensor(values + [pad] * (rows - len(values)), dtype=dtype).to(device, non_blocking=True)
-
-        scratch = self.tiers[0].pool.scratch_slot
-        slots = column([s.run.slot for s in requests], torch.long, scratch)
-        temperature = column([s.params.temperature for s in requests], torch.float32, 0.0)
-        top_k = column([s.params.top_k for s in requests], torch.long, 0)
-        top_p = column([s.params.top_p for s in requests], torch.float32, 1.0)
-        greedy = column([s.params.greedy for s in requests], torch.bool, True)
-        seeds = column([s.run.seed for s in requests], torch.long, 0)
-        counters = column([s.run.rounds for s in requests], torch.long, 0)
-        lengths_now = [len(s.committed) for s in requests]
-        vocab = self.tiers[0].vocab_size
-        mode = sampling_mode([s.params for s in requests])
-        draft_tokens = torch.zeros(rows, block, dtype=torch.long, device=device)
-        # greedy steps read no draft rows: a placeholder keeps the step's signature
-        draft_probs = torch.zeros(rows, block, 1 if mode == GREEDY else vocab, dtype=torch.float32, device=device)
-        if block and host_drafter is not None:
-            draft_tokens = torch.tensor([p + [0] * (block - len(p)) for p in proposals] + [[0] * block] * (rows - len(requests)),
-                                        dtype=torch.long).to(device)
-            if mode != GREEDY:  # a point mass at each proposed token
-                draft_probs.scatter_(2, draft_tokens[:, :, None], 1.0)
-        elif block:
-            drafter = self.tiers[1]
-            begun = time.perf_counter()
-            # first draft step: the last two committed tokens (a drafter whose block was accepted whole is one behind)
-            first = [[s.committed[-2] if len(s.committed) > 1 else s.committed[-1], s.committed[-1]] for s in requests]
-            ids = torch.tensor(first + [[0, 0]] * (rows - len(requests)), dtype=torch.long).to(device)
-            positions = torch.tensor([[max(n - 2, 0), n - 1] for n in lengths_now] + [[0, 1]] * (rows - len(requests))).to(device)
-            for j in range(block):
-                span = self._span(max(lengths_now) + j + 1)
-                draw_counters = counters * MAX_DRAFT_TOKENS + j
-
-                def drafting(*tensors, span=span):
-                    return draft_step(drafter.model, drafter.pool, *tensors[:3], span, mode, *tensors[3:])
-
-                tokens, probs = drafter.graphs.run(("draft", rows, ids.shape[1], span, mode), drafting,
-                                                   [ids, positions, slots, temperature, top_k, top_p, greedy, seeds, draw_counters])
-                draft_tokens[:, j] = tokens
-                if mode != GREEDY:
-                    draft_probs[:, j] = probs
-                ids = tokens[:, None]
-                positions = positions[:, -1:] + 1
-            drafter.busy_s += time.perf_counter() - begun
-        target = self.tiers[0]
-        begun = time.perf_counter()
-        ids = torch.cat([column([s.committed[-1] for s in requests], torch.long, 0)[:, None], draft_tokens], dim=1)  # [B, k + 1]
-        positions = (column([n - 1 for n in lengths_now], torch.long, 0)[:, None] + torch.arange(block + 1, device=device)[None])
-        span = self._span(max(lengths_now) + block)
-
-        def verifying(*tensors):
-            return target_step(target.model, target.pool, *tensors[:3], span, mode, *tensors[3:])
-
-        tokens, num_accepted = target.graphs.run(("target", rows, block, span, mode), verifying,
-                                                 [ids, positions, slots, temperature, top_k, top_p, greedy, draft_tokens, draft_probs,
-                                                  column(num_draft, torch.long, 0), seeds, counters])
-        tokens, num_accepted = tokens.cpu().tolist(), num_accepted.cpu().tolist()  # the round's one copy to the host
-        target.busy_s += time.perf_counter() - begun
+        step = _Step(self, requests, block=max(num_draft) if len(self.active) > 1 else 0)
+        if step.block and host_drafter is not None:
+            step.take_proposals(proposals)
+        elif step.block:
+            self._draft(step)
+        tokens, num_accepted = self._verify(step, num_draft)
         committed = 0
         for index, (i, state) in enumerate(zip(live, requests)):
             run: DeviceRun = state.run
             accepted = num_accepted[index]
-            emitted = tokens[index][: accepted + 1]
             if len(self.active) > 1:
                 run.stages[0].record(num_draft[index], accepted, length, (time.perf_counter() - started) / len(live))
                 if self.planner is not None:
                     self.planner.observe_round(0, 1, num_draft[index], accepted, state.params.greedy)
             before = len(state.committed)
-            out[i] = commit(state, emitted, self.eos_token_ids)
+            out[i] = commit(state, tokens[index][: accepted + 1], self.eos_token_ids)
             committed += len(out[i])
             run.rounds += 1
-            # the target holds the committed context up to its last token; a drafter what it was fed of it
+            # the target holds the committed context but its last token; a drafter what it was fed of it
             run.cached[0] = len(state.committed) - 1
-            if len(self.active) > 1 and host_drafter is None:
-                run.cached[1] = min(before - 1 + min(accepted, max(block - 1, 0)) + (1 if block else 0), len(state.committed) - 1)
+            if len(self.active) > 1 and host_drafter is None and step.block:
+                run.cached[1] = min(before + min(accepted, step.block - 1), len(state.committed) - 1)
         seconds = time.perf_counter() - started
         self.last_step = {"batch": len(live), "tokens": committed, "seconds": seconds, "lengths": [length] if len(self.active) > 1 else [],
                           "tiers": list(self.active)}
         if self.planner is not None:
             self.planner.observe_step(len(live), committed, seconds, self.lengths, self.active)
         return out
+
+    def _draft(self, step: "_Step") -> None:
+        """The model drafter's block: `step.block` one-token steps of every request (the first re-feeds the
+        token before the last, which a drafter whose block was accepted whole has not seen)."""
+        drafter = self.tiers[1]
+        begun = time.perf_counter()
+        first = [[s.committed[-2] if len(s.committed) > 1 else s.committed[-1], s.committed[-1]] for s in step.requests]
+        ids = step.column(first, torch.long, [0, 0])  # [B, 2]
+        positions = step.column([[max(n - 2, 0), n - 1] for n in step.lengths], torch.long, [0, 1])
+        for j in range(step.block):
+            span = self._span(max(step.lengths) + j + 1)
+            draw_counters = step.counters * MAX_DRAFT_TOKENS + j
+
+            def drafting(*tensors, span=span):
+                return draft_step(drafter.model, drafter.pool, *tensors[:3], span, step.mode, *tensors[3:])
+
+            tokens, probs = drafter.graphs.run(("draft", step.rows, ids.shape[1], span, step.mode), drafting,
+                                               [ids, positions, step.slots, *step.sampling, step.seeds, draw_counters])
+            step.draft_tokens[:, j] = tokens
+            if step.mode != GREEDY:
+                step.draft_probs[:, j] = probs
+            ids = tokens[:, None]
+            positions = positions[:, -1:] + 1
+        drafter.busy_s += time.perf_counter() - begun
+
+    def _verify(self, step: "_Step", num_draft: list[int]) -> tuple[list[list[int]], list[int]]:
+        """The target's step over [last committed token, block]; the round's one copy to the host:
+        each request's emitted tokens (padded) and accepted count."""
+        target = self.tiers[0]
+        begun = time.perf_counter()
+        ids = torch.cat([step.column([s.committed[-1] for s in step.requests], torch.long, 0)[:, None], step.draft_tokens], dim=1)
+        positions = step.column([n - 1 for n in step.lengths], torch.long, 0)[:, None] + torch.arange(step.block + 1, device=self.device)
+        span = self._span(max(step.lengths) + step.block)
+
+        def verifying(*tensors):
+            return target_step(target.model, target.pool, *tensors[:3], span, step.mode, *tensors[3:])
+
+        tokens, num_accepted = target.graphs.run(("target", step.rows, step.block, span, step.mode), verifying,
+                                                 [ids, positions, step.slots, *step.sampling, step.draft_tokens, step.draft_probs,
+                                                  step.column(num_draft, torch.long, 0), step.seeds, step.counters])
+        tokens, num_accepted = tokens.cpu().tolist(), num_accepted.cpu().tolist()
+        target.busy_s += time.perf_counter() - begun
+        return tokens, num_accepted
 
     def profile(self, batches: list[int], widths: list[int], context: int, repeats: int = 2) -> tuple[list[dict | None], list[float]]:
         """What a planner prices plans with, measured on the steps this round replays: per model tier the ms

@@ -20,7 +20,8 @@ import torch
 from core_helpers import CompiledGraphs
 
 from lossless_stats import ALPHA, chi_square_p_value, exact_two_token_probs
-from polyspec.orchestrator.decode.device_round import DeviceScheduler, DeviceTier, target_step
+from polyspec.orchestrator.decode.device_round import DeviceScheduler, DeviceTier
+from polyspec.workers.tiers.device_step import target_step
 from polyspec.workers.core.sampling import SamplingParams
 from polyspec.workers.tiers.static_llama import StaticLlama
 
