@@ -5,7 +5,6 @@ bad row met at run time), and a full disk. No raw exception text reaches a clien
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import random
 import sqlite3
