@@ -144,3 +144,19 @@ def test_a_poison_job_item_fails_alone_beside_other_jobs(tiny_family, tmp_path):
     assert results["bad"].result is None and results["bad"].error == INTERNAL_REASON
     for raw in GOOD:
         assert results[raw["id"]].error in ("", None) and results[raw["id"]].result["token_ids"] == reference[raw["id"]]["token_ids"]
+
+
+def test_a_request_at_the_context_limit_leaves_the_shared_cache_usable(tiny_family):
+    """A request at the end of the model context pads a batched forward past the limit (its row is as
+    wide as the widest block); the slot buffers grew to hold that, and a later growth in slots (more
+    requests joining) once shrank them below it and failed every request from then on."""
+    engine = _engine(tiny_family)
+    limit = engine.scheduler.max_context
+    near_limit = {"id": "long", "prompt_ids": [(i % 200) + 1 for i in range(limit - 6)], "max_new_tokens": 40}
+    first, errors = _run(engine, [near_limit] + GOOD[:2])
+    assert not errors and first["long"]["finish_reason"] == "length"
+    cache = engine.scheduler.tiers[0].cache
+    assert cache.capacity > limit  # the padding columns went past the limit
+    more = [{**raw, "id": f"{raw['id']}-{n}"} for n in range(3) for raw in GOOD]  # more slots than before
+    results, errors = _run(engine, [near_limit] + more)
+    assert not errors and len(results) == len(more) + 1

@@ -215,6 +215,8 @@ class SlotCache:
         new_capacity = self.capacity if length <= self.capacity else max(INITIAL_CAPACITY, 2 * self.capacity, length)
         if self.limit:
             new_capacity = max(length, min(new_capacity, self.limit))
+        # never below what is there: padding columns may already have taken the buffers past the limit
+        new_capacity = max(new_capacity, self.capacity)
         layers, heads, head_dim = self.shape
         keys, values = [], []
         for layer in range(layers):
