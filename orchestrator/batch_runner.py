@@ -15,7 +15,8 @@ batched step raises, every request's random streams are put back where they were
 the step and each request retries the round alone: the one whose row raises fails by itself,
 the others take the round they would have taken (the model tiers roll their caches back to
 the committed context at their next call, so the failed forward leaves nothing behind). A
-chain that is down (`is_unavailable`) fails the step for all of them, as before.
+chain that is down (`is_unavailable`) fails the step for all of them, as before; so does a
+fault that every request meets alone too (`shared_fault`: the chain's, not a request's).
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ class StepOutcome:
 
     advanced: list[tuple[Any, list[int]]]  # (state, tokens committed this round); includes states that ended
     failed: list[tuple[Any, Exception]]  # (state, the exception its own row raised); its caches are not freed yet
+    # every request of a step of several failed alone too: the fault is the chain's (a tier's shared state),
+    # not a request's; a caller keeps work it can redo (job items) for later instead of failing it
+    shared_fault: bool = False
 
 
 def _random_streams(states: list) -> list[list]:
@@ -78,7 +82,7 @@ def step_isolated(engine, states: list) -> StepOutcome:
             advanced += _step(engine, [state])
         except Exception as exc:  # noqa: BLE001 - this request's own fault
             failed.append((state, exc))
-    return StepOutcome(advanced, failed)
+    return StepOutcome(advanced, failed, shared_fault=not advanced)
 
 
 class ContinuousBatch:

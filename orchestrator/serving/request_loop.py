@@ -228,7 +228,7 @@ class RoundScheduler(threading.Thread):
         outcome = step_isolated(self.engine, [active[i].state for i in live])
         index_of = {id(active[i].state): i for i in live}
         for state, exc in outcome.failed:
-            self._failed(active[index_of[id(state)]], exc)
+            self._failed(active[index_of[id(state)]], exc, shared=outcome.shared_fault)
             over[index_of[id(state)]] = True
         step = self.engine.scheduler.last_step
         if outcome.advanced and step.get("batch"):
@@ -325,7 +325,9 @@ class RoundScheduler(threading.Thread):
         self._finished(work, {**result, "finish_reason": "cancelled"})
         return True
 
-    def _failed(self, work: Work, exc: Exception) -> None:
+    def _failed(self, work: Work, exc: Exception, shared: bool = False) -> None:
+        """`work` ends with `exc`. `shared`: every request of its step failed alone too (the chain's fault):
+        a job item is then not failed for good but left pending and retried, as when the chain is down."""
         if work.state is not None:
             try:
                 self.engine.cancel(work.state)
@@ -335,7 +337,7 @@ class RoundScheduler(threading.Thread):
             print(f"polyspec serve: request failed: {exc!r}", file=sys.stderr)
             traceback.print_exception(exc, file=sys.stderr)
         if work.job_item is not None:
-            if is_unavailable(exc):  # the chain is down, not the item: it stays pending and is retried
+            if is_unavailable(exc) or shared:  # the chain is down or broken, not the item: it stays pending and is retried
                 time.sleep(UNAVAILABLE_RETRY_S)
                 return
             self._write_item(work, None, public_reason(exc))
