@@ -157,7 +157,7 @@ def network_namespace_available() -> bool:
         unshare = shutil.which("unshare")
         try:
             _network_namespace = bool(unshare) and subprocess.run(
-                [unshare, "-rn", "true"], capture_output=True, timeout=10).returncode == 0
+                [unshare, "-rn", "true"], capture_output=True, timeout=10, check=False).returncode == 0
         except (OSError, subprocess.TimeoutExpired):
             _network_namespace = False
     return _network_namespace

@@ -58,6 +58,14 @@ def test_from_mapping_reads_a_modes_knobs():
     assert thinking.trigger_words == ("wait", "hmm")  # a YAML list becomes a tuple (hashable, frozen)
 
 
+def test_describe_names_the_mode_and_only_its_knobs():
+    assert ApproximateMode().describe() == {"mode": "exact"}
+    bild = ApproximateMode.from_mapping({"mode": "bild", "fallback_threshold": 0.3})
+    assert bild.describe() == {"mode": "bild", "fallback_threshold": 0.3, "rollback_threshold": 2.0}
+    thinking = ApproximateMode(mode="speculative-thinking", trigger_words=("wait",))
+    assert ApproximateMode.from_mapping(thinking.describe()) == thinking  # it round-trips through YAML / JSON
+
+
 @pytest.mark.parametrize("key, low, high", [
     ("fallback_threshold", 0.0, 1.0), ("rollback_threshold", 0.0, math.inf),
     ("score_threshold", 0, 9), ("reflective_weight", 0.0, 1.0),

@@ -28,6 +28,7 @@ import re
 import torch
 
 from polyspec.workers.core.errors import ConfigError
+from polyspec.workers.core.sampling import sample
 from polyspec.workers.core.verification import verify_chain, verify_greedy
 
 EXACT = "exact"
@@ -123,6 +124,14 @@ class ApproximateMode:
     @property
     def lossless(self) -> bool:
         return self.mode == EXACT
+
+    def describe(self) -> dict:
+        """The mode and the knobs it reads, nothing else: what a result, its stats and the
+        metrics carry to say a request was approximate and how ({"mode": "exact"} otherwise)."""
+        knobs = {key: getattr(self, key) for key in MODE_KEYS[self.mode]}
+        if "trigger_words" in knobs:
+            knobs["trigger_words"] = list(knobs["trigger_words"])
+        return {"mode": self.mode, **knobs}
 
     @classmethod
     def from_mapping(cls, raw: object, section: str = "approximate") -> ApproximateMode:
@@ -229,7 +238,7 @@ def bild_verdict(
     rollback_at = bild_first_rollback(target_probs, draft_tokens, rollback_threshold)
     num_accepted = draft_tokens.shape[0] if rollback_at is None else rollback_at
     row = target_probs[num_accepted].float()  # [V]
-    next_token = int(row.argmax()) if greedy else int(torch.multinomial(row, 1, generator=generator))
+    next_token = int(row.argmax()) if greedy else sample(row, generator)
     return num_accepted, next_token
 
 
