@@ -25,6 +25,8 @@ from polyspec.workers.core.sampling import SamplingParams
 
 PROFILE_CONTEXT_TOKENS = 128  # committed tokens when the start-up profile has no real prompt
 PROFILE_MAX_BATCH = 16  # the batched profile stops here; larger batches are extrapolated in proportion to their rows
+DEVICE_POOL_SHARE = 0.8  # of the GPU memory free at start-up, the most the device round's KV pool takes ...
+DEVICE_HEADROOM_MB = 2048  # ... less this, for the steps' activations and the CUDA graphs
 SEED_LIMIT = 1 << 63  # seeds are in [0, 2^63): an int64 on the wire, every bit used
 MAX_TEMPERATURE = 1000.0  # far past uniform sampling; larger (or inf) is a mistake
 REQUEST_FIELDS = ("id", "prompt", "prompt_ids", "messages", "max_new_tokens", "temperature", "top_p", "top_k", "seed")
@@ -134,7 +136,17 @@ class Engine:
         models = [None if isinstance(tier, NGramTier) else StaticLlama(tier.model) for tier in self.tiers]
         per_request = sum(m.bytes_per_slot(MAX_DRAFT_TOKENS + 2, batching.max_context) for m in models if m is not None)
         wanted = batching.max_requests if self.batched else 1
-        self.max_requests = requests_within_memory(wanted, batching.kv_memory_mb, per_request)
+        kv_memory_mb = batching.kv_memory_mb
+        device = models[0].device
+        if kv_memory_mb is None and device.type == "cuda":  # the pool is allocated at once: bound it by what the card has free
+            import torch
+
+            free, _ = torch.cuda.mem_get_info(device)
+            kv_memory_mb = max(1, int(free * DEVICE_POOL_SHARE) // 2**20 - DEVICE_HEADROOM_MB)
+            if per_request > kv_memory_mb * 2**20:
+                raise ConfigError(f"one request's KV pool ({per_request / 2**20:.0f} MB at {models[0].limit} positions) does not fit "
+                                  f"the GPU's free memory ({free / 2**20:.0f} MB); set batching.max_context lower")
+        self.max_requests = requests_within_memory(wanted, kv_memory_mb, per_request)
         threads = getattr(self.tiers[0], "threads", None)
         if threads:
             import torch
