@@ -84,6 +84,9 @@ class Membership:
     def health(self) -> list[tier_pb2.HealthReply | None]:
         replies = []
         for view in self.views:
+            if not view.address:  # never started (a drafter the chain started without)
+                replies.append(None)
+                continue
             try:
                 with cluster_auth.insecure_channel(view.address, options=CHANNEL_OPTIONS) as channel:
                     replies.append(tier_pb2_grpc.TierStub(channel).Health(tier_pb2.HealthRequest(), timeout=5.0))
@@ -392,6 +395,8 @@ class DistributedChain:
             "failovers": self.failovers,
             "degraded_rounds": self.degraded_rounds,
             "tiers": tiers,
+            # drafters left out at start-up, bypassed, wired (back) in: when and why (RayMembership)
+            "tier_events": list(getattr(self.membership, "events", [])),
         }
 
     def close(self) -> None:
