@@ -4,14 +4,18 @@
 # demo chain pinned to its own node), compared with the embedded mode's output, while the
 # mid tier's raylet is killed mid-batch. Prints what it checks; exits non-zero on a mismatch.
 #
-#   cluster/check-ray-cli.sh [REQUESTS]      (default 40 greedy requests x 48 tokens)
+#   cluster/check-ray-cli.sh [REQUESTS] [start]     (default 40 greedy requests x 48 tokens)
+#
+# With `start`, the small drafter's raylet is also killed while the chain is starting (as soon
+# as a tier actor runs its constructor): the batch must start without it and lose nothing.
 #
 # Uses its own GCS port (6420) and temp dir, and stops only the processes it started
 # (`ray stop` would stop every Ray process on the machine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REQUESTS=${1:-40}
-PORT=6420
+START_FAULT=${2:-}
+PORT=${RAY_CHECK_PORT:-6420}  # another port where another check may run
 WORK=$(mktemp -d /tmp/polyspec-ray-cli.XXXXXX)
 export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0
 IP=$(python -c "import ray; print(ray.util.get_node_ip_address())")
@@ -44,8 +48,17 @@ sed -e 's/backend: ray/backend: local/' "$WORK/chain.yaml" > "$WORK/local.yaml"
 polyspec batch -c "$WORK/local.yaml" -i "$WORK/requests.jsonl" -o "$WORK/embedded.jsonl"
 
 echo "== polyspec batch on the cluster; the mid node's raylet is killed after 10 results"
-polyspec batch -c "$WORK/chain.yaml" -i "$WORK/requests.jsonl" -o "$WORK/ray.jsonl" --stats "$WORK/stats.json" &
+STARTED=$(date +%s.%N)
+polyspec batch -c "$WORK/chain.yaml" -i "$WORK/requests.jsonl" -o "$WORK/ray.jsonl" --stats "$WORK/stats.json" 2> >(tee "$WORK/batch.err" >&2) &
 BATCH=$!
+if [ "$START_FAULT" = start ]; then
+  until pgrep -f "TierActor" > /dev/null; do sleep 0.1; kill -0 $BATCH 2>/dev/null || break; done
+  RAYLET=$(pgrep -f "raylet.*tier_small" | head -1 || true)
+  echo "killing the small node's raylet while the chain starts (pid $RAYLET, $(echo "$(date +%s.%N) - $STARTED" | bc) s after launch)"
+  kill -9 "$RAYLET"
+  until [ -s "$WORK/ray.jsonl" ]; do sleep 0.2; kill -0 $BATCH 2>/dev/null || break; done
+  echo "first result $(echo "$(date +%s.%N) - $STARTED" | bc) s after launch"
+fi
 while [ "$(wc -l < "$WORK/ray.jsonl" 2>/dev/null || echo 0)" -lt 10 ]; do sleep 0.5; kill -0 $BATCH 2>/dev/null || break; done
 RAYLET=$(pgrep -f "raylet.*tier_mid" | head -1 || true)
 if [ -n "$RAYLET" ]; then echo "killing the mid node's raylet (pid $RAYLET)"; kill -9 "$RAYLET"; else echo "no mid raylet found"; fi
@@ -64,6 +77,8 @@ print(f"rounds on a shortened chain: {stats['degraded_rounds']}, target failover
       f"{stats['tokens_per_s']} tok/s")
 for tier in stats["tiers"]:
     print(f"  {tier['tier']}: up={tier['up']} {tier.get('sent', '')}")
+for event in stats.get("tier_events", []):
+    print(f"  at {event['at_s']} s: {event['tier']} {event['event']}: {event['reason']}")
 sys.exit(1 if missing or differ else 0)
 PY
 echo "OK: every request finished, equal to the embedded output"

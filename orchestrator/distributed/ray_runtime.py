@@ -4,8 +4,10 @@ Ray owns placement, lifecycle and restarts; the data plane is the tier-to-tier g
 served by each actor's TierWorker on its node's address (polyspec.orchestrator.distributed.worker), and the
 driver is polyspec.orchestrator.distributed.driver.DistributedChain. This module:
 
-- checks the cluster can place every tier before asking (a tier whose resources no node has
-  is an error naming the tier and the resource, not a hang);
+- checks the cluster can place every tier before asking (a target whose resources no node
+  has is an error naming the tier and the resource, not a hang; such a drafter is left out);
+- starts the chain without a drafter that cannot be placed or dies while the chain starts
+  (only the target must start), and says so (stderr, `events`);
 - starts the actors, one per tier except trained drafters (`actor_groups`), which run in
   their target's actor: one GPU each where the cluster has GPUs (and the tier is a model not
   pinned to `device: cpu`), else one CPU with the tier's torch threads pinned to it
@@ -238,8 +240,19 @@ class RayMembership(Membership):
         self.vocab_size = min(models)
         contexts = [info["max_context"] for info in infos if info and info["max_context"]]
         self.max_context = min(contexts) if contexts else None
-        started = [self.unique_actors[g] for g, group in enumerate(self.groups) if infos[group[0]] is not None]
-        ray.get([actor.setup.remote(self.vocab_size) for actor in started])
+        setups = {g: self.unique_actors[g].setup.remote(self.vocab_size) for g, group in enumerate(self.groups)
+                  if infos[group[0]] is not None}
+        for g, ref in setups.items():
+            try:
+                ray.get(ref, timeout=30)
+            except Exception as exc:  # noqa: BLE001 - a drafter lost between its info() and now is left out too
+                if g == 0:
+                    self.close()
+                    raise ConfigError(f"tier {config.tiers[0].name!r} failed to start: {str(exc).strip().splitlines()[0]}") from None
+                for i in self.groups[g]:
+                    infos[i] = None
+                    self._event(i, "left_out", "died while the chain was starting: the chain starts without it "
+                                               "and adds it when its actor is up")
         for view, info in zip(self.views, infos):
             view.vocab_size = self.vocab_size
             if info is None:
@@ -291,6 +304,7 @@ class RayMembership(Membership):
                         self._start_failed(tiers[i].name, exc)
                     if i in target_group:
                         refs[i] = self.actors[i].info.remote(i)  # Ray restarts it (max_restarts): ask the new one
+                        time.sleep(START_POLL_S)  # (a dead actor answers at once: no busy loop)
                     else:
                         left_out[i] = f"tier {tiers[i].name!r} died while the chain was starting (its actor or its node)"
                 except Exception as exc:  # noqa: BLE001 - the actor's constructor failed: a ModelLoadError, say

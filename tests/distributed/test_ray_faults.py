@@ -1,5 +1,6 @@
-"""Start-up under faults on a multi-node Ray cluster simulated in one machine
-(ray.cluster_utils.Cluster: every node a real raylet process, tiers pinned by custom resources).
+"""Faults on a multi-node Ray cluster simulated in one machine (ray.cluster_utils.Cluster:
+every node a real raylet process, tiers pinned by custom resources): start-up under faults,
+and a poison request in a batched step.
 
 A drafter that cannot be placed, or whose node dies while the chain starts, is left out: the
 chain runs without it, says so (stderr and runtime_stats' `tier_events`) and wires it in when
@@ -209,3 +210,34 @@ def test_target_node_killed_during_start_fails_at_once(cluster, nodes, tiny_fami
     while any(a["State"] != "DEAD" for a in ray.state.actors().values() if a["ActorClassName"] == "TierActor"):
         assert time.monotonic() < deadline, "the failed chain left actors behind"
         time.sleep(0.5)
+
+
+def test_poison_request_in_a_batched_step_fails_alone(cluster, nodes, tiny_family, greedy):
+    """A request whose context holds a token id past the vocabulary makes the tiers' batched
+    forward raise (the embedding lookup) for every row of its step. The VerifyBatch carrying it
+    fails with one line that is not taken for a dead tier (no failover, nothing bypassed), so
+    batch_runner's isolation retries each request alone: the poison one fails by itself and the
+    others, stepped on, give exactly the target's greedy output."""
+    nodes("tier_small")
+    engine = Engine(chain_config(tiny_family, cluster.address, {"target": "tier_target", "small": "tier_small"}, [3]), batched=True)
+    try:
+        chain = engine.scheduler
+        assert chain.batched
+        greedy_params = SamplingParams(temperature=0.0)
+        good = [chain.start(ids, MAX_NEW, greedy_params) for ids, _ in greedy[:3]]
+        poison = chain.start(greedy[0][0] + [engine.vocab_size + 7], MAX_NEW, greedy_params)
+        chain.step_all(good)  # the good ones have state in both tiers' caches when the poison joins
+        with pytest.raises(RuntimeError) as error:
+            chain.step_all([good[0], poison, good[1], good[2]])
+        message = str(error.value)
+        assert "\n" not in message and "index out of range" in message, message
+        assert chain.failovers == 0 and chain.degraded_rounds == 0 and all(view.up for view in chain.tiers)
+        with pytest.raises(RuntimeError, match="index out of range"):
+            chain.step_all([poison])  # alone: it fails by itself
+        chain.cancel(poison)
+        while not all(state.done for state in good):
+            chain.step_all([state for state in good if not state.done])
+        assert [chain.finish(state).token_ids for state in good] == [tokens for _, tokens in greedy[:3]]
+        assert chain.failovers == 0 and chain.degraded_rounds == 0
+    finally:
+        engine.close()
