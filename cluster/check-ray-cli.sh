@@ -20,7 +20,18 @@ WORK=$(mktemp -d /tmp/polyspec-ray-cli.XXXXXX)
 export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0
 IP=$(python -c "import ray; print(ray.util.get_node_ip_address())")
 
+raylet_of() {  # the raylet of this cluster's node with resource $1 (not another cluster's)
+  pgrep -f "raylet.*$1" | while read -r pid; do tr '\0' ' ' < /proc/$pid/cmdline | grep -q "$IP:$PORT" && echo "$pid"; done | head -1
+}
+
 cleanup() {
+  # Ray processes rename themselves (ray::DashboardAgent, ...) and a killed raylet leaves its
+  # agents behind, so find this run's processes by what they hold open: logs under $WORK
+  for fds in /proc/[0-9]*/fd; do
+    pid=${fds#/proc/}; pid=${pid%/fd}
+    [ "$pid" = $$ ] && continue
+    if ls -l "$fds" 2>/dev/null | grep -q "$WORK/"; then kill -9 "$pid" 2>/dev/null || true; fi
+  done
   for pid in $(pgrep -f "$WORK" || true) $(pgrep -f "gcs_server_port=$PORT" || true) $(pgrep -f "gcs-address=$IP:$PORT" || true); do
     kill -9 "$pid" 2>/dev/null || true
   done
@@ -52,15 +63,17 @@ STARTED=$(date +%s.%N)
 polyspec batch -c "$WORK/chain.yaml" -i "$WORK/requests.jsonl" -o "$WORK/ray.jsonl" --stats "$WORK/stats.json" 2> >(tee "$WORK/batch.err" >&2) &
 BATCH=$!
 if [ "$START_FAULT" = start ]; then
-  until pgrep -f "TierActor" > /dev/null; do sleep 0.1; kill -0 $BATCH 2>/dev/null || break; done
-  RAYLET=$(pgrep -f "raylet.*tier_small" | head -1 || true)
+  # a tier actor of this cluster (a child of one of its raylets) has begun its constructor
+  RAYLETS=$(for r in tier_target tier_mid tier_small; do raylet_of $r; done | paste -sd,)
+  until pgrep -P "$RAYLETS" -f "TierActor" > /dev/null; do sleep 0.1; kill -0 $BATCH 2>/dev/null || break; done
+  RAYLET=$(raylet_of tier_small || true)
   echo "killing the small node's raylet while the chain starts (pid $RAYLET, $(echo "$(date +%s.%N) - $STARTED" | bc) s after launch)"
   kill -9 "$RAYLET"
   until [ -s "$WORK/ray.jsonl" ]; do sleep 0.2; kill -0 $BATCH 2>/dev/null || break; done
   echo "first result $(echo "$(date +%s.%N) - $STARTED" | bc) s after launch"
 fi
 while [ "$(wc -l < "$WORK/ray.jsonl" 2>/dev/null || echo 0)" -lt 10 ]; do sleep 0.5; kill -0 $BATCH 2>/dev/null || break; done
-RAYLET=$(pgrep -f "raylet.*tier_mid" | head -1 || true)
+RAYLET=$(raylet_of tier_mid || true)
 if [ -n "$RAYLET" ]; then echo "killing the mid node's raylet (pid $RAYLET)"; kill -9 "$RAYLET"; else echo "no mid raylet found"; fi
 wait $BATCH
 

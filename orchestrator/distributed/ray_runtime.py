@@ -320,9 +320,10 @@ class RayMembership(Membership):
                 why = _unplaceable(tiers[group[0]].name, self.needs[group[0]], alive)
                 if why is None:
                     continue
+                why += "; its node left while the chain was starting"
                 if i in target_group:
                     self.close()
-                    raise ConfigError(f"{why}; its node left while the chain was starting") from None
+                    raise ConfigError(why) from None
                 left_out[i] = why
             if time.monotonic() > deadline:
                 stuck = [tiers[i].name for i in waiting if i in target_group]
