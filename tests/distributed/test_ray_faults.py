@@ -84,7 +84,8 @@ def greedy(tiny_family):
 
 def chain_config(family, address, pins: dict, lengths):
     tiers = [{"name": name, "model": family[name], "resources": {label: 1}} for name, label in pins.items()]
-    return parse_config({"tiers": tiers, "speculation": {"lengths": list(lengths)}, "sampling": {"max_new_tokens": MAX_NEW},
+    return parse_config({"tiers": tiers, "speculation": {"lengths": lengths if lengths == "auto" else list(lengths)},
+                         "sampling": {"max_new_tokens": MAX_NEW},
                          "runtime": {"backend": "ray", "address": address, "pipeline": True}})
 
 
@@ -113,15 +114,18 @@ def events(chain):
 def test_unplaceable_drafter_starts_without_it_and_joins_later(cluster, nodes, tiny_family, greedy, capfd):
     """No node has the drafter's resource: the chain starts at once with the target alone,
     says so, gives the target's greedy output; a node with the resource joins and the drafter
-    is wired in and drafts."""
+    is wired in and drafts. `lengths: auto` cannot profile a tier that is not up: the chain
+    runs the default lengths untuned, and says so."""
     started = time.monotonic()
-    engine = Engine(chain_config(tiny_family, cluster.address, {"target": "tier_target", "small": "tier_late"}, [3]))
+    engine = Engine(chain_config(tiny_family, cluster.address, {"target": "tier_target", "small": "tier_late"}, "auto"))
     try:
         chain = engine.scheduler
         assert time.monotonic() - started < 60
         assert not chain.tiers[1].up and events(chain) == [("small", "left_out")]
-        line = next(line for line in capfd.readouterr().err.splitlines() if "'small'" in line)
+        err = capfd.readouterr().err
+        line = next(line for line in err.splitlines() if "'small'" in line)
         assert "cannot be placed" in line and "'tier_late'" in line and "starts without it" in line
+        assert "speculation.lengths: auto: not every tier is up" in err and chain.tuner is None and chain.planner is None
         stats = chain.runtime_stats()
         assert stats["tiers"][1] == {"tier": "small", "up": False}
         ids, expected = greedy[0]
@@ -217,8 +221,9 @@ def test_poison_request_in_a_batched_step_fails_alone(cluster, nodes, tiny_famil
     """A request whose context holds a token id past the vocabulary makes the tiers' batched
     forward raise (the embedding lookup) for every row of its step. The VerifyBatch carrying it
     fails with one line that is not taken for a dead tier (no failover, nothing bypassed), so
-    batch_runner's isolation retries each request alone: the poison one fails by itself and the
-    others, stepped on, give exactly the target's greedy output."""
+    batch_runner's isolation (step_isolated) retries each request alone: the poison one fails by
+    itself and the others give exactly the target's greedy output, stepped by hand and through
+    run_requests."""
     nodes("tier_small")
     engine = Engine(chain_config(tiny_family, cluster.address, {"target": "tier_target", "small": "tier_small"}, [3]), batched=True)
     try:
@@ -239,6 +244,20 @@ def test_poison_request_in_a_batched_step_fails_alone(cluster, nodes, tiny_famil
         while not all(state.done for state in good):
             chain.step_all([state for state in good if not state.done])
         assert [chain.finish(state).token_ids for state in good] == [tokens for _, tokens in greedy[:3]]
+        assert chain.failovers == 0 and chain.degraded_rounds == 0
+
+        # the same through batch_runner's isolation (`polyspec batch`, jobs and serve step this way)
+        from polyspec.orchestrator.batch_runner import run_requests
+        from polyspec.orchestrator.engine import GenerationRequest
+
+        requests = [engine.parse_request({"id": f"r{i}", "prompt_ids": ids, "max_new_tokens": MAX_NEW, "temperature": 0.0})
+                    for i, (ids, _) in enumerate(greedy)]
+        requests.insert(2, GenerationRequest(tuple(greedy[0][0] + [engine.vocab_size + 7]), MAX_NEW, greedy_params, id="poison"))
+        results, errors = {}, {}
+        run_requests(engine, requests, lambda result: results.__setitem__(result["id"], result), max_requests=8,
+                     on_error=lambda request, exc: errors.__setitem__(request.id, str(exc)))
+        assert list(errors) == ["poison"] and "index out of range" in errors["poison"] and "\n" not in errors["poison"]
+        assert {i: r["token_ids"] for i, r in results.items()} == {f"r{i}": tokens for i, (_, tokens) in enumerate(greedy)}
         assert chain.failovers == 0 and chain.degraded_rounds == 0
     finally:
         engine.close()
