@@ -204,19 +204,7 @@ class RayMembership(Membership):
         self.placement_group = None
         strategies = [None] * len(self.groups)
         if runtime.placement == "spread" and len(self.groups) > 1:
-            from ray.util.placement_group import placement_group
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-            # a drafter no node can hold stays out of the group (a group is placed whole or not at
-            # all); its actor, pinned by its resources alone, is placed when such a node joins
-            spread = [g for g, group in enumerate(self.groups) if group[0] not in unplaced]
-            bundles = [dict(needs[self.groups[g][0]]) for g in spread]
-            self.placement_group = placement_group(bundles, strategy="STRICT_SPREAD")
-            ready, _ = ray.wait([self.placement_group.ready()], timeout=START_TIMEOUT_S)
-            if not ready:
-                raise ConfigError(f"runtime.placement: spread needs {len(bundles)} nodes with {bundles}; the cluster cannot place them")
-            for b, g in enumerate(spread):
-                strategies[g] = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=b)
+            strategies = self._spread(unplaced)
         actor_cls = ray.remote(TierActor)
         self.actors = [None] * len(config.tiers)  # per tier: its actor (co-located tiers share one)
         self.unique_actors = []
@@ -263,6 +251,42 @@ class RayMembership(Membership):
         self.transport = self._join_dist(infos)
         self._repairer = threading.Thread(target=self._repair_loop, name="polyspec-ray-repair", daemon=True)
         self._repairer.start()
+
+    def _spread(self, unplaced: dict[int, str]) -> list:
+        """`placement: spread`: a STRICT_SPREAD placement group, one bundle per actor; each
+        actor's scheduling strategy (None: outside the group). A group is placed whole or not at
+        all, so a drafter no live node can hold (now, or once a node Ray still listed alive at
+        the check is found dead) is kept out of it, and its actor, pinned by its resources
+        alone, is placed when such a node joins. `unplaced` grows with such drafters."""
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            spread = [g for g, group in enumerate(self.groups) if group[0] not in unplaced]
+            bundles = [dict(self.needs[self.groups[g][0]]) for g in spread]
+            self.placement_group = placement_group(bundles, strategy="STRICT_SPREAD")
+            while True:
+                ready, _ = ray.wait([self.placement_group.ready()], timeout=START_POLL_S)
+                if ready:
+                    strategies = [None] * len(self.groups)
+                    for b, g in enumerate(spread):
+                        strategies[g] = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=b)
+                    return strategies
+                try:
+                    if time.monotonic() > deadline:
+                        raise ConfigError(f"runtime.placement: spread needs {len(bundles)} nodes with {bundles}; "
+                                          "the cluster cannot place them")
+                    _, now = check_placement(self.config, ray.nodes())  # a target no node can hold: ConfigError
+                except ConfigError:
+                    remove_placement_group(self.placement_group)  # no actor will use it
+                    self.placement_group = None
+                    raise
+                if set(now) - set(unplaced):
+                    break
+            unplaced.update(now)
+            remove_placement_group(self.placement_group)  # and ask again without them
 
     def _event(self, tier: int, event: str, reason: str) -> None:
         """Record (and print) a change of the chain's membership."""

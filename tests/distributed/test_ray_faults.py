@@ -82,11 +82,11 @@ def greedy(tiny_family):
     return out
 
 
-def chain_config(family, address, pins: dict, lengths):
+def chain_config(family, address, pins: dict, lengths, placement="pack"):
     tiers = [{"name": name, "model": family[name], "resources": {label: 1}} for name, label in pins.items()]
     return parse_config({"tiers": tiers, "speculation": {"lengths": lengths if lengths == "auto" else list(lengths)},
                          "sampling": {"max_new_tokens": MAX_NEW},
-                         "runtime": {"backend": "ray", "address": address, "pipeline": True}})
+                         "runtime": {"backend": "ray", "address": address, "pipeline": True, "placement": placement}})
 
 
 def kill_during_start(monkeypatch, node):
@@ -111,13 +111,15 @@ def events(chain):
     return [(e["tier"], e["event"]) for e in chain.runtime_stats()["tier_events"]]
 
 
-def test_unplaceable_drafter_starts_without_it_and_joins_later(cluster, nodes, tiny_family, greedy, capfd):
+@pytest.mark.parametrize("placement", ["pack", "spread"])
+def test_unplaceable_drafter_starts_without_it_and_joins_later(cluster, nodes, tiny_family, greedy, capfd, placement):
     """No node has the drafter's resource: the chain starts at once with the target alone,
     says so, gives the target's greedy output; a node with the resource joins and the drafter
     is wired in and drafts. `lengths: auto` cannot profile a tier that is not up: the chain
-    runs the default lengths untuned, and says so."""
+    runs the default lengths untuned, and says so. With `placement: spread` the drafter is kept
+    out of the placement group (which would otherwise never be placed)."""
     started = time.monotonic()
-    engine = Engine(chain_config(tiny_family, cluster.address, {"target": "tier_target", "small": "tier_late"}, "auto"))
+    engine = Engine(chain_config(tiny_family, cluster.address, {"target": "tier_target", "small": "tier_late"}, "auto", placement))
     try:
         chain = engine.scheduler
         assert time.monotonic() - started < 60
