@@ -318,8 +318,12 @@ class DistributedChain:
                 run.unobserved = observation
         run.rounds += 1
         self._record(run, reply.stages)
-        if reply.degraded:
+        # a round on a shortened chain: one that found a tier dead, or one run while a tier is
+        # bypassed (the repair loop may have rewired before any round failed; a drafter left
+        # out at start-up never fails one)
+        if reply.degraded or not all(view.up for view in self.tiers):
             self.degraded_rounds += 1
+        if reply.degraded:
             self.membership.degraded(reply.degraded_reason)
         return commit(state, list(reply.tokens), self.eos_token_ids)
 

@@ -133,15 +133,18 @@ def test_unplaceable_drafter_starts_without_it_and_joins_later(cluster, nodes, t
         ids, expected = greedy[0]
         out = chain.generate(ids, MAX_NEW, SamplingParams(temperature=0.0))
         assert out.token_ids == expected and not out.stats["stages"], "the target alone: no drafting stage"
+        assert chain.runtime_stats()["degraded_rounds"] == out.stats["rounds"], "its rounds ran on a shortened chain"
 
         nodes("tier_late")
         wait_up(chain, 1)
         assert events(chain) == [("small", "left_out"), ("small", "up")]
         assert "tier 'small' is up: wired into the chain" in capfd.readouterr().err
+        shortened = chain.degraded_rounds
         for ids, expected in greedy:
             out = chain.generate(ids, MAX_NEW, SamplingParams(temperature=0.0))
             assert out.token_ids == expected
         assert out.stats["stages"][0]["blocks"] > 0, "the drafter drafts once it has joined"
+        assert chain.degraded_rounds == shortened, "the whole chain again"
     finally:
         engine.close()
 
@@ -187,7 +190,8 @@ def test_nodes_killed_during_start_and_during_run_lose_no_request(cluster, nodes
         assert not runner.is_alive(), "the batch did not finish"
         assert [r for r in results.values() if "error" in r] == []
         assert {i: r["token_ids"] for i, r in results.items()} == expected
-        assert chain.degraded_rounds > 0, "the mid tier's loss was noticed mid-run"
+        assert ("mid", "down") in events(chain), "the mid tier's loss was noticed mid-run"
+        assert chain.degraded_rounds >= len(requests), "every round ran on a shortened chain (small was left out)"
 
         nodes("tier_small")  # the small drafter's node comes back
         wait_up(chain, 2)
