@@ -20,15 +20,14 @@ import time
 import pytest
 
 ray = pytest.importorskip("ray")
-from ray.cluster_utils import Cluster  # noqa: E402
-
-from polyspec.orchestrator.config import parse_config  # noqa: E402
-from polyspec.orchestrator.distributed.ray_runtime import RayMembership  # noqa: E402
-from polyspec.orchestrator.engine import Engine  # noqa: E402
-from polyspec.orchestrator.tokenization import encode_prompt  # noqa: E402
-from polyspec.workers.core.errors import ConfigError  # noqa: E402
-from polyspec.workers.core.sampling import SamplingParams  # noqa: E402
-from ray_cluster import shutdown_cluster  # noqa: E402
+from polyspec.orchestrator.config import parse_config
+from polyspec.orchestrator.distributed.ray_runtime import RayMembership
+from polyspec.orchestrator.engine import Engine
+from polyspec.orchestrator.tokenization import encode_prompt
+from polyspec.workers.core.errors import ConfigError
+from polyspec.workers.core.sampling import SamplingParams
+from ray.cluster_utils import Cluster
+from ray_cluster import shutdown_cluster
 
 PROMPTS = ["def add(a, b):\n    return", "import os\nimport sys\n", "for i in range(10):\n    print(i)\nfor i in",
            "class Point:\n    def __init__(self", "while True:\n    line ="]
