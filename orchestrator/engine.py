@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import sys
 import threading
 from typing import Any, Callable
 
@@ -228,7 +229,10 @@ class Engine:
             self.batched = self.scheduler.batched = True
             self.max_requests = self.config.batching.max_requests
         if auto_tune and self.config.speculation.lengths == "auto" and len(self.tiers) > 1:
-            if self.batched:  # the goodput planner sets each step's lengths for the load, speculation off included
+            if not all(view.up for view in self.tiers):  # each tier profiles itself: one left out at start-up cannot
+                print(f"polyspec: speculation.lengths: auto: not every tier is up, so the chain runs lengths "
+                      f"{self.scheduler.lengths} untuned", file=sys.stderr, flush=True)
+            elif self.batched:  # the goodput planner sets each step's lengths for the load, speculation off included
                 self.scheduler.planner = self.make_remote_planner()
             else:
                 self.scheduler.tuner = self.make_tuner()
