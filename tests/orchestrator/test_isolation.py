@@ -160,3 +160,31 @@ def test_a_request_at_the_context_limit_leaves_the_shared_cache_usable(tiny_fami
     more = [{**raw, "id": f"{raw['id']}-{n}"} for n in range(3) for raw in GOOD]  # more slots than before
     results, errors = _run(engine, [near_limit] + more)
     assert not errors and len(results) == len(more) + 1
+
+
+def test_polyspec_batch_with_the_hostile_runs_extreme_values(tiny_family, tmp_path):
+    """Through the CLI: the poison rows of the hostile run (temperature 1e-45 and 5e-324, top_p 1e-300)
+    in one continuous batch beside ordinary requests: every line gets a result, the extreme ones the
+    greedy tokens, the others what they get in a batch without them."""
+    import json
+
+    import yaml
+
+    from tests.orchestrator.test_cli import run_cli
+
+    config = tmp_path / "chain.yaml"
+    config.write_text(yaml.safe_dump({"tiers": tier_specs(tiny_family, ["target", "mid", "ngram"]), "speculation": {"lengths": [3, 2]}}))
+    extreme = [{"id": "t45", "prompt_ids": [11, 12, 13, 14], "max_new_tokens": 12, "temperature": 1e-45},
+               {"id": "t324", "prompt_ids": [11, 12, 13, 14], "max_new_tokens": 12, "temperature": 5e-324, "seed": 3},
+               {"id": "p300", "prompt_ids": [11, 12, 13, 14], "max_new_tokens": 12, "temperature": 0.9, "top_p": 1e-300}]
+    outputs = {}
+    for name, lines in (("mixed", GOOD[:2] + extreme + GOOD[2:]), ("plain", GOOD)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+        done = run_cli("batch", "-c", str(config), "-i", str(tmp_path / f"{name}.jsonl"), "-o", str(tmp_path / f"{name}.out"))
+        assert done.returncode == 0, done.stderr[-2000:]
+        outputs[name] = {r["id"]: r for r in map(json.loads, (tmp_path / f"{name}.out").read_text().splitlines())}
+    assert not any("error" in r for r in outputs["mixed"].values())
+    assert outputs["mixed"]["t45"]["token_ids"] == outputs["mixed"]["t324"]["token_ids"] == outputs["mixed"]["p300"]["token_ids"]
+    assert outputs["mixed"]["t45"]["token_ids"] == outputs["mixed"]["g0"]["token_ids"][:12]  # the same prompt, greedy
+    for raw in GOOD:
+        assert outputs["mixed"][raw["id"]]["token_ids"] == outputs["plain"][raw["id"]]["token_ids"], raw["id"]
