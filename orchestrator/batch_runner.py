@@ -25,6 +25,8 @@ import collections
 import dataclasses
 from typing import Any, Callable, Iterable
 
+from polyspec.orchestrator.decode.contract import BatchDecoder
+
 
 def is_unavailable(exc: BaseException) -> bool:
     """A tier (or its actor) is gone and no valid chain is left: UNAVAILABLE, not INTERNAL."""
@@ -58,7 +60,7 @@ def _step(engine, states: list) -> list[tuple[Any, list[int]]]:
     """Prefill joining requests, then one batched round of every state whose prompt is cached."""
     scheduler = engine.scheduler
     ready = states
-    if hasattr(scheduler, "prefill"):
+    if isinstance(scheduler, BatchDecoder):
         scheduler.prefill(states)
         ready = [s for s in states if s.done or scheduler.ready(s)]
     emitted = engine.step_all(ready) if ready else []

@@ -16,7 +16,7 @@ import sys
 import threading
 from typing import Any, Callable
 
-from polyspec.orchestrator.decode.contract import RequestState
+from polyspec.orchestrator.decode.contract import BatchDecoder, RequestState
 from polyspec.orchestrator.decode.scheduler import ChainScheduler
 from polyspec.orchestrator.config import ChainConfig
 from polyspec.orchestrator.tokenization import encode_chat, encode_prompt, stop_token_ids
@@ -209,9 +209,8 @@ class Engine:
 
     def step_all(self, states: list[RequestState]) -> list[list[int]]:
         """One round of every request in `states` (batched chains: one forward per tier; otherwise in turn)."""
-        step_all = getattr(self.scheduler, "step_all", None)
-        if step_all is not None:
-            return step_all(states)
+        if isinstance(self.scheduler, BatchDecoder):
+            return self.scheduler.step_all(states)
         return [self.scheduler.step(state) for state in states]
 
     def _start_ray(self, auto_tune: bool, batched: bool) -> None:

@@ -133,6 +133,24 @@ class Decoder(Protocol):
         """Stop the request now: it finishes as "cancelled" (unless it was already done)."""
 
 
+@runtime_checkable
+class BatchDecoder(Decoder, Protocol):
+    """A decoder that advances many requests per step (the batched, device and distributed batched
+    rounds). The continuous-batching loop (polyspec.orchestrator.batch_runner) drives it:
+    `prefill` the joining requests, then `step_all` the `ready` ones."""
+
+    last_step: dict  # the latest step's batch size, tokens, seconds, lengths and tiers (for metrics)
+
+    def prefill(self, states: list[RequestState], budget: int | None = None) -> int:
+        """Cache joining requests' prompts (all but the last token) within `budget` tokens; returns the tokens fed."""
+
+    def ready(self, state: RequestState) -> bool:
+        """Is the request's prompt cached, so it can join the next step?"""
+
+    def step_all(self, states: list[RequestState]) -> list[list[int]]:
+        """One round of every request in `states`; the tokens each committed."""
+
+
 def generate(decoder: Decoder, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams, seed: int | None = None,
              on_commit: Callable[[list[int]], None] | None = None) -> GenerationOutput:
     """Generate up to `max_new_tokens` after `prompt_ids`; `on_commit` sees each round's new tokens.
