@@ -24,8 +24,7 @@ from typing import Any
 import yaml
 
 from polyspec.workers.core.errors import ConfigError
-from polyspec.workers.tiers.model_cache import resolve_zoo_reference
-from polyspec.workers.tiers.tier import NGRAM_MODEL
+from polyspec.workers.tiers.model_cache import NGRAM_MODEL, resolve_zoo_reference
 
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZE = ("int8", "int4")

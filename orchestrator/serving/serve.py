@@ -65,15 +65,13 @@ def limits_from_args(args) -> Limits:
     return Limits(**values)
 
 
-def cmd_serve(args) -> int:
+def cmd_serve(args, config) -> int:
+    """`config`: the ChainConfig the flags name (polyspec.orchestrator.chain_args)."""
     tenants = Tenants.from_files(args.auth_token_file, getattr(args, "tenants_file", None))
     if bool(args.tls_cert) != bool(args.tls_key):
         raise ConfigError("--tls-cert and --tls-key go together")
     tls = (_read_file(args.tls_key, "TLS key"), _read_file(args.tls_cert, "TLS certificate")) if args.tls_cert else None
     limits = limits_from_args(args)
-    from polyspec.orchestrator.config import load_config  # imports torch: after the quick checks
-
-    config = load_config(args.config)
     state_dir = args.state_dir or default_state_dir()
     try:
         store = JobStore(state_dir)

@@ -60,6 +60,7 @@ from polyspec.harness.tune_measure import (
 )
 from polyspec.harness.tune_prompts import PromptSets, split_prompts
 from polyspec.harness.tune_report import Confirmation, Contenders, TuneResults, build_report, format_report, tier_report
+from polyspec.orchestrator.chain_args import chain_config
 from polyspec.orchestrator.config import ChainConfig, load_config
 from polyspec.orchestrator.engine import Engine
 from polyspec.orchestrator.tuning.time_model import latency
@@ -340,7 +341,7 @@ def settings_from_args(args, config: ChainConfig) -> TuneSettings:
 
 
 def cmd_tune(args) -> int:
-    config = load_config(args.config)
+    config = chain_config(args)
     settings = settings_from_args(args, config)
     sets = split_prompts(args.prompts, config, settings.max_prompts, settings.heldout_prompts)
     prompts, source = sets.tuning, sets.source
