@@ -56,6 +56,15 @@ def seed_stream(seed: int | None) -> int | None:
     return int.from_bytes(hashlib.blake2b(int(seed).to_bytes(8, "little"), digest_size=8).digest(), "little") >> 1
 
 
+def choice_seed(seed: int, choice: int) -> int:
+    """The seed of choice `choice` of a request asking for several (OpenAI's `n`): choice 0
+    keeps `seed`, so n = 1 means what it always did; the others get independent streams."""
+    if choice == 0 or not 0 <= seed < SEED_LIMIT:
+        return seed  # (an out-of-range seed is reported by parse_request)
+    digest = hashlib.blake2b(seed.to_bytes(8, "little") + choice.to_bytes(4, "little"), digest_size=8, person=b"polyspec-n")
+    return int.from_bytes(digest.digest(), "little") >> 1
+
+
 def requests_within_memory(max_requests: int, kv_memory_mb: int | None, bytes_per_request: int) -> int:
     """How many requests may hold caches at once: `max_requests`, lowered so their KV caches (each at
     the full model context) stay within `kv_memory_mb`."""

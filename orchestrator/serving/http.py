@@ -1,11 +1,21 @@
 """OpenAI-compatible HTTP API on `polyspec serve --http-port` (a Starlette app, run by asgi.py).
 
     POST /v1/completions        {model, prompt (string | token ids | list of those), max_tokens (16),
-                                 temperature, top_p, top_k, seed, stream, stream_options, n (1)}
+                                 temperature, top_p, top_k, seed, stop, n (1), stream, stream_options}
     POST /v1/chat/completions   {model, messages: [{role, content}], max_tokens | max_completion_tokens
-                                 (default: the config's), temperature, top_p, top_k, seed, stream, n (1)}
-    GET  /v1/models
+                                 (default: the config's), temperature, top_p, top_k, seed, stop, n (1),
+                                 stream, stream_options}
+    GET  /v1/models, GET /v1/models/{id}
     GET  /health                200 once the models are loaded, 503 while loading or draining (no token needed)
+
+`model` must be one of the served names (`serve --served-model-name`, repeatable; by default
+the target's folder name or id); another is 404 `model_not_found`; left out, it is the first.
+`stop` (a string or a list) is matched on the committed text: the text ends before the
+first stop string, a stream never shows text past it, and generation stops there
+(finish_reason "stop"). `n` > 1 runs n independent requests per prompt (choice index
+prompt * n + j); with a `seed`, choice j samples from a seed derived from (seed, j), so at
+temperature 0 every choice is the target's greedy text. Every answer carries `usage`; a
+stream carries it in a last chunk with `stream_options: {"include_usage": true}`.
 
 Backed by the same RoundScheduler as gRPC, so both kinds of traffic share the fair queue.
 `stream: true` answers with server-sent events (`data: {...}` chunks, then `data: [DONE]`).
@@ -14,9 +24,9 @@ Chat messages become the prompt through the target tokenizer's chat template
 
 Errors are OpenAI-shaped (`{"error": {"message", "type", "param", "code"}}`), one line:
 400 for a malformed body (not UTF-8, not JSON, nested too deep, a lone surrogate) or a bad
-or unsupported option (n > 1, logprobs, echo, stop, best_of > 1, suffix, tools: never
+or unsupported option (logprobs, echo, best_of > 1, suffix, tools, penalties: never
 silently ignored), 401 without the token (`Authorization: Bearer <token>`), 404 for an
-unknown route, 408 for a body not sent within the request timeout, 413 past a size limit
+unknown route or model, 408 for a body not sent within the request timeout, 413 past a size limit
 (body, prompts per list, prompt bytes), 429 when the queue has no room for every prompt of
 the request (then none is queued), 503 while loading or draining. A client that
 disconnects, streaming or not, cancels its requests.
@@ -40,14 +50,18 @@ from starlette.routing import Route
 from polyspec.orchestrator.serving.jobs import LimitExceeded
 from polyspec.orchestrator.serving.request_loop import Draining, QueueFull, Work
 from polyspec.orchestrator.serving.security import Tenants
-from polyspec.orchestrator.tokenization import encode_chat
+from polyspec.orchestrator.engine import choice_seed
+from polyspec.orchestrator.tokenization import StopMatcher, check_stops, encode_chat
 from polyspec.workers.core.errors import RequestError
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_JSON_DEPTH = 32
 MAX_MESSAGES = 1024
 FINISH_REASONS = {"eos": "stop", "length": "length", "cancelled": "stop"}
-UNSUPPORTED = {"logprobs": None, "echo": False, "stop": None, "suffix": None}
+MAX_CHOICES = 16  # n
+MAX_STOPS = 4  # stop strings per request, as OpenAI allows
+SHOWN_NAME_CHARS = 64  # of a model name an error quotes back
+UNSUPPORTED = {"logprobs": None, "echo": False, "suffix": None}
 SHARED_FIELDS = {"model", "max_tokens", "temperature", "top_p", "seed", "stream", "n", "user", "frequency_penalty",
                  "presence_penalty", "logit_bias", "stream_options", "top_k", "logprobs", "stop"}
 KNOWN_FIELDS = {*SHARED_FIELDS, "prompt", "best_of", *UNSUPPORTED}
@@ -57,9 +71,10 @@ CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", close: bool = False) -> None:
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", close: bool = False,
+                 param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.kind, self.close = status, kind, close
+        self.status, self.kind, self.close, self.param, self.code = status, kind, close, param, code
 
 
 def model_name(service) -> str:
@@ -67,10 +82,27 @@ def model_name(service) -> str:
     return Path(target.model).name if Path(target.model).exists() else target.model
 
 
+def served_names(service) -> list[str]:
+    """The names the API answers to: `serve --served-model-name`, or the target's folder name or id."""
+    return list(service.served_model_names or [model_name(service)])
+
+
+def _shown(name: str) -> str:
+    return repr(name if len(name) <= SHOWN_NAME_CHARS else name[:SHOWN_NAME_CHARS] + "...")
+
+
+def _model_not_found(service, name: str) -> ApiError:
+    return ApiError(404, f"the model {_shown(name)} does not exist (this server serves {', '.join(map(repr, served_names(service)))})",
+                    param="model", code="model_not_found")
+
+
+def _error_body(error: ApiError) -> dict:
+    return {"error": {"message": str(error), "type": error.kind, "param": error.param, "code": error.code}}
+
+
 def _error_response(error: ApiError) -> JSONResponse:
     headers = {"Connection": "close"} if error.close else None
-    body = {"error": {"message": str(error), "type": error.kind, "param": None, "code": None}}
-    return JSONResponse(body, status_code=error.status, headers=headers)
+    return JSONResponse(_error_body(error), status_code=error.status, headers=headers)
 
 
 # ------------------------------------------------------------------- the body
@@ -151,9 +183,11 @@ def _check_options(body: dict, known: set[str]) -> None:
     for field, neutral in UNSUPPORTED.items():
         if field in known and body.get(field) not in (neutral, None, 0 if field == "logprobs" else neutral, "", [], False):
             raise ApiError(400, f"{field!r} is not supported by polyspec")
-    for field in ("n", "best_of"):
-        if body.get(field, 1) not in (1, None) or isinstance(body.get(field), bool):
-            raise ApiError(400, f"{field!r} must be 1 (polyspec returns one completion per prompt)")
+    if body.get("best_of", 1) not in (1, None) or isinstance(body.get("best_of"), bool):
+        raise ApiError(400, "'best_of' must be 1 (polyspec returns every choice it samples; ask for several with 'n')")
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES):
+        raise ApiError(400, f"'n' must be an integer from 1 to {MAX_CHOICES}, got {str(n)[:40]}", param="n")
     for field in ("frequency_penalty", "presence_penalty"):
         if body.get(field) not in (None, 0, 0.0) or isinstance(body.get(field), bool):
             raise ApiError(400, f"{field!r} is not supported by polyspec (it would change the target distribution)")
@@ -170,11 +204,33 @@ def _check_options(body: dict, known: set[str]) -> None:
     for field in ("model", "user"):
         if body.get(field) is not None and not isinstance(body[field], str):
             raise ApiError(400, f"{field!r} must be a string")
+    try:
+        check_stops(body.get("stop"), "'stop'", limit=MAX_STOPS)
+    except RequestError as exc:
+        raise ApiError(400, str(exc), param="stop") from None
 
 
-def _raw_request(body: dict, prompt, max_tokens_default: int | None) -> dict:
+def _choices(body: dict) -> int:
+    return body.get("n") or 1
+
+
+def _max_tokens(body: dict) -> tuple[str, object]:
+    """(the field as the client named it, its value): max_completion_tokens wins over the older max_tokens."""
+    for field in ("max_completion_tokens", "max_tokens"):
+        if body.get(field) is not None:
+            value = body[field]
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ApiError(400, f"{field!r} must be an integer, got {str(value)[:40]}", param=field)
+            if value < 1:
+                raise ApiError(400, f"{field!r} must be >= 1, got {value}", param=field)
+            return field, value
+    return "max_tokens", None
+
+
+def _raw_requests(body: dict, prompt, max_tokens_default: int | None) -> list[dict]:
+    """The `n` engine requests of one prompt; choice j's seed is derived from (seed, j)."""
     raw = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_ids": prompt}
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = _max_tokens(body)[1]
     if max_tokens is None:
         max_tokens = max_tokens_default
     if max_tokens is not None:
@@ -182,7 +238,10 @@ def _raw_request(body: dict, prompt, max_tokens_default: int | None) -> dict:
     for field in ("temperature", "top_p", "top_k", "seed"):
         if body.get(field) is not None:
             raw[field] = body[field]
-    return raw
+    seed = raw.get("seed")
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        return [dict(raw) for _ in range(_choices(body))]  # no seed (or a bad one: parse_request names it)
+    return [{**raw, "seed": choice_seed(seed, j)} for j in range(_choices(body))]
 
 
 def _messages(body: dict, max_bytes: int) -> list[dict]:
@@ -302,24 +361,45 @@ class OpenAIApi:
             return JSONResponse({"status": "loading"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
+    def _model(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": int(self.service.started), "owned_by": "polyspec"}
+
     async def models(self, request: Request, body: None) -> Response:
-        created = int(self.service.started)
-        return JSONResponse({"object": "list", "data": [
-            {"id": model_name(self.service), "object": "model", "created": created, "owned_by": "polyspec"}]})
+        return JSONResponse({"object": "list", "data": [self._model(name) for name in served_names(self.service)]})
+
+    async def model(self, request: Request, body: None) -> Response:
+        name = request.path_params["model_id"]
+        if name not in served_names(self.service):
+            raise _model_not_found(self.service, name)
+        return JSONResponse(self._model(name))
+
+    def _check_model(self, body: dict) -> str:
+        """The served name the request asked for (the first one when it named none)."""
+        names = served_names(self.service)
+        name = body.get("model")
+        if name is None:
+            return names[0]
+        if name not in names:
+            raise _model_not_found(self.service, name)
+        return name
 
     async def completions(self, request: Request, body: dict) -> Response:
         _check_options(body, KNOWN_FIELDS)
+        model = self._check_model(body)
         prompts = _prompts(body)
-        if len(prompts) > self.limits.max_prompts:
-            raise ApiError(413, f"{len(prompts)} prompts in one request (at most {self.limits.max_prompts})")
+        if len(prompts) * _choices(body) > self.limits.max_prompts:
+            raise ApiError(413, f"{len(prompts)} prompts x n = {_choices(body)} choices in one request (at most {self.limits.max_prompts})")
         stream = bool(body.get("stream"))
         if stream and len(prompts) > 1:
             raise ApiError(400, "stream: true takes one prompt")
-        requests = await self._parse_all([_raw_request(body, prompt, DEFAULT_MAX_TOKENS) for prompt in prompts])
-        return await self._answer(request, body, requests, chat=False)
+        requests = await self._parse_all([raw for prompt in prompts for raw in _raw_requests(body, prompt, DEFAULT_MAX_TOKENS)])
+        return await self._answer(request, body, model, requests, chat=False)
 
     async def chat(self, request: Request, body: dict) -> Response:
         _check_options(body, CHAT_FIELDS)
+        model = self._check_model(body)
+        if _choices(body) > self.limits.max_prompts:
+            raise ApiError(413, f"n = {_choices(body)} choices in one request (at most {self.limits.max_prompts})")
         messages = _messages(body, self.limits.max_prompt_bytes)
         service = self.service
 
@@ -332,108 +412,159 @@ class OpenAIApi:
         except RequestError as exc:
             service.metrics.request_finished("invalid_argument")
             raise ApiError(400, str(exc)) from None
-        requests = await self._parse_all([_raw_request(body, ids, None)])
-        return await self._answer(request, body, requests, chat=True)
+        requests = await self._parse_all(_raw_requests(body, ids, None))
+        return await self._answer(request, body, model, requests, chat=True)
 
     # ---------------------------------------------------------------- answers
 
-    async def _answer(self, request: Request, body: dict, requests: list, chat: bool) -> Response:
+    def _choices_of(self, requests: list, body: dict) -> list["_Choice"]:
+        stops = check_stops(body.get("stop"), "'stop'", limit=MAX_STOPS)
+        return [_Choice(index, work, events, stops, self.service.scheduler)
+                for index, (work, events) in enumerate(self._submit(requests))]
+
+    @staticmethod
+    def _usage(requests: list, choices: list["_Choice"], body: dict) -> dict:
+        # a prompt counts once however many choices it has (as OpenAI counts it)
+        prompt_tokens = sum(len(r.prompt_ids) for r in requests[:: _choices(body)])
+        return _usage(prompt_tokens, sum(len(choice.token_ids) for choice in choices))
+
+    async def _answer(self, request: Request, body: dict, model: str, requests: list, chat: bool) -> Response:
         kind = "chat.completion" if chat else "text_completion"
         header = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "object": kind,
-                  "created": int(time.time()), "model": body.get("model") or model_name(self.service)}
+                  "created": int(time.time()), "model": model}
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return await self._stream(header, requests[0], include_usage, chat)
-        pairs = self._submit(requests)
-        collecting = asyncio.ensure_future(asyncio.gather(*(self._collect(events) for _, events in pairs)))
+            return await self._stream(header, body, requests, include_usage, chat)
+        choices = self._choices_of(requests, body)
+        collecting = asyncio.ensure_future(asyncio.gather(*(choice.collect() for choice in choices)))
         watching = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait({collecting, watching}, return_when=asyncio.FIRST_COMPLETED)
             if not collecting.done():  # the client went away: its requests stop
                 return Response(status_code=499)
-            outcomes = collecting.result()
+            texts = collecting.result()
         finally:
             watching.cancel()
             if not collecting.done():
                 collecting.cancel()
-            for work, _ in pairs:
-                self.service.scheduler.cancel(work)  # no-op for finished work
-        choices, completion_tokens = [], 0
-        for index, (result, text) in enumerate(outcomes):
-            completion_tokens += len(result["token_ids"])
-            reason = FINISH_REASONS.get(result["finish_reason"], "stop")
+            for choice in choices:
+                choice.cancel()  # no-op for finished work
+        answers = []
+        for choice, text in zip(choices, texts):
             if chat:
-                choices.append({"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                                "finish_reason": reason})
+                answers.append({"index": choice.index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                                "finish_reason": choice.reason})
             else:
-                choices.append({"index": index, "text": text, "logprobs": None, "finish_reason": reason})
-        prompt_tokens = sum(len(r.prompt_ids) for r in requests)
-        return JSONResponse({**header, "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)})
+                answers.append({"index": choice.index, "text": text, "logprobs": None, "finish_reason": choice.reason})
+        return JSONResponse({**header, "choices": answers, "usage": self._usage(requests, choices, body)})
 
-    @staticmethod
-    async def _collect(events: asyncio.Queue) -> tuple[dict, str]:
-        pieces = []
-        while True:
-            kind, payload = await events.get()
-            if kind == "delta":
-                pieces.append(payload[1])
-            elif kind == "done":
-                result, tail, _ = payload
-                return result, "".join(pieces) + tail
-            else:
-                raise _failure(payload)
+    async def _stream(self, header: dict, body: dict, requests: list, include_usage: bool, chat: bool) -> Response:
+        choices = self._choices_of(requests, body)
+        merged: asyncio.Queue = asyncio.Queue()  # (choice, event) of every choice, as they come
+        pumps = [asyncio.ensure_future(choice.pump(merged)) for choice in choices]
 
-    async def _stream(self, header: dict, parsed, include_usage: bool, chat: bool) -> Response:
-        ((work, events),) = self._submit([parsed])
+        def stop_all() -> None:
+            for pump in pumps:
+                pump.cancel()
+            for choice in choices:
+                choice.cancel()
+
         try:
-            first = await events.get()  # an error before any token is still a plain JSON error
+            first = await merged.get()  # an error before any token is still a plain JSON error
         except asyncio.CancelledError:
-            self.service.scheduler.cancel(work)
+            stop_all()
             raise
-        if first[0] == "error":
-            raise _failure(first[1])
+        if first[1][0] == "error":
+            stop_all()
+            raise _failure(first[1][1])
         header = {**header, "object": "chat.completion.chunk" if chat else "text_completion"}
-        scheduler = self.service.scheduler
 
-        def chunk(text: str | None, reason: str | None, role: bool = False) -> bytes:
+        def chunk(index: int, text: str | None, reason: str | None, role: bool = False) -> bytes:
             if chat:
                 delta = {"role": "assistant", "content": text or ""} if role else ({"content": text} if text else {})
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+                choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
             else:
-                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+                choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
             return b"data: " + json.dumps({**header, "choices": [choice]}).encode() + b"\n\n"
 
         async def sse():
-            finished, completion_tokens, event = False, 0, first
             try:
                 if chat:
-                    yield chunk("", None, role=True)
+                    for choice in choices:
+                        yield chunk(choice.index, "", None, role=True)
+                pending, item = len(choices), first
                 while True:
-                    kind, payload = event
-                    if kind == "delta":
-                        completion_tokens += len(payload[0])
-                        yield chunk(payload[1], None)
-                    elif kind == "done":
-                        finished = True
-                        result, tail, _ = payload
-                        yield chunk(tail, FINISH_REASONS.get(result["finish_reason"], "stop"))
+                    choice, event = item
+                    try:
+                        text, done = choice.handle(event)
+                    except ApiError as error:
+                        yield b"data: " + json.dumps(_error_body(error)).encode() + b"\n\n"
+                        break
+                    if done:
+                        pending -= 1
+                        yield chunk(choice.index, text, choice.reason)
+                    elif text:
+                        yield chunk(choice.index, text, None)
+                    if not pending:
                         if include_usage:
-                            usage = _usage(len(parsed.prompt_ids), completion_tokens)
+                            usage = self._usage(requests, choices, body)
                             yield b"data: " + json.dumps({**header, "choices": [], "usage": usage}).encode() + b"\n\n"
                         break
-                    else:
-                        finished = True
-                        error = _failure(payload)
-                        yield b"data: " + json.dumps({"error": {"message": str(error), "type": error.kind, "param": None,
-                                                                "code": None}}).encode() + b"\n\n"
-                        break
-                    event = await events.get()
+                    item = await merged.get()
                 yield b"data: [DONE]\n\n"
             finally:
-                if not finished:  # the client went away
-                    scheduler.cancel(work)
+                stop_all()  # the client went away, or an error ended the stream: every choice stops
 
         return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+class _Choice:
+    """One choice of an answer: its request's events in, text out, cut at the first stop string
+    (the request is cancelled there and finishes as "stop")."""
+
+    def __init__(self, index: int, work: Work, events: asyncio.Queue, stops: tuple[str, ...], scheduler) -> None:
+        self.index, self.work, self.events, self.scheduler = index, work, events, scheduler
+        self.matcher = StopMatcher(stops)
+        self.token_ids: list[int] = []  # up to the round that completed a stop string
+        self.reason: str | None = None  # OpenAI's finish_reason, once done
+
+    def handle(self, event) -> tuple[str, bool]:
+        """(text to show, whether the choice is done); ApiError for a failed request."""
+        kind, payload = event
+        if kind == "delta":
+            if self.matcher.stopped:
+                return "", False  # a round committed before the cancel was seen
+            tokens, text = payload
+            self.token_ids.extend(tokens)
+            shown = self.matcher.push(text)
+            if self.matcher.stopped:
+                self.cancel()
+            return shown, False
+        if kind == "done":
+            result, tail, _ = payload
+            shown = self.matcher.push(tail) + self.matcher.finish()
+            self.reason = "stop" if self.matcher.stopped else FINISH_REASONS.get(result["finish_reason"], "stop")
+            return shown, True
+        raise _failure(payload)
+
+    async def collect(self) -> str:
+        pieces = []
+        while True:
+            text, done = self.handle(await self.events.get())
+            pieces.append(text)
+            if done:
+                return "".join(pieces)
+
+    async def pump(self, merged: asyncio.Queue) -> None:
+        """This choice's events into the queue of a stream's choices, up to its last."""
+        while True:
+            event = await self.events.get()
+            await merged.put((self, event))
+            if event[0] != "delta":
+                return
+
+    def cancel(self) -> None:
+        self.scheduler.cancel(self.work)  # no-op for finished work
 
 
 async def _disconnected(request: Request) -> None:
@@ -455,6 +586,7 @@ def build_app(service) -> Starlette:
     routes = [
         Route("/health", api.health, methods=["GET"]),
         Route("/v1/models", api.endpoint(api.models, needs_body=False), methods=["GET"]),
+        Route("/v1/models/{model_id:path}", api.endpoint(api.model, needs_body=False), methods=["GET"]),
         Route("/v1/completions", api.endpoint(api.completions, needs_body=True), methods=["POST"]),
         Route("/v1/chat/completions", api.endpoint(api.chat, needs_body=True), methods=["POST"]),
     ]

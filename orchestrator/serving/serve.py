@@ -93,11 +93,19 @@ def cmd_serve(args, config) -> int:
         "grace_s": args.grace,
         "auth_reflection": bool(getattr(args, "auth_reflection", False)),
         "auth_metrics": bool(getattr(args, "auth_metrics", False)),
+        "served_model_names": served_model_names(args),
     }
     try:
         return asyncio.run(_serve(**options))
     finally:
         store.close()
+
+
+def served_model_names(args) -> list[str] | None:
+    names = getattr(args, "served_model_name", None)
+    if names is not None and any(not name.strip() for name in names):
+        raise ConfigError("--served-model-name must not be empty")
+    return names
 
 
 def _check_bindable(host: str, port: int) -> None:
@@ -120,9 +128,10 @@ def _log(message: str) -> None:
 
 
 async def _serve(config, host, port, store, tenants, limits, tls, tls_files, metrics_port, http_port, grace_s,
-                 auth_reflection, auth_metrics) -> int:
+                 auth_reflection, auth_metrics, served_model_names=None) -> int:
     metrics = Metrics()
     service = PolyspecService(store, metrics, config.server.max_queue, tenants, limits)
+    service.served_model_names = served_model_names
     health_servicer = health.aio.HealthServicer()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)

@@ -136,6 +136,7 @@ class PolyspecService(pb_grpc.PolyspecServicer):
         self.limits = limits or Limits()
         self.engine = None
         self.scheduler: RoundScheduler | None = None
+        self.served_model_names: list[str] | None = None  # `serve --served-model-name`: the OpenAI API's model names
         self.draining = False
         self.started = time.time()
         self.tokenizer_lock = threading.Lock()  # the engine's tokenizer: the round thread's (decoding)
