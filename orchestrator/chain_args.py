@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+from pathlib import Path
 
-from polyspec.orchestrator.config import DTYPES, ChainConfig, load_config, parse_config
+from polyspec.orchestrator.config import DTYPES, ChainConfig, parse_lengths, load_config, parse_config
 from polyspec.orchestrator.validate import check_model_paths
 from polyspec.workers.core.errors import ConfigError
 from polyspec.workers.tiers.model_cache import NGRAM_MODEL
@@ -30,6 +32,10 @@ def add_chain_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", choices=DTYPES, default=None, help="every model tier's dtype (overrides the config)")
     group.add_argument("--threads", type=int, default=None, help="torch threads of every model tier (overrides the config)")
     group.add_argument("--device", default=None, help="every model tier's device: cpu, cuda, cuda:1, auto (overrides the config)")
+    group.add_argument("--lengths", default=None, metavar="auto|K[,K...]",
+                       help="speculation lengths, one per verifying tier, or auto (the tuner; overrides the config)")
+    group.add_argument("--reprofile", action="store_true",
+                       help="lengths: auto: measure the tiers again instead of reusing this machine's cached profile")
 
 
 def models_config(target: str, drafts: list[str], ngram: bool) -> ChainConfig:
@@ -40,6 +46,22 @@ def models_config(target: str, drafts: list[str], ngram: bool) -> ChainConfig:
     if ngram:
         tiers.append({"name": "ngram", "model": NGRAM_MODEL})
     return parse_config({"tiers": tiers})
+
+
+def with_lengths(config: ChainConfig, text: str) -> ChainConfig:
+    """`--lengths auto` or `--lengths 6,3`, checked as the config's speculation.lengths is."""
+    if text == "auto":
+        lengths = "auto"
+    else:
+        try:
+            lengths = [int(part) for part in text.split(",")]
+        except ValueError:
+            raise ConfigError(f"--lengths must be auto or integers separated by commas, got {text!r}") from None
+    try:
+        return dataclasses.replace(config, speculation=dataclasses.replace(config.speculation,
+                                                                           lengths=parse_lengths(lengths, len(config.tiers))))
+    except ConfigError as exc:
+        raise ConfigError(f"--lengths: {str(exc).replace('speculation.lengths ', '')}") from None
 
 
 def chain_config(args) -> ChainConfig:
@@ -56,6 +78,8 @@ def chain_config(args) -> ChainConfig:
         config = models_config(args.model, args.draft, args.ngram)
     else:
         raise ConfigError(f"no chain given: -c CONFIG (YAML) or -m MODEL ({MODEL_HELP})")
+    if args.lengths is not None:
+        config = with_lengths(config, args.lengths)
     if args.threads is not None and args.threads < 1:
         raise ConfigError(f"--threads must be >= 1, got {args.threads}")
     overrides = {key: value for key, value in (("dtype", args.dtype), ("threads", args.threads), ("device", args.device))
@@ -65,3 +89,17 @@ def chain_config(args) -> ChainConfig:
         config = dataclasses.replace(config, tiers=tiers)
     check_model_paths(config)
     return config
+
+
+def has_chat_template(model: str) -> bool | None:
+    """Whether a local model folder ships a chat template, read from its files without loading
+    anything (None: not a folder, so only the loaded tokenizer can tell)."""
+    folder = Path(model)
+    if not folder.is_dir():
+        return None
+    if (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file():
+        return True
+    try:
+        return bool(json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8")).get("chat_template"))
+    except (OSError, ValueError, AttributeError):
+        return None

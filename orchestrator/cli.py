@@ -107,13 +107,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load_engine(args, batched: bool = False):
+def _load_engine(args, batched: bool = False, chat_flag: str | None = None):
     """The engine of the chain the flags name; every flag and config mistake is reported
-    before torch or transformers is imported (chain_args)."""
+    before torch or transformers is imported (chain_args). `chat_flag`: the flag that asks for
+    the chat template, checked before the models load and again once the tokenizer has."""
     config = chain_args.chain_config(args)
+    if chat_flag is not None:
+        _check_chat_template(config.tiers[0].model, chain_args.has_chat_template(config.tiers[0].model), chat_flag)
     from polyspec.orchestrator.engine import Engine
 
-    return Engine(config, speculative=not args.no_speculation, batched=batched)
+    engine = Engine(config, speculative=not args.no_speculation, batched=batched, log=_log, cache_profiles=True,
+                    reprofile=args.reprofile)
+    if chat_flag is not None:
+        _check_chat_template(config.tiers[0].model, bool(getattr(engine.tokenizer, "chat_template", None)), chat_flag)
+    return engine
+
+
+def _log(message: str) -> None:
+    print(f"polyspec: {message}", file=sys.stderr, flush=True)
 
 
 def _read_prompt(args) -> str:
@@ -154,9 +165,9 @@ def _request_from_flags(args, prompt: str) -> dict:
     return {**raw, **_sampling_fields(args)}
 
 
-def _check_chat_template(engine, flag: str) -> None:
-    if engine.tokenizer is None or not getattr(engine.tokenizer, "chat_template", None):
-        target = engine.config.tiers[0].model
+def _check_chat_template(target: str, has_template: bool | None, flag: str) -> None:
+    """`flag` asked for the chat template: refuse when the target has none (None: cannot tell yet)."""
+    if has_template is False:
         raise RequestError(f"{flag}: the target model {target!r} has no chat template, so it cannot take a conversation"
                            f"{'; drop --chat to send the prompt as plain text' if flag == '--chat' else '; use polyspec generate -p TEXT'}")
 
@@ -166,10 +177,14 @@ def run_request(engine, request, stops: tuple[str, ...] = (), write=None) -> dic
     A stop string ends the request there (finish_reason "stop"; the text stops before it)."""
     matcher = StopMatcher(stops)
     shown, decoded = [], ""
+    started = time.perf_counter()
+    first_round_s = None  # the prompt's prefill in every tier, and the first round
     state = engine.start(request)
     try:
         while not state.done:
             state_tokens = engine.step(state)
+            if first_round_s is None:
+                first_round_s = time.perf_counter() - started
             if not state_tokens:
                 continue
             text = engine.decode(state.new_tokens)
@@ -185,14 +200,18 @@ def run_request(engine, request, stops: tuple[str, ...] = (), write=None) -> dic
     except BaseException:
         engine.cancel(state)
         raise
+    times = {"load_s": round(engine.load_s, 3), "profile_s": round(engine.profile_s, 3),
+             "prefill_s": round(first_round_s or 0.0, 4), "decode_s": round(time.perf_counter() - started - (first_round_s or 0.0), 4)}
     if matcher.stopped:
         result = engine.cancel(state)
+        result["stats"].update(times)
         ids = result["token_ids"]
         # the tokens up to the one that completed the stop string (a round commits several)
         kept = next(n for n in range(1, len(ids) + 1) if any(stop in engine.decode(ids[:n]) for stop in stops))
         result.update(text="".join(shown), token_ids=ids[:kept], finish_reason="stop")
         return result
     result = engine.finish(state)
+    result["stats"].update(times)
     rest = result["text"][len(decoded):] if result["text"].startswith(decoded) else ""
     shown.append(matcher.push(rest) + matcher.finish())
     if write is not None and shown[-1]:
@@ -211,16 +230,16 @@ def _write(text: str) -> None:
 def _summary(result: dict) -> str:
     stats = result["stats"]
     stages = ", ".join(f"{s['tier']}<-{s['drafter']} {s['mean_accepted_length']:.2f}" for s in stats["stages"])
-    return (f"[{len(result['token_ids'])} tokens, {stats['tokens_per_s']:.1f} tok/s, "
+    profile = f", profile {stats['profile_s']:.1f}s" if stats.get("profile_s") else ""
+    return (f"[{len(result['token_ids'])} tokens, {stats['tokens_per_s']:.1f} tok/s, load {stats['load_s']:.1f}s{profile}, "
+            f"prefill {stats['prefill_s']:.2f}s, decode {stats['decode_s']:.2f}s, "
             f"finish={result['finish_reason']}{', accepted/block: ' + stages if stages else ''}]")
 
 
 def cmd_generate(args) -> int:
     stops = check_stops(args.stop, "--stop")
     prompt = _read_prompt(args)
-    engine = _load_engine(args)
-    if args.chat:
-        _check_chat_template(engine, "--chat")
+    engine = _load_engine(args, chat_flag="--chat" if args.chat else None)
     request = engine.parse_request(_request_from_flags(args, prompt))
     if args.json:
         print(json.dumps(run_request(engine, request, stops)))
@@ -234,8 +253,7 @@ def cmd_generate(args) -> int:
 def cmd_chat(args) -> int:
     """One user turn per line of stdin; the whole conversation goes to the model each turn."""
     stops = check_stops(args.stop, "--stop")
-    engine = _load_engine(args)
-    _check_chat_template(engine, "polyspec chat")
+    engine = _load_engine(args, chat_flag="polyspec chat")
     system = [{"role": "system", "content": args.system}] if args.system is not None else []
     messages = list(system)
     interactive = sys.stdin.isatty()

@@ -280,7 +280,7 @@ def _check_drafters(tiers: tuple[TierConfig, ...]) -> None:
             raise ConfigError(f"tier {tier.name!r}: a trained drafter runs on its target's device ({tiers[0].device})")
 
 
-def _parse_lengths(raw: Any, num_tiers: int):
+def parse_lengths(raw: Any, num_tiers: int):
     if raw is None or raw == "default":
         return "default"
     if raw == "auto":
@@ -334,7 +334,7 @@ def parse_config(raw: Any, source: str | None = None) -> ChainConfig:
     _check_drafters(tiers)
 
     spec = _check_keys("speculation", raw.get("speculation"), SpeculationConfig)
-    spec["lengths"] = _parse_lengths(spec.get("lengths"), len(tiers))
+    spec["lengths"] = parse_lengths(spec.get("lengths"), len(tiers))
     if "tree_width" in spec:
         _typed("speculation", "tree_width", spec["tree_width"], int)
         if spec["tree_width"] < 1:

@@ -9,10 +9,13 @@ request means the same thing everywhere:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import math
+import sys
 import threading
+import time
 from typing import Any, Callable
 
 from polyspec.orchestrator.decode.contract import RequestState
@@ -78,19 +81,28 @@ def requests_within_memory(max_requests: int, kv_memory_mb: int | None, bytes_pe
 
 
 class Engine:
-    def __init__(self, config: ChainConfig, speculative: bool = True, auto_tune: bool = True, batched: bool = False) -> None:
+    def __init__(self, config: ChainConfig, speculative: bool = True, auto_tune: bool = True, batched: bool = False,
+                 log: Callable[[str], None] | None = None, cache_profiles: bool = False, reprofile: bool = False) -> None:
         """`auto_tune`: with `speculation.lengths: auto`, profile the tiers and let the tuner set the lengths.
         `batched`: step many requests per forward (`polyspec batch`, jobs, `serve`), where the config allows it
-        (`batching.enabled`, a local chain); otherwise requests take turns, one round each."""
+        (`batching.enabled`, a local chain); otherwise requests take turns, one round each.
+        `log(line)`: start-up progress (each tier as it loads, then the profile, with a progress bar on a
+        terminal); `cache_profiles`: keep start-up profiles on disk and reuse them (tuning.profile_cache),
+        `reprofile`: measure again all the same (and overwrite)."""
         quiet_transformers()
+        started = time.perf_counter()
+        self.log, self.cache_profiles, self.reprofile = log, cache_profiles, reprofile
+        self.profile_s = 0.0  # the start-up profile of lengths: auto (0 when read from the cache, or none)
         self._decode_lock = threading.Lock()
         self.batched = False
         self.max_requests = 1
         self.config = config if speculative else config.target_only()
         if config.runtime.backend == "ray":
             self._start_ray(auto_tune, batched)
+            self.load_s = time.perf_counter() - started
             return
-        self.tiers, self.tokenizer = load_tiers(self.config.tiers)
+        self.tiers, self.tokenizer = load_tiers(self.config.tiers, log)
+        self.load_s = time.perf_counter() - started  # the models (a profile comes after, timed on its own)
         eos = set()
         target_model = self.tiers[0].model
         for source in (getattr(target_model, "generation_config", None), target_model.config):
@@ -133,10 +145,13 @@ class Engine:
 
     def make_planner(self):
         """Profile each tier's batched forward (a few seconds) and build the goodput planner."""
-        from polyspec.orchestrator.tuning.batch_model import BatchPlanner, profile_batched
+        from polyspec.orchestrator.tuning.batch_model import BatchPlanner
+        from polyspec.orchestrator.tuning.profiler import profile_batched
 
         tiers = self.scheduler.tiers
-        tables, lookup = profile_batched(tiers, self.vocab_size, min(self.max_requests, PROFILE_MAX_BATCH))
+        with self._profiling() as (cache, bar):
+            tables, lookup = profile_batched(tiers, self.vocab_size, min(self.max_requests, PROFILE_MAX_BATCH), cache=cache, bar=bar,
+                                             log=self.log)
         return BatchPlanner(tiers, tables, lookup, max_batched_tokens=self.config.batching.max_batched_tokens,
                             tree_width=self.config.speculation.tree_width)
 
@@ -199,8 +214,31 @@ class Engine:
             profile, _ = profile_remote(self.scheduler, len(context), params, max_length)
             # a distributed chain runs every tier (its repair loop routes around dead ones)
             return Tuner(profile, tuning, tree_width=spec.tree_width, distributed=True, pipelined=bool(self.scheduler.pipeline))
-        profile = profile_tiers(self.tiers, context, params, max_length, spec.tree_width, spec.verifier)
+        with self._profiling() as (cache, bar):
+            profile = profile_tiers(self.tiers, context, params, max_length, spec.tree_width, spec.verifier, cache=cache, bar=bar,
+                                    log=self.log)
         return Tuner(profile, tuning, tree_width=spec.tree_width)
+
+    @contextlib.contextmanager
+    def _profiling(self):
+        """The start-up profile's cache (when this engine keeps them) and progress bar (when it logs)."""
+        from polyspec.orchestrator.tuning.profile_cache import ProfileCache
+
+        cache = ProfileCache(self.config.tiers, refresh=self.reprofile) if self.cache_profiles else None
+        started = time.perf_counter()
+        if self.log is None:
+            yield cache, None
+            self.profile_s = time.perf_counter() - started
+            return
+        from tqdm import tqdm
+
+        self.log("profiling the tiers for lengths: auto" + (" (cached profiles are reused; --reprofile measures again)"
+                                                            if cache is not None and not self.reprofile else ""))
+        # disable=None: a bar on a terminal; in a log, the per-tier lines say it all
+        with tqdm(desc="polyspec: profile", unit="size", file=sys.stderr, disable=None, leave=False) as bar:
+            yield cache, bar
+        self.profile_s = time.perf_counter() - started
+        self.log(f"start-up profile done in {self.profile_s:.1f}s")
 
     @property
     def vocab_size(self) -> int:

@@ -96,7 +96,9 @@ def test_plain_generate_streams_text(config_path, capsys):
 def test_bad_requests(config_path, capsys, flags, message):
     assert main(["generate", "-c", config_path] + flags) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("polyspec: error: ") and message in err[0]
+    # after the start-up lines (the prompt is checked against the loaded tokenizer), one error line
+    assert [line for line in err if "error" in line] == [err[-1]] and err[-1].startswith("polyspec: error: ") and message in err[-1]
+    assert all(line.startswith("polyspec: tier ") for line in err[:-1]), err
 
 
 @pytest.mark.parametrize(

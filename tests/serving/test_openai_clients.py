@@ -178,6 +178,14 @@ def test_streams_carry_usage_when_asked(api, target_alone):
     assert chunks[-1].usage.total_tokens == chunks[-1].usage.prompt_tokens + chunks[-1].usage.completion_tokens > 0
 
 
+def test_serve_says_what_it_loads_before_ready(demo_server):
+    log = demo_server.output()
+    ready = log.index("polyspec serve: ready")
+    for tier in ("target", "mid"):
+        assert -1 < log.index(f"polyspec serve: tier {tier}: loading") < log.index(f"polyspec serve: tier {tier}: loaded in") < ready
+    assert -1 < log.index("polyspec serve: models loaded in") < ready
+
+
 def test_serve_help_names_the_chat_route():
     proc = subprocess.run([sys.executable, "-m", "polyspec", "serve", "--help"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "/v1/chat/completions" in proc.stdout and "--served-model-name" in proc.stdout
