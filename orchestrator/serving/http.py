@@ -16,6 +16,9 @@ first stop string, a stream never shows text past it, and generation stops there
 prompt * n + j); with a `seed`, choice j samples from a seed derived from (seed, j), so at
 temperature 0 every choice is the target's greedy text. Every answer carries `usage`; a
 stream carries it in a last chunk with `stream_options: {"include_usage": true}`.
+`logprobs` (completions: 0-5 alternatives; chat: `logprobs: true`, `top_logprobs` 0-20, not
+streamed) are the target's own log-probabilities of the committed tokens under the
+request's warp, temperature 1 for a greedy request (logprobs.py).
 
 Backed by the same RoundScheduler as gRPC, so both kinds of traffic share the fair queue.
 `stream: true` answers with server-sent events (`data: {...}` chunks, then `data: [DONE]`).
@@ -24,8 +27,8 @@ Chat messages become the prompt through the target tokenizer's chat template
 
 Errors are OpenAI-shaped (`{"error": {"message", "type", "param", "code"}}`), one line:
 400 for a malformed body (not UTF-8, not JSON, nested too deep, a lone surrogate) or a bad
-or unsupported option (logprobs, echo, best_of > 1, suffix, tools, penalties: never
-silently ignored), 401 without the token (`Authorization: Bearer <token>`), 404 for an
+or unsupported option (echo, best_of > 1, suffix, tools, penalties, logprobs with
+stream: never silently ignored), 401 without the token (`Authorization: Bearer <token>`), 404 for an
 unknown route or model, 408 for a body not sent within the request timeout, 413 past a size limit
 (body, prompts per list, prompt bytes), 429 when the queue has no room for every prompt of
 the request (then none is queued), 503 while loading or draining. A client that
@@ -51,6 +54,7 @@ from polyspec.orchestrator.serving.jobs import LimitExceeded
 from polyspec.orchestrator.serving.request_loop import Draining, QueueFull, Work
 from polyspec.orchestrator.serving.security import Tenants
 from polyspec.orchestrator.engine import choice_seed
+from polyspec.orchestrator.serving.logprobs import MAX_TOP_LOGPROBS, TargetScorer
 from polyspec.orchestrator.tokenization import StopMatcher, check_stops, encode_chat
 from polyspec.workers.core.errors import RequestError
 
@@ -61,7 +65,8 @@ FINISH_REASONS = {"eos": "stop", "length": "length", "cancelled": "stop"}
 MAX_CHOICES = 16  # n
 MAX_STOPS = 4  # stop strings per request, as OpenAI allows
 SHOWN_NAME_CHARS = 64  # of a model name an error quotes back
-UNSUPPORTED = {"logprobs": None, "echo": False, "suffix": None}
+UNSUPPORTED = {"echo": False, "suffix": None}
+MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' `logprobs` (top alternatives), as OpenAI bounds it
 SHARED_FIELDS = {"model", "max_tokens", "temperature", "top_p", "seed", "stream", "n", "user", "frequency_penalty",
                  "presence_penalty", "logit_bias", "stream_options", "top_k", "logprobs", "stop"}
 KNOWN_FIELDS = {*SHARED_FIELDS, "prompt", "best_of", *UNSUPPORTED}
@@ -181,7 +186,7 @@ def _check_options(body: dict, known: set[str]) -> None:
     if unknown:
         raise ApiError(400, f"unknown field {unknown[0][:64]!r}")
     for field, neutral in UNSUPPORTED.items():
-        if field in known and body.get(field) not in (neutral, None, 0 if field == "logprobs" else neutral, "", [], False):
+        if field in known and body.get(field) not in (neutral, None, "", [], False):
             raise ApiError(400, f"{field!r} is not supported by polyspec")
     if body.get("best_of", 1) not in (1, None) or isinstance(body.get("best_of"), bool):
         raise ApiError(400, "'best_of' must be 1 (polyspec returns every choice it samples; ask for several with 'n')")
@@ -191,7 +196,7 @@ def _check_options(body: dict, known: set[str]) -> None:
     for field in ("frequency_penalty", "presence_penalty"):
         if body.get(field) not in (None, 0, 0.0) or isinstance(body.get(field), bool):
             raise ApiError(400, f"{field!r} is not supported by polyspec (it would change the target distribution)")
-    for field in ("logit_bias", "tools", "tool_choice", "top_logprobs"):
+    for field in ("logit_bias", "tools", "tool_choice"):
         if body.get(field):
             raise ApiError(400, f"{field!r} is not supported by polyspec")
     if body.get("response_format") not in (None, {"type": "text"}):
@@ -208,6 +213,28 @@ def _check_options(body: dict, known: set[str]) -> None:
         check_stops(body.get("stop"), "'stop'", limit=MAX_STOPS)
     except RequestError as exc:
         raise ApiError(400, str(exc), param="stop") from None
+
+
+def _top_logprobs(body: dict, chat: bool) -> int | None:
+    """How many alternatives each token's log-probability comes with; None: no logprobs asked for.
+    Completions send `logprobs: N` (0-5); chat sends `logprobs: true` and `top_logprobs: N` (0-20)."""
+    logprobs, top = body.get("logprobs"), body.get("top_logprobs")
+    if chat:
+        if logprobs is not None and not isinstance(logprobs, bool):
+            raise ApiError(400, "'logprobs' must be true or false", param="logprobs")
+        if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS):
+            raise ApiError(400, f"'top_logprobs' must be an integer from 0 to {MAX_TOP_LOGPROBS}", param="top_logprobs")
+        if top is not None and not logprobs:
+            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        wanted = (top or 0) if logprobs else None
+    else:
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                     or not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS):
+            raise ApiError(400, f"'logprobs' must be an integer from 0 to {MAX_COMPLETION_LOGPROBS}", param="logprobs")
+        wanted = logprobs
+    if wanted is not None and body.get("stream"):
+        raise ApiError(400, "'logprobs' with stream: true is not supported by polyspec (ask without streaming)", param="logprobs")
+    return wanted
 
 
 def _choices(body: dict) -> int:
@@ -288,6 +315,7 @@ class OpenAIApi:
     def __init__(self, service) -> None:
         self.service = service
         self.limits = service.limits
+        self._scorer: TargetScorer | None = None  # loaded on the first request for logprobs
 
     # ---------------------------------------------------------------- plumbing
 
@@ -385,6 +413,7 @@ class OpenAIApi:
 
     async def completions(self, request: Request, body: dict) -> Response:
         _check_options(body, KNOWN_FIELDS)
+        _top_logprobs(body, chat=False)
         model = self._check_model(body)
         prompts = _prompts(body)
         if len(prompts) * _choices(body) > self.limits.max_prompts:
@@ -397,6 +426,7 @@ class OpenAIApi:
 
     async def chat(self, request: Request, body: dict) -> Response:
         _check_options(body, CHAT_FIELDS)
+        _top_logprobs(body, chat=True)
         model = self._check_model(body)
         if _choices(body) > self.limits.max_prompts:
             raise ApiError(413, f"n = {_choices(body)} choices in one request (at most {self.limits.max_prompts})")
@@ -449,14 +479,45 @@ class OpenAIApi:
                 collecting.cancel()
             for choice in choices:
                 choice.cancel()  # no-op for finished work
+        top = _top_logprobs(body, chat)
+        logprobs = [None] * len(choices) if top is None else await asyncio.gather(
+            *(self._logprobs(parsed, text, choice, top, chat) for parsed, choice, text in zip(requests, choices, texts)))
         answers = []
-        for choice, text in zip(choices, texts):
+        for choice, text, scored in zip(choices, texts, logprobs):
             if chat:
-                answers.append({"index": choice.index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                answers.append({"index": choice.index, "message": {"role": "assistant", "content": text}, "logprobs": scored,
                                 "finish_reason": choice.reason})
             else:
-                answers.append({"index": choice.index, "text": text, "logprobs": None, "finish_reason": choice.reason})
+                answers.append({"index": choice.index, "text": text, "logprobs": scored, "finish_reason": choice.reason})
         return JSONResponse({**header, "choices": answers, "usage": self._usage(requests, choices, body)})
+
+    async def _logprobs(self, parsed, text: str, choice: "_Choice", top: int, chat: bool) -> dict:
+        """The choice's tokens (those its text holds, when a stop string cut it) with the target's log-probabilities."""
+        if self._scorer is None:
+            self._scorer = TargetScorer(self.service.engine.config.tiers[0])
+
+        def score() -> tuple[list, list[str]]:
+            with self.service.prompt_tokenizer() as tokenizer:
+                ids = choice.token_ids
+                if choice.matcher.stopped:  # the longest prefix of the tokens whose text the answer holds
+                    ids = ids[: max(m for m in range(len(ids) + 1) if text.startswith(tokenizer.decode(ids[:m], skip_special_tokens=True)))]
+                scored = self._scorer.score(list(parsed.prompt_ids), ids, parsed.params, top)
+                names = {t: tokenizer.decode([t]) for s in scored for t in (s.token_id, *(i for i, _ in s.top))}
+            return scored, names
+
+        scored, names = await asyncio.to_thread(score)
+        if chat:
+            def entry(token: int, logprob: float) -> dict:
+                return {"token": names[token], "logprob": logprob, "bytes": list(names[token].encode("utf-8"))}
+
+            return {"content": [{**entry(s.token_id, s.logprob), "top_logprobs": [entry(i, v) for i, v in s.top]} for s in scored],
+                    "refusal": None}
+        offsets, offset = [], 0
+        for s in scored:
+            offsets.append(offset)
+            offset += len(names[s.token_id])
+        return {"tokens": [names[s.token_id] for s in scored], "token_logprobs": [s.logprob for s in scored],
+                "top_logprobs": [{names[i]: v for i, v in s.top} for s in scored] if top else None, "text_offset": offsets}
 
     async def _stream(self, header: dict, body: dict, requests: list, include_usage: bool, chat: bool) -> Response:
         choices = self._choices_of(requests, body)

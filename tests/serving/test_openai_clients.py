@@ -178,6 +178,57 @@ def test_streams_carry_usage_when_asked(api, target_alone):
     assert chunks[-1].usage.total_tokens == chunks[-1].usage.prompt_tokens + chunks[-1].usage.completion_tokens > 0
 
 
+def _reference_logprobs(demo_config, prompt_ids: list[int], token_ids: list[int], temperature: float) -> list[list[float]]:
+    """The target's log-softmax at `temperature` for each completion position, from transformers directly."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    target = yaml.safe_load(demo_config.read_text())["tiers"][0]["model"]
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids + token_ids])).logits[0, len(prompt_ids) - 1 : -1].float()
+    return torch.log_softmax(logits / temperature, dim=-1).tolist()
+
+
+def test_logprobs_are_the_targets_own(api, demo_config, target_alone):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(yaml.safe_load(demo_config.read_text())["tiers"][0]["model"])
+    expected = target_alone(12, PROMPT)
+    completion = api.completions.create(model="demo", prompt=PROMPT, max_tokens=12, temperature=0, logprobs=3)
+    logprobs = completion.choices[0].logprobs
+    assert "".join(logprobs.tokens) == completion.choices[0].text == expected["text"]
+    prompt_ids = tokenizer(PROMPT)["input_ids"]
+    reference = _reference_logprobs(demo_config, prompt_ids, expected["token_ids"], 1.0)  # greedy: reported at temperature 1
+    assert logprobs.token_logprobs == pytest.approx([row[t] for row, t in zip(reference, expected["token_ids"])], abs=1e-3)
+    for row, alternatives, token in zip(reference, logprobs.top_logprobs, expected["token_ids"]):
+        assert len(alternatives) == 3
+        best = max(alternatives.values())
+        assert best == pytest.approx(max(row), abs=1e-3) and best == pytest.approx(row[token], abs=1e-3)  # greedy took the argmax
+    assert logprobs.text_offset[0] == 0
+
+    sampled = api.completions.create(model="demo", prompt=PROMPT, max_tokens=8, temperature=0.7, seed=3, logprobs=0)
+    again = api.completions.create(model="demo", prompt=PROMPT, max_tokens=8, temperature=0.7, seed=3)
+    assert sampled.choices[0].text == again.choices[0].text
+    token_ids = tokenizer(PROMPT + sampled.choices[0].text)["input_ids"][len(prompt_ids):]
+    # (this seed's text tokenizes back to the tokens sampled: the same count, the same pieces)
+    assert [tokenizer.decode([t]) for t in token_ids] == sampled.choices[0].logprobs.tokens
+    reference = _reference_logprobs(demo_config, prompt_ids, token_ids, 0.7)  # under the request's temperature
+    assert sampled.choices[0].logprobs.token_logprobs == pytest.approx([row[t] for row, t in zip(reference, token_ids)], abs=1e-3)
+
+    messages = [{"role": "user", "content": "write a loop"}]
+    chat = api.chat.completions.create(model="demo", messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2, n=2)
+    for choice in chat.choices:
+        content = choice.logprobs.content
+        assert "".join(entry.token for entry in content) == choice.message.content
+        assert all(len(entry.top_logprobs) == 2 and entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+                   and entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-4) for entry in content)
+    with pytest.raises(openai.BadRequestError, match="'top_logprobs' needs 'logprobs': true"):
+        api.chat.completions.create(model="demo", messages=messages, max_tokens=2, top_logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="with stream: true is not supported"):
+        api.completions.create(model="demo", prompt=PROMPT, max_tokens=2, logprobs=1, stream=True)
+
+
 def test_serve_says_what_it_loads_before_ready(demo_server):
     log = demo_server.output()
     ready = log.index("polyspec serve: ready")
