@@ -53,33 +53,16 @@ from starlette.routing import Route
 from polyspec.orchestrator.serving.jobs import LimitExceeded
 from polyspec.orchestrator.serving.request_loop import Draining, QueueFull, Work
 from polyspec.orchestrator.serving.security import Tenants
-from polyspec.orchestrator.engine import choice_seed
-from polyspec.orchestrator.serving.logprobs import MAX_TOP_LOGPROBS, TargetScorer
+from polyspec.orchestrator.serving import openai_request
+from polyspec.orchestrator.serving.logprobs import TargetScorer
+from polyspec.orchestrator.serving.openai_request import CHAT_FIELDS, KNOWN_FIELDS, MAX_STOPS, ApiError
 from polyspec.orchestrator.tokenization import StopMatcher, check_stops, encode_chat
 from polyspec.workers.core.errors import RequestError
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_JSON_DEPTH = 32
-MAX_MESSAGES = 1024
 FINISH_REASONS = {"eos": "stop", "length": "length", "cancelled": "stop"}
-MAX_CHOICES = 16  # n
-MAX_STOPS = 4  # stop strings per request, as OpenAI allows
 SHOWN_NAME_CHARS = 64  # of a model name an error quotes back
-UNSUPPORTED = {"echo": False, "suffix": None}
-MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' `logprobs` (top alternatives), as OpenAI bounds it
-SHARED_FIELDS = {"model", "max_tokens", "temperature", "top_p", "seed", "stream", "n", "user", "frequency_penalty",
-                 "presence_penalty", "logit_bias", "stream_options", "top_k", "logprobs", "stop"}
-KNOWN_FIELDS = {*SHARED_FIELDS, "prompt", "best_of", *UNSUPPORTED}
-CHAT_FIELDS = {*SHARED_FIELDS, "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-               "response_format", "parallel_tool_calls"}
-CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", close: bool = False,
-                 param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.kind, self.close, self.param, self.code = status, kind, close, param, code
 
 
 def model_name(service) -> str:
@@ -167,134 +150,6 @@ def _check_values(value, depth: int) -> None:
     elif isinstance(value, list):
         for item in value:
             _check_values(item, depth + 1)
-
-
-# ---------------------------------------------------------------- the options
-
-
-def _prompts(body: dict) -> list:
-    prompt = body.get("prompt")
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
-        return [prompt]
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        return list(prompt)
-    raise ApiError(400, "prompt must be a string, a list of token ids, or a list of those")
-
-
-def _check_options(body: dict, known: set[str]) -> None:
-    unknown = sorted(set(body) - known)
-    if unknown:
-        raise ApiError(400, f"unknown field {unknown[0][:64]!r}")
-    for field, neutral in UNSUPPORTED.items():
-        if field in known and body.get(field) not in (neutral, None, "", [], False):
-            raise ApiError(400, f"{field!r} is not supported by polyspec")
-    if body.get("best_of", 1) not in (1, None) or isinstance(body.get("best_of"), bool):
-        raise ApiError(400, "'best_of' must be 1 (polyspec returns every choice it samples; ask for several with 'n')")
-    n = body.get("n")
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES):
-        raise ApiError(400, f"'n' must be an integer from 1 to {MAX_CHOICES}, got {str(n)[:40]}", param="n")
-    for field in ("frequency_penalty", "presence_penalty"):
-        if body.get(field) not in (None, 0, 0.0) or isinstance(body.get(field), bool):
-            raise ApiError(400, f"{field!r} is not supported by polyspec (it would change the target distribution)")
-    for field in ("logit_bias", "tools", "tool_choice"):
-        if body.get(field):
-            raise ApiError(400, f"{field!r} is not supported by polyspec")
-    if body.get("response_format") not in (None, {"type": "text"}):
-        raise ApiError(400, "'response_format' other than text is not supported by polyspec")
-    if body.get("stream") is not None and not isinstance(body["stream"], bool):
-        raise ApiError(400, "'stream' must be true or false")
-    options = body.get("stream_options")
-    if options is not None and (not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool)):
-        raise ApiError(400, "'stream_options' must be an object like {\"include_usage\": true}")
-    for field in ("model", "user"):
-        if body.get(field) is not None and not isinstance(body[field], str):
-            raise ApiError(400, f"{field!r} must be a string")
-    try:
-        check_stops(body.get("stop"), "'stop'", limit=MAX_STOPS)
-    except RequestError as exc:
-        raise ApiError(400, str(exc), param="stop") from None
-
-
-def _top_logprobs(body: dict, chat: bool) -> int | None:
-    """How many alternatives each token's log-probability comes with; None: no logprobs asked for.
-    Completions send `logprobs: N` (0-5); chat sends `logprobs: true` and `top_logprobs: N` (0-20)."""
-    logprobs, top = body.get("logprobs"), body.get("top_logprobs")
-    if chat:
-        if logprobs is not None and not isinstance(logprobs, bool):
-            raise ApiError(400, "'logprobs' must be true or false", param="logprobs")
-        if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS):
-            raise ApiError(400, f"'top_logprobs' must be an integer from 0 to {MAX_TOP_LOGPROBS}", param="top_logprobs")
-        if top is not None and not logprobs:
-            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-        wanted = (top or 0) if logprobs else None
-    else:
-        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
-                                     or not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS):
-            raise ApiError(400, f"'logprobs' must be an integer from 0 to {MAX_COMPLETION_LOGPROBS}", param="logprobs")
-        wanted = logprobs
-    if wanted is not None and body.get("stream"):
-        raise ApiError(400, "'logprobs' with stream: true is not supported by polyspec (ask without streaming)", param="logprobs")
-    return wanted
-
-
-def _choices(body: dict) -> int:
-    return body.get("n") or 1
-
-
-def _max_tokens(body: dict) -> tuple[str, object]:
-    """(the field as the client named it, its value): max_completion_tokens wins over the older max_tokens."""
-    for field in ("max_completion_tokens", "max_tokens"):
-        if body.get(field) is not None:
-            value = body[field]
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ApiError(400, f"{field!r} must be an integer, got {str(value)[:40]}", param=field)
-            if value < 1:
-                raise ApiError(400, f"{field!r} must be >= 1, got {value}", param=field)
-            return field, value
-    return "max_tokens", None
-
-
-def _raw_requests(body: dict, prompt, max_tokens_default: int | None) -> list[dict]:
-    """The `n` engine requests of one prompt; choice j's seed is derived from (seed, j)."""
-    raw = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_ids": prompt}
-    max_tokens = _max_tokens(body)[1]
-    if max_tokens is None:
-        max_tokens = max_tokens_default
-    if max_tokens is not None:
-        raw["max_new_tokens"] = max_tokens
-    for field in ("temperature", "top_p", "top_k", "seed"):
-        if body.get(field) is not None:
-            raw[field] = body[field]
-    seed = raw.get("seed")
-    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-        return [dict(raw) for _ in range(_choices(body))]  # no seed (or a bad one: parse_request names it)
-    return [{**raw, "seed": choice_seed(seed, j)} for j in range(_choices(body))]
-
-
-def _messages(body: dict, max_bytes: int) -> list[dict]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "messages must be a non-empty list of {role, content} objects")
-    if len(messages) > MAX_MESSAGES:
-        raise ApiError(413, f"{len(messages)} messages (at most {MAX_MESSAGES})")
-    plain, size = [], 0
-    for number, message in enumerate(messages, start=1):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise ApiError(400, f"message {number} must be an object with a 'role' and a 'content'")
-        if message["role"] not in CHAT_ROLES:
-            raise ApiError(400, f"message {number}: unknown role {message['role'][:32]!r} (known: {', '.join(sorted(CHAT_ROLES))})")
-        content = message.get("content")
-        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-            if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str) for part in content):
-                raise ApiError(400, f"message {number}: only text content parts are supported")
-            content = "".join(part["text"] for part in content)
-        if not isinstance(content, str):
-            raise ApiError(400, f"message {number}: content must be a string")
-        size += len(content.encode("utf-8"))
-        if size > max_bytes:
-            raise ApiError(413, f"the messages hold over {max_bytes} bytes")
-        plain.append({"role": message["role"], "content": content})
-    return plain
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -412,25 +267,25 @@ class OpenAIApi:
         return name
 
     async def completions(self, request: Request, body: dict) -> Response:
-        _check_options(body, KNOWN_FIELDS)
-        _top_logprobs(body, chat=False)
+        openai_request.check_options(body, KNOWN_FIELDS)
+        openai_request.top_logprobs(body, chat=False)
         model = self._check_model(body)
-        prompts = _prompts(body)
-        if len(prompts) * _choices(body) > self.limits.max_prompts:
-            raise ApiError(413, f"{len(prompts)} prompts x n = {_choices(body)} choices in one request (at most {self.limits.max_prompts})")
+        prompts = openai_request.prompts(body)
+        if len(prompts) * openai_request.choices(body) > self.limits.max_prompts:
+            raise ApiError(413, f"{len(prompts)} prompts x n = {openai_request.choices(body)} choices in one request (at most {self.limits.max_prompts})")
         stream = bool(body.get("stream"))
         if stream and len(prompts) > 1:
             raise ApiError(400, "stream: true takes one prompt")
-        requests = await self._parse_all([raw for prompt in prompts for raw in _raw_requests(body, prompt, DEFAULT_MAX_TOKENS)])
+        requests = await self._parse_all([raw for prompt in prompts for raw in openai_request.raw_requests(body, prompt, DEFAULT_MAX_TOKENS)])
         return await self._answer(request, body, model, requests, chat=False)
 
     async def chat(self, request: Request, body: dict) -> Response:
-        _check_options(body, CHAT_FIELDS)
-        _top_logprobs(body, chat=True)
+        openai_request.check_options(body, CHAT_FIELDS)
+        openai_request.top_logprobs(body, chat=True)
         model = self._check_model(body)
-        if _choices(body) > self.limits.max_prompts:
-            raise ApiError(413, f"n = {_choices(body)} choices in one request (at most {self.limits.max_prompts})")
-        messages = _messages(body, self.limits.max_prompt_bytes)
+        if openai_request.choices(body) > self.limits.max_prompts:
+            raise ApiError(413, f"n = {openai_request.choices(body)} choices in one request (at most {self.limits.max_prompts})")
+        messages = openai_request.messages(body, self.limits.max_prompt_bytes)
         service = self.service
 
         def encode() -> list[int]:
@@ -442,7 +297,7 @@ class OpenAIApi:
         except RequestError as exc:
             service.metrics.request_finished("invalid_argument")
             raise ApiError(400, str(exc)) from None
-        requests = await self._parse_all(_raw_requests(body, ids, None))
+        requests = await self._parse_all(openai_request.raw_requests(body, ids, None))
         return await self._answer(request, body, model, requests, chat=True)
 
     # ---------------------------------------------------------------- answers
@@ -455,7 +310,7 @@ class OpenAIApi:
     @staticmethod
     def _usage(requests: list, choices: list["_Choice"], body: dict) -> dict:
         # a prompt counts once however many choices it has (as OpenAI counts it)
-        prompt_tokens = sum(len(r.prompt_ids) for r in requests[:: _choices(body)])
+        prompt_tokens = sum(len(r.prompt_ids) for r in requests[:: openai_request.choices(body)])
         return _usage(prompt_tokens, sum(len(choice.token_ids) for choice in choices))
 
     async def _answer(self, request: Request, body: dict, model: str, requests: list, chat: bool) -> Response:
@@ -479,7 +334,7 @@ class OpenAIApi:
                 collecting.cancel()
             for choice in choices:
                 choice.cancel()  # no-op for finished work
-        top = _top_logprobs(body, chat)
+        top = openai_request.top_logprobs(body, chat)
         logprobs = [None] * len(choices) if top is None else await asyncio.gather(
             *(self._logprobs(parsed, text, choice, top, chat) for parsed, choice, text in zip(requests, choices, texts)))
         answers = []
