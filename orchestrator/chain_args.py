@@ -14,7 +14,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from polyspec.orchestrator.config import DTYPES, ChainConfig, parse_lengths, load_config, parse_config
+from polyspec.orchestrator.config import AUTO, DTYPES, ChainConfig, parse_lengths, load_config, parse_config
 from polyspec.orchestrator.validate import check_model_paths
 from polyspec.workers.core.errors import ConfigError
 from polyspec.workers.tiers.model_cache import NGRAM_MODEL
@@ -29,8 +29,10 @@ def add_chain_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--draft", action="append", default=[], metavar="MODEL",
                        help="a drafter model under the target (repeatable: each drafts for the one before)")
     group.add_argument("--ngram", action="store_true", help="with -m: a model-free prompt-lookup drafter as the last tier")
-    group.add_argument("--dtype", choices=DTYPES, default=None, help="every model tier's dtype (overrides the config)")
-    group.add_argument("--threads", type=int, default=None, help="torch threads of every model tier (overrides the config)")
+    group.add_argument("--dtype", choices=(*DTYPES, AUTO), default=None,
+                       help="every model tier's dtype (overrides the config; auto: measured once per machine)")
+    group.add_argument("--threads", type=_threads, default=None,
+                       help="torch threads of every model tier, or auto (overrides the config)")
     group.add_argument("--device", default=None, help="every model tier's device: cpu, cuda, cuda:1, auto (overrides the config)")
     group.add_argument("--lengths", default=None, metavar="auto|K[,K...]",
                        help="speculation lengths, one per verifying tier, or auto (the tuner; overrides the config)")
@@ -80,15 +82,27 @@ def chain_config(args) -> ChainConfig:
         raise ConfigError(f"no chain given: -c CONFIG (YAML) or -m MODEL ({MODEL_HELP})")
     if args.lengths is not None:
         config = with_lengths(config, args.lengths)
-    if args.threads is not None and args.threads < 1:
-        raise ConfigError(f"--threads must be >= 1, got {args.threads}")
     overrides = {key: value for key, value in (("dtype", args.dtype), ("threads", args.threads), ("device", args.device))
                  if value is not None}
     if overrides:
         tiers = tuple(tier if tier.is_ngram else dataclasses.replace(tier, **overrides) for tier in config.tiers)
         config = dataclasses.replace(config, tiers=tiers)
     check_model_paths(config)
+    if config.runtime.backend != "local" and AUTO in (args.dtype, args.threads):
+        raise ConfigError("--dtype / --threads auto are measured in the process that loads the tiers: not with runtime.backend: ray")
     return config
+
+
+def _threads(text: str):
+    if text == AUTO:
+        return AUTO
+    try:
+        count = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of threads or auto, got {text!r}") from None
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {count}")
+    return count
 
 
 def has_chat_template(model: str) -> bool | None:

@@ -27,6 +27,7 @@ from polyspec.workers.core.errors import ConfigError
 from polyspec.workers.tiers.model_cache import NGRAM_MODEL, resolve_zoo_reference
 
 DTYPES = ("float32", "bfloat16", "float16")
+AUTO = "auto"  # dtype / threads: measured at start-up (polyspec.orchestrator.tuning.autoconf)
 QUANTIZE = ("int8", "int4")
 SCHEMES = ("specinfer", "rsd", "spectr", "importance")
 BACKENDS = ("local", "ray")
@@ -37,10 +38,10 @@ DEFAULT_SPECULATION_LENGTH = 4
 class TierConfig:
     name: str
     model: str
-    dtype: str = "float32"
+    dtype: str = "float32"  # or "auto"
     device: str = "auto"
     quantize: str | None = None
-    threads: int | None = None
+    threads: int | str | None = None  # or "auto"
     max_ngram: int = 3  # n-gram tiers only
     min_ngram: int = 1
     resources: dict | None = None  # Ray custom resources (ray backend)
@@ -249,16 +250,15 @@ def _parse_tier(index: int, raw: Any, base_dir: Path | None) -> TierConfig:
     for key, kind in (("name", str), ("model", str), ("dtype", str), ("device", str)):
         if key in values:
             _typed(section, key, values[key], kind)
-    for key in ("threads",):
-        if key in values:
-            values[key] = _typed(section, key, values[key], int, allow_none=True)
-            if values[key] is not None and values[key] < 1:
-                raise ConfigError(f"config key '{section}.{key}' must be >= 1, got {values[key]}")
+    if values.get("threads") != AUTO and "threads" in values:
+        values["threads"] = _typed(section, "threads", values["threads"], int, allow_none=True)
+        if values["threads"] is not None and values["threads"] < 1:
+            raise ConfigError(f"config key '{section}.threads' must be >= 1 or auto, got {values['threads']}")
     for key in ("max_ngram", "min_ngram"):
         if key in values:
             _typed(section, key, values[key], int)
-    if values.get("dtype", "float32") not in DTYPES:
-        raise ConfigError(f"{section}.dtype must be one of {', '.join(DTYPES)}, got {values['dtype']!r}")
+    if values.get("dtype", "float32") not in (*DTYPES, AUTO):
+        raise ConfigError(f"{section}.dtype must be one of {', '.join(DTYPES)} or {AUTO}, got {values['dtype']!r}")
     if values.get("quantize") is not None and values["quantize"] not in QUANTIZE:
         raise ConfigError(f"{section}.quantize must be one of {', '.join(QUANTIZE)}, got {values['quantize']!r}")
     if values.get("resources") is not None and not isinstance(values["resources"], dict):
@@ -358,6 +358,10 @@ def parse_config(raw: Any, source: str | None = None) -> ChainConfig:
     if run.get("backend", "local") not in BACKENDS:
         raise ConfigError(f"runtime.backend must be one of {', '.join(BACKENDS)}, got {run['backend']!r}")
     runtime = RuntimeConfig(**run)
+    measured = next((t for t in tiers if AUTO in (t.dtype, t.threads)), None)
+    if measured is not None and runtime.backend != "local":
+        raise ConfigError(f"tier {measured.name!r}: dtype / threads auto are measured in the process that loads the tiers, "
+                          "so they need runtime.backend: local; name them for a ray chain")
     trained = next((t for t in tiers if t.drafter), None)
     if trained is not None and runtime.backend != "local":
         # Ray mode: a trained drafter runs in its target's actor (ray_runtime.actor_groups)

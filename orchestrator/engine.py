@@ -22,6 +22,8 @@ from polyspec.orchestrator.decode.contract import RequestState
 from polyspec.orchestrator.decode.scheduler import ChainScheduler
 from polyspec.orchestrator.config import ChainConfig
 from polyspec.orchestrator.tokenization import encode_chat, encode_prompt, stop_token_ids
+from polyspec.orchestrator.tuning.autoconf import needs_choice, resolve_auto
+from polyspec.orchestrator.tuning.profile_cache import ProfileCache
 from polyspec.workers.core.errors import ConfigError, RequestError
 from polyspec.workers.tiers.loading import load_tiers, quiet_transformers
 from polyspec.workers.core.sampling import SamplingParams
@@ -101,6 +103,9 @@ class Engine:
             self._start_ray(auto_tune, batched)
             self.load_s = time.perf_counter() - started
             return
+        if any(needs_choice(tier) for tier in self.config.tiers):  # dtype / threads: auto
+            cache = ProfileCache(self.config.tiers, refresh=reprofile) if cache_profiles else None
+            self.config = dataclasses.replace(self.config, tiers=resolve_auto(self.config.tiers, cache, log))
         self.tiers, self.tokenizer = load_tiers(self.config.tiers, log)
         self.load_s = time.perf_counter() - started  # the models (a profile comes after, timed on its own)
         eos = set()
@@ -222,8 +227,6 @@ class Engine:
     @contextlib.contextmanager
     def _profiling(self):
         """The start-up profile's cache (when this engine keeps them) and progress bar (when it logs)."""
-        from polyspec.orchestrator.tuning.profile_cache import ProfileCache
-
         cache = ProfileCache(self.config.tiers, refresh=self.reprofile) if self.cache_profiles else None
         started = time.perf_counter()
         if self.log is None:

@@ -53,7 +53,8 @@ def chat_target(tiny_family, tmp_path_factory):
     (None, ["-m", "/no/such/model", "--ngram"], "tier 'target': model path '/no/such/model' does not exist"),
     (None, [], "no chain given: -c CONFIG (YAML) or -m MODEL"),
     (None, ["-m", "ngram"], "add a prompt-lookup drafter with --ngram"),
-    (None, ["-m", "/x", "--threads", "0"], "--threads must be >= 1"),
+    (None, ["-m", "/x", "--lengths", "4,x"], "--lengths must be auto or integers separated by commas, got '4,x'"),
+    (None, ["-m", "/no/such/model", "--draft", "/no/such/model", "--lengths", "4,4"], "--lengths: needs one length per verifying tier"),
 ])
 def test_mistakes_are_one_line_before_torch_is_imported(tmp_path, config, args, message):
     if config is not None:
