@@ -235,11 +235,15 @@ class Engine:
             return
         from tqdm import tqdm
 
+        from polyspec.orchestrator.tuning.profiler import ProgressLines
+
         self.log("profiling the tiers for lengths: auto" + (" (cached profiles are reused; --reprofile measures again)"
                                                             if cache is not None and not self.reprofile else ""))
-        # disable=None: a bar on a terminal; in a log, the per-tier lines say it all
-        with tqdm(desc="polyspec: profile", unit="size", file=sys.stderr, disable=None, leave=False) as bar:
-            yield cache, bar
+        if not sys.stderr.isatty():  # a log: a line every few seconds instead of a bar
+            yield cache, ProgressLines(self.log)
+        else:
+            with tqdm(desc="polyspec: profile", unit="size", file=sys.stderr, leave=False) as bar:
+                yield cache, bar
         self.profile_s = time.perf_counter() - started
         self.log(f"start-up profile done in {self.profile_s:.1f}s")
 

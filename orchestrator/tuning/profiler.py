@@ -243,6 +243,28 @@ def _verify_round(tier: Tier, seq_id, context: list[int], block: list[int], para
     verify_block(target_probs, DraftTree.chain(block, rows), "specinfer", params.greedy, generator)
 
 
+class ProgressLines:
+    """A progress bar for a log (stderr not a terminal): a line at most every `every_s` seconds
+    with the share done and an estimate of the rest, so a long profile is never a silent stretch.
+    The calls a profile makes of a tqdm bar: `total`, `refresh()`, `update(n)`."""
+
+    def __init__(self, log, every_s: float = 5.0) -> None:
+        self.log, self.every_s = log, every_s
+        self.total, self.done = 0, 0
+        self.started = self.shown = time.perf_counter()
+
+    def refresh(self) -> None:
+        pass
+
+    def update(self, steps: int = 1) -> None:
+        self.done += steps
+        now = time.perf_counter()
+        if now - self.shown >= self.every_s and self.total:
+            self.shown = now
+            left = (now - self.started) / self.done * max(0, self.total - self.done)
+            self.log(f"profile: {self.done}/{self.total} sizes measured, about {left:.0f}s left")
+
+
 def _ticking(measure, tick):
     """`measure()`, then `tick()` (a progress bar's step) when there is one."""
     value = measure()

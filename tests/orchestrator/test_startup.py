@@ -83,3 +83,16 @@ def test_the_cache_key_follows_what_changes_timings(tiny_family, tmp_path):
     assert ProfileCache(config.tiers, refresh=True, directory=tmp_path).get(0, measurement) is None
     (next(tmp_path.glob("*.json"))).write_text("{torn")
     assert cache.get(0, measurement) is None  # a torn file is measured again, not an error
+
+
+def test_a_profile_in_a_log_reports_progress_every_few_seconds(monkeypatch):
+    from polyspec.orchestrator.tuning import profiler
+
+    clock = iter([0.0, 1.0, 6.0, 7.0, 12.5])
+    monkeypatch.setattr(profiler.time, "perf_counter", lambda: next(clock))
+    lines: list[str] = []
+    progress = profiler.ProgressLines(lines.append, every_s=5.0)  # started at 0
+    progress.total = 8
+    for _ in range(4):  # at 1 s (quiet), 6 s (a line), 7 s (quiet), 12.5 s (a line)
+        progress.update(1)
+    assert lines == ["profile: 2/8 sizes measured, about 18s left", "profile: 4/8 sizes measured, about 12s left"]
