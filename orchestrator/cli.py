@@ -177,14 +177,10 @@ def run_request(engine, request, stops: tuple[str, ...] = (), write=None) -> dic
     A stop string ends the request there (finish_reason "stop"; the text stops before it)."""
     matcher = StopMatcher(stops)
     shown, decoded = [], ""
-    started = time.perf_counter()
-    first_round_s = None  # the prompt's prefill in every tier, and the first round
     state = engine.start(request)
     try:
         while not state.done:
             state_tokens = engine.step(state)
-            if first_round_s is None:
-                first_round_s = time.perf_counter() - started
             if not state_tokens:
                 continue
             text = engine.decode(state.new_tokens)
@@ -200,18 +196,14 @@ def run_request(engine, request, stops: tuple[str, ...] = (), write=None) -> dic
     except BaseException:
         engine.cancel(state)
         raise
-    times = {"load_s": round(engine.load_s, 3), "profile_s": round(engine.profile_s, 3),
-             "prefill_s": round(first_round_s or 0.0, 4), "decode_s": round(time.perf_counter() - started - (first_round_s or 0.0), 4)}
     if matcher.stopped:
         result = engine.cancel(state)
-        result["stats"].update(times)
         ids = result["token_ids"]
         # the tokens up to the one that completed the stop string (a round commits several)
         kept = next(n for n in range(1, len(ids) + 1) if any(stop in engine.decode(ids[:n]) for stop in stops))
         result.update(text="".join(shown), token_ids=ids[:kept], finish_reason="stop")
         return result
     result = engine.finish(state)
-    result["stats"].update(times)
     rest = result["text"][len(decoded):] if result["text"].startswith(decoded) else ""
     shown.append(matcher.push(rest) + matcher.finish())
     if write is not None and shown[-1]:

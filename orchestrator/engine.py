@@ -163,9 +163,10 @@ class Engine:
     def step_all(self, states: list[RequestState]) -> list[list[int]]:
         """One round of every request in `states` (batched chains: one forward per tier; otherwise in turn)."""
         step_all = getattr(self.scheduler, "step_all", None)
-        if step_all is not None:
-            return step_all(states)
-        return [self.scheduler.step(state) for state in states]
+        emitted = step_all(states) if step_all is not None else [self.scheduler.step(state) for state in states]
+        for state, tokens in zip(states, emitted):
+            _note_commit(state, tokens)
+        return emitted
 
     def _start_ray(self, auto_tune: bool, batched: bool) -> None:
         """The tiers run as Ray actors (polyspec.orchestrator.distributed.ray_runtime); this process only drives them."""
@@ -311,8 +312,16 @@ class Engine:
         return GenerationRequest(tuple(ids), max_new, params, seed, None if request_id is None else str(request_id))
 
     def generate(self, request: GenerationRequest, on_commit: Callable[[list[int]], None] | None = None) -> dict:
-        output = self.scheduler.generate(list(request.prompt_ids), request.max_new_tokens, request.params, seed_stream(request.seed), on_commit)
-        return self._result(request, output)
+        started, first_commit = time.perf_counter(), []
+
+        def commit(tokens: list[int]) -> None:
+            if not first_commit:
+                first_commit.append(time.perf_counter())
+            if on_commit is not None:
+                on_commit(tokens)
+
+        output = self.scheduler.generate(list(request.prompt_ids), request.max_new_tokens, request.params, seed_stream(request.seed), commit)
+        return self._result(request, output, started, first_commit[0] if first_commit else None)
 
     # Round-by-round API for callers that interleave requests (the server). One thread only.
 
@@ -323,20 +332,27 @@ class Engine:
 
     def step(self, state: RequestState) -> list[int]:
         """One target verification round; the newly committed token ids (empty once done)."""
-        return self.scheduler.step(state)
+        return _note_commit(state, self.scheduler.step(state))
 
     def finish(self, state: RequestState) -> dict:
-        return self._result(state.request, self.scheduler.finish(state))
+        return self._result(state.request, self.scheduler.finish(state), state.started, state.first_commit_at)
 
     def cancel(self, state: RequestState) -> dict:
-        return self._result(state.request, self.scheduler.cancel(state))
+        return self._result(state.request, self.scheduler.cancel(state), state.started, state.first_commit_at)
 
-    def _result(self, request: GenerationRequest, output) -> dict:
+    def _result(self, request: GenerationRequest, output, started: float, first_commit: float | None) -> dict:
+        """The result; its stats gain the chain's load (and start-up profile) time and the request's
+        prefill (start to the first committed tokens: the prompt through every tier, and the first
+        round) and decode time (the rest)."""
+        now = time.perf_counter()
+        first_commit = first_commit or now
+        timings = {"load_s": round(self.load_s, 3), "profile_s": round(self.profile_s, 3),
+                   "prefill_s": round(first_commit - started, 4), "decode_s": round(now - first_commit, 4)}
         result = {
             "text": self.decode(output.token_ids),
             "token_ids": output.token_ids,
             "finish_reason": output.finish_reason,
-            "stats": output.stats,
+            "stats": {**output.stats, **timings},
         }
         if request.id is not None:
             result = {"id": request.id, **result}
@@ -347,3 +363,10 @@ class Engine:
             return ""
         with self._decode_lock:  # batch threads share one tokenizer
             return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def _note_commit(state: RequestState, tokens: list[int]) -> list[int]:
+    """Remember when `state` first committed tokens (its prefill ends there)."""
+    if tokens and state.first_commit_at is None:
+        state.first_commit_at = time.perf_counter()
+    return tokens

@@ -158,6 +158,33 @@ def test_stop_ends_the_text_before_the_stop_string(api, target_alone):
         api.completions.create(model="demo", prompt=PROMPT, max_tokens=4, stop=["a", "b", "c", "d", "e"])
 
 
+def test_the_sdk_and_grpc_take_stop_strings_too(demo_server, target_alone):
+    from polyspec.client import Client, InvalidArgument
+
+    expected = target_alone(32, PROMPT)["text"]
+    stop = expected[6:10]
+    with Client(demo_server.address) as client:
+        result = client.generate(PROMPT, max_new_tokens=32, temperature=0, stop=[stop, "never here"])
+        assert result["text"] == expected[: expected.find(stop)] and result["finish_reason"] == "stop"
+        shown = ""
+        for delta in client.stream(PROMPT, max_new_tokens=32, temperature=0, stop=stop):
+            shown += delta.text
+            assert expected.startswith(shown) and len(shown) <= expected.find(stop)  # never past the stop
+        with pytest.raises(InvalidArgument, match="stop strings must not be empty"):
+            client.generate(PROMPT, max_new_tokens=4, stop=[""])
+    import grpc
+
+    from polyspec.client import request_message
+    from polyspec.protos.polyspec.v1 import polyspec_pb2 as pb
+    from polyspec.protos.polyspec.v1 import polyspec_pb2_grpc as pb_grpc
+
+    item = request_message({"id": "a", "prompt": PROMPT})
+    item.stop.append("x")
+    with grpc.insecure_channel(demo_server.address) as channel, pytest.raises(grpc.RpcError) as caught:
+        pb_grpc.PolyspecStub(channel).SubmitJob(pb.SubmitJobRequest(requests=[item], idempotency_key="stop-in-a-job"), timeout=30)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "stop strings are for Generate" in caught.value.details()
+
+
 def test_streams_carry_usage_when_asked(api, target_alone):
     expected = target_alone(12, PROMPT)
     chunks = list(api.completions.create(model="demo", prompt=PROMPT, max_tokens=12, temperature=0, n=2, stream=True,
