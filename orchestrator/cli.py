@@ -114,6 +114,7 @@ def _load_engine(args, batched: bool = False, chat_flag: str | None = None):
     config = chain_args.chain_config(args)
     if chat_flag is not None:
         _check_chat_template(config.tiers[0].model, chain_args.has_chat_template(config.tiers[0].model), chat_flag)
+    _log("loading torch and transformers")  # seconds on a cold start: before the first tier's line
     from polyspec.orchestrator.engine import Engine
 
     engine = Engine(config, speculative=not args.no_speculation, batched=batched, log=_log, cache_profiles=True,

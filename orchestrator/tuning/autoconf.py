@@ -43,7 +43,7 @@ def needs_choice(tier) -> bool:
 def resolve_auto(tiers, cache: ProfileCache | None = None, log=None) -> tuple:
     """The tiers with every `auto` replaced by the measured best (int8 tiers compute in float32:
     their dtype is float32 whatever was asked)."""
-    from polyspec.workers.tiers.loading import load_model_tier
+    from polyspec.workers.tiers.loading import heartbeat, load_model_tier
 
     resolved = []
     for index, tier in enumerate(tiers):
@@ -61,13 +61,14 @@ def resolve_auto(tiers, cache: ProfileCache | None = None, log=None) -> tuple:
                     "for auto (once per machine: the choice is cached)")
             started, timings = time.perf_counter(), {}
             for dtype in dtypes:
-                loaded = load_model_tier(dataclasses.replace(tier, dtype=dtype, threads=threads[0]))
-                context = synthetic_context(loaded.vocab_size, CONTEXT_TOKENS)
-                for count in threads:
-                    loaded.threads = count
-                    ms = profile_forward(loaded, context, list(MEASURED_SIZES), _greedy(), REPEATS)
-                    timings[f"{dtype} x{count}"] = sum(ms.values())
-                del loaded
+                with heartbeat(log, f"tier {tier.name}: measuring {dtype}"):
+                    loaded = load_model_tier(dataclasses.replace(tier, dtype=dtype, threads=threads[0]))
+                    context = synthetic_context(loaded.vocab_size, CONTEXT_TOKENS)
+                    for count in threads:
+                        loaded.threads = count
+                        ms = profile_forward(loaded, context, list(MEASURED_SIZES), _greedy(), REPEATS)
+                        timings[f"{dtype} x{count}"] = sum(ms.values())
+                    del loaded
             best = min(timings, key=timings.get)
             hit = {"dtype": best.split(" x")[0], "threads": int(best.split(" x")[1]), "ms": timings}
             if cache is not None:

@@ -96,3 +96,19 @@ def test_a_profile_in_a_log_reports_progress_every_few_seconds(monkeypatch):
     for _ in range(4):  # at 1 s (quiet), 6 s (a line), 7 s (quiet), 12.5 s (a line)
         progress.update(1)
     assert lines == ["profile: 2/8 sizes measured, about 18s left", "profile: 4/8 sizes measured, about 12s left"]
+
+
+def test_a_long_start_up_step_says_it_is_still_going():
+    import time
+
+    from polyspec.workers.tiers.loading import heartbeat
+
+    lines: list[str] = []
+    with heartbeat(lines.append, "tier target: loading", every_s=0.05):
+        time.sleep(0.28)
+    assert 3 <= len(lines) <= 6 and all(line.startswith("tier target: loading: still at it after ") for line in lines)
+    count = len(lines)
+    time.sleep(0.15)
+    assert len(lines) == count  # silent once the step is over
+    with heartbeat(None, "nothing"):  # no log: no thread
+        pass

@@ -321,6 +321,32 @@ def _rss_bytes() -> int | None:
         return None
 
 
+HEARTBEAT_S = 5.0  # a start-up step that runs longer says so this often
+
+
+@contextlib.contextmanager
+def heartbeat(log, what: str, every_s: float = HEARTBEAT_S):
+    """While the block runs, `log` '<what>: still at it after N s' every `every_s` seconds
+    (a 1.5B model takes 25-50 s to load: a start-up that says nothing that long looks hung)."""
+    if log is None:
+        yield
+        return
+    done = threading.Event()
+    started = time.perf_counter()
+
+    def beat() -> None:
+        while not done.wait(every_s):
+            log(f"{what}: still at it after {time.perf_counter() - started:.0f}s")
+
+    beating = threading.Thread(target=beat, daemon=True, name="polyspec-heartbeat")
+    beating.start()
+    try:
+        yield
+    finally:
+        done.set()
+        beating.join()
+
+
 def describe_tier(tier) -> str:
     """'/path/to/model (float32, 1 thread, cpu)': what a start-up line says a tier is."""
     kind = f"int8 copy of {tier.model}" if tier.quantize == "int8" else tier.model
@@ -343,7 +369,8 @@ def load_tiers(tiers_config, log=None) -> tuple[list[Tier], object]:
         if log is not None:
             log(f"tier {tier.name}: loading {describe_tier(tier)}")
         started, rss = time.perf_counter(), _rss_bytes()
-        tiers.append(load_model_tier(tier))
+        with heartbeat(log, f"tier {tier.name}: loading"):
+            tiers.append(load_model_tier(tier))
         if log is not None:
             grown = _rss_bytes()
             memory = f", +{(grown - rss) / 2**20:.0f} MB resident" if grown is not None and rss is not None else ""
