@@ -430,9 +430,10 @@ def cmd_bench(args) -> int:
 
 
 def cmd_tune(args) -> int:
+    config = chain_args.chain_config(args)  # flag and config mistakes before torch loads
     from polyspec.harness.tune import cmd_tune as run
 
-    return run(args)
+    return run(args, config)
 
 
 COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "batch": cmd_batch, "zoo": cmd_zoo, "bench": cmd_bench, "tune": cmd_tune}

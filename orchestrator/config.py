@@ -17,6 +17,7 @@ Every mistake is a `ConfigError` with one line that names the offending key.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 from pathlib import Path
 from typing import Any
@@ -161,16 +162,22 @@ class ChainConfig:
 # ------------------------------------------------------------------------- parsing
 
 
-def _check_keys(section: str, raw: Any, cls) -> dict:
+def _check_keys(section: str, raw: Any, cls, internal: tuple[str, ...] = ()) -> dict:
+    """`raw` as a dict of the keys `cls` has; `internal`: fields set by parsing, never written in a config."""
     if raw is None:
         return {}
     if not isinstance(raw, dict):
         raise ConfigError(f"config section '{section}' must be a mapping, got {type(raw).__name__}")
-    known = {f.name for f in dataclasses.fields(cls)} - {"source"}
+    known = {f.name for f in dataclasses.fields(cls)} - {"source", *internal}
     unknown = sorted(set(raw) - known)
     if unknown:
-        raise ConfigError(f"unknown config key '{section}.{unknown[0]}' (known keys: {', '.join(sorted(known))})")
+        raise ConfigError(f"unknown config key '{section}.{unknown[0]}' ({_did_you_mean(unknown[0], known)}known keys: {', '.join(sorted(known))})")
     return dict(raw)
+
+
+def _did_you_mean(key, known) -> str:
+    close = difflib.get_close_matches(str(key), sorted(known), n=1)
+    return f"did you mean '{close[0]}'? " if close else ""
 
 
 def _typed(section: str, key: str, value, kind, *, allow_none: bool = False):
@@ -241,7 +248,7 @@ def _parse_tier(index: int, raw: Any, base_dir: Path | None) -> TierConfig:
     misplaced = sorted(set(raw) & set(DRAFTER_FIELDS))
     if misplaced:
         raise ConfigError(f"unknown config key '{section}.{misplaced[0]}' (a trained drafter is written model: {{early_exit: PATH, layers: L, exit_threshold: x}})")
-    values = _check_keys(section, raw, TierConfig)
+    values = _check_keys(section, raw, TierConfig, internal=DRAFTER_FIELDS)
     if isinstance(values.get("model"), dict):
         _parse_drafter(section, values["model"], values, base_dir)
     if "model" not in values:
@@ -315,7 +322,7 @@ def parse_config(raw: Any, source: str | None = None) -> ChainConfig:
     known = {"tiers", "speculation", "sampling", "runtime", "server", "batching", "tuning"}
     unknown = sorted(set(raw) - known)
     if unknown:
-        raise ConfigError(f"unknown config key '{unknown[0]}' (known keys: {', '.join(sorted(known))})")
+        raise ConfigError(f"unknown config key '{unknown[0]}' ({_did_you_mean(unknown[0], known)}known keys: {', '.join(sorted(known))})")
     base_dir = Path(source).resolve().parent if source else None
     tiers_raw = raw.get("tiers")
     if not isinstance(tiers_raw, list) or not tiers_raw:
