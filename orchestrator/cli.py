@@ -135,13 +135,21 @@ def _read_prompt(args) -> str:
                            else "give the prompt with -p or -f, not both")
     if args.file is not None:
         try:
-            return Path(args.file).read_text(encoding="utf-8")
+            prompt = Path(args.file).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise RequestError(f"cannot read the prompt file {args.file}: {getattr(exc, 'strerror', None) or exc}") from None
+        if not prompt:
+            raise RequestError(f"the prompt file {args.file} is empty")
+        return prompt
     if args.prompt == "-":
         if sys.stdin.isatty():
             print("polyspec: reading the prompt from stdin (end it with Ctrl-D)", file=sys.stderr)
-        return sys.stdin.read()
+        prompt = sys.stdin.read()
+        if not prompt:
+            raise RequestError("-p -: stdin held no prompt")
+        return prompt
+    if not args.prompt:
+        raise RequestError("prompt is empty")  # before the models load
     return args.prompt
 
 

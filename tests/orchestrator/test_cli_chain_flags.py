@@ -142,10 +142,16 @@ def test_prompt_from_a_file_and_the_prompt_flags_checked(tiny_family, tmp_path, 
     from_file = json.loads(capsys.readouterr().out)
     assert main(["generate", "-m", tiny_family["target"], "-p", "import os", "-n", "5", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["token_ids"] == from_file["token_ids"]
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
     for args, message in ((["-p", "x", "-f", str(prompt)], "not both"), ([], "give the prompt as -p TEXT"),
-                          (["-f", str(tmp_path / "missing.txt")], "cannot read the prompt file")):
+                          (["-f", str(tmp_path / "missing.txt")], "cannot read the prompt file"),
+                          (["-f", str(empty)], f"the prompt file {empty} is empty"), (["-p", ""], "prompt is empty")):
         assert main(["generate", "-m", tiny_family["target"], *args]) == 2
-        assert message in capsys.readouterr().err
+        err = capsys.readouterr().err.splitlines()  # one line, before any model loads
+        assert len(err) == 1 and err[0].startswith("polyspec: error: ") and message in err[0], err
+    piped = run_cli("generate", "-m", tiny_family["target"], "-p", "-", stdin="")
+    assert piped.returncode == 2 and piped.stderr.splitlines() == ["polyspec: error: -p -: stdin held no prompt"]
 
 
 # ---------------------------------------------------------------- stop strings
