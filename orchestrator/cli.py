@@ -164,8 +164,6 @@ def _sampling_fields(args) -> dict:
 
 
 def _request_from_flags(args, prompt: str) -> dict:
-    if args.system is not None and not args.chat:
-        raise RequestError("--system needs --chat")
     if args.chat:
         system = [{"role": "system", "content": args.system}] if args.system is not None else []
         raw = {"messages": [*system, {"role": "user", "content": prompt}]}
@@ -238,6 +236,8 @@ def _summary(result: dict) -> str:
 
 
 def cmd_generate(args) -> int:
+    if args.system is not None and not args.chat:
+        raise RequestError("--system needs --chat")
     stops = check_stops(args.stop, "--stop")
     prompt = _read_prompt(args)
     engine = _load_engine(args, chat_flag="--chat" if args.chat else None)
