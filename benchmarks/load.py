@@ -87,7 +87,9 @@ def closed_loop(engine, requests, concurrency: int, batched: bool, step_round=No
             state = batch.admit(queue.pop(0))
             sent[id(state)] = time.perf_counter()
         if batched:
-            batch.step()
+            failed = batch.step().failed
+            if failed:
+                raise failed[0][1]
         elif step_round is not None:
             step_round(batch.running)
         else:

@@ -8,12 +8,81 @@
 
 `polyspec batch` and the load benchmark go through `run_requests`; the server's request
 loop drives a `ContinuousBatch` itself (interactive requests and job items share it).
+
+Failure isolation (`step_isolated`): a step is one forward per tier for every running
+request, so an exception raised for one request's row would fail all of them. When a
+batched step raises, every request's random streams are put back where they were before
+the step and each request retries the round alone: the one whose row raises fails by itself,
+the others take the round they would have taken (the model tiers roll their caches back to
+the committed context at their next call, so the failed forward leaves nothing behind). A
+chain that is down (`is_unavailable`) fails the step for all of them, as before; so does a
+fault that every request meets alone too (`shared_fault`: the chain's, not a request's).
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 from typing import Any, Callable, Iterable
+
+
+def is_unavailable(exc: BaseException) -> bool:
+    """A tier (or its actor) is gone and no valid chain is left: UNAVAILABLE, not INTERNAL."""
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    return bool(names & {"TierUnavailableError", "ChainUnavailableError", "RayActorError", "ActorDiedError"})
+
+
+@dataclasses.dataclass
+class StepOutcome:
+    """What one step did: the states that took the round (with their new tokens), and those that failed alone."""
+
+    advanced: list[tuple[Any, list[int]]]  # (state, tokens committed this round); includes states that ended
+    failed: list[tuple[Any, Exception]]  # (state, the exception its own row raised); its caches are not freed yet
+    # every request of a step of several failed alone too: the fault is the chain's (a tier's shared state),
+    # not a request's; a caller keeps work it can redo (job items) for later instead of failing it
+    shared_fault: bool = False
+
+
+def _random_streams(states: list) -> list[list]:
+    """Each state's generator states (a decoder that samples in this process keeps them on its run)."""
+    return [[g.get_state() for g in getattr(state.run, "generators", ())] for state in states]
+
+
+def _restore_random_streams(states: list, saved: list[list]) -> None:
+    for state, streams in zip(states, saved):
+        for generator, stream in zip(getattr(state.run, "generators", ()), streams):
+            generator.set_state(stream)
+
+
+def _step(engine, states: list) -> list[tuple[Any, list[int]]]:
+    """Prefill joining requests, then one batched round of every state whose prompt is cached."""
+    scheduler = engine.scheduler
+    ready = states
+    if hasattr(scheduler, "prefill"):
+        scheduler.prefill(states)
+        ready = [s for s in states if s.done or scheduler.ready(s)]
+    emitted = engine.step_all(ready) if ready else []
+    return list(zip(ready, emitted))
+
+
+def step_isolated(engine, states: list) -> StepOutcome:
+    """One step of `states` (see the module docstring): an error raised for one request fails that request alone."""
+    if not states:
+        return StepOutcome([], [])
+    saved = _random_streams(states) if len(states) > 1 else []
+    try:
+        return StepOutcome(_step(engine, states), [])
+    except Exception as exc:  # noqa: BLE001 - sorted out below, request by request
+        if len(states) == 1 or is_unavailable(exc):
+            return StepOutcome([], [(state, exc) for state in states])
+    _restore_random_streams(states, saved)
+    advanced, failed = [], []
+    for state in states:
+        try:
+            advanced += _step(engine, [state])
+        except Exception as exc:  # noqa: BLE001 - this request's own fault
+            failed.append((state, exc))
+    return StepOutcome(advanced, failed, shared_fault=not advanced)
 
 
 class ContinuousBatch:
@@ -33,15 +102,17 @@ class ContinuousBatch:
     def room(self) -> int:
         return max(0, self.max_requests - len(self.running))
 
-    def step(self) -> list[tuple[Any, list[int]]]:
-        """Prefill joining requests, then one batched round; (state, new tokens) for each state that advanced or ended."""
-        scheduler = self.engine.scheduler
-        ready = self.running
-        if hasattr(scheduler, "prefill"):
-            scheduler.prefill(self.running)
-            ready = [s for s in self.running if scheduler.ready(s) or s.done]
-        emitted = self.engine.step_all(ready) if ready else []
-        return list(zip(ready, emitted))
+    def step(self) -> StepOutcome:
+        """Prefill joining requests, then one batched round (`step_isolated`). A failed state leaves the
+        running set with its caches freed."""
+        outcome = step_isolated(self.engine, self.running)
+        for state, _ in outcome.failed:
+            self.running.remove(state)
+            try:
+                self.engine.cancel(state)
+            except Exception:  # noqa: BLE001 - already failing; its own error is the one to report
+                pass
+        return outcome
 
     def pop_finished(self) -> list[Any]:
         finished = [s for s in self.running if s.done]
@@ -55,15 +126,29 @@ class ContinuousBatch:
 
 
 def run_requests(engine, requests: Iterable, on_result: Callable[[dict], None],
-                 on_tokens: Callable[[Any, list[int]], None] | None = None, max_requests: int | None = None) -> None:
-    """Generate every request (GenerationRequest) with continuous batching; `on_result(result)` as each finishes."""
+                 on_tokens: Callable[[Any, list[int]], None] | None = None, max_requests: int | None = None,
+                 on_error: Callable[[Any, Exception], None] | None = None) -> None:
+    """Generate every request (GenerationRequest) with continuous batching; `on_result(result)` as each finishes.
+    A request whose own row raises goes to `on_error(request, exc)` and the others carry on; without
+    `on_error` its exception stops the run (every other request's caches freed)."""
     batch = ContinuousBatch(engine, max_requests)
     waiting = collections.deque(requests)
     try:
         while waiting or batch.running:
             while waiting and batch.room:
-                batch.admit(waiting.popleft())
-            for state, tokens in batch.step():
+                request = waiting.popleft()
+                try:
+                    batch.admit(request)
+                except Exception as exc:  # noqa: BLE001 - this request's own fault
+                    if on_error is None:
+                        raise
+                    on_error(request, exc)
+            outcome = batch.step()
+            for state, exc in outcome.failed:
+                if on_error is None:
+                    raise exc
+                on_error(state.request, exc)
+            for state, tokens in outcome.advanced:
                 if tokens and on_tokens is not None:
                     on_tokens(state, tokens)
             for state in batch.pop_finished():

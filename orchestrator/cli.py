@@ -362,7 +362,18 @@ def cmd_batch(args) -> int:
                 except RequestError as exc:
                     failures[0] += 1
                     write({"id": request_id, "error": f"line {number}: {exc}"})
-            run_requests(engine, requests, write, max_requests=min(args.concurrency or engine.max_requests, engine.max_requests))
+            numbers = {request_id: number for number, request_id, _, _ in todo}
+
+            def failed(request, exc: Exception) -> None:  # this request alone: the others go on
+                failures[0] += 1
+                reason = str(exc).splitlines()[0][:500] if str(exc) else type(exc).__name__
+                if not isinstance(exc, RequestError):
+                    reason = f"internal error: {reason}"
+                    print(f"polyspec: request {request.id!r} failed: {exc!r}", file=sys.stderr)
+                write({"id": request.id, "error": f"line {numbers.get(request.id, '?')}: {reason}"})
+
+            run_requests(engine, requests, write, max_requests=min(args.concurrency or engine.max_requests, engine.max_requests),
+                         on_error=failed)
         elif concurrency == 1:
             for item in todo:
                 run_one(item)

@@ -8,7 +8,7 @@
     sampling: {temperature: 0.0, top_p: 1.0, top_k: 0, max_new_tokens: 64}
     runtime: {backend: local}
     server: {host: 127.0.0.1, port: 50051}
-    batching: {enabled: true, max_requests: 64, max_batched_tokens: 2048, kv_memory_mb: null}
+    batching: {enabled: true, max_requests: 64, max_batched_tokens: 2048, kv_memory_mb: null, round: auto, max_context: null}
     tuning: {max_length: 8, hysteresis: 0.03}   # optional: the online tuner's knobs (lengths: auto)
 
 Every mistake is a `ConfigError` with one line that names the offending key.
@@ -28,6 +28,7 @@ from polyspec.workers.core.errors import ConfigError
 from polyspec.workers.tiers.model_cache import NGRAM_MODEL, resolve_zoo_reference
 
 DTYPES = ("float32", "bfloat16", "float16")
+ROUNDS = ("auto", "device", "ragged")
 AUTO = "auto"  # dtype / threads: measured at start-up (polyspec.orchestrator.tuning.autoconf)
 QUANTIZE = ("int8", "int4")
 SCHEMES = ("specinfer", "rsd", "spectr", "importance")
@@ -95,6 +96,12 @@ class BatchingConfig:
     max_requests: int = 64  # requests holding caches and stepping together; more wait
     max_batched_tokens: int = 2048  # new positions one forward may carry (rows x padded block), prefill included
     kv_memory_mb: int | None = None  # bound on the KV caches of all requests; lowers max_requests to fit
+    # which batched round runs the chain: "device" (polyspec.orchestrator.decode.device_round: static shapes,
+    # verification on the device, CUDA graphs; a target and at most one Llama / Qwen2 drafter with fixed
+    # lengths), "ragged" (polyspec.orchestrator.decode.batched: every chain), "auto": device on CUDA where
+    # the chain fits it, ragged otherwise
+    round: str = "auto"
+    max_context: int | None = None  # the device round's KV pool holds this many positions per request (None: the model's)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -396,9 +403,11 @@ def _parse_batching(raw: Any) -> BatchingConfig:
     values = _check_keys("batching", raw, BatchingConfig)
     if "enabled" in values:
         _typed("batching", "enabled", values["enabled"], bool)
-    for key in ("max_requests", "max_batched_tokens", "kv_memory_mb"):
+    if "round" in values and values["round"] not in ROUNDS:
+        raise ConfigError(f"config key 'batching.round' must be one of {', '.join(ROUNDS)}, got {str(values['round'])[:40]!r}")
+    for key in ("max_requests", "max_batched_tokens", "kv_memory_mb", "max_context"):
         if key in values:
-            values[key] = _typed("batching", key, values[key], int, allow_none=key == "kv_memory_mb")
+            values[key] = _typed("batching", key, values[key], int, allow_none=key in ("kv_memory_mb", "max_context"))
             if values[key] is not None and values[key] < 1:
                 raise ConfigError(f"config key 'batching.{key}' must be >= 1, got {values[key]}")
     batching = BatchingConfig(**values)

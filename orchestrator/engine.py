@@ -30,6 +30,8 @@ from polyspec.workers.core.sampling import SamplingParams
 
 PROFILE_CONTEXT_TOKENS = 128  # committed tokens when the start-up profile has no real prompt
 PROFILE_MAX_BATCH = 16  # the batched profile stops here; larger batches are extrapolated in proportion to their rows
+DEVICE_POOL_SHARE = 0.8  # of the GPU memory free at start-up, the most the device round's KV pool takes ...
+DEVICE_HEADROOM_MB = 2048  # ... less this, for the steps' activations and the CUDA graphs
 SEED_LIMIT = 1 << 63  # seeds are in [0, 2^63): an int64 on the wire, every bit used
 MAX_TEMPERATURE = 1000.0  # far past uniform sampling; larger (or inf) is a mistake
 REQUEST_FIELDS = ("id", "prompt", "prompt_ids", "messages", "max_new_tokens", "temperature", "top_p", "top_k", "seed")
@@ -115,6 +117,9 @@ class Engine:
             if configured is not None:
                 eos.update([configured] if isinstance(configured, int) else configured)
         self.batched = batched and self.config.batching.enabled
+        if self._device_round():
+            self._start_device(stop_token_ids(self.tokenizer, eos), auto_tune)
+            return
         if self.batched:
             self._start_batched(stop_token_ids(self.tokenizer, eos), auto_tune)
             return
@@ -127,6 +132,76 @@ class Engine:
         )
         if auto_tune and self.config.speculation.lengths == "auto" and len(self.tiers) > 1:
             self.scheduler.tuner = self.make_tuner()
+
+    def _device_round(self) -> bool:
+        """Does the device round (polyspec.orchestrator.decode.device_round) run this chain? `batching.round`
+        decides: device (or a one-line ConfigError saying why it cannot), ragged, or auto: device on CUDA
+        where the chain fits it."""
+        from polyspec.orchestrator.decode.device_round import DeviceScheduler
+
+        mode = self.config.batching.round
+        if mode == "ragged":
+            return False
+        spec = self.config.speculation
+        misfit = DeviceScheduler.misfit(self.tiers, spec.lengths if spec.lengths == "auto" else self.config.speculation_lengths(),
+                                        spec.tree_width)
+        if mode == "device":
+            if misfit:
+                raise ConfigError(f"batching.round: device cannot run this chain: {misfit}")
+            return True
+        return misfit is None and str(getattr(self.tiers[0], "device", "cpu")).startswith("cuda")
+
+    def _start_device(self, eos: tuple[int, ...], auto_tune: bool) -> None:
+        """Every request through the device round; a single request is a batch of one."""
+        from polyspec.orchestrator.decode.device_round import MAX_DRAFT_TOKENS, DeviceScheduler, DeviceTier, HostDrafter
+        from polyspec.workers.tiers.batched import BatchedNGramTier
+        from polyspec.workers.tiers.static_llama import StaticLlama
+        from polyspec.workers.tiers.tier import NGramTier
+
+        batching = self.config.batching
+        models = [None if isinstance(tier, NGramTier) else StaticLlama(tier.model) for tier in self.tiers]
+        per_request = sum(m.bytes_per_slot(MAX_DRAFT_TOKENS + 2, batching.max_context) for m in models if m is not None)
+        wanted = batching.max_requests if self.batched else 1
+        kv_memory_mb = batching.kv_memory_mb
+        device = models[0].device
+        if kv_memory_mb is None and device.type == "cuda":  # the pool is allocated at once: bound it by what the card has free
+            import torch
+
+            free, _ = torch.cuda.mem_get_info(device)
+            kv_memory_mb = max(1, int(free * DEVICE_POOL_SHARE) // 2**20 - DEVICE_HEADROOM_MB)
+            if per_request > kv_memory_mb * 2**20:
+                raise ConfigError(f"one request's KV pool ({per_request / 2**20:.0f} MB at {models[0].limit} positions) does not fit "
+                                  f"the GPU's free memory ({free / 2**20:.0f} MB); set batching.max_context lower")
+        self.max_requests = requests_within_memory(wanted, kv_memory_mb, per_request)
+        threads = getattr(self.tiers[0], "threads", None)
+        if threads:
+            import torch
+
+            torch.set_num_threads(threads)
+        tiers = [HostDrafter(tier.name, BatchedNGramTier(tier)) if model is None else DeviceTier(tier.name, model, self.max_requests,
+                                                                                                  batching.max_context)
+                 for tier, model in zip(self.tiers, models)]
+        spec = self.config.speculation
+        self.scheduler = DeviceScheduler(tiers, self.config.speculation_lengths(), eos_token_ids=eos, max_requests=self.max_requests)
+        if auto_tune and spec.lengths == "auto" and len(self.tiers) > 1:
+            self.scheduler.planner = self.make_device_planner()
+
+    def make_device_planner(self):
+        """The goodput planner over the device round's own step costs (profiled in a few seconds)."""
+        from polyspec.orchestrator.tuning.batch_model import BATCH_GRID, PROFILE_CONTEXT, WIDTH_GRID, BatchPlanner, ForwardTable, monotone
+
+        scheduler = self.scheduler
+        batches = [b for b in BATCH_GRID if b <= max(1, min(self.max_requests, PROFILE_MAX_BATCH))]
+        raw, lookup = scheduler.profile(batches, list(WIDTH_GRID), min(PROFILE_CONTEXT, scheduler.max_context - max(WIDTH_GRID) - 1))
+        tables = []
+        for ms in raw:
+            if ms is not None:
+                for b in BATCH_GRID:  # past the largest batch profiled: in proportion to the rows
+                    if b not in batches:
+                        for w in WIDTH_GRID:
+                            ms[(b, w)] = ms[(batches[-1], w)] * b / batches[-1]
+            tables.append(None if ms is None else ForwardTable(monotone(ms), None))
+        return BatchPlanner(scheduler.tiers, tables, lookup, max_batched_tokens=self.config.batching.max_batched_tokens)
 
     def _start_batched(self, eos: tuple[int, ...], auto_tune: bool) -> None:
         """Every active request in one batched round per step (polyspec.orchestrator.decode.batched)."""
@@ -183,7 +258,10 @@ class Engine:
             self.batched = self.scheduler.batched = True
             self.max_requests = self.config.batching.max_requests
         if auto_tune and self.config.speculation.lengths == "auto" and len(self.tiers) > 1:
-            if self.batched:  # the goodput planner sets each step's lengths for the load, speculation off included
+            if not all(view.up for view in self.tiers):  # each tier profiles itself: one left out at start-up cannot
+                print(f"polyspec: speculation.lengths: auto: not every tier is up, so the chain runs lengths "
+                      f"{self.scheduler.lengths} untuned", file=sys.stderr, flush=True)
+            elif self.batched:  # the goodput planner sets each step's lengths for the load, speculation off included
                 self.scheduler.planner = self.make_remote_planner()
             else:
                 self.scheduler.tuner = self.make_tuner()

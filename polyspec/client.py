@@ -77,6 +77,10 @@ class ResourceExhausted(ClientError):
     pass
 
 
+class FailedPrecondition(ClientError):
+    """E.g. an idempotency key already used for a job with other requests."""
+
+
 class Unavailable(ClientError):
     pass
 
@@ -94,6 +98,7 @@ _ERRORS = {
     grpc.StatusCode.NOT_FOUND: NotFound,
     grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
     grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
     grpc.StatusCode.CANCELLED: Cancelled,

@@ -19,6 +19,39 @@ torch.set_num_threads(1)
 from tiny_models import EOS, make_model, make_tokenizer  # noqa: E402,F401  (fixtures below; tests import tiny_models)
 
 
+SESSION_MARKER = "POLYSPEC_TEST_SESSION"  # inherited by every process a test starts (servers, Ray nodes and their workers)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_process_left_behind():
+    """The suite leaves no process running, whatever a test or a library forgot: at the end, every
+    process whose environment carries this session's marker is killed (one line says which).
+    Ray workers have been seen to outlive their cluster's shutdown."""
+    import uuid
+
+    import psutil
+
+    marker = uuid.uuid4().hex
+    os.environ[SESSION_MARKER] = marker
+    yield
+    own = os.getpid()
+    leftovers = []
+    for process in psutil.process_iter(["pid", "name"]):
+        try:
+            if process.pid != own and process.environ().get(SESSION_MARKER) == marker:
+                leftovers.append(process)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    for process in leftovers:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    if leftovers:
+        names = ", ".join(sorted({p.info["name"] or "?" for p in leftovers}))
+        print(f"\nconftest: killed {len(leftovers)} process(es) the tests left running: {names}")
+
+
 @pytest.fixture(scope="session")
 def tiny_family(tmp_path_factory):
     """{'target', 'mid', 'small', 'other_vocab'} -> model directories.

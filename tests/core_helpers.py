@@ -39,3 +39,25 @@ def keep_last_child_path(seq_id, block: DraftTree, pairs, batched_target, contex
     kept = [block.tokens[j] for j in path]
     assert batched_target.cache.tokens[batched_target.cache.slot_of[seq_id]] == context + kept
     return kept
+
+
+class CompiledGraphs:
+    """`torch.compile(fn, fullgraph=True)` with a backend that only counts the graphs it is handed:
+    a graph break raises (fullgraph), a recompilation shows as a second graph. Tracing only, so it
+    checks capturability in seconds on the CPU (no code generation)."""
+
+    def __init__(self, fn) -> None:
+        self.graphs: list = []
+
+        def counting_backend(graph_module, example_inputs):
+            self.graphs.append(graph_module)
+            return graph_module.forward
+
+        torch._dynamo.reset()
+        self.compiled = torch.compile(fn, backend=counting_backend, fullgraph=True, dynamic=False)
+
+    def __call__(self, *args):
+        return self.compiled(*args)
+
+    def close(self) -> None:
+        torch._dynamo.reset()

@@ -84,6 +84,9 @@ class Membership:
     def health(self) -> list[tier_pb2.HealthReply | None]:
         replies = []
         for view in self.views:
+            if not view.address:  # never started (a drafter the chain started without)
+                replies.append(None)
+                continue
             try:
                 with cluster_auth.insecure_channel(view.address, options=CHANNEL_OPTIONS) as channel:
                     replies.append(tier_pb2_grpc.TierStub(channel).Health(tier_pb2.HealthRequest(), timeout=5.0))
@@ -315,8 +318,12 @@ class DistributedChain:
                 run.unobserved = observation
         run.rounds += 1
         self._record(run, reply.stages)
-        if reply.degraded:
+        # a round on a shortened chain: one that found a tier dead, or one run while a tier is
+        # bypassed (the repair loop may have rewired before any round failed; a drafter left
+        # out at start-up never fails one)
+        if reply.degraded or not all(view.up for view in self.tiers):
             self.degraded_rounds += 1
+        if reply.degraded:
             self.membership.degraded(reply.degraded_reason)
         return commit(state, list(reply.tokens), self.eos_token_ids)
 
@@ -392,6 +399,8 @@ class DistributedChain:
             "failovers": self.failovers,
             "degraded_rounds": self.degraded_rounds,
             "tiers": tiers,
+            # drafters left out at start-up, bypassed, wired (back) in: when and why (RayMembership)
+            "tier_events": list(getattr(self.membership, "events", [])),
         }
 
     def close(self) -> None:

@@ -4,8 +4,10 @@ Ray owns placement, lifecycle and restarts; the data plane is the tier-to-tier g
 served by each actor's TierWorker on its node's address (polyspec.orchestrator.distributed.worker), and the
 driver is polyspec.orchestrator.distributed.driver.DistributedChain. This module:
 
-- checks the cluster can place every tier before asking (a tier whose resources no node has
-  is an error naming the tier and the resource, not a hang);
+- checks the cluster can place every tier before asking (a target whose resources no node
+  has is an error naming the tier and the resource, not a hang; such a drafter is left out);
+- starts the chain without a drafter that cannot be placed or dies while the chain starts
+  (only the target must start), and says so (stderr, `events`);
 - starts the actors, one per tier except trained drafters (`actor_groups`), which run in
   their target's actor: one GPU each where the cluster has GPUs (and the tier is a model not
   pinned to `device: cpu`), else one CPU with the tier's torch threads pinned to it
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import threading
 import time
 
@@ -34,6 +37,7 @@ from polyspec.workers.core.errors import ConfigError
 START_TIMEOUT_S = float(os.environ.get("POLYSPEC_RAY_START_TIMEOUT_S", "180"))
 RESTART_TIMEOUT_S = float(os.environ.get("POLYSPEC_RAY_RESTART_TIMEOUT_S", "180"))
 REPAIR_PERIOD_S = 1.0
+START_POLL_S = 0.5  # how often start-up looks again at the actors not up yet and at the live nodes
 REPAIR_JOIN_S = 35.0  # close() waits this long for the repair thread: its longest call is a 30 s setup
 
 
@@ -141,23 +145,42 @@ def _requirements(config: ChainConfig, cluster_gpus: float) -> list[dict]:
     return out
 
 
-def check_placement(config: ChainConfig, nodes: list[dict]) -> list[dict]:
-    """Each tier's resource demand; ConfigError naming the tier and the resource no live node has."""
+def check_placement(config: ChainConfig, nodes: list[dict]) -> tuple[list[dict], dict[int, str]]:
+    """Each tier's resource demand, and the drafters no live node can hold now (tier index ->
+    why, one line). A target no live node can hold is a ConfigError naming the tier and the
+    resource: the chain cannot run without it. A drafter that cannot be placed is not an
+    error: the chain starts without it (RayMembership) and adds it once a node can hold it."""
     alive = [n for n in nodes if n.get("Alive", n.get("alive", False))]
     gpus = sum(n.get("Resources", {}).get("GPU", 0) for n in alive)
     needs = _requirements(config, gpus)
-    for tier, need in zip(config.tiers, needs):
+    unplaced = {}
+    for index, (tier, need) in enumerate(zip(config.tiers, needs)):
         if tier.drafter:
             continue  # placed with its target (actor_groups)
-        if any(all(n.get("Resources", {}).get(r, 0) >= amount for r, amount in need.items()) for n in alive):
+        why = _unplaceable(tier.name, need, alive)
+        if why is None:
             continue
-        missing = next((r for r, amount in need.items() if not any(n.get("Resources", {}).get(r, 0) >= amount for n in alive)), None)
-        known = sorted({r for n in alive for r in n.get("Resources", {}) if not r.startswith("node:") and "memory" not in r})
-        if missing is not None:
-            raise ConfigError(f"tier {tier.name!r} cannot be placed: no node in the Ray cluster has resource {missing!r} "
-                              f">= {need[missing]:g} (the cluster has: {', '.join(known)})")
-        raise ConfigError(f"tier {tier.name!r} cannot be placed: no single node has all of {need}")
-    return needs
+        if index == 0:
+            raise ConfigError(why)
+        unplaced[index] = why
+    return needs, unplaced
+
+
+def _unplaceable(name: str, need: dict, alive: list[dict]) -> str | None:
+    """Why no node in `alive` can hold a tier needing `need` (None: one can)."""
+    if any(all(n.get("Resources", {}).get(r, 0) >= amount for r, amount in need.items()) for n in alive):
+        return None
+    missing = next((r for r, amount in need.items() if not any(n.get("Resources", {}).get(r, 0) >= amount for n in alive)), None)
+    known = sorted({r for n in alive for r in n.get("Resources", {}) if not r.startswith("node:") and "memory" not in r})
+    if missing is not None:
+        return (f"tier {name!r} cannot be placed: no node in the Ray cluster has resource {missing!r} "
+                f">= {need[missing]:g} (the cluster has: {', '.join(known)})")
+    return f"tier {name!r} cannot be placed: no single node has all of {need}"
+
+
+def _say(message: str) -> None:
+    """A membership change, on the driver's stderr as the CLI's other lines (and in runtime_stats' `tier_events`)."""
+    print(f"polyspec: {message}", file=sys.stderr, flush=True)
 
 
 class RayMembership(Membership):
@@ -167,31 +190,29 @@ class RayMembership(Membership):
         self.config = config
         runtime = config.runtime
         _init_ray(runtime.address, len(config.tiers))
-        needs = check_placement(config, ray.nodes())
+        self.started_at = time.monotonic()
+        self.events: list[dict] = []  # membership changes: runtime_stats' `tier_events`
+        needs, unplaced = check_placement(config, ray.nodes())
+        self.needs = needs
         self.views = [TierView(t.name, i) for i, t in enumerate(config.tiers)]
         self.groups = actor_groups(config)
         self._lock = threading.RLock()
         self._pending: dict[int, object] = {}  # tier -> in-flight info() of a restarting actor
+        self._refused: dict[int, str] = {}  # tier -> why its (re)started actor cannot join this chain
         self._stop = threading.Event()
         self._repair_wanted = threading.Event()
         self.placement_group = None
         strategies = [None] * len(self.groups)
         if runtime.placement == "spread" and len(self.groups) > 1:
-            from ray.util.placement_group import placement_group
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-            bundles = [dict(needs[group[0]]) for group in self.groups]
-            self.placement_group = placement_group(bundles, strategy="STRICT_SPREAD")
-            ready, _ = ray.wait([self.placement_group.ready()], timeout=START_TIMEOUT_S)
-            if not ready:
-                raise ConfigError(f"runtime.placement: spread needs {len(bundles)} nodes with {bundles}; the cluster cannot place them")
-            strategies = [PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=i) for i in range(len(bundles))]
+            strategies = self._spread(unplaced)
         actor_cls = ray.remote(TierActor)
         self.actors = [None] * len(config.tiers)  # per tier: its actor (co-located tiers share one)
         self.unique_actors = []
         for g, group in enumerate(self.groups):
             tier, need = config.tiers[group[0]], needs[group[0]]
             custom = {k: v for k, v in need.items() if k not in ("CPU", "GPU")}
+            # An unplaceable drafter's actor is still asked for: Ray keeps it pending and
+            # places it when a node with its resources joins; the repair loop then wires it in.
             options = dict(num_cpus=need.get("CPU", 0), num_gpus=need.get("GPU", 0), resources=custom or None,
                            max_restarts=-1, max_task_retries=0, max_concurrency=4, name=None,
                            runtime_env=cluster_auth.actor_runtime_env())  # the chain's cluster token
@@ -202,49 +223,164 @@ class RayMembership(Membership):
             self.unique_actors.append(actor)
             for i in group:
                 self.actors[i] = actor
-        infos = self._wait_infos()
-        models = [info["out_features"] for info in infos if info["out_features"]]
+        infos = self._wait_infos(unplaced)
+        models = [info["out_features"] for info in infos if info and info["out_features"]]
         self.vocab_size = min(models)
-        contexts = [info["max_context"] for info in infos if info["max_context"]]
+        contexts = [info["max_context"] for info in infos if info and info["max_context"]]
         self.max_context = min(contexts) if contexts else None
-        ray.get([actor.setup.remote(self.vocab_size) for actor in self.unique_actors])
+        setups = {g: self.unique_actors[g].setup.remote(self.vocab_size) for g, group in enumerate(self.groups)
+                  if infos[group[0]] is not None}
+        for g, ref in setups.items():
+            try:
+                ray.get(ref, timeout=30)
+            except Exception as exc:  # noqa: BLE001 - a drafter lost between its info() and now is left out too
+                if g == 0:
+                    self.close()
+                    raise ConfigError(f"tier {config.tiers[0].name!r} failed to start: {str(exc).strip().splitlines()[0]}") from None
+                for i in self.groups[g]:
+                    infos[i] = None
+                    self._event(i, "left_out", "died while the chain was starting: the chain starts without it "
+                                               "and adds it when its actor is up")
         for view, info in zip(self.views, infos):
-            view.address, view.vocab_size, view.max_context = info["address"], self.vocab_size, info["max_context"]
+            view.vocab_size = self.vocab_size
+            if info is None:
+                view.up = False  # bypassed: _wire skips it, the repair loop adds it when its actor answers
+                continue
+            view.address, view.max_context = info["address"], info["max_context"]
         self._wire()
         self.transport = self._join_dist(infos)
         self._repairer = threading.Thread(target=self._repair_loop, name="polyspec-ray-repair", daemon=True)
         self._repairer.start()
 
+    def _spread(self, unplaced: dict[int, str]) -> list:
+        """`placement: spread`: a STRICT_SPREAD placement group, one bundle per actor; each
+        actor's scheduling strategy (None: outside the group). A group is placed whole or not at
+        all, so a drafter no live node can hold (now, or once a node Ray still listed alive at
+        the check is found dead) is kept out of it, and its actor, pinned by its resources
+        alone, is placed when such a node joins. `unplaced` grows with such drafters."""
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            spread = [g for g, group in enumerate(self.groups) if group[0] not in unplaced]
+            bundles = [dict(self.needs[self.groups[g][0]]) for g in spread]
+            self.placement_group = placement_group(bundles, strategy="STRICT_SPREAD")
+            while True:
+                ready, _ = ray.wait([self.placement_group.ready()], timeout=START_POLL_S)
+                if ready:
+                    strategies = [None] * len(self.groups)
+                    for b, g in enumerate(spread):
+                        strategies[g] = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=b)
+                    return strategies
+                try:
+                    if time.monotonic() > deadline:
+                        raise ConfigError(f"runtime.placement: spread needs {len(bundles)} nodes with {bundles}; "
+                                          "the cluster cannot place them")
+                    _, now = check_placement(self.config, ray.nodes())  # a target no node can hold: ConfigError
+                except ConfigError:
+                    remove_placement_group(self.placement_group)  # no actor will use it
+                    self.placement_group = None
+                    raise
+                if set(now) - set(unplaced):
+                    break
+            unplaced.update(now)
+            remove_placement_group(self.placement_group)  # and ask again without them
+
+    def _event(self, tier: int, event: str, reason: str) -> None:
+        """Record (and print) a change of the chain's membership."""
+        self.events.append({"at_s": round(time.monotonic() - self.started_at, 3), "tier": self.views[tier].name,
+                            "event": event, "reason": reason})
+        _say(f"tier {self.views[tier].name!r} {reason}")
+
     # ----------------------------------------------------------------- startup
 
-    def _wait_infos(self) -> list[dict]:
+    def _wait_infos(self, unplaced: dict[int, str]) -> list[dict | None]:
+        """Each tier's info() once its actor is up; None for a drafter the chain starts without.
+
+        The target's actor (and the trained drafters in it) must start: while some live node
+        can hold it a death is a restart to wait for; once no live node can, or after
+        START_TIMEOUT_S, it is a ConfigError naming the tier. A drafter that cannot be placed,
+        whose actor or node dies before it answers, or that is not up within START_TIMEOUT_S,
+        is left out: the chain runs without it, as without a drafter lost mid-run, and the
+        repair loop wires it in once its actor (which Ray keeps restarting) answers."""
         import ray
 
-        refs = [actor.info.remote(i) for i, actor in enumerate(self.actors)]
-        _, pending = ray.wait(refs, num_returns=len(refs), timeout=START_TIMEOUT_S)
-        if pending:
-            stuck = [self.config.tiers[refs.index(ref)].name for ref in pending]
-            self.close()
-            raise ConfigError(f"tier(s) {', '.join(map(repr, stuck))} did not start within {START_TIMEOUT_S:g}s "
-                              "(the cluster has no free node with the resources they ask for, or their model is still loading)")
-        infos = []
-        for ref, tier in zip(refs, self.config.tiers):
-            try:
-                infos.append(ray.get(ref))
-            except Exception as exc:  # the actor's constructor failed: a ModelLoadError, say
-                self.close()
-                cause = getattr(exc, "cause", None) or exc
-                from polyspec.workers.core.errors import PolyspecError
-
-                if isinstance(cause, PolyspecError):
-                    raise type(cause)(str(cause)) from None
-                raise ConfigError(f"tier {tier.name!r} failed to start: {str(cause).strip().splitlines()[-1]}") from None
+        tiers = self.config.tiers
+        target_group = set(self.groups[0])
+        refs = {i: actor.info.remote(i) for i, actor in enumerate(self.actors)}
+        infos: list[dict | None] = [None] * len(tiers)
+        left_out = dict(unplaced)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            waiting = [i for i in refs if infos[i] is None and i not in left_out]
+            if not waiting:
+                break
+            ready, _ = ray.wait([refs[i] for i in waiting], num_returns=len(waiting), timeout=START_POLL_S)
+            for i in waiting:
+                if refs[i] not in ready:
+                    continue
+                try:
+                    infos[i] = ray.get(refs[i])
+                except ray.exceptions.RayActorError as exc:
+                    if getattr(exc, "actor_init_failed", False):
+                        self._start_failed(tiers[i].name, exc)
+                    if i in target_group:
+                        refs[i] = self.actors[i].info.remote(i)  # Ray restarts it (max_restarts): ask the new one
+                        time.sleep(START_POLL_S)  # (a dead actor answers at once: no busy loop)
+                    else:
+                        left_out[i] = f"tier {tiers[i].name!r} died while the chain was starting (its actor or its node)"
+                except Exception as exc:  # noqa: BLE001 - the actor's constructor failed: a ModelLoadError, say
+                    self._start_failed(tiers[i].name, exc)
+            waiting = [i for i in waiting if infos[i] is None and i not in left_out]
+            if not waiting:
+                break
+            # A tier whose node left (Ray lists it dead) waits for a node that can hold it: none
+            # may come, so the target fails now and a drafter is left out (the repair loop adds it later).
+            alive = [n for n in ray.nodes() if n.get("Alive")]
+            for i in waiting:
+                group = next(g for g in self.groups if i in g)
+                why = _unplaceable(tiers[group[0]].name, self.needs[group[0]], alive)
+                if why is None:
+                    continue
+                why += "; its node left while the chain was starting"
+                if i in target_group:
+                    self.close()
+                    raise ConfigError(why) from None
+                left_out[i] = why
+            if time.monotonic() > deadline:
+                stuck = [tiers[i].name for i in waiting if i in target_group]
+                if stuck:
+                    self.close()
+                    raise ConfigError(f"tier(s) {', '.join(map(repr, stuck))} did not start within {START_TIMEOUT_S:g}s "
+                                      "(the cluster has no free node with the resources they ask for, or their model is still loading)")
+                for i in waiting:
+                    left_out[i] = f"tier {tiers[i].name!r} did not start within {START_TIMEOUT_S:g}s"
+        for i, why in sorted(left_out.items()):
+            self._event(i, "left_out", f"{why.removeprefix(f'tier {tiers[i].name!r} ')}: the chain starts without it "
+                                       "and adds it when its actor is up")
         return infos
 
-    def _join_dist(self, infos: list[dict]) -> str:
+    def _start_failed(self, name: str, exc: Exception) -> None:
+        """A tier's actor raised in its constructor (a model that does not load, say): one line, whatever the tier."""
+        self.close()
+        cause = getattr(exc, "cause", None) or exc
+        from polyspec.workers.core.errors import PolyspecError
+
+        if isinstance(cause, PolyspecError):
+            raise type(cause)(str(cause)) from None
+        raise ConfigError(f"tier {name!r} failed to start: {str(cause).strip().splitlines()[-1]}") from None
+
+    def _join_dist(self, infos: list[dict | None]) -> str:
         import ray
 
         wanted = self.config.runtime.tensor_transport
+        if any(info is None for info in infos):
+            # the group is fixed at start-up and a tier joining later cannot enter it: rows go inline
+            if wanted in ("nccl", "gloo"):
+                _say(f"tensor_transport: {wanted} needs every tier up at start-up; rows go inline in the gRPC messages")
+            return "grpc"
         devices = [info["device"] for info in infos]
         distinct_gpus = all(d.startswith("cuda") for d in devices) and len({(i["node_id"], d) for i, d in zip(infos, devices)}) == len(devices)
         if wanted == "auto":
@@ -350,6 +486,7 @@ class RayMembership(Membership):
                 view = self.views[i]
                 if view.up and not self._ping(view.address):
                     view.up = False
+                    self._event(i, "down", "is down: bypassed until Ray restarts its actor")
                     changed = True
                 if not view.up:
                     ref = self._pending.get(i)
@@ -361,14 +498,31 @@ class RayMembership(Membership):
                     self._pending.pop(i, None)
                     try:
                         info = ray.get(ref)
+                        refused = self._refusal(info)
+                        if refused:
+                            if self._refused.get(i) != refused:  # said once per actor, not every second
+                                self._refused[i] = refused
+                                self._event(i, "refused", refused)
+                            continue
                         ray.get(self.actors[i].setup.remote(self.vocab_size), timeout=30)
                     except Exception:  # noqa: BLE001 - still restarting (or gone for good): try again later
                         continue
                     if self._ping(info["address"]):
-                        view.address, view.up = info["address"], True
+                        view.address, view.max_context, view.up = info["address"], info["max_context"], True
+                        self._refused.pop(i, None)
+                        self._event(i, "up", "is up: wired into the chain")
                         changed = True
             if changed:
                 self._wire()
+
+    def _refusal(self, info: dict) -> str:
+        """Why a tier that started after the chain cannot join it ('' if it can): the chain's
+        vocabulary and context limit were fixed from the tiers up at start-up."""
+        if info["out_features"] and info["out_features"] < self.vocab_size:
+            return f"cannot join: its vocabulary ({info['out_features']}) is smaller than the chain's ({self.vocab_size})"
+        if info["max_context"] and (self.max_context is None or info["max_context"] < self.max_context):
+            return f"cannot join: its context limit ({info['max_context']}) is below the chain's ({self.max_context or 'none'})"
+        return ""
 
     def close(self) -> None:
         import ray

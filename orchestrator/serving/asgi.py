@@ -4,9 +4,17 @@ uvicorn (h11) gives HTTP/1.1 keep-alive, pipelining, the request body left unrea
 early error drained instead of parsed as the next request, malformed requests answered
 400, TLS, and a cap on connections (`limit_concurrency`: 503 past it). Added here:
 
-- a client that connects and does not finish its request headers within
-  `request_timeout_s` is disconnected (uvicorn's keep-alive timer covers only the time
-  between requests);
+- a client that does not finish a request's headers within `request_timeout_s` is
+  disconnected: counted from the connection on its first request, and from the first
+  byte of each later one on a kept-alive connection (uvicorn's keep-alive timer covers
+  only the idle time between requests, and any byte stops it);
+- past `max_connections`, a complete request first closes connections that have waited
+  over `IDLE_EVICT_S` for their next request's headers (idle keep-alive, or trickling
+  headers), oldest first, and is answered 503 only when none is left to close: clients
+  that hold connections without sending requests cannot starve those that send them;
+- a request with both `Content-Length` and `Transfer-Encoding` is answered 400 and the
+  connection closed (RFC 9112 section 6.1: its framing is ambiguous, so whatever follows
+  it on the connection could be a smuggled request; h11 would take the chunked framing);
 - the socket is bound here, so a port in use is an OSError for the caller to report, not
   a `sys.exit` inside uvicorn;
 - uvicorn leaves the process's signal handlers alone: `polyspec serve` drains on SIGTERM.
@@ -18,21 +26,98 @@ import asyncio
 import contextlib
 import socket
 
+import h11
 import uvicorn
+from h11._connection import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 KEEP_ALIVE_S = 15  # an idle keep-alive connection is closed after this
 STARTUP_TIMEOUT_S = 10.0
+IDLE_EVICT_S = 1.0  # at the connection limit, connections waiting longer than this for a request's headers are closed
 
 
-def _protocol(request_timeout_s: float) -> type:
+class _Connection(h11.Connection):
+    """h11's server side, which refuses ambiguous framing and reports each request's headers."""
+
+    def __init__(self, *args, on_request) -> None:
+        super().__init__(*args)
+        self._on_request = on_request
+
+    def next_event(self):
+        event = super().next_event()
+        if isinstance(event, h11.Request):
+            names = {name for name, _ in event.headers}  # h11 lower-cases header names
+            if b"content-length" in names and b"transfer-encoding" in names:
+                # uvicorn answers a RemoteProtocolError 400 with `connection: close` and closes
+                raise h11.RemoteProtocolError("a request with both Content-Length and Transfer-Encoding")
+            self._on_request()
+        return event
+
+
+def _protocol(request_timeout_s: float, max_connections: int) -> type:
     class Protocol(H11Protocol):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            size = self.config.h11_max_incomplete_event_size or DEFAULT_MAX_INCOMPLETE_EVENT_SIZE  # as uvicorn's own
+            self.conn = _Connection(h11.SERVER, size, on_request=self._request_arrived)
+            self._waiting_since: float | None = None  # waiting for a request's headers since (loop time)
+            self._headers_timer: asyncio.TimerHandle | None = None
+
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
-            self.loop.call_later(request_timeout_s, self._headers_overdue)
+            self._await_request()
+            self._arm_headers_timer()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm_headers_timer()
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            if self._waiting_since is not None and self._headers_timer is None:  # the first byte of the next request
+                self._arm_headers_timer()
+            super().data_received(data)
+
+        def on_response_complete(self) -> None:
+            if not self.transport.is_closing():
+                self._await_request()  # before super(): it parses a pipelined request at once
+            super().on_response_complete()
+
+        def _await_request(self) -> None:
+            self._waiting_since = self.loop.time()
+
+        def _arm_headers_timer(self) -> None:
+            self._headers_timer = self.loop.call_later(request_timeout_s, self._headers_overdue)
+
+        def _disarm_headers_timer(self) -> None:
+            if self._headers_timer is not None:
+                self._headers_timer.cancel()
+                self._headers_timer = None
 
         def _headers_overdue(self) -> None:
-            if self.cycle is None and not self.transport.is_closing():  # no complete request yet
+            self._headers_timer = None
+            if self._waiting_since is not None and not self.transport.is_closing():
+                self.transport.close()
+
+        def _request_arrived(self) -> None:
+            self._waiting_since = None
+            self._disarm_headers_timer()
+            if len(self.connections) >= max_connections:  # uvicorn answers 503 next, unless room is made
+                self._make_room()
+
+        def _make_room(self) -> None:
+            now = self.loop.time()
+            waiting = sorted(
+                (other for other in self.connections
+                 if getattr(other, "_waiting_since", None) is not None and now - other._waiting_since >= IDLE_EVICT_S),
+                key=lambda other: other._waiting_since,
+            )
+            for other in waiting[: len(self.connections) - max_connections + 1]:
+                other._evict()
+
+        def _evict(self) -> None:
+            self._disarm_headers_timer()
+            self.connections.discard(self)  # at once: connection_lost comes a loop turn later
+            if not self.transport.is_closing():
                 self.transport.close()
 
     return Protocol
@@ -79,7 +164,7 @@ async def start_asgi(app, host: str, port: int, *, tls: tuple[str, str] | None =
     sock = _bind(host, port)
     config = uvicorn.Config(
         app,
-        http=_protocol(request_timeout_s),
+        http=_protocol(request_timeout_s, max_connections),
         lifespan="off",
         access_log=False,
         log_config=None,

@@ -51,7 +51,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from polyspec.orchestrator.serving.jobs import LimitExceeded
-from polyspec.orchestrator.serving.request_loop import Draining, QueueFull, Work
+from polyspec.orchestrator.serving.request_loop import Draining, QueueFull, Work, is_unavailable, public_reason
 from polyspec.orchestrator.serving.security import Tenants
 from polyspec.orchestrator.serving import openai_request
 from polyspec.orchestrator.serving.logprobs import TargetScorer
@@ -159,8 +159,7 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
 def _failure(exc: Exception) -> ApiError:
     if isinstance(exc, RequestError):
         return ApiError(400, str(exc))
-    text = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
-    return ApiError(500, f"internal error: {text}", "server_error")
+    return ApiError(503 if is_unavailable(exc) else 500, public_reason(exc), "server_error")
 
 
 # -------------------------------------------------------------------- the app

@@ -11,10 +11,17 @@ result or still pending and is run again: every id exactly once, no gap. Item id
 unique inside a job (the table's key). Job ids are made here; no path a client names is
 ever opened. A job belongs to the tenant that submitted it; reads and cancels name the
 caller's tenant and see only its jobs (tenant None: every job). An idempotency key is
-unique per tenant: `create` with a key already used returns that job.
+unique per tenant: `create` with a key already used returns that job, if the requests
+are the same (their digest is kept with the job), and refuses otherwise.
 
 Job data holds prompts and results: the folder is made 0700 and the database 0600
 (SQLite gives its -wal / -shm files the database's mode).
+
+Damage and a full disk: an existing file is integrity-checked, read-only, before it is
+opened (DamagedStore: the server refuses it, the file as it was); a row that does not
+decode is that item's error, never its bytes; the request loop's calls (pending items,
+results) never raise for the store's sake, they log one line and pause job work, leaving
+every item not written pending (`_loop_failed`).
 
 Thread use: one connection behind a lock; the scheduler thread writes results, the
 server's event loop reads.
@@ -22,14 +29,19 @@ server's event loop reads.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import sqlite3
+import sys
 import threading
 import time
+import urllib.parse
 import uuid
 from pathlib import Path
+
+from polyspec.orchestrator.serving.security import short
 
 QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = "queued", "running", "succeeded", "failed", "cancelled"
 TERMINAL = (SUCCEEDED, FAILED, CANCELLED)
@@ -63,16 +75,23 @@ CREATE INDEX IF NOT EXISTS items_seq ON items (done_seq);
 CREATE INDEX IF NOT EXISTS jobs_live ON jobs (state, created_at);
 """
 # added after the first release: an older database gains them on open
-_JOB_COLUMNS = {"tenant": "TEXT NOT NULL DEFAULT ''", "idempotency_key": "TEXT"}
+_JOB_COLUMNS = {"tenant": "TEXT NOT NULL DEFAULT ''", "idempotency_key": "TEXT", "request_digest": "TEXT"}
 _JOB_INDEXES = """
 CREATE UNIQUE INDEX IF NOT EXISTS jobs_idempotency ON jobs (tenant, idempotency_key) WHERE idempotency_key IS NOT NULL;
 CREATE INDEX IF NOT EXISTS jobs_tenant ON jobs (tenant, created_at);
 """
 _JOB_FIELDS = "job_id, state, total, completed, failed, created_at, finished_at"
+DAMAGED_REQUEST = "the stored request of this item is damaged (the job store needs repair)"
+DAMAGED_RESULT = "the stored result of this item is damaged (the job store needs repair)"
+MIN_PAUSE_S, MAX_PAUSE_S = 5.0, 60.0  # job work paused after a store failure: first, longest
 
 
 class LimitExceeded(Exception):
     """A configured limit (live jobs, pending items) would be passed: RESOURCE_EXHAUSTED."""
+
+
+class IdempotencyConflict(Exception):
+    """An idempotency key the tenant already used for a job with other requests: FAILED_PRECONDITION / 409."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,17 +124,114 @@ class ItemResult:
     error: str
 
 
+class DamagedStore(Exception):
+    """The job store's file fails its integrity check: the server refuses to start on it."""
+
+
+FULL, DAMAGED, BROKEN = "full", "damaged", "broken"  # what a SQLite error says about the store
+TROUBLE = {
+    FULL: "the server's disk is full: the job store cannot be written",
+    DAMAGED: "the job store is damaged",
+    BROKEN: "the job store failed",
+}
+
+
+def trouble(exc: BaseException) -> str:
+    """FULL, DAMAGED or BROKEN for a SQLite error (TROUBLE has each in words a client may read)."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code == sqlite3.SQLITE_FULL or "database or disk is full" in str(exc):
+        return FULL
+    if code in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB) or any(
+            sign in str(exc) for sign in ("malformed", "not a database", "Could not decode")):  # the last: text that is not UTF-8
+        return DAMAGED
+    return BROKEN
+
+
+def check_integrity(path: Path) -> None:
+    """DamagedStore (one line) unless `path` is a sound SQLite database; never writes to it.
+
+    A 0-byte file is damage too: a new store is made under another name and renamed into
+    place (`_create_store`), so this program never leaves one. Without a write-ahead log the
+    check opens the file immutable (no -wal / -shm made beside it); with one, read-only, so
+    the check sees the transactions the log holds."""
+    if path.stat().st_size == 0:
+        raise DamagedStore(f"the job store {path} is damaged (an empty file); it was left as it is: restore it "
+                           "from a backup, or move it away to start with an empty store")
+    wal = Path(f"{path}-wal")
+    mode = "mode=ro" if wal.exists() and wal.stat().st_size > 0 else "immutable=1"
+    try:
+        db = sqlite3.connect(f"file:{urllib.parse.quote(str(path))}?{mode}", uri=True)
+        try:
+            verdict = [row[0] for row in db.execute("PRAGMA integrity_check(1)")]
+        finally:
+            db.close()
+    except sqlite3.DatabaseError as exc:
+        if trouble(exc) != DAMAGED:  # e.g. it cannot be opened at all: not damage, the caller says why
+            raise
+        verdict = [str(exc)]
+    if verdict != ["ok"]:
+        lines = [line for text in verdict for line in str(text).splitlines() if line and not line.startswith("***")]
+        detail = (lines[0] if lines else "integrity check failed")[:200]
+        raise DamagedStore(f"the job store {path} is damaged ({detail}); it was left as it is: restore it from a "
+                           "backup, or move it away to start with an empty store")
+
+
+def _create_store(path: Path) -> None:
+    """A new, empty store at `path`, made under another name and renamed into place, so that
+    an empty file at `path` is never ours (a crash here leaves only the other name)."""
+    fresh = path.with_name(f"{path.name}.new-{os.getpid()}")
+    for suffix in ("", "-wal", "-shm", "-journal"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"{fresh}{suffix}")
+    try:
+        os.close(os.open(fresh, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
+        db = sqlite3.connect(str(fresh), isolation_level=None)
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.executescript(_SCHEMA)
+        finally:
+            db.close()  # checkpoints: the file holds it all, no -wal left
+        fd = os.open(fresh, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except (OSError, sqlite3.Error):  # e.g. a full disk: leave nothing half-made behind
+        for suffix in ("", "-wal", "-shm", "-journal"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"{fresh}{suffix}")
+        raise
+    try:
+        os.link(fresh, path)  # never over a store another process made meanwhile
+    except FileExistsError:
+        pass
+    except OSError:  # a file system without hard links
+        os.rename(fresh, path)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(fresh)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # the new name survives a crash too
+    finally:
+        os.close(fd)
+
+
 class JobStore:
     def __init__(self, state_dir: str | Path) -> None:
         path = Path(state_dir)
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(path, 0o700)  # also when it existed: it holds prompts and results
         self.path = path / "jobs.sqlite3"
-        os.close(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600))
+        if self.path.exists():
+            check_integrity(self.path)
+        else:
+            _create_store(self.path)
         for suffix in ("", "-wal", "-shm"):
             if Path(f"{self.path}{suffix}").exists():
                 os.chmod(f"{self.path}{suffix}", 0o600)
         self._lock = threading.Lock()
+        self._paused_until = 0.0  # the request loop's calls: no job work before this (monotonic), after a store failure
+        self._pause_s = 0.0
         self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")  # a committed result survives power loss too
@@ -133,11 +249,13 @@ class JobStore:
     # ------------------------------------------------------------------ writes
 
     def create(self, items: list[tuple[str, dict, str | None]], tenant: str = "", idempotency_key: str | None = None,
-               max_live_jobs: int | None = None, max_pending_items: int | None = None) -> JobRecord:
+               max_live_jobs: int | None = None, max_pending_items: int | None = None, digest: str | None = None) -> JobRecord:
         """A job from (id, raw request, error or None) items; items with an error are failed at once.
 
-        With an `idempotency_key` the tenant already used: that job, unchanged. Over a limit
-        (live jobs, pending items, counted in the same transaction): LimitExceeded."""
+        With an `idempotency_key` the tenant already used: that job, unchanged, when its
+        requests had the same `digest` (a hash of the submitted requests), else
+        IdempotencyConflict. Over a limit (live jobs, pending items, counted in the same
+        transaction): LimitExceeded."""
         job_id = "job-" + uuid.uuid4().hex[:16]
         now = time.time()
         failed = sum(1 for _, _, error in items if error)
@@ -145,16 +263,21 @@ class JobStore:
             self._db.execute("BEGIN IMMEDIATE")
             if idempotency_key:
                 row = self._db.execute(
-                    "SELECT job_id FROM jobs WHERE tenant = ? AND idempotency_key = ?", (tenant, idempotency_key)
+                    "SELECT job_id, request_digest FROM jobs WHERE tenant = ? AND idempotency_key = ?", (tenant, idempotency_key)
                 ).fetchone()
                 if row:
-                    job_id = row[0]
+                    job_id, used_digest = row
+                    if digest and used_digest and digest != used_digest:  # jobs stored before digests: taken as the same
+                        raise IdempotencyConflict(
+                            f"idempotency_key {short(idempotency_key)!r} was already used for job {job_id} with other "
+                            "requests; a new batch needs a new key")
                     items = []
             if items:
                 self._check_limits(len(items) - failed, max_live_jobs, max_pending_items)
                 self._db.execute(
-                    "INSERT INTO jobs (job_id, state, total, failed, created_at, tenant, idempotency_key) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                    (job_id, QUEUED, len(items), failed, now, tenant, idempotency_key or None),
+                    "INSERT INTO jobs (job_id, state, total, failed, created_at, tenant, idempotency_key, request_digest) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    (job_id, QUEUED, len(items), failed, now, tenant, idempotency_key or None, digest),
                 )
             seq = self._next_seq()
             rows = []
@@ -187,23 +310,48 @@ class JobStore:
     def finish_item(self, item: PendingItem, result: dict | None, error: str | None) -> JobRecord | None:
         """Mark one item done (with its result) or failed (with its error), in one transaction.
 
-        A no-op when the item is no longer pending (its job was cancelled meanwhile)."""
-        with self._lock, self._db:
-            self._db.execute("BEGIN IMMEDIATE")
-            status = ITEM_FAILED if error else DONE
-            changed = self._db.execute(
-                "UPDATE items SET status = ?, result = ?, error = ?, done_seq = ? WHERE job_id = ? AND idx = ? AND status = ?",
-                (status, None if error else json.dumps(result), error, self._next_seq(), item.job_id, item.idx, PENDING),
-            ).rowcount
-            if changed:
-                column = "failed" if error else "completed"
-                self._db.execute(f"UPDATE jobs SET {column} = {column} + 1 WHERE job_id = ?", (item.job_id,))
-                self._settle(item.job_id)
-        return self.get(item.job_id)
+        A no-op when the item is no longer pending (its job was cancelled meanwhile). When the
+        store cannot be written (disk full): one line logged, job work paused, None; the item
+        stays pending and runs again (`_loop_failed`)."""
+        try:
+            with self._lock, self._db:
+                self._db.execute("BEGIN IMMEDIATE")
+                status = ITEM_FAILED if error else DONE
+                changed = self._db.execute(
+                    "UPDATE items SET status = ?, result = ?, error = ?, done_seq = ? "
+                    "WHERE job_id = ? AND idx = ? AND status = ?",
+                    (status, None if error else json.dumps(result), error, self._next_seq(), item.job_id, item.idx, PENDING),
+                ).rowcount
+                if changed:
+                    column = "failed" if error else "completed"
+                    self._db.execute(f"UPDATE jobs SET {column} = {column} + 1 WHERE job_id = ?", (item.job_id,))
+                    self._settle(item.job_id)
+            job = self.get(item.job_id)
+        except sqlite3.Error as exc:
+            self._loop_failed(f"writing the result of job {item.job_id} item {item.idx}", exc)
+            return None
+        self._pause_s, self._paused_until = 0.0, 0.0  # it can be written again: no need to wait out the pause
+        return job
 
     def mark_running(self, job_id: str) -> None:
-        with self._lock, self._db:
-            self._db.execute("UPDATE jobs SET state = ? WHERE job_id = ? AND state = ?", (RUNNING, job_id, QUEUED))
+        try:
+            with self._lock, self._db:
+                self._db.execute("UPDATE jobs SET state = ? WHERE job_id = ? AND state = ?", (RUNNING, job_id, QUEUED))
+        except sqlite3.Error as exc:  # the state is only shown; the item runs all the same
+            self._loop_failed(f"marking job {job_id} running", exc)
+
+    def _loop_failed(self, what: str, exc: sqlite3.Error) -> None:
+        """The request loop's calls never raise for the store's sake (the loop also serves
+        interactive requests): a store that cannot be read or written logs one line and
+        gives the loop no job work for a while (5 s, doubling up to a minute while it keeps
+        failing); every item not written stays pending, to run again."""
+        now = time.monotonic()
+        if now < self._paused_until:  # items already in flight when it began: one line, one pause
+            return
+        _log(f"{TROUBLE[trouble(exc)]} ({what}: {str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}); "
+             "job items stay pending and are retried")
+        self._pause_s = min(MAX_PAUSE_S, max(MIN_PAUSE_S, self._pause_s * 2))
+        self._paused_until = now + self._pause_s
 
     def cancel(self, job_id: str, tenant: str | None = None) -> JobRecord | None:
         """Cancel a job that is not over (a finished job is returned as it is); None if unknown
@@ -254,37 +402,59 @@ class JobStore:
 
     def next_pending(self) -> PendingItem | None:
         """The oldest live job's first pending item (indexed: cheap even with many items)."""
-        with self._lock:
-            live = self._db.execute(
-                "SELECT job_id FROM jobs WHERE state IN (?, ?) ORDER BY created_at, rowid", (QUEUED, RUNNING)
-            ).fetchall()
-            for (job_id,) in live:
-                row = self._db.execute(
-                    "SELECT idx, id, request FROM items WHERE status = ? AND job_id = ? ORDER BY idx LIMIT 1", (PENDING, job_id)
-                ).fetchone()
-                if row:
-                    return PendingItem(job_id, row[0], row[1], json.loads(row[2]))
-        return None
+        items = self.pending_items(1, set())
+        return items[0] if items else None
 
     def pending_items(self, limit: int, skip: set[tuple[str, int]]) -> list[PendingItem]:
-        """Up to `limit` pending items, oldest live job first, leaving out `skip` ((job_id, idx) already in flight)."""
+        """Up to `limit` pending items, oldest live job first, leaving out `skip` ((job_id, idx) already in flight).
+
+        An item whose stored request does not decode is failed with DAMAGED_REQUEST instead.
+        None while job work is paused (`_loop_failed`), or when the store cannot be read."""
+        if time.monotonic() < self._paused_until:
+            return []
+        try:
+            with self._lock:
+                return self._pending_items(limit, skip)
+        except sqlite3.Error as exc:
+            self._loop_failed("reading pending job items", exc)
+            return []
+
+    def _pending_items(self, limit: int, skip: set[tuple[str, int]]) -> list[PendingItem]:
         found: list[PendingItem] = []
-        with self._lock:
-            live = self._db.execute(
-                "SELECT job_id FROM jobs WHERE state IN (?, ?) ORDER BY created_at, rowid", (QUEUED, RUNNING)
+        live = self._db.execute(
+            "SELECT job_id FROM jobs WHERE state IN (?, ?) ORDER BY created_at, rowid", (QUEUED, RUNNING)
+        ).fetchall()
+        for (job_id,) in live:
+            taken = sum(1 for job, _ in skip if job == job_id)
+            rows = self._db.execute(  # as bytes: a damaged row must not fail the whole query
+                "SELECT idx, CAST(id AS BLOB), CAST(request AS BLOB) FROM items WHERE status = ? AND job_id = ? "
+                "ORDER BY idx LIMIT ?",
+                (PENDING, job_id, limit - len(found) + taken),
             ).fetchall()
-            for (job_id,) in live:
-                taken = sum(1 for job, _ in skip if job == job_id)
-                rows = self._db.execute(
-                    "SELECT idx, id, request FROM items WHERE status = ? AND job_id = ? ORDER BY idx LIMIT ?",
-                    (PENDING, job_id, limit - len(found) + taken),
-                ).fetchall()
-                for idx, item_id, request in rows:
-                    if (job_id, idx) not in skip and len(found) < limit:
-                        found.append(PendingItem(job_id, idx, item_id, json.loads(request)))
-                if len(found) >= limit:
-                    break
+            for idx, item_id, request in rows:
+                if (job_id, idx) in skip or len(found) >= limit:
+                    continue
+                decoded = _json_object(request)
+                if decoded is None:
+                    self._fail_damaged(job_id, idx)
+                    continue
+                found.append(PendingItem(job_id, idx, _text(item_id), decoded))
+            if len(found) >= limit:
+                break
         return found
+
+    def _fail_damaged(self, job_id: str, idx: int) -> None:
+        """Inside the lock: fail an item whose stored request is damaged, as it would fail validation."""
+        with self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            changed = self._db.execute(
+                "UPDATE items SET status = ?, error = ?, done_seq = ? WHERE job_id = ? AND idx = ? AND status = ?",
+                (ITEM_FAILED, DAMAGED_REQUEST, self._next_seq(), job_id, idx, PENDING),
+            ).rowcount
+            if changed:
+                self._db.execute("UPDATE jobs SET failed = failed + 1 WHERE job_id = ?", (job_id,))
+                self._settle(job_id)
+        _log(f"job {job_id} item {idx}: {DAMAGED_REQUEST}; failed")
 
     def pending_count(self) -> int:
         with self._lock:
@@ -297,10 +467,41 @@ class JobStore:
         ).fetchone()[0]
 
     def results_after(self, job_id: str, after_seq: int) -> list[tuple[int, ItemResult]]:
-        """Finished items of a job in the order they finished, after `after_seq`: [(seq, result)]."""
+        """Finished items of a job in the order they finished, after `after_seq`: [(seq, result)].
+
+        An item whose stored result or error does not decode comes back with DAMAGED_RESULT
+        as its error: what it held is never quoted to the client."""
         with self._lock:
-            rows = self._db.execute(
-                "SELECT done_seq, id, result, error FROM items WHERE job_id = ? AND done_seq > ? ORDER BY done_seq",
+            rows = self._db.execute(  # as bytes: a damaged row must not fail the whole query
+                "SELECT done_seq, CAST(id AS BLOB), CAST(result AS BLOB), CAST(error AS BLOB) FROM items "
+                "WHERE job_id = ? AND done_seq > ? ORDER BY done_seq",
                 (job_id, after_seq),
             ).fetchall()
-        return [(seq, ItemResult(item_id, json.loads(result) if result else None, error or "")) for seq, item_id, result, error in rows]
+        results = []
+        for seq, item_id, result, error in rows:
+            decoded = _json_object(result) if result is not None else None
+            try:
+                message = error.decode("utf-8") if error is not None else ""
+            except UnicodeDecodeError:
+                message = None
+            if (result is not None and decoded is None) or message is None:
+                decoded, message = None, DAMAGED_RESULT
+            results.append((seq, ItemResult(_text(item_id), decoded, message)))
+        return results
+
+
+def _text(raw: bytes | None) -> str:
+    return raw.decode("utf-8", "replace") if raw is not None else ""
+
+
+def _json_object(raw: bytes) -> dict | None:
+    """A stored JSON object, or None when the bytes are not one (a damaged row)."""
+    try:
+        decoded = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    return decoded if isinstance(decoded, dict) else None
+
+
+def _log(message: str) -> None:
+    print(f"polyspec serve: {message}", file=sys.stderr, flush=True)

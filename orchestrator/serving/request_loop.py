@@ -29,6 +29,7 @@ import time
 import traceback
 from typing import Any, Callable
 
+from polyspec.orchestrator.batch_runner import is_unavailable, step_isolated
 from polyspec.orchestrator.serving.jobs import JobStore, PendingItem
 from polyspec.orchestrator.serving.metrics import Metrics
 from polyspec.orchestrator.tokenization import REPLACEMENT_CHAR
@@ -64,18 +65,24 @@ class Work:
         }
 
 
+INTERNAL_REASON = "internal error (the server's log has the details)"
+
+
+def public_reason(exc: BaseException) -> str:
+    """What a client is told about `exc`, one line: a request's own mistake or a down chain is
+    described (the server's own words); any other exception's text stays in the server's log."""
+    if isinstance(exc, RequestError) or is_unavailable(exc):
+        text = str(exc)
+        return text.splitlines()[0][:500] if text else type(exc).__name__
+    return INTERNAL_REASON
+
+
 class QueueFull(Exception):
     pass
 
 
 class Draining(Exception):
     pass
-
-
-def is_unavailable(exc: BaseException) -> bool:
-    """A tier (or its actor) is gone and no valid chain is left: UNAVAILABLE, not INTERNAL."""
-    names = {cls.__name__ for cls in type(exc).__mro__}
-    return bool(names & {"TierUnavailableError", "ChainUnavailableError", "RayActorError", "ActorDiedError"})
 
 
 class RoundScheduler(threading.Thread):
@@ -217,20 +224,17 @@ class RoundScheduler(threading.Thread):
             except Exception as exc:  # noqa: BLE001 - one bad request must not take the server down
                 self._failed(work, exc)
                 over[index] = True
-        scheduler = self.engine.scheduler
-        try:
-            scheduler.prefill([active[i].state for i in live])
-            ready = [i for i in live if active[i].state.done or scheduler.ready(active[i].state)]
-            emitted = self.engine.step_all([active[i].state for i in ready]) if ready else []
-        except Exception as exc:  # noqa: BLE001 - the step failed for all of them
-            for i in live:
-                self._failed(active[i], exc)
-                over[i] = True
-            return over
-        step = scheduler.last_step
-        if ready and step.get("batch"):
+        # one request's row raising fails that request alone (polyspec.orchestrator.batch_runner.step_isolated)
+        outcome = step_isolated(self.engine, [active[i].state for i in live])
+        index_of = {id(active[i].state): i for i in live}
+        for state, exc in outcome.failed:
+            self._failed(active[index_of[id(state)]], exc, shared=outcome.shared_fault)
+            over[index_of[id(state)]] = True
+        step = self.engine.scheduler.last_step
+        if outcome.advanced and step.get("batch"):
             self.metrics.batch_step(step["batch"], step["tokens"], step["seconds"], len(step.get("tiers", ())) > 1)
-        for i, tokens in zip(ready, emitted):
+        for state, tokens in outcome.advanced:
+            i = index_of[id(state)]
             work = active[i]
             try:
                 if tokens:
@@ -321,7 +325,9 @@ class RoundScheduler(threading.Thread):
         self._finished(work, {**result, "finish_reason": "cancelled"})
         return True
 
-    def _failed(self, work: Work, exc: Exception) -> None:
+    def _failed(self, work: Work, exc: Exception, shared: bool = False) -> None:
+        """`work` ends with `exc`. `shared`: every request of its step failed alone too (the chain's fault):
+        a job item is then not failed for good but left pending and retried, as when the chain is down."""
         if work.state is not None:
             try:
                 self.engine.cancel(work.state)
@@ -329,12 +335,12 @@ class RoundScheduler(threading.Thread):
                 pass
         if not isinstance(exc, RequestError):
             print(f"polyspec serve: request failed: {exc!r}", file=sys.stderr)
-            traceback.print_exc(file=sys.stderr)
+            traceback.print_exception(exc, file=sys.stderr)
         if work.job_item is not None:
-            if is_unavailable(exc):  # the chain is down, not the item: it stays pending and is retried
+            if is_unavailable(exc) or shared:  # the chain is down or broken, not the item: it stays pending and is retried
                 time.sleep(UNAVAILABLE_RETRY_S)
                 return
-            self._write_item(work, None, str(exc) if isinstance(exc, RequestError) else f"internal error: {exc}")
+            self._write_item(work, None, public_reason(exc))
             return
         status = "invalid_argument" if isinstance(exc, RequestError) else "unavailable" if is_unavailable(exc) else "internal"
         self.metrics.request_finished(status)

@@ -26,7 +26,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
-from polyspec.orchestrator.serving.jobs import JobStore
+from polyspec.orchestrator.serving.jobs import DamagedStore, JobStore
 from polyspec.orchestrator.serving.metrics import Metrics
 from polyspec.orchestrator.serving.request_loop import RoundScheduler
 from polyspec.orchestrator.serving.security import Limits, Tenants, is_loopback
@@ -75,6 +75,8 @@ def cmd_serve(args, config) -> int:
     state_dir = args.state_dir or default_state_dir()
     try:
         store = JobStore(state_dir)
+    except DamagedStore as exc:  # before any model loads: one line, exit 2, the file as it was
+        raise ConfigError(str(exc)) from None
     except (OSError, sqlite3.Error) as exc:
         raise ConfigError(f"cannot use state dir {state_dir}: {exc}") from None
     host = args.host or config.server.host

@@ -13,7 +13,8 @@ seconds to finish, the current job item is dropped and runs again at the next st
 Errors map to status codes: RequestError -> INVALID_ARGUMENT, unknown job -> NOT_FOUND,
 token -> UNAUTHENTICATED, queue full or a limit (security.Limits) -> RESOURCE_EXHAUSTED,
 loading / draining / no valid chain -> UNAVAILABLE, bytes that are not the method's message
--> INVALID_ARGUMENT. Each with one line of text.
+-> INVALID_ARGUMENT, an idempotency key reused for other requests -> FAILED_PRECONDITION.
+Each with one line of text.
 
 Nothing that can block runs on the event loop: tokenizing (with a copy of the tokenizer,
 so the round thread's decoding never waits for it) and every SQLite call go through
@@ -25,16 +26,34 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import hashlib
 import json
 import queue
+import sqlite3
+import sys
 import threading
 import time
 
 import grpc
 
-from polyspec.orchestrator.serving.jobs import CANCELLED, FAILED, QUEUED, RUNNING, SUCCEEDED, JobRecord, JobStore, LimitExceeded
+from polyspec.orchestrator.serving.jobs import (
+    BROKEN,
+    CANCELLED,
+    DAMAGED,
+    FAILED,
+    FULL,
+    QUEUED,
+    RUNNING,
+    SUCCEEDED,
+    IdempotencyConflict,
+    JobRecord,
+    JobStore,
+    LimitExceeded,
+    TROUBLE,
+    trouble,
+)
 from polyspec.orchestrator.serving.metrics import Metrics
-from polyspec.orchestrator.serving.request_loop import Draining, QueueFull, RoundScheduler, Work, is_unavailable
+from polyspec.orchestrator.serving.request_loop import Draining, QueueFull, RoundScheduler, Work, is_unavailable, public_reason
 from polyspec.orchestrator.serving.security import (
     MAX_ID_CHARS,
     MAX_IDEMPOTENCY_KEY_CHARS,
@@ -60,6 +79,7 @@ JOB_STATES = {
     CANCELLED: pb.JOB_STATE_CANCELLED,
 }
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed")
+STORE_STATUS = {FULL: grpc.StatusCode.RESOURCE_EXHAUSTED, DAMAGED: grpc.StatusCode.DATA_LOSS, BROKEN: grpc.StatusCode.INTERNAL}
 
 
 # ------------------------------------------------------------------ message <-> dict
@@ -109,6 +129,17 @@ def stage_message(stage: dict) -> pb.StageStats:
         accepted_counts=stage.get("accepted_counts", []),
         time_s=stage.get("time_s", 0.0),
     )
+
+
+def requests_digest(requests) -> str:
+    """A job's requests, hashed as this server parsed them (so the same requests hash alike
+    whatever client encoded them): what an idempotency key is checked against."""
+    digest = hashlib.sha256()
+    for request in requests:
+        encoded = request.SerializeToString(deterministic=True)
+        digest.update(len(encoded).to_bytes(8, "little"))  # length-prefixed: no two lists run together alike
+        digest.update(encoded)
+    return digest.hexdigest()
 
 
 def job_message(job: JobRecord) -> pb.Job:
@@ -286,7 +317,7 @@ class PolyspecService(pb_grpc.PolyspecServicer):
                         else grpc.StatusCode.UNAVAILABLE if is_unavailable(payload)
                         else grpc.StatusCode.INTERNAL
                     )
-                    await context.abort(code, str(payload).splitlines()[0][:500] if str(payload) else type(payload).__name__)
+                    await context.abort(code, public_reason(payload))
         finally:
             if not finished:  # the client went away, or its deadline passed
                 self.scheduler.cancel(work)
@@ -305,21 +336,25 @@ class PolyspecService(pb_grpc.PolyspecServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"idempotency_key has {len(key)} characters (at most {MAX_IDEMPOTENCY_KEY_CHARS})")
         tenant = self._tenant(context) or ""
-        if key:  # a retry: answer before tokenizing anything
-            job = await asyncio.to_thread(self.store.create, [], tenant, key)
-            if job is not None:
-                return job_message(job)
+        digest = await asyncio.to_thread(requests_digest, request.requests) if key else None
         try:
-            items = await asyncio.to_thread(self._job_items, request.requests)  # tokenizing many prompts: off the loop
-        except LimitExceeded as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        if isinstance(items, str):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, items)
-        try:
-            job = await asyncio.to_thread(self.store.create, items, tenant, key or None,
-                                          self.limits.max_live_jobs, self.limits.max_pending_items)
-        except LimitExceeded as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            if key:  # a retry: answer before tokenizing anything
+                job = await asyncio.to_thread(self.store.create, [], tenant, key, digest=digest)
+                if job is not None:
+                    return job_message(job)
+            try:
+                items = await asyncio.to_thread(self._job_items, request.requests)  # tokenizing many prompts: off the loop
+            except LimitExceeded as exc:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            if isinstance(items, str):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, items)
+            try:
+                job = await asyncio.to_thread(self.store.create, items, tenant, key or None,
+                                              self.limits.max_live_jobs, self.limits.max_pending_items, digest=digest)
+            except LimitExceeded as exc:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except IdempotencyConflict as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         self.scheduler.jobs_added()
         self.jobs_changed()
         return job_message(job)
@@ -466,7 +501,7 @@ class Guard(grpc.aio.ServerInterceptor):
                 if ours:
                     self.metrics.request_finished("unauthenticated")
                 return _deny(handler, Tenants.denial(given))
-        return _tolerant(handler) if ours else handler
+        return _tolerant(handler, details.method) if ours else handler
 
 
 def _deny(handler, message: str):
@@ -487,7 +522,21 @@ def _deny(handler, message: str):
     return grpc.unary_unary_rpc_method_handler(deny, response_serializer=serializer)
 
 
-def _tolerant(handler):
+async def _unexpected(exc: Exception, method: str, context) -> None:
+    """An error no method turned into a status: one line in the log, and a status whose text
+    holds nothing of the exception (gRPC itself would answer UNKNOWN quoting it, which may
+    carry stored prompts or results). A job store that cannot be written (disk full) is
+    RESOURCE_EXHAUSTED, a damaged one DATA_LOSS, anything else INTERNAL."""
+    if isinstance(exc, grpc.aio.AbortError):  # context.abort: the status is already set
+        raise exc
+    print(f"polyspec serve: {method.rsplit('/', 1)[-1]} failed: {exc!r}"[:500].replace("\n", " "), file=sys.stderr, flush=True)
+    if isinstance(exc, sqlite3.Error):
+        kind = trouble(exc)
+        await context.abort(STORE_STATUS[kind], TROUBLE[kind] + ("; retry later" if kind == FULL else ""))
+    await context.abort(grpc.StatusCode.INTERNAL, "internal error (the server's log has the details)")
+
+
+def _tolerant(handler, method: str):
     """The same handler, with a request that does not parse answered INVALID_ARGUMENT."""
     decode = handler.request_deserializer
 
@@ -506,7 +555,10 @@ def _tolerant(handler):
 
         async def unary(request, context):
             await check(request, context)
-            return await behavior(request, context)
+            try:
+                return await behavior(request, context)
+            except Exception as exc:  # noqa: BLE001 - see _unexpected
+                await _unexpected(exc, method, context)
 
         return grpc.unary_unary_rpc_method_handler(unary, request_deserializer=safe_decode,
                                                    response_serializer=handler.response_serializer)
@@ -515,8 +567,11 @@ def _tolerant(handler):
 
         async def stream(request, context):
             await check(request, context)
-            async for message in behavior(request, context):
-                yield message
+            try:
+                async for message in behavior(request, context):
+                    yield message
+            except Exception as exc:  # noqa: BLE001 - see _unexpected
+                await _unexpected(exc, method, context)
 
         return grpc.unary_stream_rpc_method_handler(stream, request_deserializer=safe_decode,
                                                     response_serializer=handler.response_serializer)

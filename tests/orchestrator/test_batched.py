@@ -179,7 +179,7 @@ def test_continuous_batch_admits_up_to_max_requests_and_prefills_in_chunks(tiny_
     batch.step()
     assert len(running.new_tokens) > 0
     joining = batch.admit(long_prompt)
-    stepped = dict((id(s), tokens) for s, tokens in batch.step())
+    stepped = dict((id(s), tokens) for s, tokens in batch.step().advanced)
     # the long prompt is cached 5 tokens per step; the running request goes on meanwhile
     assert id(running) in stepped and id(joining) not in stepped
     assert engine.scheduler.tiers[0].cached(joining.run.seq_id) == 5

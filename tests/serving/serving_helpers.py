@@ -21,6 +21,7 @@ import yaml
 from polyspec.client import Client
 
 START_TIMEOUT_S = 60.0
+DEMO_CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "demo.yaml")  # the shipped CPU demo chain
 LISTENING = re.compile(r"listening on [\d.]+:(\d+)")
 
 

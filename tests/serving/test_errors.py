@@ -34,7 +34,7 @@ def stub(server):
         ({"prompt": "x", "prompt_ids": [1, 2]}, "give one of 'prompt', 'prompt_ids' or 'messages', not several"),
         ({"prompt": "x", "max_new_tokens": -1}, "max_new_tokens must be > 0"),
         ({"prompt": "x", "temperature": -0.5}, "temperature must be >= 0"),
-        ({"prompt": "x", "top_p": 2.0}, "top_p must be in (0, 1]"),
+        ({"prompt": "x", "top_p": 2.0}, "top_p must be in [0, 1]"),
         ({"prompt": "x", "top_k": -2}, "top_k must be an integer >= 0"),
         ({"prompt_ids": [5, 99999]}, "prompt_ids contains 99999, outside the vocabulary"),
         ({"prompt": "y" * 300}, "prompt has 300 tokens but the model context holds 256"),

@@ -20,12 +20,18 @@ from polyspec.workers.core.errors import RequestError
 
 FUZZ = settings(max_examples=100, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 ALLOWED_GRPC = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
-                grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED}
+                grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED,
+                grpc.StatusCode.FAILED_PRECONDITION}  # a fuzzed idempotency key drawn twice with other requests
 CALL_TIMEOUT_S = 20
 INT32 = st.integers(-(2**31), 2**31 - 1)
 TEXT = st.text(max_size=40)
 NUMBERS = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-(2**70), 2**70))
 JSON_LEAF = st.one_of(st.none(), st.booleans(), NUMBERS, TEXT)
+# numerically extreme but legal sampling values (the hostile run's poison rows among them): each
+# must get a defined answer, never fail the request or its neighbours
+EXTREME = st.sampled_from([0.0, -0.0, 5e-324, 1e-300, 1e-45, 1e-40, 1.1754944e-38, 1e-30, 9.99e-6, 1e-5, 1.0000001, 0.99999994,
+                           999.99, 1000.0, 1e308])
+SAMPLING_VALUE = st.one_of(EXTREME, JSON_LEAF)
 JSON = st.recursive(JSON_LEAF, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(TEXT, inner, max_size=4), max_leaves=12)
 
 
@@ -39,8 +45,8 @@ REQUEST = st.builds(
     prompt=small_or_any(st.text(max_size=400), st.sampled_from(["", "def f(x):", "import os"])),
     prompt_ids=small_or_any(st.lists(INT32, max_size=20), st.lists(st.integers(0, 256), min_size=1, max_size=5)),
     max_new_tokens=small_or_any(INT32, st.integers(-2, 6)),
-    temperature=st.one_of(st.none(), st.floats(width=32, allow_nan=True, allow_infinity=True)),
-    top_p=st.one_of(st.none(), st.floats(width=32, allow_nan=True, allow_infinity=True)),
+    temperature=st.one_of(st.none(), EXTREME, st.floats(width=32, allow_nan=True, allow_infinity=True)),
+    top_p=st.one_of(st.none(), EXTREME, st.floats(width=32, allow_nan=True, allow_infinity=True)),
     top_k=st.one_of(st.none(), INT32),
     seed=st.one_of(st.none(), st.integers(-(2**63), 2**63 - 1)),
 )
@@ -107,7 +113,7 @@ COMPLETION_BODY = st.fixed_dictionaries(
         "messages": st.one_of(JSON, st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "x", 5]),
                                                                      "content": st.one_of(TEXT, JSON)}), max_size=3)),
         "max_tokens": st.one_of(st.integers(-3, 6), JSON_LEAF),
-        "temperature": JSON_LEAF, "top_p": JSON_LEAF, "top_k": JSON_LEAF, "seed": JSON_LEAF,
+        "temperature": SAMPLING_VALUE, "top_p": SAMPLING_VALUE, "top_k": JSON_LEAF, "seed": JSON_LEAF,
         "stream": st.one_of(st.booleans(), JSON_LEAF), "stream_options": JSON, "n": JSON_LEAF, "model": JSON_LEAF,
     },
 )
@@ -150,9 +156,9 @@ def test_fuzz_batch_and_job_lines(engine, tmp_path_factory):
     from polyspec.orchestrator.serving_cli import read_requests
 
     folder = tmp_path_factory.mktemp("lines")
-    line_object = st.fixed_dictionaries({}, optional={key: JSON for key in
-                                                      ("id", "prompt", "prompt_ids", "max_new_tokens", "temperature",
-                                                       "top_p", "top_k", "seed", "extra")})
+    line_object = st.fixed_dictionaries({}, optional={key: st.one_of(EXTREME, JSON) if key in ("temperature", "top_p") else JSON
+                                                      for key in ("id", "prompt", "prompt_ids", "max_new_tokens", "temperature",
+                                                                  "top_p", "top_k", "seed", "extra")})
 
     @settings(max_examples=150, deadline=None, database=None, suppress_health_check=list(HealthCheck))
     @given(value=st.one_of(line_object, JSON), raw_line=st.one_of(st.text(max_size=60), st.binary(max_size=60)))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sqlite3
+
+from polyspec.orchestrator.serving import jobs
 from polyspec.orchestrator.serving.jobs import JobStore
 
 
@@ -51,3 +54,57 @@ def test_pending_items_skip_those_in_flight(tmp_path):
     store.finish_item(taken[0], {"token_ids": [1]}, None)
     assert [item.id for item in store.pending_items(2, skip - {(first, 0)})] == ["b1"]
     assert second and store.pending_items(0, set()) == []
+
+
+class _FullDisk:
+    """A connection whose every write fails as SQLite's does on a full disk; reads pass."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+
+    def execute(self, sql: str, *args):
+        if sql.lstrip().split()[0].upper() in ("BEGIN", "UPDATE", "INSERT"):
+            raise sqlite3.OperationalError("database or disk is full")
+        return self.db.execute(sql, *args)
+
+    def __enter__(self):
+        return self.db.__enter__()
+
+    def __exit__(self, *exc):
+        return self.db.__exit__(*exc)
+
+
+def test_a_full_disk_keeps_items_pending_logs_once_and_pauses_job_work(tmp_path, capsys, monkeypatch):
+    store = JobStore(tmp_path)
+    job = store.create([("a", {"prompt": "x"}, None), ("b", {"prompt": "y"}, None)])
+    first, second = store.pending_items(2, set())
+    sound, now = store._db, [1000.0]
+    monkeypatch.setattr(jobs.time, "monotonic", lambda: now[0])
+    store._db = _FullDisk(sound)
+    assert store.finish_item(first, {"token_ids": [1]}, None) is None  # no exception into the request loop
+    assert store.finish_item(second, {"token_ids": [2]}, None) is None
+    store.mark_running(job.job_id)
+    logged = [line for line in capsys.readouterr().err.splitlines() if "disk is full" in line]
+    assert len(logged) == 1, logged  # one line for the pause, not one per item
+    store._db = sound
+    assert store.pending_items(2, set()) == []  # job work waits out the pause
+    now[0] += jobs.MIN_PAUSE_S
+    assert [item.id for item in store.pending_items(2, set())] == ["a", "b"]  # nothing was lost
+    assert store.finish_item(first, {"token_ids": [1]}, None).completed == 1
+    assert store.finish_item(second, {"token_ids": [2]}, None).state == "succeeded"
+
+
+def test_rows_that_do_not_decode_are_their_items_errors(tmp_path):
+    store = JobStore(tmp_path)
+    job = store.create([(name, {"prompt": "x"}, None) for name in ("a", "b", "c")])
+    a, b, c = store.pending_items(3, set())
+    store.finish_item(a, {"text": "fine"}, None)
+    store.finish_item(b, {"text": "secret"}, None)
+    store._db.execute("UPDATE items SET result = CAST(? AS TEXT) WHERE id = 'b'", (b'{"text": "secret \xff"}',))
+    store._db.execute("UPDATE items SET request = CAST(? AS TEXT) WHERE id = 'c'", (b"\xfe",))
+    assert store.pending_items(3, set()) == []  # c: failed, not handed to the request loop
+    results = {result.id: result for _, result in store.results_after(job.job_id, 0)}
+    assert results["a"].result == {"text": "fine"}
+    assert (results["b"].result, results["b"].error) == (None, jobs.DAMAGED_RESULT)
+    assert (results["c"].result, results["c"].error) == (None, jobs.DAMAGED_REQUEST)
+    assert store.get(job.job_id).state == "succeeded"

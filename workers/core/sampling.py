@@ -11,10 +11,19 @@ import dataclasses
 
 import torch
 
+# Below this temperature a request decodes greedily (vLLM's threshold too): float32 cannot
+# represent the warp of much smaller ones (logits / 1e-45 overflow, and 5e-324 is 0 in
+# float32), and at 1e-5 the warped row is already one-hot unless two logits lie within ~1e-4.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+# top_p = 0 (OpenAI's range is [0, 1]) and any top_p below float32's smallest normal number
+# keep only the top token, as this one does; raised to it so it survives float32 fields.
+SMALLEST_TOP_P = float(torch.finfo(torch.float32).tiny)
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """How one request samples. temperature == 0 means greedy (argmax)."""
+    """How one request samples. A temperature of 0 (or any below GREEDY_BELOW_TEMPERATURE)
+    means greedy (argmax)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -23,14 +32,19 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0):  # also rejects NaN
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (0.0 <= self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in [0, 1], got {self.top_p}")
         if int(self.top_k) != self.top_k or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0, got {self.top_k}")
+        # numerically extreme but legal values get their defined meaning in a form every path carries
+        if self.temperature < GREEDY_BELOW_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)
+        if self.top_p < SMALLEST_TOP_P:
+            object.__setattr__(self, "top_p", SMALLEST_TOP_P)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
 def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -43,7 +57,8 @@ def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     logits = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
-    logits = logits / params.temperature
+    # the largest logit becomes exactly 0 before the division, so no temperature overflows it
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / params.temperature
     vocab = logits.shape[-1]
     if 0 < params.top_k < vocab:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [..., 1]
@@ -54,6 +69,7 @@ def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # [..., V]
         # keep the smallest prefix whose mass reaches top_p (the first token always stays)
         drop_sorted = mass_before >= params.top_p
+        drop_sorted[..., 0] = False  # a top_p below float32's smallest value still keeps the top token
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)

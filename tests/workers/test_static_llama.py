@@ -1,0 +1,91 @@
+"""The static-shape forward over a KV pool (polyspec.workers.tiers.static_llama).
+
+Its logits match transformers' forward (float32, tolerance 1e-4: batched matrix products may
+round differently in the last bits) for ragged prompts prefilled in one padded batch, single
+tokens, blocks, and blocks rolled back and rewritten; padding rows and columns leave the other
+slots untouched; and a decode step compiles whole (`fullgraph`), once for every step of a bucket.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from core_helpers import CompiledGraphs
+
+from polyspec.workers.tiers.static_llama import StaticLlama
+
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def model(request, tiny_family, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    if request.param == "llama":
+        path = tiny_family["target"]
+    else:
+        from tests.workers.test_lean_qwen2 import make_qwen2
+
+        path = make_qwen2(tmp_path_factory.mktemp("qwen2") / "m", tied=False)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def reference(model, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0]  # [T, V]
+
+
+def padded(rows: list[list[int]], starts: list[int], width: int):
+    """ids and positions [B, width]: row r's tokens at starts[r].., padding continuing past them."""
+    ids = torch.tensor([row + [0] * (width - len(row)) for row in rows])
+    positions = torch.tensor([[start + j for j in range(width)] for start in starts])
+    return ids, positions
+
+
+def test_static_forward_matches_transformers(model):
+    static = StaticLlama(model)
+    assert StaticLlama.supports(model, torch.device("cpu"))
+    pool = static.new_pool(slots=4, max_tokens=8)
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 200, (n,), generator=generator).tolist() for n in (5, 12, 1)]
+    slots = torch.tensor([2, 0, 3])  # any slots, in any order
+    ids, positions = padded(prompts, [0, 0, 0], 12)
+    logits = static.forward(pool, ids, positions, slots, span=32)
+    for r, prompt in enumerate(prompts):
+        assert torch.allclose(logits[r, : len(prompt)], reference(model, prompt), atol=TOLERANCE)
+    # a block per request, then a rollback of request 0 (host bookkeeping only) and another block written over it
+    blocks = [[7, 8, 9], [10], [11, 12, 13]]
+    ids, positions = padded(blocks, [len(p) for p in prompts], 3)
+    logits = static.forward(pool, ids, positions, slots, span=32)
+    for r, (prompt, block) in enumerate(zip(prompts, blocks)):
+        assert torch.allclose(logits[r, : len(block)], reference(model, prompt + block)[-len(block):], atol=TOLERANCE)
+    kept = prompts[0] + [7]  # request 0 keeps one token of its block
+    ids, positions = padded([[40, 41]], [len(kept)], 2)
+    logits = static.forward(pool, ids, positions, slots[:1], span=32)
+    assert torch.allclose(logits[0], reference(model, kept + [40, 41])[-2:], atol=TOLERANCE)
+    # a padding row writes to the scratch slot only: request 1 is untouched
+    ids, positions = padded([[50], [0]], [len(kept) + 2, 0], 1)
+    static.forward(pool, ids, positions, torch.tensor([2, pool.scratch_slot]), span=32)
+    ids, positions = padded([[60]], [len(prompts[1]) + 1], 1)
+    logits = static.forward(pool, ids, positions, torch.tensor([0]), span=32)
+    assert torch.allclose(logits[0], reference(model, prompts[1] + [10, 60])[-1:], atol=TOLERANCE)
+
+
+def test_a_decode_step_compiles_whole_and_once_per_bucket(model):
+    static = StaticLlama(model)
+    pool = static.new_pool(slots=4, max_tokens=4)
+    step = CompiledGraphs(static.forward)
+    prompt = [3, 4, 5, 6]
+    ids, positions = padded([prompt], [0], 4)
+    static.forward(pool, ids, positions, torch.tensor([1]), span=16)
+    tokens = list(prompt)
+    for step_index in range(3):  # the same bucket (1 row, 1 token, span 16), new values each step
+        ids = torch.tensor([[tokens[-1]]])
+        positions = torch.tensor([[len(tokens) - 1]])
+        eager = reference(model, tokens)[-1]
+        out = step(pool, ids, positions, torch.tensor([1]), 16)
+        assert torch.allclose(out[0, 0], eager, atol=TOLERANCE)
+        tokens.append(int(out[0, 0].argmax()) if step_index else 9)
+    assert len(step.graphs) == 1, f"{len(step.graphs)} graphs for one bucket (a graph break or a recompilation)"
+    step.close()

@@ -1,0 +1,454 @@
+"""The approximate decoding modes' rules: BiLD, SpecReason, Speculative Thinking, Reflective Verification.
+
+None of these is lossless: each lets polyspec emit text the target would not have written, in
+exchange for speed (BiLD, SpecReason, Reflective Verification) or for a better small model
+(Speculative Thinking). So a mode is only ever chosen by naming it (`ApproximateMode.mode`,
+default "exact"); this module holds the rules themselves, as pure functions (tensors, lists,
+strings in; decisions out; no I/O), and the validated config object that selects them.
+
+Terminology (as in verification.py):
+- target / large: the verifying tier (the "large model" of BiLD, the "base model" of
+  SpecReason); `target_probs` are its warped float32 rows.
+- draft / small: the tier that proposed; `draft_probs` the rows its tokens came from.
+- verdict: (num_accepted, next_token), the same shape the lossless rules return, so a round
+  can call any of them in the same place.
+
+Sources (the related-systems seed, 001): BiLD (Kim et al., "Speculative Decoding with Big
+Little Decoder"), SpecReason (Pan et al.), Speculative Thinking (Yang et al.), Reflective
+Verification (Wang et al., "Think Before You Accept"). docs/approximate.md maps each onto
+chains of more than two tiers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import torch
+
+from polyspec.workers.core.errors import ConfigError
+from polyspec.workers.core.sampling import sample
+from polyspec.workers.core.verification import verify_chain, verify_greedy
+
+EXACT = "exact"
+BILD = "bild"
+SPECREASON = "specreason"
+SPECULATIVE_THINKING = "speculative-thinking"
+REFLECTIVE = "reflective"
+MODES = (EXACT, BILD, SPECREASON, SPECULATIVE_THINKING, REFLECTIVE)
+
+# SpecReason asks the base model for a utility score on a fixed 0..9 scale (one token)
+MIN_UTILITY_SCORE, MAX_UTILITY_SCORE = 0, 9
+# Speculative Thinking's triggers: reflection ("wait", "hmm", "but", "alternatively"),
+# affirmation ("yes", "yeah") and verification ("let me verify", "double-check") words that
+# open a paragraph. Matched case-insensitively as whole words right after the delimiter.
+DEFAULT_TRIGGER_WORDS = ("wait", "but", "hmm", "alternatively", "yes", "yeah", "let me verify",
+                         "let me double-check", "double-check")
+PARAGRAPH_DELIMITER = "\n\n"
+# Reflective Verification's probing prompt: placed after the draft block, followed by the
+# draft block again, so the verifier re-reads the draft "after reflecting". polyspec's
+# wording; the paper's exact prompt is not in the seed.
+DEFAULT_PROBE_PROMPT = "\n\nCheck the text above for mistakes and write it again, corrected:\n"
+
+
+class ApproximateModeError(ConfigError, ValueError):
+    """A mistake in an approximate mode's config: one line naming the key."""
+
+
+# ---------------------------------------------------------------------------------
+# The config object
+# ---------------------------------------------------------------------------------
+
+# mode -> the knobs it reads; a knob given for another mode is a mistake, not ignored
+MODE_KEYS = {
+    EXACT: (),
+    BILD: ("fallback_threshold", "rollback_threshold"),
+    SPECREASON: ("score_threshold", "step_delimiter"),
+    SPECULATIVE_THINKING: ("trigger_words", "step_delimiter", "takeover_tokens", "reflection_limit"),
+    REFLECTIVE: ("reflective_weight", "probe_prompt"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ApproximateMode:
+    """Which decoding mode a request runs and its thresholds. `exact` (the default) is the
+    lossless chain; every other mode must be named.
+
+    fallback_threshold  (bild, [0, 1]): the small model hands over when its max probability is
+                        below this; 0 never hands over, 1 hands over unless it is certain.
+    rollback_threshold  (bild, [0, inf]): a drafted token is rolled back when its cross-entropy
+                        under the large model, -log target_prob(token) in nats, exceeds this;
+                        inf never rolls back, 0 rolls back every token the large model doubts.
+    score_threshold     (specreason, [0, 9]): a step is kept when the base model scores it at
+                        least this; 0 keeps every parsable score, 9 only perfect ones.
+    step_delimiter      (specreason, speculative-thinking): where a reasoning step ends.
+    trigger_words       (speculative-thinking): words that, opening a step, mark a reflection point.
+    takeover_tokens     (speculative-thinking, >= 1): tokens the large model writes per takeover.
+    reflection_limit    (speculative-thinking, >= 0): after this many reflection points the
+                        large model takes over at every step delimiter; 0 turns that off.
+    reflective_weight   (reflective, [0, 1]): the reflective distribution's share in the fused
+                        one; 0 is plain verification against the target.
+    probe_prompt        (reflective): the probing text placed between the draft and its copy.
+    """
+
+    mode: str = EXACT
+    fallback_threshold: float = 0.5
+    rollback_threshold: float = 2.0
+    score_threshold: float = 7.0
+    step_delimiter: str = PARAGRAPH_DELIMITER
+    trigger_words: tuple[str, ...] = DEFAULT_TRIGGER_WORDS
+    takeover_tokens: int = 32
+    reflection_limit: int = 0
+    reflective_weight: float = 0.5
+    probe_prompt: str = DEFAULT_PROBE_PROMPT
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mode, str) or self.mode not in MODES:
+            _fail("mode", f"must be one of {', '.join(MODES)}, got {self.mode!r}")
+        _check_number("fallback_threshold", self.fallback_threshold, 0.0, 1.0)
+        _check_number("rollback_threshold", self.rollback_threshold, 0.0, math.inf)
+        _check_number("score_threshold", self.score_threshold, MIN_UTILITY_SCORE, MAX_UTILITY_SCORE)
+        _check_text("step_delimiter", self.step_delimiter)
+        if isinstance(self.trigger_words, str) or not isinstance(self.trigger_words, (tuple, list)) or not self.trigger_words:
+            _fail("trigger_words", f"must be a non-empty list of words, got {self.trigger_words!r}")
+        for word in self.trigger_words:
+            if not isinstance(word, str) or not word.strip():
+                _fail("trigger_words", f"must hold non-empty strings, got {word!r}")
+        object.__setattr__(self, "trigger_words", tuple(self.trigger_words))
+        _check_integer("takeover_tokens", self.takeover_tokens, 1)
+        _check_integer("reflection_limit", self.reflection_limit, 0)
+        _check_number("reflective_weight", self.reflective_weight, 0.0, 1.0)
+        _check_text("probe_prompt", self.probe_prompt)
+
+    @property
+    def lossless(self) -> bool:
+        return self.mode == EXACT
+
+    def describe(self) -> dict:
+        """The mode and the knobs it reads, nothing else: what a result, its stats and the
+        metrics carry to say a request was approximate and how ({"mode": "exact"} otherwise)."""
+        knobs = {key: getattr(self, key) for key in MODE_KEYS[self.mode]}
+        if "trigger_words" in knobs:
+            knobs["trigger_words"] = list(knobs["trigger_words"])
+        return {"mode": self.mode, **knobs}
+
+    @classmethod
+    def from_mapping(cls, raw: object, section: str = "approximate") -> ApproximateMode:
+        """Build from a YAML / JSON mapping such as {mode: bild, fallback_threshold: 0.4}.
+        Missing or empty -> exact. Keys of another mode than the one named are mistakes (a
+        threshold that would silently do nothing)."""
+        if raw is None:
+            return cls()
+        if not isinstance(raw, dict):
+            raise ApproximateModeError(f"{section} must be a mapping, got {type(raw).__name__}")
+        mode = raw.get("mode", EXACT)
+        if not isinstance(mode, str) or mode not in MODES:
+            raise ApproximateModeError(f"{section}.mode must be one of {', '.join(MODES)}, got {mode!r}")
+        allowed = {"mode", *MODE_KEYS[mode]}
+        for key in raw:
+            if key not in allowed:
+                owners = [name for name, keys in MODE_KEYS.items() if key in keys]
+                why = f"applies to mode {' / '.join(owners)}, not {mode}" if owners else "is not a known key"
+                raise ApproximateModeError(f"{section}.{key} {why} (keys of mode {mode}: {', '.join(sorted(allowed))})")
+        try:
+            return cls(**raw)
+        except ApproximateModeError as error:
+            raise ApproximateModeError(f"{section}.{error}") from None
+
+
+def _fail(key: str, why: str) -> None:
+    raise ApproximateModeError(f"{key} {why}")
+
+
+def _check_number(key: str, value: object, low: float, high: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:  # also NaN
+        _fail(key, f"must be a number in [{low}, {high}], got {value!r}")
+
+
+def _check_integer(key: str, value: object, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        _fail(key, f"must be an integer >= {low}, got {value!r}")
+
+
+def _check_text(key: str, value: object) -> None:
+    if not isinstance(value, str) or not value:
+        _fail(key, f"must be a non-empty string, got {value!r}")
+
+
+# ---------------------------------------------------------------------------------
+# BiLD: fallback and rollback
+# ---------------------------------------------------------------------------------
+
+
+def bild_should_fall_back(draft_probs_row: torch.Tensor, fallback_threshold: float) -> bool:
+    """BiLD's fallback policy: the small model hands control to the large model when it is
+    unsure of its next token, i.e. when max_y p_small(y | context) < alpha_FB.
+
+    draft_probs_row: [V] the small model's warped probabilities for its next token.
+    A max probability equal to the threshold does not fall back (the paper's test is strict).
+    """
+    _require(draft_probs_row.dim() == 1, "draft_probs_row must be 1-D [V]")
+    return float(draft_probs_row.float().max()) < fallback_threshold
+
+
+def bild_first_unsure(draft_probs: torch.Tensor, fallback_threshold: float) -> int | None:
+    """The first position of a drafted block at which the small model would have fallen back
+    (`bild_should_fall_back`), or None. draft_probs: [k, V] (k may be 0). A round that drafts a
+    whole block before checking keeps the tokens before this position and lets the large model
+    write the token at it."""
+    _require(draft_probs.dim() == 2, "draft_probs must be 2-D [k, V]")
+    unsure = draft_probs.float().amax(dim=-1) < fallback_threshold  # [k]
+    return int(unsure.nonzero()[0, 0]) if bool(unsure.any()) else None
+
+
+def bild_rollback_distances(target_probs: torch.Tensor, draft_tokens: torch.Tensor) -> torch.Tensor:
+    """BiLD's distance between a drafted token and the large model's prediction at its position:
+    the cross-entropy between the small model's hard label and the large model's soft label,
+    d = -log p_large(y_small). target_probs: [k, V] (or [k+1, V]; the last row is then unused),
+    draft_tokens: [k]. Returns [k] float32 nats; +inf where the large model gives the token 0."""
+    _require(target_probs.dim() == 2 and draft_tokens.dim() == 1, "expected target_probs [k, V] and draft_tokens [k]")
+    num_drafts = draft_tokens.shape[0]
+    _require(target_probs.shape[0] >= num_drafts, f"target_probs has {target_probs.shape[0]} rows, need >= k = {num_drafts}")
+    target_at_draft = target_probs[torch.arange(num_drafts), draft_tokens].float()  # [k]
+    return -torch.log(target_at_draft)  # log(0) = -inf, so a token the target excludes is +inf
+
+
+def bild_first_rollback(target_probs: torch.Tensor, draft_tokens: torch.Tensor, rollback_threshold: float) -> int | None:
+    """BiLD's rollback policy: the first position m of the block whose distance
+    (`bild_rollback_distances`) exceeds alpha_RB, or None when no token is rolled back. The
+    tokens at m and after are discarded and the large model's prediction at m replaces them.
+    A distance equal to the threshold is kept (strict test)."""
+    distances = bild_rollback_distances(target_probs, draft_tokens)  # [k]
+    over = distances > rollback_threshold
+    return int(over.nonzero()[0, 0]) if bool(over.any()) else None
+
+
+def bild_verdict(
+    target_probs: torch.Tensor, draft_tokens: torch.Tensor, rollback_threshold: float, generator: torch.Generator | None,
+    greedy: bool,
+) -> tuple[int, int]:
+    """The large model's verdict on a small model's block under BiLD: keep the tokens before
+    the first rollback position, then the large model's own token there (or after the last
+    drafted token when nothing is rolled back). target_probs: [k+1, V], draft_tokens: [k].
+    greedy: take the large model's argmax; otherwise sample its row with `generator`.
+    Returns (num_accepted, next_token) like the lossless rules."""
+    _require(target_probs.dim() == 2, "target_probs must be 2-D [k+1, V]")
+    _require(target_probs.shape[0] == draft_tokens.shape[0] + 1, f"target_probs has {target_probs.shape[0]} rows, need k+1 = {draft_tokens.shape[0] + 1}")
+    rollback_at = bild_first_rollback(target_probs, draft_tokens, rollback_threshold)
+    num_accepted = draft_tokens.shape[0] if rollback_at is None else rollback_at
+    row = target_probs[num_accepted].float()  # [V]
+    next_token = int(row.argmax()) if greedy else sample(row, generator)
+    return num_accepted, next_token
+
+
+# ---------------------------------------------------------------------------------
+# SpecReason: steps and their utility scores
+# ---------------------------------------------------------------------------------
+
+
+def split_reasoning_steps(text: str, step_delimiter: str = PARAGRAPH_DELIMITER) -> list[str]:
+    """SpecReason's reasoning steps: the text split after each step delimiter (a blank line by
+    default). Each step keeps its trailing delimiter (and any further blank lines run into it),
+    so "".join(steps) == text; the last step may be unfinished (no delimiter yet)."""
+    _require(bool(step_delimiter), "step_delimiter must be non-empty")
+    steps, start = [], 0
+    while True:
+        end = find_step_end(text, start, step_delimiter)
+        if end is None:
+            break
+        steps.append(text[start:end])
+        start = end
+    if start < len(text):
+        steps.append(text[start:])
+    return steps
+
+
+def find_step_end(text: str, start: int = 0, step_delimiter: str = PARAGRAPH_DELIMITER) -> int | None:
+    """The offset just past the first step delimiter at or after `start` (with repeated
+    delimiter characters absorbed), or None while the step is unfinished. A delimiter at the
+    very end of `text` might still grow ("\\n\\n" then "\\n"), which only lengthens the same step."""
+    at = text.find(step_delimiter, start)
+    while at == start and at >= 0:  # a leading delimiter belongs to the previous step
+        start += len(step_delimiter)
+        at = text.find(step_delimiter, start)
+    if at < 0:
+        return None
+    end = at + len(step_delimiter)
+    filler = step_delimiter[-1]
+    while end < len(text) and text[end] == filler:
+        end += 1
+    return end
+
+
+def utility_scoring_prompt(question: str, previous_steps: list[str] | tuple[str, ...], new_step: str) -> str:
+    """The prompt that asks the base model for the utility of a speculated step, SpecReason's
+    way: the problem, the reasoning so far, the new step, and a request for one integer score
+    from 0 (useless or wrong) to 9 (correct and useful), ending where that integer is the next
+    token so one forward (or a one-token reply) reads it."""
+    so_far = "".join(previous_steps).strip() or "(none yet)"
+    return (
+        "You are checking a step of someone's reasoning.\n\n"
+        f"Problem:\n{question.strip()}\n\n"
+        f"Reasoning so far:\n{so_far}\n\n"
+        f"New step:\n{new_step.strip()}\n\n"
+        f"Rate how correct and useful the new step is for solving the problem, as one integer from "
+        f"{MIN_UTILITY_SCORE} (wrong or useless) to {MAX_UTILITY_SCORE} (correct and useful). "
+        "Reply with the integer only.\nScore:"
+    )
+
+
+# the first number not glued to a word ("v2", "x7"); its sign and decimals are kept to judge it
+_SCORE_NUMBER = re.compile(r"(?<![\w.])(-?\d+(?:\.\d+)?)")
+
+
+def parse_utility_score(reply: str) -> int | None:
+    """The score in the base model's reply, or None when the reply is not a score.
+
+    Reads the first number in the reply ("7", " 7", "Score: 8", "**6**/9", "6.0"); it must be a
+    whole number in [0, 9]. Anything else (no number, "10", "7.5", a negative, words only) is a
+    parse failure: None, which `accept_step` treats as a rejection, so a confused scorer costs
+    speed (the base model rewrites the step), never quality."""
+    if not isinstance(reply, str):
+        return None
+    match = _SCORE_NUMBER.search(reply)
+    if match is None:
+        return None
+    value = float(match.group(1))
+    if value != int(value) or not MIN_UTILITY_SCORE <= value <= MAX_UTILITY_SCORE:
+        return None
+    return int(value)
+
+
+def expected_utility_score(digit_probs: torch.Tensor) -> float | None:
+    """SpecReason's score read from one forward instead of a reply: the expected score
+    sum_s s * P(s) over the base model's probabilities of the ten digit tokens "0".."9",
+    renormalised over those ten. digit_probs: [10]. None when the digits carry no mass
+    (the model would not have answered with a score: a parse failure)."""
+    _require(tuple(digit_probs.shape) == (MAX_UTILITY_SCORE + 1,), f"digit_probs must be [{MAX_UTILITY_SCORE + 1}]")
+    digit_probs = digit_probs.double()
+    total = float(digit_probs.sum())
+    if not total > 0.0:
+        return None
+    scores = torch.arange(MAX_UTILITY_SCORE + 1, dtype=torch.float64)
+    return float((digit_probs * scores).sum()) / total
+
+
+def accept_step(score: float | None, score_threshold: float) -> bool:
+    """SpecReason's acceptance: keep the small model's step when the base model's utility
+    score is at least the threshold; a parse failure (None) rejects it."""
+    return score is not None and score >= score_threshold
+
+
+# ---------------------------------------------------------------------------------
+# Speculative Thinking: reflection points
+# ---------------------------------------------------------------------------------
+
+
+def find_reflection_point(
+    text: str, start: int = 0, trigger_words: tuple[str, ...] = DEFAULT_TRIGGER_WORDS,
+    step_delimiter: str = PARAGRAPH_DELIMITER,
+) -> int | None:
+    """Speculative Thinking's handover point: the first step delimiter (a blank line by
+    default) at or after `start` that is followed by a trigger word ("wait", "but", "hmm", ...)
+    opening the next paragraph. Returns the offset just past the delimiter (and any spaces
+    before the word): the small model's text before it stays, and the large model writes from
+    there, the trigger word included. None when there is no complete trigger yet: a word must
+    end (a non-letter follows) to count, so "\\n\\nbut" at the end of the text, or "\\n\\nbutter",
+    is not one."""
+    _require(bool(step_delimiter), "step_delimiter must be non-empty")
+    pattern = _trigger_pattern(trigger_words, step_delimiter)
+    match = pattern.search(text, start)
+    return None if match is None else match.start("word")
+
+
+def count_reflection_points(
+    text: str, trigger_words: tuple[str, ...] = DEFAULT_TRIGGER_WORDS, step_delimiter: str = PARAGRAPH_DELIMITER,
+) -> int:
+    """How many reflection points (`find_reflection_point`) the text holds: Speculative
+    Thinking's counter of the small model's reflections, which past a limit hands every
+    further step to the large model."""
+    return len(_trigger_pattern(trigger_words, step_delimiter).findall(text))
+
+
+def _trigger_pattern(trigger_words: tuple[str, ...], step_delimiter: str) -> re.Pattern[str]:
+    _require(bool(trigger_words) and all(w.strip() for w in trigger_words), "trigger_words must be non-empty words")
+    # longest first, so "let me verify" wins over a shorter word sharing its start
+    words = sorted({w.strip().lower() for w in trigger_words}, key=len, reverse=True)
+    alternatives = "|".join(r"\s+".join(map(re.escape, w.split())) for w in words)
+    # the word must be followed by a non-letter to be complete (a comma, space, "?" ...)
+    return re.compile(rf"{re.escape(step_delimiter)}[ \t]*(?P<word>(?:{alternatives}))(?=[^\w])", re.IGNORECASE)
+
+
+# ---------------------------------------------------------------------------------
+# Reflective Verification: the probe layout and the fused acceptance
+# ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ReflectiveLayout:
+    """Where one verifier forward over [draft, probe, draft] puts its rows (absolute positions
+    of the logits rows, context first). original_rows: k+1 rows, row i predicting draft token i
+    (the last one: the bonus row after the draft). reflective_rows: k rows, row i predicting
+    draft token i's copy after the probe."""
+
+    original_rows: tuple[int, ...]
+    reflective_rows: tuple[int, ...]
+    input_length: int  # context + 2k + probe tokens
+
+
+def reflective_layout(context_length: int, draft_length: int, probe_length: int) -> ReflectiveLayout:
+    """Reflective Verification obtains the verifier's distribution and its reflective one in
+    one forward: the draft block, then a probing prompt, then the draft block again. A causal
+    model's rows over the first copy are unchanged by what follows, so they are the ordinary
+    target rows; the rows over the copy are the reflective ones. Only the context and the
+    accepted tokens' KV entries may be kept afterwards (the probe and the copy are scaffolding)."""
+    _require(context_length >= 1, "the context must hold at least one token (the row before the draft)")
+    _require(draft_length >= 0 and probe_length >= 1, "need draft_length >= 0 and probe_length >= 1")
+    before_draft = context_length - 1  # the row that predicts draft token 0
+    before_copy = context_length + draft_length + probe_length - 1
+    return ReflectiveLayout(
+        original_rows=tuple(before_draft + i for i in range(draft_length + 1)),
+        reflective_rows=tuple(before_copy + i for i in range(draft_length)),
+        input_length=context_length + 2 * draft_length + probe_length,
+    )
+
+
+def reflective_input(draft_tokens: list[int], probe_tokens: list[int]) -> list[int]:
+    """The tokens appended to the context for the reflective forward: draft, probe, draft."""
+    return [*draft_tokens, *probe_tokens, *draft_tokens]
+
+
+def fuse_reflective(target_probs: torch.Tensor, reflective_probs: torch.Tensor, reflective_weight: float) -> torch.Tensor:
+    """The fused distribution Reflective Verification accepts against: the verifier's own
+    distribution and its reflective one, mixed with weight lambda on the reflective side,
+    fused = (1 - lambda) * target_probs + lambda * reflective_probs, row by row. Both [k, V]
+    float rows summing to 1 (so the mixture does too). lambda = 0 is plain verification."""
+    _require(target_probs.shape == reflective_probs.shape, f"shapes differ: {tuple(target_probs.shape)} vs {tuple(reflective_probs.shape)}")
+    _require(0.0 <= reflective_weight <= 1.0, f"reflective_weight must be in [0, 1], got {reflective_weight}")
+    return (1.0 - reflective_weight) * target_probs.float() + reflective_weight * reflective_probs.float()
+
+
+def verify_reflective(
+    target_probs: torch.Tensor, reflective_probs: torch.Tensor, draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None, reflective_weight: float, generator: torch.Generator | None,
+) -> tuple[int, int]:
+    """Reflective Verification's acceptance test: the usual rule run against the fused rows.
+
+    target_probs: [k+1, V] (the bonus row last), reflective_probs: [k, V], draft_tokens: [k].
+    draft_probs None: greedy, accept while the draft token is the fused row's argmax.
+    draft_probs [k, V]: speculative sampling, accept with min(1, fused(x) / draft(x)), the
+    correction from norm(max(0, fused - draft)). The bonus token (all accepted) comes from the
+    target's own row: there is no reflective row past the draft. Returns (num_accepted, next_token)."""
+    num_drafts = draft_tokens.shape[0]
+    _require(target_probs.dim() == 2 and target_probs.shape[0] == num_drafts + 1, f"target_probs must be [k+1, V] with k = {num_drafts}")
+    fused = fuse_reflective(target_probs[:num_drafts], reflective_probs, reflective_weight)  # [k, V]
+    rows = torch.cat([fused, target_probs[num_drafts:].float()], dim=0)  # [k+1, V]
+    if draft_probs is None:
+        return verify_greedy(rows.argmax(dim=-1), draft_tokens)
+    return verify_chain(rows, draft_probs, draft_tokens, generator)
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)

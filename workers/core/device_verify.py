@@ -1,0 +1,171 @@
+"""A whole batch's warp, draws and chain verification as tensor programs: no host sync, static shapes.
+
+This is the verification half of a round that stays on the device (a CUDA graph replays it
+beside the forward). Terminology as in `polyspec.workers.core.verification`: accepted
+tokens, the correction token (drawn from the residual at the first rejection), the bonus
+token (drawn from the target row after a block accepted whole).
+
+Layout (vLLM's rejection sampler's): B requests, request r proposes k_r draft tokens.
+- draft tokens, draft rows: flattened, [N = sum k_r] and [N, V]; `cu_num_draft` [B + 1]
+  holds the offsets (request r's drafts are rows cu[r] .. cu[r+1]);
+- target rows: [N + B, V]: request r's k_r + 1 rows start at cu[r] + r.
+Every shape depends only on (B, N, V), so one bucket of (batch, tokens) is one graph.
+
+Randomness: counter-based streams (`stream_uniforms`). A draw is a hash of (the request's
+seed, the request's own draw counter, a domain, an index), so a seeded request draws the same
+numbers alone or in any batch, on any device, and no generator object (host state) is read.
+The correction / bonus draw uses the exponential race (argmax(row / Exp(1) noise) is a
+sample from row / sum(row)), so residual rows need no normalisation.
+
+Each kernel is checked bit for bit against the slow, obvious reference
+(`warp_logits` per row; `verify_greedy` / `verify_chain_drawn` per request) in
+tests/workers/test_device_verify.py, and for losslessness by a chi-square test.
+"""
+
+from __future__ import annotations
+
+import torch
+
+PLACEHOLDER_TOKEN_ID = -1  # fills a request's output row past its emitted tokens
+MASK32 = 0xFFFFFFFF
+HASH_MULTIPLIER = 0x45D9F3B  # < 2^27: a 32-bit value times it stays inside int64 (no overflow)
+DOMAIN_ACCEPT = 1  # the acceptance uniforms of a round
+DOMAIN_NEXT = 2  # the exponential noise of a round's correction / bonus draw
+DOMAIN_DRAFT = 3  # a drafter's own draws
+DOMAINS = 4
+
+
+# ----------------------------------------------------------------------------- random streams
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (Mueller's), on int64 tensors holding values in [0, 2^32)."""
+    x = (x ^ (x >> 16)) * HASH_MULTIPLIER & MASK32
+    x = (x ^ (x >> 16)) * HASH_MULTIPLIER & MASK32
+    return x ^ (x >> 16)
+
+
+def stream_uniforms(seeds: torch.Tensor, counters: torch.Tensor, domain: int, count: int) -> torch.Tensor:
+    """[B, count] float32 uniforms in (0, 1): request r's draws number 0 .. count-1 of round
+    `counters[r]` in `domain`. seeds: [B] int64 (63-bit), counters: [B] int64."""
+    index = torch.arange(count, device=seeds.device, dtype=torch.int64)  # [count]
+    lo, hi = seeds & MASK32, (seeds >> 32) & MASK32
+    key = _mix32(lo ^ _mix32(hi ^ _mix32((counters * DOMAINS + domain) & MASK32)))  # [B]
+    bits = _mix32(key[:, None] ^ _mix32(index[None, :]))  # [B, count]
+    return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # 24 bits: exact in float32, never 0 or 1
+
+
+def stream_exponentials(seeds: torch.Tensor, counters: torch.Tensor, domain: int, count: int) -> torch.Tensor:
+    """[B, count] float32 Exp(1) noise, from the same streams."""
+    return -torch.log(stream_uniforms(seeds, counters, domain, count))
+
+
+# ------------------------------------------------------------------------------------ warp
+
+
+def warp_batch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+               truncate: bool = True) -> torch.Tensor:
+    """`polyspec.workers.core.sampling.warp_logits` for rows with their own parameters.
+
+    logits: [R, V] any dtype; temperature, top_p: [R] float32; top_k: [R] int64 (0: none).
+    `truncate`: False when no row has top-k or top-p (a static choice of the caller, which
+    knows the requests' parameters): the two sorts over the vocabulary are skipped.
+    Returns [R, V] float32 rows; a row with temperature 0 is one-hot at its argmax.
+    """
+    assert logits.dim() == 2 and temperature.shape == top_k.shape == top_p.shape == logits.shape[:1]
+    logits = logits.float()
+    vocab = logits.shape[-1]
+    greedy = (temperature == 0)[:, None]  # [R, 1]
+    one_hot = torch.nn.functional.one_hot(logits.argmax(dim=-1), vocab).float()  # [R, V]
+    safe_temperature = torch.where(greedy, torch.ones_like(temperature[:, None]), temperature[:, None])
+    scaled = (logits - logits.amax(dim=-1, keepdim=True)) / safe_temperature  # [R, V]
+    if not truncate:
+        return torch.where(greedy, one_hot, torch.softmax(scaled, dim=-1))
+    truncate = ((top_k > 0) & (top_k < vocab))[:, None]
+    kth = scaled.sort(dim=-1, descending=True).values.gather(-1, (top_k.clamp(1, vocab) - 1)[:, None])  # [R, 1]
+    scaled = torch.where(truncate & (scaled < kth), torch.full_like(scaled, float("-inf")), scaled)
+    probs = torch.softmax(scaled, dim=-1)
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # [R, V]
+    drop_sorted = mass_before >= top_p[:, None]
+    drop_sorted[:, 0] = False  # the top token always stays
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    nucleus = probs.masked_fill(drop, 0.0)
+    nucleus = nucleus / nucleus.sum(dim=-1, keepdim=True)
+    probs = torch.where((top_p < 1.0)[:, None], nucleus, probs)
+    return torch.where(greedy, one_hot, probs)
+
+
+# ---------------------------------------------------------------------------- verification
+
+
+def verify_greedy_chains(target_logits: torch.Tensor, draft_tokens: torch.Tensor, num_draft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`verify_chains` for a batch whose requests are all greedy, from the logits (no warp, no draws).
+
+    target_logits: [B, k + 1, V]; draft_tokens: [B, k]; num_draft: [B] (the rest of a row is padding).
+    Returns (num_accepted [B], next_tokens [B])."""
+    target_argmax = target_logits.argmax(dim=-1)  # [B, k + 1]
+    block = draft_tokens.shape[1]
+    columns = torch.arange(block, device=draft_tokens.device)[None, :]
+    matches = (target_argmax[:, :block] == draft_tokens) & (columns < num_draft[:, None])  # [B, k]
+    num_accepted = torch.cumprod(matches.long(), dim=1).sum(dim=1)  # [B]
+    return num_accepted, target_argmax.gather(1, num_accepted[:, None])[:, 0]
+
+
+def verify_chains(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_tokens: torch.Tensor, cu_num_draft: torch.Tensor,
+                  greedy: torch.Tensor, uniforms: torch.Tensor, exponentials: torch.Tensor,
+                  num_draft: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verify every request's chain block at once.
+
+    target_probs: [N + B, V] float32; draft_probs: [N, V]; draft_tokens: [N] int64;
+    cu_num_draft: [B + 1] int64 offsets; greedy: [B] bool (accept while the draft is the
+    target's argmax); uniforms: [N] acceptance draws; exponentials: [B, V] noise of the next draw.
+    num_draft: [B], only for a padded layout (every request given the same room in the flat
+    tensors, a static shape): request r's block is its first num_draft[r] tokens, the rest is
+    padding and never read as a draft.
+    Returns (num_accepted [B], next_tokens [B]) as int64 tensors on the device.
+    """
+    num_requests = cu_num_draft.shape[0] - 1
+    num_drafts = draft_tokens.shape[0]
+    assert target_probs.shape[0] == num_drafts + num_requests and exponentials.shape == (num_requests, target_probs.shape[1])
+    device = target_probs.device
+    requests = torch.arange(num_requests, device=device)
+    if num_draft is None:
+        num_draft = cu_num_draft[1:] - cu_num_draft[:-1]  # [B]
+    first_row = cu_num_draft[:-1] + requests  # [B] each request's first target row
+    num_accepted = num_draft.clone()
+    if num_drafts:
+        positions = torch.arange(num_drafts, device=device)
+        request_of = torch.searchsorted(cu_num_draft[1:], positions, right=True)  # [N]
+        local = positions - cu_num_draft[request_of]  # [N] index inside its block
+        target_rows = target_probs[positions + request_of]  # [N, V] the row each draft token is checked against
+        target_at = target_rows.gather(-1, draft_tokens[:, None])[:, 0]  # [N]
+        draft_at = draft_probs.gather(-1, draft_tokens[:, None])[:, 0]  # [N]
+        sampled_ok = (draft_at > 0) & (uniforms * draft_at < target_at)  # u < target / draft, never with draft 0
+        greedy_ok = target_rows.argmax(dim=-1) == draft_tokens
+        accepted = torch.where(greedy[request_of], greedy_ok, sampled_ok) | (local >= num_draft[request_of])  # [N] padding passes
+        rejected_at = torch.where(accepted, torch.full_like(local, num_drafts + 1), local)
+        num_accepted = num_accepted.scatter_reduce(0, request_of, rejected_at, reduce="amin", include_self=True)
+    next_rows = target_probs[first_row + num_accepted]  # [B, V]
+    rows = next_rows
+    if num_drafts:
+        draft_rows = draft_probs[(cu_num_draft[:-1] + num_accepted).clamp_max(num_drafts - 1)]  # [B, V] (unused past a block)
+        residual = (next_rows - draft_rows).clamp_min(0.0)
+        use_residual = ((num_accepted < num_draft) & (residual.sum(dim=-1) > 0))[:, None]
+        rows = torch.where(use_residual, residual, next_rows)
+    sampled = torch.argmax(rows / exponentials, dim=-1)
+    next_tokens = torch.where(greedy, next_rows.argmax(dim=-1), sampled)
+    return num_accepted, next_tokens
+
+
+def emitted_tokens(draft_tokens: torch.Tensor, cu_num_draft: torch.Tensor, num_accepted: torch.Tensor, next_tokens: torch.Tensor,
+                   max_draft: int) -> torch.Tensor:
+    """[B, max_draft + 1] int64: each request's accepted draft tokens then its next token, then
+    PLACEHOLDER_TOKEN_ID: the one tensor a round sends to the host."""
+    num_requests = num_accepted.shape[0]
+    device = num_accepted.device
+    columns = torch.arange(max_draft + 1, device=device)[None, :]  # [1, K + 1]
+    flat = (cu_num_draft[:-1, None] + columns).clamp_max(max(draft_tokens.shape[0] - 1, 0))  # [B, K + 1]
+    drafted = draft_tokens[flat] if draft_tokens.shape[0] else torch.zeros(num_requests, max_draft + 1, dtype=torch.int64, device=device)
+    out = torch.where(columns < num_accepted[:, None], drafted, torch.full_like(drafted, PLACEHOLDER_TOKEN_ID))
+    return torch.where(columns == num_accepted[:, None], next_tokens[:, None].expand_as(out), out)

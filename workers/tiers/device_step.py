@@ -1,0 +1,114 @@
+"""A tier's step in the device round, as one tensor program per bucket, and its CUDA-graph replay.
+
+- `target_step`: the verifier's forward over [last committed token, k drafts] per request,
+  the warp, and the verification of every block (polyspec.workers.core.device_verify);
+  returns the emitted token ids and accepted counts, the round's only output to the host;
+- `draft_step`: a drafter's forward of one (or, to catch up, two) tokens per request, the warp
+  of the last column, and one draw per request from its counter-based stream;
+- `sampling_mode`: the cheapest warp that serves every request of a step (greedy: no warp at
+  all; plain: no top-k / top-p sorts; truncated) — a static choice, one graph each;
+- `StepGraphs`: on CUDA, each step captured once per bucket key and replayed with its inputs
+  copied into the graph's buffers; elsewhere, called directly.
+
+Nothing here reads a tensor's value on the host: tests compile `target_step` whole
+(`fullgraph`) and check that a bucket compiles once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from polyspec.workers.core.device_verify import (
+    DOMAIN_ACCEPT,
+    DOMAIN_DRAFT,
+    DOMAIN_NEXT,
+    emitted_tokens,
+    stream_exponentials,
+    stream_uniforms,
+    verify_chains,
+    verify_greedy_chains,
+    warp_batch,
+)
+from polyspec.workers.core.sampling import SamplingParams
+from polyspec.workers.tiers.static_llama import KVPool, StaticLlama
+
+GREEDY, PLAIN, TRUNCATED = "greedy", "plain", "truncated"  # a step's sampling: every request greedy; no top-k / top-p; some
+
+
+def sampling_mode(params: list[SamplingParams]) -> str:
+    """The cheapest warp that serves every request of a step (a static choice: one graph each)."""
+    if all(p.greedy for p in params):
+        return GREEDY
+    return TRUNCATED if any(p.top_k > 0 or p.top_p < 1.0 for p in params) else PLAIN
+
+
+def target_step(model: StaticLlama, pool: KVPool, ids, positions, slots, span: int, mode: str, temperature, top_k, top_p, greedy,
+                draft_tokens, draft_probs, num_draft, seeds, counters):
+    """The target's step: forward of [B, k + 1] tokens, warp, verification. Returns
+    (tokens [B, k + 1]: accepted drafts, then the correction / bonus token, then padding; num_accepted [B])."""
+    logits = model.forward(pool, ids, positions, slots, span)  # [B, k + 1, V]
+    rows, width, vocab = logits.shape
+    block = width - 1
+    cu_num_draft = torch.arange(rows + 1, device=ids.device) * block  # the padded layout: k slots per request
+    flat_tokens = draft_tokens.reshape(-1)
+    if mode == GREEDY:
+        num_accepted, next_tokens = verify_greedy_chains(logits, draft_tokens, num_draft)
+        return emitted_tokens(flat_tokens, cu_num_draft, num_accepted, next_tokens, block), num_accepted
+
+    def per_row(values):  # a request's value on each of its k + 1 rows
+        return values[:, None].expand(rows, width).reshape(-1)
+
+    target_probs = warp_batch(logits.reshape(rows * width, vocab), per_row(temperature), per_row(top_k), per_row(top_p),
+                              truncate=mode == TRUNCATED)
+    uniforms = stream_uniforms(seeds, counters, DOMAIN_ACCEPT, block).reshape(-1)  # [B * k]
+    exponentials = stream_exponentials(seeds, counters, DOMAIN_NEXT, vocab)  # [B, V]
+    num_accepted, next_tokens = verify_chains(target_probs, draft_probs.reshape(rows * block, vocab), flat_tokens, cu_num_draft,
+                                              greedy, uniforms, exponentials, num_draft)
+    return emitted_tokens(flat_tokens, cu_num_draft, num_accepted, next_tokens, block), num_accepted
+
+
+def draft_step(model: StaticLlama, pool: KVPool, ids, positions, slots, span: int, mode: str, temperature, top_k, top_p, greedy, seeds,
+               draw_counters):
+    """A drafter's step: forward, warp of the last column, one draw per request. Returns (tokens [B], probs [B, V];
+    all-greedy steps return the logits instead of probabilities: the target's greedy verification reads none)."""
+    logits = model.forward(pool, ids, positions, slots, span)[:, -1]  # [B, V]
+    if mode == GREEDY:
+        return logits.argmax(dim=-1), logits.float()
+    probs = warp_batch(logits, temperature, top_k, top_p, truncate=mode == TRUNCATED)
+    sampled = torch.argmax(probs / stream_exponentials(seeds, draw_counters, DOMAIN_DRAFT, probs.shape[-1]), dim=-1)
+    return torch.where(greedy, probs.argmax(dim=-1), sampled), probs
+
+
+class StepGraphs:
+    """Each step captured once per bucket as a CUDA graph and replayed with new inputs (on CUDA);
+    called directly elsewhere. The inputs are copied into the graph's own buffers before each
+    replay; the outputs are the graph's buffers (read them before the next replay)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.graphs: dict[tuple, tuple] = {}
+        self.memory_pool = None
+
+    def run(self, key: tuple, step, tensors: list[torch.Tensor]):
+        """`step(*tensors)`, replayed from the graph captured for `key` (the bucket: whatever fixes the shapes)."""
+        if not self.enabled:
+            return step(*tensors)
+        entry = self.graphs.get(key)
+        if entry is None:
+            buffers = [t.clone() for t in tensors]
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up outside the capture (the same inputs: its writes are the replay's)
+                step(*buffers)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            if self.memory_pool is None:
+                self.memory_pool = torch.cuda.graph_pool_handle()
+            with torch.cuda.graph(graph, pool=self.memory_pool):
+                outputs = step(*buffers)
+            entry = self.graphs[key] = (graph, buffers, outputs)
+        graph, buffers, outputs = entry
+        for buffer, tensor in zip(buffers, tensors):
+            buffer.copy_(tensor, non_blocking=True)
+        graph.replay()
+        return outputs

@@ -1,0 +1,147 @@
+"""A static-shape forward of Llama-architecture models (Llama, Qwen2) over a KV pool allocated once.
+
+The round that stays on the device needs a forward whose shapes depend only on its bucket,
+so that it can be replayed as a CUDA graph (or compiled whole on the CPU):
+
+- `KVPool`: per layer one key and one value buffer `[slots + 1, kv_heads, capacity, head_dim]`,
+  allocated once and never grown. A request owns a slot; its length is host bookkeeping, so a
+  rollback is free. The extra last slot is scratch: the padding rows of a batch bucket write
+  there. `capacity` is the model context plus the widest block, so the padding columns of a
+  row (written past its tokens, never read before they are overwritten) stay inside.
+- `StaticLlama.forward(pool, ids [B, T], positions [B, T], slots [B], span)`: row b writes its T
+  tokens' keys and values into slot `slots[b]` at `positions[b]` and attends to that slot's
+  positions 0 .. its own (the first `span` positions of the slot are read: a static bucket of
+  the longest context). Logits [B, T, V] stay on the device.
+
+The operations are `BatchedLlama`'s (the weights, rotary tables and order of operations of
+transformers' forward), with plain float weights: the int8 CPU copy keeps the ragged forward.
+tests/workers/test_static_llama.py checks the logits against transformers' forward and that
+a step compiles whole, once per bucket.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from polyspec.workers.tiers.batched_llama import rms_norm, rotate_half
+from polyspec.workers.tiers.lean_llama import ARCHITECTURES, layer_projections
+
+DEVICES = ("cpu", "cuda")
+
+
+@dataclasses.dataclass
+class KVPool:
+    """The KV entries of every slot of one model, allocated once (see the module docstring)."""
+
+    keys: list[torch.Tensor]  # per layer [slots + 1, kv_heads, capacity, head_dim]
+    values: list[torch.Tensor]
+    slots: int  # usable slots; index `slots` is the scratch slot
+    capacity: int
+
+    @property
+    def scratch_slot(self) -> int:
+        return self.slots
+
+    @staticmethod
+    def bytes_per_slot(layers: int, kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype) -> int:
+        return 2 * layers * kv_heads * head_dim * capacity * torch.tensor([], dtype=dtype).element_size()
+
+    @staticmethod
+    def slots_within(memory_mb: float, per_slot: int) -> int:
+        """How many slots (besides the scratch one) `memory_mb` holds."""
+        return max(0, int(memory_mb * 2**20 // per_slot) - 1)
+
+
+class StaticLlama:
+    """Logits of `LlamaForCausalLM` / `Qwen2ForCausalLM` for static-shape batches on a `KVPool`."""
+
+    @staticmethod
+    def supports(model, device: torch.device) -> bool:
+        from polyspec.workers.tiers.lean_llama import LeanLlama
+
+        if not LeanLlama.supports(model, device, DEVICES):
+            return False
+        modules = [model.lm_head] + [m for layer in model.model.layers for m in layer_projections(layer)]
+        return all(type(m) is torch.nn.Linear and m.weight.is_floating_point() for m in modules)
+
+    def __init__(self, model) -> None:
+        config, base = model.config, model.model
+        if type(model).__name__ not in ARCHITECTURES:
+            raise ValueError(f"StaticLlama runs {', '.join(ARCHITECTURES)}, not {type(model).__name__}")
+        self.heads = config.num_attention_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
+        self.groups = self.heads // self.kv_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.scaling = self.head_dim**-0.5
+        self.limit = getattr(config, "max_position_embeddings", None) or 4096
+        self.embed = base.embed_tokens.weight.detach()
+        self.dtype = self.embed.dtype
+        self.device = self.embed.device
+        self.vocab_size = config.vocab_size
+
+        # detached: a step writes the pool in place, and must not make it part of an autograd graph
+        def weights(linear: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+            return linear.weight.detach(), None if linear.bias is None else linear.bias.detach()
+
+        self.layers = []
+        for layer in base.layers:
+            q, k, v, o, gate, up, down = (weights(m) for m in layer_projections(layer))
+            self.layers.append((layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon, q, k, v, o,
+                                layer.post_attention_layernorm.weight.detach(), layer.post_attention_layernorm.variance_epsilon, gate, up, down))
+        self.norm_weight, self.norm_eps = base.norm.weight.detach(), base.norm.variance_epsilon
+        self.lm_head = weights(model.lm_head)
+        inv_freq = base.rotary_emb.inv_freq.float()
+        positions = torch.arange(self.limit, dtype=torch.long, device=inv_freq.device)
+        freqs = positions[:, None].float() * inv_freq  # transformers' formula, so the tables are bit-identical
+        emb = torch.cat((freqs, freqs), dim=-1)
+        scale = base.rotary_emb.attention_scaling
+        self.cos = (emb.cos() * scale).to(self.dtype)  # [P, D]
+        self.sin = (emb.sin() * scale).to(self.dtype)
+
+    def new_pool(self, slots: int, max_tokens: int, context: int | None = None) -> KVPool:
+        """A pool of `slots` requests (plus the scratch slot), each holding `context` positions (default:
+        the model's context) and a block of `max_tokens`."""
+        capacity = min(context or self.limit, self.limit) + max_tokens
+        shape = (slots + 1, self.kv_heads, capacity, self.head_dim)
+        keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        return KVPool(keys, values, slots, capacity)
+
+    def bytes_per_slot(self, max_tokens: int, context: int | None = None) -> int:
+        capacity = min(context or self.limit, self.limit) + max_tokens
+        return KVPool.bytes_per_slot(len(self.layers), self.kv_heads, self.head_dim, capacity, self.dtype)
+
+    def forward(self, pool: KVPool, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, span: int) -> torch.Tensor:
+        """Logits [B, T, V] (model dtype, on the device) of every token of `ids` [B, T]; see the module docstring.
+        Every argument shape is static in a bucket; nothing here reads a tensor's value on the host."""
+        rows, width = ids.shape
+        rotary = positions.clamp_max(self.cos.shape[0] - 1)  # a padding column may run past the table
+        cos, sin = self.cos[rotary][:, None], self.sin[rotary][:, None]  # [B, 1, T, D]
+        visible = torch.arange(span, device=ids.device)
+        mask = (visible[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, span]
+        write_slots = slots[:, None].expand(rows, width)  # [B, T]
+        x = F.embedding(ids, self.embed)  # [B, T, H]
+        shape = (rows, width, -1, self.head_dim)
+        for index, (w_in, eps_in, q_w, k_w, v_w, o_w, w_post, eps_post, gate_w, up_w, down_w) in enumerate(self.layers):
+            h = rms_norm(x, w_in, eps_in)
+            q = F.linear(h, *q_w).view(shape).transpose(1, 2)  # [B, heads, T, D]
+            k = F.linear(h, *k_w).view(shape).transpose(1, 2)  # [B, kv_heads, T, D]
+            v = F.linear(h, *v_w).view(shape).transpose(1, 2)
+            q = (q * cos) + (rotate_half(q) * sin)
+            k = (k * cos) + (rotate_half(k) * sin)
+            keys, values = pool.keys[index], pool.values[index]
+            keys[write_slots, :, positions] = k.transpose(1, 2)  # [B, T, kv_heads, D] into [slot, :, position]
+            values[write_slots, :, positions] = v.transpose(1, 2)
+            key = keys.index_select(0, slots)[:, :, :span]  # [B, kv_heads, span, D]
+            value = values.index_select(0, slots)[:, :, :span]
+            if self.groups > 1:
+                key = key[:, :, None].expand(rows, self.kv_heads, self.groups, span, self.head_dim).reshape(rows, self.heads, span, self.head_dim)
+                value = value[:, :, None].expand(rows, self.kv_heads, self.groups, span, self.head_dim).reshape(rows, self.heads, span, self.head_dim)
+            attn = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, dropout_p=0.0, scale=self.scaling)
+            x = x + F.linear(attn.transpose(1, 2).reshape(rows, width, -1), *o_w)
+            h = rms_norm(x, w_post, eps_post)
+            x = x + F.linear(F.silu(F.linear(h, *gate_w)) * F.linear(h, *up_w), *down_w)
+        return F.linear(rms_norm(x, self.norm_weight, self.norm_eps), *self.lm_head)
