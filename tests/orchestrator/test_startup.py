@@ -105,8 +105,8 @@ def test_a_long_start_up_step_says_it_is_still_going():
 
     lines: list[str] = []
     with heartbeat(lines.append, "tier target: loading", every_s=0.05):
-        time.sleep(0.28)
-    assert 3 <= len(lines) <= 6 and all(line.startswith("tier target: loading: still at it after ") for line in lines)
+        time.sleep(0.4)  # ~8 beats; a busy machine may delay some, never add any
+    assert 2 <= len(lines) <= 8 and all(line.startswith("tier target: loading: still at it after ") for line in lines)
     count = len(lines)
     time.sleep(0.15)
     assert len(lines) == count  # silent once the step is over
