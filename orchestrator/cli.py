@@ -13,8 +13,10 @@ import sys
 import time
 from pathlib import Path
 
+from polyspec import __version__
 from polyspec.harness import zoo_fetch
-from polyspec.orchestrator import serving_cli, validate
+from polyspec.orchestrator import chain_args, serving_cli, validate
+from polyspec.orchestrator.tokenization import REPLACEMENT_CHAR, StopMatcher, check_stops
 from polyspec.workers.core.errors import PolyspecError, RequestError
 
 EXIT_USER_ERROR = 2
@@ -28,23 +30,33 @@ def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                        help="end the generation where this text appears, without it (repeatable)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="polyspec", description="Distributed multi-tier (polybasic) speculative decoding.")
+    parser.add_argument("--version", action="version", version=f"polyspec {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text for one prompt")
-    gen.add_argument("-c", "--config", required=True, help="chain config (YAML)")
-    gen.add_argument("-p", "--prompt", required=True)
+    chain_args.add_chain_flags(gen)
+    gen.add_argument("-p", "--prompt", help="the prompt ('-': read it from stdin)")
+    gen.add_argument("-f", "--file", help="read the prompt from this file")
     gen.add_argument("--chat", action="store_true", help="send the prompt as a user message through the model's chat template")
     gen.add_argument("--system", help="with --chat: a system message before it")
     _add_sampling_flags(gen)
     gen.add_argument("--no-speculation", action="store_true", help="sample from the target alone (the baseline)")
     gen.add_argument("--json", action="store_true", help="print {text, token_ids, finish_reason, stats} as JSON")
 
+    chat = sub.add_parser("chat", help="an interactive conversation (one user turn per line; /reset forgets it, Ctrl-D ends)")
+    chain_args.add_chain_flags(chat)
+    chat.add_argument("--system", help="a system message at the start of the conversation")
+    _add_sampling_flags(chat)
+    chat.add_argument("--no-speculation", action="store_true", help="sample from the target alone")
+
     batch = sub.add_parser("batch", help="JSONL requests in, JSONL results out")
-    batch.add_argument("-c", "--config", required=True)
+    chain_args.add_chain_flags(batch)
     batch.add_argument("-i", "--input", required=True, help="JSONL, one request per line")
     batch.add_argument("-o", "--output", required=True, help="JSONL results, written as each request finishes")
     batch.add_argument("--no-speculation", action="store_true")
@@ -63,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     zoo_fetch.add_parsers(zoo_sub)  # fetch, list
 
     tune = sub.add_parser("tune", help="time model: predicted vs measured ms/token over a grid of speculation lengths")
-    tune.add_argument("-c", "--config", required=True)
+    chain_args.add_chain_flags(tune)
     tune.add_argument("--prompts", help='JSONL, one {"prompt": ...} per line (default: prompts.jsonl beside the target model folder)')
     tune.add_argument("--temperature", type=float, default=None, help="0 = greedy (config default)")
     tune.add_argument("-n", "--max-new-tokens", type=int, default=None, help="tokens per generation (config default)")
@@ -95,57 +107,180 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load_engine(config_path: str, no_speculation: bool, batched: bool = False):
-    from polyspec.orchestrator.config import load_config
+def _load_engine(args, batched: bool = False, chat_flag: str | None = None):
+    """The engine of the chain the flags name; every flag and config mistake is reported
+    before torch or transformers is imported (chain_args). `chat_flag`: the flag that asks for
+    the chat template, checked before the models load and again once the tokenizer has."""
+    config = chain_args.chain_config(args)
+    if chat_flag is not None:
+        _check_chat_template(config.tiers[0].model, chain_args.has_chat_template(config.tiers[0].model), chat_flag)
+    _log("loading torch and transformers")  # seconds on a cold start: before the first tier's line
     from polyspec.orchestrator.engine import Engine
 
-    return Engine(load_config(config_path), speculative=not no_speculation, batched=batched)
+    engine = Engine(config, speculative=not args.no_speculation, batched=batched, log=_log, cache_profiles=True,
+                    reprofile=args.reprofile)
+    if chat_flag is not None:
+        _check_chat_template(config.tiers[0].model, bool(getattr(engine.tokenizer, "chat_template", None)), chat_flag)
+    return engine
 
 
-def _request_from_flags(args) -> dict:
-    if args.system is not None and not args.chat:
-        raise RequestError("--system needs --chat")
-    if args.chat:
-        system = [{"role": "system", "content": args.system}] if args.system is not None else []
-        raw = {"messages": [*system, {"role": "user", "content": args.prompt}]}
-    else:
-        raw = {"prompt": args.prompt}
-    for field, value in (
+def _log(message: str) -> None:
+    print(f"polyspec: {message}", file=sys.stderr, flush=True)
+
+
+def _read_prompt(args) -> str:
+    """-p TEXT, -p - (stdin) or -f FILE."""
+    if (args.prompt is None) == (args.file is None):
+        raise RequestError("give the prompt as -p TEXT, -p - (read from stdin) or -f FILE" if args.prompt is None
+                           else "give the prompt with -p or -f, not both")
+    if args.file is not None:
+        try:
+            prompt = Path(args.file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise RequestError(f"cannot read the prompt file {args.file}: {getattr(exc, 'strerror', None) or exc}") from None
+        if not prompt:
+            raise RequestError(f"the prompt file {args.file} is empty")
+        return prompt
+    if args.prompt == "-":
+        if sys.stdin.isatty():
+            print("polyspec: reading the prompt from stdin (end it with Ctrl-D)", file=sys.stderr)
+        prompt = sys.stdin.read()
+        if not prompt:
+            raise RequestError("-p -: stdin held no prompt")
+        return prompt
+    if not args.prompt:
+        raise RequestError("prompt is empty")  # before the models load
+    return args.prompt
+
+
+def _sampling_fields(args) -> dict:
+    return {field: value for field, value in (
         ("max_new_tokens", args.max_new_tokens),
         ("temperature", args.temperature),
         ("top_p", args.top_p),
         ("top_k", args.top_k),
         ("seed", args.seed),
-    ):
-        if value is not None:
-            raw[field] = value
-    return raw
+    ) if value is not None}
+
+
+def _request_from_flags(args, prompt: str) -> dict:
+    if args.chat:
+        system = [{"role": "system", "content": args.system}] if args.system is not None else []
+        raw = {"messages": [*system, {"role": "user", "content": prompt}]}
+    else:
+        raw = {"prompt": prompt}
+    return {**raw, **_sampling_fields(args)}
+
+
+def _check_chat_template(target: str, has_template: bool | None, flag: str) -> None:
+    """`flag` asked for the chat template: refuse when the target has none (None: cannot tell yet)."""
+    if has_template is False:
+        raise RequestError(f"{flag}: the target model {target!r} has no chat template, so it cannot take a conversation"
+                           f"{'; drop --chat to send the prompt as plain text' if flag == '--chat' else '; use polyspec generate -p TEXT'}")
+
+
+def run_request(engine, request, stops: tuple[str, ...] = (), write=None) -> dict:
+    """Generate one request round by round, passing the text to `write` as it is committed.
+    A stop string ends the request there (finish_reason "stop"; the text stops before it)."""
+    matcher = StopMatcher(stops)
+    shown, decoded = [], ""
+    state = engine.start(request)
+    try:
+        while not state.done:
+            state_tokens = engine.step(state)
+            if not state_tokens:
+                continue
+            text = engine.decode(state.new_tokens)
+            if text.endswith(REPLACEMENT_CHAR):  # a token ended inside a character: wait for the rest
+                continue
+            delta = text[len(decoded):] if text.startswith(decoded) else ""
+            decoded = text
+            shown.append(matcher.push(delta))
+            if write is not None and shown[-1]:
+                write(shown[-1])
+            if matcher.stopped:
+                break
+    except BaseException:
+        engine.cancel(state)
+        raise
+    if matcher.stopped:
+        result = engine.cancel(state)
+        ids = result["token_ids"]
+        # the tokens up to the one that completed the stop string (a round commits several)
+        kept = next(n for n in range(1, len(ids) + 1) if any(stop in engine.decode(ids[:n]) for stop in stops))
+        result.update(text="".join(shown), token_ids=ids[:kept], finish_reason="stop")
+        return result
+    result = engine.finish(state)
+    rest = result["text"][len(decoded):] if result["text"].startswith(decoded) else ""
+    shown.append(matcher.push(rest) + matcher.finish())
+    if write is not None and shown[-1]:
+        write(shown[-1])
+    if matcher.stopped:
+        result["finish_reason"] = "stop"
+    result["text"] = "".join(shown)
+    return result
+
+
+def _write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def _summary(result: dict) -> str:
+    stats = result["stats"]
+    stages = ", ".join(f"{s['tier']}<-{s['drafter']} {s['mean_accepted_length']:.2f}" for s in stats["stages"])
+    profile = f", profile {stats['profile_s']:.1f}s" if stats.get("profile_s") else ""
+    return (f"[{len(result['token_ids'])} tokens, {stats['tokens_per_s']:.1f} tok/s, load {stats['load_s']:.1f}s{profile}, "
+            f"prefill {stats['prefill_s']:.2f}s, decode {stats['decode_s']:.2f}s, "
+            f"finish={result['finish_reason']}{', accepted/block: ' + stages if stages else ''}]")
 
 
 def cmd_generate(args) -> int:
-    engine = _load_engine(args.config, args.no_speculation)
-    request = engine.parse_request(_request_from_flags(args))
+    if args.system is not None and not args.chat:
+        raise RequestError("--system needs --chat")
+    stops = check_stops(args.stop, "--stop")
+    prompt = _read_prompt(args)
+    engine = _load_engine(args, chat_flag="--chat" if args.chat else None)
+    request = engine.parse_request(_request_from_flags(args, prompt))
     if args.json:
-        print(json.dumps(engine.generate(request)))
+        print(json.dumps(run_request(engine, request, stops)))
         return 0
-
-    def stream(tokens: list[int]) -> None:
-        pieces.extend(tokens)
-        text = engine.decode(pieces)
-        sys.stdout.write(text[len(printed[0]) :])
-        sys.stdout.flush()
-        printed[0] = text
-
-    pieces: list[int] = []
-    printed = [""]
-    result = engine.generate(request, on_commit=stream)
+    result = run_request(engine, request, stops, _write)
     sys.stdout.write("\n")
-    stages = ", ".join(f"{s['tier']}<-{s['drafter']} {s['mean_accepted_length']:.2f}" for s in result["stats"]["stages"])
-    print(
-        f"[{len(result['token_ids'])} tokens, {result['stats']['tokens_per_s']:.1f} tok/s, "
-        f"finish={result['finish_reason']}{', accepted/block: ' + stages if stages else ''}]",
-        file=sys.stderr,
-    )
+    print(_summary(result), file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    """One user turn per line of stdin; the whole conversation goes to the model each turn."""
+    stops = check_stops(args.stop, "--stop")
+    engine = _load_engine(args, chat_flag="polyspec chat")
+    system = [{"role": "system", "content": args.system}] if args.system is not None else []
+    messages = list(system)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print("polyspec chat: one message per line; /reset starts over, Ctrl-D ends", file=sys.stderr)
+    while True:
+        if interactive:
+            sys.stderr.write("> ")
+            sys.stderr.flush()
+        line = sys.stdin.readline()
+        if not line:
+            break
+        line = line.rstrip("\n")
+        if not line.strip():
+            continue
+        if line.strip() == "/reset":
+            messages = list(system)
+            continue
+        messages.append({"role": "user", "content": line})
+        request = engine.parse_request({"messages": messages, **_sampling_fields(args)})
+        result = run_request(engine, request, stops, _write)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        messages.append({"role": "assistant", "content": result["text"]})
+        if interactive:
+            print(_summary(result), file=sys.stderr)
     return 0
 
 
@@ -167,7 +302,7 @@ def cmd_batch(args) -> int:
     if args.concurrency is not None and args.concurrency < 1:
         raise RequestError(f"--concurrency must be >= 1, got {args.concurrency}")
     lines = input_path.read_text(encoding="utf-8").splitlines()
-    engine = _load_engine(args.config, args.no_speculation, batched=True)
+    engine = _load_engine(args, batched=True)
     distributed = engine.config.runtime.backend == "ray"
     if not distributed and not engine.batched and (args.concurrency or 1) > 1:
         raise RequestError("--concurrency > 1 needs runtime.backend: ray or batching (the round-robin chain runs one request at a time)")
@@ -314,12 +449,13 @@ def cmd_bench(args) -> int:
 
 
 def cmd_tune(args) -> int:
+    config = chain_args.chain_config(args)  # flag and config mistakes before torch loads
     from polyspec.harness.tune import cmd_tune as run
 
-    return run(args)
+    return run(args, config)
 
 
-COMMANDS = {"generate": cmd_generate, "batch": cmd_batch, "zoo": cmd_zoo, "bench": cmd_bench, "tune": cmd_tune}
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "batch": cmd_batch, "zoo": cmd_zoo, "bench": cmd_bench, "tune": cmd_tune}
 COMMANDS.update(serving_cli.COMMANDS)  # serve, submit, jobs
 COMMANDS["validate"] = validate.cmd_validate
 

@@ -17,6 +17,7 @@ Every mistake is a `ConfigError` with one line that names the offending key.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 from pathlib import Path
 from typing import Any
@@ -24,11 +25,11 @@ from typing import Any
 import yaml
 
 from polyspec.workers.core.errors import ConfigError
-from polyspec.workers.tiers.model_cache import resolve_zoo_reference
-from polyspec.workers.tiers.tier import NGRAM_MODEL
+from polyspec.workers.tiers.model_cache import NGRAM_MODEL, resolve_zoo_reference
 
 DTYPES = ("float32", "bfloat16", "float16")
 ROUNDS = ("auto", "device", "ragged")
+AUTO = "auto"  # dtype / threads: measured at start-up (polyspec.orchestrator.tuning.autoconf)
 QUANTIZE = ("int8", "int4")
 SCHEMES = ("specinfer", "rsd", "spectr", "importance")
 BACKENDS = ("local", "ray")
@@ -39,10 +40,10 @@ DEFAULT_SPECULATION_LENGTH = 4
 class TierConfig:
     name: str
     model: str
-    dtype: str = "float32"
+    dtype: str = "float32"  # or "auto"
     device: str = "auto"
     quantize: str | None = None
-    threads: int | None = None
+    threads: int | str | None = None  # or "auto"
     max_ngram: int = 3  # n-gram tiers only
     min_ngram: int = 1
     resources: dict | None = None  # Ray custom resources (ray backend)
@@ -168,16 +169,22 @@ class ChainConfig:
 # ------------------------------------------------------------------------- parsing
 
 
-def _check_keys(section: str, raw: Any, cls) -> dict:
+def _check_keys(section: str, raw: Any, cls, internal: tuple[str, ...] = ()) -> dict:
+    """`raw` as a dict of the keys `cls` has; `internal`: fields set by parsing, never written in a config."""
     if raw is None:
         return {}
     if not isinstance(raw, dict):
         raise ConfigError(f"config section '{section}' must be a mapping, got {type(raw).__name__}")
-    known = {f.name for f in dataclasses.fields(cls)} - {"source"}
+    known = {f.name for f in dataclasses.fields(cls)} - {"source", *internal}
     unknown = sorted(set(raw) - known)
     if unknown:
-        raise ConfigError(f"unknown config key '{section}.{unknown[0]}' (known keys: {', '.join(sorted(known))})")
+        raise ConfigError(f"unknown config key '{section}.{unknown[0]}' ({_did_you_mean(unknown[0], known)}known keys: {', '.join(sorted(known))})")
     return dict(raw)
+
+
+def _did_you_mean(key, known) -> str:
+    close = difflib.get_close_matches(str(key), sorted(known), n=1)
+    return f"did you mean '{close[0]}'? " if close else ""
 
 
 def _typed(section: str, key: str, value, kind, *, allow_none: bool = False):
@@ -248,7 +255,7 @@ def _parse_tier(index: int, raw: Any, base_dir: Path | None) -> TierConfig:
     misplaced = sorted(set(raw) & set(DRAFTER_FIELDS))
     if misplaced:
         raise ConfigError(f"unknown config key '{section}.{misplaced[0]}' (a trained drafter is written model: {{early_exit: PATH, layers: L, exit_threshold: x}})")
-    values = _check_keys(section, raw, TierConfig)
+    values = _check_keys(section, raw, TierConfig, internal=DRAFTER_FIELDS)
     if isinstance(values.get("model"), dict):
         _parse_drafter(section, values["model"], values, base_dir)
     if "model" not in values:
@@ -257,16 +264,15 @@ def _parse_tier(index: int, raw: Any, base_dir: Path | None) -> TierConfig:
     for key, kind in (("name", str), ("model", str), ("dtype", str), ("device", str)):
         if key in values:
             _typed(section, key, values[key], kind)
-    for key in ("threads",):
-        if key in values:
-            values[key] = _typed(section, key, values[key], int, allow_none=True)
-            if values[key] is not None and values[key] < 1:
-                raise ConfigError(f"config key '{section}.{key}' must be >= 1, got {values[key]}")
+    if values.get("threads") != AUTO and "threads" in values:
+        values["threads"] = _typed(section, "threads", values["threads"], int, allow_none=True)
+        if values["threads"] is not None and values["threads"] < 1:
+            raise ConfigError(f"config key '{section}.threads' must be >= 1 or auto, got {values['threads']}")
     for key in ("max_ngram", "min_ngram"):
         if key in values:
             _typed(section, key, values[key], int)
-    if values.get("dtype", "float32") not in DTYPES:
-        raise ConfigError(f"{section}.dtype must be one of {', '.join(DTYPES)}, got {values['dtype']!r}")
+    if values.get("dtype", "float32") not in (*DTYPES, AUTO):
+        raise ConfigError(f"{section}.dtype must be one of {', '.join(DTYPES)} or {AUTO}, got {values['dtype']!r}")
     if values.get("quantize") is not None and values["quantize"] not in QUANTIZE:
         raise ConfigError(f"{section}.quantize must be one of {', '.join(QUANTIZE)}, got {values['quantize']!r}")
     if values.get("resources") is not None and not isinstance(values["resources"], dict):
@@ -288,7 +294,7 @@ def _check_drafters(tiers: tuple[TierConfig, ...]) -> None:
             raise ConfigError(f"tier {tier.name!r}: a trained drafter runs on its target's device ({tiers[0].device})")
 
 
-def _parse_lengths(raw: Any, num_tiers: int):
+def parse_lengths(raw: Any, num_tiers: int):
     if raw is None or raw == "default":
         return "default"
     if raw == "auto":
@@ -323,7 +329,7 @@ def parse_config(raw: Any, source: str | None = None) -> ChainConfig:
     known = {"tiers", "speculation", "sampling", "runtime", "server", "batching", "tuning"}
     unknown = sorted(set(raw) - known)
     if unknown:
-        raise ConfigError(f"unknown config key '{unknown[0]}' (known keys: {', '.join(sorted(known))})")
+        raise ConfigError(f"unknown config key '{unknown[0]}' ({_did_you_mean(unknown[0], known)}known keys: {', '.join(sorted(known))})")
     base_dir = Path(source).resolve().parent if source else None
     tiers_raw = raw.get("tiers")
     if not isinstance(tiers_raw, list) or not tiers_raw:
@@ -342,7 +348,7 @@ def parse_config(raw: Any, source: str | None = None) -> ChainConfig:
     _check_drafters(tiers)
 
     spec = _check_keys("speculation", raw.get("speculation"), SpeculationConfig)
-    spec["lengths"] = _parse_lengths(spec.get("lengths"), len(tiers))
+    spec["lengths"] = parse_lengths(spec.get("lengths"), len(tiers))
     if "tree_width" in spec:
         _typed("speculation", "tree_width", spec["tree_width"], int)
         if spec["tree_width"] < 1:
@@ -366,6 +372,10 @@ def parse_config(raw: Any, source: str | None = None) -> ChainConfig:
     if run.get("backend", "local") not in BACKENDS:
         raise ConfigError(f"runtime.backend must be one of {', '.join(BACKENDS)}, got {run['backend']!r}")
     runtime = RuntimeConfig(**run)
+    measured = next((t for t in tiers if AUTO in (t.dtype, t.threads)), None)
+    if measured is not None and runtime.backend != "local":
+        raise ConfigError(f"tier {measured.name!r}: dtype / threads auto are measured in the process that loads the tiers, "
+                          "so they need runtime.backend: local; name them for a ray chain")
     trained = next((t for t in tiers if t.drafter), None)
     if trained is not None and runtime.backend != "local":
         # Ray mode: a trained drafter runs in its target's actor (ray_runtime.actor_groups)

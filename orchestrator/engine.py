@@ -9,17 +9,21 @@ request means the same thing everywhere:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import math
 import sys
 import threading
+import time
 from typing import Any, Callable
 
 from polyspec.orchestrator.decode.contract import BatchDecoder, RequestState
 from polyspec.orchestrator.decode.scheduler import ChainScheduler
 from polyspec.orchestrator.config import ChainConfig
 from polyspec.orchestrator.tokenization import encode_chat, encode_prompt, stop_token_ids
+from polyspec.orchestrator.tuning.autoconf import needs_choice, resolve_auto
+from polyspec.orchestrator.tuning.profile_cache import ProfileCache
 from polyspec.workers.core.errors import ConfigError, RequestError
 from polyspec.workers.tiers.loading import load_tiers, quiet_transformers
 from polyspec.workers.core.sampling import SamplingParams
@@ -59,6 +63,15 @@ def seed_stream(seed: int | None) -> int | None:
     return int.from_bytes(hashlib.blake2b(int(seed).to_bytes(8, "little"), digest_size=8).digest(), "little") >> 1
 
 
+def choice_seed(seed: int, choice: int) -> int:
+    """The seed of choice `choice` of a request asking for several (OpenAI's `n`): choice 0
+    keeps `seed`, so n = 1 means what it always did; the others get independent streams."""
+    if choice == 0 or not 0 <= seed < SEED_LIMIT:
+        return seed  # (an out-of-range seed is reported by parse_request)
+    digest = hashlib.blake2b(seed.to_bytes(8, "little") + choice.to_bytes(4, "little"), digest_size=8, person=b"polyspec-n")
+    return int.from_bytes(digest.digest(), "little") >> 1
+
+
 def requests_within_memory(max_requests: int, kv_memory_mb: int | None, bytes_per_request: int) -> int:
     """How many requests may hold caches at once: `max_requests`, lowered so their KV caches (each at
     the full model context) stay within `kv_memory_mb`."""
@@ -72,19 +85,31 @@ def requests_within_memory(max_requests: int, kv_memory_mb: int | None, bytes_pe
 
 
 class Engine:
-    def __init__(self, config: ChainConfig, speculative: bool = True, auto_tune: bool = True, batched: bool = False) -> None:
+    def __init__(self, config: ChainConfig, speculative: bool = True, auto_tune: bool = True, batched: bool = False,
+                 log: Callable[[str], None] | None = None, cache_profiles: bool = False, reprofile: bool = False) -> None:
         """`auto_tune`: with `speculation.lengths: auto`, profile the tiers and let the tuner set the lengths.
         `batched`: step many requests per forward (`polyspec batch`, jobs, `serve`), where the config allows it
-        (`batching.enabled`, a local chain); otherwise requests take turns, one round each."""
+        (`batching.enabled`, a local chain); otherwise requests take turns, one round each.
+        `log(line)`: start-up progress (each tier as it loads, then the profile, with a progress bar on a
+        terminal); `cache_profiles`: keep start-up profiles on disk and reuse them (tuning.profile_cache),
+        `reprofile`: measure again all the same (and overwrite)."""
         quiet_transformers()
+        started = time.perf_counter()
+        self.log, self.cache_profiles, self.reprofile = log, cache_profiles, reprofile
+        self.profile_s = 0.0  # the start-up profile of lengths: auto (0 when read from the cache, or none)
         self._decode_lock = threading.Lock()
         self.batched = False
         self.max_requests = 1
         self.config = config if speculative else config.target_only()
         if config.runtime.backend == "ray":
             self._start_ray(auto_tune, batched)
+            self.load_s = time.perf_counter() - started
             return
-        self.tiers, self.tokenizer = load_tiers(self.config.tiers)
+        if any(needs_choice(tier) for tier in self.config.tiers):  # dtype / threads: auto
+            cache = ProfileCache(self.config.tiers, refresh=reprofile) if cache_profiles else None
+            self.config = dataclasses.replace(self.config, tiers=resolve_auto(self.config.tiers, cache, log))
+        self.tiers, self.tokenizer = load_tiers(self.config.tiers, log)
+        self.load_s = time.perf_counter() - started  # the models (a profile comes after, timed on its own)
         eos = set()
         target_model = self.tiers[0].model
         for source in (getattr(target_model, "generation_config", None), target_model.config):
@@ -200,18 +225,25 @@ class Engine:
 
     def make_planner(self):
         """Profile each tier's batched forward (a few seconds) and build the goodput planner."""
-        from polyspec.orchestrator.tuning.batch_model import BatchPlanner, profile_batched
+        from polyspec.orchestrator.tuning.batch_model import BatchPlanner
+        from polyspec.orchestrator.tuning.profiler import profile_batched
 
         tiers = self.scheduler.tiers
-        tables, lookup = profile_batched(tiers, self.vocab_size, min(self.max_requests, PROFILE_MAX_BATCH))
+        with self._profiling() as (cache, bar):
+            tables, lookup = profile_batched(tiers, self.vocab_size, min(self.max_requests, PROFILE_MAX_BATCH), cache=cache, bar=bar,
+                                             log=self.log)
         return BatchPlanner(tiers, tables, lookup, max_batched_tokens=self.config.batching.max_batched_tokens,
                             tree_width=self.config.speculation.tree_width)
 
     def step_all(self, states: list[RequestState]) -> list[list[int]]:
         """One round of every request in `states` (batched chains: one forward per tier; otherwise in turn)."""
         if isinstance(self.scheduler, BatchDecoder):
-            return self.scheduler.step_all(states)
-        return [self.scheduler.step(state) for state in states]
+            emitted = self.scheduler.step_all(states)
+        else:
+            emitted = [self.scheduler.step(state) for state in states]
+        for state, tokens in zip(states, emitted):
+            _note_commit(state, tokens)
+        return emitted
 
     def _start_ray(self, auto_tune: bool, batched: bool) -> None:
         """The tiers run as Ray actors (polyspec.orchestrator.distributed.ray_runtime); this process only drives them."""
@@ -268,8 +300,33 @@ class Engine:
             profile, _ = profile_remote(self.scheduler, len(context), params, max_length)
             # a distributed chain runs every tier (its repair loop routes around dead ones)
             return Tuner(profile, tuning, tree_width=spec.tree_width, distributed=True, pipelined=bool(self.scheduler.pipeline))
-        profile = profile_tiers(self.tiers, context, params, max_length, spec.tree_width, spec.verifier)
+        with self._profiling() as (cache, bar):
+            profile = profile_tiers(self.tiers, context, params, max_length, spec.tree_width, spec.verifier, cache=cache, bar=bar,
+                                    log=self.log)
         return Tuner(profile, tuning, tree_width=spec.tree_width)
+
+    @contextlib.contextmanager
+    def _profiling(self):
+        """The start-up profile's cache (when this engine keeps them) and progress bar (when it logs)."""
+        cache = ProfileCache(self.config.tiers, refresh=self.reprofile) if self.cache_profiles else None
+        started = time.perf_counter()
+        if self.log is None:
+            yield cache, None
+            self.profile_s = time.perf_counter() - started
+            return
+        from tqdm import tqdm
+
+        from polyspec.orchestrator.tuning.profiler import ProgressLines
+
+        self.log("profiling the tiers for lengths: auto" + (" (cached profiles are reused; --reprofile measures again)"
+                                                            if cache is not None and not self.reprofile else ""))
+        if not sys.stderr.isatty():  # a log: a line every few seconds instead of a bar
+            yield cache, ProgressLines(self.log)
+        else:
+            with tqdm(desc="polyspec: profile", unit="size", file=sys.stderr, leave=False) as bar:
+                yield cache, bar
+        self.profile_s = time.perf_counter() - started
+        self.log(f"start-up profile done in {self.profile_s:.1f}s")
 
     @property
     def vocab_size(self) -> int:
@@ -335,8 +392,16 @@ class Engine:
         return GenerationRequest(tuple(ids), max_new, params, seed, None if request_id is None else str(request_id))
 
     def generate(self, request: GenerationRequest, on_commit: Callable[[list[int]], None] | None = None) -> dict:
-        output = self.scheduler.generate(list(request.prompt_ids), request.max_new_tokens, request.params, seed_stream(request.seed), on_commit)
-        return self._result(request, output)
+        started, first_commit = time.perf_counter(), []
+
+        def commit(tokens: list[int]) -> None:
+            if not first_commit:
+                first_commit.append(time.perf_counter())
+            if on_commit is not None:
+                on_commit(tokens)
+
+        output = self.scheduler.generate(list(request.prompt_ids), request.max_new_tokens, request.params, seed_stream(request.seed), commit)
+        return self._result(request, output, started, first_commit[0] if first_commit else None)
 
     # Round-by-round API for callers that interleave requests (the server). One thread only.
 
@@ -347,20 +412,27 @@ class Engine:
 
     def step(self, state: RequestState) -> list[int]:
         """One target verification round; the newly committed token ids (empty once done)."""
-        return self.scheduler.step(state)
+        return _note_commit(state, self.scheduler.step(state))
 
     def finish(self, state: RequestState) -> dict:
-        return self._result(state.request, self.scheduler.finish(state))
+        return self._result(state.request, self.scheduler.finish(state), state.started, state.first_commit_at)
 
     def cancel(self, state: RequestState) -> dict:
-        return self._result(state.request, self.scheduler.cancel(state))
+        return self._result(state.request, self.scheduler.cancel(state), state.started, state.first_commit_at)
 
-    def _result(self, request: GenerationRequest, output) -> dict:
+    def _result(self, request: GenerationRequest, output, started: float, first_commit: float | None) -> dict:
+        """The result; its stats gain the chain's load (and start-up profile) time and the request's
+        prefill (start to the first committed tokens: the prompt through every tier, and the first
+        round) and decode time (the rest)."""
+        now = time.perf_counter()
+        first_commit = first_commit or now
+        timings = {"load_s": round(self.load_s, 3), "profile_s": round(self.profile_s, 3),
+                   "prefill_s": round(first_commit - started, 4), "decode_s": round(now - first_commit, 4)}
         result = {
             "text": self.decode(output.token_ids),
             "token_ids": output.token_ids,
             "finish_reason": output.finish_reason,
-            "stats": output.stats,
+            "stats": {**output.stats, **timings},
         }
         if request.id is not None:
             result = {"id": request.id, **result}
@@ -371,3 +443,10 @@ class Engine:
             return ""
         with self._decode_lock:  # batch threads share one tokenizer
             return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def _note_commit(state: RequestState, tokens: list[int]) -> list[int]:
+    """Remember when `state` first committed tokens (its prefill ends there)."""
+    if tokens and state.first_commit_at is None:
+        state.first_commit_at = time.perf_counter()
+    return tokens

@@ -13,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 
+from polyspec.orchestrator import chain_args
 from polyspec.workers.core.errors import RequestError
 
 SERVER_ENV = "POLYSPEC_SERVER"
@@ -20,13 +21,20 @@ TOKEN_ENV = "POLYSPEC_TOKEN"
 
 
 def add_parsers(sub) -> None:
-    serve = sub.add_parser("serve", help="serve the chain over gRPC (protos/polyspec/v1/polyspec.proto)")
-    serve.add_argument("-c", "--config", required=True)
+    serve = sub.add_parser(
+        "serve", help="serve the chain over gRPC, and the OpenAI API (/v1/completions, /v1/chat/completions) with --http-port",
+        description="Serve the chain: gRPC (protos/polyspec/v1/polyspec.proto) on --port; with --http-port an "
+                    "OpenAI-compatible API: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health.")
+    chain_args.add_chain_flags(serve)
     serve.add_argument("--host", default=None, help="address to bind (default: config server.host, 127.0.0.1)")
     serve.add_argument("--port", type=int, default=None, help="gRPC port (default: config server.port, 50051; 0 = any free port)")
     serve.add_argument("--state-dir", default=None, help="where jobs are kept (default: $XDG_STATE_HOME/polyspec or ~/.local/state/polyspec)")
     serve.add_argument("--metrics-port", type=int, default=9464, help="Prometheus /metrics port (0 = off)")
-    serve.add_argument("--http-port", type=int, default=None, help="OpenAI-compatible /v1/completions and /v1/models on this port")
+    serve.add_argument("--http-port", type=int, default=None,
+                       help="OpenAI-compatible API on this port: /v1/completions, /v1/chat/completions, /v1/models")
+    serve.add_argument("--served-model-name", action="append", default=None, metavar="NAME",
+                       help="the model name(s) the OpenAI API answers to (repeatable; default: the target's folder name or id); "
+                            "any other name is 404 model_not_found")
     serve.add_argument("--auth-token-file", default=None, help="require 'authorization: Bearer <token>' with the token in this file")
     serve.add_argument("--tenants-file", default=None,
                        help="one 'TENANT TOKEN' per line: each token's tenant sees, reads and cancels only its own jobs")
@@ -80,9 +88,10 @@ def _add_client_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(args) -> int:
+    config = chain_args.chain_config(args)  # flag and config mistakes before torch loads
     from polyspec.orchestrator.serving.serve import cmd_serve as serve
 
-    return serve(args)
+    return serve(args, config)
 
 
 # ------------------------------------------------------------------------ clients

@@ -17,6 +17,7 @@ from typing import Any
 
 from polyspec.workers.core.errors import RequestError
 
+REPLACEMENT_CHAR = "\ufffd"  # a token that ends inside a multi-byte character decodes to this
 ROLES = ("system", "user", "assistant", "tool", "developer", "function")
 _SENTINEL = "polyspec-end-of-turn-probe"
 
@@ -96,3 +97,51 @@ def stop_token_ids(tokenizer, configured: set[int] | tuple[int, ...] = ()) -> tu
         stops.add(int(tokenizer.eos_token_id))
     stops |= end_of_turn_ids(tokenizer)
     return tuple(sorted(stops))
+
+
+class StopMatcher:
+    """Stop strings over committed text: text deltas in, the part safe to show out.
+
+    A delta's tail that could still grow into a stop string is held back, so what a
+    stream has shown never runs past a stop; once a stop string appears, everything from
+    its first character on is dropped and `stopped` is set. The matcher works on decoded
+    text (str), so a cut never falls inside a UTF-8 character."""
+
+    def __init__(self, stops: tuple[str, ...] | list[str] = ()) -> None:
+        self.stops = tuple(stop for stop in stops if stop)
+        self.held = ""
+        self.stopped = False
+
+    def push(self, delta: str) -> str:
+        if self.stopped:
+            return ""
+        text = self.held + delta
+        hits = [index for index in (text.find(stop) for stop in self.stops) if index >= 0]
+        if hits:
+            self.stopped, self.held = True, ""
+            return text[: min(hits)]
+        keep = max((size for stop in self.stops for size in range(min(len(stop) - 1, len(text)), 0, -1)
+                    if text.endswith(stop[:size])), default=0)
+        self.held = text[len(text) - keep :]
+        return text[: len(text) - keep]
+
+    def finish(self) -> str:
+        """What was held back, now that no more text comes."""
+        rest, self.held = self.held, ""
+        return "" if self.stopped else rest
+
+
+def check_stops(stop: Any, what: str = "stop", limit: int = 16, max_chars: int = 256) -> tuple[str, ...]:
+    """A stop string or a list of them (OpenAI's `stop`), checked; RequestError naming `what` otherwise."""
+    stops = [stop] if isinstance(stop, str) else stop
+    if stops is None:
+        return ()
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise RequestError(f"{what} must be a string or a list of strings")
+    if len(stops) > limit:
+        raise RequestError(f"{what} holds {len(stops)} strings (at most {limit})")
+    if any(not s for s in stops):
+        raise RequestError(f"{what} strings must not be empty")
+    if any(len(s) > max_chars for s in stops):
+        raise RequestError(f"{what} strings must be at most {max_chars} characters")
+    return tuple(stops)

@@ -311,7 +311,7 @@ def estimate_memory(tier: TierConfig) -> MemoryEstimate:
     if shape is None:
         missing = is_local_path(tier.model) and not Path(tier.model).exists()
         return MemoryEstimate(None, None, "unknown (model not present here)" if missing else "unknown (hub id not cached)")
-    compute_bytes = DTYPE_BYTES[tier.dtype]
+    compute_bytes = DTYPE_BYTES.get(tier.dtype, DTYPE_BYTES["float32"])  # auto: at most float32
     if tier.quantize == "int8":
         compute_bytes = DTYPE_BYTES["float32"]  # the int8 path computes (and keeps its KV) in float32
     weight_bytes = shape.params * (QUANTIZE_BYTES[tier.quantize] if tier.quantize else compute_bytes)

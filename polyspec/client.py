@@ -159,10 +159,13 @@ def request_message(raw: dict) -> pb.GenerateRequest:
         raise InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, f"bad request field: {exc}") from None
 
 
-def _request(prompt, prompt_ids, messages, max_new_tokens, temperature, top_p, top_k, seed, id) -> pb.GenerateRequest:
+def _request(prompt, prompt_ids, messages, max_new_tokens, temperature, top_p, top_k, seed, id, stop=None) -> pb.GenerateRequest:
     raw = {"id": id, "prompt": prompt, "prompt_ids": prompt_ids, "messages": messages, "max_new_tokens": max_new_tokens,
            "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed}
-    return request_message(raw)
+    message = request_message(raw)
+    if stop is not None:  # Generate only: a job's requests run to their end
+        message.stop.extend([stop] if isinstance(stop, str) else stop)
+    return message
 
 
 def _submit_message(requests: Iterable[dict], idempotency_key: str | None) -> pb.SubmitJobRequest:
@@ -274,9 +277,11 @@ class Client:
     def stream(self, prompt: str | None = None, *, prompt_ids: list[int] | None = None, messages: list[dict] | None = None,
                max_new_tokens: int | None = None,
                temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-               seed: int | None = None, id: str | None = None, timeout: float | None = None) -> Iterator[Delta]:
-        """Deltas as they are committed; leaving the loop early cancels the request on the server."""
-        request = _request(prompt, prompt_ids, messages, max_new_tokens, temperature, top_p, top_k, seed, id)
+               seed: int | None = None, id: str | None = None, timeout: float | None = None,
+               stop: str | list[str] | None = None) -> Iterator[Delta]:
+        """Deltas as they are committed; leaving the loop early cancels the request on the server.
+        `stop`: the text ends before the first of these strings (finish_reason "stop")."""
+        request = _request(prompt, prompt_ids, messages, max_new_tokens, temperature, top_p, top_k, seed, id, stop)
         call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
         try:
             for message in call:
@@ -397,8 +402,9 @@ class AsyncClient:
     async def stream(self, prompt: str | None = None, *, prompt_ids: list[int] | None = None, messages: list[dict] | None = None,
                      max_new_tokens: int | None = None,
                      temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-                     seed: int | None = None, id: str | None = None, timeout: float | None = None) -> AsyncIterator[Delta]:
-        request = _request(prompt, prompt_ids, messages, max_new_tokens, temperature, top_p, top_k, seed, id)
+                     seed: int | None = None, id: str | None = None, timeout: float | None = None,
+                     stop: str | list[str] | None = None) -> AsyncIterator[Delta]:
+        request = _request(prompt, prompt_ids, messages, max_new_tokens, temperature, top_p, top_k, seed, id, stop)
         call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
         try:
             async for message in call:

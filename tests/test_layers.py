@@ -43,6 +43,7 @@ LAYERS = {
     "polyspec.orchestrator.serving": 7,
     "polyspec.orchestrator.serving_cli": 7,
     "polyspec.orchestrator.validate": 7,
+    "polyspec.orchestrator.chain_args": 7,
     "polyspec.harness": 8,
     "polyspec.orchestrator.cli": 9,
     "polyspec.__main__": 9,

@@ -105,6 +105,7 @@ class RequestState:
     finish_reason: str | None = None  # set once done
     plans: list[dict] = dataclasses.field(default_factory=list)  # with a tuner: lengths / tiers each time they changed
     started: float = dataclasses.field(default_factory=time.perf_counter)
+    first_commit_at: float | None = None  # when its first tokens were committed (Engine: prefill vs decode time)
     request: object = None  # the caller's request object, carried along (Engine keeps its GenerationRequest here)
 
     @property

@@ -218,8 +218,8 @@ class BatchedRounds:
 
     def profile_grid(self, request: tier_pb2.ProfileRequest) -> tier_pb2.ProfileReply:
         """The batched forward's cost on the (batch, width) grid, measured here (the goodput planner's
-        t_i(B, W), polyspec.orchestrator.tuning.batch_model.profile_batched); a lookup tier's ms per request."""
-        from polyspec.orchestrator.tuning.batch_model import profile_batched
+        t_i(B, W), polyspec.orchestrator.tuning.profiler.profile_batched); a lookup tier's ms per request."""
+        from polyspec.orchestrator.tuning.profiler import profile_batched
 
         (table,), (lookup,) = profile_batched([self.batched_tier()], self.tier.vocab_size, request.max_batch,
                                               repeats=max(1, request.repeats))

@@ -448,7 +448,7 @@ def profile_remote(chain: DistributedChain, context_len: int, params: SamplingPa
 
 def profile_grid_remote(chain: DistributedChain, max_batch: int, repeats: int = 2):
     """Each tier's batched forward on the (batch, width) grid, measured in its own process (the
-    Profile RPC with `max_batch`), as `polyspec.orchestrator.tuning.batch_model.profile_batched`
+    Profile RPC with `max_batch`), as `polyspec.orchestrator.tuning.profiler.profile_batched`
     measures an embedded chain. Returns (tables, lookup_ms), one entry per tier."""
     from polyspec.orchestrator.tuning.batch_model import ForwardTable
 

@@ -1,11 +1,24 @@
 """OpenAI-compatible HTTP API on `polyspec serve --http-port` (a Starlette app, run by asgi.py).
 
     POST /v1/completions        {model, prompt (string | token ids | list of those), max_tokens (16),
-                                 temperature, top_p, top_k, seed, stream, stream_options, n (1)}
+                                 temperature, top_p, top_k, seed, stop, n (1), stream, stream_options}
     POST /v1/chat/completions   {model, messages: [{role, content}], max_tokens | max_completion_tokens
-                                 (default: the config's), temperature, top_p, top_k, seed, stream, n (1)}
-    GET  /v1/models
+                                 (default: the config's), temperature, top_p, top_k, seed, stop, n (1),
+                                 stream, stream_options}
+    GET  /v1/models, GET /v1/models/{id}
     GET  /health                200 once the models are loaded, 503 while loading or draining (no token needed)
+
+`model` must be one of the served names (`serve --served-model-name`, repeatable; by default
+the target's folder name or id); another is 404 `model_not_found`; left out, it is the first.
+`stop` (a string or a list) is matched on the committed text: the text ends before the
+first stop string, a stream never shows text past it, and generation stops there
+(finish_reason "stop"). `n` > 1 runs n independent requests per prompt (choice index
+prompt * n + j); with a `seed`, choice j samples from a seed derived from (seed, j), so at
+temperature 0 every choice is the target's greedy text. Every answer carries `usage`; a
+stream carries it in a last chunk with `stream_options: {"include_usage": true}`.
+`logprobs` (completions: 0-5 alternatives; chat: `logprobs: true`, `top_logprobs` 0-20, not
+streamed) are the target's own log-probabilities of the committed tokens under the
+request's warp, temperature 1 for a greedy request (logprobs.py).
 
 Backed by the same RoundScheduler as gRPC, so both kinds of traffic share the fair queue.
 `stream: true` answers with server-sent events (`data: {...}` chunks, then `data: [DONE]`).
@@ -14,9 +27,9 @@ Chat messages become the prompt through the target tokenizer's chat template
 
 Errors are OpenAI-shaped (`{"error": {"message", "type", "param", "code"}}`), one line:
 400 for a malformed body (not UTF-8, not JSON, nested too deep, a lone surrogate) or a bad
-or unsupported option (n > 1, logprobs, echo, stop, best_of > 1, suffix, tools: never
-silently ignored), 401 without the token (`Authorization: Bearer <token>`), 404 for an
-unknown route, 408 for a body not sent within the request timeout, 413 past a size limit
+or unsupported option (echo, best_of > 1, suffix, tools, penalties, logprobs with
+stream: never silently ignored), 401 without the token (`Authorization: Bearer <token>`), 404 for an
+unknown route or model, 408 for a body not sent within the request timeout, 413 past a size limit
 (body, prompts per list, prompt bytes), 429 when the queue has no room for every prompt of
 the request (then none is queued), 503 while loading or draining. A client that
 disconnects, streaming or not, cancels its requests.
@@ -40,26 +53,16 @@ from starlette.routing import Route
 from polyspec.orchestrator.serving.jobs import LimitExceeded
 from polyspec.orchestrator.serving.request_loop import Draining, QueueFull, Work, is_unavailable, public_reason
 from polyspec.orchestrator.serving.security import Tenants
-from polyspec.orchestrator.tokenization import encode_chat
+from polyspec.orchestrator.serving import openai_request
+from polyspec.orchestrator.serving.logprobs import TargetScorer
+from polyspec.orchestrator.serving.openai_request import CHAT_FIELDS, KNOWN_FIELDS, MAX_STOPS, ApiError
+from polyspec.orchestrator.tokenization import StopMatcher, check_stops, encode_chat
 from polyspec.workers.core.errors import RequestError
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_JSON_DEPTH = 32
-MAX_MESSAGES = 1024
 FINISH_REASONS = {"eos": "stop", "length": "length", "cancelled": "stop"}
-UNSUPPORTED = {"logprobs": None, "echo": False, "stop": None, "suffix": None}
-SHARED_FIELDS = {"model", "max_tokens", "temperature", "top_p", "seed", "stream", "n", "user", "frequency_penalty",
-                 "presence_penalty", "logit_bias", "stream_options", "top_k", "logprobs", "stop"}
-KNOWN_FIELDS = {*SHARED_FIELDS, "prompt", "best_of", *UNSUPPORTED}
-CHAT_FIELDS = {*SHARED_FIELDS, "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-               "response_format", "parallel_tool_calls"}
-CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", close: bool = False) -> None:
-        super().__init__(message)
-        self.status, self.kind, self.close = status, kind, close
+SHOWN_NAME_CHARS = 64  # of a model name an error quotes back
 
 
 def model_name(service) -> str:
@@ -67,10 +70,27 @@ def model_name(service) -> str:
     return Path(target.model).name if Path(target.model).exists() else target.model
 
 
+def served_names(service) -> list[str]:
+    """The names the API answers to: `serve --served-model-name`, or the target's folder name or id."""
+    return list(service.served_model_names or [model_name(service)])
+
+
+def _shown(name: str) -> str:
+    return repr(name if len(name) <= SHOWN_NAME_CHARS else name[:SHOWN_NAME_CHARS] + "...")
+
+
+def _model_not_found(service, name: str) -> ApiError:
+    return ApiError(404, f"the model {_shown(name)} does not exist (this server serves {', '.join(map(repr, served_names(service)))})",
+                    param="model", code="model_not_found")
+
+
+def _error_body(error: ApiError) -> dict:
+    return {"error": {"message": str(error), "type": error.kind, "param": error.param, "code": error.code}}
+
+
 def _error_response(error: ApiError) -> JSONResponse:
     headers = {"Connection": "close"} if error.close else None
-    body = {"error": {"message": str(error), "type": error.kind, "param": None, "code": None}}
-    return JSONResponse(body, status_code=error.status, headers=headers)
+    return JSONResponse(_error_body(error), status_code=error.status, headers=headers)
 
 
 # ------------------------------------------------------------------- the body
@@ -132,85 +152,6 @@ def _check_values(value, depth: int) -> None:
             _check_values(item, depth + 1)
 
 
-# ---------------------------------------------------------------- the options
-
-
-def _prompts(body: dict) -> list:
-    prompt = body.get("prompt")
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
-        return [prompt]
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        return list(prompt)
-    raise ApiError(400, "prompt must be a string, a list of token ids, or a list of those")
-
-
-def _check_options(body: dict, known: set[str]) -> None:
-    unknown = sorted(set(body) - known)
-    if unknown:
-        raise ApiError(400, f"unknown field {unknown[0][:64]!r}")
-    for field, neutral in UNSUPPORTED.items():
-        if field in known and body.get(field) not in (neutral, None, 0 if field == "logprobs" else neutral, "", [], False):
-            raise ApiError(400, f"{field!r} is not supported by polyspec")
-    for field in ("n", "best_of"):
-        if body.get(field, 1) not in (1, None) or isinstance(body.get(field), bool):
-            raise ApiError(400, f"{field!r} must be 1 (polyspec returns one completion per prompt)")
-    for field in ("frequency_penalty", "presence_penalty"):
-        if body.get(field) not in (None, 0, 0.0) or isinstance(body.get(field), bool):
-            raise ApiError(400, f"{field!r} is not supported by polyspec (it would change the target distribution)")
-    for field in ("logit_bias", "tools", "tool_choice", "top_logprobs"):
-        if body.get(field):
-            raise ApiError(400, f"{field!r} is not supported by polyspec")
-    if body.get("response_format") not in (None, {"type": "text"}):
-        raise ApiError(400, "'response_format' other than text is not supported by polyspec")
-    if body.get("stream") is not None and not isinstance(body["stream"], bool):
-        raise ApiError(400, "'stream' must be true or false")
-    options = body.get("stream_options")
-    if options is not None and (not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool)):
-        raise ApiError(400, "'stream_options' must be an object like {\"include_usage\": true}")
-    for field in ("model", "user"):
-        if body.get(field) is not None and not isinstance(body[field], str):
-            raise ApiError(400, f"{field!r} must be a string")
-
-
-def _raw_request(body: dict, prompt, max_tokens_default: int | None) -> dict:
-    raw = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_ids": prompt}
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is None:
-        max_tokens = max_tokens_default
-    if max_tokens is not None:
-        raw["max_new_tokens"] = max_tokens
-    for field in ("temperature", "top_p", "top_k", "seed"):
-        if body.get(field) is not None:
-            raw[field] = body[field]
-    return raw
-
-
-def _messages(body: dict, max_bytes: int) -> list[dict]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "messages must be a non-empty list of {role, content} objects")
-    if len(messages) > MAX_MESSAGES:
-        raise ApiError(413, f"{len(messages)} messages (at most {MAX_MESSAGES})")
-    plain, size = [], 0
-    for number, message in enumerate(messages, start=1):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise ApiError(400, f"message {number} must be an object with a 'role' and a 'content'")
-        if message["role"] not in CHAT_ROLES:
-            raise ApiError(400, f"message {number}: unknown role {message['role'][:32]!r} (known: {', '.join(sorted(CHAT_ROLES))})")
-        content = message.get("content")
-        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-            if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str) for part in content):
-                raise ApiError(400, f"message {number}: only text content parts are supported")
-            content = "".join(part["text"] for part in content)
-        if not isinstance(content, str):
-            raise ApiError(400, f"message {number}: content must be a string")
-        size += len(content.encode("utf-8"))
-        if size > max_bytes:
-            raise ApiError(413, f"the messages hold over {max_bytes} bytes")
-        plain.append({"role": message["role"], "content": content})
-    return plain
-
-
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
 
@@ -228,6 +169,7 @@ class OpenAIApi:
     def __init__(self, service) -> None:
         self.service = service
         self.limits = service.limits
+        self._scorer: TargetScorer | None = None  # loaded on the first request for logprobs
 
     # ---------------------------------------------------------------- plumbing
 
@@ -301,25 +243,48 @@ class OpenAIApi:
             return JSONResponse({"status": "loading"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
+    def _model(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": int(self.service.started), "owned_by": "polyspec"}
+
     async def models(self, request: Request, body: None) -> Response:
-        created = int(self.service.started)
-        return JSONResponse({"object": "list", "data": [
-            {"id": model_name(self.service), "object": "model", "created": created, "owned_by": "polyspec"}]})
+        return JSONResponse({"object": "list", "data": [self._model(name) for name in served_names(self.service)]})
+
+    async def model(self, request: Request, body: None) -> Response:
+        name = request.path_params["model_id"]
+        if name not in served_names(self.service):
+            raise _model_not_found(self.service, name)
+        return JSONResponse(self._model(name))
+
+    def _check_model(self, body: dict) -> str:
+        """The served name the request asked for (the first one when it named none)."""
+        names = served_names(self.service)
+        name = body.get("model")
+        if name is None:
+            return names[0]
+        if name not in names:
+            raise _model_not_found(self.service, name)
+        return name
 
     async def completions(self, request: Request, body: dict) -> Response:
-        _check_options(body, KNOWN_FIELDS)
-        prompts = _prompts(body)
-        if len(prompts) > self.limits.max_prompts:
-            raise ApiError(413, f"{len(prompts)} prompts in one request (at most {self.limits.max_prompts})")
+        openai_request.check_options(body, KNOWN_FIELDS)
+        openai_request.top_logprobs(body, chat=False)
+        model = self._check_model(body)
+        prompts = openai_request.prompts(body)
+        if len(prompts) * openai_request.choices(body) > self.limits.max_prompts:
+            raise ApiError(413, f"{len(prompts)} prompts x n = {openai_request.choices(body)} choices in one request (at most {self.limits.max_prompts})")
         stream = bool(body.get("stream"))
         if stream and len(prompts) > 1:
             raise ApiError(400, "stream: true takes one prompt")
-        requests = await self._parse_all([_raw_request(body, prompt, DEFAULT_MAX_TOKENS) for prompt in prompts])
-        return await self._answer(request, body, requests, chat=False)
+        requests = await self._parse_all([raw for prompt in prompts for raw in openai_request.raw_requests(body, prompt, DEFAULT_MAX_TOKENS)])
+        return await self._answer(request, body, model, requests, chat=False)
 
     async def chat(self, request: Request, body: dict) -> Response:
-        _check_options(body, CHAT_FIELDS)
-        messages = _messages(body, self.limits.max_prompt_bytes)
+        openai_request.check_options(body, CHAT_FIELDS)
+        openai_request.top_logprobs(body, chat=True)
+        model = self._check_model(body)
+        if openai_request.choices(body) > self.limits.max_prompts:
+            raise ApiError(413, f"n = {openai_request.choices(body)} choices in one request (at most {self.limits.max_prompts})")
+        messages = openai_request.messages(body, self.limits.max_prompt_bytes)
         service = self.service
 
         def encode() -> list[int]:
@@ -331,108 +296,190 @@ class OpenAIApi:
         except RequestError as exc:
             service.metrics.request_finished("invalid_argument")
             raise ApiError(400, str(exc)) from None
-        requests = await self._parse_all([_raw_request(body, ids, None)])
-        return await self._answer(request, body, requests, chat=True)
+        requests = await self._parse_all(openai_request.raw_requests(body, ids, None))
+        return await self._answer(request, body, model, requests, chat=True)
 
     # ---------------------------------------------------------------- answers
 
-    async def _answer(self, request: Request, body: dict, requests: list, chat: bool) -> Response:
+    def _choices_of(self, requests: list, body: dict) -> list["_Choice"]:
+        stops = check_stops(body.get("stop"), "'stop'", limit=MAX_STOPS)
+        return [_Choice(index, work, events, stops, self.service.scheduler)
+                for index, (work, events) in enumerate(self._submit(requests))]
+
+    @staticmethod
+    def _usage(requests: list, choices: list["_Choice"], body: dict) -> dict:
+        # a prompt counts once however many choices it has (as OpenAI counts it)
+        prompt_tokens = sum(len(r.prompt_ids) for r in requests[:: openai_request.choices(body)])
+        return _usage(prompt_tokens, sum(len(choice.token_ids) for choice in choices))
+
+    async def _answer(self, request: Request, body: dict, model: str, requests: list, chat: bool) -> Response:
         kind = "chat.completion" if chat else "text_completion"
         header = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "object": kind,
-                  "created": int(time.time()), "model": body.get("model") or model_name(self.service)}
+                  "created": int(time.time()), "model": model}
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return await self._stream(header, requests[0], include_usage, chat)
-        pairs = self._submit(requests)
-        collecting = asyncio.ensure_future(asyncio.gather(*(self._collect(events) for _, events in pairs)))
+            return await self._stream(header, body, requests, include_usage, chat)
+        choices = self._choices_of(requests, body)
+        collecting = asyncio.ensure_future(asyncio.gather(*(choice.collect() for choice in choices)))
         watching = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait({collecting, watching}, return_when=asyncio.FIRST_COMPLETED)
             if not collecting.done():  # the client went away: its requests stop
                 return Response(status_code=499)
-            outcomes = collecting.result()
+            texts = collecting.result()
         finally:
             watching.cancel()
             if not collecting.done():
                 collecting.cancel()
-            for work, _ in pairs:
-                self.service.scheduler.cancel(work)  # no-op for finished work
-        choices, completion_tokens = [], 0
-        for index, (result, text) in enumerate(outcomes):
-            completion_tokens += len(result["token_ids"])
-            reason = FINISH_REASONS.get(result["finish_reason"], "stop")
+            for choice in choices:
+                choice.cancel()  # no-op for finished work
+        top = openai_request.top_logprobs(body, chat)
+        logprobs = [None] * len(choices) if top is None else await asyncio.gather(
+            *(self._logprobs(parsed, text, choice, top, chat) for parsed, choice, text in zip(requests, choices, texts)))
+        answers = []
+        for choice, text, scored in zip(choices, texts, logprobs):
             if chat:
-                choices.append({"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                                "finish_reason": reason})
+                answers.append({"index": choice.index, "message": {"role": "assistant", "content": text}, "logprobs": scored,
+                                "finish_reason": choice.reason})
             else:
-                choices.append({"index": index, "text": text, "logprobs": None, "finish_reason": reason})
-        prompt_tokens = sum(len(r.prompt_ids) for r in requests)
-        return JSONResponse({**header, "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)})
+                answers.append({"index": choice.index, "text": text, "logprobs": scored, "finish_reason": choice.reason})
+        return JSONResponse({**header, "choices": answers, "usage": self._usage(requests, choices, body)})
 
-    @staticmethod
-    async def _collect(events: asyncio.Queue) -> tuple[dict, str]:
-        pieces = []
-        while True:
-            kind, payload = await events.get()
-            if kind == "delta":
-                pieces.append(payload[1])
-            elif kind == "done":
-                result, tail, _ = payload
-                return result, "".join(pieces) + tail
-            else:
-                raise _failure(payload)
+    async def _logprobs(self, parsed, text: str, choice: "_Choice", top: int, chat: bool) -> dict:
+        """The choice's tokens (those its text holds, when a stop string cut it) with the target's log-probabilities."""
+        if self._scorer is None:
+            self._scorer = TargetScorer(self.service.engine.config.tiers[0])
 
-    async def _stream(self, header: dict, parsed, include_usage: bool, chat: bool) -> Response:
-        ((work, events),) = self._submit([parsed])
+        def score() -> tuple[list, list[str]]:
+            with self.service.prompt_tokenizer() as tokenizer:
+                ids = choice.token_ids
+                if choice.matcher.stopped:  # the longest prefix of the tokens whose text the answer holds
+                    ids = ids[: max(m for m in range(len(ids) + 1) if text.startswith(tokenizer.decode(ids[:m], skip_special_tokens=True)))]
+                scored = self._scorer.score(list(parsed.prompt_ids), ids, parsed.params, top)
+                names = {t: tokenizer.decode([t]) for s in scored for t in (s.token_id, *(i for i, _ in s.top))}
+            return scored, names
+
+        scored, names = await asyncio.to_thread(score)
+        if chat:
+            def entry(token: int, logprob: float) -> dict:
+                return {"token": names[token], "logprob": logprob, "bytes": list(names[token].encode("utf-8"))}
+
+            return {"content": [{**entry(s.token_id, s.logprob), "top_logprobs": [entry(i, v) for i, v in s.top]} for s in scored],
+                    "refusal": None}
+        offsets, offset = [], 0
+        for s in scored:
+            offsets.append(offset)
+            offset += len(names[s.token_id])
+        return {"tokens": [names[s.token_id] for s in scored], "token_logprobs": [s.logprob for s in scored],
+                "top_logprobs": [{names[i]: v for i, v in s.top} for s in scored] if top else None, "text_offset": offsets}
+
+    async def _stream(self, header: dict, body: dict, requests: list, include_usage: bool, chat: bool) -> Response:
+        choices = self._choices_of(requests, body)
+        merged: asyncio.Queue = asyncio.Queue()  # (choice, event) of every choice, as they come
+        pumps = [asyncio.ensure_future(choice.pump(merged)) for choice in choices]
+
+        def stop_all() -> None:
+            for pump in pumps:
+                pump.cancel()
+            for choice in choices:
+                choice.cancel()
+
         try:
-            first = await events.get()  # an error before any token is still a plain JSON error
+            first = await merged.get()  # an error before any token is still a plain JSON error
         except asyncio.CancelledError:
-            self.service.scheduler.cancel(work)
+            stop_all()
             raise
-        if first[0] == "error":
-            raise _failure(first[1])
+        if first[1][0] == "error":
+            stop_all()
+            raise _failure(first[1][1])
         header = {**header, "object": "chat.completion.chunk" if chat else "text_completion"}
-        scheduler = self.service.scheduler
 
-        def chunk(text: str | None, reason: str | None, role: bool = False) -> bytes:
+        def chunk(index: int, text: str | None, reason: str | None, role: bool = False) -> bytes:
             if chat:
                 delta = {"role": "assistant", "content": text or ""} if role else ({"content": text} if text else {})
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+                choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
             else:
-                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+                choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
             return b"data: " + json.dumps({**header, "choices": [choice]}).encode() + b"\n\n"
 
         async def sse():
-            finished, completion_tokens, event = False, 0, first
             try:
                 if chat:
-                    yield chunk("", None, role=True)
+                    for choice in choices:
+                        yield chunk(choice.index, "", None, role=True)
+                pending, item = len(choices), first
                 while True:
-                    kind, payload = event
-                    if kind == "delta":
-                        completion_tokens += len(payload[0])
-                        yield chunk(payload[1], None)
-                    elif kind == "done":
-                        finished = True
-                        result, tail, _ = payload
-                        yield chunk(tail, FINISH_REASONS.get(result["finish_reason"], "stop"))
+                    choice, event = item
+                    try:
+                        text, done = choice.handle(event)
+                    except ApiError as error:
+                        yield b"data: " + json.dumps(_error_body(error)).encode() + b"\n\n"
+                        break
+                    if done:
+                        pending -= 1
+                        yield chunk(choice.index, text, choice.reason)
+                    elif text:
+                        yield chunk(choice.index, text, None)
+                    if not pending:
                         if include_usage:
-                            usage = _usage(len(parsed.prompt_ids), completion_tokens)
+                            usage = self._usage(requests, choices, body)
                             yield b"data: " + json.dumps({**header, "choices": [], "usage": usage}).encode() + b"\n\n"
                         break
-                    else:
-                        finished = True
-                        error = _failure(payload)
-                        yield b"data: " + json.dumps({"error": {"message": str(error), "type": error.kind, "param": None,
-                                                                "code": None}}).encode() + b"\n\n"
-                        break
-                    event = await events.get()
+                    item = await merged.get()
                 yield b"data: [DONE]\n\n"
             finally:
-                if not finished:  # the client went away
-                    scheduler.cancel(work)
+                stop_all()  # the client went away, or an error ended the stream: every choice stops
 
         return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+class _Choice:
+    """One choice of an answer: its request's events in, text out, cut at the first stop string
+    (the request is cancelled there and finishes as "stop")."""
+
+    def __init__(self, index: int, work: Work, events: asyncio.Queue, stops: tuple[str, ...], scheduler) -> None:
+        self.index, self.work, self.events, self.scheduler = index, work, events, scheduler
+        self.matcher = StopMatcher(stops)
+        self.token_ids: list[int] = []  # up to the round that completed a stop string
+        self.reason: str | None = None  # OpenAI's finish_reason, once done
+
+    def handle(self, event) -> tuple[str, bool]:
+        """(text to show, whether the choice is done); ApiError for a failed request."""
+        kind, payload = event
+        if kind == "delta":
+            if self.matcher.stopped:
+                return "", False  # a round committed before the cancel was seen
+            tokens, text = payload
+            self.token_ids.extend(tokens)
+            shown = self.matcher.push(text)
+            if self.matcher.stopped:
+                self.cancel()
+            return shown, False
+        if kind == "done":
+            result, tail, _ = payload
+            shown = self.matcher.push(tail) + self.matcher.finish()
+            self.reason = "stop" if self.matcher.stopped else FINISH_REASONS.get(result["finish_reason"], "stop")
+            return shown, True
+        raise _failure(payload)
+
+    async def collect(self) -> str:
+        pieces = []
+        while True:
+            text, done = self.handle(await self.events.get())
+            pieces.append(text)
+            if done:
+                return "".join(pieces)
+
+    async def pump(self, merged: asyncio.Queue) -> None:
+        """This choice's events into the queue of a stream's choices, up to its last."""
+        while True:
+            event = await self.events.get()
+            await merged.put((self, event))
+            if event[0] != "delta":
+                return
+
+    def cancel(self) -> None:
+        self.scheduler.cancel(self.work)  # no-op for finished work
 
 
 async def _disconnected(request: Request) -> None:
@@ -454,6 +501,7 @@ def build_app(service) -> Starlette:
     routes = [
         Route("/health", api.health, methods=["GET"]),
         Route("/v1/models", api.endpoint(api.models, needs_body=False), methods=["GET"]),
+        Route("/v1/models/{model_id:path}", api.endpoint(api.model, needs_body=False), methods=["GET"]),
         Route("/v1/completions", api.endpoint(api.completions, needs_body=True), methods=["POST"]),
         Route("/v1/chat/completions", api.endpoint(api.chat, needs_body=True), methods=["POST"]),
     ]

@@ -32,13 +32,13 @@ from typing import Any, Callable
 from polyspec.orchestrator.batch_runner import is_unavailable, step_isolated
 from polyspec.orchestrator.serving.jobs import JobStore, PendingItem
 from polyspec.orchestrator.serving.metrics import Metrics
+from polyspec.orchestrator.tokenization import REPLACEMENT_CHAR
 from polyspec.workers.core.errors import RequestError
 
 MAX_ACTIVE = 32  # interactive requests holding caches at once; the rest wait their turn
 JOB_RESERVE_SHARE = 0.25  # batched: this share of the slots is never taken by job items
 IDLE_WAIT_S = 1.0  # re-check the job table this often when idle
 UNAVAILABLE_RETRY_S = 1.0  # a job item that met a down chain is retried after this
-REPLACEMENT_CHAR = "\ufffd"  # a token that ends inside a multi-byte character decodes to this
 
 
 @dataclasses.dataclass(eq=False)

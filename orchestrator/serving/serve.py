@@ -65,15 +65,13 @@ def limits_from_args(args) -> Limits:
     return Limits(**values)
 
 
-def cmd_serve(args) -> int:
+def cmd_serve(args, config) -> int:
+    """`config`: the ChainConfig the flags name (polyspec.orchestrator.chain_args)."""
     tenants = Tenants.from_files(args.auth_token_file, getattr(args, "tenants_file", None))
     if bool(args.tls_cert) != bool(args.tls_key):
         raise ConfigError("--tls-cert and --tls-key go together")
     tls = (_read_file(args.tls_key, "TLS key"), _read_file(args.tls_cert, "TLS certificate")) if args.tls_cert else None
     limits = limits_from_args(args)
-    from polyspec.orchestrator.config import load_config  # imports torch: after the quick checks
-
-    config = load_config(args.config)
     state_dir = args.state_dir or default_state_dir()
     try:
         store = JobStore(state_dir)
@@ -97,11 +95,20 @@ def cmd_serve(args) -> int:
         "grace_s": args.grace,
         "auth_reflection": bool(getattr(args, "auth_reflection", False)),
         "auth_metrics": bool(getattr(args, "auth_metrics", False)),
+        "served_model_names": served_model_names(args),
+        "reprofile": bool(getattr(args, "reprofile", False)),
     }
     try:
         return asyncio.run(_serve(**options))
     finally:
         store.close()
+
+
+def served_model_names(args) -> list[str] | None:
+    names = getattr(args, "served_model_name", None)
+    if names is not None and any(not name.strip() for name in names):
+        raise ConfigError("--served-model-name must not be empty")
+    return names
 
 
 def _check_bindable(host: str, port: int) -> None:
@@ -124,9 +131,10 @@ def _log(message: str) -> None:
 
 
 async def _serve(config, host, port, store, tenants, limits, tls, tls_files, metrics_port, http_port, grace_s,
-                 auth_reflection, auth_metrics) -> int:
+                 auth_reflection, auth_metrics, served_model_names=None, reprofile=False) -> int:
     metrics = Metrics()
     service = PolyspecService(store, metrics, config.server.max_queue, tenants, limits)
+    service.served_model_names = served_model_names
     health_servicer = health.aio.HealthServicer()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -163,7 +171,7 @@ async def _serve(config, host, port, store, tenants, limits, tls, tls_files, met
         loop.add_signal_handler(signum, stop.set)
 
     try:
-        engine = await asyncio.to_thread(_load_and_warm, config)
+        engine = await asyncio.to_thread(_load_and_warm, config, reprofile)
     except PolyspecError:
         await server.stop(0)
         raise
@@ -235,10 +243,13 @@ def _add_reflection(server) -> None:
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("grpc.reflection.v1.ServerReflection", {"ServerReflectionInfo": v1}),))
 
 
-def _load_and_warm(config):
-    """Load the chain and run one short generation so the first request pays no start-up cost."""
+def _load_and_warm(config, reprofile: bool = False):
+    """Load the chain (a line per tier, then the profile) and run one short generation so the
+    first request pays no start-up cost."""
     from polyspec.orchestrator.engine import Engine
 
-    engine = Engine(config, batched=True)  # every active request in one batched round (batching.enabled)
+    # every active request in one batched round (batching.enabled)
+    engine = Engine(config, batched=True, log=_log, cache_profiles=True, reprofile=reprofile)
     engine.generate(engine.parse_request({"prompt_ids": [0], "max_new_tokens": 2}))
+    _log(f"models loaded in {engine.load_s:.1f}s" + (f", profiled in {engine.profile_s:.1f}s" if engine.profile_s else ""))
     return engine

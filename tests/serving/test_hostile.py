@@ -76,7 +76,7 @@ def conn(server):
         (b'{"prompt": "x", "temperature": 1e38}', "temperature must be finite"),
         (b'{"prompt": "x", "temperature": Infinity}', "temperature must be finite"),
         (b'{"prompt": "x", "temperature": 1e400}', "temperature must be finite"),
-        (b'{"prompt": "x", "max_tokens": "many"}', "max_new_tokens must be an integer"),
+        (b'{"prompt": "x", "max_tokens": "many"}', "'max_tokens' must be an integer"),
         (b'{"prompt": "x"', "malformed JSON"),
         (b'"just a string"', "must be a JSON object"),
     ],

@@ -35,10 +35,13 @@ def test_completions_match_the_sdk(api, client):
 
 
 def test_errors_are_openai_shaped(api, server):
+    model = api.models.list().data[0].id
     with pytest.raises(openai.BadRequestError, match="top_p must be in"):
-        api.completions.create(model="m", prompt="x", max_tokens=3, top_p=2.0)
-    with pytest.raises(openai.BadRequestError, match="'n' must be 1"):
-        api.completions.create(model="m", prompt="x", max_tokens=3, n=2)
+        api.completions.create(model=model, prompt="x", max_tokens=3, top_p=2.0)
+    with pytest.raises(openai.BadRequestError, match="'n' must be an integer from 1 to 16, got 17"):
+        api.completions.create(model=model, prompt="x", max_tokens=3, n=17)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        api.completions.create(model="m", prompt="x", max_tokens=3)
     request = urllib.request.Request(f"http://127.0.0.1:{server.http_port}/v1/nothing", data=b"{}", method="POST")
     with pytest.raises(urllib.error.HTTPError) as caught:
         urllib.request.urlopen(request, timeout=10)

@@ -11,6 +11,7 @@ import os
 import re
 import socket
 import threading
+import time
 import warnings
 
 import torch
@@ -311,14 +312,69 @@ def load_drafter_tier(tier, target: ModelTier) -> Tier:
     return early
 
 
-def load_tiers(tiers_config) -> tuple[list[Tier], object]:
-    """Tiers (target first) and the shared tokenizer (None when no tier ships one)."""
+def _rss_bytes() -> int | None:
+    """This process's resident memory (Linux /proc; None elsewhere)."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as handle:
+            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+HEARTBEAT_S = 5.0  # a start-up step that runs longer says so this often
+
+
+@contextlib.contextmanager
+def heartbeat(log, what: str, every_s: float = HEARTBEAT_S):
+    """While the block runs, `log` '<what>: still at it after N s' every `every_s` seconds
+    (a 1.5B model takes 25-50 s to load: a start-up that says nothing that long looks hung)."""
+    if log is None:
+        yield
+        return
+    done = threading.Event()
+    started = time.perf_counter()
+
+    def beat() -> None:
+        while not done.wait(every_s):
+            log(f"{what}: still at it after {time.perf_counter() - started:.0f}s")
+
+    beating = threading.Thread(target=beat, daemon=True, name="polyspec-heartbeat")
+    beating.start()
+    try:
+        yield
+    finally:
+        done.set()
+        beating.join()
+
+
+def describe_tier(tier) -> str:
+    """'/path/to/model (float32, 1 thread, cpu)': what a start-up line says a tier is."""
+    kind = f"int8 copy of {tier.model}" if tier.quantize == "int8" else tier.model
+    dtype = "int8 (dynamic)" if tier.quantize == "int8" else tier.dtype + (", int4" if tier.quantize == "int4" else "")
+    threads = f"{tier.threads} thread{'s' if tier.threads != 1 else ''}" if tier.threads else "threads: torch default"
+    return f"{kind} ({dtype}, {threads}, {tier.device})"
+
+
+def load_tiers(tiers_config, log=None) -> tuple[list[Tier], object]:
+    """Tiers (target first) and the shared tokenizer (None when no tier ships one).
+    `log(line)`: told about each model tier as it starts and finishes loading (a large model
+    takes tens of seconds: a start-up that says nothing looks hung)."""
     model_configs = [t for t in tiers_config if not t.is_ngram and not t.drafter]
     tokenizers = {}
     for tier in model_configs:
         tokenizers[tier.name] = load_tokenizer(tier.model, tier.name)
     check_vocabularies(tokenizers)
-    tiers: list[Tier] = [load_model_tier(tier) for tier in model_configs]
+    tiers: list[Tier] = []
+    for tier in model_configs:
+        if log is not None:
+            log(f"tier {tier.name}: loading {describe_tier(tier)}")
+        started, rss = time.perf_counter(), _rss_bytes()
+        with heartbeat(log, f"tier {tier.name}: loading"):
+            tiers.append(load_model_tier(tier))
+        if log is not None:
+            grown = _rss_bytes()
+            memory = f", +{(grown - rss) / 2**20:.0f} MB resident" if grown is not None and rss is not None else ""
+            log(f"tier {tier.name}: loaded in {time.perf_counter() - started:.1f}s on {tiers[-1].device}{memory}")
     if any(tok is None for tok in tokenizers.values()):
         check_vocabulary_sizes(tiers)
     # logits may be padded differently per model; every tier samples and verifies over the

@@ -30,8 +30,7 @@ from polyspec.workers.tiers.lean_llama import LeanCache, LeanLlama
 from polyspec.workers.core.sampling import SamplingParams, warp_logits
 from polyspec.workers.core.tree import DraftTree, grow_level, tree_attention_mask, windowed_mask
 from polyspec.workers.core.verification import draw_without_replacement
-
-NGRAM_MODEL = "ngram"
+from polyspec.workers.tiers.model_cache import NGRAM_MODEL  # noqa: F401 - tiers name the n-gram tier too
 
 
 class Tier(abc.ABC):
