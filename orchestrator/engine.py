@@ -192,7 +192,11 @@ class Engine:
 
         scheduler = self.scheduler
         batches = [b for b in BATCH_GRID if b <= max(1, min(self.max_requests, PROFILE_MAX_BATCH))]
+        if self.log is not None:
+            self.log(f"profiling the device round's steps ({len(batches)} batch sizes x {len(WIDTH_GRID)} widths per model tier)")
+        started = time.perf_counter()
         raw, lookup = scheduler.profile(batches, list(WIDTH_GRID), min(PROFILE_CONTEXT, scheduler.max_context - max(WIDTH_GRID) - 1))
+        self.profile_s = time.perf_counter() - started
         tables = []
         for ms in raw:
             if ms is not None:
