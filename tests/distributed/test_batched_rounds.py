@@ -176,6 +176,7 @@ def test_a_batch_naming_one_sequence_twice_is_refused(tiny_family, embedded):
         stop(chain, workers)
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_batched_pipelined_sampling_is_lossless(tiny_family):
     """Temperature 1 through the batched, pipelined 3-tier chain (8 requests a step, joining as

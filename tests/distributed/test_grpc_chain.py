@@ -300,7 +300,7 @@ def test_seeded_sampling_matches_embedded(tiny_family):
 @pytest.mark.slow
 @pytest.mark.parametrize("names,lengths,samples", [
     (["target", "mid"], [1], 1000),
-    (["target", "mid", "small"], [1, 2], 800),
+    pytest.param(["target", "mid", "small"], [1, 2], 800, marks=pytest.mark.extended),
 ], ids=["2-tier k=1", "3-tier k=1,2"])
 def test_pipelined_sampling_is_lossless(tiny_family, names, lengths, samples):
     """Temperature 1 through the pipelined distributed chain: the first two tokens follow the

@@ -135,6 +135,7 @@ def test_ray_mode_rules_for_trained_drafters(tiny_drafters):
         parse_config(raw)
 
 
+@pytest.mark.extended
 def test_target_restart_brings_its_drafters_back(cluster, tiny_drafters, expected):
     """target <- feature <- n-gram, serial: the target's greedy output; then the target's actor
     is killed between requests: Ray restarts it with its feature head (new ports), the driver

@@ -110,7 +110,7 @@ def events(chain):
     return [(e["tier"], e["event"]) for e in chain.runtime_stats()["tier_events"]]
 
 
-@pytest.mark.parametrize("placement", ["pack", "spread"])
+@pytest.mark.parametrize("placement", ["pack", pytest.param("spread", marks=pytest.mark.extended)])
 def test_unplaceable_drafter_starts_without_it_and_joins_later(cluster, nodes, tiny_family, greedy, capfd, placement):
     """No node has the drafter's resource: the chain starts at once with the target alone,
     says so, gives the target's greedy output; a node with the resource joins and the drafter

@@ -108,6 +108,7 @@ def test_greedy_equals_embedded_one_node_per_tier(cluster, chain_engine, embedde
         assert sum(t["draft_ahead"]["hits"] for t in stats["tiers"]) > 0
 
 
+@pytest.mark.extended
 def test_sampling_is_lossless_pipelined(chain_engine, tiny_family):
     """Temperature 1, pipelined, 3 tiers on 3 nodes: chi-square of the first and second tokens
     against the target's exact distribution; 600 samples, alpha 1e-3 (tests/lossless_stats.py).
@@ -137,6 +138,7 @@ def test_sampling_is_lossless_pipelined(chain_engine, tiny_family):
         assert p_value > ALPHA / 2, f"token {position + 1}: chi-square p={p_value:.2e} over {samples} samples"
 
 
+@pytest.mark.extended
 def test_rows_over_gloo_sample_exactly_as_embedded(cluster, tiny_family, monkeypatch):
     """tensor_transport: gloo with every dense row sent out of band (threshold 0): seeded
     sampling through 3 actors gives exactly the embedded chain's tokens (same per-tier seeds)."""
@@ -182,6 +184,7 @@ def _run_batch(engine, jobs, during):
     return results
 
 
+@pytest.mark.extended
 def test_drafter_node_removed_mid_batch(cluster, tiny_family, embedded):
     """50 requests; the middle tier's node goes away after a few: all 50 finish, each equal to
     the target's own greedy output (the target talks to the small drafter directly)."""
@@ -212,6 +215,7 @@ def _wait_until_alive(node, timeout_s: float = 60.0) -> None:
         time.sleep(0.2)
 
 
+@pytest.mark.extended
 def test_target_killed_mid_batch(cluster, tiny_family, embedded):
     """The target's actor is killed mid-batch; Ray restarts it, every request resumes from its
     committed tokens and finishes with the target's greedy output, nothing emitted twice."""
@@ -291,6 +295,7 @@ def test_batch_cli_on_the_cluster(cluster, tiny_family, embedded, tmp_path):
     assert stats["batched"] and stats["max_requests"] == 64  # no --concurrency: batching.max_requests bounds the batch
 
 
+@pytest.mark.extended
 def test_restarted_drafter_rejoins(cluster, tiny_family, embedded):
     """The small drafter's actor is killed (Ray restarts it): rounds go on without it, then
     the repair loop wires the restarted actor back in and it drafts again."""
@@ -316,6 +321,7 @@ def test_restarted_drafter_rejoins(cluster, tiny_family, embedded):
         engine.close()
 
 
+@pytest.mark.extended
 def test_lengths_auto_and_tune_on_the_cluster(cluster, tiny_family, embedded):
     """`lengths: auto` with the ray backend: the tiers profile themselves and the driver's tuner
     sets every round's lengths (greedy output unchanged); `polyspec tune`'s run on the same

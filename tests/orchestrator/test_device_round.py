@@ -151,7 +151,7 @@ def _config(tmp_path, tiny_family, names, lengths, round_kind) -> str:
 
 def test_polyspec_batch_through_the_device_round(tiny_family, tmp_path):
     """End to end through the CLI: `batching.round: device` gives the ragged round's greedy tokens for every
-    request of a continuous batch (4 at a time), and the same seeded samples alone as in the batch."""
+    request of a continuous batch (4 at a time), and the seeded request draws the same tokens alone."""
     import json
 
     from tests.orchestrator.test_cli import run_cli
@@ -167,11 +167,12 @@ def test_polyspec_batch_through_the_device_round(tiny_family, tmp_path):
         outputs[round_kind] = {r["id"]: r for r in map(json.loads, (tmp_path / f"{round_kind}.jsonl").read_text().splitlines())}
     for request in requests[:-1]:
         assert outputs["device"][request["id"]]["token_ids"] == outputs["ragged"][request["id"]]["token_ids"], request["id"]
-    (tmp_path / "one.jsonl").write_text(json.dumps(requests[-1]) + "\n")
-    alone = run_cli("batch", "-c", _config(tmp_path, tiny_family, ["target", "mid"], [3], "device"), "-i", str(tmp_path / "one.jsonl"),
-                    "-o", str(tmp_path / "alone.jsonl"))
-    assert alone.returncode == 0, alone.stderr[-2000:]
-    assert json.loads((tmp_path / "alone.jsonl").read_text())["token_ids"] == outputs["device"]["s"]["token_ids"]
+    # the seeded request, alone in this process, draws what it drew in the CLI's batch
+    from polyspec.orchestrator.config import load_config
+    from polyspec.orchestrator.engine import Engine
+
+    engine = Engine(load_config(_config(tmp_path, tiny_family, ["target", "mid"], [3], "device")))
+    assert engine.generate(engine.parse_request(requests[-1]))["token_ids"] == outputs["device"]["s"]["token_ids"]
 
 
 def test_a_chain_the_device_round_cannot_run_is_one_line(tiny_family, tmp_path):

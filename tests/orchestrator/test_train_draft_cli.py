@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def _train(tiny_family, work, out, steps):
     command = [
@@ -14,6 +16,7 @@ def _train(tiny_family, work, out, steps):
     return subprocess.run(command, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.extended
 def test_train_draft_trains_saves_and_resumes(tiny_family, tmp_path):
     work, out = tmp_path / "work", tmp_path / "head"
     first = _train(tiny_family, work, out, 2)

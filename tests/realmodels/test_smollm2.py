@@ -92,6 +92,7 @@ PARAMS = SamplingParams(temperature=1.0, top_k=4)
 SAMPLING_PROMPT = "My favourite colour is"
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_sampling_through_the_chain_is_the_targets_distribution(smollm2, model, tokenizer):
     engine = Engine(parse_config({"tiers": tiers(smollm2, ["target", "int8", "ngram"]), "speculation": {"lengths": [2, 2]}}))
