@@ -371,7 +371,9 @@ def test_same_seed_gives_same_results():
 # ---------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=[(s, k) for s in MULTI_DRAFT_SCHEMES for k in (2, 3)], ids=str)
+# every scheme with 2 candidates by default; 3 candidates (minutes of draws) with -m extended
+@pytest.fixture(scope="module", params=[pytest.param((s, k), marks=[pytest.mark.extended] if k == 3 else [])
+                                        for s in MULTI_DRAFT_SCHEMES for k in (2, 3)], ids=str)
 def multi_draft_run(request):
     """MULTI_DRAFT_DRAWS trials of one scheme with K candidates from one draft row q."""
     scheme, num_candidates = request.param
