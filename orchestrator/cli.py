@@ -479,6 +479,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("polyspec: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `polyspec ... | head`: the reader left; say nothing more (as cat and grep do)
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the flush at exit must not raise again
+        except (OSError, ValueError):  # stdout is no file (embedded, captured)
+            pass
+        return 141
 
 
 if __name__ == "__main__":

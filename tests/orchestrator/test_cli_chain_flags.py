@@ -215,3 +215,15 @@ def test_chat_on_a_model_without_a_template_says_so(tiny_family):
     assert proc.stderr.strip().splitlines() == [
         f"polyspec: error: polyspec chat: the target model {tiny_family['target']!r} has no chat template, so it cannot take "
         "a conversation; use polyspec generate -p TEXT"]
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback(monkeypatch, capsys):
+    """`polyspec zoo list | head -1`: a closed pipe ends the command quietly with 141 (128 + SIGPIPE), as cat does."""
+    import polyspec.orchestrator.cli as cli
+
+    def closed_pipe(args):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setitem(cli.COMMANDS, "zoo", closed_pipe)
+    assert main(["zoo", "list"]) == 141
+    assert "Traceback" not in capsys.readouterr().err
