@@ -131,7 +131,7 @@ class Engine:
             eos_token_ids=stop_token_ids(self.tokenizer, eos),
         )
         if auto_tune and self.config.speculation.lengths == "auto" and len(self.tiers) > 1:
-            self.scheduler.tuner = self.make_tuner()
+            self.scheduler.planner = self.make_tuner()
 
     def _device_round(self) -> bool:
         """Does the device round (polyspec.orchestrator.decode.device_round) run this chain? `batching.round`
@@ -208,8 +208,7 @@ class Engine:
         return BatchPlanner(scheduler.tiers, tables, lookup, max_batched_tokens=self.config.batching.max_batched_tokens)
 
     def _start_batched(self, eos: tuple[int, ...], auto_tune: bool) -> None:
-        """Every active request in one batched round per step (polyspec.orchestrator.decode.batched)."""
-        from polyspec.orchestrator.decode.batched import BatchedScheduler
+        """Every active request in one round per step, each model tier sharing one forward (polyspec.workers.tiers.batched)."""
         from polyspec.workers.tiers.batched import batched_tiers
 
         batching = self.config.batching
@@ -222,8 +221,8 @@ class Engine:
                 tier.cache.max_slots = self.max_requests
         prefill = max(1, batching.max_batched_tokens - self.max_requests)
         spec = self.config.speculation
-        self.scheduler = BatchedScheduler(tiers, self.config.speculation_lengths(), eos_token_ids=eos, prefill_budget=prefill,
-                                          tree_width=spec.tree_width, scheme=spec.verifier)
+        self.scheduler = ChainScheduler(tiers, self.config.speculation_lengths(), eos_token_ids=eos, prefill_budget=prefill,
+                                        tree_width=spec.tree_width, scheme=spec.verifier)
         if auto_tune and spec.lengths == "auto" and len(self.tiers) > 1:
             self.scheduler.planner = self.make_planner()
 

@@ -152,6 +152,94 @@ class BatchDecoder(Decoder, Protocol):
         """One round of every request in `states`; the tokens each committed."""
 
 
+# ------------------------------------------------------- planning and observing a round
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInput:
+    """What a planner sees before a step: the live requests' sampling parameters and context
+    lengths (target first in every list), and per drafting model tier how many context tokens
+    it has yet to cache (what switching it on would cost)."""
+
+    params: tuple[SamplingParams, ...]
+    context_lens: tuple[int, ...]
+    behind: dict[int, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def batch(self) -> int:
+        return len(self.params)
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundObservation:
+    """One verification round of one request: tier `level` scored a block of `proposed` nodes
+    from tier `drafter` (asked for `length`) and accepted a path of `accepted` nodes, in
+    `seconds` (the request's share of the shared forward, plus its verification rule), at a
+    context of `context_len` tokens; `seq_id`: the request's id in the tiers' caches; `depth`:
+    the depth a tree's walk reached (None: a chain)."""
+
+    level: int
+    drafter: int
+    length: int
+    proposed: int
+    accepted: int
+    seconds: float
+    greedy: bool
+    context_len: int
+    seq_id: int
+    depth: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftObservation:
+    """The bottom tier proposed `tokens` (None: a tree) for one request, asked for `length`,
+    continuing `context_len` tokens, in `seconds` (its share of a shared forward)."""
+
+    tier: int
+    length: int
+    context_len: int
+    tokens: tuple[int, ...] | None
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class StepObservation:
+    """A step ended: each live request's committed tokens (in the order of its StepInput), the
+    step's wall time, and the lengths / tiers it ran with."""
+
+    committed: tuple[tuple[int, ...], ...]
+    seconds: float
+    lengths: tuple[int, ...]
+    active: tuple[int, ...]
+
+    @property
+    def batch(self) -> int:
+        return len(self.committed)
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(c) for c in self.committed)
+
+
+Observation = RoundObservation | DraftObservation | StepObservation
+
+
+@runtime_checkable
+class RoundPlanner(Protocol):
+    """What sets a round's speculation lengths and tiers (the online tuner, the goodput planner):
+    `plan` before each step, `observe` every round, draft and step as it happens. A planner
+    with `one_request` set follows one request's text (the online tuner): it is given steps of
+    one request only."""
+
+    one_request: bool
+
+    def plan(self, step: StepInput) -> tuple[list[int], tuple[int, ...]]:
+        """The lengths (one per verifying level) and the tiers to run (target first) for this step."""
+
+    def observe(self, observation: Observation) -> None:
+        """What a round, a draft or a step just measured."""
+
+
 def generate(decoder: Decoder, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams, seed: int | None = None,
              on_commit: Callable[[list[int]], None] | None = None) -> GenerationOutput:
     """Generate up to `max_new_tokens` after `prompt_ids`; `on_commit` sees each round's new tokens.

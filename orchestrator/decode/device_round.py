@@ -38,6 +38,9 @@ from polyspec.orchestrator.decode.contract import (
     NO_LIMIT,
     GenerationOutput,
     RequestState,
+    RoundObservation,
+    StepInput,
+    StepObservation,
     StageStats,
     commit,
     finish_if_full,
@@ -285,7 +288,7 @@ class DeviceScheduler:
             return out
         requests = [states[i] for i in live]
         if self.planner is not None:  # lengths and tiers for this load (polyspec.orchestrator.tuning.batch_model.BatchPlanner)
-            lengths, active = self.planner.plan(len(live), [s.params for s in requests], {})
+            lengths, active = self.planner.plan(StepInput(tuple(s.params for s in requests), tuple(len(s.committed) for s in requests)))
             self.lengths, self.active = list(lengths), tuple(active)
         # a request not yet `ready` (a caller that does not prefill, a drafter back in the plan) catches up here
         self.prefill(requests)
@@ -309,7 +312,8 @@ class DeviceScheduler:
             if len(self.active) > 1:
                 run.stages[0].record(num_draft[index], accepted, length, (time.perf_counter() - started) / len(live))
                 if self.planner is not None:
-                    self.planner.observe_round(0, 1, num_draft[index], accepted, state.params.greedy)
+                    self.planner.observe(RoundObservation(0, 1, length, num_draft[index], accepted, (time.perf_counter() - started) / len(live),
+                                                          state.params.greedy, len(state.committed), state.seq_id))
             before = len(state.committed)
             out[i] = commit(state, tokens[index][: accepted + 1], self.eos_token_ids)
             committed += len(out[i])
@@ -322,7 +326,7 @@ class DeviceScheduler:
         self.last_step = {"batch": len(live), "tokens": committed, "seconds": seconds, "lengths": [length] if len(self.active) > 1 else [],
                           "tiers": list(self.active)}
         if self.planner is not None:
-            self.planner.observe_step(len(live), committed, seconds, self.lengths, self.active)
+            self.planner.observe(StepObservation(tuple(tuple(out[i]) for i in live), seconds, tuple(self.lengths), tuple(self.active)))
         return out
 
     def _draft(self, step: "_Step") -> None:

@@ -1,4 +1,4 @@
-"""The chain scheduler: staged polybasic speculative decoding, serial form.
+"""The chain scheduler: staged polybasic speculative decoding, one round for every request.
 
     emit(i, need):   tier i returns >= `need` tokens, each distributed as tier i's own sampler
         i == n-1:    the last tier drafts autoregressively (or proposes a tree)
@@ -11,8 +11,39 @@ distributed exactly as that tier's warped distribution, so when tier i-1 verifie
 draft rows are tier i's rows — the induction that makes the whole chain lossless. With
 one tier the loop is plain autoregressive sampling from the target (the baseline).
 
-The scheduler only talks to `polyspec.workers.tiers.tier.Tier` objects, so the same code drives tiers
-in this process or behind remote actors.
+This is the only implementation of that round, and it always runs on a batch: `step_all`
+advances every given request by one target round, each tier's forward taking every
+request's block at once; `step` is a batch of one. Every caller drives it: `generate`,
+`polyspec batch`, jobs and `serve` (through the engine), and each tier worker of a
+distributed chain (its own two-tier chain [this tier, the tier below], one round per RPC,
+for one sequence or a batch of them).
+
+    round_batch(level, R):  blocks = emit_batch(below, R, k_level)      # one block per request
+                            rows   = tier[level].score_batch(R, blocks)  # ONE forward
+                            verify each request against its own rows and generator
+    emit_batch(level, R, need): bottom tier: draft_batch (one forward per position)
+                            otherwise: round_batch(level, those still short) until each has `need`
+
+The tiers are batched tiers (polyspec.workers.tiers.batched): a model tier sharing one slot
+cache and one forward; any other `Tier` (a feature head, another architecture, a remote tier)
+is served row by row behind the same calls. Per request the round is the serial one — same
+blocks, same verification rule, same draws from the same per-tier generators — so a
+request's output does not depend on what else is in the batch (up to the last bits of
+batched float arithmetic) and seeds mean what they mean alone.
+
+With `tree_width > 1` the bottom tier proposes a draft tree per request instead of a chain
+(`draft_tree_batch`: one forward per tree level); the tier above scores every request's tree
+in its one forward (tree rows beside chain rows), each request walks its own tree with its
+own generator (`verify_tree`, the config's scheme) and both tiers keep only the accepted
+path (`accept_path`).
+
+Requests join and leave between steps (continuous batching): `start` opens one, `prefill`
+caches new prompts within a token budget before they join the rounds (chunked prefill),
+`finish` / `cancel` free its slots. The lengths and tiers of a step are the same for every
+request in it; a planner (`contract.RoundPlanner`: the online tuner for one request at a
+time, the goodput planner for batches) sets them before each step and observes every
+round, draft and step (`contract.RoundObservation`, `DraftObservation`, `StepObservation`);
+an optional `recorder` observes them too (a tier worker turns rounds into stage reports).
 """
 
 from __future__ import annotations
@@ -26,25 +57,31 @@ import torch
 
 from polyspec.orchestrator.decode.contract import (
     NO_LIMIT,
+    DraftObservation,
     GenerationOutput,
     RequestState,
+    RoundObservation,
     StageStats,
-    stage_of,
+    StepInput,
+    StepObservation,
     commit,
     finish_if_full,
-    first_eos,
     generate,
     mark_cancelled,
     note_plan,
     output,
     remaining,
     seeded_generator,
+    stage_of,
     tier_seeds,
 )
 from polyspec.workers.core.sampling import SamplingParams
 from polyspec.workers.core.tree import DraftTree, verify_block
+from polyspec.workers.tiers.batched import BatchedTier, as_batched
 from polyspec.workers.tiers.tier import Tier
 
+DEFAULT_PREFILL_BUDGET = 512  # prompt tokens cached per step for joining requests
+CATCH_UP_GAP = 16  # a drafting tier this many tokens behind a request is caught up before the round, not in it
 
 _sequence_ids = itertools.count()
 
@@ -68,49 +105,49 @@ FROM_TIERS = "tiers"  # `max_context` default: the smallest context among the ti
 
 
 class ChainScheduler:
-    """The embedded decoder (`polyspec.orchestrator.decode.contract.Decoder`): every tier in this
-    process (or behind a `Tier` proxy), one request's rounds run by this thread.
-
-    Round API (public: the distributed tier worker runs single rounds of its own two-tier
-    chain with it): `verify_round` (one verification forward of a tier), `emit` (enough
-    tokens from a tier, by as many rounds as it takes), `length_at` (the speculation
-    length a tier verifies), all on a `Run`."""
+    """The decoder (`polyspec.orchestrator.decode.contract.BatchDecoder`): start / step_all /
+    finish / cancel over the chain's tiers, and the round API a tier worker drives on its own
+    `Run`s (`round_batch`, `emit_batch`, `length_at`)."""
 
     def __init__(
         self,
-        tiers: list[Tier],
+        tiers: list[Tier | BatchedTier],
         lengths: list[int],
         tree_width: int = 1,
         scheme: str = "specinfer",
         eos_token_ids: tuple[int, ...] = (),
-        tuner=None,
+        planner=None,
         draft_ahead: bool = False,
         max_context: int | None | str = FROM_TIERS,
+        prefill_budget: int = DEFAULT_PREFILL_BUDGET,
+        recorder=None,
     ) -> None:
-        """`draft_ahead`: the pipelined form. A fully accepted block gets no bonus token: the
-        drafter has already drafted past it, and its continuation is verified next (still
-        lossless: each drafted token is verified against the verifier's own row).
+        """`tiers`: batched tiers, or `Tier`s (served row by row). `planner`: a `contract.RoundPlanner`
+        (None: the fixed `lengths`). `draft_ahead`: the pipelined form. A fully accepted block gets
+        no bonus token: the drafter has already drafted past it, and its continuation is verified
+        next (still lossless: each drafted token is verified against the verifier's own row).
         `max_context`: the longest context a request started here may reach; by default the
-        smallest context among the tiers, None for no limit."""
+        smallest context among the tiers, None for no limit. `recorder`: anything with `observe`,
+        told every observation the planner is."""
         if not tiers:
             raise ValueError("a chain needs at least the target tier")
         if len(lengths) != len(tiers) - 1:
             raise ValueError(f"need {len(tiers) - 1} speculation lengths for {len(tiers)} tiers, got {len(lengths)}")
-        self.tiers = tiers
-        self.lengths = list(lengths)  # k_i for the stage verified by tier i; the tuner may move them
+        self.tiers = [as_batched(t) for t in tiers]
+        self.lengths = list(lengths)  # k_i for the stage verified by tier i; a planner may move them
         self.tree_width = tree_width
         self.scheme = scheme
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.active = tuple(range(len(tiers)))  # tiers in use, target first; a tuner may bypass some
-        # optional polyspec.orchestrator.tuning.tuner.Tuner, or any object with its observe_* calls:
-        # sets lengths / active tiers before each target round (plan) and hears every round
-        # (observe_round, observe_draft, observe_commit)
-        self.tuner = tuner
+        self.active = tuple(range(len(tiers)))  # tiers in use, target first; a planner may bypass some
+        self.planner = planner
+        self.recorder = recorder
         self.draft_ahead = draft_ahead
+        self.prefill_budget = prefill_budget
         if max_context == FROM_TIERS:
-            contexts = [t.max_context for t in tiers if t.max_context]
+            contexts = [t.max_context for t in self.tiers if t.max_context]
             max_context = min(contexts) if contexts else None
         self.max_context = max_context
+        self.last_step: dict = {}  # batch size, tokens, seconds and plan of the latest step
 
     # ----------------------------------------------------------------- decoder API
 
@@ -120,11 +157,9 @@ class ChainScheduler:
         return generate(self, prompt_ids, max_new_tokens, params, seed, on_commit)
 
     def start(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams, seed: int | None = None) -> RequestState:
-        """Open a request; advance it with `step` (one target round each), close it with `finish`.
-
-        Requests are independent, so a caller may interleave the steps of many of them (a
-        server does, round by round). All calls must come from one thread at a time.
-        """
+        """Open a request; advance it with `step` / `step_all` (one target round each), close it
+        with `finish`. Requests are independent, so a caller may interleave or batch their steps.
+        All calls must come from one thread at a time."""
         run = Run(
             seq_id=next(_sequence_ids),
             params=params,
@@ -136,20 +171,81 @@ class ChainScheduler:
                             limit=run.limit, run=run, tier_busy_s=[0.0] * len(self.tiers))
 
     def step(self, state: RequestState) -> list[int]:
-        """One verification round of the target; returns the newly committed tokens."""
-        if finish_if_full(state):
-            return []
-        run: Run = state.run
+        """One target round of one request (a batch of one); the newly committed tokens."""
+        return self.step_all([state])[0]
+
+    def prefill_tiers(self) -> list[BatchedTier]:
+        """The tiers a joining request's prompt is cached in before it joins the rounds: every model tier
+        of a fixed chain; only the target under a planner, since the drafters are not used while
+        speculation is off and catch up (`catch_up`) when a plan uses them. A tier served row by
+        row (a feature head, another architecture) caches what it is given in its own calls."""
+        tiers = self.tiers[:1] if self.planner is not None else self.tiers
+        return [t for t in tiers if t.has_weights and t.caches_prompts]
+
+    def ready(self, state: RequestState) -> bool:
+        """Has every tier of `prefill_tiers` cached the request's prompt (all but its last token)?"""
+        need = len(state.committed) - 1
+        return all(t.cached(state.run.seq_id) >= need for t in self.prefill_tiers())
+
+    def prefill(self, states: list[RequestState], budget: int | None = None) -> int:
+        """Cache prompts of requests not yet `ready`, oldest first, at most `budget` tokens per tier."""
+        budget = self.prefill_budget if budget is None else budget
+        waiting = [s for s in states if not s.done and not self.ready(s)]
+        fed = 0
+        for tier in self.prefill_tiers():
+            if waiting:
+                fed += tier.prefill([s.run.seq_id for s in waiting], [s.committed for s in waiting], budget)
+        return fed
+
+    def catch_up(self, states: list[RequestState]) -> None:
+        """Cache in each drafting model tier of the plan the contexts it is far behind on, in one
+        forward per tier, before the round (whose forwards pad every row to the longest)."""
+        for level in self.active[1:]:
+            tier = self.tiers[level]
+            if not tier.caches_prompts:
+                continue
+            behind = [s for s in states if len(s.committed) - 1 - tier.cached(s.run.seq_id) > CATCH_UP_GAP]
+            if behind:
+                tier.prefill([s.run.seq_id for s in behind], [s.committed for s in behind], sum(len(s.committed) for s in behind))
+
+    def step_all(self, states: list[RequestState]) -> list[list[int]]:
+        """One target round for every request in `states`; the newly committed tokens of each."""
+        if len(states) > 1 and getattr(self.planner, "one_request", False):
+            return [self.step_all([state])[0] for state in states]  # a planner that follows one request at a time
+        started = time.perf_counter()
+        out: list[list[int]] = [[] for _ in states]
+        live = [i for i, state in enumerate(states) if not finish_if_full(state)]
+        if not live:
+            return out
+        if self.planner is not None:
+            behind = {level: sum(max(0, len(states[i].committed) - 1 - tier.cached(states[i].run.seq_id)) for i in live)
+                      for level, tier in enumerate(self.tiers) if level and tier.has_weights}
+            step = StepInput(tuple(states[i].run.params for i in live), tuple(len(states[i].committed) for i in live), behind)
+            lengths, active = self.planner.plan(step)
+            self.lengths, self.active = list(lengths), tuple(active)
+            for i in live:
+                note_plan(states[i].plans, len(states[i].new_tokens), [self.lengths[t] for t in self.active[:-1]],
+                          [self.tiers[t].name for t in self.active])
+            # in the step's time: keeping a drafter's cache up to date is part of what speculating costs
+            self.catch_up([states[i] for i in live])
         busy_before = [t.busy_s for t in self.tiers]
-        if self.tuner is not None:
-            self._apply_plan(run, len(state.committed), len(state.new_tokens), state.plans)
-        emitted, _ = self.verify_round(run, 0, state.committed, min(self.length_at(0), remaining(state) - 1))
-        emitted = commit(state, emitted, self.eos_token_ids)
-        for i, (tier, before) in enumerate(zip(self.tiers, busy_before)):
-            state.tier_busy_s[i] += tier.busy_s - before
-        if self.tuner is not None:
-            self.tuner.observe_commit(emitted)
-        return emitted
+        items = [(states[i].run, list(states[i].committed), min(self.length_at(0), remaining(states[i]) - 1)) for i in live]
+        results = self.round_batch(0, items)
+        spent = [t.busy_s - b for t, b in zip(self.tiers, busy_before)]
+        committed = []
+        for i, (emitted, _) in zip(live, results):
+            state = states[i]
+            emitted = commit(state, emitted, self.eos_token_ids)
+            for t, seconds in enumerate(spent):
+                state.tier_busy_s[t] += seconds / len(live)  # a shared forward: each request's share
+            out[i] = emitted
+            committed.append(tuple(emitted))
+        seconds = time.perf_counter() - started
+        lengths = [self.lengths[t] for t in self.active[:-1]]
+        self.last_step = {"batch": len(live), "tokens": sum(len(c) for c in committed), "seconds": seconds,
+                          "lengths": lengths, "tiers": list(self.active)}
+        self._observe(StepObservation(tuple(committed), seconds, tuple(self.lengths), tuple(self.active)))
+        return out
 
     def finish(self, state: RequestState) -> GenerationOutput:
         """Release the request's caches and return its tokens and stats."""
@@ -157,7 +253,7 @@ class ChainScheduler:
             tier.release(state.seq_id)
         run: Run = state.run
         extra = {"tiers": [{"tier": t.name, "busy_s": round(busy, 6)} for t, busy in zip(self.tiers, state.tier_busy_s)]}
-        if self.tuner is not None:
+        if self.planner is not None:
             extra["plans"] = state.plans
         return output(state, run.stages + list(run.bypass_stages.values()), **extra)
 
@@ -166,89 +262,124 @@ class ChainScheduler:
         mark_cancelled(state)
         return self.finish(state)
 
-    # ------------------------------------------------------------------- round API
+    # ------------------------------------------------------------ the round
+
+    def _observe(self, observation) -> None:
+        if self.planner is not None:
+            self.planner.observe(observation)
+        if self.recorder is not None:
+            self.recorder.observe(observation)
+
+    def below(self, level: int) -> int | None:
+        """The tier that drafts for tier `level` (None: `level` is the bottom of the chain)."""
+        return next((t for t in self.active if t > level), None)
 
     def length_at(self, level: int) -> int:
         """The speculation length tier `level` verifies (0 for the bottom tier)."""
         return self.lengths[level] if level < len(self.lengths) else 0
 
-    # --------------------------------------------------------- round API: internals
-
-    def _apply_plan(self, run: Run, committed_len: int, new_tokens: int, plans: list[dict]) -> None:
-        lengths, active = self.tuner.plan(run.params, committed_len)
-        self.lengths, self.active = list(lengths), tuple(active)
-        note_plan(plans, new_tokens, [self.lengths[level] for level in self.active[:-1]], [self.tiers[t].name for t in self.active])
-
-    def _below(self, level: int) -> int | None:
-        """The tier that drafts for tier `level` (None: `level` is the bottom of the chain)."""
-        return next((t for t in self.active if t > level), None)
-
-    def _stage(self, run: Run, level: int, drafter: int) -> StageStats:
-        return stage_of(run.stages, run.bypass_stages, self.tiers, level, drafter)
-
-    def _room(self, run: Run, context: list[int]) -> int:
+    @staticmethod
+    def room(run: Run, context: list[int]) -> int:
         """Draft tokens that fit: the block plus the token after it must stay inside the context."""
         return max(0, run.limit - len(context) - 1)
 
-    def emit(self, run: Run, level: int, context: list[int], need: int) -> tuple[list[int], torch.Tensor | None]:
-        """At least `need` tokens from tier `level` (fewer only at EOS or the context limit), with
-        its rows (None when sampling greedily); a non-bottom tier runs as many rounds as it takes."""
+    def emit_batch(self, level: int, items: list[tuple]) -> list[tuple[list[int], torch.Tensor | None]]:
+        """At least `need` tokens from tier `level` for each (run, context, need) (fewer only at EOS or
+        the context limit), with the tier's rows for them (None when sampling greedily); a tier that
+        verifies runs as many rounds as it takes."""
         tier = self.tiers[level]
-        need = min(need, self._room(run, context))
-        if self._below(level) is None:
+        items = [(run, context, min(need, self.room(run, context))) for run, context, need in items]
+        if self.below(level) is None:
             started = time.perf_counter()
-            tokens, rows = tier.draft(run.seq_id, context, need, run.params, run.generators[level])
-            if self.tuner is not None:
-                self.tuner.observe_draft(level, need, len(context), tokens, time.perf_counter() - started)
-            return tokens, rows
-        tokens: list[int] = []
-        rows: list[torch.Tensor] = []
-        while len(tokens) < need:
-            ctx = context + tokens
-            emitted, emitted_rows = self.verify_round(run, level, ctx, min(self.length_at(level), self._room(run, ctx)))
-            tokens += emitted
-            if emitted_rows is not None:
-                rows.append(emitted_rows)
-            if first_eos(emitted, self.eos_token_ids) is not None:
-                break  # nothing after an end of sequence will be kept
-        tokens = tokens[: self._room(run, context)]  # rounds overshoot `need`; keep what fits
-        stacked = torch.cat(rows)[: len(tokens)] if rows else None
-        return tokens, stacked
+            drafted = tier.draft_batch([r.seq_id for r, _, _ in items], [c for _, c, _ in items], [n for _, _, n in items],
+                                       [r.params for r, _, _ in items], [r.generators[level] for r, _, _ in items])
+            seconds = (time.perf_counter() - started) / max(1, len(items))
+            for (run, context, need), (tokens, _) in zip(items, drafted):
+                self._observe(DraftObservation(level, need, len(context), tuple(tokens), seconds))
+            return drafted
+        tokens: list[list[int]] = [[] for _ in items]
+        rows: list[list[torch.Tensor]] = [[] for _ in items]
+        stopped = [False] * len(items)
+        while True:
+            short = [j for j, (run, context, need) in enumerate(items) if not stopped[j] and len(tokens[j]) < need]
+            if not short:
+                break
+            round_items = []
+            for j in short:
+                run, context, _ = items[j]
+                ctx = context + tokens[j]
+                round_items.append((run, ctx, min(self.length_at(level), self.room(run, ctx))))
+            for j, (emitted, emitted_rows) in zip(short, self.round_batch(level, round_items)):
+                tokens[j] += emitted
+                if emitted_rows is not None:
+                    rows[j].append(emitted_rows)
+                if any(t in self.eos_token_ids for t in emitted):
+                    stopped[j] = True  # nothing after an end of sequence will be kept
+        out = []
+        for j, (run, context, _) in enumerate(items):
+            kept = tokens[j][: self.room(run, context)]  # rounds overshoot `need`; keep what fits
+            out.append((kept, torch.cat(rows[j])[: len(kept)] if rows[j] else None))
+        return out
 
-    def _propose(self, run: Run, level: int, context: list[int], length: int) -> DraftTree:
-        """The block tier `level` hands up for verification: a chain, or a tree from the last tier."""
-        if length <= 0:
-            return DraftTree([], [], None)
-        tier = self.tiers[level]
-        if self._below(level) is None and self.tree_width > 1:
+    def _propose(self, level: int, below: int, items: list[tuple]) -> list[DraftTree]:
+        """The block tier `below` hands up to tier `level` for each (run, context, length): a chain,
+        or a tree from the bottom tier."""
+        blocks = [DraftTree([], [], None) for _ in items]
+        wanted = [j for j, (_, _, length) in enumerate(items) if length > 0]
+        if not wanted:
+            return blocks
+        if self.tree_width > 1 and self.below(below) is None:
+            runs = [items[j][0] for j in wanted]
             started = time.perf_counter()
-            tree = tier.draft_tree(run.seq_id, context, self.tree_width, length, run.params, self.scheme, run.generators[level])
-            if self.tuner is not None:
-                self.tuner.observe_draft(level, length, len(context), None, time.perf_counter() - started)
-            return tree
-        tokens, rows = self.emit(run, level, context, length)
-        return DraftTree.chain(tokens, rows)
+            trees = self.tiers[below].draft_tree_batch([r.seq_id for r in runs], [items[j][1] for j in wanted], self.tree_width,
+                                                       [items[j][2] for j in wanted], [r.params for r in runs], self.scheme,
+                                                       [r.generators[below] for r in runs])
+            seconds = (time.perf_counter() - started) / len(wanted)
+            for j, tree in zip(wanted, trees):
+                blocks[j] = tree
+                self._observe(DraftObservation(below, items[j][2], len(items[j][1]), None, seconds))
+        else:
+            for j, (tokens, rows) in zip(wanted, self.emit_batch(below, [items[j] for j in wanted])):
+                blocks[j] = DraftTree.chain(tokens, rows)
+        return blocks
 
-    def verify_round(self, run: Run, level: int, context: list[int], length: int) -> tuple[list[int], torch.Tensor | None]:
-        """One verification forward of tier `level`: returns the emitted tokens and its rows for them."""
+    def round_batch(self, level: int, items: list[tuple]) -> list[tuple[list[int], torch.Tensor | None]]:
+        """One verification forward of tier `level` over every (run, context, length): each item's
+        emitted tokens (the accepted block, then the correction or bonus token) and the tier's
+        rows for them (None when sampling greedily)."""
         tier = self.tiers[level]
-        generator = run.generators[level]
-        below = self._below(level)
-        block = self._propose(run, below, context, length) if below is not None else DraftTree([], [], None)
+        below = self.below(level)
+        blocks = self._propose(level, below, items) if below is not None else [DraftTree([], [], None) for _ in items]
         started = time.perf_counter()
-        target_probs = tier.score(run.seq_id, context, block, run.params)  # [len(block) + 1, V]
-        path, next_token = verify_block(target_probs, block, self.scheme, run.params.greedy, generator)
-        if not block.is_chain():
-            tier.accept_path(run.seq_id, path)
-            self.tiers[below].accept_path(run.seq_id, path)
-        seconds = time.perf_counter() - started
-        if below is not None:
-            self._stage(run, level, below).record(len(block), len(path), length, seconds)
-            if self.tuner is not None:
-                self.tuner.observe_round(level, below, length, len(block), len(path), seconds)
-        no_bonus = self.draft_ahead and below is not None and self.tiers[below].continues_past(run.seq_id) and 0 < len(path) == len(block) == length
-        if below is not None:
-            self.tiers[below].verdict(run.seq_id, len(context), len(block), len(path), None if no_bonus else next_token)
-        emitted = [block.tokens[j] for j in path] + ([] if no_bonus else [next_token])
-        rows = None if run.params.greedy else target_probs[[0] + [j + 1 for j in path]][: len(emitted)]
-        return emitted, rows
+        probs = tier.score_batch([r.seq_id for r, _, _ in items], [c for _, c, _ in items], blocks, [r.params for r, _, _ in items])
+        shared = (time.perf_counter() - started) / len(items)
+        out = []
+        for (run, context, length), block, target_probs in zip(items, blocks, probs):
+            started = time.perf_counter()
+            path, next_token = verify_block(target_probs, block, self.scheme, run.params.greedy, run.generators[level])
+            if not block.is_chain():  # both tiers keep the accepted path
+                tier.accept_path(run.seq_id, path)
+                self.tiers[below].accept_path(run.seq_id, path)
+            seconds = shared + time.perf_counter() - started
+            if below is not None:
+                stage_of(run.stages, run.bypass_stages, self.tiers, level, below).record(len(block), len(path), length, seconds)
+                # a tree's per-depth acceptance prices trees; a walk that ran out of nodes (a lookup's
+                # short branch) accepted all it was offered
+                depth = None if block.is_chain() else (len(path) if path and not block.children(path[-1])
+                                                       else max(block.depths()) + 1)
+                self._observe(RoundObservation(level, below, length, len(block), len(path), seconds, run.params.greedy,
+                                               len(context), run.seq_id, depth))
+            # a drafter that drafts ahead (a remote tier, pipelined) has already gone past a block
+            # accepted whole: no bonus token, its continuation is verified next
+            no_bonus = (self.draft_ahead and below is not None and self.tiers[below].continues_past(run.seq_id)
+                        and 0 < len(path) == len(block) == length)
+            if below is not None:
+                self.tiers[below].verdict(run.seq_id, len(context), len(block), len(path), None if no_bonus else next_token)
+            emitted = [block.tokens[j] for j in path] + ([] if no_bonus else [next_token])
+            if run.params.greedy:
+                rows = None
+            else:  # the verifier's row at the root and below each accepted node
+                rows = target_probs[: len(path) + 1] if block.is_chain() else target_probs[[0] + [j + 1 for j in path]]
+                rows = rows[: len(emitted)]
+            out.append((emitted, rows))
+        return out

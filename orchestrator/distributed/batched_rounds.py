@@ -33,7 +33,8 @@ import time
 
 import torch
 
-from polyspec.orchestrator.decode.batched import CATCH_UP_GAP, BatchedScheduler
+from polyspec.orchestrator.decode.contract import RoundObservation
+from polyspec.orchestrator.decode.scheduler import CATCH_UP_GAP, ChainScheduler
 from polyspec.orchestrator.decode.contract import first_eos
 from polyspec.orchestrator.distributed.model_lock import LockedBatched, drafting_ahead, model_seconds, set_drafting_ahead, set_model_seconds
 from polyspec.orchestrator.distributed.transport import RemoteBatchedTier, RemoteTier, TierUnavailableError
@@ -73,24 +74,15 @@ class BatchedRounds:
                 stack.enter_context(seq.cond)
             yield
 
-    def _batched_scheduler(self, lower: RemoteTier | None, length: int, header: tier_pb2.SequenceHeader) -> BatchedScheduler:
+    def _batched_scheduler(self, lower: RemoteTier | None, length: int, header: tier_pb2.SequenceHeader) -> ChainScheduler:
         """This tier's own chain for one batched call: [this tier, the tier below] (or this tier alone).
         The chain's shape (tree width, scheme, pipelining) is the same in every sequence's header."""
         own = self.batched_tier()
         eos = tuple(self.eos_token_ids)
         if lower is None:
-            return BatchedScheduler([own], [], eos_token_ids=eos)
-        scheduler = BatchedScheduler([own, RemoteBatchedTier(lower)], [length], eos_token_ids=eos, tree_width=max(1, header.tree_width),
-                                     scheme=header.scheme or "specinfer", draft_ahead=header.pipeline)
-
-        def report(run, level, drafter, asked, proposed, accepted, seconds) -> None:
-            seq = self._sequences.get(run.seq_id)
-            if seq is not None:
-                seq.reports.append(tier_pb2.StageReport(tier=self.index, drafter=lower.index, length=asked, proposed=proposed,
-                                                        accepted=accepted, seconds=seconds, ahead=drafting_ahead()))
-
-        scheduler.on_round = report
-        return scheduler
+            return ChainScheduler([own], [], eos_token_ids=eos)
+        return ChainScheduler([own, RemoteBatchedTier(lower)], [length], eos_token_ids=eos, tree_width=max(1, header.tree_width),
+                              scheme=header.scheme or "specinfer", draft_ahead=header.pipeline, recorder=_BatchRecorder(self._sequences.get, self.index, lower))
 
     def _length(self, seq) -> int:
         lengths = seq.header.lengths
@@ -307,3 +299,20 @@ class BatchedRounds:
             self._lower_failed(lower, exc)
             for seq in growing:
                 self._ahead_done(seq)
+
+
+class _BatchRecorder:
+    """The recorder of a worker's batched chain: each verification round becomes a stage report
+    of its sequence, sent up with the call's reply."""
+
+    def __init__(self, sequence_of, index: int, lower: RemoteTier) -> None:
+        self.sequence_of, self.index, self.lower = sequence_of, index, lower
+
+    def observe(self, observation) -> None:
+        if not isinstance(observation, RoundObservation):
+            return
+        seq = self.sequence_of(observation.seq_id)
+        if seq is not None:
+            seq.reports.append(tier_pb2.StageReport(tier=self.index, drafter=self.lower.index, length=observation.length,
+                                                    proposed=observation.proposed, accepted=observation.accepted,
+                                                    seconds=observation.seconds, ahead=drafting_ahead()))

@@ -31,6 +31,9 @@ from polyspec.orchestrator.decode.contract import (
     NO_LIMIT,
     GenerationOutput,
     RequestState,
+    RoundObservation,
+    StepInput,
+    StepObservation,
     StageStats,
     commit,
     finish_if_full,
@@ -263,7 +266,7 @@ class DistributedChain:
         planner = self.planner
         lengths, active = list(self.lengths), self.active
         if planner is not None:  # every request of the step runs the step's plan
-            lengths, active = planner.plan(len(live), [states[i].params for i in live])
+            lengths, active = planner.plan(StepInput(tuple(states[i].params for i in live), tuple(len(states[i].committed) for i in live)))
             for i in live:
                 note_plan(states[i].plans, len(states[i].new_tokens), lengths, [self.tiers[t].name for t in active])
         planned = [self._round_request(states[i], lengths) for i in live]
@@ -278,11 +281,12 @@ class DistributedChain:
             if planner is not None:
                 for report in one.stages:
                     if report.drafter != report.tier:  # a verification round (a bottom tier reports its drafts too)
-                        planner.observe_round(report.tier, report.drafter, report.proposed, report.accepted, states[i].params.greedy)
+                        planner.observe(RoundObservation(report.tier, report.drafter, report.length, report.proposed, report.accepted,
+                                                         report.seconds, states[i].params.greedy, len(states[i].committed), states[i].seq_id))
         seconds = time.perf_counter() - started
         self.last_step = {"batch": len(live), "tokens": committed, "seconds": seconds, "tiers": list(active), "lengths": list(lengths)}
         if planner is not None:
-            planner.observe_step(len(live), committed, seconds, lengths, active)
+            planner.observe(StepObservation(tuple(tuple(out[i]) for i in live), seconds, tuple(lengths), tuple(active)))
         return out
 
     def _round_request(self, state: RequestState, lengths: list[int] | None = None) -> tuple[tier_pb2.VerifyRequest, list[int]]:

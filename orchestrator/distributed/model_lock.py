@@ -13,6 +13,7 @@ import contextlib
 import threading
 import time
 
+from polyspec.workers.tiers.batched import BatchedTier
 from polyspec.workers.tiers.tier import Tier
 
 _local = threading.local()  # per thread: model seconds of the current call, lock priority
@@ -111,11 +112,11 @@ class LockedTier(Tier):
             return self.inner.truncate(seq_id, length)
 
 
-class LockedBatched:
+class LockedBatched(BatchedTier):
     """A batched tier (polyspec.workers.tiers.batched) behind the worker's ModelLock: the batched
     calls and the draft-ahead rounds of single sequences take turns on its one slot cache."""
 
-    def __init__(self, tier, lock: ModelLock) -> None:
+    def __init__(self, tier, lock: ModelLock) -> None:  # (no BatchedTier.__init__: every field is the inner tier's)
         self.inner = tier
         self.lock = lock
         for name in ("tier", "name", "vocab_size", "max_context", "can_verify", "has_weights", "caches_prompts"):

@@ -41,6 +41,7 @@ import torch
 from polyspec.orchestrator.distributed import cluster_auth
 from polyspec.orchestrator.distributed.batched_rounds import BatchedRounds
 from polyspec.orchestrator.decode.contract import NO_LIMIT, StageStats, first_eos, seeded_generator
+from polyspec.orchestrator.decode.contract import RoundObservation
 from polyspec.orchestrator.decode.scheduler import ChainScheduler, Run
 from polyspec.orchestrator.tuning.time_model import AHEAD_SMOOTHING, AHEAD_THRESHOLD  # the time model reads the same bet
 from polyspec.protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
@@ -149,18 +150,16 @@ class _Sequence:
 
 
 class _Recorder:
-    """Stands in for the tuner in the worker's scheduler: turns its rounds into StageReports."""
+    """The recorder of the worker's one-sequence chain: its verification rounds become StageReports."""
 
     def __init__(self, worker: "TierWorker", seq: _Sequence, lower: RemoteTier) -> None:
         self.worker, self.seq, self.lower = worker, seq, lower
 
-    def observe_round(self, level, drafter, length, proposed, accepted, seconds) -> None:
-        self.seq.reports.append(tier_pb2.StageReport(tier=self.worker.index, drafter=self.lower.index, length=length,
-                                                     proposed=proposed, accepted=accepted, seconds=seconds,
-                                                     ahead=drafting_ahead()))
-
-    def observe_draft(self, *args) -> None:
-        pass
+    def observe(self, observation) -> None:
+        if isinstance(observation, RoundObservation):
+            self.seq.reports.append(tier_pb2.StageReport(tier=self.worker.index, drafter=self.lower.index, length=observation.length,
+                                                         proposed=observation.proposed, accepted=observation.accepted,
+                                                         seconds=observation.seconds, ahead=drafting_ahead()))
 
 
 class TierWorker(BatchedRounds):
@@ -263,7 +262,7 @@ class TierWorker(BatchedRounds):
         length = header.lengths[self.index] if self.index < len(header.lengths) else 0
         return ChainScheduler([self.local, lower], [length], tree_width=max(1, header.tree_width),
                               scheme=header.scheme or "specinfer", eos_token_ids=self.eos_token_ids,
-                              tuner=_Recorder(self, seq, lower), draft_ahead=header.pipeline, max_context=None)
+                              recorder=_Recorder(self, seq, lower), draft_ahead=header.pipeline, max_context=None)
 
     def _with_fallback(self, seq: _Sequence, work):
         """Run `work(scheduler)`; if the tier below is gone, redo it without the tier below."""
@@ -282,7 +281,7 @@ class TierWorker(BatchedRounds):
 
             def one_round(scheduler):
                 length = min(scheduler.length_at(0), max(0, request.max_tokens - 1))
-                emitted, _ = scheduler.verify_round(seq.run, 0, context, length)
+                emitted, _ = scheduler.round_batch(0, [(seq.run, context, length)])[0]
                 return emitted
 
             emitted = self._with_fallback(seq, one_round)[: request.max_tokens]
@@ -368,7 +367,7 @@ class TierWorker(BatchedRounds):
                                                     seconds=model_seconds()))
 
     def _emit(self, scheduler, seq: _Sequence, context: list[int], need: int):
-        return scheduler.emit(seq.run, 0, context, need)
+        return scheduler.emit_batch(0, [(seq.run, context, need)])[0]
 
     def _draft_tree(self, scheduler, seq: _Sequence, context: list[int], depth: int) -> DraftTree:
         header = seq.header

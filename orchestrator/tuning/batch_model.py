@@ -53,6 +53,7 @@ import time
 
 import torch
 
+from polyspec.orchestrator.decode.contract import RoundObservation, StepObservation
 from polyspec.orchestrator.tuning.batch_acceptance import (LOOKUP_PRIOR_RATE, PRIOR_RATE, Acceptance,  # noqa: F401 (re-exported)
                                                             expected_tokens)
 from polyspec.workers.core.sampling import SamplingParams
@@ -464,7 +465,23 @@ class BatchPlanner:
                 arm.seed = nearest.best_measured()
         return arm
 
-    def plan(self, batch: int, params: list[SamplingParams] | None = None, behind: dict[int, int] | None = None) -> tuple[list[int], tuple[int, ...]]:
+    one_request = False  # plans steps of any batch (contract.RoundPlanner)
+
+    def plan(self, step) -> tuple[list[int], tuple[int, ...]]:
+        """`contract.RoundPlanner.plan`: the step's (lengths, active tiers)."""
+        return self.plan_batch(step.batch, list(step.params), step.behind)
+
+    def observe(self, observation) -> None:
+        """`contract.RoundPlanner.observe`: rounds feed the acceptance, steps the tables and the A/B
+        (a draft's cost is in the tiers' forward logs already)."""
+        if isinstance(observation, RoundObservation):
+            self.observe_round(observation.level, observation.drafter, observation.proposed, observation.accepted,
+                               observation.greedy, observation.depth)
+        elif isinstance(observation, StepObservation):
+            self.observe_step(observation.batch, observation.tokens, observation.seconds, list(observation.lengths),
+                              observation.active)
+
+    def plan_batch(self, batch: int, params: list[SamplingParams] | None = None, behind: dict[int, int] | None = None) -> tuple[list[int], tuple[int, ...]]:
         """(lengths, active tiers) for the next step of `batch` requests; `behind`: per drafting model
         tier, the context tokens of these requests it has not cached (what using it first costs)."""
         group = bucket(batch)

@@ -1,8 +1,8 @@
 """The online tuner: chooses every speculation length (and which tiers to use) from the time model.
 
-ChainScheduler consults it before each target round (`plan`) and reports to it after every
-verification round (`observe_round`), bottom-tier proposal (`observe_draft`) and target
-round (`observe_commit`); a distributed chain's driver uses `plan_remote` / `observe_remote`
+The chain scheduler consults it before each target round of its one request (`plan`, a
+`contract.RoundPlanner`) and reports every verification round (`observe_round`), bottom-tier
+proposal (`observe_draft`) and target round (`observe_commit`) through `observe`; a distributed chain's driver uses `plan_remote` / `observe_remote`
 (remote.py) instead. The tuner is composed of parts, each in its own module:
 
 - estimates.py: acceptance per (verifier, drafter) pair and per position of the text
@@ -47,6 +47,7 @@ import time
 from typing import Callable
 
 from polyspec.orchestrator.config import TuningConfig
+from polyspec.orchestrator.decode.contract import DraftObservation, RoundObservation, StepObservation
 from polyspec.orchestrator.tuning.estimates import AcceptanceEstimate, FillEstimate, ema, request_class
 from polyspec.orchestrator.tuning.planner import ClassState, Plan, Planner
 from polyspec.orchestrator.tuning.profiler import LatencyProfile
@@ -128,7 +129,26 @@ class Tuner(Planner, Timing, RemoteHooks):
 
     # ------------------------------------------------------------- scheduler hook
 
-    def plan(self, params: SamplingParams, committed_len: int) -> tuple[list[int], tuple[int, ...]]:
+    one_request = True  # follows one request's text: given steps of one request (contract.RoundPlanner)
+
+    def plan(self, step) -> tuple[list[int], tuple[int, ...]]:
+        """`contract.RoundPlanner.plan` for a step of one request."""
+        if step.batch != 1:
+            raise ValueError(f"the online tuner plans one request's rounds, got a step of {step.batch}")
+        return self.plan_request(step.params[0], step.context_lens[0])
+
+    def observe(self, observation) -> None:
+        """`contract.RoundPlanner.observe`, in the order the round makes them."""
+        if isinstance(observation, RoundObservation):
+            self.observe_round(observation.level, observation.drafter, observation.length, observation.proposed,
+                               observation.accepted, observation.seconds)
+        elif isinstance(observation, DraftObservation):
+            self.observe_draft(observation.tier, observation.length, observation.context_len,
+                               None if observation.tokens is None else list(observation.tokens), observation.seconds)
+        elif isinstance(observation, StepObservation):
+            self.observe_commit(list(observation.committed[0]))
+
+    def plan_request(self, params: SamplingParams, committed_len: int) -> tuple[list[int], tuple[int, ...]]:
         """Before each target round: the lengths (one per level) and the tiers to use."""
         continues_last = committed_len == self._round_start + self._last_commit
         self._prefilling = committed_len not in self._continuing

@@ -79,7 +79,7 @@ def test_max_batched_tokens():
     best = plan.predicted_best(16)
     assert not best.speculating or 16 * (best.lengths[0] + 1) <= 64
     for _ in range(40):
-        lengths, active = plan.plan(16)
+        lengths, active = plan.plan_batch(16)
         assert len(active) == 1 or 16 * (lengths[0] + 1) <= 64
         plan.observe_step(16, 16 * len(active), 0.01, lengths, active)
 
@@ -97,7 +97,7 @@ def run_steps(plan: BatchPlanner, batch: int, steps: int, tokens_per_s) -> tuple
     request). Returns tokens, seconds and, per step, whether it speculated."""
     tokens, seconds, speculated = 0, 0.0, []
     for _ in range(steps):
-        lengths, active = plan.plan(batch)
+        lengths, active = plan.plan_batch(batch)
         emitted = batch * (1 if len(active) == 1 else 4)
         step_s = emitted / (batch * tokens_per_s(active))
         plan.observe_step(batch, emitted, step_s, lengths, active)
@@ -149,10 +149,10 @@ def test_each_load_has_its_own_ab_and_a_new_one_starts_from_its_neighbour():
     run_steps(plan, 1, 60, WINS)
     run_steps(plan, 16, 60, LOSES)
     assert plan.arms[(1, 0)].speculate and not plan.arms[(16, 0)].speculate
-    assert plan.plan(32)[1] == (0,) and plan.arms[(32, 0)].speculate is False  # larger than a load that runs off: off
-    assert plan.plan(2)[1] == (0,) and plan.arms[(2, 0)].speculate is None  # larger than a load that speculates: measured, off first
+    assert plan.plan_batch(32)[1] == (0,) and plan.arms[(32, 0)].speculate is False  # larger than a load that runs off: off
+    assert plan.plan_batch(2)[1] == (0,) and plan.arms[(2, 0)].speculate is None  # larger than a load that speculates: measured, off first
     plan.arms[(16, 0)].speculate = True  # had 16 measured speculation faster ...
-    assert len(plan.plan(8)[1]) > 1 and plan.arms[(8, 0)].speculate  # ... so 8, smaller, starts speculating
+    assert len(plan.plan_batch(8)[1]) > 1 and plan.arms[(8, 0)].speculate  # ... so 8, smaller, starts speculating
 
 
 def test_the_speculating_side_is_the_best_measured_plan():
@@ -221,7 +221,7 @@ def test_a_load_next_to_a_decided_one_tries_only_its_best_plan():
     winner = plan.chosen[1]
     steps = []
     for _ in range(2 * MIN_STEPS + 2):
-        lengths, active = plan.plan(4)
+        lengths, active = plan.plan_batch(4)
         steps.append(active)
         plan.observe_step(4, 4 * (4 if len(active) > 1 else 1), 0.01 * (1 if len(active) > 1 else 0.3), lengths, active)
     assert steps[0] == (0,)  # larger than a speculating load: off measured first
@@ -238,7 +238,7 @@ def test_lengths_next_to_the_models_choice_are_measured():
     truth = {3: 150.0, 6: 200.0, 12: 260.0}  # tokens/s of the lookup plan by block length; off is 100
     chosen = []
     for _ in range(200):
-        lengths, active = plan.plan(1)
+        lengths, active = plan.plan_batch(1)
         rate = 100.0 if len(active) == 1 else truth.get(lengths[0], 100.0) if active == (0, 2) else 50.0
         plan.observe_step(1, 4, 4 / rate, lengths, active)
         chosen.append((active, lengths[0]))
@@ -279,7 +279,7 @@ def test_a_drafter_far_behind_is_not_started_to_find_out():
         accept(plan, 0, 2, 0.6)
         accept(plan, 1, 2, 0.6)
         for _ in range(60):
-            lengths, active = plan.plan(64, None, {1: behind_tokens})
+            lengths, active = plan.plan_batch(64, None, {1: behind_tokens})
             emitted = 64 * (1 if len(active) == 1 else 3)
             plan.observe_step(64, emitted, emitted / (64 * (100.0 if len(active) == 1 else 120.0)), lengths, active)
         return {p.active for p in plan.arms[(64, 0)].rates}
@@ -384,7 +384,7 @@ def test_where_off_wins_other_lengths_are_tried_only_if_the_corrected_model_says
     plan = planner(lambda b, w: 10.0 + 0.1 * w, mid_cost=lambda b, w: 500.0)
     accept(plan, 0, 2, 0.8)
     for _ in range(400):
-        lengths, active = plan.plan(1)
+        lengths, active = plan.plan_batch(1)
         rate = 100.0 if len(active) == 1 else 60.0  # whatever the length
         plan.observe_step(1, 4, 4 / rate, lengths, active)
     arm = plan.arms[(1, 0)]

@@ -95,5 +95,5 @@ def test_the_tuner_sees_the_early_exit_blocks_length(tiny_drafters):
     result = engine.generate(engine.parse_request({"prompt": "def f(x):\n    return", "max_new_tokens": 24}))
     stage = result["stats"]["stages"][0]
     assert stage["blocks"] > 0
-    fill = engine.scheduler.tuner.fill("greedy", 1)
+    fill = engine.scheduler.planner.fill("greedy", 1)
     assert fill < 1.0  # blocks stopped early were seen

@@ -59,8 +59,8 @@ def test_a_cached_profile_is_the_one_measured(tiny_family, profile_dir):
 
     config = models_config(tiny_family["target"], [tiny_family["mid"]], True)
     config = dataclasses.replace(config, speculation=dataclasses.replace(config.speculation, lengths="auto"))
-    measured = Engine(config, cache_profiles=True).scheduler.tuner.profile
-    cached = Engine(config, cache_profiles=True).scheduler.tuner.profile
+    measured = Engine(config, cache_profiles=True).scheduler.planner.profile
+    cached = Engine(config, cache_profiles=True).scheduler.planner.profile
     assert cached.forward == measured.forward and cached.draft == measured.draft
     batched = Engine(config, cache_profiles=True, batched=True).scheduler.planner
     again = Engine(config, cache_profiles=True, batched=True).scheduler.planner

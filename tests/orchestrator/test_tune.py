@@ -121,15 +121,15 @@ def test_interleaved_pass_runs_every_item_on_a_prompt_before_the_next():
     calls = []
 
     class Scheduler:
-        tuner = None
+        planner = None
         lengths, active = [1, 1], (0, 1, 2)
 
         def generate(self, ids, max_new_tokens, params, seed):
-            who = self.tuner.name if self.tuner is not None else tuple(self.lengths)
+            who = self.planner.name if self.planner is not None else tuple(self.lengths)
             calls.append((who, ids[0], seed))
-            if self.tuner is not None:
-                assert self.tuner.fixed is None
-                self.tuner.seen.append(ids[0])
+            if self.planner is not None:
+                assert self.planner.fixed is None
+                self.planner.seen.append(ids[0])
             tokens = 4 if who == (2, 2) else 2
             return types.SimpleNamespace(stats={"time_s": 0.01 * tokens * (1 + ids[0])}, token_ids=[0] * tokens)
 
@@ -155,7 +155,7 @@ def test_interleaved_pass_runs_every_item_on_a_prompt_before_the_next():
     again = {prompt: {seed for _, p, seed in calls if p == prompt} for prompt in range(3)}
     assert all(len(seeds) == 1 for seeds in again.values())
     assert len({first[p] for p in range(3)} | {next(iter(again[p])) for p in range(3)}) == 6
-    assert auto.seen == [0, 1, 2] and engine.scheduler.tuner is None
+    assert auto.seen == [0, 1, 2] and engine.scheduler.planner is None
     # 2x2 plan: 4 tokens at 10 ms each x (1 + prompt) -> (40 + 80 + 120) ms / 12 tokens
     assert results[0].wall_ms == pytest.approx(20.0) and results[2].wall_ms == pytest.approx(20.0)
     orders = [tuple(who for who, prompt, _ in calls if prompt == p) for p in range(3)]
@@ -174,11 +174,11 @@ def test_each_pass_is_predicted_from_calibration_runs_interleaved_with_it():
     calls = []
 
     class Scheduler:
-        tuner = None
+        planner = None
         lengths, active = [1, 1], (0, 1, 2)
 
         def generate(self, ids, max_new_tokens, params, seed):
-            calls.append(("cal" if self.tuner is calibrating else "measured", ids[0]))
+            calls.append(("cal" if self.planner is calibrating else "measured", ids[0]))
             return types.SimpleNamespace(stats={"time_s": 0.004}, token_ids=[0] * 4)
 
     class FakeTuner:
@@ -225,12 +225,12 @@ def test_heldout_report_keeps_each_pass_per_prompt_with_the_tuners_plans():
     from polyspec.orchestrator.tuning.tuner import Plan
 
     class Scheduler:
-        tuner = None
+        planner = None
         lengths, active = [1, 1], (0, 1, 2)
 
         def generate(self, ids, max_new_tokens, params, seed):
             stats = {"time_s": 0.004 * (1 + ids[0])}
-            if self.tuner is not None:  # a tuner's run: slower on prompt 1, where it switched plans
+            if self.planner is not None:  # a tuner's run: slower on prompt 1, where it switched plans
                 stats["time_s"] *= 2 if ids[0] == 1 else 1
                 stats["plans"] = [{"new_tokens": 0, "lengths": [1, 1], "tiers": ["t", "m", "n"]}]
                 if ids[0] == 1:
@@ -269,12 +269,12 @@ def test_heldout_ratio_pairs_each_pass_with_the_fixed_run_beside_it():
     pass_of_seed: dict[int, int] = {}  # one prompt: every item of a pass runs with the pass's own seed
 
     class Scheduler:
-        tuner = None
+        planner = None
         lengths, active = [1, 1], (0, 1, 2)
 
         def generate(self, ids, max_new_tokens, params, seed):
             repeat = pass_of_seed.setdefault(seed, len(pass_of_seed))
-            ms = pass_speed[repeat] * (auto_slowdown[repeat] if self.tuner is not None else 1.0)
+            ms = pass_speed[repeat] * (auto_slowdown[repeat] if self.planner is not None else 1.0)
             return types.SimpleNamespace(stats={"time_s": ms * 4 / 1000.0}, token_ids=[0] * 4)
 
     class FakeTuner:

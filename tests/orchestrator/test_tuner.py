@@ -135,7 +135,7 @@ def simulate(tuner: Tuner, accept_rate, rounds: int, rng: random.Random, start: 
     plans = []
     committed = 1000 + start
     for round_index in range(start, start + rounds):
-        lengths, active = tuner.plan(GREEDY, committed)
+        lengths, active = tuner.plan_request(GREEDY, committed)
         plans.append(([lengths[level] for level in active[:-1]], active))
         emitted = 0
         for level, drafter in zip(active, active[1:]):
@@ -288,7 +288,7 @@ def count_retunes(round_ms: float, search_ms: float, rounds: int = 200, local_ms
     tuner._search = slow_search
     committed = 1000
     for _ in range(tuner.config.warmup_rounds + rounds):
-        lengths, active = tuner.plan(GREEDY, committed)
+        lengths, active = tuner.plan_request(GREEDY, committed)
         clock.now += round_ms / 1000.0
         tuner.observe_round(0, 1, lengths[0], lengths[0], lengths[0], round_ms / 1000.0)
         tuner.observe_commit([0] * (lengths[0] + 1))
@@ -331,7 +331,7 @@ def test_each_request_starts_from_the_class_long_run_acceptance():
     # the hard request's next round (it continues at its committed length): still short
     state = continuing.class_state("greedy")
     resume_at = next(iter(reversed(continuing._continuing)))
-    lengths, _ = continuing.plan(GREEDY, resume_at)
+    lengths, _ = continuing.plan_request(GREEDY, resume_at)
     assert lengths[0] <= 3 and state.plan.lengths[0] <= 3
 
 
@@ -532,7 +532,7 @@ def test_estimates_forget_per_target_round_not_per_block():
     tuner.fix(Plan((4, 2, 8), (0, 1, 2)))
     committed = 100
     for _ in range(200):
-        tuner.plan(GREEDY, committed)
+        tuner.plan_request(GREEDY, committed)
         for _ in range(5):
             tuner.observe_round(1, 2, 2, 2, 1, 0.003)
         tuner.observe_round(0, 1, 4, 4, 4, 0.01)
@@ -547,12 +547,12 @@ def test_skip_pair_estimated_from_committed_tokens():
     profile = fixed_profile(["target", "mid", "ngram"], [lambda m: 10.0, lambda m: 3.0, None], [None, lambda k: 3.0 * k, lambda k: 0.05])
     tuner = Tuner(profile, max_length=8)
     tuner.fix(Plan((4, 4), (0, 1, 2)))
-    tuner.plan(GREEDY, 10)
+    tuner.plan_request(GREEDY, 10)
     tuner.observe_draft(2, 4, 10, [5, 6, 7, 8], 0.0)  # the n-gram's proposal at the committed context
     tuner.observe_draft(2, 4, 12, [1, 1, 1, 1], 0.0)  # later ones (uncommitted context) are ignored
     tuner.observe_commit([5, 6])  # matches so far: wait for more
     assert tuner.estimates("greedy", shadow=True).get((0, 2)) is None
-    tuner.plan(GREEDY, 12)
+    tuner.plan_request(GREEDY, 12)
     tuner.observe_commit([9])  # third position mismatched: 2 accepted
     estimate = tuner.estimates("greedy", shadow=True)[(0, 2)]
     # position 1 weighted 1 / (matched + 1) = 1/3: a chain running target<-n-gram would cover
@@ -572,7 +572,7 @@ def test_shadow_estimate_is_per_round_not_per_token():
     tuner.fix(Plan((6, 6), (0, 1, 2)))
     committed = 10
     for index in range(40):
-        tuner.plan(GREEDY, committed)
+        tuner.plan_request(GREEDY, committed)
         proposal = [1, 2, 3, 4, 5, 6]
         tuner.observe_draft(2, 6, committed, proposal, 0.0)
         tokens = proposal + [7] if index % 2 == 0 else [9]  # all 6 matched, or none
@@ -591,7 +591,7 @@ def test_interleaved_requests_and_per_config_latency():
     committed = {"a": 100, "b": 500}
     for _ in range(3):  # two requests, round robin
         for request in ("a", "b"):
-            tuner.plan(GREEDY, committed[request])
+            tuner.plan_request(GREEDY, committed[request])
             tuner.observe_round(0, 1, 4, 4, 4, 0.020)  # 20 ms: twice the start-up profile
             tuner.observe_commit([1] * 5)
             committed[request] += 5
@@ -711,18 +711,18 @@ def auto_engine(family, names, **speculation):
 @pytest.mark.parametrize("names,extra", [(["target", "mid", "ngram"], {}), (["target", "mid", "small"], {"tree_width": 2})])
 def test_auto_lengths_keep_greedy_output(tiny_family, reference, names, extra):
     engine = auto_engine(tiny_family, names, **extra)
-    assert engine.scheduler.tuner is not None
+    assert engine.scheduler.planner is not None
     for _ in range(2):  # the second pass runs on learned estimates (and probably other lengths)
         for prompt in PROMPTS:
             result = engine.generate(engine.parse_request({"prompt": prompt, "max_new_tokens": MAX_NEW}))
             assert result["token_ids"] == reference[prompt]
             assert result["stats"]["plans"] and result["stats"]["plans"][0]["new_tokens"] == 0
-    assert engine.scheduler.tuner.history
+    assert engine.scheduler.planner.history
 
 
 def test_forced_bypass_keeps_greedy_output(tiny_family, reference):
     engine = auto_engine(tiny_family, ["target", "mid", "ngram"])
-    engine.scheduler.tuner.fix(Plan((5, 3), (0, 2)))
+    engine.scheduler.planner.fix(Plan((5, 3), (0, 2)))
     for prompt in PROMPTS:
         result = engine.generate(engine.parse_request({"prompt": prompt, "max_new_tokens": MAX_NEW}))
         assert result["token_ids"] == reference[prompt]
@@ -735,7 +735,7 @@ def test_auto_lengths_sampling_runs(tiny_family):
     engine = auto_engine(tiny_family, ["target", "mid", "ngram"])
     result = engine.generate(engine.parse_request({"prompt": PROMPTS[0], "max_new_tokens": 24, "temperature": 1.0, "seed": 3}))
     assert len(result["token_ids"]) == 24
-    assert "sampling" in {h["class"] for h in engine.scheduler.tuner.history}
+    assert "sampling" in {h["class"] for h in engine.scheduler.planner.history}
 
 
 def test_proposal_fill_from_the_bottom_drafters_proposals():
@@ -750,7 +750,7 @@ def test_proposal_fill_from_the_bottom_drafters_proposals():
     before = tuner.predict("greedy", (0, 1, 2), (4, 6))
     committed = 100
     for round_index in range(200):
-        tuner.plan(GREEDY, committed)
+        tuner.plan_request(GREEDY, committed)
         for proposal in range(4):
             tokens = [7] * 6 if (4 * round_index + proposal) % 4 == 0 else []
             tuner.observe_draft(2, 6, committed + 999, tokens, 0.0)  # (not at the committed context: no shadow)
@@ -872,15 +872,15 @@ def test_heldout_runs_a_fresh_and_a_warm_tuner_without_changing_the_warm_one(tin
     from polyspec.harness.tune import TuneSettings, measure_heldout
 
     engine = auto_engine(tiny_family, ["target", "mid", "ngram"])
-    warm = engine.scheduler.tuner
-    engine.scheduler.tuner = None
+    warm = engine.scheduler.planner
+    engine.scheduler.planner = None
     ids = [engine.parse_request({"prompt": p, "max_new_tokens": 8}).prompt_ids for p in PROMPTS[:2]]
     settings = TuneSettings(max_new_tokens=8, grid_max=4, heldout_repeats=2)
     for prompt in ids:  # the warm tuner serves other prompts first
         warm.fix(None)
-        engine.scheduler.tuner = warm
+        engine.scheduler.planner = warm
         engine.scheduler.generate(list(prompt), 8, settings.params(), seed=0)
-    engine.scheduler.tuner = None
+    engine.scheduler.planner = None
     rounds, history = warm.class_state("greedy").rounds, list(warm.history)
     fresh = []
 

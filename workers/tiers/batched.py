@@ -109,6 +109,13 @@ class RowByRow(BatchedTier):
     def draft_tree(self, seq_id, context, width, depth, params, scheme, generator) -> DraftTree:
         return self.tier.draft_tree(seq_id, context, width, depth, params, scheme, generator)
 
+    # a remote tier drafts ahead and hears verdicts: pass them through
+    def continues_past(self, seq_id) -> bool:
+        return self.tier.continues_past(seq_id)
+
+    def verdict(self, seq_id, base_len: int, proposed: int, accepted: int, correction: int | None) -> None:
+        self.tier.verdict(seq_id, base_len, proposed, accepted, correction)
+
 
 class BatchedModelTier(BatchedTier):
     """A Llama-architecture `ModelTier` whose open requests share one slot cache and one forward per call."""
@@ -387,3 +394,9 @@ def batched_tiers(tiers: list[Tier], max_slots: int | None = None) -> list[Batch
             batched_source.keep_features = True
             read_features_from(batched_source)
     return out
+
+
+def as_batched(tier: Tier | BatchedTier) -> BatchedTier:
+    """`tier` behind the batched seam: itself if it is one, else served row by row (the tier's own
+    calls, one request after the other: what it computes and draws is unchanged)."""
+    return tier if isinstance(tier, BatchedTier) else RowByRow(tier)

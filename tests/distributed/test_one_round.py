@@ -1,0 +1,74 @@
+"""One round for every mode: `ChainScheduler.round_batch` is the only code that verifies a
+block, whether the engine runs one request (`generate`), a batch (`polyspec batch`, jobs,
+`serve`) or the chain is distributed (each tier worker runs it over [its tier, the tier
+below], one sequence or a batch per call; TierWorkers in this process over gRPC on loopback,
+the same worker code a Ray actor runs). Counted by wrapping that one method."""
+
+from __future__ import annotations
+
+import pytest
+
+from family_chains import tier_specs
+from inprocess_chain import in_process_chain
+from polyspec.orchestrator.config import parse_config
+from polyspec.orchestrator.decode.scheduler import ChainScheduler
+from polyspec.orchestrator.engine import Engine, GenerationRequest
+from polyspec.orchestrator.tokenization import encode_prompt
+from polyspec.workers.core.sampling import SamplingParams
+from polyspec.workers.tiers.loading import load_tiers
+
+PROMPT = "def add(a, b):\n    return"
+MAX_NEW = 24
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Calls of the round per verifying tier index, and the batch sizes it saw."""
+    calls = []
+    original = ChainScheduler.round_batch
+
+    def round_batch(self, level, items):
+        calls.append((self.tiers[level].name, len(items)))
+        return original(self, level, items)
+
+    monkeypatch.setattr(ChainScheduler, "round_batch", round_batch)
+    return calls
+
+
+def config_of(family, names, lengths):
+    return parse_config({"tiers": tier_specs(family, names), "speculation": {"lengths": lengths}})
+
+
+def test_embedded_single_batched_and_distributed_rounds_are_one_code(tiny_family, counted):
+    names, lengths = ["target", "mid", "small"], [4, 3]
+    config = config_of(tiny_family, names, lengths)
+
+    alone = Engine(config)  # generate: requests take turns, a batch of one each
+    ids = encode_prompt(alone.tokenizer, PROMPT)
+    single = alone.generate(GenerationRequest(tuple(ids), MAX_NEW, GREEDY))["token_ids"]
+    assert counted and {name for name, _ in counted} == {"target", "mid"} and all(size == 1 for _, size in counted)
+    alone.close()
+
+    counted.clear()
+    batched = Engine(config, batched=True)
+    states = [batched.start(GenerationRequest(tuple(ids), MAX_NEW, GREEDY)) for _ in range(3)]
+    while not all(s.done for s in states):
+        batched.scheduler.prefill(states)
+        batched.step_all([s for s in states if not s.done])
+    assert [batched.finish(s)["token_ids"] for s in states] == [single] * 3
+    assert max(size for name, size in counted if name == "target") == 3, counted
+    batched.close()
+
+    counted.clear()
+    tiers, _ = load_tiers(config.tiers)
+    chain, workers = in_process_chain(tiers, lengths, pipeline=False, eos_token_ids=())
+    try:
+        out = chain.generate(ids, MAX_NEW, GREEDY)
+        assert out.token_ids == single
+        # the target worker verifies the middle tier's blocks, the middle worker the small tier's: both by the round
+        assert {"target", "mid"} <= {name for name, _ in counted}, counted
+    finally:
+        chain.close()
+        for worker in workers:
+            worker.stop()
