@@ -35,7 +35,8 @@ import torch
 
 from polyspec.orchestrator.decode.contract import GenerationOutput, RequestState, commit, finish_if_full, note_plan, remaining, stage_of
 from polyspec.orchestrator.decode.scheduler import ChainScheduler
-from polyspec.workers.core.tree import DraftTree, verify_block
+from polyspec.orchestrator.decode.approximate import scoring, verdict
+from polyspec.workers.core.tree import DraftTree
 from polyspec.workers.tiers.batched import BatchedTier
 
 DEFAULT_PREFILL_BUDGET = 512  # prompt tokens cached per step for joining requests
@@ -205,11 +206,13 @@ class BatchedScheduler(ChainScheduler):
                 for j, (tokens, rows) in zip(wanted, emitted):
                     blocks[j] = DraftTree.chain(tokens, rows)
         started = time.perf_counter()
-        probs = tier.score_batch([r.seq_id for r, _, _ in items], [c for _, c, _ in items], blocks, [r.params for r, _, _ in items])
+        # each block and params as scored: (block, run.params) unless an approximate rule applies
+        scored = [scoring(run, level, context, block) for (run, context, _), block in zip(items, blocks)]
+        probs = tier.score_batch([r.seq_id for r, _, _ in items], [c for _, c, _ in items], [b for b, _ in scored], [p for _, p in scored])
         seconds = (time.perf_counter() - started) / len(items)
         out = []
         for (run, context, length), block, target_probs in zip(items, blocks, probs):
-            path, next_token = verify_block(target_probs, block, self.scheme, run.params.greedy, run.generators[level])
+            path, next_token = verdict(run, level, target_probs, block, self.scheme, run.generators[level])
             if not block.is_chain():  # both tiers keep the accepted path, as in ChainScheduler.verify_round
                 tier.accept_path(run.seq_id, path)
                 self.tiers[below].accept_path(run.seq_id, path)

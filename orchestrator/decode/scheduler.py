@@ -41,8 +41,9 @@ from polyspec.orchestrator.decode.contract import (
     seeded_generator,
     tier_seeds,
 )
+from polyspec.orchestrator.decode.approximate import scoring, verdict
 from polyspec.workers.core.sampling import SamplingParams
-from polyspec.workers.core.tree import DraftTree, verify_block
+from polyspec.workers.core.tree import DraftTree
 from polyspec.workers.tiers.tier import Tier
 
 
@@ -62,6 +63,8 @@ class Run:
     stages: list[StageStats]  # [i]: tier i verifying tier i + 1
     limit: int = NO_LIMIT  # no position may reach this (the smallest model context)
     bypass_stages: dict[tuple[int, int], StageStats] = dataclasses.field(default_factory=dict)  # (tier, drafter) when a tier is bypassed
+    # an approximate mode's rule for the target's check (polyspec.orchestrator.decode.approximate); None: exact
+    rule: object = None
 
 
 FROM_TIERS = "tiers"  # `max_context` default: the smallest context among the tiers
@@ -236,8 +239,9 @@ class ChainScheduler:
         below = self._below(level)
         block = self._propose(run, below, context, length) if below is not None else DraftTree([], [], None)
         started = time.perf_counter()
-        target_probs = tier.score(run.seq_id, context, block, run.params)  # [len(block) + 1, V]
-        path, next_token = verify_block(target_probs, block, self.scheme, run.params.greedy, generator)
+        scored, params = scoring(run, level, context, block)  # (block, run.params) unless an approximate rule applies
+        target_probs = tier.score(run.seq_id, context, scored, params)  # [len(block) + 1, V] when exact
+        path, next_token = verdict(run, level, target_probs, block, self.scheme, generator)
         if not block.is_chain():
             tier.accept_path(run.seq_id, path)
             self.tiers[below].accept_path(run.seq_id, path)
