@@ -503,6 +503,11 @@ class Engine:
             result = {"id": request.id, **result}
         return result
 
+    def encode(self, text: str) -> list[int]:
+        """`text`'s tokens, no special tokens added (an approximate mode's own prompts: a probe, a scoring prompt)."""
+        with self._decode_lock:  # batch threads share one tokenizer
+            return self.tokenizer.encode(text, add_special_tokens=False)
+
     def decode(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:
             return ""

@@ -307,13 +307,13 @@ class StepDriver:
         return at if could_trigger else len(text)
 
 
-def digit_token_ids(tokenizer) -> list[list[int]]:
+def digit_token_ids(encode: Callable[[str], list[int]]) -> list[list[int]]:
     """[d]: the single tokens that read as digit d ("7", and " 7" where a tokenizer has it)."""
     ids: list[list[int]] = []
     for digit in "0123456789":
         found = []
         for text in (digit, " " + digit):
-            encoded = tokenizer.encode(text, add_special_tokens=False)
+            encoded = encode(text)
             if len(encoded) == 1 and encoded[0] not in found:
                 found.append(encoded[0])
         ids.append(found)
@@ -373,10 +373,6 @@ def attach(engine, state: RequestState, mode: ApproximateMode) -> Attached:
     attached = Attached(state.seq_id, mode)
     scheduler = engine.scheduler
 
-    def encode(text: str) -> list[int]:
-        with engine._decode_lock:  # the model thread shares the engine's tokenizer with result decoding
-            return engine.tokenizer.encode(text, add_special_tokens=False)
-
     if mode.mode == BILD:
         state.run.rule = BildRule(mode.rollback_threshold)
         # the fallback: whichever tier drafts at the bottom of the chain stops after a token it is unsure of
@@ -385,9 +381,8 @@ def attach(engine, state: RequestState, mode: ApproximateMode) -> Attached:
             model_tier.exit_by_seq[state.seq_id] = mode.fallback_threshold
             attached.drafters.append(model_tier)
     elif mode.mode == REFLECTIVE:
-        state.run.rule = ReflectiveRule(mode.reflective_weight, tuple(encode(mode.probe_prompt)))
+        state.run.rule = ReflectiveRule(mode.reflective_weight, tuple(engine.encode(mode.probe_prompt)))
     else:
-        with engine._decode_lock:
-            digits = digit_token_ids(engine.tokenizer) if mode.mode == SPECREASON else None
-        attached.driver = StepDriver(scheduler, mode, engine.decode, encode, digits, engine.decode(list(state.committed)))
+        digits = digit_token_ids(engine.encode) if mode.mode == SPECREASON else None
+        attached.driver = StepDriver(scheduler, mode, engine.decode, engine.encode, digits, engine.decode(list(state.committed)))
     return attached

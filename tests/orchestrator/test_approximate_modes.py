@@ -106,10 +106,8 @@ def test_specreason_ends(engine, small_alone):
     assert rewrite["stats"]["approximate"]["steps_accepted"] == 0 and rewrite["stats"]["approximate"]["small_tokens"] == 0
 
 
-def test_specreason_steps_end_at_the_delimiter(engine, small_alone, tiny_family):
+def test_specreason_steps_end_at_the_delimiter(engine, small_alone):
     """A delimiter the small model writes early splits its text into several scored steps."""
-    from polyspec.orchestrator.engine import Engine as _  # noqa: F401 (the engine fixture's tokenizer decodes)
-
     text = engine.decode(small_alone)
     delimiter = text[3]  # a character inside its text, so at least two steps
     keep = run(engine, {"mode": "specreason", "score_threshold": 0, "step_delimiter": delimiter})

@@ -44,10 +44,9 @@ def test_http_marks_approximate_answers(server):
     status, answer = post(server.http_port, "/v1/completions",
                           {"prompt": "def f(x):", "max_tokens": 8, "temperature": 0, "approximate": BILD})
     assert status == 200 and answer["approximate"] == {"mode": "bild", "fallback_threshold": 0.5, "rollback_threshold": 3.0}
-    status, chat = post(server.http_port, "/v1/chat/completions",
-                        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
-                         "approximate": {"mode": "specreason", "score_threshold": 0}})
-    assert status == 200 and chat["approximate"]["mode"] == "specreason"
+    status, steps = post(server.http_port, "/v1/completions",
+                         {"prompt": "def f(x):", "max_tokens": 6, "approximate": {"mode": "specreason", "score_threshold": 0}})
+    assert status == 200 and steps["approximate"]["mode"] == "specreason"
     status, stream = post(server.http_port, "/v1/completions",
                           {"prompt": "def f(x):", "max_tokens": 6, "stream": True, "approximate": {"mode": "reflective"}})
     chunks = [json.loads(line[len("data: "):]) for line in stream.splitlines() if line.startswith("data: {")]
