@@ -220,3 +220,12 @@ def test_batch_lines_name_their_mode(tiny_family, tmp_path):
     results = {r["id"]: r for r in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
     assert "mode" not in results["exact"] and results["bild"]["mode"] == "bild" and results["sr"]["mode"] == "specreason"
     assert "takeover_tokens applies to mode speculative-thinking, not bild" in results["bad"]["error"], (results["bad"], proc.stderr)
+
+
+@pytest.mark.parametrize("mode", [{"mode": "bild"}, {"mode": "reflective"}, {"mode": "specreason", "score_threshold": 4},
+                                  {"mode": "speculative-thinking", "trigger_words": ["a"]}])
+def test_sampled_requests_run_and_a_seed_repeats_them(engine, mode):
+    first = run(engine, mode, temperature=1.0, seed=7)
+    again = run(engine, mode, temperature=1.0, seed=7)
+    assert first["mode"] == mode["mode"] and len(first["token_ids"]) > 0
+    assert again["token_ids"] == first["token_ids"]

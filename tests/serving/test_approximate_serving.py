@@ -90,3 +90,20 @@ def test_exact_only_refuses(start_server, serving_config):
             list(client._stub.Generate(request_message({"prompt": "x", "approximate": BILD}), timeout=60))
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "--exact-only" in refused.value.details()
         assert client.generate("x", max_new_tokens=4)["finish_reason"] in ("length", "eos")
+
+
+def test_exact_only_will_not_serve_an_approximate_config(tmp_path, serving_config):
+    import subprocess
+    import sys
+
+    import yaml
+
+    config = yaml.safe_load(open(serving_config))
+    config["approximate"] = {"mode": "bild"}
+    path = tmp_path / "chain.yaml"
+    path.write_text(yaml.safe_dump(config))
+    proc = subprocess.run([sys.executable, "-m", "polyspec", "serve", "-c", str(path), "--exact-only", "--port", "0",
+                           "--state-dir", str(tmp_path / "state")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines()[-1] == ("polyspec: error: --exact-only, but the config's approximate.mode is bild: "
+                                                    "remove that section or serve without --exact-only")
