@@ -14,10 +14,15 @@ row to <out>.rows.jsonl; a restart skips the rows already there. The report
 (<out>.json / .md / .png) is computed from whatever rows exist: pass@1, tokens/s, speedup over
 the baseline system (the large model alone) and mean output length, per system and setting.
 
-Systems are callables (`BenchSystem`): the large model alone comes from `engine_system` (a
-polyspec chain config run target-only); the approximate modes plug in the same way once the
-engine runs them. The problems the project tuned on (those `polyspec.harness.realbench` picks
-by default) are left out.
+Systems are callables (`BenchSystem`), all through `Engine`: `NAME=CONFIG` runs the config's
+target alone (the large model alone; a config whose target is the small model gives the small
+model alone), `NAME=CONFIG:chain` the exact chain, and `NAME=CONFIG:MODE,knob=value,...` the
+chain in an approximate mode (each request names it: docs/approximate.md), e.g.
+`bild=CONFIG:bild,fallback_threshold=0.3,rollback_threshold=2`. `--grid CONFIG` adds the large
+model alone, the exact chain and every mode at two or three settings (`GRID`). The problems the
+project tuned on (those `polyspec.harness.realbench` picks by default) are left out.
+
+    python benchmarks/approximate.py --grid configs/qwen2.5-coder-2tier.yaml --system small=SMALL_CONFIG
 """
 
 from __future__ import annotations
@@ -216,9 +221,10 @@ def _kill_group(child: subprocess.Popen) -> None:
 
 
 def engine_system(name: str, config_path: str, max_new_tokens: int, setting: str = "greedy",
-                  speculative: bool = False) -> BenchSystem:
+                  speculative: bool = False, approximate: dict | None = None) -> BenchSystem:
     """A polyspec chain as a system. speculative=False runs the config's target alone (the
-    large model alone); True runs the chain as configured. Greedy decoding."""
+    large model alone); True runs the chain as configured, in the approximate mode
+    `approximate` ({"mode": "bild", ...}) when given. Greedy decoding."""
 
     def make() -> Generate:
         from polyspec.orchestrator.config import load_config
@@ -227,7 +233,10 @@ def engine_system(name: str, config_path: str, max_new_tokens: int, setting: str
         engine = Engine(load_config(config_path), speculative=speculative)
 
         def generate(prompt: str) -> Generation:
-            request = engine.parse_request({"prompt": prompt, "max_new_tokens": max_new_tokens, "temperature": 0.0})
+            raw = {"prompt": prompt, "max_new_tokens": max_new_tokens, "temperature": 0.0}
+            if approximate is not None:
+                raw["approximate"] = approximate
+            request = engine.parse_request(raw)
             started = time.perf_counter()
             result = engine.generate(request)
             seconds = time.perf_counter() - started
@@ -387,19 +396,64 @@ def plot(entries: list[dict], path: Path) -> bool:
 # ---------------------------------------------------------------------------------- command
 
 
+# --grid: each mode at two or three settings, from close to the large model to far from it
+GRID = (
+    {"mode": "bild", "fallback_threshold": 0.5, "rollback_threshold": 1.0},
+    {"mode": "bild", "fallback_threshold": 0.3, "rollback_threshold": 2.0},
+    {"mode": "bild", "fallback_threshold": 0.2, "rollback_threshold": 4.0},
+    {"mode": "specreason", "score_threshold": 7},
+    {"mode": "specreason", "score_threshold": 5},
+    {"mode": "speculative-thinking", "takeover_tokens": 64},
+    {"mode": "speculative-thinking", "takeover_tokens": 16},
+    {"mode": "reflective", "reflective_weight": 0.3},
+    {"mode": "reflective", "reflective_weight": 0.6},
+)
+
+
+def setting_label(approximate: dict) -> str:
+    return ",".join(f"{key}={value}" for key, value in approximate.items() if key != "mode") or "defaults"
+
+
 def parse_system(spec: str, max_new_tokens: int) -> BenchSystem:
-    """NAME=CONFIG (target alone) or NAME=CONFIG:chain (the chain as configured)."""
+    """NAME=CONFIG (target alone), NAME=CONFIG:chain (the chain as configured) or
+    NAME=CONFIG:MODE,knob=value,... (the chain in an approximate mode)."""
+    import yaml
+
+    from polyspec.workers.core.approximate import MODES, ApproximateMode
+
     name, _, rest = spec.partition("=")
     config, _, how = rest.partition(":")
-    if not name or not config or how not in ("", "chain"):
-        raise SystemExit(f"--system {spec!r}: expected NAME=CONFIG or NAME=CONFIG:chain")
-    return engine_system(name, config, max_new_tokens, setting="greedy", speculative=how == "chain")
+    mode, *knobs = how.split(",")
+    if not name or not config or mode not in ("", "chain", *MODES):
+        raise SystemExit(f"--system {spec!r}: expected NAME=CONFIG, NAME=CONFIG:chain or NAME=CONFIG:MODE,knob=value,...")
+    if mode in ("", "chain"):
+        return engine_system(name, config, max_new_tokens, setting="greedy", speculative=mode == "chain")
+    approximate = {"mode": mode}
+    for knob in knobs:
+        key, _, value = knob.partition("=")
+        approximate[key] = yaml.safe_load(value)
+    try:
+        ApproximateMode.from_mapping(approximate)  # a mistake stops here, before any model loads
+    except ValueError as exc:
+        raise SystemExit(f"--system {spec!r}: {exc}") from None
+    return engine_system(name, config, max_new_tokens, setting=setting_label(approximate), speculative=True, approximate=approximate)
+
+
+def grid_systems(config: str, max_new_tokens: int) -> list[BenchSystem]:
+    """The large model alone, the exact chain, and each mode of `GRID` on `config`'s chain."""
+    systems = [engine_system("large", config, max_new_tokens), engine_system("chain", config, max_new_tokens, speculative=True)]
+    for approximate in GRID:
+        systems.append(engine_system(approximate["mode"], config, max_new_tokens, setting=setting_label(approximate),
+                                     speculative=True, approximate=approximate))
+    return systems
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--system", action="append", default=[],
-                        help="NAME=CONFIG (its target alone) or NAME=CONFIG:chain; repeatable")
+                        help="NAME=CONFIG (its target alone), NAME=CONFIG:chain or NAME=CONFIG:MODE,knob=value,...; repeatable")
+    parser.add_argument("--grid", default=None, metavar="CONFIG",
+                        help="the large model alone, the exact chain and every mode at two or three settings (GRID) on CONFIG")
     parser.add_argument("--problems", type=int, default=40, help="HumanEval problems (not the tuned ones)")
     parser.add_argument("--tokens", type=int, default=384, help="new tokens per problem at most")
     parser.add_argument("--baseline", default=BASELINE_SYSTEM, help="the system speedups are measured against")
@@ -415,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.report_only:
         rows = read_rows(rows_path)
     else:
-        systems = [parse_system(spec, args.tokens) for spec in args.system]
+        systems = (grid_systems(args.grid, args.tokens) if args.grid else []) + [parse_system(spec, args.tokens) for spec in args.system]
         if not systems:
             parser.error("name at least one --system (e.g. large=configs/qwen2.5-coder-2tier.yaml)")
         problems = humaneval_problems(args.problems)

@@ -10,6 +10,7 @@
     server: {host: 127.0.0.1, port: 50051}
     batching: {enabled: true, max_requests: 64, max_batched_tokens: 2048, kv_memory_mb: null, round: auto, max_context: null}
     tuning: {max_length: 8, hysteresis: 0.03}   # optional: the online tuner's knobs (lengths: auto)
+    approximate: {mode: bild, rollback_threshold: 2.0}  # optional, NOT lossless: docs/approximate.md (default exact)
 
 Every mistake is a `ConfigError` with one line that names the offending key.
 """
@@ -24,6 +25,7 @@ from typing import Any
 
 import yaml
 
+from polyspec.workers.core.approximate import ApproximateMode
 from polyspec.workers.core.errors import ConfigError
 from polyspec.workers.tiers.model_cache import NGRAM_MODEL, resolve_zoo_reference
 
@@ -98,7 +100,7 @@ class BatchingConfig:
     kv_memory_mb: int | None = None  # bound on the KV caches of all requests; lowers max_requests to fit
     # which batched round runs the chain: "device" (polyspec.orchestrator.decode.device_round: static shapes,
     # verification on the device, CUDA graphs; a target and at most one Llama / Qwen2 drafter with fixed
-    # lengths), "ragged" (polyspec.orchestrator.decode.batched: every chain), "auto": device on CUDA where
+    # lengths), "ragged" (polyspec.orchestrator.decode.scheduler: every chain), "auto": device on CUDA where
     # the chain fits it, ragged otherwise
     round: str = "auto"
     max_context: int | None = None  # the device round's KV pool holds this many positions per request (None: the model's)
@@ -153,6 +155,8 @@ class ChainConfig:
     server: ServerConfig = ServerConfig()
     batching: BatchingConfig = BatchingConfig()
     tuning: TuningConfig = TuningConfig()
+    # the decoding mode of requests that name none (docs/approximate.md); exact unless the config names another
+    approximate: ApproximateMode = ApproximateMode()
     source: str | None = None  # the file it was read from
 
     def speculation_lengths(self) -> list[int]:
@@ -163,7 +167,8 @@ class ChainConfig:
         return list(lengths)
 
     def target_only(self) -> "ChainConfig":
-        return dataclasses.replace(self, tiers=self.tiers[:1], speculation=SpeculationConfig(lengths=()))
+        # the target alone writes its own text: exact, whatever mode the chain would run
+        return dataclasses.replace(self, tiers=self.tiers[:1], speculation=SpeculationConfig(lengths=()), approximate=ApproximateMode())
 
 
 # ------------------------------------------------------------------------- parsing
@@ -326,7 +331,7 @@ def parse_tuning(raw: Any) -> TuningConfig:
 def parse_config(raw: Any, source: str | None = None) -> ChainConfig:
     if not isinstance(raw, dict):
         raise ConfigError("config must be a YAML mapping with a 'tiers' list")
-    known = {"tiers", "speculation", "sampling", "runtime", "server", "batching", "tuning"}
+    known = {"tiers", "speculation", "sampling", "runtime", "server", "batching", "tuning", "approximate"}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ConfigError(f"unknown config key '{unknown[0]}' ({_did_you_mean(unknown[0], known)}known keys: {', '.join(sorted(known))})")
@@ -395,8 +400,11 @@ def parse_config(raw: Any, source: str | None = None) -> ChainConfig:
     server = ServerConfig(**srv)
     batching = _parse_batching(raw.get("batching"))
     tuning = parse_tuning(raw.get("tuning"))
+    approximate = ApproximateMode.from_mapping(raw.get("approximate"))
+    if not approximate.lossless and runtime.backend != "local":
+        raise ConfigError(f"approximate.mode {approximate.mode} runs embedded only (runtime.backend: local), not on {runtime.backend}")
     return ChainConfig(tiers=tiers, speculation=speculation, sampling=sampling, runtime=runtime, server=server,
-                       batching=batching, tuning=tuning, source=source)
+                       batching=batching, tuning=tuning, approximate=approximate, source=source)
 
 
 def _parse_batching(raw: Any) -> BatchingConfig:

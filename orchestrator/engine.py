@@ -3,8 +3,11 @@
 The CLI, the batch runner and (later) the server all go through `Engine.generate`, so a
 request means the same thing everywhere:
 
-    request: {id, prompt | prompt_ids | messages, max_new_tokens, temperature, top_p, top_k, seed}
-    result:  {id, text, token_ids, finish_reason, stats}
+    request: {id, prompt | prompt_ids | messages, max_new_tokens, temperature, top_p, top_k, seed, approximate}
+    result:  {id, text, token_ids, finish_reason, stats, mode (only when not exact; stats.approximate too)}
+
+`approximate` ({mode: bild, ...}; docs/approximate.md) picks a decoding mode that is NOT
+lossless; without it a request runs the config's `approximate:` mode, exact unless named.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from polyspec.orchestrator.config import ChainConfig
 from polyspec.orchestrator.tokenization import encode_chat, encode_prompt, stop_token_ids
 from polyspec.orchestrator.tuning.autoconf import needs_choice, resolve_auto
 from polyspec.orchestrator.tuning.profile_cache import ProfileCache
+from polyspec.workers.core.approximate import ApproximateMode, ApproximateModeError
 from polyspec.workers.core.errors import ConfigError, RequestError
 from polyspec.workers.tiers.loading import load_tiers, quiet_transformers
 from polyspec.workers.core.sampling import SamplingParams
@@ -34,7 +38,7 @@ DEVICE_POOL_SHARE = 0.8  # of the GPU memory free at start-up, the most the devi
 DEVICE_HEADROOM_MB = 2048  # ... less this, for the steps' activations and the CUDA graphs
 SEED_LIMIT = 1 << 63  # seeds are in [0, 2^63): an int64 on the wire, every bit used
 MAX_TEMPERATURE = 1000.0  # far past uniform sampling; larger (or inf) is a mistake
-REQUEST_FIELDS = ("id", "prompt", "prompt_ids", "messages", "max_new_tokens", "temperature", "top_p", "top_k", "seed")
+REQUEST_FIELDS = ("id", "prompt", "prompt_ids", "messages", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "approximate")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +48,7 @@ class GenerationRequest:
     params: SamplingParams
     seed: int | None = None
     id: str | None = None
+    approximate: ApproximateMode = ApproximateMode()  # exact unless the request or the config names a mode
 
 
 def _number(name: str, value, kind):
@@ -100,6 +105,8 @@ class Engine:
         self._decode_lock = threading.Lock()
         self.batched = False
         self.max_requests = 1
+        self.exact_only = False  # `serve --exact-only`: requests in an approximate mode are refused
+        self._approximate: dict = {}  # seq_id -> polyspec.orchestrator.decode.approximate.Attached (approximate requests only)
         self.config = config if speculative else config.target_only()
         if config.runtime.backend == "ray":
             self._start_ray(auto_tune, batched)
@@ -240,10 +247,16 @@ class Engine:
 
     def step_all(self, states: list[RequestState]) -> list[list[int]]:
         """One round of every request in `states` (batched chains: one forward per tier; otherwise in turn)."""
+        driven = {i for i, state in enumerate(states) if getattr(self._approximate.get(state.seq_id), "driver", None) is not None}
         if isinstance(self.scheduler, BatchDecoder):
-            emitted = self.scheduler.step_all(states)
+            rounds = [state for i, state in enumerate(states) if i not in driven]
+            batched = iter(self.scheduler.step_all(rounds) if rounds else [])
+            # a step-level approximate request (its own driver) steps alone, after the batched round
+            emitted = [self._approximate[state.seq_id].driver.step(state) if i in driven else next(batched)
+                       for i, state in enumerate(states)]
         else:
-            emitted = [self.scheduler.step(state) for state in states]
+            emitted = [self._approximate[state.seq_id].driver.step(state) if i in driven else self.scheduler.step(state)
+                       for i, state in enumerate(states)]
         for state, tokens in zip(states, emitted):
             _note_commit(state, tokens)
         return emitted
@@ -392,7 +405,26 @@ class Engine:
             if not 0 <= seed < SEED_LIMIT:
                 raise RequestError(f"seed must be in [0, 2^63), got {str(seed)[:40]}")
         request_id = raw.get("id")
-        return GenerationRequest(tuple(ids), max_new, params, seed, None if request_id is None else str(request_id))
+        mode = self._approximate_mode(raw)
+        return GenerationRequest(tuple(ids), max_new, params, seed, None if request_id is None else str(request_id), mode)
+
+    def _approximate_mode(self, raw: dict) -> ApproximateMode:
+        """The request's decoding mode: its `approximate` field, else the config's; refused where it cannot run."""
+        if "approximate" in raw:
+            try:
+                mode = ApproximateMode.from_mapping(raw["approximate"])
+            except ApproximateModeError as exc:
+                raise RequestError(str(exc)) from None
+        else:
+            mode = self.config.approximate
+        if mode.lossless:
+            return mode
+        from polyspec.orchestrator.decode.approximate import unsupported
+
+        why = unsupported(mode, self)
+        if why:
+            raise RequestError(f"approximate mode {mode.mode} refused: {why}")
+        return mode
 
     def generate(self, request: GenerationRequest, on_commit: Callable[[list[int]], None] | None = None) -> dict:
         started, first_commit = time.perf_counter(), []
@@ -403,6 +435,17 @@ class Engine:
             if on_commit is not None:
                 on_commit(tokens)
 
+        if not request.approximate.lossless:  # the mode's rule or driver hangs on the request's state: round by round
+            state = self.start(request)
+            try:
+                while not state.done:
+                    emitted = self.step(state)
+                    if emitted:
+                        commit(emitted)
+            except BaseException:
+                self.cancel(state)
+                raise
+            return self.finish(state)
         output = self.scheduler.generate(list(request.prompt_ids), request.max_new_tokens, request.params, seed_stream(request.seed), commit)
         return self._result(request, output, started, first_commit[0] if first_commit else None)
 
@@ -411,19 +454,34 @@ class Engine:
     def start(self, request: GenerationRequest) -> RequestState:
         state = self.scheduler.start(list(request.prompt_ids), request.max_new_tokens, request.params, seed_stream(request.seed))
         state.request = request
+        if not request.approximate.lossless:
+            from polyspec.orchestrator.decode.approximate import attach
+
+            self._approximate[state.seq_id] = attach(self, state, request.approximate)
         return state
 
     def step(self, state: RequestState) -> list[int]:
-        """One target verification round; the newly committed token ids (empty once done)."""
+        """One target verification round; the newly committed token ids (empty once done).
+        A request in a step-level approximate mode advances by one of its driver's steps instead."""
+        attached = self._approximate.get(state.seq_id)
+        if attached is not None and attached.driver is not None:
+            return _note_commit(state, attached.driver.step(state))
         return _note_commit(state, self.scheduler.step(state))
 
     def finish(self, state: RequestState) -> dict:
-        return self._result(state.request, self.scheduler.finish(state), state.started, state.first_commit_at)
+        output = self.scheduler.finish(state)
+        return self._result(state.request, output, state.started, state.first_commit_at, self._detach(state))
 
     def cancel(self, state: RequestState) -> dict:
-        return self._result(state.request, self.scheduler.cancel(state), state.started, state.first_commit_at)
+        output = self.scheduler.cancel(state)
+        return self._result(state.request, output, state.started, state.first_commit_at, self._detach(state))
 
-    def _result(self, request: GenerationRequest, output, started: float, first_commit: float | None) -> dict:
+    def _detach(self, state: RequestState) -> dict | None:
+        """An approximate request's mode and counts for its result (None when exact); its hooks are removed."""
+        attached = self._approximate.pop(state.seq_id, None)
+        return None if attached is None else attached.detach()
+
+    def _result(self, request: GenerationRequest, output, started: float, first_commit: float | None, approximate: dict | None = None) -> dict:
         """The result; its stats gain the chain's load (and start-up profile) time and the request's
         prefill (start to the first committed tokens: the prompt through every tier, and the first
         round) and decode time (the rest)."""
@@ -437,9 +495,17 @@ class Engine:
             "finish_reason": output.finish_reason,
             "stats": {**output.stats, **timings},
         }
+        if approximate is not None:  # marked in the result and its stats: this text is not the target's own
+            result["mode"] = approximate["mode"]
+            result["stats"]["approximate"] = approximate
         if request.id is not None:
             result = {"id": request.id, **result}
         return result
+
+    def encode(self, text: str) -> list[int]:
+        """`text`'s tokens, no special tokens added (an approximate mode's own prompts: a probe, a scoring prompt)."""
+        with self._decode_lock:  # batch threads share one tokenizer
+            return self.tokenizer.encode(text, add_special_tokens=False)
 
     def decode(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:

@@ -32,6 +32,8 @@ def add_parsers(sub) -> None:
     serve.add_argument("--metrics-port", type=int, default=9464, help="Prometheus /metrics port (0 = off)")
     serve.add_argument("--http-port", type=int, default=None,
                        help="OpenAI-compatible API on this port: /v1/completions, /v1/chat/completions, /v1/models")
+    serve.add_argument("--exact-only", action="store_true",
+                       help="refuse requests in an approximate decoding mode (docs/approximate.md): HTTP 400, INVALID_ARGUMENT")
     serve.add_argument("--served-model-name", action="append", default=None, metavar="NAME",
                        help="the model name(s) the OpenAI API answers to (repeatable; default: the target's folder name or id); "
                             "any other name is 404 model_not_found")

@@ -35,7 +35,7 @@ from polyspec.protos.polyspec.v1 import polyspec_pb2_grpc as pb_grpc
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 RETRY_PAUSE_S = 0.5
-REQUEST_FIELDS = ("id", "prompt", "prompt_ids", "messages", "max_new_tokens", "temperature", "top_p", "top_k", "seed")
+REQUEST_FIELDS = ("id", "prompt", "prompt_ids", "messages", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "approximate")
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 SERVING = 1  # grpc.health.v1.HealthCheckResponse.SERVING
 MAX_MESSAGE_BYTES = 64 << 20
@@ -153,6 +153,8 @@ def request_message(raw: dict) -> pb.GenerateRequest:
     fields = {key: value for key, value in raw.items() if value is not None}
     if "id" in fields:
         fields["id"] = str(fields["id"])
+    if "approximate" in fields:  # an approximate decoding mode travels as JSON (the server validates it)
+        fields["approximate_json"] = json.dumps(fields.pop("approximate"))
     try:
         return pb.GenerateRequest(**fields)
     except (TypeError, ValueError) as exc:

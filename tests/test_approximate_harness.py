@@ -244,3 +244,22 @@ def test_report_only_from_the_rows(tmp_path):
     Path(f"{out}.rows.jsonl").write_text(json.dumps(rows[0]) + "\n")
     assert bench.main(["--report-only", "--out", str(out)]) == 0
     assert json.loads(Path(f"{out}.json").read_text())["systems"][0]["tokens_per_s"] == pytest.approx(10.0)
+
+
+def test_a_mode_system_is_parsed_and_checked_before_any_model_loads():
+    system = bench.parse_system("bild=chain.yaml:bild,fallback_threshold=0.3,rollback_threshold=2", 16)
+    assert (system.name, system.setting) == ("bild", "fallback_threshold=0.3,rollback_threshold=2")
+    assert bench.parse_system("chain=chain.yaml:chain", 16).setting == "greedy"
+    with pytest.raises(SystemExit, match="approximate.score_threshold applies to mode specreason, not bild"):
+        bench.parse_system("b=chain.yaml:bild,score_threshold=3", 16)
+    with pytest.raises(SystemExit, match="expected NAME=CONFIG"):
+        bench.parse_system("b=chain.yaml:fast", 16)
+
+
+def test_the_grid_runs_every_mode_at_two_settings_or_more():
+    systems = bench.grid_systems("chain.yaml", 16)
+    modes = [s.name for s in systems]
+    assert modes[:2] == ["large", "chain"]
+    for mode in ("bild", "specreason", "speculative-thinking", "reflective"):
+        assert modes.count(mode) >= 2
+    assert len({(s.name, s.setting) for s in systems}) == len(systems)  # rows keyed by (system, setting) stay apart

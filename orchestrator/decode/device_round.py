@@ -21,7 +21,7 @@ temperature 0), so the output is the target's: its greedy text, or its distribut
 
 `DeviceScheduler` is a `polyspec.orchestrator.decode.contract.Decoder` with the batched
 scheduler's calls (`step_all`, `prefill`, `ready`, `last_step`), so the request loops drive it
-as they drive `BatchedScheduler`. It covers chains of Llama / Qwen2 model tiers with float
+as they drive the ragged `ChainScheduler`. It covers chains of Llama / Qwen2 model tiers with float
 weights (`StaticLlama.supports`), one drafter at most, chain blocks with fixed lengths.
 """
 

@@ -75,8 +75,9 @@ from polyspec.orchestrator.decode.contract import (
     stage_of,
     tier_seeds,
 )
+from polyspec.orchestrator.decode.approximate import scoring, verdict
 from polyspec.workers.core.sampling import SamplingParams
-from polyspec.workers.core.tree import DraftTree, verify_block
+from polyspec.workers.core.tree import DraftTree
 from polyspec.workers.tiers.batched import BatchedTier, as_batched
 from polyspec.workers.tiers.tier import Tier
 
@@ -91,7 +92,7 @@ class Run:
     """Everything one request's rounds mutate: the unit of the public round API.
 
     `ChainScheduler.start` makes one per request; a distributed tier worker makes its own
-    (one per sequence it serves) and runs `verify_round` / `emit` on it."""
+    (one per sequence it serves) and runs `round_batch` / `emit_batch` on it."""
 
     seq_id: int
     params: SamplingParams
@@ -99,6 +100,8 @@ class Run:
     stages: list[StageStats]  # [i]: tier i verifying tier i + 1
     limit: int = NO_LIMIT  # no position may reach this (the smallest model context)
     bypass_stages: dict[tuple[int, int], StageStats] = dataclasses.field(default_factory=dict)  # (tier, drafter) when a tier is bypassed
+    # an approximate mode's rule for the target's check (polyspec.orchestrator.decode.approximate); None: exact
+    rule: object = None
 
 
 FROM_TIERS = "tiers"  # `max_context` default: the smallest context among the tiers
@@ -351,12 +354,14 @@ class ChainScheduler:
         below = self.below(level)
         blocks = self._propose(level, below, items) if below is not None else [DraftTree([], [], None) for _ in items]
         started = time.perf_counter()
-        probs = tier.score_batch([r.seq_id for r, _, _ in items], [c for _, c, _ in items], blocks, [r.params for r, _, _ in items])
+        # each block and params as scored: (block, run.params) unless an approximate mode's rule applies
+        scored = [scoring(run, level, context, block) for (run, context, _), block in zip(items, blocks)]
+        probs = tier.score_batch([r.seq_id for r, _, _ in items], [c for _, c, _ in items], [b for b, _ in scored], [p for _, p in scored])
         shared = (time.perf_counter() - started) / len(items)
         out = []
         for (run, context, length), block, target_probs in zip(items, blocks, probs):
             started = time.perf_counter()
-            path, next_token = verify_block(target_probs, block, self.scheme, run.params.greedy, run.generators[level])
+            path, next_token = verdict(run, level, target_probs, block, self.scheme, run.generators[level])
             if not block.is_chain():  # both tiers keep the accepted path
                 tier.accept_path(run.seq_id, path)
                 self.tiers[below].accept_path(run.seq_id, path)

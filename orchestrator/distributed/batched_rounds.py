@@ -1,7 +1,7 @@
 """A tier worker's batched calls: VerifyBatch and DraftBatch (continuous batching, distributed).
 
 The driver of a batched chain sends one VerifyBatch per step with every running sequence.
-The target worker runs the embedded batched round (polyspec.orchestrator.decode.batched)
+The target worker runs the embedded round (polyspec.orchestrator.decode.scheduler)
 over its own two-tier chain [its batched tier, the tier below]: the tier below is a
 `RemoteBatchedTier`, so every sequence's block comes from ONE DraftBatch call, the target
 scores all the blocks in ONE forward, and each sequence is verified with its own generator.

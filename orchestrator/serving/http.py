@@ -16,6 +16,9 @@ first stop string, a stream never shows text past it, and generation stops there
 prompt * n + j); with a `seed`, choice j samples from a seed derived from (seed, j), so at
 temperature 0 every choice is the target's greedy text. Every answer carries `usage`; a
 stream carries it in a last chunk with `stream_options: {"include_usage": true}`.
+`approximate` (polyspec's extension, both routes: {"mode": "bild", ...}, docs/approximate.md) runs an
+approximate decoding mode, NOT lossless; the answer (each chunk of a stream) then carries
+`approximate` with the mode and its knobs, and `serve --exact-only` answers 400.
 `logprobs` (completions: 0-5 alternatives; chat: `logprobs: true`, `top_logprobs` 0-20, not
 streamed) are the target's own log-probabilities of the committed tokens under the
 request's warp, temperature 1 for a greedy request (logprobs.py).
@@ -316,6 +319,9 @@ class OpenAIApi:
         kind = "chat.completion" if chat else "text_completion"
         header = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "object": kind,
                   "created": int(time.time()), "model": model}
+        mode = requests[0].approximate  # one body, one mode
+        if not mode.lossless:  # polyspec's extension: this text is not the target's own (every chunk says so too)
+            header["approximate"] = mode.describe()
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             return await self._stream(header, body, requests, include_usage, chat)

@@ -6,7 +6,8 @@ speculation_length{tier,drafter}, time_to_first_token_seconds and request_latenc
 (histograms), queue_depth{state}, job_items_done_total{outcome}, tier_up{tier}; with the
 batched engine also batch_size (requests in the latest batched step, histogram),
 goodput_tokens_per_second (tokens committed per second of batched steps, smoothed) and
-speculating (1 while the planner speculates at the current batch size).
+speculating (1 while the planner speculates at the current batch size); approximate_requests_total{mode}
+(requests and job items finished in an approximate decoding mode, docs/approximate.md).
 `build_metrics_app` serves them at GET /metrics (with a Tenants object: only to a caller
 with a token).
 """
@@ -44,6 +45,9 @@ class Metrics:
         self._batch = Histogram("polyspec_batch_size", "Requests in one batched step", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
         self._goodput = Gauge("polyspec_goodput_tokens_per_second", "Tokens committed per second of batched steps (smoothed)", registry=r)
         self._speculating = Gauge("polyspec_speculating", "1 while the batched steps speculate", registry=r)
+        self._approximate = Counter("polyspec_approximate_requests", "Requests finished in an approximate (not lossless) mode",
+                                    ["mode"], registry=r)
+        self.approximate = collections.Counter()  # mode -> count
         self.goodput = 0.0
         self.last_batch = 0
         for status in STATUSES:
@@ -70,6 +74,11 @@ class Metrics:
                 self.goodput = rate if not self.last_batch else self.goodput + 0.2 * (rate - self.goodput)
                 self.last_batch = size
             self._goodput.set(self.goodput)
+
+    def approximate_request(self, mode: str) -> None:
+        with self._lock:
+            self.approximate[mode] += 1
+        self._approximate.labels(mode).inc()
 
     def first_token(self, seconds: float) -> None:
         self._ttft.observe(seconds)

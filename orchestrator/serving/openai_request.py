@@ -15,7 +15,8 @@ MAX_STOPS = 4  # stop strings per request, as OpenAI allows
 MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' `logprobs` (top alternatives), as OpenAI bounds it
 UNSUPPORTED = {"echo": False, "suffix": None}
 SHARED_FIELDS = {"model", "max_tokens", "temperature", "top_p", "seed", "stream", "n", "user", "frequency_penalty",
-                 "presence_penalty", "logit_bias", "stream_options", "top_k", "logprobs", "stop"}
+                 "presence_penalty", "logit_bias", "stream_options", "top_k", "logprobs", "stop",
+                 "approximate"}  # polyspec's extension: an approximate decoding mode ({"mode": "bild", ...}), never implied
 KNOWN_FIELDS = {*SHARED_FIELDS, "prompt", "best_of", *UNSUPPORTED}
 CHAT_FIELDS = {*SHARED_FIELDS, "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                "response_format", "parallel_tool_calls"}
@@ -119,7 +120,7 @@ def raw_requests(body: dict, prompt, max_tokens_default: int | None) -> list[dic
         limit = max_tokens_default
     if limit is not None:
         raw["max_new_tokens"] = limit
-    for field in ("temperature", "top_p", "top_k", "seed"):
+    for field in ("temperature", "top_p", "top_k", "seed", "approximate"):
         if body.get(field) is not None:
             raw[field] = body[field]
     seed = raw.get("seed")

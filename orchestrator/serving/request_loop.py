@@ -304,6 +304,8 @@ class RoundScheduler(threading.Thread):
         stats = result.get("stats") or {}
         self.metrics.stage_stats(stats.get("stages", []))
         self.publish_speculation()
+        if result.get("mode"):  # only an approximate result names its mode
+            self.metrics.approximate_request(result["mode"])
         if work.job_item is not None:
             self._write_item(work, result, None)
             return

@@ -97,7 +97,11 @@ def cmd_serve(args, config) -> int:
         "auth_metrics": bool(getattr(args, "auth_metrics", False)),
         "served_model_names": served_model_names(args),
         "reprofile": bool(getattr(args, "reprofile", False)),
+        "exact_only": bool(getattr(args, "exact_only", False)),
     }
+    if options["exact_only"] and not config.approximate.lossless:
+        raise ConfigError(f"--exact-only, but the config's approximate.mode is {config.approximate.mode}: "
+                          "remove that section or serve without --exact-only")
     try:
         return asyncio.run(_serve(**options))
     finally:
@@ -131,7 +135,7 @@ def _log(message: str) -> None:
 
 
 async def _serve(config, host, port, store, tenants, limits, tls, tls_files, metrics_port, http_port, grace_s,
-                 auth_reflection, auth_metrics, served_model_names=None, reprofile=False) -> int:
+                 auth_reflection, auth_metrics, served_model_names=None, reprofile=False, exact_only=False) -> int:
     metrics = Metrics()
     service = PolyspecService(store, metrics, config.server.max_queue, tenants, limits)
     service.served_model_names = served_model_names
@@ -171,7 +175,7 @@ async def _serve(config, host, port, store, tenants, limits, tls, tls_files, met
         loop.add_signal_handler(signum, stop.set)
 
     try:
-        engine = await asyncio.to_thread(_load_and_warm, config, reprofile)
+        engine = await asyncio.to_thread(_load_and_warm, config, reprofile, exact_only)
     except PolyspecError:
         await server.stop(0)
         raise
@@ -243,13 +247,14 @@ def _add_reflection(server) -> None:
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("grpc.reflection.v1.ServerReflection", {"ServerReflectionInfo": v1}),))
 
 
-def _load_and_warm(config, reprofile: bool = False):
+def _load_and_warm(config, reprofile: bool = False, exact_only: bool = False):
     """Load the chain (a line per tier, then the profile) and run one short generation so the
     first request pays no start-up cost."""
     from polyspec.orchestrator.engine import Engine
 
     # every active request in one batched round (batching.enabled)
     engine = Engine(config, batched=True, log=_log, cache_profiles=True, reprofile=reprofile)
+    engine.exact_only = exact_only
     engine.generate(engine.parse_request({"prompt_ids": [0], "max_new_tokens": 2}))
     _log(f"models loaded in {engine.load_s:.1f}s" + (f", profiled in {engine.profile_s:.1f}s" if engine.profile_s else ""))
     return engine

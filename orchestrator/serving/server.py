@@ -101,6 +101,11 @@ def request_dict(request: pb.GenerateRequest, request_id: str | None = None) -> 
     for field in SAMPLING_FIELDS:
         if request.HasField(field):
             raw[field] = getattr(request, field)
+    if request.approximate_json:
+        try:
+            raw["approximate"] = json.loads(request.approximate_json)
+        except ValueError:
+            raw["approximate"] = request.approximate_json  # not JSON: parse_request names the field
     return raw
 
 

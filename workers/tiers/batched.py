@@ -253,7 +253,7 @@ class BatchedModelTier(BatchedTier):
         feeds = [self._sync(slot, context) for slot, context in zip(slots, contexts)]
         tokens: list[list[int]] = [[] for _ in seq_ids]
         rows: list[list[torch.Tensor]] = [[] for _ in seq_ids]
-        threshold = self.tier.exit_threshold
+        thresholds = [self.tier.exit_by_seq.get(s, self.tier.exit_threshold) for s in seq_ids]
         stopped = [False] * len(seq_ids)  # early exit: the request's block ends as `ModelTier.draft`'s would
         for step in range(max(counts, default=0)):
             live = [r for r, count in enumerate(counts) if step < count and not stopped[r]]
@@ -266,7 +266,7 @@ class BatchedModelTier(BatchedTier):
                 tokens[r].append(token)
                 rows[r].append(probs)
                 feeds[r] = [token]
-                if threshold is not None and confidence(row_logits[-1]) < threshold:
+                if thresholds[r] is not None and confidence(row_logits[-1]) < thresholds[r]:
                     stopped[r] = True
         return [(t, None if p.greedy or not rs else torch.stack(rs)) for t, rs, p in zip(tokens, rows, params)]
 

@@ -47,6 +47,9 @@ class Tier(abc.ABC):
     def __init__(self) -> None:
         self.busy_s = 0.0  # wall time spent in forwards / lookups
         self.forwards = 0
+        # seq_id -> an early-exit threshold for that sequence alone (ModelTier.exit_threshold's
+        # test): an approximate mode's drafter stopping when unsure (BiLD's fallback)
+        self.exit_by_seq: dict = {}
 
     @abc.abstractmethod
     def draft(self, seq_id, context: list[int], num_tokens: int, params: SamplingParams, generator) -> tuple[list[int], torch.Tensor | None]:
@@ -278,6 +281,7 @@ class ModelTier(Tier):
         feed = self._sync(seq, context)
         tokens: list[int] = []
         rows = []
+        threshold = self.exit_by_seq.get(seq_id, self.exit_threshold)
         for _ in range(num_tokens):
             logits = self._linear_forward(seq, feed)[-1]  # [V]
             probs = warp_logits(logits, params)
@@ -285,7 +289,7 @@ class ModelTier(Tier):
             tokens.append(token)
             rows.append(probs)
             feed = [token]
-            if self.exit_threshold is not None and confidence(logits) < self.exit_threshold:
+            if threshold is not None and confidence(logits) < threshold:
                 break
         return tokens, (None if params.greedy or not rows else torch.stack(rows))
 
