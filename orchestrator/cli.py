@@ -350,7 +350,8 @@ def cmd_batch(args) -> int:
                 result = {"id": request_id, "error": f"line {number}: {exc}"}
             write(result)
 
-        if engine.batched:  # continuous batching: every running request in one batched round
+        if engine.batched or not distributed:  # the embedded round, every running request in each step (a batched
+            # chain: one shared forward per tier; a round-robin one: at most one request at a time)
             from polyspec.orchestrator.batch_runner import run_requests
 
             requests = []
@@ -397,7 +398,7 @@ def cmd_batch(args) -> int:
         print(f"polyspec: {tokens[0]} tokens in {elapsed:.1f}s ({stats['tokens_per_s']:.1f} tok/s), "
               f"{stats['failovers']} target failover(s), {stats['degraded_rounds']} round(s) on a shortened chain", file=sys.stderr)
         engine.close()
-    elif engine.batched:
+    else:
         rate = tokens[0] / elapsed if elapsed > 0 else 0.0
         stats = {"requests": len(todo), "generated_tokens": tokens[0], "time_s": round(elapsed, 3), "tokens_per_s": round(rate, 3),
                  "max_requests": engine.max_requests}
