@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load_engine(args, batched: bool = False, chat_flag: str | None = None):
+def _load_engine(args, batched: bool = False, chat_flag: str | None = None, reuse_prefix: bool = False):
     """The engine of the chain the flags name; every flag and config mistake is reported
     before torch or transformers is imported (chain_args). `chat_flag`: the flag that asks for
     the chat template, checked before the models load and again once the tokenizer has."""
@@ -118,7 +118,7 @@ def _load_engine(args, batched: bool = False, chat_flag: str | None = None):
     from polyspec.orchestrator.engine import Engine
 
     engine = Engine(config, speculative=not args.no_speculation, batched=batched, log=_log, cache_profiles=True,
-                    reprofile=args.reprofile)
+                    reprofile=args.reprofile, reuse_prefix=reuse_prefix)
     if chat_flag is not None:
         _check_chat_template(config.tiers[0].model, bool(getattr(engine.tokenizer, "chat_template", None)), chat_flag)
     return engine
@@ -252,9 +252,12 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    """One user turn per line of stdin; the whole conversation goes to the model each turn."""
+    """One user turn per line of stdin; the whole conversation goes to the model each turn, and
+    where the chain allows, its caches stay between turns: a turn prefills only its new tokens."""
     stops = check_stops(args.stop, "--stop")
-    engine = _load_engine(args, chat_flag="polyspec chat")
+    engine = _load_engine(args, chat_flag="polyspec chat", reuse_prefix=True)
+    if not engine.reuses_prefix:
+        _log("this chain does not keep a conversation's caches between turns: each turn prefills the whole conversation")
     system = [{"role": "system", "content": args.system}] if args.system is not None else []
     messages = list(system)
     interactive = sys.stdin.isatty()
@@ -271,7 +274,7 @@ def cmd_chat(args) -> int:
         if not line.strip():
             continue
         if line.strip() == "/reset":
-            messages = list(system)
+            messages = list(system)  # (the kept caches stay: the next turn still shares the system message's)
             continue
         messages.append({"role": "user", "content": line})
         request = engine.parse_request({"messages": messages, **_sampling_fields(args)})

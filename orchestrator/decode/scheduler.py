@@ -13,6 +13,12 @@ one tier the loop is plain autoregressive sampling from the target (the baseline
 
 The scheduler only talks to `polyspec.workers.tiers.tier.Tier` objects, so the same code drives tiers
 in this process or behind remote actors.
+
+Prefix reuse (`keep_finished`): a finished request's caches may stay in the tiers, and a later
+request whose prompt shares a prefix with its tokens (a conversation's next turn: the previous
+turn's prompt and reply, then the new message) runs under its sequence id. Every tier keeps
+the cached prefix a context shares with it and forwards only the rest (the Tier contract),
+so the new request prefills only its new tokens, and computes what it would from scratch.
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ class Run:
     generators: list[torch.Generator]  # one per tier of the scheduler, target first
     stages: list[StageStats]  # [i]: tier i verifying tier i + 1
     limit: int = NO_LIMIT  # no position may reach this (the smallest model context)
+    forwarded_tokens: list[int] = dataclasses.field(default_factory=list)  # [i]: tokens tier i's forwards took for this request
     bypass_stages: dict[tuple[int, int], StageStats] = dataclasses.field(default_factory=dict)  # (tier, drafter) when a tier is bypassed
 
 
@@ -86,12 +93,15 @@ class ChainScheduler:
         tuner=None,
         draft_ahead: bool = False,
         max_context: int | None | str = FROM_TIERS,
+        keep_finished: int = 0,
     ) -> None:
         """`draft_ahead`: the pipelined form. A fully accepted block gets no bonus token: the
         drafter has already drafted past it, and its continuation is verified next (still
         lossless: each drafted token is verified against the verifier's own row).
         `max_context`: the longest context a request started here may reach; by default the
-        smallest context among the tiers, None for no limit."""
+        smallest context among the tiers, None for no limit.
+        `keep_finished`: how many finished requests keep their caches for a later prompt that
+        extends them (the module doc's prefix reuse); 0 frees them at once."""
         if not tiers:
             raise ValueError("a chain needs at least the target tier")
         if len(lengths) != len(tiers) - 1:
@@ -111,6 +121,8 @@ class ChainScheduler:
             contexts = [t.max_context for t in tiers if t.max_context]
             max_context = min(contexts) if contexts else None
         self.max_context = max_context
+        self.keep_finished = keep_finished
+        self._kept: list[tuple[int, list[int]]] = []  # (seq_id, its tokens) of finished requests, oldest first
 
     # ----------------------------------------------------------------- decoder API
 
@@ -126,11 +138,12 @@ class ChainScheduler:
         server does, round by round). All calls must come from one thread at a time.
         """
         run = Run(
-            seq_id=next(_sequence_ids),
+            seq_id=self._sequence_for(prompt_ids),
             params=params,
             generators=[seeded_generator(s) for s in tier_seeds(seed, len(self.tiers))],
             stages=[StageStats(self.tiers[i].name, self.tiers[i + 1].name) for i in range(len(self.tiers) - 1)],
             limit=self.max_context or NO_LIMIT,
+            forwarded_tokens=[0] * len(self.tiers),
         )
         return RequestState(seq_id=run.seq_id, params=params, committed=list(prompt_ids), max_new_tokens=max_new_tokens,
                             limit=run.limit, run=run, tier_busy_s=[0.0] * len(self.tiers))
@@ -141,22 +154,24 @@ class ChainScheduler:
             return []
         run: Run = state.run
         busy_before = [t.busy_s for t in self.tiers]
+        tokens_before = [_forwarded(t) for t in self.tiers]
         if self.tuner is not None:
             self._apply_plan(run, len(state.committed), len(state.new_tokens), state.plans)
         emitted, _ = self.verify_round(run, 0, state.committed, min(self.length_at(0), remaining(state) - 1))
         emitted = commit(state, emitted, self.eos_token_ids)
         for i, (tier, before) in enumerate(zip(self.tiers, busy_before)):
             state.tier_busy_s[i] += tier.busy_s - before
+            run.forwarded_tokens[i] += _forwarded(tier) - tokens_before[i]
         if self.tuner is not None:
             self.tuner.observe_commit(emitted)
         return emitted
 
     def finish(self, state: RequestState) -> GenerationOutput:
-        """Release the request's caches and return its tokens and stats."""
-        for tier in self.tiers:
-            tier.release(state.seq_id)
+        """Release the request's caches (or keep them: `keep_finished`) and return its tokens and stats."""
+        self._keep_or_release(state.seq_id, state.committed)
         run: Run = state.run
-        extra = {"tiers": [{"tier": t.name, "busy_s": round(busy, 6)} for t, busy in zip(self.tiers, state.tier_busy_s)]}
+        extra = {"tiers": [{"tier": t.name, "busy_s": round(busy, 6), "forwarded_tokens": tokens}
+                           for t, busy, tokens in zip(self.tiers, state.tier_busy_s, run.forwarded_tokens)]}
         if self.tuner is not None:
             extra["plans"] = state.plans
         return output(state, run.stages + list(run.bypass_stages.values()), **extra)
@@ -165,6 +180,25 @@ class ChainScheduler:
         """Stop a request now: its caches are freed and it finishes as "cancelled"."""
         mark_cancelled(state)
         return self.finish(state)
+
+    # -------------------------------------------------------------- prefix reuse
+
+    def _sequence_for(self, prompt_ids: list[int]) -> int:
+        """The sequence id a new request runs under: that of the kept request whose tokens share
+        the longest prefix with `prompt_ids` (its caches hold that prefix), else a fresh one."""
+        shared = [(_common_prefix(tokens, prompt_ids), j) for j, (_, tokens) in enumerate(self._kept)]
+        length, best = max(shared, default=(0, None))
+        if not length:
+            return next(_sequence_ids)
+        return self._kept.pop(best)[0]
+
+    def _keep_or_release(self, seq_id: int, tokens: list[int]) -> None:
+        """Keep a finished request's caches (dropping the oldest kept past `keep_finished`), or free them."""
+        self._kept.append((seq_id, list(tokens)))
+        while len(self._kept) > self.keep_finished:
+            dropped, _ = self._kept.pop(0)
+            for tier in self.tiers:
+                tier.release(dropped)
 
     # ------------------------------------------------------------------- round API
 
@@ -252,3 +286,18 @@ class ChainScheduler:
         emitted = [block.tokens[j] for j in path] + ([] if no_bonus else [next_token])
         rows = None if run.params.greedy else target_probs[[0] + [j + 1 for j in path]][: len(emitted)]
         return emitted, rows
+
+
+def _forwarded(tier) -> int:
+    """Tokens a tier's forwards have taken in so far (0 for a tier that does not count them: a remote proxy)."""
+    return getattr(tier, "forwarded_tokens", 0)
+
+
+def _common_prefix(tokens: list[int], other: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    length = 0
+    for a, b in zip(tokens, other):
+        if a != b:
+            break
+        length += 1
+    return length

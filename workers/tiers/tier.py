@@ -47,6 +47,7 @@ class Tier(abc.ABC):
     def __init__(self) -> None:
         self.busy_s = 0.0  # wall time spent in forwards / lookups
         self.forwards = 0
+        self.forwarded_tokens = 0  # tokens its forwards took in (prefills and blocks): what a cached prefix saves
 
     @abc.abstractmethod
     def draft(self, seq_id, context: list[int], num_tokens: int, params: SamplingParams, generator) -> tuple[list[int], torch.Tensor | None]:
@@ -164,6 +165,7 @@ class ModelTier(Tier):
             torch.set_num_threads(self.threads)
         started = time.perf_counter()
         start = len(seq.cache)
+        self.forwarded_tokens += len(tokens)
         if self._lean is not None:
             hidden: list | None = [] if self.keep_features else None
             logits = self._lean.forward(seq.cache, tokens, positions, mask, hidden)  # [1, T, V]
