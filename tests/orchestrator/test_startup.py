@@ -101,7 +101,7 @@ def test_a_profile_in_a_log_reports_progress_every_few_seconds(monkeypatch):
 def test_a_long_start_up_step_says_it_is_still_going():
     import time
 
-    from polyspec.workers.tiers.loading import heartbeat
+    from polyspec.workers.core.heartbeat import heartbeat
 
     lines: list[str] = []
     with heartbeat(lines.append, "tier target: loading", every_s=0.05):

@@ -17,6 +17,7 @@ import warnings
 import torch
 
 from polyspec.workers.core.errors import ModelLoadError
+from polyspec.workers.core.heartbeat import heartbeat
 from polyspec.workers.tiers.model_cache import fetch_hint
 from polyspec.workers.tiers.tier import ModelTier, NGramTier, Tier
 
@@ -321,32 +322,6 @@ def _rss_bytes() -> int | None:
         return None
 
 
-HEARTBEAT_S = 5.0  # a start-up step that runs longer says so this often
-
-
-@contextlib.contextmanager
-def heartbeat(log, what: str, every_s: float = HEARTBEAT_S):
-    """While the block runs, `log` '<what>: still at it after N s' every `every_s` seconds
-    (a 1.5B model takes 25-50 s to load: a start-up that says nothing that long looks hung)."""
-    if log is None:
-        yield
-        return
-    done = threading.Event()
-    started = time.perf_counter()
-
-    def beat() -> None:
-        while not done.wait(every_s):
-            log(f"{what}: still at it after {time.perf_counter() - started:.0f}s")
-
-    beating = threading.Thread(target=beat, daemon=True, name="polyspec-heartbeat")
-    beating.start()
-    try:
-        yield
-    finally:
-        done.set()
-        beating.join()
-
-
 def describe_tier(tier) -> str:
     """'/path/to/model (float32, 1 thread, cpu)': what a start-up line says a tier is."""
     kind = f"int8 copy of {tier.model}" if tier.quantize == "int8" else tier.model
@@ -361,8 +336,11 @@ def load_tiers(tiers_config, log=None) -> tuple[list[Tier], object]:
     takes tens of seconds: a start-up that says nothing looks hung)."""
     model_configs = [t for t in tiers_config if not t.is_ngram and not t.drafter]
     tokenizers = {}
-    for tier in model_configs:
-        tokenizers[tier.name] = load_tokenizer(tier.model, tier.name)
+    if log is not None and model_configs:  # a large vocabulary's tokenizer takes seconds
+        log(f"reading the tokenizers ({', '.join(tier.name for tier in model_configs)})")
+    with heartbeat(log, "reading the tokenizers"):
+        for tier in model_configs:
+            tokenizers[tier.name] = load_tokenizer(tier.model, tier.name)
     check_vocabularies(tokenizers)
     tiers: list[Tier] = []
     for tier in model_configs:
