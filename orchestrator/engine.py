@@ -25,6 +25,7 @@ from polyspec.orchestrator.tokenization import encode_chat, encode_prompt, stop_
 from polyspec.orchestrator.tuning.autoconf import needs_choice, resolve_auto
 from polyspec.orchestrator.tuning.profile_cache import ProfileCache
 from polyspec.workers.core.errors import ConfigError, RequestError
+from polyspec.workers.core.heartbeat import heartbeat
 from polyspec.workers.tiers.loading import load_tiers, quiet_transformers
 from polyspec.workers.core.sampling import SamplingParams
 
@@ -334,10 +335,12 @@ class Engine:
 
         self.log("profiling the tiers for lengths: auto" + (" (cached profiles are reused; --reprofile measures again)"
                                                             if cache is not None and not self.reprofile else ""))
-        if not sys.stderr.isatty():  # a log: a line every few seconds instead of a bar
-            yield cache, ProgressLines(self.log)
+        if not sys.stderr.isatty():  # a log: a line every few seconds instead of a bar, a beat between (one size may take longer)
+            with heartbeat(self.log, "profile"):
+                yield cache, ProgressLines(self.log)
         else:
-            with tqdm(desc="polyspec: profile", unit="size", file=sys.stderr, leave=False) as bar:
+            with tqdm(desc="polyspec: profile", unit="size", file=sys.stderr, leave=False) as bar, \
+                    heartbeat(lambda _: bar.refresh(), "profile", every_s=1.0):  # the bar's clock moves between sizes
                 yield cache, bar
         self.profile_s = time.perf_counter() - started
         self.log(f"start-up profile done in {self.profile_s:.1f}s")

@@ -9,7 +9,7 @@ import contextlib
 import threading
 import time
 
-HEARTBEAT_S = 4.0  # a start-up step that runs longer says so this often: no silence reaches 5 s, even on a busy machine
+HEARTBEAT_S = 3.0  # a start-up step that runs longer says so this often: no silence reaches 5 s, even where a step holds the GIL a while
 
 
 @contextlib.contextmanager

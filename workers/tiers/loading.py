@@ -351,7 +351,7 @@ def load_tiers(tiers_config, log=None) -> tuple[list[Tier], object]:
             tiers.append(load_model_tier(tier))
         if log is not None:
             grown = _rss_bytes()
-            memory = f", +{(grown - rss) / 2**20:.0f} MB resident" if grown is not None and rss is not None else ""
+            memory = f", {(grown - rss) / 2**20:+.0f} MB resident" if grown is not None and rss is not None else ""
             log(f"tier {tier.name}: loaded in {time.perf_counter() - started:.1f}s on {tiers[-1].device}{memory}")
     if any(tok is None for tok in tokenizers.values()):
         check_vocabulary_sizes(tiers)
