@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import importlib.util
 import io
 import logging
@@ -96,6 +97,22 @@ def _short(exc: BaseException) -> str:
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def _tokenizer_digest(model: str) -> str | None:
+    """A digest of a local model folder's tokenizer files (None: not a folder, or none there)."""
+    if not os.path.isdir(model):
+        return None
+    digest = hashlib.blake2b(digest_size=16)
+    found = False
+    for name in TOKENIZER_FILES + ("special_tokens_map.json", "added_tokens.json", "merges.txt", "chat_template.jinja"):
+        path = os.path.join(model, name)
+        if os.path.isfile(path):
+            found = True
+            digest.update(name.encode() + b"\0")
+            with open(path, "rb") as handle:
+                digest.update(handle.read())
+    return digest.hexdigest() if found else None
 
 
 def load_tokenizer(model: str, tier_name: str):
@@ -338,9 +355,16 @@ def load_tiers(tiers_config, log=None) -> tuple[list[Tier], object]:
     tokenizers = {}
     if log is not None and model_configs:  # a large vocabulary's tokenizer takes seconds
         log(f"reading the tokenizers ({', '.join(tier.name for tier in model_configs)})")
+    read: dict[str, object] = {}  # tokenizer files' digest -> the tokenizer read from them
     with heartbeat(log, "reading the tokenizers"):
         for tier in model_configs:
-            tokenizers[tier.name] = load_tokenizer(tier.model, tier.name)
+            # tiers of one family ship the same files: a large vocabulary's JSON is parsed once
+            digest = _tokenizer_digest(tier.model)
+            if digest is None or digest not in read:
+                tokenizer = load_tokenizer(tier.model, tier.name)
+                if digest is not None:
+                    read[digest] = tokenizer
+            tokenizers[tier.name] = read[digest] if digest is not None else tokenizer
     check_vocabularies(tokenizers)
     tiers: list[Tier] = []
     for tier in model_configs:
