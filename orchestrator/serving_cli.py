@@ -15,7 +15,6 @@ from pathlib import Path
 
 from polyspec.orchestrator import chain_args
 from polyspec.workers.core.errors import RequestError
-from polyspec.workers.core.heartbeat import heartbeat
 
 SERVER_ENV = "POLYSPEC_SERVER"
 TOKEN_ENV = "POLYSPEC_TOKEN"
@@ -90,9 +89,7 @@ def _add_client_flags(parser: argparse.ArgumentParser) -> None:
 
 def cmd_serve(args) -> int:
     config = chain_args.chain_config(args)  # flag and config mistakes before torch loads
-    print("polyspec serve: loading torch and transformers", file=sys.stderr, flush=True)  # seconds: before the first tier's line
-    with heartbeat(lambda line: print(f"polyspec serve: {line}", file=sys.stderr, flush=True), "loading torch and transformers"):
-        from polyspec.orchestrator.serving.serve import cmd_serve as serve
+    from polyspec.orchestrator.serving.serve import cmd_serve as serve
 
     return serve(args, config)
 
