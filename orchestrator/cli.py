@@ -18,6 +18,7 @@ from polyspec.harness import zoo_fetch
 from polyspec.orchestrator import chain_args, serving_cli, validate
 from polyspec.orchestrator.tokenization import REPLACEMENT_CHAR, StopMatcher, check_stops
 from polyspec.workers.core.errors import PolyspecError, RequestError
+from polyspec.workers.core.heartbeat import heartbeat
 
 EXIT_USER_ERROR = 2
 
@@ -107,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load_engine(args, batched: bool = False, chat_flag: str | None = None):
+def _load_engine(args, batched: bool = False, chat_flag: str | None = None, reuse_prefix: bool = False):
     """The engine of the chain the flags name; every flag and config mistake is reported
     before torch or transformers is imported (chain_args). `chat_flag`: the flag that asks for
     the chat template, checked before the models load and again once the tokenizer has."""
@@ -115,10 +116,11 @@ def _load_engine(args, batched: bool = False, chat_flag: str | None = None):
     if chat_flag is not None:
         _check_chat_template(config.tiers[0].model, chain_args.has_chat_template(config.tiers[0].model), chat_flag)
     _log("loading torch and transformers")  # seconds on a cold start: before the first tier's line
-    from polyspec.orchestrator.engine import Engine
+    with heartbeat(_log, "loading torch and transformers"):
+        from polyspec.orchestrator.engine import Engine
 
     engine = Engine(config, speculative=not args.no_speculation, batched=batched, log=_log, cache_profiles=True,
-                    reprofile=args.reprofile)
+                    reprofile=args.reprofile, reuse_prefix=reuse_prefix)
     if chat_flag is not None:
         _check_chat_template(config.tiers[0].model, bool(getattr(engine.tokenizer, "chat_template", None)), chat_flag)
     return engine
@@ -179,15 +181,18 @@ def _check_chat_template(target: str, has_template: bool | None, flag: str) -> N
                            f"{'; drop --chat to send the prompt as plain text' if flag == '--chat' else '; use polyspec generate -p TEXT'}")
 
 
-def run_request(engine, request, stops: tuple[str, ...] = (), write=None) -> dict:
+def run_request(engine, request, stops: tuple[str, ...] = (), write=None, log=None) -> dict:
     """Generate one request round by round, passing the text to `write` as it is committed.
-    A stop string ends the request there (finish_reason "stop"; the text stops before it)."""
+    A stop string ends the request there (finish_reason "stop"; the text stops before it).
+    `log`: told every few seconds while no token has come yet (a long prompt's prefill)."""
     matcher = StopMatcher(stops)
     shown, decoded = [], ""
     state = engine.start(request)
     try:
         while not state.done:
-            state_tokens = engine.step(state)
+            waiting = log if not state.new_tokens else None
+            with heartbeat(waiting, f"prefilling the prompt ({len(request.prompt_ids)} tokens) and the first round"):
+                state_tokens = engine.step(state)
             if not state_tokens:
                 continue
             text = engine.decode(state.new_tokens)
@@ -243,18 +248,21 @@ def cmd_generate(args) -> int:
     engine = _load_engine(args, chat_flag="--chat" if args.chat else None)
     request = engine.parse_request(_request_from_flags(args, prompt))
     if args.json:
-        print(json.dumps(run_request(engine, request, stops)))
+        print(json.dumps(run_request(engine, request, stops, log=_log)))
         return 0
-    result = run_request(engine, request, stops, _write)
+    result = run_request(engine, request, stops, _write, _log)
     sys.stdout.write("\n")
     print(_summary(result), file=sys.stderr)
     return 0
 
 
 def cmd_chat(args) -> int:
-    """One user turn per line of stdin; the whole conversation goes to the model each turn."""
+    """One user turn per line of stdin; the whole conversation goes to the model each turn, and
+    where the chain allows, its caches stay between turns: a turn prefills only its new tokens."""
     stops = check_stops(args.stop, "--stop")
-    engine = _load_engine(args, chat_flag="polyspec chat")
+    engine = _load_engine(args, chat_flag="polyspec chat", reuse_prefix=True)
+    if not engine.reuses_prefix:
+        _log("this chain does not keep a conversation's caches between turns: each turn prefills the whole conversation")
     system = [{"role": "system", "content": args.system}] if args.system is not None else []
     messages = list(system)
     interactive = sys.stdin.isatty()
@@ -271,11 +279,11 @@ def cmd_chat(args) -> int:
         if not line.strip():
             continue
         if line.strip() == "/reset":
-            messages = list(system)
+            messages = list(system)  # (the kept caches stay: the next turn still shares the system message's)
             continue
         messages.append({"role": "user", "content": line})
         request = engine.parse_request({"messages": messages, **_sampling_fields(args)})
-        result = run_request(engine, request, stops, _write)
+        result = run_request(engine, request, stops, _write, _log)
         sys.stdout.write("\n")
         sys.stdout.flush()
         messages.append({"role": "assistant", "content": result["text"]})

@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from polyspec.workers.core.approximate import ApproximateMode
+from polyspec.workers.core.approximate_mode import ApproximateMode
 from polyspec.workers.core.errors import ConfigError
 from polyspec.workers.tiers.model_cache import NGRAM_MODEL, resolve_zoo_reference
 

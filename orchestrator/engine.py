@@ -29,6 +29,7 @@ from polyspec.orchestrator.tuning.autoconf import needs_choice, resolve_auto
 from polyspec.orchestrator.tuning.profile_cache import ProfileCache
 from polyspec.workers.core.approximate import ApproximateMode, ApproximateModeError
 from polyspec.workers.core.errors import ConfigError, RequestError
+from polyspec.workers.core.heartbeat import heartbeat
 from polyspec.workers.tiers.loading import load_tiers, quiet_transformers
 from polyspec.workers.core.sampling import SamplingParams
 
@@ -91,13 +92,17 @@ def requests_within_memory(max_requests: int, kv_memory_mb: int | None, bytes_pe
 
 class Engine:
     def __init__(self, config: ChainConfig, speculative: bool = True, auto_tune: bool = True, batched: bool = False,
-                 log: Callable[[str], None] | None = None, cache_profiles: bool = False, reprofile: bool = False) -> None:
+                 log: Callable[[str], None] | None = None, cache_profiles: bool = False, reprofile: bool = False,
+                 reuse_prefix: bool = False) -> None:
         """`auto_tune`: with `speculation.lengths: auto`, profile the tiers and let the tuner set the lengths.
         `batched`: step many requests per forward (`polyspec batch`, jobs, `serve`), where the config allows it
         (`batching.enabled`, a local chain); otherwise requests take turns, one round each.
         `log(line)`: start-up progress (each tier as it loads, then the profile, with a progress bar on a
         terminal); `cache_profiles`: keep start-up profiles on disk and reuse them (tuning.profile_cache),
-        `reprofile`: measure again all the same (and overwrite)."""
+        `reprofile`: measure again all the same (and overwrite).
+        `reuse_prefix`: keep the last request's caches, so that a next request whose prompt extends
+        its tokens (a conversation's next turn) prefills only what is new (`reuses_prefix` says
+        whether this chain can: the embedded one-request-at-a-time decoder can)."""
         quiet_transformers()
         started = time.perf_counter()
         self.log, self.cache_profiles, self.reprofile = log, cache_profiles, reprofile
@@ -136,9 +141,15 @@ class Engine:
             tree_width=self.config.speculation.tree_width,
             scheme=self.config.speculation.verifier,
             eos_token_ids=stop_token_ids(self.tokenizer, eos),
+            keep_finished=1 if reuse_prefix else 0,
         )
         if auto_tune and self.config.speculation.lengths == "auto" and len(self.tiers) > 1:
             self.scheduler.planner = self.make_tuner()
+
+    @property
+    def reuses_prefix(self) -> bool:
+        """Does a request reuse the caches of the one before where their tokens agree (Engine's `reuse_prefix`)?"""
+        return isinstance(self.scheduler, ChainScheduler) and self.scheduler.keep_finished > 0
 
     def _device_round(self) -> bool:
         """Does the device round (polyspec.orchestrator.decode.device_round) run this chain? `batching.round`
@@ -336,10 +347,12 @@ class Engine:
 
         self.log("profiling the tiers for lengths: auto" + (" (cached profiles are reused; --reprofile measures again)"
                                                             if cache is not None and not self.reprofile else ""))
-        if not sys.stderr.isatty():  # a log: a line every few seconds instead of a bar
-            yield cache, ProgressLines(self.log)
+        if not sys.stderr.isatty():  # a log: a line every few seconds instead of a bar, a beat between (one size may take longer)
+            with heartbeat(self.log, "profile"):
+                yield cache, ProgressLines(self.log)
         else:
-            with tqdm(desc="polyspec: profile", unit="size", file=sys.stderr, leave=False) as bar:
+            with tqdm(desc="polyspec: profile", unit="size", file=sys.stderr, leave=False) as bar, \
+                    heartbeat(lambda _: bar.refresh(), "profile", every_s=1.0):  # the bar's clock moves between sizes
                 yield cache, bar
         self.profile_s = time.perf_counter() - started
         self.log(f"start-up profile done in {self.profile_s:.1f}s")

@@ -6,12 +6,15 @@
         print(client.generate(messages=[{"role": "user", "content": "Write a haiku"}])["text"])
         for delta in client.stream("import os", max_new_tokens=32):
             print(delta.text, end="", flush=True)
+        three = client.generate("def f(x):", n=3, temperature=0.8, seed=1)  # a list: one result per choice
+        scored = client.generate("def f(x):", logprobs=True, top_logprobs=2)["logprobs"]
         job = client.submit_job([{"id": "a", "prompt": "x"}, {"id": "b", "prompt": "y"}])
         client.wait(job.job_id, progress=lambda j: print(j.completed, "/", j.total))
         results = list(client.results(job.job_id))
 
-Results have the CLI's shape: {id?, text, token_ids, finish_reason, stats}; a failed job
-item is {id, error}. Server errors are raised as `ClientError` subclasses carrying the gRPC
+Results have the CLI's shape: {id?, text, token_ids, finish_reason, stats}, and `logprobs`
+when asked for (a list of {token_id, token, logprob, top_logprobs}); a failed job item is
+{id, error}. Server errors are raised as `ClientError` subclasses carrying the gRPC
 status (`.code`) and the server's one-line message (`.details`).
 
 This module loads grpcio and protobuf only (no torch, ray or transformers), so a client
@@ -123,6 +126,8 @@ class Delta:
     finish_reason: str = ""
     stats: dict | None = None
     id: str = ""
+    index: int = 0  # the choice it belongs to (a request with n > 1)
+    logprobs: list[dict] | None = None  # the choice's last message, when logprobs were asked for: one per token
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,12 +166,21 @@ def request_message(raw: dict) -> pb.GenerateRequest:
         raise InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, f"bad request field: {exc}") from None
 
 
-def _request(prompt, prompt_ids, messages, max_new_tokens, temperature, top_p, top_k, seed, id, stop=None) -> pb.GenerateRequest:
+def _request(prompt, prompt_ids, messages, max_new_tokens, temperature, top_p, top_k, seed, id, stop=None, n=None,
+             logprobs=None, top_logprobs=None) -> pb.GenerateRequest:
     raw = {"id": id, "prompt": prompt, "prompt_ids": prompt_ids, "messages": messages, "max_new_tokens": max_new_tokens,
            "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed}
     message = request_message(raw)
-    if stop is not None:  # Generate only: a job's requests run to their end
-        message.stop.extend([stop] if isinstance(stop, str) else stop)
+    # Generate only (a job's requests run to their end, one result each); the server checks the values
+    extra = {"n": n, "logprobs": logprobs, "top_logprobs": top_logprobs}
+    try:
+        if stop is not None:
+            message.stop.extend([stop] if isinstance(stop, str) else stop)
+        for field, value in extra.items():
+            if value is not None:
+                setattr(message, field, value)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, f"bad request field: {exc}") from None
     return message
 
 
@@ -175,9 +189,16 @@ def _submit_message(requests: Iterable[dict], idempotency_key: str | None) -> pb
                                idempotency_key=idempotency_key or uuid.uuid4().hex)
 
 
-def _delta(message: pb.GenerateResponse) -> Delta:
+def _delta(message: pb.GenerateResponse, logprobs: bool = False) -> Delta:
+    """`logprobs`: the request asked for them (a choice's last message then carries its list, empty or not)."""
     stats = json.loads(message.stats_json) if message.stats_json else None
-    return Delta(list(message.token_ids), message.text, message.finish_reason, stats, message.id)
+    scored = [_logprob(entry) for entry in message.logprobs] if logprobs and message.finish_reason else None
+    return Delta(list(message.token_ids), message.text, message.finish_reason, stats, message.id, message.index, scored)
+
+
+def _logprob(entry: pb.TokenLogprob) -> dict:
+    return {"token_id": entry.token_id, "token": entry.token, "logprob": entry.logprob,
+            "top_logprobs": [{"token_id": t.token_id, "token": t.token, "logprob": t.logprob} for t in entry.top_logprobs]}
 
 
 def _job(message: pb.Job) -> Job:
@@ -227,7 +248,20 @@ class _Collector:
     def result(self) -> dict:
         last = self.last or Delta([], "")
         result = {"text": "".join(self.text), "token_ids": self.token_ids, "finish_reason": last.finish_reason, "stats": last.stats or {}}
+        if last.logprobs is not None:
+            result["logprobs"] = last.logprobs
         return {"id": self.request_id, **result} if self.request_id is not None else result
+
+
+def _results(deltas: list[Delta], request_id: str | None, n: int | None) -> dict | list[dict]:
+    """Deltas of every choice -> one result (no `n` asked for), or a list of them in choice order."""
+    collectors: dict[int, _Collector] = {}
+    for delta in deltas:
+        collectors.setdefault(delta.index, _Collector(request_id)).add(delta)
+    results = [collectors[index].result() for index in sorted(collectors)]
+    if n is None:
+        return results[0] if results else _Collector(request_id).result()
+    return results
 
 
 def _credentials(tls) -> grpc.ChannelCredentials | None:
@@ -280,25 +314,29 @@ class Client:
                max_new_tokens: int | None = None,
                temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
                seed: int | None = None, id: str | None = None, timeout: float | None = None,
-               stop: str | list[str] | None = None) -> Iterator[Delta]:
+               stop: str | list[str] | None = None, n: int | None = None, logprobs: bool | None = None,
+               top_logprobs: int | None = None) -> Iterator[Delta]:
         """Deltas as they are committed; leaving the loop early cancels the request on the server.
-        `stop`: the text ends before the first of these strings (finish_reason "stop")."""
-        request = _request(prompt, prompt_ids, messages, max_new_tokens, temperature, top_p, top_k, seed, id, stop)
+        `stop`: the text ends before the first of these strings (finish_reason "stop").
+        `n`: that many choices, sampled independently (each delta's `index` says whose); with a
+        seed, choice j samples from a seed derived from (seed, j).
+        `logprobs` (and `top_logprobs`, 0-20 alternatives): each choice's last delta carries the
+        target's log-probabilities of its tokens, under the request's warp (docs/serving.md)."""
+        request = _request(prompt, prompt_ids, messages, max_new_tokens, temperature, top_p, top_k, seed, id, stop, n,
+                           logprobs, top_logprobs)
         call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
         try:
             for message in call:
-                yield _delta(message)
+                yield _delta(message, bool(logprobs))
         except grpc.RpcError as exc:
             raise _client_error(exc) from None
         finally:
             call.cancel()  # a no-op once the stream has ended
 
-    def generate(self, prompt: str | None = None, **kwargs) -> dict:
-        """The whole result: {id?, text, token_ids, finish_reason, stats} (as `polyspec generate --json`)."""
-        collector = _Collector(kwargs.get("id"))
-        for delta in self.stream(prompt, **kwargs):
-            collector.add(delta)
-        return collector.result()
+    def generate(self, prompt: str | None = None, **kwargs) -> dict | list[dict]:
+        """The whole result: {id?, text, token_ids, finish_reason, stats} (as `polyspec generate --json`),
+        with `logprobs` when asked for; with `n`, a list of n results in choice order."""
+        return _results(list(self.stream(prompt, **kwargs)), kwargs.get("id"), kwargs.get("n"))
 
     # ------------------------------------------------------------------- jobs
 
@@ -405,22 +443,23 @@ class AsyncClient:
                      max_new_tokens: int | None = None,
                      temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
                      seed: int | None = None, id: str | None = None, timeout: float | None = None,
-                     stop: str | list[str] | None = None) -> AsyncIterator[Delta]:
-        request = _request(prompt, prompt_ids, messages, max_new_tokens, temperature, top_p, top_k, seed, id, stop)
+                     stop: str | list[str] | None = None, n: int | None = None, logprobs: bool | None = None,
+                     top_logprobs: int | None = None) -> AsyncIterator[Delta]:
+        """As Client.stream."""
+        request = _request(prompt, prompt_ids, messages, max_new_tokens, temperature, top_p, top_k, seed, id, stop, n,
+                           logprobs, top_logprobs)
         call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
         try:
             async for message in call:
-                yield _delta(message)
+                yield _delta(message, bool(logprobs))
         except grpc.RpcError as exc:
             raise _client_error(exc) from None
         finally:
             call.cancel()
 
-    async def generate(self, prompt: str | None = None, **kwargs) -> dict:
-        collector = _Collector(kwargs.get("id"))
-        async for delta in self.stream(prompt, **kwargs):
-            collector.add(delta)
-        return collector.result()
+    async def generate(self, prompt: str | None = None, **kwargs) -> dict | list[dict]:
+        """As Client.generate."""
+        return _results([delta async for delta in self.stream(prompt, **kwargs)], kwargs.get("id"), kwargs.get("n"))
 
     async def submit_job(self, requests: Iterable[dict], timeout: float | None = None, idempotency_key: str | None = None,
                          retry_s: float = 0.0) -> Job:

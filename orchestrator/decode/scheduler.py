@@ -44,6 +44,12 @@ request in it; a planner (`contract.RoundPlanner`: the online tuner for one requ
 time, the goodput planner for batches) sets them before each step and observes every
 round, draft and step (`contract.RoundObservation`, `DraftObservation`, `StepObservation`);
 an optional `recorder` observes them too (a tier worker turns rounds into stage reports).
+
+Prefix reuse (`keep_finished`): a finished request's caches may stay in the tiers, and a later
+request whose prompt shares a prefix with its tokens (a conversation's next turn: the previous
+turn's prompt and reply, then the new message) runs under its sequence id. Every tier keeps
+the cached prefix a context shares with it and forwards only the rest (the Tier contract),
+so the new request prefills only its new tokens, and computes what it would from scratch.
 """
 
 from __future__ import annotations
@@ -99,6 +105,7 @@ class Run:
     generators: list[torch.Generator]  # one per tier of the scheduler, target first
     stages: list[StageStats]  # [i]: tier i verifying tier i + 1
     limit: int = NO_LIMIT  # no position may reach this (the smallest model context)
+    forwarded_tokens: list[int] = dataclasses.field(default_factory=list)  # [i]: tokens tier i's forwards took for this request
     bypass_stages: dict[tuple[int, int], StageStats] = dataclasses.field(default_factory=dict)  # (tier, drafter) when a tier is bypassed
     # an approximate mode's rule for the target's check (polyspec.orchestrator.decode.approximate); None: exact
     rule: object = None
@@ -124,6 +131,7 @@ class ChainScheduler:
         max_context: int | None | str = FROM_TIERS,
         prefill_budget: int = DEFAULT_PREFILL_BUDGET,
         recorder=None,
+        keep_finished: int = 0,
     ) -> None:
         """`tiers`: batched tiers, or `Tier`s (served row by row). `planner`: a `contract.RoundPlanner`
         (None: the fixed `lengths`). `draft_ahead`: the pipelined form. A fully accepted block gets
@@ -131,7 +139,8 @@ class ChainScheduler:
         next (still lossless: each drafted token is verified against the verifier's own row).
         `max_context`: the longest context a request started here may reach; by default the
         smallest context among the tiers, None for no limit. `recorder`: anything with `observe`,
-        told every observation the planner is."""
+        told every observation the planner is. `keep_finished`: how many finished requests keep their
+        caches for a later prompt that extends them (the module doc's prefix reuse); 0 frees them at once."""
         if not tiers:
             raise ValueError("a chain needs at least the target tier")
         if len(lengths) != len(tiers) - 1:
@@ -151,6 +160,8 @@ class ChainScheduler:
             max_context = min(contexts) if contexts else None
         self.max_context = max_context
         self.last_step: dict = {}  # batch size, tokens, seconds and plan of the latest step
+        self.keep_finished = keep_finished
+        self._kept: list[tuple[int, list[int]]] = []  # (seq_id, its tokens) of finished requests, oldest first
 
     # ----------------------------------------------------------------- decoder API
 
@@ -164,11 +175,12 @@ class ChainScheduler:
         with `finish`. Requests are independent, so a caller may interleave or batch their steps.
         All calls must come from one thread at a time."""
         run = Run(
-            seq_id=next(_sequence_ids),
+            seq_id=self._sequence_for(prompt_ids),
             params=params,
             generators=[seeded_generator(s) for s in tier_seeds(seed, len(self.tiers))],
             stages=[StageStats(self.tiers[i].name, self.tiers[i + 1].name) for i in range(len(self.tiers) - 1)],
             limit=self.max_context or NO_LIMIT,
+            forwarded_tokens=[0] * len(self.tiers),
         )
         return RequestState(seq_id=run.seq_id, params=params, committed=list(prompt_ids), max_new_tokens=max_new_tokens,
                             limit=run.limit, run=run, tier_busy_s=[0.0] * len(self.tiers))
@@ -232,15 +244,18 @@ class ChainScheduler:
             # in the step's time: keeping a drafter's cache up to date is part of what speculating costs
             self.catch_up([states[i] for i in live])
         busy_before = [t.busy_s for t in self.tiers]
+        tokens_before = [_forwarded(t) for t in self.tiers]
         items = [(states[i].run, list(states[i].committed), min(self.length_at(0), remaining(states[i]) - 1)) for i in live]
         results = self.round_batch(0, items)
         spent = [t.busy_s - b for t, b in zip(self.tiers, busy_before)]
+        forwarded = [_forwarded(t) - b for t, b in zip(self.tiers, tokens_before)]
         committed = []
         for i, (emitted, _) in zip(live, results):
             state = states[i]
             emitted = commit(state, emitted, self.eos_token_ids)
             for t, seconds in enumerate(spent):
                 state.tier_busy_s[t] += seconds / len(live)  # a shared forward: each request's share
+                state.run.forwarded_tokens[t] += forwarded[t] // len(live)
             out[i] = emitted
             committed.append(tuple(emitted))
         seconds = time.perf_counter() - started
@@ -251,11 +266,11 @@ class ChainScheduler:
         return out
 
     def finish(self, state: RequestState) -> GenerationOutput:
-        """Release the request's caches and return its tokens and stats."""
-        for tier in self.tiers:
-            tier.release(state.seq_id)
+        """Release the request's caches (or keep them: `keep_finished`) and return its tokens and stats."""
+        self._keep_or_release(state.seq_id, state.committed)
         run: Run = state.run
-        extra = {"tiers": [{"tier": t.name, "busy_s": round(busy, 6)} for t, busy in zip(self.tiers, state.tier_busy_s)]}
+        extra = {"tiers": [{"tier": t.name, "busy_s": round(busy, 6), "forwarded_tokens": tokens}
+                           for t, busy, tokens in zip(self.tiers, state.tier_busy_s, run.forwarded_tokens)]}
         if self.planner is not None:
             extra["plans"] = state.plans
         return output(state, run.stages + list(run.bypass_stages.values()), **extra)
@@ -264,6 +279,25 @@ class ChainScheduler:
         """Stop a request now: its caches are freed and it finishes as "cancelled"."""
         mark_cancelled(state)
         return self.finish(state)
+
+    # -------------------------------------------------------------- prefix reuse
+
+    def _sequence_for(self, prompt_ids: list[int]) -> int:
+        """The sequence id a new request runs under: that of the kept request whose tokens share
+        the longest prefix with `prompt_ids` (its caches hold that prefix), else a fresh one."""
+        shared = [(_common_prefix(tokens, prompt_ids), j) for j, (_, tokens) in enumerate(self._kept)]
+        length, best = max(shared, default=(0, None))
+        if not length:
+            return next(_sequence_ids)
+        return self._kept.pop(best)[0]
+
+    def _keep_or_release(self, seq_id: int, tokens: list[int]) -> None:
+        """Keep a finished request's caches (dropping the oldest kept past `keep_finished`), or free them."""
+        self._kept.append((seq_id, list(tokens)))
+        while len(self._kept) > self.keep_finished:
+            dropped, _ = self._kept.pop(0)
+            for tier in self.tiers:
+                tier.release(dropped)
 
     # ------------------------------------------------------------ the round
 
@@ -388,3 +422,18 @@ class ChainScheduler:
                 rows = rows[: len(emitted)]
             out.append((emitted, rows))
         return out
+
+
+def _forwarded(tier) -> int:
+    """Tokens a tier's forwards have taken in so far (0 for a tier that does not count them: a remote proxy)."""
+    return getattr(tier, "forwarded_tokens", 0)
+
+
+def _common_prefix(tokens: list[int], other: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    length = 0
+    for a, b in zip(tokens, other):
+        if a != b:
+            break
+        length += 1
+    return length

@@ -57,7 +57,6 @@ from polyspec.orchestrator.serving.jobs import LimitExceeded
 from polyspec.orchestrator.serving.request_loop import Draining, QueueFull, Work, is_unavailable, public_reason
 from polyspec.orchestrator.serving.security import Tenants
 from polyspec.orchestrator.serving import openai_request
-from polyspec.orchestrator.serving.logprobs import TargetScorer
 from polyspec.orchestrator.serving.openai_request import CHAT_FIELDS, KNOWN_FIELDS, MAX_STOPS, ApiError
 from polyspec.orchestrator.tokenization import StopMatcher, check_stops, encode_chat
 from polyspec.workers.core.errors import RequestError
@@ -172,7 +171,6 @@ class OpenAIApi:
     def __init__(self, service) -> None:
         self.service = service
         self.limits = service.limits
-        self._scorer: TargetScorer | None = None  # loaded on the first request for logprobs
 
     # ---------------------------------------------------------------- plumbing
 
@@ -353,19 +351,8 @@ class OpenAIApi:
 
     async def _logprobs(self, parsed, text: str, choice: "_Choice", top: int, chat: bool) -> dict:
         """The choice's tokens (those its text holds, when a stop string cut it) with the target's log-probabilities."""
-        if self._scorer is None:
-            self._scorer = TargetScorer(self.service.engine.config.tiers[0])
-
-        def score() -> tuple[list, list[str]]:
-            with self.service.prompt_tokenizer() as tokenizer:
-                ids = choice.token_ids
-                if choice.matcher.stopped:  # the longest prefix of the tokens whose text the answer holds
-                    ids = ids[: max(m for m in range(len(ids) + 1) if text.startswith(tokenizer.decode(ids[:m], skip_special_tokens=True)))]
-                scored = self._scorer.score(list(parsed.prompt_ids), ids, parsed.params, top)
-                names = {t: tokenizer.decode([t]) for s in scored for t in (s.token_id, *(i for i, _ in s.top))}
-            return scored, names
-
-        scored, names = await asyncio.to_thread(score)
+        scored, names = await asyncio.to_thread(self.service.score_choice, parsed.prompt_ids, choice.token_ids, text,
+                                                choice.matcher.stopped, parsed.params, top)
         if chat:
             def entry(token: int, logprob: float) -> dict:
                 return {"token": names[token], "logprob": logprob, "bytes": list(names[token].encode("utf-8"))}

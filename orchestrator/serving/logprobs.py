@@ -1,4 +1,4 @@
-"""Log-probabilities of committed tokens for the OpenAI API (`logprobs`, `top_logprobs`).
+"""Log-probabilities of committed tokens, for the OpenAI API (`logprobs`, `top_logprobs`) and gRPC `Generate`.
 
 They are the target's own: one forward of a copy of the target over prompt + completion
 after the choice is done, warped as the request sampled (temperature, top-k, top-p: the

@@ -30,9 +30,11 @@ from polyspec.orchestrator.serving.jobs import DamagedStore, JobStore
 from polyspec.orchestrator.serving.metrics import Metrics
 from polyspec.orchestrator.serving.request_loop import RoundScheduler
 from polyspec.orchestrator.serving.security import Limits, Tenants, is_loopback
-from polyspec.orchestrator.serving.server import MAX_MESSAGE_BYTES, SERVICE_NAME, Guard, PolyspecService
+from polyspec.orchestrator.serving.guard import SERVICE_NAME, Guard
+from polyspec.orchestrator.serving.server import MAX_MESSAGE_BYTES, PolyspecService
 from polyspec.protos.polyspec.v1 import polyspec_pb2_grpc as pb_grpc
 from polyspec.workers.core.errors import ConfigError, PolyspecError
+from polyspec.workers.core.heartbeat import heartbeat
 
 DEFAULT_GRACE_S = 30.0
 DEFAULT_METRICS_PORT = 9464
@@ -255,6 +257,7 @@ def _load_and_warm(config, reprofile: bool = False, exact_only: bool = False):
     # every active request in one batched round (batching.enabled)
     engine = Engine(config, batched=True, log=_log, cache_profiles=True, reprofile=reprofile)
     engine.exact_only = exact_only
-    engine.generate(engine.parse_request({"prompt_ids": [0], "max_new_tokens": 2}))
+    with heartbeat(_log, "warming up"):
+        engine.generate(engine.parse_request({"prompt_ids": [0], "max_new_tokens": 2}))
     _log(f"models loaded in {engine.load_s:.1f}s" + (f", profiled in {engine.profile_s:.1f}s" if engine.profile_s else ""))
     return engine

@@ -26,22 +26,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import dataclasses
 import hashlib
 import json
 import queue
-import sqlite3
-import sys
 import threading
 import time
+from typing import Callable
 
 import grpc
 
 from polyspec.orchestrator.serving.jobs import (
-    BROKEN,
     CANCELLED,
-    DAMAGED,
     FAILED,
-    FULL,
     QUEUED,
     RUNNING,
     SUCCEEDED,
@@ -49,10 +46,11 @@ from polyspec.orchestrator.serving.jobs import (
     JobRecord,
     JobStore,
     LimitExceeded,
-    TROUBLE,
-    trouble,
 )
+from polyspec.orchestrator.engine import choice_seed
+from polyspec.orchestrator.serving.logprobs import MAX_TOP_LOGPROBS, TargetScorer, TokenLogprob
 from polyspec.orchestrator.serving.metrics import Metrics
+from polyspec.orchestrator.serving.openai_request import MAX_CHOICES
 from polyspec.orchestrator.serving.request_loop import Draining, QueueFull, RoundScheduler, Work, is_unavailable, public_reason
 from polyspec.orchestrator.serving.security import (
     MAX_ID_CHARS,
@@ -67,7 +65,6 @@ from polyspec.protos.polyspec.v1 import polyspec_pb2 as pb
 from polyspec.protos.polyspec.v1 import polyspec_pb2_grpc as pb_grpc
 from polyspec.workers.core.errors import RequestError
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Polyspec"].full_name  # polyspec.v1.Polyspec
 STREAMING_METHODS = ("Generate", "StreamJobResults")
 MAX_MESSAGE_BYTES = 64 << 20  # a job's requests arrive in one message
 PROMPT_TOKENIZERS = 4  # requests tokenized at once (each with its own copy of the tokenizer)
@@ -79,7 +76,6 @@ JOB_STATES = {
     CANCELLED: pb.JOB_STATE_CANCELLED,
 }
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed")
-STORE_STATUS = {FULL: grpc.StatusCode.RESOURCE_EXHAUSTED, DAMAGED: grpc.StatusCode.DATA_LOSS, BROKEN: grpc.StatusCode.INTERNAL}
 
 
 # ------------------------------------------------------------------ message <-> dict
@@ -107,6 +103,31 @@ def request_dict(request: pb.GenerateRequest, request_id: str | None = None) -> 
         except ValueError:
             raw["approximate"] = request.approximate_json  # not JSON: parse_request names the field
     return raw
+
+
+def generate_options(request: pb.GenerateRequest) -> tuple[int, int | None]:
+    """(choices, alternatives per token's logprob, or None when no logprobs) a GenerateRequest asks for."""
+    if not 0 <= request.n <= MAX_CHOICES:  # 0 is proto3's "not set": one choice
+        raise RequestError(f"n must be an integer from 1 to {MAX_CHOICES}, got {request.n}")
+    if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise RequestError(f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {request.top_logprobs}")
+    if request.top_logprobs and not request.logprobs:
+        raise RequestError("top_logprobs needs logprobs: true")
+    return max(1, request.n), (request.top_logprobs if request.logprobs else None)
+
+
+def choice_request(parsed, choice: int):
+    """Choice `choice` of a request asking for several: the same request, from its own seed
+    (engine.choice_seed; an unseeded request's choices are independent anyway)."""
+    if parsed.seed is None or choice == 0:
+        return parsed
+    return dataclasses.replace(parsed, seed=choice_seed(parsed.seed, choice))
+
+
+def logprob_messages(scored: list[TokenLogprob], names: dict[int, str]) -> list[pb.TokenLogprob]:
+    return [pb.TokenLogprob(token_id=s.token_id, token=names[s.token_id], logprob=s.logprob,
+                            top_logprobs=[pb.TokenLogprob(token_id=i, token=names[i], logprob=v) for i, v in s.top])
+            for s in scored]
 
 
 def stats_message(stats: dict, timings: dict | None = None) -> pb.GenerationStats:
@@ -174,6 +195,7 @@ class PolyspecService(pb_grpc.PolyspecServicer):
         self.engine = None
         self.scheduler: RoundScheduler | None = None
         self.served_model_names: list[str] | None = None  # `serve --served-model-name`: the OpenAI API's model names
+        self.scorer: TargetScorer | None = None  # logprobs, for gRPC and HTTP alike (loads its target copy on first use)
         self.draining = False
         self.started = time.time()
         self.tokenizer_lock = threading.Lock()  # the engine's tokenizer: the round thread's (decoding)
@@ -185,6 +207,7 @@ class PolyspecService(pb_grpc.PolyspecServicer):
         for _ in range(PROMPT_TOKENIZERS):
             tokenizer = getattr(engine, "tokenizer", None)
             self._prompt_tokenizers.put(copy.deepcopy(tokenizer) if tokenizer is not None else None)
+        self.scorer = TargetScorer(engine.config.tiers[0])
         self.engine, self.scheduler = engine, scheduler
 
     @contextlib.contextmanager
@@ -256,6 +279,22 @@ class PolyspecService(pb_grpc.PolyspecServicer):
         self.check_sizes(raw)  # cheap, and before the thread hop
         return await asyncio.to_thread(self.parse_now, raw)
 
+    def score_choice(self, prompt_ids, token_ids: list[int], text: str, stopped: bool, params,
+                     top: int) -> tuple[list[TokenLogprob], dict[int, str]]:
+        """The target's log-probabilities of a finished choice's tokens (when a stop string cut
+        it, those its `text` holds), and the text of every token they name. Blocking: call it
+        from a request thread."""
+        def decode(ids: list[int]) -> str:
+            return tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else ""
+
+        with self.prompt_tokenizer() as tokenizer:
+            if stopped:  # the longest prefix of the tokens whose text the answer holds
+                token_ids = token_ids[: max(m for m in range(len(token_ids) + 1) if text.startswith(decode(token_ids[:m])))]
+        scored = self.scorer.score(list(prompt_ids), token_ids, params, top)
+        with self.prompt_tokenizer() as tokenizer:
+            names = {t: tokenizer.decode([t]) if tokenizer is not None else "" for s in scored for t in (s.token_id, *(i for i, _ in s.top))}
+        return scored, names
+
     def events(self) -> tuple[asyncio.Queue, object]:
         """A queue on this loop and the `on_event` that feeds it from the round thread."""
         events: asyncio.Queue = asyncio.Queue()
@@ -274,7 +313,10 @@ class PolyspecService(pb_grpc.PolyspecServicer):
     async def Generate(self, request, context):
         await self._ready(context)
         try:
-            matcher = StopMatcher(check_stops(list(request.stop) or None))
+            stops = check_stops(list(request.stop) or None)
+            count, top = generate_options(request)
+            if count > self.limits.max_prompts:
+                raise LimitExceeded(f"n = {count} choices in one request (at most {self.limits.max_prompts})")
             parsed = await self.parse(request_dict(request))
         except RequestError as exc:
             self.metrics.request_finished("invalid_argument")
@@ -282,41 +324,51 @@ class PolyspecService(pb_grpc.PolyspecServicer):
         except LimitExceeded as exc:
             self.metrics.request_finished("resource_exhausted")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        events, on_event = self.events()
-        work = Work(parsed, on_event=on_event)
+        events, reporter = self._choice_events()
+        choices = [_Choice(Work(choice_request(parsed, j), on_event=reporter(j)), StopMatcher(stops)) for j in range(count)]
         try:
-            self.scheduler.submit(work)
+            self.scheduler.submit_all([choice.work for choice in choices])  # every choice, or none
         except QueueFull as exc:
             self.metrics.request_finished("resource_exhausted")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except Draining as exc:
             self.metrics.request_finished("unavailable")
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        finished = False
         try:
-            while True:
-                kind, payload = await events.get()
+            while not all(choice.finished for choice in choices):
+                index, (kind, payload) = await events.get()
+                choice = choices[index]
                 if kind == "delta":
-                    if matcher.stopped:
+                    if choice.matcher.stopped:
                         continue  # a round committed before the cancel was seen
                     token_ids, text = payload
-                    yield pb.GenerateResponse(token_ids=token_ids, text=matcher.push(text), id=request.id)
-                    if matcher.stopped:
-                        self.scheduler.cancel(work)  # a stop string: the rest is not wanted
+                    choice.token_ids += token_ids
+                    shown = choice.matcher.push(text)
+                    choice.text.append(shown)
+                    yield pb.GenerateResponse(token_ids=token_ids, text=shown, id=request.id, index=index)
+                    if choice.matcher.stopped:
+                        self.scheduler.cancel(choice.work)  # a stop string: the rest is not wanted
                 elif kind == "done":
-                    finished = True
+                    choice.finished = True
                     result, tail, timings = payload
+                    shown = choice.matcher.push(tail) + choice.matcher.finish()
+                    choice.text.append(shown)
                     stats = result.get("stats") or {}
-                    yield pb.GenerateResponse(
-                        text=matcher.push(tail) + matcher.finish(),
-                        finish_reason="stop" if matcher.stopped else result["finish_reason"],
+                    message = pb.GenerateResponse(
+                        text=shown,
+                        finish_reason="stop" if choice.matcher.stopped else result["finish_reason"],
                         stats=stats_message(stats, timings),
                         stats_json=json.dumps(stats),
                         id=request.id,
+                        index=index,
                     )
-                    return
+                    if top is not None:
+                        scored, names = await asyncio.to_thread(self.score_choice, parsed.prompt_ids, choice.token_ids,
+                                                                "".join(choice.text), choice.matcher.stopped, parsed.params, top)
+                        message.logprobs.extend(logprob_messages(scored, names))
+                    yield message
                 else:
-                    finished = True
+                    choice.finished = True
                     code = (
                         grpc.StatusCode.INVALID_ARGUMENT if isinstance(payload, RequestError)
                         else grpc.StatusCode.UNAVAILABLE if is_unavailable(payload)
@@ -324,8 +376,26 @@ class PolyspecService(pb_grpc.PolyspecServicer):
                     )
                     await context.abort(code, public_reason(payload))
         finally:
-            if not finished:  # the client went away, or its deadline passed
-                self.scheduler.cancel(work)
+            for choice in choices:
+                if not choice.finished:  # the client went away, its deadline passed, or another choice failed
+                    self.scheduler.cancel(choice.work)
+
+    def _choice_events(self) -> tuple[asyncio.Queue, Callable[[int], Callable]]:
+        """A queue on this loop for the events of every choice of a call, as (choice index, event),
+        and `reporter(index)`: the `on_event` that feeds it from the round thread."""
+        events: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def reporter(index: int):
+            def on_event(kind, payload) -> None:
+                try:
+                    loop.call_soon_threadsafe(events.put_nowait, (index, (kind, payload)))
+                except RuntimeError:  # the loop is closed: shutting down
+                    pass
+
+            return on_event
+
+        return events, reporter
 
     # -------------------------------------------------------------------- jobs
 
@@ -373,6 +443,8 @@ class PolyspecService(pb_grpc.PolyspecServicer):
                 return f"request {number}: id has {len(item.id)} characters (at most {MAX_ID_CHARS})"
             if item.stop:
                 return f"request {number}: stop strings are for Generate; a job's requests run to their end"
+            if item.n > 1 or item.logprobs or item.top_logprobs:
+                return f"request {number}: n and logprobs are for Generate; a job's request has one result, without logprobs"
             item_id = item.id or f"item-{number}"
             if item_id in seen:
                 return f"request id {short(item_id)!r} appears twice in the job (ids must be unique)"
@@ -473,111 +545,15 @@ class PolyspecService(pb_grpc.PolyspecServicer):
         return response
 
 
+@dataclasses.dataclass
+class _Choice:
+    """One choice of a Generate call: its work, and what its stream has shown so far."""
+
+    work: Work
+    matcher: StopMatcher
+    token_ids: list[int] = dataclasses.field(default_factory=list)  # up to the round that completed a stop string
+    text: list[str] = dataclasses.field(default_factory=list)
+    finished: bool = False
+
+
 # ------------------------------------------------------------------ the guard
-
-
-class _Undecodable:
-    """What a method gets instead of its message when the bytes do not parse."""
-
-
-class Guard(grpc.aio.ServerInterceptor):
-    """Every call passes here first.
-
-    - Auth: with tokens, every Polyspec call (and reflection, with `protect_reflection`)
-      needs `authorization: Bearer <token>` of a known tenant; health stays open.
-    - Bytes that are not the method's message: INVALID_ARGUMENT with one line (gRPC
-      itself would answer UNKNOWN naming the Python exception).
-    """
-
-    def __init__(self, tenants: Tenants, metrics: Metrics, protect_reflection: bool = False) -> None:
-        self.tenants = tenants
-        self.metrics = metrics
-        self.protect_reflection = protect_reflection
-
-    async def intercept_service(self, continuation, details):
-        ours = details.method.startswith(f"/{SERVICE_NAME}/")
-        reflection = "ServerReflection/" in details.method
-        handler = await continuation(details)
-        if handler is None:
-            return None
-        if self.tenants.enabled and (ours or (reflection and self.protect_reflection)):
-            given = dict(details.invocation_metadata or ()).get("authorization", "")
-            if self.tenants.tenant_of(given) is None:
-                if ours:
-                    self.metrics.request_finished("unauthenticated")
-                return _deny(handler, Tenants.denial(given))
-        return _tolerant(handler, details.method) if ours else handler
-
-
-def _deny(handler, message: str):
-    async def deny(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-    async def deny_stream(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-        yield  # an async generator, like the method it stands in for
-
-    serializer = handler.response_serializer
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(deny_stream, response_serializer=serializer)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(deny, response_serializer=serializer)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(deny_stream, response_serializer=serializer)
-    return grpc.unary_unary_rpc_method_handler(deny, response_serializer=serializer)
-
-
-async def _unexpected(exc: Exception, method: str, context) -> None:
-    """An error no method turned into a status: one line in the log, and a status whose text
-    holds nothing of the exception (gRPC itself would answer UNKNOWN quoting it, which may
-    carry stored prompts or results). A job store that cannot be written (disk full) is
-    RESOURCE_EXHAUSTED, a damaged one DATA_LOSS, anything else INTERNAL."""
-    if isinstance(exc, grpc.aio.AbortError):  # context.abort: the status is already set
-        raise exc
-    print(f"polyspec serve: {method.rsplit('/', 1)[-1]} failed: {exc!r}"[:500].replace("\n", " "), file=sys.stderr, flush=True)
-    if isinstance(exc, sqlite3.Error):
-        kind = trouble(exc)
-        await context.abort(STORE_STATUS[kind], TROUBLE[kind] + ("; retry later" if kind == FULL else ""))
-    await context.abort(grpc.StatusCode.INTERNAL, "internal error (the server's log has the details)")
-
-
-def _tolerant(handler, method: str):
-    """The same handler, with a request that does not parse answered INVALID_ARGUMENT."""
-    decode = handler.request_deserializer
-
-    def safe_decode(data: bytes):
-        try:
-            return decode(data)
-        except Exception:  # noqa: BLE001 - any parse failure is the client's bytes
-            return _Undecodable()
-
-    async def check(request, context) -> None:
-        if isinstance(request, _Undecodable):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the request is not a valid message of this method (malformed protobuf)")
-
-    if handler.unary_unary is not None:
-        behavior = handler.unary_unary
-
-        async def unary(request, context):
-            await check(request, context)
-            try:
-                return await behavior(request, context)
-            except Exception as exc:  # noqa: BLE001 - see _unexpected
-                await _unexpected(exc, method, context)
-
-        return grpc.unary_unary_rpc_method_handler(unary, request_deserializer=safe_decode,
-                                                   response_serializer=handler.response_serializer)
-    if handler.unary_stream is not None:
-        behavior = handler.unary_stream
-
-        async def stream(request, context):
-            await check(request, context)
-            try:
-                async for message in behavior(request, context):
-                    yield message
-            except Exception as exc:  # noqa: BLE001 - see _unexpected
-                await _unexpected(exc, method, context)
-
-        return grpc.unary_stream_rpc_method_handler(stream, request_deserializer=safe_decode,
-                                                    response_serializer=handler.response_serializer)
-    return handler

@@ -43,7 +43,8 @@ def needs_choice(tier) -> bool:
 def resolve_auto(tiers, cache: ProfileCache | None = None, log=None) -> tuple:
     """The tiers with every `auto` replaced by the measured best (int8 tiers compute in float32:
     their dtype is float32 whatever was asked)."""
-    from polyspec.workers.tiers.loading import heartbeat, load_model_tier
+    from polyspec.workers.core.heartbeat import heartbeat
+    from polyspec.workers.tiers.loading import load_model_tier
 
     resolved = []
     for index, tier in enumerate(tiers):

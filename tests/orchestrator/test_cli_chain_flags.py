@@ -209,6 +209,70 @@ def test_chat_holds_a_conversation(chat_target, tiny_family):
     assert proc.stdout.decode() == "".join(reply["text"] + "\n" for reply in (first, second, after_reset))
 
 
+CHAT_TURNS = ("hello", "and then?", "one more thing")
+
+
+def _chat(engine, turns=CHAT_TURNS, max_new_tokens: int = 8) -> list[dict]:
+    """Each turn's result and prompt ids, the conversation growing as `polyspec chat` grows it."""
+    messages, results = [{"role": "system", "content": "Be brief."}], []
+    for turn in turns:
+        messages.append({"role": "user", "content": turn})
+        request = engine.parse_request({"messages": messages, "max_new_tokens": max_new_tokens, "temperature": 0})
+        result = engine.generate(request)
+        results.append({**result, "prompt_ids": list(request.prompt_ids)})
+        messages.append({"role": "assistant", "content": result["text"]})
+    return results
+
+
+def _shared(a: list[int], b: list[int]) -> int:
+    return next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def test_a_chat_reuses_its_caches_and_says_the_same(chat_target, tiny_family):
+    from polyspec.orchestrator.config import parse_config
+    from polyspec.orchestrator.engine import Engine
+
+    config = parse_config({"tiers": [{"name": "t", "model": chat_target}, {"name": "mid", "model": tiny_family["mid"]},
+                                     {"name": "ng", "model": "ngram"}], "speculation": {"lengths": [3, 2]}})
+    fresh = _chat(Engine(config))
+    reusing = Engine(config, reuse_prefix=True)
+    assert reusing.reuses_prefix and not Engine(config).reuses_prefix
+    kept = _chat(reusing)
+    assert [r["token_ids"] for r in kept] == [r["token_ids"] for r in fresh]  # greedy: lossless
+    assert [r["text"] for r in kept] == [r["text"] for r in fresh]
+    for before, turn, again in zip(fresh, fresh[1:], kept[1:]):
+        shared = _shared(before["prompt_ids"] + before["token_ids"], turn["prompt_ids"])
+        assert shared >= len(before["prompt_ids"])  # the whole previous prompt at least is a prefix of the next
+        for tier in (0, 1):  # each model tier forwards fewer tokens by what it had cached
+            saved = turn["stats"]["tiers"][tier]["forwarded_tokens"] - again["stats"]["tiers"][tier]["forwarded_tokens"]
+            assert saved >= len(before["prompt_ids"]) - 1, (tier, saved)
+
+
+def test_a_chat_turn_prefills_only_its_new_tokens(chat_target):
+    from polyspec.orchestrator.config import parse_config
+    from polyspec.orchestrator.engine import Engine
+
+    config = parse_config({"tiers": [{"name": "t", "model": chat_target}]})
+    for reuse in (True, False):
+        engine = Engine(config, reuse_prefix=reuse)
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}]
+        first_request = engine.parse_request({"messages": messages, "max_new_tokens": 8, "temperature": 0})
+        first = engine.generate(first_request)
+        messages += [{"role": "assistant", "content": first["text"]}, {"role": "user", "content": "and then?"}]
+        second = engine.parse_request({"messages": messages, "max_new_tokens": 4, "temperature": 0})
+        target = engine.tiers[0]
+        before = target.forwarded_tokens
+        state = engine.start(second)
+        engine.step(state)  # the first round: the prompt's prefill (a target alone drafts nothing)
+        prefill = target.forwarded_tokens - before
+        engine.finish(state)
+        prompt = list(second.prompt_ids)
+        shared = _shared(list(first_request.prompt_ids) + first["token_ids"], prompt)
+        assert shared >= len(first_request.prompt_ids)
+        # a tier always forwards the context's last token: its row predicts the first new one
+        assert prefill == (len(prompt) - min(shared, len(prompt) - 1) if reuse else len(prompt)), (reuse, prefill, shared)
+
+
 def test_chat_on_a_model_without_a_template_says_so(tiny_family):
     proc = run_cli("chat", "-m", tiny_family["target"], stdin="hi\n")
     assert proc.returncode == 2

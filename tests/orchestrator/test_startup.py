@@ -101,7 +101,7 @@ def test_a_profile_in_a_log_reports_progress_every_few_seconds(monkeypatch):
 def test_a_long_start_up_step_says_it_is_still_going():
     import time
 
-    from polyspec.workers.tiers.loading import heartbeat
+    from polyspec.workers.core.heartbeat import heartbeat
 
     lines: list[str] = []
     with heartbeat(lines.append, "tier target: loading", every_s=0.05):
@@ -112,3 +112,21 @@ def test_a_long_start_up_step_says_it_is_still_going():
     assert len(lines) == count  # silent once the step is over
     with heartbeat(None, "nothing"):  # no log: no thread
         pass
+
+
+def test_tiers_with_the_same_tokenizer_files_read_them_once(tiny_family, monkeypatch):
+    from polyspec.orchestrator.config import parse_config
+    from polyspec.workers.tiers import loading
+
+    read: list[str] = []
+    real = loading.load_tokenizer
+    monkeypatch.setattr(loading, "load_tokenizer", lambda model, name: read.append(name) or real(model, name))
+    same = parse_config({"tiers": [{"name": "target", "model": tiny_family["target"]}, {"name": "mid", "model": tiny_family["mid"]}]})
+    tiers, tokenizer = loading.load_tiers(same.tiers)
+    assert read == ["target"] and tokenizer is not None and len(tiers) == 2  # mid ships the target's files
+    read.clear()
+    other = parse_config({"tiers": [{"name": "target", "model": tiny_family["target"]},
+                                    {"name": "other", "model": tiny_family["other_vocab"]}]})
+    with pytest.raises(Exception, match="vocabular"):  # a different vocabulary is still read, and refused
+        loading.load_tiers(other.tiers)
+    assert read == ["target", "other"]

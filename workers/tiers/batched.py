@@ -57,6 +57,11 @@ class BatchedTier:
     def busy_s(self) -> float:
         return self.tier.busy_s
 
+    @property
+    def forwarded_tokens(self) -> int:
+        """The wrapped tier's count of tokens its forwards took (a shared batched forward does not count)."""
+        return getattr(self.tier, "forwarded_tokens", 0)
+
     def log_forward(self, rows: int, width: int, seconds: float) -> None:
         self.forward_log.append((rows, width, seconds))
         if len(self.forward_log) > 256:

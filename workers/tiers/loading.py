@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import importlib.util
 import io
 import logging
@@ -17,6 +18,7 @@ import warnings
 import torch
 
 from polyspec.workers.core.errors import ModelLoadError
+from polyspec.workers.core.heartbeat import heartbeat
 from polyspec.workers.tiers.model_cache import fetch_hint
 from polyspec.workers.tiers.tier import ModelTier, NGramTier, Tier
 
@@ -95,6 +97,22 @@ def _short(exc: BaseException) -> str:
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def _tokenizer_digest(model: str) -> str | None:
+    """A digest of a local model folder's tokenizer files (None: not a folder, or none there)."""
+    if not os.path.isdir(model):
+        return None
+    digest = hashlib.blake2b(digest_size=16)
+    found = False
+    for name in TOKENIZER_FILES + ("special_tokens_map.json", "added_tokens.json", "merges.txt", "chat_template.jinja"):
+        path = os.path.join(model, name)
+        if os.path.isfile(path):
+            found = True
+            digest.update(name.encode() + b"\0")
+            with open(path, "rb") as handle:
+                digest.update(handle.read())
+    return digest.hexdigest() if found else None
 
 
 def load_tokenizer(model: str, tier_name: str):
@@ -321,32 +339,6 @@ def _rss_bytes() -> int | None:
         return None
 
 
-HEARTBEAT_S = 5.0  # a start-up step that runs longer says so this often
-
-
-@contextlib.contextmanager
-def heartbeat(log, what: str, every_s: float = HEARTBEAT_S):
-    """While the block runs, `log` '<what>: still at it after N s' every `every_s` seconds
-    (a 1.5B model takes 25-50 s to load: a start-up that says nothing that long looks hung)."""
-    if log is None:
-        yield
-        return
-    done = threading.Event()
-    started = time.perf_counter()
-
-    def beat() -> None:
-        while not done.wait(every_s):
-            log(f"{what}: still at it after {time.perf_counter() - started:.0f}s")
-
-    beating = threading.Thread(target=beat, daemon=True, name="polyspec-heartbeat")
-    beating.start()
-    try:
-        yield
-    finally:
-        done.set()
-        beating.join()
-
-
 def describe_tier(tier) -> str:
     """'/path/to/model (float32, 1 thread, cpu)': what a start-up line says a tier is."""
     kind = f"int8 copy of {tier.model}" if tier.quantize == "int8" else tier.model
@@ -361,8 +353,18 @@ def load_tiers(tiers_config, log=None) -> tuple[list[Tier], object]:
     takes tens of seconds: a start-up that says nothing looks hung)."""
     model_configs = [t for t in tiers_config if not t.is_ngram and not t.drafter]
     tokenizers = {}
-    for tier in model_configs:
-        tokenizers[tier.name] = load_tokenizer(tier.model, tier.name)
+    if log is not None and model_configs:  # a large vocabulary's tokenizer takes seconds
+        log(f"reading the tokenizers ({', '.join(tier.name for tier in model_configs)})")
+    read: dict[str, object] = {}  # tokenizer files' digest -> the tokenizer read from them
+    with heartbeat(log, "reading the tokenizers"):
+        for tier in model_configs:
+            # tiers of one family ship the same files: a large vocabulary's JSON is parsed once
+            digest = _tokenizer_digest(tier.model)
+            if digest is None or digest not in read:
+                tokenizer = load_tokenizer(tier.model, tier.name)
+                if digest is not None:
+                    read[digest] = tokenizer
+            tokenizers[tier.name] = read[digest] if digest is not None else tokenizer
     check_vocabularies(tokenizers)
     tiers: list[Tier] = []
     for tier in model_configs:
@@ -373,7 +375,7 @@ def load_tiers(tiers_config, log=None) -> tuple[list[Tier], object]:
             tiers.append(load_model_tier(tier))
         if log is not None:
             grown = _rss_bytes()
-            memory = f", +{(grown - rss) / 2**20:.0f} MB resident" if grown is not None and rss is not None else ""
+            memory = f", {(grown - rss) / 2**20:+.0f} MB resident" if grown is not None and rss is not None else ""
             log(f"tier {tier.name}: loaded in {time.perf_counter() - started:.1f}s on {tiers[-1].device}{memory}")
     if any(tok is None for tok in tokenizers.values()):
         check_vocabulary_sizes(tiers)

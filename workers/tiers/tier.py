@@ -50,6 +50,7 @@ class Tier(abc.ABC):
         # seq_id -> an early-exit threshold for that sequence alone (ModelTier.exit_threshold's
         # test): an approximate mode's drafter stopping when unsure (BiLD's fallback)
         self.exit_by_seq: dict = {}
+        self.forwarded_tokens = 0  # tokens its forwards took in (prefills and blocks): what a cached prefix saves
 
     @abc.abstractmethod
     def draft(self, seq_id, context: list[int], num_tokens: int, params: SamplingParams, generator) -> tuple[list[int], torch.Tensor | None]:
@@ -167,6 +168,7 @@ class ModelTier(Tier):
             torch.set_num_threads(self.threads)
         started = time.perf_counter()
         start = len(seq.cache)
+        self.forwarded_tokens += len(tokens)
         if self._lean is not None:
             hidden: list | None = [] if self.keep_features else None
             logits = self._lean.forward(seq.cache, tokens, positions, mask, hidden)  # [1, T, V]
