@@ -91,9 +91,12 @@ def _add_client_flags(parser: argparse.ArgumentParser) -> None:
 
 def cmd_serve(args) -> int:
     config = chain_args.chain_config(args)  # flag and config mistakes before torch loads
+    from polyspec.orchestrator.serving.serve_options import serve_options
+
+    options = serve_options(args, config)  # the server's own flags too (files, TLS, port, job store)
     from polyspec.orchestrator.serving.serve import cmd_serve as serve
 
-    return serve(args, config)
+    return serve(options)
 
 
 # ------------------------------------------------------------------------ clients

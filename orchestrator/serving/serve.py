@@ -15,10 +15,7 @@ an address other than loopback without a token prints a warning.
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import socket
-import sqlite3
 import sys
 import time
 
@@ -26,10 +23,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
-from polyspec.orchestrator.serving.jobs import DamagedStore, JobStore
 from polyspec.orchestrator.serving.metrics import Metrics
 from polyspec.orchestrator.serving.request_loop import RoundScheduler
-from polyspec.orchestrator.serving.security import Limits, Tenants, is_loopback
+from polyspec.orchestrator.serving.security import is_loopback
 from polyspec.orchestrator.serving.guard import SERVICE_NAME, Guard
 from polyspec.orchestrator.serving.server import MAX_MESSAGE_BYTES, PolyspecService
 from polyspec.protos.polyspec.v1 import polyspec_pb2_grpc as pb_grpc
@@ -37,99 +33,15 @@ from polyspec.workers.core.errors import ConfigError, PolyspecError
 from polyspec.workers.core.heartbeat import heartbeat
 
 DEFAULT_GRACE_S = 30.0
-DEFAULT_METRICS_PORT = 9464
 
 
-def _read_file(path: str | None, what: str) -> bytes | None:
-    if path is None:
-        return None
-    try:
-        with open(path, "rb") as handle:
-            content = handle.read()
-    except OSError as exc:
-        raise ConfigError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
-    if not content.strip():
-        raise ConfigError(f"{what} {path} is empty")
-    return content
-
-
-def default_state_dir() -> str:
-    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
-    return os.path.join(base, "polyspec")
-
-
-def limits_from_args(args) -> Limits:
-    values = {}
-    for name in Limits.__dataclass_fields__:
-        value = getattr(args, name, None)
-        if value is not None:
-            values[name] = value
-    return Limits(**values)
-
-
-def cmd_serve(args, config) -> int:
-    """`config`: the ChainConfig the flags name (polyspec.orchestrator.chain_args)."""
-    tenants = Tenants.from_files(args.auth_token_file, getattr(args, "tenants_file", None))
-    if bool(args.tls_cert) != bool(args.tls_key):
-        raise ConfigError("--tls-cert and --tls-key go together")
-    tls = (_read_file(args.tls_key, "TLS key"), _read_file(args.tls_cert, "TLS certificate")) if args.tls_cert else None
-    limits = limits_from_args(args)
-    state_dir = args.state_dir or default_state_dir()
-    try:
-        store = JobStore(state_dir)
-    except DamagedStore as exc:  # before any model loads: one line, exit 2, the file as it was
-        raise ConfigError(str(exc)) from None
-    except (OSError, sqlite3.Error) as exc:
-        raise ConfigError(f"cannot use state dir {state_dir}: {exc}") from None
-    host = args.host or config.server.host
-    port = config.server.port if args.port is None else args.port
-    options = {
-        "config": config,
-        "host": host,
-        "port": port,
-        "store": store,
-        "tenants": tenants,
-        "limits": limits,
-        "tls": tls,
-        "tls_files": (args.tls_cert, args.tls_key) if tls else None,
-        "metrics_port": args.metrics_port,
-        "http_port": getattr(args, "http_port", None),
-        "grace_s": args.grace,
-        "auth_reflection": bool(getattr(args, "auth_reflection", False)),
-        "auth_metrics": bool(getattr(args, "auth_metrics", False)),
-        "served_model_names": served_model_names(args),
-        "reprofile": bool(getattr(args, "reprofile", False)),
-        "exact_only": bool(getattr(args, "exact_only", False)),
-    }
-    if options["exact_only"] and not config.approximate.lossless:
-        raise ConfigError(f"--exact-only, but the config's approximate.mode is {config.approximate.mode}: "
-                          "remove that section or serve without --exact-only")
+def cmd_serve(options: dict) -> int:
+    """Serve with `options`, checked and prepared before torch loads (serving.serve_options)."""
+    store = options["store"]
     try:
         return asyncio.run(_serve(**options))
     finally:
         store.close()
-
-
-def served_model_names(args) -> list[str] | None:
-    names = getattr(args, "served_model_name", None)
-    if names is not None and any(not name.strip() for name in names):
-        raise ConfigError("--served-model-name must not be empty")
-    return names
-
-
-def _check_bindable(host: str, port: int) -> None:
-    """A clear one-line error before gRPC tries (and logs its own multi-line complaint)."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror:
-        raise ConfigError(f"cannot listen on {host}:{port}: unknown host") from None
-    family, _, _, _, sockaddr = infos[0]
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(sockaddr)
-        except OSError as exc:
-            raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
 def _log(message: str) -> None:
@@ -153,7 +65,6 @@ async def _serve(config, host, port, store, tenants, limits, tls, tls_files, met
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     _add_reflection(server)
     address = f"{host}:{port}"
-    _check_bindable(host, port)
     try:
         if tls:
             bound = server.add_secure_port(address, grpc.ssl_server_credentials([tls]))

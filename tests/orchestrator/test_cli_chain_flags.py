@@ -291,3 +291,39 @@ def test_a_reader_that_leaves_early_gets_no_traceback(monkeypatch, capsys):
     monkeypatch.setitem(cli.COMMANDS, "zoo", closed_pipe)
     assert main(["zoo", "list"]) == 141
     assert "Traceback" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--tls-cert", "/no/such/cert"], "--tls-cert and --tls-key go together"),
+    (["--tls-cert", "/no/such/cert", "--tls-key", "/no/such/key"], "cannot read TLS key /no/such/key"),
+    (["--auth-token-file", "/no/such/tokens"], "cannot read auth token file /no/such/tokens"),
+    (["--served-model-name", " "], "--served-model-name must not be empty"),
+])
+def test_serve_flag_mistakes_are_one_line_before_torch_is_imported(tmp_path, flags, message):
+    """serve's own flags (TLS, tokens, names, the job store, the port) are checked before any model loads."""
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"tiers": [{"name": "t", "model": str(tmp_path)}]}))
+    code = ("import sys; from polyspec.orchestrator.cli import main; "
+            f"rc = main({['serve', '-c', str(config), '--port', '0', '--state-dir', str(tmp_path / 'state'), *flags]!r}); "
+            "print(rc, 'torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.split() == ["2", "False"], proc.stderr
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_serve_on_a_busy_port_is_one_line_before_torch_is_imported(tmp_path):
+    import socket
+
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"tiers": [{"name": "t", "model": str(tmp_path)}]}))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code = ("import sys; from polyspec.orchestrator.cli import main; "
+                f"rc = main({['serve', '-c', str(config), '--port', str(port), '--state-dir', str(tmp_path / 'state')]!r}); "
+                "print(rc, 'torch' in sys.modules)")
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.split() == ["2", "False"], proc.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in proc.stderr
