@@ -199,6 +199,7 @@ class PolyspecService(pb_grpc.PolyspecServicer):
         self.draining = False
         self.started = time.time()
         self.tokenizer_lock = threading.Lock()  # the engine's tokenizer: the round thread's (decoding)
+        self._scorer_lock = threading.Lock()
         self._prompt_tokenizers: queue.Queue = queue.Queue()  # copies for tokenizing requests in worker threads
         self._jobs_changed = asyncio.Event()
         self._loop = asyncio.get_running_loop()
@@ -207,7 +208,6 @@ class PolyspecService(pb_grpc.PolyspecServicer):
         for _ in range(PROMPT_TOKENIZERS):
             tokenizer = getattr(engine, "tokenizer", None)
             self._prompt_tokenizers.put(copy.deepcopy(tokenizer) if tokenizer is not None else None)
-        self.scorer = TargetScorer(engine.config.tiers[0])
         self.engine, self.scheduler = engine, scheduler
 
     @contextlib.contextmanager
@@ -290,6 +290,9 @@ class PolyspecService(pb_grpc.PolyspecServicer):
         with self.prompt_tokenizer() as tokenizer:
             if stopped:  # the longest prefix of the tokens whose text the answer holds
                 token_ids = token_ids[: max(m for m in range(len(token_ids) + 1) if text.startswith(decode(token_ids[:m])))]
+        with self._scorer_lock:  # request threads: the first that asks for logprobs makes the scorer
+            if self.scorer is None:
+                self.scorer = TargetScorer(self.engine.config.tiers[0])
         scored = self.scorer.score(list(prompt_ids), token_ids, params, top)
         with self.prompt_tokenizer() as tokenizer:
             names = {t: tokenizer.decode([t]) if tokenizer is not None else "" for s in scored for t in (s.token_id, *(i for i, _ in s.top))}

@@ -34,6 +34,7 @@ def profile_costs(systems: list, context: list[int]) -> dict | None:
     for system in systems:
         scheduler = getattr(getattr(system, "engine", None), "scheduler", None)
         for tier in getattr(scheduler, "tiers", []) or []:
+            tier = getattr(tier, "tier", tier)  # the scheduler's batched seam wraps each Tier
             if hasattr(tier, "score") and hasattr(tier, "draft") and tier.name not in tiers and not hasattr(tier, "index"):
                 tiers[tier.name] = tier
     if not tiers:

@@ -14,10 +14,12 @@ import threading
 
 import pytest
 
+from polyspec.orchestrator.engine import GenerationRequest
 from polyspec.orchestrator.serving.jobs import JobRecord
 from polyspec.orchestrator.serving.metrics import Metrics
 from polyspec.orchestrator.serving.server import PolyspecService
 from polyspec.protos.polyspec.v1 import polyspec_pb2 as pb
+from polyspec.workers.core.sampling import SamplingParams
 
 BLOCK_S = 5.0
 
@@ -45,12 +47,16 @@ class FakeEngine:
     def parse_request(self, raw, tokenizer=None):
         self.round_lock_held.append(self.service.tokenizer_lock.locked())
         self.gate.block()
-        return ("parsed", raw.get("prompt"))
+        return GenerationRequest((1,), 1, SamplingParams(temperature=0.0))
 
 
 class FakeScheduler:
     def submit(self, work) -> None:
         work.on_event("done", ({"finish_reason": "length", "token_ids": [], "stats": {}}, "", {"queue_s": 0.0, "first_token_s": 0.0}))
+
+    def submit_all(self, works) -> None:
+        for work in works:
+            self.submit(work)
 
     def cancel(self, work) -> None:
         pass
