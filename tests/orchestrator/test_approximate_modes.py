@@ -196,8 +196,14 @@ def polyspec(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "polyspec", *args], capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("mode", [{"mode": "bild", "rollback_threshold": 3.0}, {"mode": "reflective", "reflective_weight": 0.7},
-                                  {"mode": "specreason", "score_threshold": 0}, {"mode": "speculative-thinking", "trigger_words": ["a"]}])
+# one mode through the command by default (every mode runs in process above, and `batch` names several);
+# the other three through the command with -m extended
+@pytest.mark.parametrize("mode", [
+    {"mode": "bild", "rollback_threshold": 3.0},
+    pytest.param({"mode": "reflective", "reflective_weight": 0.7}, marks=pytest.mark.extended),
+    pytest.param({"mode": "specreason", "score_threshold": 0}, marks=pytest.mark.extended),
+    pytest.param({"mode": "speculative-thinking", "trigger_words": ["a"]}, marks=pytest.mark.extended),
+])
 def test_generate_runs_each_mode_from_the_config(tiny_family, tmp_path, mode):
     path = tmp_path / "chain.yaml"
     path.write_text(yaml.safe_dump(chain_config(tiny_family, approximate=mode)))
