@@ -244,11 +244,11 @@ class ChainScheduler:
             # in the step's time: keeping a drafter's cache up to date is part of what speculating costs
             self.catch_up([states[i] for i in live])
         busy_before = [t.busy_s for t in self.tiers]
-        tokens_before = [_forwarded(t) for t in self.tiers]
+        tokens_before = [t.forwarded_tokens for t in self.tiers]
         items = [(states[i].run, list(states[i].committed), min(self.length_at(0), remaining(states[i]) - 1)) for i in live]
         results = self.round_batch(0, items)
         spent = [t.busy_s - b for t, b in zip(self.tiers, busy_before)]
-        forwarded = [_forwarded(t) - b for t, b in zip(self.tiers, tokens_before)]
+        forwarded = [t.forwarded_tokens - b for t, b in zip(self.tiers, tokens_before)]
         committed = []
         for i, (emitted, _) in zip(live, results):
             state = states[i]
@@ -422,11 +422,6 @@ class ChainScheduler:
                 rows = rows[: len(emitted)]
             out.append((emitted, rows))
         return out
-
-
-def _forwarded(tier) -> int:
-    """Tokens a tier's forwards have taken in so far (0 for a tier that does not count them: a remote proxy)."""
-    return getattr(tier, "forwarded_tokens", 0)
 
 
 def _common_prefix(tokens: list[int], other: list[int]) -> int:
