@@ -26,6 +26,7 @@ import dataclasses
 from typing import Any, Callable, Iterable
 
 from polyspec.orchestrator.decode.contract import BatchDecoder
+from polyspec.workers.core.sampling import RandomStream
 
 
 def is_unavailable(exc: BaseException) -> bool:
@@ -46,14 +47,19 @@ class StepOutcome:
 
 
 def _random_streams(states: list) -> list[list]:
-    """Each state's generator states (a decoder that samples in this process keeps them on its run)."""
-    return [[g.get_state() for g in getattr(state.run, "generators", ())] for state in states]
+    """Each state's random streams (a decoder that samples in this process keeps them on its run):
+    the generators' states, and the device draws' counters where they have them (RandomStream)."""
+    return [[g.snapshot() if isinstance(g, RandomStream) else g.get_state() for g in getattr(state.run, "generators", ())]
+            for state in states]
 
 
 def _restore_random_streams(states: list, saved: list[list]) -> None:
     for state, streams in zip(states, saved):
         for generator, stream in zip(getattr(state.run, "generators", ()), streams):
-            generator.set_state(stream)
+            if isinstance(generator, RandomStream):
+                generator.restore(stream)
+            else:
+                generator.set_state(stream)
 
 
 def _step(engine, states: list) -> list[tuple[Any, list[int]]]:

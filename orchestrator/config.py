@@ -98,10 +98,10 @@ class BatchingConfig:
     max_requests: int = 64  # requests holding caches and stepping together; more wait
     max_batched_tokens: int = 2048  # new positions one forward may carry (rows x padded block), prefill included
     kv_memory_mb: int | None = None  # bound on the KV caches of all requests; lowers max_requests to fit
-    # which batched round runs the chain: "device" (polyspec.orchestrator.decode.device_round: static shapes,
-    # verification on the device, CUDA graphs; a target and at most one Llama / Qwen2 drafter with fixed
-    # lengths), "ragged" (polyspec.orchestrator.decode.scheduler: every chain), "auto": device on CUDA where
-    # the chain fits it, ragged otherwise
+    # which tiers the one round runs: "device" (polyspec.workers.tiers.static_tier: static shapes, verification
+    # on the device, CUDA graphs; Llama / Qwen2 model tiers with float weights and n-gram lookups, chain
+    # blocks), "ragged" (polyspec.workers.tiers.batched: every chain), "auto": device on CUDA where the chain
+    # fits it, ragged otherwise
     round: str = "auto"
     max_context: int | None = None  # the device round's KV pool holds this many positions per request (None: the model's)
 

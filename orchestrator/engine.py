@@ -152,78 +152,52 @@ class Engine:
         return isinstance(self.scheduler, ChainScheduler) and self.scheduler.keep_finished > 0
 
     def _device_round(self) -> bool:
-        """Does the device round (polyspec.orchestrator.decode.device_round) run this chain? `batching.round`
+        """Do the chain's model tiers run as device tiers (polyspec.workers.tiers.static_tier)? `batching.round`
         decides: device (or a one-line ConfigError saying why it cannot), ragged, or auto: device on CUDA
         where the chain fits it."""
-        from polyspec.orchestrator.decode.device_round import DeviceScheduler
+        from polyspec.workers.tiers.static_tier import misfit
 
         mode = self.config.batching.round
         if mode == "ragged":
             return False
         spec = self.config.speculation
-        misfit = DeviceScheduler.misfit(self.tiers, spec.lengths if spec.lengths == "auto" else self.config.speculation_lengths(),
-                                        spec.tree_width)
+        why = misfit(self.tiers, spec.lengths if spec.lengths == "auto" else self.config.speculation_lengths(), spec.tree_width)
         if mode == "device":
-            if misfit:
-                raise ConfigError(f"batching.round: device cannot run this chain: {misfit}")
+            if why:
+                raise ConfigError(f"batching.round: device cannot run this chain: {why}")
             return True
-        return misfit is None and str(getattr(self.tiers[0], "device", "cpu")).startswith("cuda")
+        return why is None and str(getattr(self.tiers[0], "device", "cpu")).startswith("cuda")
 
     def _start_device(self, eos: tuple[int, ...], auto_tune: bool) -> None:
-        """Every request through the device round; a single request is a batch of one."""
-        from polyspec.orchestrator.decode.device_round import MAX_DRAFT_TOKENS, DeviceScheduler, DeviceTier, HostDrafter
+        """The one round over device tiers: each model tier one static-shape step per call on a KV pool
+        allocated once (graph-replayed on CUDA); a single request is a batch of one."""
+        import torch
+
         from polyspec.workers.tiers.batched import BatchedNGramTier
         from polyspec.workers.tiers.static_llama import StaticLlama
+        from polyspec.workers.tiers.static_tier import StaticModelTier
         from polyspec.workers.tiers.tier import NGramTier
 
         batching = self.config.batching
         models = [None if isinstance(tier, NGramTier) else StaticLlama(tier.model) for tier in self.tiers]
-        per_request = sum(m.bytes_per_slot(MAX_DRAFT_TOKENS + 2, batching.max_context) for m in models if m is not None)
+        per_request = sum(StaticModelTier.bytes_per_request(m, batching.max_context) for m in models if m is not None)
         wanted = batching.max_requests if self.batched else 1
         kv_memory_mb = batching.kv_memory_mb
         device = models[0].device
         if kv_memory_mb is None and device.type == "cuda":  # the pool is allocated at once: bound it by what the card has free
-            import torch
-
             free, _ = torch.cuda.mem_get_info(device)
             kv_memory_mb = max(1, int(free * DEVICE_POOL_SHARE) // 2**20 - DEVICE_HEADROOM_MB)
             if per_request > kv_memory_mb * 2**20:
                 raise ConfigError(f"one request's KV pool ({per_request / 2**20:.0f} MB at {models[0].limit} positions) does not fit "
                                   f"the GPU's free memory ({free / 2**20:.0f} MB); set batching.max_context lower")
         self.max_requests = requests_within_memory(wanted, kv_memory_mb, per_request)
-        threads = getattr(self.tiers[0], "threads", None)
-        if threads:
-            import torch
-
-            torch.set_num_threads(threads)
-        tiers = [HostDrafter(tier.name, BatchedNGramTier(tier)) if model is None else DeviceTier(tier.name, model, self.max_requests,
-                                                                                                  batching.max_context)
+        tiers = [BatchedNGramTier(tier) if model is None else StaticModelTier(tier, self.max_requests, batching.max_context, model)
                  for tier, model in zip(self.tiers, models)]
         spec = self.config.speculation
-        self.scheduler = DeviceScheduler(tiers, self.config.speculation_lengths(), eos_token_ids=eos, max_requests=self.max_requests)
+        self.scheduler = ChainScheduler(tiers, self.config.speculation_lengths(), eos_token_ids=eos,
+                                        prefill_budget=max(1, batching.max_batched_tokens - self.max_requests))
         if auto_tune and spec.lengths == "auto" and len(self.tiers) > 1:
-            self.scheduler.planner = self.make_device_planner()
-
-    def make_device_planner(self):
-        """The goodput planner over the device round's own step costs (profiled in a few seconds)."""
-        from polyspec.orchestrator.tuning.batch_model import BATCH_GRID, PROFILE_CONTEXT, WIDTH_GRID, BatchPlanner, ForwardTable, monotone
-
-        scheduler = self.scheduler
-        batches = [b for b in BATCH_GRID if b <= max(1, min(self.max_requests, PROFILE_MAX_BATCH))]
-        if self.log is not None:
-            self.log(f"profiling the device round's steps ({len(batches)} batch sizes x {len(WIDTH_GRID)} widths per model tier)")
-        started = time.perf_counter()
-        raw, lookup = scheduler.profile(batches, list(WIDTH_GRID), min(PROFILE_CONTEXT, scheduler.max_context - max(WIDTH_GRID) - 1))
-        self.profile_s = time.perf_counter() - started
-        tables = []
-        for ms in raw:
-            if ms is not None:
-                for b in BATCH_GRID:  # past the largest batch profiled: in proportion to the rows
-                    if b not in batches:
-                        for w in WIDTH_GRID:
-                            ms[(b, w)] = ms[(batches[-1], w)] * b / batches[-1]
-            tables.append(None if ms is None else ForwardTable(monotone(ms), None))
-        return BatchPlanner(scheduler.tiers, tables, lookup, max_batched_tokens=self.config.batching.max_batched_tokens)
+            self.scheduler.planner = self.make_planner()
 
     def _start_batched(self, eos: tuple[int, ...], auto_tune: bool) -> None:
         """Every active request in one round per step, each model tier sharing one forward (polyspec.workers.tiers.batched)."""

@@ -1,8 +1,9 @@
 """The device round's costs on a GPU, for the judged ratios against `reference.py`'s graph step.
 
 Builds Qwen2.5-Coder model shapes (`shapes/`) with random weights (a forward's cost does not
-depend on the weights' values), bf16, and drives polyspec's `DeviceScheduler` the way the engine
-does (start, prefill, step_all), timing with the device synchronised:
+depend on the weights' values), bf16, and drives polyspec's one round (`ChainScheduler`) over device
+tiers (`StaticModelTier`) the way the engine does (start, prefill, step_all), timing with the device
+synchronised:
 
 - target alone, 1 request, `--new` tokens after a `--prompt`-token prompt: ms per token;
 - one speculative round of an 8-token block (the target's step: forward of 9 tokens, warp,
@@ -52,11 +53,13 @@ def sync(device: torch.device) -> float:
 
 
 def scheduler_for(models: list, names: list[str], lengths: list[int], slots: int):
-    from polyspec.orchestrator.decode.device_round import DeviceScheduler, DeviceTier
-    from polyspec.workers.tiers.static_llama import StaticLlama
+    from polyspec.orchestrator.decode.scheduler import ChainScheduler
+    from polyspec.workers.tiers.static_tier import StaticModelTier
+    from polyspec.workers.tiers.tier import ModelTier
 
-    tiers = [DeviceTier(name, StaticLlama(model), slots, context=512) for name, model in zip(names, models)]
-    return DeviceScheduler(tiers, lengths, max_requests=slots)
+    tiers = [StaticModelTier(ModelTier(name, model, model.config.vocab_size, model.device), slots, context=512)
+             for name, model in zip(names, models)]
+    return ChainScheduler(tiers, lengths)
 
 
 def decode_rate(scheduler, prompts: list[list[int]], new: int, device) -> dict:

@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable, Protocol, runtime_checkable
 
 import torch
 
-from polyspec.workers.core.sampling import SamplingParams
+from polyspec.workers.core.sampling import RandomStream, SamplingParams
 
 FINISH_LENGTH = "length"  # max_new_tokens reached, or the context is full
 FINISH_EOS = "eos"  # the last committed token ends the sequence
@@ -327,14 +327,10 @@ def output(state: RequestState, stages: Iterable[StageStats], **extra) -> Genera
 # ----------------------------------------------------------------------------- seeds
 
 
-def seeded_generator(seed: int | None) -> torch.Generator:
-    """A generator seeded with `seed`, or from the operating system's entropy when None."""
-    generator = torch.Generator()
-    if seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(int(seed))
-    return generator
+def seeded_generator(seed: int | None) -> RandomStream:
+    """A request's random stream at one tier (host and device draws), seeded with `seed`, or from
+    the operating system's entropy when None."""
+    return RandomStream(seed)
 
 
 def tier_seeds(seed: int | None, tiers: int) -> list[int]:

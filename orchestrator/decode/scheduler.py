@@ -84,7 +84,7 @@ from polyspec.orchestrator.decode.contract import (
 from polyspec.orchestrator.decode.approximate import scoring, verdict
 from polyspec.workers.core.sampling import SamplingParams
 from polyspec.workers.core.tree import DraftTree
-from polyspec.workers.tiers.batched import BatchedTier, as_batched
+from polyspec.workers.tiers.batched import BatchedTier, Verdict, as_batched
 from polyspec.workers.tiers.tier import Tier
 
 DEFAULT_PREFILL_BUDGET = 512  # prompt tokens cached per step for joining requests
@@ -246,7 +246,7 @@ class ChainScheduler:
         busy_before = [t.busy_s for t in self.tiers]
         tokens_before = [t.forwarded_tokens for t in self.tiers]
         items = [(states[i].run, list(states[i].committed), min(self.length_at(0), remaining(states[i]) - 1)) for i in live]
-        results = self.round_batch(0, items)
+        results = self.round_batch(0, items, want_rows=False)
         spent = [t.busy_s - b for t, b in zip(self.tiers, busy_before)]
         forwarded = [t.forwarded_tokens - b for t, b in zip(self.tiers, tokens_before)]
         committed = []
@@ -380,26 +380,42 @@ class ChainScheduler:
                 blocks[j] = DraftTree.chain(tokens, rows)
         return blocks
 
-    def round_batch(self, level: int, items: list[tuple]) -> list[tuple[list[int], torch.Tensor | None]]:
+    def round_batch(self, level: int, items: list[tuple], want_rows: bool = True) -> list[tuple[list[int], torch.Tensor | None]]:
         """One verification forward of tier `level` over every (run, context, length): each item's
         emitted tokens (the accepted block, then the correction or bonus token) and the tier's
-        rows for them (None when sampling greedily)."""
+        rows for them (None when sampling greedily, or when not `want_rows`: the target's own
+        round, whose tokens go to no verifier)."""
         tier = self.tiers[level]
         below = self.below(level)
         blocks = self._propose(level, below, items) if below is not None else [DraftTree([], [], None) for _ in items]
         started = time.perf_counter()
-        # each block and params as scored: (block, run.params) unless an approximate mode's rule applies
-        scored = [scoring(run, level, context, block) for (run, context, _), block in zip(items, blocks)]
-        probs = tier.score_batch([r.seq_id for r, _, _ in items], [c for _, c, _ in items], [b for b, _ in scored], [p for _, p in scored])
-        shared = (time.perf_counter() - started) / len(items)
+        runs, contexts = [r for r, _, _ in items], [c for _, c, _ in items]
+        if all(block.is_chain() and (level or run.rule is None) for run, block in zip(runs, blocks)):
+            # exact chains: the tier scores and verifies them in one call (on the device, for a device tier)
+            verdicts = tier.verify_batch([r.seq_id for r in runs], contexts, blocks, [r.params for r in runs],
+                                         [r.generators[level] for r in runs], want_rows=want_rows)
+            shared = (time.perf_counter() - started) / len(items)
+        else:
+            # each block and params as scored: (block, run.params) unless an approximate mode's rule applies
+            scored = [scoring(run, level, context, block) for run, context, block in zip(runs, contexts, blocks)]
+            probs = tier.score_batch([r.seq_id for r in runs], contexts, [b for b, _ in scored], [p for _, p in scored])
+            shared = (time.perf_counter() - started) / len(items)
+            verdicts = []
+            for run, block, target_probs in zip(runs, blocks, probs):
+                began = time.perf_counter()
+                path, next_token = verdict(run, level, target_probs, block, self.scheme, run.generators[level])
+                if not block.is_chain():  # both tiers keep the accepted path
+                    tier.accept_path(run.seq_id, path)
+                    self.tiers[below].accept_path(run.seq_id, path)
+                # the verifier's row at the root and below each accepted node
+                rows = None if run.params.greedy else (target_probs[: len(path) + 1] if block.is_chain()
+                                                       else target_probs[[0] + [j + 1 for j in path]])
+                verdicts.append(Verdict(path, next_token, rows))
+                shared += (time.perf_counter() - began) / len(items)  # each request's share of the walks
         out = []
-        for (run, context, length), block, target_probs in zip(items, blocks, probs):
-            started = time.perf_counter()
-            path, next_token = verdict(run, level, target_probs, block, self.scheme, run.generators[level])
-            if not block.is_chain():  # both tiers keep the accepted path
-                tier.accept_path(run.seq_id, path)
-                self.tiers[below].accept_path(run.seq_id, path)
-            seconds = shared + time.perf_counter() - started
+        for (run, context, length), block, decided in zip(items, blocks, verdicts):
+            path, next_token = decided.path, decided.next_token
+            seconds = shared
             if below is not None:
                 stage_of(run.stages, run.bypass_stages, self.tiers, level, below).record(len(block), len(path), length, seconds)
                 # a tree's per-depth acceptance prices trees; a walk that ran out of nodes (a lookup's
@@ -415,12 +431,7 @@ class ChainScheduler:
             if below is not None:
                 self.tiers[below].verdict(run.seq_id, len(context), len(block), len(path), None if no_bonus else next_token)
             emitted = [block.tokens[j] for j in path] + ([] if no_bonus else [next_token])
-            if run.params.greedy:
-                rows = None
-            else:  # the verifier's row at the root and below each accepted node
-                rows = target_probs[: len(path) + 1] if block.is_chain() else target_probs[[0] + [j + 1 for j in path]]
-                rows = rows[: len(emitted)]
-            out.append((emitted, rows))
+            out.append((emitted, None if decided.rows is None else decided.rows[: len(emitted)]))
         return out
 
 

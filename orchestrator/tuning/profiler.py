@@ -377,7 +377,9 @@ def profile_batched(tiers, vocab_size: int, max_batch: int, repeats: int = 2, ca
                    "context": PROFILE_CONTEXT, "vocab": vocab_size}
     # a tier that catches up inside its calls is timed against the others' caches: measured every time
     cacheable = [cache is not None and tier.has_weights and tier.caches_prompts for tier in tiers]
-    hits = [cache.get(index, measurement) if cacheable[index] else None for index in range(len(tiers))]
+    # a device tier's steps (static shapes, graph-replayed on CUDA) cost what the ragged forward's do not
+    measurements = [dict(measurement, kind=getattr(tier, "profile_kind", measurement["kind"])) for tier in tiers]
+    hits = [cache.get(index, measurements[index]) if cacheable[index] else None for index in range(len(tiers))]
     if bar is not None:
         bar.total = sum(len(batches) * len(WIDTH_GRID) for tier, hit in zip(tiers, hits) if tier.has_weights and hit is None)
         bar.refresh()
@@ -437,7 +439,7 @@ def profile_batched(tiers, vocab_size: int, max_batch: int, repeats: int = 2, ca
                     ms[(b, w)] = ms[(batches[-1], w)] * b / batches[-1]
         tables.append(ForwardTable(monotone(ms), catch_up))
         if cacheable[index]:
-            cache.put(index, measurement, {"ms": encode_table(tables[-1].ms), "catch_up": catch_up})
+            cache.put(index, measurements[index], {"ms": encode_table(tables[-1].ms), "catch_up": catch_up})
         if log is not None:
             log(f"tier {tier.name}: profiled in {time.perf_counter() - started_tier:.1f}s")
     for tier in tiers:

@@ -1,6 +1,7 @@
 """One round for every mode: `ChainScheduler.round_batch` is the only code that verifies a
 block, whether the engine runs one request (`generate`), a batch (`polyspec batch`, jobs,
-`serve`) or the chain is distributed (each tier worker runs it over [its tier, the tier
+`serve`), its tiers are device tiers (`batching.round: device`: static-shape steps, verification
+on the device) or the chain is distributed (each tier worker runs it over [its tier, the tier
 below], one sequence or a batch per call; TierWorkers in this process over gRPC on loopback,
 the same worker code a Ray actor runs). Counted by wrapping that one method."""
 
@@ -28,9 +29,9 @@ def counted(monkeypatch):
     calls = []
     original = ChainScheduler.round_batch
 
-    def round_batch(self, level, items):
+    def round_batch(self, level, items, **options):
         calls.append((self.tiers[level].name, len(items)))
-        return original(self, level, items)
+        return original(self, level, items, **options)
 
     monkeypatch.setattr(ChainScheduler, "round_batch", round_batch)
     return calls
@@ -59,6 +60,17 @@ def test_embedded_single_batched_and_distributed_rounds_are_one_code(tiny_family
     assert [batched.finish(s)["token_ids"] for s in states] == [single] * 3
     assert max(size for name, size in counted if name == "target") == 3, counted
     batched.close()
+
+    counted.clear()
+    device = Engine(parse_config({"tiers": tier_specs(tiny_family, names), "speculation": {"lengths": lengths},
+                                  "batching": {"round": "device", "max_requests": 4, "max_context": 256}}), batched=True)
+    assert type(device.scheduler) is ChainScheduler and type(device.scheduler.tiers[1]).__name__ == "StaticModelTier"
+    states = [device.start(GenerationRequest(tuple(ids), MAX_NEW, GREEDY)) for _ in range(3)]
+    while not all(s.done for s in states):
+        device.scheduler.prefill(states)
+        device.step_all([s for s in states if not s.done])
+    assert [device.finish(s)["token_ids"] for s in states] == [single] * 3
+    assert {name for name, _ in counted} == {"target", "mid"} and max(size for _, size in counted) == 3, counted
 
     counted.clear()
     tiers, _ = load_tiers(config.tiers)

@@ -139,10 +139,9 @@ def test_both_decoders_implement_the_protocol():
 def test_every_batched_round_declares_the_batch_decoder_protocol():
     """The continuous-batching loop tells batched decoders by the declared protocol, not by probing."""
     from polyspec.orchestrator.decode.contract import BatchDecoder
-    from polyspec.orchestrator.decode.device_round import DeviceScheduler
     from polyspec.orchestrator.decode.scheduler import ChainScheduler
     from polyspec.orchestrator.distributed.driver import DistributedChain
 
-    for batched in (ChainScheduler, DeviceScheduler, DistributedChain):
+    for batched in (ChainScheduler, DistributedChain):
         assert all(callable(getattr(batched, name, None)) for name in ("prefill", "ready", "step_all", "start", "finish", "cancel")), batched
     assert {"prefill", "ready", "step_all", "last_step"} <= set(BatchDecoder.__annotations__) | set(vars(BatchDecoder))

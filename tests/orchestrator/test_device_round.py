@@ -1,4 +1,4 @@
-"""The device round (polyspec.orchestrator.decode.device_round), run on the CPU.
+"""The one round over device tiers (polyspec.workers.tiers.static_tier), run on the CPU.
 
 - greedy: the target alone and target <- drafter give, for every request of a ragged batch
   (prompts of different lengths joining at different steps), the target's own greedy
@@ -20,10 +20,12 @@ import torch
 from core_helpers import CompiledGraphs
 
 from lossless_stats import ALPHA, chi_square_p_value, exact_two_token_probs
-from polyspec.orchestrator.decode.device_round import DeviceScheduler, DeviceTier
+from polyspec.orchestrator.decode.scheduler import ChainScheduler
 from polyspec.workers.tiers.device_step import target_step
 from polyspec.workers.core.sampling import SamplingParams
 from polyspec.workers.tiers.static_llama import StaticLlama
+from polyspec.workers.tiers.static_tier import StaticModelTier
+from polyspec.workers.tiers.tier import ModelTier
 
 PROMPTS = [[5, 9, 23, 41, 7], [100, 3], [77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87], [12], [200, 150, 90]]
 MAX_NEW = 24
@@ -50,12 +52,17 @@ def reference(models):
     return out
 
 
-def _scheduler(models, names, lengths, max_requests=8) -> DeviceScheduler:
-    tiers = [DeviceTier(name, StaticLlama(models[name]), max_requests) for name in names]
-    return DeviceScheduler(tiers, lengths, max_requests=max_requests)
+def _scheduler(models, names, lengths, max_requests=8) -> ChainScheduler:
+    """The one round over device tiers of `names` (each tier's pool holds `max_requests` requests)."""
+    tiers = []
+    for name in names:
+        model = models[name]
+        tier = ModelTier(name, model, model.config.vocab_size, model.device)
+        tiers.append(StaticModelTier(tier, max_requests))
+    return ChainScheduler(tiers, lengths)
 
 
-def _run(scheduler: DeviceScheduler, requests, join_every: int = 1):
+def _run(scheduler: ChainScheduler, requests, join_every: int = 1):
     """Drive requests as the continuous-batching loop does, a new one joining every `join_every` steps."""
     waiting = list(requests)
     running, results, steps = [], {}, 0
@@ -75,7 +82,7 @@ def _run(scheduler: DeviceScheduler, requests, join_every: int = 1):
 
 
 @pytest.mark.parametrize("names,lengths", [(["target"], []), (["target", "mid"], [4]), (["target", "small"], [3]),
-                                           (["target", "mid"], [1])])
+                                           (["target", "mid"], [1]), (["target", "mid", "small"], [4, 2])])
 def test_greedy_equals_the_targets_generate(models, reference, names, lengths):
     scheduler = _scheduler(models, names, lengths)
     requests = [(i, p, MAX_NEW, SamplingParams(), None) for i, p in enumerate(PROMPTS)]
@@ -85,27 +92,32 @@ def test_greedy_equals_the_targets_generate(models, reference, names, lengths):
     if len(names) > 1:
         stage = results[0].stats["stages"][0]
         assert stage["blocks"] > 0 and 0 <= stage["accepted"] <= stage["proposed"]
-    assert sorted(scheduler.free_slots) == list(range(8))
+    assert not any(tier.open_sequences for tier in scheduler.tiers), "every slot is released"
 
 
-def test_seeded_requests_draw_the_same_alone_or_batched(models):
+@pytest.mark.parametrize("names,lengths", [(["target", "mid"], [3]), (["target", "mid", "small"], [3, 2])])
+def test_seeded_requests_draw_the_same_alone_or_batched(models, names, lengths):
     params = SamplingParams(temperature=0.9, top_k=40)
     seeded = ("x", PROMPTS[0], 16, params, 1234)
-    alone = _run(_scheduler(models, ["target", "mid"], [3]), [seeded])["x"].token_ids
+    alone = _run(_scheduler(models, names, lengths), [seeded])["x"].token_ids
     others = [(i, p, 10 + i, SamplingParams(temperature=1.0), None) for i, p in enumerate(PROMPTS[1:])]
-    batched = _run(_scheduler(models, ["target", "mid"], [3]), others[:2] + [seeded] + others[2:])["x"].token_ids
+    batched = _run(_scheduler(models, names, lengths), others[:2] + [seeded] + others[2:])["x"].token_ids
     assert alone == batched and len(alone) == 16
-    other_seed = _run(_scheduler(models, ["target", "mid"], [3]), [("x", PROMPTS[0], 16, params, 1235)])["x"].token_ids
+    other_seed = _run(_scheduler(models, names, lengths), [("x", PROMPTS[0], 16, params, 1235)])["x"].token_ids
     assert other_seed != alone
 
 
-def test_sampling_is_lossless(models):
+@pytest.mark.parametrize("names,lengths", [(["target", "small"], [2]), (["target", "mid", "small"], [2, 2])])
+def test_sampling_is_lossless(models, names, lengths):
+    """1,200 samples of the first two tokens, each drawn inside a batch of 48 requests, against the
+    target's exact distribution (alpha 1e-3); with three tiers the middle tier's rows, passed up on
+    the device, are what the target verifies against."""
     params = SamplingParams(temperature=1.0)
     prompt = PROMPTS[0]
     vocab = models["target"].config.vocab_size
     joint = exact_two_token_probs(models["target"], vocab, prompt, params)
     samples, per_batch = 1200, 48
-    scheduler = _scheduler(models, ["target", "small"], [2], max_requests=per_batch)
+    scheduler = _scheduler(models, names, lengths, max_requests=per_batch)
     counts: collections.Counter = collections.Counter()
     for first in range(0, samples, per_batch):
         states = [scheduler.start(prompt, 2, params, seed) for seed in range(first, first + per_batch)]
@@ -132,8 +144,9 @@ def test_the_target_step_compiles_whole_and_once_per_bucket(models):
         args = (static, pool, ids, positions, torch.tensor([0, 1, 2, pool.scratch_slot]), 64, "truncated", torch.tensor([0.0, 0.8, 1.0, 0.0]),
                 torch.tensor([0, 20, 0, 0]), torch.tensor([1.0, 0.9, 1.0, 1.0]), torch.tensor([True, False, False, True]),
                 ids[:, 1:], draft_probs, torch.tensor([3, 2, 3, 0]), torch.tensor([1, 2, 3, 0]), torch.full((rows,), step_index))
-        tokens, accepted = step(*args)
+        tokens, accepted, target_rows = step(*args)
         assert tokens.shape == (rows, block + 1) and bool((accepted <= torch.tensor([3, 2, 3, 0])).all())
+        assert target_rows.shape == (rows, block + 1, vocab)
     assert len(step.graphs) == 1, f"{len(step.graphs)} graphs for one bucket (a graph break or a recompilation)"
     step.close()
 

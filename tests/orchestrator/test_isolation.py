@@ -68,26 +68,27 @@ def test_tiny_but_representable_temperature_still_samples():
 # -------------------------------------------------------------- a fault on one row
 
 
-def _engine(tiny_family, names=("target", "mid", "ngram"), lengths=(3, 2)) -> Engine:
+def _engine(tiny_family, names=("target", "mid", "ngram"), lengths=(3, 2), round_kind="ragged") -> Engine:
     raw = {"tiers": tier_specs(tiny_family, list(names)), "speculation": {"lengths": list(lengths)},
-           "batching": {"max_requests": 8}}
+           "batching": {"max_requests": 8, "round": round_kind, "max_context": 256}}
     return Engine(parse_config(raw), batched=True)
 
 
 def _inject_fault(engine: Engine) -> list[int]:
     """The target's batched forward raises whenever a context holding POISON_TOKEN is in it; returns a
-    list that counts the faults."""
+    list that counts the faults. (A device tier's forward is inside its fused step, `verify_batch`.)"""
     target = engine.scheduler.tiers[0]
-    score_batch = target.score_batch
+    name = "verify_batch" if type(target).__name__ == "StaticModelTier" else "score_batch"
+    forward = getattr(target, name)
     faults = []
 
-    def faulty(seq_ids, contexts, blocks, params):
+    def faulty(seq_ids, contexts, *args, **kwargs):
         if any(POISON_TOKEN in context for context in contexts):
             faults.append(len(contexts))
             raise RuntimeError("injected fault in the target's forward")
-        return score_batch(seq_ids, contexts, blocks, params)
+        return forward(seq_ids, contexts, *args, **kwargs)
 
-    target.score_batch = faulty
+    setattr(target, name, faulty)
     return faults
 
 
@@ -98,8 +99,10 @@ def _run(engine: Engine, raws: list[dict]) -> tuple[dict, dict]:
     return results, errors
 
 
-def test_a_row_that_raises_fails_its_request_alone(tiny_family):
-    engine = _engine(tiny_family)
+@pytest.mark.parametrize("round_kind", ["ragged", "device"])
+def test_a_row_that_raises_fails_its_request_alone(tiny_family, round_kind):
+    """Device tiers too: their draws are counter-based, and the retried step puts the counters back."""
+    engine = _engine(tiny_family, round_kind=round_kind)
     reference, errors = _run(engine, GOOD)
     assert not errors and set(reference) == {r["id"] for r in GOOD}
     faults = _inject_fault(engine)
@@ -109,6 +112,7 @@ def test_a_row_that_raises_fails_its_request_alone(tiny_family):
     for raw in GOOD:  # greedy token-equal, seeded samples identical
         assert results[raw["id"]]["token_ids"] == reference[raw["id"]]["token_ids"], raw["id"]
     assert not any(t.cache.slot_of for t in engine.scheduler.tiers if hasattr(t, "cache")), "every slot is freed"
+    assert not any(getattr(t, "open_sequences", 0) for t in engine.scheduler.tiers), "every device slot is freed"
 
 
 def test_without_on_error_the_run_stops_and_frees_every_slot(tiny_family):

@@ -79,3 +79,38 @@ def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """One token from a [V] probability row (float32)."""
     return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+class RandomStream(torch.Generator):
+    """One request's randomness at one tier, for draws on the host and on the device alike.
+
+    Host draws (`torch.multinomial(..., generator=stream)`) read and advance the generator's own
+    state. Device draws are counter-based (polyspec.workers.core.device_verify.stream_uniforms):
+    they are keyed by (`key`, a counter), and `take(count)` hands out the next `count` counter
+    values. Neither depends on what else is in a batch, and both are put back exactly by
+    `snapshot` / `restore` (a step retried after a failure draws what it drew before)."""
+
+    def __new__(cls, seed: int | None = None):
+        return super().__new__(cls)  # a CPU generator (torch.Generator would read `seed` as its device)
+
+    def __init__(self, seed: int | None = None) -> None:
+        super().__init__()
+        if seed is None:
+            self.seed()
+        else:
+            self.manual_seed(int(seed))
+        self.key = self.initial_seed() & ((1 << 63) - 1)  # an int64 on the device
+        self.counter = 0
+
+    def take(self, count: int = 1) -> int:
+        """The first of `count` fresh counter values for device draws."""
+        first = self.counter
+        self.counter += count
+        return first
+
+    def snapshot(self) -> tuple[torch.Tensor, int]:
+        return self.get_state(), self.counter
+
+    def restore(self, snapshot: tuple[torch.Tensor, int]) -> None:
+        state, self.counter = snapshot
+        self.set_state(state)

@@ -30,14 +30,27 @@ one request after the other behind the same interface.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
 
 from polyspec.workers.core.sampling import SamplingParams, warp_logits
 from polyspec.workers.core.tree import DraftTree, grow_level, tree_allowed
+from polyspec.workers.core.verification import verify_chain, verify_greedy
 from polyspec.workers.tiers.batched_llama import BatchedLlama, PendingTree, RowLayout
 from polyspec.workers.tiers.tier import ModelTier, NGramTier, Tier, confidence, copy_forward, first_candidates
+
+
+@dataclasses.dataclass
+class Verdict:
+    """A verifier's decision on one request's chain block: the accepted path (node indices, a prefix
+    of the block), the next token (the correction at a rejection, else the bonus), and the
+    verifier's rows at each emitted token ([len(path) + 1, V]; None unless asked for and sampling)."""
+
+    path: list[int]
+    next_token: int
+    rows: torch.Tensor | None = None
 
 
 class BatchedTier:
@@ -78,6 +91,26 @@ class BatchedTier:
     def draft_tree_batch(self, seq_ids, contexts, width: int, depths: list[int], params, scheme: str, generators) -> list[DraftTree]:
         """Each request's `draft_tree` (of depth `depths[r]`); by default one request after the other."""
         return [self.tier.draft_tree(s, c, width, d, p, scheme, g) for s, c, d, p, g in zip(seq_ids, contexts, depths, params, generators)]
+
+    def verify_batch(self, seq_ids, contexts, blocks: list[DraftTree], params: list[SamplingParams], generators,
+                     want_rows: bool = False) -> list[Verdict]:
+        """Score every request's chain block (`score_batch`) and verify it with the request's own
+        generator: the greedy rule, or speculative sampling against the block's draft rows (a
+        lookup's proposals, which carry none, as point masses). `want_rows`: return the rows of
+        the emitted tokens (a middle tier passes them up). This is the slow, obvious form; a tier
+        whose step verifies on the device (polyspec.workers.tiers.static_tier) overrides it."""
+        out = []
+        for block, target_probs, p, generator in zip(blocks, self.score_batch(seq_ids, contexts, blocks, params), params, generators):
+            draft_tokens = torch.tensor(block.tokens, dtype=torch.long)  # [k]
+            if p.greedy:
+                accepted, next_token = verify_greedy(target_probs.argmax(dim=-1), draft_tokens)
+            else:
+                draft_rows = block.draft_rows
+                if draft_rows is None:
+                    draft_rows = torch.nn.functional.one_hot(draft_tokens, target_probs.shape[-1]).float()
+                accepted, next_token = verify_chain(target_probs, draft_rows, draft_tokens, generator)
+            out.append(Verdict(list(range(accepted)), next_token, target_probs[: accepted + 1] if want_rows and not p.greedy else None))
+        return out
 
     # the one-request calls, so a batched tier can stand where a Tier is expected
     def accept_path(self, seq_id, path: list[int]) -> None:

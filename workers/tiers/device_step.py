@@ -45,7 +45,9 @@ def sampling_mode(params: list[SamplingParams]) -> str:
 def target_step(model: StaticLlama, pool: KVPool, ids, positions, slots, span: int, mode: str, temperature, top_k, top_p, greedy,
                 draft_tokens, draft_probs, num_draft, seeds, counters):
     """The target's step: forward of [B, k + 1] tokens, warp, verification. Returns
-    (tokens [B, k + 1]: accepted drafts, then the correction / bonus token, then padding; num_accepted [B])."""
+    (tokens [B, k + 1]: accepted drafts, then the correction / bonus token, then padding; num_accepted [B];
+    rows [B, k + 1, V]: the warped float32 rows the emitted tokens are distributed as — the logits when
+    every request is greedy, whose rows nobody reads)."""
     logits = model.forward(pool, ids, positions, slots, span)  # [B, k + 1, V]
     rows, width, vocab = logits.shape
     block = width - 1
@@ -53,7 +55,7 @@ def target_step(model: StaticLlama, pool: KVPool, ids, positions, slots, span: i
     flat_tokens = draft_tokens.reshape(-1)
     if mode == GREEDY:
         num_accepted, next_tokens = verify_greedy_chains(logits, draft_tokens, num_draft)
-        return emitted_tokens(flat_tokens, cu_num_draft, num_accepted, next_tokens, block), num_accepted
+        return emitted_tokens(flat_tokens, cu_num_draft, num_accepted, next_tokens, block), num_accepted, logits
 
     def per_row(values):  # a request's value on each of its k + 1 rows
         return values[:, None].expand(rows, width).reshape(-1)
@@ -64,7 +66,8 @@ def target_step(model: StaticLlama, pool: KVPool, ids, positions, slots, span: i
     exponentials = stream_exponentials(seeds, counters, DOMAIN_NEXT, vocab)  # [B, V]
     num_accepted, next_tokens = verify_chains(target_probs, draft_probs.reshape(rows * block, vocab), flat_tokens, cu_num_draft,
                                               greedy, uniforms, exponentials, num_draft)
-    return emitted_tokens(flat_tokens, cu_num_draft, num_accepted, next_tokens, block), num_accepted
+    tokens = emitted_tokens(flat_tokens, cu_num_draft, num_accepted, next_tokens, block)
+    return tokens, num_accepted, target_probs.view(rows, width, vocab)
 
 
 def draft_step(model: StaticLlama, pool: KVPool, ids, positions, slots, span: int, mode: str, temperature, top_k, top_p, greedy, seeds,

@@ -1,0 +1,350 @@
+"""A model tier on the round that stays on the device: `StaticLlama` over a `KVPool` allocated once.
+
+`StaticModelTier` is a batched tier (polyspec.workers.tiers.batched) like `BatchedModelTier`, so the
+one round (polyspec.orchestrator.decode.scheduler.ChainScheduler) runs it at any level of a chain:
+the target, a middle tier, the bottom drafter. What differs is where its work happens:
+
+- `verify_batch`: ONE static-shape step per call — the forward of [last committed token, block] of
+  every request, the warp and the verification of every chain block (device_step.target_step),
+  replayed as a CUDA graph on CUDA. Its one copy to the host: the emitted token ids and accepted
+  counts. Logits never leave the device; the rows a middle tier passes up (at T > 0) stay on it.
+- `draft_batch`: k one-token static steps (device_step.draft_step: forward, warp, one draw from the
+  request's counter-based stream); tokens and rows stay on the device until one copy of the [B, k]
+  token ids at the end (the round commits them on the host).
+- `prefill`: prompts in eager chunks (their shapes vary), one request at a time.
+- `score_batch`: forward and warp, rows on the device: what a check other than the fused one reads
+  (the profiler's timing).
+
+Every step's shapes depend only on its bucket: requests padded up to a power of two (padding rows
+write the pool's scratch slot), the attended span rounded up to a power of two (at least MIN_SPAN),
+the block width exact. A slot's contents are host bookkeeping (`_tokens`: what its KV holds), so a
+rollback is free: every call first syncs a request's slot to the context it is given, keeping the
+prefix they share, as `BatchedModelTier` does.
+
+Randomness: a request's device draws come from counter-based streams keyed by its random stream at
+this tier (polyspec.workers.core.sampling.RandomStream: `key`, and `take()` for fresh counters), so a
+seeded request draws the same numbers alone or in any batch, and a retried step draws them again.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from polyspec.workers.core.sampling import RandomStream, SamplingParams, warp_logits
+from polyspec.workers.core.tree import DraftTree
+from polyspec.workers.tiers.batched import BatchedTier, Verdict
+from polyspec.workers.tiers.device_step import GREEDY, StepGraphs, draft_step, sampling_mode, target_step
+from polyspec.workers.tiers.static_llama import StaticLlama
+from polyspec.workers.tiers.tier import ModelTier, NGramTier
+
+MAX_BLOCK_TOKENS = 16  # the longest block a step verifies (each slot keeps room for it past the context)
+SLOT_MARGIN = MAX_BLOCK_TOKENS + 2  # positions a slot holds past its context: a block, its root, a drafter's re-fed token
+MIN_SPAN = 64  # the smallest attended span bucket
+PREFILL_CHUNK = 256  # prompt tokens one eager prefill forward carries at most
+PREFILL_WIDTH = 16  # a prefill chunk is padded to a multiple of this (fewer distinct shapes; stays inside SLOT_MARGIN)
+DRAFT_TAIL = 2  # a drafter's first step feeds the last two context tokens (one it may not have seen after a whole block)
+
+
+def bucket(value: int, smallest: int = 1) -> int:
+    """The power of two at or above `value` (at least `smallest`)."""
+    size = smallest
+    while size < value:
+        size *= 2
+    return size
+
+
+def _stream_key(generator) -> tuple[int, int]:
+    """(key, first counter) of one device draw from `generator`; a profile's calls pass None."""
+    if generator is None:
+        return 0, 0
+    if not isinstance(generator, RandomStream):
+        raise TypeError("the device round draws from RandomStream generators (contract.seeded_generator)")
+    return generator.key, generator.take()
+
+
+def misfit(tiers, lengths, tree_width: int) -> str | None:
+    """Why the device round cannot run a chain of these (loaded) tiers; None when it can. Every model
+    tier must be a Llama / Qwen2 model `StaticLlama` runs (every other tier: the n-gram lookup)."""
+    for level, tier in enumerate(tiers):
+        if level and isinstance(tier, NGramTier):
+            continue
+        model = getattr(tier, "model", None)
+        if not isinstance(tier, ModelTier) or not StaticLlama.supports(model, torch.device(getattr(tier, "device", "cpu"))):
+            return f"tier {tier.name!r} is not a Llama / Qwen2 model with float weights on the CPU or CUDA, nor an n-gram drafter"
+        if tier.exit_threshold is not None or tier.keep_features:
+            return f"tier {tier.name!r} drafts with an early exit or feeds a feature head, which the device round does not run"
+    vocabularies = {tier.model.config.vocab_size for tier in tiers if isinstance(tier, ModelTier)}
+    if len(vocabularies) > 1:
+        return f"its tiers' logits must have one width, got {sorted(vocabularies)}"
+    if tree_width > 1:
+        return "it verifies chains, not draft trees (speculation.tree_width > 1)"
+    if lengths != "auto" and any(k > MAX_BLOCK_TOKENS for k in lengths):
+        return f"its blocks hold at most {MAX_BLOCK_TOKENS} tokens"
+    return None
+
+
+class StaticModelTier(BatchedTier):
+    """A Llama-architecture `ModelTier` whose requests share one KV pool and one static-shape step per call (module docstring)."""
+
+    profile_kind = "device"  # its start-up profile times these steps, not the ragged forward's
+
+    def __init__(self, tier: ModelTier, slots: int, context: int | None = None, model: StaticLlama | None = None) -> None:
+        """`slots`: requests the pool holds at once; `context`: positions each holds (default: the model's);
+        `model`: the tier's StaticLlama when the caller has made it already."""
+        super().__init__(tier)
+        self.model = model if model is not None else StaticLlama(tier.model)
+        self.device = self.model.device
+        self.pool = self.model.new_pool(slots, SLOT_MARGIN, context)
+        self.max_context = min(x for x in (context, self.model.limit, tier.max_context) if x)
+        self.caches_prompts = True
+        self.graphs = StepGraphs(self.device.type == "cuda")
+        self.threads = tier.threads
+        self._slot_of: dict[object, int] = {}
+        self._free = list(range(slots))
+        self._tokens: dict[int, list[int]] = {}  # slot -> the tokens whose KV it holds, positions 0 ..
+        self._forwarded = 0
+
+    @staticmethod
+    def bytes_per_request(model: StaticLlama, context: int | None) -> int:
+        return model.bytes_per_slot(SLOT_MARGIN, context)
+
+    @property
+    def forwarded_tokens(self) -> int:
+        return self._forwarded
+
+    # ------------------------------------------------------------------ slots
+
+    @property
+    def open_sequences(self) -> int:
+        return len(self._slot_of)
+
+    def _slot(self, seq_id) -> int:
+        slot = self._slot_of.get(seq_id)
+        if slot is None:
+            if not self._free:
+                raise RuntimeError(f"tier {self.name!r}: all {self.pool.slots} slots of its KV pool are in use")
+            slot = self._slot_of[seq_id] = self._free.pop(0)
+            self._tokens[slot] = []
+        return slot
+
+    def release(self, seq_id) -> None:
+        slot = self._slot_of.pop(seq_id, None)
+        if slot is not None:
+            del self._tokens[slot]
+            self._free.append(slot)
+            self._free.sort()
+
+    def truncate(self, seq_id, length: int) -> None:
+        slot = self._slot_of.get(seq_id)
+        if slot is not None:
+            del self._tokens[slot][length:]
+
+    def cached(self, seq_id) -> int:
+        slot = self._slot_of.get(seq_id)
+        return 0 if slot is None else len(self._tokens[slot])
+
+    def accept_path(self, seq_id, path: list[int]) -> None:
+        raise NotImplementedError("the device round verifies chains, not draft trees")
+
+    def _sync(self, slot: int, context: list[int], keep_at_most: int) -> list[int]:
+        """Roll the slot back to what it shares with `context` (at most `keep_at_most` tokens); the uncached tail."""
+        cached = self._tokens[slot]
+        limit = min(len(cached), len(context), keep_at_most)
+        keep = limit if cached[:limit] == context[:limit] else next(i for i in range(limit) if cached[i] != context[i])
+        del cached[keep:]
+        return context[keep:]
+
+    # ------------------------------------------------------------------ steps
+
+    def _set_threads(self) -> None:
+        if self.threads and torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
+
+    def _span(self, longest: int) -> int:
+        return min(bucket(longest, MIN_SPAN), self.pool.capacity)
+
+    def _column(self, values: list, rows: int, dtype: torch.dtype, pad) -> torch.Tensor:
+        """One value (or row) per request, padded to `rows` with `pad`, on the device."""
+        return torch.tensor(values + [pad] * (rows - len(values)), dtype=dtype).to(self.device, non_blocking=True)
+
+    def _sampling(self, params: list[SamplingParams], rows: int) -> tuple[torch.Tensor, ...]:
+        """temperature, top_k, top_p, greedy per request (padding rows: greedy)."""
+        return (self._column([p.temperature for p in params], rows, torch.float32, 0.0),
+                self._column([p.top_k for p in params], rows, torch.long, 0),
+                self._column([p.top_p for p in params], rows, torch.float32, 1.0),
+                self._column([p.greedy for p in params], rows, torch.bool, True))
+
+    def _timed(self, started: float, rows: int, width: int) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - started
+        self.tier.busy_s += seconds
+        self.tier.forwards += 1
+        self.log_forward(rows, width, seconds)
+
+    def _feed_eagerly(self, slot: int, tokens: list[int]) -> None:
+        """Append `tokens` to the slot in eager chunks (a prompt, or a tail too long for a step)."""
+        start = len(self._tokens[slot])
+        for offset in range(0, len(tokens), PREFILL_CHUNK):
+            chunk = tokens[offset:offset + PREFILL_CHUNK]
+            width = -(-len(chunk) // PREFILL_WIDTH) * PREFILL_WIDTH  # padding writes past the chunk, inside the slot's margin
+            ids = torch.zeros(1, width, dtype=torch.long)
+            ids[0, : len(chunk)] = torch.tensor(chunk)
+            positions = (start + offset + torch.arange(width))[None]
+            self._set_threads()
+            started = time.perf_counter()
+            with torch.inference_mode():
+                self.model.forward(self.pool, ids.to(self.device), positions.to(self.device), torch.tensor([slot], device=self.device),
+                                   self._span(start + offset + width))
+            self._timed(started, 1, width)
+            self._forwarded += len(chunk)
+        self._tokens[slot] += tokens
+
+    def prefill(self, seq_ids, contexts, budget: int) -> int:
+        fed = 0
+        for seq_id, context in zip(seq_ids, contexts):
+            if budget - fed <= 0:
+                break
+            slot = self._slot(seq_id)
+            tail = self._sync(slot, context, len(context) - 1)[:-1]  # all but the last token
+            chunk = tail[: budget - fed]
+            if chunk:
+                self._feed_eagerly(slot, chunk)
+                fed += len(chunk)
+        return fed
+
+    def _prepare(self, seq_ids, contexts, keep_tail: int) -> list[int]:
+        """Each request's slot, synced to its context, holding all but its last `keep_tail` tokens
+        (a longer uncached tail is fed eagerly first)."""
+        slots = []
+        for seq_id, context in zip(seq_ids, contexts):
+            slot = self._slot(seq_id)
+            tail = self._sync(slot, context, max(0, len(context) - keep_tail))
+            if len(tail) > keep_tail:
+                self._feed_eagerly(slot, tail[: len(tail) - keep_tail])
+            slots.append(slot)
+        return slots
+
+    @torch.inference_mode()
+    def verify_batch(self, seq_ids, contexts, blocks: list[DraftTree], params: list[SamplingParams], generators,
+                     want_rows: bool = False) -> list[Verdict]:
+        """Verify every request's chain block in ONE step (forward, warp, verification on the device); see BatchedTier."""
+        slots = self._prepare(seq_ids, contexts, keep_tail=1)
+        count = len(seq_ids)
+        rows = bucket(count)
+        block = max((len(b) for b in blocks), default=0)
+        assert block <= MAX_BLOCK_TOKENS, f"a block of {block} tokens (at most {MAX_BLOCK_TOKENS})"
+        mode = sampling_mode(params)
+        vocab = self.model.vocab_size
+        lengths = [len(c) for c in contexts]
+        ids = self._column([[c[-1]] + b.tokens + [0] * (block - len(b)) for c, b in zip(contexts, blocks)], rows, torch.long,
+                           [0] * (block + 1))  # [R, k + 1]
+        positions = self._column([n - 1 for n in lengths], rows, torch.long, 0)[:, None] + torch.arange(block + 1, device=self.device)
+        draft_tokens = ids[:, 1:]
+        # greedy steps read no draft rows: a placeholder keeps the step's signature
+        draft_probs = torch.zeros(rows, block, 1 if mode == GREEDY else vocab, dtype=torch.float32, device=self.device)
+        if mode != GREEDY:
+            for r, (b, p) in enumerate(zip(blocks, params)):
+                if not p.greedy and len(b):
+                    if b.draft_rows is None:  # a lookup's proposals are point masses
+                        draft_probs[r, : len(b)].scatter_(1, draft_tokens[r, : len(b), None], 1.0)
+                    else:
+                        draft_probs[r, : len(b)] = b.draft_rows.to(self.device, non_blocking=True)
+        keys = [_stream_key(g) for g in generators]
+        span = self._span(max(lengths) + block)
+
+        def verifying(*tensors):
+            return target_step(self.model, self.pool, *tensors[:3], span, mode, *tensors[3:])
+
+        self._set_threads()
+        started = time.perf_counter()
+        tokens, num_accepted, target_rows = self.graphs.run(
+            ("verify", rows, block, span, mode), verifying,
+            [ids, positions, self._column(slots, rows, torch.long, self.pool.scratch_slot), *self._sampling(params, rows), draft_tokens,
+             draft_probs, self._column([len(b) for b in blocks], rows, torch.long, 0), self._column([k for k, _ in keys], rows, torch.long, 0),
+             self._column([c for _, c in keys], rows, torch.long, 0)])
+        emitted, accepted = tokens[:count].cpu().tolist(), num_accepted[:count].cpu().tolist()  # the step's one copy to the host
+        self._timed(started, rows, block + 1)
+        self._forwarded += sum(len(b) + 1 for b in blocks)
+        out = []
+        for r, (slot, context, b, p) in enumerate(zip(slots, contexts, blocks, params)):
+            self._tokens[slot] += [context[-1]] + b.tokens  # what the step wrote; the next call keeps what stays context
+            # the graph's output buffers are overwritten by its next replay: rows passed up are copies
+            kept_rows = target_rows[r, : accepted[r] + 1].clone() if want_rows and not p.greedy else None
+            out.append(Verdict(list(range(accepted[r])), emitted[r][accepted[r]], kept_rows))
+        return out
+
+    @torch.inference_mode()
+    def draft_batch(self, seq_ids, contexts, counts, params, generators):
+        """Each request's block of `counts[r]` tokens, one static step per position for every request at once."""
+        out: list[tuple[list[int], torch.Tensor | None]] = [([], None) for _ in seq_ids]
+        live = [r for r, n in enumerate(counts) if n > 0]
+        if not live:
+            return out
+        contexts = [contexts[r] for r in live]
+        slots = self._prepare([seq_ids[r] for r in live], contexts, keep_tail=DRAFT_TAIL)
+        params = [params[r] for r in live]
+        count, steps = len(live), max(counts[r] for r in live)
+        rows = bucket(count)
+        mode = sampling_mode(params)
+        keys = [_stream_key(None) if generators[r] is None else (generators[r].key, generators[r].take(counts[r])) for r in live]
+        seeds = self._column([k for k, _ in keys], rows, torch.long, 0)
+        counters = self._column([c for _, c in keys], rows, torch.long, 0)
+        sampling = self._sampling(params, rows)
+        slot_column = self._column(slots, rows, torch.long, self.pool.scratch_slot)
+        lengths = [len(c) for c in contexts]
+        # the first step re-feeds the token before the last: a drafter whose block was accepted whole has not seen it
+        ids = self._column([[c[-2] if len(c) > 1 else c[-1], c[-1]] for c in contexts], rows, torch.long, [0, 0])  # [R, 2]
+        positions = self._column([[max(n - 2, 0), n - 1] for n in lengths], rows, torch.long, [0, 1])
+        drafted = torch.zeros(rows, steps, dtype=torch.long, device=self.device)
+        drafted_probs = torch.zeros(rows, steps, self.model.vocab_size, dtype=torch.float32, device=self.device) if mode != GREEDY else None
+        self._set_threads()
+        started = time.perf_counter()
+        for j in range(steps):
+            span = self._span(max(lengths) + j + 1)
+
+            def drafting(*tensors, span=span):
+                return draft_step(self.model, self.pool, *tensors[:3], span, mode, *tensors[3:])
+
+            tokens, probs = self.graphs.run(("draft", rows, ids.shape[1], span, mode), drafting,
+                                            [ids, positions, slot_column, *sampling, seeds, counters + j])
+            drafted[:, j] = tokens
+            if drafted_probs is not None:
+                drafted_probs[:, j] = probs
+            ids = tokens[:, None]
+            positions = positions[:, -1:] + 1
+        host = drafted[:count].cpu().tolist()  # the drafter's one copy to the host
+        self._timed(started, rows, steps)
+        self._forwarded += count * (DRAFT_TAIL + steps - 1)
+        for index, (r, slot, context) in enumerate(zip(live, slots, contexts)):
+            self._tokens[slot] = list(context) + host[index][: steps - 1]  # the last drafted token is not fed
+            rows_of = None if params[index].greedy or drafted_probs is None else drafted_probs[index, : counts[r]]
+            out[r] = (host[index][: counts[r]], rows_of)
+        return out
+
+    @torch.inference_mode()
+    def score_batch(self, seq_ids, contexts, blocks: list[DraftTree], params: list[SamplingParams]) -> list[torch.Tensor]:
+        """Each request's warped rows [len(block) + 1, V] after its context (on the device)."""
+        slots = self._prepare(seq_ids, contexts, keep_tail=1)
+        rows = bucket(len(seq_ids))
+        width = 1 + max((len(b) for b in blocks), default=0)
+        lengths = [len(c) for c in contexts]
+        ids = self._column([[c[-1]] + b.tokens + [0] * (width - 1 - len(b)) for c, b in zip(contexts, blocks)], rows, torch.long, [0] * width)
+        positions = self._column([n - 1 for n in lengths], rows, torch.long, 0)[:, None] + torch.arange(width, device=self.device)
+        span = self._span(max(lengths) + width - 1)
+
+        def forward(*tensors):
+            return self.model.forward(self.pool, *tensors, span)
+
+        self._set_threads()
+        started = time.perf_counter()
+        logits = self.graphs.run(("score", rows, width, span), forward,
+                                 [ids, positions, self._column(slots, rows, torch.long, self.pool.scratch_slot)])
+        out = [warp_logits(logits[r, : len(b) + 1], p) for r, (b, p) in enumerate(zip(blocks, params))]
+        self._timed(started, rows, width)
+        self._forwarded += sum(len(b) + 1 for b in blocks)
+        for slot, context, b in zip(slots, contexts, blocks):
+            self._tokens[slot] += [context[-1]] + b.tokens
+        return out
