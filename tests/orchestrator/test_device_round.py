@@ -21,7 +21,7 @@ from core_helpers import CompiledGraphs
 
 from lossless_stats import ALPHA, chi_square_p_value, exact_two_token_probs
 from polyspec.orchestrator.decode.scheduler import ChainScheduler
-from polyspec.workers.tiers.device_step import target_step
+from polyspec.workers.tiers.device_step import draft_step, target_step
 from polyspec.workers.core.sampling import SamplingParams
 from polyspec.workers.tiers.static_llama import StaticLlama
 from polyspec.workers.tiers.static_tier import StaticModelTier
@@ -57,7 +57,7 @@ def _scheduler(models, names, lengths, max_requests=8) -> ChainScheduler:
     tiers = []
     for name in names:
         model = models[name]
-        tier = ModelTier(name, model, model.config.vocab_size, model.device)
+        tier = ModelTier(name, model, model.config.vocab_size, model.device, lean=False)  # its weights stay as StaticLlama reads them
         tiers.append(StaticModelTier(tier, max_requests))
     return ChainScheduler(tiers, lengths)
 
@@ -147,6 +147,25 @@ def test_the_target_step_compiles_whole_and_once_per_bucket(models):
         tokens, accepted, target_rows = step(*args)
         assert tokens.shape == (rows, block + 1) and bool((accepted <= torch.tensor([3, 2, 3, 0])).all())
         assert target_rows.shape == (rows, block + 1, vocab)
+    assert len(step.graphs) == 1, f"{len(step.graphs)} graphs for one bucket (a graph break or a recompilation)"
+    step.close()
+
+
+@pytest.mark.parametrize("mode", ["greedy", "truncated"])
+def test_the_draft_step_compiles_whole_and_once_per_bucket(models, mode):
+    """A drafter's step (forward of one token per request, warp, one counter-based draw each) is one
+    graph per bucket too: every tier's step of the round is capturable."""
+    static = StaticLlama(models["small"])
+    pool = static.new_pool(slots=4, max_tokens=8)
+    step = CompiledGraphs(draft_step)
+    generator = torch.Generator().manual_seed(0)
+    for step_index in range(3):  # one bucket (4 rows, 1 token, span 64), new values every step
+        ids = torch.randint(1, 200, (4, 1), generator=generator)
+        positions = torch.tensor([[5], [9], [2], [0]]) + step_index
+        tokens, rows = step(static, pool, ids, positions, torch.tensor([0, 1, 2, pool.scratch_slot]), 64, mode,
+                            torch.tensor([0.0, 0.8, 1.0, 0.0]), torch.tensor([0, 20, 0, 0]), torch.tensor([1.0, 0.9, 1.0, 1.0]),
+                            torch.tensor([True, False, False, True]), torch.tensor([1, 2, 3, 0]), torch.full((4,), step_index))
+        assert tokens.shape == (4,) and rows.shape == (4, static.vocab_size)
     assert len(step.graphs) == 1, f"{len(step.graphs)} graphs for one bucket (a graph break or a recompilation)"
     step.close()
 
