@@ -147,6 +147,10 @@ class LockedBatched(BatchedTier):
         with self.lock.hold():
             return self.inner.draft_batch(*args)
 
+    def verify_batch(self, *args, **options):
+        with self.lock.hold():
+            return self.inner.verify_batch(*args, **options)
+
     def draft_tree_batch(self, *args):
         with self.lock.hold():
             return self.inner.draft_tree_batch(*args)
