@@ -130,7 +130,7 @@ class Engine:
                 eos.update([configured] if isinstance(configured, int) else configured)
         self.batched = batched and self.config.batching.enabled
         if self._device_round():
-            self._start_device(stop_token_ids(self.tokenizer, eos), auto_tune)
+            self._start_device(stop_token_ids(self.tokenizer, eos), auto_tune, keep_finished=1 if reuse_prefix else 0)
             return
         if self.batched:
             self._start_batched(stop_token_ids(self.tokenizer, eos), auto_tune)
@@ -168,9 +168,10 @@ class Engine:
             return True
         return why is None and str(getattr(self.tiers[0], "device", "cpu")).startswith("cuda")
 
-    def _start_device(self, eos: tuple[int, ...], auto_tune: bool) -> None:
+    def _start_device(self, eos: tuple[int, ...], auto_tune: bool, keep_finished: int = 0) -> None:
         """The one round over device tiers: each model tier one static-shape step per call on a KV pool
-        allocated once (graph-replayed on CUDA); a single request is a batch of one."""
+        allocated once (graph-replayed on CUDA); a single request is a batch of one. `keep_finished`:
+        finished requests whose caches stay for a next prompt that extends them (their slots come on top)."""
         import torch
 
         from polyspec.workers.tiers.batched import BatchedNGramTier
@@ -191,10 +192,11 @@ class Engine:
                 raise ConfigError(f"one request's KV pool ({per_request / 2**20:.0f} MB at {models[0].limit} positions) does not fit "
                                   f"the GPU's free memory ({free / 2**20:.0f} MB); set batching.max_context lower")
         self.max_requests = requests_within_memory(wanted, kv_memory_mb, per_request)
-        tiers = [BatchedNGramTier(tier) if model is None else StaticModelTier(tier, self.max_requests, batching.max_context, model)
+        slots = self.max_requests + keep_finished
+        tiers = [BatchedNGramTier(tier) if model is None else StaticModelTier(tier, slots, batching.max_context, model)
                  for tier, model in zip(self.tiers, models)]
         spec = self.config.speculation
-        self.scheduler = ChainScheduler(tiers, self.config.speculation_lengths(), eos_token_ids=eos,
+        self.scheduler = ChainScheduler(tiers, self.config.speculation_lengths(), eos_token_ids=eos, keep_finished=keep_finished,
                                         prefill_budget=max(1, batching.max_batched_tokens - self.max_requests))
         if auto_tune and spec.lengths == "auto" and len(self.tiers) > 1:
             self.scheduler.planner = self.make_planner()

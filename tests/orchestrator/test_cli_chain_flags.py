@@ -228,12 +228,15 @@ def _shared(a: list[int], b: list[int]) -> int:
     return next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def test_a_chat_reuses_its_caches_and_says_the_same(chat_target, tiny_family):
+@pytest.mark.parametrize("round_kind", ["ragged", "device"])
+def test_a_chat_reuses_its_caches_and_says_the_same(chat_target, tiny_family, round_kind):
+    """Device tiers keep a finished turn's slot too (`batching.round: device`, one slot on top)."""
     from polyspec.orchestrator.config import parse_config
     from polyspec.orchestrator.engine import Engine
 
     config = parse_config({"tiers": [{"name": "t", "model": chat_target}, {"name": "mid", "model": tiny_family["mid"]},
-                                     {"name": "ng", "model": "ngram"}], "speculation": {"lengths": [3, 2]}})
+                                     {"name": "ng", "model": "ngram"}], "speculation": {"lengths": [3, 2]},
+                           "batching": {"round": round_kind, "max_context": 512}})
     fresh = _chat(Engine(config))
     reusing = Engine(config, reuse_prefix=True)
     assert reusing.reuses_prefix and not Engine(config).reuses_prefix
