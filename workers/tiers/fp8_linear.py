@@ -120,15 +120,17 @@ class Fp8Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemm_dtype is not None and x.is_cuda:
-            return self._scaled_mm_forward(x)
+            return self.scaled_mm_forward(x)
         return F.linear(x, self.dequantized(x.dtype), self.bias)
 
-    def _scaled_mm_forward(self, x: torch.Tensor) -> torch.Tensor:
+    def scaled_mm_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The fp8 GEMM path (`forward` takes it on a CUDA device where it runs; a test may call it anywhere)."""
         rows = x.reshape(-1, self.in_features).float()  # [M, K]
         row_scale = rows.abs().amax(dim=1, keepdim=True).clamp_min(MIN_SCALE) / FP8_MAX  # [M, 1]
         quantized = (rows / row_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         # the weight [N, K] row-major is [K, N] column-major, the layout _scaled_mm wants for its second operand
-        out = torch._scaled_mm(quantized, self.weight.t(), scale_a=row_scale, scale_b=self.scale[None, :], out_dtype=self.gemm_dtype)
+        out = torch._scaled_mm(quantized, self.weight.t(), scale_a=row_scale, scale_b=self.scale[None, :],
+                               out_dtype=self.gemm_dtype or x.dtype)
         out = out.to(x.dtype)  # [M, N]
         if self.bias is not None:
             out = out + self.bias
