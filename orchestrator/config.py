@@ -32,7 +32,7 @@ from polyspec.workers.tiers.model_cache import NGRAM_MODEL, resolve_zoo_referenc
 DTYPES = ("float32", "bfloat16", "float16")
 ROUNDS = ("auto", "device", "ragged")
 AUTO = "auto"  # dtype / threads: measured at start-up (polyspec.orchestrator.tuning.autoconf)
-QUANTIZE = ("int8", "int4")
+QUANTIZE = ("int8", "fp8", "int4")
 SCHEMES = ("specinfer", "rsd", "spectr", "importance")
 BACKENDS = ("local", "ray")
 DEFAULT_SPECULATION_LENGTH = 4

@@ -37,7 +37,7 @@ GIB = 1024**3
 
 # bytes per parameter for each dtype and quantization
 DTYPE_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0}
-QUANTIZE_BYTES = {"int8": 1.0, "int4": 0.5}
+QUANTIZE_BYTES = {"int8": 1.0, "fp8": 1.0, "int4": 0.5}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -335,7 +335,9 @@ def check_tiers(config: ChainConfig) -> list[MemoryEstimate]:
         if tier.quantize == "int4" and tier.device == "cpu":
             raise ConfigError(f"tier {tier.name!r}: quantize: int4 runs on a CUDA GPU only (bitsandbytes); on CPU use int8")
         if tier.quantize == "int8" and tier.device.startswith("cuda"):
-            raise ConfigError(f"tier {tier.name!r}: quantize: int8 (torch dynamic quantization) runs on CPU only; use int4 on a GPU")
+            raise ConfigError(f"tier {tier.name!r}: quantize: int8 (torch dynamic quantization) runs on CPU only; use fp8 or int4 on a GPU")
+        if tier.quantize == "fp8" and not tier.device.startswith(("cpu", "cuda", "auto")):
+            raise ConfigError(f"tier {tier.name!r}: quantize: fp8 runs on CPU or CUDA, not {tier.device}")
     for i in range(1, len(config.tiers)):
         verifier, drafter = config.tiers[i - 1], config.tiers[i]
         verifier_params, drafter_params = estimates[i - 1].params, estimates[i].params
@@ -402,6 +404,8 @@ def format_plan(config: ChainConfig, placements: list[TierPlacement], cluster_na
             )
         if tier.quantize == "int4":
             lines.append("    needs a CUDA GPU and bitsandbytes (int4 is unsupported on CPU)")
+        if tier.quantize == "fp8":
+            lines.append("    fp8 GEMM (torch._scaled_mm) on CUDA compute capability >= 8.9; weight-only elsewhere (memory, not speed)")
         if config.runtime.backend == "local":
             lines.append("    node: this process (runtime.backend local: every tier embedded)")
         elif tier.drafter:

@@ -114,6 +114,7 @@ def private_attributes(tree: ast.Module) -> list[tuple[int, str]]:
 PUBLIC_UNDERSCORED = {
     "_replace", "_asdict", "_fields", "_make",  # namedtuple's public API
     "_packed_params",  # torch's dynamically quantized Linear keeps its int8 weights there (no public accessor)
+    "_scaled_mm",  # torch's fp8 GEMM (fp8_linear); the public torch.nn.functional.scaled_mm calls a newer op, _scaled_mm_v2
 }
 
 

@@ -166,8 +166,19 @@ def test_an_uncached_unknown_hub_id_is_unknown_not_downloaded(tmp_path, monkeypa
 def test_memory_scales_with_dtype_and_quantization():
     base = {"name": "t", "model": "meta-llama/Llama-2-7b-chat-hf"}
     weights = {}
-    for extra in ({"dtype": "float32"}, {"dtype": "float16"}, {"dtype": "float16", "quantize": "int4"}):
+    for extra in ({"dtype": "float32"}, {"dtype": "float16"}, {"dtype": "float16", "quantize": "int4"},
+                  {"dtype": "bfloat16", "quantize": "fp8"}):
         tier = parse_config({"tiers": [{**base, **extra}]}).tiers[0]
         weights[json.dumps(extra)] = estimate_memory(tier).weights_bytes
-    fp32, fp16, int4 = weights.values()
-    assert fp32 == 2 * fp16 == 8 * int4 == 4 * KNOWN_MODELS[base["model"]].params
+    fp32, fp16, int4, fp8 = weights.values()
+    assert fp32 == 2 * fp16 == 4 * fp8 == 8 * int4 == 4 * KNOWN_MODELS[base["model"]].params
+
+
+def test_an_fp8_copy_names_its_path_and_runs_on_cpu_or_cuda_only(tmp_path, capsys):
+    raw = {"tiers": [{"name": "target", "model": str(REPO / "models/stdlib/target")},
+                     {"name": "fp8", "model": str(REPO / "models/stdlib/target"), "quantize": "fp8"}]}
+    assert main(["validate", "-c", write_config(tmp_path, raw)]) == 0
+    assert "fp8 GEMM (torch._scaled_mm) on CUDA compute capability >= 8.9; weight-only elsewhere" in capsys.readouterr().out
+    raw["tiers"][1]["device"] = "mps"
+    assert main(["validate", "-c", write_config(tmp_path, raw)]) == 2
+    assert capsys.readouterr().err == "polyspec: error: tier 'fp8': quantize: fp8 runs on CPU or CUDA, not mps\n"

@@ -21,6 +21,7 @@ CHAINS = {
     "target+ngram": (["target", "ngram"], {}),
     "target+int8": (["target", "int8"], {}),
     "target+int8+ngram": (["target", "int8", "ngram"], {"lengths": [6, 3]}),
+    "target+fp8+small": (["target", "fp8", "small"], {"lengths": [4, 3]}),
     "tree:target+mid": (["target", "mid"], {"tree_width": 3}),
     "tree:target+small": (["target", "small"], {"tree_width": 2, "lengths": [3]}),
     "tree:target+mid+small": (["target", "mid", "small"], {"tree_width": 2}),

@@ -6,7 +6,7 @@ copying the growing KV cache (`torch.cat` per layer per forward) as in its matri
 products; for the int8 copy the overhead is twice the kernels' time. This module runs the
 same operations, in the same order and dtypes, as `LlamaForCausalLM.forward` with the SDPA
 attention of transformers 5.x, from the model's own weights (plain or dynamically
-quantized int8 `Linear`s), on a KV cache preallocated per sequence:
+quantized int8 `Linear`s, or `Fp8Linear`s: `quantize: fp8`), on a KV cache preallocated per sequence:
 
 - rotary cos / sin: one table over all positions, computed with transformers' formula
   (an elementwise product per position, so every row is bit-identical);
@@ -23,7 +23,7 @@ follows transformers' SDPA path too (`enable_gqa` without a mask,
 the packed query for one token with a mask, repeated keys / values otherwise).
 `tests/workers/test_lean_llama.py` and `test_lean_qwen2.py` check bit-equality of logits with the transformers
 forward for prefill, single tokens, blocks, trees and rollbacks. Models this path does not
-cover (other architectures, biases, scaled RoPE, quantized GPU layers) keep the transformers
+cover (other architectures, biases, scaled RoPE, bitsandbytes int4 layers) keep the transformers
 forward (`LeanLlama.supports`); so does a one-sequence tier on a GPU, where the
 bit-equality above is unchecked. The batched forward (`batched_llama`), built from the same
 weights and tables, also runs on CUDA (`supports(..., devices=...)`).
@@ -35,12 +35,16 @@ import torch
 import torch.nn.functional as F
 
 from polyspec.workers.tiers.block_linear import linear_of, pack
+from polyspec.workers.tiers.fp8_linear import Fp8Linear
 
 INITIAL_CAPACITY = 256
 
 
-def _linear(module):
-    """`module(x)` without the module call: float `Linear` or dynamically quantized int8 `Linear`."""
+def linear_function(module):
+    """`module(x)` without the module call, for a float `Linear`, a dynamically quantized int8 `Linear` or an
+    `Fp8Linear`; None for any other module (this forward does not cover it)."""
+    if isinstance(module, Fp8Linear):
+        return module.forward  # its own forward, without nn.Module's call overhead
     if isinstance(module, torch.nn.Linear):
         # a float weight only: bitsandbytes' int4 / int8 layers subclass `Linear` with packed integer weights
         return linear_of(module) if module.weight.is_floating_point() else None
@@ -163,7 +167,7 @@ class LeanLlama:
         modules = [model.lm_head]
         for layer in base.layers:
             modules += layer_projections(layer)
-        return all(_linear(m) is not None for m in modules)
+        return all(linear_function(m) is not None for m in modules)
 
     def __init__(self, model) -> None:
         config = model.config
@@ -190,21 +194,21 @@ class LeanLlama:
             self.layers.append(
                 (
                     layer.input_layernorm.weight,
-                    _linear(attn.q_proj),
-                    _linear(attn.k_proj),
-                    _linear(attn.v_proj),
-                    _linear(attn.o_proj),
+                    linear_function(attn.q_proj),
+                    linear_function(attn.k_proj),
+                    linear_function(attn.v_proj),
+                    linear_function(attn.o_proj),
                     layer.post_attention_layernorm.weight,
-                    _linear(mlp.gate_proj),
-                    _linear(mlp.up_proj),
-                    _linear(mlp.down_proj),
+                    linear_function(mlp.gate_proj),
+                    linear_function(mlp.up_proj),
+                    linear_function(mlp.down_proj),
                     layer.input_layernorm.variance_epsilon,
                     layer.post_attention_layernorm.variance_epsilon,
                 )
             )
         self.norm_weight = base.norm.weight
         self.norm_eps = base.norm.variance_epsilon
-        self.lm_head = _linear(model.lm_head)
+        self.lm_head = linear_function(model.lm_head)
         # transformers: freqs = position[..., None].float() * inv_freq; emb = cat(freqs, freqs); cos = emb.cos() * scaling
         inv_freq = base.rotary_emb.inv_freq.float()
         positions = torch.arange(self.limit or 4096, dtype=torch.long, device=inv_freq.device)  # the tables live with the weights

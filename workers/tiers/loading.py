@@ -1,4 +1,4 @@
-"""Loading a chain's tiers: `from_pretrained` of an id or a path, dtype, int8 (CPU) / int4 (CUDA), vocabulary check."""
+"""Loading a chain's tiers: `from_pretrained` of an id or a path, dtype, int8 (CPU) / fp8 (CPU, CUDA) / int4 (CUDA), vocabulary check."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import torch
 
 from polyspec.workers.core.errors import ModelLoadError
 from polyspec.workers.core.heartbeat import heartbeat
+from polyspec.workers.tiers.fp8_linear import fp8_problem, quantize_fp8
 from polyspec.workers.tiers.model_cache import fetch_hint
 from polyspec.workers.tiers.tier import ModelTier, NGramTier, Tier
 
@@ -239,7 +240,7 @@ def int4_quantization_config(tier, device: torch.device):
 
 
 def load_model(tier):
-    """The transformers model of one model tier (dtype, int8 / int4 as configured), as `generate()` can drive it.
+    """The transformers model of one model tier (dtype, int8 / fp8 / int4 as configured), as `generate()` can drive it.
 
     `load_model_tier` wraps it; a `ModelTier` may then move large weights to oneDNN for its
     own forward (block_linear), so a caller that runs the transformers forward itself (the
@@ -252,6 +253,10 @@ def load_model(tier):
         extra = {"quantization_config": int4_quantization_config(tier, device), "device_map": {"": device.index or 0}}
     if tier.quantize == "int8" and device.type != "cpu":
         raise ModelLoadError(f"tier {tier.name!r}: quantize: int8 (torch dynamic quantization) runs on CPU only; set device: cpu")
+    if tier.quantize == "fp8":
+        problem = fp8_problem(device)
+        if problem is not None:
+            raise ModelLoadError(f"tier {tier.name!r}: quantize: fp8 {problem}")
     # int8: loaded in bfloat16 (half a float32 checkpoint's memory; int8 rounds far coarser),
     # quantize_int8 widens them to float32 a module at a time
     dtype = torch.bfloat16 if tier.quantize == "int8" else TORCH_DTYPES[tier.dtype]
@@ -274,6 +279,8 @@ def load_model(tier):
         retie_lm_head(model)
     if tier.quantize == "int8":
         model = quantize_int8(model)
+    if tier.quantize == "fp8":  # on the device, from the weights in the tier's dtype (the activations' dtype)
+        model = quantize_fp8(model)
     return model
 
 
@@ -281,7 +288,7 @@ def load_model_tier(tier, vocab_size: int | None = None) -> ModelTier:
     """Load one model tier from its TierConfig (polyspec.orchestrator.config)."""
     model = load_model(tier)
     head = model.get_output_embeddings()
-    out_features = getattr(head, "out_features", None) or model.config.vocab_size  # a float or an int8 Linear
+    out_features = getattr(head, "out_features", None) or model.config.vocab_size  # a float, an int8 or an fp8 Linear
     return ModelTier(tier.name, model, vocab_size or out_features, resolve_device(tier.device), tier.threads)
 
 
@@ -341,8 +348,8 @@ def _rss_bytes() -> int | None:
 
 def describe_tier(tier) -> str:
     """'/path/to/model (float32, 1 thread, cpu)': what a start-up line says a tier is."""
-    kind = f"int8 copy of {tier.model}" if tier.quantize == "int8" else tier.model
-    dtype = "int8 (dynamic)" if tier.quantize == "int8" else tier.dtype + (", int4" if tier.quantize == "int4" else "")
+    kind = f"{tier.quantize} copy of {tier.model}" if tier.quantize in ("int8", "fp8") else tier.model
+    dtype = "int8 (dynamic)" if tier.quantize == "int8" else tier.dtype + (f", {tier.quantize}" if tier.quantize in ("int4", "fp8") else "")
     threads = f"{tier.threads} thread{'s' if tier.threads != 1 else ''}" if tier.threads else "threads: torch default"
     return f"{kind} ({dtype}, {threads}, {tier.device})"
 

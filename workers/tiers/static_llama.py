@@ -14,22 +14,51 @@ so that it can be replayed as a CUDA graph (or compiled whole on the CPU):
   the longest context). Logits [B, T, V] stay on the device.
 
 The operations are `BatchedLlama`'s (the weights, rotary tables and order of operations of
-transformers' forward), with plain float weights: the int8 CPU copy keeps the ragged forward.
+transformers' forward). A float projection is `F.linear` of its weight; a quantized one (the
+int8 dynamic copy, CPU only; `Fp8Linear`, CPU or CUDA) is called through
+`lean_llama.linear_function`, the ragged forward's call, so both forwards compute the same.
 tests/workers/test_static_llama.py checks the logits against transformers' forward and that
-a step compiles whole, once per bucket.
+a step compiles whole, once per bucket; tests/workers/test_quantized_forward.py the quantized tiers.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from polyspec.workers.tiers.batched_llama import rms_norm, rotate_half
-from polyspec.workers.tiers.lean_llama import ARCHITECTURES, layer_projections
+from polyspec.workers.tiers.fp8_linear import Fp8Linear
+from polyspec.workers.tiers.lean_llama import ARCHITECTURES, layer_projections, linear_function
 
 DEVICES = ("cpu", "cuda")
+
+# a projection: (weight, bias) of a float Linear, applied with F.linear; or a quantized module's forward
+Projection = tuple[torch.Tensor, torch.Tensor | None] | Callable[[torch.Tensor], torch.Tensor]
+
+
+def projection_of(module) -> Projection:
+    """A float `Linear` as its detached (weight, bias) (a step writes the pool in place, and must not make it part
+    of an autograd graph); a quantized one as the call the ragged forward makes."""
+    if type(module) is torch.nn.Linear:
+        return module.weight.detach(), None if module.bias is None else module.bias.detach()
+    return linear_function(module)
+
+
+def project(x: torch.Tensor, projection: Projection) -> torch.Tensor:
+    """`x W^T + b` by the projection's kind (a Python type, fixed when traced: the float path stays one F.linear)."""
+    return F.linear(x, *projection) if isinstance(projection, tuple) else projection(x)
+
+
+def static_projection(module, device: torch.device) -> bool:
+    """Can the static forward run this projection on `device`: a float Linear or an fp8 one anywhere, int8 on the CPU."""
+    if type(module) is torch.nn.Linear:
+        return module.weight.is_floating_point()
+    if isinstance(module, Fp8Linear):
+        return True
+    return device.type == "cpu" and linear_function(module) is not None
 
 
 @dataclasses.dataclass
@@ -65,7 +94,7 @@ class StaticLlama:
         if not LeanLlama.supports(model, device, DEVICES):
             return False
         modules = [model.lm_head] + [m for layer in model.model.layers for m in layer_projections(layer)]
-        return all(type(m) is torch.nn.Linear and m.weight.is_floating_point() for m in modules)
+        return all(static_projection(m, device) for m in modules)
 
     def __init__(self, model) -> None:
         config, base = model.config, model.model
@@ -82,17 +111,13 @@ class StaticLlama:
         self.device = self.embed.device
         self.vocab_size = config.vocab_size
 
-        # detached: a step writes the pool in place, and must not make it part of an autograd graph
-        def weights(linear: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
-            return linear.weight.detach(), None if linear.bias is None else linear.bias.detach()
-
         self.layers = []
         for layer in base.layers:
-            q, k, v, o, gate, up, down = (weights(m) for m in layer_projections(layer))
+            q, k, v, o, gate, up, down = (projection_of(m) for m in layer_projections(layer))
             self.layers.append((layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon, q, k, v, o,
                                 layer.post_attention_layernorm.weight.detach(), layer.post_attention_layernorm.variance_epsilon, gate, up, down))
         self.norm_weight, self.norm_eps = base.norm.weight.detach(), base.norm.variance_epsilon
-        self.lm_head = weights(model.lm_head)
+        self.lm_head = projection_of(model.lm_head)
         inv_freq = base.rotary_emb.inv_freq.float()
         positions = torch.arange(self.limit, dtype=torch.long, device=inv_freq.device)
         freqs = positions[:, None].float() * inv_freq  # transformers' formula, so the tables are bit-identical
@@ -127,9 +152,9 @@ class StaticLlama:
         shape = (rows, width, -1, self.head_dim)
         for index, (w_in, eps_in, q_w, k_w, v_w, o_w, w_post, eps_post, gate_w, up_w, down_w) in enumerate(self.layers):
             h = rms_norm(x, w_in, eps_in)
-            q = F.linear(h, *q_w).view(shape).transpose(1, 2)  # [B, heads, T, D]
-            k = F.linear(h, *k_w).view(shape).transpose(1, 2)  # [B, kv_heads, T, D]
-            v = F.linear(h, *v_w).view(shape).transpose(1, 2)
+            q = project(h, q_w).view(shape).transpose(1, 2)  # [B, heads, T, D]
+            k = project(h, k_w).view(shape).transpose(1, 2)  # [B, kv_heads, T, D]
+            v = project(h, v_w).view(shape).transpose(1, 2)
             q = (q * cos) + (rotate_half(q) * sin)
             k = (k * cos) + (rotate_half(k) * sin)
             keys, values = pool.keys[index], pool.values[index]
@@ -141,7 +166,7 @@ class StaticLlama:
                 key = key[:, :, None].expand(rows, self.kv_heads, self.groups, span, self.head_dim).reshape(rows, self.heads, span, self.head_dim)
                 value = value[:, :, None].expand(rows, self.kv_heads, self.groups, span, self.head_dim).reshape(rows, self.heads, span, self.head_dim)
             attn = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, dropout_p=0.0, scale=self.scaling)
-            x = x + F.linear(attn.transpose(1, 2).reshape(rows, width, -1), *o_w)
+            x = x + project(attn.transpose(1, 2).reshape(rows, width, -1), o_w)
             h = rms_norm(x, w_post, eps_post)
-            x = x + F.linear(F.silu(F.linear(h, *gate_w)) * F.linear(h, *up_w), *down_w)
-        return F.linear(rms_norm(x, self.norm_weight, self.norm_eps), *self.lm_head)
+            x = x + project(F.silu(project(h, gate_w)) * project(h, up_w), down_w)
+        return project(rms_norm(x, self.norm_weight, self.norm_eps), self.lm_head)
