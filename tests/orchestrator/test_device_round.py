@@ -95,6 +95,26 @@ def test_greedy_equals_the_targets_generate(models, reference, names, lengths):
     assert not any(tier.open_sequences for tier in scheduler.tiers), "every slot is released"
 
 
+def test_device_tiers_run_weights_the_lean_forward_moved_to_onednn(tiny_family, reference, monkeypatch):
+    """On the CPU a loaded tier's lean forward moves large fp32 weights to oneDNN (block_linear), releasing
+    the dense ones; a device tier over that tier computes through the moved weights."""
+    import torch.backends.mkldnn
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN in this torch build")
+    from polyspec.workers.tiers import block_linear
+
+    monkeypatch.setattr(block_linear, "MIN_ELEMENTS", 1)  # every projection of the tiny model counts as large
+    monkeypatch.setenv("POLYSPEC_BLOCK_LINEAR", "onednn")
+    model = _model(tiny_family["target"])
+    tier = ModelTier("target", model, model.config.vocab_size, model.device)  # the lean forward packs its weights
+    assert getattr(model.model.layers[0].self_attn.q_proj, block_linear.PACKED, None) is not None
+    scheduler = ChainScheduler([StaticModelTier(tier, 8)], [])
+    results = _run(scheduler, [(i, p, MAX_NEW, SamplingParams(), None) for i, p in enumerate(PROMPTS)], join_every=2)
+    for i, prompt in enumerate(PROMPTS):
+        assert results[i].token_ids == reference[tuple(prompt)], i
+
+
 @pytest.mark.parametrize("names,lengths", [(["target", "mid"], [3]), (["target", "mid", "small"], [3, 2])])
 def test_seeded_requests_draw_the_same_alone_or_batched(models, names, lengths):
     params = SamplingParams(temperature=0.9, top_k=40)

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from polyspec.workers.tiers.batched_llama import rms_norm, rotate_half
 from polyspec.workers.tiers.fp8_linear import Fp8Linear
+from polyspec.workers.tiers.block_linear import PACKED
 from polyspec.workers.tiers.lean_llama import ARCHITECTURES, layer_projections, linear_function
 
 DEVICES = ("cpu", "cuda")
@@ -41,8 +42,9 @@ Projection = tuple[torch.Tensor, torch.Tensor | None] | Callable[[torch.Tensor],
 
 def projection_of(module) -> Projection:
     """A float `Linear` as its detached (weight, bias) (a step writes the pool in place, and must not make it part
-    of an autograd graph); a quantized one as the call the ragged forward makes."""
-    if type(module) is torch.nn.Linear:
+    of an autograd graph); a quantized one, or one whose weight moved to oneDNN (block_linear), as the call the
+    ragged forward makes."""
+    if type(module) is torch.nn.Linear and getattr(module, PACKED, None) is None:
         return module.weight.detach(), None if module.bias is None else module.bias.detach()
     return linear_function(module)
 
@@ -54,7 +56,7 @@ def project(x: torch.Tensor, projection: Projection) -> torch.Tensor:
 
 def static_projection(module, device: torch.device) -> bool:
     """Can the static forward run this projection on `device`: a float Linear or an fp8 one anywhere, int8 on the CPU."""
-    if type(module) is torch.nn.Linear:
+    if type(module) is torch.nn.Linear and getattr(module, PACKED, None) is None:
         return module.weight.is_floating_point()
     if isinstance(module, Fp8Linear):
         return True

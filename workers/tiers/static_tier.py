@@ -66,13 +66,15 @@ def _stream_key(generator) -> tuple[int, int]:
 
 def misfit(tiers, lengths, tree_width: int) -> str | None:
     """Why the device round cannot run a chain of these (loaded) tiers; None when it can. Every model
-    tier must be a Llama / Qwen2 model `StaticLlama` runs (every other tier: the n-gram lookup)."""
+    tier must be a Llama / Qwen2 model `StaticLlama` runs (float or fp8 weights; int8 on the CPU); every other
+    tier the n-gram lookup."""
     for level, tier in enumerate(tiers):
         if level and isinstance(tier, NGramTier):
             continue
         model = getattr(tier, "model", None)
         if not isinstance(tier, ModelTier) or not StaticLlama.supports(model, torch.device(getattr(tier, "device", "cpu"))):
-            return f"tier {tier.name!r} is not a Llama / Qwen2 model with float weights on the CPU or CUDA, nor an n-gram drafter"
+            return (f"tier {tier.name!r} is not a Llama / Qwen2 model with float or fp8 weights on the CPU or CUDA (int8: the CPU), "
+                    f"nor an n-gram drafter")
         if tier.exit_threshold is not None or tier.keep_features:
             return f"tier {tier.name!r} drafts with an early exit or feeds a feature head, which the device round does not run"
     vocabularies = {tier.model.config.vocab_size for tier in tiers if isinstance(tier, ModelTier)}
