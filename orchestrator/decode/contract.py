@@ -158,12 +158,14 @@ class BatchDecoder(Decoder, Protocol):
 @dataclasses.dataclass(frozen=True)
 class StepInput:
     """What a planner sees before a step: the live requests' sampling parameters and context
-    lengths (target first in every list), and per drafting model tier how many context tokens
-    it has yet to cache (what switching it on would cost)."""
+    lengths (target first in every list), per drafting model tier how many context tokens it
+    has yet to cache (what switching it on would cost), and how many tokens each request may
+    still commit (what a one-time cost such as that catch-up is spread over; empty: unknown)."""
 
     params: tuple[SamplingParams, ...]
     context_lens: tuple[int, ...]
     behind: dict[int, int] = dataclasses.field(default_factory=dict)
+    remaining: tuple[int, ...] = ()
 
     @property
     def batch(self) -> int:

@@ -235,7 +235,8 @@ class ChainScheduler:
         if self.planner is not None:
             behind = {level: sum(max(0, len(states[i].committed) - 1 - tier.cached(states[i].run.seq_id)) for i in live)
                       for level, tier in enumerate(self.tiers) if level and tier.has_weights}
-            step = StepInput(tuple(states[i].run.params for i in live), tuple(len(states[i].committed) for i in live), behind)
+            step = StepInput(tuple(states[i].run.params for i in live), tuple(len(states[i].committed) for i in live), behind,
+                             tuple(min(remaining(states[i]), states[i].limit - len(states[i].committed)) for i in live))
             lengths, active = self.planner.plan(step)
             self.lengths, self.active = list(lengths), tuple(active)
             for i in live:

@@ -390,3 +390,23 @@ def test_where_off_wins_other_lengths_are_tried_only_if_the_corrected_model_says
     arm = plan.arms[(1, 0)]
     assert arm.speculate is False
     assert len([p for p in arm.rates if p.speculating]) == 1, [p.lengths for p in arm.rates]
+
+
+def test_a_model_drafter_behind_on_long_prompts_is_measured_when_its_requests_have_tokens_left():
+    """A drafter's catch-up on prompts it has not cached is paid once per request and repays over the rest
+    of its tokens. Spread over the steps the requests have left, a drafter of real use is measured at a new
+    load; charged to one probe of MIN_STEPS steps, the model called it hopeless and only the lookup (no
+    catch-up) was ever tried: the Qwen2.5-Coder 1.5B <- 0.5B <- n-gram chain at 4 HumanEval prompts."""
+    def measured_sets(remaining):
+        plan = planner(lambda b, w: 400.0 + 10.0 * w, mid_cost=lambda b, w: 150.0 + 5.0 * w)  # a CPU-like 1.5B and 0.5B
+        plan.tables[1].catch_up_ms = 20.0  # per prompt token
+        accept(plan, 0, 1, 0.9)
+        accept(plan, 0, 2, 0.4)
+        for _ in range(4 * MIN_STEPS):
+            lengths, active = plan.plan_batch(4, behind={1: 600}, remaining=remaining)  # 4 prompts of 150 tokens
+            seconds = plan.step_ms(Plan(active, tuple(lengths)), 4)[0] / 1000.0
+            plan.observe_step(4, 4 * (1 if len(active) == 1 else 2), seconds, lengths, active)
+        return {p.active for p in plan.arms[(4, 0)].rates if p.speculating}
+
+    assert (0, 1) not in measured_sets(remaining=())  # unknown horizon: the catch-up charged to the probe alone
+    assert (0, 1) in measured_sets(remaining=(120, 120, 120, 120))
