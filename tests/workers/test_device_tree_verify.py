@@ -109,7 +109,8 @@ def _random_batch(seed: int, scheme: str, batch: int = 24):
     greedy = [r % 4 == 1 for r in range(batch)]
     trees, targets = zip(*[_random_tree(generator, scheme, g) for g in greedy])
     node_tokens, parents, num_nodes, draft_probs = pack_trees(list(trees), MAX_NODES, VOCAB)
-    target_probs = torch.softmax(torch.randn(batch, MAX_NODES + 1, VOCAB, generator=generator), dim=-1)  # padding rows stay random
+    # padding rows stay random
+    target_probs = torch.softmax(torch.randn(batch, MAX_NODES + 1, VOCAB, generator=generator), dim=-1)
     for r, rows in enumerate(targets):
         target_probs[r, : rows.shape[0]] = rows
     seeds = torch.randint(0, 2**62, (batch,), generator=generator)
@@ -119,7 +120,8 @@ def _random_batch(seed: int, scheme: str, batch: int = 24):
 
 def _reference(trees, greedy, target_probs, scheme, uniforms, move_uniforms, exponentials, r):
     n = len(trees[r])
-    return verify_tree_drawn(target_probs[r, : n + 1], trees[r], scheme, bool(greedy[r]), uniforms[r, :n], move_uniforms[r, :n], exponentials[r])
+    return verify_tree_drawn(target_probs[r, : n + 1], trees[r], scheme, bool(greedy[r]),
+                             uniforms[r, :n], move_uniforms[r, :n], exponentials[r])
 
 
 def _depth(tree: DraftTree) -> int:
@@ -151,7 +153,8 @@ def test_verify_trees_equals_the_per_request_reference(scheme, seed):
         length = int(path_len[r])
         assert (path[r, :length].tolist(), int(next_tokens[r])) == (expected_path, expected_next), (scheme, seed, r)
         assert path[r, length:].eq(PLACEHOLDER_NODE).all()
-        assert out[r].tolist() == [tree.tokens[j] for j in expected_path] + [expected_next] + [PLACEHOLDER_TOKEN_ID] * (max_depth - length)
+        padding = [PLACEHOLDER_TOKEN_ID] * (max_depth - length)
+        assert out[r].tolist() == [tree.tokens[j] for j in expected_path] + [expected_next] + padding
 
 
 def _support_row(tokens: list[int], weights: list[float] | None = None) -> torch.Tensor:
@@ -180,7 +183,8 @@ def test_edge_cases_equal_the_reference(scheme):
     seeds = torch.full((len(trees),), 3, dtype=torch.int64)
     draws = tree_draws(seeds, torch.arange(len(trees)), 4, VOCAB)
     greedy = torch.zeros(len(trees), dtype=torch.bool)
-    path, path_len, next_tokens = verify_trees(target_probs, draft_probs, node_tokens, parents, num_nodes, greedy, *draws, scheme, 3, 3)
+    path, path_len, next_tokens = verify_trees(target_probs, draft_probs, node_tokens, parents, num_nodes, greedy, *draws,
+                                               scheme, 3, 3)
     for r, tree in enumerate(trees):
         expected = _reference(trees, greedy, target_probs, scheme, *draws, r)
         assert (path[r, : int(path_len[r])].tolist(), int(next_tokens[r])) == expected, (scheme, r)
@@ -228,7 +232,8 @@ def test_a_seeded_request_gets_the_same_verdict_alone_or_in_any_batch(scheme):
                             *tree_draws(seeds, counters, MAX_NODES, VOCAB), scheme, max_depth, MAX_WIDTH)
     for r, tree in enumerate(trees):
         n = max(len(tree), 1)  # alone: a batch of one with the least padding
-        alone = verify_trees(target_probs[r:r + 1, : n + 1], draft_probs[r:r + 1, :n], node_tokens[r:r + 1, :n], parents[r:r + 1, :n],
+        alone = verify_trees(target_probs[r:r + 1, : n + 1], draft_probs[r:r + 1, :n], node_tokens[r:r + 1, :n],
+                             parents[r:r + 1, :n],
                              num_nodes[r:r + 1], greedy[r:r + 1], *tree_draws(seeds[r:r + 1], counters[r:r + 1], n, VOCAB),
                              scheme, _depth(tree), MAX_WIDTH + 2)
         length = int(alone[1][0])
@@ -246,12 +251,13 @@ def test_device_tree_verification_is_lossless(scheme):
     target's exact joint t0(x1) t1[x1](x2)."""
     vocab, samples, width = LOSSLESS_VOCAB, LOSSLESS_SAMPLES, 3
     first_target = torch.tensor([0.4, 0.25, 0.2, 0.1, 0.05])
-    second_target = torch.softmax(torch.arange(vocab * vocab, dtype=torch.float32).view(vocab, vocab).remainder(7) * 0.6, dim=-1)  # [V, V] t1[x1]
+    pattern = torch.arange(vocab * vocab, dtype=torch.float32).view(vocab, vocab)
+    second_target = torch.softmax(pattern.remainder(7) * 0.6, dim=-1)  # [V, V] t1[x1]
     root_draft = torch.tensor([0.1, 0.3, 0.3, 0.2, 0.1])
     root_drafts = torch.stack([root_draft, torch.tensor([0.05, 0.05, 0.3, 0.3, 0.3]), torch.tensor([0.6, 0.1, 0.1, 0.1, 0.1])])
     if scheme in ("rsd", "spectr"):
         root_drafts = root_draft.expand(width, vocab)
-    second_draft = torch.softmax(torch.arange(vocab * vocab, dtype=torch.float32).view(vocab, vocab).remainder(3) * 0.8, dim=-1)  # [V, V]
+    second_draft = torch.softmax(pattern.remainder(3) * 0.8, dim=-1)  # [V, V]
     seeds = torch.arange(samples, dtype=torch.int64)
     zero = torch.zeros(samples, dtype=torch.int64)
     noise = stream_exponentials(seeds, zero, DOMAIN_DRAFT, (width + width) * vocab).view(samples, width + width, vocab)
@@ -286,7 +292,8 @@ def test_verify_trees_on_cuda_equals_the_reference(scheme):
     cuda_draws = tree_draws(seeds.cuda(), counters.cuda(), MAX_NODES, VOCAB)
     assert all(torch.equal(a, b.cpu()) for a, b in zip(draws, cuda_draws))
     args = [t.cuda() for t in (target_probs, draft_probs, node_tokens, parents, num_nodes, greedy)]
-    path, path_len, next_tokens = (t.cpu() for t in verify_trees(*args, *cuda_draws, scheme, max(_depth(t) for t in trees), MAX_WIDTH))
+    max_depth = max(_depth(tree) for tree in trees)
+    path, path_len, next_tokens = (t.cpu() for t in verify_trees(*args, *cuda_draws, scheme, max_depth, MAX_WIDTH))
     for r, tree in enumerate(trees):
         expected = _reference(trees, greedy, target_probs, scheme, *draws, r)
         assert (path[r, : int(path_len[r])].tolist(), int(next_tokens[r])) == expected, (scheme, r)
@@ -295,7 +302,8 @@ def test_verify_trees_on_cuda_equals_the_reference(scheme):
 def _tree_step(target_probs, draft_probs, node_tokens, parents, num_nodes, greedy, seeds, counters, scheme):
     """A tier's tree verification after its forward: draws, verify, the output row."""
     draws = tree_draws(seeds, counters, node_tokens.shape[1], target_probs.shape[-1])
-    path, path_len, next_tokens = verify_trees(target_probs, draft_probs, node_tokens, parents, num_nodes, greedy, *draws, scheme, 3, 3)
+    path, path_len, next_tokens = verify_trees(target_probs, draft_probs, node_tokens, parents, num_nodes, greedy, *draws,
+                                               scheme, 3, 3)
     return emitted_tree_tokens(node_tokens, path, path_len, next_tokens)
 
 
@@ -320,7 +328,8 @@ def test_the_greedy_tree_step_compiles_whole():
     step = CompiledGraphs(lambda *args: verify_greedy_trees(*args, 3, 2))
     node_tokens, parents, num_nodes, _ = pack_trees([DraftTree([1, 2, 3], [-1, -1, 0], None), DraftTree([], [], None)], 3, 8)
     logits = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(2))
-    for got, expected in zip(step(logits, node_tokens, parents, num_nodes), verify_greedy_trees(logits, node_tokens, parents, num_nodes, 3, 2)):
+    eager = verify_greedy_trees(logits, node_tokens, parents, num_nodes, 3, 2)
+    for got, expected in zip(step(logits, node_tokens, parents, num_nodes), eager):
         assert torch.equal(got, expected)
     assert len(step.graphs) == 1
     step.close()

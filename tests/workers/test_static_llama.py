@@ -116,7 +116,8 @@ def test_tree_rows_match_the_ragged_tree_forward(model):
     tree_positions = torch.zeros(4, width, dtype=torch.long)
     for r, (prompt, tree) in enumerate(zip(prompts, trees)):
         prefix, depths = len(prompt), tree.depths()
-        allowed = tree_allowed(tree.parents, list(range(prefix, prefix + len(tree))), list(range(len(tree))), prefix, 0, prefix + len(tree))
+        cached_at = list(range(prefix, prefix + len(tree)))
+        allowed = tree_allowed(tree.parents, cached_at, list(range(len(tree))), prefix, 0, prefix + len(tree))
         layouts.append(RowLayout([prefix + d for d in depths], allowed))
         ancestors[r, : len(tree), : len(tree)] = allowed[:, prefix:]
         tree_positions[r] = torch.tensor([prefix + d for d in depths] + list(range(prefix + len(tree), prefix + width)))[:width]
@@ -137,7 +138,8 @@ def test_a_tree_step_compiles_whole(model):
     static = StaticLlama(model)
     pool = static.new_pool(slots=2, max_tokens=4)
     step = CompiledGraphs(static.forward)
-    ancestors = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)[None].expand(2, 3, 3)  # two children, one grandchild
+    # node 0 under the root, nodes 1 and 2 under node 0
+    ancestors = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)[None].expand(2, 3, 3)
     for start in (4, 6):  # the same bucket, new values
         ids, positions = torch.tensor([[7, 8, 9], [1, 2, 3]]), torch.tensor([[start, start + 1, start + 1]] * 2)
         assert torch.equal(step(pool, ids, positions, torch.tensor([0, 1]), 16, ancestors),

@@ -55,6 +55,9 @@ from polyspec.workers.core.verification import (
 )
 
 PLACEHOLDER_NODE = -1  # fills a request's path past its accepted nodes; also "no child" in the children table
+Layout = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # node_tokens, parents, num_nodes, draft_probs
+TreeDraws = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # uniforms [B, N], move_uniforms [B, N], exponentials [B, V]
+Verdict = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # path [B, max_depth], path_len [B], next_tokens [B]
 
 
 class _Candidates(NamedTuple):
@@ -80,7 +83,7 @@ class _Selection(NamedTuple):
 # ------------------------------------------------------------------------------ layout
 
 
-def pack_trees(trees: list[DraftTree], max_nodes: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def pack_trees(trees: list[DraftTree], max_nodes: int, vocab: int) -> Layout:
     """Host side: the padded layout of `trees` (node_tokens [B, N], parents [B, N], num_nodes [B],
     draft_probs [B, N, V]; a greedy tree's rows are zeros)."""
     batch = len(trees)
@@ -102,7 +105,8 @@ def children_table(parents: torch.Tensor, num_nodes: torch.Tensor, max_width: in
     batch, max_nodes = parents.shape
     nodes = torch.arange(max_nodes, device=parents.device)
     real = nodes[None, :] < num_nodes[:, None]  # [B, N]
-    earlier_sibling = (parents[:, :, None] == parents[:, None, :]) & real[:, None, :] & (nodes[None, :] < nodes[:, None])[None]  # [B, N, N]
+    earlier = (nodes[None, :] < nodes[:, None])[None]  # [1, N, N]: [j, i] is i < j
+    earlier_sibling = (parents[:, :, None] == parents[:, None, :]) & real[:, None, :] & earlier  # [B, N, N]
     slot = earlier_sibling.sum(dim=-1)  # [B, N]
     discard = (max_nodes + 1) * max_width  # one extra cell takes padding nodes (and any child past max_width)
     cell = torch.where(real & (slot < max_width), (parents + 1) * max_width + slot, discard)  # [B, N]
@@ -111,13 +115,15 @@ def children_table(parents: torch.Tensor, num_nodes: torch.Tensor, max_width: in
     return table[:, :discard].view(batch, max_nodes + 1, max_width)
 
 
-def tree_draws(seeds: torch.Tensor, counters: torch.Tensor, max_nodes: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def tree_draws(seeds: torch.Tensor, counters: torch.Tensor, max_nodes: int, vocab: int) -> TreeDraws:
     """(uniforms [B, N], move_uniforms [B, N], exponentials [B, V]): a tree round's draws (see the module docstring)."""
-    return (stream_uniforms(seeds, counters, DOMAIN_ACCEPT, max_nodes), stream_uniforms(seeds, counters, DOMAIN_TREE_MOVE, max_nodes),
+    return (stream_uniforms(seeds, counters, DOMAIN_ACCEPT, max_nodes),
+            stream_uniforms(seeds, counters, DOMAIN_TREE_MOVE, max_nodes),
             stream_exponentials(seeds, counters, DOMAIN_NEXT, vocab))
 
 
-def emitted_tree_tokens(node_tokens: torch.Tensor, path: torch.Tensor, path_len: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+def emitted_tree_tokens(node_tokens: torch.Tensor, path: torch.Tensor, path_len: torch.Tensor,
+                        next_tokens: torch.Tensor) -> torch.Tensor:
     """[B, max_depth + 1] int64: the accepted path's tokens, the next token, then PLACEHOLDER_TOKEN_ID."""
     path_tokens = node_tokens.gather(1, path.clamp_min(0))  # [B, D]
     path_tokens = torch.where(path >= 0, path_tokens, torch.full_like(path_tokens, PLACEHOLDER_TOKEN_ID))
@@ -130,12 +136,13 @@ def emitted_tree_tokens(node_tokens: torch.Tensor, path: torch.Tensor, path_len:
 
 
 def verify_greedy_trees(target_logits: torch.Tensor, node_tokens: torch.Tensor, parents: torch.Tensor, num_nodes: torch.Tensor,
-                        max_depth: int, max_width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        max_depth: int, max_width: int) -> Verdict:
     """`verify_trees` for a batch whose requests are all greedy, from the logits (no warp, no draws).
 
     target_logits: [B, N + 1, V]. Returns (path [B, max_depth], path_len [B], next_tokens [B])."""
     batch, max_nodes = node_tokens.shape
-    assert target_logits.shape[:2] == (batch, max_nodes + 1) and parents.shape == node_tokens.shape and num_nodes.shape == (batch,)
+    assert target_logits.shape[:2] == (batch, max_nodes + 1) and parents.shape == node_tokens.shape
+    assert num_nodes.shape == (batch,)
     target_argmax = target_logits.argmax(dim=-1)  # [B, N + 1]
     children = children_table(parents, num_nodes, max_width)
     requests = torch.arange(batch, device=node_tokens.device)
@@ -154,7 +161,7 @@ def verify_greedy_trees(target_logits: torch.Tensor, node_tokens: torch.Tensor, 
 
 def verify_trees(target_probs: torch.Tensor, draft_probs: torch.Tensor, node_tokens: torch.Tensor, parents: torch.Tensor,
                  num_nodes: torch.Tensor, greedy: torch.Tensor, uniforms: torch.Tensor, move_uniforms: torch.Tensor,
-                 exponentials: torch.Tensor, scheme: str, max_depth: int, max_width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 exponentials: torch.Tensor, scheme: str, max_depth: int, max_width: int) -> Verdict:
     """Verify every request's tree at once (layout in the module docstring).
 
     greedy: [B] bool (walk by the target's argmax, no draws); uniforms, move_uniforms: [B, N]
@@ -370,7 +377,8 @@ def _select_importance(target_row: torch.Tensor, candidates: _Candidates) -> _Se
     return _Selection(torch.where(accepted, state, -1), target_row, residual, torch.ones_like(accepted))
 
 
-def _importance_induced_distribution(target_row: torch.Tensor, draft_rows: torch.Tensor, num_candidates: torch.Tensor) -> torch.Tensor:
+def _importance_induced_distribution(target_row: torch.Tensor, draft_rows: torch.Tensor,
+                                     num_candidates: torch.Tensor) -> torch.Tensor:
     """[B, V] float64: `verification._importance_induced_distribution` for every request (its first
     num_candidates rows), over the whole vocabulary in static row blocks of [B, R, V]."""
     batch, width, vocab = draft_rows.shape

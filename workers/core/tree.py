@@ -179,7 +179,8 @@ def _walk_tree(target_probs: torch.Tensor, tree: DraftTree, scheme: str, greedy:
         if not children:
             return path, draws.sample(row)
         candidates = torch.tensor([tree.tokens[c] for c in children], dtype=torch.long)
-        token, index = select_multi_draft_drawn(row, tree.draft_rows[children], candidates, scheme if len(children) > 1 else "specinfer", draws)
+        rule = scheme if len(children) > 1 else "specinfer"
+        token, index = select_multi_draft_drawn(row, tree.draft_rows[children], candidates, rule, draws)
         if index < 0:
             return path, token
         path.append(children[index])
