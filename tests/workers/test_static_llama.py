@@ -3,7 +3,8 @@
 Its logits match transformers' forward (float32, tolerance 1e-4: batched matrix products may
 round differently in the last bits) for ragged prompts prefilled in one padded batch, single
 tokens, blocks, and blocks rolled back and rewritten; padding rows and columns leave the other
-slots untouched; and a decode step compiles whole (`fullgraph`), once for every step of a bucket.
+slots untouched; tree rows (`ancestors`) match the ragged tree forward (`BatchedLlama`, `RowLayout`);
+and a decode step (chain or tree) compiles whole (`fullgraph`), once for every step of a bucket.
 """
 
 from __future__ import annotations
@@ -88,4 +89,60 @@ def test_a_decode_step_compiles_whole_and_once_per_bucket(model):
         assert torch.allclose(out[0, 0], eager, atol=TOLERANCE)
         tokens.append(int(out[0, 0].argmax()) if step_index else 9)
     assert len(step.graphs) == 1, f"{len(step.graphs)} graphs for one bucket (a graph break or a recompilation)"
+    step.close()
+
+
+def test_tree_rows_match_the_ragged_tree_forward(model):
+    """`ancestors`: tree rows (two trees, any node order that is parents-first) beside a chain row
+    and a padding row, against `BatchedLlama`'s tree rows (`RowLayout` with `tree_allowed`); the
+    chain written as its lower triangle gives the chain path's logits bit for bit."""
+    from polyspec.workers.core.tree import DraftTree, tree_allowed
+    from polyspec.workers.tiers.batched_llama import BatchedLlama, RowLayout
+
+    static, batched = StaticLlama(model), BatchedLlama(model)
+    pool, cache = static.new_pool(slots=3, max_tokens=8), batched.new_cache()
+    prompts = [[5, 9, 2, 7, 1], [3, 3, 8], [11, 4, 6, 2]]
+    trees = [DraftTree([20, 21, 22, 23, 24, 25], [-1, -1, 0, 1, 2, 0], None), DraftTree([30, 31, 32, 33], [-1, 0, -1, 2], None),
+             DraftTree.chain([40, 41, 42], None)]
+    slots = torch.tensor([0, 1, 2, pool.scratch_slot])  # the last row is padding
+    width, span = 6, 16
+    ids, positions = padded(prompts + [[0]], [0, 0, 0, 0], width)
+    static.forward(pool, ids, positions, slots, span)
+    cache_slots = [cache.slot(r) for r in range(3)]
+    batched.forward(cache, cache_slots, prompts, [len(p) for p in prompts])
+
+    layouts = []
+    ancestors = torch.eye(width, dtype=torch.bool).repeat(4, 1, 1)  # [B, T, T] padding columns see themselves
+    tree_positions = torch.zeros(4, width, dtype=torch.long)
+    for r, (prompt, tree) in enumerate(zip(prompts, trees)):
+        prefix, depths = len(prompt), tree.depths()
+        cached_at = list(range(prefix, prefix + len(tree)))
+        allowed = tree_allowed(tree.parents, cached_at, list(range(len(tree))), prefix, 0, prefix + len(tree))
+        layouts.append(RowLayout([prefix + d for d in depths], allowed))
+        ancestors[r, : len(tree), : len(tree)] = allowed[:, prefix:]
+        tree_positions[r] = torch.tensor([prefix + d for d in depths] + list(range(prefix + len(tree), prefix + width)))[:width]
+    ids = torch.tensor([tree.tokens + [0] * (width - len(tree)) for tree in trees] + [[0] * width])
+    logits = static.forward(pool, ids, tree_positions, slots, span, ancestors)
+    expected = batched.forward(cache, cache_slots, [tree.tokens for tree in trees], [0, 0, 0], layouts)
+    for r, tree in enumerate(trees):
+        assert torch.allclose(logits[r, : len(tree)], expected[r], atol=TOLERANCE), r
+    chain_row = slots[2:3]
+    chain_ids, chain_positions = padded([trees[2].tokens], [len(prompts[2])], 3)
+    as_chain = static.forward(pool, chain_ids, chain_positions, chain_row, span)
+    as_tree = static.forward(pool, chain_ids, chain_positions, chain_row, span, torch.ones(1, 3, 3, dtype=torch.bool).tril())
+    assert torch.equal(as_chain, as_tree)
+    assert torch.allclose(as_chain[0], reference(model, prompts[2] + trees[2].tokens)[-3:], atol=TOLERANCE)
+
+
+def test_a_tree_step_compiles_whole(model):
+    static = StaticLlama(model)
+    pool = static.new_pool(slots=2, max_tokens=4)
+    step = CompiledGraphs(static.forward)
+    # node 0 under the root, nodes 1 and 2 under node 0
+    ancestors = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)[None].expand(2, 3, 3)
+    for start in (4, 6):  # the same bucket, new values
+        ids, positions = torch.tensor([[7, 8, 9], [1, 2, 3]]), torch.tensor([[start, start + 1, start + 1]] * 2)
+        assert torch.equal(step(pool, ids, positions, torch.tensor([0, 1]), 16, ancestors),
+                           static.forward(pool, ids, positions, torch.tensor([0, 1]), 16, ancestors))
+    assert len(step.graphs) == 1
     step.close()

@@ -32,7 +32,8 @@ HASH_MULTIPLIER = 0x45D9F3B  # < 2^27: a 32-bit value times it stays inside int6
 DOMAIN_ACCEPT = 1  # the acceptance uniforms of a round
 DOMAIN_NEXT = 2  # the exponential noise of a round's correction / bonus draw
 DOMAIN_DRAFT = 3  # a drafter's own draws
-DOMAINS = 4
+DOMAIN_TREE_MOVE = 0  # the importance chain's move draws of a tree round (0: the slot DOMAINS left free)
+DOMAINS = 4  # fixed: changing it would change every request's streams
 
 
 # ----------------------------------------------------------------------------- random streams

@@ -130,7 +130,33 @@ def verify_tree(
     A node with one child is single-draft speculative sampling; a node with several
     children uses the multi-draft `scheme` (candidates as the drafter drew them).
     """
-    from polyspec.workers.core.verification import select_multi_draft
+    from polyspec.workers.core.verification import GeneratorDraws
+
+    draws = GeneratorDraws(generator)
+    return _walk_tree(target_probs, tree, scheme, greedy, lambda children: draws)
+
+
+def verify_tree_drawn(
+    target_probs: torch.Tensor, tree: DraftTree, scheme: str, greedy: bool,
+    uniforms: torch.Tensor, move_uniforms: torch.Tensor, exponentials: torch.Tensor,
+) -> tuple[list[int], int]:
+    """`verify_tree` with its randomness given: the slow, obvious reference of the device tree
+    kernels (polyspec.workers.core.device_tree_verify), which must match it bit for bit.
+
+    uniforms, move_uniforms: [len(tree)] float32 in (0, 1), node j's acceptance draw and its
+    importance-chain move draw (see `GivenDraws`); exponentials: [V], the noise of the one
+    correction or bonus draw (exponential race).
+    """
+    from polyspec.workers.core.verification import GivenDraws
+
+    assert uniforms.shape == move_uniforms.shape == (len(tree),) and exponentials.shape == target_probs.shape[1:]
+    return _walk_tree(target_probs, tree, scheme, greedy,
+                      lambda children: GivenDraws(uniforms[children], move_uniforms[children], exponentials))
+
+
+def _walk_tree(target_probs: torch.Tensor, tree: DraftTree, scheme: str, greedy: bool, draws_of) -> tuple[list[int], int]:
+    """The walk of `verify_tree`; `draws_of(children)` gives the draws of one node's selection."""
+    from polyspec.workers.core.verification import select_multi_draft_drawn
 
     assert target_probs.shape[0] == len(tree) + 1, (target_probs.shape, len(tree))
     children_of: dict[int, list[int]] = {}
@@ -149,10 +175,12 @@ def verify_tree(
             path.append(match)
             node = match
             continue
+        draws = draws_of(children)
         if not children:
-            return path, int(torch.multinomial(row, 1, generator=generator))
+            return path, draws.sample(row)
         candidates = torch.tensor([tree.tokens[c] for c in children], dtype=torch.long)
-        token, index = select_multi_draft(row, tree.draft_rows[children], candidates, scheme if len(children) > 1 else "specinfer", generator)
+        rule = scheme if len(children) > 1 else "specinfer"
+        token, index = select_multi_draft_drawn(row, tree.draft_rows[children], candidates, rule, draws)
         if index < 0:
             return path, token
         path.append(children[index])

@@ -27,12 +27,16 @@ candidates must be drawn for the scheme to be lossless:
   against the target using the exact distribution induced by step 1.
 
 All functions are pure: no I/O, every random draw comes from the `generator` argument,
-so the same generator state gives the same result.
+so the same generator state gives the same result. The `*_drawn` variants take their draws
+as arguments instead (`GivenDraws`): they are the slow, obvious references of the device
+kernels (polyspec.workers.core.device_verify, device_tree_verify), which draw from
+counter-based streams and must match them bit for bit.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 
 import torch
 
@@ -144,6 +148,47 @@ def verify_chain_drawn(
 # ---------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class GivenDraws:
+    """The draws of one multi-draft selection, given up front (the device kernels' counter-based
+    streams). Candidate j's acceptance test uses uniforms[j] (importance: the selected
+    candidate's); the importance chain's step to candidate j uses move_uniforms[j] (j >= 1);
+    the final token (from a residual, or the target row) is argmax(row / exponentials), the
+    exponential race. uniforms, move_uniforms: [K] float32 in (0, 1); exponentials: [V] float32."""
+
+    uniforms: torch.Tensor
+    move_uniforms: torch.Tensor
+    exponentials: torch.Tensor
+
+    def accept_uniform(self, candidate: int) -> float:
+        return float(self.uniforms[candidate])
+
+    def move_uniform(self, candidate: int) -> float:
+        return float(self.move_uniforms[candidate])
+
+    def sample(self, row: torch.Tensor) -> int:
+        return int(torch.argmax(row / self.exponentials))
+
+
+@dataclasses.dataclass(frozen=True)
+class GeneratorDraws:
+    """Draws from a torch.Generator, in the order the rules ask for them."""
+
+    generator: torch.Generator | None
+
+    def accept_uniform(self, candidate: int) -> float:
+        return _uniform(self.generator)
+
+    def move_uniform(self, candidate: int) -> float:
+        return _uniform(self.generator)
+
+    def sample(self, row: torch.Tensor) -> int:
+        return sample(row, self.generator)
+
+
+Draws = GeneratorDraws | GivenDraws  # where a rule's randomness comes from
+
+
 def select_multi_draft(
     target_probs: torch.Tensor,
     draft_probs: torch.Tensor,
@@ -159,6 +204,18 @@ def select_multi_draft(
     the position in draft_tokens of the accepted candidate, or NO_CANDIDATE_ACCEPTED when
     the token was sampled from the final residual. token ~ target_probs exactly.
     """
+    return select_multi_draft_drawn(target_probs, draft_probs, draft_tokens, scheme, GeneratorDraws(generator))
+
+
+def select_multi_draft_drawn(
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    scheme: str,
+    draws: Draws,
+) -> tuple[int, int]:
+    """`select_multi_draft` with its randomness from `draws`: a `GivenDraws` makes it the
+    reference of the device tree kernels. Returns (token, accepted_index)."""
     if scheme not in _SCHEMES:
         raise ValueError(
             f"unknown multi-draft scheme {scheme!r}; expected one of {MULTI_DRAFT_SCHEMES}"
@@ -173,7 +230,7 @@ def select_multi_draft(
         f"draft_probs shape {tuple(draft_probs.shape)} != (K, V) = "
         f"{(num_candidates, target_probs.shape[0])}",
     )
-    return _SCHEMES[scheme](target_probs.float(), draft_probs.float(), draft_tokens, generator)
+    return _SCHEMES[scheme](target_probs.float(), draft_probs.float(), draft_tokens, draws)
 
 
 def draw_without_replacement(
@@ -197,24 +254,24 @@ def _select_specinfer(
     target_probs: torch.Tensor,
     draft_probs: torch.Tensor,
     draft_tokens: torch.Tensor,
-    generator: torch.Generator | None,
+    draws: Draws,
 ) -> tuple[int, int]:
     """Recursive rejection sampling; candidate j ~ draft_probs[j] independently."""
     candidates = torch.arange(draft_tokens.shape[0])
     draft_at_candidate = draft_probs[candidates, draft_tokens].tolist()  # [K], q_j(x_j)
     residual = target_probs  # [V]
     for index, token in enumerate(draft_tokens.tolist()):
-        if _accepts(float(residual[token]), draft_at_candidate[index], generator):
+        if _accepts(float(residual[token]), draft_at_candidate[index], draws, index):
             return token, index
         residual = _residual(residual, draft_probs[index])
-    return sample(residual, generator), NO_CANDIDATE_ACCEPTED
+    return draws.sample(residual), NO_CANDIDATE_ACCEPTED
 
 
 def _select_rsd(
     target_probs: torch.Tensor,
     draft_probs: torch.Tensor,
     draft_tokens: torch.Tensor,
-    generator: torch.Generator | None,
+    draws: Draws,
 ) -> tuple[int, int]:
     """Recursive rejection sampling for candidates drawn without replacement from one q."""
     _require_identical_rows(draft_probs, "rsd")
@@ -224,20 +281,20 @@ def _select_rsd(
     remaining_draft = draft_probs[0].clone()  # [V], q with earlier candidates removed
     for index, token in enumerate(tokens):
         step_draft = remaining_draft / remaining_draft.sum()  # [V], law of candidate j given earlier
-        if _accepts(float(residual[token]), float(step_draft[token]), generator):
+        if _accepts(float(residual[token]), float(step_draft[token]), draws, index):
             return token, index
         residual = _residual(residual, step_draft)
         remaining_draft[token] = 0.0
         if remaining_draft.sum() <= 0:  # support exhausted: no further candidate can exist
             break
-    return sample(residual, generator), NO_CANDIDATE_ACCEPTED
+    return draws.sample(residual), NO_CANDIDATE_ACCEPTED
 
 
 def _select_spectr(
     target_probs: torch.Tensor,
     draft_probs: torch.Tensor,
     draft_tokens: torch.Tensor,
-    generator: torch.Generator | None,
+    draws: Draws,
 ) -> tuple[int, int]:
     """SpecTr k-sequential selection over K i.i.d. candidates from one q."""
     _require_identical_rows(draft_probs, "spectr")
@@ -245,11 +302,11 @@ def _select_spectr(
     draft_row = draft_probs[0].double()  # [V]
     target_row = target_probs.double()  # [V]
     if float(torch.minimum(draft_row, target_row).sum()) <= 0:  # beta == 0 for every rho
-        return sample(target_probs, generator), NO_CANDIDATE_ACCEPTED
+        return draws.sample(target_probs), NO_CANDIDATE_ACCEPTED
 
     rho = _spectr_rho(target_row, draft_row, num_candidates)
     for index, token in enumerate(draft_tokens.tolist()):
-        if _accepts(float(target_row[token]), rho * float(draft_row[token]), generator):
+        if _accepts(float(target_row[token]), rho * float(draft_row[token]), draws, index):
             return token, index
 
     accept_mass = torch.minimum(draft_row, target_row / rho)  # [V]
@@ -257,7 +314,7 @@ def _select_spectr(
     # each candidate is accepted as x with prob accept_mass(x); summed over the K tries
     accepted_total = accept_mass * (1.0 - (1.0 - beta) ** num_candidates) / beta  # [V]
     residual = (target_row - accepted_total).clamp_min(0.0)  # [V]
-    return sample(_normalized_or(residual, target_row), generator), NO_CANDIDATE_ACCEPTED
+    return draws.sample(_normalized_or(residual, target_row)), NO_CANDIDATE_ACCEPTED
 
 
 def _spectr_rho(target_row: torch.Tensor, draft_row: torch.Tensor, num_candidates: int) -> float:
@@ -300,7 +357,7 @@ def _select_importance(
     target_probs: torch.Tensor,
     draft_probs: torch.Tensor,
     draft_tokens: torch.Tensor,
-    generator: torch.Generator | None,
+    draws: Draws,
 ) -> tuple[int, int]:
     """Two-step canonical scheme: Barker independence-sampler chain, then speculative sampling."""
     tokens = draft_tokens.tolist()
@@ -311,14 +368,14 @@ def _select_importance(
         move_prob = _barker_move_prob(
             target_at[state], proposal_at[index][state], target_at[index], proposal_at[index][index]
         )
-        if _uniform(generator) < move_prob:
+        if draws.move_uniform(index) < move_prob:
             state = index
 
     selected = tokens[state]
     induced = _importance_induced_distribution(target_probs, draft_probs)  # [V] float64
-    if _accepts(float(target_probs[selected]), float(induced[selected]), generator):
+    if _accepts(float(target_probs[selected]), float(induced[selected]), draws, state):
         return selected, state
-    return sample(_residual(target_probs.double(), induced), generator), NO_CANDIDATE_ACCEPTED
+    return draws.sample(_residual(target_probs.double(), induced)), NO_CANDIDATE_ACCEPTED
 
 
 def _barker_move_prob(
@@ -390,11 +447,12 @@ def _normalized_or(row: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
     return row / total
 
 
-def _accepts(target_prob: float, draft_prob: float, generator: torch.Generator | None) -> bool:
-    """True with probability min(1, target_prob / draft_prob); False when draft_prob == 0."""
+def _accepts(target_prob: float, draft_prob: float, draws: Draws, candidate: int) -> bool:
+    """True with probability min(1, target_prob / draft_prob); False when draft_prob == 0 (no
+    draw is spent then). The test runs in float64: u * draft_prob is exact for float32 inputs."""
     if draft_prob <= 0:
         return False
-    return _uniform(generator) * draft_prob < target_prob
+    return draws.accept_uniform(candidate) * draft_prob < target_prob
 
 
 def _uniform(generator: torch.Generator | None) -> float:

@@ -11,7 +11,9 @@ so that it can be replayed as a CUDA graph (or compiled whole on the CPU):
 - `StaticLlama.forward(pool, ids [B, T], positions [B, T], slots [B], span)`: row b writes its T
   tokens' keys and values into slot `slots[b]` at `positions[b]` and attends to that slot's
   positions 0 .. its own (the first `span` positions of the slot are read: a static bucket of
-  the longest context). Logits [B, T, V] stay on the device.
+  the longest context). Logits [B, T, V] stay on the device. With `ancestors` a row's new tokens
+  are a draft tree instead (each sees the cached context and its own ancestors, at position
+  prefix length + depth), as in `BatchedLlama`'s tree rows (`RowLayout`).
 
 The operations are `BatchedLlama`'s (the weights, rotary tables and order of operations of
 transformers' forward). A float projection is `F.linear` of its weight; a quantized one (the
@@ -141,14 +143,28 @@ class StaticLlama:
         capacity = min(context or self.limit, self.limit) + max_tokens
         return KVPool.bytes_per_slot(len(self.layers), self.kv_heads, self.head_dim, capacity, self.dtype)
 
-    def forward(self, pool: KVPool, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, span: int) -> torch.Tensor:
+    def forward(self, pool: KVPool, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, span: int,
+                ancestors: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, T, V] (model dtype, on the device) of every token of `ids` [B, T]; see the module docstring.
-        Every argument shape is static in a bucket; nothing here reads a tensor's value on the host."""
+        Every argument shape is static in a bucket; nothing here reads a tensor's value on the host.
+
+        `ancestors` [B, T, T] bool: every row's new tokens form a tree (`tree.tree_allowed`'s rule, a
+        chain being the lower triangle): new token t sees its slot's positions before the row's first
+        new one and the new tokens s with ancestors[b, t, s] (itself and its ancestors: set the
+        diagonal). `positions` are then rotary positions only (prefix length + depth, the first one the
+        prefix length), and new token j is cached at position positions[b, 0] + j."""
         rows, width = ids.shape
         rotary = positions.clamp_max(self.cos.shape[0] - 1)  # a padding column may run past the table
         cos, sin = self.cos[rotary][:, None], self.sin[rotary][:, None]  # [B, 1, T, D]
         visible = torch.arange(span, device=ids.device)
-        mask = (visible[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, span]
+        if ancestors is None:
+            mask = (visible[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, span]
+        else:
+            # from here on `positions` are where the new tokens are cached: siblings share a position, never a cache column
+            positions = positions[:, :1] + torch.arange(width, device=ids.device)  # [B, T]
+            new_index = visible[None, :] - positions[:, :1]  # [B, span] a column's index among the row's new tokens (< 0: cached)
+            sees_new = ancestors.gather(2, new_index.clamp(0, width - 1)[:, None, :].expand(rows, width, span))  # [B, T, span]
+            mask = ((new_index < 0)[:, None, :] | (sees_new & (new_index < width)[:, None, :]))[:, None]  # [B, 1, T, span]
         write_slots = slots[:, None].expand(rows, width)  # [B, T]
         x = F.embedding(ids, self.embed)  # [B, T, H]
         shape = (rows, width, -1, self.head_dim)
