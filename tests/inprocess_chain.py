@@ -8,11 +8,13 @@ from polyspec.orchestrator.distributed.worker import TierWorker
 
 
 def in_process_chain(tiers, lengths: list[int], *, eos_token_ids=(), tree_width: int = 1, scheme: str = "specinfer",
-                     pipeline: bool = False, host: str = "127.0.0.1") -> tuple[DistributedChain, list]:
+                     pipeline: bool = False, host: str = "127.0.0.1", device_slots: int = 0) -> tuple[DistributedChain, list]:
     """Loaded `tiers` (target first) served by TierWorkers in this process, wired over gRPC on
-    loopback: the distributed protocol without Ray.
+    loopback: the distributed protocol without Ray. `device_slots`: each model tier serves batched
+    calls as a device tier of that many requests (as a Ray actor does with `batching.round: device`).
     Returns the chain and the workers (stop them with `worker.stop()`)."""
-    workers = [TierWorker(tier, i, eos_token_ids=eos_token_ids, host=host) for i, tier in enumerate(tiers)]
+    workers = [TierWorker(tier, i, eos_token_ids=eos_token_ids, host=host, device_slots=device_slots if tier.has_weights else 0,
+                          device_context=256 if device_slots else None) for i, tier in enumerate(tiers)]
     for upper, lower in zip(reversed(workers[:-1]), reversed(workers[1:])):
         upper.connect(lower.address)
     contexts = [t.max_context for t in tiers if t.max_context]

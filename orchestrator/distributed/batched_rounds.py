@@ -54,7 +54,12 @@ class BatchedRounds:
         """This worker's tier behind the batched seam, made on first use (after the chain's vocabulary is set)."""
         with self._wiring:
             if self._batched is None:
-                (tier,) = batched_tiers([self.tier])
+                if self.device_slots:
+                    from polyspec.workers.tiers.static_tier import StaticModelTier
+
+                    tier = StaticModelTier(self.tier, self.device_slots, self.device_context)
+                else:
+                    (tier,) = batched_tiers([self.tier])
                 self._batched = LockedBatched(tier, self.lock)
             return self._batched
 

@@ -59,11 +59,31 @@ def actor_groups(config: ChainConfig) -> list[list[int]]:
     return groups + [[i] for i in range(1, len(tiers)) if not tiers[i].drafter]
 
 
+def device_slots(tier, batching) -> int:
+    """How many requests a tier actor's device tier holds: the chain's `batching.max_requests` where
+    `batching.round` puts its model tier on the device (device: wherever it can run, else a one-line
+    ConfigError; auto: on CUDA where it can), else 0 (the ragged batched tier)."""
+    from polyspec.workers.core.errors import ConfigError
+    from polyspec.workers.tiers.static_tier import misfit
+    from polyspec.workers.tiers.tier import NGramTier
+
+    mode = getattr(batching, "round", "ragged")
+    if mode == "ragged" or isinstance(tier, NGramTier):
+        return 0
+    why = misfit([tier], "auto", 1)
+    if mode == "device" and why:
+        raise ConfigError(f"batching.round: device cannot run tier {tier.name!r} on its actor: {why}")
+    on_cuda = str(getattr(tier, "device", "cpu")).startswith("cuda")
+    return batching.max_requests + 1 if why is None and (mode == "device" or on_cuda) else 0  # + 1: a profile's sequence
+
+
 class TierActor:
     """The body of a tier's Ray actor: loads its tiers and serves them (a restart re-runs this).
     `tier_configs[0]` is the actor's own tier; the rest are trained drafters over it."""
 
-    def __init__(self, tier_configs, indices: list[int], eos_token_ids: tuple[int, ...], threads: int) -> None:
+    def __init__(self, tier_configs, indices: list[int], eos_token_ids: tuple[int, ...], threads: int, batching=None) -> None:
+        """`batching` (the chain's BatchingConfig): its `round` decides whether the actor's model tier serves
+        batched rounds as a device tier (static_tier.device_slots)."""
         import ray
         import torch
 
@@ -84,7 +104,9 @@ class TierActor:
             self.out_features = tiers[0].vocab_size
         lock = ModelLock()
         host = ray.util.get_node_ip_address()
-        self.workers = {index: TierWorker(tier, index, eos_token_ids=eos_token_ids, host=host, lock=lock)
+        slots = device_slots(tiers[0], batching) if len(tiers) == 1 else 0  # a trained drafter reads its target's ragged cache
+        self.workers = {index: TierWorker(tier, index, eos_token_ids=eos_token_ids, host=host, lock=lock, device_slots=slots,
+                                          device_context=getattr(batching, "max_context", None))
                         for index, tier in zip(indices, tiers)}
         self.first = indices[0]
         self.node_id = ray.get_runtime_context().get_node_id()
@@ -219,7 +241,8 @@ class RayMembership(Membership):
             if strategies[g] is not None:
                 options["scheduling_strategy"] = strategies[g]
             threads = tier.threads or 1
-            actor = actor_cls.options(**options).remote([config.tiers[i] for i in group], group, tuple(eos_token_ids), threads)
+            actor = actor_cls.options(**options).remote([config.tiers[i] for i in group], group, tuple(eos_token_ids), threads,
+                                                        config.batching)
             self.unique_actors.append(actor)
             for i in group:
                 self.actors[i] = actor

@@ -166,13 +166,18 @@ class TierWorker(BatchedRounds):
     """Tier `index` of a chain, serving protos/polyspec/v1/tier.proto on `host`."""
 
     def __init__(self, tier: Tier, index: int, *, eos_token_ids=(), host: str = "127.0.0.1", port: int = 0,
-                 rpc_timeout_s: float = 120.0, lock: ModelLock | None = None) -> None:
+                 rpc_timeout_s: float = 120.0, lock: ModelLock | None = None, device_slots: int = 0,
+                 device_context: int | None = None) -> None:
+        """`device_slots`: serve batched calls with this tier as a device tier (workers/tiers/static_tier.py:
+        static-shape steps on a KV pool of that many requests of `device_context` positions, CUDA graphs
+        on CUDA); 0: the ragged batched tier."""
         # The forward thread holds the GIL for most of a small model's forward (Python module
         # code between short kernels); a gRPC handler thread waiting for it would wait up to the
         # default 5 ms switch interval each time, serialising requests that should overlap.
         sys.setswitchinterval(float(os.environ.get("POLYSPEC_SWITCH_INTERVAL_S", "0.0005")))
         self.tier = tier
         self.index = index
+        self.device_slots, self.device_context = device_slots, device_context
         self.eos_token_ids = frozenset(eos_token_ids)
         # tiers sharing one model in one process (a target and its trained drafters) share one lock
         self.lock = lock or ModelLock()

@@ -29,10 +29,11 @@ def chain_config(family, names, **speculation):
     return parse_config({"tiers": tier_specs(family, names), "speculation": speculation})
 
 
-def batched_chain(family, names, lengths, pipeline, tree_width=1, eos=EOS):
+def batched_chain(family, names, lengths, pipeline, tree_width=1, eos=EOS, device_slots=0):
     config = chain_config(family, names, lengths=lengths, tree_width=tree_width)
     tiers, tokenizer = load_tiers(config.tiers)
-    chain, workers = in_process_chain(tiers, config.speculation_lengths(), tree_width=tree_width, pipeline=pipeline, eos_token_ids=eos)
+    chain, workers = in_process_chain(tiers, config.speculation_lengths(), tree_width=tree_width, pipeline=pipeline, eos_token_ids=eos,
+                                      device_slots=device_slots)
     chain.batched = True
     return chain, workers, tokenizer
 
@@ -97,6 +98,24 @@ def test_batched_greedy_equals_target(tiny_family, embedded, names, lengths, tre
         assert stats["driver_sent"]["grpc"]["messages"] <= len(sizes) + 1, "one VerifyBatch per step (plus the health check)"
         if pipeline and tree_width == 1:
             assert sum(t["draft_ahead"]["hits"] for t in stats["tiers"]) > 0, "drafters served blocks drafted ahead"
+    finally:
+        stop(chain, workers)
+
+
+@pytest.mark.parametrize("pipeline", [False, True], ids=["serial", "pipelined"])
+def test_batched_rounds_on_device_tiers_give_the_targets_output(tiny_family, embedded, pipeline):
+    """Each worker's model tier as a device tier (`batching.round: device` on a Ray actor): its batched
+    calls are static-shape steps with verification on the device, and the output stays the target's."""
+    from polyspec.workers.tiers.static_tier import StaticModelTier
+
+    chain, workers, _ = batched_chain(tiny_family, ["target", "mid", "small"], [4, 3], pipeline, device_slots=8)
+    try:
+        jobs = [(ids, MAX_NEW, SamplingParams(temperature=0.0), None) for ids, _ in embedded.values()] * 2
+        outputs, sizes = run_batch(chain, jobs, max_running=5)
+        for out, (ids, expected) in zip(outputs, list(embedded.values()) * 2):
+            assert out.token_ids == expected
+        assert all(isinstance(worker.batched_tier().inner, StaticModelTier) for worker in workers)
+        assert max(rows for rows, _, _ in workers[0].batched_tier().inner.forward_log) >= 4, "several requests per step"
     finally:
         stop(chain, workers)
 
@@ -198,3 +217,19 @@ def test_batched_pipelined_sampling_is_lossless(tiny_family):
     counts = collections.Counter(tuple(out.token_ids[:2]) for out in outputs)
     p_value = chi_square_p_value(counts, joint, samples)
     assert p_value > ALPHA, f"chi-square p={p_value:.2e} over {samples} samples"
+
+
+def test_a_tier_actor_serves_its_tier_as_a_device_tier_where_batching_round_says(tiny_family):
+    """`device_slots`, what a Ray tier actor passes its worker: device puts a model tier on the device
+    (its pool holds max_requests and a profile's sequence), auto only on CUDA, ragged never; a lookup never."""
+    import dataclasses
+
+    from polyspec.orchestrator.config import BatchingConfig
+    from polyspec.orchestrator.distributed.ray_runtime import device_slots
+
+    tiers, _ = load_tiers(chain_config(tiny_family, ["target", "ngram"], lengths=[3]).tiers)
+    batching = BatchingConfig(max_requests=4)
+    assert device_slots(tiers[0], dataclasses.replace(batching, round="device")) == 5
+    assert device_slots(tiers[0], dataclasses.replace(batching, round="auto")) == 0  # a CPU tier
+    assert device_slots(tiers[0], dataclasses.replace(batching, round="ragged")) == 0
+    assert device_slots(tiers[1], dataclasses.replace(batching, round="device")) == 0
