@@ -44,7 +44,8 @@ pkg=$(mktemp -d /tmp/polyspec-path.XXXXXX) || return 2
 trap 'rm -rf "$pkg"' EXIT
 mkdir "$pkg/polyspec"
 for entry in "$repo"/polyspec/*; do [[ $(basename "$entry") == __pycache__ ]] || ln -s "$entry" "$pkg/polyspec/"; done
-for sub in workers orchestrator protos; do ln -s "$repo/$sub" "$pkg/polyspec/$sub"; done
+# -n: a checkout whose polyspec/ holds links to these already (a worktree) gets them replaced, not a link written inside them
+for sub in workers orchestrator protos; do ln -sfn "$repo/$sub" "$pkg/polyspec/$sub"; done
 export PYTHONPATH=$pkg${PYTHONPATH:+:$PYTHONPATH}
 step "versions" 60 "$py" -P -c "import torch, transformers, polyspec; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name(), polyspec.__file__)"
 step "cuda tests" 150 "$py" -P -m pytest -q -p no:cacheprovider -x -m "not needs_root and not real_models" \
