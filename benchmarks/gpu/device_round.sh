@@ -8,9 +8,12 @@
 # 3. ../shared/gpu/reference.py (copied beside the checkout as .gpu-reference/reference.py and
 #    carried) for both Qwen2.5-Coder shapes: the memory floor and the plain CUDA-graph forward,
 #    in the same call, so every figure below is a same-run ratio;
-# 4. benchmarks/gpu/device_round.py: polyspec's device round on the same shapes.
+# 4. benchmarks/gpu/device_round.py: polyspec's device round on the same shapes;
+# 5. benchmarks/gpu/predict_chains.py: the time model's prediction of every shipped Qwen2.5-Coder
+#    chain from the costs measured in 3 and 4 (cells they lack: the built-in reference figures).
 # Everything goes to $OUT (default /tmp/device-round): device_round.log, reference-1.5b.json,
-# reference-0.5b.json, device-round.json, device-round.md. The whole script ends within
+# reference-0.5b.json, device-round.json, device-round.md, predicted-chains.json,
+# predicted-chains.md. The whole script ends within
 # $BUDGET_S seconds (default 450): every step runs under `timeout`.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 2
@@ -18,6 +21,7 @@ repo=$PWD
 out=${OUT:-/tmp/device-round}
 py=${PYTHON:-python3}
 budget=${BUDGET_S:-450}
+predict_s=30  # benchmarks/gpu/predict_chains.py: ~2 s of CPU once torch is imported
 mkdir -p "$out" || exit 2
 deadline=$((SECONDS + budget))
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -40,7 +44,8 @@ pkg=$(mktemp -d /tmp/polyspec-path.XXXXXX) || return 2
 trap 'rm -rf "$pkg"' EXIT
 mkdir "$pkg/polyspec"
 for entry in "$repo"/polyspec/*; do [[ $(basename "$entry") == __pycache__ ]] || ln -s "$entry" "$pkg/polyspec/"; done
-for sub in workers orchestrator protos; do ln -s "$repo/$sub" "$pkg/polyspec/$sub"; done
+# -n: a checkout whose polyspec/ holds links to these already (a worktree) gets them replaced, not a link written inside them
+for sub in workers orchestrator protos; do ln -sfn "$repo/$sub" "$pkg/polyspec/$sub"; done
 export PYTHONPATH=$pkg${PYTHONPATH:+:$PYTHONPATH}
 step "versions" 60 "$py" -P -c "import torch, transformers, polyspec; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name(), polyspec.__file__)"
 step "cuda tests" 150 "$py" -P -m pytest -q -p no:cacheprovider -x -m "not needs_root and not real_models" \
@@ -54,6 +59,11 @@ if [[ -f $reference ]]; then
 else
     echo "== reference: $reference not found (copy ../shared/gpu/reference.py there and carry .gpu-reference)"
 fi
+deadline=$((deadline - predict_s))  # the device round leaves the prediction its time
 step "device round" 200 "$py" -P benchmarks/gpu/device_round.py --out-dir "$out"
+deadline=$((deadline + predict_s))
+measured=()
+for name in device-round.json reference-1.5b.json reference-0.5b.json; do [[ -f $out/$name ]] && measured+=("$out/$name"); done
+step "predict chains" "$predict_s" "$py" -P benchmarks/gpu/predict_chains.py --costs ${measured[@]+"${measured[@]}"} --out-dir "$out"
 }
 main 2>&1 | tee "$out/device_round.log"
