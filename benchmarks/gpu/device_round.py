@@ -9,7 +9,8 @@ synchronised:
 - one speculative round of an 8-token block (the target's step: forward of 9 tokens, warp,
   verification), and the drafter's one-token step: ms each, graph-replayed;
 - 16 and 64 requests, speculation off: tokens/s over the steps after every prompt is cached;
-- the 0.5B's one-token step over the 1.5B's (the tier cost ratio the planner prices);
+- the 0.5B's one-token step over the 1.5B's (the tier cost ratio the planner prices), and an fp8 copy
+  of the 1.5B's (`quantize: fp8`, the paper's middle tier on a GPU) where the device runs fp8;
 - greedy output of the target alone against transformers' own greedy `generate` (same weights).
 
     python benchmarks/gpu/device_round.py --out-dir $OUT              # on the GPU
@@ -172,6 +173,18 @@ def main() -> None:
     drafter_alone = scheduler_for([drafter], ["drafter"], [], 1)
     result["steps"] = tier_step_costs(alone, drafter_alone, vocab, device, args.repeats)
     result["steps"]["drafter_over_target_one_token"] = round(result["steps"]["drafter_draft_step_ms"] / result["steps"]["target_draft_step_ms"], 3)
+    from polyspec.workers.tiers.fp8_linear import fp8_problem, quantize_fp8
+
+    why = fp8_problem(device)
+    if why is None:  # the paper's middle tier on a GPU: an fp8 copy of the target (workers/tiers/fp8_linear.py)
+        fp8_model = quantize_fp8(build("qwen2.5-coder-1.5b", args.layers, device, dtype))
+        fp8_steps = tier_step_costs(scheduler_for([fp8_model], ["fp8"], [], 1), drafter_alone, vocab, device, args.repeats)
+        result["steps"]["fp8_round_block8_ms"] = fp8_steps["target_round_block8_ms"]
+        result["steps"]["fp8_draft_step_ms"] = fp8_steps["target_draft_step_ms"]
+        result["steps"]["fp8_over_target_one_token"] = round(fp8_steps["target_draft_step_ms"] / result["steps"]["target_draft_step_ms"], 3)
+        del fp8_model
+    else:
+        result["fp8"] = why
 
     out = pathlib.Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)

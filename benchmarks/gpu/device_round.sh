@@ -4,7 +4,8 @@
 #   OUT=$OUT bash benchmarks/gpu/device_round.sh
 #
 # 1. the GPU and versions; polyspec importable from this checkout without installing (links);
-# 2. the CUDA tests of the device round (CUDA graphs: greedy equals the target's generate);
+# 2. the CUDA tests: the device round (CUDA graphs: greedy equals the target's generate), the tree kernels,
+#    the fp8 GEMM, the batched forward on CUDA;
 # 3. ../shared/gpu/reference.py (copied beside the checkout as .gpu-reference/reference.py and
 #    carried) for both Qwen2.5-Coder shapes: the memory floor and the plain CUDA-graph forward,
 #    in the same call, so every figure below is a same-run ratio;
@@ -48,8 +49,9 @@ for entry in "$repo"/polyspec/*; do [[ $(basename "$entry") == __pycache__ ]] ||
 for sub in workers orchestrator protos; do ln -sfn "$repo/$sub" "$pkg/polyspec/$sub"; done
 export PYTHONPATH=$pkg${PYTHONPATH:+:$PYTHONPATH}
 step "versions" 60 "$py" -P -c "import torch, transformers, polyspec; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name(), polyspec.__file__)"
-step "cuda tests" 150 "$py" -P -m pytest -q -p no:cacheprovider -x -m "not needs_root and not real_models" \
-    tests/orchestrator/test_device_round.py -k cuda
+step "cuda tests" 170 "$py" -P -m pytest -q -p no:cacheprovider -m "not needs_root and not real_models" \
+    tests/orchestrator/test_device_round.py tests/workers/test_device_tree_verify.py tests/workers/test_quantized_forward.py \
+    tests/workers/test_batched_devices.py -k "cuda or scaled_mm"
 reference=.gpu-reference/reference.py
 if [[ -f $reference ]]; then
     step "reference 1.5b" 70 "$py" -P "$reference" --shape benchmarks/gpu/shapes/qwen2.5-coder-1.5b.json --batches 1,16,64 --widths 1,9 \
