@@ -49,7 +49,7 @@ class StepOutcome:
     # every request of a step of several failed alone too: the fault is the chain's (a tier's shared state),
     # not a request's; a caller keeps work it can redo (job items) for later instead of failing it
     shared_fault: bool = False
-    step: dict = dataclasses.field(default_factory=dict)  # a batched step's `last_step` (batch, tokens, seconds, tiers); {} otherwise
+    step: dict = dataclasses.field(default_factory=dict)  # a batched step's `last_step` (batch, tokens, seconds, tiers), else {}
 
 
 def _random_streams(states: list) -> list[list]:

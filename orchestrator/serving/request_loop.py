@@ -166,12 +166,13 @@ class RoundScheduler(threading.Thread):
     def run(self) -> None:
         while True:
             with self._cond:
-                while not self._stopping and not self._waiting and not self._active and not self._jobs and not self._has_job_work():
+                while not (self._stopping or self._waiting or self._active or self._jobs or self._has_job_work()):
                     self.idle.set()
                     self._cond.wait(IDLE_WAIT_S)
                 if self._stopping:
                     break
-                room = max(0, self.batch.max_requests - len(self._active) - len(self._jobs))  # job items in flight keep their slots
+                # job items in flight keep their slots
+                room = max(0, self.batch.max_requests - len(self._active) - len(self._jobs))
                 admitted, self._waiting = self._waiting[:room], self._waiting[room:]
                 self._active.extend(admitted)
                 interactive = len(self._active) + len(self._waiting)
