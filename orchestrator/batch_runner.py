@@ -116,11 +116,15 @@ class ContinuousBatch:
 
     `max_requests`: how many requests hold caches at once (default: the engine's). A batched engine
     steps them all in one round; one that is not batched takes their rounds in turn, so a caller may
-    let more of them hold caches than one forward carries (the server does)."""
+    let more of them hold caches than one forward carries (the server does), but never more than a
+    decoder with a fixed number of cache slots has (the device round's `max_requests`)."""
 
     def __init__(self, engine, max_requests: int | None = None) -> None:
         self.engine = engine
         self.max_requests = max_requests or getattr(engine, "max_requests", 1) or 1
+        slots = getattr(engine.scheduler, "max_requests", None)
+        if slots is not None:
+            self.max_requests = min(self.max_requests, slots)
         self.running: list[Any] = []  # RequestState, admission order
         self._pool: Executor | None = None  # a distributed chain's rounds in flight at once (`concurrent_steps`)
 

@@ -5,7 +5,8 @@ no model, microseconds.
   distributed chain's (`concurrent_steps`) are in flight at once, on the batch's own threads.
 - A request whose round raises fails alone and leaves the running set with its caches freed; when
   every request of a step of several fails, the fault is the chain's (`shared_fault`).
-- `step(states)` steps only those (the others keep their caches and wait); `cancel` frees one now.
+- `step(states)` steps only those (the others keep their caches and wait); `cancel` frees one now;
+  no more requests are admitted than a decoder with fixed cache slots (the device round) holds.
 """
 
 from __future__ import annotations
@@ -103,3 +104,10 @@ def test_without_on_error_a_failed_round_stops_the_run_and_frees_every_request()
     with pytest.raises(RuntimeError, match="bad's own fault"):
         run_requests(engine, ["a", "bad", "b"], lambda result: None, max_requests=3)
     assert sorted(engine.cancelled) == ["a", "b", "bad"]
+
+
+def test_no_more_requests_hold_caches_than_a_decoder_has_slots_for():
+    engine = TurnsEngine()
+    assert ContinuousBatch(engine, 32).max_requests == 32  # rounds in turn: as many as the caller lets in
+    engine.scheduler.max_requests = 1  # the device round's fixed KV slots
+    assert ContinuousBatch(engine, 32).max_requests == 1
