@@ -71,9 +71,9 @@ class Cell:
                 "load_avg_1m": round(self.load, 2)}
 
 
-def closed_loop(engine, requests, concurrency: int, batched: bool, step_round=None) -> Cell:
-    """`concurrency` clients over `requests`; batched: one `step_all` per step, else one round per request
-    (`step_round(states)`: in turn by default)."""
+def closed_loop(engine, requests, concurrency: int) -> Cell:
+    """`concurrency` clients over `requests`, through the one request loop (batch_runner.ContinuousBatch: a batched
+    engine steps them together, one that is not batched takes their rounds in turn)."""
     from polyspec.orchestrator.batch_runner import ContinuousBatch
 
     queue = list(requests)
@@ -82,22 +82,19 @@ def closed_loop(engine, requests, concurrency: int, batched: bool, step_round=No
     latencies: list[float] = []
     tokens = 0
     started = time.perf_counter()
-    while queue or batch.running:
-        while queue and len(batch.running) < concurrency:
-            state = batch.admit(queue.pop(0))
-            sent[id(state)] = time.perf_counter()
-        if batched:
+    try:
+        while queue or batch.running:
+            while queue and batch.room:
+                state = batch.admit(queue.pop(0))
+                sent[id(state)] = time.perf_counter()
             failed = batch.step().failed
             if failed:
                 raise failed[0][1]
-        elif step_round is not None:
-            step_round(batch.running)
-        else:
-            for state in batch.running:
-                engine.step(state)
-        for state in batch.pop_finished():
-            latencies.append(time.perf_counter() - sent.pop(id(state)))
-            tokens += len(engine.finish(state)["token_ids"])
+            for state in batch.pop_finished():
+                latencies.append(time.perf_counter() - sent.pop(id(state)))
+                tokens += len(engine.finish(state)["token_ids"])
+    finally:
+        batch.close()
     return Cell(tokens, time.perf_counter() - started, latencies, os.getloadavg()[0])
 
 
@@ -205,7 +202,7 @@ def main(argv=None) -> int:
                 else:
                     engine = engines[name]
                     requests = [engine.parse_request(r) for r in raws]
-                    cell = closed_loop(engine, requests, concurrency, batched=engine.batched)
+                    cell = closed_loop(engine, requests, concurrency)
                 row[name] = cell.summary()
                 print(f"T={temperature:g} C={concurrency:>2} {name:<13} {row[name]['tokens_per_s']:8.1f} tok/s  "
                       f"p50 {row[name]['p50_s']:.2f}s  p99 {row[name]['p99_s']:.2f}s  load {cell.load:.1f}", file=sys.stderr, flush=True)

@@ -27,7 +27,6 @@ import os
 import platform
 import sys
 import time
-from concurrent import futures
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,9 +38,9 @@ SYSTEMS = ("ray batched", "ray per-request")
 
 
 def run_cell(engine, requests, concurrency: int) -> Cell:
-    """benchmarks/load.py's closed loop; unbatched, the rounds of the running requests are in flight at once."""
-    with futures.ThreadPoolExecutor(max(1, concurrency)) as pool:
-        return closed_loop(engine, requests, concurrency, engine.batched, step_round=lambda states: list(pool.map(engine.step, states)))
+    """benchmarks/load.py's closed loop; unbatched, the rounds of the running requests are in flight at once
+    (the distributed chain's `concurrent_steps`)."""
+    return closed_loop(engine, requests, concurrency)
 
 
 def main(argv=None) -> int:

@@ -61,7 +61,7 @@ def engine_cell(engine, raws: list[dict], concurrency: int) -> tuple[float, int,
 
     engine.finish = recording_finish
     try:
-        cell = closed_loop(engine, requests, concurrency, batched=True)
+        cell = closed_loop(engine, requests, concurrency)
     finally:
         engine.finish = finish
     return cell.tokens / cell.seconds, cell.tokens, tokens_by_id

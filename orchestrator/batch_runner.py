@@ -6,8 +6,12 @@
         one batched round of every running request whose prompt is cached (`Engine.step_all`)
         hand finished requests to `on_result`, freeing their slots for the next ones
 
-`polyspec batch` and the load benchmark go through `run_requests`; the server's request
-loop drives a `ContinuousBatch` itself (interactive requests and job items share it).
+This is the one request loop: `polyspec batch` and the load benchmarks go through
+`run_requests`; the server's request loop (polyspec.orchestrator.serving.request_loop) drives a
+`ContinuousBatch` itself, choosing what to admit (interactive requests, job items) and what to
+cancel. An engine that is not batched takes its requests' rounds in turn (`Engine.step`, one
+request after the other; a distributed chain's rounds in flight at once: `concurrent_steps`), so
+a long request holds the others back by one round per step, never by the whole request.
 
 Failure isolation (`step_isolated`): a step is one forward per tier for every running
 request, so an exception raised for one request's row would fail all of them. When a
@@ -17,12 +21,14 @@ the others take the round they would have taken (the model tiers roll their cach
 the committed context at their next call, so the failed forward leaves nothing behind). A
 chain that is down (`is_unavailable`) fails the step for all of them, as before; so does a
 fault that every request meets alone too (`shared_fault`: the chain's, not a request's).
+Rounds taken in turn are isolated by construction: each request's round is its own call.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any, Callable, Iterable
 
 from polyspec.orchestrator.decode.contract import BatchDecoder
@@ -44,6 +50,7 @@ class StepOutcome:
     # every request of a step of several failed alone too: the fault is the chain's (a tier's shared state),
     # not a request's; a caller keeps work it can redo (job items) for later instead of failing it
     shared_fault: bool = False
+    step: dict = dataclasses.field(default_factory=dict)  # a batched step's `last_step` (batch, tokens, seconds, tiers), else {}
 
 
 def _random_streams(states: list) -> list[list]:
@@ -73,13 +80,30 @@ def _step(engine, states: list) -> list[tuple[Any, list[int]]]:
     return list(zip(ready, emitted))
 
 
-def step_isolated(engine, states: list) -> StepOutcome:
-    """One step of `states` (see the module docstring): an error raised for one request fails that request alone."""
+def _take_turns(engine, states: list, pool: Executor | None) -> StepOutcome:
+    """One round of each state in turn (`Engine.step`; with `pool`, all in flight at once); each fails alone."""
+    def one_round(state) -> tuple[Any, list[int] | None, Exception | None]:
+        try:
+            return state, engine.step(state) if not state.done else [], None
+        except Exception as exc:  # noqa: BLE001 - this request's own round
+            return state, None, exc
+
+    rounds = list(pool.map(one_round, states)) if pool is not None else [one_round(state) for state in states]
+    advanced = [(state, tokens) for state, tokens, exc in rounds if exc is None]
+    failed = [(state, exc) for state, _, exc in rounds if exc is not None]
+    return StepOutcome(advanced, failed, shared_fault=len(states) > 1 and not advanced)
+
+
+def step_isolated(engine, states: list, pool: Executor | None = None) -> StepOutcome:
+    """One step of `states` (see the module docstring): an error raised for one request fails that request alone.
+    An engine that is not batched takes the states' rounds in turn (`pool`: threads to run them at once)."""
     if not states:
         return StepOutcome([], [])
+    if not engine.batched:
+        return _take_turns(engine, states, pool if len(states) > 1 else None)
     saved = _random_streams(states) if len(states) > 1 else []
     try:
-        return StepOutcome(_step(engine, states), [])
+        return StepOutcome(_step(engine, states), [], step=dict(engine.scheduler.last_step))
     except Exception as exc:  # noqa: BLE001 - sorted out below, request by request
         if len(states) == 1 or is_unavailable(exc):
             return StepOutcome([], [(state, exc) for state in states])
@@ -90,18 +114,28 @@ def step_isolated(engine, states: list) -> StepOutcome:
             advanced += _step(engine, [state])
         except Exception as exc:  # noqa: BLE001 - this request's own fault
             failed.append((state, exc))
-    return StepOutcome(advanced, failed, shared_fault=not advanced)
+    return StepOutcome(advanced, failed, shared_fault=not advanced, step=dict(engine.scheduler.last_step) if advanced else {})
 
 
 class ContinuousBatch:
-    """The running set of one engine: admit, step, finish."""
+    """The running set of one engine: admit, step, then finish or cancel each request.
+
+    `max_requests`: how many requests hold caches at once (default: the engine's). A batched engine
+    steps them all in one round; one that is not batched takes their rounds in turn, so a caller may
+    let more of them hold caches than one forward carries (the server does), but never more than a
+    decoder with a fixed number of cache slots has (the device round's `max_requests`)."""
 
     def __init__(self, engine, max_requests: int | None = None) -> None:
         self.engine = engine
         self.max_requests = max_requests or getattr(engine, "max_requests", 1) or 1
+        slots = getattr(engine.scheduler, "max_requests", None)
+        if slots is not None:
+            self.max_requests = min(self.max_requests, slots)
         self.running: list[Any] = []  # RequestState, admission order
+        self._pool: Executor | None = None  # a distributed chain's rounds in flight at once (`concurrent_steps`)
 
     def admit(self, request) -> Any:
+        """Start `request` (its caches are taken at its first step); raises for a request the engine refuses."""
         state = self.engine.start(request)
         self.running.append(state)
         return state
@@ -110,27 +144,51 @@ class ContinuousBatch:
     def room(self) -> int:
         return max(0, self.max_requests - len(self.running))
 
-    def step(self) -> StepOutcome:
-        """Prefill joining requests, then one batched round (`step_isolated`). A failed state leaves the
-        running set with its caches freed."""
-        outcome = step_isolated(self.engine, self.running)
+    def step(self, states: list | None = None) -> StepOutcome:
+        """Prefill joining requests, then one round (`step_isolated`) of `states` (default: every running
+        request; the others wait, caches kept). A failed state leaves the running set with its caches freed."""
+        stepping = list(self.running if states is None else states)
+        outcome = step_isolated(self.engine, stepping, self._concurrent_pool() if len(stepping) > 1 else None)
         for state, _ in outcome.failed:
-            self.running.remove(state)
-            try:
-                self.engine.cancel(state)
-            except Exception:  # noqa: BLE001 - already failing; its own error is the one to report
-                pass
+            self.drop(state)
         return outcome
 
+    def _concurrent_pool(self) -> Executor | None:
+        if self.engine.batched or not getattr(self.engine.scheduler, "concurrent_steps", False):
+            return None
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.max_requests, thread_name_prefix="polyspec-round")
+        return self._pool
+
     def pop_finished(self) -> list[Any]:
+        """The requests that are done, out of the running set (the caller calls `Engine.finish` on each)."""
         finished = [s for s in self.running if s.done]
         self.running = [s for s in self.running if not s.done]
         return finished
+
+    def cancel(self, state) -> dict:
+        """Stop `state` now and free its caches; its result (finish_reason "cancelled" unless it was done)."""
+        if state in self.running:
+            self.running.remove(state)
+        return self.engine.cancel(state)
+
+    def drop(self, state) -> None:
+        """Free the caches of a request that is failing (its own error is the one to report, not this one's)."""
+        try:
+            self.cancel(state)
+        except Exception:  # noqa: BLE001 - already failing
+            pass
 
     def cancel_all(self) -> None:
         for state in self.running:
             self.engine.cancel(state)
         self.running = []
+
+    def close(self) -> None:
+        """Stop the threads of concurrent rounds, if any were started."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
 
 
 def run_requests(engine, requests: Iterable, on_result: Callable[[dict], None],
@@ -164,3 +222,5 @@ def run_requests(engine, requests: Iterable, on_result: Callable[[dict], None],
     except BaseException:
         batch.cancel_all()
         raise
+    finally:
+        batch.close()

@@ -346,52 +346,31 @@ def cmd_batch(args) -> int:
                     reported[0] = now
                     print(f"polyspec: {written[0]}/{len(todo)} requests, {tokens[0]} tokens in {now - started:.0f}s", file=sys.stderr, flush=True)
 
-        def run_one(item) -> None:
-            number, request_id, raw, parse_error = item
+        # the one request loop (batch_runner): a batched chain steps every running request in one round; one that is
+        # not batched takes their rounds in turn (embedded: one request at a time; distributed: `concurrency` in flight)
+        from polyspec.orchestrator.batch_runner import run_requests
+
+        requests = []
+        for number, request_id, raw, parse_error in todo:
             try:
                 if parse_error:
                     raise RequestError(parse_error)
-                result = engine.generate(engine.parse_request({**raw, "id": request_id} if isinstance(raw, dict) else raw))
+                requests.append(engine.parse_request({**raw, "id": request_id} if isinstance(raw, dict) else raw))
             except RequestError as exc:
-                with write_lock:
-                    failures[0] += 1
-                result = {"id": request_id, "error": f"line {number}: {exc}"}
-            write(result)
-
-        if engine.batched or not distributed:  # the embedded round, every running request in each step (a batched
-            # chain: one shared forward per tier; a round-robin one: at most one request at a time)
-            from polyspec.orchestrator.batch_runner import run_requests
-
-            requests = []
-            for number, request_id, raw, parse_error in todo:
-                try:
-                    if parse_error:
-                        raise RequestError(parse_error)
-                    requests.append(engine.parse_request({**raw, "id": request_id} if isinstance(raw, dict) else raw))
-                except RequestError as exc:
-                    failures[0] += 1
-                    write({"id": request_id, "error": f"line {number}: {exc}"})
-            numbers = {request_id: number for number, request_id, _, _ in todo}
-
-            def failed(request, exc: Exception) -> None:  # this request alone: the others go on
                 failures[0] += 1
-                reason = str(exc).splitlines()[0][:500] if str(exc) else type(exc).__name__
-                if not isinstance(exc, RequestError):
-                    reason = f"internal error: {reason}"
-                    print(f"polyspec: request {request.id!r} failed: {exc!r}", file=sys.stderr)
-                write({"id": request.id, "error": f"line {numbers.get(request.id, '?')}: {reason}"})
+                write({"id": request_id, "error": f"line {number}: {exc}"})
+        numbers = {request_id: number for number, request_id, _, _ in todo}
 
-            run_requests(engine, requests, write, max_requests=min(args.concurrency or engine.max_requests, engine.max_requests),
-                         on_error=failed)
-        elif concurrency == 1:
-            for item in todo:
-                run_one(item)
-        else:
-            from concurrent.futures import ThreadPoolExecutor
+        def failed(request, exc: Exception) -> None:  # this request alone: the others go on
+            failures[0] += 1
+            reason = str(exc).splitlines()[0][:500] if str(exc) else type(exc).__name__
+            if not isinstance(exc, RequestError):
+                reason = f"internal error: {reason}"
+                print(f"polyspec: request {request.id!r} failed: {exc!r}", file=sys.stderr)
+            write({"id": request.id, "error": f"line {numbers.get(request.id, '?')}: {reason}"})
 
-            with ThreadPoolExecutor(concurrency, thread_name_prefix="polyspec-batch") as pool:
-                for future in [pool.submit(run_one, item) for item in todo]:
-                    future.result()  # an internal error stops the batch (results so far are on disk; --resume)
+        in_flight = min(args.concurrency or engine.max_requests, engine.max_requests) if engine.batched else concurrency
+        run_requests(engine, requests, write, max_requests=in_flight, on_error=failed)
     elapsed = time.perf_counter() - started
     if distributed:
         stats = {"requests": len(todo), "generated_tokens": tokens[0], "time_s": round(elapsed, 3),

@@ -53,17 +53,18 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from polyspec.orchestrator.serving.choices import Choice
 from polyspec.orchestrator.serving.jobs import LimitExceeded
 from polyspec.orchestrator.serving.request_loop import Draining, QueueFull, Work, is_unavailable, public_reason
 from polyspec.orchestrator.serving.security import Tenants
 from polyspec.orchestrator.serving import openai_request
 from polyspec.orchestrator.serving.openai_request import CHAT_FIELDS, KNOWN_FIELDS, MAX_STOPS, ApiError
-from polyspec.orchestrator.tokenization import StopMatcher, check_stops, encode_chat
+from polyspec.orchestrator.tokenization import check_stops, encode_chat
 from polyspec.workers.core.errors import RequestError
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_JSON_DEPTH = 32
-FINISH_REASONS = {"eos": "stop", "length": "length", "cancelled": "stop"}
+FINISH_REASONS = {"eos": "stop", "length": "length", "cancelled": "stop"}  # the engine's finish_reason -> OpenAI's ("stop" stays)
 SHOWN_NAME_CHARS = 64  # of a model name an error quotes back
 
 
@@ -302,13 +303,13 @@ class OpenAIApi:
 
     # ---------------------------------------------------------------- answers
 
-    def _choices_of(self, requests: list, body: dict) -> list["_Choice"]:
+    def _choices_of(self, requests: list, body: dict) -> list["_Answer"]:
         stops = check_stops(body.get("stop"), "'stop'", limit=MAX_STOPS)
-        return [_Choice(index, work, events, stops, self.service.scheduler)
+        return [_Answer(index, work, events, stops, self.service.scheduler)
                 for index, (work, events) in enumerate(self._submit(requests))]
 
     @staticmethod
-    def _usage(requests: list, choices: list["_Choice"], body: dict) -> dict:
+    def _usage(requests: list, choices: list["_Answer"], body: dict) -> dict:
         # a prompt counts once however many choices it has (as OpenAI counts it)
         prompt_tokens = sum(len(r.prompt_ids) for r in requests[:: openai_request.choices(body)])
         return _usage(prompt_tokens, sum(len(choice.token_ids) for choice in choices))
@@ -349,10 +350,10 @@ class OpenAIApi:
                 answers.append({"index": choice.index, "text": text, "logprobs": scored, "finish_reason": choice.reason})
         return JSONResponse({**header, "choices": answers, "usage": self._usage(requests, choices, body)})
 
-    async def _logprobs(self, parsed, text: str, choice: "_Choice", top: int, chat: bool) -> dict:
+    async def _logprobs(self, parsed, text: str, choice: "_Answer", top: int, chat: bool) -> dict:
         """The choice's tokens (those its text holds, when a stop string cut it) with the target's log-probabilities."""
         scored, names = await asyncio.to_thread(self.service.score_choice, parsed.prompt_ids, choice.token_ids, text,
-                                                choice.matcher.stopped, parsed.params, top)
+                                                choice.stopped, parsed.params, top)
         if chat:
             def entry(token: int, logprob: float) -> dict:
                 return {"token": names[token], "logprob": logprob, "bytes": list(names[token].encode("utf-8"))}
@@ -426,42 +427,32 @@ class OpenAIApi:
         return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-class _Choice:
-    """One choice of an answer: its request's events in, text out, cut at the first stop string
-    (the request is cancelled there and finishes as "stop")."""
+class _Answer(Choice):
+    """One choice of an answer (choices.Choice: cut at the first stop string) as OpenAI shows it: its
+    index, its request's events in, text and OpenAI's finish_reason out."""
 
     def __init__(self, index: int, work: Work, events: asyncio.Queue, stops: tuple[str, ...], scheduler) -> None:
-        self.index, self.work, self.events, self.scheduler = index, work, events, scheduler
-        self.matcher = StopMatcher(stops)
-        self.token_ids: list[int] = []  # up to the round that completed a stop string
+        super().__init__(work, stops, scheduler)
+        self.index, self.events = index, events
         self.reason: str | None = None  # OpenAI's finish_reason, once done
 
     def handle(self, event) -> tuple[str, bool]:
         """(text to show, whether the choice is done); ApiError for a failed request."""
         kind, payload = event
         if kind == "delta":
-            if self.matcher.stopped:
-                return "", False  # a round committed before the cancel was seen
-            tokens, text = payload
-            self.token_ids.extend(tokens)
-            shown = self.matcher.push(text)
-            if self.matcher.stopped:
-                self.cancel()
-            return shown, False
+            return self.delta(*payload) or "", False
         if kind == "done":
             result, tail, _ = payload
-            shown = self.matcher.push(tail) + self.matcher.finish()
-            self.reason = "stop" if self.matcher.stopped else FINISH_REASONS.get(result["finish_reason"], "stop")
+            shown = self.done(result, tail)
+            self.reason = FINISH_REASONS.get(self.finish_reason, "stop")
             return shown, True
+        self.failed()
         raise _failure(payload)
 
     async def collect(self) -> str:
-        pieces = []
-        while True:
-            text, done = self.handle(await self.events.get())
-            pieces.append(text)
-            if done:
-                return "".join(pieces)
+        while not self.handle(await self.events.get())[1]:
+            pass
+        return self.text
 
     async def pump(self, merged: asyncio.Queue) -> None:
         """This choice's events into the queue of a stream's choices, up to its last."""
@@ -470,9 +461,6 @@ class _Choice:
             await merged.put((self, event))
             if event[0] != "delta":
                 return
-
-    def cancel(self) -> None:
-        self.scheduler.cancel(self.work)  # no-op for finished work
 
 
 async def _disconnected(request: Request) -> None:

@@ -1,19 +1,21 @@
-"""The server's one model thread: every request advances one target round at a time, in turn.
+"""The server's one model thread: interactive requests and job items through the one request loop.
 
-The Engine is not thread-safe, so all model work happens on this thread. Each pass:
+The Engine is not thread-safe, so all model work happens on this thread. It drives a
+`ContinuousBatch` (polyspec.orchestrator.batch_runner: the loop `polyspec batch` runs); this
+module only chooses what runs. Each pass:
 
-    1. admit waiting interactive requests (at most MAX_ACTIVE hold caches at once; with the
-       batched engine, its `max_requests`)
-    2. one round (`engine.step`) for every active interactive request, round robin —
-       a long request never holds the others back by more than one round each. With the
-       batched engine all of them take that round together: one `engine.step_all` (one
-       forward per tier), after the prompts of newly admitted requests are cached within
-       the step's token budget (they join the round once cached)
-    3. only when no interactive request is waiting or running: one round of the current
-       job item (interactive first); the item pauses, caches kept, while interactive
-       traffic is served. With the batched engine, job items instead fill the batch's free
-       slots (all but JOB_RESERVE_SHARE of them, kept for interactive requests) and take the
-       same batched rounds
+    1. admit waiting interactive requests while the batch has room (at most `max_requests`
+       hold caches at once: the batched engine's own, MAX_ACTIVE for an engine that takes turns)
+    2. fill free slots with job items: a batched engine gives them all but JOB_RESERVE_SHARE of
+       its slots (kept for interactive requests); one that takes turns, one item at a time and
+       only while no interactive request waits or runs
+    3. cancel what was cancelled (a client went away or its stop string came, a job was
+       cancelled, the server drains: a job item is then not written and runs again later)
+    4. one step of the batch: every running request takes one round, a batched engine in one
+       forward per tier (the prompts of newly admitted requests cached first, within the step's
+       token budget), one that takes turns one request after the other (a long request holds the
+       others back by one round each; its job item waits, caches kept, while interactive
+       requests run). A request whose own row raises fails alone (`step_isolated`)
 
 A request reports through its `on_event(kind, payload)`, called on this thread:
 ("delta", (token_ids, text)) after each round, then ("done", result) or ("error", exc).
@@ -29,7 +31,7 @@ import time
 import traceback
 from typing import Any, Callable
 
-from polyspec.orchestrator.batch_runner import is_unavailable, step_isolated
+from polyspec.orchestrator.batch_runner import ContinuousBatch, is_unavailable
 from polyspec.orchestrator.serving.jobs import JobStore, PendingItem
 from polyspec.orchestrator.serving.metrics import Metrics
 from polyspec.orchestrator.tokenization import REPLACEMENT_CHAR
@@ -90,7 +92,7 @@ class RoundScheduler(threading.Thread):
                  on_jobs_changed: Callable[[], None] = lambda: None, tokenizer_lock: threading.Lock | None = None) -> None:
         super().__init__(name="polyspec-rounds", daemon=True)
         self.engine = engine
-        self._pool = None  # threads for concurrent rounds (distributed chains only)
+        self.batch = ContinuousBatch(engine, engine.max_requests if engine.batched else MAX_ACTIVE)
         self.store = store
         self.metrics = metrics
         self.max_queue = max_queue
@@ -98,9 +100,8 @@ class RoundScheduler(threading.Thread):
         self.tokenizer_lock = tokenizer_lock or threading.Lock()  # shared with the server's request parsing
         self._cond = threading.Condition()
         self._waiting: list[Work] = []
-        self._active: list[Work] = []
-        self._job_work: Work | None = None
-        self._job_batch: list[Work] = []  # batched: job items in flight
+        self._active: list[Work] = []  # interactive requests admitted (changed on this thread only, under _cond)
+        self._jobs: list[Work] = []  # job items in flight
         self._cancelled_jobs: set[str] = set()
         self._draining = False
         self._stopping = False
@@ -144,8 +145,8 @@ class RoundScheduler(threading.Thread):
             self._cond.notify()
 
     def drain(self) -> None:
-        """No new work from now on; running requests go on. The current job item is dropped
-        (not written), so it runs again at the next start."""
+        """No new work from now on; running requests go on. Job items in flight are dropped
+        (not written), so they run again at the next start."""
         with self._cond:
             self._draining = True
             self._cond.notify()
@@ -165,119 +166,89 @@ class RoundScheduler(threading.Thread):
     def run(self) -> None:
         while True:
             with self._cond:
-                while not self._stopping and not self._waiting and not self._active and not self._job_batch and not self._has_job_work():
+                while not (self._stopping or self._waiting or self._active or self._jobs or self._has_job_work()):
                     self.idle.set()
                     self._cond.wait(IDLE_WAIT_S)
                 if self._stopping:
                     break
-                # batched: a paused job item keeps its cache slot
-                # batched: job items in flight keep their cache slots
-                room = (self.engine.max_requests - len(self._job_batch) if self._batched else MAX_ACTIVE) - len(self._active)
+                # job items in flight keep their slots
+                room = max(0, self.batch.max_requests - len(self._active) - len(self._jobs))
                 admitted, self._waiting = self._waiting[:room], self._waiting[room:]
                 self._active.extend(admitted)
-                active = list(self._active)
+                interactive = len(self._active) + len(self._waiting)
                 self._publish_queue()
-            if len(active) > 1 and getattr(self.engine.scheduler, "concurrent_steps", False):
-                # a distributed chain: the tiers overlap the rounds of different requests
-                if self._pool is None:
-                    from concurrent.futures import ThreadPoolExecutor
-
-                    self._pool = ThreadPoolExecutor(MAX_ACTIVE, thread_name_prefix="polyspec-round")
-                over = list(self._pool.map(self._advance, active))
-            elif self._batched:
-                jobs = self._fill_job_batch(len(active))
-                over = self._advance_batch(active + jobs) if active or jobs else []
-                for work, finished in zip(jobs, over[len(active):]):
-                    if finished:
-                        self._job_batch.remove(work)
-                over = over[: len(active)]
-            else:
-                over = [self._advance(work) for work in active]
-            for work, finished in zip(active, over):
-                if finished:
-                    with self._cond:
-                        self._active.remove(work)
-                        self._publish_queue()
-                        if not self._active and not self._waiting:
-                            self.idle.set()
-            if not active and not self._batched:
-                self._advance_job()
+            self._fill_jobs(interactive)
+            self._retire(self._step())
         self._abandon_all()
 
-    @property
-    def _batched(self) -> bool:
-        return bool(getattr(self.engine, "batched", False))
-
-    def _advance_batch(self, active: list[Work]) -> list[bool]:
-        """One batched round of every active request; for each, True when it is over."""
-        over = [False] * len(active)
-        live = []
-        for index, work in enumerate(active):
-            try:
-                if work.cancelled:
-                    over[index] = self._cancel(work)
-                    continue
-                if work.state is None:
+    def _step(self) -> list[Work]:
+        """Cancel what was cancelled, start what was admitted, then one step of the batch, reported
+        request by request; returns the work that is over (finished, cancelled or failed)."""
+        over, live = [], []
+        for work in self._active + self._jobs:
+            if work.cancelled:
+                self._cancel(work)
+                over.append(work)
+                continue
+            if work.state is None:
+                try:
                     work.started_at = time.perf_counter()
-                    work.state = self.engine.start(work.request)
-                live.append(index)
-            except Exception as exc:  # noqa: BLE001 - one bad request must not take the server down
-                self._failed(work, exc)
-                over[index] = True
-        # one request's row raising fails that request alone (polyspec.orchestrator.batch_runner.step_isolated)
-        outcome = step_isolated(self.engine, [active[i].state for i in live])
-        index_of = {id(active[i].state): i for i in live}
-        for state, exc in outcome.failed:
-            self._failed(active[index_of[id(state)]], exc, shared=outcome.shared_fault)
-            over[index_of[id(state)]] = True
-        step = self.engine.scheduler.last_step
-        if outcome.advanced and step.get("batch"):
+                    work.state = self.batch.admit(work.request)
+                except Exception as exc:  # noqa: BLE001 - one bad request must not take the server down
+                    self._failed(work, exc)
+                    over.append(work)
+                    continue
+            live.append(work)
+        if not live:
+            return over
+        interactive = [work for work in live if work.job_item is None]
+        # an engine that takes turns: job items wait (caches kept) while interactive requests run
+        stepping = live if self.engine.batched or not interactive else interactive
+        outcome = self.batch.step([work.state for work in stepping])
+        work_of = {id(work.state): work for work in live}
+        for state, exc in outcome.failed:  # (its caches freed by the batch)
+            self._failed(work_of[id(state)], exc, shared=outcome.shared_fault)
+            over.append(work_of[id(state)])
+        step = outcome.step
+        if step.get("batch"):
             self.metrics.batch_step(step["batch"], step["tokens"], step["seconds"], len(step.get("tiers", ())) > 1)
+        finished = set(map(id, self.batch.pop_finished()))
         for state, tokens in outcome.advanced:
-            i = index_of[id(state)]
-            work = active[i]
+            work = work_of[id(state)]
             try:
                 if tokens:
                     self._emit_delta(work, tokens)
-                if work.state.done:
-                    with self.tokenizer_lock:
-                        result = self.engine.finish(work.state)
-                    self._finished(work, result)
-                    over[i] = True
-            except Exception as exc:  # noqa: BLE001
+                if id(state) in finished:
+                    self._finished(work, self._finish(work))
+                    over.append(work)
+            except Exception as exc:  # noqa: BLE001 - one bad request must not take the server down
+                self.batch.drop(state)
                 self._failed(work, exc)
-                over[i] = True
+                over.append(work)
         return over
+
+    def _finish(self, work: Work) -> dict:
+        with self.tokenizer_lock:
+            return self.engine.finish(work.state)
+
+    def _retire(self, over: list[Work]) -> None:
+        """Take work that is over out of the running lists (its slot is free for the next)."""
+        if not over:
+            return
+        ended = set(map(id, over))
+        self._jobs = [work for work in self._jobs if id(work) not in ended]
+        with self._cond:
+            self._active = [work for work in self._active if id(work) not in ended]
+            self._publish_queue()
+            if not self._active and not self._waiting:
+                self.idle.set()
 
     def _decode(self, token_ids: list[int]) -> str:
         with self.tokenizer_lock:
             return self.engine.decode(token_ids)
 
     def _has_job_work(self) -> bool:
-        if self._job_work is not None:
-            return True
         return not self._draining and self.store is not None and self.store.next_pending() is not None
-
-    def _advance(self, work: Work) -> bool:
-        """One round of `work`; True when it is over (finished, cancelled or failed)."""
-        try:
-            if work.cancelled:
-                return self._cancel(work)
-            if work.state is None:
-                work.started_at = time.perf_counter()
-                work.state = self.engine.start(work.request)
-            tokens = self.engine.step(work.state) if not work.state.done else []
-            if tokens:
-                self._emit_delta(work, tokens)
-            if work.state.done:
-                with self.tokenizer_lock:
-                    result = self.engine.finish(work.state)
-                self._finished(work, result)
-                return True
-            return False
-        except Exception as exc:  # noqa: BLE001 - one bad request must not take the server down
-            self._failed(work, exc)
-            return True
 
     def _emit_delta(self, work: Work, tokens: list[int]) -> None:
         if work.first_token_at is None:
@@ -316,25 +287,24 @@ class RoundScheduler(threading.Thread):
         if work.on_event is not None:
             work.on_event("done", (result, tail, work.timings()))
 
-    def _cancel(self, work: Work) -> bool:
+    def _cancel(self, work: Work) -> None:
         """Stop `work` and free its caches (`Engine.cancel`)."""
         result = {"token_ids": work.token_ids, "finish_reason": "cancelled", "stats": {}}
         if work.state is not None:
-            with self.tokenizer_lock:
-                result = self.engine.cancel(work.state)
+            try:
+                with self.tokenizer_lock:
+                    result = self.batch.cancel(work.state)
+            except Exception as exc:  # noqa: BLE001 - one bad request must not take the server down
+                self._failed(work, exc)
+                return
         if work.job_item is not None:
-            return True  # not written: the item stays pending (its job was cancelled, or it reruns at the next start)
+            return  # not written: the item stays pending (its job was cancelled, or it reruns at the next start)
         self._finished(work, {**result, "finish_reason": "cancelled"})
-        return True
 
     def _failed(self, work: Work, exc: Exception, shared: bool = False) -> None:
-        """`work` ends with `exc`. `shared`: every request of its step failed alone too (the chain's fault):
-        a job item is then not failed for good but left pending and retried, as when the chain is down."""
-        if work.state is not None:
-            try:
-                self.engine.cancel(work.state)
-            except Exception:  # noqa: BLE001 - already failing; the first error is the one to report
-                pass
+        """`work` ends with `exc` (its caches are freed already). `shared`: every request of its step failed alone
+        too (the chain's fault): a job item is then not failed for good but left pending and retried, as when the
+        chain is down."""
         if not isinstance(exc, RequestError):
             print(f"polyspec serve: request failed: {exc!r}", file=sys.stderr)
             traceback.print_exception(exc, file=sys.stderr)
@@ -351,38 +321,31 @@ class RoundScheduler(threading.Thread):
 
     # ---------------------------------------------------------------------- jobs
 
-    def _fill_job_batch(self, interactive: int) -> list[Work]:
-        """Batched: mark cancelled job items, then admit pending ones into the free slots (but the reserve)."""
-        for work in self._job_batch:
+    def _fill_jobs(self, interactive: int) -> None:
+        """Mark the job items of cancelled jobs (all of them, draining) cancelled, then admit pending items
+        into the slots jobs may take (`interactive`: requests waiting or running)."""
+        for work in self._jobs:
             if work.job_item.job_id in self._cancelled_jobs or self._draining:
                 work.cancelled = True
-        reserve = max(1, int(self.engine.max_requests * JOB_RESERVE_SHARE)) if self.engine.max_requests > 1 else 0
-        room = self.engine.max_requests - reserve - interactive - len(self._job_batch)
-        if room > 0 and not self._draining and self.store is not None:
-            skip = {(w.job_item.job_id, w.job_item.idx) for w in self._job_batch}
-            for item in self.store.pending_items(room, skip):
-                if item.job_id in self._cancelled_jobs:
-                    continue
-                work = self._parse_job_item(item)
-                if work is not None:
-                    self._job_batch.append(work)
-        return list(self._job_batch)
+        room = self._job_room(interactive)
+        if room <= 0 or self._draining or self.store is None:
+            return
+        skip = {(w.job_item.job_id, w.job_item.idx) for w in self._jobs}
+        for item in self.store.pending_items(room, skip):
+            if item.job_id in self._cancelled_jobs:
+                continue
+            work = self._parse_job_item(item)
+            if work is not None:
+                self._jobs.append(work)
 
-    def _advance_job(self) -> None:
-        work = self._job_work
-        if work is not None and (work.job_item.job_id in self._cancelled_jobs or self._draining):
-            work.cancelled = True
-        if work is None:
-            if self._draining or self.store is None:
-                return
-            item = self.store.next_pending()
-            if item is None:
-                return
-            work = self._job_work = self._parse_job_item(item)
-            if work is None:
-                return
-        if self._advance(work):
-            self._job_work = None
+    def _job_room(self, interactive: int) -> int:
+        """How many more job items may run: a batched engine keeps JOB_RESERVE_SHARE of its slots for
+        interactive requests; one that takes turns runs one item, only while no interactive request is there."""
+        if not self.engine.batched:
+            return 0 if interactive else 1 - len(self._jobs)
+        capacity = self.batch.max_requests
+        reserve = max(1, int(capacity * JOB_RESERVE_SHARE)) if capacity > 1 else 0
+        return capacity - reserve - interactive - len(self._jobs)
 
     def _parse_job_item(self, item) -> Work | None:
         """A pending job item marked running and parsed into work; None (its error written) when invalid."""
@@ -403,8 +366,8 @@ class RoundScheduler(threading.Thread):
     def _abandon_all(self) -> None:
         """Stopping: free every cache; interactive requests end as cancelled."""
         with self._cond:
-            pending = self._waiting + self._active + ([self._job_work] if self._job_work else []) + self._job_batch
-            self._waiting, self._active, self._job_work, self._job_batch = [], [], None, []
+            pending = self._waiting + self._active + self._jobs
+            self._waiting, self._active, self._jobs = [], [], []
             self._publish_queue()
         for work in pending:
             work.cancelled = True
@@ -412,3 +375,4 @@ class RoundScheduler(threading.Thread):
                 self._cancel(work)
             except Exception:  # noqa: BLE001 - shutting down
                 pass
+        self.batch.close()

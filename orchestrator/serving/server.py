@@ -1,6 +1,6 @@
 """The gRPC API (protos/polyspec/v1/polyspec.proto) over one Engine; `serve.py` runs it.
 
-    event loop (grpc.aio)  --Work-->  RoundScheduler thread (all model work, rounds.py)
+    event loop (grpc.aio)  --Work-->  RoundScheduler thread (all model work, request_loop.py)
          ^                                    |
          +------ deltas / results ------------+   (loop.call_soon_threadsafe)
 
@@ -36,6 +36,7 @@ from typing import Callable
 
 import grpc
 
+from polyspec.orchestrator.serving.choices import Choice
 from polyspec.orchestrator.serving.jobs import (
     CANCELLED,
     FAILED,
@@ -60,7 +61,7 @@ from polyspec.orchestrator.serving.security import (
     Tenants,
     short,
 )
-from polyspec.orchestrator.tokenization import StopMatcher, check_stops
+from polyspec.orchestrator.tokenization import check_stops
 from polyspec.protos.polyspec.v1 import polyspec_pb2 as pb
 from polyspec.protos.polyspec.v1 import polyspec_pb2_grpc as pb_grpc
 from polyspec.workers.core.errors import RequestError
@@ -328,7 +329,7 @@ class PolyspecService(pb_grpc.PolyspecServicer):
             self.metrics.request_finished("resource_exhausted")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         events, reporter = self._choice_events()
-        choices = [_Choice(Work(choice_request(parsed, j), on_event=reporter(j)), StopMatcher(stops)) for j in range(count)]
+        choices = [Choice(Work(choice_request(parsed, j), on_event=reporter(j)), stops, self.scheduler) for j in range(count)]
         try:
             self.scheduler.submit_all([choice.work for choice in choices])  # every choice, or none
         except QueueFull as exc:
@@ -342,24 +343,17 @@ class PolyspecService(pb_grpc.PolyspecServicer):
                 index, (kind, payload) = await events.get()
                 choice = choices[index]
                 if kind == "delta":
-                    if choice.matcher.stopped:
-                        continue  # a round committed before the cancel was seen
                     token_ids, text = payload
-                    choice.token_ids += token_ids
-                    shown = choice.matcher.push(text)
-                    choice.text.append(shown)
-                    yield pb.GenerateResponse(token_ids=token_ids, text=shown, id=request.id, index=index)
-                    if choice.matcher.stopped:
-                        self.scheduler.cancel(choice.work)  # a stop string: the rest is not wanted
+                    shown = choice.delta(token_ids, text)
+                    if shown is not None:  # (None: a round committed before the stop string's cancel was seen)
+                        yield pb.GenerateResponse(token_ids=token_ids, text=shown, id=request.id, index=index)
                 elif kind == "done":
-                    choice.finished = True
                     result, tail, timings = payload
-                    shown = choice.matcher.push(tail) + choice.matcher.finish()
-                    choice.text.append(shown)
+                    shown = choice.done(result, tail)
                     stats = result.get("stats") or {}
                     message = pb.GenerateResponse(
                         text=shown,
-                        finish_reason="stop" if choice.matcher.stopped else result["finish_reason"],
+                        finish_reason=choice.finish_reason,
                         stats=stats_message(stats, timings),
                         stats_json=json.dumps(stats),
                         id=request.id,
@@ -367,11 +361,11 @@ class PolyspecService(pb_grpc.PolyspecServicer):
                     )
                     if top is not None:
                         scored, names = await asyncio.to_thread(self.score_choice, parsed.prompt_ids, choice.token_ids,
-                                                                "".join(choice.text), choice.matcher.stopped, parsed.params, top)
+                                                                choice.text, choice.stopped, parsed.params, top)
                         message.logprobs.extend(logprob_messages(scored, names))
                     yield message
                 else:
-                    choice.finished = True
+                    choice.failed()
                     code = (
                         grpc.StatusCode.INVALID_ARGUMENT if isinstance(payload, RequestError)
                         else grpc.StatusCode.UNAVAILABLE if is_unavailable(payload)
@@ -381,7 +375,7 @@ class PolyspecService(pb_grpc.PolyspecServicer):
         finally:
             for choice in choices:
                 if not choice.finished:  # the client went away, its deadline passed, or another choice failed
-                    self.scheduler.cancel(choice.work)
+                    choice.cancel()
 
     def _choice_events(self) -> tuple[asyncio.Queue, Callable[[int], Callable]]:
         """A queue on this loop for the events of every choice of a call, as (choice index, event),
@@ -546,17 +540,6 @@ class PolyspecService(pb_grpc.PolyspecServicer):
             for tier, config in zip(self.engine.tiers, self.engine.config.tiers):
                 response.tiers.add(tier=tier.name, model=config.model, up=getattr(tier, "up", True), busy_s=getattr(tier, "busy_s", 0.0))
         return response
-
-
-@dataclasses.dataclass
-class _Choice:
-    """One choice of a Generate call: its work, and what its stream has shown so far."""
-
-    work: Work
-    matcher: StopMatcher
-    token_ids: list[int] = dataclasses.field(default_factory=list)  # up to the round that completed a stop string
-    text: list[str] = dataclasses.field(default_factory=list)
-    finished: bool = False
 
 
 # ------------------------------------------------------------------ the guard

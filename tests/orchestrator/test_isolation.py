@@ -7,7 +7,8 @@
   raising whenever that request's context is in the batch) fails that request alone, in
   `polyspec batch`'s loop (`run_requests`) and in the server's request loop with job items;
   every other request produces exactly the tokens it produces in a run without the bad one
-  (greedy and seeded sampling).
+  (greedy and seeded sampling). So does a round of an engine that is not batched, whose
+  requests take their rounds in turn in the same loop.
 """
 
 from __future__ import annotations
@@ -68,9 +69,9 @@ def test_tiny_but_representable_temperature_still_samples():
 # -------------------------------------------------------------- a fault on one row
 
 
-def _engine(tiny_family, names=("target", "mid", "ngram"), lengths=(3, 2), round_kind="ragged") -> Engine:
+def _engine(tiny_family, names=("target", "mid", "ngram"), lengths=(3, 2), round_kind="ragged", batched: bool = True) -> Engine:
     raw = {"tiers": tier_specs(tiny_family, list(names)), "speculation": {"lengths": list(lengths)},
-           "batching": {"max_requests": 8, "round": round_kind, "max_context": 256}}
+           "batching": {"enabled": batched, "max_requests": 8, "round": round_kind, "max_context": 256}}
     return Engine(parse_config(raw), batched=True)
 
 
@@ -92,10 +93,10 @@ def _inject_fault(engine: Engine) -> list[int]:
     return faults
 
 
-def _run(engine: Engine, raws: list[dict]) -> tuple[dict, dict]:
+def _run(engine: Engine, raws: list[dict], max_requests: int | None = None) -> tuple[dict, dict]:
     results, errors = {}, {}
     run_requests(engine, [engine.parse_request(raw) for raw in raws], lambda r: results.__setitem__(r["id"], r),
-                 on_error=lambda request, exc: errors.__setitem__(request.id, exc))
+                 on_error=lambda request, exc: errors.__setitem__(request.id, exc), max_requests=max_requests)
     return results, errors
 
 
@@ -113,6 +114,20 @@ def test_a_row_that_raises_fails_its_request_alone(tiny_family, round_kind):
         assert results[raw["id"]]["token_ids"] == reference[raw["id"]]["token_ids"], raw["id"]
     assert not any(t.cache.slot_of for t in engine.scheduler.tiers if hasattr(t, "cache")), "every slot is freed"
     assert not any(getattr(t, "open_sequences", 0) for t in engine.scheduler.tiers), "every device slot is freed"
+
+
+def test_rounds_taken_in_turn_fail_alone_too(tiny_family):
+    """An engine that is not batched takes the running requests' rounds one after the other (the
+    server lets many hold caches at once): the poison request fails alone there as well."""
+    engine = _engine(tiny_family, batched=False)
+    assert not engine.batched
+    reference, errors = _run(engine, GOOD)
+    assert not errors
+    faults = _inject_fault(engine)
+    results, errors = _run(engine, GOOD[:2] + [POISON] + GOOD[2:], max_requests=len(GOOD) + 1)
+    assert set(errors) == {"bad"} and "injected fault" in str(errors["bad"]) and faults
+    for raw in GOOD:
+        assert results[raw["id"]]["token_ids"] == reference[raw["id"]]["token_ids"], raw["id"]
 
 
 def test_without_on_error_the_run_stops_and_frees_every_slot(tiny_family):

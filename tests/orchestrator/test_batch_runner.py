@@ -1,0 +1,113 @@
+"""The one request loop's core (batch_runner.ContinuousBatch) over a fake engine that is not batched:
+no model, microseconds.
+
+- Rounds are taken in turn (`Engine.step`, one request after the other, in admission order); a
+  distributed chain's (`concurrent_steps`) are in flight at once, on the batch's own threads.
+- A request whose round raises fails alone and leaves the running set with its caches freed; when
+  every request of a step of several fails, the fault is the chain's (`shared_fault`).
+- `step(states)` steps only those (the others keep their caches and wait); `cancel` frees one now;
+  no more requests are admitted than a decoder with fixed cache slots (the device round) holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+
+from polyspec.orchestrator.batch_runner import ContinuousBatch, run_requests
+
+
+@dataclasses.dataclass(eq=False)
+class State:
+    request: str
+    left: int  # rounds until done
+    done: bool = False
+
+
+class TurnsEngine:
+    """An engine that is not batched: each round commits one token; a request named "bad*" raises."""
+
+    batched = False
+    max_requests = 1
+
+    def __init__(self, concurrent: bool = False) -> None:
+        self.scheduler = type("Chain", (), {"concurrent_steps": concurrent})()
+        self.rounds: list[tuple[str, str]] = []  # (request, thread name)
+        self.cancelled: list[str] = []
+        self.in_flight, self.most_in_flight = 0, 0
+        self._lock = threading.Lock()
+        self._together = threading.Barrier(2, timeout=10)  # concurrent: two rounds must be in flight at once
+
+    def start(self, request: str) -> State:
+        return State(request, left=3)
+
+    def step(self, state: State) -> list[int]:
+        with self._lock:
+            self.rounds.append((state.request, threading.current_thread().name))
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        if self.scheduler.concurrent_steps and len(self.rounds) <= 2:
+            self._together.wait()
+        with self._lock:
+            self.in_flight -= 1
+        if state.request.startswith("bad"):
+            raise RuntimeError(f"{state.request}'s own fault")
+        state.left -= 1
+        state.done = state.left == 0
+        return [len(self.rounds)]
+
+    def finish(self, state: State) -> dict:
+        return {"id": state.request}
+
+    def cancel(self, state: State) -> dict:
+        self.cancelled.append(state.request)
+        return {"id": state.request, "finish_reason": "cancelled"}
+
+
+def test_rounds_are_taken_in_turn_and_a_bad_request_fails_alone():
+    engine = TurnsEngine()
+    batch = ContinuousBatch(engine, 3)
+    a, bad, b = (batch.admit(name) for name in ("a", "bad", "b"))
+    outcome = batch.step()
+    assert [name for name, _ in engine.rounds] == ["a", "bad", "b"]
+    assert {s.request for s, _ in outcome.advanced} == {"a", "b"} and [s.request for s, _ in outcome.failed] == ["bad"]
+    assert not outcome.shared_fault and outcome.step == {}
+    assert batch.running == [a, b] and engine.cancelled == ["bad"]  # its caches freed
+    batch.step([b])  # only b: a waits, caches kept
+    assert (a.left, b.left) == (2, 1)
+    assert batch.cancel(a)["finish_reason"] == "cancelled" and batch.running == [b]
+    while not b.done:
+        batch.step()
+    assert batch.pop_finished() == [b] and batch.room == 3
+
+
+def test_when_every_request_of_a_step_fails_the_fault_is_shared():
+    engine = TurnsEngine()
+    batch = ContinuousBatch(engine, 2)
+    batch.admit("bad1"), batch.admit("bad2")
+    outcome = batch.step()
+    assert len(outcome.failed) == 2 and outcome.shared_fault and not batch.running
+
+
+def test_a_distributed_chains_rounds_are_in_flight_at_once():
+    engine = TurnsEngine(concurrent=True)
+    results, errors = [], []
+    run_requests(engine, ["a", "b", "bad"], results.append, max_requests=3, on_error=lambda request, exc: errors.append(request))
+    assert sorted(r["id"] for r in results) == ["a", "b"] and errors == ["bad"]
+    assert engine.most_in_flight >= 2 and all(name.startswith("polyspec-round") for _, name in engine.rounds)
+
+
+def test_without_on_error_a_failed_round_stops_the_run_and_frees_every_request():
+    engine = TurnsEngine()
+    with pytest.raises(RuntimeError, match="bad's own fault"):
+        run_requests(engine, ["a", "bad", "b"], lambda result: None, max_requests=3)
+    assert sorted(engine.cancelled) == ["a", "b", "bad"]
+
+
+def test_no_more_requests_hold_caches_than_a_decoder_has_slots_for():
+    engine = TurnsEngine()
+    assert ContinuousBatch(engine, 32).max_requests == 32  # rounds in turn: as many as the caller lets in
+    engine.scheduler.max_requests = 1  # the device round's fixed KV slots
+    assert ContinuousBatch(engine, 32).max_requests == 1
