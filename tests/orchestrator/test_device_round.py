@@ -82,7 +82,8 @@ def _run(scheduler: ChainScheduler, requests, join_every: int = 1):
 
 
 @pytest.mark.parametrize("names,lengths", [(["target"], []), (["target", "mid"], [4]), (["target", "small"], [3]),
-                                           (["target", "mid"], [1]), (["target", "mid", "small"], [4, 2])])
+                                           (["target", "mid"], [1]), (["target", "mid", "small"], [4, 2]),
+                                           (["target", "mid", "small"], [12, 10])])  # the middle tier overshoots: blocks past 16
 def test_greedy_equals_the_targets_generate(models, reference, names, lengths):
     scheduler = _scheduler(models, names, lengths)
     requests = [(i, p, MAX_NEW, SamplingParams(), None) for i, p in enumerate(PROMPTS)]
@@ -231,10 +232,11 @@ def test_a_chain_the_device_round_cannot_run_is_one_line(tiny_family, tmp_path):
     from tests.orchestrator.test_cli import run_cli
 
     # (an int8 copy of the target runs there on the CPU since StaticLlama takes quantized tiers: tests/workers/test_quantized_forward.py)
-    done = run_cli("generate", "-c", _config(tmp_path, tiny_family, ["target", "mid"], [17], "device"), "-p", "x", "-n", "2")
+    done = run_cli("generate", "-c", _config(tmp_path, tiny_family, ["target", "mid", "small"], [20, 13], "device"), "-p", "x", "-n", "2")
     assert done.returncode == 2 and "Traceback" not in done.stderr
     errors = [line for line in done.stderr.strip().splitlines() if line.startswith("polyspec: error:")]  # after the start-up lines
-    assert errors == ["polyspec: error: batching.round: device cannot run this chain: its blocks hold at most 16 tokens"]
+    assert errors == ["polyspec: error: batching.round: device cannot run this chain: its blocks hold at most 32 tokens, "
+                      "and a chain's lengths add up in its top block: 33"]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
