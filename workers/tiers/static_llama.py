@@ -178,8 +178,8 @@ class StaticLlama:
             keys, values = pool.keys[index], pool.values[index]
             keys[write_slots, :, positions] = k.transpose(1, 2)  # [B, T, kv_heads, D] into [slot, :, position]
             values[write_slots, :, positions] = v.transpose(1, 2)
-            key = keys.index_select(0, slots)[:, :, :span]  # [B, kv_heads, span, D]
-            value = values.index_select(0, slots)[:, :, :span]
+            key = keys[:, :, :span].index_select(0, slots)  # [B, kv_heads, span, D]: only the span is copied
+            value = values[:, :, :span].index_select(0, slots)
             if self.groups > 1:
                 key = key[:, :, None].expand(rows, self.kv_heads, self.groups, span, self.head_dim).reshape(rows, self.heads, span, self.head_dim)
                 value = value[:, :, None].expand(rows, self.kv_heads, self.groups, span, self.head_dim).reshape(rows, self.heads, span, self.head_dim)
