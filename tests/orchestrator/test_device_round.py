@@ -431,7 +431,7 @@ def test_an_ngram_drafter_in_the_device_round(tiny_family, temperature):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_graph_round_gives_the_targets_greedy_output(tiny_family, dtype):
     """On CUDA each step is captured once per bucket and replayed; greedy output equals the target's own
-    `generate` on the same device and dtype (target alone and target <- drafter, ragged joins)."""
+    `generate` on the same device and dtype (target alone, target <- drafter with chains and with trees, ragged joins)."""
     from transformers import AutoModelForCausalLM
 
     models = {name: AutoModelForCausalLM.from_pretrained(tiny_family[name], dtype=dtype).to("cuda").eval() for name in ("target", "mid")}
@@ -440,12 +440,12 @@ def test_cuda_graph_round_gives_the_targets_greedy_output(tiny_family, dtype):
         generated = models["target"].generate(torch.tensor([prompt], device="cuda"), max_new_tokens=MAX_NEW, do_sample=False,
                                               eos_token_id=None, pad_token_id=0)
         expected[tuple(prompt)] = generated[0, len(prompt):].tolist()
-    for names, lengths in ((["target"], []), (["target", "mid"], [4])):
-        scheduler = _scheduler(models, names, lengths)
+    for names, lengths, tree_width in ((["target"], [], 1), (["target", "mid"], [4], 1), (["target", "mid"], [4], 2)):
+        scheduler = _scheduler(models, names, lengths, tree_width=tree_width)
         assert all(t.graphs.enabled for t in scheduler.tiers)
         results = _run(scheduler, [(i, p, MAX_NEW, SamplingParams(), None) for i, p in enumerate(PROMPTS)], join_every=2)
         for i, prompt in enumerate(PROMPTS):
-            assert results[i].token_ids == expected[tuple(prompt)], (names, dtype, i)
+            assert results[i].token_ids == expected[tuple(prompt)], (names, tree_width, dtype, i)
         assert scheduler.tiers[0].graphs.graphs, "no step was captured"
 
 
