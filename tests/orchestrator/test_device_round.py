@@ -8,7 +8,8 @@
   every sample drawn inside a batch of 48 requests;
 - the target's step (forward + warp + verification) compiles whole (`fullgraph`), once for every
   step of a bucket: the check of CUDA-graph capturability that needs no GPU.
-- draft trees (`tree_width > 1`): greedy trees give the target's own greedy `generate` (target <- mid and
+- draft trees (`tree_width > 1`): the tree steps (a drafter's root and level, the verifier's) compile whole, once
+  a bucket; greedy trees give the target's own greedy `generate` (target <- mid and
   target <- mid <- small, ragged joins); a device drafter's greedy tree is the ragged drafter's, and its
   rows are the model's own (float32, 1e-5); a seeded request draws the same alone or batched; a
   chi-square test of the first two tokens (1,200 samples in batches of 48, alpha 1e-3) for specinfer
@@ -27,7 +28,7 @@ from core_helpers import CompiledGraphs
 
 from lossless_stats import ALPHA, chi_square_p_value, exact_two_token_probs
 from polyspec.orchestrator.decode.scheduler import ChainScheduler
-from polyspec.workers.tiers.device_step import draft_step, target_step
+from polyspec.workers.tiers.device_step import draft_step, target_step, target_tree_step, tree_level_step, tree_root_step
 from polyspec.workers.core.sampling import SamplingParams
 from polyspec.workers.tiers.static_llama import StaticLlama
 from polyspec.workers.tiers.static_tier import StaticModelTier
@@ -315,6 +316,48 @@ def test_the_draft_step_compiles_whole_and_once_per_bucket(models, mode):
         assert tokens.shape == (4,) and rows.shape == (4, static.vocab_size)
     assert len(step.graphs) == 1, f"{len(step.graphs)} graphs for one bucket (a graph break or a recompilation)"
     step.close()
+
+
+@pytest.mark.parametrize("mode,scheme", [("greedy", "specinfer"), ("truncated", "rsd"), ("plain", "spectr")])
+def test_the_tree_steps_compile_whole_and_once_per_bucket(models, mode, scheme):
+    """A drafter's tree steps (the root's candidates, then a level) and the verifier's tree step (forward with tree
+    attention, warp, `verify_trees`) are one graph per bucket each, like the chain steps."""
+    from polyspec.workers.core.device_tree_verify import pack_trees
+    from polyspec.workers.core.tree import DraftTree, tree_allowed
+
+    static = StaticLlama(models["target"])
+    pool = static.new_pool(slots=2, max_tokens=8)
+    root_step, level_step, verify_step = (CompiledGraphs(step) for step in (tree_root_step, tree_level_step, target_tree_step))
+    slots, width = torch.tensor([0, pool.scratch_slot]), 2
+    sampling = (torch.tensor([0.8, 0.0]), torch.tensor([20 if mode == "truncated" else 0, 0]), torch.tensor([1.0, 1.0]),
+                torch.tensor([mode == "greedy", True]))
+    tree = DraftTree([7, 8, 9, 10], [-1, -1, 0, 1], None)
+    allowed = tree_allowed(tree.parents, [1, 2, 3, 4], [0, 1, 2, 3], 0, 1, 5)
+    for step_index in range(2):  # one bucket, new values every step
+        start = 6 + step_index
+        seeds, counters = torch.tensor([5, 0]), torch.full((2,), step_index)
+        ids, positions = torch.tensor([[3, 4], [0, 0]]) + step_index, torch.tensor([[start - 2, start - 1], [0, 1]])
+        tokens, valid, _ = root_step(static, pool, ids, positions, slots, 64, mode, width, scheme == "rsd", *sampling, seeds,
+                                     counters)
+        assert tokens.shape == valid.shape == (2, width)
+        prefix = torch.tensor([start, 0])
+        ancestors = (torch.arange(width) == torch.arange(width)[:, None]).expand(2, width, width)
+        children, _ = level_step(static, pool, tokens, prefix[:, None].expand(2, width), slots, 64, mode, ancestors, prefix,
+                                 *sampling, seeds, counters + 1)
+        assert children.shape == (2, width)
+        vocab = 1 if mode == "greedy" else static.vocab_size
+        node_tokens, parents, num_nodes, draft_probs = pack_trees([tree, DraftTree([], [], None)], 4, vocab)
+        if mode != "greedy":
+            draft_probs[0] = torch.softmax(torch.randn(4, vocab, generator=torch.Generator().manual_seed(step_index)), dim=-1)
+        tree_positions = torch.tensor([[start - 1, start, start, start + 1, start + 1], list(range(5))])  # the root, then depth
+        tree_ids = torch.tensor([[2, 7, 8, 9, 10], [0] * 5])
+        tree_ancestors = torch.stack([allowed, torch.eye(5, dtype=torch.bool)])
+        verdicts, _ = verify_step(static, pool, tree_ids, tree_positions, slots, 64, mode, scheme, 2, 2, *sampling, tree_ancestors,
+                                  node_tokens, parents, num_nodes, draft_probs, seeds, counters)
+        assert verdicts.shape == (2, 2 + 2)
+    for step in (root_step, level_step, verify_step):
+        assert len(step.graphs) == 1, f"{len(step.graphs)} graphs for one bucket (a graph break or a recompilation)"
+        step.close()
 
 
 def _config(tmp_path, tiny_family, names, lengths, round_kind, tree_width=1) -> str:
