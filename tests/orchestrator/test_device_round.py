@@ -352,8 +352,8 @@ def test_the_tree_steps_compile_whole_and_once_per_bucket(models, mode, scheme):
         tree_positions = torch.tensor([[start - 1, start, start, start + 1, start + 1], list(range(5))])  # the root, then depth
         tree_ids = torch.tensor([[2, 7, 8, 9, 10], [0] * 5])
         tree_ancestors = torch.stack([allowed, torch.eye(5, dtype=torch.bool)])
-        verdicts, _ = verify_step(static, pool, tree_ids, tree_positions, slots, 64, mode, scheme, 2, 2, *sampling, tree_ancestors,
-                                  node_tokens, parents, num_nodes, draft_probs, seeds, counters)
+        verdicts, _ = verify_step(static, pool, tree_ids, tree_positions, slots, 64, mode, scheme, 2, 2, *sampling,
+                                  tree_ancestors, node_tokens, parents, num_nodes, draft_probs, seeds, counters)
         assert verdicts.shape == (2, 2 + 2)
     for step in (root_step, level_step, verify_step):
         assert len(step.graphs) == 1, f"{len(step.graphs)} graphs for one bucket (a graph break or a recompilation)"
