@@ -16,7 +16,7 @@
 - `StepGraphs`: on CUDA, each step captured once per bucket key and replayed with its inputs
   copied into the graph's buffers; elsewhere, called directly.
 
-Nothing here reads a tensor's value on the host: tests compile `target_step` whole
+Nothing here reads a tensor's value on the host: tests compile every step whole
 (`fullgraph`) and check that a bucket compiles once.
 """
 
@@ -107,11 +107,12 @@ def tree_root_step(model: StaticLlama, pool: KVPool, ids, positions, slots, span
         return top, torch.ones_like(top, dtype=torch.bool), logits.float()
     probs = warp_batch(logits, temperature, top_k, top_p, truncate=mode == TRUNCATED)
     rows, vocab = probs.shape
-    noise = stream_exponentials(seeds, counters, DOMAIN_DRAFT, width * vocab).view(rows, width, vocab)
     if without_replacement:
-        # log q + Gumbel; log 0 = -inf: a token outside the support comes last
-        sampled = (torch.log(probs) - torch.log(noise[:, 0])).topk(width, dim=-1).indices
+        # log q + Gumbel over one draw's noise; log 0 = -inf: a token outside the support comes last
+        gumbel = -torch.log(stream_exponentials(seeds, counters, DOMAIN_DRAFT, vocab))  # [B, V]
+        sampled = (torch.log(probs) + gumbel).topk(width, dim=-1).indices
     else:
+        noise = stream_exponentials(seeds, counters, DOMAIN_DRAFT, width * vocab).view(rows, width, vocab)
         sampled = torch.argmax(probs[:, None, :] / noise, dim=-1)  # [B, W]
     tokens = torch.where(greedy[:, None], top, sampled)
     return tokens, greedy[:, None] | (probs.gather(1, tokens) > 0), probs
