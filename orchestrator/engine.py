@@ -197,7 +197,8 @@ class Engine:
                  for tier, model in zip(self.tiers, models)]
         spec = self.config.speculation
         self.scheduler = ChainScheduler(tiers, self.config.speculation_lengths(), eos_token_ids=eos, keep_finished=keep_finished,
-                                        prefill_budget=max(1, batching.max_batched_tokens - self.max_requests))
+                                        prefill_budget=max(1, batching.max_batched_tokens - self.max_requests),
+                                        tree_width=spec.tree_width, scheme=spec.verifier)
         if auto_tune and spec.lengths == "auto" and len(self.tiers) > 1:
             self.scheduler.planner = self.make_planner()
 

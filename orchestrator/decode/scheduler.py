@@ -391,13 +391,15 @@ class ChainScheduler:
         blocks = self._propose(level, below, items) if below is not None else [DraftTree([], [], None) for _ in items]
         started = time.perf_counter()
         runs, contexts = [r for r, _, _ in items], [c for _, c, _ in items]
-        if all(block.is_chain() and (level or run.rule is None) for run, block in zip(runs, blocks)):
-            # exact chains: the tier scores and verifies them in one call (on the device, for a device tier)
+        if all(level or run.rule is None for run in runs):
+            # exact rounds: the tier scores and verifies every block in one call (on the device, for a device tier);
+            # after a tree's verdict it and the tier below keep only the accepted path
             verdicts = tier.verify_batch([r.seq_id for r in runs], contexts, blocks, [r.params for r in runs],
-                                         [r.generators[level] for r in runs], want_rows=want_rows)
+                                         [r.generators[level] for r in runs], want_rows=want_rows, scheme=self.scheme,
+                                         below=None if below is None else self.tiers[below])
             shared = (time.perf_counter() - started) / len(items)
         else:
-            # each block and params as scored: (block, run.params) unless an approximate mode's rule applies
+            # an approximate mode's rule judges the target's check: each block and params as scored, then its verdict
             scored = [scoring(run, level, context, block) for run, context, block in zip(runs, contexts, blocks)]
             probs = tier.score_batch([r.seq_id for r in runs], contexts, [b for b, _ in scored], [p for _, p in scored])
             shared = (time.perf_counter() - started) / len(items)

@@ -3,7 +3,8 @@
 Its logits match transformers' forward (float32, tolerance 1e-4: batched matrix products may
 round differently in the last bits) for ragged prompts prefilled in one padded batch, single
 tokens, blocks, and blocks rolled back and rewritten; padding rows and columns leave the other
-slots untouched; tree rows (`ancestors`) match the ragged tree forward (`BatchedLlama`, `RowLayout`);
+slots untouched; tree rows (`ancestors`) match the ragged tree forward (`BatchedLlama`, `RowLayout`),
+and a tree grown one level a call (`tree_start`: a drafter's levels) gives the whole tree's logits;
 and a decode step (chain or tree) compiles whole (`fullgraph`), once for every step of a bucket.
 """
 
@@ -132,6 +133,34 @@ def test_tree_rows_match_the_ragged_tree_forward(model):
     as_tree = static.forward(pool, chain_ids, chain_positions, chain_row, span, torch.ones(1, 3, 3, dtype=torch.bool).tril())
     assert torch.equal(as_chain, as_tree)
     assert torch.allclose(as_chain[0], reference(model, prompts[2] + trees[2].tokens)[-3:], atol=TOLERANCE)
+
+
+def test_a_tree_grown_one_level_a_call_matches_the_whole_tree(model):
+    """`tree_start`: a drafter's tree of 3 chains fed one level a call (level l's node of chain w cached at
+    prefix + l * 3 + w, seeing its own chain's columns) gives the logits of the same tree fed whole."""
+    from polyspec.workers.core.tree import DraftTree, tree_allowed
+
+    static = StaticLlama(model)
+    pool = static.new_pool(slots=2, max_tokens=12)
+    prompt, width, levels = [5, 9, 2, 7, 1], 3, 3
+    tokens = [20, 21, 22, 30, 31, 32, 40, 41, 42]  # level-major: node l * width + w is chain w's node at depth l
+    tree = DraftTree(tokens, [-1] * width + list(range(len(tokens) - width)), None)
+    prefix, span = len(prompt), 32
+    slots = torch.tensor([0, 1])
+    ids, positions = padded([prompt, prompt], [0, 0], prefix)
+    static.forward(pool, ids, positions, slots, span)
+    cached_at = list(range(prefix, prefix + len(tree)))
+    allowed = tree_allowed(tree.parents, cached_at, list(range(len(tree))), prefix, 0, prefix + len(tree))
+    whole = static.forward(pool, torch.tensor([tokens]), torch.tensor([[prefix + d for d in tree.depths()]]), slots[:1], span,
+                           allowed[None, :, prefix:])
+    for level in range(levels):
+        columns = (level + 1) * width
+        ancestors = (torch.arange(columns) % width == torch.arange(width)[:, None])[None]  # [1, W, C] each node its own chain
+        level_ids, level_positions = torch.tensor([tokens[level * width: columns]]), torch.full((1, width), prefix + level)
+        grown = static.forward(pool, level_ids, level_positions, slots[1:], span, ancestors, torch.tensor([prefix]))
+        assert torch.allclose(grown[0], whole[0, level * width: columns], atol=TOLERANCE), level
+    for layer_keys in pool.keys:  # each level's nodes cached where the whole tree's are
+        assert torch.allclose(layer_keys[1, :, : prefix + len(tree)], layer_keys[0, :, : prefix + len(tree)], atol=TOLERANCE)
 
 
 def test_a_tree_step_compiles_whole(model):

@@ -83,20 +83,22 @@ class _Selection(NamedTuple):
 # ------------------------------------------------------------------------------ layout
 
 
-def pack_trees(trees: list[DraftTree], max_nodes: int, vocab: int) -> Layout:
-    """Host side: the padded layout of `trees` (node_tokens [B, N], parents [B, N], num_nodes [B],
-    draft_probs [B, N, V]; a greedy tree's rows are zeros)."""
+def pack_trees(trees: list[DraftTree], max_nodes: int, vocab: int, device: torch.device | str = "cpu") -> Layout:
+    """The padded layout of `trees` on `device` (node_tokens [B, N], parents [B, N], num_nodes [B],
+    draft_probs [B, N, V]; a greedy tree's rows are zeros). The tokens and parents are gathered on the
+    host; the draft rows are copied from wherever they are (a device drafter's stay on the device)."""
     batch = len(trees)
     node_tokens = torch.zeros(batch, max_nodes, dtype=torch.int64)
     parents = torch.full((batch, max_nodes), -1, dtype=torch.int64)
-    draft_probs = torch.zeros(batch, max_nodes, vocab, dtype=torch.float32)
+    draft_probs = torch.zeros(batch, max_nodes, vocab, dtype=torch.float32, device=device)
     for r, tree in enumerate(trees):
         assert len(tree) <= max_nodes, (len(tree), max_nodes)
         node_tokens[r, : len(tree)] = torch.tensor(tree.tokens, dtype=torch.int64)
         parents[r, : len(tree)] = torch.tensor(tree.parents, dtype=torch.int64)
         if tree.draft_rows is not None:
-            draft_probs[r, : len(tree)] = tree.draft_rows.float()
-    return node_tokens, parents, torch.tensor([len(tree) for tree in trees], dtype=torch.int64), draft_probs
+            draft_probs[r, : len(tree)] = tree.draft_rows.to(device, torch.float32)
+    num_nodes = torch.tensor([len(tree) for tree in trees], dtype=torch.int64)
+    return node_tokens.to(device), parents.to(device), num_nodes.to(device), draft_probs
 
 
 def children_table(parents: torch.Tensor, num_nodes: torch.Tensor, max_width: int) -> torch.Tensor:

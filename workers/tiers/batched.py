@@ -11,6 +11,9 @@ a list of requests at once:
   requests in it);
 - `draft_tree_batch(seq_ids, contexts, width, depths, params, scheme, generators)`: each
   request's draft tree (`Tier.draft_tree`), one forward per tree level, all requests in it;
+- `verify_batch(seq_ids, contexts, blocks, params, generators, want_rows, scheme, below)`: score
+  every request's block (a chain or a tree) and verify it with its own generator; after a tree
+  verdict this tier and `below` keep only the accepted path;
 - `accept_path(seq_id, path)`: after a tree verdict keep only the accepted path's KV;
 - `prefill(seq_ids, contexts, budget)`: cache up to `budget` prompt tokens (chunked
   prefill), so a long new prompt does not pad every row of the next round.
@@ -36,7 +39,7 @@ import time
 import torch
 
 from polyspec.workers.core.sampling import SamplingParams, warp_logits
-from polyspec.workers.core.tree import DraftTree, grow_level, tree_allowed
+from polyspec.workers.core.tree import DraftTree, grow_level, tree_allowed, verify_tree
 from polyspec.workers.core.verification import verify_chain, verify_greedy
 from polyspec.workers.tiers.batched_llama import BatchedLlama, PendingTree, RowLayout
 from polyspec.workers.tiers.tier import ModelTier, NGramTier, Tier, confidence, copy_forward, first_candidates
@@ -44,9 +47,9 @@ from polyspec.workers.tiers.tier import ModelTier, NGramTier, Tier, confidence, 
 
 @dataclasses.dataclass
 class Verdict:
-    """A verifier's decision on one request's chain block: the accepted path (node indices, a prefix
-    of the block), the next token (the correction at a rejection, else the bonus), and the
-    verifier's rows at each emitted token ([len(path) + 1, V]; None unless asked for and sampling)."""
+    """A verifier's decision on one request's block: the accepted path (node indices: a prefix of a
+    chain, root to leaf in a tree), the next token (the correction at a rejection, else the bonus),
+    and the verifier's rows at each emitted token ([len(path) + 1, V]; None unless asked for and sampling)."""
 
     path: list[int]
     next_token: int
@@ -93,14 +96,26 @@ class BatchedTier:
         return [self.tier.draft_tree(s, c, width, d, p, scheme, g) for s, c, d, p, g in zip(seq_ids, contexts, depths, params, generators)]
 
     def verify_batch(self, seq_ids, contexts, blocks: list[DraftTree], params: list[SamplingParams], generators,
-                     want_rows: bool = False) -> list[Verdict]:
-        """Score every request's chain block (`score_batch`) and verify it with the request's own
-        generator: the greedy rule, or speculative sampling against the block's draft rows (a
-        lookup's proposals, which carry none, as point masses). `want_rows`: return the rows of
-        the emitted tokens (a middle tier passes them up). This is the slow, obvious form; a tier
+                     want_rows: bool = False, scheme: str = "specinfer", below: "BatchedTier | None" = None) -> list[Verdict]:
+        """Score every request's block (`score_batch`) and verify it with the request's own
+        generator: a chain by the greedy rule, or speculative sampling against the block's draft
+        rows (a lookup's proposals, which carry none, as point masses); a tree by `verify_tree`
+        with the multi-draft `scheme`, after which this tier and `below` (the tier that drafted
+        it) keep only the accepted path (`accept_path`). `want_rows`: return the rows of the
+        emitted tokens (a middle tier passes them up). This is the slow, obvious form; a tier
         whose step verifies on the device (polyspec.workers.tiers.static_tier) overrides it."""
         out = []
-        for block, target_probs, p, generator in zip(blocks, self.score_batch(seq_ids, contexts, blocks, params), params, generators):
+        scored = self.score_batch(seq_ids, contexts, blocks, params)
+        for seq_id, block, target_probs, p, generator in zip(seq_ids, blocks, scored, params, generators):
+            if not block.is_chain():
+                path, next_token = verify_tree(target_probs, block, scheme, p.greedy, generator)
+                self.accept_path(seq_id, path)
+                if below is not None:
+                    below.accept_path(seq_id, path)
+                # the verifier's row at the root and below each accepted node
+                rows = target_probs[[0] + [j + 1 for j in path]] if want_rows and not p.greedy else None
+                out.append(Verdict(path, next_token, rows))
+                continue
             draft_tokens = torch.tensor(block.tokens, dtype=torch.long)  # [k]
             if p.greedy:
                 accepted, next_token = verify_greedy(target_probs.argmax(dim=-1), draft_tokens)

@@ -5,12 +5,18 @@
   returns the emitted token ids and accepted counts, the round's only output to the host;
 - `draft_step`: a drafter's forward of one (or, to catch up, two) tokens per request, the warp
   of the last column, and one draw per request from its counter-based stream;
+- `target_tree_step`: the verifier's forward over [last committed token, tree nodes] per request
+  (tree attention), the warp, and the verification of every tree
+  (polyspec.workers.core.device_tree_verify); returns the accepted paths and next tokens;
+- `tree_root_step`, `tree_level_step`: a drafter's tree, one step per level: the root's `width`
+  candidates (the top ones when greedy, else drawn with or without replacement), then one child
+  for each of the `width` nodes of the frontier (static: a tree of w chains, w nodes a level);
 - `sampling_mode`: the cheapest warp that serves every request of a step (greedy: no warp at
   all; plain: no top-k / top-p sorts; truncated) — a static choice, one graph each;
 - `StepGraphs`: on CUDA, each step captured once per bucket key and replayed with its inputs
   copied into the graph's buffers; elsewhere, called directly.
 
-Nothing here reads a tensor's value on the host: tests compile `target_step` whole
+Nothing here reads a tensor's value on the host: tests compile every step whole
 (`fullgraph`) and check that a bucket compiles once.
 """
 
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from polyspec.workers.core.device_tree_verify import tree_draws, verify_greedy_trees, verify_trees
 from polyspec.workers.core.device_verify import (
     DOMAIN_ACCEPT,
     DOMAIN_DRAFT,
@@ -57,17 +64,79 @@ def target_step(model: StaticLlama, pool: KVPool, ids, positions, slots, span: i
         num_accepted, next_tokens = verify_greedy_chains(logits, draft_tokens, num_draft)
         return emitted_tokens(flat_tokens, cu_num_draft, num_accepted, next_tokens, block), num_accepted, logits
 
-    def per_row(values):  # a request's value on each of its k + 1 rows
-        return values[:, None].expand(rows, width).reshape(-1)
-
-    target_probs = warp_batch(logits.reshape(rows * width, vocab), per_row(temperature), per_row(top_k), per_row(top_p),
-                              truncate=mode == TRUNCATED)
+    target_probs = warp_batch(logits.reshape(rows * width, vocab), _per_row(temperature, width), _per_row(top_k, width),
+                              _per_row(top_p, width), truncate=mode == TRUNCATED)
     uniforms = stream_uniforms(seeds, counters, DOMAIN_ACCEPT, block).reshape(-1)  # [B * k]
     exponentials = stream_exponentials(seeds, counters, DOMAIN_NEXT, vocab)  # [B, V]
     num_accepted, next_tokens = verify_chains(target_probs, draft_probs.reshape(rows * block, vocab), flat_tokens, cu_num_draft,
                                               greedy, uniforms, exponentials, num_draft)
     tokens = emitted_tokens(flat_tokens, cu_num_draft, num_accepted, next_tokens, block)
     return tokens, num_accepted, target_probs.view(rows, width, vocab)
+
+
+def target_tree_step(model: StaticLlama, pool: KVPool, ids, positions, slots, span: int, mode: str, scheme: str, max_depth: int,
+                     max_width: int, temperature, top_k, top_p, greedy, ancestors, node_tokens, parents, num_nodes, draft_probs,
+                     seeds, counters):
+    """The verifier's step over draft trees: forward of [B, N + 1] tokens (the root, then the nodes; `ancestors`
+    [B, N + 1, N + 1]), warp, `verify_trees` (`scheme`; the tree layout of device_tree_verify). Returns
+    (verdicts [B, max_depth + 2]: the accepted path's node indices (PLACEHOLDER_NODE past its length), its
+    length, the next token; rows [B, N + 1, V] as `target_step`'s)."""
+    logits = model.forward(pool, ids, positions, slots, span, ancestors)  # [B, N + 1, V]
+    rows, width, vocab = logits.shape
+    if mode == GREEDY:
+        path, path_len, next_tokens = verify_greedy_trees(logits, node_tokens, parents, num_nodes, max_depth, max_width)
+        target_rows = logits
+    else:
+        target_rows = warp_batch(logits.reshape(rows * width, vocab), _per_row(temperature, width), _per_row(top_k, width),
+                                 _per_row(top_p, width), truncate=mode == TRUNCATED).view(rows, width, vocab)
+        path, path_len, next_tokens = verify_trees(target_rows, draft_probs, node_tokens, parents, num_nodes, greedy,
+                                                   *tree_draws(seeds, counters, width - 1, vocab), scheme, max_depth, max_width)
+    return torch.cat([path, path_len[:, None], next_tokens[:, None]], dim=1), target_rows
+
+
+def tree_root_step(model: StaticLlama, pool: KVPool, ids, positions, slots, span: int, mode: str, width: int,
+                   without_replacement: bool, temperature, top_k, top_p, greedy, seeds, counters):
+    """A tree drafter's first step: forward, warp of the last column, and the root's `width` candidates per request
+    (`tier.first_candidates`' rules): the top `width` logits when greedy; else drawn from the request's stream
+    (DOMAIN_DRAFT, round `counters`): without replacement (Gumbel-top-k over one draw's noise) for rsd, otherwise
+    i.i.d. (candidate w: the exponential race over draws w * V ..). Returns (tokens [B, W]; valid [B, W]: False for
+    a candidate without replacement past the row's support, these come last; probs [B, V], the logits when greedy)."""
+    logits = model.forward(pool, ids, positions, slots, span)[:, -1]  # [B, V]
+    top = logits.topk(width, dim=-1).indices  # [B, W]
+    if mode == GREEDY:
+        return top, torch.ones_like(top, dtype=torch.bool), logits.float()
+    probs = warp_batch(logits, temperature, top_k, top_p, truncate=mode == TRUNCATED)
+    rows, vocab = probs.shape
+    if without_replacement:
+        # log q + Gumbel over one draw's noise; log 0 = -inf: a token outside the support comes last
+        gumbel = -torch.log(stream_exponentials(seeds, counters, DOMAIN_DRAFT, vocab))  # [B, V]
+        sampled = (torch.log(probs) + gumbel).topk(width, dim=-1).indices
+    else:
+        noise = stream_exponentials(seeds, counters, DOMAIN_DRAFT, width * vocab).view(rows, width, vocab)
+        sampled = torch.argmax(probs[:, None, :] / noise, dim=-1)  # [B, W]
+    tokens = torch.where(greedy[:, None], top, sampled)
+    return tokens, greedy[:, None] | (probs.gather(1, tokens) > 0), probs
+
+
+def tree_level_step(model: StaticLlama, pool: KVPool, ids, positions, slots, span: int, mode: str, ancestors, tree_start,
+                    temperature, top_k, top_p, greedy, seeds, counters):
+    """One more level of every request's tree: forward of its W frontier nodes (`ancestors` [B, W, C] over the
+    tree's C columns so far, cached from `tree_start` [B]), warp of each, and one child per node drawn from the
+    request's stream (DOMAIN_DRAFT, round `counters`, node w's draws w * V ..). Returns (tokens [B, W],
+    probs [B, W, V]; the logits when greedy)."""
+    logits = model.forward(pool, ids, positions, slots, span, ancestors, tree_start)  # [B, W, V]
+    if mode == GREEDY:
+        return logits.argmax(dim=-1), logits.float()
+    rows, width, vocab = logits.shape
+    probs = warp_batch(logits.reshape(rows * width, vocab), _per_row(temperature, width), _per_row(top_k, width),
+                       _per_row(top_p, width), truncate=mode == TRUNCATED).view(rows, width, vocab)
+    noise = stream_exponentials(seeds, counters, DOMAIN_DRAFT, width * vocab).view(rows, width, vocab)
+    return torch.where(greedy[:, None], probs.argmax(dim=-1), torch.argmax(probs / noise, dim=-1)), probs
+
+
+def _per_row(values: torch.Tensor, width: int) -> torch.Tensor:
+    """[B * width]: a request's value on each of its `width` rows."""
+    return values[:, None].expand(values.shape[0], width).reshape(-1)
 
 
 def draft_step(model: StaticLlama, pool: KVPool, ids, positions, slots, span: int, mode: str, temperature, top_k, top_p, greedy, seeds,

@@ -13,7 +13,8 @@ so that it can be replayed as a CUDA graph (or compiled whole on the CPU):
   positions 0 .. its own (the first `span` positions of the slot are read: a static bucket of
   the longest context). Logits [B, T, V] stay on the device. With `ancestors` a row's new tokens
   are a draft tree instead (each sees the cached context and its own ancestors, at position
-  prefix length + depth), as in `BatchedLlama`'s tree rows (`RowLayout`).
+  prefix length + depth), as in `BatchedLlama`'s tree rows (`RowLayout`), or the next level of a
+  tree whose earlier levels are cached (`tree_start`: a drafter grows its tree one level a step).
 
 The operations are `BatchedLlama`'s (the weights, rotary tables and order of operations of
 transformers' forward). A float projection is `F.linear` of its weight; a quantized one (the
@@ -144,15 +145,17 @@ class StaticLlama:
         return KVPool.bytes_per_slot(len(self.layers), self.kv_heads, self.head_dim, capacity, self.dtype)
 
     def forward(self, pool: KVPool, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, span: int,
-                ancestors: torch.Tensor | None = None) -> torch.Tensor:
+                ancestors: torch.Tensor | None = None, tree_start: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, T, V] (model dtype, on the device) of every token of `ids` [B, T]; see the module docstring.
         Every argument shape is static in a bucket; nothing here reads a tensor's value on the host.
 
-        `ancestors` [B, T, T] bool: every row's new tokens form a tree (`tree.tree_allowed`'s rule, a
-        chain being the lower triangle): new token t sees its slot's positions before the row's first
-        new one and the new tokens s with ancestors[b, t, s] (itself and its ancestors: set the
-        diagonal). `positions` are then rotary positions only (prefix length + depth, the first one the
-        prefix length), and new token j is cached at position positions[b, 0] + j."""
+        `ancestors` [B, T, C] bool (C >= T): every row's new tokens are the last T of its C tree columns,
+        cached one after the other from position `tree_start` [B] on (default: positions[:, 0], with
+        C = T: the new tokens are the whole tree). New token t sees its slot's positions before the tree
+        and the tree columns c with ancestors[b, t, c] (itself and its ancestors: `tree.tree_allowed`'s
+        rule, a chain being the lower triangle); it is cached at tree_start + C - T + t. `positions` are
+        then rotary positions only (prefix length + depth). With C > T the first C - T columns are a
+        tree's earlier levels, cached by earlier calls (a drafter growing its tree one level a step)."""
         rows, width = ids.shape
         rotary = positions.clamp_max(self.cos.shape[0] - 1)  # a padding column may run past the table
         cos, sin = self.cos[rotary][:, None], self.sin[rotary][:, None]  # [B, 1, T, D]
@@ -160,11 +163,13 @@ class StaticLlama:
         if ancestors is None:
             mask = (visible[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, span]
         else:
+            columns = ancestors.shape[-1]
+            first = positions[:, :1] if tree_start is None else tree_start[:, None]  # [B, 1] the tree's first cache position
             # from here on `positions` are where the new tokens are cached: siblings share a position, never a cache column
-            positions = positions[:, :1] + torch.arange(width, device=ids.device)  # [B, T]
-            new_index = visible[None, :] - positions[:, :1]  # [B, span] a column's index among the row's new tokens (< 0: cached)
-            sees_new = ancestors.gather(2, new_index.clamp(0, width - 1)[:, None, :].expand(rows, width, span))  # [B, T, span]
-            mask = ((new_index < 0)[:, None, :] | (sees_new & (new_index < width)[:, None, :]))[:, None]  # [B, 1, T, span]
+            positions = first + (columns - width) + torch.arange(width, device=ids.device)  # [B, T]
+            tree_index = visible[None, :] - first  # [B, span] a column's index among the row's tree columns (< 0: context)
+            sees_tree = ancestors.gather(2, tree_index.clamp(0, columns - 1)[:, None, :].expand(rows, width, span))  # [B, T, S]
+            mask = ((tree_index < 0)[:, None, :] | (sees_tree & (tree_index < columns)[:, None, :]))[:, None]  # [B, 1, T, span]
         write_slots = slots[:, None].expand(rows, width)  # [B, T]
         x = F.embedding(ids, self.embed)  # [B, T, H]
         shape = (rows, width, -1, self.head_dim)
