@@ -44,7 +44,7 @@ def ngram_lookup(tokens: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor
     span: columns read (>= every length, <= capacity); block: the widest proposal (>= every count).
     Returns (proposals [B, block]: each row's tokens, then zeros; proposal_lengths [B]: counts[b]
     where an earlier occurrence of some suffix of size min_ngram..max_ngram exists, else 0)."""
-    window = tokens[rows, :span]  # [B, S]
+    window = tokens[:, :span].index_select(0, rows)  # [B, S]
     batch = window.shape[0]
     ends = torch.arange(span, device=window.device)  # [S] where an earlier occurrence ends
     # the window shifted right: padded[:, max_ngram - 1 - shift + e] is the token `shift` before e (NO_TOKEN before 0)
@@ -74,7 +74,7 @@ def ngram_lookup(tokens: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor
 
 
 class DeviceNGramTier(BatchedTier):
-    """`NGramTier`'s proposals from `ngram_lookup` over a token buffer on the device, a row per request slot (module docstring)."""
+    """`NGramTier`'s proposals from `ngram_lookup` over a token buffer on the device, a row per request (module docstring)."""
 
     def __init__(self, tier: NGramTier, slots: int, context: int, device: torch.device | str = "cpu") -> None:
         """`slots`: requests the buffer holds at once; `context`: the longest context a request reaches
@@ -143,12 +143,9 @@ class DeviceNGramTier(BatchedTier):
             write_columns += range(keep, len(context))
             write_tokens += tail
         if write_tokens:
-            writes = torch.tensor([write_rows, write_columns, write_tokens], dtype=torch.long).to(self.device, non_blocking=True)  # [3, N]
+            writes = torch.tensor([write_rows, write_columns, write_tokens], dtype=torch.long)  # [3, N]: row, column, token
+            writes = writes.to(self.device, non_blocking=True)
             self.tokens.index_put_((writes[0], writes[1]), writes[2])
-
-    def _column(self, values: list[int], rows: int, pad: int) -> torch.Tensor:
-        """One int64 value per request, padded to `rows` with `pad`, on the device."""
-        return torch.tensor(values + [pad] * (rows - len(values)), dtype=torch.long).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def draft_batch(self, seq_ids, contexts, counts, params, generators):
@@ -166,13 +163,16 @@ class DeviceNGramTier(BatchedTier):
         block = max(counts[r] for r in live)
         min_ngram, max_ngram = self.tier.min_ngram, self.tier.max_ngram
 
-        def lookup(row_ids, row_lengths, row_counts):
-            proposals, proposal_lengths = ngram_lookup(self.tokens, row_ids, row_lengths, row_counts, span, min_ngram, max_ngram, block)
+        def lookup(requests):
+            row_ids, row_lengths, row_counts = requests
+            proposals, proposal_lengths = ngram_lookup(self.tokens, row_ids, row_lengths, row_counts, span, min_ngram, max_ngram,
+                                                       block)
             return torch.cat([proposals, proposal_lengths[:, None]], dim=1)  # [R, K + 1]: one copy to the host
 
-        found = self.graphs.run(("lookup", rows, span, block), lookup,
-                                [self._column(slots, rows, self.scratch_row), self._column(lengths, rows, 0),
-                                 self._column([counts[r] for r in live], rows, 0)])
+        padding = rows - len(live)  # padding rows read the scratch row, with length 0 and count 0
+        requests = torch.tensor([slots + [self.scratch_row] * padding, lengths + [0] * padding,
+                                 [counts[r] for r in live] + [0] * padding], dtype=torch.long)  # [3, R]: rows, lengths, counts
+        found = self.graphs.run(("lookup", rows, span, block), lookup, [requests.to(self.device, non_blocking=True)])
         host = found[: len(live)].cpu().tolist()  # the call's one copy to the host
         for r, row in zip(live, host):
             out[r] = (row[: row[-1]], None)
