@@ -174,7 +174,7 @@ class Engine:
         finished requests whose caches stay for a next prompt that extends them (their slots come on top)."""
         import torch
 
-        from polyspec.workers.tiers.batched import BatchedNGramTier
+        from polyspec.workers.tiers.device_ngram import DeviceNGramTier
         from polyspec.workers.tiers.static_llama import StaticLlama
         from polyspec.workers.tiers.static_tier import StaticModelTier
         from polyspec.workers.tiers.tier import NGramTier
@@ -193,8 +193,9 @@ class Engine:
                                   f"the GPU's free memory ({free / 2**20:.0f} MB); set batching.max_context lower")
         self.max_requests = requests_within_memory(wanted, kv_memory_mb, per_request)
         slots = self.max_requests + keep_finished
-        tiers = [BatchedNGramTier(tier) if model is None else StaticModelTier(tier, slots, batching.max_context, model)
-                 for tier, model in zip(self.tiers, models)]
+        # the lookup's token rows are sized like the model tiers' KV pools (the target's context by default)
+        tiers = [DeviceNGramTier(tier, slots, batching.max_context or models[0].limit, device) if model is None
+                 else StaticModelTier(tier, slots, batching.max_context, model) for tier, model in zip(self.tiers, models)]
         spec = self.config.speculation
         self.scheduler = ChainScheduler(tiers, self.config.speculation_lengths(), eos_token_ids=eos, keep_finished=keep_finished,
                                         prefill_budget=max(1, batching.max_batched_tokens - self.max_requests),

@@ -28,6 +28,7 @@ from core_helpers import CompiledGraphs
 
 from lossless_stats import ALPHA, chi_square_p_value, exact_two_token_probs
 from polyspec.orchestrator.decode.scheduler import ChainScheduler
+from polyspec.workers.tiers.device_ngram import DeviceNGramTier
 from polyspec.workers.tiers.device_step import draft_step, target_step, target_tree_step, tree_level_step, tree_root_step
 from polyspec.workers.core.sampling import SamplingParams
 from polyspec.workers.tiers.static_llama import StaticLlama
@@ -441,8 +442,8 @@ def test_a_chain_the_device_round_cannot_run_is_one_line(tiny_family, tmp_path):
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_an_ngram_drafter_in_the_device_round(tiny_family, temperature):
-    """target <- n-gram: the lookup runs on the host, its one-hot rows on the device; greedy tokens equal the
-    ragged round's, and seeded samples are the same alone or beside other requests."""
+    """target <- n-gram: the lookup runs on the device too (DeviceNGramTier), its proposals verified as one-hot
+    rows; greedy tokens equal the ragged round's, and seeded samples are the same alone or beside other requests."""
     from polyspec.orchestrator.batch_runner import run_requests
     from polyspec.orchestrator.config import parse_config
     from polyspec.orchestrator.engine import Engine
@@ -459,6 +460,8 @@ def test_an_ngram_drafter_in_the_device_round(tiny_family, temperature):
     results = {}
     for round_kind in ("device", "ragged"):
         chosen = engine(round_kind)
+        if round_kind == "device":
+            assert isinstance(chosen.scheduler.tiers[1], DeviceNGramTier)
         out = {}
         run_requests(chosen, [chosen.parse_request(r) for r in raws], lambda r: out.__setitem__(r["id"], r))
         results[round_kind] = out
