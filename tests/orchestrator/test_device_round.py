@@ -424,8 +424,8 @@ def test_trees_the_device_round_cannot_run_are_named(models):
     from polyspec.workers.tiers.static_tier import misfit
 
     tiers = [ModelTier(name, models[name], models[name].config.vocab_size, models[name].device) for name in ("target", "mid")]
-    assert misfit(tiers, [8], 2) is None
-    assert misfit(tiers, [6], 3) == "its draft trees hold at most 16 nodes; tree_width 3 x length 6 makes 18"
+    assert misfit(tiers, [16], 2) is None
+    assert misfit(tiers, [11], 3) == "its draft trees hold at most 32 nodes; tree_width 3 x length 11 makes 33"
     assert "not auto" in misfit(tiers, "auto", 2) and misfit(tiers, "auto", 1) is None
 
 
