@@ -18,15 +18,18 @@ request's block at once; `step` is a batch of one. Every caller drives it: `gene
 distributed chain (its own two-tier chain [this tier, the tier below], one round per RPC,
 for one sequence or a batch of them).
 
-    round_batch(level, R):  blocks = emit_batch(below, R, k_level)      # one block per request
-                            rows   = tier[level].score_batch(R, blocks)  # ONE forward
-                            verify each request against its own rows and generator
+    round_batch(level, R):  blocks   = emit_batch(below, R, k_level)          # one block per request
+                            verdicts = tier[level].verify_batch(R, blocks)    # ONE forward, every block verified
     emit_batch(level, R, need): bottom tier: draft_batch (one forward per position)
                             otherwise: round_batch(level, those still short) until each has `need`
 
 The tiers are batched tiers (polyspec.workers.tiers.batched): a model tier sharing one slot
-cache and one forward; any other `Tier` (a feature head, another architecture, a remote tier)
-is served row by row behind the same calls. Per request the round is the serial one — same
+cache and one forward; a device tier (polyspec.workers.tiers.static_tier: a KV pool allocated
+once, static-shape steps replayed as CUDA graphs, verification on the device); any other `Tier`
+(a feature head, another architecture, a remote tier) served row by row behind the same calls.
+`verify_batch` of a ragged tier scores the blocks (`score_batch`) and verifies each request with
+its own rule and generator; a device tier verifies them all in its step. An approximate mode's
+rule (polyspec.orchestrator.decode.approximate) takes `score_batch` and its own check. Per request the round is the serial one — same
 blocks, same verification rule, same draws from the same per-tier generators — so a
 request's output does not depend on what else is in the batch (up to the last bits of
 batched float arithmetic) and seeds mean what they mean alone.
