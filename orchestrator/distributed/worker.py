@@ -168,9 +168,7 @@ class TierWorker(BatchedRounds):
     def __init__(self, tier: Tier, index: int, *, eos_token_ids=(), host: str = "127.0.0.1", port: int = 0,
                  rpc_timeout_s: float = 120.0, lock: ModelLock | None = None, device_slots: int = 0,
                  device_context: int | None = None) -> None:
-        """`device_slots`: serve batched calls with this tier as a device tier (workers/tiers/static_tier.py:
-        static-shape steps on a KV pool of that many requests of `device_context` positions, CUDA graphs
-        on CUDA); 0: the ragged batched tier."""
+        """`device_slots` > 0: batched calls run on a device tier of that many requests (static_tier.py)."""
         # The forward thread holds the GIL for most of a small model's forward (Python module
         # code between short kernels); a gRPC handler thread waiting for it would wait up to the
         # default 5 ms switch interval each time, serialising requests that should overlap.

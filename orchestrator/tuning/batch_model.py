@@ -49,9 +49,7 @@ import bisect
 import dataclasses
 import itertools
 import math
-import time
 
-import torch
 
 from polyspec.orchestrator.decode.contract import RoundObservation, StepObservation
 from polyspec.orchestrator.tuning.batch_acceptance import (LOOKUP_PRIOR_RATE, PRIOR_RATE, Acceptance,  # noqa: F401 (re-exported)

@@ -29,7 +29,7 @@ import torch
 
 from polyspec.workers.tiers.batched import BatchedTier
 from polyspec.workers.tiers.device_step import StepGraphs
-from polyspec.workers.tiers.static_tier import MIN_SPAN, SLOT_MARGIN, bucket
+from polyspec.workers.tiers.device_step import MIN_SPAN, SLOT_MARGIN, bucket
 from polyspec.workers.tiers.tier import NGramTier
 
 NO_TOKEN = -1  # what the window holds before a row's first token: equal to no token id

@@ -39,6 +39,22 @@ from polyspec.workers.core.device_verify import (
 from polyspec.workers.core.sampling import SamplingParams
 from polyspec.workers.tiers.static_llama import KVPool, StaticLlama
 
+MAX_BLOCK_TOKENS = 32  # the longest block (the most tree nodes) a step verifies (each slot keeps room for it past the context)
+SLOT_MARGIN = MAX_BLOCK_TOKENS + 2  # positions a slot holds past its context: a block, its root, a drafter's re-fed token
+MIN_SPAN = 64  # the smallest attended span bucket
+PREFILL_CHUNK = 256  # prompt tokens one eager prefill forward carries at most
+PREFILL_WIDTH = 16  # a prefill chunk is padded to a multiple of this (fewer distinct shapes; stays inside SLOT_MARGIN)
+DRAFT_TAIL = 2  # a drafter's first step feeds the last two context tokens (one it may not have seen after a whole block)
+
+
+def bucket(value: int, smallest: int = 1) -> int:
+    """The power of two at or above `value` (at least `smallest`)."""
+    size = smallest
+    while size < value:
+        size *= 2
+    return size
+
+
 GREEDY, PLAIN, TRUNCATED = "greedy", "plain", "truncated"  # a step's sampling: every request greedy; no top-k / top-p; some
 
 
