@@ -374,20 +374,28 @@ class BatchPlanner:
 
     def unexplored(self, arm: Arm, batch: int) -> list[Plan]:
         """Speculating plans whose set of tiers has no plan measured at this load yet and that, with the
-        model corrected by what was measured here (the best speculating plan, else off), are predicted
-        at least EXPLORE_FLOOR of off's measured tokens/s."""
+        model corrected by what was measured here (`scale`: on a measured plan sharing a drafter, else
+        on off), are predicted at least EXPLORE_FLOOR of off's measured tokens/s."""
         allowed = [p for p in self.allowed(batch) if p.speculating]
         measured = {p: arm.measured(p) for p in allowed if arm.measured(p) is not None}
         if arm.seed is not None and arm.seed in allowed:
             return [arm.seed] if not measured else []  # a load next to a decided one tries only that one's best plan
         off = arm.measured(self.plans[0])
-        scale, floor = 1.0, 0.0
-        if off is not None:  # the model's error on the best plan measured (off until one speculates), applied to the others
-            best = max(measured, key=measured.get) if measured else self.plans[0]
-            rate = measured[best] if measured else off
-            scale, floor = rate / max(self.goodput(best, batch), 1e-9), EXPLORE_FLOOR * off
         tried = {p.active for p in measured}
-        return [p for p in allowed if p.active not in tried and scale * self.entry_goodput(p, batch) >= floor]
+        if off is None:
+            return [p for p in allowed if p.active not in tried]
+
+        def scale(plan: Plan) -> float:
+            """The model's error where it bears on `plan`: on the best measured plan sharing a drafter with it
+            (that drafter's table and acceptance), else on off (the target's table). A drafter that measured
+            far below its prediction (an int8 copy as slow as the bf16 target) says nothing of the others."""
+            shared = [q for q in measured if set(q.active[1:]) & set(plan.active[1:])]
+            reference = max(shared, key=measured.get) if shared else self.plans[0]
+            rate = measured[reference] if shared else off
+            return rate / max(self.goodput(reference, batch), 1e-9)
+
+        floor = EXPLORE_FLOOR * off
+        return [p for p in allowed if p.active not in tried and scale(p) * self.entry_goodput(p, batch) >= floor]
 
     def spec_candidate(self, arm: Arm, batch: int, explore: bool = False) -> Plan | None:
         """The speculating side of the A/B (None: none worth running). Once off is measured here, a plan

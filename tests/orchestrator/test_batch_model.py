@@ -410,3 +410,19 @@ def test_a_model_drafter_behind_on_long_prompts_is_measured_when_its_requests_ha
 
     assert (0, 1) not in measured_sets(remaining=())  # unknown horizon: the catch-up charged to the probe alone
     assert (0, 1) in measured_sets(remaining=(120, 120, 120, 120))
+
+
+def test_one_drafter_measured_far_below_its_prediction_does_not_hide_the_others():
+    """The int8 copy is predicted cheap but measures as slow as the target (its dynamic quantization on a CPU
+    where the target runs in bfloat16): that error is the int8 tier's. The other drafters are still judged
+    by the model corrected on off, and the one that pays is measured (4-tier Qwen2.5-Coder chain at 4 prompts)."""
+    tiers = chain() + [types.SimpleNamespace(name="small", has_weights=True, can_verify=True, forward_log=[])]
+    cheap = lambda b, w: 1.0 + 0.1 * w
+    plan = BatchPlanner(tiers, [table(lambda b, w: 10.0 + 0.1 * w), table(cheap), None, table(cheap)], [0.0, 0.0, 5.0, 0.0])
+    accept(plan, 0, 1, 0.95)  # the int8 copy: the model's favourite
+    accept(plan, 0, 3, 0.8)
+    truth = lambda active: 35.0 if 1 in active else 160.0 if active == (0, 3) else 100.0 if active == (0,) else 90.0
+    run_steps(plan, 4, 60, truth)
+    measured = {p.active for p in plan.arms[(4, 0)].rates if p.speculating}
+    assert (0, 1) in measured and (0, 3) in measured, measured
+    assert plan.arms[(4, 0)].speculate and plan.chosen[4].active == (0, 3)
