@@ -253,7 +253,7 @@ def test_tree_sampling_is_lossless(models, names, lengths, scheme):
 
 
 def _slot_kv(tier: StaticModelTier, seq_id, length: int) -> list[torch.Tensor]:
-    slot = tier._slot_of[seq_id]
+    slot = tier.slot_table.slot_of[seq_id]
     return [buffer[slot, :, :length] for buffer in tier.pool.keys + tier.pool.values]
 
 

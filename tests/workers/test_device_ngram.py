@@ -116,7 +116,7 @@ def test_the_tier_proposes_what_the_batched_index_does(min_ngram, max_ngram):
         assert all(rows is None for _, rows in got), "a lookup's proposals are point masses: no draft rows"
         for seq_id, count in zip(seq_ids, counts):
             if count > 0:  # a synced row holds the context, on the device and in the bookkeeping
-                slot = device_tier._slot_of[seq_id]
+                slot = device_tier.slot_table.slot_of[seq_id]
                 assert device_tier.cached(seq_id) == len(contexts[seq_id])
                 assert device_tier.tokens[slot, : len(contexts[seq_id])].tolist() == contexts[seq_id], step
         if rng.random() < 0.1:  # a finished request frees its row; the next one starts from nothing
@@ -130,7 +130,7 @@ def test_the_tier_proposes_what_the_batched_index_does(min_ngram, max_ngram):
             assert device_tier.cached(seq_id) <= 3
     for seq_id in contexts:
         device_tier.release(seq_id)
-    assert device_tier.open_sequences == 0 and sorted(device_tier._free) == list(range(6))
+    assert device_tier.open_sequences == 0 and sorted(device_tier.slot_table.free) == list(range(6))
 
 
 def test_the_tier_refuses_what_does_not_fit_in_one_line():

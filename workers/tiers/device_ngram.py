@@ -28,8 +28,7 @@ import time
 import torch
 
 from polyspec.workers.tiers.batched import BatchedTier
-from polyspec.workers.tiers.device_step import StepGraphs
-from polyspec.workers.tiers.device_step import MIN_SPAN, SLOT_MARGIN, bucket
+from polyspec.workers.tiers.device_step import MIN_SPAN, SLOT_MARGIN, SlotTable, StepGraphs, bucket
 from polyspec.workers.tiers.tier import NGramTier
 
 NO_TOKEN = -1  # what the window holds before a row's first token: equal to no token id
@@ -86,42 +85,24 @@ class DeviceNGramTier(BatchedTier):
         self.max_context = context
         self.tokens = torch.zeros(slots + 1, self.capacity, dtype=torch.long, device=self.device)  # [slots + 1, capacity]
         self.graphs = StepGraphs(self.device.type == "cuda")
-        self._slot_of: dict[object, int] = {}
-        self._free = list(range(slots))
-        self._held: dict[int, list[int]] = {}  # slot -> the tokens its row holds, columns 0 ..
+        self.slot_table = SlotTable(slots, self.name, "rows of its token buffer")  # each row's tokens, columns 0 ..
 
     @property
     def scratch_row(self) -> int:
-        return self.slots
+        return self.slot_table.scratch
 
     @property
     def open_sequences(self) -> int:
-        return len(self._slot_of)
-
-    def _slot(self, seq_id) -> int:
-        slot = self._slot_of.get(seq_id)
-        if slot is None:
-            if not self._free:
-                raise RuntimeError(f"tier {self.name!r}: all {self.slots} rows of its token buffer are in use")
-            slot = self._slot_of[seq_id] = self._free.pop(0)
-            self._held[slot] = []
-        return slot
+        return self.slot_table.open_sequences
 
     def release(self, seq_id) -> None:
-        slot = self._slot_of.pop(seq_id, None)
-        if slot is not None:
-            del self._held[slot]
-            self._free.append(slot)
-            self._free.sort()
+        self.slot_table.release(seq_id)
 
     def truncate(self, seq_id, length: int) -> None:
-        slot = self._slot_of.get(seq_id)
-        if slot is not None:
-            del self._held[slot][length:]
+        self.slot_table.truncate(seq_id, length)
 
     def cached(self, seq_id) -> int:
-        slot = self._slot_of.get(seq_id)
-        return 0 if slot is None else len(self._held[slot])
+        return self.slot_table.cached(seq_id)
 
     def _sync(self, slots: list[int], contexts: list[list[int]]) -> None:
         """Each slot's row rolled back to what it shares with its context, then the rest of the context
@@ -133,12 +114,9 @@ class DeviceNGramTier(BatchedTier):
         if longest > self.capacity:  # refused before any row's bookkeeping changes
             raise RuntimeError(f"tier {self.name!r}: a context of {longest} tokens does not fit its rows of {self.capacity}")
         for slot, context in zip(slots, contexts):
-            held = self._held[slot]
-            limit = min(len(held), len(context))
-            keep = limit if held[:limit] == context[:limit] else next(i for i in range(limit) if held[i] != context[i])
-            del held[keep:]
+            keep = self.slot_table.sync(slot, context)
             tail = context[keep:]
-            held += tail
+            self.slot_table.tokens[slot] += tail
             write_rows += [slot] * len(tail)
             write_columns += range(keep, len(context))
             write_tokens += tail
@@ -155,7 +133,7 @@ class DeviceNGramTier(BatchedTier):
         live = [r for r, n in enumerate(counts) if n > 0]
         if not live:
             return out
-        slots = [self._slot(seq_ids[r]) for r in live]
+        slots = [self.slot_table.slot(seq_ids[r]) for r in live]
         self._sync(slots, [contexts[r] for r in live])
         rows = bucket(len(live))
         lengths = [len(contexts[r]) for r in live]

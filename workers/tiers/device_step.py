@@ -55,6 +55,64 @@ def bucket(value: int, smallest: int = 1) -> int:
     return size
 
 
+class SlotTable:
+    """Which slot of a device tier's buffers (a KV pool, a token buffer) each open sequence holds, and the
+    tokens each slot holds from position 0: host bookkeeping, so a rollback is free (only what a sequence
+    no longer shares with its context is ever rewritten). The last slot, `scratch`, is padding rows'."""
+
+    def __init__(self, slots: int, owner: str, what: str) -> None:
+        self.slots = slots
+        self.owner, self.what = owner, what  # for the one line a full table raises: "tier 'x': all 8 <what> are in use"
+        self.slot_of: dict[object, int] = {}
+        self.free = list(range(slots))
+        self.tokens: dict[int, list[int]] = {}  # slot -> the tokens it holds
+
+    @property
+    def scratch(self) -> int:
+        return self.slots
+
+    @property
+    def open_sequences(self) -> int:
+        return len(self.slot_of)
+
+    def slot(self, seq_id) -> int:
+        """The sequence's slot, taken from the free ones on first use."""
+        slot = self.slot_of.get(seq_id)
+        if slot is None:
+            if not self.free:
+                raise RuntimeError(f"tier {self.owner!r}: all {self.slots} {self.what} are in use")
+            slot = self.slot_of[seq_id] = self.free.pop(0)
+            self.tokens[slot] = []
+        return slot
+
+    def release(self, seq_id) -> int | None:
+        """Free the sequence's slot; the slot it held (None: it held none)."""
+        slot = self.slot_of.pop(seq_id, None)
+        if slot is not None:
+            del self.tokens[slot]
+            self.free.append(slot)
+            self.free.sort()
+        return slot
+
+    def truncate(self, seq_id, length: int) -> int | None:
+        slot = self.slot_of.get(seq_id)
+        if slot is not None:
+            del self.tokens[slot][length:]
+        return slot
+
+    def cached(self, seq_id) -> int:
+        slot = self.slot_of.get(seq_id)
+        return 0 if slot is None else len(self.tokens[slot])
+
+    def sync(self, slot: int, context: list[int], keep_at_most: int | None = None) -> int:
+        """Roll the slot back to the prefix it shares with `context` (at most `keep_at_most` tokens); how many it keeps."""
+        held = self.tokens[slot]
+        limit = min(len(held), len(context), len(context) if keep_at_most is None else keep_at_most)
+        keep = limit if held[:limit] == context[:limit] else next(i for i in range(limit) if held[i] != context[i])
+        del held[keep:]
+        return keep
+
+
 GREEDY, PLAIN, TRUNCATED = "greedy", "plain", "truncated"  # a step's sampling: every request greedy; no top-k / top-p; some
 
 

@@ -24,7 +24,7 @@ steps, mixed in.
 
 Every step's shapes depend only on its bucket: requests padded up to a power of two (padding rows
 write the pool's scratch slot), the attended span rounded up to a power of two (at least MIN_SPAN),
-the block width exact. A slot's contents are host bookkeeping (`_tokens`: what its KV holds), so a
+the block width exact. A slot's contents are host bookkeeping (`SlotTable`: the tokens its KV holds), so a
 rollback is free: every call first syncs a request's slot to the context it is given, keeping the
 prefix they share, as `BatchedModelTier` does.
 
@@ -50,6 +50,7 @@ from polyspec.workers.tiers.device_step import (  # noqa: F401 (MAX_BLOCK_TOKENS
     PREFILL_CHUNK,
     PREFILL_WIDTH,
     SLOT_MARGIN,
+    SlotTable,
     StepGraphs,
     bucket,
     draft_step,
@@ -120,9 +121,7 @@ class StaticModelTier(TreeSteps, BatchedTier):
         self.caches_prompts = True
         self.graphs = StepGraphs(self.device.type == "cuda")
         self.threads = tier.threads
-        self._slot_of: dict[object, int] = {}
-        self._free = list(range(slots))
-        self._tokens: dict[int, list[int]] = {}  # slot -> the tokens whose KV it holds, positions 0 ..
+        self.slot_table = SlotTable(slots, self.name, "slots of its KV pool")  # each slot's tokens: what its KV holds
         self._trees: dict[int, PendingTree] = {}  # slot -> its unverified tree
         self._moves: list[tuple[int, int, int]] = []  # (slot, from, to): accepted nodes' KV still to move (`_compact`)
         self._forwarded = 0
@@ -139,44 +138,29 @@ class StaticModelTier(TreeSteps, BatchedTier):
 
     @property
     def open_sequences(self) -> int:
-        return len(self._slot_of)
+        return self.slot_table.open_sequences
 
     def _slot(self, seq_id) -> int:
-        slot = self._slot_of.get(seq_id)
-        if slot is None:
-            if not self._free:
-                raise RuntimeError(f"tier {self.name!r}: all {self.pool.slots} slots of its KV pool are in use")
-            slot = self._slot_of[seq_id] = self._free.pop(0)
-            self._tokens[slot] = []
-        return slot
+        return self.slot_table.slot(seq_id)
 
     def release(self, seq_id) -> None:
-        slot = self._slot_of.pop(seq_id, None)
+        slot = self.slot_table.release(seq_id)
         if slot is not None:
-            del self._tokens[slot]
             self._trees.pop(slot, None)
             self._moves = [move for move in self._moves if move[0] != slot]
-            self._free.append(slot)
-            self._free.sort()
 
     def truncate(self, seq_id, length: int) -> None:
-        slot = self._slot_of.get(seq_id)
+        slot = self.slot_table.truncate(seq_id, length)
         if slot is not None:
             self._trees.pop(slot, None)  # an unaccepted tree's nodes go with the cut
-            del self._tokens[slot][length:]
 
     def cached(self, seq_id) -> int:
-        slot = self._slot_of.get(seq_id)
-        return 0 if slot is None else len(self._tokens[slot])
+        return self.slot_table.cached(seq_id)
 
     def _sync(self, slot: int, context: list[int], keep_at_most: int) -> list[int]:
         """Roll the slot back to what it shares with `context` (at most `keep_at_most` tokens); the uncached tail."""
         self._trees.pop(slot, None)  # an unaccepted tree's nodes are not context (they sit past the slot's tokens)
-        cached = self._tokens[slot]
-        limit = min(len(cached), len(context), keep_at_most)
-        keep = limit if cached[:limit] == context[:limit] else next(i for i in range(limit) if cached[i] != context[i])
-        del cached[keep:]
-        return context[keep:]
+        return context[self.slot_table.sync(slot, context, keep_at_most):]
 
     # ------------------------------------------------------------------ steps
 
@@ -208,7 +192,7 @@ class StaticModelTier(TreeSteps, BatchedTier):
 
     def _feed_eagerly(self, slot: int, tokens: list[int]) -> None:
         """Append `tokens` to the slot in eager chunks (a prompt, or a tail too long for a step)."""
-        start = len(self._tokens[slot])
+        start = len(self.slot_table.tokens[slot])
         for offset in range(0, len(tokens), PREFILL_CHUNK):
             chunk = tokens[offset:offset + PREFILL_CHUNK]
             width = -(-len(chunk) // PREFILL_WIDTH) * PREFILL_WIDTH  # padding writes past the chunk, inside the slot's margin
@@ -222,7 +206,7 @@ class StaticModelTier(TreeSteps, BatchedTier):
                                    self._span(start + offset + width))
             self._timed(started, 1, width)
             self._forwarded += len(chunk)
-        self._tokens[slot] += tokens
+        self.slot_table.tokens[slot] += tokens
 
     def prefill(self, seq_ids, contexts, budget: int) -> int:
         self._compact()
@@ -316,7 +300,7 @@ class StaticModelTier(TreeSteps, BatchedTier):
         self._forwarded += sum(len(b) + 1 for b in blocks)
         out = []
         for r, (slot, context, b, p) in enumerate(zip(slots, contexts, blocks, params)):
-            self._tokens[slot] += [context[-1]] + b.tokens  # what the step wrote; the next call keeps what stays context
+            self.slot_table.tokens[slot] += [context[-1]] + b.tokens  # what the step wrote; the next call keeps what stays context
             # the graph's output buffers are overwritten by its next replay: rows passed up are copies
             kept_rows = target_rows[r, : accepted[r] + 1].clone() if want_rows and not p.greedy else None
             out.append(Verdict(list(range(accepted[r])), emitted[r][accepted[r]], kept_rows))
@@ -373,7 +357,7 @@ class StaticModelTier(TreeSteps, BatchedTier):
         self._timed(started, rows, steps)
         self._forwarded += count * (DRAFT_TAIL + steps - 1)
         for index, (r, slot, context) in enumerate(zip(live, slots, contexts)):
-            self._tokens[slot] = list(context) + host[index][: steps - 1]  # the last drafted token is not fed
+            self.slot_table.tokens[slot] = list(context) + host[index][: steps - 1]  # the last drafted token is not fed
             rows_of = None if params[index].greedy or drafted_probs is None else drafted_probs[index, : counts[r]]
             out[r] = (host[index][: counts[r]], rows_of)
         return out
@@ -410,7 +394,7 @@ class StaticModelTier(TreeSteps, BatchedTier):
         self._forwarded += sum(len(b) + 1 for b in blocks)
         for slot, context, b in zip(slots, contexts, blocks):
             if b.is_chain():
-                self._tokens[slot] += [context[-1]] + b.tokens
+                self.slot_table.tokens[slot] += [context[-1]] + b.tokens
             else:
                 self._hold_tree(slot, context, b)
         return out

@@ -11,7 +11,7 @@ A tree's node j is cached at the row's prefix length + j (a drafter's level L no
 prefix + L * width + w), not at prefix + depth where a linear context keeps it; until
 `accept_path` the nodes are pending (`PendingTree`, outside the slot's tokens). The moves are made
 before the next step reads the pool: the verifier's right after its verdicts, a drafter's at its
-next call. The methods use the tier's slots and bookkeeping (`_slot_of`, `_tokens`, `_trees`,
+next call. The methods use the tier's slots and bookkeeping (`slot_table`, `_trees`,
 `_moves`, `_prepare`, `_column`, `_sampling`, `_streams`, `_span`, `_timed`).
 """
 
@@ -46,11 +46,11 @@ class TreeSteps:
     def accept_path(self, seq_id, path: list[int]) -> None:
         """After a tree verdict keep the context and the accepted path's nodes (node indices, root to leaf; a
         drafter stops at the last node it fed), their KV moved to prefix + depth by the next `_compact`."""
-        slot = self._slot_of.get(seq_id)
+        slot = self.slot_table.slot_of.get(seq_id)
         tree = None if slot is None else self._trees.pop(slot, None)
         if tree is None:
             return  # chains roll back at the next sync
-        kept = self._tokens[slot]
+        kept = self.slot_table.tokens[slot]
         del kept[tree.prefix_len:]
         for depth, node in enumerate(path):
             column = tree.columns.get(node)
@@ -74,7 +74,7 @@ class TreeSteps:
 
     def _hold_tree(self, slot: int, context: list[int], tree: DraftTree) -> None:
         """The slot after a step wrote [root, tree nodes]: its context, the nodes pending at prefix + index."""
-        self._tokens[slot].append(context[-1])
+        self.slot_table.tokens[slot].append(context[-1])
         self._trees[slot] = PendingTree(len(context), {j: len(context) + j for j in range(len(tree))}, list(tree.tokens))
 
     def _verify_trees(self, seq_ids, contexts, blocks: list[DraftTree], params: list[SamplingParams], generators, want_rows: bool,
@@ -206,7 +206,7 @@ class TreeSteps:
                         columns[len(tree.tokens)] = len(context) + level * width + w
                     tree.parents.append(-1 if level == 0 else len(tree.tokens) - len(chains))
                     tree.tokens.append(host[index][level * width + w])
-            self._tokens[slot] = list(context)
+            self.slot_table.tokens[slot] = list(context)
             self._trees[slot] = PendingTree(len(context), columns, list(tree.tokens))
         sampled = [index for index in range(count) if not params[index].greedy]
         if mode != GREEDY and sampled:  # every sampled tree's rows in one gather, level by level as its nodes
