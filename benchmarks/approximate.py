@@ -233,12 +233,16 @@ def engine_system(name: str, config_path: str, max_new_tokens: int, setting: str
         engine = Engine(load_config(config_path), speculative=speculative)
 
         def generate(prompt: str) -> Generation:
+            from polyspec.orchestrator.cli import run_request
+
             raw = {"prompt": prompt, "max_new_tokens": max_new_tokens, "temperature": 0.0}
             if approximate is not None:
                 raw["approximate"] = approximate
             request = engine.parse_request(raw)
             started = time.perf_counter()
-            result = engine.generate(request)
+            # round by round, ended at the first stop sequence (the function's end), as `polyspec generate --stop` does:
+            # a completion runs to max_new_tokens only where the model never closes its function
+            result = run_request(engine, request, STOP_SEQUENCES)
             seconds = time.perf_counter() - started
             return Generation(result["text"], len(result["token_ids"]), seconds, dict(result.get("stats") or {}))
 
