@@ -306,6 +306,8 @@ def predict(costs: Costs, rates: dict, measurements: list[dict], repo: Path = RE
     overhead = costs.step_overhead_ms  # the planner's tables are forwards only: its step time gets it added
     for path in sorted((repo / "configs").glob("qwen2.5-coder-*.yaml")):
         roles, lengths = chain_roles(path)
+        if len(roles) < 2:
+            continue  # one model alone (the 0.5B's baseline config): not a chain of the pair
         planner = goodput_planner(costs, rates, roles)
         for batch in BATCHES:
             if lengths == "auto":
