@@ -139,6 +139,20 @@ def test_seeded_requests_draw_the_same_alone_or_batched(models, names, lengths):
     assert other_seed != alone
 
 
+def _first_two_tokens(scheduler, prompt, params, samples: int, per_batch: int, new_tokens: int = 2) -> collections.Counter:
+    """The first two tokens of `samples` seeded requests (seeds 0 ..), each drawn inside a batch of `per_batch`."""
+    counts: collections.Counter = collections.Counter()
+    for first in range(0, samples, per_batch):
+        states = [scheduler.start(prompt, new_tokens, params, seed) for seed in range(first, first + per_batch)]
+        scheduler.prefill(states)
+        while not all(s.done for s in states):
+            scheduler.step_all([s for s in states if not s.done])
+        for state in states:
+            counts[tuple(scheduler.finish(state).token_ids[:2])] += 1
+    assert sum(counts.values()) == samples
+    return counts
+
+
 @pytest.mark.parametrize("names,lengths", [(["target", "small"], [2]), (["target", "mid", "small"], [2, 2])])
 def test_sampling_is_lossless(models, names, lengths):
     """1,200 samples of the first two tokens, each drawn inside a batch of 48 requests, against the
@@ -150,15 +164,7 @@ def test_sampling_is_lossless(models, names, lengths):
     joint = exact_two_token_probs(models["target"], vocab, prompt, params)
     samples, per_batch = 1200, 48
     scheduler = _scheduler(models, names, lengths, max_requests=per_batch)
-    counts: collections.Counter = collections.Counter()
-    for first in range(0, samples, per_batch):
-        states = [scheduler.start(prompt, 2, params, seed) for seed in range(first, first + per_batch)]
-        scheduler.prefill(states)
-        while not all(s.done for s in states):
-            scheduler.step_all([s for s in states if not s.done])
-        for state in states:
-            counts[tuple(scheduler.finish(state).token_ids[:2])] += 1
-    assert sum(counts.values()) == samples
+    counts = _first_two_tokens(scheduler, prompt, params, samples, per_batch)
     p_value = chi_square_p_value(counts, joint, samples)
     assert p_value > ALPHA, f"chi-square p={p_value:.2e} over {samples} samples"
 
@@ -239,15 +245,7 @@ def test_tree_sampling_is_lossless(models, names, lengths, scheme):
     joint = exact_two_token_probs(models["target"], vocab, prompt, params)
     samples, per_batch = 1200, 48
     scheduler = _scheduler(models, names, lengths, max_requests=per_batch, tree_width=3, scheme=scheme)
-    counts: collections.Counter = collections.Counter()
-    for first in range(0, samples, per_batch):
-        states = [scheduler.start(prompt, 3, params, seed) for seed in range(first, first + per_batch)]
-        scheduler.prefill(states)
-        while not all(s.done for s in states):
-            scheduler.step_all([s for s in states if not s.done])
-        for state in states:
-            counts[tuple(scheduler.finish(state).token_ids[:2])] += 1
-    assert sum(counts.values()) == samples
+    counts = _first_two_tokens(scheduler, prompt, params, samples, per_batch, new_tokens=3)
     p_value = chi_square_p_value(counts, joint, samples)
     assert p_value > ALPHA, f"chi-square p={p_value:.2e} over {samples} samples"
 
