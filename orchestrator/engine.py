@@ -224,15 +224,19 @@ class Engine:
 
     def make_planner(self):
         """Profile each tier's batched forward (a few seconds) and build the goodput planner."""
-        from polyspec.orchestrator.tuning.batch_model import BatchPlanner
+        from polyspec.orchestrator.tuning.batch_model import LENGTHS, BatchPlanner
         from polyspec.orchestrator.tuning.profiler import profile_batched
+        from polyspec.workers.tiers.static_tier import StaticModelTier, longest_length
 
         tiers = self.scheduler.tiers
         with self._profiling() as (cache, bar):
             tables, lookup = profile_batched(tiers, self.vocab_size, min(self.max_requests, PROFILE_MAX_BATCH), cache=cache, bar=bar,
                                              log=self.log)
+        options = {}
+        if any(isinstance(t, StaticModelTier) for t in tiers):  # a device tier's block holds a bounded tree
+            options["max_length"] = min(max(LENGTHS), longest_length(self.config.speculation.tree_width))
         return BatchPlanner(tiers, tables, lookup, max_batched_tokens=self.config.batching.max_batched_tokens,
-                            tree_width=self.config.speculation.tree_width)
+                            tree_width=self.config.speculation.tree_width, **options)
 
     def step_all(self, states: list[RequestState]) -> list[list[int]]:
         """One round of every request in `states` (batched chains: one forward per tier; otherwise in turn)."""

@@ -418,13 +418,14 @@ def test_polyspec_batch_runs_draft_trees_through_the_device_round(tiny_family, t
 
 
 def test_trees_the_device_round_cannot_run_are_named(models):
-    """A tree is one block: tree_width x the bottom length must fit MAX_BLOCK_TOKENS; auto lengths plan deeper trees."""
+    """A tree is one block: tree_width x the bottom length must fit MAX_BLOCK_TOKENS; with auto lengths the planner
+    keeps its trees inside (`longest_length`)."""
     from polyspec.workers.tiers.static_tier import misfit
 
     tiers = [ModelTier(name, models[name], models[name].config.vocab_size, models[name].device) for name in ("target", "mid")]
     assert misfit(tiers, [16], 2) is None
     assert misfit(tiers, [11], 3) == "its draft trees hold at most 32 nodes; tree_width 3 x length 11 makes 33"
-    assert "not auto" in misfit(tiers, "auto", 2) and misfit(tiers, "auto", 1) is None
+    assert misfit(tiers, "auto", 2) is None and misfit(tiers, "auto", 1) is None and "fewer than one level" in misfit(tiers, "auto", 33)
 
 
 def test_a_chain_the_device_round_cannot_run_is_one_line(tiny_family, tmp_path):
@@ -495,22 +496,24 @@ def test_cuda_graph_round_gives_the_targets_greedy_output(tiny_family, dtype):
         assert scheduler.tiers[0].graphs.graphs, "no step was captured"
 
 
-@pytest.mark.parametrize("drafter", ["mid", "ngram"])
-def test_lengths_auto_plans_the_device_round(tiny_family, drafter):
+@pytest.mark.parametrize("drafter,tree_width", [("mid", 1), ("ngram", 1), ("mid", 3)])
+def test_lengths_auto_plans_the_device_round(tiny_family, drafter, tree_width):
     """`lengths: auto` on the device round: the goodput planner, fed with the round's own step costs,
-    picks each step's plan (speculation off among the candidates); greedy output stays the target's."""
+    picks each step's plan (speculation off among the candidates); greedy output stays the target's.
+    With draft trees its lengths stay within a block (3 x 10 nodes of at most 32)."""
     from polyspec.orchestrator.batch_runner import run_requests
     from polyspec.orchestrator.config import parse_config
     from polyspec.orchestrator.engine import Engine
 
     from family_chains import tier_specs
 
-    def engine(names, lengths):
-        return Engine(parse_config({"tiers": tier_specs(tiny_family, names), "speculation": {"lengths": lengths},
+    def engine(names, lengths, width=1):
+        return Engine(parse_config({"tiers": tier_specs(tiny_family, names), "speculation": {"lengths": lengths, "tree_width": width},
                                     "batching": {"round": "device", "max_requests": 4, "max_context": 128}}), batched=True)
 
-    auto = engine(["target", drafter], "auto")
+    auto = engine(["target", drafter], "auto", tree_width)
     assert auto.scheduler.planner is not None
+    assert all(tree_width * max(p.lengths) <= 32 for p in auto.scheduler.planner.plans)
     alone = engine(["target"], [])
     raws = [{"id": str(i), "prompt_ids": p * 3, "max_new_tokens": 20} for i, p in enumerate(PROMPTS)]
     results = {}

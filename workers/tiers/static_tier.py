@@ -90,10 +90,9 @@ def misfit(tiers, lengths, tree_width: int) -> str | None:
     vocabularies = {tier.model.config.vocab_size for tier in tiers if isinstance(tier, ModelTier)}
     if len(vocabularies) > 1:
         return f"its tiers' logits must have one width, got {sorted(vocabularies)}"
-    if lengths == "auto":
-        if tree_width > 1:  # the planner's deepest trees (batch_model.LENGTHS) may not fit a step's block
-            return (f"its draft trees hold at most {MAX_BLOCK_TOKENS} nodes, so it runs trees (speculation.tree_width > 1) "
-                    f"with fixed speculation.lengths, not auto")
+    if lengths == "auto":  # the planner keeps its trees within a block (`longest_length`)
+        if tree_width > MAX_BLOCK_TOKENS:
+            return f"its draft trees hold at most {MAX_BLOCK_TOKENS} nodes, fewer than one level of {tree_width}"
         return None
     # a middle tier's last round may overshoot what it was asked for by the block below it: the target's
     # block can hold the sum of the lengths
@@ -103,6 +102,13 @@ def misfit(tiers, lengths, tree_width: int) -> str | None:
         return (f"its draft trees hold at most {MAX_BLOCK_TOKENS} nodes; tree_width {tree_width} x length {lengths[-1]} "
                 f"makes {tree_width * lengths[-1]}")
     return None
+
+
+def longest_length(tree_width: int) -> int:
+    """The longest speculation length a planner may give device tiers: a bottom tree of `tree_width` x k nodes must
+    fit one block (the goodput planner's plans then also keep a middle tier's overshoot inside it: their longest
+    lengths, 12 and 10, add up to 22)."""
+    return MAX_BLOCK_TOKENS // max(1, tree_width)
 
 
 class StaticModelTier(TreeSteps, BatchedTier):
