@@ -39,6 +39,12 @@ def engine(tiny_family):
 
 
 @pytest.fixture(scope="module")
+def device_engine(tiny_family):
+    """Device tiers (`batching.round: device`): BiLD's fallback is the device drafter's early exit."""
+    return Engine(parse_config(chain_config(tiny_family, batching={"round": "device", "max_context": 256})))
+
+
+@pytest.fixture(scope="module")
 def batched_engine(tiny_family):
     return Engine(parse_config(chain_config(tiny_family)), batched=True)
 
@@ -68,7 +74,9 @@ def test_exact_is_the_default_and_unmarked(engine):
     assert named["token_ids"] == plain["token_ids"] and "mode" not in named
 
 
-def test_bild_ends(engine):
+@pytest.mark.parametrize("tiers", ["engine", "device_engine"])
+def test_bild_ends(request, tiers):
+    engine = request.getfixturevalue(tiers)
     exact = target_alone(engine)["token_ids"]
     strict = run(engine, {"mode": "bild", "fallback_threshold": 0.0, "rollback_threshold": 0.0})
     assert strict["mode"] == "bild" and strict["stats"]["approximate"]["rollback_threshold"] == 0.0
@@ -80,12 +88,23 @@ def test_bild_ends(engine):
     assert keep_all["token_ids"] != exact  # the small model's tokens stand: not the target's text
 
 
-def test_bild_fallback_shortens_blocks(engine):
+@pytest.mark.parametrize("tiers", ["engine", "device_engine"])
+def test_bild_fallback_shortens_blocks(request, tiers):
     """fallback_threshold 1: the drafter hands over after every token it is not certain of."""
+    engine = request.getfixturevalue(tiers)
     never = run(engine, {"mode": "bild", "fallback_threshold": 0.0, "rollback_threshold": float("inf")})["stats"]["stages"][0]
     always = run(engine, {"mode": "bild", "fallback_threshold": 1.0, "rollback_threshold": float("inf")})["stats"]["stages"][0]
     assert never["proposed"] > never["blocks"]  # blocks of several tokens
     assert always["proposed"] == always["blocks"]  # one token a block
+
+
+def test_bild_on_device_tiers_keeps_the_ragged_tiers_text(engine, device_engine):
+    """The same thresholds on device tiers (early exit on the device, the rollback rule on the device tier's rows) give
+    the ragged tiers' text; the other modes are refused there in one line."""
+    settings = {"mode": "bild", "fallback_threshold": 0.4, "rollback_threshold": 2.0}
+    assert run(device_engine, settings)["token_ids"] == run(engine, settings)["token_ids"]
+    with pytest.raises(RequestError, match="not on device tiers"):
+        run(device_engine, {"mode": "reflective", "reflective_weight": 0.5})
 
 
 def test_reflective_weight_zero_is_exact(engine):

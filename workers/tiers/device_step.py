@@ -214,15 +214,18 @@ def _per_row(values: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def draft_step(model: StaticLlama, pool: KVPool, ids, positions, slots, span: int, mode: str, temperature, top_k, top_p, greedy, seeds,
-               draw_counters):
+               draw_counters, confidence: bool = False):
     """A drafter's step: forward, warp of the last column, one draw per request. Returns (tokens [B], probs [B, V];
-    all-greedy steps return the logits instead of probabilities: the target's greedy verification reads none)."""
+    all-greedy steps return the logits instead of probabilities: the target's greedy verification reads none).
+    `confidence` (a static choice): a third output, each row's top probability at temperature 1 [B], the signal of
+    an early exit (`tier.confidence`: BiLD's fallback)."""
     logits = model.forward(pool, ids, positions, slots, span)[:, -1]  # [B, V]
+    confident = (torch.softmax(logits.float(), dim=-1).amax(dim=-1),) if confidence else ()
     if mode == GREEDY:
-        return logits.argmax(dim=-1), logits.float()
+        return (logits.argmax(dim=-1), logits.float(), *confident)
     probs = warp_batch(logits, temperature, top_k, top_p, truncate=mode == TRUNCATED)
     sampled = torch.argmax(probs / stream_exponentials(seeds, draw_counters, DOMAIN_DRAFT, probs.shape[-1]), dim=-1)
-    return torch.where(greedy, probs.argmax(dim=-1), sampled), probs
+    return (torch.where(greedy, probs.argmax(dim=-1), sampled), probs, *confident)
 
 
 class StepGraphs:

@@ -342,19 +342,26 @@ class StaticModelTier(TreeSteps, BatchedTier):
         slot_column = self._column(slots, rows, torch.long, self.pool.scratch_slot)
         lengths = [len(c) for c in contexts]
         ids, positions = self._draft_tail(contexts, rows)
-        drafted = torch.zeros(rows, steps, dtype=torch.long, device=self.device)
+        # an early exit (BiLD's fallback, `ModelTier.exit_by_seq`): a block ends after its first token drafted below
+        # the request's threshold; the exit depends on the drafter's own rows only, so verification stays exact
+        thresholds = [self.tier.exit_by_seq.get(seq_ids[r], self.tier.exit_threshold) for r in live]
+        exits = any(t is not None for t in thresholds)
+        drafted = torch.zeros(rows, steps * (2 if exits else 1), dtype=torch.long, device=self.device)  # [R, k] tokens, [R, k] unsure
         drafted_probs = torch.zeros(rows, steps, self.model.vocab_size, dtype=torch.float32, device=self.device) if mode != GREEDY else None
+        floor = self._column([-1.0 if t is None else t for t in thresholds], rows, torch.float32, -1.0) if exits else None
         self._set_threads()
         started = time.perf_counter()
         for j in range(steps):
             span = self._span(max(lengths) + j + 1)
 
             def drafting(*tensors, span=span):
-                return draft_step(self.model, self.pool, *tensors[:3], span, mode, *tensors[3:])
+                return draft_step(self.model, self.pool, *tensors[:3], span, mode, *tensors[3:], confidence=exits)
 
-            tokens, probs = self.graphs.run(("draft", rows, ids.shape[1], span, mode), drafting,
-                                            [ids, positions, slot_column, *sampling, seeds, counters + j])
+            tokens, probs, *confident = self.graphs.run(("draft", rows, ids.shape[1], span, mode, exits), drafting,
+                                                        [ids, positions, slot_column, *sampling, seeds, counters + j])
             drafted[:, j] = tokens
+            if exits:
+                drafted[:, steps + j] = (confident[0] < floor).long()
             if drafted_probs is not None:
                 drafted_probs[:, j] = probs
             ids = tokens[:, None]
@@ -364,8 +371,11 @@ class StaticModelTier(TreeSteps, BatchedTier):
         self._forwarded += count * (DRAFT_TAIL + steps - 1)
         for index, (r, slot, context) in enumerate(zip(live, slots, contexts)):
             self.slot_table.tokens[slot] = list(context) + host[index][: steps - 1]  # the last drafted token is not fed
-            rows_of = None if params[index].greedy or drafted_probs is None else drafted_probs[index, : counts[r]]
-            out[r] = (host[index][: counts[r]], rows_of)
+            kept = counts[r]
+            if exits:
+                kept = next((j + 1 for j in range(kept) if host[index][steps + j]), kept)
+            rows_of = None if params[index].greedy or drafted_probs is None else drafted_probs[index, :kept]
+            out[r] = (host[index][:kept], rows_of)
         return out
 
     @torch.inference_mode()
