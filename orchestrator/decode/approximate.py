@@ -29,7 +29,7 @@ from polyspec.workers.core.approximate import (
     find_reflection_point, find_step_end, reflective_input, reflective_layout, utility_scoring_prompt, verify_reflective,
 )
 from polyspec.workers.core.sampling import SamplingParams
-from polyspec.workers.core.tree import DraftTree, verify_block
+from polyspec.workers.core.tree import DraftTree, chain_draft_rows, verify_block
 
 ROUND_MODES = (BILD, REFLECTIVE)
 STEP_MODES = (SPECREASON, SPECULATIVE_THINKING)
@@ -97,7 +97,7 @@ class ReflectiveRule:
     def verify(self, target_probs: torch.Tensor, block: DraftTree, greedy: bool, generator) -> tuple[list[int], int]:
         num_drafts = len(block.tokens)
         draft_tokens = torch.tensor(block.tokens, dtype=torch.long)  # [k]
-        draft_rows = None if greedy else (block.draft_rows if block.draft_rows is not None else target_probs[:0])
+        draft_rows = None if greedy else chain_draft_rows(block, target_probs.shape[-1])
         if target_probs.shape[0] == num_drafts + 1:  # scored plainly (see scored_block): no reflective rows, weight 0
             accepted, next_token = verify_reflective(target_probs, target_probs[:num_drafts], draft_tokens, draft_rows, 0.0, generator)
             return list(range(accepted)), next_token

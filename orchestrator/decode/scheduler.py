@@ -86,7 +86,7 @@ from polyspec.orchestrator.decode.contract import (
 )
 from polyspec.orchestrator.decode.approximate import scoring, verdict
 from polyspec.workers.core.sampling import SamplingParams
-from polyspec.workers.core.tree import DraftTree
+from polyspec.workers.core.tree import DraftTree, path_rows
 from polyspec.workers.tiers.batched import BatchedTier, Verdict, as_batched
 from polyspec.workers.tiers.tier import Tier
 
@@ -413,10 +413,7 @@ class ChainScheduler:
                 if not block.is_chain():  # both tiers keep the accepted path
                     tier.accept_path(run.seq_id, path)
                     self.tiers[below].accept_path(run.seq_id, path)
-                # the verifier's row at the root and below each accepted node
-                rows = None if run.params.greedy else (target_probs[: len(path) + 1] if block.is_chain()
-                                                       else target_probs[[0] + [j + 1 for j in path]])
-                verdicts.append(Verdict(path, next_token, rows))
+                verdicts.append(Verdict(path, next_token, None if run.params.greedy else path_rows(target_probs, block, path)))
                 shared += (time.perf_counter() - began) / len(items)  # each request's share of the walks
         out = []
         for (run, context, length), block, decided in zip(items, blocks, verdicts):

@@ -592,3 +592,20 @@ def test_importance_induced_distribution_chunked_equals_whole(monkeypatch):
     chunked = _importance_induced_distribution(target_probs, draft_probs)
     assert torch.allclose(whole, chunked, atol=1e-14)
     assert float(whole.sum()) == pytest.approx(1.0, abs=1e-6)
+
+
+def test_a_lookup_chain_without_draft_rows_is_verified_against_point_masses():
+    """A lookup's proposals carry no draft rows: `verify_block` checks them as one-hot rows, drawing exactly
+    what `verify_chain` draws given those rows (the same generator state)."""
+    import torch
+
+    from polyspec.workers.core.tree import DraftTree, verify_block
+    from polyspec.workers.core.verification import verify_chain
+
+    target_probs = torch.softmax(torch.randn(4, 11, generator=torch.Generator().manual_seed(3)), dim=-1)  # [k + 1, V]
+    tokens = [2, 7, 5]
+    for seed in range(20):
+        got = verify_block(target_probs, DraftTree.chain(tokens, None), "specinfer", False, torch.Generator().manual_seed(seed))
+        rows = torch.nn.functional.one_hot(torch.tensor(tokens), 11).float()
+        accepted, next_token = verify_chain(target_probs, rows, torch.tensor(tokens), torch.Generator().manual_seed(seed))
+        assert got == (list(range(accepted)), next_token)

@@ -114,9 +114,22 @@ def verify_block(
     if greedy:
         accepted, next_token = verify_greedy(target_probs.argmax(dim=-1), draft_tokens)
     else:
-        draft_rows = block.draft_rows if block.draft_rows is not None else target_probs[:0]
+        draft_rows = chain_draft_rows(block, target_probs.shape[-1])
         accepted, next_token = verify_chain(target_probs, draft_rows, draft_tokens, generator)
     return list(range(accepted)), next_token
+
+
+def chain_draft_rows(block: DraftTree, vocab: int) -> torch.Tensor:
+    """A chain's draft rows [k, V]: the drafter's, or point masses for a lookup's proposals, which carry none."""
+    if block.draft_rows is not None:
+        return block.draft_rows
+    return torch.nn.functional.one_hot(torch.tensor(block.tokens, dtype=torch.long), vocab).float()
+
+
+def path_rows(target_probs: torch.Tensor, block: DraftTree, path: list[int]) -> torch.Tensor:
+    """The verifier's rows at the root and below each accepted node ([len(path) + 1, V]): the rows the emitted
+    tokens (the accepted path, then the correction or bonus token) are distributed as."""
+    return target_probs[: len(path) + 1] if block.is_chain() else target_probs[[0] + [j + 1 for j in path]]
 
 
 def verify_tree(

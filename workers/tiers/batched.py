@@ -39,8 +39,7 @@ import time
 import torch
 
 from polyspec.workers.core.sampling import SamplingParams, warp_logits
-from polyspec.workers.core.tree import DraftTree, grow_level, tree_allowed, verify_tree
-from polyspec.workers.core.verification import verify_chain, verify_greedy
+from polyspec.workers.core.tree import DraftTree, grow_level, path_rows, tree_allowed, verify_block
 from polyspec.workers.tiers.batched_llama import BatchedLlama, PendingTree, RowLayout
 from polyspec.workers.tiers.tier import ModelTier, NGramTier, Tier, confidence, copy_forward, first_candidates
 
@@ -107,24 +106,12 @@ class BatchedTier:
         out = []
         scored = self.score_batch(seq_ids, contexts, blocks, params)
         for seq_id, block, target_probs, p, generator in zip(seq_ids, blocks, scored, params, generators):
+            path, next_token = verify_block(target_probs, block, scheme, p.greedy, generator)
             if not block.is_chain():
-                path, next_token = verify_tree(target_probs, block, scheme, p.greedy, generator)
                 self.accept_path(seq_id, path)
                 if below is not None:
                     below.accept_path(seq_id, path)
-                # the verifier's row at the root and below each accepted node
-                rows = target_probs[[0] + [j + 1 for j in path]] if want_rows and not p.greedy else None
-                out.append(Verdict(path, next_token, rows))
-                continue
-            draft_tokens = torch.tensor(block.tokens, dtype=torch.long)  # [k]
-            if p.greedy:
-                accepted, next_token = verify_greedy(target_probs.argmax(dim=-1), draft_tokens)
-            else:
-                draft_rows = block.draft_rows
-                if draft_rows is None:
-                    draft_rows = torch.nn.functional.one_hot(draft_tokens, target_probs.shape[-1]).float()
-                accepted, next_token = verify_chain(target_probs, draft_rows, draft_tokens, generator)
-            out.append(Verdict(list(range(accepted)), next_token, target_probs[: accepted + 1] if want_rows and not p.greedy else None))
+            out.append(Verdict(path, next_token, path_rows(target_probs, block, path) if want_rows and not p.greedy else None))
         return out
 
     # the one-request calls, so a batched tier can stand where a Tier is expected
