@@ -35,6 +35,7 @@ seeded request draws the same numbers alone or in any batch, and a retried step 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -63,6 +64,26 @@ from polyspec.workers.tiers.device_step import (  # noqa: F401 (MAX_BLOCK_TOKENS
 from polyspec.workers.tiers.static_llama import StaticLlama
 from polyspec.workers.tiers.static_trees import PendingTree, TreeSteps
 from polyspec.workers.tiers.tier import ModelTier, NGramTier
+
+@dataclasses.dataclass
+class DraftInputs:
+    """A drafting call's requests with something to draft, ready for its first step: their indices in the call,
+    contexts, slots (synced, the last DRAFT_TAIL tokens left to the first step) and params, and per padded row
+    (`rows`) their streams, sampling parameters, slots and the first step's ids and positions on the device."""
+
+    live: list[int]
+    contexts: list[list[int]]
+    slots: list[int]
+    params: list[SamplingParams]
+    rows: int
+    mode: str
+    seeds: torch.Tensor
+    counters: torch.Tensor
+    sampling: tuple[torch.Tensor, ...]
+    slot_column: torch.Tensor
+    ids: torch.Tensor
+    positions: torch.Tensor
+
 
 def _stream_key(generator, rounds: int = 1) -> tuple[int, int]:
     """(key, first counter) of `rounds` rounds of device draws from `generator`; a profile's calls pass None."""
@@ -317,31 +338,36 @@ class StaticModelTier(TreeSteps, BatchedTier):
         keys = [_stream_key(g, n) for g, n in zip(generators, counts)]
         return self._column([k for k, _ in keys], rows, torch.long, 0), self._column([c for _, c in keys], rows, torch.long, 0)
 
-    def _draft_tail(self, contexts, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """ids and positions [R, 2] of a drafter's first step: the context's last DRAFT_TAIL tokens. It re-feeds the token
-        before the last: a drafter whose block was accepted whole has not seen it."""
-        ids = self._column([[c[-2] if len(c) > 1 else c[-1], c[-1]] for c in contexts], rows, torch.long, [0, 0])
+    def _drafting(self, seq_ids, contexts, sizes: list[int], params, generators) -> DraftInputs | None:
+        """The requests of a drafting call with something to draft (`sizes[r]` > 0: a block's tokens, a tree's
+        levels, which are also the counters taken from each one's stream); None when none has. The first step
+        feeds each context's last DRAFT_TAIL tokens: it re-feeds the token before the last, which a drafter whose
+        block was accepted whole has not seen."""
+        live = [r for r, size in enumerate(sizes) if size > 0]
+        if not live:
+            return None
+        contexts = [contexts[r] for r in live]
+        slots = self._prepare([seq_ids[r] for r in live], contexts, keep_tail=DRAFT_TAIL)
+        params = [params[r] for r in live]
+        rows = bucket(len(live))
+        seeds, counters = self._streams([generators[r] for r in live], [sizes[r] for r in live], rows)
+        ids = self._column([[c[-2] if len(c) > 1 else c[-1], c[-1]] for c in contexts], rows, torch.long, [0, 0])  # [R, 2]
         positions = self._column([[max(len(c) - 2, 0), len(c) - 1] for c in contexts], rows, torch.long, [0, 1])
-        return ids, positions
+        return DraftInputs(live, contexts, slots, params, rows, sampling_mode(params), seeds, counters, self._sampling(params, rows),
+                           self._column(slots, rows, torch.long, self.pool.scratch_slot), ids, positions)
 
     @torch.inference_mode()
     def draft_batch(self, seq_ids, contexts, counts, params, generators):
         """Each request's block of `counts[r]` tokens, one static step per position for every request at once."""
         out: list[tuple[list[int], torch.Tensor | None]] = [([], None) for _ in seq_ids]
-        live = [r for r, n in enumerate(counts) if n > 0]
-        if not live:
+        inputs = self._drafting(seq_ids, contexts, counts, params, generators)
+        if inputs is None:
             return out
-        contexts = [contexts[r] for r in live]
-        slots = self._prepare([seq_ids[r] for r in live], contexts, keep_tail=DRAFT_TAIL)
-        params = [params[r] for r in live]
+        live, contexts, slots, params = inputs.live, inputs.contexts, inputs.slots, inputs.params
+        rows, mode = inputs.rows, inputs.mode
+        ids, positions = inputs.ids, inputs.positions
         count, steps = len(live), max(counts[r] for r in live)
-        rows = bucket(count)
-        mode = sampling_mode(params)
-        seeds, counters = self._streams([generators[r] for r in live], [counts[r] for r in live], rows)
-        sampling = self._sampling(params, rows)
-        slot_column = self._column(slots, rows, torch.long, self.pool.scratch_slot)
         lengths = [len(c) for c in contexts]
-        ids, positions = self._draft_tail(contexts, rows)
         # an early exit (BiLD's fallback, `ModelTier.exit_by_seq`): a block ends after its first token drafted below
         # the request's threshold; the exit depends on the drafter's own rows only, so verification stays exact
         thresholds = [self.tier.exit_by_seq.get(seq_ids[r], self.tier.exit_threshold) for r in live]
@@ -357,8 +383,9 @@ class StaticModelTier(TreeSteps, BatchedTier):
             def drafting(*tensors, span=span):
                 return draft_step(self.model, self.pool, *tensors[:3], span, mode, *tensors[3:], confidence=exits)
 
-            tokens, probs, *confident = self.graphs.run(("draft", rows, ids.shape[1], span, mode, exits), drafting,
-                                                        [ids, positions, slot_column, *sampling, seeds, counters + j])
+            tokens, probs, *confident = self.graphs.run(
+                ("draft", rows, ids.shape[1], span, mode, exits), drafting,
+                [ids, positions, inputs.slot_column, *inputs.sampling, inputs.seeds, inputs.counters + j])
             drafted[:, j] = tokens
             if exits:
                 drafted[:, steps + j] = (confident[0] < floor).long()

@@ -12,7 +12,7 @@ prefix + L * width + w), not at prefix + depth where a linear context keeps it; 
 `accept_path` the nodes are pending (`PendingTree`, outside the slot's tokens). The moves are made
 before the next step reads the pool: the verifier's right after its verdicts, a drafter's at its
 next call. The methods use the tier's slots and bookkeeping (`slot_table`, `_trees`,
-`_moves`, `_prepare`, `_column`, `_sampling`, `_streams`, `_span`, `_timed`).
+`_moves`, `_prepare`, `_drafting`, `_column`, `_sampling`, `_streams`, `_span`, `_timed`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 
 from polyspec.workers.core.device_tree_verify import pack_trees
 from polyspec.workers.core.sampling import SamplingParams
-from polyspec.workers.core.tree import DraftTree, tree_allowed
+from polyspec.workers.core.tree import DraftTree, path_rows, tree_allowed
 from polyspec.workers.tiers.batched import BatchedTier, Verdict
 from polyspec.workers.tiers.device_step import (DRAFT_TAIL, GREEDY, MAX_BLOCK_TOKENS, bucket, sampling_mode, target_tree_step,
                                                 tree_level_step, tree_root_step)
@@ -121,7 +121,7 @@ class TreeSteps:
             if below is not None and not b.is_chain():
                 below.accept_path(seq_id, path)
             # the verifier's rows at the root and below each accepted node (a copy: the graph's buffers are reused)
-            kept_rows = target_rows[r, [0] + [j + 1 for j in path]] if want_rows and not p.greedy else None
+            kept_rows = path_rows(target_rows[r], b, path).clone() if want_rows and not p.greedy else None
             out.append(Verdict(path, next_token, kept_rows))
         self._compact()
         return out
@@ -150,21 +150,15 @@ class TreeSteps:
         the same alone or in any batch. One copy of the tokens to the host at the end; the rows stay on the device.
         The nodes fed stay cached, pending, until `accept_path` keeps the accepted path's."""
         trees = [DraftTree([], [], None) for _ in seq_ids]
-        live = [r for r, depth in enumerate(depths) if depth > 0]
-        if not live:
+        inputs = self._drafting(seq_ids, contexts, depths, params, generators)
+        if inputs is None:
             return trees
-        contexts = [contexts[r] for r in live]
-        slots = self._prepare([seq_ids[r] for r in live], contexts, keep_tail=DRAFT_TAIL)
-        params = [params[r] for r in live]
+        live, contexts, slots, params = inputs.live, inputs.contexts, inputs.slots, inputs.params
+        rows, mode = inputs.rows, inputs.mode
+        ids, positions = inputs.ids, inputs.positions
         count, levels = len(live), max(depths[r] for r in live)
         assert width * levels <= MAX_BLOCK_TOKENS, f"a tree of {width} x {levels} nodes (at most {MAX_BLOCK_TOKENS})"
-        rows = bucket(count)
-        mode = sampling_mode(params)
-        seeds, counters = self._streams([generators[r] for r in live], [depths[r] for r in live], rows)
-        sampling = self._sampling(params, rows)
-        slot_column = self._column(slots, rows, torch.long, self.pool.scratch_slot)
         longest = max(len(c) for c in contexts)
-        ids, positions = self._draft_tail(contexts, rows)
         span = self._span(longest)
         without_replacement = scheme == "rsd"
 
@@ -174,8 +168,9 @@ class TreeSteps:
         self._set_threads()
         started = time.perf_counter()
         # graph outputs: each level's key is its own, so none is overwritten before the copies below
-        tokens, valid, root_probs = self.graphs.run(("tree root", rows, span, mode, width, without_replacement), rooting,
-                                                    [ids, positions, slot_column, *sampling, seeds, counters])
+        tokens, valid, root_probs = self.graphs.run(
+            ("tree root", rows, span, mode, width, without_replacement), rooting,
+            [ids, positions, inputs.slot_column, *inputs.sampling, inputs.seeds, inputs.counters])
         level_tokens = [tokens]
         level_probs = [root_probs[:, None].expand(rows, width, root_probs.shape[-1])]  # each root candidate's row: the root's
         prefix = self._column([len(c) for c in contexts], rows, torch.long, 0)  # [R] where each tree's first column is cached
@@ -189,8 +184,8 @@ class TreeSteps:
 
             tokens, probs = self.graphs.run(
                 ("tree level", rows, width, columns, level_span, mode), growing,
-                [level_tokens[-1], (prefix + level - 1)[:, None].expand(rows, width), slot_column,
-                 ancestors.expand(rows, width, columns), prefix, *sampling, seeds, counters + level])
+                [level_tokens[-1], (prefix + level - 1)[:, None].expand(rows, width), inputs.slot_column,
+                 ancestors.expand(rows, width, columns), prefix, *inputs.sampling, inputs.seeds, inputs.counters + level])
             level_tokens.append(tokens)
             level_probs.append(probs)
         drafted = torch.cat([torch.stack(level_tokens, dim=1).flatten(1), valid.long()], dim=1)[:count]  # [R, (levels + 1) W]
