@@ -224,7 +224,7 @@ class Engine:
 
     def make_planner(self):
         """Profile each tier's batched forward (a few seconds) and build the goodput planner."""
-        from polyspec.orchestrator.tuning.batch_model import LENGTHS, BatchPlanner
+        from polyspec.orchestrator.tuning.batch_model import BatchPlanner
         from polyspec.orchestrator.tuning.profiler import profile_batched
         from polyspec.workers.tiers.static_tier import StaticModelTier, longest_length
 
@@ -234,7 +234,7 @@ class Engine:
                                              log=self.log)
         options = {}
         if any(isinstance(t, StaticModelTier) for t in tiers):  # a device tier's block holds a bounded tree
-            options["max_length"] = min(max(LENGTHS), longest_length(self.config.speculation.tree_width))
+            options["max_length"] = longest_length(self.config.speculation.tree_width)
         return BatchPlanner(tiers, tables, lookup, max_batched_tokens=self.config.batching.max_batched_tokens,
                             tree_width=self.config.speculation.tree_width, **options)
 
