@@ -60,6 +60,8 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "benchmarks" / "approximate"
 TUNED_PROMPT_COUNT = 12  # realbench's default HumanEval sample: the problems real_models.py was tuned on
 BASELINE_SYSTEM = "large"
+REFERENCE_SYSTEMS = ("small", "large", "chain")  # exact: the references the modes trade against
+BILD_QUALITY_POINTS = 2.0  # a BiLD setting at most this many points of pass@1 below the large model's (and faster) keeps quality
 # HumanEval's usual stop sequences: a completion ends where the function body does
 STOP_SEQUENCES = ("\nclass ", "\ndef ", "\n#", "\nif __name__", "\nprint(", "\nassert ")
 SANDBOX_TIMEOUT_S = 10.0
@@ -478,14 +480,57 @@ def summarize(rows: list[dict], baseline: str = BASELINE_SYSTEM) -> list[dict]:
     for entry in entries:
         base = next((e for e in entries if e["task"] == entry["task"] and e["system"] == baseline and e["tokens_per_s"]), None)
         entry["speedup"] = entry["tokens_per_s"] / base["tokens_per_s"] if base and entry["tokens_per_s"] else None
+    for entry in entries:
+        entry["trade"] = trade(entry, entries, baseline)
     return entries
+
+
+def _reference(entries: list[dict], task: str, system: str) -> dict | None:
+    return next((e for e in entries if e["task"] == task and e["system"] == system), None)
+
+
+def trade(entry: dict, entries: list[dict], baseline: str = BASELINE_SYSTEM) -> dict | None:
+    """What an approximate mode's setting trades, against the same task's exact chain (speed), the
+    small model alone and the baseline (pass@1, in points): None for the reference systems."""
+    if entry["system"] in REFERENCE_SYSTEMS:
+        return None
+    out = {}
+    chain, small, large = (_reference(entries, entry["task"], name) for name in ("chain", "small", baseline))
+    if chain and chain["tokens_per_s"] and entry["tokens_per_s"]:
+        out["speed_vs_chain"] = entry["tokens_per_s"] / chain["tokens_per_s"]
+    for name, reference in (("small", small), (baseline, large)):
+        if reference:
+            out[f"pass_points_vs_{name}"] = 100 * (entry["pass_at_1"] - reference["pass_at_1"])
+    return out
+
+
+def verdicts(entries: list[dict], baseline: str = BASELINE_SYSTEM) -> dict[str, dict]:
+    """Per (task, mode): the settings that pay (faster than the exact chain, or a higher pass@1 than the
+    small model alone) and, for BiLD, the settings within BILD_QUALITY_POINTS of the baseline's pass@1
+    that are faster than it. A setting pays or not; the table gives the numbers."""
+    out: dict[str, dict] = {}
+    for e in entries:
+        t = e.get("trade")
+        if t is None:
+            continue
+        key = f"{e['task']}:{e['system']}"
+        verdict = out.setdefault(key, {"settings": 0, "paying": []})
+        verdict["settings"] += 1
+        if t.get("speed_vs_chain", 0.0) > 1.0 or t.get("pass_points_vs_small", 0.0) > 0.0:
+            verdict["paying"].append(e["setting"])
+        if e["system"] == "bild":
+            close = t.get(f"pass_points_vs_{baseline}", -100.0) >= -BILD_QUALITY_POINTS and (e["speedup"] or 0.0) > 1.0
+            verdict.setdefault("near_large_and_faster", [])
+            if close:
+                verdict["near_large_and_faster"].append(e["setting"])
+    return out
 
 
 def write_report(rows: list[dict], out: Path, baseline: str = BASELINE_SYSTEM, meta: dict | None = None) -> dict:
     """<out>.json, <out>.md and (with matplotlib) <out>.png from the rows there are."""
     entries = summarize(rows, baseline)
     report = {"meta": {**(meta or {}), "baseline": baseline, "network_namespace": network_namespace_available()},
-              "systems": entries, "runs": len(rows)}
+              "systems": entries, "verdicts": verdicts(entries, baseline), "runs": len(rows)}
     out.parent.mkdir(parents=True, exist_ok=True)
     Path(f"{out}.json").write_text(json.dumps(report, indent=2) + "\n")
     Path(f"{out}.md").write_text(markdown_table(entries, baseline))
@@ -501,13 +546,40 @@ def markdown_table(entries: list[dict], baseline: str) -> str:
     lines = ["# Approximate modes: quality and speed", "",
              (f"Tasks: {'; '.join(tasks) or 'none'}. One greedy sample per problem; speedup in tokens/s over "
               f"`{baseline}` on the same task."), "",
-             "| task | system | setting | problems | pass@1 | tokens/s | speedup | mean output tokens | mean s/problem |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+             ("`trades`: an approximate setting's speed against the exact chain's and its pass@1 against the small "
+              f"and the `{baseline}` model's alone, in points. One problem is {{}} points; with n problems at pass@1 p "
+              "the standard error is sqrt(p (1 - p) / n), about 7.7 points at 40 problems and p = 0.4, so differences "
+              "of a few points are within noise."), "",
+             "| task | system | setting | problems | pass@1 | tokens/s | speedup | mean output tokens | mean s/problem | trades |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    counts = sorted({e["problems"] for e in entries})
+    lines[4] = lines[4].format(" / ".join(f"{100 / n:.1f}" for n in counts) or "n/a")
     for e in entries:
         lines.append(f"| {e['task']} | {e['system']} | {e['setting']} | {e['problems']} | {100 * e['pass_at_1']:.1f}% | "
                      f"{number(e['tokens_per_s'], '{:.1f}')} | {number(e['speedup'], '{:.2f}x')} | "
-                     f"{e['mean_output_tokens']:.1f} | {e['mean_seconds']:.2f} |")
+                     f"{e['mean_output_tokens']:.1f} | {e['mean_seconds']:.2f} | {trade_words(e.get('trade'), baseline)} |")
+    judged = verdicts(entries, baseline)
+    if judged:
+        lines += ["", "| task: mode | settings | pays (faster than the chain, or above the small model's pass@1) |"
+                  f" at most {BILD_QUALITY_POINTS:g} points below `{baseline}` and faster |", "|---|---:|---|---|"]
+        for key, verdict in judged.items():
+            near = verdict.get("near_large_and_faster")
+            lines.append(f"| {key} | {verdict['settings']} | {'; '.join(verdict['paying']) or 'none'} | "
+                         f"{'n/a' if near is None else '; '.join(near) or 'none'} |")
     return "\n".join(lines) + "\n"
+
+
+def trade_words(trade: dict | None, baseline: str) -> str:
+    if not trade:
+        return ""
+    words = []
+    if "speed_vs_chain" in trade:
+        words.append(f"{trade['speed_vs_chain']:.2f}x the chain's speed")
+    for name in ("small", baseline):
+        points = trade.get(f"pass_points_vs_{name}")
+        if points is not None:
+            words.append(f"{points:+.1f} pts vs {name}")
+    return "; ".join(words)
 
 
 def plot(entries: list[dict], path: Path) -> bool:

@@ -237,6 +237,39 @@ def test_summary_pass_at_1_tokens_per_second_speedup_and_length(tmp_path):
     assert Path(f"{out}.png").exists() == bench.plot(report["systems"], tmp_path / "again.png")
 
 
+def _entry(system, setting, passed, tokens_per_s, task="humaneval"):
+    return {"task": task, "system": system, "setting": setting, "problems": 40, "pass_at_1": passed / 40,
+            "tokens_per_s": tokens_per_s, "mean_output_tokens": 30.0, "mean_seconds": 1.0}
+
+
+def test_the_report_says_what_each_setting_trades_and_which_settings_pay():
+    """Speed against the exact chain, pass@1 in points against the small and the large model; a setting pays
+    when it is faster than the chain or above the small model's pass@1; BiLD's quality bar is at most
+    BILD_QUALITY_POINTS below the large model's pass@1 while faster than it."""
+    rows = [_entry("small", "greedy", 12, 8.0), _entry("large", "greedy", 16, 2.0), _entry("chain", "greedy", 16, 3.0),
+            _entry("bild", "near", 16, 3.3),      # 1.1x the chain; 0 pts vs large: pays, keeps quality
+            _entry("bild", "far", 10, 3.6),       # faster but 15 pts below large: pays (speed), quality lost
+            _entry("specreason", "slow", 12, 2.4),  # slower than the chain, small's pass@1: does not pay
+            _entry("reflective", "good", 14, 2.5)]  # slower than the chain, above small: pays (quality)
+    for entry in rows:
+        base = 2.0
+        entry["speedup"] = entry["tokens_per_s"] / base
+    entries = [{**e, "trade": bench.trade(e, rows)} for e in rows]
+    by_setting = {e["setting"]: e["trade"] for e in entries}
+    assert by_setting["greedy"] is None  # the references trade nothing
+    assert by_setting["near"]["speed_vs_chain"] == pytest.approx(1.1)
+    assert by_setting["far"]["pass_points_vs_large"] == pytest.approx(-15.0)
+    assert by_setting["good"]["pass_points_vs_small"] == pytest.approx(5.0)
+    verdicts = bench.verdicts(entries)
+    assert verdicts["humaneval:bild"] == {"settings": 2, "paying": ["near", "far"], "near_large_and_faster": ["near"]}
+    assert verdicts["humaneval:specreason"] == {"settings": 1, "paying": []}
+    assert verdicts["humaneval:reflective"]["paying"] == ["good"]
+    table = bench.markdown_table(entries, "large")
+    assert "| 1.10x the chain's speed; +10.0 pts vs small; +0.0 pts vs large |" in table
+    assert "| 1.20x the chain's speed; -5.0 pts vs small; -15.0 pts vs large |" in table
+    assert "| humaneval:specreason | 1 | none | n/a |" in table and "| humaneval:bild | 2 | near; far | near |" in table
+
+
 def test_report_only_from_the_rows(tmp_path):
     out = tmp_path / "approximate"
     rows = [{"system": "large", "setting": "greedy", "problem": "Fake/0", "passed": True, "status": "passed",
