@@ -12,8 +12,9 @@ Rows (only sampling needs them: greedy blocks are token ids):
 - SPARSE  top-k / top-p rows, when at most SPARSE_FRACTION of the entries are non-zero
           (8 bytes per non-zero instead of 4 per vocabulary entry);
 - INLINE  float32 bytes inside the gRPC message;
-- DIST    torch.distributed point-to-point (NCCL between tiers on distinct GPUs, gloo
-          otherwise), the gRPC message carrying only the tag.
+- DIST    torch.distributed point-to-point, the gRPC message carrying only the tag: under
+          NCCL (tiers on distinct GPUs) every block, dense, from one GPU's memory to the other's
+          (the rows never visit the host); under gloo the blocks above DIST_MIN_BYTES.
 
 Which one, by measurement (benchmarks/transport.py, two processes on loopback, vocabulary
 32000; its table: benchmarks/transport.md): protobuf copies inline bytes several times, so
@@ -119,7 +120,9 @@ class DistChannel:
 
     def send(self, rows: torch.Tensor, dst: int, counters: Counters) -> int:
         tag = next(self._tags) % (1 << 30)
-        tensor = rows.to(self.device).contiguous()
+        # a copy: rows may be a captured step's output buffer, which the tier's next replay overwrites
+        # while an NCCL send is still queued on its own stream (a GPU tensor never visits the host)
+        tensor = rows.detach().to(self.device, torch.float32, copy=True).contiguous()
         work = self._dist.isend(tensor, dst=dst, tag=tag)
         with self._pending_lock:  # keep the tensor alive until the send completes
             self._pending = [(w, t) for w, t in self._pending if not w.is_completed()] + [(work, tensor)]
@@ -127,16 +130,22 @@ class DistChannel:
         return tag
 
     def recv(self, num_rows: int, vocab: int, src: int, tag: int) -> torch.Tensor:
+        """The rows on this channel's device: GPU memory under NCCL (the verifier's device), the host under gloo."""
         buffer = torch.empty((num_rows, vocab), dtype=torch.float32, device=self.device)
         with self._recv_lock:
             self._dist.recv(buffer, src=src, tag=tag)
-        return buffer.cpu()
+        return buffer
 
 
 def encode_rows(rows: torch.Tensor | None, counters: Counters, dist: DistChannel | None = None, dst: int | None = None) -> tier_pb2.Rows:
     """Rows [n, V] float32 -> a Rows message (see the module docstring for the choice)."""
     if rows is None or rows.numel() == 0:
         return tier_pb2.Rows(encoding=tier_pb2.Rows.NONE)
+    if dist is not None and dist.backend == "nccl" and dst is not None and dst in dist.peers:
+        # GPU to GPU: dense, straight from the tier's device (sparse encoding would need the host)
+        num_rows, vocab = rows.shape
+        tag = dist.send(rows, dst, counters)
+        return tier_pb2.Rows(encoding=tier_pb2.Rows.DIST, num_rows=num_rows, vocab=vocab, dist_tag=tag, dist_src=dist.rank)
     rows = rows.float().cpu().contiguous()
     num_rows, vocab = rows.shape
     nonzero = rows != 0
@@ -147,7 +156,7 @@ def encode_rows(rows: torch.Tensor | None, counters: Counters, dist: DistChannel
         return tier_pb2.Rows(encoding=tier_pb2.Rows.SPARSE, num_rows=num_rows, vocab=vocab, counts=counts,
                              indices=indices.tolist(), values=values.tolist())
     nbytes = rows.numel() * 4
-    if dist is not None and dst is not None and dst in dist.peers and (dist.backend == "nccl" or nbytes >= dist.min_bytes):
+    if dist is not None and dst is not None and dst in dist.peers and nbytes >= dist.min_bytes:
         tag = dist.send(rows, dst, counters)
         return tier_pb2.Rows(encoding=tier_pb2.Rows.DIST, num_rows=num_rows, vocab=vocab, dist_tag=tag, dist_src=dist.rank)
     return tier_pb2.Rows(encoding=tier_pb2.Rows.INLINE, num_rows=num_rows, vocab=vocab, dense=rows.numpy().tobytes())
