@@ -324,7 +324,6 @@ def digit_token_ids(encode: Callable[[str], list[int]]) -> list[list[int]]:
 
 def unsupported(mode: ApproximateMode, engine) -> str | None:
     """Why `engine` cannot run a request in `mode` (one clause), or None."""
-    from polyspec.workers.tiers.static_tier import StaticModelTier
     from polyspec.workers.tiers.tier import NGramTier
 
     config = engine.config
@@ -334,8 +333,6 @@ def unsupported(mode: ApproximateMode, engine) -> str | None:
         return f"approximate modes run embedded only (runtime.backend: local), not on {config.runtime.backend}"
     if len(engine.tiers) < 2:
         return "it needs a chain of at least two tiers (a drafter under the target)"
-    if mode.mode != BILD and any(isinstance(tier, StaticModelTier) for tier in engine.scheduler.tiers):
-        return f"{mode.mode} runs on ragged tiers (batching.round: ragged), not on device tiers (of the modes, BiLD does)"
     if mode.mode in ROUND_MODES and config.speculation.tree_width > 1:
         return "it checks a chain of drafts (speculation.tree_width: 1), not a tree"
     if mode.mode in (REFLECTIVE, *STEP_MODES) and engine.tokenizer is None:
