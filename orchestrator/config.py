@@ -401,8 +401,6 @@ def parse_config(raw: Any, source: str | None = None) -> ChainConfig:
     batching = _parse_batching(raw.get("batching"))
     tuning = parse_tuning(raw.get("tuning"))
     approximate = ApproximateMode.from_mapping(raw.get("approximate"))
-    if not approximate.lossless and runtime.backend != "local":
-        raise ConfigError(f"approximate.mode {approximate.mode} runs embedded only (runtime.backend: local), not on {runtime.backend}")
     return ChainConfig(tiers=tiers, speculation=speculation, sampling=sampling, runtime=runtime, server=server,
                        batching=batching, tuning=tuning, approximate=approximate, source=source)
 

@@ -19,6 +19,7 @@ Terminology as in workers/core/approximate.py (the pure rules this module calls)
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Callable
 
 import torch
@@ -35,7 +36,6 @@ ROUND_MODES = (BILD, REFLECTIVE)
 STEP_MODES = (SPECREASON, SPECULATIVE_THINKING)
 STEP_CHUNK = 8  # tokens the small model writes between looks at its text (a step / trigger check)
 SOFT = SamplingParams(temperature=1.0)  # a greedy request's rules read the model's own distribution, not its one-hot argmax
-SCRATCH_PREFIX = "approx-score"  # the seq_id of a scoring forward, released right after
 
 
 # ---------------------------------------------------------------------------------
@@ -155,10 +155,9 @@ class StepDriver:
 
     def _small(self, state: RequestState, need: int) -> list[int]:
         """At least `need` tokens (fewer at EOS or the context limit) from the drafting sub-chain, after
-        the committed and pending tokens: tier 1's `emit_batch` (exact rounds of tier 1 over the tiers below)."""
-        run, context = state.run, state.committed + self.pending
-        tokens, _ = self.scheduler.emit_batch(1, [(run, context, need)])[0]
-        return tokens
+        the committed and pending tokens: tier 1's block (exact rounds of tier 1 over the tiers below;
+        on a distributed chain, tier 1's worker drafts it)."""
+        return self.scheduler.sub_chain_block(state, state.committed + self.pending, need)
 
     def _write_small(self, state: RequestState) -> bool:
         """Add a chunk to `pending`; False when the small model can write no more (EOS, length, context)."""
@@ -230,16 +229,10 @@ class StepDriver:
         """The target's utility score of a step, read from one forward over the scoring prompt:
         the expected digit under its own distribution (None: no mass on the digits)."""
         prompt_ids = self.encode(utility_scoring_prompt(self.question, [previous], step_text))
-        target = self.scheduler.tiers[0]
-        target = getattr(target, "tier", target)  # a batched tier's own one-sequence model: no batch slot taken
-        limit = target.max_context
+        limit = self.scheduler.tiers[0].max_context
         if limit and len(prompt_ids) >= limit:  # past the target's context: the question's start goes, the step and the ask stay
             prompt_ids = prompt_ids[-(limit - 1):]
-        scratch = (SCRATCH_PREFIX, id(self))
-        try:
-            row = target.score(scratch, prompt_ids, DraftTree([], [], None), SOFT)[-1]  # [V]
-        finally:
-            target.release(scratch)
+        row = self.scheduler.target_distribution(prompt_ids)  # [V] at temperature 1
         digit_probs = torch.stack([row[ids].sum() if ids else row.new_zeros(()) for ids in self.digit_ids])  # [10]
         return expected_utility_score(digit_probs)
 
@@ -324,21 +317,17 @@ def digit_token_ids(encode: Callable[[str], list[int]]) -> list[list[int]]:
 
 def unsupported(mode: ApproximateMode, engine) -> str | None:
     """Why `engine` cannot run a request in `mode` (one clause), or None."""
-    from polyspec.workers.tiers.tier import NGramTier
-
     config = engine.config
     if engine.exact_only:
         return "this server runs exact decoding only (serve --exact-only)"
-    if config.runtime.backend != "local":
-        return f"approximate modes run embedded only (runtime.backend: local), not on {config.runtime.backend}"
     if len(engine.tiers) < 2:
         return "it needs a chain of at least two tiers (a drafter under the target)"
     if mode.mode in ROUND_MODES and config.speculation.tree_width > 1:
         return "it checks a chain of drafts (speculation.tree_width: 1), not a tree"
     if mode.mode in (REFLECTIVE, *STEP_MODES) and engine.tokenizer is None:
         return "the target model has no tokenizer to write its prompts with"
-    small = engine.tiers[1]
-    if mode.mode in STEP_MODES and isinstance(getattr(small, "tier", small), NGramTier):
+    small = config.tiers[1]  # embedded or on Ray alike
+    if mode.mode in STEP_MODES and small.is_ngram:
         return f"its small model is the second tier, and {small.name!r} is an n-gram lookup, not a model"
     return None
 
@@ -367,6 +356,15 @@ def attach(engine, state: RequestState, mode: ApproximateMode) -> Attached:
     attached = Attached(state.seq_id, mode)
     scheduler = engine.scheduler
 
+    from polyspec.orchestrator.decode.scheduler import ChainScheduler
+
+    if not isinstance(scheduler, ChainScheduler):
+        # a distributed chain (DistributedChain): every tier reads the mode from the request's header (`worker_hooks`)
+        scheduler.set_approximate(state, header_json(mode, engine.encode))
+        if mode.mode in STEP_MODES:
+            digits = digit_token_ids(engine.encode) if mode.mode == SPECREASON else None
+            attached.driver = StepDriver(scheduler, mode, engine.decode, engine.encode, digits, engine.decode(list(state.committed)))
+        return attached
     if mode.mode == BILD:
         state.run.rule = BildRule(mode.rollback_threshold)
         # the fallback: whichever tier drafts at the bottom of the chain stops after a token it is unsure of
@@ -380,3 +378,37 @@ def attach(engine, state: RequestState, mode: ApproximateMode) -> Attached:
         digits = digit_token_ids(engine.encode) if mode.mode == SPECREASON else None
         attached.driver = StepDriver(scheduler, mode, engine.decode, engine.encode, digits, engine.decode(list(state.committed)))
     return attached
+
+
+# ---------------------------------------------------------------------------------
+# Distributed chains: the mode travels in every tier's header
+# ---------------------------------------------------------------------------------
+
+
+def header_json(mode: ApproximateMode, encode: Callable[[str], list[int]]) -> str:
+    """`SequenceHeader.approximate_json`: the mode's settings, and Reflective's probe as token ids
+    (a tier worker has no tokenizer)."""
+    data = mode.describe()
+    if mode.mode == REFLECTIVE:
+        data["probe_tokens"] = list(encode(mode.probe_prompt))
+    return json.dumps(data)
+
+
+def worker_hooks(approximate_json: str, index: int, run, model_tier) -> bool:
+    """Hook a header's mode onto tier `index`'s view of a request, as `attach` does embedded: the
+    target's round rule on its `run` (BiLD's rollback, Reflective); a drafter's early exit on its
+    `model_tier` (BiLD's fallback). Returns whether an early exit was set (`release` takes it off).
+    The step modes need nothing here: their driver calls the target's rounds and tier 1's blocks."""
+    if not approximate_json:
+        return False
+    data = json.loads(approximate_json)
+    probe_tokens = tuple(data.pop("probe_tokens", ()))
+    mode = ApproximateMode.from_mapping(data)
+    if index == 0 and mode.mode == BILD:
+        run.rule = BildRule(mode.rollback_threshold)
+    elif index == 0 and mode.mode == REFLECTIVE:
+        run.rule = ReflectiveRule(mode.reflective_weight, probe_tokens)
+    elif index > 0 and mode.mode == BILD:
+        model_tier.exit_by_seq[run.seq_id] = mode.fallback_threshold
+        return True
+    return False

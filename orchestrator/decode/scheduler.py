@@ -90,6 +90,9 @@ from polyspec.workers.core.tree import DraftTree, path_rows
 from polyspec.workers.tiers.batched import BatchedTier, Verdict, as_batched
 from polyspec.workers.tiers.tier import Tier
 
+SCRATCH_SEQUENCE = "scratch-score"  # the seq_id prefix of `target_distribution`'s forward, released right after
+_scratch_ids = itertools.count()
+
 DEFAULT_PREFILL_BUDGET = 512  # prompt tokens cached per step for joining requests
 CATCH_UP_GAP = 16  # a drafting tier this many tokens behind a request is caught up before the round, not in it
 
@@ -361,6 +364,22 @@ class ChainScheduler:
             kept = tokens[j][: self.room(run, context)]  # rounds overshoot `need`; keep what fits
             out.append((kept, torch.cat(rows[j])[: len(kept)] if rows[j] else None))
         return out
+
+    def sub_chain_block(self, state: RequestState, context: list[int], need: int) -> list[int]:
+        """At least `need` tokens after `context` from the chain below the target (tier 1 over the tiers
+        below it): an approximate step driver's small model (polyspec.orchestrator.decode.approximate)."""
+        tokens, _ = self.emit_batch(1, [(state.run, context, need)])[0]
+        return tokens
+
+    def target_distribution(self, prompt_ids: list[int]) -> torch.Tensor:
+        """The target's own distribution (temperature 1) after `prompt_ids` [V], from its one-sequence model:
+        no batch slot taken, nothing kept (SpecReason's utility score)."""
+        target = self.tiers[0].tier  # the batched tier's own one-sequence model
+        scratch = (SCRATCH_SEQUENCE, next(_scratch_ids))
+        try:
+            return target.score(scratch, prompt_ids, DraftTree([], [], None), SamplingParams(temperature=1.0))[-1]
+        finally:
+            target.release(scratch)
 
     def _propose(self, level: int, below: int, items: list[tuple]) -> list[DraftTree]:
         """The block tier `below` hands up to tier `level` for each (run, context, length): a chain,

@@ -28,6 +28,8 @@ the worker's sequences, locks and draft-ahead streams as the worker's own method
 from __future__ import annotations
 
 import contextlib
+import itertools
+import os
 import threading
 import time
 
@@ -37,10 +39,14 @@ from polyspec.orchestrator.decode.contract import RoundObservation
 from polyspec.orchestrator.decode.scheduler import CATCH_UP_GAP, ChainScheduler
 from polyspec.orchestrator.decode.contract import first_eos
 from polyspec.orchestrator.distributed.model_lock import LockedBatched, drafting_ahead, model_seconds, set_drafting_ahead, set_model_seconds
-from polyspec.orchestrator.distributed.transport import RemoteBatchedTier, RemoteTier, TierUnavailableError
+from polyspec.orchestrator.distributed.transport import RemoteBatchedTier, RemoteTier, TierUnavailableError, encode_rows
 from polyspec.protos.polyspec.v1 import tier_pb2
+from polyspec.workers.core.sampling import SamplingParams
+from polyspec.workers.core.tree import DraftTree
 from polyspec.workers.tiers.batched import batched_tiers
 
+
+_scratch_ids = itertools.count()  # scratch sequences of `score`
 
 class BatchedRounds:
     """VerifyBatch / DraftBatch for `TierWorker` (which mixes this class in)."""
@@ -210,6 +216,17 @@ class BatchedRounds:
                 tokens, rows = hit if hit is not None else drafted[i]
                 replies.append(self.draft_reply(seq, contexts[i], r, hit is not None, tokens, rows, dst_rank))
         return tier_pb2.DraftBatchReply(replies=replies)
+
+    def score(self, request: tier_pb2.ScoreRequest) -> tier_pb2.ScoreReply:
+        """This tier's distribution after the context, from its one-sequence model on a scratch sequence
+        released right after (SpecReason's utility score: no batch slot taken, nothing kept)."""
+        scratch = ("score", os.getpid(), next(_scratch_ids))
+        params = SamplingParams(temperature=request.temperature or 1.0)
+        try:
+            row = self.local.score(scratch, list(request.context), DraftTree([], [], None), params)[-1:]  # [1, V]
+        finally:
+            self.local.release(scratch)
+        return tier_pb2.ScoreReply(rows=encode_rows(row, self.counters))
 
     # --------------------------------------------------------------- profile
 

@@ -25,6 +25,7 @@ from concurrent import futures
 from typing import Callable
 
 import grpc
+import torch
 
 from polyspec.orchestrator.distributed import cluster_auth
 from polyspec.orchestrator.decode.contract import (
@@ -46,7 +47,7 @@ from polyspec.orchestrator.decode.contract import (
 )
 from polyspec.protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
 from polyspec.workers.core.sampling import SamplingParams
-from polyspec.orchestrator.distributed.transport import CHANNEL_OPTIONS, UNAVAILABLE_CODES, Counters, TierUnavailableError
+from polyspec.orchestrator.distributed.transport import CHANNEL_OPTIONS, UNAVAILABLE_CODES, Counters, TierUnavailableError, decode_rows
 
 VERIFY_TIMEOUT_S = 300.0
 
@@ -382,6 +383,37 @@ class DistributedChain:
                     on_done(pending[done], exc)
 
     # ------------------------------------------------------------------- stats
+
+    # ------------------------------------------------------- approximate modes
+
+    def set_approximate(self, state: RequestState, approximate_json: str) -> None:
+        """Carry a request's approximate mode in its header (polyspec.orchestrator.decode.approximate.header_json):
+        the target's worker checks its blocks by the mode's rule, the drafters' workers stop a BiLD block at
+        the first unsure token (approximate.worker_hooks)."""
+        state.run.header.approximate_json = approximate_json
+
+    def sub_chain_block(self, state: RequestState, context: list[int], need: int) -> list[int]:
+        """At least `need` tokens after `context` from tier 1's worker (its own rounds over the tiers below):
+        an approximate step driver's small model."""
+        header = tier_pb2.SequenceHeader()
+        header.CopyFrom(state.run.header)
+        header.pipeline = False  # a block asked for directly: no draft-ahead bet on it
+        view = self.tiers[1]
+        request = tier_pb2.DraftRequest(header=header, context=context, num_tokens=need, caller=0)
+        try:
+            with cluster_auth.insecure_channel(view.address, options=CHANNEL_OPTIONS) as channel:
+                reply = tier_pb2_grpc.TierStub(channel).Draft(request, timeout=VERIFY_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            if exc.code() in UNAVAILABLE_CODES:
+                raise TierUnavailableError(view.name, f"Draft: {exc.code().name.lower()}") from None
+            raise RuntimeError(f"tier {view.name!r}: Draft failed: {exc.details()}") from None
+        self.counters.add("grpc", request.ByteSize() + reply.ByteSize())
+        return list(reply.tokens)
+
+    def target_distribution(self, prompt_ids: list[int]) -> torch.Tensor:
+        """The target's own distribution (temperature 1) after `prompt_ids` [V], from its worker (nothing kept)."""
+        reply, _ = self._call_target("Score", tier_pb2.ScoreRequest(context=prompt_ids, temperature=1.0))
+        return decode_rows(reply.rows)[0]
 
     def runtime_stats(self) -> dict:
         """Messages and bytes per transport, busy / idle time per tier, draft-ahead hits."""

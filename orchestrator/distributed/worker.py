@@ -40,8 +40,8 @@ import torch
 
 from polyspec.orchestrator.distributed import cluster_auth
 from polyspec.orchestrator.distributed.batched_rounds import BatchedRounds
-from polyspec.orchestrator.decode.contract import NO_LIMIT, StageStats, first_eos, seeded_generator
-from polyspec.orchestrator.decode.contract import RoundObservation
+from polyspec.orchestrator.decode.contract import NO_LIMIT, RoundObservation, StageStats, first_eos, seeded_generator
+from polyspec.orchestrator.decode.approximate import worker_hooks
 from polyspec.orchestrator.decode.scheduler import ChainScheduler, Run
 from polyspec.orchestrator.tuning.time_model import AHEAD_SMOOTHING, AHEAD_THRESHOLD  # the time model reads the same bet
 from polyspec.protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
@@ -56,15 +56,8 @@ from polyspec.orchestrator.distributed.model_lock import (
     set_drafting_ahead,
     set_model_seconds,
 )
-from polyspec.orchestrator.distributed.transport import (
-    CHANNEL_OPTIONS,
-    Counters,
-    DistChannel,
-    RemoteTier,
-    TierUnavailableError,
-    encode_rows,
-    header_params,
-)
+from polyspec.orchestrator.distributed.transport import (CHANNEL_OPTIONS, Counters, DistChannel, RemoteTier, TierUnavailableError,
+                                                       encode_rows, header_params)
 from polyspec.workers.core.tree import DraftTree
 
 MAX_RPC_THREADS = 64
@@ -110,6 +103,7 @@ class _Sequence:
             stages=[StageStats(worker.tier.name, "below")],
             limit=header.limit or NO_LIMIT,
         )
+        self.exits = worker_hooks(header.approximate_json, worker.index, self.run, worker.tier)  # an approximate mode's hooks
         self.cond = threading.Condition()
         self.epoch_below = 0  # verdicts with a correction sent to the tier below
         self.lower_continues = False  # the tier below said it drafts past its last block
@@ -496,6 +490,8 @@ class TierWorker(BatchedRounds):
             with seq.cond:
                 seq.closed = True
                 self._drop_stream(seq)
+            if seq.exits:
+                self.tier.exit_by_seq.pop(seq_id, None)
         self.local.release(seq_id)
         if self._batched is not None:
             self._batched.release(seq_id)
@@ -594,6 +590,9 @@ class _Servicer(tier_pb2_grpc.TierServicer):
 
     def Health(self, request, context):
         return self.worker.health()
+
+    def Score(self, request, context):
+        return self._guard(context, lambda: self.worker.score(request))
 
     def Profile(self, request, context):
         return self._guard(context, lambda: (self.worker.profile_grid if request.max_batch > 0 else self.worker.profile)(request))

@@ -108,6 +108,50 @@ def test_greedy_equals_embedded_one_node_per_tier(cluster, chain_engine, embedde
         assert sum(t["draft_ahead"]["hits"] for t in stats["tiers"]) > 0
 
 
+@pytest.fixture(scope="module")
+def embedded_chain(tiny_family):
+    """The same three tiers embedded: what each approximate mode writes there."""
+    tiers = [{"name": n, "model": tiny_family[n]} for n in ("target", "mid", "small")]
+    return Engine(parse_config({"tiers": tiers, "speculation": {"lengths": [4, 2]}}))
+
+
+def _approximate(engine, settings: dict) -> dict:
+    return engine.generate(engine.parse_request({"prompt": PROMPTS[0], "max_new_tokens": MAX_NEW, "approximate": settings}))
+
+
+@pytest.mark.parametrize("mode", ["bild", "reflective", "specreason-keep", "specreason-rewrite", "speculative-thinking"])
+def test_approximate_modes_on_ray_write_what_they_write_embedded(chain_engine, embedded_chain, mode):
+    """Each mode on the cluster (its settings in every tier's header: the target's rule, the drafters' early exit;
+    the step modes' small model as tier 1's Draft, the utility score as the target's Score) gives the embedded
+    chain's text and counts. The step modes' settings make both writers write."""
+    chain_engine.scheduler.pipeline, chain_engine.scheduler.lengths = False, [4, 2]
+    sub_chain_text = embedded_chain.decode(_approximate(embedded_chain, {"mode": "specreason", "score_threshold": 0})["token_ids"])
+    point = next(i for i in range(1, len(sub_chain_text) - 2)
+                 if sub_chain_text[i].isalnum() and not sub_chain_text[i + 1].isalnum() and not sub_chain_text[i - 1].isalnum())
+    delimiter, word = sub_chain_text[point - 1], sub_chain_text[point]
+    settings = {
+        "bild": {"mode": "bild", "fallback_threshold": 0.4, "rollback_threshold": 2.0},
+        "reflective": {"mode": "reflective", "reflective_weight": 0.5},
+        "specreason-keep": {"mode": "specreason", "score_threshold": 0, "step_delimiter": delimiter},
+        "specreason-rewrite": {"mode": "specreason", "score_threshold": 9, "step_delimiter": delimiter},
+        "speculative-thinking": {"mode": "speculative-thinking", "step_delimiter": delimiter, "trigger_words": [word],
+                                 "takeover_tokens": 4},
+    }[mode]
+    on_ray, embedded = _approximate(chain_engine, settings), _approximate(embedded_chain, settings)
+    assert on_ray["token_ids"] == embedded["token_ids"] and on_ray["mode"] == settings["mode"]
+    counts = on_ray["stats"]["approximate"]
+    assert counts == embedded["stats"]["approximate"]
+    if mode == "specreason-keep":
+        assert counts["steps_scored"] >= 2 and counts["small_tokens"] > 0
+    if mode == "specreason-rewrite":
+        assert counts["steps_accepted"] == 0 and counts["large_tokens"] > 0
+    if mode == "speculative-thinking":
+        assert counts["takeovers"] >= 1 and counts["large_tokens"] >= 4
+    exact = chain_engine.generate(chain_engine.parse_request({"prompt": PROMPTS[0], "max_new_tokens": MAX_NEW}))
+    assert exact["token_ids"] == embedded_chain.generate(embedded_chain.parse_request({"prompt": PROMPTS[0], "max_new_tokens": MAX_NEW}))["token_ids"]
+    assert "mode" not in exact  # the next exact request on the same workers is exact: no hook outlived its request
+
+
 @pytest.mark.extended
 def test_sampling_is_lossless_pipelined(chain_engine, tiny_family):
     """Temperature 1, pipelined, 3 tiers on 3 nodes: chi-square of the first and second tokens

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SequenceHeader(_message.Message):
-    __slots__ = ("seq_id", "temperature", "top_p", "top_k", "seeds", "lengths", "pipeline", "epoch", "scheme", "tree_width", "limit", "batched")
+    __slots__ = ("seq_id", "temperature", "top_p", "top_k", "seeds", "lengths", "pipeline", "epoch", "scheme", "tree_width", "limit", "batched", "approximate_json")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,7 @@ class SequenceHeader(_message.Message):
     TREE_WIDTH_FIELD_NUMBER: _ClassVar[int]
     LIMIT_FIELD_NUMBER: _ClassVar[int]
     BATCHED_FIELD_NUMBER: _ClassVar[int]
+    APPROXIMATE_JSON_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     temperature: float
     top_p: float
@@ -33,7 +34,8 @@ class SequenceHeader(_message.Message):
     tree_width: int
     limit: int
     batched: bool
-    def __init__(self, seq_id: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seeds: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ..., pipeline: _Optional[bool] = ..., epoch: _Optional[int] = ..., scheme: _Optional[str] = ..., tree_width: _Optional[int] = ..., limit: _Optional[int] = ..., batched: _Optional[bool] = ...) -> None: ...
+    approximate_json: str
+    def __init__(self, seq_id: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seeds: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ..., pipeline: _Optional[bool] = ..., epoch: _Optional[int] = ..., scheme: _Optional[str] = ..., tree_width: _Optional[int] = ..., limit: _Optional[int] = ..., batched: _Optional[bool] = ..., approximate_json: _Optional[str] = ...) -> None: ...
 
 class Rows(_message.Message):
     __slots__ = ("encoding", "num_rows", "vocab", "dense", "counts", "indices", "values", "dist_tag", "dist_src")
@@ -324,3 +326,17 @@ class ProfileReply(_message.Message):
     lookup_ms: float
     catch_up_ms: float
     def __init__(self, forward_ms: _Optional[_Iterable[float]] = ..., draft_ms: _Optional[_Iterable[float]] = ..., can_verify: _Optional[bool] = ..., deterministic_drafts: _Optional[bool] = ..., prefill_ms: _Optional[_Iterable[float]] = ..., batched: _Optional[_Iterable[_Union[GridCost, _Mapping]]] = ..., lookup_ms: _Optional[float] = ..., catch_up_ms: _Optional[float] = ...) -> None: ...
+
+class ScoreRequest(_message.Message):
+    __slots__ = ("context", "temperature")
+    CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    context: _containers.RepeatedScalarFieldContainer[int]
+    temperature: float
+    def __init__(self, context: _Optional[_Iterable[int]] = ..., temperature: _Optional[float] = ...) -> None: ...
+
+class ScoreReply(_message.Message):
+    __slots__ = ("rows",)
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    rows: Rows
+    def __init__(self, rows: _Optional[_Union[Rows, _Mapping]] = ...) -> None: ...

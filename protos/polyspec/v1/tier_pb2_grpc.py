@@ -84,6 +84,11 @@ class TierStub:
                 request_serializer=polyspec_dot_v1_dot_tier__pb2.ProfileRequest.SerializeToString,
                 response_deserializer=polyspec_dot_v1_dot_tier__pb2.ProfileReply.FromString,
                 _registered_method=True)
+        self.Score = channel.unary_unary(
+                '/polyspec.v1.Tier/Score',
+                request_serializer=polyspec_dot_v1_dot_tier__pb2.ScoreRequest.SerializeToString,
+                response_deserializer=polyspec_dot_v1_dot_tier__pb2.ScoreReply.FromString,
+                _registered_method=True)
 
 
 class TierServicer:
@@ -162,6 +167,13 @@ class TierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Score(self, request, context):
+        """This tier's own distribution after `context` (one forward, nothing kept): SpecReason's utility score.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -214,6 +226,11 @@ def add_TierServicer_to_server(servicer, server):
                     servicer.Profile,
                     request_deserializer=polyspec_dot_v1_dot_tier__pb2.ProfileRequest.FromString,
                     response_serializer=polyspec_dot_v1_dot_tier__pb2.ProfileReply.SerializeToString,
+            ),
+            'Score': grpc.unary_unary_rpc_method_handler(
+                    servicer.Score,
+                    request_deserializer=polyspec_dot_v1_dot_tier__pb2.ScoreRequest.FromString,
+                    response_serializer=polyspec_dot_v1_dot_tier__pb2.ScoreReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -486,6 +503,33 @@ class Tier:
             '/polyspec.v1.Tier/Profile',
             polyspec_dot_v1_dot_tier__pb2.ProfileRequest.SerializeToString,
             polyspec_dot_v1_dot_tier__pb2.ProfileReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Score(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/polyspec.v1.Tier/Score',
+            polyspec_dot_v1_dot_tier__pb2.ScoreRequest.SerializeToString,
+            polyspec_dot_v1_dot_tier__pb2.ScoreReply.FromString,
             options,
             channel_credentials,
             insecure,
