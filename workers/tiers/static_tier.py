@@ -97,7 +97,9 @@ def _stream_key(generator, rounds: int = 1) -> tuple[int, int]:
 def misfit(tiers, lengths, tree_width: int) -> str | None:
     """Why the device round cannot run a chain of these (loaded) tiers; None when it can. Every model
     tier must be a Llama / Qwen2 model `StaticLlama` runs (float or fp8 weights; int8 on the CPU); every other
-    tier the n-gram lookup. A draft tree (the bottom tier's block: tree_width x its length nodes) is one
+    tier the n-gram lookup. An early-exit drafter is such a model (the target's first layers, shared, and its
+    adapter: drafters.early_exit_model), its pool its own; its `exit_threshold` is `draft_batch`'s and
+    `draft_tree_batch`'s. A draft tree (the bottom tier's block: tree_width x its length nodes) is one
     block, of at most MAX_BLOCK_TOKENS nodes."""
     for level, tier in enumerate(tiers):
         if level and isinstance(tier, NGramTier):
@@ -106,8 +108,8 @@ def misfit(tiers, lengths, tree_width: int) -> str | None:
         if not isinstance(tier, ModelTier) or not StaticLlama.supports(model, torch.device(getattr(tier, "device", "cpu"))):
             return (f"tier {tier.name!r} is not a Llama / Qwen2 model with float or fp8 weights on the CPU or CUDA (int8: the CPU), "
                     f"nor an n-gram drafter")
-        if tier.exit_threshold is not None or tier.keep_features:
-            return f"tier {tier.name!r} drafts with an early exit or feeds a feature head, which the device round does not run"
+        if tier.keep_features:
+            return f"tier {tier.name!r} feeds a feature head, which the device round does not run"
     vocabularies = {tier.model.config.vocab_size for tier in tiers if isinstance(tier, ModelTier)}
     if len(vocabularies) > 1:
         return f"its tiers' logits must have one width, got {sorted(vocabularies)}"
