@@ -262,8 +262,9 @@ class Engine:
         self.tokenizer, eos = describe_chain(self.config.tiers)
         self.scheduler = ray_chain(self.config, stop_token_ids(self.tokenizer, eos))
         self.tiers = self.scheduler.tiers  # TierViews: name, vocab_size, busy_s
-        # a trained drafter reads the target's features from its one-sequence cache: such chains take turns
-        if batched and self.config.batching.enabled and not any(t.drafter for t in self.config.tiers):
+        # a feature head reads the target's features from its one-sequence cache: such chains take turns (an early-exit
+        # drafter is a model tier of its own, batched beside its target in the target's actor)
+        if batched and self.config.batching.enabled and not any(t.drafter == "feature" for t in self.config.tiers):
             # every running request in one VerifyBatch per step; each tier actor scores all their
             # blocks in one forward (polyspec.orchestrator.distributed.batched_rounds)
             self.batched = self.scheduler.batched = True
