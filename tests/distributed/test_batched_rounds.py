@@ -235,19 +235,21 @@ def test_a_tier_actor_serves_its_tier_as_a_device_tier_where_batching_round_says
     assert device_slots(tiers[1], dataclasses.replace(batching, round="device")) == 0
 
 
-@pytest.mark.parametrize("pipeline", [False, True], ids=["serial", "pipelined"])
-def test_batched_rounds_run_an_early_exit_drafter_as_a_device_tier(tiny_drafters, embedded, pipeline):
-    """target <- early exit (its first layer shared), each a device tier of its worker, as in the target's Ray actor:
-    the output stays the target's (the exit threshold makes the drafter's blocks shorter now and then)."""
+@pytest.mark.parametrize("pipeline,device_slots", [(False, 8), (True, 8), (False, 0)], ids=["serial", "pipelined", "ragged"])
+def test_batched_rounds_run_an_early_exit_drafter_as_a_device_tier(tiny_drafters, embedded, pipeline, device_slots):
+    """target <- early exit (its first layer shared), each a device tier of its worker, as in the target's Ray actor (or
+    each a ragged batched tier): the output stays the target's (the exit threshold shortens some drafter's blocks)."""
+    from polyspec.workers.tiers.batched import BatchedModelTier
     from polyspec.workers.tiers.static_tier import StaticModelTier
 
-    chain, workers, _ = batched_chain(tiny_drafters, ["target", "early_exit_noisy"], [4], pipeline, device_slots=8)
+    chain, workers, _ = batched_chain(tiny_drafters, ["target", "early_exit_noisy"], [4], pipeline, device_slots=device_slots)
     try:
         jobs = [(ids, MAX_NEW, SamplingParams(temperature=0.0), None) for ids, _ in embedded.values()] * 2
         outputs, _ = run_batch(chain, jobs, max_running=5)
         for out, (ids, expected) in zip(outputs, list(embedded.values()) * 2):
             assert out.token_ids == expected
-        assert all(isinstance(worker.batched_tier().inner, StaticModelTier) for worker in workers)
+        kind = StaticModelTier if device_slots else BatchedModelTier
+        assert all(isinstance(worker.batched_tier().inner, kind) for worker in workers)
         assert workers[1].batched_tier().inner.tier.exit_threshold == 0.3
         assert sum(stage["proposed"] for out in outputs for stage in out.stats["stages"]) > 0
     finally:
