@@ -175,12 +175,19 @@ class Engine:
         import torch
 
         from polyspec.workers.tiers.device_ngram import DeviceNGramTier
+        from polyspec.workers.tiers.feature_tier import FeatureTier
+        from polyspec.workers.tiers.static_feature import StaticFeatureHead, StaticFeatureTier
         from polyspec.workers.tiers.static_llama import StaticLlama
         from polyspec.workers.tiers.static_tier import StaticModelTier
         from polyspec.workers.tiers.tier import NGramTier
 
         batching = self.config.batching
-        models = [None if isinstance(tier, NGramTier) else StaticLlama(tier.model) for tier in self.tiers]
+        models = []
+        for tier in self.tiers:
+            if isinstance(tier, FeatureTier):  # tier 1 (static_tier.misfit): it reads the target's embeddings and LM head
+                models.append(StaticFeatureHead(tier.head, models[0]))
+            else:
+                models.append(None if isinstance(tier, NGramTier) else StaticLlama(tier.model))
         per_request = sum(StaticModelTier.bytes_per_request(m, batching.max_context) for m in models if m is not None)
         wanted = batching.max_requests if self.batched else 1
         kv_memory_mb = batching.kv_memory_mb
@@ -194,8 +201,14 @@ class Engine:
         self.max_requests = requests_within_memory(wanted, kv_memory_mb, per_request)
         slots = self.max_requests + keep_finished
         # the lookup's token rows are sized like the model tiers' KV pools (the target's context by default)
-        tiers = [DeviceNGramTier(tier, slots, batching.max_context or models[0].limit, device) if model is None
-                 else StaticModelTier(tier, slots, batching.max_context, model) for tier, model in zip(self.tiers, models)]
+        tiers = []
+        for tier, model in zip(self.tiers, models):
+            if model is None:
+                tiers.append(DeviceNGramTier(tier, slots, batching.max_context or models[0].limit, device))
+            elif isinstance(model, StaticFeatureHead):
+                tiers.append(StaticFeatureTier(tier, tiers[0], slots, batching.max_context, model))
+            else:
+                tiers.append(StaticModelTier(tier, slots, batching.max_context, model))
         spec = self.config.speculation
         self.scheduler = ChainScheduler(tiers, self.config.speculation_lengths(), eos_token_ids=eos, keep_finished=keep_finished,
                                         prefill_budget=max(1, batching.max_batched_tokens - self.max_requests),

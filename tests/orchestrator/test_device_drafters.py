@@ -49,7 +49,8 @@ def early(target, tiny_drafters):
 def reference(target):
     out = {}
     for prompt in PROMPTS:
-        generated = target.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
+        generated = target.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None,
+                                    pad_token_id=0)
         out[tuple(prompt)] = generated[0, len(prompt):].tolist()
     return out
 

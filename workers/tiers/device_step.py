@@ -124,12 +124,13 @@ def sampling_mode(params: list[SamplingParams]) -> str:
 
 
 def target_step(model: StaticLlama, pool: KVPool, ids, positions, slots, span: int, mode: str, temperature, top_k, top_p, greedy,
-                draft_tokens, draft_probs, num_draft, seeds, counters):
+                draft_tokens, draft_probs, num_draft, seeds, counters, features: torch.Tensor | None = None):
     """The target's step: forward of [B, k + 1] tokens, warp, verification. Returns
     (tokens [B, k + 1]: accepted drafts, then the correction / bonus token, then padding; num_accepted [B];
     rows [B, k + 1, V]: the warped float32 rows the emitted tokens are distributed as — the logits when
-    every request is greedy, whose rows nobody reads)."""
-    logits = model.forward(pool, ids, positions, slots, span)  # [B, k + 1, V]
+    every request is greedy, whose rows nobody reads). `features`: the buffer the forward writes its last
+    hidden states into, for a feature head below (`StaticLlama.forward`)."""
+    logits = model.forward(pool, ids, positions, slots, span, features=features)  # [B, k + 1, V]
     rows, width, vocab = logits.shape
     block = width - 1
     cu_num_draft = torch.arange(rows + 1, device=ids.device) * block  # the padded layout: k slots per request
@@ -230,6 +231,11 @@ def draft_step(model: StaticLlama, pool: KVPool, ids, positions, slots, span: in
     `confidence` (a static choice): a third output, each row's top probability at temperature 1 [B], the signal of
     an early exit (`tier.confidence`: BiLD's fallback)."""
     logits = model.forward(pool, ids, positions, slots, span)[:, -1]  # [B, V]
+    return draw_next(logits, mode, temperature, top_k, top_p, greedy, seeds, draw_counters, confidence)
+
+
+def draw_next(logits, mode: str, temperature, top_k, top_p, greedy, seeds, draw_counters, confidence: bool = False):
+    """A drafter's next token from its rows' logits [B, V]: warp, one draw per request (`draft_step`'s outputs)."""
     confident = (_confidence(logits),) if confidence else ()
     if mode == GREEDY:
         return (logits.argmax(dim=-1), logits.float(), *confident)
