@@ -19,7 +19,9 @@ step) stays exact. Positions computed from predictions are provisional: the next
 context's features yet (a new prompt the scheduler did not prefill), the head has it prefill them: the target's
 next verify step finds them cached.
 
-Scope: the head is the chain's bottom tier and drafts chains (static_tier.misfit names anything else).
+`score_batch` (what the start-up profile times) feeds a block's tokens one a step after the first, as
+`FeatureTier.score` does. Scope: the head is the chain's bottom tier and drafts chains (static_tier.misfit names
+anything else): it verifies no tier's blocks.
 """
 
 from __future__ import annotations
