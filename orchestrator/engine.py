@@ -175,12 +175,19 @@ class Engine:
         import torch
 
         from polyspec.workers.tiers.device_ngram import DeviceNGramTier
+        from polyspec.workers.tiers.feature_tier import FeatureTier
+        from polyspec.workers.tiers.static_feature import StaticFeatureHead, StaticFeatureTier
         from polyspec.workers.tiers.static_llama import StaticLlama
         from polyspec.workers.tiers.static_tier import StaticModelTier
         from polyspec.workers.tiers.tier import NGramTier
 
         batching = self.config.batching
-        models = [None if isinstance(tier, NGramTier) else StaticLlama(tier.model) for tier in self.tiers]
+        models = []
+        for tier in self.tiers:
+            if isinstance(tier, FeatureTier):  # tier 1 (static_tier.misfit): it reads the target's embeddings and LM head
+                models.append(StaticFeatureHead(tier.head, models[0]))
+            else:
+                models.append(None if isinstance(tier, NGramTier) else StaticLlama(tier.model))
         per_request = sum(StaticModelTier.bytes_per_request(m, batching.max_context) for m in models if m is not None)
         wanted = batching.max_requests if self.batched else 1
         kv_memory_mb = batching.kv_memory_mb
@@ -194,8 +201,14 @@ class Engine:
         self.max_requests = requests_within_memory(wanted, kv_memory_mb, per_request)
         slots = self.max_requests + keep_finished
         # the lookup's token rows are sized like the model tiers' KV pools (the target's context by default)
-        tiers = [DeviceNGramTier(tier, slots, batching.max_context or models[0].limit, device) if model is None
-                 else StaticModelTier(tier, slots, batching.max_context, model) for tier, model in zip(self.tiers, models)]
+        tiers = []
+        for tier, model in zip(self.tiers, models):
+            if model is None:
+                tiers.append(DeviceNGramTier(tier, slots, batching.max_context or models[0].limit, device))
+            elif isinstance(model, StaticFeatureHead):
+                tiers.append(StaticFeatureTier(tier, tiers[0], slots, batching.max_context, model))
+            else:
+                tiers.append(StaticModelTier(tier, slots, batching.max_context, model))
         spec = self.config.speculation
         self.scheduler = ChainScheduler(tiers, self.config.speculation_lengths(), eos_token_ids=eos, keep_finished=keep_finished,
                                         prefill_budget=max(1, batching.max_batched_tokens - self.max_requests),
@@ -262,8 +275,9 @@ class Engine:
         self.tokenizer, eos = describe_chain(self.config.tiers)
         self.scheduler = ray_chain(self.config, stop_token_ids(self.tokenizer, eos))
         self.tiers = self.scheduler.tiers  # TierViews: name, vocab_size, busy_s
-        # a trained drafter reads the target's features from its one-sequence cache: such chains take turns
-        if batched and self.config.batching.enabled and not any(t.drafter for t in self.config.tiers):
+        # a feature head reads the target's features from its one-sequence cache: such chains take turns (an early-exit
+        # drafter is a model tier of its own, batched beside its target in the target's actor)
+        if batched and self.config.batching.enabled and not any(t.drafter == "feature" for t in self.config.tiers):
             # every running request in one VerifyBatch per step; each tier actor scores all their
             # blocks in one forward (polyspec.orchestrator.distributed.batched_rounds)
             self.batched = self.scheduler.batched = True

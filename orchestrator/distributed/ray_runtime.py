@@ -77,13 +77,24 @@ def device_slots(tier, batching) -> int:
     return batching.max_requests + 1 if why is None and (mode == "device" or on_cuda) else 0  # + 1: a profile's sequence
 
 
+def actor_device_slots(tiers, batching) -> list[int]:
+    """`device_slots` of each tier an actor hosts (its own tier, then its trained drafters): an early-exit drafter's
+    device tier has a pool of its own beside its target's (their weights shared); a feature head reads its target's
+    ragged cache, so an actor hosting one serves each of its tiers ragged."""
+    from polyspec.workers.tiers.feature_tier import FeatureTier
+
+    if any(isinstance(tier, FeatureTier) for tier in tiers):
+        return [0] * len(tiers)
+    return [device_slots(tier, batching) for tier in tiers]
+
+
 class TierActor:
     """The body of a tier's Ray actor: loads its tiers and serves them (a restart re-runs this).
     `tier_configs[0]` is the actor's own tier; the rest are trained drafters over it."""
 
     def __init__(self, tier_configs, indices: list[int], eos_token_ids: tuple[int, ...], threads: int, batching=None) -> None:
         """`batching` (the chain's BatchingConfig): its `round` decides whether the actor's model tier serves
-        batched rounds as a device tier (static_tier.device_slots)."""
+        batched rounds as a device tier (`actor_device_slots`)."""
         import ray
         import torch
 
@@ -104,10 +115,10 @@ class TierActor:
             self.out_features = tiers[0].vocab_size
         lock = ModelLock()
         host = ray.util.get_node_ip_address()
-        slots = device_slots(tiers[0], batching) if len(tiers) == 1 else 0  # a trained drafter reads its target's ragged cache
-        self.workers = {index: TierWorker(tier, index, eos_token_ids=eos_token_ids, host=host, lock=lock, device_slots=slots,
+        slots = actor_device_slots(tiers, batching)
+        self.workers = {index: TierWorker(tier, index, eos_token_ids=eos_token_ids, host=host, lock=lock, device_slots=tier_slots,
                                           device_context=getattr(batching, "max_context", None))
-                        for index, tier in zip(indices, tiers)}
+                        for index, tier, tier_slots in zip(indices, tiers, slots)}
         self.first = indices[0]
         self.node_id = ray.get_runtime_context().get_node_id()
 

@@ -233,3 +233,40 @@ def test_a_tier_actor_serves_its_tier_as_a_device_tier_where_batching_round_says
     assert device_slots(tiers[0], dataclasses.replace(batching, round="auto")) == 0  # a CPU tier
     assert device_slots(tiers[0], dataclasses.replace(batching, round="ragged")) == 0
     assert device_slots(tiers[1], dataclasses.replace(batching, round="device")) == 0
+
+
+@pytest.mark.parametrize("pipeline,device_slots", [(False, 8), (True, 8), (False, 0)], ids=["serial", "pipelined", "ragged"])
+def test_batched_rounds_run_an_early_exit_drafter_as_a_device_tier(tiny_drafters, embedded, pipeline, device_slots):
+    """target <- early exit (its first layer shared), each a device tier of its worker, as in the target's Ray actor (or
+    each a ragged batched tier): the output stays the target's (the exit threshold shortens some drafter's blocks)."""
+    from polyspec.workers.tiers.batched import BatchedModelTier
+    from polyspec.workers.tiers.static_tier import StaticModelTier
+
+    chain, workers, _ = batched_chain(tiny_drafters, ["target", "early_exit_noisy"], [4], pipeline, device_slots=device_slots)
+    try:
+        jobs = [(ids, MAX_NEW, SamplingParams(temperature=0.0), None) for ids, _ in embedded.values()] * 2
+        outputs, _ = run_batch(chain, jobs, max_running=5)
+        for out, (ids, expected) in zip(outputs, list(embedded.values()) * 2):
+            assert out.token_ids == expected
+        kind = StaticModelTier if device_slots else BatchedModelTier
+        assert all(isinstance(worker.batched_tier().inner, kind) for worker in workers)
+        assert workers[1].batched_tier().inner.tier.exit_threshold == 0.3
+        assert sum(stage["proposed"] for out in outputs for stage in out.stats["stages"]) > 0
+    finally:
+        stop(chain, workers)
+
+
+def test_an_actor_serves_an_early_exit_drafter_on_the_device_beside_its_target(tiny_drafters):
+    """`actor_device_slots`: the target's actor puts an early-exit drafter on the device with its target (a pool each);
+    one hosting a feature head serves its tiers ragged (the head reads its target's ragged cache)."""
+    import dataclasses
+
+    from polyspec.orchestrator.config import BatchingConfig
+    from polyspec.orchestrator.distributed.ray_runtime import actor_device_slots
+
+    batching = dataclasses.replace(BatchingConfig(max_requests=4), round="device")
+    tiers, _ = load_tiers(chain_config(tiny_drafters, ["target", "early_exit_noisy"], lengths=[3]).tiers)
+    assert actor_device_slots(tiers, batching) == [5, 5]
+    assert actor_device_slots(tiers, dataclasses.replace(batching, round="ragged")) == [0, 0]
+    tiers, _ = load_tiers(chain_config(tiny_drafters, ["target", "feature"], lengths=[3]).tiers)
+    assert actor_device_slots(tiers, batching) == [0, 0]

@@ -125,6 +125,26 @@ def test_seeded_sampling_equals_the_embedded_chain(cluster, tiny_drafters, expec
         local.close()
 
 
+def test_an_early_exit_chain_runs_batched_on_device_tiers(cluster, tiny_drafters, expected):
+    """`batching.round: device`: the target's actor serves the target and its early-exit drafter as device tiers
+    (ray_runtime.actor_device_slots), every running request in one VerifyBatch a step; greedy output is the target's."""
+    from polyspec.orchestrator.batch_runner import run_requests
+
+    raw = chain(tiny_drafters, [early(tiny_drafters)], [3], "ray", cluster.address)
+    raw["batching"] = {"round": "device", "max_requests": 4, "max_context": 128}
+    engine = Engine(parse_config(raw), batched=True)
+    try:
+        assert engine.batched
+        requests = [engine.parse_request({"id": str(i), "prompt_ids": ids, "max_new_tokens": MAX_NEW}) for i, (ids, _) in enumerate(expected)]
+        out = {}
+        run_requests(engine, requests, lambda result: out.__setitem__(result["id"], result))
+        for i, (_, want) in enumerate(expected):
+            assert out[str(i)]["token_ids"] == want, i
+        assert out["0"]["stats"]["stages"][0]["proposed"] > 0
+    finally:
+        engine.close()
+
+
 def test_ray_mode_rules_for_trained_drafters(tiny_drafters):
     pinned = {**feature(tiny_drafters), "resources": {"gpu_node": 1}}
     with pytest.raises(ConfigError, match="runs in its target's Ray actor; set resources on the target"):

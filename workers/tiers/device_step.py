@@ -124,12 +124,13 @@ def sampling_mode(params: list[SamplingParams]) -> str:
 
 
 def target_step(model: StaticLlama, pool: KVPool, ids, positions, slots, span: int, mode: str, temperature, top_k, top_p, greedy,
-                draft_tokens, draft_probs, num_draft, seeds, counters):
+                draft_tokens, draft_probs, num_draft, seeds, counters, features: torch.Tensor | None = None):
     """The target's step: forward of [B, k + 1] tokens, warp, verification. Returns
     (tokens [B, k + 1]: accepted drafts, then the correction / bonus token, then padding; num_accepted [B];
     rows [B, k + 1, V]: the warped float32 rows the emitted tokens are distributed as — the logits when
-    every request is greedy, whose rows nobody reads)."""
-    logits = model.forward(pool, ids, positions, slots, span)  # [B, k + 1, V]
+    every request is greedy, whose rows nobody reads). `features`: the buffer the forward writes its last
+    hidden states into, for a feature head below (`StaticLlama.forward`)."""
+    logits = model.forward(pool, ids, positions, slots, span, features=features)  # [B, k + 1, V]
     rows, width, vocab = logits.shape
     block = width - 1
     cu_num_draft = torch.arange(rows + 1, device=ids.device) * block  # the padded layout: k slots per request
@@ -169,16 +170,19 @@ def target_tree_step(model: StaticLlama, pool: KVPool, ids, positions, slots, sp
 
 
 def tree_root_step(model: StaticLlama, pool: KVPool, ids, positions, slots, span: int, mode: str, width: int,
-                   without_replacement: bool, temperature, top_k, top_p, greedy, seeds, counters):
+                   without_replacement: bool, temperature, top_k, top_p, greedy, seeds, counters, confidence: bool = False):
     """A tree drafter's first step: forward, warp of the last column, and the root's `width` candidates per request
     (`tier.first_candidates`' rules): the top `width` logits when greedy; else drawn from the request's stream
     (DOMAIN_DRAFT, round `counters`): without replacement (Gumbel-top-k over one draw's noise) for rsd, otherwise
     i.i.d. (candidate w: the exponential race over draws w * V ..). Returns (tokens [B, W]; valid [B, W]: False for
-    a candidate without replacement past the row's support, these come last; probs [B, V], the logits when greedy)."""
+    a candidate without replacement past the row's support, these come last; probs [B, V], the logits when greedy).
+    `confidence` (a static choice): a fourth output, the root row's top probability at temperature 1 [B] (an early
+    exit's signal, as `draft_step`'s)."""
     logits = model.forward(pool, ids, positions, slots, span)[:, -1]  # [B, V]
     top = logits.topk(width, dim=-1).indices  # [B, W]
+    confident = (_confidence(logits),) if confidence else ()
     if mode == GREEDY:
-        return top, torch.ones_like(top, dtype=torch.bool), logits.float()
+        return top, torch.ones_like(top, dtype=torch.bool), logits.float(), *confident
     probs = warp_batch(logits, temperature, top_k, top_p, truncate=mode == TRUNCATED)
     rows, vocab = probs.shape
     if without_replacement:
@@ -189,23 +193,30 @@ def tree_root_step(model: StaticLlama, pool: KVPool, ids, positions, slots, span
         noise = stream_exponentials(seeds, counters, DOMAIN_DRAFT, width * vocab).view(rows, width, vocab)
         sampled = torch.argmax(probs[:, None, :] / noise, dim=-1)  # [B, W]
     tokens = torch.where(greedy[:, None], top, sampled)
-    return tokens, greedy[:, None] | (probs.gather(1, tokens) > 0), probs
+    return tokens, greedy[:, None] | (probs.gather(1, tokens) > 0), probs, *confident
 
 
 def tree_level_step(model: StaticLlama, pool: KVPool, ids, positions, slots, span: int, mode: str, ancestors, tree_start,
-                    temperature, top_k, top_p, greedy, seeds, counters):
+                    temperature, top_k, top_p, greedy, seeds, counters, confidence: bool = False):
     """One more level of every request's tree: forward of its W frontier nodes (`ancestors` [B, W, C] over the
     tree's C columns so far, cached from `tree_start` [B]), warp of each, and one child per node drawn from the
     request's stream (DOMAIN_DRAFT, round `counters`, node w's draws w * V ..). Returns (tokens [B, W],
-    probs [B, W, V]; the logits when greedy)."""
+    probs [B, W, V]; the logits when greedy). `confidence` (a static choice): a third output, the most confident
+    of each request's W rows [B] (an early exit grows the tree on while any branch is sure: `ModelTier.draft_tree`)."""
     logits = model.forward(pool, ids, positions, slots, span, ancestors, tree_start)  # [B, W, V]
+    confident = (_confidence(logits).amax(dim=-1),) if confidence else ()
     if mode == GREEDY:
-        return logits.argmax(dim=-1), logits.float()
+        return logits.argmax(dim=-1), logits.float(), *confident
     rows, width, vocab = logits.shape
     probs = warp_batch(logits.reshape(rows * width, vocab), _per_row(temperature, width), _per_row(top_k, width),
                        _per_row(top_p, width), truncate=mode == TRUNCATED).view(rows, width, vocab)
     noise = stream_exponentials(seeds, counters, DOMAIN_DRAFT, width * vocab).view(rows, width, vocab)
-    return torch.where(greedy[:, None], probs.argmax(dim=-1), torch.argmax(probs / noise, dim=-1)), probs
+    return torch.where(greedy[:, None], probs.argmax(dim=-1), torch.argmax(probs / noise, dim=-1)), probs, *confident
+
+
+def _confidence(logits: torch.Tensor) -> torch.Tensor:
+    """The top probability of each row at temperature 1 (`tier.confidence` on the device): an early exit's signal."""
+    return torch.softmax(logits.float(), dim=-1).amax(dim=-1)
 
 
 def _per_row(values: torch.Tensor, width: int) -> torch.Tensor:
@@ -220,7 +231,12 @@ def draft_step(model: StaticLlama, pool: KVPool, ids, positions, slots, span: in
     `confidence` (a static choice): a third output, each row's top probability at temperature 1 [B], the signal of
     an early exit (`tier.confidence`: BiLD's fallback)."""
     logits = model.forward(pool, ids, positions, slots, span)[:, -1]  # [B, V]
-    confident = (torch.softmax(logits.float(), dim=-1).amax(dim=-1),) if confidence else ()
+    return draw_next(logits, mode, temperature, top_k, top_p, greedy, seeds, draw_counters, confidence)
+
+
+def draw_next(logits, mode: str, temperature, top_k, top_p, greedy, seeds, draw_counters, confidence: bool = False):
+    """A drafter's next token from its rows' logits [B, V]: warp, one draw per request (`draft_step`'s outputs)."""
+    confident = (_confidence(logits),) if confidence else ()
     if mode == GREEDY:
         return (logits.argmax(dim=-1), logits.float(), *confident)
     probs = warp_batch(logits, temperature, top_k, top_p, truncate=mode == TRUNCATED)

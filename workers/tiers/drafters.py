@@ -217,8 +217,9 @@ def load_early_exit(directory, target_model, layers: int | None, where: str):
         raise DrafterError(f"{where}: layers is {layers} but the adapter in {directory} was trained over the target's first {trained} layers")
     adapter = build_adapter(meta, target_model.config)
     _load_weights(adapter, directory, where)
-    dtype = next(target_model.parameters()).dtype
-    adapter = adapter.to(dtype if dtype.is_floating_point else torch.float32)
+    weight = next(target_model.parameters())
+    # on the target's device (a GPU target's shared layers stay there), in its dtype (float32 beside a quantized one)
+    adapter = adapter.to(device=weight.device, dtype=weight.dtype if weight.dtype.is_floating_point else torch.float32)
     return early_exit_model(target_model, trained, adapter), meta
 
 

@@ -144,9 +144,27 @@ class StaticLlama:
         capacity = min(context or self.limit, self.limit) + max_tokens
         return KVPool.bytes_per_slot(len(self.layers), self.kv_heads, self.head_dim, capacity, self.dtype)
 
+    @property
+    def hidden_size(self) -> int:
+        return self.embed.shape[-1]
+
     def forward(self, pool: KVPool, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, span: int,
-                ancestors: torch.Tensor | None = None, tree_start: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B, T, V] (model dtype, on the device) of every token of `ids` [B, T]; see the module docstring.
+                ancestors: torch.Tensor | None = None, tree_start: torch.Tensor | None = None,
+                features: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, V] (model dtype, on the device) of every token of `ids` [B, T]; see `hidden_states`.
+        `features` [slots + 1, capacity, H] (chains only): each token's last hidden state, after the final norm (what
+        the LM head reads, what a feature head below reads: static_feature), is written at [its slot, its position]."""
+        normed = rms_norm(self.hidden_states(pool, F.embedding(ids, self.embed), positions, slots, span, ancestors, tree_start),
+                          self.norm_weight, self.norm_eps)  # [B, T, H]
+        if features is not None:
+            assert ancestors is None, "a feature head reads a chain's features"
+            features[slots[:, None].expand(positions.shape), positions] = normed
+        return project(normed, self.lm_head)
+
+    def hidden_states(self, pool: KVPool, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, span: int,
+                      ancestors: torch.Tensor | None = None, tree_start: torch.Tensor | None = None) -> torch.Tensor:
+        """The decoder layers' output [B, T, H] (before the final norm) over the input vectors `x` [B, T, H] of a
+        row's tokens (their embeddings; a feature head's fused inputs); see the module docstring.
         Every argument shape is static in a bucket; nothing here reads a tensor's value on the host.
 
         `ancestors` [B, T, C] bool (C >= T): every row's new tokens are the last T of its C tree columns,
@@ -156,22 +174,21 @@ class StaticLlama:
         rule, a chain being the lower triangle); it is cached at tree_start + C - T + t. `positions` are
         then rotary positions only (prefix length + depth). With C > T the first C - T columns are a
         tree's earlier levels, cached by earlier calls (a drafter growing its tree one level a step)."""
-        rows, width = ids.shape
+        rows, width = x.shape[:2]
         rotary = positions.clamp_max(self.cos.shape[0] - 1)  # a padding column may run past the table
         cos, sin = self.cos[rotary][:, None], self.sin[rotary][:, None]  # [B, 1, T, D]
-        visible = torch.arange(span, device=ids.device)
+        visible = torch.arange(span, device=x.device)
         if ancestors is None:
             mask = (visible[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, span]
         else:
             columns = ancestors.shape[-1]
             first = positions[:, :1] if tree_start is None else tree_start[:, None]  # [B, 1] the tree's first cache position
             # from here on `positions` are where the new tokens are cached: siblings share a position, never a cache column
-            positions = first + (columns - width) + torch.arange(width, device=ids.device)  # [B, T]
+            positions = first + (columns - width) + torch.arange(width, device=x.device)  # [B, T]
             tree_index = visible[None, :] - first  # [B, span] a column's index among the row's tree columns (< 0: context)
             sees_tree = ancestors.gather(2, tree_index.clamp(0, columns - 1)[:, None, :].expand(rows, width, span))  # [B, T, S]
             mask = ((tree_index < 0)[:, None, :] | (sees_tree & (tree_index < columns)[:, None, :]))[:, None]  # [B, 1, T, span]
         write_slots = slots[:, None].expand(rows, width)  # [B, T]
-        x = F.embedding(ids, self.embed)  # [B, T, H]
         shape = (rows, width, -1, self.head_dim)
         for index, (w_in, eps_in, q_w, k_w, v_w, o_w, w_post, eps_post, gate_w, up_w, down_w) in enumerate(self.layers):
             h = rms_norm(x, w_in, eps_in)
@@ -192,4 +209,4 @@ class StaticLlama:
             x = x + project(attn.transpose(1, 2).reshape(rows, width, -1), o_w)
             h = rms_norm(x, w_post, eps_post)
             x = x + project(F.silu(project(h, gate_w)) * project(h, up_w), down_w)
-        return project(rms_norm(x, self.norm_weight, self.norm_eps), self.lm_head)
+        return x

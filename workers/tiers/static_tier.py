@@ -22,6 +22,11 @@ the target, a middle tier, the bottom drafter. What differs is where its work ha
 Draft trees (`draft_tree_batch`, tree blocks in `verify_batch`, `accept_path`) are polyspec.workers.tiers.static_trees'
 steps, mixed in.
 
+The trained drafters: an early-exit drafter is a `StaticModelTier` of its own model (the target's first layers,
+shared, and its adapter; its own pool; its exit threshold cuts blocks and trees on the host); a feature head is a
+`StaticFeatureTier` (polyspec.workers.tiers.static_feature) reading the features its target's tier records
+(`record_features`).
+
 Every step's shapes depend only on its bucket: requests padded up to a power of two (padding rows
 write the pool's scratch slot), the attended span rounded up to a power of two (at least MIN_SPAN),
 the block width exact. A slot's contents are host bookkeeping (`SlotTable`: the tokens its KV holds), so a
@@ -97,17 +102,27 @@ def _stream_key(generator, rounds: int = 1) -> tuple[int, int]:
 def misfit(tiers, lengths, tree_width: int) -> str | None:
     """Why the device round cannot run a chain of these (loaded) tiers; None when it can. Every model
     tier must be a Llama / Qwen2 model `StaticLlama` runs (float or fp8 weights; int8 on the CPU); every other
-    tier the n-gram lookup. A draft tree (the bottom tier's block: tree_width x its length nodes) is one
+    tier the n-gram lookup, or a feature head drafting chains directly under the target (static_feature). An
+    early-exit drafter is such a model (the target's first layers, shared, and its
+    adapter: drafters.early_exit_model), its pool its own; its `exit_threshold` is `draft_batch`'s and
+    `draft_tree_batch`'s. A draft tree (the bottom tier's block: tree_width x its length nodes) is one
     block, of at most MAX_BLOCK_TOKENS nodes."""
+    from polyspec.workers.tiers.feature_tier import FeatureTier
+
     for level, tier in enumerate(tiers):
         if level and isinstance(tier, NGramTier):
+            continue
+        if level == 1 and isinstance(tier, FeatureTier):
+            why = _feature_misfit(tiers, tree_width)
+            if why:
+                return why
             continue
         model = getattr(tier, "model", None)
         if not isinstance(tier, ModelTier) or not StaticLlama.supports(model, torch.device(getattr(tier, "device", "cpu"))):
             return (f"tier {tier.name!r} is not a Llama / Qwen2 model with float or fp8 weights on the CPU or CUDA (int8: the CPU), "
                     f"nor an n-gram drafter")
-        if tier.exit_threshold is not None or tier.keep_features:
-            return f"tier {tier.name!r} drafts with an early exit or feeds a feature head, which the device round does not run"
+        if tier.keep_features and not (level == 0 and len(tiers) > 1 and isinstance(tiers[1], FeatureTier)):
+            return f"tier {tier.name!r} feeds a feature head that is not the tier below it, which the device round does not run"
     vocabularies = {tier.model.config.vocab_size for tier in tiers if isinstance(tier, ModelTier)}
     if len(vocabularies) > 1:
         return f"its tiers' logits must have one width, got {sorted(vocabularies)}"
@@ -122,6 +137,20 @@ def misfit(tiers, lengths, tree_width: int) -> str | None:
     if tree_width > 1 and lengths and tree_width * lengths[-1] > MAX_BLOCK_TOKENS:
         return (f"its draft trees hold at most {MAX_BLOCK_TOKENS} nodes; tree_width {tree_width} x length {lengths[-1]} "
                 f"makes {tree_width * lengths[-1]}")
+    return None
+
+
+def _feature_misfit(tiers, tree_width: int) -> str | None:
+    """Why the device round cannot run the feature head tiers[1] (polyspec.workers.tiers.static_feature); None when it can."""
+    from polyspec.workers.tiers.static_feature import head_trunk
+
+    head = tiers[1]
+    if head.source is not tiers[0]:
+        return f"tier {head.name!r} is a feature head over another tier than the target"
+    if len(tiers) > 2 or tree_width > 1:
+        return f"tier {head.name!r} is a feature head: on the device it drafts chains (tree_width 1) at the bottom of the chain"
+    if not StaticLlama.supports(head_trunk(head.head), torch.device(getattr(tiers[0], "device", "cpu"))):
+        return f"tier {head.name!r} is a feature head whose decoder layer the device round does not run"
     return None
 
 
@@ -152,6 +181,14 @@ class StaticModelTier(TreeSteps, BatchedTier):
         self._trees: dict[int, PendingTree] = {}  # slot -> its unverified tree
         self._moves: list[tuple[int, int, int]] = []  # (slot, from, to): accepted nodes' KV still to move (`_compact`)
         self._forwarded = 0
+        self.features: torch.Tensor | None = None  # [slots + 1, capacity, H] for a feature head below (`record_features`)
+
+    def record_features(self) -> None:
+        """From now on every chain forward also writes its last hidden states (what the LM head reads) at
+        [slot, position] of `features`: a feature head drafting below reads them (polyspec.workers.tiers.static_feature)."""
+        if self.features is None:
+            self.features = torch.zeros(self.pool.slots + 1, self.pool.capacity, self.model.hidden_size, dtype=self.model.dtype,
+                                        device=self.device)
 
     @staticmethod
     def bytes_per_request(model: StaticLlama, context: int | None) -> int:
@@ -229,11 +266,14 @@ class StaticModelTier(TreeSteps, BatchedTier):
             self._set_threads()
             started = time.perf_counter()
             with torch.inference_mode():
-                self.model.forward(self.pool, ids.to(self.device), positions.to(self.device), torch.tensor([slot], device=self.device),
-                                   self._span(start + offset + width))
+                self._eager_forward(slot, ids.to(self.device), positions.to(self.device), self._span(start + offset + width))
             self._timed(started, 1, width)
             self._forwarded += len(chunk)
         self.slot_table.tokens[slot] += tokens
+
+    def _eager_forward(self, slot: int, ids: torch.Tensor, positions: torch.Tensor, span: int) -> None:
+        """One eager forward of a chunk [1, T] into `slot` (its KV, and its features where kept)."""
+        self.model.forward(self.pool, ids, positions, torch.tensor([slot], device=self.device), span, features=self.features)
 
     def prefill(self, seq_ids, contexts, budget: int) -> int:
         self._compact()
@@ -314,7 +354,7 @@ class StaticModelTier(TreeSteps, BatchedTier):
         span = self._span(max(lengths) + block)
 
         def verifying(*tensors):
-            return target_step(self.model, self.pool, *tensors[:3], span, mode, *tensors[3:])
+            return target_step(self.model, self.pool, *tensors[:3], span, mode, *tensors[3:], features=self.features)
 
         self._set_threads()
         started = time.perf_counter()
@@ -427,7 +467,8 @@ class StaticModelTier(TreeSteps, BatchedTier):
             inputs = [ids, positions, slot_column]
 
         def forward(ids, positions, slots, ancestors=None):
-            return self.model.forward(self.pool, ids, positions, slots, span, ancestors)
+            features = None if trees else self.features  # (a feature head below reads a chain's)
+            return self.model.forward(self.pool, ids, positions, slots, span, ancestors, features=features)
 
         self._set_threads()
         started = time.perf_counter()

@@ -148,7 +148,9 @@ class TreeSteps:
         static step per level for every request at once: the root's candidates, then one child below each of the
         `width` frontier nodes. Level L draws from round counter + L of the request's stream, so a seeded request draws
         the same alone or in any batch. One copy of the tokens to the host at the end; the rows stay on the device.
-        The nodes fed stay cached, pending, until `accept_path` keeps the accepted path's."""
+        The nodes fed stay cached, pending, until `accept_path` keeps the accepted path's. With the tier's
+        `exit_threshold` (an early-exit drafter) a tree ends below the first level none of whose rows is that sure,
+        as `ModelTier.draft_tree`'s: every level is still computed (static), the host cuts the tree."""
         trees = [DraftTree([], [], None) for _ in seq_ids]
         inputs = self._drafting(seq_ids, contexts, depths, params, generators)
         if inputs is None:
@@ -161,16 +163,20 @@ class TreeSteps:
         longest = max(len(c) for c in contexts)
         span = self._span(longest)
         without_replacement = scheme == "rsd"
+        threshold = self.tier.exit_threshold
+        exits = threshold is not None
 
         def rooting(*tensors):
-            return tree_root_step(self.model, self.pool, *tensors[:3], span, mode, width, without_replacement, *tensors[3:])
+            return tree_root_step(self.model, self.pool, *tensors[:3], span, mode, width, without_replacement, *tensors[3:],
+                                  confidence=exits)
 
         self._set_threads()
         started = time.perf_counter()
         # graph outputs: each level's key is its own, so none is overwritten before the copies below
-        tokens, valid, root_probs = self.graphs.run(
-            ("tree root", rows, span, mode, width, without_replacement), rooting,
+        tokens, valid, root_probs, *confident = self.graphs.run(
+            ("tree root", rows, span, mode, width, without_replacement, exits), rooting,
             [ids, positions, inputs.slot_column, *inputs.sampling, inputs.seeds, inputs.counters])
+        level_confidence = confident  # [R] per level: the most confident row its nodes were drawn from
         level_tokens = [tokens]
         level_probs = [root_probs[:, None].expand(rows, width, root_probs.shape[-1])]  # each root candidate's row: the root's
         prefix = self._column([len(c) for c in contexts], rows, torch.long, 0)  # [R] where each tree's first column is cached
@@ -180,22 +186,29 @@ class TreeSteps:
             level_span = self._span(longest + columns)
 
             def growing(*tensors, span=level_span):
-                return tree_level_step(self.model, self.pool, *tensors[:3], span, mode, *tensors[3:])
+                return tree_level_step(self.model, self.pool, *tensors[:3], span, mode, *tensors[3:], confidence=exits)
 
-            tokens, probs = self.graphs.run(
-                ("tree level", rows, width, columns, level_span, mode), growing,
+            tokens, probs, *confident = self.graphs.run(
+                ("tree level", rows, width, columns, level_span, mode, exits), growing,
                 [level_tokens[-1], (prefix + level - 1)[:, None].expand(rows, width), inputs.slot_column,
                  ancestors.expand(rows, width, columns), prefix, *inputs.sampling, inputs.seeds, inputs.counters + level])
+            level_confidence += confident
             level_tokens.append(tokens)
             level_probs.append(probs)
-        drafted = torch.cat([torch.stack(level_tokens, dim=1).flatten(1), valid.long()], dim=1)[:count]  # [R, (levels + 1) W]
+        unsure = [(c < threshold).long()[:, None] for c in level_confidence]  # [R, 1] per level (an early exit's)
+        # [R, levels * W tokens, W valid (, levels unsure)]
+        drafted = torch.cat([torch.stack(level_tokens, dim=1).flatten(1), valid.long(), *unsure], dim=1)[:count]
         host = drafted.cpu().tolist()  # the drafter's one copy to the host
         self._timed(started, rows, levels)
         self._forwarded += count * (DRAFT_TAIL + (levels - 1) * width)
         chains_of = [[w for w in range(width) if host[index][levels * width + w]] for index in range(count)]
+        kept_depths = {}  # live index -> its tree's depth: cut after the first level drawn from rows none of which was sure
+        for index, r in enumerate(live):
+            flags = host[index][(levels + 1) * width:]
+            kept_depths[index] = min(depths[r], next((level + 1 for level, flag in enumerate(flags) if flag), depths[r]))
         for index, (r, slot, context) in enumerate(zip(live, slots, contexts)):
             tree, chains, columns = trees[r], chains_of[index], {}
-            for level in range(depths[r]):
+            for level in range(kept_depths[index]):
                 for w in chains:
                     if level + 1 < levels:  # fed by the next level's step (the last level's nodes are not)
                         columns[len(tree.tokens)] = len(context) + level * width + w
@@ -205,7 +218,7 @@ class TreeSteps:
             self._trees[slot] = PendingTree(len(context), columns, list(tree.tokens))
         sampled = [index for index in range(count) if not params[index].greedy]
         if mode != GREEDY and sampled:  # every sampled tree's rows in one gather, level by level as its nodes
-            picks = [(index, level, w) for index in sampled for level in range(depths[live[index]]) for w in chains_of[index]]
+            picks = [(index, level, w) for index in sampled for level in range(kept_depths[index]) for w in chains_of[index]]
             request, level, chain = torch.tensor(picks, dtype=torch.long).to(self.device).unbind(1)
             node_rows = torch.stack(level_probs, dim=1)[request, level, chain]  # [nodes of every sampled tree, V]
             for index, tree_rows in zip(sampled, node_rows.split([len(trees[live[index]]) for index in sampled])):
