@@ -10,7 +10,7 @@
 # 3. benchmarks/gpu/device_round.py: polyspec's device round on the same shapes;
 # 4. benchmarks/gpu/predict_chains.py: the time model's prediction of every shipped Qwen2.5-Coder
 #    chain from the costs measured in 2 and 3 (cells they lack: the built-in reference figures);
-# 5. the CUDA tests: the device round (CUDA graphs: greedy equals the target's generate), the tree kernels,
+# 5. the CUDA tests: the device round (CUDA graphs: greedy equals the target's generate; with the trained drafters), the tree kernels,
 #    the fp8 GEMM, the batched forward on CUDA, the n-gram lookup's graph replay (after the judged
 #    figures: they take what the budget has left);
 # 6. benchmarks/ngram_lookup.py: the n-gram draft call on the device against the host index (printed to the log,
@@ -69,7 +69,8 @@ for name in device-round.json reference-1.5b.json reference-0.5b.json; do [[ -f 
 step "predict chains" "$predict_s" "$py" -P benchmarks/gpu/predict_chains.py --costs ${measured[@]+"${measured[@]}"} --out-dir "$out"
 # the judged figures come first (above); the CUDA tests take what the budget has left
 step "cuda tests" 170 "$py" -P -m pytest -q -p no:cacheprovider -m "not needs_root and not real_models" \
-    tests/orchestrator/test_device_round.py tests/workers/test_device_tree_verify.py tests/workers/test_quantized_forward.py \
+    tests/orchestrator/test_device_round.py tests/orchestrator/test_device_feature.py tests/orchestrator/test_device_drafters.py \
+    tests/workers/test_device_tree_verify.py tests/workers/test_quantized_forward.py tests/distributed/test_transport.py \
     tests/workers/test_batched_devices.py tests/workers/test_device_ngram.py -k "cuda or scaled_mm"
 step "n-gram lookup" 40 "$py" -P benchmarks/ngram_lookup.py --device cuda --calls 50  # printed: what budget is left
 }
