@@ -229,3 +229,7 @@ def test_cuda_graph_rounds_with_trained_drafters_give_the_targets_greedy_output(
         for i, prompt in enumerate(PROMPTS):
             assert results[i].token_ids == expected[tuple(prompt)], (type(tiers[1]).__name__, i)
         assert tiers[1].graphs.graphs, "no drafting step was captured"
+    # the ragged feature tier on CUDA too (its inputs and kept features on the target's device)
+    scheduler = ChainScheduler(list(_ragged(target, head)), [4])
+    for prompt in PROMPTS:
+        assert scheduler.generate(prompt, MAX_NEW, SamplingParams()).token_ids == expected[tuple(prompt)]

@@ -63,6 +63,7 @@ class FeatureTier(Tier):
         self._lm_head = source.model.get_output_embeddings()
         self._dtype = next(head.parameters()).dtype
         self._hidden = head.config.hidden_size
+        self._device = next(head.parameters()).device  # the target's: inputs and kept features live beside the weights
         self._sequences: dict[object, _HeadSequence] = {}
         self._lean = self._lean_layer(head, source.device)
 
@@ -91,7 +92,7 @@ class FeatureTier(Tier):
         seq = self._sequences.get(seq_id)
         if seq is None:
             cache = self._lean.new_cache() if self._lean is not None else SequenceCache(self.head.decoder.config)
-            seq = self._sequences[seq_id] = _HeadSequence(cache, torch.zeros(64, self._hidden))
+            seq = self._sequences[seq_id] = _HeadSequence(cache, torch.zeros(64, self._hidden, device=self._device))
         return seq
 
     def cached_tokens(self, seq_id) -> int:
@@ -130,21 +131,22 @@ class FeatureTier(Tier):
         started = time.perf_counter()
         start = len(seq.cache)
         with torch.inference_mode():
-            ids = torch.tensor([tokens], dtype=torch.long)
+            ids = torch.tensor([tokens], dtype=torch.long, device=self._device)
             embeds = self._embed(ids).to(self._dtype)  # [1, T, H]
-            features = features[None].to(self._dtype)
+            features = features[None].to(self._device, self._dtype)
             if self._lean is not None:
                 head = self.head
                 parts = [features, embeds] + ([features * embeds] if head.sampling else [])
                 trunk = self._lean.forward(seq.cache, tokens, positions, mask, inputs=head.fc(torch.cat(parts, dim=-1)), raw=True)
                 feature, logit_input = head.outputs(trunk)
             else:
-                feature, logit_input = self.head(features, embeds, torch.tensor([positions], dtype=torch.long), cache=seq.cache.kv, attention_mask=mask)
+                feature, logit_input = self.head(features, embeds, torch.tensor([positions], dtype=torch.long, device=self._device),
+                                                   cache=seq.cache.kv, attention_mask=None if mask is None else mask.to(self._device))
             logits = self._lm_head(logit_input)[0, :, : self.vocab_size].float()  # [T, V]
         seq.cache.appended(tokens)
         end = start + len(tokens)
         if seq.outputs.shape[0] < end:
-            grown = torch.zeros(max(end, 2 * seq.outputs.shape[0]), self._hidden)
+            grown = torch.zeros(max(end, 2 * seq.outputs.shape[0]), self._hidden, device=self._device)
             grown[:start] = seq.outputs[:start]
             seq.outputs = grown
         seq.outputs[start:end] = feature[0].float()
@@ -154,7 +156,7 @@ class FeatureTier(Tier):
 
     def _input_feature(self, seq: _HeadSequence, real: torch.Tensor, position: int) -> torch.Tensor:
         if position == 0:
-            return torch.zeros(self._hidden)
+            return torch.zeros(self._hidden, device=self._device)
         if position - 1 < real.shape[0]:
             return real[position - 1]
         return seq.outputs[position - 1]
