@@ -1,4 +1,4 @@
-"""Small helpers of the core-math tests."""
+"""Small helpers of the core-math and device-round tests."""
 
 from __future__ import annotations
 
@@ -61,3 +61,14 @@ class CompiledGraphs:
 
     def close(self) -> None:
         torch._dynamo.reset()
+
+
+def greedy_references(model, prompts: list[list[int]], max_new: int) -> dict[tuple[int, ...], list[int]]:
+    """The model's own greedy `generate` of each prompt (no EOS stop), on the model's device: what a
+    lossless chain's greedy output must equal. {tuple(prompt): new token ids}."""
+    out = {}
+    for prompt in prompts:
+        generated = model.generate(torch.tensor([prompt], device=model.device), max_new_tokens=max_new, do_sample=False,
+                                   eos_token_id=None, pad_token_id=0)
+        out[tuple(prompt)] = generated[0, len(prompt):].tolist()
+    return out

@@ -22,6 +22,7 @@ from polyspec.workers.core.errors import ConfigError  # noqa: E402
 from polyspec.workers.core.sampling import SamplingParams  # noqa: E402
 from polyspec.orchestrator.tokenization import encode_prompt  # noqa: E402
 from ray_cluster import shutdown_cluster  # noqa: E402
+import approximate_cases  # noqa: E402
 
 PROMPTS = ["def add(a, b):\n    return", "import os\nimport sys\n", "for i in range(10):\n    print(i)\nfor i in",
            "class Point:\n    def __init__(self", "while True:\n    line ="]
@@ -119,34 +120,18 @@ def _approximate(engine, settings: dict) -> dict:
     return engine.generate(engine.parse_request({"prompt": PROMPTS[0], "max_new_tokens": MAX_NEW, "approximate": settings}))
 
 
-@pytest.mark.parametrize("mode", ["bild", "reflective", "specreason-keep", "specreason-rewrite", "speculative-thinking"])
-def test_approximate_modes_on_ray_write_what_they_write_embedded(chain_engine, embedded_chain, mode):
+@pytest.mark.parametrize("case", approximate_cases.CASES)
+def test_approximate_modes_on_ray_write_what_they_write_embedded(chain_engine, embedded_chain, case):
     """Each mode on the cluster (its settings in every tier's header: the target's rule, the drafters' early exit;
     the step modes' small model as tier 1's Draft, the utility score as the target's Score) gives the embedded
     chain's text and counts. The step modes' settings make both writers write."""
     chain_engine.scheduler.pipeline, chain_engine.scheduler.lengths = False, [4, 2]
-    sub_chain_text = embedded_chain.decode(_approximate(embedded_chain, {"mode": "specreason", "score_threshold": 0})["token_ids"])
-    point = next(i for i in range(1, len(sub_chain_text) - 2)
-                 if sub_chain_text[i].isalnum() and not sub_chain_text[i + 1].isalnum() and not sub_chain_text[i - 1].isalnum())
-    delimiter, word = sub_chain_text[point - 1], sub_chain_text[point]
-    settings = {
-        "bild": {"mode": "bild", "fallback_threshold": 0.4, "rollback_threshold": 2.0},
-        "reflective": {"mode": "reflective", "reflective_weight": 0.5},
-        "specreason-keep": {"mode": "specreason", "score_threshold": 0, "step_delimiter": delimiter},
-        "specreason-rewrite": {"mode": "specreason", "score_threshold": 9, "step_delimiter": delimiter},
-        "speculative-thinking": {"mode": "speculative-thinking", "step_delimiter": delimiter, "trigger_words": [word],
-                                 "takeover_tokens": 4},
-    }[mode]
+    sub_chain = _approximate(embedded_chain, {"mode": "specreason", "score_threshold": 0})["token_ids"]  # tier 1's own text
+    settings = approximate_cases.settings(case, embedded_chain.decode(sub_chain))
     on_ray, embedded = _approximate(chain_engine, settings), _approximate(embedded_chain, settings)
     assert on_ray["token_ids"] == embedded["token_ids"] and on_ray["mode"] == settings["mode"]
-    counts = on_ray["stats"]["approximate"]
-    assert counts == embedded["stats"]["approximate"]
-    if mode == "specreason-keep":
-        assert counts["steps_scored"] >= 2 and counts["small_tokens"] > 0
-    if mode == "specreason-rewrite":
-        assert counts["steps_accepted"] == 0 and counts["large_tokens"] > 0
-    if mode == "speculative-thinking":
-        assert counts["takeovers"] >= 1 and counts["large_tokens"] >= 4
+    assert on_ray["stats"]["approximate"] == embedded["stats"]["approximate"]
+    approximate_cases.check_both_writers(case, on_ray["stats"]["approximate"])
     exact = chain_engine.generate(chain_engine.parse_request({"prompt": PROMPTS[0], "max_new_tokens": MAX_NEW}))
     assert exact["token_ids"] == embedded_chain.generate(embedded_chain.parse_request({"prompt": PROMPTS[0], "max_new_tokens": MAX_NEW}))["token_ids"]
     assert "mode" not in exact  # the next exact request on the same workers is exact: no hook outlived its request

@@ -17,6 +17,7 @@ import json
 import subprocess
 import sys
 
+import approximate_cases
 import pytest
 import yaml
 
@@ -98,38 +99,17 @@ def test_bild_fallback_shortens_blocks(request, tiers):
     assert always["proposed"] == always["blocks"]  # one token a block
 
 
-def _reflection_point(engine, small_alone) -> tuple[str, str]:
-    """(a delimiter character, a word after it) inside the small model's own text: a reflection point it will write."""
-    text = engine.decode(small_alone)
-    point = next(i for i in range(1, len(text) - 2) if text[i].isalnum() and not text[i + 1].isalnum() and not text[i - 1].isalnum())
-    return text[point - 1], text[point]
-
-
-@pytest.mark.parametrize("mode", ["bild", "reflective", "specreason-keep", "specreason-rewrite", "speculative-thinking"])
-def test_every_mode_on_device_tiers_keeps_the_ragged_tiers_text(engine, device_engine, small_alone, mode):
+@pytest.mark.parametrize("case", approximate_cases.CASES)
+def test_every_mode_on_device_tiers_keeps_the_ragged_tiers_text(engine, device_engine, small_alone, case):
     """The same settings on device tiers (BiLD: the early exit on the device, the rollback rule on the device tier's
     rows; Reflective: the probe scored in the device tier's forward; the step modes: the sub-chain's and the target's
     device rounds, the utility score from the target's own model) give the ragged tiers' text and counts. The step
-    modes' settings make both writers write: steps kept and rewritten, a takeover at a reflection point."""
-    delimiter, word = _reflection_point(engine, small_alone)
-    settings = {
-        "bild": {"mode": "bild", "fallback_threshold": 0.4, "rollback_threshold": 2.0},
-        "reflective": {"mode": "reflective", "reflective_weight": 0.5},
-        "specreason-keep": {"mode": "specreason", "score_threshold": 0, "step_delimiter": delimiter},
-        "specreason-rewrite": {"mode": "specreason", "score_threshold": 9, "step_delimiter": delimiter},
-        "speculative-thinking": {"mode": "speculative-thinking", "step_delimiter": delimiter, "trigger_words": [word],
-                                 "takeover_tokens": 4},
-    }[mode]
+    modes' settings make both writers write."""
+    settings = approximate_cases.settings(case, engine.decode(small_alone))
     on_device, ragged = run(device_engine, settings), run(engine, settings)
     assert on_device["token_ids"] == ragged["token_ids"] and on_device["mode"] == settings["mode"]
-    counts = on_device["stats"]["approximate"]
-    assert counts == ragged["stats"]["approximate"]
-    if mode == "specreason-keep":
-        assert counts["steps_scored"] >= 2 and counts["small_tokens"] > 0
-    if mode == "specreason-rewrite":
-        assert counts["steps_accepted"] == 0 and counts["large_tokens"] > 0
-    if mode == "speculative-thinking":
-        assert counts["takeovers"] >= 1 and counts["small_tokens"] > 0 and counts["large_tokens"] >= 4
+    assert on_device["stats"]["approximate"] == ragged["stats"]["approximate"]
+    approximate_cases.check_both_writers(case, on_device["stats"]["approximate"])
 
 
 def test_reflective_weight_zero_is_exact(engine):
@@ -163,7 +143,7 @@ def test_speculative_thinking(engine, small_alone):
     assert quiet["token_ids"] == small_alone and quiet["stats"]["approximate"]["takeovers"] == 0
     # a reflection point inside the small model's text: a delimiter character, then a word
     text = engine.decode(small_alone)
-    delimiter, word = _reflection_point(engine, small_alone)
+    delimiter, word = approximate_cases.reflection_point(text)
     point = next(i for i in range(1, len(text)) if text[i - 1] == delimiter and text[i:].startswith(word))
     taken = run(engine, {"mode": "speculative-thinking", "step_delimiter": delimiter, "trigger_words": [word], "takeover_tokens": 4})
     counts = taken["stats"]["approximate"]

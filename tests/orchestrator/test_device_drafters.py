@@ -17,7 +17,7 @@ import functools
 import pytest
 import torch
 
-from core_helpers import CompiledGraphs
+from core_helpers import CompiledGraphs, greedy_references
 from polyspec.orchestrator.decode.scheduler import ChainScheduler
 from polyspec.workers.core.sampling import SamplingParams
 from polyspec.workers.tiers.device_step import draft_step, tree_level_step, tree_root_step
@@ -47,12 +47,7 @@ def early(target, tiny_drafters):
 
 @pytest.fixture(scope="module")
 def reference(target):
-    out = {}
-    for prompt in PROMPTS:
-        generated = target.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None,
-                                    pad_token_id=0)
-        out[tuple(prompt)] = generated[0, len(prompt):].tolist()
-    return out
+    return greedy_references(target, PROMPTS, MAX_NEW)
 
 
 def _tier(name, model, threshold=None) -> ModelTier:

@@ -18,7 +18,7 @@ import functools
 import pytest
 import torch
 
-from core_helpers import CompiledGraphs
+from core_helpers import CompiledGraphs, greedy_references
 from polyspec.orchestrator.decode.scheduler import ChainScheduler
 from polyspec.workers.core.sampling import SamplingParams
 from polyspec.workers.core.tree import DraftTree
@@ -48,12 +48,7 @@ def head(target, tiny_drafters):
 
 @pytest.fixture(scope="module")
 def reference(target):
-    out = {}
-    for prompt in PROMPTS:
-        generated = target.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None,
-                                    pad_token_id=0)
-        out[tuple(prompt)] = generated[0, len(prompt):].tolist()
-    return out
+    return greedy_references(target, PROMPTS, MAX_NEW)
 
 
 def _ragged(target, head) -> tuple[ModelTier, FeatureTier]:
@@ -212,11 +207,7 @@ def test_cuda_graph_rounds_with_trained_drafters_give_the_targets_greedy_output(
     from polyspec.workers.tiers.drafters import load_early_exit
 
     target = AutoModelForCausalLM.from_pretrained(tiny_drafters["target"], dtype=torch.float32).to("cuda").eval()
-    expected = {}
-    for prompt in PROMPTS:
-        generated = target.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=MAX_NEW, do_sample=False,
-                                    eos_token_id=None, pad_token_id=0)
-        expected[tuple(prompt)] = generated[0, len(prompt):].tolist()
+    expected = greedy_references(target, PROMPTS, MAX_NEW)
     head, _ = load_feature_head(tiny_drafters["feature"], target, "test")
     early, _ = load_early_exit(tiny_drafters["early_exit_noisy"], target, 1, "test")
     early_tier = ModelTier("early", early, early.config.vocab_size, torch.device("cuda"), lean=False)

@@ -24,7 +24,7 @@ import collections
 import pytest
 import torch
 
-from core_helpers import CompiledGraphs
+from core_helpers import CompiledGraphs, greedy_references
 
 from lossless_stats import ALPHA, chi_square_p_value, exact_two_token_probs
 from polyspec.orchestrator.decode.scheduler import ChainScheduler
@@ -52,12 +52,7 @@ def models(tiny_family):
 
 @pytest.fixture(scope="module")
 def reference(models):
-    out = {}
-    for prompt in PROMPTS:
-        generated = models["target"].generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=False,
-                                              eos_token_id=None, pad_token_id=0)
-        out[tuple(prompt)] = generated[0, len(prompt):].tolist()
-    return out
+    return greedy_references(models["target"], PROMPTS, MAX_NEW)
 
 
 def _scheduler(models, names, lengths, max_requests=8, tree_width=1, scheme="specinfer") -> ChainScheduler:
@@ -482,11 +477,7 @@ def test_cuda_graph_round_gives_the_targets_greedy_output(tiny_family, dtype):
     from transformers import AutoModelForCausalLM
 
     models = {name: AutoModelForCausalLM.from_pretrained(tiny_family[name], dtype=dtype).to("cuda").eval() for name in ("target", "mid")}
-    expected = {}
-    for prompt in PROMPTS:
-        generated = models["target"].generate(torch.tensor([prompt], device="cuda"), max_new_tokens=MAX_NEW, do_sample=False,
-                                              eos_token_id=None, pad_token_id=0)
-        expected[tuple(prompt)] = generated[0, len(prompt):].tolist()
+    expected = greedy_references(models["target"], PROMPTS, MAX_NEW)
     for names, lengths, tree_width in ((["target"], [], 1), (["target", "mid"], [4], 1), (["target", "mid"], [4], 2)):
         scheduler = _scheduler(models, names, lengths, tree_width=tree_width)
         assert all(t.graphs.enabled for t in scheduler.tiers)
