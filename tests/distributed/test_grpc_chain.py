@@ -338,8 +338,6 @@ def test_pipelined_sampling_is_lossless(tiny_family, names, lengths, samples):
 def test_prefill_rollback_and_profile_rpcs(tiny_family, embedded):
     """Prefill warms a cache, Rollback cuts one back mid-request, Profile times forwards:
     the request still ends with the target's own greedy tokens (every call carries its context)."""
-    import grpc
-
     from polyspec.orchestrator.distributed import cluster_auth
     from polyspec.protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
 
@@ -366,5 +364,40 @@ def test_prefill_rollback_and_profile_rpcs(tiny_family, embedded):
         assert len(profile) == 3 and all(ms > 0 for ms in profile)
     finally:
         chain.close()
+        for worker in workers:
+            worker.stop()
+
+
+def test_trained_drafters_in_their_targets_process_sample_as_embedded(tiny_drafters):
+    """target <- feature head <- early exit, the two trained drafters served by workers beside the
+    target's, sharing its model lock and made batched together (as in the target's Ray actor): the
+    feature head reads the target's hidden states from the target worker's batched cache. T = 1 with
+    per-tier seeds draws exactly the embedded chain's tokens (3 seeds, 24 tokens each)."""
+    from polyspec.orchestrator.distributed.driver import DistributedChain, StaticMembership
+    from polyspec.orchestrator.distributed.model_lock import LockedTiers
+    from polyspec.orchestrator.distributed.worker import TierWorker
+
+    raw = {"tiers": [{"name": "target", "model": tiny_drafters["target"]},
+                     {"name": "feature", "model": {"feature_head": tiny_drafters["feature"]}},
+                     {"name": "early", "model": {"early_exit": tiny_drafters["early_exit_noisy"], "layers": 1, "exit_threshold": 0.3}}],
+           "speculation": {"lengths": [3, 2]}}
+    local = Engine(parse_config(raw))
+    ids = encode_prompt(local.tokenizer, "def add(a, b):\n    return")
+    eos = tuple(local.scheduler.eos_token_ids)
+    tiers, _ = load_tiers(parse_config(raw).tiers)
+    siblings = LockedTiers(tiers)
+    workers = [TierWorker(tier, i, eos_token_ids=eos, siblings=siblings) for i, tier in enumerate(tiers)]
+    workers[0].connect(workers[1].address)
+    workers[1].connect(workers[2].address)
+    membership = StaticMembership([w.address for w in workers], [t.name for t in tiers])
+    chain = DistributedChain(membership, [3, 2], eos_token_ids=eos, max_context=tiers[0].max_context)
+    try:
+        params = SamplingParams(temperature=1.0)
+        for seed in (1, 2, 3):
+            assert chain.generate(ids, 24, params, seed=seed).token_ids == local.scheduler.generate(ids, 24, params, seed=seed).token_ids
+        assert siblings.of(tiers[1]).inner.tier.features_of is siblings.of(tiers[0]).inner, "the head reads the batched target"
+    finally:
+        chain.close()
+        local.close()
         for worker in workers:
             worker.stop()
