@@ -263,8 +263,8 @@ class RemoteTier(BatchedTier):
 
     def _draft_many(self, seq_ids, contexts, counts, tree: bool) -> list:
         """Every sequence's block (or tree) in one DraftBatch call."""
-        request = tier_pb2.DraftBatchRequest(requests=[self._draft_request(s, c, n, tree) for s, c, n in zip(seq_ids, contexts, counts)])
-        reply = self._call("DraftBatch", request)
+        requests = [self._draft_request(s, c, n, tree) for s, c, n in zip(seq_ids, contexts, counts)]
+        reply = self._call("DraftBatch", tier_pb2.DraftBatchRequest(requests=requests))
         if len(reply.replies) != len(seq_ids):
             raise RuntimeError(f"tier {self.name!r}: DraftBatch answered {len(reply.replies)} of {len(seq_ids)} sequences")
         return [self._absorb(s, r, tree) for s, r in zip(seq_ids, reply.replies)]

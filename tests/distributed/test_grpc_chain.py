@@ -350,7 +350,7 @@ def test_prefill_rollback_and_profile_rpcs(tiny_family, embedded):
         state = chain.start(ids, MAX_NEW, SamplingParams(temperature=0.0))
         target = workers[0].batched_tier()  # every sequence lives in the worker's batched cache
         stubs[0].Prefill(tier_pb2.PrefillRequest(header=state.run.header, context=ids))
-        assert target.cached(state.seq_id) == len(ids) - 1  # the prompt is in the cache (all but its last token: a round feeds it)
+        assert target.cached(state.seq_id) == len(ids) - 1  # the prompt is cached (all but its last token: a round feeds it)
         chain.step(state)
         chain.step(state)
         for stub in stubs:
@@ -379,7 +379,8 @@ def test_trained_drafters_in_their_targets_process_sample_as_embedded(tiny_draft
 
     raw = {"tiers": [{"name": "target", "model": tiny_drafters["target"]},
                      {"name": "feature", "model": {"feature_head": tiny_drafters["feature"]}},
-                     {"name": "early", "model": {"early_exit": tiny_drafters["early_exit_noisy"], "layers": 1, "exit_threshold": 0.3}}],
+                     {"name": "early", "model": {"early_exit": tiny_drafters["early_exit_noisy"], "layers": 1,
+                                                 "exit_threshold": 0.3}}],
            "speculation": {"lengths": [3, 2]}}
     local = Engine(parse_config(raw))
     ids = encode_prompt(local.tokenizer, "def add(a, b):\n    return")
@@ -394,7 +395,8 @@ def test_trained_drafters_in_their_targets_process_sample_as_embedded(tiny_draft
     try:
         params = SamplingParams(temperature=1.0)
         for seed in (1, 2, 3):
-            assert chain.generate(ids, 24, params, seed=seed).token_ids == local.scheduler.generate(ids, 24, params, seed=seed).token_ids
+            expected = local.scheduler.generate(ids, 24, params, seed=seed).token_ids
+            assert chain.generate(ids, 24, params, seed=seed).token_ids == expected
         assert siblings.of(tiers[1]).inner.tier.features_of is siblings.of(tiers[0]).inner, "the head reads the batched target"
     finally:
         chain.close()
