@@ -136,16 +136,15 @@ class LockedTiers:
     """The batched tiers of the tiers one process serves behind one `ModelLock` (a target and its
     trained drafters, in one Ray actor), each behind that lock, made together on first use: a
     feature head then reads its target's hidden states from the target's slot cache, which the
-    target's own batched forwards fill (`batched_tiers`). `device_slots` > 0: a lone model tier
-    serves as a device tier of that many requests (polyspec.workers.tiers.static_tier)."""
+    target's own batched forwards fill (`batched_tiers`). `device_slots[i]` > 0: tier i serves as a
+    device tier of that many requests (polyspec.workers.tiers.static_tier), with a pool of its own."""
 
-    def __init__(self, tiers: list[Tier], lock: ModelLock | None = None, device_slots: int = 0,
+    def __init__(self, tiers: list[Tier], lock: ModelLock | None = None, device_slots: list[int] | None = None,
                  device_context: int | None = None) -> None:
-        if device_slots and len(tiers) != 1:
-            raise ValueError("a device tier serves one tier alone (a trained drafter reads its target's ragged cache)")
         self.tiers = list(tiers)
         self.lock = lock or ModelLock()
-        self.device_slots, self.device_context = device_slots, device_context
+        self.device_slots = list(device_slots) if device_slots is not None else [0] * len(self.tiers)
+        self.device_context = device_context
         self._made: list[LockedBatched] | None = None
         self._making = threading.Lock()
 
@@ -153,12 +152,11 @@ class LockedTiers:
         """`tier`'s batched tier (made, with every sibling's, after the chain's vocabulary is set)."""
         with self._making:
             if self._made is None:
-                if self.device_slots:
-                    from polyspec.workers.tiers.static_tier import StaticModelTier
+                from polyspec.workers.tiers.static_tier import StaticModelTier
 
-                    made = [StaticModelTier(self.tiers[0], self.device_slots, self.device_context)]
-                else:
-                    made = batched_tiers(self.tiers)
+                ragged = iter(batched_tiers([t for t, slots in zip(self.tiers, self.device_slots) if not slots]))
+                made = [StaticModelTier(t, slots, self.device_context) if slots else next(ragged)
+                        for t, slots in zip(self.tiers, self.device_slots)]
                 self._made = [LockedBatched(batched, self.lock) for batched in made]
             return self._made[next(i for i, t in enumerate(self.tiers) if t is tier)]
 

@@ -103,7 +103,8 @@ class TierActor:
             tiers += [load_drafter_tier(drafter, tiers[0]) for drafter in tier_configs[1:]]
             self.out_features = tiers[0].vocab_size
         host = ray.util.get_node_ip_address()
-        slots = device_slots(tiers[0], batching) if len(tiers) == 1 else 0  # a trained drafter reads its target's ragged cache
+        # a trained drafter reads its target's ragged cache
+        slots = [device_slots(tiers[0], batching)] if len(tiers) == 1 else [0] * len(tiers)
         # one model lock, and batched tiers made together: a feature head reads its target's slot cache
         siblings = LockedTiers(tiers, ModelLock(), slots, getattr(batching, "max_context", None))
         self.workers = {index: TierWorker(tier, index, eos_token_ids=eos_token_ids, host=host, siblings=siblings)

@@ -156,7 +156,7 @@ class TierWorker(BatchedRounds):
         self.index = index
         self.eos_token_ids = frozenset(eos_token_ids)
         # tiers sharing one model in one process (a target and its trained drafters) share one lock
-        self.siblings = siblings or LockedTiers([tier], lock, device_slots, device_context)
+        self.siblings = siblings or LockedTiers([tier], lock, [device_slots], device_context)
         self.lock = self.siblings.lock
         self.lower: RemoteTier | None = None
         self.lower_error = ""

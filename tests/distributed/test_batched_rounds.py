@@ -233,3 +233,19 @@ def test_a_tier_actor_serves_its_tier_as_a_device_tier_where_batching_round_says
     assert device_slots(tiers[0], dataclasses.replace(batching, round="auto")) == 0  # a CPU tier
     assert device_slots(tiers[0], dataclasses.replace(batching, round="ragged")) == 0
     assert device_slots(tiers[1], dataclasses.replace(batching, round="device")) == 0
+
+
+def test_the_tiers_of_one_process_are_made_batched_together(tiny_family):
+    """`LockedTiers`: the tiers one process serves behind one model lock, each as its own device tier
+    where it has slots, the others batched together on first use (made again after `reset`)."""
+    from polyspec.orchestrator.distributed.model_lock import LockedTiers
+    from polyspec.workers.tiers.batched import BatchedModelTier
+    from polyspec.workers.tiers.static_tier import StaticModelTier
+
+    tiers, _ = load_tiers(chain_config(tiny_family, ["target", "mid", "small"], lengths=[3, 2]).tiers)
+    siblings = LockedTiers(tiers, device_slots=[4, 0, 0], device_context=128)
+    made = [siblings.of(tier) for tier in tiers]
+    assert [type(m.inner) for m in made] == [StaticModelTier, BatchedModelTier, BatchedModelTier]
+    assert all(m.lock is siblings.lock for m in made) and siblings.of(tiers[1]) is made[1]
+    siblings.reset()
+    assert siblings.made(tiers[0]) is None and siblings.of(tiers[0]) is not made[0]
