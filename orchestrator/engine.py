@@ -262,8 +262,7 @@ class Engine:
         self.tokenizer, eos = describe_chain(self.config.tiers)
         self.scheduler = ray_chain(self.config, stop_token_ids(self.tokenizer, eos))
         self.tiers = self.scheduler.tiers  # TierViews: name, vocab_size, busy_s
-        # chains with trained drafters step one request at a time (each a VerifyBatch of one):
-        # their many-request steps are untested
+        # a trained drafter reads the target's features from its one-sequence cache: such chains take turns
         if batched and self.config.batching.enabled and not any(t.drafter for t in self.config.tiers):
             # every running request in one VerifyBatch per step; each tier actor scores all their
             # blocks in one forward (polyspec.orchestrator.distributed.batched_rounds)
