@@ -275,7 +275,8 @@ class Engine:
         self.tokenizer, eos = describe_chain(self.config.tiers)
         self.scheduler = ray_chain(self.config, stop_token_ids(self.tokenizer, eos))
         self.tiers = self.scheduler.tiers  # TierViews: name, vocab_size, busy_s
-        # a feature head reads the target's features from its one-sequence cache: such chains take turns (an early-exit
+        # chains with a feature head take turns: it reads the target's batched cache in the target's actor
+        # (model_lock.LockedTiers), but many-request steps of such a chain on Ray are not tested yet (an early-exit
         # drafter is a model tier of its own, batched beside its target in the target's actor)
         if batched and self.config.batching.enabled and not any(t.drafter == "feature" for t in self.config.tiers):
             # every running request in one VerifyBatch per step; each tier actor scores all their

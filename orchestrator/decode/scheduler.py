@@ -15,8 +15,8 @@ This is the only implementation of that round, and it always runs on a batch: `s
 advances every given request by one target round, each tier's forward taking every
 request's block at once; `step` is a batch of one. Every caller drives it: `generate`,
 `polyspec batch`, jobs and `serve` (through the engine), and each tier worker of a
-distributed chain (its own two-tier chain [this tier, the tier below], one round per RPC,
-for one sequence or a batch of them).
+distributed chain (its own two-tier chain [this tier, the tier below], kept from call to
+call, one round per VerifyBatch / DraftBatch for a batch of sequences, or of one).
 
     round_batch(level, R):  blocks   = emit_batch(below, R, k_level)          # one block per request
                             verdicts = tier[level].verify_batch(R, blocks)    # ONE forward, every block verified
@@ -25,8 +25,9 @@ for one sequence or a batch of them).
 
 The tiers are batched tiers (polyspec.workers.tiers.batched): a model tier sharing one slot
 cache and one forward; a device tier (polyspec.workers.tiers.static_tier: a KV pool allocated
-once, static-shape steps replayed as CUDA graphs, verification on the device); any other `Tier`
-(a feature head, another architecture, a remote tier) served row by row behind the same calls.
+once, static-shape steps replayed as CUDA graphs, verification on the device); the tier below a
+distributed worker (polyspec.orchestrator.distributed.transport.RemoteTier: one DraftBatch per call);
+any other `Tier` (a feature head, another architecture) served row by row behind the same calls.
 `verify_batch` of a ragged tier scores the blocks (`score_batch`) and verifies each request with
 its own rule and generator; a device tier verifies them all in its step. An approximate mode's
 rule (polyspec.orchestrator.decode.approximate) takes `score_batch` and its own check. Per request the round is the serial one — same

@@ -1,25 +1,22 @@
-"""A tier worker's batched calls: VerifyBatch and DraftBatch (continuous batching, distributed).
+"""A tier worker's rounds: VerifyBatch and DraftBatch, the only calls that run the round.
 
-The driver of a batched chain sends one VerifyBatch per step with every running sequence.
-The target worker runs the embedded round (polyspec.orchestrator.decode.scheduler)
-over its own two-tier chain [its batched tier, the tier below]: the tier below is a
-`RemoteBatchedTier`, so every sequence's block comes from ONE DraftBatch call, the target
-scores all the blocks in ONE forward, and each sequence is verified with its own generator.
-A middle tier answers DraftBatch the same way (its rounds batched, its own DraftBatch to
-the tier below); the bottom tier drafts every sequence's block with one forward per
-position. So each tier runs one forward per round for the whole batch, as embedded.
+The driver sends one VerifyBatch per step with every running sequence (a batch of one for a
+request stepped alone). The target worker runs the embedded round
+(polyspec.orchestrator.decode.scheduler) over its own two-tier chain [its batched tier, the
+tier below]: the tier below is a `RemoteTier`, so every sequence's block comes from ONE
+DraftBatch call, the target scores all the blocks in ONE forward, and each sequence is
+verified with its own generator. A middle tier answers DraftBatch the same way (its rounds
+batched, its own DraftBatch to the tier below); the bottom tier drafts every sequence's block
+with one forward per position. So each tier runs one forward per round for the whole batch,
+as embedded. A worker keeps its chains (`_scheduler`) from call to call.
 
 Draft-ahead stays per sequence: a drafter first serves each sequence of a DraftBatch from
-its draft-ahead stream (tokens drafted past the last block, `TierWorker._from_stream`);
+its draft-ahead stream (tokens drafted past the last block, `TierWorker.stream_hit`);
 only the misses, and the streams still short of their block, are drafted, together. After
 the reply each sequence's stream grows on its own bet (`ahead_until`), but the growing is
 batched: one thread per worker extends every stream that wants tokens by one token per
 forward (`_ahead_loop`), yielding the model to calls a verifier waits on, and skipping a
 sequence whose call is being served.
-
-A sequence whose header says `batched` lives in the tier's batched cache (a slot cache);
-single Verify / Draft calls for it are served as batches of one, so its KV never splits
-between the batched and the one-sequence caches.
 
 This class is a part of `TierWorker` (worker.py), kept in its own module for size: it uses
 the worker's sequences, locks and draft-ahead streams as the worker's own methods do.
@@ -35,15 +32,13 @@ import time
 
 import torch
 
-from polyspec.orchestrator.decode.contract import RoundObservation
+from polyspec.orchestrator.decode.contract import RoundObservation, first_eos
 from polyspec.orchestrator.decode.scheduler import CATCH_UP_GAP, ChainScheduler
-from polyspec.orchestrator.decode.contract import first_eos
 from polyspec.orchestrator.distributed.model_lock import LockedBatched, drafting_ahead, model_seconds, set_drafting_ahead, set_model_seconds
-from polyspec.orchestrator.distributed.transport import RemoteBatchedTier, RemoteTier, TierUnavailableError, encode_rows
+from polyspec.orchestrator.distributed.transport import RemoteTier, TierUnavailableError, encode_rows
 from polyspec.protos.polyspec.v1 import tier_pb2
 from polyspec.workers.core.sampling import SamplingParams
 from polyspec.workers.core.tree import DraftTree
-from polyspec.workers.tiers.batched import batched_tiers
 
 
 _scratch_ids = itertools.count()  # scratch sequences of `score`
@@ -51,23 +46,13 @@ _scratch_ids = itertools.count()  # scratch sequences of `score`
 class BatchedRounds:
     """VerifyBatch / DraftBatch for `TierWorker` (which mixes this class in)."""
 
-    _batched: LockedBatched | None = None
     _ahead_thread: threading.Thread | None = None
     _ahead_stopping = False
     IDLE_POLL_S = 0.001  # every wanting sequence busy in a call: look again this soon
 
     def batched_tier(self) -> LockedBatched:
         """This worker's tier behind the batched seam, made on first use (after the chain's vocabulary is set)."""
-        with self._wiring:
-            if self._batched is None:
-                if self.device_slots:
-                    from polyspec.workers.tiers.static_tier import StaticModelTier
-
-                    tier = StaticModelTier(self.tier, self.device_slots, self.device_context)
-                else:
-                    (tier,) = batched_tiers([self.tier])
-                self._batched = LockedBatched(tier, self.lock)
-            return self._batched
+        return self.siblings.of(self.tier)
 
     # ----------------------------------------------------------------- plumbing
 
@@ -85,19 +70,39 @@ class BatchedRounds:
                 stack.enter_context(seq.cond)
             yield
 
-    def _batched_scheduler(self, lower: RemoteTier | None, length: int, header: tier_pb2.SequenceHeader) -> ChainScheduler:
-        """This tier's own chain for one batched call: [this tier, the tier below] (or this tier alone).
-        The chain's shape (tree width, scheme, pipelining) is the same in every sequence's header."""
+    def _shape(self, seq) -> tuple:
+        """What this tier's chain for `seq` depends on: the length it verifies, tree width, scheme, pipelining."""
+        header = seq.header
+        length = header.lengths[self.index] if self.index < len(header.lengths) else 0
+        return length, max(1, header.tree_width), header.scheme or "specinfer", header.pipeline
+
+    def _scheduler(self, lower: RemoteTier | None, shape: tuple) -> ChainScheduler:
+        """This tier's own chain for calls of `shape`: [this tier, the tier below] (or this tier alone).
+
+        Made once and kept, not made per call: a scheduler holds nothing of a call (the rounds mutate
+        only the sequences' `Run`s, and no planner moves its lengths), so one per shape serves every
+        call and the draft-ahead thread at once, as the embedded engine's one scheduler serves every
+        step. Its tiers are this worker's batched tier and the tier below, so the kept chains are
+        dropped whenever those change (`connect`, `_lower_failed`, `set_vocab_size`); a call still
+        holding a tier below that was just replaced gets a chain of its own, not kept."""
         own = self.batched_tier()
+        key = (own, lower, shape if lower is not None else None)
+        with self._wiring:
+            scheduler = self._schedulers.get(key)
+            if scheduler is not None:
+                return scheduler
+            keep = lower is self.lower
         eos = tuple(self.eos_token_ids)
         if lower is None:
-            return ChainScheduler([own], [], eos_token_ids=eos)
-        return ChainScheduler([own, RemoteBatchedTier(lower)], [length], eos_token_ids=eos, tree_width=max(1, header.tree_width),
-                              scheme=header.scheme or "specinfer", draft_ahead=header.pipeline, recorder=_BatchRecorder(self._sequences.get, self.index, lower))
-
-    def _length(self, seq) -> int:
-        lengths = seq.header.lengths
-        return lengths[self.index] if self.index < len(lengths) else 0
+            scheduler = ChainScheduler([own], [], eos_token_ids=eos)
+        else:
+            length, tree_width, scheme, pipeline = shape
+            scheduler = ChainScheduler([own, lower], [length], eos_token_ids=eos, tree_width=tree_width, scheme=scheme,
+                                       draft_ahead=pipeline, recorder=_BatchRecorder(self._sequences.get, self.index, lower))
+        if keep:
+            with self._wiring:
+                scheduler = self._schedulers.setdefault(key, scheduler)
+        return scheduler
 
     def lower_fallback(self, seqs, work):
         """`work(lower)`; if the tier below is gone, `work(None)`: this tier alone (the reply says degraded)."""
@@ -114,10 +119,10 @@ class BatchedRounds:
                 seq.degraded = True
         return work(None)
 
-    def _by_length(self, indices, seqs) -> dict[int, list[int]]:
-        groups: dict[int, list[int]] = {}
+    def _by_shape(self, indices, seqs) -> dict[tuple, list[int]]:
+        groups: dict[tuple, list[int]] = {}
         for i in indices:
-            groups.setdefault(self._length(seqs[i]), []).append(i)
+            groups.setdefault(self._shape(seqs[i]), []).append(i)
         return groups
 
     def _catch_up(self, seqs, contexts) -> None:
@@ -144,8 +149,8 @@ class BatchedRounds:
 
             def one_round(lower):
                 emitted: list[list[int]] = [[] for _ in seqs]
-                for length, group in self._by_length(range(len(seqs)), seqs).items():
-                    scheduler = self._batched_scheduler(lower, length, seqs[group[0]].header)
+                for shape, group in self._by_shape(range(len(seqs)), seqs).items():
+                    scheduler = self._scheduler(lower, shape)
                     items = [(seqs[i].run, contexts[i], min(scheduler.length_at(0), max(0, request.requests[i].max_tokens - 1)))
                              for i in group]
                     for i, (tokens, _) in zip(group, scheduler.round_batch(0, items)):
@@ -175,7 +180,7 @@ class BatchedRounds:
             trees = [i for i, r in enumerate(requests) if r.tree]
             # what each stream holds now, without waiting on it: streams still short are topped up
             # below in the misses' forwards (one wait per sequence would grow them one at a time)
-            hits = {i: self.stream_hit(seqs[i], contexts[i], requests[i], wait=False) for i in range(len(requests)) if not requests[i].tree}
+            hits = {i: self.stream_hit(seqs[i], contexts[i], requests[i]) for i in range(len(requests)) if not requests[i].tree}
             misses = [i for i, hit in hits.items() if hit is None]
             short = [i for i, hit in hits.items() if hit is not None and len(hit[0]) < requests[i].num_tokens
                      and first_eos(hit[0], self.eos_token_ids) is None]
@@ -185,8 +190,8 @@ class BatchedRounds:
             if misses or short:
                 def emit(lower):
                     out = {}
-                    for length, group in self._by_length(misses + short, seqs).items():
-                        scheduler = self._batched_scheduler(lower, length, seqs[group[0]].header)
+                    for shape, group in self._by_shape(misses + short, seqs).items():
+                        scheduler = self._scheduler(lower, shape)
                         items = [(seqs[i].run, contexts[i] + (hits[i][0] if hits[i] else []),
                                   requests[i].num_tokens - (len(hits[i][0]) if hits[i] else 0)) for i in group]
                         out.update(zip(group, scheduler.emit_batch(0, items)))
@@ -222,10 +227,11 @@ class BatchedRounds:
         released right after (SpecReason's utility score: no batch slot taken, nothing kept)."""
         scratch = ("score", os.getpid(), next(_scratch_ids))
         params = SamplingParams(temperature=request.temperature or 1.0)
-        try:
-            row = self.local.score(scratch, list(request.context), DraftTree([], [], None), params)[-1:]  # [1, V]
-        finally:
-            self.local.release(scratch)
+        with self.lock.hold():  # the one-request tier shares the model with the batched calls
+            try:
+                row = self.tier.score(scratch, list(request.context), DraftTree([], [], None), params)[-1:]  # [1, V]
+            finally:
+                self.tier.release(scratch)
         return tier_pb2.ScoreReply(rows=encode_rows(row, self.counters))
 
     # --------------------------------------------------------------- profile
@@ -248,10 +254,9 @@ class BatchedRounds:
     # ------------------------------------------------------------ draft-ahead
 
     def want_ahead(self, seq) -> None:
-        """`_start_ahead` for a batched sequence: its stream joins the batched draft-ahead. Holds seq.cond."""
+        """The sequence's stream joins the batched draft-ahead (grown up to `seq.ahead_until`). Holds seq.cond."""
         if seq.closed or seq.stream is None:
             return
-        seq.ahead_running = True
         with self._ahead_cond:
             self._ahead_wanted[seq.run.seq_id] = seq
             if self._ahead_thread is None:
@@ -288,7 +293,6 @@ class BatchedRounds:
 
     def _ahead_done(self, seq) -> None:
         """The sequence's stream is as long as its bet (or gone): it leaves the draft-ahead. Holds seq.cond."""
-        seq.ahead_running = False
         with self._ahead_cond:
             self._ahead_wanted.pop(seq.run.seq_id, None)
         seq.cond.notify_all()
@@ -307,8 +311,8 @@ class BatchedRounds:
             return
         lower = self.lower
         try:
-            for length, group in self._by_length(range(len(growing)), growing).items():
-                scheduler = self._batched_scheduler(lower, length, growing[group[0]].header)
+            for shape, group in self._by_shape(range(len(growing)), growing).items():
+                scheduler = self._scheduler(lower, shape)
                 drafted = scheduler.emit_batch(0, [(growing[i].run, list(growing[i].stream.tokens), 1) for i in group])
                 for i, (tokens, rows) in zip(group, drafted):
                     seq, stream = growing[i], growing[i].stream

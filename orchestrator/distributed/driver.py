@@ -2,8 +2,8 @@
 
 `DistributedChain` is a decoder (`polyspec.orchestrator.decode.contract.Decoder`: start /
 step / finish / cancel), so the engine, the batch runner and the server drive a distributed
-chain exactly as an embedded one. A step is one `Verify` call to the target's worker
-(polyspec.orchestrator.distributed.worker); the
+chain exactly as an embedded one. A step is one `VerifyBatch` call to the target's worker
+(polyspec.orchestrator.distributed.worker), a batch of one for `step`; the
 target pulls its block from the tier below, which pulls from the tier below it: the driver
 never relays blocks. The driver keeps each request's committed tokens, so a request
 survives any tier's death: a step that failed committed nothing and is simply redone.
@@ -132,7 +132,7 @@ class _Target:
 
 
 class DistributedChain:
-    plan_ahead = True  # with a tuner: plan the next round while this one is in flight (`step`)
+    plan_ahead = True  # with a tuner: plan the next round while this one is in flight (`_tuner_work`)
 
     def __init__(self, membership: Membership, lengths: list[int], *, tree_width: int = 1, scheme: str = "specinfer",
                  eos_token_ids: tuple[int, ...] = (), max_context: int | None = None, pipeline: bool = False) -> None:
@@ -154,7 +154,9 @@ class DistributedChain:
         self._target_lock = threading.Lock()
         self._seq_ids = itertools.count(random.getrandbits(40) << 20)
         self._releases = futures.ThreadPoolExecutor(1, thread_name_prefix="polyspec-release")
-        self.batched = False  # continuous batching: `step_all` sends every running request in one VerifyBatch
+        # continuous batching: the engine steps every running request in one `step_all` (one VerifyBatch);
+        # otherwise requests step one at a time, concurrently (each a VerifyBatch of one)
+        self.batched = False
         # batched, `lengths: auto`: polyspec.orchestrator.tuning.batch_model.BatchPlanner over plans that run every
         # tier or none (a distributed round cannot skip a tier); it sets every step's lengths for the load
         self.planner = None
@@ -175,7 +177,7 @@ class DistributedChain:
     def _call_target(self, method: str, request, timeout: float = VERIFY_TIMEOUT_S, meanwhile: Callable[[], None] | None = None):
         """Call the target; on a dead target wait for its restart and call again. `meanwhile`:
         work for this thread while the (first) call is in flight; the reply is then timed from
-        the call to its arrival, not to the end of that work (see `step`). Returns the reply and
+        the call to its arrival, not to the end of that work (see `_tuner_work`). Returns the reply and
         the seconds the last call took."""
         while True:
             target = self._stub()
@@ -216,38 +218,14 @@ class DistributedChain:
         header = tier_pb2.SequenceHeader(
             seq_id=next(self._seq_ids), temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
             seeds=tier_seeds(seed, len(self.tiers)), lengths=self.lengths, pipeline=self.pipeline, scheme=self.scheme,
-            tree_width=self.tree_width, limit=self.max_context or 0, batched=self.batched,
+            tree_width=self.tree_width, limit=self.max_context or 0,
         )
         return RequestState(seq_id=header.seq_id, params=params, committed=list(prompt_ids), max_new_tokens=max_new_tokens,
                             limit=self.max_context or NO_LIMIT, run=RemoteRun(header), tier_busy_s=[0.0] * len(self.tiers))
 
     def step(self, state: RequestState) -> list[int]:
-        if finish_if_full(state):
-            return []
-        run: RemoteRun = state.run
-        left = remaining(state)
-        tuner = self.tuner
-        request, lengths = self._round_request(state)
-        # The tuner's bookkeeping of the last round (observe_remote) runs while this round is in
-        # flight, off the critical path, and so does the plan of the next round (plan_remote,
-        # with its re-tunes: about a millisecond of Python a round) when this round cannot end
-        # the request. The tuner sees the same calls in the same order as when each round is
-        # planned at its start: plan n, observe n - 2, plan n + 1, observe n - 1, ... (a plan
-        # has not seen the round before it: a one-round lag); a request's first round, whose
-        # report restarts the class's estimates, is folded in at once.
-        pending, run.unobserved = run.unobserved, None
-        plan_ahead = (tuner is not None and self.plan_ahead and run.rounds > 0 and left > lengths[0] + 1
-                      and len(state.committed) + lengths[0] + 1 < state.limit)
-        work = None
-        if pending or plan_ahead:
-            def work() -> None:
-                with self._tuner_lock:
-                    if pending:
-                        pending()
-                    if plan_ahead:
-                        run.planned = (tuner, tuner.plan_remote(state.params))
-        reply, wall = self._call_target("Verify", request, meanwhile=work)
-        return self._round_reply(state, reply, wall, lengths)
+        """One target round of one request: a batch of one (`step_all`)."""
+        return self.step_all([state])[0]
 
     def prefill(self, states: list[RequestState], budget: int | None = None) -> int:
         """Batched: each tier caches a joining request's prompt at its first round (in a forward of its own)."""
@@ -272,12 +250,12 @@ class DistributedChain:
                 note_plan(states[i].plans, len(states[i].new_tokens), lengths, [self.tiers[t].name for t in active])
         planned = [self._round_request(states[i], lengths) for i in live]
         batch = tier_pb2.VerifyBatchRequest(requests=[request for request, _ in planned])
-        reply, wall = self._call_target("VerifyBatch", batch)
+        reply, wall = self._call_target("VerifyBatch", batch, meanwhile=self._tuner_work([states[i] for i in live], planned))
         if len(reply.replies) != len(live):
             raise RuntimeError(f"tier {self.tiers[0].name!r}: VerifyBatch answered {len(reply.replies)} of {len(live)} requests")
         committed = 0
         for i, (_, ran), one in zip(live, planned, reply.replies):
-            out[i] = self._round_reply(states[i], one, wall, ran, observe_now=True)
+            out[i] = self._round_reply(states[i], one, wall, ran)
             committed += len(out[i])
             if planner is not None:
                 for report in one.stages:
@@ -289,6 +267,37 @@ class DistributedChain:
         if planner is not None:
             planner.observe(StepObservation(tuple(tuple(out[i]) for i in live), seconds, tuple(lengths), tuple(active)))
         return out
+
+    def _tuner_work(self, states: list[RequestState], planned: list[tuple]) -> Callable[[], None] | None:
+        """With a tuner: its work for this thread while the round is in flight, off the critical path.
+
+        The tuner's bookkeeping of each request's last round (observe_remote) runs then, and so does
+        the plan of its next round (plan_remote, with its re-tunes: about a millisecond of Python a
+        round) when this round cannot end the request. The tuner sees the same calls in the same order
+        as when each round is planned at its start: plan n, observe n - 2, plan n + 1, observe n - 1,
+        ... (a plan has not seen the round before it: a one-round lag); a request's first round, whose
+        report restarts the class's estimates, is folded in at once (`_round_reply`)."""
+        tuner = self.tuner
+        chores = []
+        for state, (_, lengths) in zip(states, planned):
+            run: RemoteRun = state.run
+            pending, run.unobserved = run.unobserved, None
+            plan_ahead = (tuner is not None and self.plan_ahead and run.rounds > 0 and remaining(state) > lengths[0] + 1
+                          and len(state.committed) + lengths[0] + 1 < state.limit)
+            if pending or plan_ahead:
+                chores.append((state, pending, plan_ahead))
+        if not chores:
+            return None
+
+        def work() -> None:
+            with self._tuner_lock:
+                for state, pending, plan_ahead in chores:
+                    if pending:
+                        pending()
+                    if plan_ahead:
+                        state.run.planned = (tuner, tuner.plan_remote(state.params))
+
+        return work
 
     def _round_request(self, state: RequestState, lengths: list[int] | None = None) -> tuple[tier_pb2.VerifyRequest, list[int]]:
         """The request's next Verify and the lengths it runs: the tuner's plan, else `lengths` (default: the chain's)."""
@@ -308,8 +317,7 @@ class DistributedChain:
         header.lengths.extend(lengths)
         return tier_pb2.VerifyRequest(header=header, context=state.committed, max_tokens=remaining(state)), lengths
 
-    def _round_reply(self, state: RequestState, reply: tier_pb2.VerifyReply, wall: float, lengths: list[int],
-                     observe_now: bool = False) -> list[int]:
+    def _round_reply(self, state: RequestState, reply: tier_pb2.VerifyReply, wall: float, lengths: list[int]) -> list[int]:
         """Fold one round's reply into the request: stats, the tuner's observation, the committed tokens."""
         run: RemoteRun = state.run
         tuner = self.tuner
@@ -317,7 +325,7 @@ class DistributedChain:
         if tuner is not None:  # (bound to the tuner that planned the round)
             observation = functools.partial(tuner.observe_remote, state.params, reply.stages, wall, reply.model_s,
                                             first=run.rounds == 0, lengths=list(lengths))
-            if run.rounds == 0 or observe_now:
+            if run.rounds == 0:
                 self._observe(observation)
             else:
                 run.unobserved = observation

@@ -1,10 +1,12 @@
 """A tier worker's model: one forward at a time, and the model seconds each call spent.
 
-The worker's gRPC server runs a thread per call, and its draft-ahead pool more threads;
+The worker's gRPC server runs a thread per call, and its draft-ahead loop one more;
 `ModelLock` lets one forward run at a time, calls a verifier waits on before draft-ahead
-work. `LockedTier` puts a local tier behind the lock, so the scheduler code stays unaware of
-threads. Each thread keeps the model seconds of its current call (`model_seconds`), which
-the worker reports up so the driver can tell transport overhead from model time.
+work. `LockedBatched` puts a local batched tier behind the lock, so the scheduler code stays
+unaware of threads; `LockedTiers` makes the batched tiers of the tiers one process serves
+behind one lock (a target and its trained drafters) together. Each thread keeps the model
+seconds of its current call (`model_seconds`), which the worker reports up so the driver can
+tell transport overhead from model time.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import contextlib
 import threading
 import time
 
-from polyspec.workers.tiers.batched import BatchedTier
+from polyspec.workers.tiers.batched import BatchedTier, batched_tiers
 from polyspec.workers.tiers.tier import Tier
 
 _local = threading.local()  # per thread: model seconds of the current call, lock priority
@@ -70,51 +72,9 @@ class ModelLock:
                 self._cond.notify_all()
 
 
-class LockedTier(Tier):
-    """A local tier behind the worker's ModelLock (the scheduler code stays unaware of threads)."""
-
-    def __init__(self, tier: Tier, lock: ModelLock) -> None:
-        self.inner = tier
-        self.lock = lock
-        for name in ("name", "vocab_size", "max_context", "can_verify", "deterministic_drafts"):
-            setattr(self, name, getattr(tier, name))
-
-    @property
-    def busy_s(self) -> float:
-        return self.inner.busy_s
-
-    @property
-    def forwards(self) -> int:
-        return self.inner.forwards
-
-    def draft(self, *args, **kwargs):
-        with self.lock.hold():
-            return self.inner.draft(*args, **kwargs)
-
-    def draft_tree(self, *args, **kwargs):
-        with self.lock.hold():
-            return self.inner.draft_tree(*args, **kwargs)
-
-    def score(self, *args, **kwargs):
-        with self.lock.hold():
-            return self.inner.score(*args, **kwargs)
-
-    def accept_path(self, *args, **kwargs):
-        with self.lock.hold():
-            return self.inner.accept_path(*args, **kwargs)
-
-    def release(self, seq_id):
-        with self.lock.hold():
-            return self.inner.release(seq_id)
-
-    def truncate(self, seq_id, length):
-        with self.lock.hold():
-            return self.inner.truncate(seq_id, length)
-
-
 class LockedBatched(BatchedTier):
-    """A batched tier (polyspec.workers.tiers.batched) behind the worker's ModelLock: the batched
-    calls and the draft-ahead rounds of single sequences take turns on its one slot cache."""
+    """A batched tier (polyspec.workers.tiers.batched) behind the worker's ModelLock: the calls
+    a verifier waits on and the draft-ahead steps take turns on its one slot cache."""
 
     def __init__(self, tier, lock: ModelLock) -> None:  # (no BatchedTier.__init__: every field is the inner tier's)
         self.inner = tier
@@ -170,3 +130,42 @@ class LockedBatched(BatchedTier):
     def release(self, seq_id) -> None:
         with self.lock.hold():
             self.inner.release(seq_id)
+
+
+class LockedTiers:
+    """The batched tiers of the tiers one process serves behind one `ModelLock` (a target and its
+    trained drafters, in one Ray actor), each behind that lock, made together on first use: a
+    feature head then reads its target's hidden states from the target's slot cache, which the
+    target's own batched forwards fill (`batched_tiers`). `device_slots[i]` > 0: tier i serves as a
+    device tier of that many requests (polyspec.workers.tiers.static_tier), with a pool of its own."""
+
+    def __init__(self, tiers: list[Tier], lock: ModelLock | None = None, device_slots: list[int] | None = None,
+                 device_context: int | None = None) -> None:
+        self.tiers = list(tiers)
+        self.lock = lock or ModelLock()
+        self.device_slots = list(device_slots) if device_slots is not None else [0] * len(self.tiers)
+        self.device_context = device_context
+        self._made: list[LockedBatched] | None = None
+        self._making = threading.Lock()
+
+    def of(self, tier: Tier) -> LockedBatched:
+        """`tier`'s batched tier (made, with every sibling's, after the chain's vocabulary is set)."""
+        with self._making:
+            if self._made is None:
+                from polyspec.workers.tiers.static_tier import StaticModelTier
+
+                ragged = iter(batched_tiers([t for t, slots in zip(self.tiers, self.device_slots) if not slots]))
+                made = [StaticModelTier(t, slots, self.device_context) if slots else next(ragged)
+                        for t, slots in zip(self.tiers, self.device_slots)]
+                self._made = [LockedBatched(batched, self.lock) for batched in made]
+            return self._made[next(i for i, t in enumerate(self.tiers) if t is tier)]
+
+    def made(self, tier: Tier) -> LockedBatched | None:
+        """`tier`'s batched tier if it has been made (None: nothing of it to release)."""
+        with self._making:
+            return None if self._made is None else self._made[next(i for i, t in enumerate(self.tiers) if t is tier)]
+
+    def reset(self) -> None:
+        """Make them again on next use (the chain's vocabulary changed)."""
+        with self._making:
+            self._made = None

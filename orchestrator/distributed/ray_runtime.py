@@ -98,7 +98,7 @@ class TierActor:
         import ray
         import torch
 
-        from polyspec.orchestrator.distributed.model_lock import ModelLock
+        from polyspec.orchestrator.distributed.model_lock import LockedTiers, ModelLock
         from polyspec.workers.tiers.loading import load_drafter_tier, load_model_tier, quiet_transformers
         from polyspec.orchestrator.distributed.worker import TierWorker
         from polyspec.workers.tiers.tier import NGramTier
@@ -113,12 +113,13 @@ class TierActor:
             tiers = [load_model_tier(own)]
             tiers += [load_drafter_tier(drafter, tiers[0]) for drafter in tier_configs[1:]]
             self.out_features = tiers[0].vocab_size
-        lock = ModelLock()
         host = ray.util.get_node_ip_address()
+        # each tier's device slots: a target and its early-exit drafter both on the device, a feature head's actor ragged
         slots = actor_device_slots(tiers, batching)
-        self.workers = {index: TierWorker(tier, index, eos_token_ids=eos_token_ids, host=host, lock=lock, device_slots=tier_slots,
-                                          device_context=getattr(batching, "max_context", None))
-                        for index, tier, tier_slots in zip(indices, tiers, slots)}
+        # one model lock, and batched tiers made together: a feature head reads its target's slot cache
+        siblings = LockedTiers(tiers, ModelLock(), slots, getattr(batching, "max_context", None))
+        self.workers = {index: TierWorker(tier, index, eos_token_ids=eos_token_ids, host=host, siblings=siblings)
+                        for index, tier in zip(indices, tiers)}
         self.first = indices[0]
         self.node_id = ray.get_runtime_context().get_node_id()
 

@@ -1,10 +1,10 @@
 """Transport between distributed tiers: the gRPC proxy of a remote tier, and
 how dense probability rows travel.
 
-`RemoteTier` implements `polyspec.workers.tiers.tier.Tier` on top of the tier-to-tier protocol
-(protos/polyspec/v1/tier.proto), so a verifier runs the very same scheduler code
-(`polyspec.orchestrator.decode.scheduler.ChainScheduler`) whether the tier below it is an object in this process
-or an actor on another node.
+`RemoteTier` implements the batched tier (`polyspec.workers.tiers.batched.BatchedTier`) on top of
+the tier-to-tier protocol (protos/polyspec/v1/tier.proto), so a verifier runs the very same
+round (`polyspec.orchestrator.decode.scheduler.ChainScheduler`) whether the tier below it is an
+object in this process or an actor on another node.
 
 Rows (only sampling needs them: greedy blocks are token ids):
 
@@ -41,7 +41,6 @@ import torch
 
 from polyspec.orchestrator.distributed import cluster_auth
 from polyspec.protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
-from polyspec.workers.tiers.tier import Tier
 from polyspec.workers.core.tree import DraftTree
 from polyspec.workers.tiers.batched import BatchedTier
 
@@ -187,17 +186,24 @@ def header_params(header: tier_pb2.SequenceHeader):
 # ------------------------------------------------------------------------ the proxy
 
 
-class RemoteTier(Tier):
-    """The tier below, reached over gRPC; implements the Tier interface for one verifier.
+class RemoteTier(BatchedTier):
+    """The tier below, reached over gRPC, behind the batched seam (polyspec.workers.tiers.batched):
+    every sequence of a round asks for its block in one DraftBatch call, which the tier below
+    answers with one batched forward per drafted position (or per round of its own).
 
     `sequence(seq_id)` returns the caller's per-sequence state, which supplies the header
     sent down (`header_for_lower()`) and absorbs what comes back (`absorb(reply)`): stage
     reports, model time, degraded flags.
     """
 
+    # the tier below runs its forwards and keeps its caches in its own process: it times, counts and catches them up there
+    busy_s = 0.0
+    forwarded_tokens = 0
+    has_weights = False
+    caches_prompts = False
+
     def __init__(self, address: str, sequence: Callable, counters: Counters, dist: DistChannel | None = None,
-                 timeout_s: float = RPC_TIMEOUT_S, caller: int = 0) -> None:
-        super().__init__()
+                 timeout_s: float = RPC_TIMEOUT_S, caller: int = 0) -> None:  # (no BatchedTier.__init__: no local tier)
         self.caller = caller
         self.address = address
         self._sequence = sequence
@@ -215,6 +221,7 @@ class RemoteTier(Tier):
         self.max_context = info.max_context or None
         self.can_verify = info.can_verify
         self.deterministic_drafts = info.deterministic_drafts
+        self.forward_log: list = []
 
     def close(self) -> None:
         self._casts.shutdown(wait=False, cancel_futures=True)
@@ -248,13 +255,13 @@ class RemoteTier(Tier):
         except RuntimeError:  # closed
             pass
 
-    def draft_request(self, seq_id, context, num_tokens: int, tree: bool = False) -> tier_pb2.DraftRequest:
+    def _draft_request(self, seq_id, context, num_tokens: int, tree: bool) -> tier_pb2.DraftRequest:
         seq = self._sequence(seq_id)
         return tier_pb2.DraftRequest(header=seq.header_for_lower(), context=context, num_tokens=num_tokens, tree=tree,
                                      caller=self.caller, accept_dist=self.dist is not None)
 
-    def absorb_draft(self, seq_id, reply: tier_pb2.DraftReply, tree: bool = False):
-        """The block (tokens, rows) or tree of one Draft reply; its reports go to the caller's sequence."""
+    def _absorb(self, seq_id, reply: tier_pb2.DraftReply, tree: bool):
+        """The block (tokens, rows) or tree of one sequence's reply; its reports go to the caller's sequence."""
         rows = decode_rows(reply.rows, self.dist)
         seq = self._sequence(seq_id)
         seq.absorb(reply)
@@ -263,19 +270,19 @@ class RemoteTier(Tier):
         seq.lower_continues = reply.continues
         return list(reply.tokens), rows
 
-    def draft(self, seq_id, context, num_tokens, params, generator):
-        return self.absorb_draft(seq_id, self._call("Draft", self.draft_request(seq_id, context, num_tokens)))
-
-    def draft_tree(self, seq_id, context, width, depth, params, scheme, generator):
-        return self.absorb_draft(seq_id, self._call("Draft", self.draft_request(seq_id, context, depth, tree=True)), tree=True)
-
-    def draft_many(self, seq_ids, contexts, counts, tree: bool = False) -> list:
-        """`draft` (or `draft_tree`) of many sequences in one DraftBatch call."""
-        request = tier_pb2.DraftBatchRequest(requests=[self.draft_request(s, c, n, tree) for s, c, n in zip(seq_ids, contexts, counts)])
-        reply = self._call("DraftBatch", request)
+    def _draft_many(self, seq_ids, contexts, counts, tree: bool) -> list:
+        """Every sequence's block (or tree) in one DraftBatch call."""
+        requests = [self._draft_request(s, c, n, tree) for s, c, n in zip(seq_ids, contexts, counts)]
+        reply = self._call("DraftBatch", tier_pb2.DraftBatchRequest(requests=requests))
         if len(reply.replies) != len(seq_ids):
             raise RuntimeError(f"tier {self.name!r}: DraftBatch answered {len(reply.replies)} of {len(seq_ids)} sequences")
-        return [self.absorb_draft(s, r, tree) for s, r in zip(seq_ids, reply.replies)]
+        return [self._absorb(s, r, tree) for s, r in zip(seq_ids, reply.replies)]
+
+    def draft_batch(self, seq_ids, contexts, counts, params, generators):
+        return self._draft_many(seq_ids, contexts, counts, tree=False)
+
+    def draft_tree_batch(self, seq_ids, contexts, width, depths, params, scheme, generators):
+        return self._draft_many(seq_ids, contexts, depths, tree=True)
 
     def continues_past(self, seq_id) -> bool:
         seq = self._sequence(seq_id)
@@ -295,26 +302,3 @@ class RemoteTier(Tier):
 
     def release(self, seq_id):
         self._cast("Release", tier_pb2.ReleaseRequest(seq_id=seq_id))
-
-
-class RemoteBatchedTier(BatchedTier):
-    """The tier below behind the batched seam (polyspec.workers.tiers.batched): every
-    sequence of a round asks for its block in one DraftBatch call, which the tier below
-    answers with one batched forward per drafted position (or per round of its own)."""
-
-    def __init__(self, remote: RemoteTier) -> None:
-        super().__init__(remote)
-        self.remote = remote
-        self.index = remote.index
-
-    def draft_batch(self, seq_ids, contexts, counts, params, generators):
-        return self.remote.draft_many(seq_ids, contexts, counts)
-
-    def draft_tree_batch(self, seq_ids, contexts, width, depths, params, scheme, generators):
-        return self.remote.draft_many(seq_ids, contexts, depths, tree=True)
-
-    def continues_past(self, seq_id) -> bool:
-        return self.remote.continues_past(seq_id)
-
-    def verdict(self, seq_id, base_len, proposed, accepted, correction) -> None:
-        self.remote.verdict(seq_id, base_len, proposed, accepted, correction)

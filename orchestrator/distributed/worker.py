@@ -1,28 +1,29 @@
-"""One tier of a distributed chain: its model, its gRPC service, its draft-ahead loop.
+"""One tier of a distributed chain: its model, its gRPC service, its draft-ahead streams.
 
 A `TierWorker` owns one `Tier` and serves the tier-to-tier protocol
-(protos/polyspec/v1/tier.proto) on its node's address. A verifier holds a `RemoteTier`
-proxy of the worker below and runs the same `polyspec.orchestrator.decode.scheduler.ChainScheduler` code as
-embedded mode over the two-tier chain [its own tier, the proxy]; the proxy's `draft` is the
-lower worker's `Draft`, which runs that worker's own rounds against the tier below it. So
-neighbours talk directly and the driver only calls the target's `Verify`.
+(protos/polyspec/v1/tier.proto) on its node's address. Every call is served by the one round,
+batched (batched_rounds.py): a verifier runs `polyspec.orchestrator.decode.scheduler.ChainScheduler`,
+the code of embedded mode, over its own two-tier chain [its batched tier, a `RemoteTier` proxy of
+the worker below]; the proxy's blocks come from the lower worker's `DraftBatch`, which runs that
+worker's own rounds against the tier below it. So neighbours talk directly and the driver only
+calls the target's `VerifyBatch`. A one-sequence `Verify` / `Draft` (an older client) is served
+as a batch of one.
 
 Concurrency: the gRPC server has a thread per call, so while the target scores request A,
 the drafters draft request B. One model forward at a time per tier (`ModelLock`); calls of
 one sequence are serialised by the sequence's lock (model_lock.py).
 
 Pipelined mode (`header.pipeline`): after handing a block up, a drafter keeps drafting past
-it (`_ahead`), betting the block is accepted. Its stream is tagged with the verifier's epoch;
-the verifier bumps the epoch with every verdict that carries a correction, and the Verdict
-message restarts the stream from the correction at once. A `Draft` call is served from the
-stream only when its epoch matches and its context is a prefix of the stream; the tokens it
-gets were never examined by any verifier, so reusing them is lossless. Stale tokens are
-dropped and counted.
+it (its stream, grown by the batched draft-ahead loop), betting the block is accepted. Its
+stream is tagged with the verifier's epoch; the verifier bumps the epoch with every verdict
+that carries a correction, and the Verdict message restarts the stream from the correction at
+once. A `DraftBatch` is served from a sequence's stream only when its epoch matches and its
+context is a prefix of the stream; the tokens it gets were never examined by any verifier, so
+reusing them is lossless. Stale tokens are dropped and counted.
 
 Failure: if the tier below stops answering, the current call is redone without it (a model
 tier drafts or verifies alone; the target alone is always a valid chain) and the reply says
-`degraded`; the driver wires a replacement in when Ray restarts the actor.
-Batched calls (VerifyBatch / DraftBatch, continuous batching) are in batched_rounds.py."""
+`degraded`; the driver wires a replacement in when Ray restarts the actor."""
 
 from __future__ import annotations
 
@@ -40,28 +41,26 @@ import torch
 
 from polyspec.orchestrator.distributed import cluster_auth
 from polyspec.orchestrator.distributed.batched_rounds import BatchedRounds
-from polyspec.orchestrator.decode.contract import NO_LIMIT, RoundObservation, StageStats, first_eos, seeded_generator
+from polyspec.orchestrator.decode.contract import NO_LIMIT, StageStats, seeded_generator
+from polyspec.orchestrator.decode.scheduler import Run
 from polyspec.orchestrator.decode.approximate import worker_hooks
-from polyspec.orchestrator.decode.scheduler import ChainScheduler, Run
 from polyspec.orchestrator.tuning.time_model import AHEAD_SMOOTHING, AHEAD_THRESHOLD  # the time model reads the same bet
 from polyspec.protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
 from polyspec.workers.core.sampling import SamplingParams
 from polyspec.workers.tiers.tier import Tier
-from polyspec.orchestrator.distributed.model_lock import (
-    LockedTier,
-    ModelLock,
-    add_model_seconds,
-    drafting_ahead,
-    model_seconds,
-    set_drafting_ahead,
-    set_model_seconds,
+from polyspec.orchestrator.distributed.model_lock import LockedTiers, ModelLock, model_seconds
+from polyspec.orchestrator.distributed.transport import (
+    CHANNEL_OPTIONS,
+    Counters,
+    DistChannel,
+    RemoteTier,
+    TierUnavailableError,
+    encode_rows,
+    header_params,
 )
-from polyspec.orchestrator.distributed.transport import (CHANNEL_OPTIONS, Counters, DistChannel, RemoteTier, TierUnavailableError,
-                                                       encode_rows, header_params)
 from polyspec.workers.core.tree import DraftTree
 
 MAX_RPC_THREADS = 64
-AHEAD_THREADS = 8
 # Drafting past a block bets it is accepted whole. Lost bets are free only on an idle core, on a shared one they slow the
 # verifier (benchmarks/ray-pipeline.md): a sequence drafts ahead only while its blocks are mostly accepted whole (EMA).
 AHEAD_PRIOR = 0.5
@@ -113,7 +112,6 @@ class _Sequence:
         self.served_at = 0.0  # perf_counter when that block was handed up
         self.stream: _Stream | None = None
         self.ahead_until = 0
-        self.ahead_running = False
         self.closed = False
         self.reset_call()
 
@@ -143,37 +141,25 @@ class _Sequence:
         self.degraded = self.degraded or reply.degraded
 
 
-class _Recorder:
-    """The recorder of the worker's one-sequence chain: its verification rounds become StageReports."""
-
-    def __init__(self, worker: "TierWorker", seq: _Sequence, lower: RemoteTier) -> None:
-        self.worker, self.seq, self.lower = worker, seq, lower
-
-    def observe(self, observation) -> None:
-        if isinstance(observation, RoundObservation):
-            self.seq.reports.append(tier_pb2.StageReport(tier=self.worker.index, drafter=self.lower.index, length=observation.length,
-                                                         proposed=observation.proposed, accepted=observation.accepted,
-                                                         seconds=observation.seconds, ahead=drafting_ahead()))
-
-
 class TierWorker(BatchedRounds):
     """Tier `index` of a chain, serving protos/polyspec/v1/tier.proto on `host`."""
 
     def __init__(self, tier: Tier, index: int, *, eos_token_ids=(), host: str = "127.0.0.1", port: int = 0,
                  rpc_timeout_s: float = 120.0, lock: ModelLock | None = None, device_slots: int = 0,
-                 device_context: int | None = None) -> None:
-        """`device_slots` > 0: batched calls run on a device tier of that many requests (static_tier.py)."""
+                 device_context: int | None = None, siblings: LockedTiers | None = None) -> None:
+        """`device_slots` > 0: the tier serves as a device tier of that many requests (static_tier.py).
+        `siblings`: the batched tiers of every tier this process serves behind one lock (a target and
+        its trained drafters), `tier` among them; by default `tier` alone behind `lock`."""
         # The forward thread holds the GIL for most of a small model's forward (Python module
         # code between short kernels); a gRPC handler thread waiting for it would wait up to the
         # default 5 ms switch interval each time, serialising requests that should overlap.
         sys.setswitchinterval(float(os.environ.get("POLYSPEC_SWITCH_INTERVAL_S", "0.0005")))
         self.tier = tier
         self.index = index
-        self.device_slots, self.device_context = device_slots, device_context
         self.eos_token_ids = frozenset(eos_token_ids)
         # tiers sharing one model in one process (a target and its trained drafters) share one lock
-        self.lock = lock or ModelLock()
-        self.local = LockedTier(tier, self.lock)
+        self.siblings = siblings or LockedTiers([tier], lock, [device_slots], device_context)
+        self.lock = self.siblings.lock
         self.lower: RemoteTier | None = None
         self.lower_error = ""
         self.dist: DistChannel | None = None
@@ -184,8 +170,8 @@ class TierWorker(BatchedRounds):
         self._sequences: dict[int, _Sequence] = {}
         self._sequences_lock = threading.Lock()
         self._wiring = threading.Lock()
-        self._ahead_pool = futures.ThreadPoolExecutor(AHEAD_THREADS, thread_name_prefix=f"ahead-{tier.name}")
-        self._ahead_cond, self._ahead_wanted = threading.Condition(), {}  # batched sequences' draft-ahead (batched_rounds)
+        self._schedulers: dict[tuple, object] = {}  # this tier's chains, kept across calls (batched_rounds.py)
+        self._ahead_cond, self._ahead_wanted = threading.Condition(), {}  # the sequences drafting ahead (batched_rounds)
         self.server = grpc.server(futures.ThreadPoolExecutor(MAX_RPC_THREADS, thread_name_prefix=f"tier-{tier.name}"),
                                   options=CHANNEL_OPTIONS, interceptors=cluster_auth.server_interceptors())
         tier_pb2_grpc.add_TierServicer_to_server(_Servicer(self), self.server)
@@ -199,14 +185,15 @@ class TierWorker(BatchedRounds):
 
     def set_vocab_size(self, vocab_size: int) -> None:
         self.tier.vocab_size = vocab_size
-        self.local.vocab_size = vocab_size
         with self._wiring:
-            self._batched = None  # made again, with this vocabulary, on first use
+            self.siblings.reset()  # made again, with this vocabulary, on first use
+            self._schedulers.clear()
 
     def connect(self, address: str | None) -> str:
         """Make `address` the tier below (None: this tier is the bottom). Returns its name."""
         with self._wiring:
             old, self.lower = self.lower, None
+            self._schedulers.clear()
             if old is not None:
                 old.close()
             if address:
@@ -224,7 +211,6 @@ class TierWorker(BatchedRounds):
     def stop(self) -> None:
         self.stop_ahead()
         self.server.stop(0)
-        self._ahead_pool.shutdown(wait=False, cancel_futures=True)
         if self.lower is not None:
             self.lower.close()
 
@@ -233,6 +219,7 @@ class TierWorker(BatchedRounds):
             if self.lower is lower:
                 self.lower = None
                 self.lower_error = str(exc)
+                self._schedulers.clear()
                 lower.close()
 
     # --------------------------------------------------------------- sequences
@@ -250,70 +237,27 @@ class TierWorker(BatchedRounds):
     def _sequence_of(self, seq_id: int) -> _Sequence:
         return self._sequences[seq_id]
 
-    def _scheduler(self, seq: _Sequence, lower: RemoteTier | None) -> ChainScheduler:
-        """This tier's own chain for one call: [this tier, the tier below] (or this tier alone).
-        The sequence's `Run` carries the whole chain's context limit (from the header)."""
-        header = seq.header
-        if lower is None:
-            return ChainScheduler([self.local], [], eos_token_ids=self.eos_token_ids, max_context=None)
-        length = header.lengths[self.index] if self.index < len(header.lengths) else 0
-        return ChainScheduler([self.local, lower], [length], tree_width=max(1, header.tree_width),
-                              scheme=header.scheme or "specinfer", eos_token_ids=self.eos_token_ids,
-                              recorder=_Recorder(self, seq, lower), draft_ahead=header.pipeline, max_context=None)
-
-    def _with_fallback(self, seq: _Sequence, work):
-        """Run `work(scheduler)`; if the tier below is gone, redo it without the tier below."""
-        return self.lower_fallback([seq], lambda lower: work(self._scheduler(seq, lower)))
-
-    # ------------------------------------------------------------------ verify
+    # ------------------------------------------------------------ one sequence
 
     def verify(self, request: tier_pb2.VerifyRequest) -> tier_pb2.VerifyReply:
-        if request.header.batched:
-            return self.verify_batch(tier_pb2.VerifyBatchRequest(requests=[request])).replies[0]
-        seq = self._sequence(request.header)
-        set_model_seconds(0.0)
-        with seq.cond:
-            seq.reset_call()
-            context = list(request.context)
-
-            def one_round(scheduler):
-                length = min(scheduler.length_at(0), max(0, request.max_tokens - 1))
-                emitted, _ = scheduler.round_batch(0, [(seq.run, context, length)])[0]
-                return emitted
-
-            emitted = self._with_fallback(seq, one_round)[: request.max_tokens]
-            return tier_pb2.VerifyReply(tokens=emitted, stages=seq.take_reports(), model_s=model_seconds() + seq.model_below_s,
-                                        degraded=seq.degraded, degraded_reason=self.lower_error if seq.degraded else "")
-
-    # ------------------------------------------------------------------- draft
+        """One sequence's round (an older client's Verify): a batch of one."""
+        return self.verify_batch(tier_pb2.VerifyBatchRequest(requests=[request])).replies[0]
 
     def draft(self, request: tier_pb2.DraftRequest, dst_rank: int | None) -> tier_pb2.DraftReply:
-        if request.header.batched:
-            return self.draft_batch(tier_pb2.DraftBatchRequest(requests=[request]), dst_rank).replies[0]
-        seq = self._sequence(request.header)
-        context, need = list(request.context), request.num_tokens
-        started = time.perf_counter()
-        with seq.cond:
-            # a draft-ahead round holds the sequence: waiting for it is this tier's model time
-            # on the caller's critical path, not transport overhead
-            set_model_seconds(time.perf_counter() - started)
-            seq.reset_call()
-            if request.tree:
-                tree = self._with_fallback(seq, lambda s: self._draft_tree(s, seq, context, need))
-                return self.tree_reply(seq, need, tree, dst_rank)
-            hit = self.stream_hit(seq, context, request)
-            tokens, rows = hit if hit is not None else self._with_fallback(seq, lambda s: self._emit(s, seq, context, need))
-            return self.draft_reply(seq, context, request, hit is not None, tokens, rows, dst_rank)
+        """One sequence's block (an older client's Draft): a batch of one."""
+        return self.draft_batch(tier_pb2.DraftBatchRequest(requests=[request]), dst_rank).replies[0]
 
-    def stream_hit(self, seq: _Sequence, context: list[int], request: tier_pb2.DraftRequest, wait: bool = True):
-        """The requested block from the draft-ahead stream, or None; without `wait`, what it holds now. Holds seq.cond."""
+    # ------------------------------------------------------------- draft-ahead
+
+    def stream_hit(self, seq: _Sequence, context: list[int], request: tier_pb2.DraftRequest):
+        """The requested block from the draft-ahead stream as far as it holds it now, or None. Holds seq.cond."""
         need = request.num_tokens
         continued = request.header.pipeline and seq.served_end >= 0 and request.header.epoch == seq.served_epoch \
             and len(context) >= seq.served_end
         if continued:
             seq.track_whole(True)  # accepted whole and continued (no verdict was sent)
         seq.served_end = -1
-        hit = self._from_stream(seq, context, need, request.header.epoch, wait)
+        hit = self._from_stream(seq, context, need, request.header.epoch)
         if hit is not None:
             tokens, rows = hit
             self.ahead_hits += 1
@@ -352,7 +296,7 @@ class TierWorker(BatchedRounds):
             seq.ahead_until = len(context) + (2 * need if continues else len(tokens))
             seq.served_at = time.perf_counter()
             continues = continues or len(seq.stream.tokens) > seq.served_end  # overshoot already drafted
-            self._start_ahead(seq)
+            self.want_ahead(seq)
         return tier_pb2.DraftReply(tokens=tokens, rows=encode_rows(rows, self.counters, self.dist, dst_rank),
                                    model_s=model_seconds() + seq.model_below_s, ahead_hit=hit, stages=seq.take_reports(),
                                    degraded=seq.degraded, continues=continues)
@@ -363,30 +307,15 @@ class TierWorker(BatchedRounds):
             seq.reports.append(tier_pb2.StageReport(tier=self.index, drafter=self.index, length=need, proposed=proposed,
                                                     seconds=model_seconds()))
 
-    def _emit(self, scheduler, seq: _Sequence, context: list[int], need: int):
-        return scheduler.emit_batch(0, [(seq.run, context, need)])[0]
-
-    def _draft_tree(self, scheduler, seq: _Sequence, context: list[int], depth: int) -> DraftTree:
-        header = seq.header
-        return self.local.draft_tree(seq.run.seq_id, context, max(1, header.tree_width), depth, seq.params,
-                                     header.scheme or "specinfer", seq.run.generators[0])
-
-    def _from_stream(self, seq: _Sequence, context: list[int], need: int, epoch: int, wait: bool = True):
-        """`need` tokens continuing `context` from the draft-ahead stream, or None (a miss)."""
+    def _from_stream(self, seq: _Sequence, context: list[int], need: int, epoch: int):
+        """Up to `need` tokens continuing `context` from the draft-ahead stream (what it holds now), or None (a miss)."""
         stream = seq.stream
         if stream is None or stream.epoch != epoch or len(context) < stream.base or len(stream.tokens) <= len(context):
             return None
         if stream.tokens[: len(context)] != context:
             return None
         seq.ahead_until = max(seq.ahead_until, len(context) + need)
-        self._start_ahead(seq)
-        started = time.perf_counter()
-        while wait and stream is seq.stream and len(stream.tokens) - len(context) < need and seq.ahead_running:
-            seq.cond.wait()
-        # waiting for the drafting ahead is model time on the caller's critical path, not overhead
-        add_model_seconds(time.perf_counter() - started)
-        if stream is not seq.stream:
-            return None
+        self.want_ahead(seq)
         start = len(context) - stream.base
         tokens = stream.tokens[len(context): len(context) + need]
         rows = stream.rows[start: start + len(tokens)]
@@ -398,48 +327,6 @@ class TierWorker(BatchedRounds):
             seq.stream = None
             seq.cond.notify_all()
 
-    def _start_ahead(self, seq: _Sequence) -> None:
-        if seq.header.batched:
-            return self.want_ahead(seq)
-        if not seq.ahead_running and not seq.closed and seq.stream is not None:
-            seq.ahead_running = True
-            try:
-                self._ahead_pool.submit(self._ahead, seq)
-            except RuntimeError:  # the worker is stopping (pool shut down): an RPC in flight drafts no further
-                seq.ahead_running = False
-
-    def _ahead(self, seq: _Sequence) -> None:
-        """Extend `seq.stream` up to `seq.ahead_until` tokens, a round (or a token) at a time."""
-        set_drafting_ahead(True)
-        try:
-            while True:
-                with seq.cond:
-                    stream = seq.stream
-                    if seq.closed or stream is None or len(stream.tokens) >= min(seq.ahead_until, seq.run.limit - 1):
-                        return
-                    if first_eos(stream.tokens[stream.base:], self.eos_token_ids) is not None:
-                        return
-                    context = list(stream.tokens)
-                    lower = self.lower
-                    try:
-                        tokens, rows = self._emit(self._scheduler(seq, lower), seq, context, 1)
-                    except TierUnavailableError as exc:
-                        self._lower_failed(lower, exc)
-                        return
-                    if stream is not seq.stream or not tokens:
-                        return
-                    stream.extend(tokens, rows)
-                    seq.cond.notify_all()
-        except KeyError:
-            pass  # the sequence was released meanwhile (its request finished): nothing to draft for
-        except Exception as exc:  # noqa: BLE001 - draft-ahead is an optimisation; the next Draft redoes the work
-            print(f"polyspec tier {self.tier.name}: draft-ahead stopped: {exc!r}", flush=True)
-        finally:
-            with seq.cond:
-                seq.ahead_running = False
-                seq.cond.notify_all()
-            set_drafting_ahead(False)
-
     # --------------------------------------------------------------- verdicts
 
     def verdict(self, request: tier_pb2.VerdictRequest) -> None:
@@ -448,7 +335,7 @@ class TierWorker(BatchedRounds):
             return
         with seq.cond:
             if request.tree:
-                (self.batched_tier() if seq.header.batched else self.local).accept_path(request.seq_id, list(request.path))
+                self.batched_tier().accept_path(request.seq_id, list(request.path))
                 return
             if seq.served_end >= 0 and request.base_len + request.proposed == seq.served_end:
                 seq.track_whole(request.accepted >= request.proposed)  # a bonus or a correction
@@ -464,7 +351,7 @@ class TierWorker(BatchedRounds):
             seq.stream = _Stream(keep + 1, stream.tokens[:keep] + [request.correction], [], request.epoch)
             seq.ahead_until = keep + 1 + max(1, request.proposed)
             seq.cond.notify_all()
-            self._start_ahead(seq)  # the next block is drafted while the verifier does the rest
+            self.want_ahead(seq)  # the next block is drafted while the verifier does the rest
 
     def rollback(self, request: tier_pb2.RollbackRequest) -> None:
         seq = self._sequences.get(request.seq_id)
@@ -472,16 +359,14 @@ class TierWorker(BatchedRounds):
             return
         with seq.cond:
             self._drop_stream(seq)
-            (self.batched_tier() if seq.header.batched else self.local).truncate(request.seq_id, request.length)
+            self.batched_tier().truncate(request.seq_id, request.length)
 
     def prefill(self, request: tier_pb2.PrefillRequest) -> None:
         seq = self._sequence(request.header)
         with seq.cond:
             context = list(request.context)
-            if seq.header.batched and len(context) > 1:
+            if len(context) > 1:  # (all but the last token: a round feeds at least one)
                 self.batched_tier().prefill([request.header.seq_id], [context], len(context))
-            elif self.tier.can_verify and len(context) > 1:
-                self.local.score(request.header.seq_id, context, DraftTree([], [], None), seq.params)
 
     def release(self, seq_id: int) -> None:
         with self._sequences_lock:
@@ -492,9 +377,9 @@ class TierWorker(BatchedRounds):
                 self._drop_stream(seq)
             if seq.exits:
                 self.tier.exit_by_seq.pop(seq_id, None)
-        self.local.release(seq_id)
-        if self._batched is not None:
-            self._batched.release(seq_id)
+        batched = self.siblings.made(self.tier)
+        if batched is not None:
+            batched.release(seq_id)
         lower = self.lower
         if lower is not None:
             lower.release(seq_id)
@@ -518,31 +403,34 @@ class TierWorker(BatchedRounds):
     def profile(self, request: tier_pb2.ProfileRequest) -> tier_pb2.ProfileReply:
         """This tier's latency profile, measured here (polyspec.orchestrator.tuning.profiler, as in embedded
         mode): median ms of a verification round over m = 1..max_tokens new tokens, of
-        proposing k = 1..max_draft tokens, and of prefilling each of `prefill_lens` tokens."""
+        proposing k = 1..max_draft tokens, and of prefilling each of `prefill_lens` tokens.
+        Measured on the one-request tier, holding the model throughout (nothing else runs meanwhile)."""
         from polyspec.orchestrator.tuning.profiler import profile_draft, profile_forward, synthetic_context
 
+        tier = self.tier
         params = SamplingParams(temperature=request.temperature, top_p=request.top_p or 1.0, top_k=request.top_k)
         repeats = max(1, request.repeats)
-        context = synthetic_context(self.tier.vocab_size, max(2, request.context_len))
-        reply = tier_pb2.ProfileReply(can_verify=self.tier.can_verify, deterministic_drafts=self.tier.deterministic_drafts)
-        if request.max_tokens > 0 and self.tier.can_verify:
-            table = profile_forward(self.local, context, range(1, request.max_tokens + 1), params, repeats)
-            reply.forward_ms.extend(table[m] for m in sorted(table))
-        if request.max_draft > 0:
-            table = profile_draft(self.local, context, range(1, request.max_draft + 1), params, max(1, request.tree_width),
-                                  request.scheme or "specinfer", repeats)
-            reply.draft_ms.extend(table[k] for k in sorted(table))
-        for number, length in enumerate(request.prefill_lens):
-            prompt = synthetic_context(self.tier.vocab_size, max(1, length), seed=1 + number)
-            samples = []
-            for repeat in range(repeats if self.tier.can_verify else 1):
-                seq_id = ("profile-prefill", os.getpid(), number, repeat)
-                started = time.perf_counter()
-                if self.tier.can_verify:
-                    self.local.score(seq_id, prompt, DraftTree([], [], None), params)
-                samples.append((time.perf_counter() - started) * 1000.0)
-                self.local.release(seq_id)
-            reply.prefill_ms.append(statistics.median(samples))
+        context = synthetic_context(tier.vocab_size, max(2, request.context_len))
+        reply = tier_pb2.ProfileReply(can_verify=tier.can_verify, deterministic_drafts=tier.deterministic_drafts)
+        with self.lock.hold():
+            if request.max_tokens > 0 and tier.can_verify:
+                table = profile_forward(tier, context, range(1, request.max_tokens + 1), params, repeats)
+                reply.forward_ms.extend(table[m] for m in sorted(table))
+            if request.max_draft > 0:
+                table = profile_draft(tier, context, range(1, request.max_draft + 1), params, max(1, request.tree_width),
+                                      request.scheme or "specinfer", repeats)
+                reply.draft_ms.extend(table[k] for k in sorted(table))
+            for number, length in enumerate(request.prefill_lens):
+                prompt = synthetic_context(tier.vocab_size, max(1, length), seed=1 + number)
+                samples = []
+                for repeat in range(repeats if tier.can_verify else 1):
+                    seq_id = ("profile-prefill", os.getpid(), number, repeat)
+                    started = time.perf_counter()
+                    if tier.can_verify:
+                        tier.score(seq_id, prompt, DraftTree([], [], None), params)
+                    samples.append((time.perf_counter() - started) * 1000.0)
+                    tier.release(seq_id)
+                reply.prefill_ms.append(statistics.median(samples))
         return reply
 
 

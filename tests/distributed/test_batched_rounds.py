@@ -270,3 +270,19 @@ def test_an_actor_serves_an_early_exit_drafter_on_the_device_beside_its_target(t
     assert actor_device_slots(tiers, dataclasses.replace(batching, round="ragged")) == [0, 0]
     tiers, _ = load_tiers(chain_config(tiny_drafters, ["target", "feature"], lengths=[3]).tiers)
     assert actor_device_slots(tiers, batching) == [0, 0]
+
+
+def test_the_tiers_of_one_process_are_made_batched_together(tiny_family):
+    """`LockedTiers`: the tiers one process serves behind one model lock, each as its own device tier
+    where it has slots, the others batched together on first use (made again after `reset`)."""
+    from polyspec.orchestrator.distributed.model_lock import LockedTiers
+    from polyspec.workers.tiers.batched import BatchedModelTier
+    from polyspec.workers.tiers.static_tier import StaticModelTier
+
+    tiers, _ = load_tiers(chain_config(tiny_family, ["target", "mid", "small"], lengths=[3, 2]).tiers)
+    siblings = LockedTiers(tiers, device_slots=[4, 0, 0], device_context=128)
+    made = [siblings.of(tier) for tier in tiers]
+    assert [type(m.inner) for m in made] == [StaticModelTier, BatchedModelTier, BatchedModelTier]
+    assert all(m.lock is siblings.lock for m in made) and siblings.of(tiers[1]) is made[1]
+    siblings.reset()
+    assert siblings.made(tiers[0]) is None and siblings.of(tiers[0]) is not made[0]

@@ -129,8 +129,8 @@ def test_online_tuner_sets_lengths_of_a_distributed_chain(tiny_family, embedded,
 
 
 class VerifyCalls:
-    """The driver's Verify calls to the target: the lengths each was sent with, the replies
-    arrived (`done`) and those the driver has taken (`collected`)."""
+    """The driver's calls to the target (a VerifyBatch of one per step of one request): the lengths
+    each was sent with, the replies arrived (`done`) and those the driver has taken (`collected`)."""
 
     def __init__(self) -> None:
         self.sent: list[list[int]] = []
@@ -144,7 +144,7 @@ class VerifyCalls:
 @contextlib.contextmanager
 def pipelined_chain_with_tuner(tiny_family, tuner_class):
     """A pipelined in-process chain (target <- mid <- small) driven by a `tuner_class` tuner on
-    its start-up profile, with its Verify calls counted. Yields (chain, tuner, VerifyCalls)."""
+    its start-up profile, with its VerifyBatch calls counted (the stub has no other). Yields (chain, tuner, VerifyCalls)."""
     import dataclasses
 
     from polyspec.orchestrator.distributed.driver import profile_remote
@@ -170,14 +170,19 @@ def pipelined_chain_with_tuner(tiny_family, tuner_class):
         def __init__(self, method):
             self.method = method
 
+        @staticmethod
+        def lengths(request):
+            (one,) = request.requests  # a step of one request: a batch of one
+            return list(one.header.lengths)
+
         def future(self, request, timeout=None):
-            calls.sent.append(list(request.header.lengths))
+            calls.sent.append(self.lengths(request))
             call = self.method.future(request, timeout=timeout)
             call.add_done_callback(lambda _: setattr(calls, "done", calls.done + 1))
             return Collected(call)
 
         def __call__(self, request, timeout=None):
-            calls.sent.append(list(request.header.lengths))
+            calls.sent.append(self.lengths(request))
             reply = self.method(request, timeout=timeout)
             calls.done += 1
             calls.collected += 1
@@ -185,7 +190,7 @@ def pipelined_chain_with_tuner(tiny_family, tuner_class):
 
     class CountingStub:
         def __init__(self, stub):
-            self.Verify = CountingMethod(stub.Verify)
+            self.VerifyBatch = CountingMethod(stub.VerifyBatch)
 
     try:
         profile, _ = profile_remote(chain, 24, SamplingParams(temperature=0.0), max_length=4, repeats=1, prefill_lens=[8])
@@ -333,8 +338,6 @@ def test_pipelined_sampling_is_lossless(tiny_family, names, lengths, samples):
 def test_prefill_rollback_and_profile_rpcs(tiny_family, embedded):
     """Prefill warms a cache, Rollback cuts one back mid-request, Profile times forwards:
     the request still ends with the target's own greedy tokens (every call carries its context)."""
-    import grpc
-
     from polyspec.orchestrator.distributed import cluster_auth
     from polyspec.protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
 
@@ -345,13 +348,15 @@ def test_prefill_rollback_and_profile_rpcs(tiny_family, embedded):
     try:
         (ids, expected), *_ = embedded.values()
         state = chain.start(ids, MAX_NEW, SamplingParams(temperature=0.0))
+        target = workers[0].batched_tier()  # every sequence lives in the worker's batched cache
         stubs[0].Prefill(tier_pb2.PrefillRequest(header=state.run.header, context=ids))
-        assert len(tiers[0]._sequences[state.seq_id].cache) == len(ids)  # the prompt is in the cache
+        assert target.cached(state.seq_id) == len(ids) - 1  # the prompt is cached (all but its last token: a round feeds it)
         chain.step(state)
         chain.step(state)
         for stub in stubs:
             stub.Rollback(tier_pb2.RollbackRequest(seq_id=state.seq_id, length=3))
-        assert len(tiers[0]._sequences[state.seq_id].cache) == 3
+        assert target.cached(state.seq_id) == 3
+        assert state.seq_id not in tiers[0]._sequences, "nothing went to the one-request cache"
         while not state.done:
             chain.step(state)
         assert chain.finish(state).token_ids == expected
@@ -359,5 +364,42 @@ def test_prefill_rollback_and_profile_rpcs(tiny_family, embedded):
         assert len(profile) == 3 and all(ms > 0 for ms in profile)
     finally:
         chain.close()
+        for worker in workers:
+            worker.stop()
+
+
+def test_trained_drafters_in_their_targets_process_sample_as_embedded(tiny_drafters):
+    """target <- feature head <- early exit, the two trained drafters served by workers beside the
+    target's, sharing its model lock and made batched together (as in the target's Ray actor): the
+    feature head reads the target's hidden states from the target worker's batched cache. T = 1 with
+    per-tier seeds draws exactly the embedded chain's tokens (3 seeds, 24 tokens each)."""
+    from polyspec.orchestrator.distributed.driver import DistributedChain, StaticMembership
+    from polyspec.orchestrator.distributed.model_lock import LockedTiers
+    from polyspec.orchestrator.distributed.worker import TierWorker
+
+    raw = {"tiers": [{"name": "target", "model": tiny_drafters["target"]},
+                     {"name": "feature", "model": {"feature_head": tiny_drafters["feature"]}},
+                     {"name": "early", "model": {"early_exit": tiny_drafters["early_exit_noisy"], "layers": 1,
+                                                 "exit_threshold": 0.3}}],
+           "speculation": {"lengths": [3, 2]}}
+    local = Engine(parse_config(raw))
+    ids = encode_prompt(local.tokenizer, "def add(a, b):\n    return")
+    eos = tuple(local.scheduler.eos_token_ids)
+    tiers, _ = load_tiers(parse_config(raw).tiers)
+    siblings = LockedTiers(tiers)
+    workers = [TierWorker(tier, i, eos_token_ids=eos, siblings=siblings) for i, tier in enumerate(tiers)]
+    workers[0].connect(workers[1].address)
+    workers[1].connect(workers[2].address)
+    membership = StaticMembership([w.address for w in workers], [t.name for t in tiers])
+    chain = DistributedChain(membership, [3, 2], eos_token_ids=eos, max_context=tiers[0].max_context)
+    try:
+        params = SamplingParams(temperature=1.0)
+        for seed in (1, 2, 3):
+            expected = local.scheduler.generate(ids, 24, params, seed=seed).token_ids
+            assert chain.generate(ids, 24, params, seed=seed).token_ids == expected
+        assert siblings.of(tiers[1]).inner.tier.features_of is siblings.of(tiers[0]).inner, "the head reads the batched target"
+    finally:
+        chain.close()
+        local.close()
         for worker in workers:
             worker.stop()

@@ -7,6 +7,8 @@ the same worker code a Ray actor runs). Counted by wrapping that one method."""
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 
 from family_chains import tier_specs
@@ -84,3 +86,56 @@ def test_embedded_single_batched_and_distributed_rounds_are_one_code(tiny_family
         chain.close()
         for worker in workers:
             worker.stop()
+
+
+@pytest.mark.parametrize("pipeline", [False, True], ids=["serial", "pipelined"])
+def test_a_distributed_step_is_a_verify_batch_of_one_and_each_worker_keeps_its_chain(tiny_family, monkeypatch, pipeline):
+    """A request stepped alone goes to the target as a VerifyBatch of one, and each tier below is
+    asked by DraftBatch (never the one-sequence Verify / Draft); each worker builds its chain
+    ([its tier, the tier below], or its tier alone at the bottom) once and runs every round of
+    every request on it, draft-ahead included."""
+    from polyspec.orchestrator.distributed.worker import TierWorker
+
+    names, lengths = ["target", "mid", "small"], [4, 3]
+    config = config_of(tiny_family, names, lengths)
+    embedded = Engine(config)
+    ids = encode_prompt(embedded.tokenizer, PROMPT)
+    expected = embedded.generate(GenerationRequest(tuple(ids), MAX_NEW, GREEDY))["token_ids"]
+    embedded.close()
+
+    built, rounds = [], []  # (tier names) of each scheduler made; (verifying tier, scheduler) of each round
+    make, run_round = ChainScheduler.__init__, ChainScheduler.round_batch
+
+    def init(self, tiers, *args, **options):
+        make(self, tiers, *args, **options)
+        built.append(tuple(t.name for t in self.tiers))
+
+    def round_batch(self, level, items, **options):
+        rounds.append((self.tiers[level].name, self))
+        return run_round(self, level, items, **options)
+
+    monkeypatch.setattr(ChainScheduler, "__init__", init)
+    monkeypatch.setattr(ChainScheduler, "round_batch", round_batch)
+    served = collections.Counter()
+    for method in ("verify", "draft", "verify_batch", "draft_batch"):
+        def counted(self, request, *args, _method=method, _original=getattr(TierWorker, method)):
+            served[_method, len(getattr(request, "requests", [request]))] += 1
+            return _original(self, request, *args)
+        monkeypatch.setattr(TierWorker, method, counted)
+
+    tiers, _ = load_tiers(config.tiers)
+    chain, workers = in_process_chain(tiers, lengths, pipeline=pipeline, eos_token_ids=())
+    try:
+        outs = [chain.generate(ids, MAX_NEW, GREEDY) for _ in range(2)]
+        assert [out.token_ids for out in outs] == [expected] * 2
+    finally:
+        chain.close()
+        for worker in workers:
+            worker.stop()
+    steps = sum(out.stats["rounds"] for out in outs)
+    assert served[("verify_batch", 1)] == steps and served[("draft_batch", 1)] > 0, served
+    assert set(served) == {("verify_batch", 1), ("draft_batch", 1)}, served
+    assert sorted(built) == [("mid", "small"), ("small",), ("target", "mid")], built
+    for name in ("target", "mid"):
+        chains = {id(scheduler) for tier, scheduler in rounds if tier == name}
+        assert len(chains) == 1, f"tier {name!r} ran its rounds on {len(chains)} schedulers"

@@ -27,7 +27,7 @@ tier in the same order, so seeding means the same thing batched or alone.
 `BatchedModelTier` runs Llama-architecture models through `BatchedLlama` on a `SlotCache`;
 `BatchedNGramTier` answers the n-gram lookup from an index per request, kept up to date as
 the context grows and rolled back with it (the same proposals as `NGramTier`'s scan);
-`RowByRow` serves any other tier (the n-gram lookup, other architectures, remote tiers)
+`RowByRow` serves any other tier (the n-gram lookup, other architectures)
 one request after the other behind the same interface.
 """
 
@@ -119,11 +119,13 @@ class BatchedTier:
         self.tier.accept_path(seq_id, path)
 
     def continues_past(self, seq_id) -> bool:
-        """Drafts past the block it handed up (a pipelined remote tier); a local tier does not."""
+        """Is this tier drafting past the block it last handed up for `seq_id` (a pipelined remote tier)?
+        Then a fully accepted block gets no bonus token: the continuation is verified instead."""
         return False
 
     def verdict(self, seq_id, base_len: int, proposed: int, accepted: int, correction: int | None) -> None:
-        """A verifier's decision on this tier's block: a local tier's cache syncs with the next context."""
+        """A verifier's decision on this tier's block (continuing `base_len` tokens): a remote drafter drops
+        its stale draft-ahead work; a local tier's cache syncs with the next context."""
 
     def release(self, seq_id) -> None:
         self.tier.release(seq_id)
@@ -148,13 +150,6 @@ class RowByRow(BatchedTier):
 
     def draft_tree(self, seq_id, context, width, depth, params, scheme, generator) -> DraftTree:
         return self.tier.draft_tree(seq_id, context, width, depth, params, scheme, generator)
-
-    # a remote tier drafts ahead and hears verdicts: pass them through
-    def continues_past(self, seq_id) -> bool:
-        return self.tier.continues_past(seq_id)
-
-    def verdict(self, seq_id, base_len: int, proposed: int, accepted: int, correction: int | None) -> None:
-        self.tier.verdict(seq_id, base_len, proposed, accepted, correction)
 
 
 class BatchedModelTier(BatchedTier):

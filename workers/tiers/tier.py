@@ -13,7 +13,7 @@ The scheduler never touches a model. It asks a tier to
 
 Every call carries the full context the tier should be conditioned on; the tier keeps
 the KV of the longest prefix it already has and drops the rest (exact rollback, no
-re-prefill). Calls are per block, never per token, so the same interface can be served
+re-prefill). Calls are per block, never per token, so the same calls, batched, can be served
 by a remote actor (polyspec.orchestrator.distributed.transport.RemoteTier). Each tier is used by one thread at a time.
 """
 
@@ -41,7 +41,6 @@ class Tier(abc.ABC):
     max_context: int | None  # positions the model can attend over; None = unbounded
     can_verify: bool = True
     deterministic_drafts: bool = False  # drafts are a function of the context (n-gram lookup)
-    drafts_ahead: bool = False  # keeps drafting past the block it handed up (a pipelined remote tier)
     has_weights: bool = True  # its forwards stream model weights through the caches (not the n-gram lookup)
 
     def __init__(self) -> None:
@@ -71,15 +70,6 @@ class Tier(abc.ABC):
 
     def truncate(self, seq_id, length: int) -> None:
         """Cut a sequence's cached state back to its first `length` tokens (nothing to cut by default)."""
-
-    def continues_past(self, seq_id) -> bool:
-        """Is this tier drafting past the block it last handed up for `seq_id`? Then a fully
-        accepted block gets no bonus token: the continuation is verified instead (pipelined form)."""
-        return self.drafts_ahead
-
-    def verdict(self, seq_id, base_len: int, proposed: int, accepted: int, correction: int | None) -> None:
-        """What the verifier decided about the block this tier handed up (continuing `base_len`
-        tokens): a remote drafter drops its stale draft-ahead work. Local tiers need nothing."""
 
 
 @dataclasses.dataclass

@@ -110,16 +110,16 @@ class TierServicer:
 
     def Verify(self, request, context):
         """One verification round at this tier: pull a block from the tier below, score it in one
-        forward, verify; returns the emitted tokens (the driver calls this on the target).
+        forward, verify; returns the emitted tokens. Served as a VerifyBatch of one.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def VerifyBatch(self, request, context):
-        """Batched forms (continuous batching): one round of many sequences, each tier scoring all
-        their blocks in one forward; replies in request order. A sequence whose header says
-        `batched` is only ever served by these (its caches live in the tier's batched cache).
+        """What the chain runs: one round of many sequences (or of one), each tier scoring all their
+        blocks in one forward; replies in request order. The driver calls VerifyBatch on the target,
+        a verifier DraftBatch on the tier below (a Draft is served as a DraftBatch of one).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
