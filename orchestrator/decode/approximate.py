@@ -215,7 +215,7 @@ class StepDriver:
             self.large_step_from = start
             return self._specreason(state)
         step_text = self.decode(state.new_tokens + self.pending)[start:]
-        score = self._utility(done_text, step_text)
+        score = self._utility(state, done_text, step_text)
         self.stats.steps_scored += 1
         self.stats.score_failures += score is None
         if accept_step(score, self.mode.score_threshold):
@@ -225,14 +225,15 @@ class StepDriver:
         self.large_step_from = start
         return self._specreason(state)
 
-    def _utility(self, previous: str, step_text: str) -> float | None:
+    def _utility(self, state: RequestState, previous: str, step_text: str) -> float | None:
         """The target's utility score of a step, read from one forward over the scoring prompt:
-        the expected digit under its own distribution (None: no mass on the digits)."""
+        the expected digit under its own distribution (None: no mass on the digits). The target keeps
+        the request's scored prompt, so the next step's forward starts where the prompts part."""
         prompt_ids = self.encode(utility_scoring_prompt(self.question, [previous], step_text))
         limit = self.scheduler.tiers[0].max_context
         if limit and len(prompt_ids) >= limit:  # past the target's context: the question's start goes, the step and the ask stay
             prompt_ids = prompt_ids[-(limit - 1):]
-        row = self.scheduler.target_distribution(prompt_ids)  # [V] at temperature 1
+        row = self.scheduler.target_distribution(prompt_ids, state.seq_id)  # [V] at temperature 1
         digit_probs = torch.stack([row[ids].sum() if ids else row.new_zeros(()) for ids in self.digit_ids])  # [10]
         return expected_utility_score(digit_probs)
 

@@ -43,6 +43,11 @@ from polyspec.workers.core.tree import DraftTree
 
 _scratch_ids = itertools.count()  # scratch sequences of `score`
 
+
+def score_sequence(seq_id: int) -> tuple:
+    """The scratch sequence a request's Score calls keep their KV under."""
+    return ("score", seq_id)
+
 class BatchedRounds:
     """VerifyBatch / DraftBatch for `TierWorker` (which mixes this class in)."""
 
@@ -225,13 +230,14 @@ class BatchedRounds:
     def score(self, request: tier_pb2.ScoreRequest) -> tier_pb2.ScoreReply:
         """This tier's distribution after the context, from its one-sequence model on a scratch sequence
         released right after (SpecReason's utility score: no batch slot taken, nothing kept)."""
-        scratch = ("score", os.getpid(), next(_scratch_ids))
+        scratch = score_sequence(request.seq_id) if request.seq_id else ("score", os.getpid(), next(_scratch_ids))
         params = SamplingParams(temperature=request.temperature or 1.0)
         with self.lock.hold():  # the one-request tier shares the model with the batched calls
             try:
                 row = self.tier.score(scratch, list(request.context), DraftTree([], [], None), params)[-1:]  # [1, V]
             finally:
-                self.tier.release(scratch)
+                if not request.seq_id:  # a request's scored prompt stays for its next Score (release frees it)
+                    self.tier.release(scratch)
         return tier_pb2.ScoreReply(rows=encode_rows(row, self.counters))
 
     # --------------------------------------------------------------- profile

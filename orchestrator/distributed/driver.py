@@ -418,9 +418,11 @@ class DistributedChain:
         self.counters.add("grpc", request.ByteSize() + reply.ByteSize())
         return list(reply.tokens)
 
-    def target_distribution(self, prompt_ids: list[int]) -> torch.Tensor:
-        """The target's own distribution (temperature 1) after `prompt_ids` [V], from its worker (nothing kept)."""
-        reply, _ = self._call_target("Score", tier_pb2.ScoreRequest(context=prompt_ids, temperature=1.0))
+    def target_distribution(self, prompt_ids: list[int], seq_id=None) -> torch.Tensor:
+        """The target's own distribution (temperature 1) after `prompt_ids` [V], from its worker; with the
+        request's `seq_id` the worker keeps the scored KV until the request is released (ChainScheduler's)."""
+        request = tier_pb2.ScoreRequest(context=prompt_ids, temperature=1.0, seq_id=seq_id or 0)
+        reply, _ = self._call_target("Score", request)
         return decode_rows(reply.rows)[0]
 
     def runtime_stats(self) -> dict:

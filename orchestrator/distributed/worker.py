@@ -40,7 +40,7 @@ import grpc
 import torch
 
 from polyspec.orchestrator.distributed import cluster_auth
-from polyspec.orchestrator.distributed.batched_rounds import BatchedRounds
+from polyspec.orchestrator.distributed.batched_rounds import BatchedRounds, score_sequence
 from polyspec.orchestrator.decode.contract import NO_LIMIT, StageStats, seeded_generator
 from polyspec.orchestrator.decode.scheduler import Run
 from polyspec.orchestrator.decode.approximate import worker_hooks
@@ -380,6 +380,8 @@ class TierWorker(BatchedRounds):
         batched = self.siblings.made(self.tier)
         if batched is not None:
             batched.release(seq_id)
+        with self.lock.hold():
+            self.tier.release(score_sequence(seq_id))  # a SpecReason request's scored prompts (Score)
         lower = self.lower
         if lower is not None:
             lower.release(seq_id)

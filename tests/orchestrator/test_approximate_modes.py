@@ -130,6 +130,32 @@ def test_specreason_ends(engine, small_alone):
     assert rewrite["stats"]["approximate"]["steps_accepted"] == 0 and rewrite["stats"]["approximate"]["small_tokens"] == 0
 
 
+def test_specreason_scores_reuse_the_requests_scored_prompt(engine):
+    """A request's utility scores keep the target's KV of the scored prompt (a scratch sequence of the request):
+    the next score forwards only what its prompt does not share with the last one, gives the fresh forward's
+    distribution (float32: within 1e-5), and the scratch goes when the request does."""
+    import torch
+
+    from polyspec.orchestrator.decode.scheduler import SCRATCH_SEQUENCE
+
+    scheduler = engine.scheduler
+    target = scheduler.tiers[0].tier
+    first = engine.encode("Problem: add two numbers.\n\nReasoning so far:\nWe read a")
+    second = first + engine.encode(" and b, then return a + b.\n\nScore:")
+    fresh = scheduler.target_distribution(second)  # nothing kept
+    state = engine.start(engine.parse_request({"prompt": PROMPT, "max_new_tokens": 2}))
+    before = target.forwarded_tokens
+    scheduler.target_distribution(first, state.seq_id)
+    kept = scheduler.target_distribution(second, state.seq_id)
+    assert target.forwarded_tokens - before == len(second)  # the first prompt once, then only the second's tail
+    assert torch.allclose(kept, fresh, atol=1e-5)
+    assert (SCRATCH_SEQUENCE, state.seq_id) in target._sequences
+    while not state.done:
+        engine.step(state)
+    engine.finish(state)
+    assert (SCRATCH_SEQUENCE, state.seq_id) not in target._sequences
+
+
 def test_specreason_steps_end_at_the_delimiter(engine, small_alone):
     """A delimiter the small model writes early splits its text into several scored steps."""
     text = engine.decode(small_alone)

@@ -326,12 +326,14 @@ class ProfileReply(_message.Message):
     def __init__(self, forward_ms: _Optional[_Iterable[float]] = ..., draft_ms: _Optional[_Iterable[float]] = ..., can_verify: _Optional[bool] = ..., deterministic_drafts: _Optional[bool] = ..., prefill_ms: _Optional[_Iterable[float]] = ..., batched: _Optional[_Iterable[_Union[GridCost, _Mapping]]] = ..., lookup_ms: _Optional[float] = ..., catch_up_ms: _Optional[float] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("context", "temperature")
+    __slots__ = ("context", "temperature", "seq_id")
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     context: _containers.RepeatedScalarFieldContainer[int]
     temperature: float
-    def __init__(self, context: _Optional[_Iterable[int]] = ..., temperature: _Optional[float] = ...) -> None: ...
+    seq_id: int
+    def __init__(self, context: _Optional[_Iterable[int]] = ..., temperature: _Optional[float] = ..., seq_id: _Optional[int] = ...) -> None: ...
 
 class ScoreReply(_message.Message):
     __slots__ = ("rows",)
