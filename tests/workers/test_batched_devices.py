@@ -9,6 +9,9 @@ run them there with `pytest tests/workers/test_batched_devices.py`).
 - A batched engine of that device and dtype (fixed lengths, draft trees, and the goodput
   planner with its start-up profile) gives every greedy request the target's own greedy
   output, except where the target's top-two logit gap is within the dtype's rounding.
+- A prefill of prompts of different lengths is cut where they end (`prefill_cuts`: the cheapest
+  cuts, checked against trying every subset of the chunks' ends) and pads no row where the ends
+  are far apart; the rows scored after it match the one-request tier's.
 - `grouped_attention` (each group's queries stacked on their key / value head) matches the
   copying form transformers uses (`repeat_kv`, then SDPA) under causal and tree masks, in float32
   within 1e-5 (measured: 5e-7) and bfloat16 within 8e-3 (one last-place unit at 1; measured: 5e-4):
@@ -24,6 +27,8 @@ dtype's rounding, not bit for bit.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -35,10 +40,11 @@ from polyspec.orchestrator.engine import Engine
 from polyspec.orchestrator.tokenization import encode_prompt
 from polyspec.workers.core.sampling import SamplingParams
 from polyspec.workers.core.tree import DraftTree, tree_allowed
-from polyspec.workers.tiers.batched import BatchedModelTier, batched_tiers
+from polyspec.workers.tiers.batched import FORWARD_COST_TOKENS, BatchedModelTier, batched_tiers, prefill_cuts
 from polyspec.workers.tiers.batched_llama import INITIAL_CAPACITY, BatchedLlama, RowLayout, grouped_attention
 from polyspec.workers.tiers.tier import ModelTier
 
+CPU_DEVICE = torch.device("cpu")
 CASES = [("cpu", "float32"), ("cpu", "bfloat16")]
 if torch.cuda.is_available():
     CASES += [("cuda", "float32"), ("cuda", "bfloat16"), ("cuda", "float16")]
@@ -211,3 +217,40 @@ def test_grouped_attention_matches_copying_every_key_value_head(dtype, heads, kv
         assert torch.equal(got, expected)
     else:
         assert (got.float() - expected.float()).abs().max().item() <= ATTENTION_TOLERANCE[dtype]
+
+
+def cuts_cost(lengths: list[int], cuts: list[int]) -> int:
+    """Positions computed (every row padded to its forward's widest) plus FORWARD_COST_TOKENS per forward."""
+    cost, start = 0, 0
+    for end in cuts:
+        cost += FORWARD_COST_TOKENS + sum(length > start for length in lengths) * (end - start)
+        start = end
+    return cost
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_prefill_cuts_are_the_cheapest_subset_of_the_chunk_ends(seed):
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 300, (int(torch.randint(1, 8, (1,), generator=generator)),), generator=generator).tolist()
+    ends = sorted(set(lengths))
+    every = [list(inner) + [ends[-1]] for n in range(len(ends)) for inner in itertools.combinations(ends[:-1], n)]
+    cuts = prefill_cuts(lengths)
+    assert cuts in every and cuts_cost(lengths, cuts) == min(cuts_cost(lengths, c) for c in every)
+    assert prefill_cuts([86, 167, 254, 117]) == [86, 117, 167, 254]  # the benchmark's HumanEval prompts: nothing padded
+    assert prefill_cuts([100, 110]) == [110] and prefill_cuts([]) == []  # ten padded positions cost less than a forward
+
+
+def test_prefill_of_ragged_prompts_pads_nothing_and_scores_as_one_request(tiny_family):
+    model = load(tiny_family["target"], "cpu", "float32")
+    alone = ModelTier("target", model, 257, CPU_DEVICE)
+    batched = BatchedModelTier(ModelTier("target", load(tiny_family["target"], "cpu", "float32"), 257, CPU_DEVICE))
+    generator = torch.Generator().manual_seed(1)
+    contexts = [torch.randint(1, 200, (n,), generator=generator).tolist() for n in (40, 3, 100, 70)]
+    fed = batched.prefill(list(range(4)), contexts, budget=1000)
+    assert fed == sum(len(c) - 1 for c in contexts) and [batched.cached(r) for r in range(4)] == [len(c) - 1 for c in contexts]
+    assert sum(rows * width for rows, width, _ in batched.forward_log) == fed  # every position computed is a prompt's
+    params = [SamplingParams(temperature=1.0)] * 4
+    blocks = [DraftTree.chain([5, 6], None)] * 4
+    for r, (one, many) in enumerate(zip((alone.score(r, c, b, p) for r, (c, b, p) in enumerate(zip(contexts, blocks, params))),
+                                        batched.score_batch(list(range(4)), contexts, blocks, params))):
+        assert torch.allclose(many, one, atol=row_tolerance("cpu", "float32")), (r, (many - one).abs().max())
