@@ -201,9 +201,12 @@ class ChainScheduler:
         return [t for t in tiers if t.has_weights and t.caches_prompts]
 
     def ready(self, state: RequestState) -> bool:
-        """Has every tier of `prefill_tiers` cached the request's prompt (all but its last token)?"""
+        """Has every tier of `prefill_tiers` cached the request's prompt (all but its last token)? A drafting
+        tier may be up to CATCH_UP_GAP tokens behind: its first draft forward feeds them. (A block accepted
+        whole leaves its drafter one token behind; caching that token before the round cost the drafter a
+        forward of its own in every such round: a fifth more forwards of an int8 copy drafting 4.)"""
         need = len(state.committed) - 1
-        return all(t.cached(state.run.seq_id) >= need for t in self.prefill_tiers())
+        return all(t.cached(state.run.seq_id) >= need - (0 if t is self.tiers[0] else CATCH_UP_GAP) for t in self.prefill_tiers())
 
     def prefill(self, states: list[RequestState], budget: int | None = None) -> int:
         """Cache prompts of requests not yet `ready`, oldest first, at most `budget` tokens per tier."""
