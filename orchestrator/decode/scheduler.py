@@ -234,6 +234,7 @@ class ChainScheduler:
         if len(states) > 1 and getattr(self.planner, "one_request", False):
             return [self.step_all([state])[0] for state in states]  # a planner that follows one request at a time
         started = time.perf_counter()
+        catch_up_s = 0.0
         out: list[list[int]] = [[] for _ in states]
         live = [i for i, state in enumerate(states) if not finish_if_full(state)]
         if not live:
@@ -249,7 +250,9 @@ class ChainScheduler:
                 note_plan(states[i].plans, len(states[i].new_tokens), [self.lengths[t] for t in self.active[:-1]],
                           [self.tiers[t].name for t in self.active])
             # in the step's time: keeping a drafter's cache up to date is part of what speculating costs
+            caught = time.perf_counter()
             self.catch_up([states[i] for i in live])
+            catch_up_s = time.perf_counter() - caught
         busy_before = [t.busy_s for t in self.tiers]
         tokens_before = [t.forwarded_tokens for t in self.tiers]
         items = [(states[i].run, list(states[i].committed), min(self.length_at(0), remaining(states[i]) - 1)) for i in live]
@@ -269,7 +272,7 @@ class ChainScheduler:
         lengths = [self.lengths[t] for t in self.active[:-1]]
         self.last_step = {"batch": len(live), "tokens": sum(len(c) for c in committed), "seconds": seconds,
                           "lengths": lengths, "tiers": list(self.active)}
-        self._observe(StepObservation(tuple(committed), seconds, tuple(self.lengths), tuple(self.active)))
+        self._observe(StepObservation(tuple(committed), seconds, tuple(self.lengths), tuple(self.active), catch_up_s))
         return out
 
     def finish(self, state: RequestState) -> GenerationOutput:

@@ -452,3 +452,26 @@ def test_a_new_load_does_not_measure_sets_the_model_puts_well_below_the_best_mea
     measured = {p.active for p in plan.arms[(batch, 0)].rates if p.speculating}
     assert measured == worth - {(0,)}, (measured, worth, predicted)
     assert plan.arms[(batch, 0)].speculate and plan.chosen[batch].active == (0, 1)
+
+
+def test_a_drafters_catch_up_is_not_counted_in_its_plans_measured_rate():
+    """The first step of a plan through the mid tier spends 10 s caching the requests' prompts in it (a one-time price,
+    weighed by `entry_goodput` before the plan is tried): the A/B measures the plan's steps without it, and runs the
+    plan that doubles off's tokens/s. Counted, it measured a fraction of off and was never run again."""
+    plan = planner(lambda b, w: 10.0 + 0.1 * w, mid_cost=lambda b, w: 2.0 + 0.1 * w)
+    accept(plan, 0, 1, 0.9)
+    accept(plan, 0, 2, 0.3)
+    accept(plan, 1, 2, 0.3)
+    truth = lambda active: 200.0 if active == (0, 1) else 100.0 if active == (0,) else 90.0  # tokens/s per request
+    batch, caught_up, speculated = 4, False, []
+    for _ in range(60):
+        lengths, active = plan.plan_batch(batch)
+        emitted = batch * (1 if len(active) == 1 else 4)
+        catch_up_s = 0.0 if caught_up or 1 not in active else 10.0
+        caught_up = caught_up or 1 in active
+        plan.observe_step(batch, emitted, emitted / (batch * truth(active)) + catch_up_s, lengths, active, catch_up_s)
+        speculated.append(active == (0, 1))
+    arm = plan.arms[(batch, 0)]
+    assert arm.speculate and plan.chosen[batch].active == (0, 1)
+    assert math.isclose(arm.measured(arm.best_measured()), batch * 200.0, rel_tol=1e-6)
+    assert sum(speculated[-20:]) >= 20 - PROBE_STEPS
