@@ -249,7 +249,7 @@ class ChainScheduler:
             for i in live:
                 note_plan(states[i].plans, len(states[i].new_tokens), [self.lengths[t] for t in self.active[:-1]],
                           [self.tiers[t].name for t in self.active])
-            # in the step's time: keeping a drafter's cache up to date is part of what speculating costs
+            # in the step's time, and timed apart: the planner weighs it as the price of switching a plan on, not as the plan's
             caught = time.perf_counter()
             self.catch_up([states[i] for i in live])
             catch_up_s = time.perf_counter() - caught
