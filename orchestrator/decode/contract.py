@@ -207,12 +207,15 @@ class DraftObservation:
 @dataclasses.dataclass(frozen=True)
 class StepObservation:
     """A step ended: each live request's committed tokens (in the order of its StepInput), the
-    step's wall time, and the lengths / tiers it ran with."""
+    step's wall time, and the lengths / tiers it ran with; `catch_up_s`: the part of the wall time
+    spent caching contexts a drafter of the plan was behind on (a price of switching it on, not of
+    the plan's steps)."""
 
     committed: tuple[tuple[int, ...], ...]
     seconds: float
     lengths: tuple[int, ...]
     active: tuple[int, ...]
+    catch_up_s: float = 0.0
 
     @property
     def batch(self) -> int:

@@ -205,9 +205,12 @@ class ChainScheduler:
         return [t for t in tiers if t.has_weights and t.caches_prompts]
 
     def ready(self, state: RequestState) -> bool:
-        """Has every tier of `prefill_tiers` cached the request's prompt (all but its last token)?"""
+        """Has every tier of `prefill_tiers` cached the request's prompt (all but its last token)? A drafting
+        tier may be up to CATCH_UP_GAP tokens behind: its first draft forward feeds them. (A block accepted
+        whole leaves its drafter one token behind; caching that token before the round cost the drafter a
+        forward of its own in every such round: a fifth more forwards of an int8 copy drafting 4.)"""
         need = len(state.committed) - 1
-        return all(t.cached(state.run.seq_id) >= need for t in self.prefill_tiers())
+        return all(t.cached(state.run.seq_id) >= need - (0 if t is self.tiers[0] else CATCH_UP_GAP) for t in self.prefill_tiers())
 
     def prefill(self, states: list[RequestState], budget: int | None = None) -> int:
         """Cache prompts of requests not yet `ready`, oldest first, at most `budget` tokens per tier."""
@@ -235,6 +238,7 @@ class ChainScheduler:
         if len(states) > 1 and getattr(self.planner, "one_request", False):
             return [self.step_all([state])[0] for state in states]  # a planner that follows one request at a time
         started = time.perf_counter()
+        catch_up_s = 0.0
         out: list[list[int]] = [[] for _ in states]
         live = [i for i, state in enumerate(states) if not finish_if_full(state)]
         if not live:
@@ -249,8 +253,10 @@ class ChainScheduler:
             for i in live:
                 note_plan(states[i].plans, len(states[i].new_tokens), [self.lengths[t] for t in self.active[:-1]],
                           [self.tiers[t].name for t in self.active])
-            # in the step's time: keeping a drafter's cache up to date is part of what speculating costs
+            # in the step's time, and timed apart: the planner weighs it as the price of switching a plan on, not as the plan's
+            caught = time.perf_counter()
             self.catch_up([states[i] for i in live])
+            catch_up_s = time.perf_counter() - caught
         busy_before = [t.busy_s for t in self.tiers]
         tokens_before = [t.forwarded_tokens for t in self.tiers]
         items = [(states[i].run, list(states[i].committed), min(self.length_at(0), remaining(states[i]) - 1)) for i in live]
@@ -270,7 +276,7 @@ class ChainScheduler:
         lengths = [self.lengths[t] for t in self.active[:-1]]
         self.last_step = {"batch": len(live), "tokens": sum(len(c) for c in committed), "seconds": seconds,
                           "lengths": lengths, "tiers": list(self.active)}
-        self._observe(StepObservation(tuple(committed), seconds, tuple(self.lengths), tuple(self.active)))
+        self._observe(StepObservation(tuple(committed), seconds, tuple(self.lengths), tuple(self.active), catch_up_s))
         return out
 
     def finish(self, state: RequestState) -> GenerationOutput:

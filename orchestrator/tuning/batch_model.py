@@ -31,7 +31,8 @@ speculating plan it ran. The speculating side of the A/B is the plan with the mo
 tokens/s, measured where measured, else predicted. The first load measures off for
 MIN_STEPS steps, then each set of tiers' predicted best plan for MIN_STEPS steps, skipping
 plans the model, scaled by its error on off's measured rate, predicts under EXPLORE_FLOOR of
-off (a step of such a plan at a large batch can cost many steps of off); a later load tries
+off (a step of such a plan at a large batch can cost many steps of off) or, once a speculating
+plan is measured, under EXPLORE_BEST_SHARE of the best one measured; a later load tries
 only the best plan of the nearest decided load against off, and starts from that load's
 decision where it carries over (off to larger batches, speculating to smaller ones),
 measuring the other side right after. Where speculation won, the lengths next to the best
@@ -67,7 +68,8 @@ REPROBE_FIRST = 8  # time on the side taken before the first re-probe, in probes
 REPROBE_MAX = 64  # ... up to this: a losing side re-probed costs under 2% of the time
 SWITCH_ON = 1.05  # speculation turns on when it measures this many times off's tokens/s ...
 SWITCH_OFF = 1.0  # ... and off when it measures under this many times off's
-EXPLORE_FLOOR = 0.5  # a new load explores a further set of tiers only if predicted at least this share of off's tokens/s
+EXPLORE_FLOOR = 0.5  # a new load explores a further set of tiers only if predicted at least this share of off's tokens/s ...
+EXPLORE_BEST_SHARE = 0.8  # ... and of the best speculating plan measured there
 SEED_FLOOR = 0.25  # ... and the neighbouring load's winner only if predicted at least this share
 CANDIDATE_MARGIN = 1.5  # an unmeasured speculating plan must be predicted this much better than the measured best to be tried
 LENGTHS = (3, 6, 12)
@@ -252,9 +254,14 @@ class BatchPlanner:
                 table.observe(rows, width, seconds * 1000.0)
             log.clear()
 
-    def observe_step(self, batch: int, tokens: int, seconds: float, lengths=None, active=None) -> None:
-        """The step just planned took `seconds` and committed `tokens`: refine the model, feed the A/B."""
+    def observe_step(self, batch: int, tokens: int, seconds: float, lengths=None, active=None, catch_up_s: float = 0.0) -> None:
+        """The step just planned took `seconds` and committed `tokens`: refine the model, feed the A/B.
+        `catch_up_s` of the step went to drafters catching up on contexts (a plan's first steps: its drafters'
+        prompts): a price of switching the plan on, weighed before it is tried (`entry_goodput`), so neither the
+        A/B's rate nor the model's correction counts it. (Counted, the int8 copy's 3-step probe at 4 HumanEval
+        prompts, its ~5 s prefill included, measured 4.8 tokens/s against off's 11.5 and was never run again.)"""
         self.observe_forwards()
+        seconds = max(seconds - catch_up_s, 0.0)
         plan, arm = self._pending, self._pending_arm
         if plan is None or arm is None:
             return
@@ -375,7 +382,8 @@ class BatchPlanner:
     def unexplored(self, arm: Arm, batch: int) -> list[Plan]:
         """Speculating plans whose set of tiers has no plan measured at this load yet and that, with the
         model corrected by what was measured here (`scale`: on a measured plan sharing a drafter, else
-        on off), are predicted at least EXPLORE_FLOOR of off's measured tokens/s."""
+        on off), are predicted at least EXPLORE_FLOOR of off's measured tokens/s and EXPLORE_BEST_SHARE of the
+        best speculating plan's."""
         allowed = [p for p in self.allowed(batch) if p.speculating]
         measured = {p: arm.measured(p) for p in allowed if arm.measured(p) is not None}
         if arm.seed is not None and arm.seed in allowed:
@@ -394,8 +402,18 @@ class BatchPlanner:
             rate = measured[reference] if shared else off
             return rate / max(self.goodput(reference, batch), 1e-9)
 
-        floor = EXPLORE_FLOOR * off
-        return [p for p in allowed if p.active not in tried and scale(p) * self.entry_goodput(p, batch) >= floor]
+        # once a speculating plan is measured, a set that either correction (its own, or off's) puts well below it is not worth
+        # its MIN_STEPS and its drafters' catch-up: at 4 requests of 128 tokens a run has about 30 steps, and the six sets of a
+        # 4-tier chain at MIN_STEPS each are 18. The more hopeful correction: a plan's error need not be its drafter's (a 3-tier
+        # plan predicted high says little of the 2-tier plan on its mid tier)
+        off_scale = off / max(self.goodput(self.plans[0], batch), 1e-9)
+        best = max(measured.values(), default=0.0)
+
+        def worth(plan: Plan) -> bool:
+            predicted, own = self.entry_goodput(plan, batch), scale(plan)
+            return own * predicted >= EXPLORE_FLOOR * off and max(own, off_scale) * predicted >= EXPLORE_BEST_SHARE * best
+
+        return [p for p in allowed if p.active not in tried and worth(p)]
 
     def spec_candidate(self, arm: Arm, batch: int, explore: bool = False) -> Plan | None:
         """The speculating side of the A/B (None: none worth running). Once off is measured here, a plan
@@ -493,7 +511,7 @@ class BatchPlanner:
                                observation.greedy, observation.depth)
         elif isinstance(observation, StepObservation):
             self.observe_step(observation.batch, observation.tokens, observation.seconds, list(observation.lengths),
-                              observation.active)
+                              observation.active, observation.catch_up_s)
 
     def plan_batch(self, batch: int, params: list[SamplingParams] | None = None, behind: dict[int, int] | None = None,
                    remaining: tuple[int, ...] = ()) -> tuple[list[int], tuple[int, ...]]:

@@ -21,7 +21,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
-VERSION = 1  # bump when what a profile holds changes
+VERSION = 2  # bump when what a profile holds changes, or what it measured (2: the batched forward's attention and prefill got cheaper)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
 
 

@@ -6,7 +6,8 @@ import math
 import random
 import types
 
-from polyspec.orchestrator.tuning.batch_model import (BATCH_GRID, MIN_STEPS, PROBE_STEPS, SWITCH_ON, WIDTH_GRID,
+from polyspec.orchestrator.tuning.batch_model import (BATCH_GRID, EXPLORE_BEST_SHARE, EXPLORE_FLOOR, MIN_STEPS, PROBE_STEPS,
+                                                      SWITCH_ON, WIDTH_GRID,
                                                       BatchPlanner, ForwardTable, Plan, bucket, decide, expected_tokens)
 
 
@@ -426,3 +427,51 @@ def test_one_drafter_measured_far_below_its_prediction_does_not_hide_the_others(
     measured = {p.active for p in plan.arms[(4, 0)].rates if p.speculating}
     assert (0, 1) in measured and (0, 3) in measured, measured
     assert plan.arms[(4, 0)].speculate and plan.chosen[4].active == (0, 3)
+
+
+def test_a_new_load_does_not_measure_sets_the_model_puts_well_below_the_best_measured():
+    """4-tier chain (target <- int8 copy <- lookup, and a small model), the machine as the model predicts it: once the
+    int8 copy's plan is measured, the sets predicted under EXPLORE_BEST_SHARE of it are not run for MIN_STEPS each to
+    find out, though predicted above EXPLORE_FLOOR of off (six sets at MIN_STEPS each are 18 steps; a run of 4 prompts of 128
+    tokens has about 30)."""
+    tiers = chain() + [types.SimpleNamespace(name="small", has_weights=True, can_verify=True, forward_log=[])]
+    plan = BatchPlanner(tiers, [table(lambda b, w: 10.0 + 0.1 * w), table(lambda b, w: 2.0 + 0.1 * w), None,
+                                table(lambda b, w: 3.0 + 0.1 * w)], [0.0, 0.0, 0.05, 0.0])
+    for level, drafter, rate in ((0, 1, 0.95), (0, 2, 0.3), (0, 3, 0.6), (1, 2, 0.3), (1, 3, 0.6)):
+        accept(plan, level, drafter, rate)
+    batch = 4
+    predicted = {}  # per set of tiers: its best plan's tokens/s per request
+    for p in plan.allowed(batch):
+        predicted[p.active] = max(predicted.get(p.active, 0.0), plan.goodput(p, batch) / batch)
+    best = max(predicted, key=predicted.get)
+    worth = {a for a, rate in predicted.items() if rate >= EXPLORE_BEST_SHARE * predicted[best]}
+    floor = {a for a, rate in predicted.items() if len(a) > 1 and rate >= EXPLORE_FLOOR * predicted[(0,)]}
+    assert best == (0, 1) and len(floor - worth) >= 2  # the old rule measured these as well
+
+    run_steps(plan, batch, 40, predicted.get)  # the machine as the model predicts it
+    measured = {p.active for p in plan.arms[(batch, 0)].rates if p.speculating}
+    assert measured == worth - {(0,)}, (measured, worth, predicted)
+    assert plan.arms[(batch, 0)].speculate and plan.chosen[batch].active == (0, 1)
+
+
+def test_a_drafters_catch_up_is_not_counted_in_its_plans_measured_rate():
+    """The first step of a plan through the mid tier spends 10 s caching the requests' prompts in it (a one-time price,
+    weighed by `entry_goodput` before the plan is tried): the A/B measures the plan's steps without it, and runs the
+    plan that doubles off's tokens/s. Counted, it measured a fraction of off and was never run again."""
+    plan = planner(lambda b, w: 10.0 + 0.1 * w, mid_cost=lambda b, w: 2.0 + 0.1 * w)
+    accept(plan, 0, 1, 0.9)
+    accept(plan, 0, 2, 0.3)
+    accept(plan, 1, 2, 0.3)
+    truth = lambda active: 200.0 if active == (0, 1) else 100.0 if active == (0,) else 90.0  # tokens/s per request
+    batch, caught_up, speculated = 4, False, []
+    for _ in range(60):
+        lengths, active = plan.plan_batch(batch)
+        emitted = batch * (1 if len(active) == 1 else 4)
+        catch_up_s = 0.0 if caught_up or 1 not in active else 10.0
+        caught_up = caught_up or 1 in active
+        plan.observe_step(batch, emitted, emitted / (batch * truth(active)) + catch_up_s, lengths, active, catch_up_s)
+        speculated.append(active == (0, 1))
+    arm = plan.arms[(batch, 0)]
+    assert arm.speculate and plan.chosen[batch].active == (0, 1)
+    assert math.isclose(arm.measured(arm.best_measured()), batch * 200.0, rel_tol=1e-6)
+    assert sum(speculated[-20:]) >= 20 - PROBE_STEPS

@@ -188,6 +188,27 @@ def test_continuous_batch_admits_up_to_max_requests_and_prefills_in_chunks(tiny_
     assert [s.done for s in batch.pop_finished()] == [True, True] and batch.room == 3
 
 
+def test_a_drafter_a_token_behind_catches_up_in_its_draft_not_in_a_prefill(tiny_family):
+    """target <- an exact copy of it: greedy blocks are accepted whole, which leaves the drafter one
+    token behind after every round; the drafter's prefill runs for the prompt only (the token is fed
+    by its next draft's first forward), and the output is still the target's own."""
+    specs = tier_specs(tiny_family, ["target"]) + [{"name": "copy", "model": tiny_family["target"]}]
+    engine = Engine(parse_config({"tiers": specs, "speculation": {"lengths": [3]}}), batched=True)
+    serial = Engine(parse_config({"tiers": tier_specs(tiny_family, ["target"]), "speculation": {"lengths": []}}))
+    raw = {"prompt": PROMPTS[2], "max_new_tokens": 16}
+    drafter = engine.scheduler.tiers[1]
+    fed, prefill = [], drafter.prefill
+    drafter.prefill = lambda *args, **kwargs: fed.append(prefill(*args, **kwargs)) or fed[-1]
+    batch = ContinuousBatch(engine)
+    state = batch.admit(engine.parse_request(raw))
+    behind = 0
+    while not state.done:
+        batch.step()
+        behind += drafter.cached(state.run.seq_id) < len(state.committed) - 1
+    assert behind > 0 and fed[0] == len(encode_prompt(engine.tokenizer, raw["prompt"])) - 1 and sum(fed[1:]) == 0
+    assert state.new_tokens == serial.generate(serial.parse_request(raw))["token_ids"]
+
+
 def test_batching_config_errors():
     tiers = [{"name": "target", "model": "some/model"}]
     for batching, message in [

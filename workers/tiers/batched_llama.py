@@ -59,6 +59,27 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def grouped_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scaling: float) -> torch.Tensor:
+    """SDPA of q [B, heads, T, D] over key / value [B, kv_heads, S, D] (grouped-query attention:
+    query head h reads key / value head h // groups) under a boolean mask [B, 1, T, S]; [B, heads, T, D].
+
+    Each group's queries are stacked as rows of their key / value head ([B, kv_heads, groups * T, D],
+    the mask repeated to match) instead of copying every key / value head `groups` times, as
+    transformers' `repeat_kv` does: on the CPU that copy (Qwen2.5-1.5B: 6 copies, 12 MB per layer at
+    300 positions for 4 rows in float32) and the attention over it cost as much as the layer's
+    projections in an int8 forward. The products per (query, key) pair are the same; a kernel may
+    sum them in another order for the taller query block, so logits differ from the copying form's
+    in the last bits at most (tests/workers/test_batched_devices.py)."""
+    rows, heads, width, head_dim = q.shape
+    kv_heads = key.shape[1]
+    groups = heads // kv_heads
+    if groups == 1:
+        return F.scaled_dot_product_attention(q, key, value, attn_mask=mask, dropout_p=0.0, scale=scaling)
+    stacked = q.reshape(rows, kv_heads, groups * width, head_dim)  # row g * T + t: query head kv * groups + g, token t
+    attn = F.scaled_dot_product_attention(stacked, key, value, attn_mask=mask.repeat(1, 1, groups, 1), dropout_p=0.0, scale=scaling)
+    return attn.view(rows, heads, width, head_dim)
+
+
 @dataclasses.dataclass
 class PendingTree:
     """A slot holding tree nodes after its linear context: not a linear continuation until a path is kept."""
@@ -240,7 +261,7 @@ class BatchedLlama:
     def __init__(self, model) -> None:
         lean = LeanLlama(model)  # the weights, in the order and dtypes of transformers' forward
         self.layers = lean.layers
-        self.heads, self.kv_heads, self.groups, self.head_dim = lean.heads, lean.kv_heads, lean.groups, lean.head_dim
+        self.heads, self.kv_heads, self.head_dim = lean.heads, lean.kv_heads, lean.head_dim
         self.scaling = lean.scaling
         self.limit = lean.limit
         self.embed = lean.embed
@@ -326,17 +347,13 @@ class BatchedLlama:
                     q_in = q.new_zeros(hi - lo, *q.shape[1:])
                     q_in[row_of] = q
                     attn_mask = span_mask
-            if self.groups > 1:
-                b, length = key.shape[0], key.shape[2]
-                key = key[:, :, None].expand(b, self.kv_heads, self.groups, length, self.head_dim).reshape(b, self.heads, length, self.head_dim)
-                value = value[:, :, None].expand(b, self.kv_heads, self.groups, length, self.head_dim).reshape(b, self.heads, length, self.head_dim)
             if q_in.is_cuda:
                 # not cuDNN attention: it builds an execution plan per new shape, and a batched
                 # round's shapes change every step (KV length, ragged blocks): ~8 ms of host time a call
                 with sdpa_kernel(GPU_ATTENTION):
-                    attn = F.scaled_dot_product_attention(q_in, key, value, attn_mask=attn_mask, dropout_p=0.0, scale=self.scaling)
+                    attn = grouped_attention(q_in, key, value, attn_mask, self.scaling)
             else:
-                attn = F.scaled_dot_product_attention(q_in, key, value, attn_mask=attn_mask, dropout_p=0.0, scale=self.scaling)
+                attn = grouped_attention(q_in, key, value, attn_mask, self.scaling)
             if mode == "span":
                 attn = attn[row_of]
             attn = attn.transpose(1, 2).reshape(rows, width, -1)

@@ -32,7 +32,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from polyspec.workers.tiers.batched_llama import rms_norm, rotate_half
+from polyspec.workers.tiers.batched_llama import grouped_attention, rms_norm, rotate_half
 from polyspec.workers.tiers.fp8_linear import Fp8Linear
 from polyspec.workers.tiers.block_linear import PACKED
 from polyspec.workers.tiers.lean_llama import ARCHITECTURES, layer_projections, linear_function
@@ -107,7 +107,6 @@ class StaticLlama:
             raise ValueError(f"StaticLlama runs {', '.join(ARCHITECTURES)}, not {type(model).__name__}")
         self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
-        self.groups = self.heads // self.kv_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.scaling = self.head_dim**-0.5
         self.limit = getattr(config, "max_position_embeddings", None) or 4096
@@ -202,10 +201,7 @@ class StaticLlama:
             values[write_slots, :, positions] = v.transpose(1, 2)
             key = keys[:, :, :span].index_select(0, slots)  # [B, kv_heads, span, D]: only the span is copied
             value = values[:, :, :span].index_select(0, slots)
-            if self.groups > 1:
-                key = key[:, :, None].expand(rows, self.kv_heads, self.groups, span, self.head_dim).reshape(rows, self.heads, span, self.head_dim)
-                value = value[:, :, None].expand(rows, self.kv_heads, self.groups, span, self.head_dim).reshape(rows, self.heads, span, self.head_dim)
-            attn = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, dropout_p=0.0, scale=self.scaling)
+            attn = grouped_attention(q, key, value, mask, self.scaling)
             x = x + project(attn.transpose(1, 2).reshape(rows, width, -1), o_w)
             h = rms_norm(x, w_post, eps_post)
             x = x + project(F.silu(project(h, gate_w)) * project(h, up_w), down_w)
