@@ -205,8 +205,12 @@ def stage_measurements(repo: Path) -> list[dict]:
             continue
         roles, lengths = chain_roles(path)
         if lengths != "auto":
-            out.append({"pair": (roles[-2], roles[-1]), "source": "qwen-batch.json", "system": row["system"], "k": lengths[-1],
-                        "mean_accepted": row["stages"][-1]["mean_accepted_length"], "requests": 1})
+            bottom = row["stages"][-1]
+            # the length the run drafted with, from the row's own record (a shipped config's lengths may have moved
+            # since the run); shorter blocks in it are a request's last ones, cut to the tokens it had left
+            k = max(bottom.get("lengths") or [lengths[-1]])
+            out.append({"pair": (roles[-2], roles[-1]), "source": "qwen-batch.json", "system": row["system"], "k": k,
+                        "mean_accepted": bottom["mean_accepted_length"], "requests": 1})
     real = json.loads((repo / "benchmarks" / "real-models.json").read_text())
     for result in real["results"]:
         lengths = real["systems"].get(result["system"], {}).get("lengths")
