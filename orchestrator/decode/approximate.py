@@ -142,6 +142,7 @@ class StepDriver:
         self.pending: list[int] = []  # the small model's tokens not committed yet
         self.large_left = 0  # Speculative Thinking: tokens the large model still writes in this takeover
         self.large_step_from: int | None = None  # SpecReason: the large model rewrites the step starting at this char
+        self.large_step_tokens = 0  # SpecReason: tokens of that rewrite so far
         self.handled_chars = 0  # Speculative Thinking: reflection points before this char are dealt with
         self.reflections = 0
 
@@ -159,12 +160,13 @@ class StepDriver:
         on a distributed chain, tier 1's worker drafts it)."""
         return self.scheduler.sub_chain_block(state, state.committed + self.pending, need)
 
-    def _write_small(self, state: RequestState) -> bool:
-        """Add a chunk to `pending`; False when the small model can write no more (EOS, length, context)."""
+    def _write_small(self, state: RequestState, chunk: int = STEP_CHUNK) -> bool:
+        """Add a chunk of up to `chunk` tokens to `pending`; False when the small model can write no more (EOS,
+        length, context)."""
         room = remaining(state) - len(self.pending)
         if room <= 0 or first_eos(self.pending, self.scheduler.eos_token_ids) is not None:
             return False
-        tokens = self._small(state, min(STEP_CHUNK, room))
+        tokens = self._small(state, min(chunk, room))
         self.pending += tokens[:room]
         return bool(tokens)
 
@@ -194,20 +196,25 @@ class StepDriver:
         return self._thinking(state)
 
     def _specreason(self, state: RequestState) -> list[int]:
-        delimiter = self.mode.step_delimiter
+        delimiter, cap = self.mode.step_delimiter, self.mode.max_step_tokens
         if self.large_step_from is not None:  # the large model is rewriting a rejected step
             tokens = self._large(state)
-            if state.done or find_step_end(self.decode(state.new_tokens), self.large_step_from, delimiter) is not None:
-                self.large_step_from = None
+            self.large_step_tokens += len(tokens)
+            if (state.done or find_step_end(self.decode(state.new_tokens), self.large_step_from, delimiter) is not None
+                    or (cap and self.large_step_tokens >= cap)):
+                self.large_step_from, self.large_step_tokens = None, 0
             return tokens
         done_text = self.decode(state.new_tokens)
         start = len(done_text)
-        while True:  # the small model writes one step
-            wrote = self._write_small(state)
+        while True:  # the small model writes one step (no further than its bound: tokens past it would be dropped)
+            wrote = self._write_small(state, min(STEP_CHUNK, cap - len(self.pending)) if cap else STEP_CHUNK)
             text = self.decode(state.new_tokens + self.pending)
             end = find_step_end(text, start, delimiter)
             if end is not None and end < len(text):  # the delimiter has run its course (find_step_end absorbs repeats)
                 self.pending = self.pending[: max(1, self._tokens_within(state, end))]
+                break
+            if cap and len(self.pending) >= cap:  # no delimiter yet (code): the step ends at max_step_tokens
+                self.pending = self.pending[:cap]
                 break
             if not wrote:
                 break

@@ -156,6 +156,22 @@ def test_specreason_scores_reuse_the_requests_scored_prompt(engine):
     assert (SCRATCH_SEQUENCE, state.seq_id) not in target._sequences
 
 
+def test_specreason_steps_end_at_max_step_tokens(engine, small_alone):
+    """Text without the delimiter is still judged step by step: a step ends after max_step_tokens tokens, and so
+    does the base model's rewrite of a rejected one (0: at the delimiter only, one step for the whole text)."""
+    kept = run(engine, {"mode": "specreason", "score_threshold": 0, "step_delimiter": "@@", "max_step_tokens": 5})
+    counts = kept["stats"]["approximate"]
+    assert kept["token_ids"] == small_alone and counts["steps_scored"] == -(-NEW_TOKENS // 5)  # ceil(24 / 5) = 5 steps
+    whole = run(engine, {"mode": "specreason", "score_threshold": 0, "step_delimiter": "@@", "max_step_tokens": 0})
+    assert whole["token_ids"] == small_alone and whole["stats"]["approximate"]["steps_scored"] == 1
+    rewritten = run(engine, {"mode": "specreason", "score_threshold": 9, "step_delimiter": "@@", "max_step_tokens": 5})
+    counts = rewritten["stats"]["approximate"]
+    assert rewritten["token_ids"] == target_alone(engine)["token_ids"] and counts["steps_accepted"] == 0
+    assert counts["steps_scored"] >= 2  # the small model wrote again after each capped rewrite
+    with pytest.raises(RequestError, match="max_step_tokens"):
+        run(engine, {"mode": "specreason", "max_step_tokens": -1})
+
+
 def test_specreason_steps_end_at_the_delimiter(engine, small_alone):
     """A delimiter the small model writes early splits its text into several scored steps."""
     text = engine.decode(small_alone)

@@ -42,7 +42,7 @@ class ApproximateModeError(ConfigError, ValueError):
 MODE_KEYS = {
     EXACT: (),
     BILD: ("fallback_threshold", "rollback_threshold"),
-    SPECREASON: ("score_threshold", "step_delimiter"),
+    SPECREASON: ("score_threshold", "step_delimiter", "max_step_tokens"),
     SPECULATIVE_THINKING: ("trigger_words", "step_delimiter", "takeover_tokens", "reflection_limit"),
     REFLECTIVE: ("reflective_weight", "probe_prompt"),
 }
@@ -61,6 +61,8 @@ class ApproximateMode:
     score_threshold     (specreason, [0, 9]): a step is kept when the base model scores it at
                         least this; 0 keeps every parsable score, 9 only perfect ones.
     step_delimiter      (specreason, speculative-thinking): where a reasoning step ends.
+    max_step_tokens     (specreason, >= 0): a step also ends after this many tokens, so text without
+                        delimiters (code) is still judged step by step; 0: at the delimiter only.
     trigger_words       (speculative-thinking): words that, opening a step, mark a reflection point.
     takeover_tokens     (speculative-thinking, >= 1): tokens the large model writes per takeover.
     reflection_limit    (speculative-thinking, >= 0): after this many reflection points the
@@ -75,6 +77,7 @@ class ApproximateMode:
     rollback_threshold: float = 2.0
     score_threshold: float = 7.0
     step_delimiter: str = PARAGRAPH_DELIMITER
+    max_step_tokens: int = 64
     trigger_words: tuple[str, ...] = DEFAULT_TRIGGER_WORDS
     takeover_tokens: int = 32
     reflection_limit: int = 0
@@ -88,6 +91,7 @@ class ApproximateMode:
         _check_number("rollback_threshold", self.rollback_threshold, 0.0, math.inf)
         _check_number("score_threshold", self.score_threshold, MIN_UTILITY_SCORE, MAX_UTILITY_SCORE)
         _check_text("step_delimiter", self.step_delimiter)
+        _check_integer("max_step_tokens", self.max_step_tokens, 0)
         if isinstance(self.trigger_words, str) or not isinstance(self.trigger_words, (tuple, list)) or not self.trigger_words:
             _fail("trigger_words", f"must be a non-empty list of words, got {self.trigger_words!r}")
         for word in self.trigger_words:
