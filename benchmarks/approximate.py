@@ -476,12 +476,15 @@ def summarize(rows: list[dict], baseline: str = BASELINE_SYSTEM) -> list[dict]:
             "pass_at_1": sum(bool(r["passed"]) for r in group) / len(group),
             "tokens_per_s": tokens / seconds if seconds > 0 else None,
             "mean_output_tokens": tokens / len(group), "mean_seconds": seconds / len(group),
+            "passed": {r["problem"]: bool(r["passed"]) for r in group},  # per problem: trades compare on shared ones
         })
     for entry in entries:
         base = next((e for e in entries if e["task"] == entry["task"] and e["system"] == baseline and e["tokens_per_s"]), None)
         entry["speedup"] = entry["tokens_per_s"] / base["tokens_per_s"] if base and entry["tokens_per_s"] else None
     for entry in entries:
         entry["trade"] = trade(entry, entries, baseline)
+    for entry in entries:
+        del entry["passed"]
     return entries
 
 
@@ -491,7 +494,9 @@ def _reference(entries: list[dict], task: str, system: str) -> dict | None:
 
 def trade(entry: dict, entries: list[dict], baseline: str = BASELINE_SYSTEM) -> dict | None:
     """What an approximate mode's setting trades, against the same task's exact chain (speed), the
-    small model alone and the baseline (pass@1, in points): None for the reference systems."""
+    small model alone and the baseline (pass@1, in points, on the problems both ran: a setting
+    stopped early is not compared with another's luck on problems it never saw): None for the
+    reference systems."""
     if entry["system"] in REFERENCE_SYSTEMS:
         return None
     out = {}
@@ -500,7 +505,13 @@ def trade(entry: dict, entries: list[dict], baseline: str = BASELINE_SYSTEM) -> 
         out["speed_vs_chain"] = entry["tokens_per_s"] / chain["tokens_per_s"]
     for name, reference in (("small", small), (baseline, large)):
         if reference:
-            out[f"pass_points_vs_{name}"] = 100 * (entry["pass_at_1"] - reference["pass_at_1"])
+            shared = set(entry.get("passed", ())) & set(reference.get("passed", ()))
+            if "passed" not in entry or "passed" not in reference:  # entries given whole (no per-problem results)
+                out[f"pass_points_vs_{name}"] = 100 * (entry["pass_at_1"] - reference["pass_at_1"])
+            elif shared:
+                mine = sum(entry["passed"][p] for p in shared) / len(shared)
+                theirs = sum(reference["passed"][p] for p in shared) / len(shared)
+                out[f"pass_points_vs_{name}"] = 100 * (mine - theirs)
     return out
 
 

@@ -270,6 +270,22 @@ def test_the_report_says_what_each_setting_trades_and_which_settings_pay():
     assert "| humaneval:specreason | 1 | none | n/a |" in table and "| humaneval:bild | 2 | near; far | near |" in table
 
 
+def test_a_setting_stopped_early_is_compared_on_the_problems_it_ran():
+    """pass@1 points against a reference count only the problems both ran: a setting stopped after the first
+    two problems (one passed) is even with a small model that passed the same one, whatever it did later."""
+    def row(system, problem, passed):
+        return {"system": system, "setting": "s" if system == "mode" else "greedy", "problem": f"P/{problem}",
+                "passed": passed, "new_tokens": 10, "seconds": 1.0}
+
+    rows = [row("small", i, i in (0, 2, 3)) for i in range(4)] + [row("large", i, True) for i in range(4)]
+    rows += [row("chain", i, True) for i in range(4)] + [row("mode", 0, True), row("mode", 1, False)]
+    entries = {e["system"]: e for e in bench.summarize(rows)}
+    assert entries["mode"]["pass_at_1"] == 0.5 and entries["small"]["pass_at_1"] == 0.75
+    assert entries["mode"]["trade"]["pass_points_vs_small"] == pytest.approx(0.0)  # P/0 and P/1: 1 of 2 each
+    assert entries["mode"]["trade"]["pass_points_vs_large"] == pytest.approx(-50.0)
+    assert "passed" not in entries["mode"]  # per-problem results stay out of the report
+
+
 def test_report_only_from_the_rows(tmp_path):
     out = tmp_path / "approximate"
     rows = [{"system": "large", "setting": "greedy", "problem": "Fake/0", "passed": True, "status": "passed",
