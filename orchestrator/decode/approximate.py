@@ -361,31 +361,35 @@ class Attached:
 
 def attach(engine, state: RequestState, mode: ApproximateMode) -> Attached:
     """Hook `mode` onto a request the engine's scheduler just started (parse_request has checked it can run)."""
-    attached = Attached(state.seq_id, mode)
-    scheduler = engine.scheduler
-
     from polyspec.orchestrator.decode.scheduler import ChainScheduler
 
+    attached = Attached(state.seq_id, mode)
+    scheduler = engine.scheduler
+    if mode.mode in STEP_MODES:  # a driver on this side, embedded or distributed alike
+        digits = digit_token_ids(engine.encode) if mode.mode == SPECREASON else None
+        attached.driver = StepDriver(scheduler, mode, engine.decode, engine.encode, digits, engine.decode(list(state.committed)))
     if not isinstance(scheduler, ChainScheduler):
         # a distributed chain (DistributedChain): every tier reads the mode from the request's header (`worker_hooks`)
         scheduler.set_approximate(state, header_json(mode, engine.encode))
-        if mode.mode in STEP_MODES:
-            digits = digit_token_ids(engine.encode) if mode.mode == SPECREASON else None
-            attached.driver = StepDriver(scheduler, mode, engine.decode, engine.encode, digits, engine.decode(list(state.committed)))
         return attached
+    probe_tokens = tuple(engine.encode(mode.probe_prompt)) if mode.mode == REFLECTIVE else ()
+    state.run.rule = round_rule(mode, probe_tokens)
     if mode.mode == BILD:
-        state.run.rule = BildRule(mode.rollback_threshold)
         # the fallback: whichever tier drafts at the bottom of the chain stops after a token it is unsure of
         for tier in scheduler.tiers[1:]:
             model_tier = getattr(tier, "tier", tier)  # a batched tier reads its model tier's thresholds
             model_tier.exit_by_seq[state.seq_id] = mode.fallback_threshold
             attached.drafters.append(model_tier)
-    elif mode.mode == REFLECTIVE:
-        state.run.rule = ReflectiveRule(mode.reflective_weight, tuple(engine.encode(mode.probe_prompt)))
-    else:
-        digits = digit_token_ids(engine.encode) if mode.mode == SPECREASON else None
-        attached.driver = StepDriver(scheduler, mode, engine.decode, engine.encode, digits, engine.decode(list(state.committed)))
     return attached
+
+
+def round_rule(mode: ApproximateMode, probe_tokens: tuple[int, ...]):
+    """The target's check for a round mode (BiLD's rollback, Reflective), None for the others."""
+    if mode.mode == BILD:
+        return BildRule(mode.rollback_threshold)
+    if mode.mode == REFLECTIVE:
+        return ReflectiveRule(mode.reflective_weight, probe_tokens)
+    return None
 
 
 # ---------------------------------------------------------------------------------
@@ -412,11 +416,9 @@ def worker_hooks(approximate_json: str, index: int, run, model_tier) -> bool:
     data = json.loads(approximate_json)
     probe_tokens = tuple(data.pop("probe_tokens", ()))
     mode = ApproximateMode.from_mapping(data)
-    if index == 0 and mode.mode == BILD:
-        run.rule = BildRule(mode.rollback_threshold)
-    elif index == 0 and mode.mode == REFLECTIVE:
-        run.rule = ReflectiveRule(mode.reflective_weight, probe_tokens)
-    elif index > 0 and mode.mode == BILD:
+    if index == 0:
+        run.rule = round_rule(mode, probe_tokens)
+    elif mode.mode == BILD:
         model_tier.exit_by_seq[run.seq_id] = mode.fallback_threshold
         return True
     return False
