@@ -90,6 +90,22 @@ def requests_within_memory(max_requests: int, kv_memory_mb: int | None, bytes_pe
     return int(min(max_requests, fits))
 
 
+def pool_memory_mb(kv_memory_mb: int | None, device, per_request: int, context: int | None) -> int | None:
+    """The KV pools' bound: `batching.kv_memory_mb` where set; on CUDA, where the pools are allocated at
+    once, a share of what the card has free; on the CPU none (a pool's pages are backed as they are written)."""
+    import torch
+
+    device = torch.device(device)
+    if kv_memory_mb is not None or device.type != "cuda":
+        return kv_memory_mb
+    free, _ = torch.cuda.mem_get_info(device)
+    kv_memory_mb = max(1, int(free * DEVICE_POOL_SHARE) // 2**20 - DEVICE_HEADROOM_MB)
+    if per_request > kv_memory_mb * 2**20:
+        raise ConfigError(f"one request's KV pool ({per_request / 2**20:.0f} MB at {context} positions) does not fit "
+                          f"the GPU's free memory ({free / 2**20:.0f} MB); set batching.max_context lower")
+    return kv_memory_mb
+
+
 class Engine:
     def __init__(self, config: ChainConfig, speculative: bool = True, auto_tune: bool = True, batched: bool = False,
                  log: Callable[[str], None] | None = None, cache_profiles: bool = False, reprofile: bool = False,
@@ -172,7 +188,6 @@ class Engine:
         """The one round over device tiers: each model tier one static-shape step per call on a KV pool
         allocated once (graph-replayed on CUDA); a single request is a batch of one. `keep_finished`:
         finished requests whose caches stay for a next prompt that extends them (their slots come on top)."""
-        import torch
 
         from polyspec.workers.tiers.device_ngram import DeviceNGramTier
         from polyspec.workers.tiers.feature_tier import FeatureTier
@@ -190,14 +205,8 @@ class Engine:
                 models.append(None if isinstance(tier, NGramTier) else StaticLlama(tier.model))
         per_request = sum(StaticModelTier.bytes_per_request(m, batching.max_context) for m in models if m is not None)
         wanted = batching.max_requests if self.batched else 1
-        kv_memory_mb = batching.kv_memory_mb
         device = models[0].device
-        if kv_memory_mb is None and device.type == "cuda":  # the pool is allocated at once: bound it by what the card has free
-            free, _ = torch.cuda.mem_get_info(device)
-            kv_memory_mb = max(1, int(free * DEVICE_POOL_SHARE) // 2**20 - DEVICE_HEADROOM_MB)
-            if per_request > kv_memory_mb * 2**20:
-                raise ConfigError(f"one request's KV pool ({per_request / 2**20:.0f} MB at {models[0].limit} positions) does not fit "
-                                  f"the GPU's free memory ({free / 2**20:.0f} MB); set batching.max_context lower")
+        kv_memory_mb = pool_memory_mb(batching.kv_memory_mb, device, per_request, models[0].limit)
         self.max_requests = requests_within_memory(wanted, kv_memory_mb, per_request)
         slots = self.max_requests + keep_finished
         # the lookup's token rows are sized like the model tiers' KV pools (the target's context by default)
@@ -224,7 +233,9 @@ class Engine:
         self.max_requests = batching.max_requests
         tiers = batched_tiers(self.tiers, batching.max_requests)
         per_request = sum(t.bytes_per_request() for t in tiers if hasattr(t, "bytes_per_request"))
-        self.max_requests = requests_within_memory(batching.max_requests, batching.kv_memory_mb, per_request)
+        target = getattr(tiers[0], "model", None)  # a BatchedLlama (a target served row by row has no pool)
+        kv_memory_mb = pool_memory_mb(batching.kv_memory_mb, getattr(target, "device", "cpu"), per_request, getattr(target, "limit", None))
+        self.max_requests = requests_within_memory(batching.max_requests, kv_memory_mb, per_request)
         for tier in tiers:
             if hasattr(tier, "cache"):
                 tier.cache.max_slots = self.max_requests

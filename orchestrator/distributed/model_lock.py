@@ -140,8 +140,9 @@ class LockedTiers:
     device tier of that many requests (polyspec.workers.tiers.static_tier), with a pool of its own."""
 
     def __init__(self, tiers: list[Tier], lock: ModelLock | None = None, device_slots: list[int] | None = None,
-                 device_context: int | None = None) -> None:
+                 device_context: int | None = None, ragged_slots: int | None = None) -> None:
         self.tiers = list(tiers)
+        self.ragged_slots = ragged_slots  # the slots of a ragged tier's KV pool (None: batched_llama.DEFAULT_SLOTS)
         self.lock = lock or ModelLock()
         self.device_slots = list(device_slots) if device_slots is not None else [0] * len(self.tiers)
         self.device_context = device_context
@@ -154,7 +155,7 @@ class LockedTiers:
             if self._made is None:
                 from polyspec.workers.tiers.static_tier import StaticModelTier
 
-                ragged = iter(batched_tiers([t for t, slots in zip(self.tiers, self.device_slots) if not slots]))
+                ragged = iter(batched_tiers([t for t, slots in zip(self.tiers, self.device_slots) if not slots], self.ragged_slots))
                 made = [StaticModelTier(t, slots, self.device_context) if slots else next(ragged)
                         for t, slots in zip(self.tiers, self.device_slots)]
                 self._made = [LockedBatched(batched, self.lock) for batched in made]

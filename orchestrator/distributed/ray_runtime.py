@@ -117,7 +117,9 @@ class TierActor:
         # each tier's device slots: a target and its early-exit drafter both on the device, a feature head's actor ragged
         slots = actor_device_slots(tiers, batching)
         # one model lock, and batched tiers made together: a feature head reads its target's slot cache
-        siblings = LockedTiers(tiers, ModelLock(), slots, getattr(batching, "max_context", None))
+        # a ragged tier's pool: every request's sequence, its scoring scratch sequence and a profile's
+        ragged = 2 * batching.max_requests + 2 if batching is not None else None
+        siblings = LockedTiers(tiers, ModelLock(), slots, getattr(batching, "max_context", None), ragged)
         self.workers = {index: TierWorker(tier, index, eos_token_ids=eos_token_ids, host=host, siblings=siblings)
                         for index, tier in zip(indices, tiers)}
         self.first = indices[0]

@@ -116,6 +116,35 @@ def mixed_requests(engine, prompts: list[str], count_of) -> tuple[list, list[tup
     return requests, greedy
 
 
+def test_slot_cache_is_one_pool_allocated_once(target_model):
+    """The ragged tier's KV pool is made once, at the first forward: its buffers never move while
+    requests come and go (no copy to grow), it holds `max_slots` slots of the whole model context,
+    a row at the context's end padded to a wider row's block writes its padding to the junk column
+    (its logits as alone), and a fourth request or a context past the model's is refused in one line."""
+    lean, batched = LeanLlama(target_model), BatchedLlama(target_model)
+    limit = batched.limit
+    cache = batched.new_cache(max_slots=3)
+    assert not cache.keys  # nothing before the first forward
+    first = [cache.slot(i) for i in range(2)]
+    batched.forward(cache, first, [[5, 6, 7], [8, 9]], [3, 2])
+    pointers = [t.data_ptr() for t in cache.keys + cache.values]
+    assert cache.slots == 3 and cache.capacity == limit + 1
+    assert len(cache._mappings) == 2 * len(batched.layers)  # CPU: anonymous mappings, backed as written
+    near = [(i * 7) % 200 + 1 for i in range(limit - 1)]
+    cache.release(0)
+    slot = cache.slot("near")
+    batched.forward(cache, [slot], [near[:-1]], [len(near) - 1])
+    rows = batched.forward(cache, [slot, first[1]], [near[-1:], [1, 2, 3, 4, 5]], [0, 0])  # row 0's padding runs past the context
+    expected = lean.forward(lean.new_cache(), near, list(range(len(near))), None)[0][-1:]
+    assert torch.allclose(rows[0], expected, atol=1e-4)
+    assert [t.data_ptr() for t in cache.keys + cache.values] == pointers
+    cache.slot("third")
+    with pytest.raises(RuntimeError, match="all 3 cache slots are in use"):
+        cache.slot("fourth")
+    with pytest.raises(RuntimeError, match=f"does not fit the model's {limit} positions"):
+        batched.forward(cache, [slot], [[1, 2]], [2])
+
+
 @pytest.mark.parametrize("names,speculation", [
     (["target", "mid", "ngram"], {"lengths": [5, 2]}),
     (["target", "small"], {"lengths": [3]}),

@@ -3,8 +3,12 @@
 `SlotCache` keeps every open sequence of a tier in one buffer per layer,
 `[slots, kv_heads, capacity, head_dim]`: a sequence owns a slot, its length is a number
 and its tokens a list, so a rollback (`truncate`) is free and exact per sequence, and a
-released slot is reused by the next request. Buffers grow (slots and capacity double) up
-to the bounds the caller sets (`max_slots`, the model context).
+released slot is reused by the next request. The buffers are the tier's one KV pool, allocated
+once at the first forward: `max_slots` slots of the whole model context (plus one junk column
+that padding writes to). On the CPU they are anonymous memory mappings, zero until written,
+that the kernel backs with pages only where positions are written, so a pool of 64 slots of
+32k positions costs what its requests hold, never a copy to grow it; on CUDA they are
+allocated outright, within what the card has free.
 
 `BatchedLlama.forward` appends a ragged set of rows — row r feeds `tokens[r]` after the
 `start[r]` positions its slot already holds — in one forward: the new tokens are
@@ -32,6 +36,8 @@ back to the CPU in one copy per forward (tests/workers/test_batched_devices.py).
 from __future__ import annotations
 
 import dataclasses
+import mmap
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -41,8 +47,12 @@ from polyspec.workers.tiers.lean_llama import LeanLlama
 
 GPU_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
-INITIAL_SLOTS = 4
-INITIAL_CAPACITY = 128
+DEFAULT_SLOTS = 64  # a pool's slots where its caller sets no bound (batching.max_requests' default)
+DEFAULT_CONTEXT = 4096  # positions a slot holds for a model that names no context (its rotary table's length)
+INITIAL_CAPACITY = 128  # a slot's recorded features (keep_features) are a buffer grown by doubling from this
+CUDA_POOL_SHARE = 0.8  # of the GPU memory free when the pool is made, the most it takes ...
+CUDA_HEADROOM = 2 << 30  # ... less this, for the forwards' activations
+MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Linux: commit no swap for the mapping up front
 GATHER_SPAN_RATIO = 2  # rows spread over more than this many times their number of slots: gather instead of slicing
 DEVICES = ("cpu", "cuda")  # where the batched forward runs (every tensor of a forward is made on the model's device)
 
@@ -109,8 +119,9 @@ class SlotCache:
         self.max_slots = max_slots
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        self.slots = 0
-        self.capacity = 0
+        self.slots = 0  # the pool's, once allocated (`allocate`)
+        self.capacity = 0  # positions a slot holds: the model context and one junk column for padding
+        self._mappings: list[mmap.mmap] = []  # the CPU pool's memory: the tensors are views of it
         self.tokens: list[list[int] | None] = []  # per slot: the token at each cached position (None: free)
         self.slot_of: dict[object, int] = {}
         self.pending: dict[int, PendingTree] = {}  # slot -> its unverified tree
@@ -129,8 +140,9 @@ class SlotCache:
             return slot
         free = next((s for s, held in enumerate(self.tokens) if held is None), None)
         if free is None:
-            if self.max_slots is not None and len(self.tokens) >= self.max_slots:
-                raise RuntimeError(f"all {self.max_slots} cache slots are in use")
+            bound = self.slots if self.keys else (self.max_slots or DEFAULT_SLOTS)
+            if len(self.tokens) >= bound:
+                raise RuntimeError(f"all {bound} cache slots are in use")
             free = len(self.tokens)
             self.tokens.append(None)
         self.tokens[free] = []
@@ -226,29 +238,50 @@ class SlotCache:
     # ------------------------------------------------------------- buffers
 
     @torch.inference_mode()
-    def reserve(self, slots: int, length: int) -> None:
-        """Room for `slots` slots of `length` positions (grown by doubling, copying what is cached)."""
-        if slots <= self.slots and length <= self.capacity:
+    def allocate(self) -> None:
+        """Make the pool, once: `max_slots` slots (DEFAULT_SLOTS where unbounded) of the model context
+        and one junk column (a padding column of a row near the context's end is written there)."""
+        if self.keys:
             return
-        new_slots = max(self.slots, slots) if slots <= self.slots else max(INITIAL_SLOTS, 2 * self.slots, slots)
-        if self.max_slots is not None:
-            new_slots = max(slots, min(new_slots, self.max_slots))
-        new_capacity = self.capacity if length <= self.capacity else max(INITIAL_CAPACITY, 2 * self.capacity, length)
-        if self.limit:
-            new_capacity = max(length, min(new_capacity, self.limit))
-        # never below what is there: padding columns may already have taken the buffers past the limit
-        new_capacity = max(new_capacity, self.capacity)
         layers, heads, head_dim = self.shape
-        keys, values = [], []
-        for layer in range(layers):
-            k = torch.zeros(new_slots, heads, new_capacity, head_dim, dtype=self.dtype, device=self.device)
-            v = torch.zeros(new_slots, heads, new_capacity, head_dim, dtype=self.dtype, device=self.device)
-            if self.slots:
-                k[: self.slots, :, : self.capacity] = self.keys[layer]
-                v[: self.slots, :, : self.capacity] = self.values[layer]
-            keys.append(k)
-            values.append(v)
-        self.keys, self.values, self.slots, self.capacity = keys, values, new_slots, new_capacity
+        slots = self.max_slots or DEFAULT_SLOTS
+        capacity = (self.limit or DEFAULT_CONTEXT) + 1
+        width = torch.tensor([], dtype=self.dtype).element_size()
+        if self.device.type == "cuda":  # real memory at once: as many slots as fit what the card has free
+            free, _ = torch.cuda.mem_get_info(self.device)
+            per_slot = 2 * layers * heads * capacity * head_dim * width
+            fits = (int(free * CUDA_POOL_SHARE) - CUDA_HEADROOM) // per_slot
+            if fits < 1:
+                raise RuntimeError(f"one request's KV cache at the model context ({per_slot / 2**20:.0f} MB) does not fit "
+                                   f"the GPU's free memory ({free / 2**20:.0f} MB)")
+            slots = min(slots, fits)
+        shape = (slots, heads, capacity, head_dim)
+        for _ in range(2 * layers):
+            buffer = self._zeros(shape, width)
+            (self.keys if len(self.keys) < layers else self.values).append(buffer)
+        self.slots, self.capacity = slots, capacity
+
+    def _zeros(self, shape: tuple[int, ...], width: int) -> torch.Tensor:
+        if self.device.type != "cpu" or not sys.platform.startswith("linux"):
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        size = width
+        for n in shape:
+            size *= n
+        try:
+            mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE)
+        except OSError as error:
+            raise RuntimeError(f"the KV pool's {size / 2**30:.1f} GiB of address space per layer could not be mapped "
+                               f"({error.strerror}); set batching.max_requests or kv_memory_mb lower") from None
+        self._mappings.append(mapping)
+        return torch.frombuffer(mapping, dtype=torch.uint8).view(self.dtype).view(shape)
+
+    def reserve(self, slots: int, length: int) -> None:
+        """Check that `slots` slots of `length` positions fit the pool (allocating it at the first call)."""
+        self.allocate()
+        if slots > self.slots:
+            raise RuntimeError(f"all {self.slots} cache slots are in use")
+        if length >= self.capacity:
+            raise RuntimeError(f"a context of {length} tokens does not fit the model's {self.capacity - 1} positions")
 
 
 class BatchedLlama:
@@ -290,7 +323,7 @@ class BatchedLlama:
         counts = [len(t) for t in tokens]
         width = max(counts)
         end = max(start + count for start, count in zip(starts, counts))
-        cache.reserve(max(slots) + 1, max(start + width for start in starts))
+        cache.reserve(max(slots) + 1, end)
         device = self.device
         ids = torch.tensor([t + [0] * (width - len(t)) for t in tokens], dtype=torch.long, device=device)  # [B, W]
         start_t = torch.tensor(starts, dtype=torch.long, device=device)
@@ -323,6 +356,7 @@ class BatchedLlama:
         else:
             mode = "gather"  # few rows far apart: copy their slots
         write_slots = slot_t[:, None].expand(rows, width)
+        write_at = cache_at.clamp_max(cache.capacity - 1)  # a row's padding past the context goes to the junk column
         x = F.embedding(ids, self.embed)  # [B, W, H*D]
         shape = (rows, width, -1, self.head_dim)
         for index, (w_in, q_proj, k_proj, v_proj, o_proj, w_post, gate, up, down, eps_in, eps_post) in enumerate(self.layers):
@@ -333,8 +367,8 @@ class BatchedLlama:
             q = (q * cos) + (rotate_half(q) * sin)
             k = (k * cos) + (rotate_half(k) * sin)
             keys, values = cache.keys[index], cache.values[index]
-            keys[write_slots, :, cache_at] = k.transpose(1, 2)  # [B, W, kv_heads, D] into [slot, :, position]
-            values[write_slots, :, cache_at] = v.transpose(1, 2)
+            keys[write_slots, :, write_at] = k.transpose(1, 2)  # [B, W, kv_heads, D] into [slot, :, position]
+            values[write_slots, :, write_at] = v.transpose(1, 2)
             if mode == "gather":
                 key = keys[:, :, :end].index_select(0, slot_t)
                 value = values[:, :, :end].index_select(0, slot_t)
