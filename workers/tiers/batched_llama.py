@@ -11,10 +11,11 @@ that the kernel backs with pages only where positions are written, so a pool of 
 allocated outright, within what the card has free.
 
 `BatchedLlama.forward` appends a ragged set of rows — row r feeds `tokens[r]` after the
-`start[r]` positions its slot already holds — in one forward: the new tokens are
-right-padded to the longest row, each query attends to its own slot's keys up to its own
-position (a per-row boolean mask), and positions (hence rotary angles) are per row. Padding
-only writes past a slot's length, where nothing is read before it is overwritten.
+`start[r]` positions its slot already holds — in one forward: the projections and the MLP
+run on the rows' real tokens packed one after the other (rows of different lengths pay for
+their own tokens, not the longest row's); attention runs with each row right-padded to the
+longest, each query attending to its own slot's keys up to its own position (a per-row boolean
+mask), and positions (hence rotary angles) are per row.
 
 A row may carry a draft tree instead of a chain (`RowLayout`): its new tokens are still
 written one after the other into the slot, but each takes the rotary position and the
@@ -336,8 +337,6 @@ class BatchedLlama:
             for r, layout in trees:
                 positions[r, : counts[r]] = torch.tensor(layout.positions, dtype=torch.long, device=device)
         rotary_index = positions.clamp_max(self.cos.shape[0] - 1)  # padding may run past the table
-        cos = self.cos[rotary_index][:, None]  # [B, 1, W, D]
-        sin = self.sin[rotary_index][:, None]
         # query (r, j) sees its slot's positions 0 .. start_r + j (a tree row: its layout's)
         mask = (torch.arange(end, device=device)[None, None, :] <= cache_at[:, :, None])[:, None]  # [B, 1, W, end]
         for r, layout in trees:
@@ -355,20 +354,38 @@ class BatchedLlama:
             span_mask[row_of] = mask
         else:
             mode = "gather"  # few rows far apart: copy their slots
-        write_slots = slot_t[:, None].expand(rows, width)
-        write_at = cache_at.clamp_max(cache.capacity - 1)  # a row's padding past the context goes to the junk column
-        x = F.embedding(ids, self.embed)  # [B, W, H*D]
-        shape = (rows, width, -1, self.head_dim)
+        # Ragged blocks (rows of different lengths): every operation but attention runs on the real
+        # tokens only, packed one after the other ([N, ...], N = sum of the rows' lengths), and
+        # attention on them scattered into the padded [B, W] layout. Padding a row of one token to
+        # a drafted row's 5 cost the projections 5x that row's work. Rows of one length run padded-free as they are.
+        packed = sum(counts) < rows * width
+        if packed:
+            real = torch.tensor([r * width + j for r in range(rows) for j in range(counts[r])], dtype=torch.long, device=device)
+            lead: tuple[int, ...] = (len(real),)
+            token_ids, rotary_index = ids.view(-1)[real], rotary_index.view(-1)[real]  # [N]
+            write_slots = slot_t.repeat_interleave(torch.tensor(counts, device=device), output_size=len(real))
+            write_at = cache_at.view(-1)[real]  # real positions only: nothing is written past a row's block
+        else:
+            lead, token_ids = (rows, width), ids
+            write_slots = slot_t[:, None].expand(rows, width)
+            write_at = cache_at.clamp_max(cache.capacity - 1)  # a row's padding past the context goes to the junk column
+        cos = self.cos[rotary_index].unsqueeze(-2)  # [*lead, 1, D]
+        sin = self.sin[rotary_index].unsqueeze(-2)
+        x = F.embedding(token_ids, self.embed)  # [*lead, H*D]
+        shape = (*lead, -1, self.head_dim)
         for index, (w_in, q_proj, k_proj, v_proj, o_proj, w_post, gate, up, down, eps_in, eps_post) in enumerate(self.layers):
             h = rms_norm(x, w_in, eps_in)
-            q = q_proj(h).view(shape).transpose(1, 2)  # [B, heads, W, D]
-            k = k_proj(h).view(shape).transpose(1, 2)
-            v = v_proj(h).view(shape).transpose(1, 2)
+            q = q_proj(h).view(shape)  # [*lead, heads, D]
+            k = k_proj(h).view(shape)
+            v = v_proj(h).view(shape)
             q = (q * cos) + (rotate_half(q) * sin)
             k = (k * cos) + (rotate_half(k) * sin)
             keys, values = cache.keys[index], cache.values[index]
-            keys[write_slots, :, write_at] = k.transpose(1, 2)  # [B, W, kv_heads, D] into [slot, :, position]
-            values[write_slots, :, write_at] = v.transpose(1, 2)
+            keys[write_slots, :, write_at] = k  # [*lead, kv_heads, D] into [slot, :, position]
+            values[write_slots, :, write_at] = v
+            if packed:
+                q = q.new_zeros(rows * width, *q.shape[1:]).index_copy_(0, real, q).view(rows, width, -1, self.head_dim)
+            q = q.transpose(1, 2)  # [B, heads, W, D]
             if mode == "gather":
                 key = keys[:, :, :end].index_select(0, slot_t)
                 value = values[:, :, :end].index_select(0, slot_t)
@@ -390,20 +407,24 @@ class BatchedLlama:
                 attn = grouped_attention(q_in, key, value, attn_mask, self.scaling)
             if mode == "span":
                 attn = attn[row_of]
-            attn = attn.transpose(1, 2).reshape(rows, width, -1)
+            attn = attn.transpose(1, 2).reshape(rows * width, -1)
+            attn = attn.index_select(0, real) if packed else attn.view(rows, width, -1)
             x = x + o_proj(attn)
             h = rms_norm(x, w_post, eps_post)
             x = x + down(F.silu(gate(h)) * up(h))
         for slot, row_tokens in zip(slots, tokens):
             cache.tokens[slot].extend(row_tokens)
+        first = [r * width for r in range(rows)]  # where each row's tokens begin in x's rows
+        if packed:
+            first = [sum(counts[:r]) for r in range(rows)]
+        x = x.reshape(-1, x.shape[-1])
         if cache.keep_features:  # what the LM head reads, at every position written (the logits below stay as they were computed)
             normed = rms_norm(x, self.norm_weight, self.norm_eps).float().cpu()  # one copy for all rows
             for r, slot in enumerate(slots):
-                cache.store_features(slot, starts[r], normed[r, : counts[r]])
-        wanted = [(r, j) for r in range(rows) for j in range(outputs[r], counts[r])]
+                cache.store_features(slot, starts[r], normed[first[r]: first[r] + counts[r]])
+        wanted = [first[r] + j for r in range(rows) for j in range(outputs[r], counts[r])]
         if not wanted:
             return [torch.zeros(0, 0, dtype=x.dtype) for _ in range(rows)]
-        flat = torch.tensor([r * width + j for r, j in wanted], dtype=torch.long, device=device)
-        picked = x.reshape(rows * width, -1).index_select(0, flat)  # [N, H*D]
+        picked = x.index_select(0, torch.tensor(wanted, dtype=torch.long, device=device))  # [N, H*D]
         logits = self.lm_head(rms_norm(picked, self.norm_weight, self.norm_eps)).cpu()  # [N, V]
         return list(torch.split(logits, [max(0, c - o) for c, o in zip(counts, outputs)]))
