@@ -310,7 +310,8 @@ class BatchedLlama:
 
     @torch.inference_mode()
     def forward(self, cache: SlotCache, slots: list[int], tokens: list[list[int]], outputs: list[int],
-                layouts: list[RowLayout | None] | None = None) -> list[torch.Tensor]:
+                layouts: list[RowLayout | None] | None = None, inputs: list[torch.Tensor] | None = None,
+                raw: bool = False) -> list[torch.Tensor]:
         """Append `tokens[r]` to slot `slots[r]` for every row r (>= 1 token each, distinct slots).
 
         `outputs[r]`: logits are returned for row r's new positions from index `outputs[r]`
@@ -318,6 +319,11 @@ class BatchedLlama:
         one [len(tokens[r]) - outputs[r], V] tensor per row, in the model's dtype, on the CPU
         (one copy for all rows: the tiers sample there, with their CPU generators, as the
         one-sequence tier does). Slot lengths and tokens are updated.
+
+        A feature head's use (as `LeanLlama.forward`'s): `inputs[r]` [len(tokens[r]), H] are row r's
+        layer inputs instead of its tokens' embeddings (the tokens are still what the slot records);
+        `raw`: each row's last layer output (before the final norm) at those positions instead of
+        logits, [len(tokens[r]) - outputs[r], H], on the model's device.
         """
         rows = len(slots)
         starts = [cache.length(s) for s in slots]
@@ -371,7 +377,10 @@ class BatchedLlama:
             write_at = cache_at.clamp_max(cache.capacity - 1)  # a row's padding past the context goes to the junk column
         cos = self.cos[rotary_index].unsqueeze(-2)  # [*lead, 1, D]
         sin = self.sin[rotary_index].unsqueeze(-2)
-        x = F.embedding(token_ids, self.embed)  # [*lead, H*D]
+        if inputs is None:
+            x = F.embedding(token_ids, self.embed)  # [*lead, H*D]
+        else:  # packed: the rows one after the other; else every row is `width` long
+            x = torch.cat(inputs) if packed else torch.stack(inputs)  # [*lead, H*D]
         shape = (*lead, -1, self.head_dim)
         for index, (w_in, q_proj, k_proj, v_proj, o_proj, w_post, gate, up, down, eps_in, eps_post) in enumerate(self.layers):
             h = rms_norm(x, w_in, eps_in)
@@ -426,5 +435,7 @@ class BatchedLlama:
         if not wanted:
             return [torch.zeros(0, 0, dtype=x.dtype) for _ in range(rows)]
         picked = x.index_select(0, torch.tensor(wanted, dtype=torch.long, device=device))  # [N, H*D]
+        if raw:
+            return list(torch.split(picked, [max(0, c - o) for c, o in zip(counts, outputs)]))
         logits = self.lm_head(rms_norm(picked, self.norm_weight, self.norm_eps)).cpu()  # [N, V]
         return list(torch.split(logits, [max(0, c - o) for c, o in zip(counts, outputs)]))
