@@ -28,8 +28,9 @@ tier in the same order, so seeding means the same thing batched or alone.
 `BatchedModelTier` runs Llama-architecture models through `BatchedLlama` on a `SlotCache`;
 `BatchedNGramTier` answers the n-gram lookup from an index per request, kept up to date as
 the context grows and rolled back with it (the same proposals as `NGramTier`'s scan);
-`RowByRow` serves any other tier (the n-gram lookup, other architectures)
-one request after the other behind the same interface.
+`BatchedFeatureTier` (polyspec.workers.tiers.batched_feature) runs a feature head the same way;
+`RowByRow` serves any other tier (other architectures) one request after the other behind the
+same interface.
 """
 
 from __future__ import annotations
@@ -448,14 +449,21 @@ class BatchedNGramTier(BatchedTier):
 
 def batched_tiers(tiers: list[Tier], max_slots: int | None = None) -> list[BatchedTier]:
     """Each tier behind the batched seam: one shared forward where the model allows it. A feature
-    drafter (served row by row) reads its target's features from the batched target's slot cache,
-    which its forwards fill anyway: no forward of the target runs for the drafter alone."""
+    drafter reads its target's features from the batched target's slot cache, which its forwards
+    fill anyway: no forward of the target runs for the drafter alone. It is batched itself
+    (polyspec.workers.tiers.batched_feature) where its head's layer allows, else served row by row."""
+    from polyspec.workers.tiers.batched_feature import BatchedFeatureTier  # (it builds on this module)
+
     out: list[BatchedTier] = []
     for tier in tiers:
+        source = getattr(tier, "source", None)
+        batched_source = next((t for t in out if isinstance(t, BatchedModelTier) and t.tier is source), None)
         if BatchedModelTier.supports(tier):
             out.append(BatchedModelTier(tier, max_slots))
         elif isinstance(tier, NGramTier):
             out.append(BatchedNGramTier(tier))
+        elif batched_source is not None and BatchedFeatureTier.supports(tier):
+            out.append(BatchedFeatureTier(tier, batched_source, max_slots))
         else:
             out.append(RowByRow(tier))
     for wrapper in out:
