@@ -36,7 +36,10 @@ plan is measured, under EXPLORE_BEST_SHARE of the best one measured; a later loa
 only the best plan of the nearest decided load against off, and starts from that load's
 decision where it carries over (off to larger batches, speculating to smaller ones),
 measuring the other side right after. Where speculation won, the lengths next to the best
-measured plan's are measured too. Then it runs the winner: speculation turns on only
+measured plan's are measured too. Beyond the first speculating plan, a plan is measured only when
+the running requests can pay for it: its MIN_STEPS at its predicted step time at most
+EXPLORE_TIME_SHARE of the time they still need (`affordable`), so a short job is not spent learning
+what a block of 12 costs. Then it runs the winner: speculation turns on only
 when it measured SWITCH_ON times off's tokens/s and stays on while it measures at least
 SWITCH_OFF times off's (hysteresis). The side not taken is re-probed for PROBE_STEPS steps
 after REPROBE_FIRST steps, then at doubling intervals (up to REPROBE_MAX) while the
@@ -71,6 +74,7 @@ SWITCH_OFF = 1.0  # ... and off when it measures under this many times off's
 EXPLORE_FLOOR = 0.5  # a new load explores a further set of tiers only if predicted at least this share of off's tokens/s ...
 EXPLORE_BEST_SHARE = 0.8  # ... and of the best speculating plan measured there
 SEED_FLOOR = 0.25  # ... and the neighbouring load's winner only if predicted at least this share
+EXPLORE_TIME_SHARE = 0.25  # a plan is measured only if its MIN_STEPS take at most this share of the running requests' remaining time
 CANDIDATE_MARGIN = 1.5  # an unmeasured speculating plan must be predicted this much better than the measured best to be tried
 LENGTHS = (3, 6, 12)
 INNER_LENGTHS = (4, 10)
@@ -413,7 +417,21 @@ class BatchPlanner:
             predicted, own = self.entry_goodput(plan, batch), scale(plan)
             return own * predicted >= EXPLORE_FLOOR * off and max(own, off_scale) * predicted >= EXPLORE_BEST_SHARE * best
 
-        return [p for p in allowed if p.active not in tried and worth(p)]
+        return [p for p in allowed if p.active not in tried and worth(p) and self.affordable(arm, p, batch)]
+
+    def affordable(self, arm: Arm, plan: Plan, batch: int) -> bool:
+        """Can the running requests pay for measuring `plan` (MIN_STEPS of its predicted step time) with at most
+        EXPLORE_TIME_SHARE of the time they still need (their remaining tokens at the best rate measured here)?
+        A block of 12 costs 10 of off's steps at 4 requests on a CPU: its three steps were half the time left to a
+        job of 4 x 128 tokens, to learn what the model had predicted. A plan not affordable now is measured
+        when longer requests run at this load (unknown remaining tokens: always)."""
+        if not self.horizon:
+            return True
+        rates = [rate for rate in (arm.measured(p) for p in self.plans) if rate]
+        if not rates:
+            return True
+        remaining_s = self.horizon * batch / max(rates)
+        return MIN_STEPS * self.step_seconds(arm, plan, batch) <= EXPLORE_TIME_SHARE * remaining_s
 
     def spec_candidate(self, arm: Arm, batch: int, explore: bool = False) -> Plan | None:
         """The speculating side of the A/B (None: none worth running). Once off is measured here, a plan
@@ -448,7 +466,8 @@ class BatchPlanner:
         if not measured:
             return arm.seed if arm.seed in allowed else max(allowed, key=predicted.get)
         best = max(measured, key=measured.get)
-        around = [p for p in self.neighbours(best) if p in allowed and p not in measured] if arm.speculate else []
+        around = [p for p in self.neighbours(best) if p in allowed and p not in measured and self.affordable(arm, p, batch)] \
+            if arm.speculate else []
         if around:  # speculating pays here: the model picked the lengths, the machine checks the ones next to them
             return max(around, key=predicted.get)
         challenger = max((p for p in allowed if p not in measured), key=predicted.get, default=None)

@@ -248,6 +248,29 @@ def test_lengths_next_to_the_models_choice_are_measured():
     assert sum(c == ((0, 2), 12) for c in chosen[-100:]) >= 100 - 2 * PROBE_STEPS  # off's re-probes aside
 
 
+def test_a_plan_is_measured_only_if_the_running_requests_can_pay_for_it():
+    """As above, but the running requests have few tokens left: measuring a length costs MIN_STEPS of its
+    step time, and a plan whose measurement would take more than EXPLORE_TIME_SHARE of the time they
+    still need is not run (the first speculating plan aside: the A/B needs one); with many tokens left
+    the lengths next to it are measured, and the longest wins."""
+    truth = {3: 150.0, 6: 200.0, 12: 260.0}  # tokens/s of the lookup plan by block length; off is 100
+
+    def run(remaining: int) -> list[tuple]:
+        plan = planner(lambda b, w: 1.0 + 2.0 * w, mid_cost=lambda b, w: 50.0)
+        accept(plan, 0, 2, 0.9)
+        chosen = []
+        for _ in range(120):
+            lengths, active = plan.plan_batch(1, remaining=(remaining,))
+            rate = 100.0 if len(active) == 1 else truth.get(lengths[0], 100.0) if active == (0, 2) else 50.0
+            plan.observe_step(1, 4, 4 / rate, lengths, active)
+            chosen.append((active, lengths[0]))
+        return chosen
+
+    short, long = run(remaining=20), run(remaining=10_000)  # tokens each running request still needs
+    assert ((0, 2), 3) in short and ((0, 2), 6) not in short and ((0, 2), 12) not in short
+    assert ((0, 2), 12) in long and long[-1] in (((0, 2), 12), ((0,), 0))  # the longest won (or off's re-probe)
+
+
 def test_a_set_of_tiers_the_model_calls_hopeless_is_not_run_to_find_out():
     """At a batch where the mid tier's forward costs 50x the target's (a drafter served row by row), exploring
     measures off and the lookup, never a plan through the mid tier."""
