@@ -72,7 +72,46 @@ def run_one(system: str, rows: list[dict], tokens: int, threads: str, taskset: s
             "load_average": [round(x, 2) for x in os.getloadavg()]}
 
 
-def report(runs: list[dict], meta: dict) -> dict:
+def divergences(runs: list[dict]) -> dict[str, dict[str, dict]]:
+    """Where a system's greedy tokens differ from the target alone's: per (system, prompt) the first differing
+    token and the target's own top-two logit gap there (the target forward over the prompt and the tokens both
+    agree on, in the dtype the runs resolved). A gap of one rounding step of that dtype is a tie that a forward
+    over another shape (a batch of blocks instead of single tokens) may break the other way; a larger gap is a bug."""
+    target = next((r for r in runs if r["system"] == TARGET), None)
+    differing = [(r["system"], key) for r in runs if r["system"] != TARGET and target
+                 for key, ids in r["token_ids"].items() if ids != target["token_ids"].get(key)]
+    if not differing:
+        return {}
+    import torch
+
+    from polyspec.orchestrator.config import load_config
+    from polyspec.orchestrator.engine import Engine
+    from polyspec.orchestrator.tokenization import encode_prompt
+
+    # the target as the runs loaded it (dtype: auto resolved from this machine's cached measurement)
+    engine = Engine(load_config(str(REPO / "configs" / "qwen2.5-coder-2tier.yaml")), speculative=False, auto_tune=False,
+                    cache_profiles=True)
+    model, tokenizer = engine.tiers[0].model, engine.tokenizer
+    prompt_text = {row["id"]: row["prompt"] for row in prompts(len(target["token_ids"]))}
+    out: dict[str, dict[str, dict]] = {}
+    for system, key in differing:
+        ours, theirs = target["token_ids"][key], next(r for r in runs if r["system"] == system)["token_ids"][key]
+        at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+        if at >= min(len(ours), len(theirs)):
+            out.setdefault(system, {})[key] = {"token": at, "note": "one output is a prefix of the other (a stop)"}
+            continue
+        ids = encode_prompt(tokenizer, prompt_text[key]) + ours[:at]
+        with torch.inference_mode():
+            logits = model(torch.tensor([ids])).logits[0, -1]
+        gap = float(logits[ours[at]].float() - logits[theirs[at]].float())
+        step = float(torch.finfo(logits.dtype).eps) * abs(float(logits[ours[at]].float()))
+        out.setdefault(system, {})[key] = {"token": at, "target_token": ours[at], "other_token": theirs[at],
+                                           "logit_gap": round(gap, 5), "dtype": str(logits.dtype).replace("torch.", ""),
+                                           "tie": abs(gap) <= step}
+    return out
+
+
+def report(runs: list[dict], meta: dict, ties: dict | None = None) -> dict:
     systems = [TARGET] + [c for c in CONFIGS if any(r["system"] == c for r in runs)]
     by = {s: [r for r in runs if r["system"] == s] for s in systems}
     target = by[TARGET]
@@ -85,6 +124,11 @@ def report(runs: list[dict], meta: dict) -> dict:
         same = None
         if target:
             same = all(r["token_ids"] == target[0]["token_ids"] for r in by[system])
+            found = (ties or {}).get(system)
+            if not same and found:  # each divergence at a tie of the dtype's rounding, or not
+                same = "; ".join(f"{key}: token {d['token']}, " + (d.get("note") or f"gap {d['logit_gap']} {d['dtype']}"
+                                                                   f"{' (a tie)' if d['tie'] else ' (NOT a tie)'}")
+                                 for key, d in sorted(found.items()))
         rows.append({"system": system, "runs": len(rates), "tokens_per_s": round(statistics.median(rates), 3),
                      "spread": [round(min(rates), 3), round(max(rates), 3)],
                      "x_target": round(statistics.median(rates) / base, 3) if base else None, "greedy_equals_target": same,
@@ -106,7 +150,10 @@ def write(result: dict, stem: Path) -> None:
              f"`--threads {meta['threads']}`{', pinned to CPU ' + meta['taskset'] if meta['taskset'] else ''}. "
              f"Machine: {meta['cpu']}, {meta['cores']} cores. Command: `{meta['command']}`.", "",
              "tokens/s = generated tokens / decoding wall time of the batch (model load and start-up profile excluded); "
-             "median over the runs, spread min-max; systems interleaved round by round.", "",
+             "median over the runs, spread min-max; systems interleaved round by round. greedy = target: True, or for each "
+             "prompt whose tokens differ, the first differing token and the target's own logit gap there between its token "
+             "and the other (a tie: within one rounding step of the dtype, which a forward of another shape may break "
+             "either way).", "",
              "| system | runs | tokens/s | spread | x target | greedy = target | profile s | accepted per block |",
              "|---|---:|---:|---|---:|---|---:|---|"]
     for r in result["rows"]:
@@ -172,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
             with partial.open("a") as handle:
                 handle.write(json.dumps(run) + "\n")
             write(report(runs, meta), stem)
-    write(report(runs, meta), stem)
+    write(report(runs, meta, divergences(runs)), stem)
     return 0
 
 
