@@ -286,10 +286,7 @@ class Engine:
         self.tokenizer, eos = describe_chain(self.config.tiers)
         self.scheduler = ray_chain(self.config, stop_token_ids(self.tokenizer, eos))
         self.tiers = self.scheduler.tiers  # TierViews: name, vocab_size, busy_s
-        # chains with a feature head take turns: it reads the target's batched cache in the target's actor
-        # (model_lock.LockedTiers), but many-request steps of such a chain on Ray are not tested yet (an early-exit
-        # drafter is a model tier of its own, batched beside its target in the target's actor)
-        if batched and self.config.batching.enabled and not any(t.drafter == "feature" for t in self.config.tiers):
+        if batched and self.config.batching.enabled:
             # every running request in one VerifyBatch per step; each tier actor scores all their
             # blocks in one forward (polyspec.orchestrator.distributed.batched_rounds)
             self.batched = self.scheduler.batched = True

@@ -145,6 +145,28 @@ def test_an_early_exit_chain_runs_batched_on_device_tiers(cluster, tiny_drafters
         engine.close()
 
 
+def test_a_feature_head_chain_runs_batched(cluster, tiny_drafters, expected):
+    """target <- feature <- n-gram, ragged batched rounds: the target's actor serves the target and its feature head
+    batched together (model_lock.LockedTiers: the head a BatchedFeatureTier reading the target's slot cache), every
+    running request in one VerifyBatch a step, the head scoring the n-gram's blocks as a middle tier; greedy output
+    is the target's."""
+    from polyspec.orchestrator.batch_runner import run_requests
+
+    raw = chain(tiny_drafters, [feature(tiny_drafters), ngram()], [3, 2], "ray", cluster.address)
+    raw["batching"] = {"max_requests": 4}
+    engine = Engine(parse_config(raw), batched=True)
+    try:
+        assert engine.batched
+        requests = [engine.parse_request({"id": str(i), "prompt_ids": ids, "max_new_tokens": MAX_NEW}) for i, (ids, _) in enumerate(expected)]
+        out = {}
+        run_requests(engine, requests, lambda result: out.__setitem__(result["id"], result))
+        for i, (_, want) in enumerate(expected):
+            assert out[str(i)]["token_ids"] == want, i
+        assert all(out[str(i)]["stats"]["stages"][0]["proposed"] > 0 for i in range(len(expected))), "the head drafted for every request"
+    finally:
+        engine.close()
+
+
 def test_ray_mode_rules_for_trained_drafters(tiny_drafters):
     pinned = {**feature(tiny_drafters), "resources": {"gpu_node": 1}}
     with pytest.raises(ConfigError, match="runs in its target's Ray actor; set resources on the target"):
