@@ -89,10 +89,8 @@ from polyspec.orchestrator.decode.approximate import scoring, verdict
 from polyspec.workers.core.sampling import SamplingParams
 from polyspec.workers.core.tree import DraftTree, path_rows
 from polyspec.workers.tiers.batched import BatchedTier, Verdict, as_batched
-from polyspec.workers.tiers.tier import Tier
+from polyspec.workers.tiers.tier import Tier, scratch_score, scratch_sequence
 
-SCRATCH_SEQUENCE = "scratch-score"  # the seq_id prefix of `target_distribution`'s forwards
-_scratch_ids = itertools.count()
 
 DEFAULT_PREFILL_BUDGET = 512  # prompt tokens cached per step for joining requests
 CATCH_UP_GAP = 16  # a drafting tier this many tokens behind a request is caught up before the round, not in it
@@ -312,7 +310,7 @@ class ChainScheduler:
             dropped, _ = self._kept.pop(0)
             for tier in self.tiers:
                 tier.release(dropped)
-            self.tiers[0].tier.release((SCRATCH_SEQUENCE, dropped))  # a SpecReason request's scored prompts
+            self.tiers[0].tier.release(scratch_sequence(dropped))  # a SpecReason request's scored prompts
 
     # ------------------------------------------------------------ the round
 
@@ -380,18 +378,9 @@ class ChainScheduler:
         return tokens
 
     def target_distribution(self, prompt_ids: list[int], seq_id=None) -> torch.Tensor:
-        """The target's own distribution (temperature 1) after `prompt_ids` [V], from its one-sequence model (no
-        batch slot taken): SpecReason's utility score. With the request's `seq_id` the scored KV is kept on a
-        scratch sequence of that request, so its next score computes only what its prompt does not share with
-        this one (the problem and the reasoning so far); it goes when the request's caches do. Without, nothing
-        is kept."""
-        target = self.tiers[0].tier  # the batched tier's own one-sequence model
-        scratch = (SCRATCH_SEQUENCE, next(_scratch_ids) if seq_id is None else seq_id)
-        try:
-            return target.score(scratch, prompt_ids, DraftTree([], [], None), SamplingParams(temperature=1.0))[-1]
-        finally:
-            if seq_id is None:
-                target.release(scratch)
+        """The target's own distribution (temperature 1) after `prompt_ids` [V], from its one-sequence model
+        (`tier.scratch_score`: with the request's `seq_id` the scored KV is kept until the request's caches go)."""
+        return scratch_score(self.tiers[0].tier, prompt_ids, seq_id)
 
     def _propose(self, level: int, below: int, items: list[tuple]) -> list[DraftTree]:
         """The block tier `below` hands up to tier `level` for each (run, context, length): a chain,

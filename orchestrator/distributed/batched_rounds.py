@@ -25,8 +25,6 @@ the worker's sequences, locks and draft-ahead streams as the worker's own method
 from __future__ import annotations
 
 import contextlib
-import itertools
-import os
 import threading
 import time
 
@@ -37,16 +35,9 @@ from polyspec.orchestrator.decode.scheduler import CATCH_UP_GAP, ChainScheduler
 from polyspec.orchestrator.distributed.model_lock import LockedBatched, drafting_ahead, model_seconds, set_drafting_ahead, set_model_seconds
 from polyspec.orchestrator.distributed.transport import RemoteTier, TierUnavailableError, encode_rows
 from polyspec.protos.polyspec.v1 import tier_pb2
-from polyspec.workers.core.sampling import SamplingParams
-from polyspec.workers.core.tree import DraftTree
+from polyspec.workers.tiers.tier import scratch_score
 
 
-_scratch_ids = itertools.count()  # scratch sequences of `score`
-
-
-def score_sequence(seq_id: int) -> tuple:
-    """The scratch sequence a request's Score calls keep their KV under."""
-    return ("score", seq_id)
 
 class BatchedRounds:
     """VerifyBatch / DraftBatch for `TierWorker` (which mixes this class in)."""
@@ -228,17 +219,11 @@ class BatchedRounds:
         return tier_pb2.DraftBatchReply(replies=replies)
 
     def score(self, request: tier_pb2.ScoreRequest) -> tier_pb2.ScoreReply:
-        """This tier's distribution after the context, from its one-sequence model on a scratch sequence
-        released right after (SpecReason's utility score: no batch slot taken, nothing kept)."""
-        scratch = score_sequence(request.seq_id) if request.seq_id else ("score", os.getpid(), next(_scratch_ids))
-        params = SamplingParams(temperature=request.temperature or 1.0)
+        """This tier's distribution after the context, from its one-sequence model (SpecReason's utility score:
+        `tier.scratch_score`, no batch slot taken; a request's scored prompt stays until `release`)."""
         with self.lock.hold():  # the one-request tier shares the model with the batched calls
-            try:
-                row = self.tier.score(scratch, list(request.context), DraftTree([], [], None), params)[-1:]  # [1, V]
-            finally:
-                if not request.seq_id:  # a request's scored prompt stays for its next Score (release frees it)
-                    self.tier.release(scratch)
-        return tier_pb2.ScoreReply(rows=encode_rows(row, self.counters))
+            row = scratch_score(self.tier, list(request.context), request.seq_id or None, request.temperature or 1.0)
+        return tier_pb2.ScoreReply(rows=encode_rows(row[None], self.counters))  # [1, V]
 
     # --------------------------------------------------------------- profile
 

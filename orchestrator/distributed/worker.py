@@ -40,14 +40,14 @@ import grpc
 import torch
 
 from polyspec.orchestrator.distributed import cluster_auth
-from polyspec.orchestrator.distributed.batched_rounds import BatchedRounds, score_sequence
+from polyspec.orchestrator.distributed.batched_rounds import BatchedRounds
 from polyspec.orchestrator.decode.contract import NO_LIMIT, StageStats, seeded_generator
 from polyspec.orchestrator.decode.scheduler import Run
 from polyspec.orchestrator.decode.approximate import worker_hooks
 from polyspec.orchestrator.tuning.time_model import AHEAD_SMOOTHING, AHEAD_THRESHOLD  # the time model reads the same bet
 from polyspec.protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
 from polyspec.workers.core.sampling import SamplingParams
-from polyspec.workers.tiers.tier import Tier
+from polyspec.workers.tiers.tier import Tier, scratch_sequence
 from polyspec.orchestrator.distributed.model_lock import LockedTiers, ModelLock, model_seconds
 from polyspec.orchestrator.distributed.transport import (
     CHANNEL_OPTIONS,
@@ -381,7 +381,7 @@ class TierWorker(BatchedRounds):
         if batched is not None:
             batched.release(seq_id)
         with self.lock.hold():
-            self.tier.release(score_sequence(seq_id))  # a SpecReason request's scored prompts (Score)
+            self.tier.release(scratch_sequence(seq_id))  # a SpecReason request's scored prompts (Score)
         lower = self.lower
         if lower is not None:
             lower.release(seq_id)

@@ -588,21 +588,3 @@ class BatchPlanner:
                 "tokens_per_s": {"+".join(self.tiers[t].name for t in p.active) + f" {list(p.lengths)}": round(r.value, 1)
                                  for p, r in a.rates.items() if r.value is not None}} for (b, m), a in sorted(self.arms.items())},
         }
-
-
-# ----------------------------------------------------------------- profiling
-
-
-def monotone(ms: dict[tuple[int, int], float]) -> dict[tuple[int, int], float]:
-    """A forward never gets cheaper with more rows or more tokens: each cell becomes the smallest
-    measurement at or beyond it, so one slow outlier (a busy machine) cannot dent the table."""
-    out = dict(ms)
-    for b in BATCH_GRID:
-        for w in reversed(WIDTH_GRID[:-1]):
-            nxt = WIDTH_GRID[WIDTH_GRID.index(w) + 1]
-            out[(b, w)] = min(out[(b, w)], out[(b, nxt)])
-    for w in WIDTH_GRID:
-        for b in reversed(BATCH_GRID[:-1]):
-            nxt = BATCH_GRID[BATCH_GRID.index(b) + 1]
-            out[(b, w)] = min(out[(b, w)], out[(nxt, w)])
-    return out

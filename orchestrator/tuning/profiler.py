@@ -36,7 +36,7 @@ import time
 
 import torch
 
-from polyspec.orchestrator.tuning.batch_model import BATCH_GRID, PROFILE_CONTEXT, WIDTH_GRID, ForwardTable, monotone
+from polyspec.orchestrator.tuning.batch_model import BATCH_GRID, PROFILE_CONTEXT, WIDTH_GRID, ForwardTable
 from polyspec.orchestrator.tuning.profile_cache import decode_table, encode_table
 from polyspec.orchestrator.tuning.time_model import latency
 from polyspec.workers.core.sampling import SamplingParams
@@ -449,3 +449,18 @@ def profile_batched(tiers, vocab_size: int, max_batch: int, repeats: int = 2, ca
 
 def _chains(tokens: list[int], count: int) -> list[DraftTree]:
     return [DraftTree.chain(tokens, None) for _ in range(count)]
+
+
+def monotone(ms: dict[tuple[int, int], float]) -> dict[tuple[int, int], float]:
+    """A forward never gets cheaper with more rows or more tokens: each cell becomes the smallest
+    measurement at or beyond it, so one slow outlier (a busy machine) cannot dent the table."""
+    out = dict(ms)
+    for b in BATCH_GRID:
+        for w in reversed(WIDTH_GRID[:-1]):
+            nxt = WIDTH_GRID[WIDTH_GRID.index(w) + 1]
+            out[(b, w)] = min(out[(b, w)], out[(b, nxt)])
+    for w in WIDTH_GRID:
+        for b in reversed(BATCH_GRID[:-1]):
+            nxt = BATCH_GRID[BATCH_GRID.index(b) + 1]
+            out[(b, w)] = min(out[(b, w)], out[(nxt, w)])
+    return out

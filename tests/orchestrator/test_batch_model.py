@@ -191,7 +191,7 @@ def test_ngram_index_proposes_what_the_scan_does():
 
 
 def test_profile_outliers_are_flattened():
-    from polyspec.orchestrator.tuning.batch_model import monotone
+    from polyspec.orchestrator.tuning.profiler import monotone
 
     ms = {(b, w): float(b * w) for b in BATCH_GRID for w in WIDTH_GRID}
     ms[(1, 4)] = 500.0  # one slow measurement

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import itertools
 import time
 
 import torch
@@ -32,6 +33,29 @@ from polyspec.workers.core.tree import DraftTree, grow_level, tree_attention_mas
 from polyspec.workers.core.verification import draw_without_replacement
 from polyspec.workers.tiers.model_cache import NGRAM_MODEL  # noqa: F401 - tiers name the n-gram tier too
 
+
+
+SCRATCH_SEQUENCE = "scratch-score"  # the sequence ids `scratch_score` keeps a request's scored prompts under
+_scratch_ids = itertools.count()
+
+
+def scratch_sequence(seq_id) -> tuple:
+    """The one-request tier's sequence a request's `scratch_score` calls keep their KV under (to release with the request)."""
+    return (SCRATCH_SEQUENCE, seq_id)
+
+
+def scratch_score(tier: "Tier", context: list[int], seq_id=None, temperature: float = 1.0) -> torch.Tensor:
+    """`tier`'s distribution after `context` [V], from its one-sequence model on a sequence of its own (no batch
+    slot taken): SpecReason's utility score, embedded and on a worker. With the request's `seq_id` the scored KV
+    stays on `scratch_sequence(seq_id)`, so the request's next score computes only what its context does not
+    share with this one (the problem and the reasoning so far) until the request is released; without, nothing
+    is kept."""
+    scratch = scratch_sequence(("once", next(_scratch_ids)) if seq_id is None else seq_id)
+    try:
+        return tier.score(scratch, list(context), DraftTree([], [], None), SamplingParams(temperature=temperature))[-1]
+    finally:
+        if seq_id is None:
+            tier.release(scratch)
 
 class Tier(abc.ABC):
     """One model (or model-free drafter) of the chain."""
