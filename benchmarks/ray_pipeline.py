@@ -55,7 +55,6 @@ def predict(chain, modes, hist, overheads, requests, embedded_ms: float | None =
     RPC times a bare scoring forward at one context, while a real round also samples, warps
     and walks the context; one factor (measured embedded / predicted embedded) scales t and d
     for every mode, so the ray modes' predictions stay out of sample."""
-    import grpc
 
     from polyspec.orchestrator.distributed import cluster_auth
     from polyspec.protos.polyspec.v1 import tier_pb2, tier_pb2_grpc

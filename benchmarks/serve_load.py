@@ -21,7 +21,6 @@ request must agree. Writes <out>.json and <out>.md.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import platform

@@ -54,7 +54,8 @@ from pathlib import Path
 from polyspec.harness.real_report import fitted_rate
 from polyspec.orchestrator.config import BatchingConfig, TuningConfig, load_config
 from polyspec.orchestrator.tuning.batch_acceptance import expected_tokens
-from polyspec.orchestrator.tuning.batch_model import BATCH_GRID, WIDTH_GRID, BatchPlanner, ForwardTable, Plan, monotone
+from polyspec.orchestrator.tuning.batch_model import BATCH_GRID, WIDTH_GRID, BatchPlanner, ForwardTable, Plan
+from polyspec.orchestrator.tuning.profiler import monotone
 from polyspec.orchestrator.tuning.chain_model import chain_cost, search_lengths
 from polyspec.orchestrator.tuning.time_model import StageSpec, latency
 
