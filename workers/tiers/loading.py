@@ -184,7 +184,13 @@ def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
     """Dynamic int8 quantization of every Linear (weights int8 per tensor, activations quantized on the fly).
 
     In place and one child module at a time: a float32 copy of a whole 1.5B-parameter model
-    (6 GB), let alone `quantize_dynamic`'s default deep copy of it, is not needed at once."""
+    (6 GB), let alone `quantize_dynamic`'s default deep copy of it, is not needed at once.
+
+    Each float Linear that `quantize_dynamic` replaces is left in a reference cycle (the observer
+    constructors of the `qconfig` it sets on the module close over the module), which only the
+    cyclic garbage collector frees, and that may not run for a long time: Qwen2.5-Coder-1.5B's
+    int8 copy kept its 5.0 GB of float32 Linear weights (7.7 GB resident, 10.4 GB at the peak).
+    Dropping the `qconfig` breaks the cycle, so each module's float weights go as it is quantized."""
     from torch.ao.quantization import quantize_dynamic
 
     def convert(module: torch.nn.Module) -> None:
@@ -195,7 +201,11 @@ def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
             for child in children:
                 convert(child)
         module.float()
+        float_linears = [m for m in module.modules() if isinstance(m, torch.nn.Linear)]
         quantize_dynamic(module, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
+        for linear in float_linears:  # swapped out: break the qconfig cycle so that they are freed here
+            if "qconfig" in linear.__dict__:
+                del linear.qconfig
 
     with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
         warnings.simplefilter("ignore")
