@@ -125,13 +125,11 @@ def test_seeded_sampling_equals_the_embedded_chain(cluster, tiny_drafters, expec
         local.close()
 
 
-def test_an_early_exit_chain_runs_batched_on_device_tiers(cluster, tiny_drafters, expected):
-    """`batching.round: device`: the target's actor serves the target and its early-exit drafter as device tiers
-    (ray_runtime.actor_device_slots), every running request in one VerifyBatch a step; greedy output is the target's."""
+def run_batched(raw: dict, expected) -> dict:
+    """Every prompt at once through a batched Ray engine of `raw` (every running request in one VerifyBatch a step);
+    asserts each greedy output is the target's; the results by id."""
     from polyspec.orchestrator.batch_runner import run_requests
 
-    raw = chain(tiny_drafters, [early(tiny_drafters)], [3], "ray", cluster.address)
-    raw["batching"] = {"round": "device", "max_requests": 4, "max_context": 128}
     engine = Engine(parse_config(raw), batched=True)
     try:
         assert engine.batched
@@ -140,9 +138,18 @@ def test_an_early_exit_chain_runs_batched_on_device_tiers(cluster, tiny_drafters
         run_requests(engine, requests, lambda result: out.__setitem__(result["id"], result))
         for i, (_, want) in enumerate(expected):
             assert out[str(i)]["token_ids"] == want, i
-        assert out["0"]["stats"]["stages"][0]["proposed"] > 0
+        return out
     finally:
         engine.close()
+
+
+def test_an_early_exit_chain_runs_batched_on_device_tiers(cluster, tiny_drafters, expected):
+    """`batching.round: device`: the target's actor serves the target and its early-exit drafter as device tiers
+    (ray_runtime.actor_device_slots), every running request in one VerifyBatch a step; greedy output is the target's."""
+    raw = chain(tiny_drafters, [early(tiny_drafters)], [3], "ray", cluster.address)
+    raw["batching"] = {"round": "device", "max_requests": 4, "max_context": 128}
+    out = run_batched(raw, expected)
+    assert out["0"]["stats"]["stages"][0]["proposed"] > 0
 
 
 def test_a_feature_head_chain_runs_batched(cluster, tiny_drafters, expected):
@@ -150,21 +157,10 @@ def test_a_feature_head_chain_runs_batched(cluster, tiny_drafters, expected):
     batched together (model_lock.LockedTiers: the head a BatchedFeatureTier reading the target's slot cache), every
     running request in one VerifyBatch a step, the head scoring the n-gram's blocks as a middle tier; greedy output
     is the target's."""
-    from polyspec.orchestrator.batch_runner import run_requests
-
     raw = chain(tiny_drafters, [feature(tiny_drafters), ngram()], [3, 2], "ray", cluster.address)
     raw["batching"] = {"max_requests": 4}
-    engine = Engine(parse_config(raw), batched=True)
-    try:
-        assert engine.batched
-        requests = [engine.parse_request({"id": str(i), "prompt_ids": ids, "max_new_tokens": MAX_NEW}) for i, (ids, _) in enumerate(expected)]
-        out = {}
-        run_requests(engine, requests, lambda result: out.__setitem__(result["id"], result))
-        for i, (_, want) in enumerate(expected):
-            assert out[str(i)]["token_ids"] == want, i
-        assert all(out[str(i)]["stats"]["stages"][0]["proposed"] > 0 for i in range(len(expected))), "the head drafted for every request"
-    finally:
-        engine.close()
+    out = run_batched(raw, expected)
+    assert all(out[str(i)]["stats"]["stages"][0]["proposed"] > 0 for i in range(len(expected))), "the head drafted for every request"
 
 
 def test_ray_mode_rules_for_trained_drafters(tiny_drafters):
