@@ -42,7 +42,7 @@ from polyspec.workers.tiers.batched import BatchedModelTier, BatchedTier
 from polyspec.workers.tiers.batched_llama import BatchedLlama, PendingTree, RowLayout
 from polyspec.workers.tiers.feature_tier import FeatureTier
 from polyspec.workers.tiers.lean_llama import linear_function
-from polyspec.workers.tiers.static_feature import head_trunk
+from polyspec.workers.tiers.feature_tier import head_trunk
 from polyspec.workers.tiers.tier import first_candidates
 
 

@@ -38,6 +38,19 @@ from polyspec.workers.tiers.lean_llama import LeanCache, LeanLlama
 from polyspec.workers.tiers.tier import ModelTier, Tier, first_candidates
 
 
+def head_trunk(head):
+    """The head's decoder layer in the shape the lean, batched and static Llama forwards read: its layers, rotary
+    table and feature norm; its embeddings and LM head are unused (the head's inputs and outputs are its own, and
+    the forwards return the layer's raw output to it)."""
+    decoder = head.decoder
+    shim = type("LlamaForCausalLM", (), {})()
+    shim.config = decoder.config
+    shim.model = types.SimpleNamespace(embed_tokens=decoder.embed_tokens, layers=decoder.layers, norm=head.feature_norm,
+                                       rotary_emb=decoder.rotary_emb)
+    shim.lm_head = head.fc
+    return shim
+
+
 @dataclasses.dataclass
 class _HeadSequence:
     cache: SequenceCache | LeanCache
@@ -71,11 +84,7 @@ class FeatureTier(Tier):
     def _lean_layer(head, device) -> LeanLlama | None:
         """The head's decoder layer through the lean forward (on CPU): the same operations
         without transformers' per-module overhead; it reads the layer's weights only."""
-        decoder = head.decoder
-        shim = type("LlamaForCausalLM", (), {})()  # the shape LeanLlama reads (and `supports` checks the name of)
-        shim.config = decoder.config
-        shim.model = types.SimpleNamespace(embed_tokens=decoder.embed_tokens, layers=decoder.layers, norm=head.feature_norm, rotary_emb=decoder.rotary_emb)
-        shim.lm_head = head.fc  # unused: the lean forward returns the layer's raw output here
+        shim = head_trunk(head)
         try:
             return LeanLlama(shim) if LeanLlama.supports(shim, torch.device(device)) else None
         except AttributeError:

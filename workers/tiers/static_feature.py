@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import types
 
 import torch
 import torch.nn.functional as F
@@ -37,22 +36,11 @@ from polyspec.workers.core.sampling import SamplingParams, warp_logits
 from polyspec.workers.core.tree import DraftTree
 from polyspec.workers.tiers.batched_llama import rms_norm
 from polyspec.workers.tiers.device_step import GREEDY, bucket, draw_next, sampling_mode
+from polyspec.workers.tiers.feature_tier import head_trunk
 from polyspec.workers.tiers.static_llama import KVPool, StaticLlama, project, projection_of
 from polyspec.workers.tiers.static_tier import StaticModelTier
 
 MAX_TAIL = 32  # the widest first step: a longer tail (a long run of verified drafts) is fed eagerly before it
-
-
-def head_trunk(head):
-    """The head's decoder layer in the shape `StaticLlama` reads (FeatureTier._lean_layer's shim): its layers, rotary
-    table and feature norm; its embeddings and LM head are unused (the head's inputs and outputs are its own)."""
-    decoder = head.decoder
-    shim = type("LlamaForCausalLM", (), {})()
-    shim.config = decoder.config
-    shim.model = types.SimpleNamespace(embed_tokens=decoder.embed_tokens, layers=decoder.layers, norm=head.feature_norm,
-                                       rotary_emb=decoder.rotary_emb)
-    shim.lm_head = head.fc
-    return shim
 
 
 class StaticFeatureHead:

@@ -142,7 +142,7 @@ def misfit(tiers, lengths, tree_width: int) -> str | None:
 
 def _feature_misfit(tiers, tree_width: int) -> str | None:
     """Why the device round cannot run the feature head tiers[1] (polyspec.workers.tiers.static_feature); None when it can."""
-    from polyspec.workers.tiers.static_feature import head_trunk
+    from polyspec.workers.tiers.feature_tier import head_trunk
 
     head = tiers[1]
     if head.source is not tiers[0]:
