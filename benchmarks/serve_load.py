@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
              "| pass | path | tokens/s | tokens | greedy = engine |", "|---:|---|---:|---:|---|"]
     for r in rows:
         lines.append(f"| {r['pass']} | {r['path']} | {r['tokens_per_s']} | {r['tokens']} | {r.get('greedy_equal', '')} |")
-    lines += ["", f"Median: engine {engine_rate} tok/s, serve {serve_rate} tok/s: serve / engine = {result['serve_over_engine']}."]
+    lines += ["", f"Median: engine {engine_rate:.1f} tok/s, serve {serve_rate:.1f} tok/s: serve / engine = {result['serve_over_engine']}."]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
