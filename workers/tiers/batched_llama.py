@@ -53,7 +53,10 @@ DEFAULT_CONTEXT = 4096  # positions a slot holds for a model that names no conte
 INITIAL_CAPACITY = 128  # a slot's recorded features (keep_features) are a buffer grown by doubling from this
 CUDA_POOL_SHARE = 0.8  # of the GPU memory free when the pool is made, the most it takes ...
 CUDA_HEADROOM = 2 << 30  # ... less this, for the forwards' activations
-MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Linux: commit no swap for the mapping up front
+# a CPU pool's mapping: private anonymous memory, zero until written and backed page by page as it is
+# (Linux: MAP_NORESERVE, no swap committed up front; macOS commits lazily as it is); None: no such mappings
+LAZY_MAP_FLAGS = ((mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (getattr(mmap, "MAP_NORESERVE", 0x4000) if sys.platform.startswith("linux") else 0))
+                  if hasattr(mmap, "MAP_ANONYMOUS") else None)
 GATHER_SPAN_RATIO = 2  # rows spread over more than this many times their number of slots: gather instead of slicing
 DEVICES = ("cpu", "cuda")  # where the batched forward runs (every tensor of a forward is made on the model's device)
 
@@ -263,13 +266,13 @@ class SlotCache:
         self.slots, self.capacity = slots, capacity
 
     def _zeros(self, shape: tuple[int, ...], width: int) -> torch.Tensor:
-        if self.device.type != "cpu" or not sys.platform.startswith("linux"):
+        if self.device.type != "cpu" or LAZY_MAP_FLAGS is None:
             return torch.zeros(shape, dtype=self.dtype, device=self.device)
         size = width
         for n in shape:
             size *= n
         try:
-            mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE)
+            mapping = mmap.mmap(-1, size, flags=LAZY_MAP_FLAGS)
         except OSError as error:
             raise RuntimeError(f"the KV pool's {size / 2**30:.1f} GiB of address space per layer could not be mapped "
                                f"({error.strerror}); set batching.max_requests or kv_memory_mb lower") from None
