@@ -35,8 +35,6 @@ from polyspec.workers.core.sampling import SamplingParams
 
 PROFILE_CONTEXT_TOKENS = 128  # committed tokens when the start-up profile has no real prompt
 PROFILE_MAX_BATCH = 16  # the batched profile stops here; larger batches are extrapolated in proportion to their rows
-DEVICE_POOL_SHARE = 0.8  # of the GPU memory free at start-up, the most the device round's KV pool takes ...
-DEVICE_HEADROOM_MB = 2048  # ... less this, for the steps' activations and the CUDA graphs
 SEED_LIMIT = 1 << 63  # seeds are in [0, 2^63): an int64 on the wire, every bit used
 MAX_TEMPERATURE = 1000.0  # far past uniform sampling; larger (or inf) is a mistake
 REQUEST_FIELDS = ("id", "prompt", "prompt_ids", "messages", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "approximate")
@@ -95,11 +93,13 @@ def pool_memory_mb(kv_memory_mb: int | None, device, per_request: int, context: 
     once, a share of what the card has free; on the CPU none (a pool's pages are backed as they are written)."""
     import torch
 
+    from polyspec.workers.tiers.batched_llama import cuda_pool_budget
+
     device = torch.device(device)
     if kv_memory_mb is not None or device.type != "cuda":
         return kv_memory_mb
-    free, _ = torch.cuda.mem_get_info(device)
-    kv_memory_mb = max(1, int(free * DEVICE_POOL_SHARE) // 2**20 - DEVICE_HEADROOM_MB)
+    budget, free = cuda_pool_budget(device)
+    kv_memory_mb = max(1, budget // 2**20)
     if per_request > kv_memory_mb * 2**20:
         raise ConfigError(f"one request's KV pool ({per_request / 2**20:.0f} MB at {context} positions) does not fit "
                           f"the GPU's free memory ({free / 2**20:.0f} MB); set batching.max_context lower")

@@ -40,9 +40,8 @@ from polyspec.workers.core.sampling import SamplingParams, warp_logits
 from polyspec.workers.core.tree import DraftTree, grow_level, tree_allowed
 from polyspec.workers.tiers.batched import BatchedModelTier, BatchedTier
 from polyspec.workers.tiers.batched_llama import BatchedLlama, PendingTree, RowLayout
-from polyspec.workers.tiers.feature_tier import FeatureTier
+from polyspec.workers.tiers.feature_tier import FeatureTier, head_trunk
 from polyspec.workers.tiers.lean_llama import linear_function
-from polyspec.workers.tiers.feature_tier import head_trunk
 from polyspec.workers.tiers.tier import first_candidates
 
 

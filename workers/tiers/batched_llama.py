@@ -37,6 +37,8 @@ back to the CPU in one copy per forward (tests/workers/test_batched_devices.py).
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 import mmap
 import sys
 
@@ -51,14 +53,20 @@ GPU_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDP
 DEFAULT_SLOTS = 64  # a pool's slots where its caller sets no bound (batching.max_requests' default)
 DEFAULT_CONTEXT = 4096  # positions a slot holds for a model that names no context (its rotary table's length)
 INITIAL_CAPACITY = 128  # a slot's recorded features (keep_features) are a buffer grown by doubling from this
-CUDA_POOL_SHARE = 0.8  # of the GPU memory free when the pool is made, the most it takes ...
-CUDA_HEADROOM = 2 << 30  # ... less this, for the forwards' activations
+CUDA_POOL_SHARE = 0.8  # of the GPU memory free when a KV pool is made (ragged or device round), the most the pools take ...
+CUDA_HEADROOM = 2 << 30  # ... less this, for the steps' activations and the CUDA graphs
 # a CPU pool's mapping: private anonymous memory, zero until written and backed page by page as it is
 # (Linux: MAP_NORESERVE, no swap committed up front; macOS commits lazily as it is); None: no such mappings
 LAZY_MAP_FLAGS = ((mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (getattr(mmap, "MAP_NORESERVE", 0x4000) if sys.platform.startswith("linux") else 0))
                   if hasattr(mmap, "MAP_ANONYMOUS") else None)
 GATHER_SPAN_RATIO = 2  # rows spread over more than this many times their number of slots: gather instead of slicing
 DEVICES = ("cpu", "cuda")  # where the batched forward runs (every tensor of a forward is made on the model's device)
+
+
+def cuda_pool_budget(device) -> tuple[int, int]:
+    """(the bytes KV pools allocated outright on this CUDA device may take, the bytes free there now)."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free * CUDA_POOL_SHARE) - CUDA_HEADROOM, free
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -252,25 +260,21 @@ class SlotCache:
         capacity = (self.limit or DEFAULT_CONTEXT) + 1
         width = torch.tensor([], dtype=self.dtype).element_size()
         if self.device.type == "cuda":  # real memory at once: as many slots as fit what the card has free
-            free, _ = torch.cuda.mem_get_info(self.device)
+            budget, free = cuda_pool_budget(self.device)
             per_slot = 2 * layers * heads * capacity * head_dim * width
-            fits = (int(free * CUDA_POOL_SHARE) - CUDA_HEADROOM) // per_slot
-            if fits < 1:
+            if budget < per_slot:
                 raise RuntimeError(f"one request's KV cache at the model context ({per_slot / 2**20:.0f} MB) does not fit "
                                    f"the GPU's free memory ({free / 2**20:.0f} MB)")
-            slots = min(slots, fits)
+            slots = min(slots, budget // per_slot)
         shape = (slots, heads, capacity, head_dim)
-        for _ in range(2 * layers):
-            buffer = self._zeros(shape, width)
-            (self.keys if len(self.keys) < layers else self.values).append(buffer)
+        self.keys = [self._zeros(shape, width) for _ in range(layers)]
+        self.values = [self._zeros(shape, width) for _ in range(layers)]
         self.slots, self.capacity = slots, capacity
 
     def _zeros(self, shape: tuple[int, ...], width: int) -> torch.Tensor:
         if self.device.type != "cpu" or LAZY_MAP_FLAGS is None:
             return torch.zeros(shape, dtype=self.dtype, device=self.device)
-        size = width
-        for n in shape:
-            size *= n
+        size = width * math.prod(shape)
         try:
             mapping = mmap.mmap(-1, size, flags=LAZY_MAP_FLAGS)
         except OSError as error:
@@ -426,9 +430,8 @@ class BatchedLlama:
             x = x + down(F.silu(gate(h)) * up(h))
         for slot, row_tokens in zip(slots, tokens):
             cache.tokens[slot].extend(row_tokens)
-        first = [r * width for r in range(rows)]  # where each row's tokens begin in x's rows
-        if packed:
-            first = [sum(counts[:r]) for r in range(rows)]
+        # where each row's tokens begin in x's rows
+        first = list(itertools.accumulate(counts[:-1], initial=0)) if packed else [r * width for r in range(rows)]
         x = x.reshape(-1, x.shape[-1])
         if cache.keep_features:  # what the LM head reads, at every position written (the logits below stay as they were computed)
             normed = rms_norm(x, self.norm_weight, self.norm_eps).float().cpu()  # one copy for all rows
@@ -438,7 +441,8 @@ class BatchedLlama:
         if not wanted:
             return [torch.zeros(0, 0, dtype=x.dtype) for _ in range(rows)]
         picked = x.index_select(0, torch.tensor(wanted, dtype=torch.long, device=device))  # [N, H*D]
+        per_row = [max(0, c - o) for c, o in zip(counts, outputs)]
         if raw:
-            return list(torch.split(picked, [max(0, c - o) for c, o in zip(counts, outputs)]))
+            return list(torch.split(picked, per_row))
         logits = self.lm_head(rms_norm(picked, self.norm_weight, self.norm_eps)).cpu()  # [N, V]
-        return list(torch.split(logits, [max(0, c - o) for c, o in zip(counts, outputs)]))
+        return list(torch.split(logits, per_row))
