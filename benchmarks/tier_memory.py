@@ -106,7 +106,7 @@ def main() -> None:
     batched = BatchedLlama(loaded.model) if BatchedLlama.supports(loaded.model, torch.device("cpu")) else None
     report["rss_with_batched"] = memory()
     tokens = list(range(100, 108))
-    with torch.inference_mode():  # through the lean forward where the tier has one (block_linear may have moved weights)
+    with torch.inference_mode():  # through the tier's forward (block_linear may have moved weights)
         if loaded._lean is not None:
             loaded._lean.forward(loaded._lean.new_cache(), tokens, list(range(len(tokens))), None)
         else:

@@ -145,22 +145,12 @@ class Engine:
             if configured is not None:
                 eos.update([configured] if isinstance(configured, int) else configured)
         self.batched = batched and self.config.batching.enabled
+        eos = stop_token_ids(self.tokenizer, eos)
+        keep_finished = 1 if reuse_prefix else 0
         if self._device_round():
-            self._start_device(stop_token_ids(self.tokenizer, eos), auto_tune, keep_finished=1 if reuse_prefix else 0)
-            return
-        if self.batched:
-            self._start_batched(stop_token_ids(self.tokenizer, eos), auto_tune)
-            return
-        self.scheduler = ChainScheduler(
-            self.tiers,
-            self.config.speculation_lengths(),
-            tree_width=self.config.speculation.tree_width,
-            scheme=self.config.speculation.verifier,
-            eos_token_ids=stop_token_ids(self.tokenizer, eos),
-            keep_finished=1 if reuse_prefix else 0,
-        )
-        if auto_tune and self.config.speculation.lengths == "auto" and len(self.tiers) > 1:
-            self.scheduler.planner = self.make_tuner()
+            self._start_device(eos, auto_tune, keep_finished)
+        else:
+            self._start_batched(eos, auto_tune, keep_finished)
 
     @property
     def reuses_prefix(self) -> bool:
@@ -192,7 +182,7 @@ class Engine:
         from polyspec.workers.tiers.device_ngram import DeviceNGramTier
         from polyspec.workers.tiers.feature_tier import FeatureTier
         from polyspec.workers.tiers.static_feature import StaticFeatureHead, StaticFeatureTier
-        from polyspec.workers.tiers.static_llama import StaticLlama
+        from polyspec.workers.tiers.batched_llama import BatchedLlama
         from polyspec.workers.tiers.static_tier import StaticModelTier
         from polyspec.workers.tiers.tier import NGramTier
 
@@ -202,7 +192,7 @@ class Engine:
             if isinstance(tier, FeatureTier):  # tier 1 (static_tier.misfit): it reads the target's embeddings and LM head
                 models.append(StaticFeatureHead(tier.head, models[0]))
             else:
-                models.append(None if isinstance(tier, NGramTier) else StaticLlama(tier.model))
+                models.append(None if isinstance(tier, NGramTier) else BatchedLlama(tier.model))
         per_request = sum(StaticModelTier.bytes_per_request(m, batching.max_context) for m in models if m is not None)
         wanted = batching.max_requests if self.batched else 1
         device = models[0].device
@@ -221,30 +211,41 @@ class Engine:
         spec = self.config.speculation
         self.scheduler = ChainScheduler(tiers, self.config.speculation_lengths(), eos_token_ids=eos, keep_finished=keep_finished,
                                         prefill_budget=max(1, batching.max_batched_tokens - self.max_requests),
-                                        tree_width=spec.tree_width, scheme=spec.verifier)
+                                        tree_width=spec.tree_width, scheme=spec.verifier, scorer=self._scorer())
         if auto_tune and spec.lengths == "auto" and len(self.tiers) > 1:
             self.scheduler.planner = self.make_planner()
 
-    def _start_batched(self, eos: tuple[int, ...], auto_tune: bool) -> None:
-        """Every active request in one round per step, each model tier sharing one forward (polyspec.workers.tiers.batched)."""
+    def _start_batched(self, eos: tuple[int, ...], auto_tune: bool, keep_finished: int = 0) -> None:
+        """The round over the one tier family (polyspec.workers.tiers.batched): every model tier one forward
+        per call over all the requests in it, on a KV pool of its own; a single request is a batch of one.
+        `keep_finished`: finished requests whose caches stay for a next prompt that extends them."""
         from polyspec.workers.tiers.batched import batched_tiers
 
         batching = self.config.batching
-        self.max_requests = batching.max_requests
-        tiers = batched_tiers(self.tiers, batching.max_requests)
+        tiers = batched_tiers(self.tiers, batching.max_requests + keep_finished)
         per_request = sum(t.bytes_per_request() for t in tiers if hasattr(t, "bytes_per_request"))
-        target = getattr(tiers[0], "model", None)  # a BatchedLlama (a target served row by row has no pool)
+        target = tiers[0].model  # its BatchedLlama: where the pools live
         kv_memory_mb = pool_memory_mb(batching.kv_memory_mb, getattr(target, "device", "cpu"), per_request, getattr(target, "limit", None))
-        self.max_requests = requests_within_memory(batching.max_requests, kv_memory_mb, per_request)
+        # open requests the pools hold (requests taking turns, one round each, hold slots too); batched steps take them all
+        slots = requests_within_memory(batching.max_requests, kv_memory_mb, per_request)
+        self.max_requests = slots if self.batched else 1
         for tier in tiers:
             if hasattr(tier, "cache"):
-                tier.cache.max_slots = self.max_requests
+                tier.cache.max_slots = slots + keep_finished
         prefill = max(1, batching.max_batched_tokens - self.max_requests)
         spec = self.config.speculation
         self.scheduler = ChainScheduler(tiers, self.config.speculation_lengths(), eos_token_ids=eos, prefill_budget=prefill,
-                                        tree_width=spec.tree_width, scheme=spec.verifier)
+                                        tree_width=spec.tree_width, scheme=spec.verifier, keep_finished=keep_finished,
+                                        scorer=self._scorer())
         if auto_tune and spec.lengths == "auto" and len(self.tiers) > 1:
-            self.scheduler.planner = self.make_planner()
+            self.scheduler.planner = self.make_planner() if self.batched else self.make_tuner()
+
+    def _scorer(self):
+        """Where SpecReason's scores run: the target's model on a pool of its own (allocated at its first score), so
+        a request's scored prompts take no slot of the round's."""
+        from polyspec.workers.tiers.batched import BatchedModelTier
+
+        return BatchedModelTier(self.tiers[0], self.max_requests + 1)  # (a kept finished request keeps its scores too)
 
     def make_planner(self):
         """Profile each tier's batched forward (a few seconds) and build the goodput planner."""
@@ -333,7 +334,7 @@ class Engine:
             # a distributed chain runs every tier (its repair loop routes around dead ones)
             return Tuner(profile, tuning, tree_width=spec.tree_width, distributed=True, pipelined=bool(self.scheduler.pipeline))
         with self._profiling() as (cache, bar):
-            profile = profile_tiers(self.tiers, context, params, max_length, spec.tree_width, spec.verifier, cache=cache, bar=bar,
+            profile = profile_tiers(self.scheduler.tiers, context, params, max_length, spec.tree_width, spec.verifier, cache=cache, bar=bar,
                                     log=self.log)
         return Tuner(profile, tuning, tree_width=spec.tree_width)
 

@@ -58,7 +58,7 @@ def scheduler_for(models: list, names: list[str], lengths: list[int], slots: int
     from polyspec.workers.tiers.static_tier import StaticModelTier
     from polyspec.workers.tiers.tier import ModelTier
 
-    tiers = [StaticModelTier(ModelTier(name, model, model.config.vocab_size, model.device, lean=False), slots, context=512)
+    tiers = [StaticModelTier(ModelTier(name, model, model.config.vocab_size, model.device), slots, context=512)
              for name, model in zip(names, models)]
     return ChainScheduler(tiers, lengths)
 

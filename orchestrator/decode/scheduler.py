@@ -26,8 +26,7 @@ call, one round per VerifyBatch / DraftBatch for a batch of sequences, or of one
 The tiers are batched tiers (polyspec.workers.tiers.batched): a model tier sharing one slot
 cache and one forward; a device tier (polyspec.workers.tiers.static_tier: a KV pool allocated
 once, static-shape steps replayed as CUDA graphs, verification on the device); the tier below a
-distributed worker (polyspec.orchestrator.distributed.transport.RemoteTier: one DraftBatch per call);
-any other `Tier` (a feature head, another architecture) served row by row behind the same calls.
+distributed worker (polyspec.orchestrator.distributed.transport.RemoteTier: one DraftBatch per call).
 `verify_batch` of a ragged tier scores the blocks (`score_batch`) and verifies each request with
 its own rule and generator; a device tier verifies them all in its step. An approximate mode's
 rule (polyspec.orchestrator.decode.approximate) takes `score_batch` and its own check. Per request the round is the serial one — same
@@ -88,8 +87,8 @@ from polyspec.orchestrator.decode.contract import (
 from polyspec.orchestrator.decode.approximate import scoring, verdict
 from polyspec.workers.core.sampling import SamplingParams
 from polyspec.workers.core.tree import DraftTree, path_rows
-from polyspec.workers.tiers.batched import BatchedTier, Verdict, as_batched
-from polyspec.workers.tiers.tier import Tier, scratch_score, scratch_sequence
+from polyspec.workers.tiers.batched import BatchedTier, Verdict
+from polyspec.workers.tiers.tier import scratch_score, scratch_sequence
 
 
 DEFAULT_PREFILL_BUDGET = 512  # prompt tokens cached per step for joining requests
@@ -126,7 +125,7 @@ class ChainScheduler:
 
     def __init__(
         self,
-        tiers: list[Tier | BatchedTier],
+        tiers: list[BatchedTier],
         lengths: list[int],
         tree_width: int = 1,
         scheme: str = "specinfer",
@@ -137,20 +136,23 @@ class ChainScheduler:
         prefill_budget: int = DEFAULT_PREFILL_BUDGET,
         recorder=None,
         keep_finished: int = 0,
+        scorer: BatchedTier | None = None,
     ) -> None:
-        """`tiers`: batched tiers, or `Tier`s (served row by row). `planner`: a `contract.RoundPlanner`
+        """`tiers`: the runtime tiers (polyspec.workers.tiers.batched), target first. `planner`: a `contract.RoundPlanner`
         (None: the fixed `lengths`). `draft_ahead`: the pipelined form. A fully accepted block gets
         no bonus token: the drafter has already drafted past it, and its continuation is verified
         next (still lossless: each drafted token is verified against the verifier's own row).
         `max_context`: the longest context a request started here may reach; by default the
         smallest context among the tiers, None for no limit. `recorder`: anything with `observe`,
         told every observation the planner is. `keep_finished`: how many finished requests keep their
-        caches for a later prompt that extends them (the module doc's prefix reuse); 0 frees them at once."""
+        caches for a later prompt that extends them (the module doc's prefix reuse); 0 frees them at once.
+        `scorer`: where `target_distribution` scores other prompts (the target's model on a pool of its own, so a
+        request's scored prompt takes no slot of the round's; default: the target's tier itself)."""
         if not tiers:
             raise ValueError("a chain needs at least the target tier")
         if len(lengths) != len(tiers) - 1:
             raise ValueError(f"need {len(tiers) - 1} speculation lengths for {len(tiers)} tiers, got {len(lengths)}")
-        self.tiers = [as_batched(t) for t in tiers]
+        self.tiers = list(tiers)
         self.lengths = list(lengths)  # k_i for the stage verified by tier i; a planner may move them
         self.tree_width = tree_width
         self.scheme = scheme
@@ -166,6 +168,7 @@ class ChainScheduler:
         self.max_context = max_context
         self.last_step: dict = {}  # batch size, tokens, seconds and plan of the latest step
         self.keep_finished = keep_finished
+        self.scorer = scorer if scorer is not None else self.tiers[0]
         self._kept: list[tuple[int, list[int]]] = []  # (seq_id, its tokens) of finished requests, oldest first
 
     # ----------------------------------------------------------------- decoder API
@@ -310,7 +313,7 @@ class ChainScheduler:
             dropped, _ = self._kept.pop(0)
             for tier in self.tiers:
                 tier.release(dropped)
-            self.tiers[0].tier.release(scratch_sequence(dropped))  # a SpecReason request's scored prompts
+            self.scorer.release(scratch_sequence(dropped))  # a SpecReason request's scored prompts
 
     # ------------------------------------------------------------ the round
 
@@ -378,9 +381,10 @@ class ChainScheduler:
         return tokens
 
     def target_distribution(self, prompt_ids: list[int], seq_id=None) -> torch.Tensor:
-        """The target's own distribution (temperature 1) after `prompt_ids` [V], from its one-sequence model
-        (`tier.scratch_score`: with the request's `seq_id` the scored KV is kept until the request's caches go)."""
-        return scratch_score(self.tiers[0].tier, prompt_ids, seq_id)
+        """The target's own distribution (temperature 1) after `prompt_ids` [V], on a sequence of its own in the
+        `scorer`'s pool (`tier.scratch_score`: with the request's `seq_id` the scored KV is kept until the request's
+        caches go)."""
+        return scratch_score(self.scorer, prompt_ids, seq_id)
 
     def _propose(self, level: int, below: int, items: list[tuple]) -> list[DraftTree]:
         """The block tier `below` hands up to tier `level` for each (run, context, length): a chain,

@@ -219,10 +219,11 @@ class BatchedRounds:
         return tier_pb2.DraftBatchReply(replies=replies)
 
     def score(self, request: tier_pb2.ScoreRequest) -> tier_pb2.ScoreReply:
-        """This tier's distribution after the context, from its one-sequence model (SpecReason's utility score:
-        `tier.scratch_score`, no batch slot taken; a request's scored prompt stays until `release`)."""
-        with self.lock.hold():  # the one-request tier shares the model with the batched calls
-            row = scratch_score(self.tier, list(request.context), request.seq_id or None, request.temperature or 1.0)
+        """This tier's distribution after the context, on a sequence of its own (SpecReason's utility score:
+        `tier.scratch_score`; a request's scored prompt stays until `release`)."""
+        batched = self.siblings.of(self.tier)
+        with self.lock.hold():
+            row = scratch_score(batched.inner, list(request.context), request.seq_id or None, request.temperature or 1.0)
         return tier_pb2.ScoreReply(rows=encode_rows(row[None], self.counters))  # [1, V]
 
     # --------------------------------------------------------------- profile

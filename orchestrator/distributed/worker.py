@@ -380,8 +380,7 @@ class TierWorker(BatchedRounds):
         batched = self.siblings.made(self.tier)
         if batched is not None:
             batched.release(seq_id)
-        with self.lock.hold():
-            self.tier.release(scratch_sequence(seq_id))  # a SpecReason request's scored prompts (Score)
+            batched.release(scratch_sequence(seq_id))  # a SpecReason request's scored prompts (Score)
         lower = self.lower
         if lower is not None:
             lower.release(seq_id)
@@ -406,10 +405,10 @@ class TierWorker(BatchedRounds):
         """This tier's latency profile, measured here (polyspec.orchestrator.tuning.profiler, as in embedded
         mode): median ms of a verification round over m = 1..max_tokens new tokens, of
         proposing k = 1..max_draft tokens, and of prefilling each of `prefill_lens` tokens.
-        Measured on the one-request tier, holding the model throughout (nothing else runs meanwhile)."""
+        Measured one request at a time, holding the model throughout (nothing else runs meanwhile)."""
         from polyspec.orchestrator.tuning.profiler import profile_draft, profile_forward, synthetic_context
 
-        tier = self.tier
+        tier = self.siblings.of(self.tier).inner  # (this call holds the lock itself)
         params = SamplingParams(temperature=request.temperature, top_p=request.top_p or 1.0, top_k=request.top_k)
         repeats = max(1, request.repeats)
         context = synthetic_context(tier.vocab_size, max(2, request.context_len))
@@ -429,7 +428,7 @@ class TierWorker(BatchedRounds):
                     seq_id = ("profile-prefill", os.getpid(), number, repeat)
                     started = time.perf_counter()
                     if tier.can_verify:
-                        tier.score(seq_id, prompt, DraftTree([], [], None), params)
+                        tier.score_batch([seq_id], [prompt], [DraftTree([], [], None)], [params])
                     samples.append((time.perf_counter() - started) * 1000.0)
                     tier.release(seq_id)
                 reply.prefill_ms.append(statistics.median(samples))

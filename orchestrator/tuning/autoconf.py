@@ -44,6 +44,7 @@ def resolve_auto(tiers, cache: ProfileCache | None = None, log=None) -> tuple:
     """The tiers with every `auto` replaced by the measured best (int8 tiers compute in float32:
     their dtype is float32 whatever was asked)."""
     from polyspec.workers.core.heartbeat import heartbeat
+    from polyspec.workers.tiers.batched import BatchedModelTier
     from polyspec.workers.tiers.loading import load_model_tier
 
     resolved = []
@@ -63,7 +64,7 @@ def resolve_auto(tiers, cache: ProfileCache | None = None, log=None) -> tuple:
             started, timings = time.perf_counter(), {}
             for dtype in dtypes:
                 with heartbeat(log, f"tier {tier.name}: measuring {dtype}"):
-                    loaded = load_model_tier(dataclasses.replace(tier, dtype=dtype, threads=threads[0]))
+                    loaded = BatchedModelTier(load_model_tier(dataclasses.replace(tier, dtype=dtype, threads=threads[0])), max_slots=1)
                     context = synthetic_context(loaded.vocab_size, CONTEXT_TOKENS)
                     for count in threads:
                         loaded.threads = count

@@ -40,7 +40,7 @@ from polyspec.orchestrator.tuning.batch_model import BATCH_GRID, PROFILE_CONTEXT
 from polyspec.orchestrator.tuning.profile_cache import decode_table, encode_table
 from polyspec.orchestrator.tuning.time_model import latency
 from polyspec.workers.core.sampling import SamplingParams
-from polyspec.workers.tiers.tier import Tier
+from polyspec.workers.tiers.batched import BatchedTier as Tier
 from polyspec.workers.core.tree import DraftTree, verify_block
 
 OUTLIER_FACTOR = 3.0
@@ -238,7 +238,7 @@ def _median_ms(run, repeats: int) -> float:
 
 def _verify_round(tier: Tier, seq_id, context: list[int], block: list[int], params: SamplingParams, generator) -> None:
     """What ChainScheduler._round does for a chain block: score, then the verification rule."""
-    target_probs = tier.score(seq_id, context, DraftTree.chain(block, None), params)  # [len(block) + 1, V]
+    target_probs = tier.score_batch([seq_id], [context], [DraftTree.chain(block, None)], [params])[0]  # [len(block) + 1, V]
     rows = None if params.greedy else torch.nn.functional.one_hot(torch.tensor(block, dtype=torch.long), target_probs.shape[-1]).float()
     verify_block(target_probs, DraftTree.chain(block, rows), "specinfer", params.greedy, generator)
 
@@ -298,9 +298,9 @@ def profile_draft(
 
     def propose(k: int) -> None:
         if tree_width > 1:
-            tier.draft_tree(seq_id, context, tree_width, k, params, scheme, generator)
+            tier.draft_tree_batch([seq_id], [context], tree_width, [k], [params], scheme, [generator])
         else:
-            tier.draft(seq_id, context, k, params, generator)
+            tier.draft_batch([seq_id], [context], [k], [params], [generator])
 
     try:
         propose(1)  # prefill, not timed

@@ -29,13 +29,13 @@ def profile_costs(systems: list, context: list[int]) -> dict | None:
     the first prompt's context) and the n-gram lookup's draft_ms: the time model's inputs."""
     from polyspec.orchestrator.tuning.profiler import profile_draft, profile_forward
     from polyspec.workers.core.sampling import SamplingParams
+    from polyspec.workers.tiers.batched import BatchedModelTier, BatchedNGramTier
 
     tiers = {}
     for system in systems:
-        scheduler = getattr(getattr(system, "engine", None), "scheduler", None)
+        scheduler = getattr(getattr(system, "engine", None), "scheduler", None)  # (transformers' systems have none)
         for tier in getattr(scheduler, "tiers", []) or []:
-            tier = getattr(tier, "tier", tier)  # the scheduler's batched seam wraps each Tier
-            if hasattr(tier, "score") and hasattr(tier, "draft") and tier.name not in tiers and not hasattr(tier, "index"):
+            if isinstance(tier, (BatchedModelTier, BatchedNGramTier)) and tier.name not in tiers:  # (not a remote tier)
                 tiers[tier.name] = tier
     if not tiers:
         return None

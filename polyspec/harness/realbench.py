@@ -226,7 +226,7 @@ def build_systems(settings: RealBenchSettings, names: list[str]) -> tuple[list, 
 def hf_model(tier: TierConfig, loaded: dict):
     """This tier's model as our loader builds it, with end-of-sequence off for `generate()`.
 
-    A copy of its own: our tiers may move large weights to oneDNN for their lean forward,
+    A copy of its own: our tiers may move large weights to oneDNN for their forward,
     which transformers' forward cannot read. From a safetensors folder both copies map the
     same file, so the second costs little memory."""
     from polyspec.harness.bench_systems import without_eos

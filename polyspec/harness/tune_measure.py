@@ -53,15 +53,15 @@ def measure_prefill_ms(engine: Engine, prompt_ids: list[int], repeats: int = 3) 
     """Per tier: ms of one forward over the whole prompt on a fresh sequence (0 for the n-gram tier)."""
     params = SamplingParams()
     out = []
-    for index, tier in enumerate(engine.tiers):
-        if not hasattr(tier, "model"):
+    for index, tier in enumerate(engine.scheduler.tiers):
+        if not tier.has_weights:
             out.append(0.0)
             continue
         samples = []
         for repeat in range(repeats):
             seq_id = ("tune-prefill", index, repeat)
             started = time.perf_counter()
-            tier.score(seq_id, prompt_ids, DraftTree([], [], None), params)
+            tier.score_batch([seq_id], [prompt_ids], [DraftTree([], [], None)], [params])
             samples.append((time.perf_counter() - started) * 1000.0)
             tier.release(seq_id)
         out.append(statistics.median(samples))

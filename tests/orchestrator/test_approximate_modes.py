@@ -149,11 +149,11 @@ def test_specreason_scores_reuse_the_requests_scored_prompt(engine):
     kept = scheduler.target_distribution(second, state.seq_id)
     assert target.forwarded_tokens - before == len(second)  # the first prompt once, then only the second's tail
     assert torch.allclose(kept, fresh, atol=1e-5)
-    assert scratch_sequence(state.seq_id) in target._sequences
+    assert scratch_sequence(state.seq_id) in scheduler.scorer.cache.slot_of
     while not state.done:
         engine.step(state)
     engine.finish(state)
-    assert scratch_sequence(state.seq_id) not in target._sequences
+    assert scratch_sequence(state.seq_id) not in scheduler.scorer.cache.slot_of
 
 
 def test_specreason_steps_end_at_max_step_tokens(engine, small_alone):

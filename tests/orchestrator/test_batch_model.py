@@ -167,15 +167,32 @@ def test_the_speculating_side_is_the_best_measured_plan():
     assert len(plan.chosen[4].active) == 2
 
 
+def scan_continuations(context: list[int], num_tokens: int, limit: int, min_ngram: int = 1, max_ngram: int = 3) -> list[list[int]]:
+    """The slow, obvious lookup: scan the whole context for the suffix, longest n-gram first, latest match first;
+    up to `limit` continuations with distinct first tokens (copied on through the copy itself, as LZ77)."""
+    from polyspec.workers.tiers.tier import copy_forward
+
+    found, first_tokens, length = [], set(), len(context)
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        for start in range(length - n - 1, -1, -1):
+            if context[start : start + n] == context[length - n :]:
+                continuation = copy_forward(context, start + n, num_tokens)
+                if continuation and continuation[0] not in first_tokens:
+                    first_tokens.add(continuation[0])
+                    found.append(continuation)
+                    if len(found) == limit:
+                        return found
+    return found
+
+
 def test_ngram_index_proposes_what_the_scan_does():
-    """The indexed lookup against `NGramTier`'s scan, as contexts grow and roll back."""
+    """The indexed lookup (chains and trees) against a scan of the whole context, as contexts grow and roll back."""
     import random
 
     from polyspec.workers.core.sampling import SamplingParams
     from polyspec.workers.tiers.batched import BatchedNGramTier
     from polyspec.workers.tiers.tier import NGramTier
 
-    scan = NGramTier("ng", 12, max_ngram=3, min_ngram=1)
     indexed = BatchedNGramTier(NGramTier("ng", 12, max_ngram=3, min_ngram=1))
     rng = random.Random(0)
     context = [rng.randrange(6) for _ in range(5)]
@@ -185,9 +202,13 @@ def test_ngram_index_proposes_what_the_scan_does():
         else:
             context = context + [rng.randrange(6) for _ in range(rng.randrange(1, 5))]
         count = rng.randrange(0, 7)
-        expected, _ = scan.draft(0, context, count, SamplingParams(), None)
+        expected = (scan_continuations(context, count, 1) or [[]])[0] if count else []
         (got, _), = indexed.draft_batch(["r"], [context], [count], [SamplingParams()], [None])
         assert got == expected, (step, context, count)
+        width = rng.randrange(1, 4)
+        tree, = indexed.draft_tree_batch(["r"], [context], width, [count], [SamplingParams()], "specinfer", [None])
+        chains = scan_continuations(context, count, width) if count else []
+        assert tree.tokens == [t for chain in chains for t in chain], (step, context, count, width)
 
 
 def test_profile_outliers_are_flattened():

@@ -30,7 +30,6 @@ from polyspec.orchestrator.tokenization import encode_prompt
 from polyspec.workers.core.errors import ConfigError
 from polyspec.workers.core.sampling import SamplingParams
 from polyspec.workers.tiers.batched_llama import BatchedLlama
-from polyspec.workers.tiers.lean_llama import LeanLlama
 
 ROUNDING_GAP = 1e-3  # a top-two logit gap this small can flip under a different summation order (fp32)
 PROMPTS = ["def add(a, b):\n    return", "import os\nimport sys\n", "for i in range(10):\n    print(i)\nfor i in",
@@ -51,16 +50,21 @@ def target_model(tiny_family):
     return AutoModelForCausalLM.from_pretrained(tiny_family["target"], dtype=torch.float32).eval()
 
 
+def transformers_logits(model, tokens: list[int]) -> torch.Tensor:
+    """The slow, obvious reference: transformers' forward over the whole sequence, no cache; [T, V]."""
+    with torch.inference_mode():
+        return model(torch.tensor([tokens])).logits[0]
+
+
 def test_batched_forward_matches_one_sequence_forward(target_model):
     """Ragged rows in every attention mode (slot range, slots with gaps, far-apart slots) and rollback."""
-    lean, batched = LeanLlama(target_model), BatchedLlama(target_model)
+    batched = BatchedLlama(target_model)
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 200, (n,), generator=generator).tolist() for n in (5, 17, 9, 30, 3, 11, 8, 2, 6, 4)]
     blocks = [torch.randint(1, 200, (k,), generator=generator).tolist() for k in (3, 1, 6, 2, 4, 1, 2, 5, 1, 3)]
 
     def alone(tokens: list[int]) -> torch.Tensor:
-        cache = lean.new_cache()
-        return lean.forward(cache, tokens, list(range(len(tokens))), None)[0]  # [T, V]
+        return transformers_logits(target_model, tokens)  # [T, V]
 
     cache = batched.new_cache()
     slots = [cache.slot(i) for i in range(len(prompts))]
@@ -121,7 +125,7 @@ def test_slot_cache_is_one_pool_allocated_once(target_model):
     requests come and go (no copy to grow), it holds `max_slots` slots of the whole model context,
     a row at the context's end padded to a wider row's block writes its padding to the junk column
     (its logits as alone), and a fourth request or a context past the model's is refused in one line."""
-    lean, batched = LeanLlama(target_model), BatchedLlama(target_model)
+    batched = BatchedLlama(target_model)
     limit = batched.limit
     cache = batched.new_cache(max_slots=3)
     assert not cache.keys  # nothing before the first forward
@@ -135,7 +139,7 @@ def test_slot_cache_is_one_pool_allocated_once(target_model):
     slot = cache.slot("near")
     batched.forward(cache, [slot], [near[:-1]], [len(near) - 1])
     rows = batched.forward(cache, [slot, first[1]], [near[-1:], [1, 2, 3, 4, 5]], [0, 0])  # row 0's padding runs past the context
-    expected = lean.forward(lean.new_cache(), near, list(range(len(near))), None)[0][-1:]
+    expected = transformers_logits(target_model, near)[-1:]
     assert torch.allclose(rows[0], expected, atol=1e-4)
     assert [t.data_ptr() for t in cache.keys + cache.values] == pointers
     cache.slot("third")
@@ -269,22 +273,23 @@ def test_kv_memory_bound_lowers_max_requests(tiny_family):
 
 
 def test_batched_tree_tier_matches_one_sequence_tier(tiny_family):
-    """Trees beside chains in one forward: the same rows as `ModelTier.score`, the same trees
-    (same seeds) as `ModelTier.draft_tree`, and `accept_path` leaves the same cache behind,
-    recorded features (`keep_features`, what a feature drafter reads) included."""
+    """Trees beside chains in one forward: the same rows as transformers' one-sequence forward (the reference
+    tier), the same trees (same seeds), and `accept_path` leaves the same cache behind, recorded features
+    (`keep_features`, what a feature drafter reads) included."""
     from transformers import AutoModelForCausalLM
 
     from polyspec.workers.core.tree import DraftTree
     from polyspec.workers.tiers.batched import BatchedModelTier
     from polyspec.workers.tiers.tier import ModelTier
+    from reference_tier import ReferenceTier, hidden_states
 
-    def tier(name):
-        model = AutoModelForCausalLM.from_pretrained(tiny_family[name], dtype=torch.float32).eval()
-        return ModelTier(name, model, 257, torch.device("cpu"))
+    def model(name):
+        return AutoModelForCausalLM.from_pretrained(tiny_family[name], dtype=torch.float32).eval()
 
-    target, drafter = tier("target"), tier("small")
-    batched_target, batched_drafter = BatchedModelTier(tier("target")), BatchedModelTier(tier("small"))
-    target.keep_features = batched_target.keep_features = True
+    target, drafter = ReferenceTier(model("target"), 257), ReferenceTier(model("small"), 257)
+    batched_target = BatchedModelTier(ModelTier("target", model("target"), 257, torch.device("cpu")))
+    batched_drafter = BatchedModelTier(ModelTier("small", model("small"), 257, torch.device("cpu")))
+    batched_target.keep_features = True
     for batched in (batched_target, batched_drafter):  # requests 0-3 in slots 0, 1, 5, 12: gather, span and view forwards
         for pad in range(13):
             batched.cache.slot(f"pad{pad}")
@@ -296,7 +301,7 @@ def test_batched_tree_tier_matches_one_sequence_tier(tiny_family):
     params = [SamplingParams(temperature=1.0), SamplingParams(), SamplingParams(temperature=0.7, top_k=30), SamplingParams(temperature=1.0)]
     depths = [3, 2, 4, 0]
     for step in range(3):  # drafting, verifying and keeping a path, then again on the longer contexts
-        alone = [drafter.draft_tree(r, c, 3, d, p, "specinfer", torch.Generator().manual_seed(10 * step + r))
+        alone = [drafter.draft_tree_batch([r], [c], 3, [d], [p], "specinfer", [torch.Generator().manual_seed(10 * step + r)])[0]
                  for r, (c, d, p) in enumerate(zip(contexts, depths, params))]
         trees = batched_drafter.draft_tree_batch(list(range(4)), contexts, 3, depths, params, "specinfer",
                                                  [torch.Generator().manual_seed(10 * step + r) for r in range(4)])
@@ -307,7 +312,7 @@ def test_batched_tree_tier_matches_one_sequence_tier(tiny_family):
                 assert torch.allclose(many.draft_rows, one.draft_rows, atol=1e-5)
         blocks = list(trees)
         blocks[1] = DraftTree.chain(trees[1].tokens[:2], None)  # a chain row beside the tree rows
-        expected = [target.score(r, c, b, p) for r, (c, b, p) in enumerate(zip(contexts, blocks, params))]
+        expected = [target.score_batch([r], [c], [b], [p])[0] for r, (c, b, p) in enumerate(zip(contexts, blocks, params))]
         rows = batched_target.score_batch(list(range(4)), contexts, blocks, params)
         for one, many in zip(expected, rows):
             assert many.shape == one.shape and torch.allclose(many, one, atol=1e-5), (many - one).abs().max()
@@ -317,13 +322,13 @@ def test_batched_tree_tier_matches_one_sequence_tier(tiny_family):
             pairs = ((target, batched_target), (drafter, batched_drafter))
             contexts[r] = contexts[r] + keep_last_child_path(r, block, pairs, batched_target, contexts[r]) + [5 + step]
         for r in range(4):  # the features of what each cache holds: context and kept path, or context and chain block
-            want = target.features(r, contexts[r], len(contexts[r]))
             got = batched_target.features(r, contexts[r], len(contexts[r]))
-            assert got.shape == want.shape and got.shape[0] >= len(contexts[r]) - 1
+            want = hidden_states(target.model, contexts[r])[: got.shape[0]]
+            assert got.shape[0] >= len(contexts[r]) - 1
             assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
     new = torch.randint(1, 200, (9,), generator=generator).tolist()  # a sequence the tier has not seen: computed on demand ...
     got = batched_target.features("new", new, 8, compute=True)
-    assert torch.allclose(got, target.features("new", new, 8, compute=True), atol=1e-4) and batched_target.cached("new") == 8
+    assert torch.allclose(got, hidden_states(target.model, new[:8]), atol=1e-4) and batched_target.cached("new") == 8
     forwards = batched_target.tier.forwards
     batched_target.score_batch(["new"], [new], [DraftTree.chain([], None)], [SamplingParams()])
     assert batched_target.tier.forwards == forwards + 1
@@ -451,18 +456,18 @@ def test_greedy_batched_trained_drafters_equal_target_alone(tiny_drafters, names
 
 @pytest.mark.parametrize("threshold", [None, 1.1, "median"])
 def test_batched_draft_stops_where_the_one_request_tier_stops(tiny_family, threshold):
-    """`exit_threshold` (early exit): the batched chain draft ends each request's block where
-    `ModelTier.draft` ends it, with the same tokens and rows (same seeds)."""
+    """`exit_threshold` (early exit): the batched chain draft ends each request's block where the
+    one-sequence reference ends it, with the same tokens and rows (same seeds)."""
     from transformers import AutoModelForCausalLM
 
     from polyspec.workers.tiers.batched import BatchedModelTier
     from polyspec.workers.tiers.tier import ModelTier, confidence
+    from reference_tier import ReferenceTier
 
-    def tier():
-        model = AutoModelForCausalLM.from_pretrained(tiny_family["small"], dtype=torch.float32).eval()
-        return ModelTier("small", model, 257, torch.device("cpu"))
+    def model():
+        return AutoModelForCausalLM.from_pretrained(tiny_family["small"], dtype=torch.float32).eval()
 
-    alone, batched = tier(), BatchedModelTier(tier())
+    alone, batched = ReferenceTier(model(), 257), BatchedModelTier(ModelTier("small", model(), 257, torch.device("cpu")))
     generator = torch.Generator().manual_seed(1)
     contexts = [torch.randint(1, 200, (n,), generator=generator).tolist() for n in (9, 3, 14, 6)]
     params = [SamplingParams(), SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=20), SamplingParams(temperature=1.0)]
@@ -472,7 +477,8 @@ def test_batched_draft_stops_where_the_one_request_tier_stops(tiny_family, thres
         threshold = float(torch.stack([confidence(row) for row in logits]).median())
     alone.exit_threshold = batched.tier.exit_threshold = threshold
     counts = [6, 6, 4, 6]
-    expected = [alone.draft(r, c, n, p, torch.Generator().manual_seed(r)) for r, (c, n, p) in enumerate(zip(contexts, counts, params))]
+    expected = [alone.draft_batch([r], [c], [n], [p], [torch.Generator().manual_seed(r)])[0]
+                for r, (c, n, p) in enumerate(zip(contexts, counts, params))]
     got = batched.draft_batch(list(range(4)), contexts, counts, params, [torch.Generator().manual_seed(r) for r in range(4)])
     for (want_tokens, want_rows), (tokens, rows) in zip(expected, got):
         assert tokens == want_tokens

@@ -22,7 +22,7 @@ from polyspec.orchestrator.decode.scheduler import ChainScheduler
 from polyspec.workers.core.sampling import SamplingParams
 from polyspec.workers.tiers.device_step import draft_step, tree_level_step, tree_root_step
 from polyspec.workers.tiers.drafters import load_early_exit
-from polyspec.workers.tiers.static_llama import StaticLlama
+from polyspec.workers.tiers.batched_llama import BatchedLlama, step_unsupported
 from polyspec.workers.tiers.static_tier import StaticModelTier, misfit
 from polyspec.workers.tiers.tier import ModelTier
 
@@ -51,7 +51,7 @@ def reference(target):
 
 
 def _tier(name, model, threshold=None) -> ModelTier:
-    tier = ModelTier(name, model, model.config.vocab_size, model.device, lean=False)  # its weights stay as StaticLlama reads them
+    tier = ModelTier(name, model, model.config.vocab_size, model.device)
     tier.exit_threshold = threshold
     return tier
 
@@ -72,9 +72,11 @@ def test_greedy_target_early_exit_chain_equals_the_targets_generate(target, earl
 def test_the_early_exit_pool_is_its_own_and_its_weights_the_targets(target, early):
     device_target, device_early = StaticModelTier(_tier("target", target), 2), StaticModelTier(_tier("early", early), 2)
     assert len(device_early.pool.keys) == 2 and device_early.pool.keys[0] is not device_target.pool.keys[0]
-    shared = device_early.model.layers[0][2][0], device_target.model.layers[0][2][0]  # layer 0's q projection weight
-    assert shared[0].data_ptr() == shared[1].data_ptr(), "the first layer is the target's, not a copy"
-    assert device_early.model.lm_head[0].data_ptr() == device_target.model.lm_head[0].data_ptr()
+    early_model, target_model = device_early.tier.model, device_target.tier.model
+    shared = (model.model.layers[0].self_attn.q_proj.weight for model in (early_model, target_model))  # layer 0's q projection
+    assert len({weight.data_ptr() for weight in shared}) == 1, "the first layer is the target's, not a copy"
+    assert early_model.lm_head.weight.data_ptr() == target_model.lm_head.weight.data_ptr()
+    assert device_early.model.embed.data_ptr() == device_target.model.embed.data_ptr()
 
 
 @pytest.mark.parametrize("threshold", [None, 0.5, 1.0])
@@ -125,7 +127,7 @@ def test_a_device_early_exit_tree_is_the_ragged_tiers(early, threshold):
 @pytest.mark.parametrize("mode", ["greedy", "truncated"])
 def test_the_early_exit_steps_compile_whole_and_once_per_bucket(early, mode):
     """The early-exit model's draft step and tree steps, with the exit's confidence as an output, are one graph a bucket."""
-    static = StaticLlama(early)
+    static = BatchedLlama(early)
     pool = static.new_pool(slots=4, max_tokens=8)
     drafting = CompiledGraphs(functools.partial(draft_step, confidence=True))
     rooting = CompiledGraphs(functools.partial(tree_root_step, confidence=True))

@@ -24,9 +24,10 @@ from polyspec.workers.core.sampling import SamplingParams
 from polyspec.workers.core.tree import DraftTree
 from polyspec.workers.tiers.device_step import target_step
 from polyspec.workers.tiers.drafters import load_feature_head
+from polyspec.workers.tiers.batched import batched_tiers
 from polyspec.workers.tiers.feature_tier import FeatureTier
 from polyspec.workers.tiers.static_feature import StaticFeatureHead, StaticFeatureTier, feature_draft_step
-from polyspec.workers.tiers.static_llama import StaticLlama
+from polyspec.workers.tiers.batched_llama import BatchedLlama, step_unsupported
 from polyspec.workers.tiers.static_tier import StaticModelTier, misfit
 from polyspec.workers.tiers.tier import ModelTier
 
@@ -52,9 +53,14 @@ def reference(target):
 
 
 def _ragged(target, head) -> tuple[ModelTier, FeatureTier]:
-    # lean=False: its weights stay as StaticLlama reads them
-    source = ModelTier("target", target, target.config.vocab_size, target.device, lean=False)
+    # its weights as the one forward reads them
+    source = ModelTier("target", target, target.config.vocab_size, target.device)
     return source, FeatureTier("feature", head, source)
+
+
+def _runtime(target, head):
+    """(target, head): the ragged runtime tiers of a fresh target and head (polyspec.workers.tiers.batched)."""
+    return tuple(batched_tiers(list(_ragged(target, head)), 4))
 
 
 def _device(target, head, slots=8) -> tuple[StaticModelTier, StaticFeatureTier]:
@@ -90,8 +96,8 @@ def test_a_device_feature_draft_is_a_fresh_ragged_heads(target, head):
     for round_index in range(8):
         drafted = device_head.draft_batch([0, 1, 2], contexts, [5, 3, 4], [greedy] * 3, [None] * 3)
         for context, (tokens, _) in zip(contexts, drafted):
-            _, fresh = _ragged(target, head)
-            assert tokens == fresh.draft("x", context, len(tokens), greedy, None)[0], round_index
+            _, fresh = _runtime(target, head)
+            assert tokens == fresh.draft_batch(["x"], [context], [len(tokens)], [greedy], [None])[0][0], round_index
         if round_index % 2:
             blocks = [DraftTree.chain(tokens, None) for tokens, _ in drafted]
             device_target.verify_batch([0, 1, 2], contexts, blocks, [greedy] * 3, [None] * 3)
@@ -101,19 +107,19 @@ def test_a_device_feature_draft_is_a_fresh_ragged_heads(target, head):
     params = SamplingParams(temperature=0.8, top_k=50)
     sampled = device_head.draft_batch([0, 1, 2], contexts, [4, 4, 2], [params] * 3, [seeded_generator(s) for s in (1, 2, 3)])
     for context, (tokens, rows) in zip(contexts, sampled):
-        _, fresh = _ragged(target, head)
-        expected = fresh.score("x", context, DraftTree.chain(tokens[:-1], None), params)  # the rows after each drafted prefix
+        _, fresh = _runtime(target, head)
+        expected = fresh.score_batch(["x"], [context], [DraftTree.chain(tokens[:-1], None)], [params])[0]  # the rows after each drafted prefix
         assert rows.shape == expected.shape and torch.allclose(rows, expected, atol=1e-5)
     blocks = [DraftTree.chain(tokens, None) for tokens, _ in sampled]
     for context, block, rows in zip(contexts, blocks, device_head.score_batch([0, 1, 2], contexts, blocks, [params] * 3)):
-        _, fresh = _ragged(target, head)  # the start-up profile's call: the block's tokens fed one a step
-        assert torch.allclose(rows, fresh.score("x", context, block, params), atol=1e-5)
+        _, fresh = _runtime(target, head)  # the start-up profile's call: the block's tokens fed one a step
+        assert torch.allclose(rows, fresh.score_batch(["x"], [context], [block], [params])[0], atol=1e-5)
 
 
 def test_the_feature_steps_compile_whole_and_once_per_bucket(target, head):
     """The head's draft step (its features gathered from the target's and its own buffers, then a draw) and the target's
     step writing the features are one graph a bucket each, like every step of the round."""
-    static = StaticLlama(target)
+    static = BatchedLlama(target)
     static_head = StaticFeatureHead(head, static)
     pool, head_pool = static.new_pool(slots=4, max_tokens=8), static_head.new_pool(slots=4, max_tokens=8)
     features = torch.zeros(5, pool.capacity, static.hidden_size)
@@ -142,14 +148,13 @@ def test_the_feature_steps_compile_whole_and_once_per_bucket(target, head):
 
 def test_the_target_writes_the_features_a_head_reads(target, head):
     """After a prefill and a verify step, the target's feature buffer holds at each position of the context the
-    hidden state the ragged target keeps there (`ModelTier.features`), within 1e-5."""
+    hidden state the ragged target keeps there (`BatchedModelTier.features`), within 1e-5."""
     device_target, _ = _device(target, head, slots=2)
     context = list(PROMPTS[2])
     device_target.prefill([0], [context], 1 << 20)
     (verdict,) = device_target.verify_batch([0], [context], [DraftTree.chain([1, 2, 3], None)], [SamplingParams()], [None])
     context = context + [[1, 2, 3][j] for j in verdict.path] + [verdict.next_token]
-    source, _ = _ragged(target, head)
-    source.keep_features = True
+    source, _ = _runtime(target, head)
     expected = source.features("x", context, len(context) - 1, compute=True)
     slot = device_target.slot_table.slot_of[0]
     assert torch.allclose(device_target.features[slot, : len(context) - 1], expected, atol=1e-5)
@@ -210,9 +215,9 @@ def test_cuda_graph_rounds_with_trained_drafters_give_the_targets_greedy_output(
     expected = greedy_references(target, PROMPTS, MAX_NEW)
     head, _ = load_feature_head(tiny_drafters["feature"], target, "test")
     early, _ = load_early_exit(tiny_drafters["early_exit_noisy"], target, 1, "test")
-    early_tier = ModelTier("early", early, early.config.vocab_size, torch.device("cuda"), lean=False)
+    early_tier = ModelTier("early", early, early.config.vocab_size, torch.device("cuda"))
     early_tier.exit_threshold = 0.3
-    target_tier = ModelTier("target", target, target.config.vocab_size, torch.device("cuda"), lean=False)
+    target_tier = ModelTier("target", target, target.config.vocab_size, torch.device("cuda"))
     for tiers in (list(_device(target, head)), [StaticModelTier(target_tier, 8), StaticModelTier(early_tier, 8)]):
         scheduler = ChainScheduler(tiers, [4])
         assert all(t.graphs.enabled for t in tiers)
@@ -221,6 +226,6 @@ def test_cuda_graph_rounds_with_trained_drafters_give_the_targets_greedy_output(
             assert results[i].token_ids == expected[tuple(prompt)], (type(tiers[1]).__name__, i)
         assert tiers[1].graphs.graphs, "no drafting step was captured"
     # the ragged feature tier on CUDA too (its inputs and kept features on the target's device)
-    scheduler = ChainScheduler(list(_ragged(target, head)), [4])
+    scheduler = ChainScheduler(list(_runtime(target, head)), [4])
     for prompt in PROMPTS:
         assert scheduler.generate(prompt, MAX_NEW, SamplingParams()).token_ids == expected[tuple(prompt)]

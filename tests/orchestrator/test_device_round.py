@@ -31,7 +31,7 @@ from polyspec.orchestrator.decode.scheduler import ChainScheduler
 from polyspec.workers.tiers.device_ngram import DeviceNGramTier
 from polyspec.workers.tiers.device_step import draft_step, target_step, target_tree_step, tree_level_step, tree_root_step
 from polyspec.workers.core.sampling import SamplingParams
-from polyspec.workers.tiers.static_llama import StaticLlama
+from polyspec.workers.tiers.batched_llama import BatchedLlama, step_unsupported
 from polyspec.workers.tiers.static_tier import StaticModelTier
 from polyspec.workers.tiers.tier import ModelTier
 
@@ -64,7 +64,7 @@ def _scheduler(models, names, lengths, max_requests=8, tree_width=1, scheme="spe
 
 def _device_tier(models, name, max_requests=8) -> StaticModelTier:
     model = models[name]
-    tier = ModelTier(name, model, model.config.vocab_size, model.device, lean=False)  # its weights stay as StaticLlama reads them
+    tier = ModelTier(name, model, model.config.vocab_size, model.device)
     return StaticModelTier(tier, max_requests)
 
 
@@ -102,9 +102,9 @@ def test_greedy_equals_the_targets_generate(models, reference, names, lengths):
     assert not any(tier.open_sequences for tier in scheduler.tiers), "every slot is released"
 
 
-def test_device_tiers_run_weights_the_lean_forward_moved_to_onednn(tiny_family, reference, monkeypatch):
-    """On the CPU a loaded tier's lean forward moves large fp32 weights to oneDNN (block_linear), releasing
-    the dense ones; a device tier over that tier computes through the moved weights."""
+def test_device_tiers_run_weights_moved_to_onednn(tiny_family, reference, monkeypatch):
+    """On the CPU the one forward moves large fp32 weights to oneDNN (block_linear), releasing the dense ones;
+    a device tier's steps compute through the moved weights."""
     import torch.backends.mkldnn
 
     if not torch.backends.mkldnn.is_available():
@@ -114,9 +114,9 @@ def test_device_tiers_run_weights_the_lean_forward_moved_to_onednn(tiny_family, 
     monkeypatch.setattr(block_linear, "MIN_ELEMENTS", 1)  # every projection of the tiny model counts as large
     monkeypatch.setenv("POLYSPEC_BLOCK_LINEAR", "onednn")
     model = _model(tiny_family["target"])
-    tier = ModelTier("target", model, model.config.vocab_size, model.device)  # the lean forward packs its weights
+    tier = StaticModelTier(ModelTier("target", model, model.config.vocab_size, model.device), 8)  # its forward packs the weights
     assert getattr(model.model.layers[0].self_attn.q_proj, block_linear.PACKED, None) is not None
-    scheduler = ChainScheduler([StaticModelTier(tier, 8)], [])
+    scheduler = ChainScheduler([tier], [])
     results = _run(scheduler, [(i, p, MAX_NEW, SamplingParams(), None) for i, p in enumerate(PROMPTS)], join_every=2)
     for i, prompt in enumerate(PROMPTS):
         assert results[i].token_ids == reference[tuple(prompt)], i
@@ -275,7 +275,7 @@ def test_an_accepted_tree_path_is_cached_as_a_prefill_of_it(models):
 
 
 def test_the_target_step_compiles_whole_and_once_per_bucket(models):
-    static = StaticLlama(models["target"])
+    static = BatchedLlama(models["target"])
     pool = static.new_pool(slots=4, max_tokens=8)
     step = CompiledGraphs(target_step)
     rows, block, vocab = 4, 3, static.vocab_size
@@ -298,7 +298,7 @@ def test_the_target_step_compiles_whole_and_once_per_bucket(models):
 def test_the_draft_step_compiles_whole_and_once_per_bucket(models, mode):
     """A drafter's step (forward of one token per request, warp, one counter-based draw each) is one
     graph per bucket too: every tier's step of the round is capturable."""
-    static = StaticLlama(models["small"])
+    static = BatchedLlama(models["small"])
     pool = static.new_pool(slots=4, max_tokens=8)
     step = CompiledGraphs(draft_step)
     generator = torch.Generator().manual_seed(0)
@@ -320,7 +320,7 @@ def test_the_tree_steps_compile_whole_and_once_per_bucket(models, mode, scheme):
     from polyspec.workers.core.device_tree_verify import pack_trees
     from polyspec.workers.core.tree import DraftTree, tree_allowed
 
-    static = StaticLlama(models["target"])
+    static = BatchedLlama(models["target"])
     pool = static.new_pool(slots=2, max_tokens=8)
     root_step, level_step, verify_step = (CompiledGraphs(step) for step in (tree_root_step, tree_level_step, target_tree_step))
     slots, width = torch.tensor([0, pool.scratch_slot]), 2
@@ -426,7 +426,7 @@ def test_trees_the_device_round_cannot_run_are_named(models):
 def test_a_chain_the_device_round_cannot_run_is_one_line(tiny_family, tmp_path):
     from tests.orchestrator.test_cli import run_cli
 
-    # (an int8 copy of the target runs there on the CPU since StaticLlama takes quantized tiers: tests/workers/test_quantized_forward.py)
+    # (an int8 copy of the target runs there on the CPU since the static step takes quantized tiers: tests/workers/test_quantized_forward.py)
     done = run_cli("generate", "-c", _config(tmp_path, tiny_family, ["target", "mid", "small"], [20, 13], "device"), "-p", "x", "-n", "2")
     assert done.returncode == 2 and "Traceback" not in done.stderr
     errors = [line for line in done.stderr.strip().splitlines() if line.startswith("polyspec: error:")]  # after the start-up lines

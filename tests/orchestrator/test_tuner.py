@@ -676,7 +676,7 @@ def test_profile_tiers_records_which_tiers_have_weights(tiny_family):
 
     engine = auto_engine(tiny_family, ["target", "mid", "ngram"])
     try:
-        profile = profile_tiers(engine.tiers, list(range(5, 25)), GREEDY, max_length=2, repeats=1)
+        profile = profile_tiers(engine.scheduler.tiers, list(range(5, 25)), GREEDY, max_length=2, repeats=1)
     finally:
         engine.close()
     assert profile.weights == [True, True, False]

@@ -43,6 +43,7 @@ from polyspec.workers.core.tree import DraftTree, tree_allowed
 from polyspec.workers.tiers.batched import FORWARD_COST_TOKENS, BatchedModelTier, batched_tiers, prefill_cuts
 from polyspec.workers.tiers.batched_llama import INITIAL_CAPACITY, BatchedLlama, RowLayout, grouped_attention
 from polyspec.workers.tiers.tier import ModelTier
+from reference_tier import ReferenceTier
 
 CPU_DEVICE = torch.device("cpu")
 CASES = [("cpu", "float32"), ("cpu", "bfloat16")]
@@ -75,7 +76,8 @@ def test_batched_tier_on_device_matches_one_request_tier(tiny_family, device, dt
     def tier(name):
         return ModelTier(name, load(tiny_family[name], device, dtype), 257, torch.device(device))
 
-    target, drafter = tier("target"), tier("small")
+    # the one-sequence reference: transformers' forward (on the device, in the dtype), request by request
+    target, drafter = (ReferenceTier(load(tiny_family[name], device, dtype), 257) for name in ("target", "small"))
     batched_target, batched_drafter = batched_tiers([tier("target"), tier("small")], max_slots=16)
     for batched in (batched_target, batched_drafter):
         assert isinstance(batched, BatchedModelTier)  # one shared forward, not the row-by-row fallback
@@ -94,7 +96,7 @@ def test_batched_tier_on_device_matches_one_request_tier(tiny_family, device, dt
         chains = batched_drafter.draft_batch(list(range(4)), contexts, counts, params, [torch.Generator().manual_seed(r) for r in range(4)])
         for r, (tokens, rows) in enumerate(chains):
             assert len(tokens) == counts[r] and rows.device.type == "cpu" and rows.dtype == torch.float32
-            expected = drafter.score(r, contexts[r], DraftTree.chain(tokens[:-1], None), params[r])  # the rows each token was drawn from
+            expected = drafter.score_batch([r], [contexts[r]], [DraftTree.chain(tokens[:-1], None)], [params[r]])[0]  # the rows each token was drawn from
             assert torch.allclose(rows, expected, atol=tolerance), (r, (rows - expected).abs().max())
         trees = batched_drafter.draft_tree_batch(list(range(4)), contexts, 3, [3, 2, 3, 0], params, "specinfer",
                                                  [torch.Generator().manual_seed(10 * step + r) for r in range(4)])
@@ -103,7 +105,7 @@ def test_batched_tier_on_device_matches_one_request_tier(tiny_family, device, dt
         blocks[1] = DraftTree.chain(chains[1][0], None)  # a chain row beside the tree rows
         blocks[3] = DraftTree.chain(chains[3][0], None)
         rows = batched_target.score_batch(list(range(4)), contexts, blocks, params)
-        expected = [target.score(r, c, b, p) for r, (c, b, p) in enumerate(zip(contexts, blocks, params))]
+        expected = [target.score_batch([r], [c], [b], [p])[0] for r, (c, b, p) in enumerate(zip(contexts, blocks, params))]
         for r, (one, many) in enumerate(zip(expected, rows)):
             assert many.device.type == "cpu" and many.shape == one.shape
             assert torch.allclose(many, one, atol=tolerance), (r, (many - one).abs().max())
@@ -241,8 +243,7 @@ def test_prefill_cuts_are_the_cheapest_subset_of_the_chunk_ends(seed):
 
 
 def test_prefill_of_ragged_prompts_pads_nothing_and_scores_as_one_request(tiny_family):
-    model = load(tiny_family["target"], "cpu", "float32")
-    alone = ModelTier("target", model, 257, CPU_DEVICE)
+    alone = ReferenceTier(load(tiny_family["target"], "cpu", "float32"), 257)
     batched = BatchedModelTier(ModelTier("target", load(tiny_family["target"], "cpu", "float32"), 257, CPU_DEVICE))
     generator = torch.Generator().manual_seed(1)
     contexts = [torch.randint(1, 200, (n,), generator=generator).tolist() for n in (40, 3, 100, 70)]
@@ -251,6 +252,6 @@ def test_prefill_of_ragged_prompts_pads_nothing_and_scores_as_one_request(tiny_f
     assert sum(rows * width for rows, width, _ in batched.forward_log) == fed  # every position computed is a prompt's
     params = [SamplingParams(temperature=1.0)] * 4
     blocks = [DraftTree.chain([5, 6], None)] * 4
-    for r, (one, many) in enumerate(zip((alone.score(r, c, b, p) for r, (c, b, p) in enumerate(zip(contexts, blocks, params))),
+    for r, (one, many) in enumerate(zip((alone.score_batch([r], [c], [b], [p])[0] for r, (c, b, p) in enumerate(zip(contexts, blocks, params))),
                                         batched.score_batch(list(range(4)), contexts, blocks, params))):
         assert torch.allclose(many, one, atol=row_tolerance("cpu", "float32")), (r, (many - one).abs().max())

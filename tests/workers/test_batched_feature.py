@@ -1,5 +1,5 @@
-"""The feature head batched on the ragged path (polyspec.workers.tiers.batched_feature) against the head served
-row by row (`RowByRow(FeatureTier)`, what `batched_tiers` built before), each over a batched target of its own.
+"""The feature head (polyspec.workers.tiers.batched_feature) asked about all rows at once against the same head
+asked about one row per call (tests/reference_tier.OneAtATime), each over a target of its own.
 
 Both chains are driven through the same calls (drafts, the target's verdicts, rollbacks, rounds): greedy drafts
 are the same tokens, seeded sampled drafts the same draws, and the rows agree to float32 rounding (the batched
@@ -20,11 +20,12 @@ from polyspec.orchestrator.engine import Engine
 from polyspec.orchestrator.tokenization import encode_prompt
 from polyspec.workers.core.sampling import SamplingParams
 from polyspec.workers.core.tree import DraftTree
-from polyspec.workers.tiers.batched import BatchedModelTier, RowByRow, batched_tiers
+from polyspec.workers.tiers.batched import BatchedModelTier, batched_tiers
 from polyspec.workers.tiers.batched_feature import BatchedFeatureTier
 from polyspec.workers.tiers.drafters import load_feature_head
 from polyspec.workers.tiers.feature_tier import FeatureTier
 from polyspec.workers.tiers.tier import ModelTier
+from reference_tier import OneAtATime
 
 ROWS_ATOL = 1e-5  # float32 probabilities of the same head over other row counts
 GREEDY = SamplingParams()
@@ -35,13 +36,13 @@ COUNTS = [4, 2, 5, 1, 3]  # drafted tokens per row
 
 
 def chain(tiny_drafters, batched: bool):
-    """(batched target, the head batched or row by row), on a target model of their own."""
+    """(target, the head asked about all rows at once or one row per call), on a target model of their own."""
     model = AutoModelForCausalLM.from_pretrained(tiny_drafters["target"], dtype=torch.float32).eval()
     target = ModelTier("target", model, model.config.vocab_size, torch.device("cpu"))
     head, _ = load_feature_head(tiny_drafters["feature"], model, "test")
     batched_target, head_tier = batched_tiers([target, FeatureTier("feature", head, target)])
     assert isinstance(batched_target, BatchedModelTier) and isinstance(head_tier, BatchedFeatureTier)
-    return batched_target, head_tier if batched else RowByRow(head_tier.tier)
+    return batched_target, head_tier if batched else OneAtATime(head_tier)
 
 
 def generators(seed: int) -> list[torch.Generator]:
@@ -60,7 +61,7 @@ def prompts() -> list[list[int]]:
     return [torch.randint(1, 250, (n,), generator=generator).tolist() for n in LENGTHS]
 
 
-def test_batched_head_drafts_what_the_row_by_row_head_drafts(tiny_drafters):
+def test_batched_head_drafts_what_it_drafts_one_row_at_a_time(tiny_drafters):
     """Rounds of drafts (different counts per row), the target's verdicts, a rollback of the head and of the
     target, a request leaving and another taking its slot: every draft equal, every row close."""
     chains = [chain(tiny_drafters, batched) for batched in (True, False)]
@@ -86,7 +87,7 @@ def test_batched_head_drafts_what_the_row_by_row_head_drafts(tiny_drafters):
         assert head.cached(0) <= len(contexts[0])
 
 
-def test_batched_head_scores_a_cheaper_tiers_blocks_as_the_row_by_row_head(tiny_drafters):
+def test_batched_head_scores_a_cheaper_tiers_blocks_as_one_row_at_a_time(tiny_drafters):
     """The head as a middle tier: contexts run past what the target has computed (tokens the head emitted
     earlier in the target's round), blocks of different lengths, an empty one among them."""
     chains = [chain(tiny_drafters, batched) for batched in (True, False)]
@@ -107,9 +108,9 @@ def test_batched_head_scores_a_cheaper_tiers_blocks_as_the_row_by_row_head(tiny_
 
 
 @pytest.mark.parametrize("scheme", ["specinfer", "rsd"])
-def test_batched_head_trees_are_the_row_by_row_heads(tiny_drafters, scheme):
+def test_batched_head_trees_are_those_of_one_row_at_a_time(tiny_drafters, scheme):
     """Trees of different depths, greedy and seeded sampling, across rounds with the target's tree verdicts
-    (the head drops its tree after a verdict, as `FeatureTier` does)."""
+    (the head drops its tree after a verdict)."""
     chains = [chain(tiny_drafters, batched) for batched in (True, False)]
     ids = list(range(len(PARAMS)))
     contexts = prompts()

@@ -10,10 +10,23 @@ from polyspec.workers.core.errors import ModelLoadError
 from polyspec.workers.core.sampling import SamplingParams
 from polyspec.workers.core.tree import DraftTree
 from polyspec.workers.tiers.drafters import DrafterError, load_early_exit, load_feature_head, new_drafter, save_drafter
+from polyspec.workers.tiers.batched import BatchedModelTier, batched_tiers
 from polyspec.workers.tiers.feature_tier import FeatureTier
 from polyspec.workers.tiers.tier import ModelTier
 
 GREEDY = SamplingParams()
+
+
+def draft(tier, seq_id, context, count):
+    return tier.draft_batch([seq_id], [context], [count], [GREEDY], [None])[0]
+
+
+def draft_tree(tier, seq_id, context, width, depth):
+    return tier.draft_tree_batch([seq_id], [context], width, [depth], [GREEDY], "specinfer", [None])[0]
+
+
+def score(tier, seq_id, context, block):
+    return tier.score_batch([seq_id], [context], [block], [GREEDY])[0]
 
 
 @pytest.fixture(scope="module")
@@ -22,13 +35,14 @@ def target(tiny_family):
 
 
 def model_tier(model, name="target"):
-    return ModelTier(name, model, model.config.vocab_size, torch.device("cpu"))
+    return BatchedModelTier(ModelTier(name, model, model.config.vocab_size, torch.device("cpu")), max_slots=4)
 
 
 def feature_tier(target_model, path):
-    source = model_tier(target_model)
+    loaded = ModelTier("target", target_model, target_model.config.vocab_size, torch.device("cpu"))
     head, _ = load_feature_head(path, target_model, "test")
-    return FeatureTier("feature", head, source), source
+    source, tier = batched_tiers([loaded, FeatureTier("feature", head, loaded)], 4)
+    return tier, source
 
 
 def test_early_exit_shares_the_targets_layers(target, tiny_drafters):
@@ -47,7 +61,7 @@ def test_target_features_follow_rollback_and_tree_paths(target):
     tier.keep_features = True
     context = [7, 8, 9, 10, 11, 12]
     tree = DraftTree([20, 21, 22, 23], [-1, -1, 0, 1], None)
-    tier.score(1, context, tree, GREEDY)
+    score(tier, 1, context, tree)
     tier.accept_path(1, [1, 3])  # keep nodes 1 and 3: tokens 21, 23
     kept = tier.features(1, context + [21, 23, 0], 8)
     fresh = model_tier(target)
@@ -67,43 +81,43 @@ def test_feature_tier_rollback_matches_a_fresh_tier(target, tiny_drafters):
     what a tier that never saw the history gives for the same context."""
     tier, source = feature_tier(target, tiny_drafters["feature"])
     context = [40, 41, 42, 43, 44]
-    drafted, _ = tier.draft(1, context, 4, GREEDY, None)
-    source.score(1, context, DraftTree.chain(drafted, None), GREEDY)  # the target verifies the block
+    drafted, _ = draft(tier, 1, context, 4)
+    score(source, 1, context, DraftTree.chain(drafted, None))  # the target verifies the block
     context = context + drafted[:2] + [99]  # two accepted, a correction
-    tier.draft_tree(1, context, 2, 3, GREEDY, "specinfer", None)
+    draft_tree(tier, 1, context, 2, 3)
     tier.accept_path(1, [0])
-    source.score(1, context, DraftTree.chain([5, 6], None), GREEDY)
+    score(source, 1, context, DraftTree.chain([5, 6], None))
     context = context + [5, 77]
-    again, _ = tier.draft(1, context, 5, GREEDY, None)
-    rows = tier.score(1, context, DraftTree.chain(again[:3], None), GREEDY)
+    again, _ = draft(tier, 1, context, 5)
+    rows = score(tier, 1, context, DraftTree.chain(again[:3], None))
 
     fresh, fresh_source = feature_tier(target, tiny_drafters["feature"])
-    fresh_source.score(2, context, DraftTree([], [], None), GREEDY)  # the target has the same prefix
-    assert fresh.draft(2, context, 5, GREEDY, None)[0] == again
-    assert torch.equal(fresh.score(2, context, DraftTree.chain(again[:3], None), GREEDY), rows)
+    score(fresh_source, 2, context, DraftTree([], [], None))  # the target has the same prefix
+    assert draft(fresh, 2, context, 5)[0] == again
+    assert torch.equal(score(fresh, 2, context, DraftTree.chain(again[:3], None)), rows)
 
 
 def test_feature_tier_asks_the_target_for_a_new_prompts_features(target, tiny_drafters):
     tier, source = feature_tier(target, tiny_drafters["feature"])
     context = [3, 4, 5, 6, 7, 8, 9]
-    tier.draft(1, context, 2, GREEDY, None)
+    draft(tier, 1, context, 2)
     assert source.features(1, context, 6).shape[0] == 6  # computed for the head, kept for the target's score
-    assert tier.cached_tokens(1) == 7 and tier.cached_tokens(2) == 0  # the drafted position is provisional: not counted
+    assert tier.cached(1) == 7 and tier.cached(2) == 0  # the drafted position is provisional: not counted
     with pytest.raises(NotImplementedError, match="chains only"):
-        tier.score(1, context, DraftTree([1, 2], [-1, -1], None), GREEDY)
+        score(tier, 1, context, DraftTree([1, 2], [-1, -1], None))
 
 
 def test_exit_threshold_makes_the_block_length_dynamic(target, tiny_drafters):
     model, _ = load_early_exit(tiny_drafters["early_exit_noisy"], target, None, "test")
     tier = model_tier(model, "early")
     context = [11, 12, 13, 14]
-    assert len(tier.draft(1, context, 6, GREEDY, None)[0]) == 6  # no threshold: the asked length
-    tier.exit_threshold = 1.0  # nothing is that sure: stop after the first token
-    assert len(tier.draft(1, context, 6, GREEDY, None)[0]) == 1
-    tree = tier.draft_tree(1, context, 2, 4, GREEDY, "specinfer", None)
+    assert len(draft(tier, 1, context, 6)[0]) == 6  # no threshold: the asked length
+    tier.tier.exit_threshold = 1.0  # nothing is that sure: stop after the first token
+    assert len(draft(tier, 1, context, 6)[0]) == 1
+    tree = draft_tree(tier, 1, context, 2, 4)
     assert len(tree) == 2  # the root's children only
-    tier.exit_threshold = 0.0
-    assert len(tier.draft(1, context, 6, GREEDY, None)[0]) == 6
+    tier.tier.exit_threshold = 0.0
+    assert len(draft(tier, 1, context, 6)[0]) == 6
 
 
 def test_checkpoint_errors_are_one_line(target, tiny_family, tiny_drafters, tmp_path):

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from polyspec.orchestrator.config import TierConfig, parse_config
 from polyspec.orchestrator.engine import Engine
 from polyspec.workers.core.errors import ModelLoadError, RequestError
+from polyspec.workers.tiers.batched_llama import BatchedLlama
 from polyspec.workers.tiers.loading import load_model_tier, quantize_int8
 
 
@@ -63,8 +64,10 @@ def test_int8_tier_equals_torch_quantize_dynamic_of_the_whole_model(tiny_family)
     prompt = torch.tensor([[10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110]])  # [1, T]
     with torch.inference_mode():
         assert torch.equal(tier.model(prompt).logits, reference(prompt).logits)
-        lean = tier._forward(tier._sequence("s"), prompt[0].tolist(), list(range(prompt.shape[1])), None)  # [T, V]
-        assert torch.equal(lean, reference(prompt).logits[0])
+        one = BatchedLlama(tier.model)  # the one forward, over the same int8 modules
+        cache = one.new_cache(1)
+        logits = one.forward(cache, [cache.slot("s")], [prompt[0].tolist()], [0])[0]  # [T, V]
+        assert torch.equal(logits, reference(prompt).logits[0])
 
 
 def test_int8_quantization_frees_each_float_linear_at_once(tiny_family):

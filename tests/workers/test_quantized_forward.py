@@ -3,16 +3,16 @@
 - `Fp8Linear`'s weight-only forward equals `F.linear` of the weight dequantized by hand (the e4m3
   bits decoded one field at a time, times the row's scale) bit for bit, in float32 and bfloat16;
   the quantization round trip stays within half a unit in e4m3's last place.
-- `StaticLlama` over the int8 copy of a tiny model gives the ragged `BatchedLlama` forward's
+- The static step (`BatchedLlama.step`) over the int8 copy of a tiny model gives the ragged `BatchedLlama` forward's
   logits bit for bit (tolerance 0): both make the same quantized call per projection, and with
   the same rows (no padding) and the attended span equal to the ragged forward's, the same
   attention. The rows must be the same because int8 dynamic quantization takes one activation
   scale per tensor: a row's logits depend on the other rows of its batch (the transformers
   forward of one row alone differs by up to ~0.75 in a logit here), which is why the fp8 path
   scales per row.
-- `StaticLlama` over an fp8 model (Llama; Qwen2 with biases and a tied LM head) matches the
+- The static step (`BatchedLlama.step`) over an fp8 model (Llama; Qwen2 with biases and a tied LM head) matches the
   model's own transformers forward, whose `Fp8Linear`s run weight-only (tolerance 1e-4, as
-  tests/workers/test_static_llama.py: the same forward with batched products that may round
+  tests/workers/test_static_step.py: the same forward with batched products that may round
   differently in the last bits), and a decode step compiles whole, once per bucket.
 - A chain target <- fp8 copy <- small through `polyspec generate` gives the target's own
   greedy tokens, and so does the device round over target <- int8 / fp8 copy; a device that
@@ -42,9 +42,9 @@ from polyspec.workers.core.errors import ModelLoadError
 from polyspec.workers.tiers import fp8_linear, loading
 from polyspec.workers.tiers.batched_llama import BatchedLlama
 from polyspec.workers.tiers.fp8_linear import FP8_MAX, Fp8Linear, fp8_problem, quantize_weight
-from polyspec.workers.tiers.static_llama import StaticLlama
+from polyspec.workers.tiers.batched_llama import BatchedLlama, step_unsupported
 
-TOLERANCE = 1e-4  # StaticLlama against transformers' forward of the same weights (tests/workers/test_static_llama.py)
+TOLERANCE = 1e-4  # the static step against transformers' forward of the same weights (tests/workers/test_static_step.py)
 CPU = torch.device("cpu")
 
 
@@ -106,7 +106,7 @@ def test_the_round_trip_is_within_half_a_unit_in_the_last_place():
     assert (largest[nonzero] == FP8_MAX).all() and not decode_e4m3(quantized)[~nonzero].any()
 
 
-# ------------------------------------------------------------------ StaticLlama over quantized models
+# ------------------------------------------------------------------ the static step over quantized models
 
 
 def load_quantized(path: str, quantize: str):
@@ -115,8 +115,8 @@ def load_quantized(path: str, quantize: str):
 
 def test_static_forward_on_the_int8_copy_equals_the_ragged_forward(tiny_family):
     model = load_quantized(tiny_family["target"], "int8")
-    assert StaticLlama.supports(model, CPU) and not StaticLlama.supports(model, torch.device("cuda"))  # int8: CPU only
-    static, ragged = StaticLlama(model), BatchedLlama(model)
+    assert step_unsupported(model, CPU) is None and step_unsupported(model, torch.device("cuda")) is not None  # int8: CPU only
+    static, ragged = BatchedLlama(model), BatchedLlama(model)
     pool, cache = static.new_pool(slots=4, max_tokens=8), ragged.new_cache()
     slots = [cache.slot(request) for request in range(3)]
     generator = torch.Generator().manual_seed(0)
@@ -126,7 +126,7 @@ def test_static_forward_on_the_int8_copy_equals_the_ragged_forward(tiny_family):
         for start, rows in ((0, prompts), (9, blocks)):  # a prefill, then a block after it
             width = len(rows[0])
             positions = (start + torch.arange(width)).expand(len(rows), width)
-            static_logits = static.forward(pool, torch.tensor(rows), positions, torch.tensor(slots), span=start + width)  # [B, T, V]
+            static_logits = static.step(pool, torch.tensor(rows), positions, torch.tensor(slots), span=start + width)  # [B, T, V]
             ragged_logits = ragged.forward(cache, slots, rows, [0] * len(rows))  # per row [T, V]
             for row in range(len(rows)):
                 assert torch.equal(static_logits[row], ragged_logits[row])
@@ -137,7 +137,7 @@ def fp8_model(request, tiny_family, tmp_path_factory):
     if request.param == "llama":
         path = tiny_family["target"]
     else:
-        from tests.workers.test_lean_qwen2 import make_qwen2
+        from tests.workers.test_forward_qwen2 import make_qwen2
 
         path = make_qwen2(tmp_path_factory.mktemp("qwen2") / "m", tied=True)
     model = load_quantized(path, "fp8")
@@ -151,24 +151,24 @@ def reference(model, tokens: list[int]) -> torch.Tensor:
 
 
 def test_static_forward_on_an_fp8_model_matches_its_weight_only_forward(fp8_model):
-    assert StaticLlama.supports(fp8_model, CPU) and StaticLlama.supports(fp8_model, torch.device("cuda"))
+    assert step_unsupported(fp8_model, CPU) is None and step_unsupported(fp8_model, torch.device("cuda")) is None
     assert BatchedLlama.supports(fp8_model, CPU) and BatchedLlama.supports(fp8_model, torch.device("cuda"))
-    static = StaticLlama(fp8_model)
+    static = BatchedLlama(fp8_model)
     pool = static.new_pool(slots=4, max_tokens=8)
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 200, (n,), generator=generator).tolist() for n in (5, 12)]
     ids = torch.tensor([prompt + [0] * (12 - len(prompt)) for prompt in prompts])  # right-padded to one bucket
-    logits = static.forward(pool, ids, torch.arange(12).expand(2, 12), torch.tensor([1, 0]), span=16)
+    logits = static.step(pool, ids, torch.arange(12).expand(2, 12), torch.tensor([1, 0]), span=16)
     for row, prompt in enumerate(prompts):
         assert torch.allclose(logits[row, : len(prompt)], reference(fp8_model, prompt), atol=TOLERANCE)
 
 
 def test_an_fp8_decode_step_compiles_whole_and_once_per_bucket(fp8_model):
-    static = StaticLlama(fp8_model)
+    static = BatchedLlama(fp8_model)
     pool = static.new_pool(slots=4, max_tokens=4)
-    step = CompiledGraphs(static.forward)
+    step = CompiledGraphs(static.step)
     tokens = [3, 4, 5, 6]
-    static.forward(pool, torch.tensor([tokens]), torch.arange(4)[None], torch.tensor([1]), 16)
+    static.step(pool, torch.tensor([tokens]), torch.arange(4)[None], torch.tensor([1]), 16)
     for _ in range(3):  # one bucket (1 row, 1 token, span 16), new values each step
         out = step(pool, torch.tensor([[tokens[-1]]]), torch.tensor([[len(tokens) - 1]]), torch.tensor([1]), 16)
         assert torch.allclose(out[0, 0], reference(fp8_model, tokens)[-1], atol=TOLERANCE)

@@ -1,7 +1,7 @@
-"""Tiers that serve many requests per call: the batched seam the batched scheduler talks to.
+"""The one tier family: what every chain runs, for one request or many, on every device.
 
-A batched tier answers the same questions as a `Tier` (polyspec.workers.tiers.tier), for
-a list of requests at once:
+`BatchedTier` is the protocol the round (polyspec.orchestrator.decode.scheduler) talks to; every
+call takes a list of requests (a single request is a batch of one):
 
 - `score_batch(seq_ids, contexts, blocks, params)`: ONE forward over every request's
   uncached context tail plus its block; returns each request's warped rows
@@ -10,7 +10,7 @@ a list of requests at once:
   sampled autoregressively with its own generator (one forward per drafted position, all
   requests in it);
 - `draft_tree_batch(seq_ids, contexts, width, depths, params, scheme, generators)`: each
-  request's draft tree (`Tier.draft_tree`), one forward per tree level, all requests in it;
+  request's draft tree (`width` chains sharing the root), one forward per tree level, all requests in it;
 - `verify_batch(seq_ids, contexts, blocks, params, generators, want_rows, scheme, below)`: score
   every request's block (a chain or a tree) and verify it with its own generator; after a tree
   verdict this tier and `below` keep only the accepted path;
@@ -22,15 +22,15 @@ a list of requests at once:
 `score_batch` takes chains and trees in the same forward (a tree row carries its tree
 attention rows, `polyspec.workers.tiers.batched_llama.RowLayout`).
 
-Per request the operations, and the draws from its generators, are those of the one-request
-tier in the same order, so seeding means the same thing batched or alone.
+Per request the operations, and the draws from its generators, are the same in the same
+order whatever else is in the batch, so seeding means the same thing batched or alone.
 
-`BatchedModelTier` runs Llama-architecture models through `BatchedLlama` on a `SlotCache`;
-`BatchedNGramTier` answers the n-gram lookup from an index per request, kept up to date as
-the context grows and rolled back with it (the same proposals as `NGramTier`'s scan);
-`BatchedFeatureTier` (polyspec.workers.tiers.batched_feature) runs a feature head the same way;
-`RowByRow` serves any other tier (other architectures) one request after the other behind the
-same interface.
+`batched_tiers` makes each loaded tier's (polyspec.workers.tiers.tier) runtime: `BatchedModelTier`
+runs a model through the one forward (`BatchedLlama`) on its KV pool (`SlotCache`);
+`BatchedNGramTier` answers the n-gram lookup from an index per request, kept up to date as the
+context grows and rolled back with it; `BatchedFeatureTier` (polyspec.workers.tiers.batched_feature)
+runs a feature head the same way. The device round's tiers (polyspec.workers.tiers.static_tier)
+and a distributed chain's remote tier implement the same protocol.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ import torch
 from polyspec.workers.core.sampling import SamplingParams, warp_logits
 from polyspec.workers.core.tree import DraftTree, grow_level, path_rows, tree_allowed, verify_block
 from polyspec.workers.tiers.batched_llama import BatchedLlama, PendingTree, RowLayout
+from polyspec.workers.tiers.loading import return_freed_memory
 from polyspec.workers.tiers.tier import ModelTier, NGramTier, Tier, confidence, copy_forward, first_candidates
 
 # a forward's cost beyond its tokens' (reading every weight once), in prompt tokens of one row: on an EPYC core
@@ -97,6 +98,7 @@ class BatchedTier:
         self.vocab_size = tier.vocab_size
         self.max_context = tier.max_context
         self.can_verify = tier.can_verify
+        self.deterministic_drafts = tier.deterministic_drafts
         self.has_weights = tier.has_weights
         self.caches_prompts = False  # `prefill` caches prompt tokens (a slot cache), so `cached` counts them
         self.forward_log: list[tuple[int, int, float]] = []  # (rows, padded width, seconds) of recent forwards
@@ -107,7 +109,7 @@ class BatchedTier:
 
     @property
     def forwarded_tokens(self) -> int:
-        """The wrapped tier's count of tokens its forwards took (a shared batched forward does not count)."""
+        """The wrapped tier's count of tokens its forwards took (prefills and blocks: what a cached prefix saves)."""
         return getattr(self.tier, "forwarded_tokens", 0)
 
     def log_forward(self, rows: int, width: int, seconds: float) -> None:
@@ -123,9 +125,19 @@ class BatchedTier:
         """Cache up to `budget` tokens of the contexts' prefixes (all but the last token); returns tokens fed."""
         return 0
 
+    def draft_batch(self, seq_ids, contexts, counts: list[int], params, generators) -> list[tuple[list[int], torch.Tensor | None]]:
+        """Each request's block of up to `counts[r]` tokens, with the rows they were drawn from ([k, V] float32;
+        None when greedy)."""
+        raise NotImplementedError
+
     def draft_tree_batch(self, seq_ids, contexts, width: int, depths: list[int], params, scheme: str, generators) -> list[DraftTree]:
-        """Each request's `draft_tree` (of depth `depths[r]`); by default one request after the other."""
-        return [self.tier.draft_tree(s, c, width, d, p, scheme, g) for s, c, d, p, g in zip(seq_ids, contexts, depths, params, generators)]
+        """Each request's draft tree: `width` candidate chains of `depths[r]` tokens sharing the root."""
+        raise NotImplementedError
+
+    def score_batch(self, seq_ids, contexts, blocks: list[DraftTree], params: list[SamplingParams]) -> list[torch.Tensor]:
+        """ONE forward over every request's uncached context tail plus its block: each request's warped rows
+        [len(block) + 1, V] (at the last context token, then at each block node)."""
+        raise NotImplementedError(f"tier {self.name!r} cannot verify")
 
     def verify_batch(self, seq_ids, contexts, blocks: list[DraftTree], params: list[SamplingParams], generators,
                      want_rows: bool = False, scheme: str = "specinfer", below: "BatchedTier | None" = None) -> list[Verdict]:
@@ -147,9 +159,8 @@ class BatchedTier:
             out.append(Verdict(path, next_token, path_rows(target_probs, block, path) if want_rows and not p.greedy else None))
         return out
 
-    # the one-request calls, so a batched tier can stand where a Tier is expected
     def accept_path(self, seq_id, path: list[int]) -> None:
-        self.tier.accept_path(seq_id, path)
+        """After a tree verdict keep only the accepted path's KV (node indices, root to leaf)."""
 
     def continues_past(self, seq_id) -> bool:
         """Is this tier drafting past the block it last handed up for `seq_id` (a pipelined remote tier)?
@@ -161,28 +172,10 @@ class BatchedTier:
         its stale draft-ahead work; a local tier's cache syncs with the next context."""
 
     def release(self, seq_id) -> None:
-        self.tier.release(seq_id)
+        """Forget a sequence and free its cache."""
 
     def truncate(self, seq_id, length: int) -> None:
-        self.tier.truncate(seq_id, length)
-
-
-class RowByRow(BatchedTier):
-    """A batch served one request at a time by the wrapped tier (no shared forward)."""
-
-    def score_batch(self, seq_ids, contexts, blocks: list[DraftTree], params: list[SamplingParams]) -> list[torch.Tensor]:
-        return [self.tier.score(s, c, b, p) for s, c, b, p in zip(seq_ids, contexts, blocks, params)]
-
-    def draft_batch(self, seq_ids, contexts, counts, params, generators):
-        return [self.tier.draft(s, c, n, p, g) for s, c, n, p, g in zip(seq_ids, contexts, counts, params, generators)]
-
-    def cached(self, seq_id) -> int:
-        """The wrapped tier's own cache (it catches up inside its next call, not in `prefill`)."""
-        cached_tokens = getattr(self.tier, "cached_tokens", None)
-        return cached_tokens(seq_id) if cached_tokens is not None else 0
-
-    def draft_tree(self, seq_id, context, width, depth, params, scheme, generator) -> DraftTree:
-        return self.tier.draft_tree(seq_id, context, width, depth, params, scheme, generator)
+        """Cut a sequence's cached state back to its first `length` tokens."""
 
 
 class BatchedModelTier(BatchedTier):
@@ -191,13 +184,10 @@ class BatchedModelTier(BatchedTier):
     def __init__(self, tier: ModelTier, max_slots: int | None = None) -> None:
         super().__init__(tier)
         self.model = BatchedLlama(tier.model)
+        return_freed_memory()  # moving weights to oneDNN (block_linear) freed the dense copies in pieces
         self.cache = self.model.new_cache(max_slots)
         self.caches_prompts = True
         self.threads = tier.threads
-
-    @staticmethod
-    def supports(tier: Tier) -> bool:
-        return isinstance(tier, ModelTier) and BatchedLlama.supports(tier.model, torch.device(tier.device))
 
     def release(self, seq_id) -> None:
         self.cache.release(seq_id)
@@ -278,6 +268,7 @@ class BatchedModelTier(BatchedTier):
         seconds = time.perf_counter() - started
         self.tier.busy_s += seconds
         self.tier.forwards += 1
+        self.tier.forwarded_tokens += sum(len(f) for f in feeds)
         self.log_forward(len(slots), max(len(f) for f in feeds), seconds)
         return logits
 
@@ -410,14 +401,26 @@ class NGramIndex:
 
     def lookup(self, num_tokens: int) -> list[int]:
         """The continuation of the latest earlier occurrence of the longest matching suffix."""
+        found = self.continuations(num_tokens, 1)
+        return found[0] if found else []
+
+    def continuations(self, num_tokens: int, limit: int) -> list[list[int]]:
+        """Up to `limit` continuations with distinct first tokens: longest matching suffix first, latest match first."""
+        found: list[list[int]] = []
+        first_tokens: set[int] = set()
         length = len(self.tokens)
         for n in reversed(self.sizes):
             if n > length - 1:
                 continue
             starts = self.starts.get(tuple(self.tokens[length - n :]), ())
-            if len(starts) >= 2:  # the last one is the suffix itself
-                return copy_forward(self.tokens, starts[-2] + n, num_tokens)
-        return []
+            for start in reversed(starts[:-1]):  # the last one is the suffix itself
+                continuation = copy_forward(self.tokens, start + n, num_tokens)
+                if continuation and continuation[0] not in first_tokens:
+                    first_tokens.add(continuation[0])
+                    found.append(continuation)
+                    if len(found) == limit:
+                        return found
+        return found
 
 
 class BatchedNGramTier(BatchedTier):
@@ -430,53 +433,60 @@ class BatchedNGramTier(BatchedTier):
     def release(self, seq_id) -> None:
         self.indexes.pop(seq_id, None)
 
+    def _index(self, seq_id, context: list[int]) -> NGramIndex:
+        index = self.indexes.get(seq_id)
+        if index is None:
+            index = self.indexes[seq_id] = NGramIndex(self.tier.min_ngram, self.tier.max_ngram)
+        index.sync(context)
+        return index
+
+    def _one_hot(self, tokens: list[int]) -> torch.Tensor:
+        return torch.nn.functional.one_hot(torch.tensor(tokens, dtype=torch.long), self.vocab_size).float()
+
     def draft_batch(self, seq_ids, contexts, counts, params, generators):
         started = time.perf_counter()
         out = []
         for seq_id, context, count, p in zip(seq_ids, contexts, counts, params):
-            index = self.indexes.get(seq_id)
-            if index is None:
-                index = self.indexes[seq_id] = NGramIndex(self.tier.min_ngram, self.tier.max_ngram)
-            index.sync(context)
-            tokens = index.lookup(count) if count > 0 else []
-            rows = None
-            if not p.greedy and tokens:
-                rows = torch.nn.functional.one_hot(torch.tensor(tokens, dtype=torch.long), self.vocab_size).float()
-            out.append((tokens, rows))
+            tokens = self._index(seq_id, context).lookup(count) if count > 0 else []
+            out.append((tokens, None if p.greedy or not tokens else self._one_hot(tokens)))
         self.tier.busy_s += time.perf_counter() - started
         return out
 
+    def draft_tree_batch(self, seq_ids, contexts, width, depths, params, scheme, generators):
+        """Each request's `width` continuations with distinct first tokens, as chains under the root (nodes parents-first)."""
+        started = time.perf_counter()
+        trees = []
+        for seq_id, context, depth, p in zip(seq_ids, contexts, depths, params):
+            tree = DraftTree([], [], None)
+            for continuation in self._index(seq_id, context).continuations(depth, width) if depth > 0 else []:
+                parent = -1
+                for token in continuation:
+                    tree.tokens.append(token)
+                    tree.parents.append(parent)
+                    parent = len(tree.tokens) - 1
+            if not p.greedy and tree.tokens:
+                tree.draft_rows = self._one_hot(tree.tokens)
+            trees.append(tree)
+        self.tier.busy_s += time.perf_counter() - started
+        return trees
+
 
 def batched_tiers(tiers: list[Tier], max_slots: int | None = None) -> list[BatchedTier]:
-    """Each tier behind the batched seam: one shared forward where the model allows it. A feature
-    drafter reads its target's features from the batched target's slot cache, which its forwards
-    fill anyway: no forward of the target runs for the drafter alone. It is batched itself
-    (polyspec.workers.tiers.batched_feature) where its head's layer allows, else served row by row."""
+    """Each loaded tier's runtime: a model tier's KV pool and forward, the n-gram tier's index, a feature
+    head's pool. A feature drafter reads its target's features from the target's slot cache, which its forwards
+    fill anyway: no forward of the target runs for the drafter alone."""
     from polyspec.workers.tiers.batched_feature import BatchedFeatureTier  # (it builds on this module)
+    from polyspec.workers.tiers.feature_tier import FeatureTier
 
     out: list[BatchedTier] = []
     for tier in tiers:
-        source = getattr(tier, "source", None)
-        batched_source = next((t for t in out if isinstance(t, BatchedModelTier) and t.tier is source), None)
-        if BatchedModelTier.supports(tier):
-            out.append(BatchedModelTier(tier, max_slots))
-        elif isinstance(tier, NGramTier):
+        if isinstance(tier, NGramTier):
             out.append(BatchedNGramTier(tier))
-        elif batched_source is not None and BatchedFeatureTier.supports(tier):
-            out.append(BatchedFeatureTier(tier, batched_source, max_slots))
+        elif isinstance(tier, FeatureTier):
+            source = next((t for t in out if isinstance(t, BatchedModelTier) and t.tier is tier.source), None)
+            if source is None:
+                raise ValueError(f"tier {tier.name!r}: a feature head needs its target's tier before it in the chain")
+            out.append(BatchedFeatureTier(tier, source, max_slots))
         else:
-            out.append(RowByRow(tier))
-    for wrapper in out:
-        read_features_from = getattr(wrapper.tier, "read_features_from", None)
-        source = getattr(wrapper.tier, "source", None)
-        batched_source = next((t for t in out if isinstance(t, BatchedModelTier) and t.tier is source), None)
-        if read_features_from is not None and batched_source is not None:
-            batched_source.keep_features = True
-            read_features_from(batched_source)
+            out.append(BatchedModelTier(tier, max_slots))
     return out
-
-
-def as_batched(tier: Tier | BatchedTier) -> BatchedTier:
-    """`tier` behind the batched seam: itself if it is one, else served row by row (the tier's own
-    calls, one request after the other: what it computes and draws is unchanged)."""
-    return tier if isinstance(tier, BatchedTier) else RowByRow(tier)

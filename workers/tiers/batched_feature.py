@@ -1,8 +1,6 @@
-"""The feature head (polyspec.workers.tiers.feature_tier) batched on the ragged path: one forward for all requests.
+"""The feature head's runtime tier (polyspec.workers.tiers.feature_tier has the rules): one forward for all requests.
 
-`FeatureTier` drafts each request with forwards of its own through a per-sequence cache: served row by row, a
-batch of B requests drafting k tokens cost B x k forwards of the head. `BatchedFeatureTier` keeps every open
-request of the head in one `SlotCache` and runs the head's decoder layer through `BatchedLlama`, given the
+`BatchedFeatureTier` keeps every open request of the head in one `SlotCache` and runs the head's decoder layer through `BatchedLlama`, given the
 layer's inputs (`inputs=`) and returning its raw output (`raw=True`), so a call costs about one forward per
 position drafted, whatever the batch:
 
@@ -16,15 +14,14 @@ position drafted, whatever the batch:
 - a tree (`draft_tree_batch`) grows one level per forward over every row's frontier (tree rows of the ragged
   forward, `RowLayout`), after the rows' slots are brought up to their contexts as above.
 
-The rules are `FeatureTier`'s (its module docstring): which positions read the target's features is fixed
+The rules are those of feature_tier's docstring: which positions read the target's features is fixed
 before any token is drawn; positions computed from predicted features are provisional (`real` counts the
 others, the next call computes the rest again); tree nodes go after the verdict (`accept_path`). The head's
 predicted feature at every position it writes is the feature its slot cache records (`keep_features`: the
 final norm of the head's layer is its feature norm). Per request, the warp and the draws with its own
-generator are `FeatureTier`'s, in the same order, so a seeded request draws the same tokens; the rows differ
-from the one-request tier's in float rounding only (products over other row counts).
+generator are made in the same order alone or in any batch, so a seeded request draws the same tokens.
 
-Like `FeatureTier`, the head catches up on a context inside its own calls (`caches_prompts` is False: the
+The head catches up on a context inside its own calls (`caches_prompts` is False: the
 scheduler prefills only the target, whose features the head's first forward reads).
 """
 
@@ -39,9 +36,8 @@ import torch.nn.functional as F
 from polyspec.workers.core.sampling import SamplingParams, warp_logits
 from polyspec.workers.core.tree import DraftTree, grow_level, tree_allowed
 from polyspec.workers.tiers.batched import BatchedModelTier, BatchedTier
-from polyspec.workers.tiers.batched_llama import BatchedLlama, PendingTree, RowLayout
+from polyspec.workers.tiers.batched_llama import BatchedLlama, PendingTree, RowLayout, linear_function
 from polyspec.workers.tiers.feature_tier import FeatureTier, head_trunk
-from polyspec.workers.tiers.lean_llama import linear_function
 from polyspec.workers.tiers.tier import first_candidates
 
 
@@ -75,16 +71,6 @@ class BatchedFeatureTier(BatchedTier):
         self.fc = linear_function(tier.head.fc)
         self.hidden_size = tier.head.config.hidden_size
         self.real: dict[object, int] = {}  # seq_id -> its first positions, computed from the target's features
-
-    @staticmethod
-    def supports(tier) -> bool:
-        """A feature head whose decoder layer the batched forward covers (on the head's device)."""
-        if not isinstance(tier, FeatureTier):
-            return False
-        try:
-            return BatchedLlama.supports(head_trunk(tier.head), next(tier.head.parameters()).device)
-        except AttributeError:
-            return False
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -143,6 +129,7 @@ class BatchedFeatureTier(BatchedTier):
         seconds = time.perf_counter() - started
         self.tier.busy_s += seconds
         self.tier.forwards += 1
+        self.tier.forwarded_tokens += sum(len(t) for t in tokens)
         self.log_forward(len(slots), max(counts), seconds)
         return list(torch.split(logits, [row.shape[0] for row in trunk]))
 

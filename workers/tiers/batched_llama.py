@@ -21,13 +21,17 @@ A row may carry a draft tree instead of a chain (`RowLayout`): its new tokens ar
 written one after the other into the slot, but each takes the rotary position and the
 attention row the caller gives (`polyspec.workers.core.tree.tree_allowed`: a node sees the
 linear context and its own ancestors, at position prefix length + depth), exactly as the
-one-sequence tree forward (`ModelTier._tree_forward`). `SlotCache.keep` then compacts a
-slot to the accepted path after verification (`accept_path`). Chain rows build no extra
-mask: a batch of chains costs what it did before trees. The
-operations are those of `LeanLlama` (transformers' Llama forward), batched; matrix
-products over a different number of rows may round differently in the last bits, which is
-why losslessness under batching is tested against the target's own greedy output with the
-logit gap at any divergence reported (tests/orchestrator/test_batched.py).
+transformers' forward under a 4-D tree mask. `SlotCache.keep` then compacts a slot to the
+accepted path after verification (`accept_path`). Chain rows build no extra mask: a batch of
+chains costs what it did before trees. Sliding-window layers (Mistral; Qwen2 with
+`use_sliding_window`) see the keys within their window of each query, by position.
+
+The operations, their order and dtypes are those of transformers' Llama / Qwen2 forward
+(`unsupported` names what is not covered: such a model is refused at load); matrix products
+over a different number of rows may round differently in the last bits, which is why
+losslessness under batching is tested against the target's own greedy output with the logit
+gap at any divergence reported (tests/orchestrator/test_batched.py), and the forward against
+transformers' own, through every cache operation (tests/workers/test_forward.py).
 
 The forward runs where the model's weights are, CPU or CUDA (`DEVICES`), in the model's
 dtype: the slot buffers, indices and masks are made on that device, and the logits come
@@ -46,7 +50,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from polyspec.workers.tiers.lean_llama import LeanLlama
+from polyspec.workers.tiers.block_linear import linear_of, pack
+from polyspec.workers.tiers.fp8_linear import Fp8Linear
 
 GPU_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
@@ -61,6 +66,81 @@ LAZY_MAP_FLAGS = ((mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (getattr(mmap, "MAP_N
                   if hasattr(mmap, "MAP_ANONYMOUS") else None)
 GATHER_SPAN_RATIO = 2  # rows spread over more than this many times their number of slots: gather instead of slicing
 DEVICES = ("cpu", "cuda")  # where the batched forward runs (every tensor of a forward is made on the model's device)
+
+
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+
+
+def linear_function(module):
+    """`module(x)` without the module call, for a float `Linear`, a dynamically quantized int8 `Linear` or an
+    `Fp8Linear`; None for any other module (this forward does not cover it)."""
+    if isinstance(module, Fp8Linear):
+        return module.forward  # its own forward, without nn.Module's call overhead
+    if isinstance(module, torch.nn.Linear):
+        # a float weight only: bitsandbytes' int4 / int8 layers subclass `Linear` with packed integer weights
+        return linear_of(module) if module.weight.is_floating_point() else None
+    packed = getattr(module, "_packed_params", None)
+    if packed is not None and getattr(packed, "dtype", None) == torch.qint8 and getattr(module, "version", 4) >= 4:
+        params = packed._packed_params
+        op = torch.ops.quantized.linear_dynamic.default  # the overload itself: no per-call dispatch checks in Python
+        return lambda x: op(x, params, True) if x.dtype == torch.float32 else op(x, params, True).to(x.dtype)
+    return None
+
+
+def layer_projections(layer) -> tuple:
+    """A decoder layer's seven projections, in the order the forward keeps them."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+
+
+def layer_windows(config) -> list[int | None]:
+    """Each decoder layer's sliding attention window (None: it attends over the whole context). Qwen2 and
+    Gemma-style configs name each layer's kind (`layer_types`); Mistral's window covers every layer."""
+    window = getattr(config, "sliding_window", None) or None
+    kinds = getattr(config, "layer_types", None)
+    if kinds is None:
+        return [window] * config.num_hidden_layers
+    return [window if kind == "sliding_attention" else None for kind in kinds]
+
+
+def unsupported(model, device: torch.device) -> str | None:
+    """Why the forward cannot compute this model's logits on `device` (None: it can)."""
+    config = getattr(model, "config", None)
+    architecture = type(model).__name__
+    if config is None or architecture not in ARCHITECTURES:
+        return f"architecture {architecture} is not one polyspec runs ({', '.join(ARCHITECTURES)})"
+    if device.type not in DEVICES:
+        return f"device {device.type} is not one polyspec runs ({', '.join(DEVICES)})"
+    rope = getattr(config, "rope_parameters", None) or {}
+    heads = config.num_attention_heads
+    # Llama's projections are bias-free unless attention_bias; Qwen2's q / k / v always carry biases
+    if rope.get("rope_type", "default") != "default" or getattr(model.model.rotary_emb, "attention_scaling", 1.0) != 1.0:
+        return f"scaled rotary embeddings ({rope.get('rope_type')}) are not supported"
+    if architecture != "Qwen2ForCausalLM" and getattr(config, "attention_bias", False):
+        return "attention biases are not supported"
+    if getattr(config, "mlp_bias", False) or config.hidden_act != "silu":
+        return f"an MLP with biases or a {config.hidden_act} activation is not supported"
+    if heads % (getattr(config, "num_key_value_heads", None) or heads) or getattr(config, "pretraining_tp", 1) != 1:
+        return "this attention head layout is not supported"
+    modules = [model.lm_head] + [m for layer in model.model.layers for m in layer_projections(layer)]
+    if any(linear_function(m) is None for m in modules):
+        return "a projection of a kind the forward cannot call (bitsandbytes or another quantizer's layers)"
+    return None
+
+
+def step_unsupported(model, device: torch.device) -> str | None:
+    """Why the static step (`BatchedLlama.step`: the round that stays on the device) cannot run this model on `device`
+    (None: it can): what the forward does not cover, sliding windows, or int8 layers on CUDA."""
+    why = unsupported(model, device)
+    if why is not None:
+        return why
+    if any(layer_windows(model.config)):
+        return "sliding-window layers are not run by the static step"
+    modules = [model.lm_head] + [m for layer in model.model.layers for m in layer_projections(layer)]
+    if device.type != "cpu" and not all(isinstance(m, Fp8Linear) or (type(m) is torch.nn.Linear and m.weight.is_floating_point())
+                                        for m in modules):
+        return "its quantized layers run on the CPU only"
+    return None
 
 
 def cuda_pool_budget(device) -> tuple[int, int]:
@@ -83,7 +163,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def grouped_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scaling: float) -> torch.Tensor:
     """SDPA of q [B, heads, T, D] over key / value [B, kv_heads, S, D] (grouped-query attention:
-    query head h reads key / value head h // groups) under a boolean mask [B, 1, T, S]; [B, heads, T, D].
+    query head h reads key / value head h // groups) under a boolean mask [B, 1, T, S] (None: every query sees every key); [B, heads, T, D].
 
     Each group's queries are stacked as rows of their key / value head ([B, kv_heads, groups * T, D],
     the mask repeated to match) instead of copying every key / value head `groups` times, as
@@ -98,7 +178,7 @@ def grouped_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, m
     if groups == 1:
         return F.scaled_dot_product_attention(q, key, value, attn_mask=mask, dropout_p=0.0, scale=scaling)
     stacked = q.reshape(rows, kv_heads, groups * width, head_dim)  # row g * T + t: query head kv * groups + g, token t
-    attn = F.scaled_dot_product_attention(stacked, key, value, attn_mask=mask.repeat(1, 1, groups, 1), dropout_p=0.0, scale=scaling)
+    attn = F.scaled_dot_product_attention(stacked, key, value, attn_mask=None if mask is None else mask.repeat(1, 1, groups, 1), dropout_p=0.0, scale=scaling)
     return attn.view(rows, heads, width, head_dim)
 
 
@@ -117,14 +197,20 @@ class RowLayout:
 
     positions: list[int]
     allowed: torch.Tensor
+    # the rotary position of each of the slot's positions the row may see (a sliding-window layer's distance
+    # is in positions, and a tree node's is its prefix length + depth); None: the cache index
+    key_positions: list[int] | None = None
 
 
 class SlotCache:
     """The KV entries of many sequences of one tier, one slot each, with exact per-sequence rollback."""
 
     def __init__(self, layers: int, heads: int, head_dim: int, dtype: torch.dtype, limit: int | None, max_slots: int | None = None,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", margin: int = 1, scratch: bool = False) -> None:
+        """`margin`: positions a slot holds past the context (the ragged forward's junk column; a step's widest block);
+        `scratch`: one slot more than `max_slots`, which a step's padding rows write (`scratch_slot`)."""
         self.shape = (layers, heads, head_dim)
+        self.margin, self.scratch = margin, scratch
         self.dtype = dtype
         self.device = torch.device(device)  # the model's: the buffers live beside its weights
         self.limit = limit
@@ -249,27 +335,39 @@ class SlotCache:
 
     # ------------------------------------------------------------- buffers
 
-    @torch.inference_mode()
     def allocate(self) -> None:
-        """Make the pool, once: `max_slots` slots (DEFAULT_SLOTS where unbounded) of the model context
-        and one junk column (a padding column of a row near the context's end is written there)."""
+        """Make the pool, once: `max_slots` slots (DEFAULT_SLOTS where unbounded; and the scratch slot) of the model
+        context and its margin (a padding column of a row near the context's end is written there)."""
         if self.keys:
             return
+        # the ragged forward's buffers are inference tensors (it runs in inference mode); a step's are plain tensors, so
+        # that a step may also be compiled or captured outside it
+        with torch.inference_mode(not self.scratch):
+            self._allocate()
+
+    def _allocate(self) -> None:
         layers, heads, head_dim = self.shape
         slots = self.max_slots or DEFAULT_SLOTS
-        capacity = (self.limit or DEFAULT_CONTEXT) + 1
+        capacity = (self.limit or DEFAULT_CONTEXT) + self.margin
         width = torch.tensor([], dtype=self.dtype).element_size()
         if self.device.type == "cuda":  # real memory at once: as many slots as fit what the card has free
             budget, free = cuda_pool_budget(self.device)
             per_slot = 2 * layers * heads * capacity * head_dim * width
-            if budget < per_slot:
-                raise RuntimeError(f"one request's KV cache at the model context ({per_slot / 2**20:.0f} MB) does not fit "
-                                   f"the GPU's free memory ({free / 2**20:.0f} MB)")
-            slots = min(slots, budget // per_slot)
-        shape = (slots, heads, capacity, head_dim)
+            if budget < per_slot * (slots + self.scratch if self.scratch else 1):
+                wanted = f"{slots} requests' KV caches" if self.scratch else "one request's KV cache"
+                raise RuntimeError(f"{wanted} at {capacity} positions ({per_slot * (slots if self.scratch else 1) / 2**20:.0f} MB) "
+                                   f"do not fit the GPU's free memory ({free / 2**20:.0f} MB)")
+            if not self.scratch:  # a step's pool holds exactly its slots; a ragged one as many as fit
+                slots = min(slots, budget // per_slot)
+        shape = (slots + self.scratch, heads, capacity, head_dim)
         self.keys = [self._zeros(shape, width) for _ in range(layers)]
         self.values = [self._zeros(shape, width) for _ in range(layers)]
         self.slots, self.capacity = slots, capacity
+
+    @property
+    def scratch_slot(self) -> int:
+        """The slot a step's padding rows write (a pool made with `scratch`)."""
+        return self.slots
 
     def _zeros(self, shape: tuple[int, ...], width: int) -> torch.Tensor:
         if self.device.type != "cpu" or LAZY_MAP_FLAGS is None:
@@ -297,23 +395,135 @@ class BatchedLlama:
 
     @staticmethod
     def supports(model, device: torch.device) -> bool:
-        return LeanLlama.supports(model, device, DEVICES)
+        return unsupported(model, torch.device(device)) is None
 
     def __init__(self, model) -> None:
-        lean = LeanLlama(model)  # the weights, in the order and dtypes of transformers' forward
-        self.layers = lean.layers
-        self.heads, self.kv_heads, self.head_dim = lean.heads, lean.kv_heads, lean.head_dim
-        self.scaling = lean.scaling
-        self.limit = lean.limit
-        self.embed = lean.embed
-        self.dtype = lean.dtype
+        config, base = model.config, model.model
+        # large projections move to oneDNN where it verifies a block faster (block_linear);
+        # a head tied to the embedding keeps the dense tensor the embedding reads
+        for layer in base.layers:
+            for module in layer_projections(layer):
+                pack(module)
+        pack(model.lm_head, keep_dense=model.lm_head.weight is base.embed_tokens.weight)
+        self.heads = config.num_attention_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.scaling = self.head_dim**-0.5
+        self.limit = getattr(config, "max_position_embeddings", None)
+        self.embed = base.embed_tokens.weight.detach()
+        self.dtype = self.embed.dtype
         self.device = self.embed.device
-        self.norm_weight, self.norm_eps = lean.norm_weight, lean.norm_eps
-        self.lm_head = lean.lm_head
-        self.cos, self.sin = lean.cos, lean.sin
+        self.layers = []
+        for layer in base.layers:
+            q, k, v, o, gate, up, down = (linear_function(m) for m in layer_projections(layer))
+            self.layers.append((layer.input_layernorm.weight.detach(), q, k, v, o, layer.post_attention_layernorm.weight.detach(), gate, up, down,
+                                layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon))
+        self.windows = layer_windows(config)
+        self.hidden_size = self.embed.shape[-1]
+        self.vocab_size = config.vocab_size
+        self.norm_weight, self.norm_eps = base.norm.weight.detach(), base.norm.variance_epsilon
+        self.lm_head = linear_function(model.lm_head)
+        # transformers: freqs = position[..., None].float() * inv_freq; emb = cat(freqs, freqs); cos = emb.cos() * scaling
+        inv_freq = base.rotary_emb.inv_freq.float()
+        positions = torch.arange(self.limit or DEFAULT_CONTEXT, dtype=torch.long, device=inv_freq.device)  # beside the weights
+        freqs = positions[:, None].float() * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        scale = base.rotary_emb.attention_scaling
+        self.cos = (emb.cos() * scale).to(self.dtype)  # [P, D]
+        self.sin = (emb.sin() * scale).to(self.dtype)
+
+    def new_pool(self, slots: int, max_tokens: int, context: int | None = None) -> SlotCache:
+        """A step's KV pool, allocated now: `slots` requests (and the scratch slot), each holding `context` positions
+        (default: the model's) and a block of `max_tokens`."""
+        pool = SlotCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype, min(context or self.limit or DEFAULT_CONTEXT,
+                         self.limit or DEFAULT_CONTEXT), slots, self.device, margin=max_tokens, scratch=True)
+        pool.allocate()
+        return pool
+
+    def bytes_per_slot(self, max_tokens: int, context: int | None = None) -> int:
+        """One slot of `new_pool`'s pool."""
+        capacity = min(context or self.limit or DEFAULT_CONTEXT, self.limit or DEFAULT_CONTEXT) + max_tokens
+        return 2 * len(self.layers) * self.kv_heads * self.head_dim * capacity * torch.tensor([], dtype=self.dtype).element_size()
+
+    def step(self, pool: SlotCache, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, span: int,
+             ancestors: torch.Tensor | None = None, tree_start: torch.Tensor | None = None,
+             features: torch.Tensor | None = None) -> torch.Tensor:
+        """The static-shape forward of the round that stays on the device (polyspec.workers.tiers.static_tier): logits
+        [B, T, V] (model dtype, on the device) of every token of `ids` [B, T]; see `step_hidden`. `features`
+        [slots + 1, capacity, H] (chains only): each token's last hidden state, after the final norm (what the LM head
+        reads, what a feature head below reads: static_feature), is written at [its slot, its position]."""
+        normed = rms_norm(self.step_hidden(pool, F.embedding(ids, self.embed), positions, slots, span, ancestors, tree_start),
+                          self.norm_weight, self.norm_eps)  # [B, T, H]
+        if features is not None:
+            assert ancestors is None, "a feature head reads a chain's features"
+            features[slots[:, None].expand(positions.shape), positions] = normed
+        return self.lm_head(normed)
+
+    def step_hidden(self, pool: SlotCache, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, span: int,
+                    ancestors: torch.Tensor | None = None, tree_start: torch.Tensor | None = None) -> torch.Tensor:
+        """The decoder layers' output [B, T, H] (before the final norm) over the input vectors `x` [B, T, H] of a
+        row's tokens (their embeddings; a feature head's fused inputs). Every argument's shape is static in a bucket
+        and nothing here reads a tensor's value on the host, so a step replays as a CUDA graph (or compiles whole):
+        row b writes its T tokens' keys and values into slot `slots[b]` at `positions[b]` and attends to that slot's
+        first `span` positions, up to its own (padding rows write the pool's scratch slot).
+
+        `ancestors` [B, T, C] bool (C >= T): every row's new tokens are the last T of its C tree columns,
+        cached one after the other from position `tree_start` [B] on (default: positions[:, 0], with
+        C = T: the new tokens are the whole tree). New token t sees its slot's positions before the tree
+        and the tree columns c with ancestors[b, t, c] (itself and its ancestors: `tree.tree_allowed`'s
+        rule, a chain being the lower triangle); it is cached at tree_start + C - T + t. `positions` are
+        then rotary positions only (prefix length + depth). With C > T the first C - T columns are a
+        tree's earlier levels, cached by earlier calls (a drafter growing its tree one level a step)."""
+        rows, width = x.shape[:2]
+        rotary = positions.clamp_max(self.cos.shape[0] - 1)  # a padding column may run past the table
+        cos, sin = self.cos[rotary][:, :, None], self.sin[rotary][:, :, None]  # [B, T, 1, D]
+        visible = torch.arange(span, device=x.device)
+        if ancestors is None:
+            mask = (visible[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, span]
+        else:
+            columns = ancestors.shape[-1]
+            first = positions[:, :1] if tree_start is None else tree_start[:, None]  # [B, 1] the tree's first cache position
+            # from here on `positions` are where the new tokens are cached: siblings share a position, never a cache column
+            positions = first + (columns - width) + torch.arange(width, device=x.device)  # [B, T]
+            tree_index = visible[None, :] - first  # [B, span] a column's index among the row's tree columns (< 0: context)
+            sees_tree = ancestors.gather(2, tree_index.clamp(0, columns - 1)[:, None, :].expand(rows, width, span))  # [B, T, S]
+            mask = ((tree_index < 0)[:, None, :] | (sees_tree & (tree_index < columns)[:, None, :]))[:, None]  # [B, 1, T, span]
+        write_slots = slots[:, None].expand(rows, width)  # [B, T]
+
+        def store(index: int, k: torch.Tensor, v: torch.Tensor) -> None:  # [B, T, kv_heads, D] into [slot, :, position]
+            pool.keys[index][write_slots, :, positions] = k
+            pool.values[index][write_slots, :, positions] = v
+
+        def attend(index: int, q: torch.Tensor) -> torch.Tensor:  # [B, T, heads, D] -> [B, T, heads * D]
+            key = pool.keys[index][:, :, :span].index_select(0, slots)  # [B, kv_heads, span, D]: only the span is copied
+            value = pool.values[index][:, :, :span].index_select(0, slots)
+            attn = grouped_attention(q.transpose(1, 2), key, value, mask, self.scaling)  # [B, heads, T, D]
+            return attn.transpose(1, 2).reshape(rows, width, -1)
+
+        return self.decoder(x, cos, sin, store, attend)
 
     def new_cache(self, max_slots: int | None = None) -> SlotCache:
         return SlotCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.limit, max_slots, self.device)
+
+    def decoder(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, store, attend) -> torch.Tensor:
+        """The decoder layers over the input vectors `x` [*lead, H] (the ragged forward's packed tokens [N], or a
+        step's [B, T]), with rotary tables `cos` / `sin` [*lead, 1, D]; the layers' output [*lead, H] (before the
+        final norm). Where keys and values go and what a query attends to is the caller's: `store(layer, k, v)` writes
+        a layer's new keys / values [*lead, kv_heads, D] into the KV pool, `attend(layer, q)` turns its queries
+        [*lead, heads, D] into the attention output [*lead, heads * D]."""
+        shape = (*x.shape[:-1], -1, self.head_dim)
+        for index, (w_in, q_proj, k_proj, v_proj, o_proj, w_post, gate, up, down, eps_in, eps_post) in enumerate(self.layers):
+            h = rms_norm(x, w_in, eps_in)
+            q = q_proj(h).view(shape)  # [*lead, heads, D]
+            k = k_proj(h).view(shape)  # [*lead, kv_heads, D]
+            v = v_proj(h).view(shape)
+            q = (q * cos) + (rotate_half(q) * sin)
+            k = (k * cos) + (rotate_half(k) * sin)
+            store(index, k, v)
+            x = x + o_proj(attend(index, q))
+            h = rms_norm(x, w_post, eps_post)
+            x = x + down(F.silu(gate(h)) * up(h))
+        return x
 
     @torch.inference_mode()
     def forward(self, cache: SlotCache, slots: list[int], tokens: list[list[int]], outputs: list[int],
@@ -327,7 +537,7 @@ class BatchedLlama:
         (one copy for all rows: the tiers sample there, with their CPU generators, as the
         one-sequence tier does). Slot lengths and tokens are updated.
 
-        A feature head's use (as `LeanLlama.forward`'s): `inputs[r]` [len(tokens[r]), H] are row r's
+        A feature head's use: `inputs[r]` [len(tokens[r]), H] are row r's
         layer inputs instead of its tokens' embeddings (the tokens are still what the slot records);
         `raw`: each row's last layer output (before the final norm) at those positions instead of
         logits, [len(tokens[r]) - outputs[r], H], on the model's device.
@@ -362,9 +572,6 @@ class BatchedLlama:
             mode = "view"  # the rows are exactly a slot range: attend over a view of the buffers
         elif hi - lo <= GATHER_SPAN_RATIO * rows:
             mode = "span"  # a view of the slot range; slots not in this call are idle rows
-            span_mask = torch.zeros(hi - lo, 1, width, end, dtype=torch.bool, device=device)
-            span_mask[:, :, :, 0] = True  # idle rows attend to something (their output is dropped)
-            span_mask[row_of] = mask
         else:
             mode = "gather"  # few rows far apart: copy their slots
         # Ragged blocks (rows of different lengths): every operation but attention runs on the real
@@ -372,6 +579,22 @@ class BatchedLlama:
         # attention on them scattered into the padded [B, W] layout. Padding a row of one token to
         # a drafted row's 5 cost the projections 5x that row's work. Rows of one length run padded-free as they are.
         packed = sum(counts) < rows * width
+        # one chain row (a single request's round): its block is written as a slice, and its lone token needs no mask
+        single = rows == 1 and not trees and not packed
+        masks = {None: None if single and width == 1 and mode == "view" else mask}
+        for window in set(self.windows) - {None}:  # sliding-window layers: keys within `window` positions of the query
+            key_positions = torch.arange(end, device=device).expand(rows, end).clone()  # [B, end]
+            for r, layout in trees:
+                if layout.key_positions is not None:
+                    key_positions[r, : len(layout.key_positions)] = torch.tensor(layout.key_positions, device=device)
+            near = (positions[:, :, None] - key_positions[:, None, :]) < window  # [B, W, end]
+            masks[window] = mask & near[:, None]
+        if mode == "span":
+            for window, allowed in masks.items():
+                spread = torch.zeros(hi - lo, 1, width, end, dtype=torch.bool, device=device)
+                spread[:, :, :, 0] = True  # idle rows attend to something (their output is dropped)
+                spread[row_of] = allowed
+                masks[window] = spread
         if packed:
             real = torch.tensor([r * width + j for r in range(rows) for j in range(counts[r])], dtype=torch.long, device=device)
             lead: tuple[int, ...] = (len(real),)
@@ -388,46 +611,42 @@ class BatchedLlama:
             x = F.embedding(token_ids, self.embed)  # [*lead, H*D]
         else:  # packed: the rows one after the other; else every row is `width` long
             x = torch.cat(inputs) if packed else torch.stack(inputs)  # [*lead, H*D]
-        shape = (*lead, -1, self.head_dim)
-        for index, (w_in, q_proj, k_proj, v_proj, o_proj, w_post, gate, up, down, eps_in, eps_post) in enumerate(self.layers):
-            h = rms_norm(x, w_in, eps_in)
-            q = q_proj(h).view(shape)  # [*lead, heads, D]
-            k = k_proj(h).view(shape)
-            v = v_proj(h).view(shape)
-            q = (q * cos) + (rotate_half(q) * sin)
-            k = (k * cos) + (rotate_half(k) * sin)
+        def store(index: int, k: torch.Tensor, v: torch.Tensor) -> None:  # k, v: [*lead, kv_heads, D]
             keys, values = cache.keys[index], cache.values[index]
-            keys[write_slots, :, write_at] = k  # [*lead, kv_heads, D] into [slot, :, position]
-            values[write_slots, :, write_at] = v
+            if single:
+                keys[lo, :, starts[0]: starts[0] + width] = k[0].transpose(0, 1)  # [kv_heads, W, D]
+                values[lo, :, starts[0]: starts[0] + width] = v[0].transpose(0, 1)
+            else:
+                keys[write_slots, :, write_at] = k  # into [slot, :, position]
+                values[write_slots, :, write_at] = v
+
+        def attend(index: int, q: torch.Tensor) -> torch.Tensor:  # q: [*lead, heads, D] -> [*lead, heads * D]
+            keys, values, mask = cache.keys[index], cache.values[index], masks[self.windows[index]]
             if packed:
                 q = q.new_zeros(rows * width, *q.shape[1:]).index_copy_(0, real, q).view(rows, width, -1, self.head_dim)
             q = q.transpose(1, 2)  # [B, heads, W, D]
             if mode == "gather":
                 key = keys[:, :, :end].index_select(0, slot_t)
                 value = values[:, :, :end].index_select(0, slot_t)
-                q_in, attn_mask = q, mask
             else:
                 key, value = keys[lo:hi, :, :end], values[lo:hi, :, :end]
-                if mode == "view":
-                    q_in, attn_mask = q, mask
-                else:
-                    q_in = q.new_zeros(hi - lo, *q.shape[1:])
-                    q_in[row_of] = q
-                    attn_mask = span_mask
-            if q_in.is_cuda:
+                if mode == "span":
+                    spread = q.new_zeros(hi - lo, *q.shape[1:])
+                    spread[row_of] = q
+                    q = spread
+            if q.is_cuda:
                 # not cuDNN attention: it builds an execution plan per new shape, and a batched
                 # round's shapes change every step (KV length, ragged blocks): ~8 ms of host time a call
                 with sdpa_kernel(GPU_ATTENTION):
-                    attn = grouped_attention(q_in, key, value, attn_mask, self.scaling)
+                    attn = grouped_attention(q, key, value, mask, self.scaling)
             else:
-                attn = grouped_attention(q_in, key, value, attn_mask, self.scaling)
+                attn = grouped_attention(q, key, value, mask, self.scaling)
             if mode == "span":
                 attn = attn[row_of]
             attn = attn.transpose(1, 2).reshape(rows * width, -1)
-            attn = attn.index_select(0, real) if packed else attn.view(rows, width, -1)
-            x = x + o_proj(attn)
-            h = rms_norm(x, w_post, eps_post)
-            x = x + down(F.silu(gate(h)) * up(h))
+            return attn.index_select(0, real) if packed else attn.view(rows, width, -1)
+
+        x = self.decoder(x, cos, sin, store, attend)
         for slot, row_tokens in zip(slots, tokens):
             cache.tokens[slot].extend(row_tokens)
         # where each row's tokens begin in x's rows

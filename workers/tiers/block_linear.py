@@ -14,8 +14,7 @@ the module (`PACKED`) and the dense weight is released (an LM head tied to the e
 keeps its dense tensor, which the embedding reads). Weights that `from_pretrained` maps from
 a safetensors file stay mapped as clean page cache, which the kernel reclaims under memory
 pressure; only the oneDNN copies are the process's own memory. From then on the model runs only
-through polyspec's lean forward, which every CPU model tier of a supported architecture
-uses anyway.
+through polyspec's forward (batched_llama), which every model tier uses.
 
 Which backend is faster depends on the CPU, the BLAS and the thread count, so it is
 measured once per weight shape, on the machine that runs the model, for a block and for one
@@ -113,9 +112,10 @@ def pack(module, keep_dense: bool = False) -> None:
 def linear_of(module):
     """`module(x)` for a float `Linear`, through its oneDNN weight when `pack` moved it."""
     packed = getattr(module, PACKED, None)
-    bias = module.bias
+    # detached: a step writes its KV pool in place and must never make it part of an autograd graph
+    bias = None if module.bias is None else module.bias.detach()
     if packed is None:
-        weight = module.weight
+        weight = module.weight.detach()
         return lambda x: F.linear(x, weight, bias)
     onednn_linear = torch.ops.aten.mkldnn_linear.default
 

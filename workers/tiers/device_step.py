@@ -37,7 +37,7 @@ from polyspec.workers.core.device_verify import (
     warp_batch,
 )
 from polyspec.workers.core.sampling import SamplingParams
-from polyspec.workers.tiers.static_llama import KVPool, StaticLlama
+from polyspec.workers.tiers.batched_llama import BatchedLlama, SlotCache
 
 MAX_BLOCK_TOKENS = 32  # the longest block (the most tree nodes) a step verifies (each slot keeps room for it past the context)
 SLOT_MARGIN = MAX_BLOCK_TOKENS + 2  # positions a slot holds past its context: a block, its root, a drafter's re-fed token
@@ -123,14 +123,14 @@ def sampling_mode(params: list[SamplingParams]) -> str:
     return TRUNCATED if any(p.top_k > 0 or p.top_p < 1.0 for p in params) else PLAIN
 
 
-def target_step(model: StaticLlama, pool: KVPool, ids, positions, slots, span: int, mode: str, temperature, top_k, top_p, greedy,
+def target_step(model: BatchedLlama, pool: SlotCache, ids, positions, slots, span: int, mode: str, temperature, top_k, top_p, greedy,
                 draft_tokens, draft_probs, num_draft, seeds, counters, features: torch.Tensor | None = None):
     """The target's step: forward of [B, k + 1] tokens, warp, verification. Returns
     (tokens [B, k + 1]: accepted drafts, then the correction / bonus token, then padding; num_accepted [B];
     rows [B, k + 1, V]: the warped float32 rows the emitted tokens are distributed as — the logits when
     every request is greedy, whose rows nobody reads). `features`: the buffer the forward writes its last
-    hidden states into, for a feature head below (`StaticLlama.forward`)."""
-    logits = model.forward(pool, ids, positions, slots, span, features=features)  # [B, k + 1, V]
+    hidden states into, for a feature head below (`BatchedLlama.step`)."""
+    logits = model.step(pool, ids, positions, slots, span, features=features)  # [B, k + 1, V]
     rows, width, vocab = logits.shape
     block = width - 1
     cu_num_draft = torch.arange(rows + 1, device=ids.device) * block  # the padded layout: k slots per request
@@ -149,14 +149,14 @@ def target_step(model: StaticLlama, pool: KVPool, ids, positions, slots, span: i
     return tokens, num_accepted, target_probs.view(rows, width, vocab)
 
 
-def target_tree_step(model: StaticLlama, pool: KVPool, ids, positions, slots, span: int, mode: str, scheme: str, max_depth: int,
+def target_tree_step(model: BatchedLlama, pool: SlotCache, ids, positions, slots, span: int, mode: str, scheme: str, max_depth: int,
                      max_width: int, temperature, top_k, top_p, greedy, ancestors, node_tokens, parents, num_nodes, draft_probs,
                      seeds, counters):
     """The verifier's step over draft trees: forward of [B, N + 1] tokens (the root, then the nodes; `ancestors`
     [B, N + 1, N + 1]), warp, `verify_trees` (`scheme`; the tree layout of device_tree_verify). Returns
     (verdicts [B, max_depth + 2]: the accepted path's node indices (PLACEHOLDER_NODE past its length), its
     length, the next token; rows [B, N + 1, V] as `target_step`'s)."""
-    logits = model.forward(pool, ids, positions, slots, span, ancestors)  # [B, N + 1, V]
+    logits = model.step(pool, ids, positions, slots, span, ancestors)  # [B, N + 1, V]
     rows, width, vocab = logits.shape
     if mode == GREEDY:
         path, path_len, next_tokens = verify_greedy_trees(logits, node_tokens, parents, num_nodes, max_depth, max_width)
@@ -169,7 +169,7 @@ def target_tree_step(model: StaticLlama, pool: KVPool, ids, positions, slots, sp
     return torch.cat([path, path_len[:, None], next_tokens[:, None]], dim=1), target_rows
 
 
-def tree_root_step(model: StaticLlama, pool: KVPool, ids, positions, slots, span: int, mode: str, width: int,
+def tree_root_step(model: BatchedLlama, pool: SlotCache, ids, positions, slots, span: int, mode: str, width: int,
                    without_replacement: bool, temperature, top_k, top_p, greedy, seeds, counters, confidence: bool = False):
     """A tree drafter's first step: forward, warp of the last column, and the root's `width` candidates per request
     (`tier.first_candidates`' rules): the top `width` logits when greedy; else drawn from the request's stream
@@ -178,7 +178,7 @@ def tree_root_step(model: StaticLlama, pool: KVPool, ids, positions, slots, span
     a candidate without replacement past the row's support, these come last; probs [B, V], the logits when greedy).
     `confidence` (a static choice): a fourth output, the root row's top probability at temperature 1 [B] (an early
     exit's signal, as `draft_step`'s)."""
-    logits = model.forward(pool, ids, positions, slots, span)[:, -1]  # [B, V]
+    logits = model.step(pool, ids, positions, slots, span)[:, -1]  # [B, V]
     top = logits.topk(width, dim=-1).indices  # [B, W]
     confident = (_confidence(logits),) if confidence else ()
     if mode == GREEDY:
@@ -196,14 +196,14 @@ def tree_root_step(model: StaticLlama, pool: KVPool, ids, positions, slots, span
     return tokens, greedy[:, None] | (probs.gather(1, tokens) > 0), probs, *confident
 
 
-def tree_level_step(model: StaticLlama, pool: KVPool, ids, positions, slots, span: int, mode: str, ancestors, tree_start,
+def tree_level_step(model: BatchedLlama, pool: SlotCache, ids, positions, slots, span: int, mode: str, ancestors, tree_start,
                     temperature, top_k, top_p, greedy, seeds, counters, confidence: bool = False):
     """One more level of every request's tree: forward of its W frontier nodes (`ancestors` [B, W, C] over the
     tree's C columns so far, cached from `tree_start` [B]), warp of each, and one child per node drawn from the
     request's stream (DOMAIN_DRAFT, round `counters`, node w's draws w * V ..). Returns (tokens [B, W],
     probs [B, W, V]; the logits when greedy). `confidence` (a static choice): a third output, the most confident
     of each request's W rows [B] (an early exit grows the tree on while any branch is sure: `ModelTier.draft_tree`)."""
-    logits = model.forward(pool, ids, positions, slots, span, ancestors, tree_start)  # [B, W, V]
+    logits = model.step(pool, ids, positions, slots, span, ancestors, tree_start)  # [B, W, V]
     confident = (_confidence(logits).amax(dim=-1),) if confidence else ()
     if mode == GREEDY:
         return logits.argmax(dim=-1), logits.float(), *confident
@@ -224,13 +224,13 @@ def _per_row(values: torch.Tensor, width: int) -> torch.Tensor:
     return values[:, None].expand(values.shape[0], width).reshape(-1)
 
 
-def draft_step(model: StaticLlama, pool: KVPool, ids, positions, slots, span: int, mode: str, temperature, top_k, top_p, greedy, seeds,
+def draft_step(model: BatchedLlama, pool: SlotCache, ids, positions, slots, span: int, mode: str, temperature, top_k, top_p, greedy, seeds,
                draw_counters, confidence: bool = False):
     """A drafter's step: forward, warp of the last column, one draw per request. Returns (tokens [B], probs [B, V];
     all-greedy steps return the logits instead of probabilities: the target's greedy verification reads none).
     `confidence` (a static choice): a third output, each row's top probability at temperature 1 [B], the signal of
     an early exit (`tier.confidence`: BiLD's fallback)."""
-    logits = model.forward(pool, ids, positions, slots, span)[:, -1]  # [B, V]
+    logits = model.step(pool, ids, positions, slots, span)[:, -1]  # [B, V]
     return draw_next(logits, mode, temperature, top_k, top_p, greedy, seeds, draw_counters, confidence)
 
 

@@ -15,7 +15,7 @@ Two kinds, both trained by `polyspec train-draft` (polyspec.harness.train_draft)
   confidence of the logits do not pull on the same vector.
 - **early_exit** (Kangaroo): the target's first L layers (shared, not copied) plus one
   trained adapter layer and norm before the target's LM head. It is a Llama model with
-  L + 1 layers, so it runs as an ordinary `ModelTier` (lean forward, KV rollback,
+  L + 1 layers, so it runs as an ordinary model tier (the one forward, KV rollback,
   trees); its tier stops a block when its confidence drops (`ModelTier.exit_threshold`).
 
 A checkpoint is a directory holding `drafter.json` (kind, shape, the target it was

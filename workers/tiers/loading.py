@@ -20,6 +20,7 @@ import torch
 
 from polyspec.workers.core.errors import ModelLoadError
 from polyspec.workers.core.heartbeat import heartbeat
+from polyspec.workers.tiers.batched_llama import unsupported
 from polyspec.workers.tiers.fp8_linear import fp8_problem, quantize_fp8
 from polyspec.workers.tiers.model_cache import fetch_hint
 from polyspec.workers.tiers.tier import ModelTier, NGramTier, Tier
@@ -314,9 +315,11 @@ def load_model_tier(tier, vocab_size: int | None = None) -> ModelTier:
     model = load_model(tier)
     head = model.get_output_embeddings()
     out_features = getattr(head, "out_features", None) or model.config.vocab_size  # a float, an int8 or an fp8 Linear
-    loaded = ModelTier(tier.name, model, vocab_size or out_features, resolve_device(tier.device), tier.threads)
-    return_freed_memory()  # after ModelTier, whose lean forward may move weights to oneDNN
-    return loaded
+    device = resolve_device(tier.device)
+    why = unsupported(model, torch.device(device))
+    if why is not None:
+        raise ModelLoadError(f"tier {tier.name!r}: {tier.model}: {why}")
+    return ModelTier(tier.name, model, vocab_size or out_features, device, tier.threads)
 
 
 def check_vocabularies(tokenizers: dict) -> None:

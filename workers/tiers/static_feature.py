@@ -34,10 +34,9 @@ import torch.nn.functional as F
 
 from polyspec.workers.core.sampling import SamplingParams, warp_logits
 from polyspec.workers.core.tree import DraftTree
-from polyspec.workers.tiers.batched_llama import rms_norm
+from polyspec.workers.tiers.batched_llama import BatchedLlama, SlotCache, linear_function, rms_norm
 from polyspec.workers.tiers.device_step import GREEDY, bucket, draw_next, sampling_mode
 from polyspec.workers.tiers.feature_tier import head_trunk
-from polyspec.workers.tiers.static_llama import KVPool, StaticLlama, project, projection_of
 from polyspec.workers.tiers.static_tier import StaticModelTier
 
 MAX_TAIL = 32  # the widest first step: a longer tail (a long run of verified drafts) is fed eagerly before it
@@ -45,22 +44,23 @@ MAX_TAIL = 32  # the widest first step: a longer tail (a long run of verified dr
 
 class StaticFeatureHead:
     """`FeatureHead`'s forward (polyspec.workers.tiers.drafters) for static-shape batches: its decoder layer a
-    `StaticLlama` trunk on a KV pool of its own; the target's embeddings and LM head."""
+    trunk stepped by the one forward (`BatchedLlama.step_hidden`) on a KV pool of its own; the target's embeddings and
+    LM head."""
 
-    def __init__(self, head, target: StaticLlama) -> None:
+    def __init__(self, head, target: BatchedLlama) -> None:
         head.to(target.device)
-        self.trunk = StaticLlama(head_trunk(head))
+        self.trunk = BatchedLlama(head_trunk(head))
         self.sampling, self.decoupled = head.sampling, head.decoupled
-        self.fc = projection_of(head.fc)
+        self.fc = linear_function(head.fc)
         self.feature_norm = (head.feature_norm.weight.detach(), head.feature_norm.variance_epsilon)
         if head.decoupled:
             self.logit_norm = (head.logit_norm.weight.detach(), head.logit_norm.variance_epsilon)
-            self.logit_adapter = projection_of(head.logit_adapter)
+            self.logit_adapter = linear_function(head.logit_adapter)
         self.embed, self.lm_head = target.embed, target.lm_head
         self.vocab_size, self.limit, self.device = target.vocab_size, target.limit, target.device
         self.dtype, self.hidden_size = self.trunk.dtype, self.trunk.hidden_size
 
-    def new_pool(self, slots: int, max_tokens: int, context: int | None = None) -> KVPool:
+    def new_pool(self, slots: int, max_tokens: int, context: int | None = None) -> SlotCache:
         return self.trunk.new_pool(slots, max_tokens, context)
 
     def bytes_per_slot(self, max_tokens: int, context: int | None = None) -> int:
@@ -68,21 +68,21 @@ class StaticFeatureHead:
         capacity = min(context or self.limit, self.limit) + max_tokens
         return self.trunk.bytes_per_slot(max_tokens, context) + 2 * capacity * self.hidden_size * self.embed.element_size()
 
-    def forward(self, pool: KVPool, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, span: int,
+    def forward(self, pool: SlotCache, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, span: int,
                 inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits [B, T, V], predicted features [B, T, H]) of the tokens `ids` [B, T], each read with `inputs` [B, T, H],
-        the feature of its previous position (`FeatureHead.forward` then the target's LM head, as FeatureTier)."""
+        the feature of its previous position (`FeatureHead.forward` then the target's LM head, as the ragged head)."""
         embeds = F.embedding(ids, self.embed).to(self.dtype)  # [B, T, H]
         parts = [inputs, embeds] + ([inputs * embeds] if self.sampling else [])
-        trunk = self.trunk.hidden_states(pool, project(torch.cat(parts, dim=-1), self.fc), positions, slots, span)  # [B, T, H]
+        trunk = self.trunk.step_hidden(pool, self.fc(torch.cat(parts, dim=-1)), positions, slots, span)  # [B, T, H]
         feature = rms_norm(trunk, *self.feature_norm)
         if not self.decoupled:
-            return project(feature, self.lm_head), feature
+            return self.lm_head(feature), feature
         logit_input = rms_norm(trunk, *self.logit_norm)
-        return project(logit_input + project(logit_input, self.logit_adapter), self.lm_head), feature
+        return self.lm_head(logit_input + self.logit_adapter(logit_input)), feature
 
 
-def feature_forward(head: StaticFeatureHead, pool: KVPool, ids, positions, slots, span: int, real_limit, source_slots, *,
+def feature_forward(head: StaticFeatureHead, pool: SlotCache, ids, positions, slots, span: int, real_limit, source_slots, *,
                     real_features: torch.Tensor, predicted: torch.Tensor) -> torch.Tensor:
     """The head's forward of `ids` [B, T] at `positions` [B, T], each token reading the feature of its previous position:
     the target's (`real_features` [S + 1, C, H] at [source_slots[b], p - 1]) where p - 1 < real_limit[b], else the head's
@@ -98,7 +98,7 @@ def feature_forward(head: StaticFeatureHead, pool: KVPool, ids, positions, slots
     return logits
 
 
-def feature_logits_step(head: StaticFeatureHead, pool: KVPool, ids, positions, slots, span: int, last, real_limit, source_slots,
+def feature_logits_step(head: StaticFeatureHead, pool: SlotCache, ids, positions, slots, span: int, last, real_limit, source_slots,
                         *, real_features: torch.Tensor, predicted: torch.Tensor) -> torch.Tensor:
     """`feature_forward`, then each row's logits [B, V] at its column `last[b]` (its last real token; columns past it pad
     a shorter tail)."""
@@ -107,7 +107,7 @@ def feature_logits_step(head: StaticFeatureHead, pool: KVPool, ids, positions, s
     return logits.gather(1, last[:, None, None].expand(-1, 1, logits.shape[-1]))[:, 0]
 
 
-def feature_draft_step(head: StaticFeatureHead, pool: KVPool, ids, positions, slots, span: int, mode: str, temperature, top_k,
+def feature_draft_step(head: StaticFeatureHead, pool: SlotCache, ids, positions, slots, span: int, mode: str, temperature, top_k,
                        top_p, greedy, seeds, draw_counters, last, real_limit, source_slots, *, real_features: torch.Tensor,
                        predicted: torch.Tensor):
     """The head's drafting step: `feature_logits_step`, then `draft_step`'s warp and draw. Returns (tokens [B],

@@ -1,4 +1,4 @@
-"""A model tier on the round that stays on the device: `StaticLlama` over a `KVPool` allocated once.
+"""A model tier on the round that stays on the device: the one forward's static step over a KV pool allocated once.
 
 `StaticModelTier` is a batched tier (polyspec.workers.tiers.batched) like `BatchedModelTier`, so the
 one round (polyspec.orchestrator.decode.scheduler.ChainScheduler) runs it at any level of a chain:
@@ -66,7 +66,7 @@ from polyspec.workers.tiers.device_step import (  # noqa: F401 (MAX_BLOCK_TOKENS
     tree_level_step,
     tree_root_step,
 )
-from polyspec.workers.tiers.static_llama import StaticLlama
+from polyspec.workers.tiers.batched_llama import BatchedLlama, step_unsupported
 from polyspec.workers.tiers.static_trees import PendingTree, TreeSteps
 from polyspec.workers.tiers.tier import ModelTier, NGramTier
 
@@ -101,7 +101,7 @@ def _stream_key(generator, rounds: int = 1) -> tuple[int, int]:
 
 def misfit(tiers, lengths, tree_width: int) -> str | None:
     """Why the device round cannot run a chain of these (loaded) tiers; None when it can. Every model
-    tier must be a Llama / Qwen2 model `StaticLlama` runs (float or fp8 weights; int8 on the CPU); every other
+    tier must be a Llama / Qwen2 model the static step runs (float or fp8 weights; int8 on the CPU); every other
     tier the n-gram lookup, or a feature head drafting chains directly under the target (static_feature). An
     early-exit drafter is such a model (the target's first layers, shared, and its
     adapter: drafters.early_exit_model), its pool its own; its `exit_threshold` is `draft_batch`'s and
@@ -118,10 +118,10 @@ def misfit(tiers, lengths, tree_width: int) -> str | None:
                 return why
             continue
         model = getattr(tier, "model", None)
-        if not isinstance(tier, ModelTier) or not StaticLlama.supports(model, torch.device(getattr(tier, "device", "cpu"))):
+        if not isinstance(tier, ModelTier) or step_unsupported(model, torch.device(getattr(tier, "device", "cpu"))) is not None:
             return (f"tier {tier.name!r} is not a Llama / Qwen2 model with float or fp8 weights on the CPU or CUDA (int8: the CPU), "
                     f"nor an n-gram drafter")
-        if tier.keep_features and not (level == 0 and len(tiers) > 1 and isinstance(tiers[1], FeatureTier)):
+        if any(isinstance(head, FeatureTier) and head.source is tier for head in tiers[level + 2:]):
             return f"tier {tier.name!r} feeds a feature head that is not the tier below it, which the device round does not run"
     vocabularies = {tier.model.config.vocab_size for tier in tiers if isinstance(tier, ModelTier)}
     if len(vocabularies) > 1:
@@ -149,7 +149,7 @@ def _feature_misfit(tiers, tree_width: int) -> str | None:
         return f"tier {head.name!r} is a feature head over another tier than the target"
     if len(tiers) > 2 or tree_width > 1:
         return f"tier {head.name!r} is a feature head: on the device it drafts chains (tree_width 1) at the bottom of the chain"
-    if not StaticLlama.supports(head_trunk(head.head), torch.device(getattr(tiers[0], "device", "cpu"))):
+    if step_unsupported(head_trunk(head.head), torch.device(getattr(tiers[0], "device", "cpu"))) is not None:
         return f"tier {head.name!r} is a feature head whose decoder layer the device round does not run"
     return None
 
@@ -166,11 +166,11 @@ class StaticModelTier(TreeSteps, BatchedTier):
 
     profile_kind = "device"  # its start-up profile times these steps, not the ragged forward's
 
-    def __init__(self, tier: ModelTier, slots: int, context: int | None = None, model: StaticLlama | None = None) -> None:
+    def __init__(self, tier: ModelTier, slots: int, context: int | None = None, model: BatchedLlama | None = None) -> None:
         """`slots`: requests the pool holds at once; `context`: positions each holds (default: the model's);
-        `model`: the tier's StaticLlama when the caller has made it already."""
+        `model`: the tier's forward when the caller has made it already."""
         super().__init__(tier)
-        self.model = model if model is not None else StaticLlama(tier.model)
+        self.model = model if model is not None else BatchedLlama(tier.model)
         self.device = self.model.device
         self.pool = self.model.new_pool(slots, SLOT_MARGIN, context)
         self.max_context = min(x for x in (context, self.model.limit, tier.max_context) if x)
@@ -191,7 +191,7 @@ class StaticModelTier(TreeSteps, BatchedTier):
                                         device=self.device)
 
     @staticmethod
-    def bytes_per_request(model: StaticLlama, context: int | None) -> int:
+    def bytes_per_request(model: BatchedLlama, context: int | None) -> int:
         return model.bytes_per_slot(SLOT_MARGIN, context)
 
     @property
@@ -273,7 +273,7 @@ class StaticModelTier(TreeSteps, BatchedTier):
 
     def _eager_forward(self, slot: int, ids: torch.Tensor, positions: torch.Tensor, span: int) -> None:
         """One eager forward of a chunk [1, T] into `slot` (its KV, and its features where kept)."""
-        self.model.forward(self.pool, ids, positions, torch.tensor([slot], device=self.device), span, features=self.features)
+        self.model.step(self.pool, ids, positions, torch.tensor([slot], device=self.device), span, features=self.features)
 
     def prefill(self, seq_ids, contexts, budget: int) -> int:
         self._compact()
@@ -468,7 +468,7 @@ class StaticModelTier(TreeSteps, BatchedTier):
 
         def forward(ids, positions, slots, ancestors=None):
             features = None if trees else self.features  # (a feature head below reads a chain's)
-            return self.model.forward(self.pool, ids, positions, slots, span, ancestors, features=features)
+            return self.model.step(self.pool, ids, positions, slots, span, ancestors, features=features)
 
         self._set_threads()
         started = time.perf_counter()

@@ -128,7 +128,7 @@ class TreeSteps:
 
     def _tree_rows(self, contexts, blocks: list[DraftTree], rows: int, nodes: int) -> tuple[torch.Tensor, ...]:
         """ids and rotary positions [R, N + 1] and ancestors [R, N + 1, N + 1] of every request's [root, tree nodes]
-        (`StaticLlama.forward`'s tree rows: the root at its position, node j at prefix length + its depth, seeing the
+        (`BatchedLlama.step`'s tree rows: the root at its position, node j at prefix length + its depth, seeing the
         root and its ancestors); padding rows and columns see only themselves."""
         ids = self._column([[c[-1]] + b.tokens + [0] * (nodes - len(b)) for c, b in zip(contexts, blocks)], rows, torch.long,
                            [0] * (nodes + 1))

@@ -1,5 +1,5 @@
-"""The lean forward gives a Qwen2 model's transformers logits bit for bit (q / k / v biases,
-tied and untied LM heads, float32 / bfloat16 / int8), through every cache operation."""
+"""The one forward gives a Qwen2 model's transformers logits (q / k / v biases, tied and untied LM heads,
+float32 / bfloat16 / int8), through every cache operation (tests/workers/test_forward.py's script)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,10 @@ import pytest
 import torch
 
 from polyspec.orchestrator.config import TierConfig
-from polyspec.workers.tiers.lean_llama import LeanLlama
+from polyspec.workers.tiers.batched_llama import BatchedLlama
 from polyspec.workers.tiers.loading import load_model_tier
-from polyspec.workers.tiers.tier import ModelTier
 
-from tests.workers.test_lean_llama import script
+from tests.workers.test_forward import compare
 
 
 def make_qwen2(path, tied: bool, sliding: bool = False) -> str:
@@ -60,22 +59,19 @@ def test_the_random_biases_reach_the_logits(qwen2_dirs):
 
 
 @pytest.mark.parametrize("tied", [True, False])
-@pytest.mark.parametrize("dtype,quantize", [("float32", None), ("bfloat16", None), ("float32", "int8")])
-def test_lean_matches_transformers_on_qwen2(qwen2_dirs, tied, dtype, quantize):
-    lean = load_model_tier(TierConfig(name="lean", model=qwen2_dirs[tied], dtype=dtype, quantize=quantize))
-    plain = ModelTier("plain", lean.model, lean.vocab_size, lean.device, lean.threads, lean=False)
-    assert type(lean.model).__name__ == "Qwen2ForCausalLM"
-    assert lean._lean is not None and lean._lean.groups == 2
+@pytest.mark.parametrize("dtype,quantize,atol", [("float32", None, 1e-5), ("bfloat16", None, 2e-2), ("float32", "int8", 5e-2)])
+def test_the_forward_matches_transformers_on_qwen2(qwen2_dirs, tied, dtype, quantize, atol):
     if tied and quantize is None:
-        assert lean.model.lm_head.weight is lean.model.model.embed_tokens.weight
-    for got, want in zip(script(lean), script(plain), strict=True):
-        assert torch.equal(got, want)
+        tier = load_model_tier(TierConfig(name="t", model=qwen2_dirs[tied], dtype=dtype))
+        assert type(tier.model).__name__ == "Qwen2ForCausalLM"
+        assert tier.model.lm_head.weight is tier.model.model.embed_tokens.weight
+    compare(qwen2_dirs[tied], dtype, quantize, atol)
 
 
-def test_qwen2_sliding_window_layers_keep_the_transformers_forward(tmp_path):
+def test_qwen2_sliding_window_layers_run_on_the_one_forward(tmp_path):
+    """(Greedy equality across the window, chains and trees: tests/workers/test_sliding_window.py.)"""
     tier = load_model_tier(TierConfig(name="t", model=make_qwen2(tmp_path / "sliding", tied=True, sliding=True)))
-    assert not LeanLlama.supports(tier.model, tier.device)
-    assert tier._lean is None
+    assert BatchedLlama(tier.model).windows == [16, 16]
 
 
 def test_an_untied_copy_of_the_embedding_is_tied_again(tmp_path):

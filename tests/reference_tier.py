@@ -1,0 +1,176 @@
+"""The slow, obvious reference for the one forward: transformers' own forward over one sequence.
+
+`ReferenceTier` runs a model's `forward` (transformers, on its `DynamicCache`) for one request at a
+time: the uncached tail of a context plus a block, a draft tree under a 4-D tree mask with per-node
+positions, the accepted path kept afterwards. It answers the runtime tier's questions
+(`score_batch`, `draft_batch`, `draft_tree_batch`, `accept_path`) row by row, so a test can put it
+beside polyspec's model tier and compare logits, drafts and trees. Nothing in the runtime uses it.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from polyspec.workers.core.sampling import warp_logits
+from polyspec.workers.core.tree import DraftTree, grow_level, tree_attention_mask
+from polyspec.workers.tiers.tier import first_candidates
+
+
+def hidden_states(model, tokens: list[int]) -> torch.Tensor:
+    """The last hidden states after the final norm (what the LM head reads) of every position, from scratch; [T, H]."""
+    with torch.inference_mode():
+        return model.model(torch.tensor([tokens])).last_hidden_state[0].float()
+
+
+class _Sequence:
+    def __init__(self, model) -> None:
+        self.kv = DynamicCache(config=model.config)
+        self.tokens: list[int] = []
+        self.tree_prefix: int | None = None  # linear length under an unaccepted tree
+        self.node_slots: dict[int, int] = {}
+
+
+class ReferenceTier:
+    """transformers' forward, one sequence per call (see the module docstring)."""
+
+    def __init__(self, model, vocab_size: int | None = None) -> None:
+        self.model = model.eval()
+        self.vocab_size = vocab_size or model.config.vocab_size
+        self.dtype = next(model.parameters()).dtype
+        self.sequences: dict[object, _Sequence] = {}
+        self.logits: list[torch.Tensor] = []  # every forward's raw logits [T, V] float32, in order
+        self.exit_threshold: float | None = None  # an early-exit drafter's: a block ends after a token drafted below it
+
+    def _sequence(self, seq_id) -> _Sequence:
+        if seq_id not in self.sequences:
+            self.sequences[seq_id] = _Sequence(self.model)
+        return self.sequences[seq_id]
+
+    def release(self, seq_id) -> None:
+        self.sequences.pop(seq_id, None)
+
+    def _truncate(self, seq: _Sequence, length: int) -> None:
+        if length < len(seq.tokens):
+            seq.kv.crop(length - len(seq.tokens))  # transformers 5: a negative count of tokens to drop
+            del seq.tokens[length:]
+
+    def _sync(self, seq: _Sequence, context: list[int]) -> list[int]:
+        if seq.tree_prefix is not None:
+            self._truncate(seq, seq.tree_prefix)
+            seq.tree_prefix, seq.node_slots = None, {}
+        keep = 0
+        while keep < min(len(seq.tokens), len(context) - 1) and seq.tokens[keep] == context[keep]:
+            keep += 1
+        self._truncate(seq, keep)
+        return context[keep:]
+
+    @torch.inference_mode()
+    def _forward(self, seq: _Sequence, tokens: list[int], positions: list[int], mask=None) -> torch.Tensor:
+        device = self.model.device
+        kwargs = {} if mask is None else {"attention_mask": mask.to(device)}
+        out = self.model(input_ids=torch.tensor([tokens], device=device), position_ids=torch.tensor([positions], device=device),
+                         past_key_values=seq.kv, use_cache=True, **kwargs)
+        seq.tokens.extend(tokens)
+        logits = out.logits[0, :, : self.vocab_size].float().cpu()  # [T, V], sampled on the CPU as the runtime tiers do
+        self.logits.append(logits)
+        return logits
+
+    def _linear(self, seq: _Sequence, tokens: list[int]) -> torch.Tensor:
+        start = len(seq.tokens)
+        return self._forward(seq, tokens, list(range(start, start + len(tokens))))
+
+    def _tree(self, seq: _Sequence, tail: list[int], tree: DraftTree, nodes: list[int], depths: list[int]) -> torch.Tensor:
+        cached = len(seq.tokens)
+        first = cached + len(tail)
+        for offset, node in enumerate(nodes):
+            seq.node_slots[node] = first + offset
+        positions = list(range(cached, first)) + [seq.tree_prefix + depths[n] for n in nodes]
+        mask = tree_attention_mask(tree.parents, seq.node_slots, nodes, prefix_len=seq.tree_prefix - len(tail), tail_len=len(tail),
+                                   total_len=first + len(nodes), dtype=self.dtype)
+        return self._forward(seq, tail + [tree.tokens[n] for n in nodes], positions, mask)
+
+    def score_batch(self, seq_ids, contexts, blocks, params) -> list[torch.Tensor]:
+        out = []
+        for seq_id, context, tree, p in zip(seq_ids, contexts, blocks, params):
+            seq = self._sequence(seq_id)
+            tail = self._sync(seq, context)
+            if tree.is_chain():
+                logits = self._linear(seq, tail + tree.tokens)[len(tail) - 1:]
+            else:
+                seq.tree_prefix = len(context)
+                logits = self._tree(seq, tail, tree, list(range(len(tree))), tree.depths())[len(tail) - 1:]
+            out.append(warp_logits(logits, p))
+        return out
+
+    def draft_batch(self, seq_ids, contexts, counts, params, generators):
+        out = []
+        for seq_id, context, count, p, generator in zip(seq_ids, contexts, counts, params, generators):
+            seq = self._sequence(seq_id)
+            feed, tokens, rows = self._sync(seq, context), [], []
+            for _ in range(count):
+                logits = self._linear(seq, feed)[-1]
+                probs = warp_logits(logits, p)
+                token = int(probs.argmax()) if p.greedy else int(torch.multinomial(probs, 1, generator=generator))
+                tokens.append(token)
+                rows.append(probs)
+                feed = [token]
+                if self.exit_threshold is not None and float(torch.softmax(logits, -1).max()) < self.exit_threshold:
+                    break
+            out.append((tokens, None if p.greedy or not rows else torch.stack(rows)))
+        return out
+
+    def draft_tree_batch(self, seq_ids, contexts, width, depths, params, scheme, generators):
+        out = []
+        for seq_id, context, depth, p, generator in zip(seq_ids, contexts, depths, params, generators):
+            seq = self._sequence(seq_id)
+            tail = self._sync(seq, context)
+            tree, rows = DraftTree([], [], None), []
+            if depth > 0:
+                root_logits = self._linear(seq, tail)[-1]
+                root_probs = warp_logits(root_logits, p)
+                seq.tree_prefix = len(context)
+                for token in first_candidates(root_logits, root_probs, width, p, scheme, generator):
+                    tree.tokens.append(token)
+                    tree.parents.append(-1)
+                    rows.append(root_probs)
+                frontier = list(range(len(tree.tokens)))
+                node_depths = [0] * len(frontier)
+                for level in range(1, depth):
+                    logits = self._tree(seq, [], tree, frontier, node_depths)
+                    frontier = grow_level(tree, frontier, logits, level, node_depths, rows, p, generator)
+                tree.draft_rows = None if p.greedy else torch.stack(rows)
+            out.append(tree)
+        return out
+
+    def accept_path(self, seq_id, path: list[int]) -> None:
+        """Keep the linear context and the accepted path: recomputed from scratch (slow and obvious)."""
+        seq = self.sequences.get(seq_id)
+        if seq is None or seq.tree_prefix is None:
+            return
+        kept = seq.tokens[: seq.tree_prefix] + [seq.tokens[seq.node_slots[n]] for n in path if n in seq.node_slots]
+        self.sequences[seq_id] = fresh = _Sequence(self.model)
+        self._linear(fresh, kept)
+        self.logits.pop()  # not a forward the runtime tier makes
+
+
+class OneAtATime:
+    """A runtime tier asked about one request per call: each row alone in its batch. Beside the same tier
+    asked about all rows at once, it checks that a request's drafts, draws and rows do not depend on what
+    else is in the batch."""
+
+    def __init__(self, tier) -> None:
+        self.inner = tier
+
+    def __getattr__(self, name):  # bookkeeping calls and fields (truncate, release, accept_path, cached, tier) as they are
+        return getattr(self.inner, name)
+
+    def draft_batch(self, seq_ids, contexts, counts, params, generators):
+        return [self.inner.draft_batch([s], [c], [n], [p], [g])[0] for s, c, n, p, g in zip(seq_ids, contexts, counts, params, generators)]
+
+    def draft_tree_batch(self, seq_ids, contexts, width, depths, params, scheme, generators):
+        return [self.inner.draft_tree_batch([s], [c], width, [d], [p], scheme, [g])[0]
+                for s, c, d, p, g in zip(seq_ids, contexts, depths, params, generators)]
+
+    def score_batch(self, seq_ids, contexts, blocks, params):
+        return [self.inner.score_batch([s], [c], [b], [p])[0] for s, c, b, p in zip(seq_ids, contexts, blocks, params)]
