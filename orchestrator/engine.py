@@ -295,10 +295,8 @@ class Engine:
             if not all(view.up for view in self.tiers):  # each tier profiles itself: one left out at start-up cannot
                 print(f"polyspec: speculation.lengths: auto: not every tier is up, so the chain runs lengths "
                       f"{self.scheduler.lengths} untuned", file=sys.stderr, flush=True)
-            elif self.batched:  # the goodput planner sets each step's lengths for the load, speculation off included
-                self.scheduler.planner = self.make_remote_planner()
-            else:
-                self.scheduler.tuner = self.make_tuner()
+            else:  # batched: the goodput planner sets each step's lengths for the load, speculation off included
+                self.scheduler.planner = self.make_remote_planner() if self.batched else self.make_tuner()
 
     def make_remote_planner(self):
         """The goodput planner of a batched Ray chain (polyspec.orchestrator.distributed.driver.remote_planner)."""

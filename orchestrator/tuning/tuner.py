@@ -1,9 +1,12 @@
 """The online tuner: chooses every speculation length (and which tiers to use) from the time model.
 
-The chain scheduler consults it before each target round of its one request (`plan`, a
-`contract.RoundPlanner`) and reports every verification round (`observe_round`), bottom-tier
-proposal (`observe_draft`) and target round (`observe_commit`) through `observe`; a distributed chain's driver uses `plan_remote` / `observe_remote`
-(remote.py) instead. The tuner is composed of parts, each in its own module:
+It is the `contract.RoundPlanner` of a chain that runs one request at a time. Embedded, the chain
+scheduler consults it before each target round (`plan`) and reports every verification round,
+bottom-tier proposal and target round through `observe` as they happen. Distributed, the driver
+(driver.DistributedChain) plans each round, maybe while the one before is in flight, and reports
+it whole after it ran, the tiers' stage reports as the same typed observations
+(`observe_remote_round`: overheads, first rounds and blocks drafted ahead besides). The tuner is
+composed of parts, each in its own module:
 
 - estimates.py: acceptance per (verifier, drafter) pair and per position of the text
   (`AcceptanceEstimate`, a recency-weighted Beta posterior per position, with a shift
@@ -12,13 +15,12 @@ proposal (`observe_draft`) and target round (`observe_commit`) through `observe`
   the probes of bypassed tiers;
 - timing.py (`Timing`): overheads outside the forwards, a pipelined chain's jitter and
   drafting-ahead slow-downs;
-- remote.py (`RemoteHooks`): a distributed chain's hooks;
-- this module: the scheduler's hooks, and the per-class state they feed.
+- this module: the planner hooks, and the per-class state they feed.
 
 Its knobs are one frozen `polyspec.orchestrator.config.TuningConfig` (the config file's
 `tuning:` section); facts about the chain (tree width, distributed, pipelined) are
-constructor arguments. Nothing is set on a tuner from outside after construction: `fix`
-pins a plan (polyspec tune), `set_first_round_scale` records a calibration.
+constructor arguments. Nothing is set on a tuner from outside after construction but `fix`,
+which pins a plan, and `first_round_scale`, a calibration (both polyspec tune's).
 
 Estimates are kept per request class ("greedy" / "sampling"), per (verifier, drafter)
 pair, per position of the text (each round weighted by the tokens it covers), so that one
@@ -40,6 +42,7 @@ many of its own.
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import itertools
@@ -47,11 +50,10 @@ import time
 from typing import Callable
 
 from polyspec.orchestrator.config import TuningConfig
-from polyspec.orchestrator.decode.contract import DraftObservation, RoundObservation, StepObservation
+from polyspec.orchestrator.decode.contract import DraftObservation, RoundObservation, StepInput, StepObservation
 from polyspec.orchestrator.tuning.estimates import AcceptanceEstimate, FillEstimate, ema, request_class
 from polyspec.orchestrator.tuning.planner import ClassState, Plan, Planner
 from polyspec.orchestrator.tuning.profiler import LatencyProfile
-from polyspec.orchestrator.tuning.remote import RemoteHooks
 from polyspec.orchestrator.tuning.time_model import latency
 from polyspec.orchestrator.tuning.timing import Timing
 from polyspec.workers.core.sampling import SamplingParams
@@ -62,6 +64,7 @@ SLOW_DECAY = 0.99  # the class's long-run acceptance (~100 target rounds): where
 STALE_BLOCKS = 2.0  # an estimate without new data (a bypassed tier's) forgets down to this many blocks' weight
 MAX_PENDING = 256  # requests the tuner follows at once (round-robin serving)
 CATCH_UP_SMOOTHING = 0.3  # memory of what a returning tier's re-feeding costs (~3 probes)
+REQUEST_SMOOTHING = 0.2  # distributed, pipelined: memory of requests' lengths and prompt forwards (~5 requests)
 
 
 @dataclasses.dataclass
@@ -75,10 +78,9 @@ class Shadow:
     committed: list[int] = dataclasses.field(default_factory=list)
 
 
-class Tuner(Planner, Timing, RemoteHooks):
-    """One chain's online tuner: the scheduler's hooks (here), the searches (`Planner`), the
-    clocks (`Timing`) and a distributed chain's hooks (`RemoteHooks`) over one shared state,
-    each part declaring its own fields in its own `__init__`."""
+class Tuner(Planner, Timing):
+    """One chain's online tuner: the planner's hooks (here), the searches (`Planner`) and the
+    clocks (`Timing`) over one shared state, each part declaring its own fields in its own `__init__`."""
 
     def __init__(self, profile: LatencyProfile, config: TuningConfig | None = None, *, tree_width: int = 1,
                  distributed: bool = False, pipelined: bool = False, clock: Callable[[], float] = time.perf_counter,
@@ -90,7 +92,6 @@ class Tuner(Planner, Timing, RemoteHooks):
         `clock`: what re-tunes are timed with (their budget: planner.py)."""
         Planner.__init__(self)
         Timing.__init__(self)
-        RemoteHooks.__init__(self)
         self.config = dataclasses.replace(config or TuningConfig(), **knobs)
         self.profile = profile
         self.num_tiers = len(profile.names)
@@ -114,6 +115,17 @@ class Tuner(Planner, Timing, RemoteHooks):
         # re-feeds what it missed: the tokens since it last ran, and the prompt when a request
         # began without it), an EMA; what a probe of a bypassed tier costs (`_set_probing`)
         self.catch_up_ms: dict[int, float] = {}
+        # distributed: the observations of the round being heard (`observe`); each request's first round
+        # (prefills, sequence set-up on every tier): its wall ms, for `polyspec tune` to calibrate the
+        # per-request cost (`first_round_scale`: measured / modelled, what its searches charge)
+        self._heard: list = []
+        self.first_rounds: collections.deque[float] = collections.deque(maxlen=256)
+        self.first_round_scale = 1.0
+        # pipelined: a request's first round scores the prompt, and the drafter drafts the second
+        # block beside it; the searches charge the first rounds' extra time (StageSpec.head_start_ms)
+        # over a request's length (`request_tokens`: new tokens asked for, an EMA; 0 = unknown, C_0 alone)
+        self.head_start_ms = 0.0
+        self.request_tokens = 0.0
 
     def copy_with(self, **knobs) -> "Tuner":
         """A copy of this tuner (profile, estimates and all) with some knobs changed: arms of an
@@ -122,24 +134,46 @@ class Tuner(Planner, Timing, RemoteHooks):
         clone.config = dataclasses.replace(self.config, **knobs)
         return clone
 
+    def describe(self) -> dict:
+        """What it believes and chose (a run's stats: `polyspec batch --stats`): per request class, the
+        plan with its predicted ms per token and the acceptance of the pairs it ran (positions 1-4);
+        its last plan changes."""
+        names = self.profile.names
+        return {"classes": {key: {
+            "plan": None if state.plan is None else {
+                "tiers": [names[t] for t in state.plan.active], "lengths": [state.plan.lengths[t] for t in state.plan.active[:-1]],
+                "predicted_ms_per_token": round(state.plan.predicted_ms, 4)},
+            "rates": {f"{names[v]}<-{names[d]}": [round(r, 4) for r in self.accept_rates(key, v, d)[:4]] for v, d in list(state.estimates)},
+        } for key, state in self._classes.items()}, "history": self.history[-64:]}
+
     def fix(self, plan: Plan | None) -> None:
         """Run `plan` on every round from now on, still learning from it (None: the tuner's own
         plans again). `polyspec tune` measures fixed plans this way."""
         self.fixed = plan
 
-    # ------------------------------------------------------------- scheduler hook
+    # --------------------------------------------------------------- planner hooks
 
     one_request = True  # follows one request's text: given steps of one request (contract.RoundPlanner)
 
-    def plan(self, step) -> tuple[list[int], tuple[int, ...]]:
+    def plan(self, step: StepInput) -> tuple[list[int], tuple[int, ...]]:
         """`contract.RoundPlanner.plan` for a step of one request."""
         if step.batch != 1:
             raise ValueError(f"the online tuner plans one request's rounds, got a step of {step.batch}")
+        if self.distributed and step.first[:1] == (True,) and step.remaining:  # weighs a pipelined chain's first rounds
+            self.request_tokens = ema(self.request_tokens or None, step.remaining[0], REQUEST_SMOOTHING)
         return self.plan_request(step.params[0], step.context_lens[0])
 
     def observe(self, observation) -> None:
-        """`contract.RoundPlanner.observe`, in the order the round makes them."""
-        if isinstance(observation, RoundObservation):
+        """`contract.RoundPlanner.observe`, in the order the round makes them. A distributed chain's
+        round arrives whole after it ran, maybe while the next one is planned (driver.DistributedChain):
+        its observations are heard together at its StepObservation (`observe_remote_round`)."""
+        if self.distributed:
+            if isinstance(observation, StepObservation):
+                heard, self._heard = self._heard, []
+                self.observe_remote_round(heard, observation)
+            else:
+                self._heard.append(observation)
+        elif isinstance(observation, RoundObservation):
             self.observe_round(observation.level, observation.drafter, observation.length, observation.proposed,
                                observation.accepted, observation.seconds)
         elif isinstance(observation, DraftObservation):
@@ -149,14 +183,17 @@ class Tuner(Planner, Timing, RemoteHooks):
             self.observe_commit(list(observation.committed[0]))
 
     def plan_request(self, params: SamplingParams, committed_len: int) -> tuple[list[int], tuple[int, ...]]:
-        """Before each target round: the lengths (one per level) and the tiers to use."""
-        continues_last = committed_len == self._round_start + self._last_commit
-        self._prefilling = committed_len not in self._continuing
-        self._continuing.pop(committed_len, None)
-        self.measure_overhead(continues_last)
-        self._round_start = committed_len
-        self._key = request_class(params)
-        state = self.class_state(self._key)
+        """Before each target round: the lengths (one per level) and the tiers to use. (Distributed, no
+        state is kept for the round: rounds of concurrent requests are planned, maybe ahead, and heard
+        whole, apart: `observe_remote_round`.)"""
+        key = request_class(params)
+        if not self.distributed:
+            continues_last = committed_len == self._round_start + self._last_commit
+            self._prefilling = committed_len not in self._continuing
+            self._continuing.pop(committed_len, None)
+            self.measure_overhead(continues_last)
+            self._round_start, self._key = committed_len, key
+        state = self.class_state(key)
         self.age_class(state)
         self.earn_retune_credit(state)
         if self._prefilling:
@@ -165,13 +202,13 @@ class Tuner(Planner, Timing, RemoteHooks):
             plan = self.fixed
         else:
             if self.retune_due(state):
-                self.retune(self._key, state)
+                self.retune(key, state)
             plan = state.plan
             if state.probe_every:
                 state.since_probe += 1
                 if state.since_probe >= state.probe_every:
                     state.since_probe = 0
-                    plan = self.choose(self._key, bypass=False)  # a probe: the bypassed tiers' stages get data
+                    plan = self.choose(key, bypass=False)  # a probe: the bypassed tiers' stages get data
         state.rounds += 1
         previous = self.running.active if self.running is not None else plan.active
         self._catching_up = frozenset(plan.active) - frozenset(previous)
@@ -238,6 +275,52 @@ class Tuner(Planner, Timing, RemoteHooks):
 
     def _config(self) -> tuple[int, ...]:
         return self.running.active if self.running is not None else ()
+
+    def observe_remote_round(self, heard: list, step: StepObservation) -> None:
+        """A distributed chain's round of one request (every tier runs): its verification rounds, the
+        bottom tier's proposals and the blocks drafted ahead (`heard`: driver.round_observations), then
+        the step: the lengths it was sent with, its wall time at the driver and the model time in it
+        (the overheads' fit), and whether it was the request's first (it prefilled the prompt: no
+        latency sample; its wall time goes to `first_rounds`, and the class's estimates restart)."""
+        rounds = [o for o in heard if isinstance(o, RoundObservation)]
+        key = "greedy" if all(o.greedy for o in rounds) else "sampling"  # (request_class)
+        first = step.first[:1] == (True,)
+        config = tuple(range(self.num_tiers))
+        lengths = dict(enumerate(step.lengths))
+        lengths.update({o.level: o.length for o in rounds})
+        if first:
+            self.first_rounds.append(1000.0 * step.seconds)
+            self.restart_class(self.class_state(key))  # (the request's first round has already run on the old plan)
+        critical = 0  # rounds on the step's critical path
+        for o in heard:
+            if isinstance(o, DraftObservation):
+                if o.ahead:  # a block drafted ahead: the pipelined model's D, measured
+                    if not first:
+                        self.observe_ahead_block(key, o.tier, o.proposed, o.seconds * 1000.0, lengths)
+                    continue
+                self.observe_fill(key, o.tier, o.length, o.proposed)
+                if not first:
+                    self.profile.observe_draft(o.tier, o.length, o.seconds * 1000.0, config)
+                continue
+            is_tree = self.tree_width > 1 and o.drafter == self.num_tiers - 1
+            proposed = o.length if is_tree else max(o.length, o.proposed)
+            self.observe_pair(key, o.level, o.drafter, proposed, min(o.accepted, proposed))
+            # pipelined: the target's round without a block (the last token of a request) had no
+            # drafter running beside it, unlike the rounds the model charges (the verifier shares
+            # the cores with the drafter drafting ahead: measured 1.3-1.5x slower on the demo
+            # chain). A lower stage's empty block (an n-gram tier with no match) is an ordinary round.
+            if first and self.pipelined and o.level == 0:
+                # the prompt's forward: how long the drafter drafts the second block beside it
+                extra = max(0.0, o.seconds * 1000.0 - latency(self.profile.forward_ms(0, config), o.proposed + 1))
+                self.head_start_ms = ema(self.head_start_ms or None, extra, REQUEST_SMOOTHING)
+            if not first and not (self.pipelined and o.proposed == 0 and o.level == 0):
+                if self.pipelined and o.level == 0:
+                    modelled = latency(self.profile.forward_ms(0, config), o.proposed + 1)
+                    self.observe_jitter(o.seconds * 1000.0 / modelled - 1.0)
+                self.profile.observe_forward(o.level, o.proposed + 1, o.seconds * 1000.0, config)
+            critical += not o.ahead  # rounds run while drafting ahead were off this round's critical path
+        if not first and critical:
+            self.fit_overheads(critical - 1, 1000.0 * max(0.0, step.seconds - (step.model_s or 0.0)))
 
     # ---------------------------------------------------------------- state
 

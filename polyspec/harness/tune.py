@@ -112,7 +112,7 @@ def calibrate_first_rounds(tuner: Tuner, key: str, runs: list[tuple[Plan, list[f
             if modelled > 0:
                 ratios.append(wall / modelled)
     if ratios:
-        tuner.set_first_round_scale(statistics.median(ratios))
+        tuner.first_round_scale = statistics.median(ratios)
 
 
 

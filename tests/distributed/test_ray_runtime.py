@@ -352,7 +352,7 @@ def test_restarted_drafter_rejoins(cluster, tiny_family, embedded):
 
 @pytest.mark.extended
 def test_lengths_auto_and_tune_on_the_cluster(cluster, tiny_family, embedded):
-    """`lengths: auto` with the ray backend: the tiers profile themselves and the driver's tuner
+    """`lengths: auto` with the ray backend: the tiers profile themselves and the driver's planner (the tuner)
     sets every round's lengths (greedy output unchanged); `polyspec tune`'s run on the same
     chain reports the grid, the pipelined model's predictions and no bypass rows."""
     import dataclasses
@@ -363,7 +363,7 @@ def test_lengths_auto_and_tune_on_the_cluster(cluster, tiny_family, embedded):
     cfg = dataclasses.replace(cfg, speculation=dataclasses.replace(cfg.speculation, lengths="auto"))
     engine = Engine(cfg)
     try:
-        tuner = engine.scheduler.tuner
+        tuner = engine.scheduler.planner
         assert tuner is not None and tuner.distributed and tuner.pipelined
         for ids, expected in embedded[1][:2]:
             out = engine.scheduler.generate(ids, MAX_NEW, SamplingParams(temperature=0.0))
