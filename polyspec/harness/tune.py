@@ -76,7 +76,7 @@ CONFIRM_TOP = 5  # grid points measured again with the tuner's choice (see confi
 def predict_plan(tuner: Tuner, key: str, plan: Plan, prefill_extra_ms: list[list[float]], new_tokens: int) -> float:
     """Predicted ms per token over the prompts: prefills of the tiers in use + decoding."""
     if len(plan.active) == 1:
-        decode = [new_tokens * (latency(tuner.profile.forward_ms(0, plan.active), 1) + tuner.round_overhead_ms)] * len(prefill_extra_ms)
+        decode = [new_tokens * (latency(tuner.profile.forward_ms(0, plan.active), 1) + tuner.timing.round_overhead_ms)] * len(prefill_extra_ms)
     else:
         stages, draft_ms = tuner.stages(key, plan.active)
         lengths = [plan.lengths[level] for level in plan.active[:-1]]
@@ -296,7 +296,7 @@ def tune_engine(engine: Engine, config: ChainConfig, prompts: list[str], setting
 
     first_predicted = predict_all()
     tiers = tier_report(engine, tuner, key, settings.grid_max)
-    overhead_ms = tuner.round_overhead_ms
+    overhead_ms = tuner.timing.round_overhead_ms
 
     # step 4: measurements. Each pass is predicted from calibration runs interleaved with it
     # (the same seconds of a machine whose speed drifts by 10-30 % over minutes: calibrated in

@@ -63,16 +63,16 @@ def test_overheads_per_target_round_and_per_other_round():
         reports = [report(0, 1, 4, 4, 4, 0.010)] + [report(1, 2, 3, 3, 1, 0.005)] * others
         model_s = 0.010 + 0.005 * others
         hear(tuner, reports, model_s + (3.0 + 1.5 * others) / 1000.0, model_s, first=False)
-    assert tuner.step_overhead_ms == pytest.approx(3.0, rel=0.02)
-    assert tuner.round_overhead_ms == pytest.approx(1.5, rel=0.02)
+    assert tuner.timing.step_overhead_ms == pytest.approx(3.0, rel=0.02)
+    assert tuner.timing.round_overhead_ms == pytest.approx(1.5, rel=0.02)
     stages, _ = tuner.stages("greedy", (0, 1, 2))
     assert [s.overhead_ms for s in stages] == pytest.approx([3.0, 1.5], rel=0.02)
 
     only_target = remote_tuner(pipelined=True)
     for _ in range(200):
         hear(only_target, [report(0, 1, 4, 4, 4, 0.010)], 0.010 + 0.004, 0.010, first=False)
-    assert only_target.step_overhead_ms == pytest.approx(4.0, rel=0.02)
-    assert only_target.round_overhead_ms == pytest.approx(2.0, rel=0.02)
+    assert only_target.timing.step_overhead_ms == pytest.approx(4.0, rel=0.02)
+    assert only_target.timing.round_overhead_ms == pytest.approx(2.0, rel=0.02)
 
 
 def test_first_round_gives_acceptance_but_no_latency():
@@ -80,7 +80,7 @@ def test_first_round_gives_acceptance_but_no_latency():
     hear(tuner, [report(0, 1, 4, 4, 2, 0.5), report(2, 2, 3, 3, 0, 0.5)], 1.0, 0.9, first=True)
     assert tuner.estimates("greedy")[(0, 1)].blocks == pytest.approx(1.0)
     assert not tuner.profile.online_forward and not tuner.profile.online_draft
-    assert tuner.step_overhead_ms == 0.0
+    assert tuner.timing.step_overhead_ms == 0.0
 
 
 def test_first_rounds_give_the_head_start_and_the_request_length():
@@ -128,7 +128,7 @@ def test_drafted_ahead_blocks_set_the_drafters_slowdown(monkeypatch):
         step()
     stages, draft_ms = tuner.stages("greedy", (0, 1, 2))
     modelled_block_ms = 4 * cost_per_token(stages[1:], draft_ms, lengths[1:])
-    beside_ms = latency(tuner.profile.forward_ms(0, (0, 1, 2)), 4) + tuner.step_overhead_ms
+    beside_ms = latency(tuner.profile.forward_ms(0, (0, 1, 2)), 4) + tuner.timing.step_overhead_ms
     before = cost_per_token(stages, draft_ms, lengths)
     fits = []
     real_fit = timing_module.fit_slowdown
@@ -136,7 +136,7 @@ def test_drafted_ahead_blocks_set_the_drafters_slowdown(monkeypatch):
     for _ in range(60):
         step(contended_block_ms(modelled_block_ms, beside_ms, 1.5))
     assert not fits  # fitted when read, not on every block (it was most of the hook's driver CPU)
-    assert tuner.ahead_slowdown[1] == pytest.approx(1.5, rel=0.02)
+    assert tuner.timing.ahead_slowdown[1] == pytest.approx(1.5, rel=0.02)
     assert len(fits) == 1
     tuner.stages("greedy", (0, 1, 2))
     assert len(fits) == 1  # no new block: no refit
@@ -236,9 +236,9 @@ def test_pipelined_jitter_from_the_targets_rounds():
     for step in range(200):
         ms = base * (0.8 if step % 2 else 1.2)
         hear(tuner, [report(0, 1, 4, 4, 4, ms / 1000.0)], 0.03, ms / 1000.0, first=False)
-    assert tuner.jitter_cv == pytest.approx(0.2, abs=0.04)
+    assert tuner.timing.jitter_cv == pytest.approx(0.2, abs=0.04)
     stages, _ = tuner.stages("greedy", (0, 1, 2))
-    assert stages[0].jitter_cv == pytest.approx(tuner.jitter_cv) and stages[1].jitter_cv == 0.0
+    assert stages[0].jitter_cv == pytest.approx(tuner.timing.jitter_cv) and stages[1].jitter_cv == 0.0
     serial = remote_tuner(pipelined=False)
     for step in range(50):
         ms = base * (0.8 if step % 2 else 1.2)

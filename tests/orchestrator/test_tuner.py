@@ -17,7 +17,7 @@ from polyspec.orchestrator.tuning.time_model import expected_emitted, latency, r
 from polyspec.orchestrator.tuning.chain_model import round_models
 import polyspec.orchestrator.tuning.estimates as estimates_module
 import polyspec.orchestrator.tuning.tuner as tuner_module
-from polyspec.orchestrator.tuning.planner import FULL_SEARCH_EVERY, PROBE_BUDGET, RETUNE_BUDGET
+from polyspec.orchestrator.tuning.tuner import FULL_SEARCH_EVERY, PROBE_BUDGET, RETUNE_BUDGET
 from polyspec.orchestrator.tuning.tuner import AcceptanceEstimate, Plan, Tuner
 from polyspec.workers.core.sampling import SamplingParams
 
