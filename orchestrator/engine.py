@@ -247,20 +247,23 @@ class Engine:
             self.scheduler.planner = self.make_planner()
 
     def make_planner(self):
-        """Profile each tier's batched forward (a few seconds) and build the goodput planner."""
-        from polyspec.orchestrator.tuning.batch_model import BatchPlanner
+        """Profile each tier's batched forward (a few seconds) and build the goodput planner, with the
+        `tuning:` options it reads (the others, when set, are named on stderr: `batch_model.unread_note`)."""
+        from polyspec.orchestrator.tuning.batch_model import BatchPlanner, unread_note
         from polyspec.orchestrator.tuning.profiler import profile_batched
         from polyspec.workers.tiers.static_tier import StaticModelTier, longest_length
 
-        tiers = self.scheduler.tiers
+        tiers, tuning = self.scheduler.tiers, self.config.tuning
+        if unread_note(tuning):
+            print(f"polyspec: {unread_note(tuning)}", file=sys.stderr, flush=True)
         with self._profiling() as (cache, bar):
             tables, lookup = profile_batched(tiers, self.vocab_size, min(self.max_requests, PROFILE_MAX_BATCH), cache=cache, bar=bar,
                                              log=self.log)
-        options = {}
+        max_length = tuning.max_length
         if any(isinstance(t, StaticModelTier) for t in tiers):  # a device tier's block holds a bounded tree
-            options["max_length"] = longest_length(self.config.speculation.tree_width)
-        return BatchPlanner(tiers, tables, lookup, max_batched_tokens=self.config.batching.max_batched_tokens,
-                            tree_width=self.config.speculation.tree_width, **options)
+            max_length = min(max_length, longest_length(self.config.speculation.tree_width))
+        return BatchPlanner(tiers, tables, lookup, max_length, self.config.batching.max_batched_tokens,
+                            self.config.speculation.tree_width, tuning.allow_bypass)
 
     def step_all(self, states: list[RequestState]) -> list[list[int]]:
         """One round of every request in `states` (batched chains: one forward per tier; otherwise in turn)."""
@@ -301,8 +304,12 @@ class Engine:
     def make_remote_planner(self):
         """The goodput planner of a batched Ray chain (polyspec.orchestrator.distributed.driver.remote_planner)."""
         from polyspec.orchestrator.distributed.driver import remote_planner
+        from polyspec.orchestrator.tuning.batch_model import unread_note
 
-        return remote_planner(self.scheduler, min(self.max_requests, PROFILE_MAX_BATCH), self.config.batching.max_batched_tokens)
+        if unread_note(self.config.tuning):
+            print(f"polyspec: {unread_note(self.config.tuning)}", file=sys.stderr, flush=True)
+        return remote_planner(self.scheduler, min(self.max_requests, PROFILE_MAX_BATCH), self.config.batching.max_batched_tokens,
+                              self.config.tuning.max_length)
 
     def close(self) -> None:
         """Stop the chain's actors (ray backend); nothing to do embedded."""

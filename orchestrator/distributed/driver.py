@@ -536,14 +536,11 @@ def profile_grid_remote(chain: DistributedChain, max_batch: int, repeats: int = 
     return tables, lookup
 
 
-def remote_planner(chain: DistributedChain, max_batch: int, max_batched_tokens: int | None = None):
+def remote_planner(chain: DistributedChain, max_batch: int, max_batched_tokens: int | None = None, max_length: int = 12):
     """The goodput planner (polyspec.orchestrator.tuning.batch_model.BatchPlanner) of a batched
     chain: each tier profiles its batched forward in its own process (a few seconds); its plans
     run every tier or none, since a distributed round cannot skip a tier."""
     from polyspec.orchestrator.tuning.batch_model import BatchPlanner
 
     tables, lookup = profile_grid_remote(chain, max_batch)
-    planner = BatchPlanner(chain.tiers, tables, lookup, max_batched_tokens=max_batched_tokens, tree_width=chain.tree_width)
-    whole = tuple(range(len(chain.tiers)))
-    planner.plans = [plan for plan in planner.plans if plan.active in ((0,), whole)]
-    return planner
+    return BatchPlanner(chain.tiers, tables, lookup, max_length, max_batched_tokens, chain.tree_width, allow_bypass=False)

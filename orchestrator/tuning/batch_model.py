@@ -78,6 +78,24 @@ EXPLORE_TIME_SHARE = 0.25  # a plan is measured only if its MIN_STEPS take at mo
 CANDIDATE_MARGIN = 1.5  # an unmeasured speculating plan must be predicted this much better than the measured best to be tried
 LENGTHS = (3, 6, 12)
 INNER_LENGTHS = (4, 10)
+# the config's `tuning:` options the goodput planner does not read: the one-request tuner's estimates,
+# re-tunes, margins and probes (polyspec.orchestrator.tuning.tuner), where its A/B decides instead
+TUNER_ONLY = ("retune_every", "hysteresis", "switch_hysteresis", "replan_drift", "decay", "prior_mean", "prior_strength",
+              "warmup_rounds", "explore_every", "warmup_optimism", "probe_optimism", "shadow")
+
+
+def length_grid(grid: tuple[int, ...], longest: int) -> tuple[int, ...]:
+    """The lengths of `grid` up to `longest`, and `longest` itself where the grid goes past it."""
+    kept = tuple(k for k in grid if k <= longest)
+    return kept if longest >= grid[-1] or longest in kept else kept + (longest,)
+
+
+def unread_note(tuning) -> str | None:
+    """One line naming the `tuning:` options set away from their defaults that the goodput planner
+    does not read (TUNER_ONLY), so that a batched chain never ignores them silently; None: none."""
+    unread = [name for name in TUNER_ONLY if getattr(tuning, name) != getattr(type(tuning)(), name)]
+    return (f"tuning: {', '.join(unread)} set, but batched steps are planned by the goodput planner, which reads "
+            f"only max_length and allow_bypass (the others are the one-request tuner's)") if unread else None
 
 
 def bucket(batch: int) -> int:
@@ -203,16 +221,20 @@ def decide(speculating_now: bool | None, off_rate: float, spec_rate: float) -> b
 
 class BatchPlanner:
     """Chooses the plan of each batched step: the time model proposes a speculating plan, a measured
-    A/B against speculation off decides whether to run it."""
+    A/B against speculation off decides whether to run it. `max_length`: the longest block a plan
+    asks for (the grids' lengths up to it: `length_grid`); `allow_bypass`: speculating plans may
+    leave tiers out (False: they run every tier, as a distributed round must; off is always the bar)."""
 
     def __init__(self, tiers, tables: list[ForwardTable | None], lookup_ms: list[float], max_length: int = max(LENGTHS),
-                 max_batched_tokens: int | None = None, tree_width: int = 1) -> None:
+                 max_batched_tokens: int | None = None, tree_width: int = 1, allow_bypass: bool = True) -> None:
         self.tiers = tiers
+        self.allow_bypass = allow_bypass
         self.tree_width = tree_width  # the bottom drafter of a plan proposes trees of this many candidates (1: chains)
         self.max_batched_tokens = max_batched_tokens  # a plan whose widest forward would exceed it is not taken
         self.tables = tables  # per tier; None for the n-gram lookup
         self.lookup_ms = lookup_ms  # per tier: ms per request of a model-free draft
-        self.max_length = max_length
+        self.lengths_grid = length_grid(LENGTHS, max_length)  # the target's blocks
+        self.inner_grid = length_grid(INNER_LENGTHS, max_length)  # a middle tier's
         self.acceptance = Acceptance([PRIOR_RATE if t is not None else LOOKUP_PRIOR_RATE for t in tables])
         self.correction: dict[tuple, float] = {}  # (plan | side | None, bucket or 0) -> measured / predicted step time
         self.arms: dict[tuple[int, int], Arm] = {}  # (bucket, sampling mix) -> its A/B
@@ -229,17 +251,18 @@ class BatchPlanner:
     def _candidates(self) -> list[Plan]:
         n = len(self.tiers)
         zero = (0,) * max(0, n - 1)
-        plans = [Plan((0,), zero)]
-        lengths = [k for k in LENGTHS if k <= self.max_length]
+        plans = []
         for drafter in range(1, n):
-            for k in lengths:
+            for k in self.lengths_grid:
                 plans.append(Plan((0, drafter), tuple(k if i == 0 else 0 for i in range(n - 1))))
         for mid, bottom in itertools.combinations(range(1, n), 2):
             if not self.tiers[mid].can_verify:
                 continue
-            for k, j in itertools.product(lengths, [j for j in INNER_LENGTHS if j <= self.max_length]):
+            for k, j in itertools.product(self.lengths_grid, self.inner_grid):
                 plans.append(Plan((0, mid, bottom), tuple(k if i == 0 else j if i == mid else 0 for i in range(n - 1))))
-        return plans
+        if not self.allow_bypass:
+            plans = [plan for plan in plans if plan.active == tuple(range(n))]
+        return [Plan((0,), zero)] + plans
 
     # ------------------------------------------------------------- observing
 
@@ -479,7 +502,7 @@ class BatchPlanner:
     def neighbours(self, plan: Plan) -> list[Plan]:
         """The plans on the same tiers with one length a step longer or shorter on its grid."""
         out = []
-        for tier, grid in ((0, LENGTHS), *(((plan.active[1], INNER_LENGTHS),) if len(plan.active) == 3 else ())):
+        for tier, grid in ((0, self.lengths_grid), *(((plan.active[1], self.inner_grid),) if len(plan.active) == 3 else ())):
             if tier >= len(plan.lengths) or plan.lengths[tier] not in grid:
                 continue
             at = grid.index(plan.lengths[tier])
