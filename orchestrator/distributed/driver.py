@@ -8,9 +8,9 @@ target pulls its block from the tier below, which pulls from the tier below it: 
 never relays blocks. The driver keeps each request's committed tokens, so a request
 survives any tier's death: a step that failed committed nothing and is simply redone.
 
-Where the workers live is a `Membership`: `StaticMembership` for workers the caller
-started (tests, one process), `polyspec.orchestrator.distributed.ray_runtime.RayMembership` for Ray actors,
-which also restarts and rewires tiers.
+Where the workers live is a `Membership`: `polyspec.orchestrator.distributed.ray_runtime.RayMembership`
+for Ray actors, which also restarts and rewires tiers (the tests' in-process chains have one of
+their own).
 """
 
 from __future__ import annotations
@@ -100,16 +100,6 @@ class Membership:
 
     def close(self) -> None:
         pass
-
-
-class StaticMembership(Membership):
-    """Workers started by the caller, target first (no restarts)."""
-
-    def __init__(self, addresses: list[str], names: list[str]) -> None:
-        self.views = [TierView(name, i, address=a) for i, (name, a) in enumerate(zip(names, addresses))]
-
-    def target_address(self) -> str:
-        return self.views[0].address
 
 
 @dataclasses.dataclass

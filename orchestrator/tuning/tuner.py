@@ -223,14 +223,19 @@ class Tuner:
                 self.observe_remote_round(heard, observation)
             else:
                 self._heard.append(observation)
-        elif isinstance(observation, RoundObservation):
-            self.observe_round(observation.level, observation.drafter, observation.length, observation.proposed,
-                               observation.accepted, observation.seconds)
-        elif isinstance(observation, DraftObservation):
-            self.observe_draft(observation.tier, observation.length, observation.context_len,
-                               None if observation.tokens is None else list(observation.tokens), observation.seconds)
         elif isinstance(observation, StepObservation):
             self.observe_commit(list(observation.committed[0]))
+        else:
+            self._hear(observation)
+
+    def _hear(self, observation: RoundObservation | DraftObservation) -> None:
+        if isinstance(observation, RoundObservation):
+            self.observe_round(observation.level, observation.drafter, observation.length, observation.proposed,
+                               observation.accepted, observation.seconds)
+        else:
+            tokens = None if observation.tokens is None else list(observation.tokens)
+            self.observe_draft(observation.tier, observation.length, observation.context_len, tokens, observation.seconds,
+                               observation.proposed)
 
     def plan_request(self, params: SamplingParams, committed_len: int) -> tuple[list[int], tuple[int, ...]]:
         """Before each target round: the lengths (one per level) and the tiers to use. (Distributed, no
@@ -268,23 +273,36 @@ class Tuner:
 
     def observe_round(self, level: int, drafter: int, length: int, block_len: int, accepted: int, seconds: float) -> None:
         """After tier `level` verified a block of `block_len` tokens (asked for `length`) from `drafter`."""
-        is_tree = self.tree_width > 1 and self.running is not None and drafter == self.running.active[-1]
+        ms, config = seconds * 1000.0, self._config()
+        is_tree = self.tree_width > 1 and bool(config) and drafter == config[-1]
         proposed = length if is_tree else max(length, block_len)
         self.observe_pair(self._key, level, drafter, proposed, min(accepted, proposed))
+        # pipelined: the target's round without a block (the last token of a request) had no drafter
+        # running beside it, unlike the rounds the model charges (the verifier shares the cores with
+        # the drafter drafting ahead: measured 1.3-1.5x slower on the demo chain). A lower stage's
+        # empty block (an n-gram tier with no match) is an ordinary round.
+        target_of_pipeline = self.pipelined and level == 0
         if level in self._catching_up:  # a tier back from bypass: what its re-feeding cost
-            extra = max(0.0, seconds * 1000.0 - latency(self.profile.forward_ms(level, self._config()), block_len + 1))
-            previous = self.catch_up_ms.get(level)
-            self.catch_up_ms[level] = ema(previous, extra, CATCH_UP_SMOOTHING)
-        elif not self._prefilling:  # such forwards also feed a long tail
-            self.profile.observe_forward(level, block_len + 1, seconds * 1000.0, self._config())
+            extra = max(0.0, ms - latency(self.profile.forward_ms(level, config), block_len + 1))
+            self.catch_up_ms[level] = ema(self.catch_up_ms.get(level), extra, CATCH_UP_SMOOTHING)
+        elif self._prefilling:  # no latency sample: such forwards also feed the prompt
+            if target_of_pipeline:  # ... the target's is the head start: how long the drafter drafts the second block beside it
+                extra = max(0.0, ms - latency(self.profile.forward_ms(0, config), block_len + 1))
+                self.head_start_ms = ema(self.head_start_ms or None, extra, REQUEST_SMOOTHING)
+        elif not (target_of_pipeline and block_len == 0):
+            if target_of_pipeline:
+                self.timing.observe_jitter(ms / latency(self.profile.forward_ms(0, config), block_len + 1) - 1.0)
+            self.profile.observe_forward(level, block_len + 1, ms, config)
         self.timing.report_time(seconds, rounds=1)
 
-    def observe_draft(self, tier: int, length: int, context_len: int, tokens: list[int] | None, seconds: float) -> None:
-        """After the bottom tier proposed `tokens` (asked for `length`) continuing `context_len` tokens."""
+    def observe_draft(self, tier: int, length: int, context_len: int, tokens: list[int] | None, seconds: float,
+                      proposed: int | None = None) -> None:
+        """After the bottom tier proposed `tokens` (`proposed` of them, where they are not at hand; asked for
+        `length`) continuing `context_len` tokens."""
         if not self._prefilling and tier not in self._catching_up:
             self.profile.observe_draft(tier, length, seconds * 1000.0, self._config())
-        if tokens is not None:
-            self.observe_fill(self._key, tier, length, len(tokens))
+        if tokens is not None or proposed is not None:
+            self.observe_fill(self._key, tier, length, len(tokens) if tokens is not None else proposed)
         self.timing.report_time(seconds, rounds=0)
         running = self.running
         at_committed = context_len == self._round_start and context_len not in self._shadows
@@ -324,6 +342,9 @@ class Tuner:
             self._shadows[resume_at] = shadow  # all matched so far: wait for the next round
 
     def _config(self) -> tuple[int, ...]:
+        """The tiers running (a distributed chain runs every one)."""
+        if self.distributed:
+            return tuple(range(self.num_tiers))
         return self.running.active if self.running is not None else ()
 
     def observe_remote_round(self, heard: list, step: StepObservation) -> None:
@@ -331,45 +352,23 @@ class Tuner:
         bottom tier's proposals and the blocks drafted ahead (`heard`: driver.round_observations), then
         the step: the lengths it was sent with, its wall time at the driver and the model time in it
         (the overheads' fit), and whether it was the request's first (it prefilled the prompt: no
-        latency sample; its wall time goes to `first_rounds`, and the class's estimates restart)."""
+        latency sample; its wall time goes to `first_rounds`, and the class's estimates restart).
+        The rounds and proposals are heard as an embedded chain's are, in the round's own context."""
         rounds = [o for o in heard if isinstance(o, RoundObservation)]
-        key = "greedy" if all(o.greedy for o in rounds) else "sampling"  # (request_class)
-        first = step.first[:1] == (True,)
-        config = tuple(range(self.num_tiers))
+        self._key = "greedy" if all(o.greedy for o in rounds) else "sampling"  # (request_class)
+        self._prefilling, self._catching_up = step.first[:1] == (True,), frozenset()
         lengths = dict(enumerate(step.lengths))
         lengths.update({o.level: o.length for o in rounds})
-        if first:
+        if self._prefilling:
             self.first_rounds.append(1000.0 * step.seconds)
-            self.restart_class(self.class_state(key))  # (the request's first round has already run on the old plan)
-        critical = 0  # rounds on the step's critical path
+            self.restart_class(self.class_state(self._key))  # (the request's first round has already run on the old plan)
         for o in heard:
-            if isinstance(o, DraftObservation):
-                if o.ahead:  # a block drafted ahead: the pipelined model's D, measured
-                    if not first:
-                        self.observe_ahead_block(key, o.tier, o.proposed, o.seconds * 1000.0, lengths)
-                    continue
-                self.observe_fill(key, o.tier, o.length, o.proposed)
-                if not first:
-                    self.profile.observe_draft(o.tier, o.length, o.seconds * 1000.0, config)
-                continue
-            is_tree = self.tree_width > 1 and o.drafter == self.num_tiers - 1
-            proposed = o.length if is_tree else max(o.length, o.proposed)
-            self.observe_pair(key, o.level, o.drafter, proposed, min(o.accepted, proposed))
-            # pipelined: the target's round without a block (the last token of a request) had no
-            # drafter running beside it, unlike the rounds the model charges (the verifier shares
-            # the cores with the drafter drafting ahead: measured 1.3-1.5x slower on the demo
-            # chain). A lower stage's empty block (an n-gram tier with no match) is an ordinary round.
-            if first and self.pipelined and o.level == 0:
-                # the prompt's forward: how long the drafter drafts the second block beside it
-                extra = max(0.0, o.seconds * 1000.0 - latency(self.profile.forward_ms(0, config), o.proposed + 1))
-                self.head_start_ms = ema(self.head_start_ms or None, extra, REQUEST_SMOOTHING)
-            if not first and not (self.pipelined and o.proposed == 0 and o.level == 0):
-                if self.pipelined and o.level == 0:
-                    modelled = latency(self.profile.forward_ms(0, config), o.proposed + 1)
-                    self.timing.observe_jitter(o.seconds * 1000.0 / modelled - 1.0)
-                self.profile.observe_forward(o.level, o.proposed + 1, o.seconds * 1000.0, config)
-            critical += not o.ahead  # rounds run while drafting ahead were off this round's critical path
-        if not first and critical:
+            if not (isinstance(o, DraftObservation) and o.ahead):
+                self._hear(o)
+            elif not self._prefilling:  # a block drafted ahead: the pipelined model's D, measured
+                self.observe_ahead_block(self._key, o.tier, o.proposed, o.seconds * 1000.0, lengths)
+        critical = sum(not o.ahead for o in rounds)  # rounds run while drafting ahead were off this round's critical path
+        if not self._prefilling and critical:
             self.timing.fit_overheads(critical - 1, 1000.0 * max(0.0, step.seconds - (step.model_s or 0.0)))
 
     def observe_ahead_block(self, key: str, drafter: int, tokens: int, block_ms: float, lengths: dict[int, int]) -> None:

@@ -376,7 +376,8 @@ def test_trained_drafters_in_their_targets_process_sample_as_embedded(tiny_draft
     target's, sharing its model lock and made batched together (as in the target's Ray actor): the
     feature head reads the target's hidden states from the target worker's batched cache. T = 1 with
     per-tier seeds draws exactly the embedded chain's tokens (3 seeds, 24 tokens each)."""
-    from polyspec.orchestrator.distributed.driver import DistributedChain, StaticMembership
+    from inprocess_chain import StaticMembership
+    from polyspec.orchestrator.distributed.driver import DistributedChain
     from polyspec.orchestrator.distributed.model_lock import LockedTiers
     from polyspec.orchestrator.distributed.worker import TierWorker
 

@@ -166,6 +166,9 @@ def test_a_distributed_plan_never_bypasses():
         hear(tuner, [report(0, 1, lengths[0], lengths[0], lengths[0], 0.009),
                                       report(1, 2, lengths[1], lengths[1], 0, 0.005)], 0.02, 0.014, first=False)
     assert tuner.history and all(entry["active"] == ["target", "mid", "ngram"] for entry in tuner.history)
+    described = tuner.describe()  # a run's stats (polyspec batch --stats): the plan and the rates it rests on
+    assert described["classes"]["greedy"]["plan"]["tiers"] == ["target", "mid", "ngram"]
+    assert described["classes"]["greedy"]["rates"]["mid<-ngram"][0] < 0.5 and described["history"] == tuner.history
 
 
 def test_pipelined_round_without_a_block_is_no_latency_sample():
