@@ -286,7 +286,8 @@ class DistributedChain:
                 lengths, active = planner.plan(self._step_input(states))
         for state in states:
             note_plan(state.plans, len(state.new_tokens), lengths, [self.tiers[t].name for t in active])
-        return list(lengths), tuple(active)
+        self.lengths, self.active = list(lengths), tuple(active)  # the plan in use (the server's speculation_length gauge)
+        return self.lengths, self.active
 
     def _planner_work(self, states: list[RequestState], lengths: list[int]) -> Callable[[], None] | None:
         """With a planner that follows one request (the online tuner): its work for this thread while

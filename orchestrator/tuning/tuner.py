@@ -693,7 +693,7 @@ class Tuner:
         """Every round during the warm-up (a fresh tuner's first plan rests on priors alone, and
         each round's data moves it most: waiting 4 rounds kept the demo chain at [1, 1] for 8
         rounds), when a request starts or the text shifts; and while the re-tune budget allows
-        (see __init__), every `retune_every` rounds, or every round for `retune_every` rounds
+        (`earn_retune_credit`), every `retune_every` rounds, or every round for `retune_every` rounds
         after a shift (the forgetting leaves a tenth of the old counts, which the next rounds'
         data outweigh)."""
         if state.plan is None or state.retune_now or state.rounds < self.config.warmup_rounds:

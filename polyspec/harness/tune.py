@@ -4,11 +4,14 @@
                   [--grid-max K] [--max-prompts P] [--repeats R] [--heldout-prompts Q]
                   [--heldout-repeats H] [--json]
 
-Steps (all in this process, embedded mode):
-1. profile every tier (profiler.profile_tiers) at the prompts' typical context length, and
-   each model tier's prefill of every prompt;
+Steps, on the config's chain (embedded, or Ray actors driven from this process; the tuner is
+the chain's planner in both, fed the same typed observations):
+1. profile every tier (profiler.profile_tiers; a Ray chain's tiers in their own processes,
+   driver.profile_remote) at the prompts' typical context length, and each model tier's
+   prefill of every prompt;
 2. calibrate: generate every prompt with every usable set of tiers (the full chain and each
-   bypass) at long, middle and short lengths, through the tuner's hooks without re-tuning:
+   bypass; a Ray chain has only the full one) at long, middle and short lengths, through the
+   tuner's hooks without re-tuning:
    acceptance as plain counts per stage (no recency weighting), latencies refined online
    per set of tiers (a tier is slower on a shared CPU when others run in between);
 3. predict, from those estimates only, the ms per token of every grid point (k_i in
