@@ -31,7 +31,7 @@ target then commits. For greedy decoding and for deterministic drafters (the n-g
 the matched prefix has exactly the distribution of the target's accepted prefix; for a
 sampled model drafter it is a lower bound (P[match] = sum p_t p_d <= sum min(p_t, p_d)).
 The full chain samples contexts evenly along the text, a chain running the pair once per
-round, so position 1 of each shadow sample is weighted 1 / (matched + 1) (see observe_commit).
+round, so position 1 of each shadow sample is weighted 1 / (matched + 1) (see `_observe_commit`).
 Shadow estimates only count once they have MIN_BLOCKS blocks, and only until the pair has as
 many of its own.
 
@@ -66,7 +66,6 @@ from polyspec.orchestrator.tuning.estimates import MIN_BLOCKS, AcceptanceEstimat
 from polyspec.orchestrator.tuning.profiler import LatencyProfile
 from polyspec.orchestrator.tuning.time_model import StageSpec, latency
 from polyspec.orchestrator.tuning.timing import OVERHEAD_SMOOTHING, Timing
-from polyspec.workers.core.sampling import SamplingParams
 
 __all__ = ["Tuner", "Plan", "AcceptanceEstimate", "FillEstimate", "request_class", "TuningConfig"]
 
@@ -206,52 +205,25 @@ class Tuner:
     one_request = True  # follows one request's text: given steps of one request (contract.RoundPlanner)
 
     def plan(self, step: StepInput) -> tuple[list[int], tuple[int, ...]]:
-        """`contract.RoundPlanner.plan` for a step of one request."""
+        """`contract.RoundPlanner.plan`: before a target round of one request, the lengths (one per
+        level) and the tiers to use. (Distributed, no state is kept for the round: rounds of concurrent
+        requests are planned, maybe ahead, and heard whole, apart: `observe_remote_round`.)"""
         if step.batch != 1:
             raise ValueError(f"the online tuner plans one request's rounds, got a step of {step.batch}")
-        if self.distributed and step.first[:1] == (True,) and step.remaining:  # weighs a pipelined chain's first rounds
-            self.request_tokens = ema(self.request_tokens or None, step.remaining[0], REQUEST_SMOOTHING)
-        return self.plan_request(step.params[0], step.context_lens[0])
-
-    def observe(self, observation) -> None:
-        """`contract.RoundPlanner.observe`, in the order the round makes them. A distributed chain's
-        round arrives whole after it ran, maybe while the next one is planned (driver.DistributedChain):
-        its observations are heard together at its StepObservation (`observe_remote_round`)."""
-        if self.distributed:
-            if isinstance(observation, StepObservation):
-                heard, self._heard = self._heard, []
-                self.observe_remote_round(heard, observation)
-            else:
-                self._heard.append(observation)
-        elif isinstance(observation, StepObservation):
-            self.observe_commit(list(observation.committed[0]))
-        else:
-            self._hear(observation)
-
-    def _hear(self, observation: RoundObservation | DraftObservation) -> None:
-        if isinstance(observation, RoundObservation):
-            self.observe_round(observation.level, observation.drafter, observation.length, observation.proposed,
-                               observation.accepted, observation.seconds)
-        else:
-            tokens = None if observation.tokens is None else list(observation.tokens)
-            self.observe_draft(observation.tier, observation.length, observation.context_len, tokens, observation.seconds,
-                               observation.proposed)
-
-    def plan_request(self, params: SamplingParams, committed_len: int) -> tuple[list[int], tuple[int, ...]]:
-        """Before each target round: the lengths (one per level) and the tiers to use. (Distributed, no
-        state is kept for the round: rounds of concurrent requests are planned, maybe ahead, and heard
-        whole, apart: `observe_remote_round`.)"""
-        key = request_class(params)
+        committed_len, key = step.context_lens[0], request_class(step.params[0])
+        starts = False  # a request starts (distributed: its first round restarts the class when heard)
         if not self.distributed:
             continues_last = committed_len == self._round_start + self._last_commit
-            self._prefilling = committed_len not in self._continuing
+            self._prefilling = starts = committed_len not in self._continuing
             self._continuing.pop(committed_len, None)
             self.timing.measure_overhead(continues_last)
             self._round_start, self._key = committed_len, key
+        elif step.first[:1] == (True,) and step.remaining:  # weighs a pipelined chain's first rounds
+            self.request_tokens = ema(self.request_tokens or None, step.remaining[0], REQUEST_SMOOTHING)
         state = self.class_state(key)
         self.age_class(state)
         self.earn_retune_credit(state)
-        if self._prefilling:
+        if starts:
             self.restart_class(state)
         if self.fixed is not None:
             plan = self.fixed
@@ -271,12 +243,29 @@ class Tuner:
         self.timing.round_begins()
         return list(plan.lengths), plan.active
 
-    def observe_round(self, level: int, drafter: int, length: int, block_len: int, accepted: int, seconds: float) -> None:
-        """After tier `level` verified a block of `block_len` tokens (asked for `length`) from `drafter`."""
-        ms, config = seconds * 1000.0, self._config()
-        is_tree = self.tree_width > 1 and bool(config) and drafter == config[-1]
-        proposed = length if is_tree else max(length, block_len)
-        self.observe_pair(self._key, level, drafter, proposed, min(accepted, proposed))
+    def observe(self, observation) -> None:
+        """`contract.RoundPlanner.observe`, in the order the round makes them. A distributed chain's
+        round arrives whole after it ran, maybe while the next one is planned (driver.DistributedChain):
+        its observations are heard together at its StepObservation (`observe_remote_round`)."""
+        if self.distributed:
+            if isinstance(observation, StepObservation):
+                heard, self._heard = self._heard, []
+                self.observe_remote_round(heard, observation)
+            else:
+                self._heard.append(observation)
+        elif isinstance(observation, RoundObservation):
+            self._observe_round(observation)
+        elif isinstance(observation, DraftObservation):
+            self._observe_draft(observation)
+        else:
+            self._observe_commit(list(observation.committed[0]))
+
+    def _observe_round(self, o: RoundObservation) -> None:
+        """After tier `o.level` verified a block of `o.proposed` tokens (asked for `o.length`) from `o.drafter`."""
+        level, block_len, ms, config = o.level, o.proposed, o.seconds * 1000.0, self._config()
+        is_tree = self.tree_width > 1 and bool(config) and o.drafter == config[-1]
+        proposed = o.length if is_tree else max(o.length, block_len)
+        self.observe_pair(self._key, level, o.drafter, proposed, min(o.accepted, proposed))
         # pipelined: the target's round without a block (the last token of a request) had no drafter
         # running beside it, unlike the rounds the model charges (the verifier shares the cores with
         # the drafter drafting ahead: measured 1.3-1.5x slower on the demo chain). A lower stage's
@@ -293,17 +282,17 @@ class Tuner:
             if target_of_pipeline:
                 self.timing.observe_jitter(ms / latency(self.profile.forward_ms(0, config), block_len + 1) - 1.0)
             self.profile.observe_forward(level, block_len + 1, ms, config)
-        self.timing.report_time(seconds, rounds=1)
+        self.timing.report_time(o.seconds, rounds=1)
 
-    def observe_draft(self, tier: int, length: int, context_len: int, tokens: list[int] | None, seconds: float,
-                      proposed: int | None = None) -> None:
-        """After the bottom tier proposed `tokens` (`proposed` of them, where they are not at hand; asked for
-        `length`) continuing `context_len` tokens."""
+    def _observe_draft(self, o: DraftObservation) -> None:
+        """After the bottom tier proposed `o.tokens` (`o.proposed` of them, where they are not at hand;
+        asked for `o.length`) continuing `o.context_len` tokens."""
+        tier, length, context_len, tokens = o.tier, o.length, o.context_len, None if o.tokens is None else list(o.tokens)
         if not self._prefilling and tier not in self._catching_up:
-            self.profile.observe_draft(tier, length, seconds * 1000.0, self._config())
-        if tokens is not None or proposed is not None:
-            self.observe_fill(self._key, tier, length, len(tokens) if tokens is not None else proposed)
-        self.timing.report_time(seconds, rounds=0)
+            self.profile.observe_draft(tier, length, o.seconds * 1000.0, self._config())
+        if tokens is not None or o.proposed is not None:
+            self.observe_fill(self._key, tier, length, len(tokens) if tokens is not None else o.proposed)
+        self.timing.report_time(o.seconds, rounds=0)
         running = self.running
         at_committed = context_len == self._round_start and context_len not in self._shadows
         skips_tiers = running is not None and len(running.active) > 2 and tier == running.active[-1]
@@ -312,7 +301,7 @@ class Tuner:
             while len(self._shadows) > MAX_PENDING:
                 self._shadows.pop(next(iter(self._shadows)))
 
-    def observe_commit(self, tokens: list[int]) -> None:
+    def _observe_commit(self, tokens: list[int]) -> None:
         """After a target round committed `tokens`."""
         resume_at = self._round_start + len(tokens)
         self._last_commit = len(tokens)
@@ -363,8 +352,10 @@ class Tuner:
             self.first_rounds.append(1000.0 * step.seconds)
             self.restart_class(self.class_state(self._key))  # (the request's first round has already run on the old plan)
         for o in heard:
-            if not (isinstance(o, DraftObservation) and o.ahead):
-                self._hear(o)
+            if isinstance(o, RoundObservation):
+                self._observe_round(o)
+            elif not o.ahead:
+                self._observe_draft(o)
             elif not self._prefilling:  # a block drafted ahead: the pipelined model's D, measured
                 self.observe_ahead_block(self._key, o.tier, o.proposed, o.seconds * 1000.0, lengths)
         critical = sum(not o.ahead for o in rounds)  # rounds run while drafting ahead were off this round's critical path
