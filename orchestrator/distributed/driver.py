@@ -139,7 +139,7 @@ class DistributedChain:
         self.pipeline = pipeline
         # lengths: auto: a `contract.RoundPlanner` sets every step's lengths from the stage reports the tiers send
         # up: the online tuner (Tuner, distributed: no bypass) one request at a time, or for batched steps the
-        # goodput planner (BatchPlanner over plans that run every tier or none: `remote_planner`)
+        # goodput planner (BatchPlanner over plans that run every tier or none: Engine.make_planner)
         self.planner = None
         self._planner_lock = threading.Lock()  # steps of concurrent requests plan and report under it
         self.counters = Counters()
@@ -526,12 +526,3 @@ def profile_grid_remote(chain: DistributedChain, max_batch: int, repeats: int = 
         lookup.append(reply.lookup_ms)
     return tables, lookup
 
-
-def remote_planner(chain: DistributedChain, max_batch: int, max_batched_tokens: int | None = None, max_length: int = 12):
-    """The goodput planner (polyspec.orchestrator.tuning.batch_model.BatchPlanner) of a batched
-    chain: each tier profiles its batched forward in its own process (a few seconds); its plans
-    run every tier or none, since a distributed round cannot skip a tier."""
-    from polyspec.orchestrator.tuning.batch_model import BatchPlanner
-
-    tables, lookup = profile_grid_remote(chain, max_batch)
-    return BatchPlanner(chain.tiers, tables, lookup, max_length, max_batched_tokens, chain.tree_width, allow_bypass=False)

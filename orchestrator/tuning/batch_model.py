@@ -78,10 +78,7 @@ EXPLORE_TIME_SHARE = 0.25  # a plan is measured only if its MIN_STEPS take at mo
 CANDIDATE_MARGIN = 1.5  # an unmeasured speculating plan must be predicted this much better than the measured best to be tried
 LENGTHS = (3, 6, 12)
 INNER_LENGTHS = (4, 10)
-# the config's `tuning:` options the goodput planner does not read: the one-request tuner's estimates,
-# re-tunes, margins and probes (polyspec.orchestrator.tuning.tuner), where its A/B decides instead
-TUNER_ONLY = ("retune_every", "hysteresis", "switch_hysteresis", "replan_drift", "decay", "prior_mean", "prior_strength",
-              "warmup_rounds", "explore_every", "warmup_optimism", "probe_optimism", "shadow")
+READ_OPTIONS = ("max_length", "allow_bypass")  # the config's `tuning:` options it reads (the rest: the one-request tuner's)
 
 
 def length_grid(grid: tuple[int, ...], longest: int) -> tuple[int, ...]:
@@ -91,11 +88,13 @@ def length_grid(grid: tuple[int, ...], longest: int) -> tuple[int, ...]:
 
 
 def unread_note(tuning) -> str | None:
-    """One line naming the `tuning:` options set away from their defaults that the goodput planner
-    does not read (TUNER_ONLY), so that a batched chain never ignores them silently; None: none."""
-    unread = [name for name in TUNER_ONLY if getattr(tuning, name) != getattr(type(tuning)(), name)]
-    return (f"tuning: {', '.join(unread)} set, but batched steps are planned by the goodput planner, which reads "
-            f"only max_length and allow_bypass (the others are the one-request tuner's)") if unread else None
+    """One line naming the `tuning:` options set away from their defaults that the goodput planner does not
+    read (the one-request tuner's estimates, re-tunes, margins and probes, where its A/B decides instead),
+    so that a batched chain never ignores them silently; None: none."""
+    defaults = type(tuning)()
+    unread = [f.name for f in dataclasses.fields(tuning) if f.name not in READ_OPTIONS and getattr(tuning, f.name) != getattr(defaults, f.name)]
+    return (f"tuning: {', '.join(unread)} set, but batched steps are planned by the goodput planner, which reads only "
+            f"{' and '.join(READ_OPTIONS)} (the others are the one-request tuner's)") if unread else None
 
 
 def bucket(batch: int) -> int:

@@ -372,6 +372,16 @@ def test_lengths_auto_and_tune_on_the_cluster(cluster, tiny_family, embedded):
         assert tuner.estimates("greedy")[(0, 1)].blocks > 0
     finally:
         engine.close()
+    engine = Engine(cfg, batched=True)  # batched: the goodput planner, its plans on every tier or none
+    try:
+        planner = engine.scheduler.planner
+        assert {plan.active for plan in planner.plans} == {(0,), (0, 1, 2)}
+        for ids, expected in embedded[1][:2]:
+            out = engine.scheduler.generate(ids, MAX_NEW, SamplingParams(temperature=0.0))
+            assert out.token_ids == expected and out.stats["plans"]
+        assert planner.describe()["ab"]
+    finally:
+        engine.close()
 
     report = run_tune(cfg, PROMPTS[:2], TuneSettings(max_new_tokens=8, grid_max=2, max_prompts=2))
     assert [entry["lengths"] for entry in report["grid"]] == [[1, 1], [1, 2], [2, 1], [2, 2]]
