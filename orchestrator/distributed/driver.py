@@ -110,9 +110,9 @@ class RemoteRun:
     stages: dict[tuple[int, int], StageStats] = dataclasses.field(default_factory=dict)  # (tier, drafter) -> stats
     rounds: int = 0
     overhead_s: float = 0.0  # round trips not spent in model forwards on the critical path
-    # with a planner that follows one request (`_planner_work`): the last round's observations, heard
-    # during the next round, and (planner, (lengths, active)) of the next round, planned during this one
-    unobserved: list | None = None
+    # with a planner that follows one request (`_planner_work`): (planner, observations) of the last round,
+    # heard during the next round, and (planner, (lengths, active)) of the next round, planned during this one
+    unobserved: tuple | None = None
     planned: tuple | None = None
 
 
@@ -260,11 +260,11 @@ class DistributedChain:
             if planner.one_request:  # the call's own time, and the model time in it (the rest: overheads)
                 heard.append(StepObservation(committed, wall, tuple(lengths), tuple(active), first=first, model_s=reply.replies[0].model_s))
                 if not first[0]:  # heard during the next round (`_planner_work`), or by `finish`
-                    running[0].run.unobserved = heard
+                    running[0].run.unobserved = (planner, heard)
                     return out
             else:
                 heard.append(StepObservation(committed, seconds, tuple(lengths), tuple(active), first=first))
-            self._hear(heard)
+            self._hear((planner, heard))
         return out
 
     def _step_input(self, states: list[RequestState]) -> StepInput:
@@ -311,10 +311,10 @@ class DistributedChain:
             return None
 
         def work() -> None:
-            with self._planner_lock:
-                for observation in pending or ():
-                    planner.observe(observation)
-                if ahead:
+            if pending:
+                self._hear(pending)
+            if ahead:
+                with self._planner_lock:
                     run.planned = (planner, planner.plan(self._step_input([state])))
 
         return work
@@ -341,10 +341,12 @@ class DistributedChain:
             self.membership.degraded(reply.degraded_reason)
         return commit(state, list(reply.tokens), self.eos_token_ids)
 
-    def _hear(self, observations: list) -> None:
+    def _hear(self, pending: tuple) -> None:
+        """(planner, observations): the planner that planned a round hears it."""
+        planner, observations = pending
         with self._planner_lock:
             for observation in observations:
-                self.planner.observe(observation)
+                planner.observe(observation)
 
     def _record(self, run: RemoteRun, reports) -> None:
         for report in reports:
