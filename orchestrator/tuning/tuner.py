@@ -5,7 +5,7 @@ scheduler consults it before each target round (`plan`) and reports every verifi
 bottom-tier proposal and target round through `observe` as they happen. Distributed, the driver
 (driver.DistributedChain) plans each round, maybe while the one before is in flight, and reports
 it whole after it ran, the tiers' stage reports as the same typed observations
-(`observe_remote_round`: overheads, first rounds and blocks drafted ahead besides). The tuner is
+(`_observe_remote_round`: overheads, first rounds and blocks drafted ahead besides). The tuner is
 built on estimates.py (acceptance per (verifier, drafter) pair and per position of the text,
 `AcceptanceEstimate`: a recency-weighted Beta posterior per position, with a shift detector; the
 bottom drafter's fill, `FillEstimate`), timing.py (`Timing`, its clocks: overheads outside the
@@ -207,7 +207,7 @@ class Tuner:
     def plan(self, step: StepInput) -> tuple[list[int], tuple[int, ...]]:
         """`contract.RoundPlanner.plan`: before a target round of one request, the lengths (one per
         level) and the tiers to use. (Distributed, no state is kept for the round: rounds of concurrent
-        requests are planned, maybe ahead, and heard whole, apart: `observe_remote_round`.)"""
+        requests are planned, maybe ahead, and heard whole, apart: `_observe_remote_round`.)"""
         if step.batch != 1:
             raise ValueError(f"the online tuner plans one request's rounds, got a step of {step.batch}")
         committed_len, key = step.context_lens[0], request_class(step.params[0])
@@ -246,11 +246,11 @@ class Tuner:
     def observe(self, observation) -> None:
         """`contract.RoundPlanner.observe`, in the order the round makes them. A distributed chain's
         round arrives whole after it ran, maybe while the next one is planned (driver.DistributedChain):
-        its observations are heard together at its StepObservation (`observe_remote_round`)."""
+        its observations are heard together at its StepObservation (`_observe_remote_round`)."""
         if self.distributed:
             if isinstance(observation, StepObservation):
                 heard, self._heard = self._heard, []
-                self.observe_remote_round(heard, observation)
+                self._observe_remote_round(heard, observation)
             else:
                 self._heard.append(observation)
         elif isinstance(observation, RoundObservation):
@@ -336,7 +336,7 @@ class Tuner:
             return tuple(range(self.num_tiers))
         return self.running.active if self.running is not None else ()
 
-    def observe_remote_round(self, heard: list, step: StepObservation) -> None:
+    def _observe_remote_round(self, heard: list, step: StepObservation) -> None:
         """A distributed chain's round of one request (every tier runs): its verification rounds, the
         bottom tier's proposals and the blocks drafted ahead (`heard`: driver.round_observations), then
         the step: the lengths it was sent with, its wall time at the driver and the model time in it
@@ -357,12 +357,12 @@ class Tuner:
             elif not o.ahead:
                 self._observe_draft(o)
             elif not self._prefilling:  # a block drafted ahead: the pipelined model's D, measured
-                self.observe_ahead_block(self._key, o.tier, o.proposed, o.seconds * 1000.0, lengths)
+                self._observe_ahead_block(self._key, o.tier, o.proposed, o.seconds * 1000.0, lengths)
         critical = sum(not o.ahead for o in rounds)  # rounds run while drafting ahead were off this round's critical path
         if not self._prefilling and critical:
             self.timing.fit_overheads(critical - 1, 1000.0 * max(0.0, step.seconds - (step.model_s or 0.0)))
 
-    def observe_ahead_block(self, key: str, drafter: int, tokens: int, block_ms: float, lengths: dict[int, int]) -> None:
+    def _observe_ahead_block(self, key: str, drafter: int, tokens: int, block_ms: float, lengths: dict[int, int]) -> None:
         """A block of `tokens` drafted ahead by `drafter` in `block_ms`, against the model's cost of the
         same block on cores of its own (the drafter's cost per token with the lengths in use) and its
         verifier's round beside it (`Timing.observe_ahead_block`)."""
