@@ -268,7 +268,7 @@ class Engine:
         if any(isinstance(t, StaticModelTier) for t in tiers):  # a device tier's block holds a bounded tree
             max_length = min(max_length, longest_length(self.config.speculation.tree_width))
         return BatchPlanner(tiers, tables, lookup, max_length, self.config.batching.max_batched_tokens,
-                            self.config.speculation.tree_width, allow_bypass)
+                            self.config.speculation.tree_width, allow_bypass, tuning.explore_every)
 
     def step_all(self, states: list[RequestState]) -> list[list[int]]:
         """One round of every request in `states` (batched chains: one forward per tier; otherwise in turn)."""
