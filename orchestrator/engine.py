@@ -303,7 +303,7 @@ class Engine:
             if not all(view.up for view in self.tiers):  # each tier profiles itself: one left out at start-up cannot
                 print(f"polyspec: speculation.lengths: auto: not every tier is up, so the chain runs lengths "
                       f"{self.scheduler.lengths} untuned", file=sys.stderr, flush=True)
-            else:  # batched: the goodput planner sets each step's lengths for the load, speculation off included
+            else:  # batched steps: the goodput planner (their lengths for the load, speculation off included)
                 self.scheduler.planner = self.make_planner() if self.batched else self.make_tuner()
 
     def close(self) -> None:
