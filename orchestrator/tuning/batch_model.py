@@ -1,6 +1,6 @@
 """Goodput under load: the time model with a batch dimension, and the plan that maximises total tokens/s.
 
-A batched step (polyspec.orchestrator.decode.scheduler) runs one round of B requests. Its
+A batched step (polyspec.orchestrator.decode.scheduler, or a batched Ray chain's driver) runs one round of B requests. Its
 cost is built from each tier's forward time `t_i(B, W)` for B rows padded to W new tokens:
 
     plan "off":            t_0(B, 1)                                              -> B tokens
