@@ -248,20 +248,28 @@ class Engine:
         return BatchedModelTier(self.tiers[0], self.max_requests + 1)  # (a kept finished request keeps its scores too)
 
     def make_planner(self):
-        """Profile each tier's batched forward (a few seconds) and build the goodput planner."""
-        from polyspec.orchestrator.tuning.batch_model import BatchPlanner
-        from polyspec.orchestrator.tuning.profiler import profile_batched
+        """Profile each tier's batched forward (a few seconds) and build the goodput planner, with the
+        `tuning:` options it reads (the others, when set, are named on stderr: `batch_model.unread_note`)."""
+        from polyspec.orchestrator.tuning.batch_model import BatchPlanner, unread_note
         from polyspec.workers.tiers.static_tier import StaticModelTier, longest_length
 
-        tiers = self.scheduler.tiers
-        with self._profiling() as (cache, bar):
-            tables, lookup = profile_batched(tiers, self.vocab_size, min(self.max_requests, PROFILE_MAX_BATCH), cache=cache, bar=bar,
-                                             log=self.log)
-        options = {}
+        tiers, tuning, max_batch = self.scheduler.tiers, self.config.tuning, min(self.max_requests, PROFILE_MAX_BATCH)
+        if unread_note(tuning):
+            print(f"polyspec: {unread_note(tuning)}", file=sys.stderr, flush=True)
+        max_length, allow_bypass = tuning.max_length, tuning.allow_bypass
+        if self.config.runtime.backend == "ray":  # each tier profiles itself; a distributed round cannot skip a tier
+            from polyspec.orchestrator.distributed.driver import profile_grid_remote
+
+            (tables, lookup), allow_bypass = profile_grid_remote(self.scheduler, max_batch), False
+        else:
+            from polyspec.orchestrator.tuning.profiler import profile_batched
+
+            with self._profiling() as (cache, bar):
+                tables, lookup = profile_batched(tiers, self.vocab_size, max_batch, cache=cache, bar=bar, log=self.log)
         if any(isinstance(t, StaticModelTier) for t in tiers):  # a device tier's block holds a bounded tree
-            options["max_length"] = longest_length(self.config.speculation.tree_width)
-        return BatchPlanner(tiers, tables, lookup, max_batched_tokens=self.config.batching.max_batched_tokens,
-                            tree_width=self.config.speculation.tree_width, **options)
+            max_length = min(max_length, longest_length(self.config.speculation.tree_width))
+        return BatchPlanner(tiers, tables, lookup, max_length, self.config.batching.max_batched_tokens,
+                            self.config.speculation.tree_width, allow_bypass, tuning.explore_every)
 
     def step_all(self, states: list[RequestState]) -> list[list[int]]:
         """One round of every request in `states` (batched chains: one forward per tier; otherwise in turn)."""
@@ -296,16 +304,8 @@ class Engine:
             if not all(view.up for view in self.tiers):  # each tier profiles itself: one left out at start-up cannot
                 print(f"polyspec: speculation.lengths: auto: not every tier is up, so the chain runs lengths "
                       f"{self.scheduler.lengths} untuned", file=sys.stderr, flush=True)
-            elif self.batched:  # the goodput planner sets each step's lengths for the load, speculation off included
-                self.scheduler.planner = self.make_remote_planner()
-            else:
-                self.scheduler.tuner = self.make_tuner()
-
-    def make_remote_planner(self):
-        """The goodput planner of a batched Ray chain (polyspec.orchestrator.distributed.driver.remote_planner)."""
-        from polyspec.orchestrator.distributed.driver import remote_planner
-
-        return remote_planner(self.scheduler, min(self.max_requests, PROFILE_MAX_BATCH), self.config.batching.max_batched_tokens)
+            else:  # batched steps: the goodput planner (their lengths for the load, speculation off included)
+                self.scheduler.planner = self.make_planner() if self.batched else self.make_tuner()
 
     def close(self) -> None:
         """Stop the chain's actors (ray backend); nothing to do embedded."""

@@ -3,8 +3,18 @@ over gRPC on loopback (the distributed protocol, tested without starting a clust
 
 from __future__ import annotations
 
-from polyspec.orchestrator.distributed.driver import DistributedChain, StaticMembership
+from polyspec.orchestrator.distributed.driver import DistributedChain, Membership, TierView
 from polyspec.orchestrator.distributed.worker import TierWorker
+
+
+class StaticMembership(Membership):
+    """Workers started by the caller, target first (no restarts)."""
+
+    def __init__(self, addresses: list[str], names: list[str]) -> None:
+        self.views = [TierView(name, i, address=a) for i, (name, a) in enumerate(zip(names, addresses))]
+
+    def target_address(self) -> str:
+        return self.views[0].address
 
 
 def in_process_chain(tiers, lengths: list[int], *, eos_token_ids=(), tree_width: int = 1, scheme: str = "specinfer",

@@ -159,13 +159,15 @@ class BatchDecoder(Decoder, Protocol):
 class StepInput:
     """What a planner sees before a step: the live requests' sampling parameters and context
     lengths (target first in every list), per drafting model tier how many context tokens it
-    has yet to cache (what switching it on would cost), and how many tokens each request may
-    still commit (what a one-time cost such as that catch-up is spread over; empty: unknown)."""
+    has yet to cache (what switching it on would cost), how many tokens each request may
+    still commit (what a one-time cost such as that catch-up is spread over; empty: unknown),
+    and whether this step is each request's first (it feeds the prompt; empty: unknown)."""
 
     params: tuple[SamplingParams, ...]
     context_lens: tuple[int, ...]
     behind: dict[int, int] = dataclasses.field(default_factory=dict)
     remaining: tuple[int, ...] = ()
+    first: tuple[bool, ...] = ()
 
     @property
     def batch(self) -> int:
@@ -178,7 +180,8 @@ class RoundObservation:
     from tier `drafter` (asked for `length`) and accepted a path of `accepted` nodes, in
     `seconds` (the request's share of the shared forward, plus its verification rule), at a
     context of `context_len` tokens; `seq_id`: the request's id in the tiers' caches; `depth`:
-    the depth a tree's walk reached (None: a chain)."""
+    the depth a tree's walk reached (None: a chain); `ahead`: run while drafting ahead, off the
+    step's critical path (a pipelined chain's lower stages)."""
 
     level: int
     drafter: int
@@ -190,18 +193,24 @@ class RoundObservation:
     context_len: int
     seq_id: int
     depth: int | None = None
+    ahead: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class DraftObservation:
-    """The bottom tier proposed `tokens` (None: a tree) for one request, asked for `length`,
-    continuing `context_len` tokens, in `seconds` (its share of a shared forward)."""
+    """The bottom tier proposed `tokens` (None: a tree, or tokens not at hand) for one request,
+    asked for `length`, continuing `context_len` tokens, in `seconds` (its share of a shared
+    forward); `proposed`: how many, where the tokens are not at hand (a remote tier's report).
+    `ahead`: instead a block of `proposed` tokens that tier `tier` drafted ahead (a pipelined
+    chain), `seconds` from handing up its previous block to drafting this one's last token."""
 
     tier: int
     length: int
     context_len: int
     tokens: tuple[int, ...] | None
     seconds: float
+    proposed: int | None = None
+    ahead: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,13 +218,17 @@ class StepObservation:
     """A step ended: each live request's committed tokens (in the order of its StepInput), the
     step's wall time, and the lengths / tiers it ran with; `catch_up_s`: the part of the wall time
     spent caching contexts a drafter of the plan was behind on (a price of switching it on, not of
-    the plan's steps)."""
+    the plan's steps); `first`: per request, whether the step was its first (it fed the prompt;
+    empty: unknown); `model_s`: the part of the wall time spent in model forwards on the step's
+    critical path, where the decoder can tell (a distributed chain's workers report it)."""
 
     committed: tuple[tuple[int, ...], ...]
     seconds: float
     lengths: tuple[int, ...]
     active: tuple[int, ...]
     catch_up_s: float = 0.0
+    first: tuple[bool, ...] = ()
+    model_s: float | None = None
 
     @property
     def batch(self) -> int:

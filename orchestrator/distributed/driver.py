@@ -8,15 +8,14 @@ target pulls its block from the tier below, which pulls from the tier below it: 
 never relays blocks. The driver keeps each request's committed tokens, so a request
 survives any tier's death: a step that failed committed nothing and is simply redone.
 
-Where the workers live is a `Membership`: `StaticMembership` for workers the caller
-started (tests, one process), `polyspec.orchestrator.distributed.ray_runtime.RayMembership` for Ray actors,
-which also restarts and rewires tiers.
+Where the workers live is a `Membership`: `polyspec.orchestrator.distributed.ray_runtime.RayMembership`
+for Ray actors, which also restarts and rewires tiers (the tests' in-process chains have one of
+their own).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import random
 import threading
@@ -30,6 +29,7 @@ import torch
 from polyspec.orchestrator.distributed import cluster_auth
 from polyspec.orchestrator.decode.contract import (
     NO_LIMIT,
+    DraftObservation,
     GenerationOutput,
     RequestState,
     RoundObservation,
@@ -102,16 +102,6 @@ class Membership:
         pass
 
 
-class StaticMembership(Membership):
-    """Workers started by the caller, target first (no restarts)."""
-
-    def __init__(self, addresses: list[str], names: list[str]) -> None:
-        self.views = [TierView(name, i, address=a) for i, (name, a) in enumerate(zip(names, addresses))]
-
-    def target_address(self) -> str:
-        return self.views[0].address
-
-
 @dataclasses.dataclass
 class RemoteRun:
     """What the driver keeps of one request besides its tokens (`RequestState.run`)."""
@@ -120,8 +110,10 @@ class RemoteRun:
     stages: dict[tuple[int, int], StageStats] = dataclasses.field(default_factory=dict)  # (tier, drafter) -> stats
     rounds: int = 0
     overhead_s: float = 0.0  # round trips not spent in model forwards on the critical path
-    unobserved: Callable[[], None] | None = None  # with a tuner: the last round's report, folded in during the next round
-    planned: tuple | None = None  # with a tuner: (tuner, lengths) of the next round, planned while this one was in flight
+    # with a planner that follows one request (`_planner_work`): (planner, observations) of the last round,
+    # heard during the next round, and (planner, (lengths, active)) of the next round, planned during this one
+    unobserved: tuple | None = None
+    planned: tuple | None = None
 
 
 @dataclasses.dataclass
@@ -132,7 +124,7 @@ class _Target:
 
 
 class DistributedChain:
-    plan_ahead = True  # with a tuner: plan the next round while this one is in flight (`_tuner_work`)
+    plan_ahead = True  # with a one-request planner: plan the next round while this one is in flight (`_planner_work`)
 
     def __init__(self, membership: Membership, lengths: list[int], *, tree_width: int = 1, scheme: str = "specinfer",
                  eos_token_ids: tuple[int, ...] = (), max_context: int | None = None, pipeline: bool = False) -> None:
@@ -145,8 +137,11 @@ class DistributedChain:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_context = max_context
         self.pipeline = pipeline
-        self.tuner = None  # polyspec.orchestrator.tuning.tuner.Tuner (lengths: auto): sets the lengths of every round
-        self._tuner_lock = threading.Lock()  # steps of concurrent requests report to it
+        # lengths: auto: a `contract.RoundPlanner` sets every step's lengths from the stage reports the tiers send
+        # up: the online tuner (Tuner, distributed: no bypass) one request at a time, or for batched steps the
+        # goodput planner (BatchPlanner over plans that run every tier or none: Engine.make_planner)
+        self.planner = None
+        self._planner_lock = threading.Lock()  # steps of concurrent requests plan and report under it
         self.counters = Counters()
         self.failovers = 0
         self.degraded_rounds = 0
@@ -157,9 +152,6 @@ class DistributedChain:
         # continuous batching: the engine steps every running request in one `step_all` (one VerifyBatch);
         # otherwise requests step one at a time, concurrently (each a VerifyBatch of one)
         self.batched = False
-        # batched, `lengths: auto`: polyspec.orchestrator.tuning.batch_model.BatchPlanner over plans that run every
-        # tier or none (a distributed round cannot skip a tier); it sets every step's lengths for the load
-        self.planner = None
         self.last_step: dict = {}  # batched: batch size, tokens, seconds of the latest step
 
     # ----------------------------------------------------------------- target
@@ -177,7 +169,7 @@ class DistributedChain:
     def _call_target(self, method: str, request, timeout: float = VERIFY_TIMEOUT_S, meanwhile: Callable[[], None] | None = None):
         """Call the target; on a dead target wait for its restart and call again. `meanwhile`:
         work for this thread while the (first) call is in flight; the reply is then timed from
-        the call to its arrival, not to the end of that work (see `_tuner_work`). Returns the reply and
+        the call to its arrival, not to the end of that work (see `_planner_work`). Returns the reply and
         the seconds the last call took."""
         while True:
             target = self._stub()
@@ -236,99 +228,108 @@ class DistributedChain:
 
     def step_all(self, states: list[RequestState]) -> list[list[int]]:
         """One target round of every request in `states`, in one VerifyBatch: each tier scores every
-        request's block in one forward (polyspec.orchestrator.distributed.batched_rounds)."""
+        request's block in one forward (polyspec.orchestrator.distributed.batched_rounds). A planner
+        plans the step and hears its stage reports as typed observations (`round_observations`)."""
         started = time.perf_counter()
         out: list[list[int]] = [[] for _ in states]
         live = [i for i, state in enumerate(states) if not finish_if_full(state)]
         if not live:
             return out
         planner = self.planner
-        lengths, active = list(self.lengths), self.active
-        if planner is not None:  # every request of the step runs the step's plan
-            lengths, active = planner.plan(StepInput(tuple(states[i].params for i in live), tuple(len(states[i].committed) for i in live)))
-            for i in live:
-                note_plan(states[i].plans, len(states[i].new_tokens), lengths, [self.tiers[t].name for t in active])
-        planned = [self._round_request(states[i], lengths) for i in live]
-        batch = tier_pb2.VerifyBatchRequest(requests=[request for request, _ in planned])
-        reply, wall = self._call_target("VerifyBatch", batch, meanwhile=self._tuner_work([states[i] for i in live], planned))
+        if planner is not None and planner.one_request and len(live) > 1:
+            for i in live:  # a planner that follows one request at a time
+                out[i] = self.step_all([states[i]])[0]
+            return out
+        running = [states[i] for i in live]
+        lengths, active = self._plan(running)
+        requests = [self._round_request(state, lengths) for state in running]
+        reply, wall = self._call_target("VerifyBatch", tier_pb2.VerifyBatchRequest(requests=requests),
+                                        meanwhile=self._planner_work(running, lengths))
         if len(reply.replies) != len(live):
             raise RuntimeError(f"tier {self.tiers[0].name!r}: VerifyBatch answered {len(reply.replies)} of {len(live)} requests")
-        committed = 0
-        for i, (_, ran), one in zip(live, planned, reply.replies):
-            out[i] = self._round_reply(states[i], one, wall, ran)
-            committed += len(out[i])
+        heard, first = [], tuple(state.run.rounds == 0 for state in running)
+        for i, state, one in zip(live, running, reply.replies):
             if planner is not None:
-                for report in one.stages:
-                    if report.drafter != report.tier:  # a verification round (a bottom tier reports its drafts too)
-                        planner.observe(RoundObservation(report.tier, report.drafter, report.length, report.proposed, report.accepted,
-                                                         report.seconds, states[i].params.greedy, len(states[i].committed), states[i].seq_id))
+                heard += round_observations(one.stages, state.params, len(state.committed), state.seq_id)
+            out[i] = self._round_reply(state, one, wall)
         seconds = time.perf_counter() - started
-        self.last_step = {"batch": len(live), "tokens": committed, "seconds": seconds, "tiers": list(active), "lengths": list(lengths)}
+        committed = tuple(tuple(out[i]) for i in live)
+        self.last_step = {"batch": len(live), "tokens": sum(map(len, committed)), "seconds": seconds, "tiers": list(active),
+                          "lengths": list(lengths)}
         if planner is not None:
-            planner.observe(StepObservation(tuple(tuple(out[i]) for i in live), seconds, tuple(lengths), tuple(active)))
+            if planner.one_request:  # the call's own time, and the model time in it (the rest: overheads)
+                heard.append(StepObservation(committed, wall, tuple(lengths), tuple(active), first=first, model_s=reply.replies[0].model_s))
+                if not first[0]:  # heard during the next round (`_planner_work`), or by `finish`
+                    running[0].run.unobserved = (planner, heard)
+                    return out
+            else:
+                heard.append(StepObservation(committed, seconds, tuple(lengths), tuple(active), first=first))
+            self._hear((planner, heard))
         return out
 
-    def _tuner_work(self, states: list[RequestState], planned: list[tuple]) -> Callable[[], None] | None:
-        """With a tuner: its work for this thread while the round is in flight, off the critical path.
+    def _step_input(self, states: list[RequestState]) -> StepInput:
+        return StepInput(tuple(state.params for state in states), tuple(len(state.committed) for state in states),
+                         remaining=tuple(min(remaining(state), state.limit - len(state.committed)) for state in states),
+                         first=tuple(state.run.rounds == 0 for state in states))
 
-        The tuner's bookkeeping of each request's last round (observe_remote) runs then, and so does
-        the plan of its next round (plan_remote, with its re-tunes: about a millisecond of Python a
-        round) when this round cannot end the request. The tuner sees the same calls in the same order
-        as when each round is planned at its start: plan n, observe n - 2, plan n + 1, observe n - 1,
-        ... (a plan has not seen the round before it: a one-round lag); a request's first round, whose
-        report restarts the class's estimates, is folded in at once (`_round_reply`)."""
-        tuner = self.tuner
-        chores = []
-        for state, (_, lengths) in zip(states, planned):
-            run: RemoteRun = state.run
-            pending, run.unobserved = run.unobserved, None
-            plan_ahead = (tuner is not None and self.plan_ahead and run.rounds > 0 and remaining(state) > lengths[0] + 1
-                          and len(state.committed) + lengths[0] + 1 < state.limit)
-            if pending or plan_ahead:
-                chores.append((state, pending, plan_ahead))
-        if not chores:
+    def _plan(self, states: list[RequestState]) -> tuple[list[int], tuple[int, ...]]:
+        """The step's lengths and tiers: the planner's (made while the request's last round was in flight,
+        where it was: `_planner_work`), else the chain's own."""
+        planner = self.planner
+        if planner is None:
+            return list(self.lengths), self.active
+        planned, states[0].run.planned = states[0].run.planned, None
+        if planned is not None and planned[0] is planner and len(states) == 1:
+            lengths, active = planned[1]
+        else:
+            with self._planner_lock:
+                lengths, active = planner.plan(self._step_input(states))
+        for state in states:
+            note_plan(state.plans, len(state.new_tokens), lengths, [self.tiers[t].name for t in active])
+        self.lengths, self.active = list(lengths), tuple(active)  # the plan in use (the server's speculation_length gauge)
+        return self.lengths, self.active
+
+    def _planner_work(self, states: list[RequestState], lengths: list[int]) -> Callable[[], None] | None:
+        """With a planner that follows one request (the online tuner): its work for this thread while
+        the round is in flight, off the critical path.
+
+        The planner hears the request's last round then, and plans its next round (with its re-tunes:
+        about a millisecond of Python a round) when this round cannot end the request. The planner sees
+        the same calls in the same order as when each round is planned at its start: plan n, observe
+        n - 2, plan n + 1, observe n - 1, ... (a plan has not seen the round before it: a one-round lag;
+        its StepInput is the request as it was before this round); a request's first round, whose
+        report restarts the class's estimates, is heard at once (`step_all`)."""
+        planner = self.planner
+        if planner is None or not planner.one_request:
+            return None
+        (state,) = states
+        run: RemoteRun = state.run
+        pending, run.unobserved = run.unobserved, None
+        ahead = (self.plan_ahead and run.rounds > 0 and remaining(state) > lengths[0] + 1
+                 and len(state.committed) + lengths[0] + 1 < state.limit)
+        if not pending and not ahead:
             return None
 
         def work() -> None:
-            with self._tuner_lock:
-                for state, pending, plan_ahead in chores:
-                    if pending:
-                        pending()
-                    if plan_ahead:
-                        state.run.planned = (tuner, tuner.plan_remote(state.params))
+            if pending:
+                self._hear(pending)
+            if ahead:
+                with self._planner_lock:
+                    run.planned = (planner, planner.plan(self._step_input([state])))
 
         return work
 
-    def _round_request(self, state: RequestState, lengths: list[int] | None = None) -> tuple[tier_pb2.VerifyRequest, list[int]]:
-        """The request's next Verify and the lengths it runs: the tuner's plan, else `lengths` (default: the chain's)."""
-        run: RemoteRun = state.run
-        header = run.header
-        tuner = self.tuner
-        lengths = self.lengths if lengths is None else lengths
-        if tuner is not None:
-            planned, run.planned = run.planned, None
-            if planned is not None and planned[0] is tuner:
-                lengths = planned[1]
-            else:
-                with self._tuner_lock:
-                    lengths = tuner.plan_remote(state.params, new_tokens=state.max_new_tokens if run.rounds == 0 else None)
-            note_plan(state.plans, len(state.new_tokens), lengths, [view.name for view in self.tiers])
+    def _round_request(self, state: RequestState, lengths: list[int]) -> tier_pb2.VerifyRequest:
+        """The request's next Verify, with the step's lengths."""
+        header = state.run.header
         del header.lengths[:]
         header.lengths.extend(lengths)
-        return tier_pb2.VerifyRequest(header=header, context=state.committed, max_tokens=remaining(state)), lengths
+        return tier_pb2.VerifyRequest(header=header, context=state.committed, max_tokens=remaining(state))
 
-    def _round_reply(self, state: RequestState, reply: tier_pb2.VerifyReply, wall: float, lengths: list[int]) -> list[int]:
-        """Fold one round's reply into the request: stats, the tuner's observation, the committed tokens."""
+    def _round_reply(self, state: RequestState, reply: tier_pb2.VerifyReply, wall: float) -> list[int]:
+        """Fold one round's reply into the request: stats and the committed tokens."""
         run: RemoteRun = state.run
-        tuner = self.tuner
         run.overhead_s += max(0.0, wall - reply.model_s)
-        if tuner is not None:  # (bound to the tuner that planned the round)
-            observation = functools.partial(tuner.observe_remote, state.params, reply.stages, wall, reply.model_s,
-                                            first=run.rounds == 0, lengths=list(lengths))
-            if run.rounds == 0:
-                self._observe(observation)
-            else:
-                run.unobserved = observation
         run.rounds += 1
         self._record(run, reply.stages)
         # a round on a shortened chain: one that found a tier dead, or one run while a tier is
@@ -340,9 +341,12 @@ class DistributedChain:
             self.membership.degraded(reply.degraded_reason)
         return commit(state, list(reply.tokens), self.eos_token_ids)
 
-    def _observe(self, observation: Callable[[], None]) -> None:
-        with self._tuner_lock:
-            observation()
+    def _hear(self, pending: tuple) -> None:
+        """(planner, observations): the planner that planned a round hears it."""
+        planner, observations = pending
+        with self._planner_lock:
+            for observation in observations:
+                planner.observe(observation)
 
     def _record(self, run: RemoteRun, reports) -> None:
         for report in reports:
@@ -359,7 +363,7 @@ class DistributedChain:
         run: RemoteRun = state.run
         if run.unobserved is not None:  # the last round's report (in the request's time: its caller waits for it)
             pending, run.unobserved = run.unobserved, None
-            self._observe(pending)
+            self._hear(pending)
         stub = self._stub().stub
         seq_id = state.seq_id
 
@@ -456,6 +460,22 @@ class DistributedChain:
         self.membership.close()
 
 
+def round_observations(reports, params: SamplingParams, context_len: int, seq_id: int) -> list:
+    """A request's round as its stage reports (protos tier.proto StageReport) tell it, as a planner's
+    typed observations, in the order reported: verification rounds (`RoundObservation`), the bottom
+    tier's proposals and, pipelined, the blocks drafted ahead (`DraftObservation`, with `proposed`)."""
+    observations = []
+    for report in reports:
+        if report.drafter == report.tier:
+            ahead = report.block_seconds > 0
+            observations.append(DraftObservation(report.tier, report.length, context_len, None,
+                                                 report.block_seconds if ahead else report.seconds, report.proposed, ahead))
+        else:
+            observations.append(RoundObservation(report.tier, report.drafter, report.length, report.proposed, report.accepted,
+                                                 report.seconds, params.greedy, context_len, seq_id, ahead=report.ahead))
+    return observations
+
+
 def _profile(view: TierView, request: tier_pb2.ProfileRequest) -> tier_pb2.ProfileReply:
     """One tier's Profile RPC, on a channel of its own (profiling runs before any request)."""
     with cluster_auth.insecure_channel(view.address, options=CHANNEL_OPTIONS) as channel:
@@ -508,15 +528,3 @@ def profile_grid_remote(chain: DistributedChain, max_batch: int, repeats: int = 
         lookup.append(reply.lookup_ms)
     return tables, lookup
 
-
-def remote_planner(chain: DistributedChain, max_batch: int, max_batched_tokens: int | None = None):
-    """The goodput planner (polyspec.orchestrator.tuning.batch_model.BatchPlanner) of a batched
-    chain: each tier profiles its batched forward in its own process (a few seconds); its plans
-    run every tier or none, since a distributed round cannot skip a tier."""
-    from polyspec.orchestrator.tuning.batch_model import BatchPlanner
-
-    tables, lookup = profile_grid_remote(chain, max_batch)
-    planner = BatchPlanner(chain.tiers, tables, lookup, max_batched_tokens=max_batched_tokens, tree_width=chain.tree_width)
-    whole = tuple(range(len(chain.tiers)))
-    planner.plans = [plan for plan in planner.plans if plan.active in ((0,), whole)]
-    return planner

@@ -1,6 +1,6 @@
 """Goodput under load: the time model with a batch dimension, and the plan that maximises total tokens/s.
 
-A batched step (polyspec.orchestrator.decode.scheduler) runs one round of B requests. Its
+A batched step (polyspec.orchestrator.decode.scheduler, or a batched Ray chain's driver) runs one round of B requests. Its
 cost is built from each tier's forward time `t_i(B, W)` for B rows padded to W new tokens:
 
     plan "off":            t_0(B, 1)                                              -> B tokens
@@ -42,9 +42,9 @@ EXPLORE_TIME_SHARE of the time they still need (`affordable`), so a short job is
 what a block of 12 costs. Then it runs the winner: speculation turns on only
 when it measured SWITCH_ON times off's tokens/s and stays on while it measures at least
 SWITCH_OFF times off's (hysteresis). The side not taken is re-probed for PROBE_STEPS steps
-after REPROBE_FIRST steps, then at doubling intervals (up to REPROBE_MAX) while the
-decision holds, so a change of load or acceptance is noticed and a losing side costs a few
-percent at most.
+after REPROBE_FIRST probes' times, then at doubling intervals (up to `tuning.explore_every`,
+64 by default; 0: never) while the decision holds, so a change of load or acceptance is
+noticed and a losing side costs a few percent at most.
 """
 
 from __future__ import annotations
@@ -67,8 +67,8 @@ SMOOTHING = 0.2
 WINDOW = 8  # steps a measured rate sums before older steps start to fade
 MIN_STEPS = 3  # steps each side of an A/B runs before the A/B decides
 PROBE_STEPS = 3  # steps the side not taken runs when it is looked at again
-REPROBE_FIRST = 8  # time on the side taken before the first re-probe, in probes' times; doubles while the decision holds ...
-REPROBE_MAX = 64  # ... up to this: a losing side re-probed costs under 2% of the time
+REPROBE_FIRST = 8  # time on the side taken before the first re-probe, in probes' times; doubles while the decision
+# holds, up to `tuning.explore_every` (64 by default: a losing side re-probed costs under 2 % of the time)
 SWITCH_ON = 1.05  # speculation turns on when it measures this many times off's tokens/s ...
 SWITCH_OFF = 1.0  # ... and off when it measures under this many times off's
 EXPLORE_FLOOR = 0.5  # a new load explores a further set of tiers only if predicted at least this share of off's tokens/s ...
@@ -78,6 +78,23 @@ EXPLORE_TIME_SHARE = 0.25  # a plan is measured only if its MIN_STEPS take at mo
 CANDIDATE_MARGIN = 1.5  # an unmeasured speculating plan must be predicted this much better than the measured best to be tried
 LENGTHS = (3, 6, 12)
 INNER_LENGTHS = (4, 10)
+READ_OPTIONS = ("max_length", "allow_bypass", "explore_every")  # the config's `tuning:` options it reads (the rest: the one-request tuner's)
+
+
+def length_grid(grid: tuple[int, ...], longest: int) -> tuple[int, ...]:
+    """The lengths of `grid` up to `longest`, and `longest` itself where the grid goes past it."""
+    kept = tuple(k for k in grid if k <= longest)
+    return kept if longest >= grid[-1] or longest in kept else kept + (longest,)
+
+
+def unread_note(tuning) -> str | None:
+    """One line naming the `tuning:` options set away from their defaults that the goodput planner does not
+    read (the one-request tuner's estimates, re-tunes, margins and probes, where its A/B decides instead),
+    so that a batched chain never ignores them silently; None: none."""
+    defaults = type(tuning)()
+    unread = [f.name for f in dataclasses.fields(tuning) if f.name not in READ_OPTIONS and getattr(tuning, f.name) != getattr(defaults, f.name)]
+    return (f"tuning: {', '.join(unread)} set, but batched steps are planned by the goodput planner, which reads only "
+            f"{', '.join(READ_OPTIONS[:-1])} and {READ_OPTIONS[-1]} (the others are the one-request tuner's)") if unread else None
 
 
 def bucket(batch: int) -> int:
@@ -203,16 +220,23 @@ def decide(speculating_now: bool | None, off_rate: float, spec_rate: float) -> b
 
 class BatchPlanner:
     """Chooses the plan of each batched step: the time model proposes a speculating plan, a measured
-    A/B against speculation off decides whether to run it."""
+    A/B against speculation off decides whether to run it. `max_length`: the longest block a plan
+    asks for (the grids' lengths up to it: `length_grid`); `allow_bypass`: speculating plans may
+    leave tiers out (False: they run every tier, as a distributed round must; off is always the bar);
+    `explore_every`: the longest time between re-probes of the side not taken, in probes' times (0: never)."""
 
     def __init__(self, tiers, tables: list[ForwardTable | None], lookup_ms: list[float], max_length: int = max(LENGTHS),
-                 max_batched_tokens: int | None = None, tree_width: int = 1) -> None:
+                 max_batched_tokens: int | None = None, tree_width: int = 1, allow_bypass: bool = True,
+                 explore_every: int = 64) -> None:
         self.tiers = tiers
+        self.allow_bypass = allow_bypass
+        self.explore_every = explore_every
         self.tree_width = tree_width  # the bottom drafter of a plan proposes trees of this many candidates (1: chains)
         self.max_batched_tokens = max_batched_tokens  # a plan whose widest forward would exceed it is not taken
         self.tables = tables  # per tier; None for the n-gram lookup
         self.lookup_ms = lookup_ms  # per tier: ms per request of a model-free draft
-        self.max_length = max_length
+        self.lengths_grid = length_grid(LENGTHS, max_length)  # the target's blocks
+        self.inner_grid = length_grid(INNER_LENGTHS, max_length)  # a middle tier's
         self.acceptance = Acceptance([PRIOR_RATE if t is not None else LOOKUP_PRIOR_RATE for t in tables])
         self.correction: dict[tuple, float] = {}  # (plan | side | None, bucket or 0) -> measured / predicted step time
         self.arms: dict[tuple[int, int], Arm] = {}  # (bucket, sampling mix) -> its A/B
@@ -229,17 +253,18 @@ class BatchPlanner:
     def _candidates(self) -> list[Plan]:
         n = len(self.tiers)
         zero = (0,) * max(0, n - 1)
-        plans = [Plan((0,), zero)]
-        lengths = [k for k in LENGTHS if k <= self.max_length]
+        plans = []
         for drafter in range(1, n):
-            for k in lengths:
+            for k in self.lengths_grid:
                 plans.append(Plan((0, drafter), tuple(k if i == 0 else 0 for i in range(n - 1))))
         for mid, bottom in itertools.combinations(range(1, n), 2):
             if not self.tiers[mid].can_verify:
                 continue
-            for k, j in itertools.product(lengths, [j for j in INNER_LENGTHS if j <= self.max_length]):
+            for k, j in itertools.product(self.lengths_grid, self.inner_grid):
                 plans.append(Plan((0, mid, bottom), tuple(k if i == 0 else j if i == mid else 0 for i in range(n - 1))))
-        return plans
+        if not self.allow_bypass:
+            plans = [plan for plan in plans if plan.active == tuple(range(n))]
+        return [Plan((0,), zero)] + plans
 
     # ------------------------------------------------------------- observing
 
@@ -479,7 +504,7 @@ class BatchPlanner:
     def neighbours(self, plan: Plan) -> list[Plan]:
         """The plans on the same tiers with one length a step longer or shorter on its grid."""
         out = []
-        for tier, grid in ((0, LENGTHS), *(((plan.active[1], INNER_LENGTHS),) if len(plan.active) == 3 else ())):
+        for tier, grid in ((0, self.lengths_grid), *(((plan.active[1], self.inner_grid),) if len(plan.active) == 3 else ())):
             if tier >= len(plan.lengths) or plan.lengths[tier] not in grid:
                 continue
             at = grid.index(plan.lengths[tier])
@@ -560,10 +585,11 @@ class BatchPlanner:
             # re-probes: a block only costs more at a larger batch, and a speculating step there can cost
             # many off steps (a drafter served row by row)
             unmeasured_bar = arm.speculate and arm.measured(off) is None and arm.rate(spec).steps >= MIN_STEPS
-            if unmeasured_bar or arm.since >= arm.period * PROBE_STEPS * self.step_seconds(arm, other, batch):
+            period = min(arm.period, self.explore_every)
+            if unmeasured_bar or (period and arm.since >= period * PROBE_STEPS * self.step_seconds(arm, other, batch)):
                 arm.since = 0.0  # look at the other side (again): the load may have changed
                 if not unmeasured_bar:
-                    arm.period = min(2 * arm.period, REPROBE_MAX)
+                    arm.period = min(2 * period, self.explore_every)
                 arm.probe = [other] * PROBE_STEPS
         if self.chosen.get(group) != best:
             self.chosen[group] = best

@@ -44,11 +44,11 @@ class AcceptanceEstimate:
     sample of contexts into an even sample along the text (renewal-reward: a chain's rounds
     visit a context in proportion to 1 / the tokens a round from it emits). Rates per text
     position do not depend on the length the chain ran at; `time_model.renewal_rates` turns
-    them into the rates of rounds at any length. A shadow sample (Tuner.observe_commit) is
+    them into the rates of rounds at any length. A shadow sample (the tuner's commit hook) is
     already an even sample along the text, but not one a chain's rounds would take (they enter
     a repeated run at its start and jump through it, and rarely start near its end where the
     matches are short), so shadow estimates stay per round (`along_text=False`) with their own
-    position-1 weighting (Tuner.observe_commit).
+    position-1 weighting (the tuner's commit hook).
     Position 1's prior, Beta(prior_mean * w, (1 - prior_mean) * w), decays like the data
     (down to MIN_PRIOR_WEIGHT) so it cannot cap a rate the data keep showing; position j's
     prior is position j-1's posterior mean with a fixed weight `prior_strength`."""

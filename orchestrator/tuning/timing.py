@@ -1,5 +1,6 @@
 """The tuner's clocks: the time outside the model's forwards, and how a pipelined chain's
-drafting ahead and rounds vary around the model (the `Timing` part of `Tuner`).
+drafting ahead and rounds vary around the model (`Timing`, which the tuner keeps as `timing`
+and feeds what it measured against what the time model charges for it).
 
 Time outside the reported rounds (the scheduler's bookkeeping, a streaming callback) is
 measured: wall time between two target rounds minus what the rounds reported, per round, as
@@ -17,8 +18,7 @@ import collections
 import math
 import time
 
-from polyspec.orchestrator.tuning.time_model import contended_block_ms, fit_slowdown, latency
-from polyspec.orchestrator.tuning.chain_model import round_models
+from polyspec.orchestrator.tuning.time_model import contended_block_ms, fit_slowdown
 
 OVERHEAD_SMOOTHING = 0.1
 OVERHEAD_DECAY = 0.98  # distributed chains: the overhead fit's memory (~50 target rounds)
@@ -29,9 +29,10 @@ AHEAD_DECAY = 0.97  # ... each weighed this much less than the next (~33 blocks)
 
 
 class Timing:
-    """Overheads, jitter and drafting-ahead slow-downs (part of `Tuner`)."""
+    """Overheads, jitter and drafting-ahead slow-downs of one chain (`distributed`: its tiers are workers)."""
 
-    def __init__(self) -> None:
+    def __init__(self, distributed: bool = False) -> None:
+        self.distributed = distributed
         self.step_overhead_ms = 0.0  # distributed: per target round
         self.round_overhead_ms = 0.0  # per round of a stage
         # pipelined: per drafting tier, how much longer its blocks take to draft ahead than the
@@ -54,32 +55,17 @@ class Timing:
             return self.round_overhead_ms
         return self.step_overhead_ms if verifier == 0 else self.round_overhead_ms
 
-    def observe_ahead_block(self, key: str, drafter: int, tokens: int, block_ms: float, lengths: dict[int, int]) -> None:
-        """A block of `tokens` drafted ahead by `drafter` in `block_ms`: against the model's cost of
-        the same block on cores of its own (the drafter's cost per token with the lengths in
-        use) and its verifier's round beside it, the slow-down while the two share the cores
-        (`time_model.fit_slowdown` over the last AHEAD_WINDOW blocks, each weighed AHEAD_DECAY
-        less than the next)."""
-        chain = tuple(range(drafter, self.num_tiers))
-        verifier = drafter - 1
-        if tokens <= 0 or verifier < 0 or verifier not in lengths or (len(chain) > 1 and any(level not in lengths for level in chain[:-1])):
-            return
-        full = tuple(range(self.num_tiers))
-        if len(chain) == 1:  # the bottom tier: one proposal
-            modelled = latency(self.profile.draft_ms(drafter, full), tokens)
-        else:
-            stages, draft_ms = self.stages(key, chain, config=full, refit=False)  # the chain runs with every tier
-            below = round_models(stages, draft_ms, [lengths[level] for level in chain[:-1]], self.tree_width)[0]
-            modelled = below.ms_per_token * tokens
-        if modelled <= 0:
-            return
-        beside_ms = latency(self.profile.forward_ms(verifier, full), lengths[verifier]) + self.stage_overhead_ms(verifier)
+    def observe_ahead_block(self, drafter: int, block_ms: float, modelled_ms: float, beside_ms: float) -> None:
+        """A block drafted ahead by `drafter` in `block_ms`, which the model prices at `modelled_ms` on
+        cores of its own, with its verifier's round of `beside_ms` beside it: the slow-down while the
+        two share the cores (`time_model.fit_slowdown` over the last AHEAD_WINDOW blocks, each weighed
+        AHEAD_DECAY less than the next)."""
         if drafter == 1:  # the target's drafter: its blocks are what the target's rounds wait for
             # (against the slow-down as last fitted: refitting it on every block, to read it
             # here, was two thirds of this hook's driver CPU on the Ray demo chain)
-            self.observe_jitter(block_ms / contended_block_ms(modelled, beside_ms, self.slowdown_of(drafter, refit=False)) - 1.0)
+            self.observe_jitter(block_ms / contended_block_ms(modelled_ms, beside_ms, self.slowdown_of(drafter, refit=False)) - 1.0)
         blocks = self._ahead_blocks.setdefault(drafter, collections.deque(maxlen=AHEAD_WINDOW))
-        blocks.append((block_ms, modelled, beside_ms))
+        blocks.append((block_ms, modelled_ms, beside_ms))
         self._slowdown_stale.add(drafter)
 
     @property

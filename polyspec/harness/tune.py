@@ -4,11 +4,14 @@
                   [--grid-max K] [--max-prompts P] [--repeats R] [--heldout-prompts Q]
                   [--heldout-repeats H] [--json]
 
-Steps (all in this process, embedded mode):
-1. profile every tier (profiler.profile_tiers) at the prompts' typical context length, and
-   each model tier's prefill of every prompt;
+Steps, on the config's chain (embedded, or Ray actors driven from this process; the tuner is
+the chain's planner in both, fed the same typed observations):
+1. profile every tier (profiler.profile_tiers; a Ray chain's tiers in their own processes,
+   driver.profile_remote) at the prompts' typical context length, and each model tier's
+   prefill of every prompt;
 2. calibrate: generate every prompt with every usable set of tiers (the full chain and each
-   bypass) at long, middle and short lengths, through the tuner's hooks without re-tuning:
+   bypass; a Ray chain has only the full one) at long, middle and short lengths, through the
+   tuner's hooks without re-tuning:
    acceptance as plain counts per stage (no recency weighting), latencies refined online
    per set of tiers (a tier is slower on a shared CPU when others run in between);
 3. predict, from those estimates only, the ms per token of every grid point (k_i in
@@ -76,7 +79,7 @@ CONFIRM_TOP = 5  # grid points measured again with the tuner's choice (see confi
 def predict_plan(tuner: Tuner, key: str, plan: Plan, prefill_extra_ms: list[list[float]], new_tokens: int) -> float:
     """Predicted ms per token over the prompts: prefills of the tiers in use + decoding."""
     if len(plan.active) == 1:
-        decode = [new_tokens * (latency(tuner.profile.forward_ms(0, plan.active), 1) + tuner.round_overhead_ms)] * len(prefill_extra_ms)
+        decode = [new_tokens * (latency(tuner.profile.forward_ms(0, plan.active), 1) + tuner.timing.round_overhead_ms)] * len(prefill_extra_ms)
     else:
         stages, draft_ms = tuner.stages(key, plan.active)
         lengths = [plan.lengths[level] for level in plan.active[:-1]]
@@ -112,7 +115,7 @@ def calibrate_first_rounds(tuner: Tuner, key: str, runs: list[tuple[Plan, list[f
             if modelled > 0:
                 ratios.append(wall / modelled)
     if ratios:
-        tuner.set_first_round_scale(statistics.median(ratios))
+        tuner.first_round_scale = statistics.median(ratios)
 
 
 
@@ -296,7 +299,7 @@ def tune_engine(engine: Engine, config: ChainConfig, prompts: list[str], setting
 
     first_predicted = predict_all()
     tiers = tier_report(engine, tuner, key, settings.grid_max)
-    overhead_ms = tuner.round_overhead_ms
+    overhead_ms = tuner.timing.round_overhead_ms
 
     # step 4: measurements. Each pass is predicted from calibration runs interleaved with it
     # (the same seconds of a machine whose speed drifts by 10-30 % over minutes: calibrated in

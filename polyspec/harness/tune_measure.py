@@ -130,16 +130,16 @@ def interleaved_pass(engine: Engine, items: list, prompt_ids: list[list[int]], s
             for index in order:
                 item = items[index]
                 if isinstance(item, Plan):
-                    use_tuner(scheduler, None)
+                    scheduler.planner = None
                     scheduler.lengths, scheduler.active = list(item.lengths), tuple(item.active)
                 elif isinstance(item, tuple):
                     plan, tuner = item
                     tuner.fix(plan)
-                    use_tuner(scheduler, tuner)
+                    scheduler.planner = tuner
                     scheduler.lengths, scheduler.active = list(plan.lengths), tuple(plan.active)
                 else:
                     item.fix(None)
-                    use_tuner(scheduler, item)
+                    scheduler.planner = item
                 cpu_started = time.process_time()
                 output = scheduler.generate(list(ids), settings.max_new_tokens, params, seed=request_seed(settings, seed, number))
                 total = totals[index]
@@ -153,14 +153,8 @@ def interleaved_pass(engine: Engine, items: list, prompt_ids: list[list[int]], s
             if log is not None:
                 log(f"prompt {number + 1}/{len(prompt_ids)}")
     finally:
-        use_tuner(scheduler, None)
+        scheduler.planner = None
     return [Measurement(1000.0 * wall / max(1, tokens), 1000.0 * cpu / max(1, tokens)) for wall, cpu, tokens in totals]
-
-
-def use_tuner(scheduler, tuner: Tuner | None) -> None:
-    """Let `tuner` (None: nothing) set the lengths of the scheduler's rounds: an embedded chain's
-    `planner`; a distributed chain (driver.DistributedChain) plans its rounds with a `tuner`."""
-    setattr(scheduler, "tuner" if hasattr(scheduler, "membership") else "planner", tuner)
 
 
 def _medians(runs: list[Measurement]) -> Measurement:
@@ -301,7 +295,7 @@ def measure_shift(engine: Engine, tuner: Tuner, code_ids: list[list[int]], prose
     that round, from code rounds only.) With the tuner's view at the switch and at the end."""
     params = settings.params()
     key = request_class(params)
-    use_tuner(engine.scheduler, tuner)
+    engine.scheduler.planner = tuner
     tuner.fix(None)
     try:
         for number, ids in enumerate(code_ids):
@@ -313,7 +307,7 @@ def measure_shift(engine: Engine, tuner: Tuner, code_ids: list[list[int]], prose
             engine.scheduler.generate(list(ids), settings.max_new_tokens, params, seed=settings.seed + 100 + number)
         end_round = tuner.class_state(key).rounds
     finally:
-        use_tuner(engine.scheduler, None)
+        engine.scheduler.planner = None
     changes = [h for h in tuner.history if h["round"] > switch_round]
     at_end = shift_view(engine, tuner, key)
     best_at_end = min(at_end["predicted"], key=lambda plan: plan["ms_per_token"])

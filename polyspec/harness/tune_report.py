@@ -159,10 +159,10 @@ def build_report(engine: Engine, config: ChainConfig, tuner: Tuner, settings: Tu
         },
         "tiers": results.tiers,
         "round_overhead_ms": round(results.round_overhead_ms, 4),
-        "step_overhead_ms": round(tuner.step_overhead_ms, 4) if tuner.distributed else None,  # per target round (distributed)
-        "ahead_slowdown": {engine.tiers[t].name: round(v, 4) for t, v in tuner.ahead_slowdown.items()},  # pipelined drafters
+        "step_overhead_ms": round(tuner.timing.step_overhead_ms, 4) if tuner.distributed else None,  # per target round (distributed)
+        "ahead_slowdown": {engine.tiers[t].name: round(v, 4) for t, v in tuner.timing.ahead_slowdown.items()},  # pipelined drafters
         "first_round_scale": round(tuner.first_round_scale, 4) if tuner.distributed else None,  # first rounds, measured / modelled
-        "jitter_cv": round(tuner.jitter_cv, 4) if tuner.distributed and tuner.pipelined else None,  # spread of round / block times
+        "jitter_cv": round(tuner.timing.jitter_cv, 4) if tuner.distributed and tuner.pipelined else None,  # spread of round / block times
         "summary": summary(engine, results, "wall_ms"),
         # this process's CPU time: meaningless when the tiers run in other processes
         "summary_cpu": None if tuner.distributed else summary(engine, results, "cpu_ms"),

@@ -146,11 +146,13 @@ def test_seeded_request_samples_the_same_in_a_batch_as_alone(tiny_family):
 def test_goodput_planner_sets_the_lengths_of_batched_rounds(tiny_family, embedded, names, tree_width):
     """`lengths: auto`, batched: each tier profiles its batched forward in its own worker, the
     planner measures speculation off first, then a plan running every tier; greedy output stays the target's."""
-    from polyspec.orchestrator.distributed.driver import remote_planner
+    from polyspec.orchestrator.distributed.driver import profile_grid_remote
+    from polyspec.orchestrator.tuning.batch_model import BatchPlanner
 
     chain, workers, _ = batched_chain(tiny_family, names, [2] * (len(names) - 1), pipeline=True, tree_width=tree_width)
-    try:
-        chain.planner = planner = remote_planner(chain, max_batch=4)
+    try:  # as Engine.make_planner builds it for a batched Ray chain
+        tables, lookup = profile_grid_remote(chain, max_batch=4)
+        chain.planner = planner = BatchPlanner(chain.tiers, tables, lookup, tree_width=tree_width, allow_bypass=False)
         assert planner.tables[0] is not None and (planner.tables[-1] is None) == (names[-1] == "ngram")
         assert {p.active for p in planner.plans} == {(0,), tuple(range(len(names)))}, "no plan skips a tier"
         jobs = [(ids, MAX_NEW, SamplingParams(temperature=0.0), None) for ids, _ in embedded.values()] * 4

@@ -89,8 +89,8 @@ def test_concurrent_requests_match_one_at_a_time(tiny_family, embedded):
 @pytest.mark.parametrize("pipeline", [False, True], ids=["serial", "pipelined"])
 def test_online_tuner_sets_lengths_of_a_distributed_chain(tiny_family, embedded, pipeline):
     """lengths: auto on a distributed chain: every tier profiles itself (Profile RPC), the
-    driver's tuner hears each round's stage reports (rounds, and the bottom tier's proposals)
-    and sets the lengths sent with the next round; concurrent requests report safely; the
+    driver's planner (the tuner) hears each round's stage reports (rounds, and the bottom tier's
+    proposals) as typed observations and sets the lengths sent with the next round; concurrent requests report safely; the
     output is still the target's greedy text."""
     from polyspec.orchestrator.distributed.driver import profile_remote
     from polyspec.orchestrator.tuning.tuner import Plan, Tuner
@@ -105,7 +105,7 @@ def test_online_tuner_sets_lengths_of_a_distributed_chain(tiny_family, embedded,
         assert sorted(profile.draft[2]) == [1, 2, 3, 4] and profile.draft[0] is None
         assert len(prefill[0]) == 2 and all(ms > 0 for ms in prefill[0])
         tuner = Tuner(profile, max_length=4, retune_every=2, warmup_rounds=2, distributed=True, pipelined=pipeline)
-        chain.tuner = tuner
+        chain.planner = tuner
         jobs = [(ids, MAX_NEW, SamplingParams(temperature=0.0), None) for ids, _ in embedded.values()] * 2
         results = {}
         chain.generate_many(jobs, concurrency=3, on_done=lambda i, out: results.__setitem__(i, out))
@@ -197,7 +197,7 @@ def pipelined_chain_with_tuner(tiny_family, tuner_class):
         real_stub = chain._stub
         chain._stub = lambda: dataclasses.replace(real_stub(), stub=CountingStub(real_stub().stub))
         tuner = tuner_class(profile, max_length=4, retune_every=1, warmup_rounds=4, distributed=True, pipelined=True)
-        chain.tuner = tuner
+        chain.planner = tuner
         yield chain, tuner, calls
     finally:
         chain.close()
@@ -210,24 +210,27 @@ def test_the_tuner_hears_each_round_and_plans_the_next_while_rounds_run(tiny_fam
     the critical path), with the lengths that round was sent with; a request's first round is
     folded in at once (it restarts the class's estimates) and its last one by `finish`: every
     round is heard exactly once, in order. It also plans round n + 1 while round n is in flight
-    (plan_remote off the critical path) whenever round n cannot end the request, and the tuner
+    (its plan off the critical path) whenever round n cannot end the request, and the tuner
     sees its calls in the order of planning each round at its start: plan 0, observe 0, plan 1,
     then plan k before observe k - 1, so each plan has seen every round but the one before it."""
     from polyspec.orchestrator.tuning.tuner import Tuner
 
-    plans, heard = [], []  # (Verify calls sent, replies taken) at each plan_remote; (first, lengths, sent, replies arrived) at each observe_remote
+    from polyspec.orchestrator.decode.contract import StepObservation
+
+    plans, heard = [], []  # (Verify calls sent, replies taken) at each plan; (first, lengths, sent, replies arrived) at each round heard
     kinds = []  # "plan" | "observe", in call order
 
     class Recording(Tuner):
-        def plan_remote(self, params, new_tokens=None):
+        def plan(self, step):
             kinds.append("plan")
             plans.append((len(calls.sent), calls.collected))
-            return super().plan_remote(params, new_tokens)
+            return super().plan(step)
 
-        def observe_remote(self, params, reports, wall_s, model_s, first, lengths=None):
-            kinds.append("observe")
-            heard.append((first, lengths, len(calls.sent), calls.done))
-            super().observe_remote(params, reports, wall_s, model_s, first, lengths=lengths)
+        def observe(self, observation):
+            if isinstance(observation, StepObservation):  # the end of a round's observations
+                kinds.append("observe")
+                heard.append((observation.first[0], list(observation.lengths), len(calls.sent), calls.done))
+            super().observe(observation)
 
     with pipelined_chain_with_tuner(tiny_family, Recording) as (chain, tuner, calls):
         deferred = ahead = 0
@@ -373,7 +376,8 @@ def test_trained_drafters_in_their_targets_process_sample_as_embedded(tiny_draft
     target's, sharing its model lock and made batched together (as in the target's Ray actor): the
     feature head reads the target's hidden states from the target worker's batched cache. T = 1 with
     per-tier seeds draws exactly the embedded chain's tokens (3 seeds, 24 tokens each)."""
-    from polyspec.orchestrator.distributed.driver import DistributedChain, StaticMembership
+    from inprocess_chain import StaticMembership
+    from polyspec.orchestrator.distributed.driver import DistributedChain
     from polyspec.orchestrator.distributed.model_lock import LockedTiers
     from polyspec.orchestrator.distributed.worker import TierWorker
 

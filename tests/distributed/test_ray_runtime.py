@@ -352,7 +352,7 @@ def test_restarted_drafter_rejoins(cluster, tiny_family, embedded):
 
 @pytest.mark.extended
 def test_lengths_auto_and_tune_on_the_cluster(cluster, tiny_family, embedded):
-    """`lengths: auto` with the ray backend: the tiers profile themselves and the driver's tuner
+    """`lengths: auto` with the ray backend: the tiers profile themselves and the driver's planner (the tuner)
     sets every round's lengths (greedy output unchanged); `polyspec tune`'s run on the same
     chain reports the grid, the pipelined model's predictions and no bypass rows."""
     import dataclasses
@@ -363,13 +363,23 @@ def test_lengths_auto_and_tune_on_the_cluster(cluster, tiny_family, embedded):
     cfg = dataclasses.replace(cfg, speculation=dataclasses.replace(cfg.speculation, lengths="auto"))
     engine = Engine(cfg)
     try:
-        tuner = engine.scheduler.tuner
+        tuner = engine.scheduler.planner
         assert tuner is not None and tuner.distributed and tuner.pipelined
         for ids, expected in embedded[1][:2]:
             out = engine.scheduler.generate(ids, MAX_NEW, SamplingParams(temperature=0.0))
             assert out.token_ids == expected
             assert out.stats["plans"][0]["tiers"] == ["target", "mid", "small"]
         assert tuner.estimates("greedy")[(0, 1)].blocks > 0
+    finally:
+        engine.close()
+    engine = Engine(cfg, batched=True)  # batched: the goodput planner, its plans on every tier or none
+    try:
+        planner = engine.scheduler.planner
+        assert {plan.active for plan in planner.plans} == {(0,), (0, 1, 2)}
+        for ids, expected in embedded[1][:2]:
+            out = engine.scheduler.generate(ids, MAX_NEW, SamplingParams(temperature=0.0))
+            assert out.token_ids == expected and out.stats["plans"]
+        assert planner.describe()["ab"]
     finally:
         engine.close()
 

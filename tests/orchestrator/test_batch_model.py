@@ -519,3 +519,30 @@ def test_a_drafters_catch_up_is_not_counted_in_its_plans_measured_rate():
     assert arm.speculate and plan.chosen[batch].active == (0, 1)
     assert math.isclose(arm.measured(arm.best_measured()), batch * 200.0, rel_tol=1e-6)
     assert sum(speculated[-20:]) >= 20 - PROBE_STEPS
+
+
+def test_the_tuning_options_reach_the_goodput_planner():
+    """`tuning.max_length` caps the grids of lengths (the cap itself joins them); `allow_bypass: false`
+    keeps every speculating plan on every tier (off stays the A/B's bar); `explore_every` bounds the
+    time between re-probes of the side not taken (0: never); the tuner's other options, set, are
+    named in one line rather than ignored silently."""
+    from polyspec.orchestrator.config import TuningConfig
+    from polyspec.orchestrator.tuning.batch_model import unread_note
+
+    capped = planner(lambda b, w: 10.0, max_length=8)
+    assert capped.lengths_grid == (3, 6, 8) and capped.inner_grid == (4, 8)
+    assert max(max(p.lengths) for p in capped.plans) == 8 and Plan((0, 1, 2), (8, 8)) in capped.plans
+    assert planner(lambda b, w: 10.0, max_length=2).lengths_grid == (2,)
+    assert planner(lambda b, w: 10.0).lengths_grid == (3, 6, 12)
+    whole = planner(lambda b, w: 10.0, allow_bypass=False)
+    assert {p.active for p in whole.plans} == {(0,), (0, 1, 2)}
+    late_probes = {}  # once off has won (as in test_ab_turns_speculation_off_...: at most PROBE_STEPS steps at the default 64)
+    for explore_every in (0, 2):
+        plan = planner(lambda b, w: 10.0, explore_every=explore_every)
+        accept(plan, 0, 1, 0.95)
+        accept(plan, 1, 2, 0.9)
+        late_probes[explore_every] = sum(run_steps(plan, 16, 1000, LOSES)[2][-300:])
+    assert late_probes[0] == 0 and late_probes[2] > 3 * PROBE_STEPS  # never, or every 2 probes' times
+    assert unread_note(TuningConfig(max_length=4, allow_bypass=False, explore_every=0)) is None
+    note = unread_note(TuningConfig(decay=0.9, shadow=False))
+    assert note.startswith("tuning: decay, shadow set") and "reads only max_length, allow_bypass and explore_every" in note

@@ -417,7 +417,8 @@ def test_tree_chain_with_auto_lengths_plans_tree_depths(tiny_family, target_mode
     assert plans[0][0]["tiers"] == ["target"]  # the first load measures speculation off first ...
     assert any(len(p) > 1 for p in plans)  # ... and a request's plan moved from there
     ran = [p for request_plans in plans for p in request_plans if p["tiers"] == ["target", "mid"]]
-    assert ran and all(p["lengths"][0] in (3, 6, 12) for p in ran)  # trees of a depth on the planner's grid
+    assert ran and all(p["lengths"][0] in planner.lengths_grid for p in ran)  # trees of a depth on the planner's grid
+    assert planner.lengths_grid == (3, 6, 8)  # (cut at tuning.max_length, 8 by default)
     reached = planner.acceptance.reached[(0, 1, True)]  # tree rounds were observed per depth
     assert reached[0] > 0 and len(reached) >= min(p["lengths"][0] for p in ran)
     assert "tree_depth_rates" in planner.describe()

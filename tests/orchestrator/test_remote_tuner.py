@@ -1,11 +1,14 @@
-"""The tuner's hook for a distributed chain (Tuner.plan_remote / observe_remote): the stage
-reports of protos tier.proto in, lengths out; overheads per target round and per other round
-fitted from the driver's residuals; a pipelined drafter's measured block time."""
+"""The tuner on a distributed chain: the stage reports of protos tier.proto in, as the driver's
+typed observations (driver.round_observations, then the round's StepObservation), lengths out
+(Tuner.plan); overheads per target round and per other round fitted from the driver's
+residuals; a pipelined drafter's measured block time."""
 
 from __future__ import annotations
 
 import pytest
 
+from polyspec.orchestrator.decode.contract import StepInput, StepObservation
+from polyspec.orchestrator.distributed.driver import round_observations
 from polyspec.orchestrator.tuning.profiler import LatencyProfile
 from polyspec.orchestrator.tuning.time_model import contended_block_ms, fit_slowdown, latency
 from polyspec.orchestrator.tuning.chain_model import chain_cost
@@ -28,6 +31,23 @@ def remote_tuner(pipelined: bool = False) -> Tuner:
     return tuner
 
 
+def plan_round(tuner: Tuner, new_tokens: int | None = None) -> list[int]:
+    """The driver's plan of a round (`new_tokens`: given, a request's first round, asking for that many)."""
+    first = new_tokens is not None
+    lengths, active = tuner.plan(StepInput((GREEDY,), (32,), remaining=(new_tokens,) if first else (), first=(first,)))
+    assert active == tuple(range(tuner.num_tiers))
+    return lengths
+
+
+def hear(tuner: Tuner, reports, wall_s: float, model_s: float, first: bool, lengths=None) -> None:
+    """What the driver tells the tuner of a round: its reports, then the step (by default with the last plan's lengths)."""
+    for observation in round_observations(reports, GREEDY, 32, 1):
+        tuner.observe(observation)
+    if lengths is None:
+        lengths = tuner.running.lengths if tuner.running is not None else ()
+    tuner.observe(StepObservation(((),), wall_s, tuple(lengths), tuple(range(tuner.num_tiers)), first=(first,), model_s=model_s))
+
+
 def report(tier, drafter, length, proposed, accepted, seconds=0.0, **extra) -> tier_pb2.StageReport:
     return tier_pb2.StageReport(tier=tier, drafter=drafter, length=length, proposed=proposed, accepted=accepted,
                                 seconds=seconds, **extra)
@@ -42,41 +62,41 @@ def test_overheads_per_target_round_and_per_other_round():
         others = step % 4
         reports = [report(0, 1, 4, 4, 4, 0.010)] + [report(1, 2, 3, 3, 1, 0.005)] * others
         model_s = 0.010 + 0.005 * others
-        tuner.observe_remote(GREEDY, reports, model_s + (3.0 + 1.5 * others) / 1000.0, model_s, first=False)
-    assert tuner.step_overhead_ms == pytest.approx(3.0, rel=0.02)
-    assert tuner.round_overhead_ms == pytest.approx(1.5, rel=0.02)
+        hear(tuner, reports, model_s + (3.0 + 1.5 * others) / 1000.0, model_s, first=False)
+    assert tuner.timing.step_overhead_ms == pytest.approx(3.0, rel=0.02)
+    assert tuner.timing.round_overhead_ms == pytest.approx(1.5, rel=0.02)
     stages, _ = tuner.stages("greedy", (0, 1, 2))
     assert [s.overhead_ms for s in stages] == pytest.approx([3.0, 1.5], rel=0.02)
 
     only_target = remote_tuner(pipelined=True)
     for _ in range(200):
-        only_target.observe_remote(GREEDY, [report(0, 1, 4, 4, 4, 0.010)], 0.010 + 0.004, 0.010, first=False)
-    assert only_target.step_overhead_ms == pytest.approx(4.0, rel=0.02)
-    assert only_target.round_overhead_ms == pytest.approx(2.0, rel=0.02)
+        hear(only_target, [report(0, 1, 4, 4, 4, 0.010)], 0.010 + 0.004, 0.010, first=False)
+    assert only_target.timing.step_overhead_ms == pytest.approx(4.0, rel=0.02)
+    assert only_target.timing.round_overhead_ms == pytest.approx(2.0, rel=0.02)
 
 
 def test_first_round_gives_acceptance_but_no_latency():
     tuner = remote_tuner()
-    tuner.observe_remote(GREEDY, [report(0, 1, 4, 4, 2, 0.5), report(2, 2, 3, 3, 0, 0.5)], 1.0, 0.9, first=True)
+    hear(tuner, [report(0, 1, 4, 4, 2, 0.5), report(2, 2, 3, 3, 0, 0.5)], 1.0, 0.9, first=True)
     assert tuner.estimates("greedy")[(0, 1)].blocks == pytest.approx(1.0)
     assert not tuner.profile.online_forward and not tuner.profile.online_draft
-    assert tuner.step_overhead_ms == 0.0
+    assert tuner.timing.step_overhead_ms == 0.0
 
 
 def test_first_rounds_give_the_head_start_and_the_request_length():
     """A pipelined chain: the prompt's forward (the first round's target report less a round's
-    forward) is the head start of the second block, and plan_remote's new_tokens (given at a
+    forward) is the head start of the second block, and the plan's remaining tokens (given at a
     request's first round) the request's length; the target's stage carries both, and the
     searches then weigh the first rounds (time_model.chain_cost)."""
     tuner = remote_tuner(pipelined=True)
     prompt_ms = 30.0
     for request in range(12):
-        tuner.plan_remote(GREEDY, new_tokens=64 if request < 6 else 32)
+        plan_round(tuner, new_tokens=64 if request < 6 else 32)
         forward_s = (latency(tuner.profile.forward_ms(0, (0, 1, 2)), 5) + prompt_ms) / 1000.0
-        tuner.observe_remote(GREEDY, [report(0, 1, 4, 4, 4, forward_s)], 0.1, 0.09, first=True)
+        hear(tuner, [report(0, 1, 4, 4, 4, forward_s)], 0.1, 0.09, first=True)
         for _ in range(3):
-            tuner.plan_remote(GREEDY)  # later rounds leave both alone
-            tuner.observe_remote(GREEDY, [report(0, 1, 4, 4, 4, 0.009)], 0.02, 0.014, first=False)
+            plan_round(tuner)  # later rounds leave both alone
+            hear(tuner, [report(0, 1, 4, 4, 4, 0.009)], 0.02, 0.014, first=False)
     assert tuner.head_start_ms == pytest.approx(prompt_ms)
     assert 32 < tuner.request_tokens < 32 + 32 * 0.8 ** 6 + 0.5  # an EMA moving to the recent requests' 32
     stages, draft_ms = tuner.stages("greedy", (0, 1, 2))
@@ -84,8 +104,8 @@ def test_first_rounds_give_the_head_start_and_the_request_length():
     assert stages[1].head_start_ms == 0.0 and stages[1].request_tokens == 0
     assert tuner.predict("greedy", (0, 1, 2), (4, 3)) == pytest.approx(chain_cost(stages, draft_ms, [4, 3]))
     serial = remote_tuner()  # no draft-ahead: nothing to weigh, C_0 alone
-    serial.plan_remote(GREEDY, new_tokens=64)
-    serial.observe_remote(GREEDY, [report(0, 1, 4, 4, 4, 0.05)], 0.1, 0.09, first=True)
+    plan_round(serial, new_tokens=64)
+    hear(serial, [report(0, 1, 4, 4, 4, 0.05)], 0.1, 0.09, first=True)
     stages, draft_ms = serial.stages("greedy", (0, 1, 2))
     assert stages[0].head_start_ms == 0.0 and serial.head_start_ms == 0.0
     assert serial.predict("greedy", (0, 1, 2), (4, 3)) == pytest.approx(cost_per_token(stages, draft_ms, [4, 3]))
@@ -102,13 +122,13 @@ def test_drafted_ahead_blocks_set_the_drafters_slowdown(monkeypatch):
         reports = [report(0, 1, 4, 4, 4, 0.009), report(1, 2, 3, 3, 1, 0.005, ahead=True)]
         if block_ms is not None:
             reports.append(report(1, 1, 4, 4, 0, ahead=True, block_seconds=block_ms / 1000.0))
-        tuner.observe_remote(GREEDY, reports, 0.02, 0.014, first=False)
+        hear(tuner, reports, 0.02, 0.014, first=False)
 
     for _ in range(200):  # the same rounds again and again: the estimates settle
         step()
     stages, draft_ms = tuner.stages("greedy", (0, 1, 2))
     modelled_block_ms = 4 * cost_per_token(stages[1:], draft_ms, lengths[1:])
-    beside_ms = latency(tuner.profile.forward_ms(0, (0, 1, 2)), 4) + tuner.step_overhead_ms
+    beside_ms = latency(tuner.profile.forward_ms(0, (0, 1, 2)), 4) + tuner.timing.step_overhead_ms
     before = cost_per_token(stages, draft_ms, lengths)
     fits = []
     real_fit = timing_module.fit_slowdown
@@ -116,7 +136,7 @@ def test_drafted_ahead_blocks_set_the_drafters_slowdown(monkeypatch):
     for _ in range(60):
         step(contended_block_ms(modelled_block_ms, beside_ms, 1.5))
     assert not fits  # fitted when read, not on every block (it was most of the hook's driver CPU)
-    assert tuner.ahead_slowdown[1] == pytest.approx(1.5, rel=0.02)
+    assert tuner.timing.ahead_slowdown[1] == pytest.approx(1.5, rel=0.02)
     assert len(fits) == 1
     tuner.stages("greedy", (0, 1, 2))
     assert len(fits) == 1  # no new block: no refit
@@ -137,15 +157,18 @@ def test_contention_slows_only_the_part_of_a_block_drafted_beside_the_verifier()
             assert fitted_slowdown(measured, block_ms, 10.0) == pytest.approx(slowdown, rel=1e-6)
 
 
-def test_plan_remote_never_bypasses():
+def test_a_distributed_plan_never_bypasses():
     tuner = remote_tuner()
     for _ in range(40):
-        lengths = tuner.plan_remote(GREEDY)
+        lengths = plan_round(tuner)
         assert len(lengths) == 2
         # the n-gram tier never helps here: an embedded tuner would bypass it
-        tuner.observe_remote(GREEDY, [report(0, 1, lengths[0], lengths[0], lengths[0], 0.009),
+        hear(tuner, [report(0, 1, lengths[0], lengths[0], lengths[0], 0.009),
                                       report(1, 2, lengths[1], lengths[1], 0, 0.005)], 0.02, 0.014, first=False)
     assert tuner.history and all(entry["active"] == ["target", "mid", "ngram"] for entry in tuner.history)
+    described = tuner.describe()  # a run's stats (polyspec batch --stats): the plan and the rates it rests on
+    assert described["classes"]["greedy"]["plan"]["tiers"] == ["target", "mid", "ngram"]
+    assert described["classes"]["greedy"]["rates"]["mid<-ngram"][0] < 0.5 and described["history"] == tuner.history
 
 
 def test_pipelined_round_without_a_block_is_no_latency_sample():
@@ -155,9 +178,9 @@ def test_pipelined_round_without_a_block_is_no_latency_sample():
     for pipelined, expected in ((True, 20.0), (False, None)):
         tuner = remote_tuner(pipelined)
         for _ in range(30):
-            tuner.observe_remote(GREEDY, [report(0, 1, 4, 4, 4, 0.020)], 0.025, 0.020, first=False)
+            hear(tuner, [report(0, 1, 4, 4, 4, 0.020)], 0.025, 0.020, first=False)
         for _ in range(5):
-            tuner.observe_remote(GREEDY, [report(0, 1, 4, 0, 0, 0.005)], 0.008, 0.005, first=False)
+            hear(tuner, [report(0, 1, 4, 0, 0, 0.005)], 0.008, 0.005, first=False)
         table = tuner.profile.online_forward[(0, (0, 1, 2))]
         if expected is not None:
             assert table.online[5] == pytest.approx(expected, rel=0.01)
@@ -168,7 +191,7 @@ def test_pipelined_round_without_a_block_is_no_latency_sample():
     # middle tier's t(1) is learned from it (on sampled text most of its rounds are such)
     tuner = remote_tuner(pipelined=True)
     for _ in range(30):
-        tuner.observe_remote(GREEDY, [report(0, 1, 4, 4, 4, 0.020), report(1, 2, 3, 0, 0, 0.007, ahead=True)],
+        hear(tuner, [report(0, 1, 4, 4, 4, 0.020), report(1, 2, 3, 0, 0, 0.007, ahead=True)],
                              0.025, 0.020, first=False)
     assert tuner.profile.online_forward[(1, (0, 1, 2))].online[1] == pytest.approx(7.0, rel=0.01)
 
@@ -182,8 +205,8 @@ def test_first_rounds_are_kept_for_calibration():
 
     tuner = remote_tuner(pipelined=True)
     for number in range(3):
-        tuner.plan_remote(GREEDY)
-        tuner.observe_remote(GREEDY, [report(0, 1, 6, 6, 6, 0.05)], 0.060 + 0.01 * number, 0.05, first=True)
+        plan_round(tuner)
+        hear(tuner, [report(0, 1, 6, 6, 6, 0.05)], 0.060 + 0.01 * number, 0.05, first=True)
     assert list(tuner.first_rounds) == pytest.approx([60.0, 70.0, 80.0])
     plan = Plan((4, 4), (0, 1, 2))
     stages, draft_ms = tuner.stages("greedy", plan.active)
@@ -201,7 +224,7 @@ def test_proposal_fill_from_the_bottom_tiers_reports():
         proposed = 3 if step % 4 == 0 else 0
         reports = [report(0, 1, 4, 4, 4, 0.009), report(1, 2, 3, proposed, 0, 0.005, ahead=True),
                    report(2, 2, 3, proposed, 0, 0.0001)]
-        tuner.observe_remote(GREEDY, reports, 0.02, 0.014, first=False)
+        hear(tuner, reports, 0.02, 0.014, first=False)
     assert tuner.fill("greedy", 2) == pytest.approx(0.25, abs=0.03)
     assert tuner.fill("greedy", 1) == 1.0
     stages, _ = tuner.stages("greedy", (0, 1, 2))
@@ -215,36 +238,36 @@ def test_pipelined_jitter_from_the_targets_rounds():
     base = tuner.profile.forward_ms(0, (0, 1, 2))[5]
     for step in range(200):
         ms = base * (0.8 if step % 2 else 1.2)
-        tuner.observe_remote(GREEDY, [report(0, 1, 4, 4, 4, ms / 1000.0)], 0.03, ms / 1000.0, first=False)
-    assert tuner.jitter_cv == pytest.approx(0.2, abs=0.04)
+        hear(tuner, [report(0, 1, 4, 4, 4, ms / 1000.0)], 0.03, ms / 1000.0, first=False)
+    assert tuner.timing.jitter_cv == pytest.approx(0.2, abs=0.04)
     stages, _ = tuner.stages("greedy", (0, 1, 2))
-    assert stages[0].jitter_cv == pytest.approx(tuner.jitter_cv) and stages[1].jitter_cv == 0.0
+    assert stages[0].jitter_cv == pytest.approx(tuner.timing.jitter_cv) and stages[1].jitter_cv == 0.0
     serial = remote_tuner(pipelined=False)
     for step in range(50):
         ms = base * (0.8 if step % 2 else 1.2)
-        serial.observe_remote(GREEDY, [report(0, 1, 4, 4, 4, ms / 1000.0)], 0.03, ms / 1000.0, first=False)
+        hear(serial, [report(0, 1, 4, 4, 4, ms / 1000.0)], 0.03, ms / 1000.0, first=False)
     assert all(stage.jitter_cv == 0.0 for stage in serial.stages("greedy", (0, 1, 2))[0])
 
 
 def test_a_new_request_starts_from_the_long_run_acceptance():
     """Distributed: a request's first round (`first=True`) resets the recent estimates to the
-    class's long-run ones and the next plan_remote re-tunes (Tuner.restart_class)."""
+    class's long-run ones and the next plan re-tunes (Tuner.restart_class)."""
     tuner = remote_tuner()
     for _ in range(60):  # the int8-like pair agrees: long blocks
-        lengths = tuner.plan_remote(GREEDY)
-        tuner.observe_remote(GREEDY, [report(0, 1, lengths[0], lengths[0], lengths[0], 0.01),
+        lengths = plan_round(tuner)
+        hear(tuner, [report(0, 1, lengths[0], lengths[0], lengths[0], 0.01),
                                       report(1, 2, lengths[1], lengths[1], lengths[1], 0.005)], 0.02, 0.015, first=False)
-    long_plan = tuner.plan_remote(GREEDY)
+    long_plan = plan_round(tuner)
     for _ in range(16):  # one hard request: the target rejects its drafter's first token
-        lengths = tuner.plan_remote(GREEDY)
-        tuner.observe_remote(GREEDY, [report(0, 1, lengths[0], lengths[0], 0, 0.01),
+        lengths = plan_round(tuner)
+        hear(tuner, [report(0, 1, lengths[0], lengths[0], 0, 0.01),
                                       report(1, 2, lengths[1], lengths[1], lengths[1], 0.005)], 0.02, 0.015, first=False)
     assert tuner.accept_rates("greedy", 0, 1)[0] < 0.5
-    short = tuner.plan_remote(GREEDY)
+    short = plan_round(tuner)
     assert short != long_plan
-    tuner.observe_remote(GREEDY, [], 0.05, 0.04, first=True)  # a new request's first round
+    hear(tuner, [], 0.05, 0.04, first=True)  # a new request's first round
     assert tuner.accept_rates("greedy", 0, 1)[0] > 0.7
-    after = tuner.plan_remote(GREEDY)  # re-tuned at once, on the long-run rates
+    after = plan_round(tuner)  # re-tuned at once, on the long-run rates
     assert after != short and after == list(tuner.choose("greedy").lengths)
 
 

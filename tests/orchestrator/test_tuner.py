@@ -11,17 +11,35 @@ import pytest
 import torch
 
 from polyspec.orchestrator.config import parse_config
+from polyspec.orchestrator.decode.contract import DraftObservation, RoundObservation, StepInput, StepObservation
 from polyspec.orchestrator.engine import Engine
 from polyspec.orchestrator.tuning.profiler import LatencyProfile, OnlineTable
 from polyspec.orchestrator.tuning.time_model import expected_emitted, latency, renewal_rates
 from polyspec.orchestrator.tuning.chain_model import round_models
 import polyspec.orchestrator.tuning.estimates as estimates_module
 import polyspec.orchestrator.tuning.tuner as tuner_module
-from polyspec.orchestrator.tuning.planner import FULL_SEARCH_EVERY, PROBE_BUDGET, RETUNE_BUDGET
+from polyspec.orchestrator.tuning.tuner import FULL_SEARCH_EVERY, PROBE_BUDGET, RETUNE_BUDGET
 from polyspec.orchestrator.tuning.tuner import AcceptanceEstimate, Plan, Tuner
 from polyspec.workers.core.sampling import SamplingParams
 
 GREEDY = SamplingParams()
+
+
+# the scheduler's calls, as typed observations (contract.RoundPlanner)
+def plan(tuner: Tuner, committed: int, params: SamplingParams = GREEDY) -> tuple[list[int], tuple[int, ...]]:
+    return tuner.plan(StepInput((params,), (committed,)))
+
+
+def observe_round(tuner: Tuner, level: int, drafter: int, length: int, proposed: int, accepted: int, seconds: float) -> None:
+    tuner.observe(RoundObservation(level, drafter, length, proposed, accepted, seconds, True, 0, 0))
+
+
+def observe_draft(tuner: Tuner, tier: int, length: int, context_len: int, tokens: list[int], seconds: float) -> None:
+    tuner.observe(DraftObservation(tier, length, context_len, tuple(tokens), seconds))
+
+
+def observe_commit(tuner: Tuner, tokens: list[int]) -> None:
+    tuner.observe(StepObservation((tuple(tokens),), 0.0, (), ()))
 
 
 def test_acceptance_estimate_by_hand():
@@ -135,7 +153,7 @@ def simulate(tuner: Tuner, accept_rate, rounds: int, rng: random.Random, start: 
     plans = []
     committed = 1000 + start
     for round_index in range(start, start + rounds):
-        lengths, active = tuner.plan_request(GREEDY, committed)
+        lengths, active = plan(tuner, committed)
         plans.append(([lengths[level] for level in active[:-1]], active))
         emitted = 0
         for level, drafter in zip(active, active[1:]):
@@ -145,13 +163,13 @@ def simulate(tuner: Tuner, accept_rate, rounds: int, rng: random.Random, start: 
                 accepted += 1
             seconds = 0.001 * tuner.profile.forward[level][k + 1]  # as profiled
             tuner.clock.now += seconds
-            tuner.observe_round(level, drafter, k, k, accepted, seconds)
+            observe_round(tuner, level, drafter, k, k, accepted, seconds)
             if level == 0:
                 emitted = accepted + 1
         if len(active) == 1:  # the target alone: one forward, one token
             tuner.clock.now += 0.001 * tuner.profile.forward[0][1]
             emitted = 1
-        tuner.observe_commit([0] * emitted)
+        observe_commit(tuner, [0] * emitted)
         committed += emitted
     return plans
 
@@ -288,10 +306,10 @@ def count_retunes(round_ms: float, search_ms: float, rounds: int = 200, local_ms
     tuner._search = slow_search
     committed = 1000
     for _ in range(tuner.config.warmup_rounds + rounds):
-        lengths, active = tuner.plan_request(GREEDY, committed)
+        lengths, active = plan(tuner, committed)
         clock.now += round_ms / 1000.0
-        tuner.observe_round(0, 1, lengths[0], lengths[0], lengths[0], round_ms / 1000.0)
-        tuner.observe_commit([0] * (lengths[0] + 1))
+        observe_round(tuner, 0, 1, lengths[0], lengths[0], lengths[0], round_ms / 1000.0)
+        observe_commit(tuner, [0] * (lengths[0] + 1))
         committed += lengths[0] + 1
     assert tuner.estimates("greedy")[(0, 1)].shifts == 0
     return tuple(sum(r >= tuner.config.warmup_rounds for r in searches[kind]) for kind in ("full", "local"))
@@ -331,7 +349,7 @@ def test_each_request_starts_from_the_class_long_run_acceptance():
     # the hard request's next round (it continues at its committed length): still short
     state = continuing.class_state("greedy")
     resume_at = next(iter(reversed(continuing._continuing)))
-    lengths, _ = continuing.plan_request(GREEDY, resume_at)
+    lengths, _ = plan(continuing, resume_at)
     assert lengths[0] <= 3 and state.plan.lengths[0] <= 3
 
 
@@ -468,7 +486,7 @@ def test_probes_come_more_often_the_closer_the_bypassed_plan():
     full = tuner.choose("greedy", bypass=False)
     tuner.running, tuner._catching_up = full, frozenset({1})
     normal_ms = profile.forward_ms(1, full.active)[full.lengths[1] + 1]
-    tuner.observe_round(1, 2, full.lengths[1], full.lengths[1], 1, (normal_ms + 4.0) / 1000.0)
+    observe_round(tuner, 1, 2, full.lengths[1], full.lengths[1], 1, (normal_ms + 4.0) / 1000.0)
     assert tuner.catch_up_ms[1] == pytest.approx(4.0)
     tuner._set_probing("greedy", state)
     expected = math.ceil((gap + 4.0 / round_ms) / PROBE_BUDGET)  # (the probe's verdict moved the gap a hair)
@@ -532,11 +550,11 @@ def test_estimates_forget_per_target_round_not_per_block():
     tuner.fix(Plan((4, 2, 8), (0, 1, 2)))
     committed = 100
     for _ in range(200):
-        tuner.plan_request(GREEDY, committed)
+        plan(tuner, committed)
         for _ in range(5):
-            tuner.observe_round(1, 2, 2, 2, 1, 0.003)
-        tuner.observe_round(0, 1, 4, 4, 4, 0.01)
-        tuner.observe_commit([0] * 5)
+            observe_round(tuner, 1, 2, 2, 2, 1, 0.003)
+        observe_round(tuner, 0, 1, 4, 4, 4, 0.01)
+        observe_commit(tuner, [0] * 5)
         committed += 5
     estimates = tuner.estimates("greedy")
     assert estimates[(0, 1)].blocks == pytest.approx(1 / (1 - tuner.config.decay), rel=0.01)
@@ -547,13 +565,13 @@ def test_skip_pair_estimated_from_committed_tokens():
     profile = fixed_profile(["target", "mid", "ngram"], [lambda m: 10.0, lambda m: 3.0, None], [None, lambda k: 3.0 * k, lambda k: 0.05])
     tuner = Tuner(profile, max_length=8)
     tuner.fix(Plan((4, 4), (0, 1, 2)))
-    tuner.plan_request(GREEDY, 10)
-    tuner.observe_draft(2, 4, 10, [5, 6, 7, 8], 0.0)  # the n-gram's proposal at the committed context
-    tuner.observe_draft(2, 4, 12, [1, 1, 1, 1], 0.0)  # later ones (uncommitted context) are ignored
-    tuner.observe_commit([5, 6])  # matches so far: wait for more
+    plan(tuner, 10)
+    observe_draft(tuner, 2, 4, 10, [5, 6, 7, 8], 0.0)  # the n-gram's proposal at the committed context
+    observe_draft(tuner, 2, 4, 12, [1, 1, 1, 1], 0.0)  # later ones (uncommitted context) are ignored
+    observe_commit(tuner, [5, 6])  # matches so far: wait for more
     assert tuner.estimates("greedy", shadow=True).get((0, 2)) is None
-    tuner.plan_request(GREEDY, 12)
-    tuner.observe_commit([9])  # third position mismatched: 2 accepted
+    plan(tuner, 12)
+    observe_commit(tuner, [9])  # third position mismatched: 2 accepted
     estimate = tuner.estimates("greedy", shadow=True)[(0, 2)]
     # position 1 weighted 1 / (matched + 1) = 1/3: a chain running target<-n-gram would cover
     # these 3 tokens in one round, where the full chain's rounds sample tokens about evenly
@@ -572,11 +590,11 @@ def test_shadow_estimate_is_per_round_not_per_token():
     tuner.fix(Plan((6, 6), (0, 1, 2)))
     committed = 10
     for index in range(40):
-        tuner.plan_request(GREEDY, committed)
+        plan(tuner, committed)
         proposal = [1, 2, 3, 4, 5, 6]
-        tuner.observe_draft(2, 6, committed, proposal, 0.0)
+        observe_draft(tuner, 2, 6, committed, proposal, 0.0)
         tokens = proposal + [7] if index % 2 == 0 else [9]  # all 6 matched, or none
-        tuner.observe_commit(tokens)
+        observe_commit(tuner, tokens)
         committed += len(tokens)
     estimate = tuner.estimates("greedy", shadow=True)[(0, 2)]
     assert estimate.successes[0] / estimate.trials[0] == pytest.approx(1 / 8)
@@ -591,9 +609,9 @@ def test_interleaved_requests_and_per_config_latency():
     committed = {"a": 100, "b": 500}
     for _ in range(3):  # two requests, round robin
         for request in ("a", "b"):
-            tuner.plan_request(GREEDY, committed[request])
-            tuner.observe_round(0, 1, 4, 4, 4, 0.020)  # 20 ms: twice the start-up profile
-            tuner.observe_commit([1] * 5)
+            plan(tuner, committed[request])
+            observe_round(tuner, 0, 1, 4, 4, 4, 0.020)  # 20 ms: twice the start-up profile
+            observe_commit(tuner, [1] * 5)
             committed[request] += 5
     # each request's first round fed its prompt: only the later rounds were timed
     assert profile.online_forward[(0, (0, 1))].online[5] > 10.0
@@ -750,13 +768,13 @@ def test_proposal_fill_from_the_bottom_drafters_proposals():
     before = tuner.predict("greedy", (0, 1, 2), (4, 6))
     committed = 100
     for round_index in range(200):
-        tuner.plan_request(GREEDY, committed)
+        plan(tuner, committed)
         for proposal in range(4):
             tokens = [7] * 6 if (4 * round_index + proposal) % 4 == 0 else []
-            tuner.observe_draft(2, 6, committed + 999, tokens, 0.0)  # (not at the committed context: no shadow)
-            tuner.observe_round(1, 2, 6, len(tokens), 0, 0.003)
-        tuner.observe_round(0, 1, 4, 4, 4, 0.01)
-        tuner.observe_commit([0] * 5)
+            observe_draft(tuner, 2, 6, committed + 999, tokens, 0.0)  # (not at the committed context: no shadow)
+            observe_round(tuner, 1, 2, 6, len(tokens), 0, 0.003)
+        observe_round(tuner, 0, 1, 4, 4, 4, 0.01)
+        observe_commit(tuner, [0] * 5)
         committed += 5
     assert tuner.fill("greedy", 2) == pytest.approx(0.25, abs=0.03)
     stages, _ = tuner.stages("greedy", (0, 1, 2))

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from polyspec.orchestrator.config import TuningConfig, parse_config
+from polyspec.orchestrator.decode.contract import StepInput
 from polyspec.orchestrator.tuning.profiler import LatencyProfile
 from polyspec.orchestrator.tuning.tuner import Tuner
 from polyspec.workers.core.errors import ConfigError
@@ -51,7 +52,7 @@ def test_the_tuner_reads_its_knobs_from_the_config_and_keeps_them_frozen():
     knobs = config({"max_length": 3, "warmup_rounds": 2}).tuning
     tuner = Tuner(profile, knobs, tree_width=1)
     assert tuner.config is knobs or tuner.config == knobs
-    lengths, active = tuner.plan_request(_greedy(), 100)
+    lengths, active = tuner.plan(StepInput((_greedy(),), (100,)))
     assert max(lengths) <= 3 and active[0] == 0  # the searches stay within max_length
     assert Tuner(profile, knobs, max_length=2).config.max_length == 2  # one knob overridden
     with pytest.raises(dataclasses.FrozenInstanceError):
