@@ -5,7 +5,11 @@ The Engine is not thread-safe, so all model work happens on this thread. It driv
 module only chooses what runs. Each pass:
 
     1. admit waiting interactive requests while the batch has room (at most `max_requests`
-       hold caches at once: the batched engine's own, MAX_ACTIVE for an engine that takes turns)
+       hold caches at once: the batched engine's own, MAX_ACTIVE for an engine that takes turns),
+       fairly between tenants: each free slot goes to the waiting tenant with the fewest running
+       requests for its weight, and no tenant takes the slots kept for the others (one for each
+       other tenant, at most half of them), so a tenant that floods the server waits behind
+       itself only
     2. fill free slots with job items: a batched engine gives them all but JOB_RESERVE_SHARE of
        its slots (kept for interactive requests); one that takes turns, one item at a time and
        only while no interactive request waits or runs
@@ -34,6 +38,7 @@ from typing import Any, Callable
 from polyspec.orchestrator.batch_runner import ContinuousBatch, is_unavailable
 from polyspec.orchestrator.serving.jobs import JobStore, PendingItem
 from polyspec.orchestrator.serving.metrics import Metrics
+from polyspec.orchestrator.serving.security import Tenants
 from polyspec.orchestrator.tokenization import REPLACEMENT_CHAR
 from polyspec.workers.core.errors import RequestError
 
@@ -50,6 +55,7 @@ class Work:
     request: Any  # engine.GenerationRequest
     on_event: Callable[[str, Any], None] | None = None
     job_item: PendingItem | None = None
+    tenant: str = ""  # whose share of the queue and of the batch it takes
     received_at: float = dataclasses.field(default_factory=time.perf_counter)
     cancelled: bool = False  # set from any thread; honoured before the next round
     state: Any = None
@@ -89,13 +95,15 @@ class Draining(Exception):
 
 class RoundScheduler(threading.Thread):
     def __init__(self, engine, store: JobStore | None, metrics: Metrics, max_queue: int,
-                 on_jobs_changed: Callable[[], None] = lambda: None, tokenizer_lock: threading.Lock | None = None) -> None:
+                 on_jobs_changed: Callable[[], None] = lambda: None, tokenizer_lock: threading.Lock | None = None,
+                 tenants: Tenants | None = None) -> None:
         super().__init__(name="polyspec-rounds", daemon=True)
         self.engine = engine
         self.batch = ContinuousBatch(engine, engine.max_requests if engine.batched else MAX_ACTIVE)
         self.store = store
         self.metrics = metrics
         self.max_queue = max_queue
+        self.tenants = tenants or Tenants({})
         self.on_jobs_changed = on_jobs_changed
         self.tokenizer_lock = tokenizer_lock or threading.Lock()  # shared with the server's request parsing
         self._cond = threading.Condition()
@@ -117,9 +125,16 @@ class RoundScheduler(threading.Thread):
         with self._cond:
             if self._draining:
                 raise Draining("the server is shutting down")
+            more = f" for {len(works)} more" if len(works) > 1 else ""
+            for tenant in {work.tenant for work in works}:
+                share = self.tenants.share(tenant, self.max_queue)
+                held = sum(1 for work in self._waiting + self._active if work.tenant == tenant)
+                asked = sum(1 for work in works if work.tenant == tenant)
+                if share < self.max_queue and held + asked > share:
+                    raise QueueFull(f"this tenant's share of the server queue is full ({held} of {share} requests){more}; "
+                                    "retry later")
             queued = len(self._waiting) + len(self._active)
             if queued + len(works) > self.max_queue:
-                more = f" for {len(works)} more" if len(works) > 1 else ""
                 raise QueueFull(f"the server queue is full ({self.max_queue} requests){more}; retry later")
             self._waiting.extend(works)
             self._publish_queue()
@@ -127,8 +142,13 @@ class RoundScheduler(threading.Thread):
             self._cond.notify()
 
     def _publish_queue(self) -> None:
-        """The queue_depth gauge, whenever waiting / running change (caller holds _cond)."""
+        """The queue_depth gauges (all, and per tenant), whenever waiting / running change (caller holds _cond)."""
         self.metrics.queue(len(self._waiting), len(self._active))
+        counts = {tenant: [0, 0] for tenant in self.tenants.weights}
+        for index, works in enumerate((self._waiting, self._active)):
+            for work in works:
+                counts.setdefault(work.tenant, [0, 0])[index] += 1
+        self.metrics.tenant_queue(counts)
 
     def cancel(self, work: Work) -> None:
         work.cancelled = True
@@ -173,13 +193,42 @@ class RoundScheduler(threading.Thread):
                     break
                 # job items in flight keep their slots
                 room = max(0, self.batch.max_requests - len(self._active) - len(self._jobs))
-                admitted, self._waiting = self._waiting[:room], self._waiting[room:]
-                self._active.extend(admitted)
+                self._active.extend(self._admit(room))
                 interactive = len(self._active) + len(self._waiting)
                 self._publish_queue()
             self._fill_jobs(interactive)
             self._retire(self._step())
         self._abandon_all()
+
+    def _admit(self, room: int) -> list[Work]:
+        """Up to `room` waiting requests, taken out of `_waiting` (caller holds _cond): each to the
+        tenant with the fewest running for its weight (oldest request first within a tenant), none
+        past a tenant's cap (`_slot_cap`)."""
+        if len({work.tenant for work in self._waiting}) <= 1 and not self.tenants.enabled:
+            admitted, self._waiting = self._waiting[:room], self._waiting[room:]
+            return admitted
+        running: dict[str, int] = {}
+        for work in self._active:
+            running[work.tenant] = running.get(work.tenant, 0) + 1
+        admitted = []
+        while len(admitted) < room and self._waiting:
+            first: dict[str, int] = {}  # tenant -> index of its oldest waiting request
+            for index, work in enumerate(self._waiting):
+                if work.tenant not in first and running.get(work.tenant, 0) < self._slot_cap(work.tenant):
+                    first[work.tenant] = index
+            if not first:
+                break
+            tenant = min(first, key=lambda name: (running.get(name, 0) / self.tenants.weights.get(name, 1.0), first[name]))
+            admitted.append(self._waiting.pop(first[tenant]))
+            running[tenant] = running.get(tenant, 0) + 1
+        return admitted
+
+    def _slot_cap(self, tenant: str) -> int:
+        """The most slots `tenant` may hold: all but one for each other tenant (at most half of them kept),
+        so a request of another tenant always finds a slot within its own share."""
+        others = len(set(self.tenants.weights) - {tenant})
+        slots = self.batch.max_requests
+        return slots - min(others, slots // 2)
 
     def _step(self) -> list[Work]:
         """Cancel what was cancelled, start what was admitted, then one step of the batch, reported
