@@ -1,9 +1,10 @@
 """`polyspec serve`'s flags checked and turned into the server's options, without torch: a
-mistaken flag (a missing TLS key, an unreadable token file, a busy port, a damaged job store)
-is one line within a second, before any model loads."""
+mistaken flag (a missing TLS key, an unreadable token file, a busy port, a damaged job store,
+a state dir another server holds) is one line within a second, before any model loads."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
 import sqlite3
@@ -13,6 +14,7 @@ from polyspec.orchestrator.serving.security import Limits, Tenants
 from polyspec.workers.core.errors import ConfigError
 
 DEFAULT_METRICS_PORT = 9464
+LOCK_NAME = "serve.lock"  # in the state dir: held (flock) by the one server using it
 
 
 def _read_file(path: str | None, what: str) -> bytes | None:
@@ -31,6 +33,29 @@ def _read_file(path: str | None, what: str) -> bytes | None:
 def default_state_dir() -> str:
     base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
     return os.path.join(base, "polyspec")
+
+
+def lock_state_dir(state_dir: str) -> int:
+    """An exclusive lock on `state_dir` for this process (the open file's descriptor), or ConfigError
+    naming the server that holds it. The kernel drops it when the process ends, however it ends
+    (SIGKILL included), so a crash never leaves a stale lock; two servers on one state dir would
+    run the same pending job items twice."""
+    try:
+        os.makedirs(state_dir, mode=0o700, exist_ok=True)
+        fd = os.open(os.path.join(state_dir, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:
+        raise ConfigError(f"cannot use state dir {state_dir}: {exc.strerror or exc}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+        os.close(fd)
+        who = f"process {holder}" if holder.isdigit() else "another process"
+        raise ConfigError(f"state dir {state_dir} is in use by another polyspec serve ({who}); "
+                          "give each server its own --state-dir") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 def limits_from_args(args) -> Limits:
@@ -73,11 +98,14 @@ def serve_options(args, config) -> dict:
     tls = (_read_file(args.tls_key, "TLS key"), _read_file(args.tls_cert, "TLS certificate")) if args.tls_cert else None
     limits = limits_from_args(args)
     state_dir = args.state_dir or default_state_dir()
+    lock = lock_state_dir(state_dir)  # before the store is opened: a second server never touches it
     try:
         store = JobStore(state_dir)
     except DamagedStore as exc:  # before any model loads: one line, exit 2, the file as it was
+        os.close(lock)
         raise ConfigError(str(exc)) from None
     except (OSError, sqlite3.Error) as exc:
+        os.close(lock)
         raise ConfigError(f"cannot use state dir {state_dir}: {exc}") from None
     host = args.host or config.server.host
     port = config.server.port if args.port is None else args.port
@@ -86,6 +114,7 @@ def serve_options(args, config) -> dict:
         "host": host,
         "port": port,
         "store": store,
+        "state_lock": lock,
         "tenants": tenants,
         "limits": limits,
         "tls": tls,
@@ -100,11 +129,14 @@ def serve_options(args, config) -> dict:
         "exact_only": bool(getattr(args, "exact_only", False)),
     }
     if options["exact_only"] and not config.approximate.lossless:
+        store.close()
+        os.close(lock)
         raise ConfigError(f"--exact-only, but the config's approximate.mode is {config.approximate.mode}: "
                           "remove that section or serve without --exact-only")
     try:
         check_bindable(host, port)
     except ConfigError:
         store.close()
+        os.close(lock)
         raise
     return options
