@@ -340,8 +340,7 @@ class JobStore:
             stored = self._db.execute("SELECT COALESCE(SUM(bytes), 0) FROM jobs WHERE tenant = ?", (tenant,)).fetchone()[0]
             if stored + new_bytes > quota.tenant_store_bytes:
                 raise LimitExceeded(f"this tenant's jobs hold {stored} bytes; {new_bytes} more would pass its share of "
-                                    f"--max-store-bytes ({quota.tenant_store_bytes}); delete or wait out finished jobs "
-                                    "(--job-retention-s)")
+                                    f"--max-store-bytes ({quota.tenant_store_bytes}); jobs are deleted --job-retention-s after they end")
 
     def purge(self, finished_before: float) -> int:
         """Delete the jobs (and their items) that finished, failed or were cancelled before
