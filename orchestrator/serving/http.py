@@ -33,8 +33,11 @@ Errors are OpenAI-shaped (`{"error": {"message", "type", "param", "code"}}`), on
 or unsupported option (echo, best_of > 1, suffix, tools, penalties, logprobs with
 stream: never silently ignored), 401 without the token (`Authorization: Bearer <token>`), 404 for an
 unknown route or model, 408 for a body not sent within the request timeout, 413 past a size limit
-(body, prompts per list, prompt bytes), 429 when the queue has no room for every prompt of
-the request (then none is queued), 503 while loading or draining. A client that
+(body, JSON arrays and objects, prompts per list, prompt bytes), 429 when the queue, or the
+caller's tenant's share of it, has no room for every prompt of the request (then none is
+queued), 503 while loading or draining. Each is counted in polyspec_requests_total. A body is
+measured before it is parsed (bounded_json: depth, arrays and objects), and parsed in a worker
+thread, so no body holds the event loop. A client that
 disconnects, streaming or not, cancels its requests.
 """
 
