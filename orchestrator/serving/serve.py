@@ -15,7 +15,6 @@ an address other than loopback without a token prints a warning.
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import sys
 import time
@@ -45,7 +44,7 @@ def cmd_serve(options: dict) -> int:
     finally:
         store.close()
         if lock is not None:
-            os.close(lock)  # the state dir's lock (the kernel drops it anyway when the process ends)
+            lock.release()  # (the kernel drops it anyway when the process ends)
 
 
 def _log(message: str) -> None:

@@ -53,7 +53,7 @@ from polyspec.orchestrator.serving.jobs import (
 from polyspec.orchestrator.engine import choice_seed
 from polyspec.orchestrator.serving.logprobs import MAX_TOP_LOGPROBS, TargetScorer, TokenLogprob
 from polyspec.orchestrator.serving.metrics import Metrics
-from polyspec.orchestrator.serving.openai_request import MAX_CHOICES
+from polyspec.orchestrator.serving.openai_request import MAX_CHOICES, MAX_MESSAGES
 from polyspec.orchestrator.serving.request_loop import Draining, QueueFull, RoundScheduler, Work, is_unavailable, public_reason
 from polyspec.orchestrator.serving.security import (
     MAX_ID_CHARS,
@@ -271,6 +271,8 @@ class PolyspecService(pb_grpc.PolyspecServicer):
                 raise LimitExceeded(f"the prompt has {size} bytes (at most {self.limits.max_prompt_bytes})")
         messages = raw.get("messages")
         if isinstance(messages, list):
+            if len(messages) > MAX_MESSAGES:
+                raise LimitExceeded(f"{len(messages)} messages (at most {MAX_MESSAGES})")
             size = sum(len(m.get("content", "")) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str))
             if size > self.limits.max_prompt_bytes:
                 raise LimitExceeded(f"the messages hold {size} characters (at most {self.limits.max_prompt_bytes} bytes)")
@@ -284,10 +286,6 @@ class PolyspecService(pb_grpc.PolyspecServicer):
         self.check_sizes(raw)
         with self.prompt_tokenizer() as tokenizer:
             return self.engine.parse_request(raw, tokenizer=tokenizer)
-
-    async def parse(self, raw: dict):
-        self.check_sizes(raw)  # cheap, and before the thread hop
-        return await asyncio.to_thread(self.parse_now, raw)
 
     def score_choice(self, prompt_ids, token_ids: list[int], text: str, stopped: bool, params,
                      top: int) -> tuple[list[TokenLogprob], dict[int, str]]:

@@ -5,7 +5,6 @@ admission between tenants, one server per state dir."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from polyspec.orchestrator.serving.jobs import JobStore, LimitExceeded, Quota
 from polyspec.orchestrator.serving.metrics import Metrics
 from polyspec.orchestrator.serving.request_loop import QueueFull, RoundScheduler, Work
 from polyspec.orchestrator.serving.security import Tenants
-from polyspec.orchestrator.serving.serve_options import lock_state_dir
+from polyspec.orchestrator.serving.serve_options import StateDirLock
 from polyspec.orchestrator.serving.server import MAX_OPTIONS_JSON_BYTES, request_dict
 from polyspec.protos.polyspec.v1 import polyspec_pb2 as pb
 from polyspec.workers.core.errors import ConfigError, RequestError
@@ -172,16 +171,16 @@ def test_admission_goes_to_the_tenant_with_the_fewest_running():
 def test_a_second_lock_on_a_state_dir_is_refused_and_sigkill_releases_it(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys, time
-        from polyspec.orchestrator.serving.serve_options import lock_state_dir
-        lock_state_dir({str(tmp_path)!r})
+        from polyspec.orchestrator.serving.serve_options import StateDirLock
+        lock = StateDirLock({str(tmp_path)!r})
         print("locked", flush=True)
         time.sleep(60)
     """)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(ConfigError, match=f"in use by another polyspec serve \\(process {holder.pid}\\)"):
-            lock_state_dir(str(tmp_path))
+            StateDirLock(str(tmp_path))
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait(10)
-    os.close(lock_state_dir(str(tmp_path)))  # the kernel dropped the dead process's lock
+    StateDirLock(str(tmp_path)).release()  # the kernel dropped the dead process's lock
