@@ -20,6 +20,7 @@ deserves (400 malformed or too deep, 413 too large or too many arrays and object
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import ctypes.util
 import json
@@ -78,7 +79,7 @@ def loads_bounded(raw: bytes | str, what: str, max_bytes: int, max_depth: int = 
     """`raw` parsed, or JsonRefused with one line naming `what` (e.g. "the request body")."""
     if isinstance(raw, str):
         if len(raw) > max_bytes:  # characters <= bytes: refused before encoding a huge string
-            raise JsonRefused(f"{what} has over {max_bytes} bytes (at most {max_bytes})", 413)
+            raise JsonRefused(f"{what} has {len(raw)} characters (at most {max_bytes} bytes)", 413)
         raw = raw.encode("utf-8", "surrogatepass")
     measure(raw, what, max_bytes, max_depth, max_containers)
     try:
@@ -114,7 +115,10 @@ def _has_lone_surrogate(value) -> bool:
     return False
 
 
+LARGE_REQUEST_BYTES = 1 << 20  # after a request this large, `return_memory_soon`
+TRIM_DELAY_S = 1.0  # after the request's objects are gone (its handler has returned)
 _LIBC = None
+_trim_scheduled = False
 
 
 def return_memory() -> None:
@@ -131,3 +135,21 @@ def return_memory() -> None:
     trim = getattr(_LIBC, "malloc_trim", None) if _LIBC else None
     if trim is not None:
         trim(0)
+
+
+def return_memory_soon() -> None:
+    """`return_memory` on a worker thread TRIM_DELAY_S from now (once, however many large requests
+    ask meanwhile): by then the request that asked, and what was made from it, are freed. Call
+    it from the event loop."""
+    global _trim_scheduled
+    if _trim_scheduled:
+        return
+    _trim_scheduled = True
+    loop = asyncio.get_running_loop()
+
+    def trim() -> None:
+        global _trim_scheduled
+        _trim_scheduled = False
+        loop.run_in_executor(None, return_memory)
+
+    loop.call_later(TRIM_DELAY_S, trim)

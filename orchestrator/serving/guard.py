@@ -9,6 +9,7 @@ import sys
 
 import grpc
 
+from polyspec.orchestrator.serving.bounded_json import LARGE_REQUEST_BYTES, return_memory_soon
 from polyspec.orchestrator.serving.jobs import BROKEN, DAMAGED, FULL, TROUBLE, trouble
 from polyspec.orchestrator.serving.metrics import Metrics
 from polyspec.orchestrator.serving.security import Tenants
@@ -95,6 +96,11 @@ def _tolerant(handler, method: str, metrics: Metrics):
         except Exception:  # noqa: BLE001 - any parse failure is the client's bytes
             return _Undecodable()
 
+    def after(request) -> None:
+        """A large request's pages go back to the system once it is freed (bounded_json.return_memory_soon)."""
+        if isinstance(request, _Undecodable) or request.ByteSize() > LARGE_REQUEST_BYTES:
+            return_memory_soon()
+
     async def check(request, context) -> None:
         if isinstance(request, _Undecodable):
             metrics.request_finished("invalid_argument")
@@ -104,11 +110,13 @@ def _tolerant(handler, method: str, metrics: Metrics):
         behavior = handler.unary_unary
 
         async def unary(request, context):
-            await check(request, context)
             try:
+                await check(request, context)
                 return await behavior(request, context)
             except Exception as exc:  # noqa: BLE001 - see _unexpected
                 await _unexpected(exc, method, context, metrics)
+            finally:
+                after(request)
 
         return grpc.unary_unary_rpc_method_handler(unary, request_deserializer=safe_decode,
                                                    response_serializer=handler.response_serializer)
@@ -116,12 +124,14 @@ def _tolerant(handler, method: str, metrics: Metrics):
         behavior = handler.unary_stream
 
         async def stream(request, context):
-            await check(request, context)
             try:
+                await check(request, context)
                 async for message in behavior(request, context):
                     yield message
             except Exception as exc:  # noqa: BLE001 - see _unexpected
                 await _unexpected(exc, method, context, metrics)
+            finally:
+                after(request)
 
         return grpc.unary_stream_rpc_method_handler(stream, request_deserializer=safe_decode,
                                                     response_serializer=handler.response_serializer)

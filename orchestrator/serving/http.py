@@ -56,7 +56,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from polyspec.orchestrator.serving.bounded_json import JsonRefused, loads_bounded, return_memory
+from polyspec.orchestrator.serving.bounded_json import LARGE_REQUEST_BYTES, JsonRefused, loads_bounded, return_memory_soon
 from polyspec.orchestrator.serving.choices import Choice
 from polyspec.orchestrator.serving.jobs import LimitExceeded
 from polyspec.orchestrator.serving.request_loop import Draining, QueueFull, Work, is_unavailable, public_reason
@@ -68,7 +68,6 @@ from polyspec.workers.core.errors import RequestError
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 PARSERS = 2  # request bodies parsed at once (each in a worker thread)
-LARGE_BODY_BYTES = 1 << 20  # after a body this large, freed heap pages go back to the system (bounded_json.return_memory)
 HTTP_STATUS_LABELS = {400: "invalid_argument", 401: "unauthenticated", 404: "invalid_argument", 405: "invalid_argument",
                       408: "resource_exhausted", 413: "resource_exhausted", 429: "resource_exhausted", 500: "internal",
                       503: "unavailable"}  # an HTTP refusal -> polyspec_requests_total's status
@@ -188,13 +187,11 @@ class OpenAIApi:
                 if not needs_body:
                     return await handler(request, tenant, None)
                 raw = await _read_body(request, self.limits.max_body_bytes, self.limits.request_timeout_s)
-                try:
-                    async with self._parsing:  # a few bodies at once: their bytes and objects are what the server holds
-                        body = await asyncio.to_thread(parse_json_body, raw, self.limits.max_body_bytes)
-                finally:
-                    if len(raw) > LARGE_BODY_BYTES:
-                        del raw
-                        await asyncio.to_thread(return_memory)
+                if len(raw) > LARGE_REQUEST_BYTES:
+                    return_memory_soon()  # its pages go back to the system once it is freed
+                async with self._parsing:  # a few bodies at once: their bytes and objects are what the server holds
+                    body = await asyncio.to_thread(parse_json_body, raw, self.limits.max_body_bytes)
+                del raw
                 return await handler(request, tenant, body)
             except ApiError as error:
                 if not error.counted:

@@ -7,9 +7,9 @@ module only chooses what runs. Each pass:
     1. admit waiting interactive requests while the batch has room (at most `max_requests`
        hold caches at once: the batched engine's own, MAX_ACTIVE for an engine that takes turns),
        fairly between tenants: each free slot goes to the waiting tenant with the fewest running
-       requests for its weight, and no tenant takes the slots kept for the others (one for each
-       other tenant, at most half of them), so a tenant that floods the server waits behind
-       itself only
+       requests for its weight; while several tenants have work, none is admitted past its
+       weighted share of the slots, and a tenant alone leaves one slot free for each other
+       tenant (at most half of them), so a tenant that floods the server waits behind itself
     2. fill free slots with job items: a batched engine gives them all but JOB_RESERVE_SHARE of
        its slots (kept for interactive requests); one that takes turns, one item at a time and
        only while no interactive request waits or runs
@@ -210,25 +210,34 @@ class RoundScheduler(threading.Thread):
         running: dict[str, int] = {}
         for work in self._active:
             running[work.tenant] = running.get(work.tenant, 0) + 1
+        busy = {work.tenant for work in self._waiting} | set(running)
         admitted = []
         while len(admitted) < room and self._waiting:
             first: dict[str, int] = {}  # tenant -> index of its oldest waiting request
             for index, work in enumerate(self._waiting):
-                if work.tenant not in first and running.get(work.tenant, 0) < self._slot_cap(work.tenant):
+                if work.tenant not in first and running.get(work.tenant, 0) < self._slot_cap(work.tenant, busy):
                     first[work.tenant] = index
             if not first:
                 break
-            tenant = min(first, key=lambda name: (running.get(name, 0) / self.tenants.weights.get(name, 1.0), first[name]))
+            tenant = min(first, key=lambda name: (running.get(name, 0) / self._weight(name), first[name]))
             admitted.append(self._waiting.pop(first[tenant]))
             running[tenant] = running.get(tenant, 0) + 1
         return admitted
 
-    def _slot_cap(self, tenant: str) -> int:
-        """The most slots `tenant` may hold: all but one for each other tenant (at most half of them kept),
-        so a request of another tenant always finds a slot within its own share."""
-        others = len(set(self.tenants.weights) - {tenant})
+    def _weight(self, tenant: str) -> float:
+        return self.tenants.weights.get(tenant, 1.0)
+
+    def _slot_cap(self, tenant: str, busy: set[str]) -> int:
+        """The most slots `tenant` may hold. While other tenants have requests waiting or running: its
+        weighted share of the slots among those tenants (a bigger batch would slow their requests'
+        every round); else all but one kept for each other tenant (at most half of them), so another
+        tenant's first request starts at the next step."""
         slots = self.batch.max_requests
-        return slots - min(others, slots // 2)
+        others = busy - {tenant}
+        if others:
+            weight = self._weight(tenant)
+            return max(1, int(slots * weight / (weight + sum(map(self._weight, others)))))
+        return slots - min(len(set(self.tenants.weights) - {tenant}), slots // 2)
 
     def _step(self) -> list[Work]:
         """Cancel what was cancelled, start what was admitted, then one step of the batch, reported

@@ -469,8 +469,9 @@ class PolyspecService(pb_grpc.PolyspecServicer):
             if item_id in seen:
                 return f"request id {short(item_id)!r} appears twice in the job (ids must be unique)"
             seen.add(item_id)
-            raw = request_dict(item, item_id)
+            raw: dict = {"id": item_id}
             try:
+                raw = request_dict(item, item_id)
                 self.parse_now(raw)
                 error = None
             except RequestError as exc:

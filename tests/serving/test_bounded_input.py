@@ -163,6 +163,8 @@ def test_admission_goes_to_the_tenant_with_the_fewest_running():
     late = Work(None, tenant="bob")
     loop.submit(late)
     assert loop._admit(1) == [late]  # bob's request goes first, though alice's 17 came before it
+    loop._active.append(late)
+    assert loop._admit(1) == []  # while bob has work, alice gets no slot past her share (2 of 4)
 
 
 # ------------------------------------------------------------- the state dir

@@ -166,8 +166,11 @@ def test_job_limits_are_shares_naming_their_flag(alice, bob):
 
 def test_invalid_items_are_stored_without_their_payload_and_bytes_are_a_quota(two_tenants, alice, bob):
     secret = "s3cret-payload-" + "y" * 1500
-    job = alice.submit_job([{"id": "bad", "prompt": secret, "top_p": 2}])
+    deep = json.loads("[" * 40 + "]" * 40)
+    job = alice.submit_job([{"id": "bad", "prompt": secret, "top_p": 2}, {"id": "deep", "prompt": secret, "approximate": deep}])
     assert alice.wait(job.job_id, timeout=60).state == "failed"
+    errors = {result["id"]: result["error"] for result in alice.results(job.job_id)}
+    assert "model context" in errors["bad"] and "nested deeper than 32" in errors["deep"]
     store = b"".join(path.read_bytes() for path in (two_tenants.root / "state").glob("jobs.sqlite3*"))
     assert secret.encode() not in store
     valid = [{"id": f"i{number}", "prompt": "y" * 100, "max_new_tokens": 1} for number in range(20)]  # ~2.6 kB stored
