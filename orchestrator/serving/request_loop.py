@@ -44,6 +44,7 @@ from polyspec.workers.core.errors import RequestError
 
 MAX_ACTIVE = 32  # interactive requests holding caches at once; the rest wait their turn
 JOB_RESERVE_SHARE = 0.25  # batched: this share of the slots is never taken by job items
+TENANT_ACTIVE_S = 5.0  # a tenant counts as having work this long after its last request arrived (request after request)
 IDLE_WAIT_S = 1.0  # re-check the job table this often when idle
 UNAVAILABLE_RETRY_S = 1.0  # a job item that met a down chain is retried after this
 
@@ -104,6 +105,7 @@ class RoundScheduler(threading.Thread):
         self.metrics = metrics
         self.max_queue = max_queue
         self.tenants = tenants or Tenants({})
+        self._last_request: dict[str, float] = {}  # tenant -> when its latest request arrived (monotonic)
         self.on_jobs_changed = on_jobs_changed
         self.tokenizer_lock = tokenizer_lock or threading.Lock()  # shared with the server's request parsing
         self._cond = threading.Condition()
@@ -137,6 +139,9 @@ class RoundScheduler(threading.Thread):
             if queued + len(works) > self.max_queue:
                 raise QueueFull(f"the server queue is full ({self.max_queue} requests){more}; retry later")
             self._waiting.extend(works)
+            now = time.monotonic()
+            for work in works:
+                self._last_request[work.tenant] = now
             self._publish_queue()
             self.idle.clear()
             self._cond.notify()
@@ -210,7 +215,9 @@ class RoundScheduler(threading.Thread):
         running: dict[str, int] = {}
         for work in self._active:
             running[work.tenant] = running.get(work.tenant, 0) + 1
-        busy = {work.tenant for work in self._waiting} | set(running)
+        recent = time.monotonic() - TENANT_ACTIVE_S
+        busy = {work.tenant for work in self._waiting} | set(running) | {
+            tenant for tenant, arrived in self._last_request.items() if arrived > recent}
         admitted = []
         while len(admitted) < room and self._waiting:
             first: dict[str, int] = {}  # tenant -> index of its oldest waiting request
@@ -228,7 +235,8 @@ class RoundScheduler(threading.Thread):
         return self.tenants.weights.get(tenant, 1.0)
 
     def _slot_cap(self, tenant: str, busy: set[str]) -> int:
-        """The most slots `tenant` may hold. While other tenants have requests waiting or running: its
+        """The most slots `tenant` may hold. While other tenants have requests waiting or running (or sent
+        one within TENANT_ACTIVE_S: a client sending request after request is between two): its
         weighted share of the slots among those tenants (a bigger batch would slow their requests'
         every round); else all but one kept for each other tenant (at most half of them), so another
         tenant's first request starts at the next step."""
