@@ -7,10 +7,13 @@ gigabyte). `loads_bounded` therefore measures the input before parsing it, with 
 of C-speed passes over the bytes (no Python loop over the input):
 
     1. the size, against the caller's byte limit
-    2. the skeleton: escapes blanked (`\\\\` and `\\"`), string bodies dropped, every byte
-       but brackets deleted -- what is left is the nesting, e.g. b"[{}[]]"
-    3. the arrays and objects counted (the skeleton's openers), against MAX_CONTAINERS
-    4. the deepest nesting, from at most the first 2 * MAX_CONTAINERS bytes of the skeleton
+    2. the strings dropped: escapes blanked (`\\\\` and `\\"`), then every "..." removed;
+       what is left is structure and numbers
+    3. object members (colons) and values (commas) counted, against MAX_MEMBERS and MAX_VALUES
+       (a dict of a million keys or a list of a million floats costs seconds to build)
+    4. the skeleton: every byte but brackets deleted -- the nesting, e.g. b"[{}[]]" -- and its
+       arrays and objects counted, against MAX_CONTAINERS
+    5. the deepest nesting, from at most the first 2 * MAX_CONTAINERS bytes of the skeleton
        (a deeper input is refused at its first too-deep bracket)
 
 and only then parses. Lone surrogates (`"\\ud800"`) are looked for only when the bytes hold
@@ -28,6 +31,8 @@ import re
 
 MAX_JSON_DEPTH = 32  # arrays and objects inside one another
 MAX_CONTAINERS = 10_000  # arrays and objects in one document (a request with 1024 chat messages holds ~1030)
+MAX_MEMBERS = 10_000  # object members (key: value pairs) in one document
+MAX_VALUES = 500_000  # values in one document (e.g. token ids: 64 prompts of ~7,800)
 _STRING = re.compile(rb'"[^"]*"')  # after escapes are blanked, a string is a quote, no quote, a quote
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -41,10 +46,15 @@ class JsonRefused(ValueError):
         self.status = status
 
 
-def skeleton(raw: bytes) -> bytes:
-    """The brackets of `raw` outside its strings, in order (C-speed passes only)."""
+def without_strings(raw: bytes) -> bytes:
+    """`raw` with every JSON string removed (C-speed passes only)."""
     blanked = raw.replace(b"\\\\", b"__").replace(b'\\"', b"__")  # backslashes pair left to right, as JSON reads them
-    return _STRING.sub(b"", blanked).translate(None, _NOT_BRACKETS)
+    return _STRING.sub(b"", blanked)
+
+
+def skeleton(raw: bytes) -> bytes:
+    """The brackets of `raw` outside its strings, in order."""
+    return without_strings(raw).translate(None, _NOT_BRACKETS)
 
 
 def deepest(brackets: bytes, limit: int) -> int:
@@ -66,7 +76,14 @@ def measure(raw: bytes, what: str, max_bytes: int, max_depth: int = MAX_JSON_DEP
     """JsonRefused unless `raw` is within every bound; cheap whatever `raw` holds."""
     if len(raw) > max_bytes:
         raise JsonRefused(f"{what} has {len(raw)} bytes (at most {max_bytes})", 413)
-    brackets = skeleton(raw)
+    structure = without_strings(raw)
+    members = structure.count(b":")
+    if members > MAX_MEMBERS:
+        raise JsonRefused(f"{what} holds {members} object members (at most {MAX_MEMBERS})", 413)
+    values = structure.count(b",") + 1
+    if values > MAX_VALUES:
+        raise JsonRefused(f"{what} holds {values} JSON values (at most {MAX_VALUES})", 413)
+    brackets = structure.translate(None, _NOT_BRACKETS)
     containers = brackets.count(b"[") + brackets.count(b"{")
     if deepest(brackets[: 2 * max_containers + 2], max_depth) > max_depth:
         raise JsonRefused(f"malformed JSON in {what}: nested deeper than {max_depth} levels")

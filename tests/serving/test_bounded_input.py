@@ -39,6 +39,16 @@ def test_millions_of_nested_arrays_are_refused_before_parsing():
     assert caught.value.status == 413 and f"at most {MAX_CONTAINERS}" in str(caught.value)
 
 
+def test_a_million_keys_or_numbers_are_refused_before_parsing():
+    keys = b'{"logit_bias": {' + b",".join(b'"%d": 1' % i for i in range(20_000)) + b"}}"
+    numbers = b'{"prompt": [' + b",".join([b"1.5"] * 600_000) + b"]}"
+    with pytest.raises(JsonRefused, match="20001 object members \\(at most 10000\\)"):
+        loads_bounded(keys, "the body", 8 << 20)
+    with pytest.raises(JsonRefused, match="600000 JSON values \\(at most 500000\\)"):
+        loads_bounded(numbers, "the body", 8 << 20)
+    assert len(loads_bounded(b'{"prompt": [' + b",".join([b"7"] * 400_000) + b"]}", "the body", 8 << 20)["prompt"]) == 400_000
+
+
 @pytest.mark.parametrize("raw, status, message", [
     (b"[" * 100_000 + b"]" * 100_000, 400, "nested deeper than 32"),
     (b'{"a": ' * 40 + b"1" + b"}" * 40, 400, "nested deeper than 32"),
