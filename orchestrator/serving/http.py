@@ -36,8 +36,8 @@ unknown route or model, 408 for a body not sent within the request timeout, 413 
 (body, JSON arrays and objects, prompts per list, prompt bytes), 429 when the queue, or the
 caller's tenant's share of it, has no room for every prompt of the request (then none is
 queued), 503 while loading or draining. Each is counted in polyspec_requests_total. A body is
-measured before it is parsed (bounded_json: depth, arrays and objects), and parsed in a worker
-thread, so no body holds the event loop. A client that
+measured before it is parsed (bounded_json: depth, arrays and objects, members, values); one
+over 64 KiB is parsed in a worker thread, one at a time, so no body holds the event loop. A client that
 disconnects, streaming or not, cancels its requests.
 """
 
@@ -67,7 +67,7 @@ from polyspec.orchestrator.tokenization import check_stops, encode_chat
 from polyspec.workers.core.errors import RequestError
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-PARSERS = 2  # request bodies parsed at once (each in a worker thread)
+INLINE_PARSE_BYTES = 64 << 10  # a body up to this size is parsed on the event loop; a larger one in a worker thread
 HTTP_STATUS_LABELS = {400: "invalid_argument", 401: "unauthenticated", 404: "invalid_argument", 405: "invalid_argument",
                       408: "resource_exhausted", 413: "resource_exhausted", 429: "resource_exhausted", 500: "internal",
                       503: "unavailable"}  # an HTTP refusal -> polyspec_requests_total's status
@@ -160,7 +160,7 @@ class OpenAIApi:
     def __init__(self, service) -> None:
         self.service = service
         self.limits = service.limits
-        self._parsing = asyncio.Semaphore(PARSERS)
+        self._parsing = asyncio.Semaphore(1)  # large bodies parsed one at a time
 
     # ---------------------------------------------------------------- plumbing
 
@@ -189,8 +189,11 @@ class OpenAIApi:
                 raw = await _read_body(request, self.limits.max_body_bytes, self.limits.request_timeout_s)
                 if len(raw) > LARGE_REQUEST_BYTES:
                     return_memory_soon()  # its pages go back to the system once it is freed
-                async with self._parsing:  # a few bodies at once: their bytes and objects are what the server holds
-                    body = await asyncio.to_thread(parse_json_body, raw, self.limits.max_body_bytes)
+                if len(raw) <= INLINE_PARSE_BYTES:  # milliseconds at most: not worth a thread
+                    body = parse_json_body(raw, self.limits.max_body_bytes)
+                else:  # one at a time: each holds the interpreter lock up to a few tenths of a second
+                    async with self._parsing:
+                        body = await asyncio.to_thread(parse_json_body, raw, self.limits.max_body_bytes)
                 del raw
                 return await handler(request, tenant, body)
             except ApiError as error:
