@@ -218,11 +218,12 @@ class RoundScheduler(threading.Thread):
         recent = time.monotonic() - TENANT_ACTIVE_S
         busy = {work.tenant for work in self._waiting} | set(running) | {
             tenant for tenant, arrived in self._last_request.items() if arrived > recent}
+        caps = {tenant: self._slot_cap(tenant, busy) for tenant in busy}
         admitted = []
         while len(admitted) < room and self._waiting:
             first: dict[str, int] = {}  # tenant -> index of its oldest waiting request
             for index, work in enumerate(self._waiting):
-                if work.tenant not in first and running.get(work.tenant, 0) < self._slot_cap(work.tenant, busy):
+                if work.tenant not in first and running.get(work.tenant, 0) < caps[work.tenant]:
                     first[work.tenant] = index
             if not first:
                 break
