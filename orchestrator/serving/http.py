@@ -44,6 +44,7 @@ disconnects, streaming or not, cancels its requests.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
 import time
@@ -67,6 +68,7 @@ from polyspec.orchestrator.tokenization import check_stops, encode_chat
 from polyspec.workers.core.errors import RequestError
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+BUFFERED_BODIES = 16  # bodies of the largest size the server holds at once, read and not yet parsed (BodyBudget)
 INLINE_PARSE_BYTES = 64 << 10  # a body up to this size is parsed on the event loop; a larger one in a worker thread
 HTTP_STATUS_LABELS = {400: "invalid_argument", 401: "unauthenticated", 404: "invalid_argument", 405: "invalid_argument",
                       408: "resource_exhausted", 413: "resource_exhausted", 429: "resource_exhausted", 500: "internal",
@@ -106,7 +108,34 @@ def _error_response(error: ApiError) -> JSONResponse:
 # ------------------------------------------------------------------- the body
 
 
-async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+class BodyBudget:
+    """The bytes of request bodies the server holds at once (read, not yet parsed), all
+    connections together: many clients sending the largest body at once get 429 past it,
+    instead of the server growing by connections x --max-body-bytes."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.used = total, 0
+
+    @contextlib.contextmanager
+    def ticket(self):
+        """`take(size)` for each chunk (ApiError 429 past the budget); all of it given back at the end."""
+        taken = 0
+
+        def take(size: int) -> None:
+            nonlocal taken
+            if self.used + size > self.total:
+                raise ApiError(429, "the server is reading too many large request bodies at once; retry later",
+                               "rate_limit_error", close=True)
+            self.used += size
+            taken += size
+
+        try:
+            yield take
+        finally:
+            self.used -= taken
+
+
+async def _read_body(request: Request, limit: int, timeout_s: float, take) -> bytes:
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise ApiError(413, f"the request body has {length} bytes (at most {limit})", close=True)
@@ -118,6 +147,7 @@ async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
             size += len(chunk)
             if size > limit:
                 raise ApiError(413, f"the request body is over {limit} bytes", close=True)
+            take(len(chunk))
             chunks.append(chunk)
 
     try:
@@ -161,6 +191,7 @@ class OpenAIApi:
         self.service = service
         self.limits = service.limits
         self._parsing = asyncio.Semaphore(1)  # large bodies parsed one at a time
+        self._bodies = BodyBudget(BUFFERED_BODIES * self.limits.max_body_bytes)
 
     # ---------------------------------------------------------------- plumbing
 
@@ -186,15 +217,16 @@ class OpenAIApi:
                 self._ready()
                 if not needs_body:
                     return await handler(request, tenant, None)
-                raw = await _read_body(request, self.limits.max_body_bytes, self.limits.request_timeout_s)
-                if len(raw) > LARGE_REQUEST_BYTES:
-                    return_memory_soon()  # its pages go back to the system once it is freed
-                if len(raw) <= INLINE_PARSE_BYTES:  # milliseconds at most: not worth a thread
-                    body = parse_json_body(raw, self.limits.max_body_bytes)
-                else:  # one at a time: each holds the interpreter lock up to a few tenths of a second
-                    async with self._parsing:
-                        body = await asyncio.to_thread(parse_json_body, raw, self.limits.max_body_bytes)
-                del raw
+                with self._bodies.ticket() as take:  # the body's bytes count until it is parsed
+                    raw = await _read_body(request, self.limits.max_body_bytes, self.limits.request_timeout_s, take)
+                    if len(raw) > LARGE_REQUEST_BYTES:
+                        return_memory_soon()  # its pages go back to the system once it is freed
+                    if len(raw) <= INLINE_PARSE_BYTES:  # milliseconds at most: not worth a thread
+                        body = parse_json_body(raw, self.limits.max_body_bytes)
+                    else:  # one at a time: each holds the interpreter lock up to a few tenths of a second
+                        async with self._parsing:
+                            body = await asyncio.to_thread(parse_json_body, raw, self.limits.max_body_bytes)
+                    del raw
                 return await handler(request, tenant, body)
             except ApiError as error:
                 if not error.counted:

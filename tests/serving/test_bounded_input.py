@@ -196,3 +196,17 @@ def test_a_second_lock_on_a_state_dir_is_refused_and_sigkill_releases_it(tmp_pat
         holder.send_signal(signal.SIGKILL)
         holder.wait(10)
     StateDirLock(str(tmp_path)).release()  # the kernel dropped the dead process's lock
+
+
+def test_the_body_budget_refuses_past_its_total_and_gives_back_what_a_body_held():
+    from polyspec.orchestrator.serving.http import BodyBudget
+    from polyspec.orchestrator.serving.openai_request import ApiError
+
+    budget = BodyBudget(100)
+    with budget.ticket() as first:
+        first(60)
+        with pytest.raises(ApiError) as refused, budget.ticket() as second:
+            second(30)
+            second(30)  # 120 of 100
+        assert refused.value.status == 429 and budget.used == 60  # the refused body's 30 given back
+    assert budget.used == 0
