@@ -39,7 +39,8 @@ def add_parsers(sub) -> None:
                             "any other name is 404 model_not_found")
     serve.add_argument("--auth-token-file", default=None, help="require 'authorization: Bearer <token>' with the token in this file")
     serve.add_argument("--tenants-file", default=None,
-                       help="one 'TENANT TOKEN' per line: each token's tenant sees, reads and cancels only its own jobs")
+                       help="one 'TENANT TOKEN [WEIGHT]' per line: each token's tenant sees, reads and cancels only its own jobs, "
+                            "and gets its share (by weight, 1 by default) of the queue, the batch and the job limits")
     serve.add_argument("--auth-reflection", action="store_true", help="server reflection needs a token too (health stays open)")
     serve.add_argument("--auth-metrics", action="store_true", help="/metrics needs a token too")
     serve.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key): gRPC, HTTP and /metrics speak TLS")
@@ -49,8 +50,11 @@ def add_parsers(sub) -> None:
     for flag, kind, default, text in (
         ("--max-prompt-bytes", int, "1 MiB", "bytes of one prompt, checked before tokenizing"),
         ("--max-job-items", int, "100000", "requests in one job"),
-        ("--max-live-jobs", int, "1000", "queued or running jobs"),
-        ("--max-pending-items", int, "1000000", "job items not run yet, all jobs together"),
+        ("--max-live-jobs", int, "1000", "queued or running jobs, all tenants (each tenant: its share by weight)"),
+        ("--max-pending-items", int, "1000000", "job items not run yet, all jobs together (each tenant: its share)"),
+        ("--max-store-bytes", int, "4 GiB", "stored requests, errors and results of jobs, all tenants (each tenant: its share)"),
+        ("--job-retention-s", float, "604800 (7 days)", "seconds a finished, failed or cancelled job is kept before it is deleted"),
+        ("--max-message-bytes", int, "4 MiB", "one gRPC message (a job's requests arrive in one); larger: RESOURCE_EXHAUSTED"),
         ("--max-prompts", int, "64", "prompts in one HTTP /v1/completions list"),
         ("--max-body-bytes", int, "8 MiB", "bytes of one HTTP request body"),
         ("--max-connections", int, "256", "open HTTP connections (more get 503)"),

@@ -111,6 +111,8 @@ _ERRORS = {
 def _client_error(exc: grpc.RpcError) -> ClientError:
     code = exc.code() if callable(getattr(exc, "code", None)) else grpc.StatusCode.UNKNOWN
     details = exc.details() if callable(getattr(exc, "details", None)) else str(exc)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and details and "larger than max" in details:
+        details += " (the server's --max-message-bytes, 4 MiB by default: split a large job into several)"
     return _ERRORS.get(code, ClientError)(code, details or code.name.lower())
 
 

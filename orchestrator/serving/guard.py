@@ -9,6 +9,7 @@ import sys
 
 import grpc
 
+from polyspec.orchestrator.serving.bounded_json import LARGE_REQUEST_BYTES, return_memory_soon
 from polyspec.orchestrator.serving.jobs import BROKEN, DAMAGED, FULL, TROUBLE, trouble
 from polyspec.orchestrator.serving.metrics import Metrics
 from polyspec.orchestrator.serving.security import Tenants
@@ -48,7 +49,7 @@ class Guard(grpc.aio.ServerInterceptor):
                 if ours:
                     self.metrics.request_finished("unauthenticated")
                 return _deny(handler, Tenants.denial(given))
-        return _tolerant(handler, details.method) if ours else handler
+        return _tolerant(handler, details.method, self.metrics) if ours else handler
 
 
 def _deny(handler, message: str):
@@ -69,7 +70,7 @@ def _deny(handler, message: str):
     return grpc.unary_unary_rpc_method_handler(deny, response_serializer=serializer)
 
 
-async def _unexpected(exc: Exception, method: str, context) -> None:
+async def _unexpected(exc: Exception, method: str, context, metrics: Metrics) -> None:
     """An error no method turned into a status: one line in the log, and a status whose text
     holds nothing of the exception (gRPC itself would answer UNKNOWN quoting it, which may
     carry stored prompts or results). A job store that cannot be written (disk full) is
@@ -79,11 +80,13 @@ async def _unexpected(exc: Exception, method: str, context) -> None:
     print(f"polyspec serve: {method.rsplit('/', 1)[-1]} failed: {exc!r}"[:500].replace("\n", " "), file=sys.stderr, flush=True)
     if isinstance(exc, sqlite3.Error):
         kind = trouble(exc)
+        metrics.request_finished("resource_exhausted" if kind == FULL else "internal")
         await context.abort(STORE_STATUS[kind], TROUBLE[kind] + ("; retry later" if kind == FULL else ""))
+    metrics.request_finished("internal")
     await context.abort(grpc.StatusCode.INTERNAL, "internal error (the server's log has the details)")
 
 
-def _tolerant(handler, method: str):
+def _tolerant(handler, method: str, metrics: Metrics):
     """The same handler, with a request that does not parse answered INVALID_ARGUMENT."""
     decode = handler.request_deserializer
 
@@ -93,19 +96,27 @@ def _tolerant(handler, method: str):
         except Exception:  # noqa: BLE001 - any parse failure is the client's bytes
             return _Undecodable()
 
+    def after(request) -> None:
+        """A large request's pages go back to the system once it is freed (bounded_json.return_memory_soon)."""
+        if isinstance(request, _Undecodable) or request.ByteSize() > LARGE_REQUEST_BYTES:
+            return_memory_soon()
+
     async def check(request, context) -> None:
         if isinstance(request, _Undecodable):
+            metrics.request_finished("invalid_argument")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the request is not a valid message of this method (malformed protobuf)")
 
     if handler.unary_unary is not None:
         behavior = handler.unary_unary
 
         async def unary(request, context):
-            await check(request, context)
             try:
+                await check(request, context)
                 return await behavior(request, context)
             except Exception as exc:  # noqa: BLE001 - see _unexpected
-                await _unexpected(exc, method, context)
+                await _unexpected(exc, method, context, metrics)
+            finally:
+                after(request)
 
         return grpc.unary_unary_rpc_method_handler(unary, request_deserializer=safe_decode,
                                                    response_serializer=handler.response_serializer)
@@ -113,12 +124,14 @@ def _tolerant(handler, method: str):
         behavior = handler.unary_stream
 
         async def stream(request, context):
-            await check(request, context)
             try:
+                await check(request, context)
                 async for message in behavior(request, context):
                     yield message
             except Exception as exc:  # noqa: BLE001 - see _unexpected
-                await _unexpected(exc, method, context)
+                await _unexpected(exc, method, context, metrics)
+            finally:
+                after(request)
 
         return grpc.unary_stream_rpc_method_handler(stream, request_deserializer=safe_decode,
                                                     response_serializer=handler.response_serializer)

@@ -33,14 +33,18 @@ Errors are OpenAI-shaped (`{"error": {"message", "type", "param", "code"}}`), on
 or unsupported option (echo, best_of > 1, suffix, tools, penalties, logprobs with
 stream: never silently ignored), 401 without the token (`Authorization: Bearer <token>`), 404 for an
 unknown route or model, 408 for a body not sent within the request timeout, 413 past a size limit
-(body, prompts per list, prompt bytes), 429 when the queue has no room for every prompt of
-the request (then none is queued), 503 while loading or draining. A client that
+(body, JSON arrays and objects, prompts per list, prompt bytes), 429 when the queue, or the
+caller's tenant's share of it, has no room for every prompt of the request (then none is
+queued), 503 while loading or draining. Each is counted in polyspec_requests_total. A body is
+measured before it is parsed (bounded_json: depth, arrays and objects, members, values); one
+over 64 KiB is parsed in a worker thread, one at a time, so no body holds the event loop. A client that
 disconnects, streaming or not, cancels its requests.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
 import time
@@ -53,6 +57,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from polyspec.orchestrator.serving.bounded_json import LARGE_REQUEST_BYTES, JsonRefused, loads_bounded, return_memory_soon
 from polyspec.orchestrator.serving.choices import Choice
 from polyspec.orchestrator.serving.jobs import LimitExceeded
 from polyspec.orchestrator.serving.request_loop import Draining, QueueFull, Work, is_unavailable, public_reason
@@ -63,7 +68,11 @@ from polyspec.orchestrator.tokenization import check_stops, encode_chat
 from polyspec.workers.core.errors import RequestError
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-MAX_JSON_DEPTH = 32
+BUFFERED_BODIES = 16  # bodies of the largest size the server holds at once, read and not yet parsed (BodyBudget)
+INLINE_PARSE_BYTES = 64 << 10  # a body up to this size is parsed on the event loop; a larger one in a worker thread
+HTTP_STATUS_LABELS = {400: "invalid_argument", 401: "unauthenticated", 404: "invalid_argument", 405: "invalid_argument",
+                      408: "resource_exhausted", 413: "resource_exhausted", 429: "resource_exhausted", 500: "internal",
+                      503: "unavailable"}  # an HTTP refusal -> polyspec_requests_total's status
 FINISH_REASONS = {"eos": "stop", "length": "length", "cancelled": "stop"}  # the engine's finish_reason -> OpenAI's ("stop" stays)
 SHOWN_NAME_CHARS = 64  # of a model name an error quotes back
 
@@ -99,7 +108,34 @@ def _error_response(error: ApiError) -> JSONResponse:
 # ------------------------------------------------------------------- the body
 
 
-async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+class BodyBudget:
+    """The bytes of request bodies the server holds at once (read, not yet parsed), all
+    connections together: many clients sending the largest body at once get 429 past it,
+    instead of the server growing by connections x --max-body-bytes."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.used = total, 0
+
+    @contextlib.contextmanager
+    def ticket(self):
+        """`take(size)` for each chunk (ApiError 429 past the budget); all of it given back at the end."""
+        taken = 0
+
+        def take(size: int) -> None:
+            nonlocal taken
+            if self.used + size > self.total:
+                raise ApiError(429, "the server is reading too many large request bodies at once; retry later",
+                               "rate_limit_error", close=True)
+            self.used += size
+            taken += size
+
+        try:
+            yield take
+        finally:
+            self.used -= taken
+
+
+async def _read_body(request: Request, limit: int, timeout_s: float, take) -> bytes:
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise ApiError(413, f"the request body has {length} bytes (at most {limit})", close=True)
@@ -111,6 +147,7 @@ async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
             size += len(chunk)
             if size > limit:
                 raise ApiError(413, f"the request body is over {limit} bytes", close=True)
+            take(len(chunk))
             chunks.append(chunk)
 
     try:
@@ -120,39 +157,16 @@ async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     return b"".join(chunks)
 
 
-def parse_json_body(raw: bytes) -> dict:
-    """Bytes -> a JSON object, or ApiError(400) with one line."""
+def parse_json_body(raw: bytes, max_bytes: int) -> dict:
+    """Bytes -> a JSON object, or ApiError(400 / 413) with one line. Measured before it is parsed
+    (bounded_json), so a body of millions of nested arrays costs milliseconds, not seconds."""
     try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ApiError(400, f"the request body is not valid UTF-8 (byte {exc.start})") from None
-    try:
-        body = json.loads(text) if text.strip() else {}
-    except RecursionError:
-        raise ApiError(400, f"malformed JSON: nested deeper than {MAX_JSON_DEPTH} levels") from None
-    except ValueError as exc:
-        raise ApiError(400, f"malformed JSON: {str(exc).splitlines()[0][:200]}") from None
+        body = loads_bounded(raw, "the request body", max_bytes) if raw.strip() else {}
+    except JsonRefused as exc:
+        raise ApiError(exc.status, str(exc)) from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    _check_values(body, 0)
     return body
-
-
-def _check_values(value, depth: int) -> None:
-    if depth > MAX_JSON_DEPTH:
-        raise ApiError(400, f"malformed JSON: nested deeper than {MAX_JSON_DEPTH} levels")
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ApiError(400, "a string in the request holds a lone surrogate (\\ud800-\\udfff): not valid Unicode text") from None
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _check_values(key, depth + 1)
-            _check_values(item, depth + 1)
-    elif isinstance(value, list):
-        for item in value:
-            _check_values(item, depth + 1)
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -160,9 +174,13 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def _failure(exc: Exception) -> ApiError:
+    """A request the request loop failed (and counted already)."""
     if isinstance(exc, RequestError):
-        return ApiError(400, str(exc))
-    return ApiError(503 if is_unavailable(exc) else 500, public_reason(exc), "server_error")
+        error = ApiError(400, str(exc))
+    else:
+        error = ApiError(503 if is_unavailable(exc) else 500, public_reason(exc), "server_error")
+    error.counted = True
+    return error
 
 
 # -------------------------------------------------------------------- the app
@@ -172,16 +190,19 @@ class OpenAIApi:
     def __init__(self, service) -> None:
         self.service = service
         self.limits = service.limits
+        self._parsing = asyncio.Semaphore(1)  # large bodies parsed one at a time
+        self._bodies = BodyBudget(BUFFERED_BODIES * self.limits.max_body_bytes)
 
     # ---------------------------------------------------------------- plumbing
 
-    def _authorize(self, request: Request) -> None:
+    def _authorize(self, request: Request) -> str:
+        """The caller's tenant ("" without tokens); ApiError(401) for a missing or wrong token."""
         tenants = self.service.tenants
-        if tenants.enabled:
-            given = request.headers.get("authorization", "")
-            if tenants.tenant_of(given) is None:
-                self.service.metrics.request_finished("unauthenticated")
-                raise ApiError(401, Tenants.denial(given), "authentication_error")
+        given = request.headers.get("authorization", "")
+        tenant = tenants.tenant_of(given)
+        if tenant is None:
+            raise ApiError(401, Tenants.denial(given), "authentication_error")
+        return tenant
 
     def _ready(self) -> None:
         if self.service.draining:
@@ -192,13 +213,24 @@ class OpenAIApi:
     def endpoint(self, handler, needs_body: bool):
         async def run(request: Request) -> Response:
             try:
-                self._authorize(request)
+                tenant = self._authorize(request)
                 self._ready()
                 if not needs_body:
-                    return await handler(request, None)
-                body = parse_json_body(await _read_body(request, self.limits.max_body_bytes, self.limits.request_timeout_s))
-                return await handler(request, body)
+                    return await handler(request, tenant, None)
+                with self._bodies.ticket() as take:  # the body's bytes count until it is parsed
+                    raw = await _read_body(request, self.limits.max_body_bytes, self.limits.request_timeout_s, take)
+                    if len(raw) > LARGE_REQUEST_BYTES:
+                        return_memory_soon()  # its pages go back to the system once it is freed
+                    if len(raw) <= INLINE_PARSE_BYTES:  # milliseconds at most: not worth a thread
+                        body = parse_json_body(raw, self.limits.max_body_bytes)
+                    else:  # one at a time: each holds the interpreter lock up to a few tenths of a second
+                        async with self._parsing:
+                            body = await asyncio.to_thread(parse_json_body, raw, self.limits.max_body_bytes)
+                    del raw
+                return await handler(request, tenant, body)
             except ApiError as error:
+                if not error.counted:
+                    self.service.metrics.request_finished(HTTP_STATUS_LABELS.get(error.status, "invalid_argument"))
                 return _error_response(error)
             except ClientDisconnect:
                 return Response(status_code=499)  # nobody is listening
@@ -215,22 +247,19 @@ class OpenAIApi:
                 service.check_sizes(raw)
             return await asyncio.to_thread(lambda: [service.parse_now(raw) for raw in raws])
         except LimitExceeded as exc:
-            service.metrics.request_finished("resource_exhausted")
             raise ApiError(413, str(exc)) from None
         except RequestError as exc:
-            service.metrics.request_finished("invalid_argument")
             raise ApiError(400, str(exc)) from None
 
-    def _submit(self, requests: list) -> list[tuple[Work, asyncio.Queue]]:
-        """Queue every request, or none of them."""
+    def _submit(self, requests: list, tenant: str) -> list[tuple[Work, asyncio.Queue]]:
+        """Queue every request, or none of them (each counts against `tenant`'s share of the queue)."""
         pairs = []
         for parsed in requests:
             events, on_event = self.service.events()
-            pairs.append((Work(parsed, on_event=on_event), events))
+            pairs.append((Work(parsed, on_event=on_event, tenant=tenant), events))
         try:
             self.service.scheduler.submit_all([work for work, _ in pairs])
         except QueueFull as exc:
-            self.service.metrics.request_finished("resource_exhausted")
             raise ApiError(429, str(exc), "rate_limit_error") from None
         except Draining as exc:
             raise ApiError(503, str(exc), "server_error") from None
@@ -248,10 +277,10 @@ class OpenAIApi:
     def _model(self, name: str) -> dict:
         return {"id": name, "object": "model", "created": int(self.service.started), "owned_by": "polyspec"}
 
-    async def models(self, request: Request, body: None) -> Response:
+    async def models(self, request: Request, tenant: str, body: None) -> Response:
         return JSONResponse({"object": "list", "data": [self._model(name) for name in served_names(self.service)]})
 
-    async def model(self, request: Request, body: None) -> Response:
+    async def model(self, request: Request, tenant: str, body: None) -> Response:
         name = request.path_params["model_id"]
         if name not in served_names(self.service):
             raise _model_not_found(self.service, name)
@@ -267,7 +296,7 @@ class OpenAIApi:
             raise _model_not_found(self.service, name)
         return name
 
-    async def completions(self, request: Request, body: dict) -> Response:
+    async def completions(self, request: Request, tenant: str, body: dict) -> Response:
         openai_request.check_options(body, KNOWN_FIELDS)
         openai_request.top_logprobs(body, chat=False)
         model = self._check_model(body)
@@ -278,9 +307,9 @@ class OpenAIApi:
         if stream and len(prompts) > 1:
             raise ApiError(400, "stream: true takes one prompt")
         requests = await self._parse_all([raw for prompt in prompts for raw in openai_request.raw_requests(body, prompt, DEFAULT_MAX_TOKENS)])
-        return await self._answer(request, body, model, requests, chat=False)
+        return await self._answer(request, tenant, body, model, requests, chat=False)
 
-    async def chat(self, request: Request, body: dict) -> Response:
+    async def chat(self, request: Request, tenant: str, body: dict) -> Response:
         openai_request.check_options(body, CHAT_FIELDS)
         openai_request.top_logprobs(body, chat=True)
         model = self._check_model(body)
@@ -296,17 +325,16 @@ class OpenAIApi:
         try:
             ids = await asyncio.to_thread(encode)
         except RequestError as exc:
-            service.metrics.request_finished("invalid_argument")
             raise ApiError(400, str(exc)) from None
         requests = await self._parse_all(openai_request.raw_requests(body, ids, None))
-        return await self._answer(request, body, model, requests, chat=True)
+        return await self._answer(request, tenant, body, model, requests, chat=True)
 
     # ---------------------------------------------------------------- answers
 
-    def _choices_of(self, requests: list, body: dict) -> list["_Answer"]:
+    def _choices_of(self, requests: list, body: dict, tenant: str) -> list["_Answer"]:
         stops = check_stops(body.get("stop"), "'stop'", limit=MAX_STOPS)
         return [_Answer(index, work, events, stops, self.service.scheduler)
-                for index, (work, events) in enumerate(self._submit(requests))]
+                for index, (work, events) in enumerate(self._submit(requests, tenant))]
 
     @staticmethod
     def _usage(requests: list, choices: list["_Answer"], body: dict) -> dict:
@@ -314,7 +342,7 @@ class OpenAIApi:
         prompt_tokens = sum(len(r.prompt_ids) for r in requests[:: openai_request.choices(body)])
         return _usage(prompt_tokens, sum(len(choice.token_ids) for choice in choices))
 
-    async def _answer(self, request: Request, body: dict, model: str, requests: list, chat: bool) -> Response:
+    async def _answer(self, request: Request, tenant: str, body: dict, model: str, requests: list, chat: bool) -> Response:
         kind = "chat.completion" if chat else "text_completion"
         header = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "object": kind,
                   "created": int(time.time()), "model": model}
@@ -323,8 +351,8 @@ class OpenAIApi:
             header["approximate"] = mode.describe()
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return await self._stream(header, body, requests, include_usage, chat)
-        choices = self._choices_of(requests, body)
+            return await self._stream(header, body, requests, include_usage, chat, tenant)
+        choices = self._choices_of(requests, body, tenant)
         collecting = asyncio.ensure_future(asyncio.gather(*(choice.collect() for choice in choices)))
         watching = asyncio.ensure_future(_disconnected(request))
         try:
@@ -367,8 +395,9 @@ class OpenAIApi:
         return {"tokens": [names[s.token_id] for s in scored], "token_logprobs": [s.logprob for s in scored],
                 "top_logprobs": [{names[i]: v for i, v in s.top} for s in scored] if top else None, "text_offset": offsets}
 
-    async def _stream(self, header: dict, body: dict, requests: list, include_usage: bool, chat: bool) -> Response:
-        choices = self._choices_of(requests, body)
+    async def _stream(self, header: dict, body: dict, requests: list, include_usage: bool, chat: bool,
+                      tenant: str) -> Response:
+        choices = self._choices_of(requests, body, tenant)
         merged: asyncio.Queue = asyncio.Queue()  # (choice, event) of every choice, as they come
         pumps = [asyncio.ensure_future(choice.pump(merged)) for choice in choices]
 

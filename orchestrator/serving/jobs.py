@@ -75,19 +75,35 @@ CREATE INDEX IF NOT EXISTS items_seq ON items (done_seq);
 CREATE INDEX IF NOT EXISTS jobs_live ON jobs (state, created_at);
 """
 # added after the first release: an older database gains them on open
-_JOB_COLUMNS = {"tenant": "TEXT NOT NULL DEFAULT ''", "idempotency_key": "TEXT", "request_digest": "TEXT"}
+_JOB_COLUMNS = {"tenant": "TEXT NOT NULL DEFAULT ''", "idempotency_key": "TEXT", "request_digest": "TEXT",
+                "bytes": "INTEGER NOT NULL DEFAULT 0"}  # bytes: the job's stored requests, errors and results (the quota's measure)
 _JOB_INDEXES = """
 CREATE UNIQUE INDEX IF NOT EXISTS jobs_idempotency ON jobs (tenant, idempotency_key) WHERE idempotency_key IS NOT NULL;
 CREATE INDEX IF NOT EXISTS jobs_tenant ON jobs (tenant, created_at);
+CREATE INDEX IF NOT EXISTS jobs_finished ON jobs (finished_at) WHERE finished_at > 0;
 """
 _JOB_FIELDS = "job_id, state, total, completed, failed, created_at, finished_at"
 DAMAGED_REQUEST = "the stored request of this item is damaged (the job store needs repair)"
 DAMAGED_RESULT = "the stored result of this item is damaged (the job store needs repair)"
 MIN_PAUSE_S, MAX_PAUSE_S = 5.0, 60.0  # job work paused after a store failure: first, longest
+MAX_ERROR_CHARS = 300  # of an item's stored error
 
 
 class LimitExceeded(Exception):
-    """A configured limit (live jobs, pending items) would be passed: RESOURCE_EXHAUSTED."""
+    """A configured limit (live jobs, pending items, stored bytes) would be passed: RESOURCE_EXHAUSTED."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Quota:
+    """What one submission may add to: the server's totals and its tenant's share of them
+    (security.Tenants.share); None: no such limit. Each is counted in the transaction that
+    stores the job, and a refusal names the limit's flag."""
+
+    max_live_jobs: int | None = None  # queued or running jobs, all tenants
+    max_pending_items: int | None = None  # items not run yet, all tenants
+    tenant_live_jobs: int | None = None
+    tenant_pending_items: int | None = None
+    tenant_store_bytes: int | None = None  # the tenant's jobs' requests, errors and results, finished jobs included
 
 
 class IdempotencyConflict(Exception):
@@ -249,16 +265,22 @@ class JobStore:
     # ------------------------------------------------------------------ writes
 
     def create(self, items: list[tuple[str, dict, str | None]], tenant: str = "", idempotency_key: str | None = None,
-               max_live_jobs: int | None = None, max_pending_items: int | None = None, digest: str | None = None) -> JobRecord:
-        """A job from (id, raw request, error or None) items; items with an error are failed at once.
+               quota: Quota | None = None, digest: str | None = None) -> JobRecord:
+        """A job from (id, raw request, error or None) items; items with an error are failed at once,
+        stored with their error only (the request that made them invalid is not kept).
 
         With an `idempotency_key` the tenant already used: that job, unchanged, when its
         requests had the same `digest` (a hash of the submitted requests), else
-        IdempotencyConflict. Over a limit (live jobs, pending items, counted in the same
-        transaction): LimitExceeded."""
+        IdempotencyConflict. Over a limit of `quota` (counted in the same transaction): LimitExceeded."""
         job_id = "job-" + uuid.uuid4().hex[:16]
         now = time.time()
         failed = sum(1 for _, _, error in items if error)
+        rows, size = [], 0
+        for idx, (item_id, raw, error) in enumerate(items):
+            request = "{}" if error else json.dumps(raw)
+            error = error[:MAX_ERROR_CHARS] if error else None
+            size += len(item_id) + len(request) + len(error or "")
+            rows.append((job_id, idx, item_id, request, ITEM_FAILED if error else PENDING, None, error))
         with self._lock, self._db:
             self._db.execute("BEGIN IMMEDIATE")
             if idempotency_key:
@@ -271,41 +293,74 @@ class JobStore:
                         raise IdempotencyConflict(
                             f"idempotency_key {short(idempotency_key)!r} was already used for job {job_id} with other "
                             "requests; a new batch needs a new key")
-                    items = []
-            if items:
-                self._check_limits(len(items) - failed, max_live_jobs, max_pending_items)
-                self._db.execute(
-                    "INSERT INTO jobs (job_id, state, total, failed, created_at, tenant, idempotency_key, request_digest) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                    (job_id, QUEUED, len(items), failed, now, tenant, idempotency_key or None, digest),
-                )
-            seq = self._next_seq()
-            rows = []
-            for idx, (item_id, raw, error) in enumerate(items):
-                if error:
-                    rows.append((job_id, idx, item_id, json.dumps(raw), ITEM_FAILED, None, error, seq))
-                    seq += 1
-                else:
-                    rows.append((job_id, idx, item_id, json.dumps(raw), PENDING, None, None, None))
+                    rows = []
             if rows:
+                self._check_quota(tenant, len(items) - failed, size, quota or Quota())
+                self._db.execute(
+                    "INSERT INTO jobs (job_id, state, total, failed, created_at, tenant, idempotency_key, request_digest, bytes) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (job_id, QUEUED, len(items), failed, now, tenant, idempotency_key or None, digest, size),
+                )
+                seq = self._next_seq()
+                numbered = []
+                for row in rows:
+                    numbered.append((*row, seq if row[4] == ITEM_FAILED else None))
+                    seq += row[4] == ITEM_FAILED
                 self._db.executemany(
                     "INSERT INTO items (job_id, idx, id, request, status, result, error, done_seq) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                    rows,
+                    numbered,
                 )
                 self._settle(job_id)
         return self.get(job_id)
 
-    def _check_limits(self, new_pending: int, max_live_jobs: int | None, max_pending_items: int | None) -> None:
-        if max_live_jobs is not None:
-            live = self._db.execute("SELECT COUNT(*) FROM jobs WHERE state IN (?, ?)", (QUEUED, RUNNING)).fetchone()[0]
-            if live >= max_live_jobs:
-                raise LimitExceeded(f"the server holds {live} unfinished jobs (at most {max_live_jobs}); retry later")
-        if max_pending_items is not None:
+    def _check_quota(self, tenant: str, new_pending: int, new_bytes: int, quota: Quota) -> None:
+        """Inside the transaction: LimitExceeded, naming the limit, unless the job fits every one."""
+        live_states = (QUEUED, RUNNING)
+        if quota.tenant_live_jobs is not None:
+            live = self._db.execute("SELECT COUNT(*) FROM jobs WHERE tenant = ? AND state IN (?, ?)", (tenant, *live_states)).fetchone()[0]
+            if live >= quota.tenant_live_jobs:
+                raise LimitExceeded(f"this tenant has {live} unfinished jobs, its share of --max-live-jobs is "
+                                    f"{quota.tenant_live_jobs}; retry when one finishes")
+        if quota.max_live_jobs is not None:
+            live = self._db.execute("SELECT COUNT(*) FROM jobs WHERE state IN (?, ?)", live_states).fetchone()[0]
+            if live >= quota.max_live_jobs:
+                raise LimitExceeded(f"the server holds {live} unfinished jobs (--max-live-jobs {quota.max_live_jobs}); retry later")
+        if quota.tenant_pending_items is not None:
+            pending = self._pending_count(tenant)
+            if pending + new_pending > quota.tenant_pending_items:
+                raise LimitExceeded(f"this tenant has {pending} job items pending; {new_pending} more would pass its share of "
+                                    f"--max-pending-items ({quota.tenant_pending_items})")
+        if quota.max_pending_items is not None:
             pending = self._pending_count()
-            if pending + new_pending > max_pending_items:
+            if pending + new_pending > quota.max_pending_items:
                 raise LimitExceeded(
-                    f"the server has {pending} job items pending; {new_pending} more would pass its limit of {max_pending_items}"
-                )
+                    f"the server has {pending} job items pending; {new_pending} more would pass --max-pending-items "
+                    f"({quota.max_pending_items})")
+        if quota.tenant_store_bytes is not None:
+            stored = self._db.execute("SELECT COALESCE(SUM(bytes), 0) FROM jobs WHERE tenant = ?", (tenant,)).fetchone()[0]
+            if stored + new_bytes > quota.tenant_store_bytes:
+                raise LimitExceeded(f"this tenant's jobs hold {stored} bytes; {new_bytes} more would pass its share of "
+                                    f"--max-store-bytes ({quota.tenant_store_bytes}); jobs are deleted --job-retention-s after they end")
+
+    def purge(self, finished_before: float) -> int:
+        """Delete the jobs (and their items) that finished, failed or were cancelled before
+        `finished_before` (a time.time()); how many. Their pages are reused by new jobs."""
+        with self._lock, self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            old = [row[0] for row in self._db.execute(
+                "SELECT job_id FROM jobs WHERE finished_at > 0 AND finished_at < ? AND state IN (?, ?, ?)",
+                (finished_before, *TERMINAL))]
+            for job_id in old:
+                self._db.execute("DELETE FROM items WHERE job_id = ?", (job_id,))
+                self._db.execute("DELETE FROM jobs WHERE job_id = ?", (job_id,))
+        return len(old)
+
+    def stored_bytes(self, tenant: str | None = None) -> int:
+        query, args = "SELECT COALESCE(SUM(bytes), 0) FROM jobs", ()
+        if tenant is not None:
+            query, args = query + " WHERE tenant = ?", (tenant,)
+        with self._lock:
+            return self._db.execute(query, args).fetchone()[0]
 
     def finish_item(self, item: PendingItem, result: dict | None, error: str | None) -> JobRecord | None:
         """Mark one item done (with its result) or failed (with its error), in one transaction.
@@ -317,14 +372,17 @@ class JobStore:
             with self._lock, self._db:
                 self._db.execute("BEGIN IMMEDIATE")
                 status = ITEM_FAILED if error else DONE
+                error = error[:MAX_ERROR_CHARS] if error else None
+                stored = error or json.dumps(result)
                 changed = self._db.execute(
                     "UPDATE items SET status = ?, result = ?, error = ?, done_seq = ? "
                     "WHERE job_id = ? AND idx = ? AND status = ?",
-                    (status, None if error else json.dumps(result), error, self._next_seq(), item.job_id, item.idx, PENDING),
+                    (status, None if error else stored, error, self._next_seq(), item.job_id, item.idx, PENDING),
                 ).rowcount
                 if changed:
                     column = "failed" if error else "completed"
-                    self._db.execute(f"UPDATE jobs SET {column} = {column} + 1 WHERE job_id = ?", (item.job_id,))
+                    self._db.execute(f"UPDATE jobs SET {column} = {column} + 1, bytes = bytes + ? WHERE job_id = ?",
+                                     (len(stored), item.job_id))
                     self._settle(item.job_id)
             job = self.get(item.job_id)
         except sqlite3.Error as exc:
@@ -420,28 +478,49 @@ class JobStore:
             return []
 
     def _pending_items(self, limit: int, skip: set[tuple[str, int]]) -> list[PendingItem]:
-        found: list[PendingItem] = []
+        """Round robin between tenants: each next item goes to the tenant with the fewest items in
+        flight (`skip` counted), from its oldest live job; so one tenant's big job never holds up
+        another tenant's."""
         live = self._db.execute(
-            "SELECT job_id FROM jobs WHERE state IN (?, ?) ORDER BY created_at, rowid", (QUEUED, RUNNING)
+            "SELECT job_id, tenant FROM jobs WHERE state IN (?, ?) ORDER BY created_at, rowid", (QUEUED, RUNNING)
         ).fetchall()
-        for (job_id,) in live:
+        jobs_of: dict[str, list[str]] = {}
+        for job_id, tenant in live:
+            jobs_of.setdefault(tenant, []).append(job_id)
+        tenant_of = dict(live)
+        in_flight = {tenant: 0 for tenant in jobs_of}
+        for job_id, _ in skip:
+            if job_id in tenant_of:
+                in_flight[tenant_of[job_id]] += 1
+        sources = {tenant: self._tenant_pending(job_ids, limit, skip) for tenant, job_ids in jobs_of.items()}
+        found: list[PendingItem] = []
+        while len(found) < limit and sources:
+            tenant = min(sources, key=in_flight.__getitem__)  # ties: the tenant whose oldest job is oldest
+            item = next(sources[tenant], None)
+            if item is None:
+                del sources[tenant]
+                continue
+            found.append(item)
+            in_flight[tenant] += 1
+        return found
+
+    def _tenant_pending(self, job_ids: list[str], limit: int, skip: set[tuple[str, int]]):
+        """One tenant's pending items not in `skip`, oldest job first (up to `limit` per job)."""
+        for job_id in job_ids:
             taken = sum(1 for job, _ in skip if job == job_id)
             rows = self._db.execute(  # as bytes: a damaged row must not fail the whole query
                 "SELECT idx, CAST(id AS BLOB), CAST(request AS BLOB) FROM items WHERE status = ? AND job_id = ? "
                 "ORDER BY idx LIMIT ?",
-                (PENDING, job_id, limit - len(found) + taken),
+                (PENDING, job_id, limit + taken),
             ).fetchall()
             for idx, item_id, request in rows:
-                if (job_id, idx) in skip or len(found) >= limit:
+                if (job_id, idx) in skip:
                     continue
                 decoded = _json_object(request)
                 if decoded is None:
                     self._fail_damaged(job_id, idx)
                     continue
-                found.append(PendingItem(job_id, idx, _text(item_id), decoded))
-            if len(found) >= limit:
-                break
-        return found
+                yield PendingItem(job_id, idx, _text(item_id), decoded)
 
     def _fail_damaged(self, job_id: str, idx: int) -> None:
         """Inside the lock: fail an item whose stored request is damaged, as it would fail validation."""
@@ -460,11 +539,12 @@ class JobStore:
         with self._lock:
             return self._pending_count()
 
-    def _pending_count(self) -> int:
-        return self._db.execute(
-            "SELECT COUNT(*) FROM items i JOIN jobs j ON j.job_id = i.job_id WHERE i.status = ? AND j.state IN (?, ?)",
-            (PENDING, QUEUED, RUNNING),
-        ).fetchone()[0]
+    def _pending_count(self, tenant: str | None = None) -> int:
+        query, args = ("SELECT COUNT(*) FROM items i JOIN jobs j ON j.job_id = i.job_id WHERE i.status = ? AND j.state IN (?, ?)",
+                       [PENDING, QUEUED, RUNNING])
+        if tenant is not None:
+            query, args = query + " AND j.tenant = ?", args + [tenant]
+        return self._db.execute(query, args).fetchone()[0]
 
     def results_after(self, job_id: str, after_seq: int) -> list[tuple[int, ItemResult]]:
         """Finished items of a job in the order they finished, after `after_seq`: [(seq, result)].

@@ -3,7 +3,8 @@
 Prometheus names (all prefixed `polyspec_`): requests_total{status}, generated_tokens_total,
 stage_proposed_tokens_total / stage_accepted_tokens_total{tier,drafter},
 speculation_length{tier,drafter}, time_to_first_token_seconds and request_latency_seconds
-(histograms), queue_depth{state}, job_items_done_total{outcome}, tier_up{tier}; with the
+(histograms), queue_depth{state}, tenant_queue_depth{tenant,state} (waiting / running per tenant;
+the anonymous tenant of a server without tokens is "anonymous"), job_items_done_total{outcome}, tier_up{tier}; with the
 batched engine also batch_size (requests in the latest batched step, histogram),
 goodput_tokens_per_second (tokens committed per second of batched steps, smoothed) and
 speculating (1 while the planner speculates at the current batch size); approximate_requests_total{mode}
@@ -40,6 +41,8 @@ class Metrics:
         self._ttft = Histogram("polyspec_time_to_first_token_seconds", "Request received -> first tokens", buckets=LATENCY_BUCKETS, registry=r)
         self._latency = Histogram("polyspec_request_latency_seconds", "Request received -> finished", buckets=LATENCY_BUCKETS, registry=r)
         self._queue = Gauge("polyspec_queue_depth", "Interactive requests waiting / running", ["state"], registry=r)
+        self._tenant_queue = Gauge("polyspec_tenant_queue_depth", "Interactive requests waiting / running per tenant",
+                                   ["tenant", "state"], registry=r)
         self._items = Counter("polyspec_job_items_done", "Job items finished", ["outcome"], registry=r)
         self._tier_up = Gauge("polyspec_tier_up", "1 while the tier is loaded and serving", ["tier"], registry=r)
         self._batch = Histogram("polyspec_batch_size", "Requests in one batched step", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
@@ -49,6 +52,7 @@ class Metrics:
                                     ["mode"], registry=r)
         self.approximate = collections.Counter()  # mode -> count
         self.goodput = 0.0
+        self._tenants_seen: set[str] = set()
         self.last_batch = 0
         for status in STATUSES:
             self._requests.labels(status)
@@ -112,6 +116,16 @@ class Metrics:
     def queue(self, waiting: int, running: int) -> None:
         self._queue.labels("waiting").set(waiting)
         self._queue.labels("running").set(running)
+
+    def tenant_queue(self, counts: dict[str, list[int]]) -> None:
+        """tenant -> [waiting, running]; a tenant once seen keeps its gauges (at 0 when idle)."""
+        for tenant, (waiting, running) in counts.items():
+            self._tenant_queue.labels(tenant or "anonymous", "waiting").set(waiting)
+            self._tenant_queue.labels(tenant or "anonymous", "running").set(running)
+        for tenant in self._tenants_seen - set(counts):
+            self._tenant_queue.labels(tenant or "anonymous", "waiting").set(0)
+            self._tenant_queue.labels(tenant or "anonymous", "running").set(0)
+        self._tenants_seen |= set(counts)
 
     def tier_up(self, tier: str, up: bool) -> None:
         self._tier_up.labels(tier).set(1 if up else 0)

@@ -28,6 +28,7 @@ class ApiError(Exception):
                  param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status, self.kind, self.close, self.param, self.code = status, kind, close, param, code
+        self.counted = False  # already in polyspec_requests_total (a request the request loop failed)
 
 
 def prompts(body: dict) -> list:

@@ -5,7 +5,11 @@ The Engine is not thread-safe, so all model work happens on this thread. It driv
 module only chooses what runs. Each pass:
 
     1. admit waiting interactive requests while the batch has room (at most `max_requests`
-       hold caches at once: the batched engine's own, MAX_ACTIVE for an engine that takes turns)
+       hold caches at once: the batched engine's own, MAX_ACTIVE for an engine that takes turns),
+       fairly between tenants: each free slot goes to the waiting tenant with the fewest running
+       requests for its weight; while several tenants have work, none is admitted past its
+       weighted share of the slots, and a tenant alone leaves one slot free for each other
+       tenant (at most half of them), so a tenant that floods the server waits behind itself
     2. fill free slots with job items: a batched engine gives them all but JOB_RESERVE_SHARE of
        its slots (kept for interactive requests); one that takes turns, one item at a time and
        only while no interactive request waits or runs
@@ -34,11 +38,13 @@ from typing import Any, Callable
 from polyspec.orchestrator.batch_runner import ContinuousBatch, is_unavailable
 from polyspec.orchestrator.serving.jobs import JobStore, PendingItem
 from polyspec.orchestrator.serving.metrics import Metrics
+from polyspec.orchestrator.serving.security import Tenants
 from polyspec.orchestrator.tokenization import REPLACEMENT_CHAR
 from polyspec.workers.core.errors import RequestError
 
 MAX_ACTIVE = 32  # interactive requests holding caches at once; the rest wait their turn
 JOB_RESERVE_SHARE = 0.25  # batched: this share of the slots is never taken by job items
+TENANT_ACTIVE_S = 5.0  # a tenant counts as having work this long after its last request arrived (request after request)
 IDLE_WAIT_S = 1.0  # re-check the job table this often when idle
 UNAVAILABLE_RETRY_S = 1.0  # a job item that met a down chain is retried after this
 
@@ -50,6 +56,7 @@ class Work:
     request: Any  # engine.GenerationRequest
     on_event: Callable[[str, Any], None] | None = None
     job_item: PendingItem | None = None
+    tenant: str = ""  # whose share of the queue and of the batch it takes
     received_at: float = dataclasses.field(default_factory=time.perf_counter)
     cancelled: bool = False  # set from any thread; honoured before the next round
     state: Any = None
@@ -89,13 +96,16 @@ class Draining(Exception):
 
 class RoundScheduler(threading.Thread):
     def __init__(self, engine, store: JobStore | None, metrics: Metrics, max_queue: int,
-                 on_jobs_changed: Callable[[], None] = lambda: None, tokenizer_lock: threading.Lock | None = None) -> None:
+                 on_jobs_changed: Callable[[], None] = lambda: None, tokenizer_lock: threading.Lock | None = None,
+                 tenants: Tenants | None = None) -> None:
         super().__init__(name="polyspec-rounds", daemon=True)
         self.engine = engine
         self.batch = ContinuousBatch(engine, engine.max_requests if engine.batched else MAX_ACTIVE)
         self.store = store
         self.metrics = metrics
         self.max_queue = max_queue
+        self.tenants = tenants or Tenants({})
+        self._last_request: dict[str, float] = {}  # tenant -> when its latest request arrived (monotonic)
         self.on_jobs_changed = on_jobs_changed
         self.tokenizer_lock = tokenizer_lock or threading.Lock()  # shared with the server's request parsing
         self._cond = threading.Condition()
@@ -117,18 +127,33 @@ class RoundScheduler(threading.Thread):
         with self._cond:
             if self._draining:
                 raise Draining("the server is shutting down")
+            more = f" for {len(works)} more" if len(works) > 1 else ""
+            for tenant in {work.tenant for work in works}:
+                share = self.tenants.share(tenant, self.max_queue)
+                held = sum(1 for work in self._waiting + self._active if work.tenant == tenant)
+                asked = sum(1 for work in works if work.tenant == tenant)
+                if share < self.max_queue and held + asked > share:
+                    raise QueueFull(f"this tenant's share of the server queue is full ({held} of {share} requests){more}; "
+                                    "retry later")
             queued = len(self._waiting) + len(self._active)
             if queued + len(works) > self.max_queue:
-                more = f" for {len(works)} more" if len(works) > 1 else ""
                 raise QueueFull(f"the server queue is full ({self.max_queue} requests){more}; retry later")
             self._waiting.extend(works)
+            now = time.monotonic()
+            for work in works:
+                self._last_request[work.tenant] = now
             self._publish_queue()
             self.idle.clear()
             self._cond.notify()
 
     def _publish_queue(self) -> None:
-        """The queue_depth gauge, whenever waiting / running change (caller holds _cond)."""
+        """The queue_depth gauges (all, and per tenant), whenever waiting / running change (caller holds _cond)."""
         self.metrics.queue(len(self._waiting), len(self._active))
+        counts = {tenant: [0, 0] for tenant in self.tenants.weights}
+        for index, works in enumerate((self._waiting, self._active)):
+            for work in works:
+                counts.setdefault(work.tenant, [0, 0])[index] += 1
+        self.metrics.tenant_queue(counts)
 
     def cancel(self, work: Work) -> None:
         work.cancelled = True
@@ -173,13 +198,55 @@ class RoundScheduler(threading.Thread):
                     break
                 # job items in flight keep their slots
                 room = max(0, self.batch.max_requests - len(self._active) - len(self._jobs))
-                admitted, self._waiting = self._waiting[:room], self._waiting[room:]
-                self._active.extend(admitted)
+                self._active.extend(self._admit(room))
                 interactive = len(self._active) + len(self._waiting)
                 self._publish_queue()
             self._fill_jobs(interactive)
             self._retire(self._step())
         self._abandon_all()
+
+    def _admit(self, room: int) -> list[Work]:
+        """Up to `room` waiting requests, taken out of `_waiting` (caller holds _cond): each to the
+        tenant with the fewest running for its weight (oldest request first within a tenant), none
+        past a tenant's cap (`_slot_cap`)."""
+        if len({work.tenant for work in self._waiting}) <= 1 and not self.tenants.enabled:
+            admitted, self._waiting = self._waiting[:room], self._waiting[room:]
+            return admitted
+        running: dict[str, int] = {}
+        for work in self._active:
+            running[work.tenant] = running.get(work.tenant, 0) + 1
+        recent = time.monotonic() - TENANT_ACTIVE_S
+        busy = {work.tenant for work in self._waiting} | set(running) | {
+            tenant for tenant, arrived in self._last_request.items() if arrived > recent}
+        caps = {tenant: self._slot_cap(tenant, busy) for tenant in busy}
+        admitted = []
+        while len(admitted) < room and self._waiting:
+            first: dict[str, int] = {}  # tenant -> index of its oldest waiting request
+            for index, work in enumerate(self._waiting):
+                if work.tenant not in first and running.get(work.tenant, 0) < caps[work.tenant]:
+                    first[work.tenant] = index
+            if not first:
+                break
+            tenant = min(first, key=lambda name: (running.get(name, 0) / self._weight(name), first[name]))
+            admitted.append(self._waiting.pop(first[tenant]))
+            running[tenant] = running.get(tenant, 0) + 1
+        return admitted
+
+    def _weight(self, tenant: str) -> float:
+        return self.tenants.weights.get(tenant, 1.0)
+
+    def _slot_cap(self, tenant: str, busy: set[str]) -> int:
+        """The most slots `tenant` may hold. While other tenants have requests waiting or running (or sent
+        one within TENANT_ACTIVE_S: a client sending request after request is between two): its
+        weighted share of the slots among those tenants (a bigger batch would slow their requests'
+        every round); else all but one kept for each other tenant (at most half of them), so another
+        tenant's first request starts at the next step."""
+        slots = self.batch.max_requests
+        others = busy - {tenant}
+        if others:
+            weight = self._weight(tenant)
+            return max(1, int(slots * weight / (weight + sum(map(self._weight, others)))))
+        return slots - min(len(set(self.tenants.weights) - {tenant}), slots // 2)
 
     def _step(self) -> list[Work]:
         """Cancel what was cancelled, start what was admitted, then one step of the batch, reported

@@ -1,10 +1,15 @@
 """Who may call the server, and how much one call may ask for.
 
 Tenants: `--auth-token-file` holds one token (its tenant is `default`); `--tenants-file`
-holds one `TENANT TOKEN` pair per line (`#` starts a comment), several tokens may share a
-tenant. A caller is known by `authorization: Bearer <token>`; a tenant sees, reads and
-cancels only the jobs it submitted. Without either file the server is open and every
-caller is the anonymous tenant "" (which sees every job).
+holds one `TENANT TOKEN [WEIGHT]` per line (`#` starts a comment), several tokens may share a
+tenant (its weight is the largest given, 1 by default). A caller is known by
+`authorization: Bearer <token>`; a tenant sees, reads and cancels only the jobs it submitted.
+Without either file the server is open and every caller is the anonymous tenant "" (which
+sees every job).
+
+Shares: the request queue, the live-job and pending-item limits and the job store's bytes
+are split between the tenants in proportion to their weights (`Tenants.share`), so one
+tenant filling its share is refused while every other tenant still has room in its own.
 
 Limits: every size is checked before any work is done for it (tokenizing, queueing,
 writing), and a request over one is answered RESOURCE_EXHAUSTED (gRPC) or 413 / 429 (HTTP).
@@ -32,8 +37,11 @@ MAX_IDEMPOTENCY_KEY_CHARS = 128
 class Limits:
     max_prompt_bytes: int = 1 << 20  # one prompt's UTF-8 bytes, checked before tokenizing
     max_job_items: int = 100_000  # requests in one job
-    max_live_jobs: int = 1_000  # queued or running jobs, all tenants together
-    max_pending_items: int = 1_000_000  # job items not run yet, all jobs together
+    max_live_jobs: int = 1_000  # queued or running jobs, all tenants together (each tenant: its share)
+    max_pending_items: int = 1_000_000  # job items not run yet, all jobs together (each tenant: its share)
+    max_store_bytes: int = 4 << 30  # the job store's requests, errors and results, all tenants (each: its share)
+    job_retention_s: float = 7 * 86_400.0  # a finished, failed or cancelled job is deleted this long after it ended
+    max_message_bytes: int = 4 << 20  # one gRPC message (gRPC's own default); a job's requests arrive in one
     max_prompts: int = 64  # prompts in one HTTP /v1/completions list
     max_body_bytes: int = 8 << 20  # one HTTP request body
     max_connections: int = 256  # open HTTP connections; more get 503
@@ -49,8 +57,15 @@ class Limits:
 class Tenants:
     """token -> tenant; `tenant_of(authorization header)` -> tenant, or None when it is not allowed."""
 
-    def __init__(self, tokens: dict[str, str]) -> None:
+    def __init__(self, tokens: dict[str, str], weights: dict[str, float] | None = None) -> None:
         self._tokens = [(f"Bearer {token}".encode(), tenant) for token, tenant in tokens.items()]
+        self.weights = {tenant: (weights or {}).get(tenant, 1.0) for tenant in tokens.values()}
+
+    def share(self, tenant: str | None, total: int) -> int:
+        """`tenant`'s part of a limit of `total`, by weight (at least 1); all of it without tenants."""
+        if not self.weights or tenant not in self.weights:
+            return total
+        return max(1, int(total * self.weights[tenant] / sum(self.weights.values())))
 
     @property
     def enabled(self) -> bool:
@@ -77,6 +92,7 @@ class Tenants:
     @classmethod
     def from_files(cls, token_file: str | None, tenants_file: str | None) -> "Tenants":
         tokens: dict[str, str] = {}
+        weights: dict[str, float] = {}
         if token_file:
             token = _read(token_file, "auth token file").strip()
             if not token:
@@ -89,9 +105,12 @@ class Tenants:
                 if not line:
                     continue
                 parts = line.split()
-                if len(parts) != 2 or not TENANT_NAME.fullmatch(parts[0]):
-                    raise ConfigError(f"{tenants_file} line {number}: expected 'TENANT TOKEN' (tenant: letters, digits, _ . @ -)")
-                tenant, token = parts
+                if len(parts) not in (2, 3) or not TENANT_NAME.fullmatch(parts[0]):
+                    raise ConfigError(f"{tenants_file} line {number}: expected 'TENANT TOKEN' or 'TENANT TOKEN WEIGHT' "
+                                      "(tenant: letters, digits, _ . @ -)")
+                tenant, token = parts[:2]
+                if len(parts) == 3:
+                    weights[tenant] = max(weights.get(tenant, 0.0), _weight(parts[2], f"{tenants_file} line {number}"))
                 if len(token) < 16:
                     raise ConfigError(f"{tenants_file} line {number}: the token is shorter than 16 characters")
                 if tokens.get(token, tenant) != tenant:
@@ -99,7 +118,17 @@ class Tenants:
                 tokens[token] = tenant
             if not tokens:
                 raise ConfigError(f"tenants file {tenants_file} holds no tenant")
-        return cls(tokens)
+        return cls(tokens, weights)
+
+
+def _weight(text: str, where: str) -> float:
+    try:
+        weight = float(text)
+    except ValueError:
+        weight = 0.0
+    if not 0 < weight <= 1000:
+        raise ConfigError(f"{where}: the weight must be a number above 0 and at most 1000, got {text!r}")
+    return weight
 
 
 def _read(path: str, what: str) -> str:

@@ -27,21 +27,24 @@ from polyspec.orchestrator.serving.metrics import Metrics
 from polyspec.orchestrator.serving.request_loop import RoundScheduler
 from polyspec.orchestrator.serving.security import is_loopback
 from polyspec.orchestrator.serving.guard import SERVICE_NAME, Guard
-from polyspec.orchestrator.serving.server import MAX_MESSAGE_BYTES, PolyspecService
+from polyspec.orchestrator.serving.server import PolyspecService
 from polyspec.protos.polyspec.v1 import polyspec_pb2_grpc as pb_grpc
 from polyspec.workers.core.errors import ConfigError, PolyspecError
 from polyspec.workers.core.heartbeat import heartbeat
 
 DEFAULT_GRACE_S = 30.0
+PURGE_EVERY_S = 300.0  # how often jobs past their retention are looked for
 
 
 def cmd_serve(options: dict) -> int:
     """Serve with `options`, checked and prepared before torch loads (serving.serve_options)."""
-    store = options["store"]
+    store, lock = options["store"], options.pop("state_lock", None)
     try:
         return asyncio.run(_serve(**options))
     finally:
         store.close()
+        if lock is not None:
+            lock.release()  # (the kernel drops it anyway when the process ends)
 
 
 def _log(message: str) -> None:
@@ -59,7 +62,8 @@ async def _serve(config, host, port, store, tenants, limits, tls, tls_files, met
     server = grpc.aio.server(
         interceptors=[Guard(tenants, metrics, protect_reflection=auth_reflection)],
         maximum_concurrent_rpcs=limits.max_rpcs,
-        options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)],
+        # gRPC refuses a larger message itself (RESOURCE_EXHAUSTED) before any of it reaches Python
+        options=[("grpc.max_receive_message_length", limits.max_message_bytes), ("grpc.max_send_message_length", -1)],
     )
     pb_grpc.add_PolyspecServicer_to_server(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -92,7 +96,8 @@ async def _serve(config, host, port, store, tenants, limits, tls, tls_files, met
     except PolyspecError:
         await server.stop(0)
         raise
-    scheduler = RoundScheduler(engine, store, metrics, config.server.max_queue, service.jobs_changed, service.tokenizer_lock)
+    scheduler = RoundScheduler(engine, store, metrics, config.server.max_queue, service.jobs_changed, service.tokenizer_lock,
+                               tenants)
     scheduler.start()
     service.attach(engine, scheduler)
     for tier in engine.tiers:
@@ -101,10 +106,12 @@ async def _serve(config, host, port, store, tenants, limits, tls, tls_files, met
     web = await _start_web(service, host, metrics_port, http_port, tls_files, limits, auth_metrics)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    retention = asyncio.ensure_future(_purge_old_jobs(store, limits.job_retention_s))
     pending = await asyncio.to_thread(store.pending_count)
     _log(f"ready{f'; resuming {pending} job item(s)' if pending else ''}")
 
     await stop.wait()
+    retention.cancel()
     _log(f"draining (up to {grace_s:g}s)")
     service.draining = True
     await health_servicer.enter_graceful_shutdown()
@@ -144,6 +151,20 @@ async def _start_web(service, host, metrics_port, http_port, tls_files, limits, 
         started.append(running)
         _log(f"{what} on {scheme}://{host}:{running.port}{path}")
     return started
+
+
+async def _purge_old_jobs(store, retention_s: float) -> None:
+    """Delete jobs that ended more than `retention_s` ago: now, then every PURGE_EVERY_S (or sooner,
+    for a short retention). A store that cannot be written now is tried again next time."""
+    while True:
+        try:
+            purged = await asyncio.to_thread(store.purge, time.time() - retention_s)
+        except Exception as exc:  # noqa: BLE001 - a full or damaged store is reported where it is written
+            _log(f"could not delete old jobs: {str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}")
+            purged = 0
+        if purged:
+            _log(f"deleted {purged} job(s) that ended over {retention_s:g}s ago (--job-retention-s)")
+        await asyncio.sleep(min(PURGE_EVERY_S, max(1.0, retention_s / 4)))
 
 
 def _add_reflection(server) -> None:

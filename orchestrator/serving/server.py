@@ -36,6 +36,7 @@ from typing import Callable
 
 import grpc
 
+from polyspec.orchestrator.serving.bounded_json import JsonRefused, loads_bounded
 from polyspec.orchestrator.serving.choices import Choice
 from polyspec.orchestrator.serving.jobs import (
     CANCELLED,
@@ -47,11 +48,12 @@ from polyspec.orchestrator.serving.jobs import (
     JobRecord,
     JobStore,
     LimitExceeded,
+    Quota,
 )
 from polyspec.orchestrator.engine import choice_seed
 from polyspec.orchestrator.serving.logprobs import MAX_TOP_LOGPROBS, TargetScorer, TokenLogprob
 from polyspec.orchestrator.serving.metrics import Metrics
-from polyspec.orchestrator.serving.openai_request import MAX_CHOICES
+from polyspec.orchestrator.serving.openai_request import MAX_CHOICES, MAX_MESSAGES
 from polyspec.orchestrator.serving.request_loop import Draining, QueueFull, RoundScheduler, Work, is_unavailable, public_reason
 from polyspec.orchestrator.serving.security import (
     MAX_ID_CHARS,
@@ -67,7 +69,7 @@ from polyspec.protos.polyspec.v1 import polyspec_pb2_grpc as pb_grpc
 from polyspec.workers.core.errors import RequestError
 
 STREAMING_METHODS = ("Generate", "StreamJobResults")
-MAX_MESSAGE_BYTES = 64 << 20  # a job's requests arrive in one message
+MAX_OPTIONS_JSON_BYTES = 16 << 10  # approximate_json: an options object ({"mode": "bild", ...})
 PROMPT_TOKENIZERS = 4  # requests tokenized at once (each with its own copy of the tokenizer)
 JOB_STATES = {
     QUEUED: pb.JOB_STATE_QUEUED,
@@ -77,6 +79,13 @@ JOB_STATES = {
     CANCELLED: pb.JOB_STATE_CANCELLED,
 }
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed")
+STATUS_LABELS = {  # a refusal's status -> polyspec_requests_total's label
+    grpc.StatusCode.INVALID_ARGUMENT: "invalid_argument",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "resource_exhausted",
+    grpc.StatusCode.UNAVAILABLE: "unavailable",
+    grpc.StatusCode.UNAUTHENTICATED: "unauthenticated",
+    grpc.StatusCode.INTERNAL: "internal",
+}
 
 
 # ------------------------------------------------------------------ message <-> dict
@@ -98,11 +107,11 @@ def request_dict(request: pb.GenerateRequest, request_id: str | None = None) -> 
     for field in SAMPLING_FIELDS:
         if request.HasField(field):
             raw[field] = getattr(request, field)
-    if request.approximate_json:
+    if request.approximate_json:  # measured before it is parsed: an options object needs kilobytes, not megabytes
         try:
-            raw["approximate"] = json.loads(request.approximate_json)
-        except ValueError:
-            raw["approximate"] = request.approximate_json  # not JSON: parse_request names the field
+            raw["approximate"] = loads_bounded(request.approximate_json, "approximate_json", MAX_OPTIONS_JSON_BYTES)
+        except JsonRefused as exc:
+            raise RequestError(str(exc)) from None
     return raw
 
 
@@ -262,6 +271,8 @@ class PolyspecService(pb_grpc.PolyspecServicer):
                 raise LimitExceeded(f"the prompt has {size} bytes (at most {self.limits.max_prompt_bytes})")
         messages = raw.get("messages")
         if isinstance(messages, list):
+            if len(messages) > MAX_MESSAGES:
+                raise LimitExceeded(f"{len(messages)} messages (at most {MAX_MESSAGES})")
             size = sum(len(m.get("content", "")) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str))
             if size > self.limits.max_prompt_bytes:
                 raise LimitExceeded(f"the messages hold {size} characters (at most {self.limits.max_prompt_bytes} bytes)")
@@ -275,10 +286,6 @@ class PolyspecService(pb_grpc.PolyspecServicer):
         self.check_sizes(raw)
         with self.prompt_tokenizer() as tokenizer:
             return self.engine.parse_request(raw, tokenizer=tokenizer)
-
-    async def parse(self, raw: dict):
-        self.check_sizes(raw)  # cheap, and before the thread hop
-        return await asyncio.to_thread(self.parse_now, raw)
 
     def score_choice(self, prompt_ids, token_ids: list[int], text: str, stopped: bool, params,
                      top: int) -> tuple[list[TokenLogprob], dict[int, str]]:
@@ -314,30 +321,36 @@ class PolyspecService(pb_grpc.PolyspecServicer):
 
     # ---------------------------------------------------------------- Generate
 
+    async def _refuse(self, context, code: grpc.StatusCode, message: str) -> None:
+        """Abort the call with `code` and one line, counted in polyspec_requests_total."""
+        self.metrics.request_finished(STATUS_LABELS.get(code, "invalid_argument"))
+        await context.abort(code, message)
+
+    def _parse_generate(self, request) -> tuple[tuple[str, ...], object]:
+        """(stop strings, the parsed request) of a GenerateRequest: on a request thread, never the loop."""
+        return check_stops(list(request.stop) or None), self.parse_now(request_dict(request))
+
     async def Generate(self, request, context):
         await self._ready(context)
+        tenant = self._tenant(context) or ""
         try:
-            stops = check_stops(list(request.stop) or None)
             count, top = generate_options(request)
             if count > self.limits.max_prompts:
                 raise LimitExceeded(f"n = {count} choices in one request (at most {self.limits.max_prompts})")
-            parsed = await self.parse(request_dict(request))
+            stops, parsed = await asyncio.to_thread(self._parse_generate, request)
         except RequestError as exc:
-            self.metrics.request_finished("invalid_argument")
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except LimitExceeded as exc:
-            self.metrics.request_finished("resource_exhausted")
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         events, reporter = self._choice_events()
-        choices = [Choice(Work(choice_request(parsed, j), on_event=reporter(j)), stops, self.scheduler) for j in range(count)]
+        choices = [Choice(Work(choice_request(parsed, j), on_event=reporter(j), tenant=tenant), stops, self.scheduler)
+                   for j in range(count)]
         try:
             self.scheduler.submit_all([choice.work for choice in choices])  # every choice, or none
         except QueueFull as exc:
-            self.metrics.request_finished("resource_exhausted")
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except Draining as exc:
-            self.metrics.request_finished("unavailable")
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            await self._refuse(context, grpc.StatusCode.UNAVAILABLE, str(exc))
         try:
             while not all(choice.finished for choice in choices):
                 index, (kind, payload) = await events.get()
@@ -398,15 +411,15 @@ class PolyspecService(pb_grpc.PolyspecServicer):
 
     async def SubmitJob(self, request, context):
         await self._ready(context)
+        invalid, exhausted = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED
         if not request.requests:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a job needs at least one request")
+            await self._refuse(context, invalid, "a job needs at least one request")
         if len(request.requests) > self.limits.max_job_items:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"a job holds at most {self.limits.max_job_items} requests, got {len(request.requests)}")
+            await self._refuse(context, exhausted, f"a job holds at most {self.limits.max_job_items} requests "
+                                                   f"(--max-job-items), got {len(request.requests)}")
         key = request.idempotency_key
         if len(key) > MAX_IDEMPOTENCY_KEY_CHARS:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"idempotency_key has {len(key)} characters (at most {MAX_IDEMPOTENCY_KEY_CHARS})")
+            await self._refuse(context, invalid, f"idempotency_key has {len(key)} characters (at most {MAX_IDEMPOTENCY_KEY_CHARS})")
         tenant = self._tenant(context) or ""
         digest = await asyncio.to_thread(requests_digest, request.requests) if key else None
         try:
@@ -417,19 +430,29 @@ class PolyspecService(pb_grpc.PolyspecServicer):
             try:
                 items = await asyncio.to_thread(self._job_items, request.requests)  # tokenizing many prompts: off the loop
             except LimitExceeded as exc:
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+                await self._refuse(context, exhausted, str(exc))
             if isinstance(items, str):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, items)
+                await self._refuse(context, invalid, items)
             try:
-                job = await asyncio.to_thread(self.store.create, items, tenant, key or None,
-                                              self.limits.max_live_jobs, self.limits.max_pending_items, digest=digest)
+                job = await asyncio.to_thread(self.store.create, items, tenant, key or None, self.job_quota(tenant), digest)
             except LimitExceeded as exc:
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+                await self._refuse(context, exhausted, str(exc))
         except IdempotencyConflict as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         self.scheduler.jobs_added()
         self.jobs_changed()
         return job_message(job)
+
+    def job_quota(self, tenant: str) -> Quota:
+        """The limits a job of `tenant` is stored within: the server's, and the tenant's shares of them."""
+        limits, share = self.limits, self.tenants.share
+        return Quota(
+            max_live_jobs=limits.max_live_jobs,
+            max_pending_items=limits.max_pending_items,
+            tenant_live_jobs=share(tenant, limits.max_live_jobs),
+            tenant_pending_items=share(tenant, limits.max_pending_items),
+            tenant_store_bytes=share(tenant, limits.max_store_bytes),
+        )
 
     def _job_items(self, requests) -> list[tuple[str, dict, str | None]] | str:
         """(id, raw request, validation error) per request, or the message for a job that
@@ -446,8 +469,9 @@ class PolyspecService(pb_grpc.PolyspecServicer):
             if item_id in seen:
                 return f"request id {short(item_id)!r} appears twice in the job (ids must be unique)"
             seen.add(item_id)
-            raw = request_dict(item, item_id)
+            raw: dict = {"id": item_id}
             try:
+                raw = request_dict(item, item_id)
                 self.parse_now(raw)
                 error = None
             except RequestError as exc:

@@ -156,8 +156,10 @@ def test_http_401_413_429_and_keep_alive(tenant_server, alice):
         status, payload = _post(connection, "/v1/completions", {"prompt": ["def f(x):"] * 6, "max_tokens": 2})
         assert status == 429 and "for 6 more" in payload["error"]["message"]  # max_queue 4: none of the 6 is queued
         assert alice.stats()["generated_tokens"] == before["generated_tokens"]
-        status, payload = _post(connection, "/v1/completions", {"prompt": ["def f(x):"] * 4, "max_tokens": 2, "temperature": 0})
-        assert status == 200 and len(payload["choices"]) == 4
+        status, payload = _post(connection, "/v1/completions", {"prompt": ["def f(x):"] * 3, "max_tokens": 2})
+        assert status == 429 and "this tenant's share" in payload["error"]["message"]  # max_queue 4, two tenants: 2 each
+        status, payload = _post(connection, "/v1/completions", {"prompt": ["def f(x):"] * 2, "max_tokens": 2, "temperature": 0})
+        assert status == 200 and len(payload["choices"]) == 2
         health = urllib.request.urlopen(f"http://127.0.0.1:{tenant_server.http_port}/health", timeout=10)
         assert json.loads(health.read()) == {"status": "ok"}  # open, no token
     finally:
