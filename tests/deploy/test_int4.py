@@ -1,5 +1,5 @@
-"""`quantize: int4` is the GPU middle tier (bitsandbytes 4-bit). Where it cannot run the
-error is one line that says what to do, raised before any weights are read."""
+"""`quantize: int4` is bitsandbytes 4-bit on a CUDA GPU and torch's weight-only int4 on the CPU. Where it
+cannot run the error is one line that says what to do, raised before any weights are read."""
 
 from __future__ import annotations
 
@@ -21,14 +21,18 @@ def tier(**extra):
     return parse_config({"tiers": [{"name": "mid", "model": TARGET, **extra}]}).tiers[0]
 
 
-@pytest.mark.parametrize("device", ["cpu", "auto"])
-def test_int4_on_cpu_is_one_clear_line(device, monkeypatch):
+def test_int4_on_cpu_takes_the_weight_only_kernels(monkeypatch):
+    """On the CPU `quantize: int4` is torch's weight-only int4 (tests/workers/test_weight_only.py), not bitsandbytes."""
+    from polyspec.workers.tiers.weight_only import WeightOnlyLinear
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(ModelLoadError) as caught:
-        loading.load_model_tier(tier(quantize="int4", device=device))
-    message = str(caught.value)
-    assert "int4" in message and "CUDA GPU only" in message and "use quantize: int8" in message
-    assert "\n" not in message
+    model = loading.load_model(tier(quantize="int4", device="auto", group_size=32))
+    assert any(isinstance(module, WeightOnlyLinear) for module in model.modules())
+
+
+def test_a_group_size_on_a_gpu_int4_tier_is_one_line():
+    with pytest.raises(ModelLoadError, match="group_size applies to the CPU int4 kernels"):
+        loading.load_model(tier(quantize="int4", device="cuda", group_size=64))
 
 
 def test_int4_without_bitsandbytes_says_how_to_install(monkeypatch):

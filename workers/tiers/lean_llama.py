@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from polyspec.workers.tiers.block_linear import linear_of, pack
 from polyspec.workers.tiers.fp8_linear import Fp8Linear
+from polyspec.workers.tiers.weight_only import WeightOnlyLinear
 
 INITIAL_CAPACITY = 256
 
@@ -43,7 +44,7 @@ INITIAL_CAPACITY = 256
 def linear_function(module):
     """`module(x)` without the module call, for a float `Linear`, a dynamically quantized int8 `Linear` or an
     `Fp8Linear`; None for any other module (this forward does not cover it)."""
-    if isinstance(module, Fp8Linear):
+    if isinstance(module, (Fp8Linear, WeightOnlyLinear)):
         return module.forward  # its own forward, without nn.Module's call overhead
     if isinstance(module, torch.nn.Linear):
         # a float weight only: bitsandbytes' int4 / int8 layers subclass `Linear` with packed integer weights

@@ -1,4 +1,5 @@
-"""Loading a chain's tiers: `from_pretrained` of an id or a path, dtype, int8 (CPU) / fp8 (CPU, CUDA) / int4 (CUDA), vocabulary check."""
+"""Loading a chain's tiers: `from_pretrained` of an id or a path, dtype, int8 (CPU) / fp8 (CPU, CUDA) / int4 (CPU: torch, CUDA:
+bitsandbytes) / int8w (CPU), vocabulary check."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from polyspec.workers.core.heartbeat import heartbeat
 from polyspec.workers.tiers.fp8_linear import fp8_problem, quantize_fp8
 from polyspec.workers.tiers.model_cache import fetch_hint
 from polyspec.workers.tiers.tier import ModelTier, NGramTier, Tier
+from polyspec.workers.tiers.weight_only import DEFAULT_GROUP_SIZE, quantize_weight_only
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -250,18 +252,46 @@ def int4_quantization_config(tier, device: torch.device):
     )
 
 
-def load_model(tier):
-    """The transformers model of one model tier (dtype, int8 / fp8 / int4 as configured), as `generate()` can drive it.
+def weight_only(tier, device: torch.device) -> bool:
+    """Does this tier quantize through polyspec's weight-only kernels (int8w anywhere it loads; int4 on the CPU)?"""
+    return tier.quantize == "int8w" or (tier.quantize == "int4" and device.type == "cpu")
+
+
+def share_embedding(model, source) -> bool:
+    """Point `model`'s input embedding at `source`'s (another loaded tier's) where the two tables are
+    equal: a quantized copy of the target keeps one embedding table, not two. True if shared."""
+    mine, theirs = model.get_input_embeddings(), source.get_input_embeddings()
+    if mine is None or theirs is None or mine.weight is theirs.weight:
+        return False
+    if mine.weight.shape != theirs.weight.shape or mine.weight.dtype != theirs.weight.dtype or mine.weight.device != theirs.weight.device:
+        return False
+    if not torch.equal(mine.weight, theirs.weight):
+        return False
+    head = model.get_output_embeddings()
+    if head is not None and head.weight is mine.weight:
+        head.weight = theirs.weight
+    mine.weight = theirs.weight
+    return True
+
+
+def load_model(tier, embedding_source=None):
+    """The transformers model of one model tier (dtype, int8 / fp8 / int4 / int8w as configured), as `generate()` can drive it.
 
     `load_model_tier` wraps it; a `ModelTier` may then move large weights to oneDNN for its
     own forward (block_linear), so a caller that runs the transformers forward itself (the
-    benchmarks' transformers systems) loads its own copy with this function."""
+    benchmarks' transformers systems) loads its own copy with this function. `embedding_source`:
+    an already loaded model whose embedding table this one shares where they are equal."""
     from transformers import AutoModelForCausalLM
 
     device = resolve_device(tier.device)
     extra = {}
-    if tier.quantize == "int4":
+    group_size = getattr(tier, "group_size", None)
+    if tier.quantize == "int4" and device.type != "cpu":
+        if group_size is not None:
+            raise ModelLoadError(f"tier {tier.name!r}: group_size applies to the CPU int4 kernels; on {device.type} int4 is bitsandbytes NF4")
         extra = {"quantization_config": int4_quantization_config(tier, device), "device_map": {"": device.index or 0}}
+    if tier.quantize == "int8w" and device.type != "cpu":
+        raise ModelLoadError(f"tier {tier.name!r}: quantize: int8w (torch's weight-only int8 kernel) runs on CPU only; use fp8 on a GPU")
     if tier.quantize == "int8" and device.type != "cpu":
         raise ModelLoadError(f"tier {tier.name!r}: quantize: int8 (torch dynamic quantization) runs on CPU only; set device: cpu")
     if tier.quantize == "fp8":
@@ -283,11 +313,16 @@ def load_model(tier):
     except Exception as exc:
         where = "local directory" if os.path.isdir(tier.model) else "local path or a Hugging Face model id"
         raise ModelLoadError(f"tier {tier.name!r}: cannot load model {tier.model!r} (not a loadable {where}): {_short(exc)}") from None
-    if tier.quantize != "int4":  # a bitsandbytes model is placed by device_map and cannot be moved
+    bitsandbytes = tier.quantize == "int4" and not weight_only(tier, device)
+    if not bitsandbytes:  # a bitsandbytes model is placed by device_map and cannot be moved
         model = model.to(device)
     model = model.eval()
-    if tier.quantize != "int4":
+    if not bitsandbytes:
         retie_lm_head(model)
+    if embedding_source is not None and not bitsandbytes:
+        share_embedding(model, embedding_source)
+    if weight_only(tier, device):
+        model = quantize_weight_only(model, tier.quantize, group_size or DEFAULT_GROUP_SIZE)
     if tier.quantize == "int8":
         model = quantize_int8(model)
     if tier.quantize == "fp8":  # on the device, from the weights in the tier's dtype (the activations' dtype)
@@ -309,9 +344,9 @@ def return_freed_memory() -> None:
     trim(0)
 
 
-def load_model_tier(tier, vocab_size: int | None = None) -> ModelTier:
-    """Load one model tier from its TierConfig (polyspec.orchestrator.config)."""
-    model = load_model(tier)
+def load_model_tier(tier, vocab_size: int | None = None, embedding_source=None) -> ModelTier:
+    """Load one model tier from its TierConfig (polyspec.orchestrator.config); `embedding_source`: see `load_model`."""
+    model = load_model(tier, embedding_source)
     head = model.get_output_embeddings()
     out_features = getattr(head, "out_features", None) or model.config.vocab_size  # a float, an int8 or an fp8 Linear
     loaded = ModelTier(tier.name, model, vocab_size or out_features, resolve_device(tier.device), tier.threads)
@@ -373,10 +408,27 @@ def _rss_bytes() -> int | None:
         return None
 
 
+def weight_only_note(model) -> str:
+    """', weights 812 MB (int4: 197 Linears, 1 float)': a weight-only tier's own weight bytes at load ('' otherwise)."""
+    from polyspec.workers.tiers.weight_only import WeightOnlyLinear
+
+    modules = [m for m in model.modules() if isinstance(m, WeightOnlyLinear)]
+    if not modules:
+        return ""
+    quantized = sum(m.resident_bytes() for m in modules)
+    skipped = getattr(model, "weight_only_skipped", 0)
+    floats = f", {skipped} left float" if skipped else ""
+    return f"; {modules[0].kind} weights {quantized / 2**20:.0f} MB ({len(modules)} Linears{floats})"
+
+
 def describe_tier(tier) -> str:
     """'/path/to/model (float32, 1 thread, cpu)': what a start-up line says a tier is."""
-    kind = f"{tier.quantize} copy of {tier.model}" if tier.quantize in ("int8", "fp8") else tier.model
+    kind = f"{tier.quantize} copy of {tier.model}" if tier.quantize in ("int8", "fp8", "int4", "int8w") else tier.model
     dtype = "int8 (dynamic)" if tier.quantize == "int8" else tier.dtype + (f", {tier.quantize}" if tier.quantize in ("int4", "fp8") else "")
+    if tier.quantize == "int8w":
+        dtype = f"{tier.dtype}, int8 weight-only"
+    elif tier.quantize == "int4" and getattr(tier, "group_size", None):
+        dtype += f" (group {tier.group_size})"
     threads = f"{tier.threads} thread{'s' if tier.threads != 1 else ''}" if tier.threads else "threads: torch default"
     return f"{kind} ({dtype}, {threads}, {tier.device})"
 
@@ -401,16 +453,20 @@ def load_tiers(tiers_config, log=None) -> tuple[list[Tier], object]:
             tokenizers[tier.name] = read[digest] if digest is not None else tokenizer
     check_vocabularies(tokenizers)
     tiers: list[Tier] = []
+    float_models: dict[tuple, object] = {}  # (model, device) of a float tier -> its model: a quantized copy shares its embedding
     for tier in model_configs:
         if log is not None:
             log(f"tier {tier.name}: loading {describe_tier(tier)}")
         started, rss = time.perf_counter(), _rss_bytes()
+        source = float_models.get((tier.model, tier.device)) if tier.quantize in ("int4", "int8w") else None
         with heartbeat(log, f"tier {tier.name}: loading"):
-            tiers.append(load_model_tier(tier))
+            tiers.append(load_model_tier(tier, embedding_source=source))
+        if not tier.quantize:
+            float_models.setdefault((tier.model, tier.device), tiers[-1].model)
         if log is not None:
             grown = _rss_bytes()
             memory = f", {(grown - rss) / 2**20:+.0f} MB resident" if grown is not None and rss is not None else ""
-            log(f"tier {tier.name}: loaded in {time.perf_counter() - started:.1f}s on {tiers[-1].device}{memory}")
+            log(f"tier {tier.name}: loaded in {time.perf_counter() - started:.1f}s on {tiers[-1].device}{memory}{weight_only_note(tiers[-1].model)}")
     if any(tok is None for tok in tokenizers.values()):
         check_vocabulary_sizes(tiers)
     # logits may be padded differently per model; every tier samples and verifies over the
