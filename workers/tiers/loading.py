@@ -156,8 +156,92 @@ def load_gguf_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(directory, **extra)
 
 
+# Token texts that llama.cpp ends a generation on wherever a vocabulary has them (llama-vocab.cpp's
+# end-of-generation detection, FIM pad / repo / separator tokens included): a GGUF names only one EOS
+# (Qwen2.5: `<|im_end|>`), and llama.cpp also stops at `<|endoftext|>`, which the upstream
+# generation config of the instruct models lists too.
+END_OF_GENERATION_TEXTS = frozenset((
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>",
+    "<|end_of_text|>", "<end_of_utterance>",
+    "<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>",
+    "<|file_sep|>", "<|fim_sep|>", "<fim-sep>", "<file_sep>",
+))
+GGUF_STOP_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+
+
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def gguf_metadata(path: str, keys: set[str]) -> dict:
+    """The values of `keys` in a GGUF file's metadata (strings decoded, arrays as lists), read in one pass
+    over the mapped header that skips everything else. gguf's own GGUFReader parses every field (Qwen's
+    151k merges): ~30 s on a 2-core machine, for a few ids."""
+    import mmap
+    import struct
+
+    with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        offset = 0
+
+        def read(fmt):
+            nonlocal offset
+            (out,) = struct.unpack_from(fmt, data, offset)
+            offset += struct.calcsize(fmt)
+            return out
+
+        def string(keep: bool):
+            nonlocal offset
+            size = read("<Q")
+            offset += size
+            return data[offset - size : offset].decode("utf-8", errors="replace") if keep else None
+
+        def value(kind, keep: bool):
+            nonlocal offset
+            if kind == _GGUF_STRING:
+                return string(keep)
+            if kind == _GGUF_ARRAY:
+                item_kind, count = read("<I"), read("<Q")
+                if item_kind in _GGUF_SCALARS and not keep:
+                    offset += count * struct.calcsize(_GGUF_SCALARS[item_kind])
+                    return None
+                return [value(item_kind, keep) for _ in range(count)]
+            return read(_GGUF_SCALARS[kind])
+
+        if data[:4] != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file")
+        offset = 4 + 4 + 8  # magic, version, tensor count
+        found = {}
+        for _ in range(read("<Q")):
+            key = string(True)
+            kept = value(read("<I"), key in keys)
+            if key in keys:
+                found[key] = kept
+            if len(found) == len(keys):
+                break
+    return found
+
+
+def gguf_stop_token_ids(path: str) -> tuple[int, ...]:
+    """Every token a GGUF file's model ends a generation on, as llama.cpp reads the file: the EOS / EOT /
+    EOM ids of its metadata and the tokens whose text is an end-of-generation marker (END_OF_GENERATION_TEXTS)."""
+    metadata = gguf_metadata(path, {*GGUF_STOP_KEYS, "tokenizer.ggml.tokens"})
+    stops = {int(metadata[key]) for key in GGUF_STOP_KEYS if key in metadata}
+    stops.update(token_id for token_id, text in enumerate(metadata.get("tokenizer.ggml.tokens", ())) if text in END_OF_GENERATION_TEXTS)
+    return tuple(sorted(stops))
+
+
+def add_stop_token_ids(generation_config, ids) -> None:
+    """`generation_config.eos_token_id` widened to also name `ids` (an int stays an int where nothing is added)."""
+    configured = generation_config.eos_token_id
+    current = [] if configured is None else [configured] if isinstance(configured, int) else list(configured)
+    merged = current + sorted(set(ids) - set(current))
+    if merged != current:
+        generation_config.eos_token_id = merged
+
+
 def load_gguf_model(path: str, dtype, tie_lm_head: bool | None = None, **kwargs):
-    """A GGUF file dequantized to `dtype` as a plain transformers model.
+    """A GGUF file dequantized to `dtype` as a plain transformers model, stopping on every end-of-generation
+    token of the file (`gguf_stop_token_ids`).
 
     The GGUF loader gives the model a separate LM head even where the original ties it to
     the embedding (a 152k-row copy for Qwen); `tie_lm_head` (None: when the two are equal)
@@ -168,6 +252,8 @@ def load_gguf_model(path: str, dtype, tie_lm_head: bool | None = None, **kwargs)
     dtype = TORCH_DTYPES.get(dtype, dtype)
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **extra, **kwargs)
     model.hf_quantizer = None  # the weights are dequantized: save and move as a plain model
+    if getattr(model, "generation_config", None) is not None:  # stop where llama.cpp stops on this file
+        add_stop_token_ids(model.generation_config, gguf_stop_token_ids(path))
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
