@@ -301,7 +301,7 @@ _dense_rows: dict[tuple, int] = {}
 def measured_dense_rows(module: WeightOnlyLinear, dtype: torch.dtype) -> int:
     """The fewest rows from which the block path beats the kernel on this machine (NEVER: it does not
     up to PROBE_ROWS' largest, or the block path is off). Measured once per shape, kind, dtype and
-    thread count. `POLYSPEC_WEIGHT_ONLY_BLOCK=kernel` / `=dense` skip the measurement."""
+    thread count, at load. `POLYSPEC_WEIGHT_ONLY_BLOCK=kernel` / `=dense` skip the measurement."""
     mode = os.environ.get("POLYSPEC_WEIGHT_ONLY_BLOCK", "auto")
     device = module.weight.device
     if mode == "kernel" or device.type != "cpu" or (module.kind in INT4_KINDS and module._block is None):
@@ -310,11 +310,16 @@ def measured_dense_rows(module: WeightOnlyLinear, dtype: torch.dtype) -> int:
         return 1
     key = (module.kind, module.out_features, module.in_features, module.group_size, dtype, torch.get_num_threads())
     if key not in _dense_rows:
+        # the block path's cost is the widening, nearly flat in rows: timed once, at the most rows, it bounds
+        # the block path below; the kernel's grows with the rows. Switch where the kernel costs more than that bound.
+        most = torch.randn(PROBE_ROWS[-1], module.in_features, dtype=dtype)
+        module.block_path(most)  # warm
+        block_s = _best_of(lambda: module.block_path(most))
         _dense_rows[key] = NEVER
         for rows in PROBE_ROWS:
-            x = torch.randn(rows, module.in_features, dtype=dtype)
-            module.kernel(x), module.block_path(x)  # warm
-            if _best_of(lambda: module.block_path(x)) < _best_of(lambda: module.kernel(x)):
+            x = most[:rows]
+            module.kernel(x)  # warm
+            if _best_of(lambda: module.kernel(x)) > block_s:
                 _dense_rows[key] = rows
                 break
     return _dense_rows[key]
