@@ -4,10 +4,10 @@
 #   docker build -t polyspec .
 #   docker build -t polyspec:cuda \
 #     --build-arg BASE=pytorch/pytorch:2.6.0-cuda12.4-cudnn9-runtime \
-#     --build-arg TORCH= --build-arg TORCH_INDEX= --build-arg EXTRAS=bitsandbytes .
+#     --build-arg TORCH= --build-arg TORCH_INDEX= .
 #
-# The CUDA build keeps the base image's CUDA torch (TORCH empty) and adds bitsandbytes for
-# `quantize: int4` tiers. The same image runs every service of docker-compose.yml: the Ray
+# The CUDA build keeps the base image's CUDA torch (TORCH empty); `quantize: int4` tiers run on
+# torch's own weight-only kernels, so nothing else is added. The same image runs every service of docker-compose.yml: the Ray
 # head, one Ray worker per tier and the orchestrator (`polyspec serve`).
 ARG BASE=python:3.11-slim
 FROM ${BASE}
@@ -15,7 +15,7 @@ FROM ${BASE}
 # torch pin and index for the CPU image: the CPU wheel index keeps pip from fetching CUDA wheels
 ARG TORCH="torch==2.13.0"
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
-# extra packages, e.g. bitsandbytes on CUDA
+# extra pip packages, if any
 ARG EXTRAS=""
 
 ENV PYTHONUNBUFFERED=1 \

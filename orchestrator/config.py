@@ -32,7 +32,8 @@ from polyspec.workers.tiers.model_cache import NGRAM_MODEL, resolve_zoo_referenc
 DTYPES = ("float32", "bfloat16", "float16")
 ROUNDS = ("auto", "device", "ragged")
 AUTO = "auto"  # dtype / threads: measured at start-up (polyspec.orchestrator.tuning.autoconf)
-QUANTIZE = ("int8", "fp8", "int4")
+QUANTIZE = ("int8", "fp8", "int4", "int8w")  # int8: dynamic; int8w / int4: weight-only (workers/tiers/weight_only.py)
+GROUP_SIZES = (32, 64, 128, 256)  # int4: inputs per scale and zero (what torch's int4 kernels accept)
 SCHEMES = ("specinfer", "rsd", "spectr", "importance")
 BACKENDS = ("local", "ray")
 DEFAULT_SPECULATION_LENGTH = 4
@@ -45,6 +46,7 @@ class TierConfig:
     dtype: str = "float32"  # or "auto"
     device: str = "auto"
     quantize: str | None = None
+    group_size: int | None = None  # quantize: int4 only; None: weight_only.DEFAULT_GROUP_SIZE
     threads: int | str | None = None  # or "auto"
     max_ngram: int = 3  # n-gram tiers only
     min_ngram: int = 1
@@ -280,6 +282,11 @@ def _parse_tier(index: int, raw: Any, base_dir: Path | None) -> TierConfig:
         raise ConfigError(f"{section}.dtype must be one of {', '.join(DTYPES)} or {AUTO}, got {values['dtype']!r}")
     if values.get("quantize") is not None and values["quantize"] not in QUANTIZE:
         raise ConfigError(f"{section}.quantize must be one of {', '.join(QUANTIZE)}, got {values['quantize']!r}")
+    if values.get("group_size") is not None:
+        if values.get("quantize") != "int4":
+            raise ConfigError(f"{section}.group_size applies to quantize: int4 only (this tier's quantize is {values.get('quantize')})")
+        if type(values["group_size"]) is not int or values["group_size"] not in GROUP_SIZES:
+            raise ConfigError(f"{section}.group_size must be one of {', '.join(map(str, GROUP_SIZES))}, got {values['group_size']!r}")
     if values.get("resources") is not None and not isinstance(values["resources"], dict):
         raise ConfigError(f"{section}.resources must be a mapping of Ray resource names to amounts")
     if values.get("drafter") is None:

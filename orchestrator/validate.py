@@ -37,7 +37,7 @@ GIB = 1024**3
 
 # bytes per parameter for each dtype and quantization
 DTYPE_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0}
-QUANTIZE_BYTES = {"int8": 1.0, "fp8": 1.0, "int4": 0.5}
+QUANTIZE_BYTES = {"int8": 1.0, "fp8": 1.0, "int4": 0.5, "int8w": 1.0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -332,8 +332,8 @@ def check_tiers(config: ChainConfig) -> list[MemoryEstimate]:
     may verify for a smaller float model, as in target <- int8 copy <- 0.5B."""
     estimates = [estimate_memory(tier) for tier in config.tiers]
     for tier in config.tiers:
-        if tier.quantize == "int4" and tier.device == "cpu":
-            raise ConfigError(f"tier {tier.name!r}: quantize: int4 runs on a CUDA GPU only (bitsandbytes); on CPU use int8")
+        if tier.quantize == "int8w" and not tier.device.startswith(("cpu", "auto")):
+            raise ConfigError(f"tier {tier.name!r}: quantize: int8w (torch's weight-only int8 kernel) runs on CPU only; use fp8 on a GPU")
         if tier.quantize == "int8" and tier.device.startswith("cuda"):
             raise ConfigError(f"tier {tier.name!r}: quantize: int8 (torch dynamic quantization) runs on CPU only; use fp8 or int4 on a GPU")
         if tier.quantize == "fp8" and not tier.device.startswith(("cpu", "cuda", "auto")):
@@ -403,7 +403,9 @@ def format_plan(config: ChainConfig, placements: list[TierPlacement], cluster_na
                 f" + {ACTIVATION_MARGIN:.0%} margin; {memory.note})"
             )
         if tier.quantize == "int4":
-            lines.append("    needs a CUDA GPU and bitsandbytes (int4 is unsupported on CPU)")
+            lines.append(f"    int4 weight-only: torch's kernels on the CPU and a CUDA GPU (group {tier.group_size or 128})")
+        if tier.quantize == "int8w":
+            lines.append("    int8 weight-only (per channel): torch's kernel, CPU only")
         if tier.quantize == "fp8":
             lines.append("    fp8 GEMM (torch._scaled_mm) on CUDA compute capability >= 8.9; weight-only elsewhere (memory, not speed)")
         if config.runtime.backend == "local":

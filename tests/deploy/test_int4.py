@@ -1,5 +1,5 @@
-"""`quantize: int4` is the GPU middle tier (bitsandbytes 4-bit). Where it cannot run the
-error is one line that says what to do, raised before any weights are read."""
+"""`quantize: int4` is torch's weight-only int4 (group-wise) on the CPU and on a CUDA GPU: the one forward calls its
+kernels (tests/workers/test_weight_only.py checks them against a dequantized reference)."""
 
 from __future__ import annotations
 
@@ -21,26 +21,13 @@ def tier(**extra):
     return parse_config({"tiers": [{"name": "mid", "model": TARGET, **extra}]}).tiers[0]
 
 
-@pytest.mark.parametrize("device", ["cpu", "auto"])
-def test_int4_on_cpu_is_one_clear_line(device, monkeypatch):
+def test_int4_on_cpu_takes_the_weight_only_kernels(monkeypatch):
+    """On the CPU `quantize: int4` is torch's weight-only int4 (tests/workers/test_weight_only.py)."""
+    from polyspec.workers.tiers.weight_only import WeightOnlyLinear
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(ModelLoadError) as caught:
-        loading.load_model_tier(tier(quantize="int4", device=device))
-    message = str(caught.value)
-    assert "int4" in message and "CUDA GPU only" in message and "use quantize: int8" in message
-    assert "\n" not in message
-
-
-def test_int4_without_bitsandbytes_says_how_to_install(monkeypatch):
-    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # import fails
-    with pytest.raises(ModelLoadError, match="pip install bitsandbytes"):
-        loading.int4_quantization_config(tier(quantize="int4", dtype="float16"), torch.device("cuda"))
-
-
-def test_int4_config_computes_in_the_tier_dtype(monkeypatch):
-    pytest.importorskip("bitsandbytes")
-    config = loading.int4_quantization_config(tier(quantize="int4", dtype="bfloat16"), torch.device("cuda"))
-    assert config.load_in_4bit and config.bnb_4bit_compute_dtype == torch.bfloat16
+    model = loading.load_model(tier(quantize="int4", device="auto", group_size=32))
+    assert any(isinstance(module, WeightOnlyLinear) for module in model.modules())
 
 
 def test_the_int8_path_still_loads_on_cpu():
@@ -50,7 +37,9 @@ def test_the_int8_path_still_loads_on_cpu():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_int4_loads_on_a_gpu():
-    pytest.importorskip("bitsandbytes")
-    model_tier = loading.load_model_tier(tier(quantize="int4", dtype="float16"))
-    assert any("Linear4bit" in type(m).__name__ for m in model_tier.model.modules())
+def test_int4_loads_on_a_gpu_with_the_weight_only_kernels():
+    from polyspec.workers.tiers.weight_only import WeightOnlyLinear
+
+    model_tier = loading.load_model_tier(tier(quantize="int4", dtype="bfloat16", group_size=64))
+    assert model_tier.device.type == "cuda"
+    assert any(isinstance(m, WeightOnlyLinear) for m in model_tier.model.modules())

@@ -79,7 +79,7 @@ def test_the_plan_puts_each_tier_on_its_own_gpu_node_type(name, capsys):
     for tier, node in (("target", "gpu_target"), ("mid", "gpu_mid"), ("small", "gpu_small")):
         section = report.split(f"  {tier}: ")[1].split("\n  ")[0:4]
         assert any(f"aws.yaml:{node}" in line and "- fits" in line for line in section), report
-    assert "int4 is unsupported on CPU" in report
+    assert "int4 weight-only: torch's kernels on the CPU and a CUDA GPU" in report
     assert "unknown" not in report  # the built-in table knows every paper model
 
 
@@ -134,11 +134,11 @@ def test_tier_order_drafter_bigger_than_its_verifier_fails(tmp_path, capsys):
     assert "tier order: 'drafter'" in capsys.readouterr().err
 
 
-def test_int4_on_cpu_is_rejected(tmp_path, capsys):
+def test_int8w_on_a_gpu_is_rejected(tmp_path, capsys):
     raw = paper_config("llama2-chat-7b")
-    raw["tiers"][1]["device"] = "cpu"
+    raw["tiers"][1].update(device="cuda", quantize="int8w")
     assert main(["validate", "-c", write_config(tmp_path, raw)]) == 2
-    assert "int4 runs on a CUDA GPU only" in capsys.readouterr().err
+    assert "int8w (torch's weight-only int8 kernel) runs on CPU only" in capsys.readouterr().err
 
 
 def test_a_local_backend_config_is_embedded(capsys):

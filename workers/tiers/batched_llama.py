@@ -52,6 +52,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from polyspec.workers.tiers.block_linear import linear_of, pack
 from polyspec.workers.tiers.fp8_linear import Fp8Linear
+from polyspec.workers.tiers.weight_only import WeightOnlyLinear
 
 GPU_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
@@ -72,9 +73,9 @@ ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
 
 def linear_function(module):
-    """`module(x)` without the module call, for a float `Linear`, a dynamically quantized int8 `Linear` or an
-    `Fp8Linear`; None for any other module (this forward does not cover it)."""
-    if isinstance(module, Fp8Linear):
+    """`module(x)` without the module call, for a float `Linear`, a dynamically quantized int8 `Linear`, an
+    `Fp8Linear` or a weight-only int4 / int8 one; None for any other module (this forward does not cover it)."""
+    if isinstance(module, (Fp8Linear, WeightOnlyLinear)):
         return module.forward  # its own forward, without nn.Module's call overhead
     if isinstance(module, torch.nn.Linear):
         # a float weight only: bitsandbytes' int4 / int8 layers subclass `Linear` with packed integer weights

@@ -1,4 +1,5 @@
-"""Loading a chain's tiers: `from_pretrained` of an id or a path, dtype, int8 (CPU) / fp8 (CPU, CUDA) / int4 (CUDA), vocabulary check."""
+"""Loading a chain's tiers: `from_pretrained` of an id or a path, dtype, int8 (CPU) / fp8 (CPU, CUDA) / int4 (CPU, CUDA: torch's
+weight-only kernels) / int8w (CPU), vocabulary check."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from polyspec.workers.tiers.batched_llama import unsupported
 from polyspec.workers.tiers.fp8_linear import fp8_problem, quantize_fp8
 from polyspec.workers.tiers.model_cache import fetch_hint
 from polyspec.workers.tiers.tier import ModelTier, NGramTier, Tier
+from polyspec.workers.tiers.weight_only import DEFAULT_GROUP_SIZE, quantize_weight_only
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -155,8 +157,92 @@ def load_gguf_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(directory, **extra)
 
 
+# Token texts that llama.cpp ends a generation on wherever a vocabulary has them (llama-vocab.cpp's
+# end-of-generation detection, FIM pad / repo / separator tokens included): a GGUF names only one EOS
+# (Qwen2.5: `<|im_end|>`), and llama.cpp also stops at `<|endoftext|>`, which the upstream
+# generation config of the instruct models lists too.
+END_OF_GENERATION_TEXTS = frozenset((
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>",
+    "<|end_of_text|>", "<end_of_utterance>",
+    "<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>",
+    "<|file_sep|>", "<|fim_sep|>", "<fim-sep>", "<file_sep>",
+))
+GGUF_STOP_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+
+
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def gguf_metadata(path: str, keys: set[str]) -> dict:
+    """The values of `keys` in a GGUF file's metadata (strings decoded, arrays as lists), read in one pass
+    over the mapped header that skips everything else. gguf's own GGUFReader parses every field (Qwen's
+    151k merges): ~30 s on a 2-core machine, for a few ids."""
+    import mmap
+    import struct
+
+    with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        offset = 0
+
+        def read(fmt):
+            nonlocal offset
+            (out,) = struct.unpack_from(fmt, data, offset)
+            offset += struct.calcsize(fmt)
+            return out
+
+        def string(keep: bool):
+            nonlocal offset
+            size = read("<Q")
+            offset += size
+            return data[offset - size : offset].decode("utf-8", errors="replace") if keep else None
+
+        def value(kind, keep: bool):
+            nonlocal offset
+            if kind == _GGUF_STRING:
+                return string(keep)
+            if kind == _GGUF_ARRAY:
+                item_kind, count = read("<I"), read("<Q")
+                if item_kind in _GGUF_SCALARS and not keep:
+                    offset += count * struct.calcsize(_GGUF_SCALARS[item_kind])
+                    return None
+                return [value(item_kind, keep) for _ in range(count)]
+            return read(_GGUF_SCALARS[kind])
+
+        if data[:4] != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file")
+        offset = 4 + 4 + 8  # magic, version, tensor count
+        found = {}
+        for _ in range(read("<Q")):
+            key = string(True)
+            kept = value(read("<I"), key in keys)
+            if key in keys:
+                found[key] = kept
+            if len(found) == len(keys):
+                break
+    return found
+
+
+def gguf_stop_token_ids(path: str) -> tuple[int, ...]:
+    """Every token a GGUF file's model ends a generation on, as llama.cpp reads the file: the EOS / EOT /
+    EOM ids of its metadata and the tokens whose text is an end-of-generation marker (END_OF_GENERATION_TEXTS)."""
+    metadata = gguf_metadata(path, {*GGUF_STOP_KEYS, "tokenizer.ggml.tokens"})
+    stops = {int(metadata[key]) for key in GGUF_STOP_KEYS if key in metadata}
+    stops.update(token_id for token_id, text in enumerate(metadata.get("tokenizer.ggml.tokens", ())) if text in END_OF_GENERATION_TEXTS)
+    return tuple(sorted(stops))
+
+
+def add_stop_token_ids(generation_config, ids) -> None:
+    """`generation_config.eos_token_id` widened to also name `ids` (an int stays an int where nothing is added)."""
+    configured = generation_config.eos_token_id
+    current = [] if configured is None else [configured] if isinstance(configured, int) else list(configured)
+    merged = current + sorted(set(ids) - set(current))
+    if merged != current:
+        generation_config.eos_token_id = merged
+
+
 def load_gguf_model(path: str, dtype, tie_lm_head: bool | None = None, **kwargs):
-    """A GGUF file dequantized to `dtype` as a plain transformers model.
+    """A GGUF file dequantized to `dtype` as a plain transformers model, stopping on every end-of-generation
+    token of the file (`gguf_stop_token_ids`).
 
     The GGUF loader gives the model a separate LM head even where the original ties it to
     the embedding (a 152k-row copy for Qwen); `tie_lm_head` (None: when the two are equal)
@@ -167,6 +253,8 @@ def load_gguf_model(path: str, dtype, tie_lm_head: bool | None = None, **kwargs)
     dtype = TORCH_DTYPES.get(dtype, dtype)
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **extra, **kwargs)
     model.hf_quantizer = None  # the weights are dequantized: save and move as a plain model
+    if getattr(model, "generation_config", None) is not None:  # stop where llama.cpp stops on this file
+        add_stop_token_ids(model.generation_config, gguf_stop_token_ids(path))
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
@@ -230,39 +318,42 @@ def retie_lm_head(model) -> bool:
     return True
 
 
-def int4_quantization_config(tier, device: torch.device):
-    """bitsandbytes 4-bit (NF4, double quantization) weights computing in the tier's dtype:
-    the paper's middle tier, a 4-bit copy of the target. CUDA only."""
-    if device.type != "cuda":
-        raise ModelLoadError(
-            f"tier {tier.name!r}: quantize: int4 (bitsandbytes 4-bit) runs on a CUDA GPU only, and this tier's device is "
-            f"{device.type}; on CPU use quantize: int8"
-        )
-    try:
-        import bitsandbytes  # noqa: F401  (transformers needs it at load time; fail here, in one line)
-        from transformers import BitsAndBytesConfig
-    except ImportError:
-        raise ModelLoadError(f"tier {tier.name!r}: quantize: int4 needs bitsandbytes: pip install bitsandbytes") from None
-    return BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=TORCH_DTYPES[tier.dtype],
-    )
+def weight_only(tier, device: torch.device) -> bool:
+    """Does this tier quantize through polyspec's weight-only kernels (torch's int4 group-wise on the CPU and CUDA,
+    int8 per channel on the CPU)?"""
+    return tier.quantize in ("int4", "int8w")
 
 
-def load_model(tier):
-    """The transformers model of one model tier (dtype, int8 / fp8 / int4 as configured), as `generate()` can drive it.
+def share_embedding(model, source) -> bool:
+    """Point `model`'s input embedding at `source`'s (another loaded tier's) where the two tables are
+    equal: a quantized copy of the target keeps one embedding table, not two. True if shared."""
+    mine, theirs = model.get_input_embeddings(), source.get_input_embeddings()
+    if mine is None or theirs is None or mine.weight is theirs.weight:
+        return False
+    if mine.weight.shape != theirs.weight.shape or mine.weight.dtype != theirs.weight.dtype or mine.weight.device != theirs.weight.device:
+        return False
+    if not torch.equal(mine.weight, theirs.weight):
+        return False
+    head = model.get_output_embeddings()
+    if head is not None and head.weight is mine.weight:
+        head.weight = theirs.weight
+    mine.weight = theirs.weight
+    return True
+
+
+def load_model(tier, embedding_source=None):
+    """The transformers model of one model tier (dtype, int8 / fp8 / int4 / int8w as configured), as `generate()` can drive it.
 
     `load_model_tier` wraps it; a `ModelTier` may then move large weights to oneDNN for its
     own forward (block_linear), so a caller that runs the transformers forward itself (the
-    benchmarks' transformers systems) loads its own copy with this function."""
+    benchmarks' transformers systems) loads its own copy with this function. `embedding_source`:
+    an already loaded model whose embedding table this one shares where they are equal."""
     from transformers import AutoModelForCausalLM
 
     device = resolve_device(tier.device)
-    extra = {}
-    if tier.quantize == "int4":
-        extra = {"quantization_config": int4_quantization_config(tier, device), "device_map": {"": device.index or 0}}
+    group_size = getattr(tier, "group_size", None)
+    if tier.quantize == "int8w" and device.type != "cpu":
+        raise ModelLoadError(f"tier {tier.name!r}: quantize: int8w (torch's weight-only int8 kernel) runs on CPU only; use fp8 on a GPU")
     if tier.quantize == "int8" and device.type != "cpu":
         raise ModelLoadError(f"tier {tier.name!r}: quantize: int8 (torch dynamic quantization) runs on CPU only; set device: cpu")
     if tier.quantize == "fp8":
@@ -276,19 +367,20 @@ def load_model(tier):
         torch.set_num_threads(tier.threads)
     try:
         if is_gguf(tier.model):
-            model = load_gguf_model(tier.model, dtype, attn_implementation="sdpa", **extra)
+            model = load_gguf_model(tier.model, dtype, attn_implementation="sdpa")
         else:
-            model = AutoModelForCausalLM.from_pretrained(tier.model, dtype=dtype, attn_implementation="sdpa", **extra)
+            model = AutoModelForCausalLM.from_pretrained(tier.model, dtype=dtype, attn_implementation="sdpa")
     except ModelLoadError:
         raise
     except Exception as exc:
         where = "local directory" if os.path.isdir(tier.model) else "local path or a Hugging Face model id"
         raise ModelLoadError(f"tier {tier.name!r}: cannot load model {tier.model!r} (not a loadable {where}): {_short(exc)}") from None
-    if tier.quantize != "int4":  # a bitsandbytes model is placed by device_map and cannot be moved
-        model = model.to(device)
-    model = model.eval()
-    if tier.quantize != "int4":
-        retie_lm_head(model)
+    model = model.to(device).eval()
+    retie_lm_head(model)
+    if embedding_source is not None:
+        share_embedding(model, embedding_source)
+    if weight_only(tier, device):
+        model = quantize_weight_only(model, tier.quantize, group_size or DEFAULT_GROUP_SIZE)
     if tier.quantize == "int8":
         model = quantize_int8(model)
     if tier.quantize == "fp8":  # on the device, from the weights in the tier's dtype (the activations' dtype)
@@ -310,9 +402,9 @@ def return_freed_memory() -> None:
     trim(0)
 
 
-def load_model_tier(tier, vocab_size: int | None = None) -> ModelTier:
-    """Load one model tier from its TierConfig (polyspec.orchestrator.config)."""
-    model = load_model(tier)
+def load_model_tier(tier, vocab_size: int | None = None, embedding_source=None) -> ModelTier:
+    """Load one model tier from its TierConfig (polyspec.orchestrator.config); `embedding_source`: see `load_model`."""
+    model = load_model(tier, embedding_source)
     head = model.get_output_embeddings()
     out_features = getattr(head, "out_features", None) or model.config.vocab_size  # a float, an int8 or an fp8 Linear
     device = resolve_device(tier.device)
@@ -376,10 +468,27 @@ def _rss_bytes() -> int | None:
         return None
 
 
+def weight_only_note(model) -> str:
+    """', weights 812 MB (int4: 197 Linears, 1 float)': a weight-only tier's own weight bytes at load ('' otherwise)."""
+    from polyspec.workers.tiers.weight_only import WeightOnlyLinear
+
+    modules = [m for m in model.modules() if isinstance(m, WeightOnlyLinear)]
+    if not modules:
+        return ""
+    quantized = sum(m.resident_bytes() for m in modules)
+    skipped = getattr(model, "weight_only_skipped", 0)
+    floats = f", {skipped} left float" if skipped else ""
+    return f"; {modules[0].kind} weights {quantized / 2**20:.0f} MB ({len(modules)} Linears{floats})"
+
+
 def describe_tier(tier) -> str:
     """'/path/to/model (float32, 1 thread, cpu)': what a start-up line says a tier is."""
-    kind = f"{tier.quantize} copy of {tier.model}" if tier.quantize in ("int8", "fp8") else tier.model
+    kind = f"{tier.quantize} copy of {tier.model}" if tier.quantize in ("int8", "fp8", "int4", "int8w") else tier.model
     dtype = "int8 (dynamic)" if tier.quantize == "int8" else tier.dtype + (f", {tier.quantize}" if tier.quantize in ("int4", "fp8") else "")
+    if tier.quantize == "int8w":
+        dtype = f"{tier.dtype}, int8 weight-only"
+    elif tier.quantize == "int4" and getattr(tier, "group_size", None):
+        dtype += f" (group {tier.group_size})"
     threads = f"{tier.threads} thread{'s' if tier.threads != 1 else ''}" if tier.threads else "threads: torch default"
     return f"{kind} ({dtype}, {threads}, {tier.device})"
 
@@ -404,16 +513,20 @@ def load_tiers(tiers_config, log=None) -> tuple[list[Tier], object]:
             tokenizers[tier.name] = read[digest] if digest is not None else tokenizer
     check_vocabularies(tokenizers)
     tiers: list[Tier] = []
+    float_models: dict[tuple, object] = {}  # (model, device) of a float tier -> its model: a quantized copy shares its embedding
     for tier in model_configs:
         if log is not None:
             log(f"tier {tier.name}: loading {describe_tier(tier)}")
         started, rss = time.perf_counter(), _rss_bytes()
+        source = float_models.get((tier.model, tier.device)) if tier.quantize in ("int4", "int8w") else None
         with heartbeat(log, f"tier {tier.name}: loading"):
-            tiers.append(load_model_tier(tier))
+            tiers.append(load_model_tier(tier, embedding_source=source))
+        if not tier.quantize:
+            float_models.setdefault((tier.model, tier.device), tiers[-1].model)
         if log is not None:
             grown = _rss_bytes()
             memory = f", {(grown - rss) / 2**20:+.0f} MB resident" if grown is not None and rss is not None else ""
-            log(f"tier {tier.name}: loaded in {time.perf_counter() - started:.1f}s on {tiers[-1].device}{memory}")
+            log(f"tier {tier.name}: loaded in {time.perf_counter() - started:.1f}s on {tiers[-1].device}{memory}{weight_only_note(tiers[-1].model)}")
     if any(tok is None for tok in tokenizers.values()):
         check_vocabulary_sizes(tiers)
     # logits may be padded differently per model; every tier samples and verifies over the

@@ -1,0 +1,348 @@
+"""`quantize: int4` / `quantize: int8w`: weight-only quantized `Linear`s over torch's own kernels.
+
+A decode step of a dense bf16 tier reads every weight once per token, so on a CPU it runs at
+the memory's speed. Storing the weights in 4 or 8 bits and widening them inside the matrix
+product reads 4x / 2x fewer bytes. The activations stay in the tier's dtype (bf16 or float32):
+only the weights are rounded, once, at load.
+
+Formats (the quantizers below, pure functions; the tests dequantize their output by hand):
+
+- int8, per output channel, symmetric: `w ~ q * scale[n]`, `q` in [-127, 127],
+  `scale = absmax(row) / 127`. Kernel: `torch.ops.aten._weight_int8pack_mm(x, q [N, K], scale [N])`.
+- int4, per group of `group_size` consecutive inputs of one output channel, asymmetric:
+  `w ~ (q - 8) * scale[n, g] + zero[n, g]`, `q` in [0, 15], with `scale = (max - min) / 15` and
+  `zero = min + 8 * scale` (the group's range maps onto q's; gpt-fast's layout), scale and zero
+  rounded to bfloat16 *before* `q` is chosen, so that `q` is the best for the values the kernel uses.
+  CPU kernel: `_weight_int4pack_mm_for_cpu(x, packed, group_size, scales_and_zeros [K/G, N, 2])`
+  with `packed = _convert_weight_to_int4pack_for_cpu(q int32 [N, K], 1)`; CUDA:
+  `_weight_int4pack_mm(x bf16, _convert_weight_to_int4pack(q nibble pairs uint8 [N, K/2], 8), ...)`.
+
+The kernels pay for one row: on this project's 2-core EPYC (benchmarks/weight_only.md) one row
+through int4 costs ~0.2x bf16's `F.linear`, int8 ~0.4-0.7x. But both widen the weights again for
+every few rows of activations (dequantizing is compute): int4 costs ~2x its one-row time at 4 rows
+and ~4x at 8, int8 is worse. A verified block of k tokens must not cost k one-token forwards, so
+above a row count measured once per weight shape on the machine that runs the model (`dense_rows`)
+the forward takes the block path instead: the weights are widened once, in cache-sized slices, to
+the activations' dtype and multiplied with one dense GEMM per slice. Both paths compute the same
+function up to the rounding of the sums (tests/workers/test_weight_only.py bounds both against a
+float32 reference).
+
+Packing happens once, at load; the float weight is dropped. Not a `torch.nn.Linear` subclass on
+purpose (as `Fp8Linear`): code that treats a `Linear` as a float weight must not take it for one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+INT4_KINDS = ("int4",)
+INT8_KINDS = ("int8w",)
+KINDS = INT4_KINDS + INT8_KINDS
+GROUP_SIZES = (32, 64, 128, 256)  # what the int4 kernels accept
+DEFAULT_GROUP_SIZE = 128
+INT4_MID = 8  # q = 8 is the group's `zero`
+INT8_MAX = 127
+MIN_SCALE = 1e-8
+NEVER = 1 << 30  # dense_rows for "always the kernel"
+PROBE_ROWS = (2, 4, 8, 16, 32, 64)  # block sizes at which the block path is timed against the kernel
+PROBE_REPEATS = 3
+SLICE_BYTES = 8 << 20  # widened weights per slice of the block path: about an L2-L3 cache's worth
+PACK_ROWS = 4096  # rows packed per call at load: a multiple of any kernel block, so slices pack as the whole
+
+
+# ------------------------------------------------------------------------------ quantizers
+
+
+@dataclasses.dataclass(frozen=True)
+class Int8Weights:
+    q: torch.Tensor  # [N, K] int8
+    scale: torch.Tensor  # [N] float32
+
+
+@dataclasses.dataclass(frozen=True)
+class Int4Weights:
+    q: torch.Tensor  # [N, K] uint8, values 0..15 (one per byte: the packing is the kernel's business)
+    scale: torch.Tensor  # [N, K / group_size] bfloat16
+    zero: torch.Tensor  # [N, K / group_size] bfloat16
+    group_size: int
+
+
+def quantize_int8_channels(weight: torch.Tensor) -> Int8Weights:
+    """`weight` [N, K] per output channel, symmetric: |w - q * scale| <= scale / 2."""
+    rows = weight.detach().float()
+    scale = rows.abs().amax(dim=1).clamp_min(MIN_SCALE) / INT8_MAX  # [N]
+    q = (rows / scale[:, None]).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return Int8Weights(q, scale)
+
+
+def quantize_int4_groups(weight: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE) -> Int4Weights:
+    """`weight` [N, K] group-wise, asymmetric (see the module doc). Rows in chunks: a 152k-row LM head
+    in float32 at once would be gigabytes."""
+    out_features, in_features = weight.shape
+    if in_features % group_size:
+        raise ValueError(f"in_features {in_features} is not a multiple of group_size {group_size}")
+    groups = in_features // group_size
+    q = torch.empty(out_features, in_features, dtype=torch.uint8, device=weight.device)
+    scale = torch.empty(out_features, groups, dtype=torch.bfloat16, device=weight.device)
+    zero = torch.empty_like(scale)
+    for start in range(0, out_features, PACK_ROWS):
+        rows = weight[start : start + PACK_ROWS].detach().float().reshape(-1, groups, group_size)  # [n, G, gs]
+        low, high = rows.amin(dim=-1), rows.amax(dim=-1)  # [n, G]
+        chunk_scale = ((high - low) / 15).clamp_min(MIN_SCALE).to(torch.bfloat16)
+        chunk_zero = (low + INT4_MID * chunk_scale.float()).to(torch.bfloat16)
+        levels = (rows - chunk_zero.float()[..., None]) / chunk_scale.float()[..., None] + INT4_MID
+        q[start : start + PACK_ROWS] = levels.round().clamp(0, 15).to(torch.uint8).reshape(-1, in_features)
+        scale[start : start + PACK_ROWS], zero[start : start + PACK_ROWS] = chunk_scale, chunk_zero
+    return Int4Weights(q, scale, zero, group_size)
+
+
+def dequantize_int8(weights: Int8Weights) -> torch.Tensor:
+    return weights.q.float() * weights.scale[:, None]  # [N, K] float32
+
+
+def dequantize_int4(weights: Int4Weights) -> torch.Tensor:
+    out_features, in_features = weights.q.shape
+    levels = weights.q.float().reshape(out_features, -1, weights.group_size) - INT4_MID  # [N, G, gs]
+    return (levels * weights.scale.float()[..., None] + weights.zero.float()[..., None]).reshape(out_features, in_features)
+
+
+# ------------------------------------------------------------------------ the CPU int4 layout
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_int4_layout(out_features: int) -> tuple[int, torch.Tensor] | None:
+    """How `_convert_weight_to_int4pack_for_cpu` lays out `out_features` rows: (block, order), where the
+    packed bytes are blocks of `block` rows, each `[K, block / 2]` bytes, k-major, and nibble j of a
+    k-row (byte j // 2, low nibble first) holds output row `block_start + order[j]`. None where the
+    blocks are not all one size (the block path is then off; the kernel still runs).
+
+    The layout depends on the CPU's vector width (64-row blocks with AVX-512, 32 with AVX2), so it is
+    read off the kernel's own packing of a probe that encodes each row's index, not assumed."""
+    probe_k = 64  # >= any block, so a row's block start is its first nibble's position // probe_k
+    rows = torch.arange(out_features, dtype=torch.int64)
+    code = torch.zeros(out_features * probe_k, dtype=torch.int64)  # nibble position -> row * probe_k + k
+    top = out_features * probe_k
+    for shift in range(0, max(top - 1, 1).bit_length(), 4):
+        digits = (((rows[:, None] * probe_k + torch.arange(probe_k)) >> shift) & 15).to(torch.int32)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(digits, 1).reshape(-1)
+        nibbles = torch.stack((packed & 15, packed >> 4), dim=-1).reshape(-1).to(torch.int64)
+        code |= nibbles << shift
+    position = torch.empty_like(code)
+    position[code] = torch.arange(code.numel())
+    position = position.reshape(out_features, probe_k)
+    sizes = position[:, 1] - position[:, 0]  # a row's block size: the stride between its k and k + 1
+    block = int(sizes[0])
+    if not bool((sizes == block).all()) or out_features % block:
+        return None
+    starts = position[:, 0] // probe_k  # the block's first row
+    order = rows - starts  # row offset inside its block ...
+    nibble = position[:, 0] % probe_k  # ... at this nibble of the k-row
+    block_order = torch.empty(block, dtype=torch.int64)
+    block_order[nibble[:block]] = order[:block]
+    if not bool((nibble.reshape(-1, block).sort(dim=1).values == torch.arange(block)).all()):
+        return None
+    expected = block_order[nibble]
+    if not torch.equal(expected, order):
+        return None
+    return block, block_order
+
+
+# ------------------------------------------------------------------------------ the module
+
+
+class WeightOnlyLinear(torch.nn.Module):
+    """`y = x W^T + b` with W stored as int4 (group-wise) or int8 (per channel); see the module doc.
+
+    `forward(x)` takes `[..., in_features]` in bf16 / float32 and returns the same dtype.
+    Below `dense_rows` rows it calls the quantized kernel; from there on it widens W once per slice."""
+
+    def __init__(self, kind: str, in_features: int, out_features: int, bias: torch.Tensor | None, group_size: int | None) -> None:
+        super().__init__()
+        if kind not in KINDS:
+            raise ValueError(f"unknown weight-only kind {kind!r} (known: {', '.join(KINDS)})")
+        self.kind, self.in_features, self.out_features, self.group_size = kind, in_features, out_features, group_size
+        self.register_buffer("bias", bias)
+        self.dense_rows = NEVER
+        self._scales_by_dtype: dict[torch.dtype, torch.Tensor] = {}
+        self._block = None  # int4 on the CPU: (block, order inverse, block scales, block zeros) for the block path
+
+    # -- construction
+
+    @classmethod
+    @torch.no_grad()
+    def from_linear(cls, linear: torch.nn.Linear, kind: str, group_size: int = DEFAULT_GROUP_SIZE) -> WeightOnlyLinear:
+        weight = linear.weight
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        if kind in INT8_KINDS:
+            return cls.from_int8(quantize_int8_channels(weight), bias)
+        return cls.from_int4(quantize_int4_groups(weight, group_size), bias)
+
+    @classmethod
+    def from_int8(cls, weights: Int8Weights, bias: torch.Tensor | None) -> WeightOnlyLinear:
+        out_features, in_features = weights.q.shape
+        module = cls("int8w", in_features, out_features, bias, None)
+        module.register_buffer("weight", weights.q.contiguous())  # [N, K] int8
+        module.register_buffer("scale", weights.scale)  # [N] float32; the kernel gets it in the activations' dtype
+        return module
+
+    @classmethod
+    def from_int4(cls, weights: Int4Weights, bias: torch.Tensor | None) -> WeightOnlyLinear:
+        out_features, in_features = weights.q.shape
+        module = cls("int4", in_features, out_features, bias, weights.group_size)
+        device = weights.q.device
+        scales_and_zeros = torch.stack((weights.scale, weights.zero), dim=-1).transpose(0, 1).contiguous()  # [G, N, 2]
+        module.register_buffer("scales_and_zeros", scales_and_zeros)
+        if device.type == "cuda":
+            pairs = (weights.q[:, ::2] << 4 | weights.q[:, 1::2]).contiguous()  # [N, K/2] uint8, high nibble first
+            module.register_buffer("weight", torch.ops.aten._convert_weight_to_int4pack(pairs, 8))
+            return module
+        packed = [
+            torch.ops.aten._convert_weight_to_int4pack_for_cpu(weights.q[start : start + PACK_ROWS].to(torch.int32), 1)
+            for start in range(0, out_features, PACK_ROWS)
+        ]
+        module.register_buffer("weight", torch.cat(packed) if len(packed) > 1 else packed[0])  # [N, K/2] uint8
+        layout = cpu_int4_layout(out_features)
+        if layout is not None:
+            block, order = layout
+            inverse = torch.empty_like(order)
+            inverse[order] = torch.arange(block)
+            # scales / zeros in the packed nibble order: [N/block, G, 1, block]
+            by_block = weights.scale.reshape(-1, block, weights.scale.shape[1])[:, order].permute(0, 2, 1).unsqueeze(2)
+            zeros = weights.zero.reshape(-1, block, weights.zero.shape[1])[:, order].permute(0, 2, 1).unsqueeze(2)
+            module._block = (block, inverse, by_block.contiguous(), zeros.contiguous())
+        return module
+
+    def extra_repr(self) -> str:
+        group = f", group_size={self.group_size}" if self.group_size else ""
+        dense = "never" if self.dense_rows >= NEVER else str(self.dense_rows)
+        return f"{self.kind}, in_features={self.in_features}, out_features={self.out_features}{group}, bias={self.bias is not None}, dense from {dense} rows"
+
+    def resident_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    # -- forward
+
+    def _scales(self, dtype: torch.dtype) -> torch.Tensor:
+        """The kernel's scales in the activations' dtype (it wants them equal), converted once per dtype."""
+        source = self.scale if self.kind in INT8_KINDS else self.scales_and_zeros
+        if source.dtype == dtype:
+            return source
+        if dtype not in self._scales_by_dtype:
+            self._scales_by_dtype[dtype] = source.to(dtype)
+        return self._scales_by_dtype[dtype]
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] -> [M, N] through the quantized kernel (no bias). On the CPU float32 activations are
+        rounded to bfloat16 for it: both kernels' float32 paths measured 25-50x slower than their bf16 path."""
+        if x.dtype == torch.float32 and not x.is_cuda:
+            return self.kernel(x.to(torch.bfloat16)).float()
+        if self.kind in INT8_KINDS:
+            return torch.ops.aten._weight_int8pack_mm(x, self.weight, self._scales(x.dtype))
+        if x.is_cuda:
+            return torch.ops.aten._weight_int4pack_mm(x, self.weight, self.group_size, self._scales(x.dtype))
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, self.group_size, self._scales(x.dtype))
+
+    def block_path(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] -> [M, N] with W widened to x's dtype once, a cache-sized slice of output rows at a time."""
+        if self.kind in INT8_KINDS:
+            rows = max(1, SLICE_BYTES // (2 * self.in_features))
+            outs = [F.linear(x, self.weight[start : start + rows].to(x.dtype)) for start in range(0, self.out_features, rows)]
+            out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+            return out * self._scales(x.dtype)
+        if self._block is None:
+            return self.kernel(x)
+        block, inverse, block_scale, block_zero = self._block
+        packed = self.weight.view(-1, self.in_features, block // 2)  # [NB, K, block/2]: one k-row of a block per row
+        blocks_per_slice = max(1, SLICE_BYTES // (2 * self.in_features * block))
+        groups = self.in_features // self.group_size
+        outs = []
+        for start in range(0, packed.shape[0], blocks_per_slice):
+            part = packed[start : start + blocks_per_slice]
+            nibbles = torch.stack((part & 15, part >> 4), dim=-1).view(part.shape[0], groups, self.group_size, block)
+            widened = (nibbles.to(x.dtype) - INT4_MID) * block_scale[start : start + blocks_per_slice].to(x.dtype)
+            widened = widened + block_zero[start : start + blocks_per_slice].to(x.dtype)  # [nb, G, gs, block]: W^T per block
+            outs.append(torch.matmul(x, widened.view(part.shape[0], self.in_features, block)))  # [nb, M, block]
+        out = torch.cat(outs) if len(outs) > 1 else outs[0]  # [NB, M, block], columns in nibble order
+        out = out[:, :, inverse]  # [NB, M, block] in row order
+        return out.permute(1, 0, 2).reshape(x.shape[0], self.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if not rows.is_contiguous():
+            rows = rows.contiguous()
+        out = self.block_path(rows) if rows.shape[0] >= self.dense_rows else self.kernel(rows)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+# ------------------------------------------------------------------ choosing the block path
+
+
+def _best_of(function, repeats: int = PROBE_REPEATS) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        function()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+_dense_rows: dict[tuple, int] = {}
+
+
+@torch.inference_mode()
+def measured_dense_rows(module: WeightOnlyLinear, dtype: torch.dtype) -> int:
+    """The fewest rows from which the block path beats the kernel on this machine (NEVER: it does not
+    up to PROBE_ROWS' largest, or the block path is off). Measured once per shape, kind, dtype and
+    thread count, at load. `POLYSPEC_WEIGHT_ONLY_BLOCK=kernel` / `=dense` skip the measurement."""
+    mode = os.environ.get("POLYSPEC_WEIGHT_ONLY_BLOCK", "auto")
+    device = module.weight.device
+    if mode == "kernel" or device.type != "cpu" or (module.kind in INT4_KINDS and module._block is None):
+        return NEVER
+    if mode == "dense":
+        return 1
+    key = (module.kind, module.out_features, module.in_features, module.group_size, dtype, torch.get_num_threads())
+    if key not in _dense_rows:
+        # the block path's cost is the widening, nearly flat in rows: timed once, at the most rows, it bounds
+        # the block path below; the kernel's grows with the rows. Switch where the kernel costs more than that bound.
+        most = torch.randn(PROBE_ROWS[-1], module.in_features, dtype=dtype)
+        module.block_path(most)  # warm
+        block_s = _best_of(lambda: module.block_path(most))
+        _dense_rows[key] = NEVER
+        for rows in PROBE_ROWS:
+            x = most[:rows]
+            module.kernel(x)  # warm
+            if _best_of(lambda: module.kernel(x)) > block_s:
+                _dense_rows[key] = rows
+                break
+    return _dense_rows[key]
+
+
+def quantize_weight_only(model: torch.nn.Module, kind: str, group_size: int = DEFAULT_GROUP_SIZE) -> torch.nn.Module:
+    """Every float `Linear` of `model` replaced by its `WeightOnlyLinear`, in place, one at a time (the LM
+    head too, also when it is tied to the embedding, which keeps its float table for the lookup: Qwen's
+    152k-row head is the largest single read of a decode step). A Linear that the format cannot take
+    (int4: in_features not a multiple of group_size, out_features not of 16) stays float; the count
+    of those is `model.weight_only_skipped`."""
+    dtype = next(model.parameters()).dtype
+    skipped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not torch.nn.Linear or not child.weight.is_floating_point():
+                continue
+            out_features, in_features = child.weight.shape
+            if kind in INT4_KINDS and (in_features % group_size or out_features % 16):
+                skipped += 1
+                continue
+            module = WeightOnlyLinear.from_linear(child, kind, group_size)
+            module.dense_rows = measured_dense_rows(module, dtype)
+            setattr(parent, name, module)
+    model.weight_only_skipped = skipped
+    return model
