@@ -114,6 +114,9 @@ PUBLIC_UNDERSCORED = {
     "_replace", "_asdict", "_fields", "_make",  # namedtuple's public API
     "_packed_params",  # torch's dynamically quantized Linear keeps its int8 weights there (no public accessor)
     "_scaled_mm",  # torch's fp8 GEMM (fp8_linear); the public torch.nn.functional.scaled_mm calls a newer op, _scaled_mm_v2
+    # torch's weight-only int4 / int8 kernels and their packing (weight_only): aten ops with no public wrapper
+    "_weight_int8pack_mm", "_weight_int4pack_mm", "_weight_int4pack_mm_for_cpu",
+    "_convert_weight_to_int4pack", "_convert_weight_to_int4pack_for_cpu",
 }
 
 

@@ -181,19 +181,25 @@ def profile_lookup_ms(path: Path) -> float:
 # -------------------------------------------------------------------------------------- acceptance
 
 
-def role_of(tier) -> str:
-    """"target", "copy" (the target quantized), "small" (the 0.5B) or "ngram" for a config's tier."""
+def role_of(tier) -> str | None:
+    """"target", "copy" (the target quantized), "small" (the 0.5B) or "ngram" for a config's tier; None for a
+    tier outside those four (a quantized 0.5B: no measured costs here)."""
     if tier.model == "ngram":
         return "ngram"
+    small = "0.5b" in tier.model
     if tier.quantize:
-        return "copy"
-    return "small" if "0.5b" in tier.model else "target"
+        return None if small else "copy"
+    return "small" if small else "target"
 
 
 def chain_roles(config_path: Path) -> tuple[list[str], tuple[int, ...] | str]:
-    """The roles of a config's tiers (target first) and its speculation lengths (a tuple, or "auto")."""
+    """The roles of a config's tiers (target first) and its speculation lengths (a tuple, or "auto"); no roles for a
+    config this prediction does not model (a quantized target, or a tier outside the four roles)."""
     config = load_config(str(config_path))
-    return [role_of(t) for t in config.tiers], config.speculation.lengths
+    roles = [role_of(t) for t in config.tiers]
+    if None in roles or config.tiers[0].quantize:
+        return [], config.speculation.lengths
+    return roles, config.speculation.lengths
 
 
 def stage_measurements(repo: Path) -> list[dict]:

@@ -133,16 +133,16 @@ def shared_model_tiers(loaded: dict):
     """Engines built inside load each model tier once (`loaded` keeps them between uses).
 
     Our systems then share their model tiers, as the transformers systems share the target
-    model: loading is most of `--quick`'s start-up. Sharing is safe: a tier keeps one cache
-    per sequence id (unique per request) and the scheduler counts busy time per request."""
+    model: loading is most of `--quick`'s start-up. Sharing is safe: each engine runs the loaded
+    models through runtime tiers of its own (their KV pools its own), and counts busy time per request."""
     import polyspec.workers.tiers.loading as loading
 
     original = loading.load_model_tier
 
-    def load(tier, vocab_size=None):
-        key = (tier.name, tier.model, tier.dtype, tier.quantize, tier.device, tier.threads, vocab_size)
+    def load(tier, vocab_size=None, embedding_source=None):
+        key = (tier.name, tier.model, tier.dtype, tier.quantize, tier.group_size, tier.device, tier.threads, vocab_size)
         if key not in loaded:
-            loaded[key] = original(tier, vocab_size)
+            loaded[key] = original(tier, vocab_size, embedding_source)
         return loaded[key]
 
     loading.load_model_tier = load

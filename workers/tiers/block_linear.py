@@ -51,7 +51,8 @@ def _mode() -> str:
     return mode if mode in ("blas", "onednn") else "auto"
 
 
-def _best_of(function, repeats: int) -> float:
+def best_of(function, repeats: int) -> float:
+    """The fastest of `repeats` timed calls of `function`, in seconds."""
     best = float("inf")
     for _ in range(repeats):
         started = time.perf_counter()
@@ -66,8 +67,8 @@ def _measured_faster(weight: torch.Tensor, packed: torch.Tensor) -> bool:
     with torch.inference_mode():
         for rows, bound in ((PROBE_ROWS, BLOCK_GAIN), (1, ROW_LOSS)):
             x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
-            blas = _best_of(lambda: F.linear(x, weight), PROBE_REPEATS)
-            onednn = _best_of(lambda: torch.ops.aten.mkldnn_linear.default(x.to_mkldnn(), packed).to_dense(), PROBE_REPEATS)
+            blas = best_of(lambda: F.linear(x, weight), PROBE_REPEATS)
+            onednn = best_of(lambda: torch.ops.aten.mkldnn_linear.default(x.to_mkldnn(), packed).to_dense(), PROBE_REPEATS)
             if onednn >= bound * blas:
                 return False
     return True

@@ -41,6 +41,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from polyspec.workers.tiers.block_linear import best_of
+
 INT4_KINDS = ("int4",)
 INT8_KINDS = ("int8w",)
 KINDS = INT4_KINDS + INT8_KINDS
@@ -285,15 +287,6 @@ class WeightOnlyLinear(torch.nn.Module):
 # ------------------------------------------------------------------ choosing the block path
 
 
-def _best_of(function, repeats: int = PROBE_REPEATS) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        function()
-        best = min(best, time.perf_counter() - started)
-    return best
-
-
 _dense_rows: dict[tuple, int] = {}
 
 
@@ -314,12 +307,12 @@ def measured_dense_rows(module: WeightOnlyLinear, dtype: torch.dtype) -> int:
         # the block path below; the kernel's grows with the rows. Switch where the kernel costs more than that bound.
         most = torch.randn(PROBE_ROWS[-1], module.in_features, dtype=dtype)
         module.block_path(most)  # warm
-        block_s = _best_of(lambda: module.block_path(most))
+        block_s = best_of(lambda: module.block_path(most), PROBE_REPEATS)
         _dense_rows[key] = NEVER
         for rows in PROBE_ROWS:
             x = most[:rows]
             module.kernel(x)  # warm
-            if _best_of(lambda: module.kernel(x)) > block_s:
+            if best_of(lambda: module.kernel(x), PROBE_REPEATS) > block_s:
                 _dense_rows[key] = rows
                 break
     return _dense_rows[key]
