@@ -55,7 +55,9 @@ def reference(model, tokenizer):
     """(prompt ids, the model's own greedy continuation) per prompt; the chat stops at its end of turn."""
     out = {}
     chat_ids = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-    cases = [("chat", list(chat_ids), list(stop_token_ids(tokenizer, [model.generation_config.eos_token_id])))]
+    configured = model.generation_config.eos_token_id  # one id, or (a zoo folder's upstream config) several
+    configured = [configured] if isinstance(configured, int) else list(configured)
+    cases = [("chat", list(chat_ids), list(stop_token_ids(tokenizer, configured)))]
     cases += [(prompt, tokenizer(prompt)["input_ids"], None) for prompt in PROMPTS]
     for key, ids, eos in cases:
         generated = model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=eos,
