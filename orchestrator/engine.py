@@ -1,7 +1,10 @@
 """The engine: a loaded chain plus request handling (validation, tokenization, results).
 
-The CLI, the batch runner and (later) the server all go through `Engine.generate`, so a
-request means the same thing everywhere:
+It loads the tiers and builds the one decoder over them: the round (`ChainScheduler`) over the
+runtime tiers (the same for one request or many: `batched` only sets how many run at once) or
+over the device round's tiers, or a Ray chain's driver; and its planner. `generate`, `chat`,
+`batch`, jobs and `serve` all parse requests here (`parse_request`), so a request means the same
+thing everywhere:
 
     request: {id, prompt | prompt_ids | messages, max_new_tokens, temperature, top_p, top_k, seed, approximate}
     result:  {id, text, token_ids, finish_reason, stats, mode (only when not exact; stats.approximate too)}
