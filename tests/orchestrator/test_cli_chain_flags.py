@@ -45,7 +45,7 @@ def chat_target(tiny_family, tmp_path_factory):
 
 
 @pytest.mark.parametrize("config, args, message", [
-    ({"tiers": [{"name": "t", "model": "x", "dtyp": "float32"}]}, [], "unknown config key 'tiers[0].dtyp' (did you mean 'dtype'? known keys: device, dtype, max_ngram,"),
+    ({"tiers": [{"name": "t", "model": "x", "dtyp": "float32"}]}, [], "unknown config key 'tiers[0].dtyp' (did you mean 'dtype'? known keys: device, dtype, group_size, max_ngram,"),
     ({"tiers": [{"name": "t", "model": "zoo:qwen2.5-coder-7b"}]}, [],
      "unknown zoo model 'qwen2.5-coder-7b' (known: smollm2, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b"),
     ({"tiers": [{"name": "t", "model": "./no/such/folder"}]}, [], "model path"),
