@@ -60,21 +60,45 @@ def source_tree(cache: Path, archive: Path) -> Path:
     return candidates[0]
 
 
+# ggml's x86 feature switches and the /proc/cpuinfo flags each needs, AMX left out: on this project's Xeon
+# VM (amx_* flags listed) a `-march=native` build (GGML_NATIVE, which turns AMX on) died of SIGILL, an invalid
+# opcode inside libggml-cpu, at the first forward; the explicit list below builds a server that runs.
+X86_FEATURES = {
+    "GGML_AVX": ("avx",), "GGML_AVX2": ("avx2",), "GGML_FMA": ("fma",), "GGML_F16C": ("f16c",), "GGML_BMI2": ("bmi2",),
+    "GGML_AVX_VNNI": ("avx_vnni",), "GGML_AVX512": ("avx512f",), "GGML_AVX512_VBMI": ("avx512vbmi",),
+    "GGML_AVX512_VNNI": ("avx512_vnni",), "GGML_AVX512_BF16": ("avx512_bf16",),
+}
+
+
+def cpu_feature_flags() -> list[str]:
+    """-DGGML_...=ON/OFF for this CPU's x86 features, AMX off (see X86_FEATURES); empty off x86 Linux (native build)."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return []
+    if "avx" not in flags:
+        return []
+    return ["-DGGML_NATIVE=OFF", *(f"-D{name}={'ON' if all(f in flags for f in needed) else 'OFF'}" for name, needed in X86_FEATURES.items())]
+
+
 def build_server(cache: Path = CACHE, jobs: int = 1) -> Path:
     """Path of a built `llama-server`, building it first if needed."""
     build_dir = cache / "build"
     server = build_dir / "bin" / "llama-server"
-    if server.exists():
+    configured = build_dir / ".polyspec-flags"
+    if server.exists() and configured.exists() and configured.read_text() == " ".join(cpu_feature_flags() or ["-DGGML_NATIVE=ON"]):
         return server
     tree = source_tree(cache, download_sdist(cache))
-    if not (build_dir / "build.ninja").exists():
+    features = cpu_feature_flags() or ["-DGGML_NATIVE=ON"]
+    if not (build_dir / "build.ninja").exists() or not configured.exists() or configured.read_text() != " ".join(features):
         _run(
             [
                 "cmake", "-S", str(tree), "-B", str(build_dir), "-G", "Ninja",
                 "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-                "-DLLAMA_BUILD_EXAMPLES=OFF", "-DGGML_NATIVE=ON",
+                "-DLLAMA_BUILD_EXAMPLES=OFF", *features,
             ]
         )
+        configured.write_text(" ".join(features))
     _run(["nice", "-n", "19", "cmake", "--build", str(build_dir), "--target", "llama-server", "-j", str(jobs)])
     if not server.exists():
         raise SystemExit(f"the build finished without {server}")

@@ -220,6 +220,9 @@ def markdown(report: dict) -> str:
     for e in report["summary"]:
         lines.append(f"| {e['system']} | {e['slots']} | {e['requests']} | {e['tokens']} | {e.get('decode_tok_s', '')} | "
                      f"{e.get('end_to_end_tok_s', '')} | {e['wall_tok_s']} |")
+    if report.get("llama_eog_tokens"):
+        lines += ["", f"End of generation: llama.cpp {', '.join(report['llama_eog_tokens'])}; polyspec "
+                  f"{', '.join(map(str, report['polyspec_gguf_stops']))}."]
     lines += ["", "decode tok/s: tokens / decode time (prompt excluded); wall tok/s: tokens / wall time of all requests, "
               "`at once` of them in flight (prompt included). A request that stops before the token limit (an end-of-generation "
               "token) counts the tokens it made.", ""]
@@ -288,9 +291,14 @@ def main() -> None:
 
     import torch
 
+    from polyspec.workers.tiers.loading import gguf_stop_token_ids
+
+    eog = sorted({line.split("EOG token", 1)[1].strip(" =").strip() for log in logs.glob("*.log")
+                  for line in log.read_text(errors="replace").splitlines() if "EOG token" in line})
     version = next(CACHE.glob("sdist/*.tar.gz"), None)
     report = {"cpu": cpu_name(), "threads": args.threads, "taskset": args.taskset, "tokens": args.tokens, "rounds": args.rounds,
               "prompt_ids": [r["id"] for r in rows], "llama_version": version.name if version else "?", "torch": torch.__version__,
+              "llama_eog_tokens": eog, "polyspec_gguf_stops": list(gguf_stop_token_ids(str(target))),
               "summary": summarize(runs), "runs": runs, "logs": str(logs)}
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
     args.out.with_suffix(".md").write_text(markdown(report))

