@@ -226,15 +226,14 @@ class Engine:
 
         batching = self.config.batching
         tiers = batched_tiers(self.tiers, batching.max_requests + keep_finished)
-        per_request = sum(t.bytes_per_request() for t in tiers if hasattr(t, "bytes_per_request"))
+        per_request = sum(t.bytes_per_request() for t in tiers)
         target = tiers[0].model  # its BatchedLlama: where the pools live
         kv_memory_mb = pool_memory_mb(batching.kv_memory_mb, getattr(target, "device", "cpu"), per_request, getattr(target, "limit", None))
         # open requests the pools hold (requests taking turns, one round each, hold slots too); batched steps take them all
         slots = requests_within_memory(batching.max_requests, kv_memory_mb, per_request)
         self.max_requests = slots if self.batched else 1
         for tier in tiers:
-            if hasattr(tier, "cache"):
-                tier.cache.max_slots = slots + keep_finished
+            tier.set_max_slots(slots + keep_finished)
         prefill = max(1, batching.max_batched_tokens - self.max_requests)
         spec = self.config.speculation
         self.scheduler = ChainScheduler(tiers, self.config.speculation_lengths(), eos_token_ids=eos, prefill_budget=prefill,

@@ -68,6 +68,7 @@ class TierView:
     up: bool = True
     busy_s: float = 0.0
     can_verify: bool = True
+    forward_log: tuple = ()  # (its forwards are logged, and fold into the planner's tables, in its own process)
 
 
 class Membership:

@@ -276,7 +276,7 @@ class BatchPlanner:
     def observe_forwards(self) -> None:
         """Fold the tiers' logged forwards into the tables."""
         for tier, table in zip(self.tiers, self.tables):
-            log = getattr(tier, "forward_log", None)
+            log = tier.forward_log
             if table is None or not log:
                 continue
             for rows, width, seconds in log:

@@ -378,7 +378,7 @@ def profile_batched(tiers, vocab_size: int, max_batch: int, repeats: int = 2, ca
     # a tier that catches up inside its calls is timed against the others' caches: measured every time
     cacheable = [cache is not None and tier.has_weights and tier.caches_prompts for tier in tiers]
     # a device tier's steps (static shapes, graph-replayed on CUDA) cost what the ragged forward's do not
-    measurements = [dict(measurement, kind=getattr(tier, "profile_kind", measurement["kind"])) for tier in tiers]
+    measurements = [dict(measurement, kind=tier.profile_kind) for tier in tiers]
     hits = [cache.get(index, measurements[index]) if cacheable[index] else None for index in range(len(tiers))]
     if bar is not None:
         bar.total = sum(len(batches) * len(WIDTH_GRID) for tier, hit in zip(tiers, hits) if tier.has_weights and hit is None)

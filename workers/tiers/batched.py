@@ -90,7 +90,10 @@ class Verdict:
 
 
 class BatchedTier:
-    """Common bookkeeping: the wrapped tier's identity and the time its forwards took."""
+    """The protocol the round calls, with the common bookkeeping: the loaded tier's identity and the time its
+    forwards took."""
+
+    profile_kind = "batched"  # what its start-up profile times (a device tier's: its static steps, "device")
 
     def __init__(self, tier: Tier) -> None:
         self.tier = tier
@@ -120,6 +123,13 @@ class BatchedTier:
     def cached(self, seq_id) -> int:
         """Tokens of `seq_id` this tier holds (0 for tiers without a cache)."""
         return 0
+
+    def bytes_per_request(self) -> int:
+        """A request's KV pool at the full context (0 for tiers without one)."""
+        return 0
+
+    def set_max_slots(self, slots: int) -> None:
+        """Bound the KV pool to `slots` requests, before its first forward allocates it (no pool: nothing)."""
 
     def prefill(self, seq_ids: list, contexts: list[list[int]], budget: int) -> int:
         """Cache up to `budget` tokens of the contexts' prefixes (all but the last token); returns tokens fed."""
@@ -210,6 +220,9 @@ class BatchedModelTier(BatchedTier):
 
     def bytes_per_request(self) -> int:
         return self.cache.bytes_per_slot(hidden_size=self.model.embed.shape[-1])
+
+    def set_max_slots(self, slots: int) -> None:
+        self.cache.max_slots = slots
 
     @property
     def keep_features(self) -> bool:

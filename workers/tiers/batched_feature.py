@@ -99,6 +99,9 @@ class BatchedFeatureTier(BatchedTier):
     def bytes_per_request(self) -> int:
         return self.cache.bytes_per_slot(hidden_size=self.hidden_size)
 
+    def set_max_slots(self, slots: int) -> None:
+        self.cache.max_slots = slots
+
     # ---------------------------------------------------------------------- forwards
 
     def _forward(self, slots: list[int], tokens: list[list[int]], previous: list[torch.Tensor], outputs: list[int],

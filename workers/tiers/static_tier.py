@@ -117,8 +117,7 @@ def misfit(tiers, lengths, tree_width: int) -> str | None:
             if why:
                 return why
             continue
-        model = getattr(tier, "model", None)
-        if not isinstance(tier, ModelTier) or step_unsupported(model, torch.device(getattr(tier, "device", "cpu"))) is not None:
+        if not isinstance(tier, ModelTier) or step_unsupported(tier.model, torch.device(tier.device)) is not None:
             return (f"tier {tier.name!r} is not a Llama / Qwen2 model with float or fp8 weights on the CPU or CUDA (int8: the CPU), "
                     f"nor an n-gram drafter")
         if any(isinstance(head, FeatureTier) and head.source is tier for head in tiers[level + 2:]):
