@@ -18,22 +18,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from polyspec.harness.real_report import cpu_name
+
 REPO = Path(__file__).resolve().parents[1]
 SAME_CODE = "hf-generate"  # transformers' own decode: identical in both checkouts
 
 
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def bench(directory: Path, python: str, core: int, out: Path) -> dict[tuple[str, float], float]:

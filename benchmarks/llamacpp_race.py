@@ -30,7 +30,6 @@ import concurrent.futures
 import gzip
 import json
 import os
-import platform
 import socket
 import subprocess
 import sys
@@ -44,6 +43,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
 from llamacpp_build import CACHE, build_server  # noqa: E402
+from polyspec.harness.real_report import cpu_name
 
 TARGET_GGUF = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
 DRAFT_GGUF = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
@@ -61,14 +61,6 @@ CONTEXT = 4096
 START_TIMEOUT_S = 300
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def prompts(count: int) -> list[dict]:

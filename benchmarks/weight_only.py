@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from polyspec.workers.tiers import weight_only as wo
+from polyspec.harness.real_report import cpu_name
 
 HIDDEN, INTERMEDIATE, KV = 1536, 8960, 256
 LAYER_SHAPES = ((HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN), (INTERMEDIATE, HIDDEN), (INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE))
@@ -32,16 +32,6 @@ ROWS = (1, 4, 8, 16)
 COPIES = 24  # 24 x 27.5 MB of bf16: past a 300 MB L3
 LAYERS = 6
 HERE = Path(__file__).resolve().parent
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def dynamic_int8(weight: torch.Tensor):

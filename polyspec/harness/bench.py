@@ -36,6 +36,7 @@ from pathlib import Path
 
 from polyspec.harness.bench_prompts import SHIFT_ONLY_CLASSES, BenchPrompt, measured_prompts, quick_subset, read_prompts, write_prompts
 from polyspec.harness.bench_systems import EngineSystem, HFSystem, System, build_systems
+from polyspec.harness.real_report import cpu_name
 from polyspec.orchestrator.config import ChainConfig
 from polyspec.workers.core.errors import PolyspecError
 from polyspec.orchestrator.tokenization import encode_prompt
@@ -178,7 +179,7 @@ def machine_info(threads: int, dtype: str, device: str) -> dict:
     if device == "cuda":
         device = f"cuda ({torch.cuda.get_device_name()})"
     return {
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "cores": os.cpu_count(),
         "threads": threads,
         "device": device,
@@ -190,15 +191,6 @@ def machine_info(threads: int, dtype: str, device: str) -> dict:
         "load_average_1m": round(os.getloadavg()[0], 2),  # other work on the machine skews every system alike, but see it
     }
 
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _display_path(path: str) -> str:
