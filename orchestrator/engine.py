@@ -214,7 +214,7 @@ class Engine:
         spec = self.config.speculation
         self.scheduler = ChainScheduler(tiers, self.config.speculation_lengths(), eos_token_ids=eos, keep_finished=keep_finished,
                                         prefill_budget=max(1, batching.max_batched_tokens - self.max_requests),
-                                        tree_width=spec.tree_width, scheme=spec.verifier, scorer=self._scorer())
+                                        tree_width=spec.tree_width, scheme=spec.verifier, scorer=self._scorer(tiers[0].model))
         if auto_tune and spec.lengths == "auto" and len(self.tiers) > 1:
             self.scheduler.planner = self.make_planner()
 
@@ -228,7 +228,7 @@ class Engine:
         tiers = batched_tiers(self.tiers, batching.max_requests + keep_finished)
         per_request = sum(t.bytes_per_request() for t in tiers)
         target = tiers[0].model  # its BatchedLlama: where the pools live
-        kv_memory_mb = pool_memory_mb(batching.kv_memory_mb, getattr(target, "device", "cpu"), per_request, getattr(target, "limit", None))
+        kv_memory_mb = pool_memory_mb(batching.kv_memory_mb, target.device, per_request, target.limit)
         # open requests the pools hold (requests taking turns, one round each, hold slots too); batched steps take them all
         slots = requests_within_memory(batching.max_requests, kv_memory_mb, per_request)
         self.max_requests = slots if self.batched else 1
@@ -238,16 +238,17 @@ class Engine:
         spec = self.config.speculation
         self.scheduler = ChainScheduler(tiers, self.config.speculation_lengths(), eos_token_ids=eos, prefill_budget=prefill,
                                         tree_width=spec.tree_width, scheme=spec.verifier, keep_finished=keep_finished,
-                                        scorer=self._scorer())
+                                        scorer=self._scorer(tiers[0].model))
         if auto_tune and spec.lengths == "auto" and len(self.tiers) > 1:
             self.scheduler.planner = self.make_planner() if self.batched else self.make_tuner()
 
-    def _scorer(self):
-        """Where SpecReason's scores run: the target's model on a pool of its own (allocated at its first score), so
+    def _scorer(self, forward):
+        """Where SpecReason's scores run: the target's `forward` (its BatchedLlama) on a pool of its own (allocated at its first score), so
         a request's scored prompts take no slot of the round's."""
         from polyspec.workers.tiers.batched import BatchedModelTier
 
-        return BatchedModelTier(self.tiers[0], self.max_requests + 1)  # (a kept finished request keeps its scores too)
+        # (a kept finished request keeps its scores too)
+        return BatchedModelTier(self.tiers[0], self.max_requests + 1, model=forward)
 
     def make_planner(self):
         """Profile each tier's batched forward (a few seconds) and build the goodput planner, with the
@@ -306,7 +307,7 @@ class Engine:
             if not all(view.up for view in self.tiers):  # each tier profiles itself: one left out at start-up cannot
                 print(f"polyspec: speculation.lengths: auto: not every tier is up, so the chain runs lengths "
                       f"{self.scheduler.lengths} untuned", file=sys.stderr, flush=True)
-            else:  # batched steps: the goodput planner (their lengths for the load, speculation off included)
+            else:  # batched steps: the goodput planner (lengths for the load, speculation off included); else the tuner
                 self.scheduler.planner = self.make_planner() if self.batched else self.make_tuner()
 
     def close(self) -> None:

@@ -113,7 +113,7 @@ class BatchedTier:
     @property
     def forwarded_tokens(self) -> int:
         """The wrapped tier's count of tokens its forwards took (prefills and blocks: what a cached prefix saves)."""
-        return getattr(self.tier, "forwarded_tokens", 0)
+        return self.tier.forwarded_tokens
 
     def log_forward(self, rows: int, width: int, seconds: float) -> None:
         self.forward_log.append((rows, width, seconds))
@@ -191,10 +191,13 @@ class BatchedTier:
 class BatchedModelTier(BatchedTier):
     """A Llama-architecture `ModelTier` whose open requests share one slot cache and one forward per call."""
 
-    def __init__(self, tier: ModelTier, max_slots: int | None = None) -> None:
+    def __init__(self, tier: ModelTier, max_slots: int | None = None, model: BatchedLlama | None = None) -> None:
+        """`model`: the tier's forward when another runtime tier of the same model made it already (a pool of its own)."""
         super().__init__(tier)
-        self.model = BatchedLlama(tier.model)
-        return_freed_memory()  # moving weights to oneDNN (block_linear) freed the dense copies in pieces
+        if model is None:
+            model = BatchedLlama(tier.model)
+            return_freed_memory()  # moving weights to oneDNN (block_linear) freed the dense copies in pieces
+        self.model = model
         self.cache = self.model.new_cache(max_slots)
         self.caches_prompts = True
         self.threads = tier.threads

@@ -94,6 +94,11 @@ def layer_projections(layer) -> tuple:
     return (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
 
 
+def projections(model) -> list:
+    """Every projection the forward calls: the LM head and each layer's seven."""
+    return [model.lm_head] + [m for layer in model.model.layers for m in layer_projections(layer)]
+
+
 def layer_windows(config) -> list[int | None]:
     """Each decoder layer's sliding attention window (None: it attends over the whole context). Qwen2 and
     Gemma-style configs name each layer's kind (`layer_types`); Mistral's window covers every layer."""
@@ -123,8 +128,7 @@ def unsupported(model, device: torch.device) -> str | None:
         return f"an MLP with biases or a {config.hidden_act} activation is not supported"
     if heads % (getattr(config, "num_key_value_heads", None) or heads) or getattr(config, "pretraining_tp", 1) != 1:
         return "this attention head layout is not supported"
-    modules = [model.lm_head] + [m for layer in model.model.layers for m in layer_projections(layer)]
-    if any(linear_function(m) is None for m in modules):
+    if any(linear_function(m) is None for m in projections(model)):
         return "a projection of a kind the forward cannot call (bitsandbytes or another quantizer's layers)"
     return None
 
@@ -137,9 +141,8 @@ def step_unsupported(model, device: torch.device) -> str | None:
         return why
     if any(layer_windows(model.config)):
         return "sliding-window layers are not run by the static step"
-    modules = [model.lm_head] + [m for layer in model.model.layers for m in layer_projections(layer)]
     if device.type != "cpu" and not all(isinstance(m, Fp8Linear) or (type(m) is torch.nn.Linear and m.weight.is_floating_point())
-                                        for m in modules):
+                                        for m in projections(model)):
         return "its quantized layers run on the CPU only"
     return None
 
@@ -436,15 +439,19 @@ class BatchedLlama:
     def new_pool(self, slots: int, max_tokens: int, context: int | None = None) -> SlotCache:
         """A step's KV pool, allocated now: `slots` requests (and the scratch slot), each holding `context` positions
         (default: the model's) and a block of `max_tokens`."""
-        pool = SlotCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype, min(context or self.limit or DEFAULT_CONTEXT,
-                         self.limit or DEFAULT_CONTEXT), slots, self.device, margin=max_tokens, scratch=True)
+        pool = self._step_pool(slots, max_tokens, context)
         pool.allocate()
         return pool
 
     def bytes_per_slot(self, max_tokens: int, context: int | None = None) -> int:
         """One slot of `new_pool`'s pool."""
-        capacity = min(context or self.limit or DEFAULT_CONTEXT, self.limit or DEFAULT_CONTEXT) + max_tokens
-        return 2 * len(self.layers) * self.kv_heads * self.head_dim * capacity * torch.tensor([], dtype=self.dtype).element_size()
+        pool = self._step_pool(1, max_tokens, context)
+        return pool.bytes_per_slot(pool.limit + pool.margin)
+
+    def _step_pool(self, slots: int, max_tokens: int, context: int | None) -> SlotCache:
+        limit = self.limit or DEFAULT_CONTEXT
+        return SlotCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype, min(context or limit, limit), slots, self.device,
+                         margin=max_tokens, scratch=True)
 
     def step(self, pool: SlotCache, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, span: int,
              ancestors: torch.Tensor | None = None, tree_start: torch.Tensor | None = None,
