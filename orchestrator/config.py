@@ -100,12 +100,11 @@ class BatchingConfig:
     max_requests: int = 64  # requests holding caches and stepping together; more wait
     max_batched_tokens: int = 2048  # new positions one forward may carry (rows x padded block), prefill included
     kv_memory_mb: int | None = None  # bound on the KV caches of all requests; lowers max_requests to fit
-    # which tiers the one round runs: "device" (polyspec.workers.tiers.static_tier: static shapes, verification
-    # on the device, CUDA graphs; Llama / Qwen2 model tiers with float weights and n-gram lookups, chain
-    # blocks), "ragged" (polyspec.workers.tiers.batched: every chain), "auto": device on CUDA where the chain
-    # fits it, ragged otherwise
+    # how model tiers decode: "device" (static-shape steps over a pool allocated once, replayed as CUDA graphs on
+    # CUDA, logits, draws and verdicts on the device; a block wider than a step, a prompt, or a model the step
+    # does not cover goes through the ragged forward), "ragged" (the ragged forward throughout), "auto": device on CUDA
     round: str = "auto"
-    max_context: int | None = None  # the device round's KV pool holds this many positions per request (None: the model's)
+    max_context: int | None = None  # a stepping tier's KV pool holds this many positions per request (None: the model's)
 
 
 @dataclasses.dataclass(frozen=True)

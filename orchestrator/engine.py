@@ -150,82 +150,31 @@ class Engine:
         self.batched = batched and self.config.batching.enabled
         eos = stop_token_ids(self.tokenizer, eos)
         keep_finished = 1 if reuse_prefix else 0
-        if self._device_round():
-            self._start_device(eos, auto_tune, keep_finished)
-        else:
-            self._start_batched(eos, auto_tune, keep_finished)
+        self._start(eos, auto_tune, keep_finished)
 
     @property
     def reuses_prefix(self) -> bool:
         """Does a request reuse the caches of the one before where their tokens agree (Engine's `reuse_prefix`)?"""
         return isinstance(self.scheduler, ChainScheduler) and self.scheduler.keep_finished > 0
 
-    def _device_round(self) -> bool:
-        """Do the chain's model tiers run as device tiers (polyspec.workers.tiers.static_tier)? `batching.round`
-        decides: device (or a one-line ConfigError saying why it cannot), ragged, or auto: device on CUDA
-        where the chain fits it."""
-        from polyspec.workers.tiers.static_tier import misfit
-
+    def _steps(self) -> bool:
+        """Do the model tiers decode in static-shape steps (`BatchedModelTier`'s `steps`: CUDA graphs, logits, draws
+        and verdicts on the device)? `batching.round` decides: device, ragged, or auto: steps on CUDA."""
         mode = self.config.batching.round
-        if mode == "ragged":
-            return False
-        spec = self.config.speculation
-        why = misfit(self.tiers, spec.lengths if spec.lengths == "auto" else self.config.speculation_lengths(), spec.tree_width)
-        if mode == "device":
-            if why:
-                raise ConfigError(f"batching.round: device cannot run this chain: {why}")
-            return True
-        return why is None and str(getattr(self.tiers[0], "device", "cpu")).startswith("cuda")
+        if mode != "auto":
+            return mode == "device"
+        return str(getattr(self.tiers[0], "device", "cpu")).startswith("cuda")
 
-    def _start_device(self, eos: tuple[int, ...], auto_tune: bool, keep_finished: int = 0) -> None:
-        """The one round over device tiers: each model tier one static-shape step per call on a KV pool
-        allocated once (graph-replayed on CUDA); a single request is a batch of one. `keep_finished`:
-        finished requests whose caches stay for a next prompt that extends them (their slots come on top)."""
-
-        from polyspec.workers.tiers.device_ngram import DeviceNGramTier
-        from polyspec.workers.tiers.feature_tier import FeatureTier
-        from polyspec.workers.tiers.static_feature import StaticFeatureHead, StaticFeatureTier
-        from polyspec.workers.tiers.batched_llama import BatchedLlama
-        from polyspec.workers.tiers.static_tier import StaticModelTier
-        from polyspec.workers.tiers.tier import NGramTier
-
-        batching = self.config.batching
-        models = []
-        for tier in self.tiers:
-            if isinstance(tier, FeatureTier):  # tier 1 (static_tier.misfit): it reads the target's embeddings and LM head
-                models.append(StaticFeatureHead(tier.head, models[0]))
-            else:
-                models.append(None if isinstance(tier, NGramTier) else BatchedLlama(tier.model))
-        per_request = sum(StaticModelTier.bytes_per_request(m, batching.max_context) for m in models if m is not None)
-        wanted = batching.max_requests if self.batched else 1
-        device = models[0].device
-        kv_memory_mb = pool_memory_mb(batching.kv_memory_mb, device, per_request, models[0].limit)
-        self.max_requests = requests_within_memory(wanted, kv_memory_mb, per_request)
-        slots = self.max_requests + keep_finished
-        # the lookup's token rows are sized like the model tiers' KV pools (the target's context by default)
-        tiers = []
-        for tier, model in zip(self.tiers, models):
-            if model is None:
-                tiers.append(DeviceNGramTier(tier, slots, batching.max_context or models[0].limit, device))
-            elif isinstance(model, StaticFeatureHead):
-                tiers.append(StaticFeatureTier(tier, tiers[0], slots, batching.max_context, model))
-            else:
-                tiers.append(StaticModelTier(tier, slots, batching.max_context, model))
-        spec = self.config.speculation
-        self.scheduler = ChainScheduler(tiers, self.config.speculation_lengths(), eos_token_ids=eos, keep_finished=keep_finished,
-                                        prefill_budget=max(1, batching.max_batched_tokens - self.max_requests),
-                                        tree_width=spec.tree_width, scheme=spec.verifier, scorer=self._scorer(tiers[0].model))
-        if auto_tune and spec.lengths == "auto" and len(self.tiers) > 1:
-            self.scheduler.planner = self.make_planner()
-
-    def _start_batched(self, eos: tuple[int, ...], auto_tune: bool, keep_finished: int = 0) -> None:
+    def _start(self, eos: tuple[int, ...], auto_tune: bool, keep_finished: int = 0) -> None:
         """The round over the one tier family (polyspec.workers.tiers.batched): every model tier one forward
-        per call over all the requests in it, on a KV pool of its own; a single request is a batch of one.
-        `keep_finished`: finished requests whose caches stay for a next prompt that extends them."""
+        per call over all the requests in it (static steps where `_steps`), on a KV pool of its own; a single
+        request is a batch of one. `keep_finished`: finished requests whose caches stay for a next prompt that
+        extends them."""
         from polyspec.workers.tiers.batched import batched_tiers
 
         batching = self.config.batching
-        tiers = batched_tiers(self.tiers, batching.max_requests + keep_finished)
+        steps = self._steps()  # (batching.max_context bounds a stepping tier's pool)
+        tiers = batched_tiers(self.tiers, batching.max_requests + keep_finished, steps, batching.max_context if steps else None)
         per_request = sum(t.bytes_per_request() for t in tiers)
         target = tiers[0].model  # its BatchedLlama: where the pools live
         kv_memory_mb = pool_memory_mb(batching.kv_memory_mb, target.device, per_request, target.limit)
@@ -254,7 +203,6 @@ class Engine:
         """Profile each tier's batched forward (a few seconds) and build the goodput planner, with the
         `tuning:` options it reads (the others, when set, are named on stderr: `batch_model.unread_note`)."""
         from polyspec.orchestrator.tuning.batch_model import BatchPlanner, unread_note
-        from polyspec.workers.tiers.static_tier import StaticModelTier, longest_length
 
         tiers, tuning, max_batch = self.scheduler.tiers, self.config.tuning, min(self.max_requests, PROFILE_MAX_BATCH)
         if unread_note(tuning):
@@ -269,8 +217,6 @@ class Engine:
 
             with self._profiling() as (cache, bar):
                 tables, lookup = profile_batched(tiers, self.vocab_size, max_batch, cache=cache, bar=bar, log=self.log)
-        if any(isinstance(t, StaticModelTier) for t in tiers):  # a device tier's block holds a bounded tree
-            max_length = min(max_length, longest_length(self.config.speculation.tree_width))
         return BatchPlanner(tiers, tables, lookup, max_length, self.config.batching.max_batched_tokens,
                             self.config.speculation.tree_width, allow_bypass, tuning.explore_every)
 

@@ -13,8 +13,8 @@ import torch
 from transformers import DynamicCache
 
 from polyspec.workers.core.sampling import warp_logits
-from polyspec.workers.core.tree import DraftTree, grow_level, tree_attention_mask
-from polyspec.workers.tiers.tier import first_candidates
+from polyspec.workers.core.tree import DraftTree, tree_attention_mask
+from polyspec.workers.tiers.batched import Draws
 
 
 def hidden_states(model, tokens: list[int]) -> torch.Tensor:
@@ -108,12 +108,13 @@ class ReferenceTier:
         for seq_id, context, count, p, generator in zip(seq_ids, contexts, counts, params, generators):
             seq = self._sequence(seq_id)
             feed, tokens, rows = self._sync(seq, context), [], []
-            for _ in range(count):
+            draws = Draws.of([p], [generator], [count], "cpu")  # the runtime's draw rule, one request at a time
+            for step in range(count):
                 logits = self._linear(seq, feed)[-1]
-                probs = warp_logits(logits, p)
-                token = int(probs.argmax()) if p.greedy else int(torch.multinomial(probs, 1, generator=generator))
+                token, probs = draws.draw(logits[None].float(), torch.tensor([0]), step)
+                token = int(token)
                 tokens.append(token)
-                rows.append(probs)
+                rows.append(probs[0])
                 feed = [token]
                 if self.exit_threshold is not None and float(torch.softmax(logits, -1).max()) < self.exit_threshold:
                     break
@@ -128,18 +129,31 @@ class ReferenceTier:
             tree, rows = DraftTree([], [], None), []
             if depth > 0:
                 root_logits = self._linear(seq, tail)[-1]
-                root_probs = warp_logits(root_logits, p)
                 seq.tree_prefix = len(context)
-                for token in first_candidates(root_logits, root_probs, width, p, scheme, generator):
-                    tree.tokens.append(token)
-                    tree.parents.append(-1)
-                    rows.append(root_probs)
+                draws = Draws.of([p], [generator], [depth], "cpu")  # the runtime's draw rule, one request at a time
+                candidates, valid, root_rows = draws.roots(root_logits[None].float(), torch.tensor([0]), width, scheme == "rsd")
+                for token, ok in zip(candidates[0].tolist(), valid[0].tolist()):
+                    if ok:
+                        tree.tokens.append(token)
+                        tree.parents.append(-1)
+                        rows.append(root_rows[0])
                 frontier = list(range(len(tree.tokens)))
                 node_depths = [0] * len(frontier)
                 for level in range(1, depth):
-                    logits = self._tree(seq, [], tree, frontier, node_depths)
-                    frontier = grow_level(tree, frontier, logits, level, node_depths, rows, p, generator)
-                tree.draft_rows = None if p.greedy else torch.stack(rows)
+                    if not frontier:
+                        break
+                    logits = self._tree(seq, [], tree, frontier, node_depths).float()  # [len(frontier), V]
+                    drawn, probs = draws.draw(logits, torch.zeros(len(frontier), dtype=torch.long), level,
+                                              torch.arange(len(frontier)) * logits.shape[-1])
+                    grown = []
+                    for w, parent in enumerate(frontier):
+                        tree.tokens.append(int(drawn[w]))
+                        tree.parents.append(parent)
+                        rows.append(probs[w])
+                        node_depths.append(level)
+                        grown.append(len(tree.tokens) - 1)
+                    frontier = grown
+                tree.draft_rows = None if p.greedy or not rows else torch.stack(rows)
             out.append(tree)
         return out
 

@@ -2,7 +2,7 @@
 
 Builds Qwen2.5-Coder model shapes (`shapes/`) with random weights (a forward's cost does not
 depend on the weights' values), bf16, and drives polyspec's one round (`ChainScheduler`) over device
-tiers (`StaticModelTier`) the way the engine does (start, prefill, step_all), timing with the device
+tiers (`BatchedModelTier(steps=True)`) the way the engine does (start, prefill, step_all), timing with the device
 synchronised:
 
 - target alone, 1 request, `--new` tokens after a `--prompt`-token prompt: ms per token;
@@ -55,10 +55,10 @@ def sync(device: torch.device) -> float:
 
 def scheduler_for(models: list, names: list[str], lengths: list[int], slots: int):
     from polyspec.orchestrator.decode.scheduler import ChainScheduler
-    from polyspec.workers.tiers.static_tier import StaticModelTier
+    from polyspec.workers.tiers.batched import BatchedModelTier
     from polyspec.workers.tiers.tier import ModelTier
 
-    tiers = [StaticModelTier(ModelTier(name, model, model.config.vocab_size, model.device), slots, context=512)
+    tiers = [BatchedModelTier(ModelTier(name, model, model.config.vocab_size, model.device), slots, steps=True, context=512)
              for name, model in zip(names, models)]
     return ChainScheduler(tiers, lengths)
 
@@ -95,43 +95,27 @@ def step_ms(run_step, device, repeats: int) -> float:
 
 
 def tier_step_costs(target_scheduler, drafter_scheduler, vocab: int, device, repeats: int) -> dict:
-    """Graph-replayed costs of the target's step over a 9-token row (8 drafts) and of each model's one-token step."""
-    from polyspec.workers.tiers.device_step import GREEDY, draft_step, target_step
+    """Graph-replayed costs of the target's step over a 9-token row (8 drafts) and of each model's one-token step
+    (`BatchedLlama.step`: the forward a round replays; its warp and verdict run after it)."""
 
-    def target_run(block: int):
-        tier = target_scheduler.tiers[0]
+    def run(scheduler, block: int):
+        tier = scheduler.tiers[0]
+        tier.cache.allocate()
         ids = torch.randint(0, vocab, (1, block + 1), device=device)
         positions = (200 + torch.arange(block + 1, device=device))[None]
         slots = torch.zeros(1, dtype=torch.long, device=device)
-        one = torch.ones(1, device=device)
-        tensors = [ids, positions, slots, one * 0, torch.zeros(1, dtype=torch.long, device=device), one, torch.ones(1, dtype=torch.bool, device=device),
-                   ids[:, 1:].contiguous(), torch.zeros(1, block, 1, device=device), torch.full((1,), block, device=device),
-                   torch.zeros(1, dtype=torch.long, device=device), torch.zeros(1, dtype=torch.long, device=device)]
 
-        def step(*args):
-            return target_step(tier.model, tier.pool, *args[:3], 256, GREEDY, *args[3:])
+        def step(ids, positions, slots):
+            return tier.model.step(tier.cache, ids, positions, positions, slots, 256)
 
-        return lambda: tier.graphs.run(("bench-target", block), step, tensors)
-
-    def draft_run(scheduler):
-        tier = scheduler.tiers[0]
-        ids = torch.randint(0, vocab, (1, 1), device=device)
-        positions = torch.full((1, 1), 200, device=device)
-        zero = torch.zeros(1, dtype=torch.long, device=device)
-        tensors = [ids, positions, zero, torch.zeros(1, device=device), zero, torch.ones(1, device=device),
-                   torch.ones(1, dtype=torch.bool, device=device), zero, zero]
-
-        def step(*args):
-            return draft_step(tier.model, tier.pool, *args[:3], 256, GREEDY, *args[3:])
-
-        return lambda: tier.graphs.run(("bench-draft",), step, tensors)
+        return lambda: tier.graphs.run(("bench", block), step, [ids, positions, slots])
 
     with torch.inference_mode():
         return {
-            "target_round_block8_ms": step_ms(target_run(8), device, repeats),
-            "target_step_1_token_ms": step_ms(target_run(0), device, repeats),
-            "target_draft_step_ms": step_ms(draft_run(target_scheduler), device, repeats),
-            "drafter_draft_step_ms": step_ms(draft_run(drafter_scheduler), device, repeats),
+            "target_round_block8_ms": step_ms(run(target_scheduler, 8), device, repeats),
+            "target_step_1_token_ms": step_ms(run(target_scheduler, 0), device, repeats),
+            "target_draft_step_ms": step_ms(run(target_scheduler, 0), device, repeats),
+            "drafter_draft_step_ms": step_ms(run(drafter_scheduler, 0), device, repeats),
         }
 
 

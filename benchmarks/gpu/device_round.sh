@@ -11,10 +11,7 @@
 # 4. benchmarks/gpu/predict_chains.py: the time model's prediction of every shipped Qwen2.5-Coder
 #    chain from the costs measured in 2 and 3 (cells they lack: the built-in reference figures);
 # 5. the CUDA tests: the device round (CUDA graphs: greedy equals the target's generate; with the trained drafters), the tree kernels,
-#    the fp8 GEMM, the batched forward on CUDA, the n-gram lookup's graph replay (after the judged
-#    figures: they take what the budget has left);
-# 6. benchmarks/ngram_lookup.py: the n-gram draft call on the device against the host index (printed to the log,
-#    in whatever budget is left).
+#    the fp8 GEMM, the batched forward on CUDA (after the judged figures: they take what the budget has left).
 # Everything goes to $OUT (default /tmp/device-round): device_round.log, reference-1.5b.json,
 # reference-0.5b.json, device-round.json, device-round.md, predicted-chains.json,
 # predicted-chains.md. The whole script ends within
@@ -71,7 +68,6 @@ step "predict chains" "$predict_s" "$py" -P benchmarks/gpu/predict_chains.py --c
 step "cuda tests" 170 "$py" -P -m pytest -q -p no:cacheprovider -m "not needs_root and not real_models" \
     tests/orchestrator/test_device_round.py tests/orchestrator/test_device_feature.py tests/orchestrator/test_device_drafters.py \
     tests/workers/test_device_tree_verify.py tests/workers/test_quantized_forward.py tests/distributed/test_transport.py \
-    tests/workers/test_batched_devices.py tests/workers/test_device_ngram.py -k "cuda or scaled_mm"
-step "n-gram lookup" 40 "$py" -P benchmarks/ngram_lookup.py --device cuda --calls 50  # printed: what budget is left
+    tests/workers/test_batched_devices.py -k "cuda or scaled_mm"
 }
 main 2>&1 | tee "$out/device_round.log"

@@ -24,11 +24,10 @@ call, one round per VerifyBatch / DraftBatch for a batch of sequences, or of one
                             otherwise: round_batch(level, those still short) until each has `need`
 
 The tiers are batched tiers (polyspec.workers.tiers.batched): a model tier sharing one slot
-cache and one forward; a device tier (polyspec.workers.tiers.static_tier: a KV pool allocated
-once, static-shape steps replayed as CUDA graphs, verification on the device); the tier below a
-distributed worker (polyspec.orchestrator.distributed.transport.RemoteTier: one DraftBatch per call).
-`verify_batch` of a ragged tier scores the blocks (`score_batch`) and verifies each request with
-its own rule and generator; a device tier verifies them all in its step. An approximate mode's
+cache and one forward (decoding in static steps replayed as CUDA graphs where `batching.round`
+says so); the tier below a distributed worker (polyspec.orchestrator.distributed.transport.RemoteTier:
+one DraftBatch per call). `verify_batch` scores the blocks (`score_batch`) and verifies them all
+with the tensor verifiers (`batched.verify_blocks`), each request drawing from its own stream. An approximate mode's
 rule (polyspec.orchestrator.decode.approximate) takes `score_batch` and its own check. Per request the round is the serial one — same
 blocks, same verification rule, same draws from the same per-tier generators — so a
 request's output does not depend on what else is in the batch (up to the last bits of

@@ -136,8 +136,8 @@ class LockedTiers:
     """The batched tiers of the tiers one process serves behind one `ModelLock` (a target and its
     trained drafters, in one Ray actor), each behind that lock, made together on first use: a
     feature head then reads its target's hidden states from the target's slot cache, which the
-    target's own batched forwards fill (`batched_tiers`). `device_slots[i]` > 0: tier i serves as a
-    device tier of that many requests (polyspec.workers.tiers.static_tier), with a pool of its own."""
+    target's own batched forwards fill (`batched_tiers`). `device_slots[i]` > 0: tier i decodes in static steps
+    (`BatchedModelTier`'s `steps`) on a pool of that many requests of its own."""
 
     def __init__(self, tiers: list[Tier], lock: ModelLock | None = None, device_slots: list[int] | None = None,
                  device_context: int | None = None, ragged_slots: int | None = None) -> None:
@@ -153,10 +153,10 @@ class LockedTiers:
         """`tier`'s batched tier (made, with every sibling's, after the chain's vocabulary is set)."""
         with self._making:
             if self._made is None:
-                from polyspec.workers.tiers.static_tier import StaticModelTier
+                from polyspec.workers.tiers.batched import BatchedModelTier
 
                 ragged = iter(batched_tiers([t for t, slots in zip(self.tiers, self.device_slots) if not slots], self.ragged_slots))
-                made = [StaticModelTier(t, slots, self.device_context) if slots else next(ragged)
+                made = [BatchedModelTier(t, slots, steps=True, context=self.device_context) if slots else next(ragged)
                         for t, slots in zip(self.tiers, self.device_slots)]
                 self._made = [LockedBatched(batched, self.lock) for batched in made]
             return self._made[next(i for i, t in enumerate(self.tiers) if t is tier)]

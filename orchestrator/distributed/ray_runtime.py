@@ -60,21 +60,16 @@ def actor_groups(config: ChainConfig) -> list[list[int]]:
 
 
 def device_slots(tier, batching) -> int:
-    """How many requests a tier actor's device tier holds: the chain's `batching.max_requests` where
-    `batching.round` puts its model tier on the device (device: wherever it can run, else a one-line
-    ConfigError; auto: on CUDA where it can), else 0 (the ragged batched tier)."""
-    from polyspec.workers.core.errors import ConfigError
-    from polyspec.workers.tiers.static_tier import misfit
+    """How many requests a tier actor's model tier holds when it decodes in static steps (`BatchedModelTier`'s
+    `steps`): the chain's `batching.max_requests` where `batching.round` says so (device; auto: on CUDA),
+    else 0 (the ragged forward, its pool's own bound)."""
     from polyspec.workers.tiers.tier import NGramTier
 
     mode = getattr(batching, "round", "ragged")
     if mode == "ragged" or isinstance(tier, NGramTier):
         return 0
-    why = misfit([tier], "auto", 1)
-    if mode == "device" and why:
-        raise ConfigError(f"batching.round: device cannot run tier {tier.name!r} on its actor: {why}")
     on_cuda = str(getattr(tier, "device", "cpu")).startswith("cuda")
-    return batching.max_requests + 1 if why is None and (mode == "device" or on_cuda) else 0  # + 1: a profile's sequence
+    return batching.max_requests + 1 if (mode == "device" or on_cuda) else 0  # + 1: a profile's sequence
 
 
 def actor_device_slots(tiers, batching) -> list[int]:

@@ -147,7 +147,7 @@ class TierWorker(BatchedRounds):
     def __init__(self, tier: Tier, index: int, *, eos_token_ids=(), host: str = "127.0.0.1", port: int = 0,
                  rpc_timeout_s: float = 120.0, lock: ModelLock | None = None, device_slots: int = 0,
                  device_context: int | None = None, siblings: LockedTiers | None = None) -> None:
-        """`device_slots` > 0: the tier serves as a device tier of that many requests (static_tier.py).
+        """`device_slots` > 0: the tier decodes in static steps on a pool of that many requests (`BatchedModelTier`).
         `siblings`: the batched tiers of every tier this process serves behind one lock (a target and
         its trained drafters), `tier` among them; by default `tier` alone behind `lock`."""
         # The forward thread holds the GIL for most of a small model's forward (Python module

@@ -106,15 +106,13 @@ def test_batched_greedy_equals_target(tiny_family, embedded, names, lengths, tre
 def test_batched_rounds_on_device_tiers_give_the_targets_output(tiny_family, embedded, pipeline):
     """Each worker's model tier as a device tier (`batching.round: device` on a Ray actor): its batched
     calls are static-shape steps with verification on the device, and the output stays the target's."""
-    from polyspec.workers.tiers.static_tier import StaticModelTier
-
     chain, workers, _ = batched_chain(tiny_family, ["target", "mid", "small"], [4, 3], pipeline, device_slots=8)
     try:
         jobs = [(ids, MAX_NEW, SamplingParams(temperature=0.0), None) for ids, _ in embedded.values()] * 2
         outputs, sizes = run_batch(chain, jobs, max_running=5)
         for out, (ids, expected) in zip(outputs, list(embedded.values()) * 2):
             assert out.token_ids == expected
-        assert all(isinstance(worker.batched_tier().inner, StaticModelTier) for worker in workers)
+        assert all(worker.batched_tier().inner.steps for worker in workers)
         assert max(rows for rows, _, _ in workers[0].batched_tier().inner.forward_log) >= 4, "several requests per step"
     finally:
         stop(chain, workers)
@@ -242,7 +240,6 @@ def test_batched_rounds_run_an_early_exit_drafter_as_a_device_tier(tiny_drafters
     """target <- early exit (its first layer shared), each a device tier of its worker, as in the target's Ray actor (or
     each a ragged batched tier): the output stays the target's (the exit threshold shortens some drafter's blocks)."""
     from polyspec.workers.tiers.batched import BatchedModelTier
-    from polyspec.workers.tiers.static_tier import StaticModelTier
 
     chain, workers, _ = batched_chain(tiny_drafters, ["target", "early_exit_noisy"], [4], pipeline, device_slots=device_slots)
     try:
@@ -250,8 +247,8 @@ def test_batched_rounds_run_an_early_exit_drafter_as_a_device_tier(tiny_drafters
         outputs, _ = run_batch(chain, jobs, max_running=5)
         for out, (ids, expected) in zip(outputs, list(embedded.values()) * 2):
             assert out.token_ids == expected
-        kind = StaticModelTier if device_slots else BatchedModelTier
-        assert all(isinstance(worker.batched_tier().inner, kind) for worker in workers)
+        assert all(isinstance(worker.batched_tier().inner, BatchedModelTier) for worker in workers)
+        assert all(worker.batched_tier().inner.steps == bool(device_slots) for worker in workers)
         assert workers[1].batched_tier().inner.tier.exit_threshold == 0.3
         assert sum(stage["proposed"] for out in outputs for stage in out.stats["stages"]) > 0
     finally:
@@ -279,12 +276,11 @@ def test_the_tiers_of_one_process_are_made_batched_together(tiny_family):
     where it has slots, the others batched together on first use (made again after `reset`)."""
     from polyspec.orchestrator.distributed.model_lock import LockedTiers
     from polyspec.workers.tiers.batched import BatchedModelTier
-    from polyspec.workers.tiers.static_tier import StaticModelTier
 
     tiers, _ = load_tiers(chain_config(tiny_family, ["target", "mid", "small"], lengths=[3, 2]).tiers)
     siblings = LockedTiers(tiers, device_slots=[4, 0, 0], device_context=128)
     made = [siblings.of(tier) for tier in tiers]
-    assert [type(m.inner) for m in made] == [StaticModelTier, BatchedModelTier, BatchedModelTier]
+    assert all(type(m.inner) is BatchedModelTier for m in made) and [m.inner.steps for m in made] == [True, False, False]
     assert all(m.lock is siblings.lock for m in made) and siblings.of(tiers[1]) is made[1]
     siblings.reset()
     assert siblings.made(tiers[0]) is None and siblings.of(tiers[0]) is not made[0]

@@ -66,7 +66,7 @@ def test_embedded_single_batched_and_distributed_rounds_are_one_code(tiny_family
     counted.clear()
     device = Engine(parse_config({"tiers": tier_specs(tiny_family, names), "speculation": {"lengths": lengths},
                                   "batching": {"round": "device", "max_requests": 4, "max_context": 256}}), batched=True)
-    assert type(device.scheduler) is ChainScheduler and type(device.scheduler.tiers[1]).__name__ == "StaticModelTier"
+    assert type(device.scheduler) is ChainScheduler and device.scheduler.tiers[1].steps
     states = [device.start(GenerationRequest(tuple(ids), MAX_NEW, GREEDY)) for _ in range(3)]
     while not all(s.done for s in states):
         device.scheduler.prefill(states)

@@ -462,7 +462,8 @@ def test_batched_draft_stops_where_the_one_request_tier_stops(tiny_family, thres
     from transformers import AutoModelForCausalLM
 
     from polyspec.workers.tiers.batched import BatchedModelTier
-    from polyspec.workers.tiers.tier import ModelTier, confidence
+    from polyspec.workers.core.device_verify import confidence
+    from polyspec.workers.tiers.tier import ModelTier
     from reference_tier import ReferenceTier
 
     def model():

@@ -1,4 +1,5 @@
-"""The one round over device tiers (polyspec.workers.tiers.static_tier), run on the CPU.
+"""The one round over model tiers that decode in static steps (`BatchedModelTier(steps=True)`: what CUDA runs as
+graphs, `batching.round: device`), run on the CPU.
 
 - greedy: the target alone and target <- drafter give, for every request of a ragged batch
   (prompts of different lengths joining at different steps), the target's own greedy
@@ -6,10 +7,9 @@
 - sampling: a seeded request draws the same tokens alone or in any batch; a chi-square test
   (1,200 samples, alpha 1e-3) of the first two tokens against the exact target distribution,
   every sample drawn inside a batch of 48 requests;
-- the target's step (forward + warp + verification) compiles whole (`fullgraph`), once for every
+- the step (`BatchedLlama.step`, chains and tree masks) compiles whole (`fullgraph`), once for every
   step of a bucket: the check of CUDA-graph capturability that needs no GPU.
-- draft trees (`tree_width > 1`): the tree steps (a drafter's root and level, the verifier's) compile whole, once
-  a bucket; greedy trees give the target's own greedy `generate` (target <- mid and
+- draft trees (`tree_width > 1`): greedy trees give the target's own greedy `generate` (target <- mid and
   target <- mid <- small, ragged joins); a device drafter's greedy tree is the ragged drafter's, and its
   rows are the model's own (float32, 1e-5); a seeded request draws the same alone or batched; a
   chi-square test of the first two tokens (1,200 samples in batches of 48, alpha 1e-3) for specinfer
@@ -28,11 +28,9 @@ from core_helpers import CompiledGraphs, greedy_references
 
 from lossless_stats import ALPHA, chi_square_p_value, exact_two_token_probs
 from polyspec.orchestrator.decode.scheduler import ChainScheduler
-from polyspec.workers.tiers.device_ngram import DeviceNGramTier
-from polyspec.workers.tiers.device_step import draft_step, target_step, target_tree_step, tree_level_step, tree_root_step
 from polyspec.workers.core.sampling import SamplingParams
-from polyspec.workers.tiers.batched_llama import BatchedLlama, step_unsupported
-from polyspec.workers.tiers.static_tier import StaticModelTier
+from polyspec.workers.tiers.batched import BatchedModelTier, BatchedNGramTier
+from polyspec.workers.tiers.batched_llama import BatchedLlama
 from polyspec.workers.tiers.tier import ModelTier
 
 PROMPTS = [[5, 9, 23, 41, 7], [100, 3], [77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87], [12], [200, 150, 90]]
@@ -62,10 +60,11 @@ def _scheduler(models, names, lengths, max_requests=8, tree_width=1, scheme="spe
     return ChainScheduler(tiers, lengths, tree_width=tree_width, scheme=scheme)
 
 
-def _device_tier(models, name, max_requests=8) -> StaticModelTier:
+def _device_tier(models, name, max_requests=8) -> BatchedModelTier:
     model = models[name]
-    tier = ModelTier(name, model, model.config.vocab_size, model.device)
-    return StaticModelTier(tier, max_requests)
+    tier = BatchedModelTier(ModelTier(name, model, model.config.vocab_size, model.device), max_requests, steps=True)
+    assert tier.steps
+    return tier
 
 
 def _run(scheduler: ChainScheduler, requests, join_every: int = 1):
@@ -99,7 +98,7 @@ def test_greedy_equals_the_targets_generate(models, reference, names, lengths):
     if len(names) > 1:
         stage = results[0].stats["stages"][0]
         assert stage["blocks"] > 0 and 0 <= stage["accepted"] <= stage["proposed"]
-    assert not any(tier.open_sequences for tier in scheduler.tiers), "every slot is released"
+    assert not any(tier.cache.open_sequences for tier in scheduler.tiers), "every slot is released"
 
 
 def test_device_tiers_run_weights_moved_to_onednn(tiny_family, reference, monkeypatch):
@@ -114,7 +113,7 @@ def test_device_tiers_run_weights_moved_to_onednn(tiny_family, reference, monkey
     monkeypatch.setattr(block_linear, "MIN_ELEMENTS", 1)  # every projection of the tiny model counts as large
     monkeypatch.setenv("POLYSPEC_BLOCK_LINEAR", "onednn")
     model = _model(tiny_family["target"])
-    tier = StaticModelTier(ModelTier("target", model, model.config.vocab_size, model.device), 8)  # its forward packs the weights
+    tier = BatchedModelTier(ModelTier("target", model, model.config.vocab_size, model.device), 8, steps=True)  # packs the weights
     assert getattr(model.model.layers[0].self_attn.q_proj, block_linear.PACKED, None) is not None
     scheduler = ChainScheduler([tier], [])
     results = _run(scheduler, [(i, p, MAX_NEW, SamplingParams(), None) for i, p in enumerate(PROMPTS)], join_every=2)
@@ -172,7 +171,7 @@ def test_greedy_trees_equal_the_targets_generate(models, reference, names, lengt
         assert results[i].token_ids == reference[tuple(prompt)], (names, i)
     stage = results[0].stats["stages"][-1]  # the stage whose blocks are trees
     assert stage["proposed"] >= 2 * stage["blocks"] and stage["accepted"] > 0
-    assert not any(tier.open_sequences for tier in scheduler.tiers), "every slot is released"
+    assert not any(tier.cache.open_sequences for tier in scheduler.tiers), "every slot is released"
 
 
 @pytest.mark.parametrize("scheme", ["specinfer", "rsd"])
@@ -245,9 +244,9 @@ def test_tree_sampling_is_lossless(models, names, lengths, scheme):
     assert p_value > ALPHA, f"chi-square p={p_value:.2e} over {samples} samples"
 
 
-def _slot_kv(tier: StaticModelTier, seq_id, length: int) -> list[torch.Tensor]:
-    slot = tier.slot_table.slot_of[seq_id]
-    return [buffer[slot, :, :length] for buffer in tier.pool.keys + tier.pool.values]
+def _slot_kv(tier: BatchedModelTier, seq_id, length: int) -> list[torch.Tensor]:
+    slot = tier.cache.slot_of[seq_id]
+    return [buffer[slot, :, :length] for buffer in tier.cache.keys + tier.cache.values]
 
 
 def test_an_accepted_tree_path_is_cached_as_a_prefill_of_it(models):
@@ -274,85 +273,25 @@ def test_an_accepted_tree_path_is_cached_as_a_prefill_of_it(models):
     assert deep_paths, "no verdict accepted a path whose nodes had to move"
 
 
-def test_the_target_step_compiles_whole_and_once_per_bucket(models):
+@pytest.mark.parametrize("trees", [False, True])
+def test_the_step_compiles_whole_and_once_per_bucket(models, trees):
+    """`BatchedLlama.step` (chains: the causal mask made inside; trees: a mask given) is one graph per bucket
+    (4 rows, 4 tokens, span 64), new values every call: what a CUDA graph captures."""
     static = BatchedLlama(models["target"])
-    pool = static.new_pool(slots=4, max_tokens=8)
-    step = CompiledGraphs(target_step)
-    rows, block, vocab = 4, 3, static.vocab_size
+    pool = static.new_cache(4, margin=8, scratch=True)
+    pool.allocate()
+    step = CompiledGraphs(static.step)
+    rows, width = 4, 4
     generator = torch.Generator().manual_seed(0)
-    for step_index in range(3):  # one bucket (4 rows, 3-token blocks, span 64), new values every step
-        ids = torch.randint(1, 200, (rows, block + 1), generator=generator)
-        positions = (torch.tensor([5, 9, 2, 0]) + step_index)[:, None] + torch.arange(block + 1)[None]
-        draft_probs = torch.softmax(torch.randn(rows, block, vocab, generator=generator), -1)
-        args = (static, pool, ids, positions, torch.tensor([0, 1, 2, pool.scratch_slot]), 64, "truncated", torch.tensor([0.0, 0.8, 1.0, 0.0]),
-                torch.tensor([0, 20, 0, 0]), torch.tensor([1.0, 0.9, 1.0, 1.0]), torch.tensor([True, False, False, True]),
-                ids[:, 1:], draft_probs, torch.tensor([3, 2, 3, 0]), torch.tensor([1, 2, 3, 0]), torch.full((rows,), step_index))
-        tokens, accepted, target_rows = step(*args)
-        assert tokens.shape == (rows, block + 1) and bool((accepted <= torch.tensor([3, 2, 3, 0])).all())
-        assert target_rows.shape == (rows, block + 1, vocab)
+    for index in range(3):
+        ids = torch.randint(1, 200, (rows, width), generator=generator)
+        write_at = (torch.tensor([5, 9, 2, 0]) + index)[:, None] + torch.arange(width)[None]
+        mask = (torch.arange(64)[None, None, :] <= write_at[:, :, None])[:, None] if trees else None
+        args = (pool, ids, write_at, write_at, torch.tensor([0, 1, 2, pool.scratch_slot]), 64) + ((mask,) if trees else ())
+        logits, normed = step(*args)
+        assert logits.shape == (rows, width, static.vocab_size) and normed.shape == (rows, width, static.hidden_size)
     assert len(step.graphs) == 1, f"{len(step.graphs)} graphs for one bucket (a graph break or a recompilation)"
     step.close()
-
-
-@pytest.mark.parametrize("mode", ["greedy", "truncated"])
-def test_the_draft_step_compiles_whole_and_once_per_bucket(models, mode):
-    """A drafter's step (forward of one token per request, warp, one counter-based draw each) is one
-    graph per bucket too: every tier's step of the round is capturable."""
-    static = BatchedLlama(models["small"])
-    pool = static.new_pool(slots=4, max_tokens=8)
-    step = CompiledGraphs(draft_step)
-    generator = torch.Generator().manual_seed(0)
-    for step_index in range(3):  # one bucket (4 rows, 1 token, span 64), new values every step
-        ids = torch.randint(1, 200, (4, 1), generator=generator)
-        positions = torch.tensor([[5], [9], [2], [0]]) + step_index
-        tokens, rows = step(static, pool, ids, positions, torch.tensor([0, 1, 2, pool.scratch_slot]), 64, mode,
-                            torch.tensor([0.0, 0.8, 1.0, 0.0]), torch.tensor([0, 20, 0, 0]), torch.tensor([1.0, 0.9, 1.0, 1.0]),
-                            torch.tensor([True, False, False, True]), torch.tensor([1, 2, 3, 0]), torch.full((4,), step_index))
-        assert tokens.shape == (4,) and rows.shape == (4, static.vocab_size)
-    assert len(step.graphs) == 1, f"{len(step.graphs)} graphs for one bucket (a graph break or a recompilation)"
-    step.close()
-
-
-@pytest.mark.parametrize("mode,scheme", [("greedy", "specinfer"), ("truncated", "rsd"), ("plain", "spectr")])
-def test_the_tree_steps_compile_whole_and_once_per_bucket(models, mode, scheme):
-    """A drafter's tree steps (the root's candidates, then a level) and the verifier's tree step (forward with tree
-    attention, warp, `verify_trees`) are one graph per bucket each, like the chain steps."""
-    from polyspec.workers.core.device_tree_verify import pack_trees
-    from polyspec.workers.core.tree import DraftTree, tree_allowed
-
-    static = BatchedLlama(models["target"])
-    pool = static.new_pool(slots=2, max_tokens=8)
-    root_step, level_step, verify_step = (CompiledGraphs(step) for step in (tree_root_step, tree_level_step, target_tree_step))
-    slots, width = torch.tensor([0, pool.scratch_slot]), 2
-    sampling = (torch.tensor([0.8, 0.0]), torch.tensor([20 if mode == "truncated" else 0, 0]), torch.tensor([1.0, 1.0]),
-                torch.tensor([mode == "greedy", True]))
-    tree = DraftTree([7, 8, 9, 10], [-1, -1, 0, 1], None)
-    allowed = tree_allowed(tree.parents, [1, 2, 3, 4], [0, 1, 2, 3], 0, 1, 5)
-    for step_index in range(2):  # one bucket, new values every step
-        start = 6 + step_index
-        seeds, counters = torch.tensor([5, 0]), torch.full((2,), step_index)
-        ids, positions = torch.tensor([[3, 4], [0, 0]]) + step_index, torch.tensor([[start - 2, start - 1], [0, 1]])
-        tokens, valid, _ = root_step(static, pool, ids, positions, slots, 64, mode, width, scheme == "rsd", *sampling, seeds,
-                                     counters)
-        assert tokens.shape == valid.shape == (2, width)
-        prefix = torch.tensor([start, 0])
-        ancestors = (torch.arange(width) == torch.arange(width)[:, None]).expand(2, width, width)
-        children, _ = level_step(static, pool, tokens, prefix[:, None].expand(2, width), slots, 64, mode, ancestors, prefix,
-                                 *sampling, seeds, counters + 1)
-        assert children.shape == (2, width)
-        vocab = 1 if mode == "greedy" else static.vocab_size
-        node_tokens, parents, num_nodes, draft_probs = pack_trees([tree, DraftTree([], [], None)], 4, vocab)
-        if mode != "greedy":
-            draft_probs[0] = torch.softmax(torch.randn(4, vocab, generator=torch.Generator().manual_seed(step_index)), dim=-1)
-        tree_positions = torch.tensor([[start - 1, start, start, start + 1, start + 1], list(range(5))])  # the root, then depth
-        tree_ids = torch.tensor([[2, 7, 8, 9, 10], [0] * 5])
-        tree_ancestors = torch.stack([allowed, torch.eye(5, dtype=torch.bool)])
-        verdicts, _ = verify_step(static, pool, tree_ids, tree_positions, slots, 64, mode, scheme, 2, 2, *sampling,
-                                  tree_ancestors, node_tokens, parents, num_nodes, draft_probs, seeds, counters)
-        assert verdicts.shape == (2, 2 + 2)
-    for step in (root_step, level_step, verify_step):
-        assert len(step.graphs) == 1, f"{len(step.graphs)} graphs for one bucket (a graph break or a recompilation)"
-        step.close()
 
 
 def _config(tmp_path, tiny_family, names, lengths, round_kind, tree_width=1) -> str:
@@ -412,31 +351,27 @@ def test_polyspec_batch_runs_draft_trees_through_the_device_round(tiny_family, t
     assert outputs["device"]["g0"]["stats"]["stages"][0]["proposed"] > 0
 
 
-def test_trees_the_device_round_cannot_run_are_named(models):
-    """A tree is one block: tree_width x the bottom length must fit MAX_BLOCK_TOKENS; with auto lengths the planner
-    keeps its trees inside (`longest_length`)."""
-    from polyspec.workers.tiers.static_tier import misfit
+def test_blocks_wider_than_a_step_run_through_the_ragged_forward(tiny_family, tmp_path):
+    """A chain whose top block (20 + 13 tokens) exceeds what a step carries (MAX_STEP_TOKENS) still runs on
+    `batching.round: device`: such a block goes through the ragged forward, with the ragged round's greedy tokens."""
+    import json
 
-    tiers = [ModelTier(name, models[name], models[name].config.vocab_size, models[name].device) for name in ("target", "mid")]
-    assert misfit(tiers, [16], 2) is None
-    assert misfit(tiers, [11], 3) == "its draft trees hold at most 32 nodes; tree_width 3 x length 11 makes 33"
-    assert misfit(tiers, "auto", 2) is None and misfit(tiers, "auto", 1) is None and "fewer than one level" in misfit(tiers, "auto", 33)
-
-
-def test_a_chain_the_device_round_cannot_run_is_one_line(tiny_family, tmp_path):
     from tests.orchestrator.test_cli import run_cli
 
-    # (an int8 copy of the target runs there on the CPU since the static step takes quantized tiers: tests/workers/test_quantized_forward.py)
-    done = run_cli("generate", "-c", _config(tmp_path, tiny_family, ["target", "mid", "small"], [20, 13], "device"), "-p", "x", "-n", "2")
-    assert done.returncode == 2 and "Traceback" not in done.stderr
-    errors = [line for line in done.stderr.strip().splitlines() if line.startswith("polyspec: error:")]  # after the start-up lines
-    assert errors == ["polyspec: error: batching.round: device cannot run this chain: its blocks hold at most 32 tokens, "
-                      "and a chain's lengths add up in its top block: 33"]
+    requests = [{"id": f"g{i}", "prompt_ids": p, "max_new_tokens": 30} for i, p in enumerate(PROMPTS[:2])]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in requests))
+    outputs = {}
+    for round_kind in ("device", "ragged"):
+        config = _config(tmp_path, tiny_family, ["target", "mid", "small"], [20, 13], round_kind)
+        done = run_cli("batch", "-c", config, "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / f"{round_kind}.jsonl"))
+        assert done.returncode == 0, done.stderr[-2000:]
+        outputs[round_kind] = [r["token_ids"] for r in map(json.loads, (tmp_path / f"{round_kind}.jsonl").read_text().splitlines())]
+    assert outputs["device"] == outputs["ragged"]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_an_ngram_drafter_in_the_device_round(tiny_family, temperature):
-    """target <- n-gram: the lookup runs on the device too (DeviceNGramTier), its proposals verified as one-hot
+    """target <- n-gram: the lookup's proposals (`BatchedNGramTier`) verified by a stepping target as one-hot
     rows; greedy tokens equal the ragged round's, and seeded samples are the same alone or beside other requests."""
     from polyspec.orchestrator.batch_runner import run_requests
     from polyspec.orchestrator.config import parse_config
@@ -455,7 +390,7 @@ def test_an_ngram_drafter_in_the_device_round(tiny_family, temperature):
     for round_kind in ("device", "ragged"):
         chosen = engine(round_kind)
         if round_kind == "device":
-            assert isinstance(chosen.scheduler.tiers[1], DeviceNGramTier)
+            assert chosen.scheduler.tiers[0].steps and isinstance(chosen.scheduler.tiers[1], BatchedNGramTier)
         out = {}
         run_requests(chosen, [chosen.parse_request(r) for r in raws], lambda r: out.__setitem__(r["id"], r))
         results[round_kind] = out
@@ -490,8 +425,7 @@ def test_cuda_graph_round_gives_the_targets_greedy_output(tiny_family, dtype):
 @pytest.mark.parametrize("drafter,tree_width", [("mid", 1), ("ngram", 1), ("mid", 3)])
 def test_lengths_auto_plans_the_device_round(tiny_family, drafter, tree_width):
     """`lengths: auto` on the device round: the goodput planner, fed with the round's own step costs,
-    picks each step's plan (speculation off among the candidates); greedy output stays the target's.
-    With draft trees its lengths stay within a block (3 x 10 nodes of at most 32)."""
+    picks each step's plan (speculation off among the candidates); greedy output stays the target's."""
     from polyspec.orchestrator.batch_runner import run_requests
     from polyspec.orchestrator.config import parse_config
     from polyspec.orchestrator.engine import Engine
@@ -504,7 +438,6 @@ def test_lengths_auto_plans_the_device_round(tiny_family, drafter, tree_width):
 
     auto = engine(["target", drafter], "auto", tree_width)
     assert auto.scheduler.planner is not None
-    assert all(tree_width * max(p.lengths) <= 32 for p in auto.scheduler.planner.plans)
     alone = engine(["target"], [])
     raws = [{"id": str(i), "prompt_ids": p * 3, "max_new_tokens": 20} for i, p in enumerate(PROMPTS)]
     results = {}

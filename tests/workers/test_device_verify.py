@@ -73,7 +73,7 @@ def test_greedy_chains_equal_verify_greedy_with_padding():
     drafts = logits[:, :block].argmax(-1)  # drafts that follow the target ...
     drafts[torch.rand(batch, block, generator=generator) < 0.3] = 0  # ... until they do not
     num_draft = torch.tensor([5, 0, 3, 5, 1, 2, 4])
-    num_accepted, next_tokens = verify_greedy_chains(logits, drafts, num_draft)
+    num_accepted, next_tokens = verify_greedy_chains(logits.argmax(dim=-1), drafts, num_draft)
     for r in range(batch):
         k = int(num_draft[r])
         assert (int(num_accepted[r]), int(next_tokens[r])) == verify_greedy(logits[r, : k + 1].argmax(-1), drafts[r, :k]), r

@@ -117,7 +117,8 @@ def test_static_forward_on_the_int8_copy_equals_the_ragged_forward(tiny_family):
     model = load_quantized(tiny_family["target"], "int8")
     assert step_unsupported(model, CPU) is None and step_unsupported(model, torch.device("cuda")) is not None  # int8: CPU only
     static, ragged = BatchedLlama(model), BatchedLlama(model)
-    pool, cache = static.new_pool(slots=4, max_tokens=8), ragged.new_cache()
+    pool, cache = static.new_cache(4, margin=8, scratch=True), ragged.new_cache()
+    pool.allocate()
     slots = [cache.slot(request) for request in range(3)]
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 200, (9,), generator=generator).tolist() for _ in slots]
@@ -126,7 +127,7 @@ def test_static_forward_on_the_int8_copy_equals_the_ragged_forward(tiny_family):
         for start, rows in ((0, prompts), (9, blocks)):  # a prefill, then a block after it
             width = len(rows[0])
             positions = (start + torch.arange(width)).expand(len(rows), width)
-            static_logits = static.step(pool, torch.tensor(rows), positions, torch.tensor(slots), span=start + width)  # [B, T, V]
+            static_logits, _ = static.step(pool, torch.tensor(rows), positions, positions, torch.tensor(slots), span=start + width)  # [B, T, V]
             ragged_logits = ragged.forward(cache, slots, rows, [0] * len(rows))  # per row [T, V]
             for row in range(len(rows)):
                 assert torch.equal(static_logits[row], ragged_logits[row])
@@ -154,23 +155,27 @@ def test_static_forward_on_an_fp8_model_matches_its_weight_only_forward(fp8_mode
     assert step_unsupported(fp8_model, CPU) is None and step_unsupported(fp8_model, torch.device("cuda")) is None
     assert BatchedLlama.supports(fp8_model, CPU) and BatchedLlama.supports(fp8_model, torch.device("cuda"))
     static = BatchedLlama(fp8_model)
-    pool = static.new_pool(slots=4, max_tokens=8)
+    pool = static.new_cache(4, margin=8, scratch=True)
+    pool.allocate()
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 200, (n,), generator=generator).tolist() for n in (5, 12)]
     ids = torch.tensor([prompt + [0] * (12 - len(prompt)) for prompt in prompts])  # right-padded to one bucket
-    logits = static.step(pool, ids, torch.arange(12).expand(2, 12), torch.tensor([1, 0]), span=16)
+    positions = torch.arange(12).expand(2, 12)
+    logits, _ = static.step(pool, ids, positions, positions, torch.tensor([1, 0]), span=16)
     for row, prompt in enumerate(prompts):
         assert torch.allclose(logits[row, : len(prompt)], reference(fp8_model, prompt), atol=TOLERANCE)
 
 
 def test_an_fp8_decode_step_compiles_whole_and_once_per_bucket(fp8_model):
     static = BatchedLlama(fp8_model)
-    pool = static.new_pool(slots=4, max_tokens=4)
+    pool = static.new_cache(4, margin=4, scratch=True)
+    pool.allocate()
     step = CompiledGraphs(static.step)
     tokens = [3, 4, 5, 6]
-    static.step(pool, torch.tensor([tokens]), torch.arange(4)[None], torch.tensor([1]), 16)
+    static.step(pool, torch.tensor([tokens]), torch.arange(4)[None], torch.arange(4)[None], torch.tensor([1]), 16)
     for _ in range(3):  # one bucket (1 row, 1 token, span 16), new values each step
-        out = step(pool, torch.tensor([[tokens[-1]]]), torch.tensor([[len(tokens) - 1]]), torch.tensor([1]), 16)
+        position = torch.tensor([[len(tokens) - 1]])
+        out, _ = step(pool, torch.tensor([[tokens[-1]]]), position, position, torch.tensor([1]), 16)
         assert torch.allclose(out[0, 0], reference(fp8_model, tokens)[-1], atol=TOLERANCE)
         tokens.append(int(out[0, 0].argmax()))
     assert len(step.graphs) == 1, f"{len(step.graphs)} graphs for one bucket (a graph break or a recompilation)"

@@ -3,9 +3,8 @@
 Its logits match transformers' forward (float32, tolerance 1e-4: batched matrix products may
 round differently in the last bits) for ragged prompts prefilled in one padded batch, single
 tokens, blocks, and blocks rolled back and rewritten; padding rows and columns leave the other
-slots untouched; tree rows (`ancestors`) match the ragged tree forward (`BatchedLlama`, `RowLayout`),
-and a tree grown one level a call (`tree_start`: a drafter's levels) gives the whole tree's logits;
-and a decode step (chain or tree) compiles whole (`fullgraph`), once for every step of a bucket.
+slots untouched; tree rows (a `mask` from `tree_allowed`) match the ragged tree forward (`BatchedLlama`,
+`RowLayout`); and a decode step compiles whole (`fullgraph`), once for every step of a bucket.
 """
 
 from __future__ import annotations
@@ -38,6 +37,17 @@ def reference(model, tokens: list[int]) -> torch.Tensor:
         return model(torch.tensor([tokens])).logits[0]  # [T, V]
 
 
+def run(static, pool, ids, positions, slots, span, mask=None) -> torch.Tensor:
+    """The step's logits, each token written at its rotary position (a chain's)."""
+    return static.step(pool, ids, positions, positions, slots, span, mask)[0]
+
+
+def step_pool(static, slots: int, margin: int):
+    pool = static.new_cache(slots, margin=margin, scratch=True)
+    pool.allocate()
+    return pool
+
+
 def padded(rows: list[list[int]], starts: list[int], width: int):
     """ids and positions [B, width]: row r's tokens at starts[r].., padding continuing past them."""
     ids = torch.tensor([row + [0] * (width - len(row)) for row in rows])
@@ -48,45 +58,45 @@ def padded(rows: list[list[int]], starts: list[int], width: int):
 def test_static_forward_matches_transformers(model):
     static = BatchedLlama(model)
     assert step_unsupported(model, torch.device("cpu")) is None
-    pool = static.new_pool(slots=4, max_tokens=8)
+    pool = step_pool(static, 4, 8)
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 200, (n,), generator=generator).tolist() for n in (5, 12, 1)]
     slots = torch.tensor([2, 0, 3])  # any slots, in any order
     ids, positions = padded(prompts, [0, 0, 0], 12)
-    logits = static.step(pool, ids, positions, slots, span=32)
+    logits = run(static, pool, ids, positions, slots, span=32)
     for r, prompt in enumerate(prompts):
         assert torch.allclose(logits[r, : len(prompt)], reference(model, prompt), atol=TOLERANCE)
     # a block per request, then a rollback of request 0 (host bookkeeping only) and another block written over it
     blocks = [[7, 8, 9], [10], [11, 12, 13]]
     ids, positions = padded(blocks, [len(p) for p in prompts], 3)
-    logits = static.step(pool, ids, positions, slots, span=32)
+    logits = run(static, pool, ids, positions, slots, span=32)
     for r, (prompt, block) in enumerate(zip(prompts, blocks)):
         assert torch.allclose(logits[r, : len(block)], reference(model, prompt + block)[-len(block):], atol=TOLERANCE)
     kept = prompts[0] + [7]  # request 0 keeps one token of its block
     ids, positions = padded([[40, 41]], [len(kept)], 2)
-    logits = static.step(pool, ids, positions, slots[:1], span=32)
+    logits = run(static, pool, ids, positions, slots[:1], span=32)
     assert torch.allclose(logits[0], reference(model, kept + [40, 41])[-2:], atol=TOLERANCE)
     # a padding row writes to the scratch slot only: request 1 is untouched
     ids, positions = padded([[50], [0]], [len(kept) + 2, 0], 1)
-    static.step(pool, ids, positions, torch.tensor([2, pool.scratch_slot]), span=32)
+    run(static, pool, ids, positions, torch.tensor([2, pool.scratch_slot]), span=32)
     ids, positions = padded([[60]], [len(prompts[1]) + 1], 1)
-    logits = static.step(pool, ids, positions, torch.tensor([0]), span=32)
+    logits = run(static, pool, ids, positions, torch.tensor([0]), span=32)
     assert torch.allclose(logits[0], reference(model, prompts[1] + [10, 60])[-1:], atol=TOLERANCE)
 
 
 def test_a_decode_step_compiles_whole_and_once_per_bucket(model):
     static = BatchedLlama(model)
-    pool = static.new_pool(slots=4, max_tokens=4)
+    pool = step_pool(static, 4, 4)
     step = CompiledGraphs(static.step)
     prompt = [3, 4, 5, 6]
     ids, positions = padded([prompt], [0], 4)
-    static.step(pool, ids, positions, torch.tensor([1]), span=16)
+    run(static, pool, ids, positions, torch.tensor([1]), span=16)
     tokens = list(prompt)
     for step_index in range(3):  # the same bucket (1 row, 1 token, span 16), new values each step
         ids = torch.tensor([[tokens[-1]]])
         positions = torch.tensor([[len(tokens) - 1]])
         eager = reference(model, tokens)[-1]
-        out = step(pool, ids, positions, torch.tensor([1]), 16)
+        out, _ = step(pool, ids, positions, positions, torch.tensor([1]), 16)
         assert torch.allclose(out[0, 0], eager, atol=TOLERANCE)
         tokens.append(int(out[0, 0].argmax()) if step_index else 9)
     assert len(step.graphs) == 1, f"{len(step.graphs)} graphs for one bucket (a graph break or a recompilation)"
@@ -101,77 +111,38 @@ def test_tree_rows_match_the_ragged_tree_forward(model):
     from polyspec.workers.tiers.batched_llama import BatchedLlama, RowLayout
 
     static, batched = BatchedLlama(model), BatchedLlama(model)
-    pool, cache = static.new_pool(slots=3, max_tokens=8), batched.new_cache()
+    pool, cache = step_pool(static, 3, 8), batched.new_cache()
     prompts = [[5, 9, 2, 7, 1], [3, 3, 8], [11, 4, 6, 2]]
     trees = [DraftTree([20, 21, 22, 23, 24, 25], [-1, -1, 0, 1, 2, 0], None), DraftTree([30, 31, 32, 33], [-1, 0, -1, 2], None),
              DraftTree.chain([40, 41, 42], None)]
     slots = torch.tensor([0, 1, 2, pool.scratch_slot])  # the last row is padding
     width, span = 6, 16
     ids, positions = padded(prompts + [[0]], [0, 0, 0, 0], width)
-    static.step(pool, ids, positions, slots, span)
+    run(static, pool, ids, positions, slots, span)
     cache_slots = [cache.slot(r) for r in range(3)]
     batched.forward(cache, cache_slots, prompts, [len(p) for p in prompts])
 
     layouts = []
-    ancestors = torch.eye(width, dtype=torch.bool).repeat(4, 1, 1)  # [B, T, T] padding columns see themselves
-    tree_positions = torch.zeros(4, width, dtype=torch.long)
+    write_at = torch.tensor([len(p) for p in prompts] + [1])[:, None] + torch.arange(width)[None]  # [B, T]
+    mask = (torch.arange(span)[None, None, :] <= write_at[:, :, None])[:, None].clone()  # [B, 1, T, span] causal
+    tree_positions = write_at.clone()
     for r, (prompt, tree) in enumerate(zip(prompts, trees)):
         prefix, depths = len(prompt), tree.depths()
         cached_at = list(range(prefix, prefix + len(tree)))
         allowed = tree_allowed(tree.parents, cached_at, list(range(len(tree))), prefix, 0, prefix + len(tree))
         layouts.append(RowLayout([prefix + d for d in depths], allowed))
-        ancestors[r, : len(tree), : len(tree)] = allowed[:, prefix:]
-        tree_positions[r] = torch.tensor([prefix + d for d in depths] + list(range(prefix + len(tree), prefix + width)))[:width]
+        mask[r, 0, : len(tree)] = False
+        mask[r, 0, : len(tree), : prefix + len(tree)] = allowed
+        tree_positions[r, : len(tree)] = torch.tensor([prefix + d for d in depths])
     ids = torch.tensor([tree.tokens + [0] * (width - len(tree)) for tree in trees] + [[0] * width])
-    logits = static.step(pool, ids, tree_positions, slots, span, ancestors)
+    logits = static.step(pool, ids, tree_positions, write_at, slots, span, mask)[0]
     expected = batched.forward(cache, cache_slots, [tree.tokens for tree in trees], [0, 0, 0], layouts)
     for r, tree in enumerate(trees):
         assert torch.allclose(logits[r, : len(tree)], expected[r], atol=TOLERANCE), r
     chain_row = slots[2:3]
     chain_ids, chain_positions = padded([trees[2].tokens], [len(prompts[2])], 3)
-    as_chain = static.step(pool, chain_ids, chain_positions, chain_row, span)
-    as_tree = static.step(pool, chain_ids, chain_positions, chain_row, span, torch.ones(1, 3, 3, dtype=torch.bool).tril())
+    as_chain = run(static, pool, chain_ids, chain_positions, chain_row, span)
+    causal = (torch.arange(span)[None, None, :] <= chain_positions[:, :, None])[:, None]
+    as_tree = run(static, pool, chain_ids, chain_positions, chain_row, span, causal)
     assert torch.equal(as_chain, as_tree)
     assert torch.allclose(as_chain[0], reference(model, prompts[2] + trees[2].tokens)[-3:], atol=TOLERANCE)
-
-
-def test_a_tree_grown_one_level_a_call_matches_the_whole_tree(model):
-    """`tree_start`: a drafter's tree of 3 chains fed one level a call (level l's node of chain w cached at
-    prefix + l * 3 + w, seeing its own chain's columns) gives the logits of the same tree fed whole."""
-    from polyspec.workers.core.tree import DraftTree, tree_allowed
-
-    static = BatchedLlama(model)
-    pool = static.new_pool(slots=2, max_tokens=12)
-    prompt, width, levels = [5, 9, 2, 7, 1], 3, 3
-    tokens = [20, 21, 22, 30, 31, 32, 40, 41, 42]  # level-major: node l * width + w is chain w's node at depth l
-    tree = DraftTree(tokens, [-1] * width + list(range(len(tokens) - width)), None)
-    prefix, span = len(prompt), 32
-    slots = torch.tensor([0, 1])
-    ids, positions = padded([prompt, prompt], [0, 0], prefix)
-    static.step(pool, ids, positions, slots, span)
-    cached_at = list(range(prefix, prefix + len(tree)))
-    allowed = tree_allowed(tree.parents, cached_at, list(range(len(tree))), prefix, 0, prefix + len(tree))
-    whole = static.step(pool, torch.tensor([tokens]), torch.tensor([[prefix + d for d in tree.depths()]]), slots[:1], span,
-                           allowed[None, :, prefix:])
-    for level in range(levels):
-        columns = (level + 1) * width
-        ancestors = (torch.arange(columns) % width == torch.arange(width)[:, None])[None]  # [1, W, C] each node its own chain
-        level_ids, level_positions = torch.tensor([tokens[level * width: columns]]), torch.full((1, width), prefix + level)
-        grown = static.step(pool, level_ids, level_positions, slots[1:], span, ancestors, torch.tensor([prefix]))
-        assert torch.allclose(grown[0], whole[0, level * width: columns], atol=TOLERANCE), level
-    for layer_keys in pool.keys:  # each level's nodes cached where the whole tree's are
-        assert torch.allclose(layer_keys[1, :, : prefix + len(tree)], layer_keys[0, :, : prefix + len(tree)], atol=TOLERANCE)
-
-
-def test_a_tree_step_compiles_whole(model):
-    static = BatchedLlama(model)
-    pool = static.new_pool(slots=2, max_tokens=4)
-    step = CompiledGraphs(static.step)
-    # node 0 under the root, nodes 1 and 2 under node 0
-    ancestors = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)[None].expand(2, 3, 3)
-    for start in (4, 6):  # the same bucket, new values
-        ids, positions = torch.tensor([[7, 8, 9], [1, 2, 3]]), torch.tensor([[start, start + 1, start + 1]] * 2)
-        assert torch.equal(step(pool, ids, positions, torch.tensor([0, 1]), 16, ancestors),
-                           static.step(pool, ids, positions, torch.tensor([0, 1]), 16, ancestors))
-    assert len(step.graphs) == 1
-    step.close()

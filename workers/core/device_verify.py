@@ -46,19 +46,23 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def stream_uniforms(seeds: torch.Tensor, counters: torch.Tensor, domain: int, count: int) -> torch.Tensor:
-    """[B, count] float32 uniforms in (0, 1): request r's draws number 0 .. count-1 of round
-    `counters[r]` in `domain`. seeds: [B] int64 (63-bit), counters: [B] int64."""
-    index = torch.arange(count, device=seeds.device, dtype=torch.int64)  # [count]
+def stream_uniforms(seeds: torch.Tensor, counters: torch.Tensor, domain: int, count: int,
+                    first: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, count] float32 uniforms in (0, 1): request r's draws number first[r] .. first[r] + count - 1
+    (`first` None: 0 ..) of round `counters[r]` in `domain`. seeds: [B] int64 (63-bit), counters: [B] int64."""
+    index = torch.arange(count, device=seeds.device, dtype=torch.int64)[None, :]  # [1, count]
+    if first is not None:
+        index = index + first[:, None]
     lo, hi = seeds & MASK32, (seeds >> 32) & MASK32
     key = _mix32(lo ^ _mix32(hi ^ _mix32((counters * DOMAINS + domain) & MASK32)))  # [B]
-    bits = _mix32(key[:, None] ^ _mix32(index[None, :]))  # [B, count]
+    bits = _mix32(key[:, None] ^ _mix32(index))  # [B, count]
     return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # 24 bits: exact in float32, never 0 or 1
 
 
-def stream_exponentials(seeds: torch.Tensor, counters: torch.Tensor, domain: int, count: int) -> torch.Tensor:
+def stream_exponentials(seeds: torch.Tensor, counters: torch.Tensor, domain: int, count: int,
+                        first: torch.Tensor | None = None) -> torch.Tensor:
     """[B, count] float32 Exp(1) noise, from the same streams."""
-    return -torch.log(stream_uniforms(seeds, counters, domain, count))
+    return -torch.log(stream_uniforms(seeds, counters, domain, count, first))
 
 
 # ------------------------------------------------------------------------------------ warp
@@ -100,12 +104,11 @@ def warp_batch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Ten
 # ---------------------------------------------------------------------------- verification
 
 
-def verify_greedy_chains(target_logits: torch.Tensor, draft_tokens: torch.Tensor, num_draft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`verify_chains` for a batch whose requests are all greedy, from the logits (no warp, no draws).
+def verify_greedy_chains(target_argmax: torch.Tensor, draft_tokens: torch.Tensor, num_draft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`verify_chains` for requests that are all greedy, from the target's argmax tokens (no warp, no draws).
 
-    target_logits: [B, k + 1, V]; draft_tokens: [B, k]; num_draft: [B] (the rest of a row is padding).
+    target_argmax: [B, k + 1] int64; draft_tokens: [B, k]; num_draft: [B] (the rest of a row is padding).
     Returns (num_accepted [B], next_tokens [B])."""
-    target_argmax = target_logits.argmax(dim=-1)  # [B, k + 1]
     block = draft_tokens.shape[1]
     columns = torch.arange(block, device=draft_tokens.device)[None, :]
     matches = (target_argmax[:, :block] == draft_tokens) & (columns < num_draft[:, None])  # [B, k]
@@ -170,3 +173,58 @@ def emitted_tokens(draft_tokens: torch.Tensor, cu_num_draft: torch.Tensor, num_a
     drafted = draft_tokens[flat] if draft_tokens.shape[0] else torch.zeros(num_requests, max_draft + 1, dtype=torch.int64, device=device)
     out = torch.where(columns < num_accepted[:, None], drafted, torch.full_like(drafted, PLACEHOLDER_TOKEN_ID))
     return torch.where(columns == num_accepted[:, None], next_tokens[:, None].expand_as(out), out)
+
+
+# ------------------------------------------------------------------------------- drafting
+
+
+GREEDY, PLAIN, TRUNCATED = "greedy", "plain", "truncated"  # a call's sampling: every request greedy; no top-k / top-p; some
+
+
+def sampling_mode(params) -> str:
+    """The cheapest warp that serves every request of a call (a static choice: one graph each)."""
+    if all(p.greedy for p in params):
+        return GREEDY
+    return TRUNCATED if any(p.top_k > 0 or p.top_p < 1.0 for p in params) else PLAIN
+
+
+def confidence(logits: torch.Tensor) -> torch.Tensor:
+    """The top probability of each row at temperature 1: an early-exit drafter's stopping signal."""
+    return torch.softmax(logits.float(), dim=-1).amax(dim=-1)
+
+
+def draw_tokens(logits: torch.Tensor, mode: str, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                greedy: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor,
+                first: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A drafter's next token for each row of `logits` [R, V]: the warp (`warp_batch`), then one draw from the
+    row's stream (DOMAIN_DRAFT, round `counters`, draws first[r] .. first[r] + V - 1: a tree level's node w reads
+    w * V ..), by the exponential race; a greedy row takes its argmax. Returns (tokens [R], rows [R, V] float32:
+    the warped rows, or the logits when `mode` is GREEDY, whose rows nobody reads)."""
+    if mode == GREEDY:
+        return logits.argmax(dim=-1), logits.float()
+    probs = warp_batch(logits, temperature, top_k, top_p, truncate=mode == TRUNCATED)
+    sampled = torch.argmax(probs / stream_exponentials(seeds, counters, DOMAIN_DRAFT, probs.shape[-1], first), dim=-1)
+    return torch.where(greedy, probs.argmax(dim=-1), sampled), probs
+
+
+def root_candidates(logits: torch.Tensor, mode: str, width: int, without_replacement: bool, temperature: torch.Tensor,
+                    top_k: torch.Tensor, top_p: torch.Tensor, greedy: torch.Tensor, seeds: torch.Tensor,
+                    counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A tree root's `width` children per row of `logits` [R, V]: the top `width` when greedy; else drawn from the
+    row's stream (DOMAIN_DRAFT, round `counters`): without replacement (Gumbel-top-k over one draw's noise: RSD's
+    rule), otherwise i.i.d. (candidate w: the exponential race over draws w * V ..). Returns (tokens [R, W];
+    valid [R, W]: False for a candidate without replacement past the row's support, these come last;
+    rows [R, V], as `draw_tokens`')."""
+    top = logits.topk(width, dim=-1).indices  # [R, W]
+    if mode == GREEDY:
+        return top, torch.ones_like(top, dtype=torch.bool), logits.float()
+    probs = warp_batch(logits, temperature, top_k, top_p, truncate=mode == TRUNCATED)
+    rows, vocab = probs.shape
+    if without_replacement:  # log q + Gumbel; log 0 = -inf: a token outside the support comes last
+        gumbel = -torch.log(stream_exponentials(seeds, counters, DOMAIN_DRAFT, vocab))  # [R, V]
+        sampled = (torch.log(probs) + gumbel).topk(width, dim=-1).indices
+    else:
+        noise = stream_exponentials(seeds, counters, DOMAIN_DRAFT, width * vocab).view(rows, width, vocab)
+        sampled = torch.argmax(probs[:, None, :] / noise, dim=-1)  # [R, W]
+    tokens = torch.where(greedy[:, None], top, sampled)
+    return tokens, greedy[:, None] | (probs.gather(1, tokens) > 0), probs

@@ -15,8 +15,6 @@ import dataclasses
 
 import torch
 
-from polyspec.workers.core.sampling import warp_logits
-
 
 @dataclasses.dataclass
 class DraftTree:
@@ -208,20 +206,3 @@ def windowed_mask(mask: torch.Tensor, query_positions: list[int], slot_positions
     slots = torch.tensor(slot_positions, dtype=torch.long)[None, :]  # [1, S]
     outside = (queries - slots) >= window  # [Q, S]; transformers' overlay keeps kv > q - window
     return mask.masked_fill(outside[None, None], torch.finfo(mask.dtype).min)
-
-
-def grow_level(tree: DraftTree, frontier: list[int], logits: torch.Tensor, level: int, depths: list[int],
-               rows: list[torch.Tensor], params, generator: torch.Generator | None) -> list[int]:
-    """One level of a drafter's tree: for each frontier node, draw one child token from the
-    node's row of `logits` ([len(frontier), V], warped with `params`: argmax when greedy) and
-    append it to `tree`, its row to `rows` and `level` to `depths`. Returns the new frontier."""
-    next_frontier = []
-    for node, node_logits in zip(frontier, logits):
-        probs = warp_logits(node_logits, params)
-        token = int(probs.argmax()) if params.greedy else int(torch.multinomial(probs, 1, generator=generator))
-        tree.tokens.append(token)
-        tree.parents.append(node)
-        rows.append(probs)
-        depths.append(level)
-        next_frontier.append(len(tree.tokens) - 1)
-    return next_frontier

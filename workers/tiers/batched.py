@@ -29,8 +29,18 @@ order whatever else is in the batch, so seeding means the same thing batched or 
 runs a model through the one forward (`BatchedLlama`) on its KV pool (`SlotCache`);
 `BatchedNGramTier` answers the n-gram lookup from an index per request, kept up to date as the
 context grows and rolled back with it; `BatchedFeatureTier` (polyspec.workers.tiers.batched_feature)
-runs a feature head the same way. The device round's tiers (polyspec.workers.tiers.static_tier)
-and a distributed chain's remote tier implement the same protocol.
+runs a feature head the same way; a distributed chain's remote tier implements the same protocol.
+
+A model tier made with `steps` decodes in static-shape steps (`BatchedLlama.step`: requests padded to a
+power of two, tokens to the widest row, the attended span to a power of two), each bucket captured once
+as a CUDA graph on CUDA; its logits, draws (`Draws`) and verdicts (`verify_blocks`) stay on the device
+until the tokens' one copy to the host. Prompts, and blocks wider than a step, go through the ragged
+forward on the same pool.
+
+Randomness: a request's draws come from counter-based streams keyed by its random stream at this tier
+(polyspec.workers.core.sampling.RandomStream: `key`, and `take()` for fresh counters;
+polyspec.workers.core.device_verify's domains), never from the batch: a seeded request draws the same
+tokens alone or in any batch, with or without steps, on any device.
 """
 
 from __future__ import annotations
@@ -40,15 +50,87 @@ import time
 
 import torch
 
-from polyspec.workers.core.sampling import SamplingParams, warp_logits
-from polyspec.workers.core.tree import DraftTree, grow_level, path_rows, tree_allowed, verify_block
-from polyspec.workers.tiers.batched_llama import BatchedLlama, PendingTree, RowLayout
+from polyspec.workers.core.device_tree_verify import pack_trees, tree_draws, verify_greedy_trees, verify_trees
+from polyspec.workers.core.device_verify import (
+    DOMAIN_ACCEPT,
+    DOMAIN_NEXT,
+    confidence,
+    draw_tokens,
+    root_candidates,
+    sampling_mode,
+    stream_exponentials,
+    stream_uniforms,
+    verify_chains,
+    verify_greedy_chains,
+)
+from polyspec.workers.core.sampling import RandomStream, SamplingParams, warp_logits
+from polyspec.workers.core.tree import DraftTree, path_rows, tree_allowed
+from polyspec.workers.tiers.batched_llama import BatchedLlama, PendingTree, RowLayout, step_unsupported
 from polyspec.workers.tiers.loading import return_freed_memory
-from polyspec.workers.tiers.tier import ModelTier, NGramTier, Tier, confidence, copy_forward, first_candidates
+from polyspec.workers.tiers.tier import ModelTier, NGramTier, Tier, copy_forward
 
 # a forward's cost beyond its tokens' (reading every weight once), in prompt tokens of one row: on an EPYC core
 # (one thread, Qwen2.5-Coder-1.5B) a 4-row one-token step costs what ~13 (int8 copy) / ~24 (bfloat16) prefill tokens do
 FORWARD_COST_TOKENS = 24
+
+
+MAX_STEP_TOKENS = 32  # the most tokens a row feeds in one static step (a block and its root, a tree's nodes)
+STEP_MARGIN = MAX_STEP_TOKENS + 2  # positions a stepping tier's slot holds past its context: a step's padding columns
+MIN_SPAN = 64  # the smallest attended span bucket of a step
+
+
+def bucket(value: int, smallest: int = 1) -> int:
+    """The power of two at or above `value` (at least `smallest`)."""
+    size = smallest
+    while size < value:
+        size *= 2
+    return size
+
+
+class StepGraphs:
+    """Each step captured once per bucket as a CUDA graph and replayed with new inputs (on CUDA); called directly
+    elsewhere. The inputs are copied into the graph's own buffers before each replay; the outputs are the graph's
+    buffers (read them before the next replay)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.graphs: dict[tuple, tuple] = {}
+        self.memory_pool = None
+
+    def run(self, key: tuple, step, tensors: list[torch.Tensor]):
+        """`step(*tensors)`, replayed from the graph captured for `key` (the bucket: whatever fixes the shapes)."""
+        if not self.enabled:
+            return step(*tensors)
+        entry = self.graphs.get(key)
+        if entry is None:
+            buffers = [t.clone() for t in tensors]
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up outside the capture (the same inputs: its writes are the replay's)
+                step(*buffers)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            if self.memory_pool is None:
+                self.memory_pool = torch.cuda.graph_pool_handle()
+            with torch.cuda.graph(graph, pool=self.memory_pool):
+                outputs = step(*buffers)
+            entry = self.graphs[key] = (graph, buffers, outputs)
+        graph, buffers, outputs = entry
+        for buffer, tensor in zip(buffers, tensors):
+            buffer.copy_(tensor, non_blocking=True)
+        graph.replay()
+        return outputs
+
+
+def _head_layout(layout: RowLayout, head: int) -> RowLayout:
+    """A tree row's layout for its first `head` tokens (the linear tail before its nodes)."""
+    start = layout.allowed.shape[1] - len(layout.positions)
+    return RowLayout(layout.positions[:head], layout.allowed[:head, : start + head])
+
+
+def _tail_layout(layout: RowLayout, head: int) -> RowLayout:
+    """A tree row's layout for its tokens after the first `head` (fed by an earlier forward)."""
+    return RowLayout(layout.positions[head:], layout.allowed[head:], layout.key_positions)
 
 
 def prefill_cuts(lengths: list[int], forward_cost: int = FORWARD_COST_TOKENS) -> list[int]:
@@ -76,6 +158,124 @@ def prefill_cuts(lengths: list[int], forward_cost: int = FORWARD_COST_TOKENS) ->
         cuts.append(points[j])
         j = previous[j]
     return cuts[::-1]
+
+
+def stream_key(generator, rounds: int = 1) -> tuple[int, int]:
+    """(key, first counter) of `rounds` rounds of draws from a request's stream at a tier; a profile's calls pass None."""
+    if generator is None:
+        return 0, 0
+    if isinstance(generator, RandomStream):
+        return generator.key, generator.take(rounds)
+    # another torch.Generator: a fresh key drawn from it (seeded, it gives the same draws again)
+    return int(torch.randint(1 << 62, (1,), generator=generator)), 0
+
+
+@dataclasses.dataclass
+class Draws:
+    """A call's requests' sampling parameters and random streams as columns on the device, one entry per request:
+    what every draw (polyspec.workers.core.device_verify.draw_tokens) and verdict of the call reads. A request's
+    draws are keyed by its stream and a counter, never by the batch, so a seeded request draws the same alone or
+    in any batch, on any device."""
+
+    mode: str
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    greedy: torch.Tensor
+    seeds: torch.Tensor
+    counters: torch.Tensor
+
+    @classmethod
+    def of(cls, params: list[SamplingParams], generators, rounds: list[int], device) -> "Draws":
+        """`rounds[r]` rounds taken from request r's stream (a block's tokens, a tree's levels, one verdict)."""
+        keys = [stream_key(g, n) for g, n in zip(generators, rounds)]
+
+        def column(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+        return cls(sampling_mode(params), column([p.temperature for p in params], torch.float32),
+                   column([p.top_k for p in params], torch.long), column([p.top_p for p in params], torch.float32),
+                   column([p.greedy for p in params], torch.bool), column([k for k, _ in keys], torch.long),
+                   column([c for _, c in keys], torch.long))
+
+    def draw(self, logits: torch.Tensor, index: torch.Tensor, round: int | torch.Tensor = 0,
+             first: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`draw_tokens` for rows of `logits` [R, V] that belong to requests `index` [R], in round `round` of the
+        rounds taken (draws first[r] .. of it)."""
+        return draw_tokens(logits, self.mode, self.temperature[index], self.top_k[index], self.top_p[index], self.greedy[index],
+                           self.seeds[index], self.counters[index] + round, first)
+
+    def roots(self, logits: torch.Tensor, index: torch.Tensor, width: int, without_replacement: bool):
+        """`root_candidates` for rows of `logits` [R, V] of requests `index` (their first round)."""
+        return root_candidates(logits, self.mode, width, without_replacement, self.temperature[index], self.top_k[index],
+                               self.top_p[index], self.greedy[index], self.seeds[index], self.counters[index])
+
+
+def verify_blocks(scored: list[torch.Tensor], blocks: list[DraftTree], params: list[SamplingParams], generators,
+                  scheme: str) -> list[tuple[list[int], int]]:
+    """Each request's verdict on its block, (accepted path, next token), from the verifier's warped rows
+    `scored[r]` [len(block) + 1, V]: the chains by the tensor verifier of chains (greedy ones from the argmax
+    alone), the trees by the tree verifier (`scheme`), each request drawing from one round of its stream
+    (device_verify's domains: a seeded request's verdict is the same alone or in any batch). A block that
+    carries no draft rows (a lookup's proposals) is a point mass."""
+    device = scored[0].device
+    draws = Draws.of(params, generators, [1] * len(blocks), device)
+    out: list[tuple[list[int], int] | None] = [None] * len(blocks)
+    greedy = [r for r, (b, p) in enumerate(zip(blocks, params)) if b.is_chain() and p.greedy]
+    sampled = [r for r, (b, p) in enumerate(zip(blocks, params)) if b.is_chain() and not p.greedy]
+    trees = [r for r, b in enumerate(blocks) if not b.is_chain()]
+    if greedy:
+        width = max(len(blocks[r]) for r in greedy)
+        argmax = torch.stack([torch.nn.functional.pad(scored[r].argmax(dim=-1), (0, width - len(blocks[r]))) for r in greedy])
+        drafts = torch.tensor([blocks[r].tokens + [0] * (width - len(blocks[r])) for r in greedy], dtype=torch.long, device=device)
+        accepted, following = verify_greedy_chains(argmax, drafts, torch.tensor([len(blocks[r]) for r in greedy], device=device))
+        for r, n, token in zip(greedy, accepted.tolist(), following.tolist()):
+            out[r] = (list(range(n)), token)
+    if sampled:
+        index = torch.tensor(sampled, device=device)
+        lengths = [len(blocks[r]) for r in sampled]
+        cu_num_draft = torch.tensor([0] + lengths, device=device).cumsum(0)
+        tokens = torch.tensor([t for r in sampled for t in blocks[r].tokens], dtype=torch.long, device=device)
+        vocab = scored[sampled[0]].shape[-1]
+        draft_rows = [_draft_rows(blocks[r], vocab, device) for r in sampled]
+        accepted, following = verify_chains(
+            torch.cat([scored[r] for r in sampled]), torch.cat(draft_rows) if tokens.numel() else torch.zeros(0, vocab, device=device),
+            tokens, cu_num_draft, draws.greedy[index], stream_uniforms(draws.seeds[index], draws.counters[index], DOMAIN_ACCEPT,
+                                                                        max(lengths)).reshape(-1)[_flat_index(lengths, max(lengths))],
+            stream_exponentials(draws.seeds[index], draws.counters[index], DOMAIN_NEXT, vocab))
+        for r, n, token in zip(sampled, accepted.tolist(), following.tolist()):
+            out[r] = (list(range(n)), token)
+    if trees:
+        index = torch.tensor(trees, device=device)
+        vocab = scored[trees[0]].shape[-1]
+        nodes = max(len(blocks[r]) for r in trees)
+        node_tokens, parents, num_nodes, draft_probs = pack_trees([blocks[r] for r in trees], nodes, vocab, device)
+        target = torch.zeros(len(trees), nodes + 1, vocab, device=device)
+        for row, r in enumerate(trees):
+            target[row, : len(blocks[r]) + 1] = scored[r]
+        depth = max(max(blocks[r].depths(), default=-1) + 1 for r in trees)
+        width = max(max([blocks[r].parents.count(p) for p in set(blocks[r].parents)], default=0) for r in trees)
+        if all(params[r].greedy for r in trees):
+            path, path_len, following = verify_greedy_trees(target, node_tokens, parents, num_nodes, depth, max(width, 1))
+        else:
+            path, path_len, following = verify_trees(target, draft_probs, node_tokens, parents, num_nodes, draws.greedy[index],
+                                                     *tree_draws(draws.seeds[index], draws.counters[index], nodes, vocab), scheme,
+                                                     depth, max(width, 1))
+        for r, nodes_of, n, token in zip(trees, path.tolist(), path_len.tolist(), following.tolist()):
+            out[r] = (nodes_of[:n], token)
+    return out
+
+
+def _flat_index(lengths: list[int], width: int) -> torch.Tensor:
+    """The positions of ragged rows of `lengths` in their padded [len(lengths), width] layout, flattened."""
+    return torch.tensor([r * width + j for r, n in enumerate(lengths) for j in range(n)], dtype=torch.long)
+
+
+def _draft_rows(block: DraftTree, vocab: int, device) -> torch.Tensor:
+    """A chain block's draft rows [k, V] on `device`; a lookup's proposals (no rows) as point masses."""
+    if block.draft_rows is not None:
+        return block.draft_rows.to(device, torch.float32)
+    return torch.nn.functional.one_hot(torch.tensor(block.tokens, dtype=torch.long, device=device), vocab).float()
 
 
 @dataclasses.dataclass
@@ -151,17 +351,14 @@ class BatchedTier:
 
     def verify_batch(self, seq_ids, contexts, blocks: list[DraftTree], params: list[SamplingParams], generators,
                      want_rows: bool = False, scheme: str = "specinfer", below: "BatchedTier | None" = None) -> list[Verdict]:
-        """Score every request's block (`score_batch`) and verify it with the request's own
-        generator: a chain by the greedy rule, or speculative sampling against the block's draft
-        rows (a lookup's proposals, which carry none, as point masses); a tree by `verify_tree`
-        with the multi-draft `scheme`, after which this tier and `below` (the tier that drafted
-        it) keep only the accepted path (`accept_path`). `want_rows`: return the rows of the
-        emitted tokens (a middle tier passes them up). This is the slow, obvious form; a tier
-        whose step verifies on the device (polyspec.workers.tiers.static_tier) overrides it."""
-        out = []
+        """Score every request's block (`score_batch`) and verify it (`verify_blocks`: a chain by the greedy rule or
+        speculative sampling against the block's draft rows; a tree by the multi-draft `scheme`), after which this
+        tier and `below` (the tier that drafted a tree) keep only the accepted path (`accept_path`). `want_rows`:
+        return the rows of the emitted tokens (a middle tier passes them up)."""
         scored = self.score_batch(seq_ids, contexts, blocks, params)
-        for seq_id, block, target_probs, p, generator in zip(seq_ids, blocks, scored, params, generators):
-            path, next_token = verify_block(target_probs, block, scheme, p.greedy, generator)
+        out = []
+        for seq_id, block, target_probs, p, (path, next_token) in zip(seq_ids, blocks, scored, params,
+                                                                     verify_blocks(scored, blocks, params, generators, scheme)):
             if not block.is_chain():
                 self.accept_path(seq_id, path)
                 if below is not None:
@@ -191,16 +388,35 @@ class BatchedTier:
 class BatchedModelTier(BatchedTier):
     """A Llama-architecture `ModelTier` whose open requests share one slot cache and one forward per call."""
 
-    def __init__(self, tier: ModelTier, max_slots: int | None = None, model: BatchedLlama | None = None) -> None:
-        """`model`: the tier's forward when another runtime tier of the same model made it already (a pool of its own)."""
+    def __init__(self, tier: ModelTier, max_slots: int | None = None, model: BatchedLlama | None = None, steps: bool = False,
+                 context: int | None = None) -> None:
+        """`model`: the tier's forward when another runtime tier of the same model made it already (a pool of its own).
+        `steps`: its decoding forwards (blocks, drafted tokens, tree levels: at most MAX_STEP_TOKENS a row) run as
+        static-shape steps (`BatchedLlama.step`), replayed as CUDA graphs on CUDA, with its logits, draws and
+        verdicts on the device; prompts still go through the ragged forward. A model the step does not cover
+        (`step_unsupported`) runs the ragged forward throughout. `context`: positions each request's KV holds
+        (default: the model's)."""
         super().__init__(tier)
         if model is None:
             model = BatchedLlama(tier.model)
             return_freed_memory()  # moving weights to oneDNN (block_linear) freed the dense copies in pieces
         self.model = model
-        self.cache = self.model.new_cache(max_slots)
+        self.steps = steps and step_unsupported(tier.model, model.device) is None
+        if self.steps:
+            self.cache = model.new_cache(max_slots, context, margin=STEP_MARGIN, scratch=True)
+            self.graphs = StepGraphs(model.device.type == "cuda")
+        else:
+            self.cache = model.new_cache(max_slots, context)
+        if context:
+            self.max_context = min(x for x in (context, tier.max_context) if x)
         self.caches_prompts = True
         self.threads = tier.threads
+        # where its forwards' logits come back, and its draws and verdicts are made
+        self.logits_device = model.device if self.steps else torch.device("cpu")
+
+    @property
+    def profile_kind(self) -> str:  # what its start-up profile times (steps, or the ragged forward)
+        return "device" if self.steps else "batched"
 
     def release(self, seq_id) -> None:
         self.cache.release(seq_id)
@@ -274,11 +490,17 @@ class BatchedModelTier(BatchedTier):
         return RowLayout(positions, allowed)
 
     def _forward(self, slots: list[int], feeds: list[list[int]], outputs: list[int], layouts=None) -> list[torch.Tensor]:
+        """Append `feeds[r]` to slot `slots[r]`; each row's logits [len(feeds[r]) - outputs[r], V] float32 on
+        `logits_device`, of its positions from `outputs[r]` on."""
         if self.threads and torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)
         started = time.perf_counter()
-        logits = self.model.forward(self.cache, slots, feeds, outputs, layouts)  # on the CPU
-        logits = [row[:, : self.vocab_size].float() for row in logits]
+        wanted = [len(feed) - output for feed, output in zip(feeds, outputs)]
+        if self.steps and any(wanted) and max(wanted) <= MAX_STEP_TOKENS:
+            logits = self._step(slots, feeds, outputs, layouts)
+        else:
+            logits = self.model.forward(self.cache, slots, feeds, outputs, layouts)  # on the CPU
+            logits = [row[:, : self.vocab_size].to(self.logits_device, torch.float32) for row in logits]
         if self.model.device.type == "cuda":  # a forward with no logits (a prefill) returns before its kernels end
             torch.cuda.synchronize(self.model.device)
         seconds = time.perf_counter() - started
@@ -287,6 +509,62 @@ class BatchedModelTier(BatchedTier):
         self.tier.forwarded_tokens += sum(len(f) for f in feeds)
         self.log_forward(len(slots), max(len(f) for f in feeds), seconds)
         return logits
+
+    @torch.inference_mode()
+    def _step(self, slots: list[int], feeds: list[list[int]], outputs: list[int], layouts=None) -> list[torch.Tensor]:
+        """`_forward` as one static step (`BatchedLlama.step`) over the rows' last tokens: requests padded to a
+        power of two (the scratch slot's rows), tokens to the widest row's, the attended span to a power of two
+        (at least MIN_SPAN); a row's tokens before its first wanted logit, beyond what a step carries, are fed by
+        the ragged forward first. One graph per bucket (requests, tokens, span, trees) on CUDA."""
+        heads = [max(0, len(feed) - MAX_STEP_TOKENS) for feed in feeds]  # (before every wanted logit: the caller's bound)
+        early = [r for r, head in enumerate(heads) if head > 0]
+        if early:  # long tails (a prompt's last chunk): their heads through the ragged forward, no logits
+            self.model.forward(self.cache, [slots[r] for r in early], [feeds[r][: heads[r]] for r in early],
+                               [heads[r] for r in early], [None if not layouts or layouts[r] is None else _head_layout(layouts[r], heads[r])
+                                                          for r in early] if layouts and any(layouts) else None)
+        feeds = [feed[head:] for feed, head in zip(feeds, heads)]
+        outputs = [output - head for output, head in zip(outputs, heads)]
+        layouts = [None if not layouts or layouts[r] is None else _tail_layout(layouts[r], heads[r]) for r in range(len(feeds))]
+        count, width = len(slots), max(len(feed) for feed in feeds)
+        rows = bucket(count)
+        starts = [self.cache.length(slot) for slot in slots]
+        end = max(start + len(feed) for start, feed in zip(starts, feeds))
+        self.cache.reserve(max(slots) + 1, end)
+        span = min(bucket(end, MIN_SPAN), self.cache.capacity)
+        ids = torch.zeros(rows, width, dtype=torch.long)
+        write_at = torch.zeros(rows, width, dtype=torch.long)
+        for r, (start, feed) in enumerate(zip(starts, feeds)):
+            ids[r, : len(feed)] = torch.tensor(feed)
+            write_at[r] = start + torch.arange(width)
+        rotary = write_at.clone()
+        trees = [r for r, layout in enumerate(layouts) if layout is not None]
+        mask = None
+        if trees:  # chain rows see their slot up to their own position; a tree row as its layout says
+            mask = (torch.arange(span)[None, None, :] <= write_at[:, :, None])[:, None].clone()  # [R, 1, W, span]
+            for r in trees:
+                n = len(feeds[r])
+                rotary[r, :n] = torch.tensor(layouts[r].positions)
+                mask[r, 0, :n] = False
+                mask[r, 0, :n, : starts[r] + n] = layouts[r].allowed
+        device = self.model.device
+        slot_column = torch.tensor(slots + [self.cache.scratch_slot] * (rows - count), dtype=torch.long)
+        inputs = [t.to(device, non_blocking=True) for t in (ids, rotary, write_at, slot_column)]
+        if mask is not None:
+            inputs.append(mask.to(device, non_blocking=True))
+
+        def step(ids, rotary, write_at, slots, mask=None):
+            return self.model.step(self.cache, ids, rotary, write_at, slots, span, mask)
+
+        logits, normed = self.graphs.run((rows, width, span, mask is not None), step, inputs)
+        for slot, feed in zip(slots, feeds):
+            self.cache.tokens[slot].extend(feed)
+        if self.cache.keep_features:  # what the LM head read, for a feature head below
+            hidden = normed[:count].float().cpu()
+            for r, (slot, start, feed) in enumerate(zip(slots, starts, feeds)):
+                self.cache.store_features(slot, start, hidden[r, : len(feed)])
+        # copies: the graph's output buffers are overwritten by its next replay
+        return [logits[r, output: len(feed), : self.vocab_size].to(torch.float32, copy=True)
+                for r, (feed, output) in enumerate(zip(feeds, outputs))]
 
     def prefill(self, seq_ids, contexts, budget: int) -> int:
         slots, feeds = [], []
@@ -329,64 +607,94 @@ class BatchedModelTier(BatchedTier):
         return [warp_logits(rows, p) for rows, p in zip(logits, params)]
 
     def draft_batch(self, seq_ids, contexts, counts, params, generators):
-        slots = [self.cache.slot(s) for s in seq_ids]
-        feeds = [self._sync(slot, context) for slot, context in zip(slots, contexts)]
-        tokens: list[list[int]] = [[] for _ in seq_ids]
-        rows: list[list[torch.Tensor]] = [[] for _ in seq_ids]
-        thresholds = [self.tier.exit_by_seq.get(s, self.tier.exit_threshold) for s in seq_ids]
-        stopped = [False] * len(seq_ids)  # early exit: the request's block ends as `ModelTier.draft`'s would
-        for step in range(max(counts, default=0)):
-            live = [r for r, count in enumerate(counts) if step < count and not stopped[r]]
-            if not live:
+        """Each request's block of `counts[r]` tokens: one forward per position over the requests still drafting,
+        then their draws (`Draws`: request r's position j draws from round j of the `counts[r]` rounds it takes).
+        An early exit (`ModelTier.exit_threshold`, or a request's own: BiLD's fallback) ends a request's block
+        after its first token drafted below the threshold: the exit reads the drafter's own rows only, so
+        verification stays exact."""
+        out: list[tuple[list[int], torch.Tensor | None]] = [([], None) for _ in seq_ids]
+        live = [r for r, count in enumerate(counts) if count > 0]
+        if not live:
+            return out
+        slots = [self.cache.slot(seq_ids[r]) for r in live]
+        feeds = [self._sync(slot, contexts[r]) for slot, r in zip(slots, live)]
+        draws = Draws.of([params[r] for r in live], [generators[r] for r in live], [counts[r] for r in live], self.logits_device)
+        thresholds = [self.tier.exit_by_seq.get(seq_ids[r], self.tier.exit_threshold) for r in live]
+        tokens: list[list[int]] = [[] for _ in live]
+        rows: list[list[torch.Tensor]] = [[] for _ in live]
+        going = list(range(len(live)))
+        for step in range(max(counts)):
+            going = [i for i in going if step < counts[live[i]]]
+            if not going:
                 break
-            logits = self._forward([slots[r] for r in live], [feeds[r] for r in live], [len(feeds[r]) - 1 for r in live])
-            for r, row_logits in zip(live, logits):
-                probs = warp_logits(row_logits[-1], params[r])  # [V]
-                token = int(probs.argmax()) if params[r].greedy else int(torch.multinomial(probs, 1, generator=generators[r]))
-                tokens[r].append(token)
-                rows[r].append(probs)
-                feeds[r] = [token]
-                if thresholds[r] is not None and confidence(row_logits[-1]) < thresholds[r]:
-                    stopped[r] = True
-        return [(t, None if p.greedy or not rs else torch.stack(rs)) for t, rs, p in zip(tokens, rows, params)]
+            logits = self._forward([slots[i] for i in going], [feeds[i] for i in going], [len(feeds[i]) - 1 for i in going])
+            last = torch.stack([row[-1] for row in logits])  # [R, V]
+            drawn, probs = draws.draw(last, torch.tensor(going, device=last.device), step)
+            sure = [True] * len(going)
+            if any(thresholds[i] is not None for i in going):
+                sure = (confidence(last) >= torch.tensor([-1.0 if thresholds[i] is None else thresholds[i] for i in going])).tolist()
+            for j, (i, token) in enumerate(zip(going, drawn.tolist())):
+                tokens[i].append(token)
+                rows[i].append(probs[j])
+                feeds[i] = [token]
+            going = [i for i, ok in zip(going, sure) if ok]
+        for i, r in enumerate(live):
+            out[r] = (tokens[i], None if params[r].greedy else torch.stack(rows[i]))
+        return out
 
     def draft_tree_batch(self, seq_ids, contexts, width, depths, params, scheme, generators):
-        """`ModelTier.draft_tree` for every request: the root forward, then one forward per
-        level over every request's frontier; each request's draws in the one-request order."""
-        slots = [self.cache.slot(s) for s in seq_ids]
-        tails = [self._sync(slot, context) for slot, context in zip(slots, contexts)]
+        """Each request's tree of `width` chains: the root forward and its `width` candidates (`Draws.roots`: the
+        top ones when greedy, without replacement for rsd, else i.i.d.), then one forward per level over every
+        request's frontier, one child per frontier node (node w of level l draws from round l, draws w * V ..).
+        An early exit grows a tree on while any of its branches is sure."""
         trees = [DraftTree([], [], None) for _ in seq_ids]
         live = [r for r, depth in enumerate(depths) if depth > 0]
         if not live:
             return trees
+        slots = [self.cache.slot(seq_ids[r]) for r in live]
+        tails = [self._sync(slot, contexts[r]) for slot, r in zip(slots, live)]
+        draws = Draws.of([params[r] for r in live], [generators[r] for r in live], [depths[r] for r in live], self.logits_device)
         threshold = self.tier.exit_threshold
-        roots = self._forward([slots[r] for r in live], [tails[r] for r in live], [len(tails[r]) - 1 for r in live])
-        frontier, node_depths, rows, sure, pending = {}, {}, {}, {}, {}
-        for r, logits in zip(live, roots):
-            root_logits = logits[-1]  # [V]
-            root_probs = warp_logits(root_logits, params[r])
-            pending[r] = self.cache.pending[slots[r]] = PendingTree(len(contexts[r]), {})
-            tree = trees[r]
-            for token in first_candidates(root_logits, root_probs, width, params[r], scheme, generators[r]):
-                tree.tokens.append(token)
-                tree.parents.append(-1)
-            rows[r] = [root_probs] * len(tree.tokens)
-            frontier[r] = list(range(len(tree.tokens)))
-            node_depths[r] = [0] * len(tree.tokens)
-            sure[r] = threshold is None or float(confidence(root_logits)) >= threshold
+        roots = torch.stack([row[-1] for row in self._forward(slots, tails, [len(t) - 1 for t in tails])])  # [R, V]
+        candidates, valid, root_rows = draws.roots(roots, torch.arange(len(live), device=roots.device), width, scheme == "rsd")
+        sure = [True] * len(live) if threshold is None else (confidence(roots) >= threshold).tolist()
+        pending, frontier, node_depths, rows = [], [], [], []
+        for i, (r, tokens, ok) in enumerate(zip(live, candidates.tolist(), valid.tolist())):
+            pending.append(PendingTree(len(contexts[r]), {}))
+            self.cache.pending[slots[i]] = pending[i]
+            kept = [token for token, good in zip(tokens, ok) if good]
+            trees[r].tokens.extend(kept)
+            trees[r].parents.extend([-1] * len(kept))
+            rows.append([root_rows[i]] * len(kept))
+            frontier.append(list(range(len(kept))))
+            node_depths.append([0] * len(kept))
         for level in range(1, max(depths)):
-            growing = [r for r in live if level < depths[r] and sure[r]]  # early exit: every branch fell below the threshold
+            growing = [i for i, r in enumerate(live) if level < depths[r] and sure[i] and frontier[i]]
             if not growing:
                 break
-            layouts = [self._tree_layout(slots[r], pending[r], [], trees[r], frontier[r], node_depths[r]) for r in growing]
-            logits = self._forward([slots[r] for r in growing], [[trees[r].tokens[n] for n in frontier[r]] for r in growing],
+            layouts = [self._tree_layout(slots[i], pending[i], [], trees[live[i]], frontier[i], node_depths[i]) for i in growing]
+            logits = self._forward([slots[i] for i in growing], [[trees[live[i]].tokens[n] for n in frontier[i]] for i in growing],
                                    [0] * len(growing), layouts)
-            for r, level_logits in zip(growing, logits):  # [len(frontier), V]
+            flat = torch.cat(logits)  # [nodes, V]
+            owner = torch.tensor([i for i in growing for _ in frontier[i]], device=flat.device)
+            first = torch.tensor([w * flat.shape[-1] for i in growing for w in range(len(frontier[i]))], device=flat.device)
+            drawn, probs = draws.draw(flat, owner, level, first)
+            drawn = drawn.tolist()
+            node = 0
+            for i, level_logits in zip(growing, logits):
                 if threshold is not None:
-                    sure[r] = bool((confidence(level_logits) >= threshold).any())
-                frontier[r] = grow_level(trees[r], frontier[r], level_logits, level, node_depths[r], rows[r], params[r], generators[r])
-        for r in live:
-            trees[r].draft_rows = None if params[r].greedy else torch.stack(rows[r])
+                    sure[i] = bool((confidence(level_logits) >= threshold).any())
+                tree, grown = trees[live[i]], []
+                for parent in frontier[i]:
+                    tree.tokens.append(drawn[node])
+                    tree.parents.append(parent)
+                    rows[i].append(probs[node])
+                    node_depths[i].append(level)
+                    grown.append(len(tree.tokens) - 1)
+                    node += 1
+                frontier[i] = grown
+        for i, r in enumerate(live):
+            trees[r].draft_rows = None if params[r].greedy or not rows[i] else torch.stack(rows[i])
         return trees
 
 
@@ -487,10 +795,11 @@ class BatchedNGramTier(BatchedTier):
         return trees
 
 
-def batched_tiers(tiers: list[Tier], max_slots: int | None = None) -> list[BatchedTier]:
-    """Each loaded tier's runtime: a model tier's KV pool and forward, the n-gram tier's index, a feature
-    head's pool. A feature drafter reads its target's features from the target's slot cache, which its forwards
-    fill anyway: no forward of the target runs for the drafter alone."""
+def batched_tiers(tiers: list[Tier], max_slots: int | None = None, steps: bool = False, context: int | None = None) -> list[BatchedTier]:
+    """Each loaded tier's runtime: a model tier's KV pool and forward (`steps`: decoding in static steps;
+    `context`: positions a request's KV holds), the n-gram tier's index, a feature head's pool. A feature
+    drafter reads its target's features from the target's slot cache, which its forwards fill anyway: no
+    forward of the target runs for the drafter alone."""
     from polyspec.workers.tiers.batched_feature import BatchedFeatureTier  # (it builds on this module)
     from polyspec.workers.tiers.feature_tier import FeatureTier
 
@@ -504,5 +813,5 @@ def batched_tiers(tiers: list[Tier], max_slots: int | None = None) -> list[Batch
                 raise ValueError(f"tier {tier.name!r}: a feature head needs its target's tier before it in the chain")
             out.append(BatchedFeatureTier(tier, source, max_slots))
         else:
-            out.append(BatchedModelTier(tier, max_slots))
+            out.append(BatchedModelTier(tier, max_slots, steps=steps, context=context))
     return out

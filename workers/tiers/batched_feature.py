@@ -34,11 +34,10 @@ import torch
 import torch.nn.functional as F
 
 from polyspec.workers.core.sampling import SamplingParams, warp_logits
-from polyspec.workers.core.tree import DraftTree, grow_level, tree_allowed
-from polyspec.workers.tiers.batched import BatchedModelTier, BatchedTier
+from polyspec.workers.core.tree import DraftTree, tree_allowed
+from polyspec.workers.tiers.batched import BatchedModelTier, BatchedTier, Draws
 from polyspec.workers.tiers.batched_llama import BatchedLlama, PendingTree, RowLayout, linear_function
 from polyspec.workers.tiers.feature_tier import FeatureTier, head_trunk
-from polyspec.workers.tiers.tier import first_candidates
 
 
 @dataclasses.dataclass
@@ -200,15 +199,15 @@ class BatchedFeatureTier(BatchedTier):
         if not live:
             return out
         rows = self._rows([seq_ids[r] for r in live], [contexts[r] for r in live])
+        draws = Draws.of([params[r] for r in live], [generators[r] for r in live], [counts[r] for r in live], "cpu")
         tokens: list[list[int]] = [[] for _ in live]
         drawn_rows: list[list[torch.Tensor]] = [[] for _ in live]
 
-        def draw(i: int, logits: torch.Tensor) -> None:
+        def draw(i: int, logits: torch.Tensor) -> None:  # position j of request i draws from its round j
             r = live[i]
-            probs = warp_logits(logits, params[r])  # [V]
-            token = int(probs.argmax()) if params[r].greedy else int(torch.multinomial(probs, 1, generator=generators[r]))
-            tokens[i].append(token)
-            drawn_rows[i].append(probs)
+            token, probs = draws.draw(logits[None], torch.tensor([i]), len(tokens[i]))
+            tokens[i].append(int(token))
+            drawn_rows[i].append(probs[0])
             if len(tokens[i]) < counts[r]:
                 rows[i].queue.append(token)
 
@@ -229,20 +228,23 @@ class BatchedFeatureTier(BatchedTier):
         rows = self._rows([seq_ids[r] for r in live], [contexts[r] for r in live])
         roots: dict[int, torch.Tensor] = {}
         self._steps(rows, roots.__setitem__)
+        draws = Draws.of([params[r] for r in live], [generators[r] for r in live], [depths[r] for r in live], "cpu")
+        candidates, valid, root_rows = draws.roots(torch.stack([roots[i] for i in range(len(live))]), torch.arange(len(live)), width,
+                                                   scheme == "rsd")
         pending, frontier, node_depths, drawn_rows = [], [], [], []
-        for i, r in enumerate(live):
-            root_probs = warp_logits(roots[i], params[r])
+        for i, (r, tokens, ok) in enumerate(zip(live, candidates.tolist(), valid.tolist())):
             pending.append(PendingTree(rows[i].context_len, {}))
             self.cache.pending[rows[i].slot] = pending[i]
-            tree = trees[r]
-            for token in first_candidates(roots[i], root_probs, width, params[r], scheme, generators[r]):
-                tree.tokens.append(token)
-                tree.parents.append(-1)
-            drawn_rows.append([root_probs] * len(tree.tokens))
-            frontier.append(list(range(len(tree.tokens))))
-            node_depths.append([0] * len(tree.tokens))
+            kept = [token for token, good in zip(tokens, ok) if good]
+            trees[r].tokens.extend(kept)
+            trees[r].parents.extend([-1] * len(kept))
+            drawn_rows.append([root_rows[i]] * len(kept))
+            frontier.append(list(range(len(kept))))
+            node_depths.append([0] * len(kept))
         for level in range(1, max(depths)):
-            growing = [i for i, r in enumerate(live) if level < depths[r]]
+            growing = [i for i, r in enumerate(live) if level < depths[r] and frontier[i]]
+            if not growing:
+                break
             layouts, previous = [], []
             for i in growing:
                 slot, prefix, tree = rows[i].slot, rows[i].context_len, trees[live[i]]
@@ -256,12 +258,23 @@ class BatchedFeatureTier(BatchedTier):
                 layouts.append(RowLayout([prefix + node_depths[i][node] for node in frontier[i]], allowed))
             fed = [[trees[live[i]].tokens[node] for node in frontier[i]] for i in growing]
             logits = self._forward([rows[i].slot for i in growing], fed, previous, [0] * len(growing), layouts)
-            for i, level_logits in zip(growing, logits):  # [len(frontier), V]
-                r = live[i]
-                frontier[i] = grow_level(trees[r], frontier[i], level_logits, level, node_depths[i], drawn_rows[i], params[r],
-                                         generators[r])
+            flat = torch.cat(logits)  # [nodes, V]: node w of a level draws from the level's round, draws w * V ..
+            owner = torch.tensor([i for i in growing for _ in frontier[i]])
+            first = torch.tensor([w * flat.shape[-1] for i in growing for w in range(len(frontier[i]))])
+            drawn, probs = draws.draw(flat, owner, level, first)
+            drawn, node = drawn.tolist(), 0
+            for i in growing:
+                tree, grown = trees[live[i]], []
+                for parent in frontier[i]:
+                    tree.tokens.append(drawn[node])
+                    tree.parents.append(parent)
+                    drawn_rows[i].append(probs[node])
+                    node_depths[i].append(level)
+                    grown.append(len(tree.tokens) - 1)
+                    node += 1
+                frontier[i] = grown
         for i, r in enumerate(live):
-            trees[r].draft_rows = None if params[r].greedy else torch.stack(drawn_rows[i])
+            trees[r].draft_rows = None if params[r].greedy or not drawn_rows[i] else torch.stack(drawn_rows[i])
         return trees
 
     # ------------------------------------------------------------------ verification

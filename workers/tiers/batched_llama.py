@@ -436,82 +436,41 @@ class BatchedLlama:
         self.cos = (emb.cos() * scale).to(self.dtype)  # [P, D]
         self.sin = (emb.sin() * scale).to(self.dtype)
 
-    def new_pool(self, slots: int, max_tokens: int, context: int | None = None) -> SlotCache:
-        """A step's KV pool, allocated now: `slots` requests (and the scratch slot), each holding `context` positions
-        (default: the model's) and a block of `max_tokens`."""
-        pool = self._step_pool(slots, max_tokens, context)
-        pool.allocate()
-        return pool
-
-    def bytes_per_slot(self, max_tokens: int, context: int | None = None) -> int:
-        """One slot of `new_pool`'s pool."""
-        pool = self._step_pool(1, max_tokens, context)
-        return pool.bytes_per_slot(pool.limit + pool.margin)
-
-    def _step_pool(self, slots: int, max_tokens: int, context: int | None) -> SlotCache:
-        limit = self.limit or DEFAULT_CONTEXT
-        return SlotCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype, min(context or limit, limit), slots, self.device,
-                         margin=max_tokens, scratch=True)
-
-    def step(self, pool: SlotCache, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, span: int,
-             ancestors: torch.Tensor | None = None, tree_start: torch.Tensor | None = None,
-             features: torch.Tensor | None = None) -> torch.Tensor:
-        """The static-shape forward of the round that stays on the device (polyspec.workers.tiers.static_tier): logits
-        [B, T, V] (model dtype, on the device) of every token of `ids` [B, T]; see `step_hidden`. `features`
-        [slots + 1, capacity, H] (chains only): each token's last hidden state, after the final norm (what the LM head
-        reads, what a feature head below reads: static_feature), is written at [its slot, its position]."""
-        normed = rms_norm(self.step_hidden(pool, F.embedding(ids, self.embed), positions, slots, span, ancestors, tree_start),
-                          self.norm_weight, self.norm_eps)  # [B, T, H]
-        if features is not None:
-            assert ancestors is None, "a feature head reads a chain's features"
-            features[slots[:, None].expand(positions.shape), positions] = normed
-        return self.lm_head(normed)
-
-    def step_hidden(self, pool: SlotCache, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, span: int,
-                    ancestors: torch.Tensor | None = None, tree_start: torch.Tensor | None = None) -> torch.Tensor:
-        """The decoder layers' output [B, T, H] (before the final norm) over the input vectors `x` [B, T, H] of a
-        row's tokens (their embeddings; a feature head's fused inputs). Every argument's shape is static in a bucket
-        and nothing here reads a tensor's value on the host, so a step replays as a CUDA graph (or compiles whole):
-        row b writes its T tokens' keys and values into slot `slots[b]` at `positions[b]` and attends to that slot's
-        first `span` positions, up to its own (padding rows write the pool's scratch slot).
-
-        `ancestors` [B, T, C] bool (C >= T): every row's new tokens are the last T of its C tree columns,
-        cached one after the other from position `tree_start` [B] on (default: positions[:, 0], with
-        C = T: the new tokens are the whole tree). New token t sees its slot's positions before the tree
-        and the tree columns c with ancestors[b, t, c] (itself and its ancestors: `tree.tree_allowed`'s
-        rule, a chain being the lower triangle); it is cached at tree_start + C - T + t. `positions` are
-        then rotary positions only (prefix length + depth). With C > T the first C - T columns are a
-        tree's earlier levels, cached by earlier calls (a drafter growing its tree one level a step)."""
-        rows, width = x.shape[:2]
-        rotary = positions.clamp_max(self.cos.shape[0] - 1)  # a padding column may run past the table
-        cos, sin = self.cos[rotary][:, :, None], self.sin[rotary][:, :, None]  # [B, T, 1, D]
-        visible = torch.arange(span, device=x.device)
-        if ancestors is None:
-            mask = (visible[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, span]
-        else:
-            columns = ancestors.shape[-1]
-            first = positions[:, :1] if tree_start is None else tree_start[:, None]  # [B, 1] the tree's first cache position
-            # from here on `positions` are where the new tokens are cached: siblings share a position, never a cache column
-            positions = first + (columns - width) + torch.arange(width, device=x.device)  # [B, T]
-            tree_index = visible[None, :] - first  # [B, span] a column's index among the row's tree columns (< 0: context)
-            sees_tree = ancestors.gather(2, tree_index.clamp(0, columns - 1)[:, None, :].expand(rows, width, span))  # [B, T, S]
-            mask = ((tree_index < 0)[:, None, :] | (sees_tree & (tree_index < columns)[:, None, :]))[:, None]  # [B, 1, T, span]
+    def step(self, pool: SlotCache, ids: torch.Tensor, rotary: torch.Tensor, write_at: torch.Tensor, slots: torch.Tensor, span: int,
+             mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The static-shape forward: every argument's shape is fixed by its bucket and nothing here reads a tensor's
+        value on the host, so a step replays as a CUDA graph (or compiles whole). Row b writes its T tokens `ids`
+        [B, T] (rotary positions `rotary` [B, T]) into slot `slots[b]` at `write_at` [B, T] and attends to that
+        slot's first `span` positions: those at or before its own write position (`mask` None), or as `mask`
+        [B, 1, T, span] says (a tree row's). Padding rows write the pool's scratch slot, padding columns past a
+        row's tokens (inside the slot's margin: overwritten when real tokens get there). Returns (logits
+        [B, T, V] and the last hidden states after the final norm [B, T, H], what the LM head and a feature
+        head read), in the model's dtype, on the device."""
+        rows, width = ids.shape
+        index = rotary.clamp_max(self.cos.shape[0] - 1)
+        cos, sin = self.cos[index][:, :, None], self.sin[index][:, :, None]  # [B, T, 1, D]
+        if mask is None:
+            mask = (torch.arange(span, device=ids.device)[None, None, :] <= write_at[:, :, None])[:, None]  # [B, 1, T, span]
         write_slots = slots[:, None].expand(rows, width)  # [B, T]
 
-        def store(index: int, k: torch.Tensor, v: torch.Tensor) -> None:  # [B, T, kv_heads, D] into [slot, :, position]
-            pool.keys[index][write_slots, :, positions] = k
-            pool.values[index][write_slots, :, positions] = v
+        def store(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:  # [B, T, kv_heads, D] into [slot, :, position]
+            pool.keys[layer][write_slots, :, write_at] = k
+            pool.values[layer][write_slots, :, write_at] = v
 
-        def attend(index: int, q: torch.Tensor) -> torch.Tensor:  # [B, T, heads, D] -> [B, T, heads * D]
-            key = pool.keys[index][:, :, :span].index_select(0, slots)  # [B, kv_heads, span, D]: only the span is copied
-            value = pool.values[index][:, :, :span].index_select(0, slots)
+        def attend(layer: int, q: torch.Tensor) -> torch.Tensor:  # [B, T, heads, D] -> [B, T, heads * D]
+            key = pool.keys[layer][:, :, :span].index_select(0, slots)  # [B, kv_heads, span, D]: only the span is copied
+            value = pool.values[layer][:, :, :span].index_select(0, slots)
             attn = grouped_attention(q.transpose(1, 2), key, value, mask, self.scaling)  # [B, heads, T, D]
             return attn.transpose(1, 2).reshape(rows, width, -1)
 
-        return self.decoder(x, cos, sin, store, attend)
+        normed = rms_norm(self.decoder(F.embedding(ids, self.embed), cos, sin, store, attend), self.norm_weight, self.norm_eps)
+        return self.lm_head(normed), normed
 
-    def new_cache(self, max_slots: int | None = None) -> SlotCache:
-        return SlotCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype, self.limit, max_slots, self.device)
+    def new_cache(self, max_slots: int | None = None, context: int | None = None, margin: int = 1, scratch: bool = False) -> SlotCache:
+        """The model's KV pool (allocated at its first forward): `max_slots` requests of `context` positions (default:
+        the model's) and `margin` more; `scratch`: one slot more, for a step's padding rows (`step`)."""
+        limit = self.limit if context is None else min(context, self.limit or context)
+        return SlotCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype, limit, max_slots, self.device, margin, scratch)
 
     def decoder(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, store, attend) -> torch.Tensor:
         """The decoder layers over the input vectors `x` [*lead, H] (the ragged forward's packed tokens [N], or a

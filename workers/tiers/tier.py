@@ -6,9 +6,7 @@ runs is the one tier family over them (polyspec.workers.tiers.batched: `batched_
 each tier's runtime: a model tier's KV pool and forward, the n-gram index, the head's pool), the
 same on every device and for one request or many.
 
-Besides: the helpers the runtime tiers share (`confidence`, an early-exit drafter's stopping
-signal; `first_candidates`, a tree root's children; `copy_forward`, the n-gram tier's copy), and
-`scratch_score`, a request's scoring of another prompt on a sequence of its own (SpecReason).
+Besides: `copy_forward`, the n-gram tier's copy, and `scratch_score`, a request's scoring of another prompt on a sequence of its own (SpecReason).
 """
 
 from __future__ import annotations
@@ -19,7 +17,6 @@ import torch
 
 from polyspec.workers.core.sampling import SamplingParams
 from polyspec.workers.core.tree import DraftTree
-from polyspec.workers.core.verification import draw_without_replacement
 from polyspec.workers.tiers.model_cache import NGRAM_MODEL  # noqa: F401 - tiers name the n-gram tier too
 
 
@@ -82,20 +79,6 @@ class ModelTier(Tier):
         self.device = device
         self.threads = threads
         self.max_context = getattr(model.config, "max_position_embeddings", None)
-
-
-def confidence(logits: torch.Tensor) -> torch.Tensor:
-    """The top probability of each row at temperature 1: an early-exit drafter's stopping signal."""
-    return torch.softmax(logits.float(), dim=-1).max(dim=-1).values
-
-
-def first_candidates(root_logits, root_probs, width: int, params: SamplingParams, scheme: str, generator) -> list[int]:
-    """The root's children: top-`width` when greedy, without replacement for RSD, else i.i.d."""
-    if params.greedy:
-        return [int(t) for t in torch.topk(root_logits, min(width, root_logits.numel())).indices]
-    if scheme == "rsd":
-        return [int(t) for t in draw_without_replacement(root_probs, width, generator)]
-    return [int(t) for t in torch.multinomial(root_probs, width, replacement=True, generator=generator)]
 
 
 def copy_forward(context: list[int], start: int, num_tokens: int) -> list[int]:
