@@ -14,7 +14,7 @@ from transformers import DynamicCache
 
 from polyspec.workers.core.sampling import warp_logits
 from polyspec.workers.core.tree import DraftTree, tree_attention_mask
-from polyspec.workers.tiers.batched import Draws
+from polyspec.workers.core.verdicts import Draws
 
 
 def hidden_states(model, tokens: list[int]) -> torch.Tensor:

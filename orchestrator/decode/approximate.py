@@ -5,7 +5,7 @@ Two kinds, both driven from `Engine` for a request that names a mode (`exact` ne
 - round rules (BiLD, Reflective Verification): the target's check inside the ordinary round
   is swapped for the mode's rule. The round asks `scoring(run, level, context, block)` what
   to score and `verdict(...)` what to accept; for a run without a rule (every exact request)
-  both return exactly what the round did before: the same block, params and `verify_block`.
+  both return exactly what the round did before: the same block, params and `verify_blocks`.
   BiLD's fallback is the bottom drafter's per-sequence early exit (`Tier.exit_by_seq`).
 - step drivers (SpecReason, Speculative Thinking): a request-level loop over the same round
   API. The "small model" is the drafting sub-chain (tier 1 and below, `emit_batch` at level 1, with
@@ -30,7 +30,8 @@ from polyspec.workers.core.approximate import (
     find_reflection_point, find_step_end, reflective_input, reflective_layout, utility_scoring_prompt, verify_reflective,
 )
 from polyspec.workers.core.sampling import SamplingParams
-from polyspec.workers.core.tree import DraftTree, chain_draft_rows, verify_block
+from polyspec.workers.core.tree import DraftTree, chain_draft_rows
+from polyspec.workers.core.verdicts import verify_blocks
 
 ROUND_MODES = (BILD, REFLECTIVE)
 STEP_MODES = (SPECREASON, SPECULATIVE_THINKING)
@@ -53,10 +54,11 @@ def scoring(run, level: int, context: list[int], block: DraftTree) -> tuple[Draf
 
 
 def verdict(run, level: int, target_probs: torch.Tensor, block: DraftTree, scheme: str, generator) -> tuple[list[int], int]:
-    """(accepted path, next token): `verify_block`, unless the run's rule judges the target's check."""
+    """(accepted path, next token): the round's own rule (`verify_blocks`), unless the run's rule judges the target's
+    check."""
     rule = getattr(run, "rule", None)
     if rule is None or level != 0:
-        return verify_block(target_probs, block, scheme, run.params.greedy, generator)
+        return verify_blocks([target_probs], [block], [run.params], [generator], scheme)[0]
     return rule.verify(target_probs, block, run.params.greedy, generator)
 
 

@@ -36,7 +36,7 @@ batched float arithmetic) and seeds mean what they mean alone.
 With `tree_width > 1` the bottom tier proposes a draft tree per request instead of a chain
 (`draft_tree_batch`: one forward per tree level); the tier above scores every request's tree
 in its one forward (tree rows beside chain rows), each request walks its own tree with its
-own generator (`verify_tree`, the config's scheme) and both tiers keep only the accepted
+own stream (`verify_blocks`, the config's scheme) and both tiers keep only the accepted
 path (`accept_path`).
 
 Requests join and leave between steps (continuous batching): `start` opens one, `prefill`

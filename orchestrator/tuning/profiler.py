@@ -41,7 +41,7 @@ from polyspec.orchestrator.tuning.profile_cache import decode_table, encode_tabl
 from polyspec.orchestrator.tuning.time_model import latency
 from polyspec.workers.core.sampling import SamplingParams
 from polyspec.workers.tiers.batched import BatchedTier as Tier
-from polyspec.workers.core.tree import DraftTree, verify_block
+from polyspec.workers.core.tree import DraftTree
 
 OUTLIER_FACTOR = 3.0
 DEFAULT_SMOOTHING = 0.2
@@ -237,10 +237,9 @@ def _median_ms(run, repeats: int) -> float:
 
 
 def _verify_round(tier: Tier, seq_id, context: list[int], block: list[int], params: SamplingParams, generator) -> None:
-    """What ChainScheduler._round does for a chain block: score, then the verification rule."""
-    target_probs = tier.score_batch([seq_id], [context], [DraftTree.chain(block, None)], [params])[0]  # [len(block) + 1, V]
-    rows = None if params.greedy else torch.nn.functional.one_hot(torch.tensor(block, dtype=torch.long), target_probs.shape[-1]).float()
-    verify_block(target_probs, DraftTree.chain(block, rows), "specinfer", params.greedy, generator)
+    """What ChainScheduler.round_batch does for a chain block: score, then the verification rule (a lookup's block:
+    point masses)."""
+    tier.verify_batch([seq_id], [context], [DraftTree.chain(block, None)], [params], [generator])
 
 
 class ProgressLines:

@@ -32,8 +32,8 @@ from polyspec.workers.core.device_tree_verify import (
     verify_trees,
 )
 from polyspec.workers.core.device_verify import DOMAIN_DRAFT, DOMAIN_NEXT, PLACEHOLDER_TOKEN_ID, stream_exponentials
-from polyspec.workers.core.tree import DraftTree, verify_tree, verify_tree_drawn
-from polyspec.workers.core.verification import MULTI_DRAFT_SCHEMES, draw_without_replacement
+from polyspec.workers.core.tree import DraftTree
+from reference_verification import MULTI_DRAFT_SCHEMES, draw_without_replacement, verify_tree, verify_tree_drawn
 
 VOCAB = 12
 MAX_NODES = 14

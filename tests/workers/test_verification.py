@@ -1,4 +1,5 @@
-"""Tests for workers/core/verification.py: exact unit cases and statistical losslessness checks.
+"""Tests for the verification rules' references (tests/reference_verification.py): exact unit cases and statistical
+losslessness checks.
 
 Statistical conventions (all seeds fixed, so every outcome is deterministic):
 - distributions: chi-square goodness of fit (scipy.stats.chisquare) over the target's
@@ -18,9 +19,9 @@ import scipy.optimize
 import scipy.stats
 import torch
 
-from polyspec.workers.core import verification
+import reference_verification as verification
 from core_helpers import make_generator
-from polyspec.workers.core.verification import (
+from reference_verification import (
     MULTI_DRAFT_SCHEMES,
     NO_CANDIDATE_ACCEPTED,
     _importance_induced_distribution,
@@ -595,17 +596,24 @@ def test_importance_induced_distribution_chunked_equals_whole(monkeypatch):
 
 
 def test_a_lookup_chain_without_draft_rows_is_verified_against_point_masses():
-    """A lookup's proposals carry no draft rows: `verify_block` checks them as one-hot rows, drawing exactly
-    what `verify_chain` draws given those rows (the same generator state)."""
+    """A lookup's proposals carry no draft rows: the runtime's verdict (`verify_blocks`) checks them as one-hot rows,
+    drawing exactly what it draws given those rows (the same generator state)."""
     import torch
 
-    from polyspec.workers.core.tree import DraftTree, verify_block
-    from polyspec.workers.core.verification import verify_chain
+    from polyspec.workers.core.sampling import SamplingParams
+    from polyspec.workers.core.tree import DraftTree
+    from polyspec.workers.core.verdicts import verify_blocks
 
     target_probs = torch.softmax(torch.randn(4, 11, generator=torch.Generator().manual_seed(3)), dim=-1)  # [k + 1, V]
     tokens = [2, 7, 5]
+    rows = torch.nn.functional.one_hot(torch.tensor(tokens), 11).float()
+    sampled = SamplingParams(temperature=1.0)
+    verdicts = set()
     for seed in range(20):
-        got = verify_block(target_probs, DraftTree.chain(tokens, None), "specinfer", False, torch.Generator().manual_seed(seed))
-        rows = torch.nn.functional.one_hot(torch.tensor(tokens), 11).float()
-        accepted, next_token = verify_chain(target_probs, rows, torch.tensor(tokens), torch.Generator().manual_seed(seed))
-        assert got == (list(range(accepted)), next_token)
+        got = verify_blocks([target_probs], [DraftTree.chain(tokens, None)], [sampled], [torch.Generator().manual_seed(seed)],
+                            "specinfer")[0]
+        given = verify_blocks([target_probs], [DraftTree.chain(tokens, rows)], [sampled], [torch.Generator().manual_seed(seed)],
+                              "specinfer")[0]
+        assert got == given
+        verdicts.add((len(got[0]), got[1]))
+    assert len(verdicts) > 1  # the seeds do draw differently: the equality above is not one fixed verdict

@@ -6,7 +6,7 @@ exchange for speed (BiLD, SpecReason, Reflective Verification) or for a better s
 default "exact"); this module holds the rules themselves, as pure functions (tensors, lists,
 strings in; decisions out; no I/O), and the validated config object that selects them.
 
-Terminology (as in verification.py):
+Terminology (as in polyspec.workers.core.verdicts):
 - target / large: the verifying tier (the "large model" of BiLD, the "base model" of
   SpecReason); `target_probs` are its warped float32 rows.
 - draft / small: the tier that proposed; `draft_probs` the rows its tokens came from.
@@ -42,8 +42,9 @@ from polyspec.workers.core.approximate_mode import (  # noqa: F401 (re-exported:
     SPECREASON,
     SPECULATIVE_THINKING,
 )
-from polyspec.workers.core.sampling import sample
-from polyspec.workers.core.verification import verify_chain, verify_greedy
+from polyspec.workers.core.sampling import SamplingParams, sample
+from polyspec.workers.core.tree import DraftTree
+from polyspec.workers.core.verdicts import verify_blocks
 
 # ---------------------------------------------------------------------------------
 # BiLD: fallback and rollback
@@ -59,16 +60,6 @@ def bild_should_fall_back(draft_probs_row: torch.Tensor, fallback_threshold: flo
     """
     _require(draft_probs_row.dim() == 1, "draft_probs_row must be 1-D [V]")
     return float(draft_probs_row.float().max()) < fallback_threshold
-
-
-def bild_first_unsure(draft_probs: torch.Tensor, fallback_threshold: float) -> int | None:
-    """The first position of a drafted block at which the small model would have fallen back
-    (`bild_should_fall_back`), or None. draft_probs: [k, V] (k may be 0). A round that drafts a
-    whole block before checking keeps the tokens before this position and lets the large model
-    write the token at it."""
-    _require(draft_probs.dim() == 2, "draft_probs must be 2-D [k, V]")
-    unsure = draft_probs.float().amax(dim=-1) < fallback_threshold  # [k]
-    return int(unsure.nonzero()[0, 0]) if bool(unsure.any()) else None
 
 
 def bild_rollback_distances(target_probs: torch.Tensor, draft_tokens: torch.Tensor) -> torch.Tensor:
@@ -116,23 +107,6 @@ def bild_verdict(
 # ---------------------------------------------------------------------------------
 
 
-def split_reasoning_steps(text: str, step_delimiter: str = PARAGRAPH_DELIMITER) -> list[str]:
-    """SpecReason's reasoning steps: the text split after each step delimiter (a blank line by
-    default). Each step keeps its trailing delimiter (and any further blank lines run into it),
-    so "".join(steps) == text; the last step may be unfinished (no delimiter yet)."""
-    _require(bool(step_delimiter), "step_delimiter must be non-empty")
-    steps, start = [], 0
-    while True:
-        end = find_step_end(text, start, step_delimiter)
-        if end is None:
-            break
-        steps.append(text[start:end])
-        start = end
-    if start < len(text):
-        steps.append(text[start:])
-    return steps
-
-
 def find_step_end(text: str, start: int = 0, step_delimiter: str = PARAGRAPH_DELIMITER) -> int | None:
     """The offset just past the first step delimiter at or after `start` (with repeated
     delimiter characters absorbed), or None while the step is unfinished. A delimiter at the
@@ -167,28 +141,6 @@ def utility_scoring_prompt(question: str, previous_steps: list[str] | tuple[str,
     )
 
 
-# the first number not glued to a word ("v2", "x7"); its sign and decimals are kept to judge it
-_SCORE_NUMBER = re.compile(r"(?<![\w.])(-?\d+(?:\.\d+)?)")
-
-
-def parse_utility_score(reply: str) -> int | None:
-    """The score in the base model's reply, or None when the reply is not a score.
-
-    Reads the first number in the reply ("7", " 7", "Score: 8", "**6**/9", "6.0"); it must be a
-    whole number in [0, 9]. Anything else (no number, "10", "7.5", a negative, words only) is a
-    parse failure: None, which `accept_step` treats as a rejection, so a confused scorer costs
-    speed (the base model rewrites the step), never quality."""
-    if not isinstance(reply, str):
-        return None
-    match = _SCORE_NUMBER.search(reply)
-    if match is None:
-        return None
-    value = float(match.group(1))
-    if value != int(value) or not MIN_UTILITY_SCORE <= value <= MAX_UTILITY_SCORE:
-        return None
-    return int(value)
-
-
 def expected_utility_score(digit_probs: torch.Tensor) -> float | None:
     """SpecReason's score read from one forward instead of a reply: the expected score
     sum_s s * P(s) over the base model's probabilities of the ten digit tokens "0".."9",
@@ -205,7 +157,7 @@ def expected_utility_score(digit_probs: torch.Tensor) -> float | None:
 
 def accept_step(score: float | None, score_threshold: float) -> bool:
     """SpecReason's acceptance: keep the small model's step when the base model's utility
-    score is at least the threshold; a parse failure (None) rejects it."""
+    score is at least the threshold; a score that could not be read (None) rejects it."""
     return score is not None and score >= score_threshold
 
 
@@ -229,15 +181,6 @@ def find_reflection_point(
     pattern = _trigger_pattern(trigger_words, step_delimiter)
     match = pattern.search(text, start)
     return None if match is None else match.start("word")
-
-
-def count_reflection_points(
-    text: str, trigger_words: tuple[str, ...] = DEFAULT_TRIGGER_WORDS, step_delimiter: str = PARAGRAPH_DELIMITER,
-) -> int:
-    """How many reflection points (`find_reflection_point`) the text holds: Speculative
-    Thinking's counter of the small model's reflections, which past a limit hands every
-    further step to the large model."""
-    return len(_trigger_pattern(trigger_words, step_delimiter).findall(text))
 
 
 def _trigger_pattern(trigger_words: tuple[str, ...], step_delimiter: str) -> re.Pattern[str]:
@@ -308,14 +251,16 @@ def verify_reflective(
     draft_probs None: greedy, accept while the draft token is the fused row's argmax.
     draft_probs [k, V]: speculative sampling, accept with min(1, fused(x) / draft(x)), the
     correction from norm(max(0, fused - draft)). The bonus token (all accepted) comes from the
-    target's own row: there is no reflective row past the draft. Returns (num_accepted, next_token)."""
+    target's own row: there is no reflective row past the draft. Returns (num_accepted, next_token).
+    The verdict is the runtime's (`verify_blocks` over the fused rows, already warped: temperature 1)."""
     num_drafts = draft_tokens.shape[0]
     _require(target_probs.dim() == 2 and target_probs.shape[0] == num_drafts + 1, f"target_probs must be [k+1, V] with k = {num_drafts}")
     fused = fuse_reflective(target_probs[:num_drafts], reflective_probs, reflective_weight)  # [k, V]
     rows = torch.cat([fused, target_probs[num_drafts:].float()], dim=0)  # [k+1, V]
-    if draft_probs is None:
-        return verify_greedy(rows.argmax(dim=-1), draft_tokens)
-    return verify_chain(rows, draft_probs, draft_tokens, generator)
+    block = DraftTree.chain(draft_tokens.tolist(), draft_probs)
+    params = SamplingParams(temperature=0.0 if draft_probs is None else 1.0)
+    path, next_token = verify_blocks([rows], [block], [params], [generator], "specinfer")[0]
+    return len(path), next_token
 
 
 def _require(condition: bool, message: str) -> None:

@@ -2,11 +2,10 @@
 
 The tree half of a round that stays on the device, beside `device_verify` (chains). Each
 kernel walks every request's tree at once, depth by depth, exactly as the slow reference
-`polyspec.workers.core.tree.verify_tree_drawn` walks one tree: at each node the greedy rule
+`verify_tree_drawn` (tests/reference_verification.py) walks one tree: at each node the greedy rule
 (accept the child whose token is the target's argmax), or with one child single-draft
 speculative sampling, or with several children the batch's multi-draft scheme
-(`MULTI_DRAFT_SCHEMES` of `polyspec.workers.core.verification`: specinfer, rsd, spectr,
-importance), with the same float32 / float64 arithmetic as the reference.
+(`MULTI_DRAFT_SCHEMES`: specinfer, rsd, spectr, importance), with the same float32 / float64 arithmetic as the reference.
 
 Layout (padded, every shape static): B requests, each a tree of at most N nodes stored
 parents-first (`DraftTree`'s convention).
@@ -19,7 +18,7 @@ Static bounds: max_depth >= every tree's depth (a chain of k nodes has depth k) 
 max_width >= every node's number of children; one (B, N, V, depth, width) bucket is one graph.
 Outputs: the accepted path [B, max_depth] of node indices (PLACEHOLDER_NODE past its length),
 its length [B] and the next token [B] (the correction where the walk stopped, or the bonus
-below an accepted leaf): what `verify_tree` returns.
+below an accepted leaf): what the reference's `verify_tree` returns.
 
 Randomness (`tree_draws`): node j's acceptance test uses uniform j of the request's
 DOMAIN_ACCEPT stream (a chain's position j uses the same one), the importance chain's step to
@@ -47,13 +46,10 @@ from polyspec.workers.core.device_verify import (
     stream_uniforms,
 )
 from polyspec.workers.core.tree import DraftTree
-from polyspec.workers.core.verification import (
-    BARKER_TIE_MOVE_PROB,
-    INDUCED_CHUNK_ELEMENTS,
-    MULTI_DRAFT_SCHEMES,
-    SPECTR_BISECTION_STEPS,
-)
-
+MULTI_DRAFT_SCHEMES = ("specinfer", "rsd", "spectr", "importance")
+SPECTR_BISECTION_STEPS = 50  # halves [1, K] to below 1e-14: rho* is exact to float64
+INDUCED_CHUNK_ELEMENTS = 1 << 22  # cap on one [rows, S] block of the importance chain
+BARKER_TIE_MOVE_PROB = 0.5  # move probability when both Barker weights are zero
 PLACEHOLDER_NODE = -1  # fills a request's path past its accepted nodes; also "no child" in the children table
 Layout = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # node_tokens, parents, num_nodes, draft_probs
 TreeDraws = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # uniforms [B, N], move_uniforms [B, N], exponentials [B, V]
@@ -330,7 +326,7 @@ def _select_spectr(target_row: torch.Tensor, candidates: _Candidates) -> _Select
 
 
 def _spectr_rho(target64: torch.Tensor, draft64: torch.Tensor, num_candidates: torch.Tensor) -> torch.Tensor:
-    """[B] float64: `verification._spectr_rho` for every row, the same sorted cumulative sums
+    """[B] float64: the reference's `_spectr_rho` for every row, the same sorted cumulative sums
     and bisection; tokens outside the draft's support sort last (ratio inf) and add nothing."""
     support = draft64 > 0
     infinity = torch.full_like(target64, float("inf"))
@@ -381,7 +377,7 @@ def _select_importance(target_row: torch.Tensor, candidates: _Candidates) -> _Se
 
 def _importance_induced_distribution(target_row: torch.Tensor, draft_rows: torch.Tensor,
                                      num_candidates: torch.Tensor) -> torch.Tensor:
-    """[B, V] float64: `verification._importance_induced_distribution` for every request (its first
+    """[B, V] float64: the reference's `_importance_induced_distribution` for every request (its first
     num_candidates rows), over the whole vocabulary in static row blocks of [B, R, V]."""
     batch, width, vocab = draft_rows.shape
     target64 = target_row.double()  # [B, V]

@@ -1,7 +1,7 @@
 """A whole batch's warp, draws and chain verification as tensor programs: no host sync, static shapes.
 
 This is the verification half of a round that stays on the device (a CUDA graph replays it
-beside the forward). Terminology as in `polyspec.workers.core.verification`: accepted
+beside the forward). Terminology as in the references (tests/reference_verification.py): accepted
 tokens, the correction token (drawn from the residual at the first rejection), the bonus
 token (drawn from the target row after a block accepted whole).
 
@@ -18,7 +18,7 @@ The correction / bonus draw uses the exponential race (argmax(row / Exp(1) noise
 sample from row / sum(row)), so residual rows need no normalisation.
 
 Each kernel is checked bit for bit against the slow, obvious reference
-(`warp_logits` per row; `verify_greedy` / `verify_chain_drawn` per request) in
+(`warp_logits` per row; tests/reference_verification.py's `verify_greedy` / `verify_chain_drawn` per request) in
 tests/workers/test_device_verify.py, and for losslessness by a chi-square test.
 """
 

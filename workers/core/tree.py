@@ -98,111 +98,15 @@ def tree_attention_mask(
     return mask[None, None]
 
 
-def verify_block(
-    target_probs: torch.Tensor, block: DraftTree, scheme: str, greedy: bool, generator: torch.Generator | None
-) -> tuple[list[int], int]:
-    """(accepted path of node indices, next token) for a drafted block: a chain by the greedy
-    or single-draft rule (the drafter's rows, none for a lookup's proposals), a tree by
-    `verify_tree`. target_probs: [len(block) + 1, V]."""
-    from polyspec.workers.core.verification import verify_chain, verify_greedy
-
-    if not block.is_chain():
-        return verify_tree(target_probs, block, scheme, greedy, generator)
-    draft_tokens = torch.tensor(block.tokens, dtype=torch.long)
-    if greedy:
-        accepted, next_token = verify_greedy(target_probs.argmax(dim=-1), draft_tokens)
-    else:
-        draft_rows = chain_draft_rows(block, target_probs.shape[-1])
-        accepted, next_token = verify_chain(target_probs, draft_rows, draft_tokens, generator)
-    return list(range(accepted)), next_token
-
-
-def chain_draft_rows(block: DraftTree, vocab: int) -> torch.Tensor:
-    """A chain's draft rows [k, V]: the drafter's, or point masses for a lookup's proposals, which carry none."""
+def chain_draft_rows(block: DraftTree, vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A chain's draft rows [k, V] float32 on `device`: the drafter's, or point masses for a lookup's proposals,
+    which carry none."""
     if block.draft_rows is not None:
-        return block.draft_rows
-    return torch.nn.functional.one_hot(torch.tensor(block.tokens, dtype=torch.long), vocab).float()
+        return block.draft_rows.to(device, torch.float32)
+    return torch.nn.functional.one_hot(torch.tensor(block.tokens, dtype=torch.long, device=device), vocab).float()
 
 
 def path_rows(target_probs: torch.Tensor, block: DraftTree, path: list[int]) -> torch.Tensor:
     """The verifier's rows at the root and below each accepted node ([len(path) + 1, V]): the rows the emitted
     tokens (the accepted path, then the correction or bonus token) are distributed as."""
     return target_probs[: len(path) + 1] if block.is_chain() else target_probs[[0] + [j + 1 for j in path]]
-
-
-def verify_tree(
-    target_probs: torch.Tensor, tree: DraftTree, scheme: str, greedy: bool, generator: torch.Generator | None
-) -> tuple[list[int], int]:
-    """Walk the tree from the root, one verification rule per node. Returns (accepted path of
-    node indices, next token): the next token is the correction where the walk stopped, or
-    the bonus token below an accepted leaf.
-
-    target_probs: [len(tree) + 1, V] float32 — row 0 at the root, row 1 + j at node j.
-    A node with one child is single-draft speculative sampling; a node with several
-    children uses the multi-draft `scheme` (candidates as the drafter drew them).
-    """
-    from polyspec.workers.core.verification import GeneratorDraws
-
-    draws = GeneratorDraws(generator)
-    return _walk_tree(target_probs, tree, scheme, greedy, lambda children: draws)
-
-
-def verify_tree_drawn(
-    target_probs: torch.Tensor, tree: DraftTree, scheme: str, greedy: bool,
-    uniforms: torch.Tensor, move_uniforms: torch.Tensor, exponentials: torch.Tensor,
-) -> tuple[list[int], int]:
-    """`verify_tree` with its randomness given: the slow, obvious reference of the device tree
-    kernels (polyspec.workers.core.device_tree_verify), which must match it bit for bit.
-
-    uniforms, move_uniforms: [len(tree)] float32 in (0, 1), node j's acceptance draw and its
-    importance-chain move draw (see `GivenDraws`); exponentials: [V], the noise of the one
-    correction or bonus draw (exponential race).
-    """
-    from polyspec.workers.core.verification import GivenDraws
-
-    assert uniforms.shape == move_uniforms.shape == (len(tree),) and exponentials.shape == target_probs.shape[1:]
-    return _walk_tree(target_probs, tree, scheme, greedy,
-                      lambda children: GivenDraws(uniforms[children], move_uniforms[children], exponentials))
-
-
-def _walk_tree(target_probs: torch.Tensor, tree: DraftTree, scheme: str, greedy: bool, draws_of) -> tuple[list[int], int]:
-    """The walk of `verify_tree`; `draws_of(children)` gives the draws of one node's selection."""
-    from polyspec.workers.core.verification import select_multi_draft_drawn
-
-    assert target_probs.shape[0] == len(tree) + 1, (target_probs.shape, len(tree))
-    children_of: dict[int, list[int]] = {}
-    for j, parent in enumerate(tree.parents):
-        children_of.setdefault(parent, []).append(j)
-    path: list[int] = []
-    node = -1
-    while True:
-        row = target_probs[node + 1]  # [V]
-        children = children_of.get(node, [])
-        if greedy:
-            best = int(row.argmax())
-            match = next((c for c in children if tree.tokens[c] == best), None)
-            if match is None:
-                return path, best
-            path.append(match)
-            node = match
-            continue
-        draws = draws_of(children)
-        if not children:
-            return path, draws.sample(row)
-        candidates = torch.tensor([tree.tokens[c] for c in children], dtype=torch.long)
-        rule = scheme if len(children) > 1 else "specinfer"
-        token, index = select_multi_draft_drawn(row, tree.draft_rows[children], candidates, rule, draws)
-        if index < 0:
-            return path, token
-        path.append(children[index])
-        node = children[index]
-
-
-def windowed_mask(mask: torch.Tensor, query_positions: list[int], slot_positions: list[int], window: int) -> torch.Tensor:
-    """`mask` ([1, 1, Q, S], additive) with every slot at or past `window` positions behind
-    its query hidden: a sliding-window layer's view of a tree forward. Positions are token
-    positions (a tree node's is its prefix length + depth), not cache slots."""
-    queries = torch.tensor(query_positions, dtype=torch.long)[:, None]  # [Q, 1]
-    slots = torch.tensor(slot_positions, dtype=torch.long)[None, :]  # [1, S]
-    outside = (queries - slots) >= window  # [Q, S]; transformers' overlay keeps kv > q - window
-    return mask.masked_fill(outside[None, None], torch.finfo(mask.dtype).min)

@@ -35,7 +35,8 @@ import torch.nn.functional as F
 
 from polyspec.workers.core.sampling import SamplingParams, warp_logits
 from polyspec.workers.core.tree import DraftTree, tree_allowed
-from polyspec.workers.tiers.batched import BatchedModelTier, BatchedTier, Draws
+from polyspec.workers.core.verdicts import Draws
+from polyspec.workers.tiers.batched import BatchedModelTier, BatchedTier
 from polyspec.workers.tiers.batched_llama import BatchedLlama, PendingTree, RowLayout, linear_function
 from polyspec.workers.tiers.feature_tier import FeatureTier, head_trunk
 

@@ -1,4 +1,9 @@
-"""Lossless verification rules: greedy, chain speculative sampling, multi-draft selection.
+"""The slow, obvious references of the verification rules: greedy, chain speculative sampling, multi-draft
+selection, and the walk of a draft tree, one request and one position at a time on the host.
+
+The runtime verifies on the device (polyspec.workers.core.verdicts over device_verify and
+device_tree_verify); the tests check those kernels against the rules here bit for bit, and check the
+rules here for losslessness (chi-square).
 
 Terminology:
 - target: the tier doing the verifying; `target_probs` are its warped float32
@@ -40,13 +45,16 @@ import dataclasses
 
 import torch
 
+from polyspec.workers.core.device_tree_verify import (
+    BARKER_TIE_MOVE_PROB,
+    INDUCED_CHUNK_ELEMENTS,
+    MULTI_DRAFT_SCHEMES,
+    SPECTR_BISECTION_STEPS,
+)
 from polyspec.workers.core.sampling import sample
+from polyspec.workers.core.tree import DraftTree, chain_draft_rows
 
 NO_CANDIDATE_ACCEPTED = -1  # accepted_index when the token came from the final residual
-MULTI_DRAFT_SCHEMES = ("specinfer", "rsd", "spectr", "importance")
-SPECTR_BISECTION_STEPS = 50  # halves [1, K] to below 1e-14: rho* is exact to float64
-INDUCED_CHUNK_ELEMENTS = 1 << 22  # cap on one [rows, S] block of the importance chain
-BARKER_TIE_MOVE_PROB = 0.5  # move probability when both Barker weights are zero
 
 
 # ---------------------------------------------------------------------------------
@@ -467,3 +475,87 @@ def _require_identical_rows(draft_probs: torch.Tensor, scheme: str) -> None:
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
+
+
+# ---------------------------------------------------------------------------------
+# Blocks and trees: one verdict per drafted block
+# ---------------------------------------------------------------------------------
+
+
+def verify_block(
+    target_probs: torch.Tensor, block: DraftTree, scheme: str, greedy: bool, generator: torch.Generator | None
+) -> tuple[list[int], int]:
+    """(accepted path of node indices, next token) for a drafted block: a chain by the greedy
+    or single-draft rule (the drafter's rows, none for a lookup's proposals), a tree by
+    `verify_tree`. target_probs: [len(block) + 1, V]."""
+    if not block.is_chain():
+        return verify_tree(target_probs, block, scheme, greedy, generator)
+    draft_tokens = torch.tensor(block.tokens, dtype=torch.long)
+    if greedy:
+        accepted, next_token = verify_greedy(target_probs.argmax(dim=-1), draft_tokens)
+    else:
+        draft_rows = chain_draft_rows(block, target_probs.shape[-1])
+        accepted, next_token = verify_chain(target_probs, draft_rows, draft_tokens, generator)
+    return list(range(accepted)), next_token
+
+
+def verify_tree(
+    target_probs: torch.Tensor, tree: DraftTree, scheme: str, greedy: bool, generator: torch.Generator | None
+) -> tuple[list[int], int]:
+    """Walk the tree from the root, one verification rule per node. Returns (accepted path of
+    node indices, next token): the next token is the correction where the walk stopped, or
+    the bonus token below an accepted leaf.
+
+    target_probs: [len(tree) + 1, V] float32 — row 0 at the root, row 1 + j at node j.
+    A node with one child is single-draft speculative sampling; a node with several
+    children uses the multi-draft `scheme` (candidates as the drafter drew them).
+    """
+    draws = GeneratorDraws(generator)
+    return _walk_tree(target_probs, tree, scheme, greedy, lambda children: draws)
+
+
+def verify_tree_drawn(
+    target_probs: torch.Tensor, tree: DraftTree, scheme: str, greedy: bool,
+    uniforms: torch.Tensor, move_uniforms: torch.Tensor, exponentials: torch.Tensor,
+) -> tuple[list[int], int]:
+    """`verify_tree` with its randomness given: the slow, obvious reference of the device tree
+    kernels (polyspec.workers.core.device_tree_verify), which must match it bit for bit.
+
+    uniforms, move_uniforms: [len(tree)] float32 in (0, 1), node j's acceptance draw and its
+    importance-chain move draw (see `GivenDraws`); exponentials: [V], the noise of the one
+    correction or bonus draw (exponential race).
+    """
+    assert uniforms.shape == move_uniforms.shape == (len(tree),) and exponentials.shape == target_probs.shape[1:]
+    return _walk_tree(target_probs, tree, scheme, greedy,
+                      lambda children: GivenDraws(uniforms[children], move_uniforms[children], exponentials))
+
+
+def _walk_tree(target_probs: torch.Tensor, tree: DraftTree, scheme: str, greedy: bool, draws_of) -> tuple[list[int], int]:
+    """The walk of `verify_tree`; `draws_of(children)` gives the draws of one node's selection."""
+    assert target_probs.shape[0] == len(tree) + 1, (target_probs.shape, len(tree))
+    children_of: dict[int, list[int]] = {}
+    for j, parent in enumerate(tree.parents):
+        children_of.setdefault(parent, []).append(j)
+    path: list[int] = []
+    node = -1
+    while True:
+        row = target_probs[node + 1]  # [V]
+        children = children_of.get(node, [])
+        if greedy:
+            best = int(row.argmax())
+            match = next((c for c in children if tree.tokens[c] == best), None)
+            if match is None:
+                return path, best
+            path.append(match)
+            node = match
+            continue
+        draws = draws_of(children)
+        if not children:
+            return path, draws.sample(row)
+        candidates = torch.tensor([tree.tokens[c] for c in children], dtype=torch.long)
+        rule = scheme if len(children) > 1 else "specinfer"
+        token, index = select_multi_draft_drawn(row, tree.draft_rows[children], candidates, rule, draws)
+        if index < 0:
+            return path, token
+        path.append(children[index])
+        node = children[index]

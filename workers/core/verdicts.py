@@ -1,0 +1,145 @@
+"""A batch's verdicts on its drafted blocks, on the device: every verification rule of a round in one call.
+
+`verify_blocks` sorts a batch's blocks by rule and runs each group as one tensor program: greedy chains
+from the argmax alone (`device_verify.verify_greedy_chains`), sampled chains by speculative sampling
+(`device_verify.verify_chains`), trees by the multi-draft scheme (`device_tree_verify`). `Draws` holds a
+call's sampling parameters and random streams as device columns, what every draw and verdict reads.
+
+Randomness: a request's draws come from counter-based streams keyed by its random stream at a tier
+(polyspec.workers.core.sampling.RandomStream: `key`, and `take()` for fresh counters; device_verify's
+domains), never from the batch: a seeded request gets the same verdict alone or in any batch.
+The slow, obvious references these kernels are checked against bit for bit live in
+tests/reference_verification.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from polyspec.workers.core.device_tree_verify import pack_trees, tree_draws, verify_greedy_trees, verify_trees
+from polyspec.workers.core.device_verify import (
+    DOMAIN_ACCEPT,
+    DOMAIN_NEXT,
+    draw_tokens,
+    root_candidates,
+    sampling_mode,
+    stream_exponentials,
+    stream_uniforms,
+    verify_chains,
+    verify_greedy_chains,
+)
+from polyspec.workers.core.sampling import RandomStream, SamplingParams
+from polyspec.workers.core.tree import DraftTree, chain_draft_rows
+
+
+def stream_key(generator, rounds: int = 1) -> tuple[int, int]:
+    """(key, first counter) of `rounds` rounds of draws from a request's stream at a tier; a profile's calls pass None."""
+    if generator is None:
+        return 0, 0
+    if isinstance(generator, RandomStream):
+        return generator.key, generator.take(rounds)
+    # another torch.Generator: a fresh key drawn from it (seeded, it gives the same draws again)
+    return int(torch.randint(1 << 62, (1,), generator=generator)), 0
+
+
+@dataclasses.dataclass
+class Draws:
+    """A call's requests' sampling parameters and random streams as columns on the device, one entry per request:
+    what every draw (polyspec.workers.core.device_verify.draw_tokens) and verdict of the call reads. A request's
+    draws are keyed by its stream and a counter, never by the batch, so a seeded request draws the same alone or
+    in any batch, on any device."""
+
+    mode: str
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    greedy: torch.Tensor
+    seeds: torch.Tensor
+    counters: torch.Tensor
+
+    @classmethod
+    def of(cls, params: list[SamplingParams], generators, rounds: list[int], device) -> "Draws":
+        """`rounds[r]` rounds taken from request r's stream (a block's tokens, a tree's levels, one verdict)."""
+        keys = [stream_key(g, n) for g, n in zip(generators, rounds)]
+
+        def column(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+        return cls(sampling_mode(params), column([p.temperature for p in params], torch.float32),
+                   column([p.top_k for p in params], torch.long), column([p.top_p for p in params], torch.float32),
+                   column([p.greedy for p in params], torch.bool), column([k for k, _ in keys], torch.long),
+                   column([c for _, c in keys], torch.long))
+
+    def draw(self, logits: torch.Tensor, index: torch.Tensor, round: int | torch.Tensor = 0,
+             first: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`draw_tokens` for rows of `logits` [R, V] that belong to requests `index` [R], in round `round` of the
+        rounds taken (draws first[r] .. of it)."""
+        return draw_tokens(logits, self.mode, self.temperature[index], self.top_k[index], self.top_p[index], self.greedy[index],
+                           self.seeds[index], self.counters[index] + round, first)
+
+    def roots(self, logits: torch.Tensor, index: torch.Tensor, width: int, without_replacement: bool):
+        """`root_candidates` for rows of `logits` [R, V] of requests `index` (their first round)."""
+        return root_candidates(logits, self.mode, width, without_replacement, self.temperature[index], self.top_k[index],
+                               self.top_p[index], self.greedy[index], self.seeds[index], self.counters[index])
+
+
+def verify_blocks(scored: list[torch.Tensor], blocks: list[DraftTree], params: list[SamplingParams], generators,
+                  scheme: str) -> list[tuple[list[int], int]]:
+    """Each request's verdict on its block, (accepted path, next token), from the verifier's warped rows
+    `scored[r]` [len(block) + 1, V]: the chains by the tensor verifier of chains (greedy ones from the argmax
+    alone), the trees by the tree verifier (`scheme`), each request drawing from one round of its stream
+    (device_verify's domains: a seeded request's verdict is the same alone or in any batch). A block that
+    carries no draft rows (a lookup's proposals) is a point mass."""
+    device = scored[0].device
+    draws = Draws.of(params, generators, [1] * len(blocks), device)
+    out: list[tuple[list[int], int] | None] = [None] * len(blocks)
+    greedy = [r for r, (b, p) in enumerate(zip(blocks, params)) if b.is_chain() and p.greedy]
+    sampled = [r for r, (b, p) in enumerate(zip(blocks, params)) if b.is_chain() and not p.greedy]
+    trees = [r for r, b in enumerate(blocks) if not b.is_chain()]
+    if greedy:
+        width = max(len(blocks[r]) for r in greedy)
+        argmax = torch.stack([torch.nn.functional.pad(scored[r].argmax(dim=-1), (0, width - len(blocks[r]))) for r in greedy])
+        drafts = torch.tensor([blocks[r].tokens + [0] * (width - len(blocks[r])) for r in greedy], dtype=torch.long, device=device)
+        accepted, following = verify_greedy_chains(argmax, drafts, torch.tensor([len(blocks[r]) for r in greedy], device=device))
+        for r, n, token in zip(greedy, accepted.tolist(), following.tolist()):
+            out[r] = (list(range(n)), token)
+    if sampled:
+        index = torch.tensor(sampled, device=device)
+        lengths = [len(blocks[r]) for r in sampled]
+        cu_num_draft = torch.tensor([0] + lengths, device=device).cumsum(0)
+        tokens = torch.tensor([t for r in sampled for t in blocks[r].tokens], dtype=torch.long, device=device)
+        vocab = scored[sampled[0]].shape[-1]
+        draft_rows = [chain_draft_rows(blocks[r], vocab, device) for r in sampled]
+        accepted, following = verify_chains(
+            torch.cat([scored[r] for r in sampled]), torch.cat(draft_rows) if tokens.numel() else torch.zeros(0, vocab, device=device),
+            tokens, cu_num_draft, draws.greedy[index], stream_uniforms(draws.seeds[index], draws.counters[index], DOMAIN_ACCEPT,
+                                                                        max(lengths)).reshape(-1)[_flat_index(lengths, max(lengths))],
+            stream_exponentials(draws.seeds[index], draws.counters[index], DOMAIN_NEXT, vocab))
+        for r, n, token in zip(sampled, accepted.tolist(), following.tolist()):
+            out[r] = (list(range(n)), token)
+    if trees:
+        index = torch.tensor(trees, device=device)
+        vocab = scored[trees[0]].shape[-1]
+        nodes = max(len(blocks[r]) for r in trees)
+        node_tokens, parents, num_nodes, draft_probs = pack_trees([blocks[r] for r in trees], nodes, vocab, device)
+        target = torch.zeros(len(trees), nodes + 1, vocab, device=device)
+        for row, r in enumerate(trees):
+            target[row, : len(blocks[r]) + 1] = scored[r]
+        depth = max(max(blocks[r].depths(), default=-1) + 1 for r in trees)
+        width = max(max([blocks[r].parents.count(p) for p in set(blocks[r].parents)], default=0) for r in trees)
+        if all(params[r].greedy for r in trees):
+            path, path_len, following = verify_greedy_trees(target, node_tokens, parents, num_nodes, depth, max(width, 1))
+        else:
+            path, path_len, following = verify_trees(target, draft_probs, node_tokens, parents, num_nodes, draws.greedy[index],
+                                                     *tree_draws(draws.seeds[index], draws.counters[index], nodes, vocab), scheme,
+                                                     depth, max(width, 1))
+        for r, nodes_of, n, token in zip(trees, path.tolist(), path_len.tolist(), following.tolist()):
+            out[r] = (nodes_of[:n], token)
+    return out
+
+
+def _flat_index(lengths: list[int], width: int) -> torch.Tensor:
+    """The positions of ragged rows of `lengths` in their padded [len(lengths), width] layout, flattened."""
+    return torch.tensor([r * width + j for r, n in enumerate(lengths) for j in range(n)], dtype=torch.long)
