@@ -239,7 +239,21 @@ class StepObservation:
         return sum(len(c) for c in self.committed)
 
 
-Observation = RoundObservation | DraftObservation | StepObservation
+@dataclasses.dataclass(frozen=True)
+class ShadowObservation:
+    """A lookup tier `drafter` the step did not run under the target, asked what it would have proposed at a
+    request's context before the step: the first `accepted` of its `proposed` tokens matched what the step
+    committed, and `accepted < proposed` only where a committed token differed (where the committed tokens ran out
+    first, `proposed` is cut to the match). Every committed token is distributed as the target's own, so a match
+    is an acceptance at the rate a verified block of these tokens (point masses) would have had, sampling or not."""
+
+    drafter: int
+    proposed: int
+    accepted: int
+    greedy: bool
+
+
+Observation = RoundObservation | DraftObservation | StepObservation | ShadowObservation
 
 
 @runtime_checkable
@@ -250,6 +264,7 @@ class RoundPlanner(Protocol):
     one request only."""
 
     one_request: bool
+    shadows: bool  # is it told what the lookup tiers left out of a step would have proposed (ShadowObservation)?
 
     def plan(self, step: StepInput) -> tuple[list[int], tuple[int, ...]]:
         """The lengths (one per verifying level) and the tiers to run (target first) for this step."""

@@ -69,6 +69,7 @@ from polyspec.orchestrator.decode.contract import (
     GenerationOutput,
     RequestState,
     RoundObservation,
+    ShadowObservation,
     StageStats,
     StepInput,
     StepObservation,
@@ -257,6 +258,7 @@ class ChainScheduler:
             caught = time.perf_counter()
             self.catch_up([states[i] for i in live])
             catch_up_s = time.perf_counter() - caught
+        shadows = self._shadow_proposals([states[i] for i in live])
         busy_before = [t.busy_s for t in self.tiers]
         tokens_before = [t.forwarded_tokens for t in self.tiers]
         items = [(states[i].run, list(states[i].committed), min(self.length_at(0), remaining(states[i]) - 1)) for i in live]
@@ -272,12 +274,41 @@ class ChainScheduler:
                 state.run.forwarded_tokens[t] += forwarded[t] // len(live)
             out[i] = emitted
             committed.append(tuple(emitted))
+            for level, proposals in shadows.items():
+                self._observe_shadow(level, proposals[len(committed) - 1], emitted, state.run.params.greedy)
         seconds = time.perf_counter() - started
         lengths = [self.lengths[t] for t in self.active[:-1]]
         self.last_step = {"batch": len(live), "tokens": sum(len(c) for c in committed), "seconds": seconds,
                           "lengths": lengths, "tiers": list(self.active)}
         self._observe(StepObservation(tuple(committed), seconds, tuple(self.lengths), tuple(self.active), catch_up_s))
         return out
+
+    def _shadow_proposals(self, states: list[RequestState]) -> dict[int, list[list[int]]]:
+        """Per lookup tier that does not draft for the target in this step: what it would propose at each request's
+        context, as many tokens as the step can commit (its planner's ShadowObservations: a lookup costs next to
+        nothing, and its acceptance grows with the request's own text, so a planner that measured it poor early
+        must see it warm up without running it)."""
+        if self.planner is None or not self.planner.shadows:
+            return {}
+        under_target = self.active[1] if len(self.active) > 1 else None
+        count = self.length_at(0) + 1
+        out = {}
+        for level, tier in enumerate(self.tiers):
+            if level and not tier.has_weights and level != under_target:
+                drafted = tier.draft_batch([s.run.seq_id for s in states], [list(s.committed) for s in states], [count] * len(states),
+                                           [s.run.params for s in states], [s.run.generators[level] for s in states])
+                out[level] = [tokens for tokens, _ in drafted]
+        return out
+
+    def _observe_shadow(self, level: int, proposal: list[int], committed: list[int], greedy: bool) -> None:
+        """Tell the planner how far `proposal` matched the tokens the step committed (a mismatch is a rejection;
+        where the committed tokens ran out first, the match is cut there, with no rejection)."""
+        compared = min(len(proposal), len(committed))
+        if compared == 0:
+            return
+        matched = _common_prefix(proposal[:compared], committed[:compared])
+        proposed = len(proposal) if matched < compared else matched
+        self._observe(ShadowObservation(level, proposed, matched, greedy))
 
     def finish(self, state: RequestState) -> GenerationOutput:
         """Release the request's caches (or keep them: `keep_finished`) and return its tokens and stats."""

@@ -12,13 +12,22 @@ depth from each round's accepted length. Priors: depth 0 picks the best of w can
 rounds feed with their acceptance past depth 0, so depths no tree has reached yet are priced
 from what the shallower ones measured). A round of depth d emits 1 + sum_{i<d} prod_{j<=i} q_j.
 The statistics are those of the engine's one tree width (they are not kept per width).
+
+Acceptance moves: a lookup drafter's grows with the request's own text, a model drafter's differs between
+prose, code and math. So a pair's chain counts fade (by 1 / MEMORY_ROUNDS per round of that pair): the
+rate follows the last ~MEMORY_ROUNDS rounds, and `spread` says how sure one is (the posterior's standard
+deviation over the counts kept, prior included). A tree's per-depth counts do not fade: its deeper levels
+are reached by few rounds, and they are priced from the chain rate until they have been.
 """
 
 from __future__ import annotations
 
+import math
+
 PRIOR_RATE = 0.8  # acceptance rate before any round is seen (a model drafter; the lookup's is LOOKUP_PRIOR_RATE)
 LOOKUP_PRIOR_RATE = 0.5
 PRIOR_WEIGHT = 4.0  # ... worth this many observed tokens (rounds, for a tree depth's rate)
+MEMORY_ROUNDS = 128  # a pair's chain counts fade by 1 / MEMORY_ROUNDS per round: at 4 requests, ~32 steps weigh most
 
 
 def expected_tokens(rate: float, k: int) -> float:
@@ -46,6 +55,10 @@ class Acceptance:
         if proposed <= 0:
             return
         key = (level, drafter, greedy)
+        keep = 1.0 - 1.0 / MEMORY_ROUNDS
+        for counts in (self.accepted, self.rejected):
+            if key in counts:
+                counts[key] *= keep
         if depth is None:
             self.accepted[key] = self.accepted.get(key, 0.0) + accepted
             self.rejected[key] = self.rejected.get(key, 0.0) + (1.0 if accepted < proposed else 0.0)
@@ -67,6 +80,13 @@ class Acceptance:
         accepted = self.accepted.get(key, 0.0) + prior * PRIOR_WEIGHT
         rejected = self.rejected.get(key, 0.0) + (1 - prior) * PRIOR_WEIGHT
         return accepted / (accepted + rejected)
+
+    def spread(self, level: int, drafter: int, greedy: bool = True) -> float:
+        """The chain rate's uncertainty: the standard deviation of its Beta posterior over the counts kept."""
+        key = (level, drafter, greedy)
+        seen = self.accepted.get(key, 0.0) + self.rejected.get(key, 0.0) + PRIOR_WEIGHT
+        rate = self.rate(level, drafter, greedy)
+        return math.sqrt(rate * (1.0 - rate) / (seen + 1.0))
 
     def depth_rates(self, level: int, drafter: int, greedy: bool, width: int, depth: int) -> list[float]:
         """q_0 .. q_{depth-1} of a tree of `width` candidates: measured per depth, a prior where few rounds reached it."""

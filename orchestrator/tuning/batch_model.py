@@ -45,6 +45,13 @@ SWITCH_OFF times off's (hysteresis). The side not taken is re-probed for PROBE_S
 after REPROBE_FIRST probes' times, then at doubling intervals (up to `tuning.explore_every`,
 64 by default; 0: never) while the decision holds, so a change of load or acceptance is
 noticed and a losing side costs a few percent at most.
+
+Acceptance moves (batch_acceptance: counts fade over the last rounds), and a lookup tier the step does not
+run under the target is still asked what it would have proposed (`ShadowObservation`), so its rate warms
+up with the requests' own text while another plan runs. A plan measured poor is therefore not written off:
+its measured rate is carried forward by the model (measured x model value now / model value while it was
+measured), and when that reaches RETRY_MARGIN times the best measured plan's, it is measured again, each plan
+at most once per RETRY_STEPS x 2^(its retries) steps of the load.
 """
 
 from __future__ import annotations
@@ -55,7 +62,7 @@ import itertools
 import math
 
 
-from polyspec.orchestrator.decode.contract import RoundObservation, StepObservation
+from polyspec.orchestrator.decode.contract import RoundObservation, ShadowObservation, StepObservation
 from polyspec.orchestrator.tuning.batch_acceptance import (LOOKUP_PRIOR_RATE, PRIOR_RATE, Acceptance,  # noqa: F401 (re-exported)
                                                             expected_tokens)
 from polyspec.workers.core.sampling import SamplingParams
@@ -76,6 +83,8 @@ EXPLORE_BEST_SHARE = 0.8  # ... and of the best speculating plan measured there
 SEED_FLOOR = 0.25  # ... and the neighbouring load's winner only if predicted at least this share
 EXPLORE_TIME_SHARE = 0.25  # a plan is measured only if its MIN_STEPS take at most this share of the running requests' remaining time
 CANDIDATE_MARGIN = 1.5  # an unmeasured speculating plan must be predicted this much better than the measured best to be tried
+RETRY_MARGIN = 1.1  # a plan measured poor is measured again when the model carries its rate this far past the best's
+RETRY_STEPS = 16  # ... at most once per this many steps of the load, doubling with each retry
 LENGTHS = (3, 6, 12)
 INNER_LENGTHS = (4, 10)
 READ_OPTIONS = ("max_length", "allow_bypass", "explore_every")  # the config's `tuning:` options it reads (the rest: the one-request tuner's)
@@ -172,13 +181,22 @@ class Rate:
     seconds: float = 0.0
     weight: float = 0.0  # steps in the sums, counting the faded ones in part
     steps: int = 0
+    predicted: float = 0.0  # the model's tokens/s for the plan at each step, summed as the steps are
+    last: int = 0  # the load's step count at the last step measured
 
-    def add(self, tokens: int, seconds: float) -> None:
+    def add(self, tokens: int, seconds: float, predicted: float = 0.0, at: int = 0) -> None:
         keep = 1.0 - SMOOTHING if self.steps >= WINDOW else 1.0
         self.tokens = self.tokens * keep + tokens
         self.seconds = self.seconds * keep + seconds
+        self.predicted = self.predicted * keep + predicted
         self.weight = self.weight * keep + 1.0
         self.steps += 1
+        self.last = at
+
+    @property
+    def predicted_value(self) -> float:
+        """What the model said of the plan while it was measured (0: nothing)."""
+        return self.predicted / self.weight if self.weight else 0.0
 
     @property
     def value(self) -> float | None:
@@ -195,6 +213,8 @@ class Arm:
     since: float = 0.0  # seconds run on the side taken since the last re-probe
     probe: list = dataclasses.field(default_factory=list)  # plans queued to run next (a re-probe)
     seed: Plan | None = None  # the best speculating plan of the nearest decided load: the one a new load tries
+    steps: int = 0  # steps run at this load
+    retries: dict = dataclasses.field(default_factory=dict)  # Plan -> times it was measured again (`BatchPlanner.stale`)
 
     def best_measured(self) -> Plan | None:
         measured = {p: self.measured(p) for p in self.rates if p.speculating and self.measured(p) is not None}
@@ -247,6 +267,7 @@ class BatchPlanner:
         self._pending: Plan | None = None
         self._pending_arm: Arm | None = None
         self._predicted_ms = 0.0
+        self._predicted_value = 0.0  # the model's tokens/s for the pending step's plan (uncorrected)
         self.behind: dict[int, int] = {}  # per drafting tier: tokens of the current requests it has not cached
         self.horizon = 0.0  # the current requests' mean remaining tokens (0: unknown)
 
@@ -302,8 +323,9 @@ class BatchPlanner:
             for key in ((plan, group), (plan, 0), (side, group), (side, 0), (None, group), (None, 0)):
                 current = self.correction.get(key, 1.0)
                 self.correction[key] = current + SMOOTHING * (ratio - current)
+        arm.steps += 1
         if seconds > 0:
-            arm.rate(plan).add(tokens, seconds)
+            arm.rate(plan).add(tokens, seconds, self._predicted_value, arm.steps)
             if arm.speculate is not None and not arm.probe and plan.speculating == arm.speculate:
                 arm.since += seconds
         if not arm.probe:  # between probes only: a probe's steps are all in before the A/B looks again
@@ -376,6 +398,11 @@ class BatchPlanner:
         if self.max_batched_tokens is None or not plan.speculating:
             return True
         return batch * max(width * k + 1 for _, _, k, width in self.stages(plan)) <= self.max_batched_tokens
+
+    def model_goodput(self, plan: Plan, batch: int) -> float:
+        """The time model's tokens/s for `plan` at `batch` requests, without the online corrections of step times."""
+        ms, tokens = self.step_ms(plan, batch)
+        return batch * tokens / max(ms, 1e-6) * 1000.0
 
     def goodput(self, plan: Plan, batch: int, extra_ms: float = 0.0) -> float:
         """Expected total tokens/s of a step of `batch` requests under `plan` (`extra_ms` added to the step)."""
@@ -491,6 +518,9 @@ class BatchPlanner:
         if not measured:
             return arm.seed if arm.seed in allowed else max(allowed, key=predicted.get)
         best = max(measured, key=measured.get)
+        stale = self.stale(arm, measured, best, batch)
+        if stale is not None:
+            return stale
         around = [p for p in self.neighbours(best) if p in allowed and p not in measured and self.affordable(arm, p, batch)] \
             if arm.speculate else []
         if around:  # speculating pays here: the model picked the lengths, the machine checks the ones next to them
@@ -500,6 +530,28 @@ class BatchPlanner:
                 and (arm.speculate or off is None or predicted[challenger] / max(predicted[best], 1e-9) * measured[best] > off):
             return challenger  # (where off wins: only one that, scaled by the model's error on the best, would beat off)
         return best
+
+    def stale(self, arm: Arm, measured: dict, best: Plan, batch: int) -> Plan | None:
+        """A plan measured below `best` whose measured rate, carried forward by the model (x its model value now /
+        its model value while measured: its drafters' acceptance moved), reaches RETRY_MARGIN times best's: its old
+        rate is dropped and it is measured again (None: no such plan). Each plan at most once per
+        RETRY_STEPS x 2^(its retries) steps of this load, and only where the running requests can pay for it."""
+        carried = {}
+        for plan, rate in measured.items():
+            record = arm.rates[plan]
+            if plan == best or not record.predicted_value:
+                continue
+            if arm.steps - record.last < RETRY_STEPS * 2 ** arm.retries.get(plan, 0):
+                continue
+            value = rate * self.model_goodput(plan, batch) / record.predicted_value
+            if value >= RETRY_MARGIN * measured[best] and self.affordable(arm, plan, batch):
+                carried[plan] = value
+        if not carried:
+            return None
+        plan = max(carried, key=carried.get)
+        arm.retries[plan] = arm.retries.get(plan, 0) + 1
+        arm.rates[plan] = Rate()
+        return plan
 
     def neighbours(self, plan: Plan) -> list[Plan]:
         """The plans on the same tiers with one length a step longer or shorter on its grid."""
@@ -542,6 +594,7 @@ class BatchPlanner:
         return arm
 
     one_request = False  # plans steps of any batch (contract.RoundPlanner)
+    shadows = True  # told what the lookup tiers left out of a step would have proposed (ShadowObservation)
 
     def plan(self, step) -> tuple[list[int], tuple[int, ...]]:
         """`contract.RoundPlanner.plan`: the step's (lengths, active tiers)."""
@@ -553,6 +606,8 @@ class BatchPlanner:
         if isinstance(observation, RoundObservation):
             self.observe_round(observation.level, observation.drafter, observation.proposed, observation.accepted,
                                observation.greedy, observation.depth)
+        elif isinstance(observation, ShadowObservation):
+            self.acceptance.observe(0, observation.drafter, observation.proposed, observation.accepted, observation.greedy)
         elif isinstance(observation, StepObservation):
             self.observe_step(observation.batch, observation.tokens, observation.seconds, list(observation.lengths),
                               observation.active, observation.catch_up_s)
@@ -597,12 +652,15 @@ class BatchPlanner:
             del self.history[:-64]
         self._pending, self._pending_arm = best, arm
         self._predicted_ms = self.step_ms(best, batch)[0] * self.corrected(best, group)
+        self._predicted_value = self.model_goodput(best, batch)
         return list(best.lengths), best.active
 
     def describe(self) -> dict:
         return {
             "rates": {f"{self.tiers[a].name}<-{self.tiers[b].name}{'' if g else ' (sampling)'}": round(self.rate(a, b, g), 4)
                       for a, b, g in self.acceptance.pairs()},
+            "rate_spreads": {f"{self.tiers[a].name}<-{self.tiers[b].name}{'' if g else ' (sampling)'}":
+                             round(self.acceptance.spread(a, b, g), 4) for a, b, g in self.acceptance.pairs()},
             **({"tree_width": self.tree_width, "tree_depth_rates": {
                 f"{self.tiers[a].name}<-{self.tiers[b].name}{'' if g else ' (sampling)'}":
                     [round(q, 4) for q in

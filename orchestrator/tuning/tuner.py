@@ -203,6 +203,7 @@ class Tuner:
     # --------------------------------------------------------------- planner hooks
 
     one_request = True  # follows one request's text: given steps of one request (contract.RoundPlanner)
+    shadows = False  # it builds its skip pairs' shadow estimates from the full chain's own proposals
 
     def plan(self, step: StepInput) -> tuple[list[int], tuple[int, ...]]:
         """`contract.RoundPlanner.plan`: before a target round of one request, the lengths (one per

@@ -7,8 +7,10 @@ import random
 import types
 
 from polyspec.orchestrator.tuning.batch_model import (BATCH_GRID, EXPLORE_BEST_SHARE, EXPLORE_FLOOR, MIN_STEPS, PROBE_STEPS,
-                                                      SWITCH_ON, WIDTH_GRID,
-                                                      BatchPlanner, ForwardTable, Plan, bucket, decide, expected_tokens)
+                                                      RETRY_STEPS, SWITCH_ON, WIDTH_GRID,
+                                                      Acceptance, BatchPlanner, ForwardTable, Plan, bucket, decide,
+                                                      expected_tokens)
+from polyspec.orchestrator.decode.contract import ShadowObservation
 
 
 def table(cost) -> ForwardTable:
@@ -481,7 +483,7 @@ def test_a_new_load_does_not_measure_sets_the_model_puts_well_below_the_best_mea
     tiers = chain() + [types.SimpleNamespace(name="small", has_weights=True, can_verify=True, forward_log=[])]
     plan = BatchPlanner(tiers, [table(lambda b, w: 10.0 + 0.1 * w), table(lambda b, w: 2.0 + 0.1 * w), None,
                                 table(lambda b, w: 3.0 + 0.1 * w)], [0.0, 0.0, 0.05, 0.0])
-    for level, drafter, rate in ((0, 1, 0.95), (0, 2, 0.3), (0, 3, 0.6), (1, 2, 0.3), (1, 3, 0.6)):
+    for level, drafter, rate in ((0, 1, 0.95), (0, 2, 0.3), (0, 3, 0.6), (1, 2, 0.25), (1, 3, 0.6)):
         accept(plan, level, drafter, rate)
     batch = 4
     predicted = {}  # per set of tiers: its best plan's tokens/s per request
@@ -546,3 +548,111 @@ def test_the_tuning_options_reach_the_goodput_planner():
     assert unread_note(TuningConfig(max_length=4, allow_bypass=False, explore_every=0)) is None
     note = unread_note(TuningConfig(decay=0.9, shadow=False))
     assert note.startswith("tuning: decay, shadow set") and "reads only max_length, allow_bypass and explore_every" in note
+
+
+def diffused_rounds(rate: float, rounds: int, k: int):
+    """(proposed, accepted) of `rounds` blocks of k whose accept / reject decisions come in the proportion `rate`
+    over any stretch of them (error diffusion): the estimate recovers `rate` from any window, faded or not."""
+    credit = 0.0
+    for _ in range(rounds):
+        accepted = 0
+        while accepted < k:
+            credit += rate
+            if credit < 1.0:
+                break  # a rejection ends the round
+            credit -= 1.0
+            accepted += 1
+        yield k, accepted
+
+
+def test_acceptance_follows_the_recent_rounds_and_says_how_sure_it_is():
+    """A drafter accepted at 0.1 for 400 rounds, then at 0.8 for 400 (a lookup warming up on the request's own
+    text): the rate follows the recent rounds (never-fading counts would say ~0.45), and its spread narrows as
+    rounds come in."""
+    acceptance = Acceptance([0.5, 0.5])
+    wide = acceptance.spread(0, 1)
+    for proposed, accepted in diffused_rounds(0.1, 400, 8):
+        acceptance.observe(0, 1, proposed, accepted)
+    assert abs(acceptance.rate(0, 1) - 0.1) < 0.03
+    for proposed, accepted in diffused_rounds(0.8, 400, 8):
+        acceptance.observe(0, 1, proposed, accepted)
+    assert abs(acceptance.rate(0, 1) - 0.8) < 0.03
+    assert 0 < acceptance.spread(0, 1) < wide / 3
+
+
+def two_drafters() -> BatchPlanner:
+    """target <- mid or target <- lookup (the mid model does not verify: no three-tier plans), the mid model known
+    to be accepted at 0.8, the lookup at its prior."""
+    tiers = chain()
+    tiers[1].can_verify = False
+    plan = BatchPlanner(tiers, [table(lambda b, w: 10.0), table(lambda b, w: 2.0), None], [0.0, 0.0, 0.05])
+    accept(plan, 0, 1, 0.8)
+    return plan
+
+
+def drive_with_shadows(plan: BatchPlanner, steps: int, truth, shadow_rate: float, batch: int = 4) -> list[tuple[int, ...]]:
+    """`run_steps`, with the lookup tier (2) told what it would have proposed whenever it does not draft for the
+    target (as the scheduler's ShadowObservations do): 4-token proposals matched at `shadow_rate`. The tiers run
+    per step."""
+    ran = []
+    rounds = diffused_rounds(shadow_rate, 10**9, 4)
+    for _ in range(steps):
+        lengths, active = plan.plan_batch(batch)
+        emitted = batch * (1 if len(active) == 1 else 4)
+        plan.observe_step(batch, emitted, emitted / (batch * truth(active)), lengths, active)
+        if len(active) < 2 or active[1] != 2:
+            for _ in range(batch):
+                proposed, accepted = next(rounds)
+                plan.observe(ShadowObservation(2, proposed if accepted < proposed else accepted, accepted, True))
+        ran.append(active)
+    return ran
+
+
+def test_a_lookup_measured_poor_early_is_measured_again_when_its_shadow_acceptance_rises():
+    """The issue's run: at the requests' start the lookup finds nothing to copy (measured at off's tokens/s) and the
+    mid model wins; later the requests' own text makes the lookup pay (its shadow acceptance, heard while the mid
+    model runs, rises to 0.9, and the machine gives it twice the mid model's tokens/s): it is measured again and
+    chosen. While the shadows stay poor it is not re-run. (That a measured plan is itself measured again: the next
+    test.)"""
+    plan = two_drafters()  # the lookup starts at its prior: worth measuring
+    lookup = {"tokens_per_s": 100.0}
+    truth = lambda active: {(0,): 100.0, (0, 1): 180.0, (0, 2): lookup["tokens_per_s"]}[active]
+    run_steps(plan, 4, 40, truth)  # the load's exploration, before any shadow is heard
+    arm = plan.arms[(4, 0)]
+    assert any(p.active == (0, 2) for p in arm.rates) and arm.speculate and arm.best_measured().active == (0, 1)
+    early = drive_with_shadows(plan, 80, truth, shadow_rate=0.05)
+    assert early.count((0, 2)) == 0 and not arm.retries
+    lookup["tokens_per_s"] = 360.0
+    late = drive_with_shadows(plan, 120, truth, shadow_rate=0.9)
+    assert plan.chosen[4].active == (0, 2)  # its other lengths as the challenger, or its measured plan again
+    assert late[-30:].count((0, 2)) >= 30 - PROBE_STEPS
+
+
+def test_a_lookup_written_off_before_it_was_measured_is_tried_when_its_shadow_acceptance_rises():
+    """Shadows heard from the first step: the lookup's rate falls before its set is explored, so it is never
+    measured; when its shadow acceptance rises it becomes the challenger the model predicts far above the best
+    measured plan, is measured, and chosen."""
+    plan = two_drafters()
+    lookup = {"tokens_per_s": 100.0}
+    truth = lambda active: {(0,): 100.0, (0, 1): 180.0, (0, 2): lookup["tokens_per_s"]}[active]
+    early = drive_with_shadows(plan, 80, truth, shadow_rate=0.05)
+    assert early.count((0, 2)) == 0
+    lookup["tokens_per_s"] = 360.0
+    late = drive_with_shadows(plan, 120, truth, shadow_rate=0.9)
+    assert plan.chosen[4].active == (0, 2) and late[-30:].count((0, 2)) >= 30 - PROBE_STEPS
+
+
+def test_a_plan_whose_model_value_rises_but_measures_poor_again_costs_a_bounded_share():
+    """The shadows say the lookup would pay, the machine says it does not (the model is wrong about it): it is
+    measured again, and again only at doubling intervals (RETRY_STEPS x 2^retries) while its model value keeps
+    rising: over 400 steps the run stays within 5 % of the mid model's tokens/s."""
+    plan = two_drafters()
+    truth = lambda active: {(0,): 100.0, (0, 1): 180.0, (0, 2): 100.0}[active]
+    run_steps(plan, 4, 40, truth)
+    drive_with_shadows(plan, 80, truth, shadow_rate=0.05)
+    ran = drive_with_shadows(plan, 400, truth, shadow_rate=0.9)
+    retries = plan.arms[(4, 0)].retries
+    assert retries and all(2 ** count - 1 <= 400 / RETRY_STEPS for count in retries.values())
+    seconds = sum((4 if len(a) > 1 else 1) / truth(a) for a in ran)
+    tokens = sum(4 if len(a) > 1 else 1 for a in ran)
+    assert tokens / seconds >= 0.95 * 180.0

@@ -489,3 +489,55 @@ def test_batched_draft_stops_where_the_one_request_tier_stops(tiny_family, thres
         assert all(len(tokens) == 1 for tokens, _ in got)  # no draft is ever that sure: every block stops at once
     elif threshold is None:
         assert [len(tokens) for tokens, _ in got] == counts
+
+
+class RecordingPlanner:
+    """A planner that runs the plan it is given every step and records what it is told."""
+
+    one_request = False
+    shadows = True
+
+    def __init__(self, active: tuple[int, ...]) -> None:
+        self.active, self.heard = active, []
+
+    def plan(self, step):
+        return [4], self.active
+
+    def observe(self, observation) -> None:
+        self.heard.append(observation)
+
+
+def test_a_lookup_left_out_of_a_step_is_asked_what_it_would_have_proposed(tiny_family, target_model):
+    """The target alone runs (one token a step), and the n-gram tier, left out, is asked each step what it would
+    have proposed at the request's context: the planner hears, per step, the match of that proposal with the token
+    the step committed, as an independent index over the same context says (a mismatch is a rejection; a match,
+    cut at the one committed token, is not). The output is the target's own greedy text; with the n-gram tier
+    drafting for the target, nothing is shadowed."""
+    from polyspec.orchestrator.decode.contract import RoundObservation, ShadowObservation
+    from polyspec.workers.tiers.batched import NGramIndex
+
+    engine = build(tiny_family, ["target", "ngram"], {"lengths": [4]})
+    scheduler = engine.scheduler
+    scheduler.eos_token_ids = frozenset()
+    prompt = encode_prompt(engine.tokenizer, PROMPTS[0])  # its text repeats once in the tiny target's 48 tokens
+    for active, shadowed in (((0,), True), ((0, 1), False)):
+        planner = scheduler.planner = RecordingPlanner(active)
+        state = scheduler.start(prompt, 48, SamplingParams(), seed=0)
+        while not state.done:
+            scheduler.step_all([state])
+        output = scheduler.finish(state).token_ids
+        _check_greedy(target_model, prompt, output, 48)
+        shadows = [o for o in planner.heard if isinstance(o, ShadowObservation)]
+        if not shadowed:
+            assert not shadows and any(isinstance(o, RoundObservation) and o.drafter == 1 for o in planner.heard)
+            continue
+        lookup = scheduler.tiers[1].tier
+        expected = []
+        for t, token in enumerate(output):
+            index = NGramIndex(lookup.min_ngram, lookup.max_ngram)
+            index.sync(prompt + output[:t])
+            proposal = index.lookup(5)  # the step's block of 4, and its bonus
+            if proposal:
+                expected.append((1, 1) if proposal[0] == token else (len(proposal), 0))
+        assert [(o.drafter, o.proposed, o.accepted, o.greedy) for o in shadows] == [(1, p, a, True) for p, a in expected]
+        assert any(a for _, a in expected) and any(not a for _, a in expected), expected  # both outcomes were checked
