@@ -218,7 +218,7 @@ class Engine:
             with self._profiling() as (cache, bar):
                 tables, lookup = profile_batched(tiers, self.vocab_size, max_batch, cache=cache, bar=bar, log=self.log)
         return BatchPlanner(tiers, tables, lookup, max_length, self.config.batching.max_batched_tokens,
-                            self.config.speculation.tree_width, allow_bypass, tuning.explore_every)
+                            self.config.speculation.tree_width, allow_bypass, tuning.explore_every, tuning.shadow)
 
     def step_all(self, states: list[RequestState]) -> list[list[int]]:
         """One round of every request in `states` (batched chains: one forward per tier; otherwise in turn)."""

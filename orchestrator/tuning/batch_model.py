@@ -87,7 +87,7 @@ RETRY_MARGIN = 1.1  # a plan measured poor is measured again when the model carr
 RETRY_STEPS = 16  # ... at most once per this many steps of the load, doubling with each retry
 LENGTHS = (3, 6, 12)
 INNER_LENGTHS = (4, 10)
-READ_OPTIONS = ("max_length", "allow_bypass", "explore_every")  # the config's `tuning:` options it reads (the rest: the one-request tuner's)
+READ_OPTIONS = ("max_length", "allow_bypass", "explore_every", "shadow")  # the config's `tuning:` options it reads (the rest: the one-request tuner's)
 
 
 def length_grid(grid: tuple[int, ...], longest: int) -> tuple[int, ...]:
@@ -243,14 +243,16 @@ class BatchPlanner:
     A/B against speculation off decides whether to run it. `max_length`: the longest block a plan
     asks for (the grids' lengths up to it: `length_grid`); `allow_bypass`: speculating plans may
     leave tiers out (False: they run every tier, as a distributed round must; off is always the bar);
-    `explore_every`: the longest time between re-probes of the side not taken, in probes' times (0: never)."""
+    `explore_every`: the longest time between re-probes of the side not taken, in probes' times (0: never);
+    `shadows`: hear what the lookup tiers a step leaves out would have proposed (`tuning.shadow`)."""
 
     def __init__(self, tiers, tables: list[ForwardTable | None], lookup_ms: list[float], max_length: int = max(LENGTHS),
                  max_batched_tokens: int | None = None, tree_width: int = 1, allow_bypass: bool = True,
-                 explore_every: int = 64) -> None:
+                 explore_every: int = 64, shadows: bool = True) -> None:
         self.tiers = tiers
         self.allow_bypass = allow_bypass
         self.explore_every = explore_every
+        self.shadows = shadows  # (contract.RoundPlanner) `tuning.shadow`: hear what the lookups left out would have proposed
         self.tree_width = tree_width  # the bottom drafter of a plan proposes trees of this many candidates (1: chains)
         self.max_batched_tokens = max_batched_tokens  # a plan whose widest forward would exceed it is not taken
         self.tables = tables  # per tier; None for the n-gram lookup
@@ -594,7 +596,6 @@ class BatchPlanner:
         return arm
 
     one_request = False  # plans steps of any batch (contract.RoundPlanner)
-    shadows = True  # told what the lookup tiers left out of a step would have proposed (ShadowObservation)
 
     def plan(self, step) -> tuple[list[int], tuple[int, ...]]:
         """`contract.RoundPlanner.plan`: the step's (lengths, active tiers)."""

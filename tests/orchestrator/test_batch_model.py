@@ -526,8 +526,8 @@ def test_a_drafters_catch_up_is_not_counted_in_its_plans_measured_rate():
 def test_the_tuning_options_reach_the_goodput_planner():
     """`tuning.max_length` caps the grids of lengths (the cap itself joins them); `allow_bypass: false`
     keeps every speculating plan on every tier (off stays the A/B's bar); `explore_every` bounds the
-    time between re-probes of the side not taken (0: never); the tuner's other options, set, are
-    named in one line rather than ignored silently."""
+    time between re-probes of the side not taken (0: never); `shadow: false` stops the lookups' shadow
+    proposals; the tuner's other options, set, are named in one line rather than ignored silently."""
     from polyspec.orchestrator.config import TuningConfig
     from polyspec.orchestrator.tuning.batch_model import unread_note
 
@@ -545,9 +545,10 @@ def test_the_tuning_options_reach_the_goodput_planner():
         accept(plan, 1, 2, 0.9)
         late_probes[explore_every] = sum(run_steps(plan, 16, 1000, LOSES)[2][-300:])
     assert late_probes[0] == 0 and late_probes[2] > 3 * PROBE_STEPS  # never, or every 2 probes' times
-    assert unread_note(TuningConfig(max_length=4, allow_bypass=False, explore_every=0)) is None
+    assert unread_note(TuningConfig(max_length=4, allow_bypass=False, explore_every=0, shadow=False)) is None
     note = unread_note(TuningConfig(decay=0.9, shadow=False))
-    assert note.startswith("tuning: decay, shadow set") and "reads only max_length, allow_bypass and explore_every" in note
+    assert note.startswith("tuning: decay set") and "reads only max_length, allow_bypass, explore_every and shadow" in note
+    assert planner(lambda b, w: 10.0).shadows and not planner(lambda b, w: 10.0, shadows=False).shadows
 
 
 def diffused_rounds(rate: float, rounds: int, k: int):
