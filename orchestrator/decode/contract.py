@@ -161,13 +161,15 @@ class StepInput:
     lengths (target first in every list), per drafting model tier how many context tokens it
     has yet to cache (what switching it on would cost), how many tokens each request may
     still commit (what a one-time cost such as that catch-up is spread over; empty: unknown),
-    and whether this step is each request's first (it feeds the prompt; empty: unknown)."""
+    whether this step is each request's first (it feeds the prompt; empty: unknown), and each
+    request's sequence id (what its observations carry; empty: unknown)."""
 
     params: tuple[SamplingParams, ...]
     context_lens: tuple[int, ...]
     behind: dict[int, int] = dataclasses.field(default_factory=dict)
     remaining: tuple[int, ...] = ()
     first: tuple[bool, ...] = ()
+    seq_ids: tuple = ()
 
     @property
     def batch(self) -> int:
@@ -245,12 +247,14 @@ class ShadowObservation:
     request's context before the step: the first `accepted` of its `proposed` tokens matched what the step
     committed, and `accepted < proposed` only where a committed token differed (where the committed tokens ran out
     first, `proposed` is cut to the match). Every committed token is distributed as the target's own, so a match
-    is an acceptance at the rate a verified block of these tokens (point masses) would have had, sampling or not."""
+    is an acceptance at the rate a verified block of these tokens (point masses) would have had, sampling or not.
+    `proposed` 0: the lookup had nothing to propose there. `seq_id`: the request's."""
 
     drafter: int
     proposed: int
     accepted: int
     greedy: bool
+    seq_id: object = None
 
 
 Observation = RoundObservation | DraftObservation | StepObservation | ShadowObservation
@@ -271,6 +275,10 @@ class RoundPlanner(Protocol):
 
     def observe(self, observation: Observation) -> None:
         """What a round, a draft or a step just measured."""
+
+    def drafters(self, step: StepInput) -> tuple[int, ...]:
+        """Right after `plan(step)`: per request of the step, the tier that drafts its block for the target, where
+        that differs from the plan's for some (a request whose own text makes a lookup pay); empty: the plan's for all."""
 
 
 def generate(decoder: Decoder, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams, seed: int | None = None,

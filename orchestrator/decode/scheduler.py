@@ -244,25 +244,30 @@ class ChainScheduler:
         live = [i for i, state in enumerate(states) if not finish_if_full(state)]
         if not live:
             return out
+        drafters: list[int | None] = [self.below(0)] * len(live)  # per live request: the tier drafting its target block
         if self.planner is not None:
             behind = {level: sum(max(0, len(states[i].committed) - 1 - tier.cached(states[i].run.seq_id)) for i in live)
                       for level, tier in enumerate(self.tiers) if level and tier.has_weights}
             step = StepInput(tuple(states[i].run.params for i in live), tuple(len(states[i].committed) for i in live), behind,
-                             tuple(min(remaining(states[i]), states[i].limit - len(states[i].committed)) for i in live))
+                             tuple(min(remaining(states[i]), states[i].limit - len(states[i].committed)) for i in live),
+                             seq_ids=tuple(states[i].run.seq_id for i in live))
             lengths, active = self.planner.plan(step)
             self.lengths, self.active = list(lengths), tuple(active)
-            for i in live:
-                note_plan(states[i].plans, len(states[i].new_tokens), [self.lengths[t] for t in self.active[:-1]],
-                          [self.tiers[t].name for t in self.active])
+            # (a tree's drafter grows the tree the verifier walks: one drafter for the step)
+            drafters = list((self.planner.drafters(step) if self.tree_width == 1 else ()) or [self.below(0)] * len(live))
+            for i, drafter in zip(live, drafters):
+                tiers = [0, drafter] if drafter != self.below(0) else list(self.active)  # a request drafted apart: its pair
+                note_plan(states[i].plans, len(states[i].new_tokens), [self.lengths[t] for t in tiers[:-1]],
+                          [self.tiers[t].name for t in tiers])
             # in the step's time, and timed apart: the planner weighs it as the price of switching a plan on, not as the plan's
             caught = time.perf_counter()
             self.catch_up([states[i] for i in live])
             catch_up_s = time.perf_counter() - caught
-        shadows = self._shadow_proposals([states[i] for i in live])
+        shadows = self._shadow_proposals([states[i] for i in live], drafters)
         busy_before = [t.busy_s for t in self.tiers]
         tokens_before = [t.forwarded_tokens for t in self.tiers]
         items = [(states[i].run, list(states[i].committed), min(self.length_at(0), remaining(states[i]) - 1)) for i in live]
-        results = self.round_batch(0, items, want_rows=False)
+        results = self.round_batch(0, items, want_rows=False, drafters=drafters)
         spent = [t.busy_s - b for t, b in zip(self.tiers, busy_before)]
         forwarded = [t.forwarded_tokens - b for t, b in zip(self.tiers, tokens_before)]
         committed = []
@@ -275,7 +280,7 @@ class ChainScheduler:
             out[i] = emitted
             committed.append(tuple(emitted))
             for level, proposals in shadows.items():
-                self._observe_shadow(level, proposals[len(committed) - 1], emitted, state.run.params.greedy)
+                self._observe_shadow(level, proposals[len(committed) - 1], emitted, state.run)
         seconds = time.perf_counter() - started
         lengths = [self.lengths[t] for t in self.active[:-1]]
         self.last_step = {"batch": len(live), "tokens": sum(len(c) for c in committed), "seconds": seconds,
@@ -283,32 +288,36 @@ class ChainScheduler:
         self._observe(StepObservation(tuple(committed), seconds, tuple(self.lengths), tuple(self.active), catch_up_s))
         return out
 
-    def _shadow_proposals(self, states: list[RequestState]) -> dict[int, list[list[int]]]:
-        """Per lookup tier that does not draft for the target in this step: what it would propose at each request's
-        context, as many tokens as the step can commit (its planner's ShadowObservations: a lookup costs next to
-        nothing, and its acceptance grows with the request's own text, so a planner that measured it poor early
-        must see it warm up without running it)."""
+    def _shadow_proposals(self, states: list[RequestState], drafters: list[int | None]) -> dict[int, list[list[int] | None]]:
+        """Per lookup tier: what it would propose at each request's context where it does not draft for the target
+        in this step (None where it does), as many tokens as the step can commit (its planner's ShadowObservations:
+        a lookup costs next to nothing, and its acceptance grows with the request's own text, so a planner that
+        measured it poor early must see it warm up without running it)."""
         if self.planner is None or not self.planner.shadows:
             return {}
-        under_target = self.active[1] if len(self.active) > 1 else None
         count = self.length_at(0) + 1
         out = {}
         for level, tier in enumerate(self.tiers):
-            if level and not tier.has_weights and level != under_target:
-                drafted = tier.draft_batch([s.run.seq_id for s in states], [list(s.committed) for s in states], [count] * len(states),
-                                           [s.run.params for s in states], [s.run.generators[level] for s in states])
-                out[level] = [tokens for tokens, _ in drafted]
+            asked = [j for j, drafter in enumerate(drafters) if drafter != level]
+            if level and not tier.has_weights and asked:
+                drafted = tier.draft_batch([states[j].run.seq_id for j in asked], [list(states[j].committed) for j in asked],
+                                           [count] * len(asked), [states[j].run.params for j in asked],
+                                           [states[j].run.generators[level] for j in asked])
+                out[level] = [None] * len(states)
+                for j, (tokens, _) in zip(asked, drafted):
+                    out[level][j] = tokens
         return out
 
-    def _observe_shadow(self, level: int, proposal: list[int], committed: list[int], greedy: bool) -> None:
+    def _observe_shadow(self, level: int, proposal: list[int] | None, committed: list[int], run: Run) -> None:
         """Tell the planner how far `proposal` matched the tokens the step committed (a mismatch is a rejection;
-        where the committed tokens ran out first, the match is cut there, with no rejection)."""
-        compared = min(len(proposal), len(committed))
-        if compared == 0:
+        where the committed tokens ran out first, the match is cut there, with no rejection; nothing proposed: a
+        miss)."""
+        if proposal is None or not committed:
             return
+        compared = min(len(proposal), len(committed))
         matched = _common_prefix(proposal[:compared], committed[:compared])
         proposed = len(proposal) if matched < compared else matched
-        self._observe(ShadowObservation(level, proposed, matched, greedy))
+        self._observe(ShadowObservation(level, proposed, matched, run.params.greedy, run.seq_id))
 
     def finish(self, state: RequestState) -> GenerationOutput:
         """Release the request's caches (or keep them: `keep_finished`) and return its tokens and stats."""
@@ -438,14 +447,21 @@ class ChainScheduler:
                 blocks[j] = DraftTree.chain(tokens, rows)
         return blocks
 
-    def round_batch(self, level: int, items: list[tuple], want_rows: bool = True) -> list[tuple[list[int], torch.Tensor | None]]:
+    def round_batch(self, level: int, items: list[tuple], want_rows: bool = True,
+                    drafters: list[int | None] | None = None) -> list[tuple[list[int], torch.Tensor | None]]:
         """One verification forward of tier `level` over every (run, context, length): each item's
         emitted tokens (the accepted block, then the correction or bonus token) and the tier's
         rows for them (None when sampling greedily, or when not `want_rows`: the target's own
-        round, whose tokens go to no verifier)."""
+        round, whose tokens go to no verifier). `drafters`: per item, the tier that drafts its block
+        (chains only; None: the plan's, `below(level)`)."""
         tier = self.tiers[level]
         below = self.below(level)
-        blocks = self._propose(level, below, items) if below is not None else [DraftTree([], [], None) for _ in items]
+        unders = [d if d is not None else below for d in drafters] if drafters else [below] * len(items)
+        blocks = [DraftTree([], [], None) for _ in items]
+        for drafter in set(unders) - {None}:
+            group = [j for j, d in enumerate(unders) if d == drafter]
+            for j, block in zip(group, self._propose(level, drafter, [items[j] for j in group])):
+                blocks[j] = block
         started = time.perf_counter()
         runs, contexts = [r for r, _, _ in items], [c for _, c, _ in items]
         if all(level or run.rule is None for run in runs):
@@ -470,7 +486,7 @@ class ChainScheduler:
                 verdicts.append(Verdict(path, next_token, None if run.params.greedy else path_rows(target_probs, block, path)))
                 shared += (time.perf_counter() - began) / len(items)  # each request's share of the walks
         out = []
-        for (run, context, length), block, decided in zip(items, blocks, verdicts):
+        for (run, context, length), block, decided, below in zip(items, blocks, verdicts, unders):
             path, next_token = decided.path, decided.next_token
             seconds = shared
             if below is not None:

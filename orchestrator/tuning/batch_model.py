@@ -52,6 +52,12 @@ up with the requests' own text while another plan runs. A plan measured poor is 
 its measured rate is carried forward by the model (measured x model value now / model value while it was
 measured), and when that reaches RETRY_MARGIN times the best measured plan's, it is measured again, each plan
 at most once per RETRY_STEPS x 2^(its retries) steps of the load.
+
+Per request where it pays (`drafters`): under a plan of the target and a model drafter, a request whose own
+text makes a lookup tier pay (its own recent rounds and shadows: at least REQUEST_MIN_ROUNDS, the misses where
+the lookup had nothing to propose counted) drafts with the lookup instead, when that is expected to give it
+more tokens a round than the model drafter at the same block length: its share of the verifier's forward is
+the same, and the model drafter's batch shrinks.
 """
 
 from __future__ import annotations
@@ -85,6 +91,8 @@ EXPLORE_TIME_SHARE = 0.25  # a plan is measured only if its MIN_STEPS take at mo
 CANDIDATE_MARGIN = 1.5  # an unmeasured speculating plan must be predicted this much better than the measured best to be tried
 RETRY_MARGIN = 1.1  # a plan measured poor is measured again when the model carries its rate this far past the best's
 RETRY_STEPS = 16  # ... at most once per this many steps of the load, doubling with each retry
+REQUEST_MEMORY_ROUNDS = 16  # a request's own lookup counts fade by 1 / this per round of it
+REQUEST_MIN_ROUNDS = 8  # ... and speak for the request once this many rounds are in
 LENGTHS = (3, 6, 12)
 INNER_LENGTHS = (4, 10)
 READ_OPTIONS = ("max_length", "allow_bypass", "explore_every", "shadow")  # the config's `tuning:` options it reads (the rest: the one-request tuner's)
@@ -270,6 +278,7 @@ class BatchPlanner:
         self._pending_arm: Arm | None = None
         self._predicted_ms = 0.0
         self._predicted_value = 0.0  # the model's tokens/s for the pending step's plan (uncorrected)
+        self.requests: dict[tuple, list[float]] = {}  # (seq_id, lookup tier) -> faded [accepted, rejected, rounds, misses]
         self.behind: dict[int, int] = {}  # per drafting tier: tokens of the current requests it has not cached
         self.horizon = 0.0  # the current requests' mean remaining tokens (0: unknown)
 
@@ -607,11 +616,58 @@ class BatchPlanner:
         if isinstance(observation, RoundObservation):
             self.observe_round(observation.level, observation.drafter, observation.proposed, observation.accepted,
                                observation.greedy, observation.depth)
+            if observation.level == 0 and observation.depth is None and self.tables[observation.drafter] is None:
+                self.observe_request(observation.seq_id, observation.drafter, observation.proposed, observation.accepted)
         elif isinstance(observation, ShadowObservation):
             self.acceptance.observe(0, observation.drafter, observation.proposed, observation.accepted, observation.greedy)
+            self.observe_request(observation.seq_id, observation.drafter, observation.proposed, observation.accepted)
         elif isinstance(observation, StepObservation):
             self.observe_step(observation.batch, observation.tokens, observation.seconds, list(observation.lengths),
                               observation.active, observation.catch_up_s)
+
+    def observe_request(self, seq_id, drafter: int, proposed: int, accepted: int) -> None:
+        """A round (or shadow) of lookup tier `drafter` for one request: its own faded counts (nothing proposed: a miss)."""
+        if seq_id is None:
+            return
+        counts = self.requests.setdefault((seq_id, drafter), [0.0, 0.0, 0.0, 0.0])
+        keep = 1.0 - 1.0 / REQUEST_MEMORY_ROUNDS
+        counts[:] = [c * keep for c in counts]
+        counts[0] += accepted
+        counts[1] += 1.0 if 0 < proposed and accepted < proposed else 0.0
+        counts[2] += 1.0
+        counts[3] += 1.0 if proposed <= 0 else 0.0
+
+    def request_tokens(self, seq_id, drafter: int, k: int) -> float | None:
+        """Tokens a round of block k drafted by lookup `drafter` is expected to give this request, from its own
+        rounds (a miss gives the one token of the verifier); None: too few of them."""
+        counts = self.requests.get((seq_id, drafter))
+        if counts is None or counts[2] < REQUEST_MIN_ROUNDS * (1.0 - 1.0 / REQUEST_MEMORY_ROUNDS) ** REQUEST_MIN_ROUNDS:
+            return None
+        accepted, rejected, rounds, misses = counts
+        rate = accepted / (accepted + rejected) if accepted + rejected > 0 else 0.0
+        hit = 1.0 - misses / rounds
+        return hit * expected_tokens(rate, k) + (1.0 - hit)
+
+    def drafters(self, step) -> tuple[int, ...]:
+        """`contract.RoundPlanner.drafters`: under the target <- model drafter plan just made, the requests whose
+        own rounds expect more tokens from a lookup tier at the same block length draft with it."""
+        seq_ids = set(step.seq_ids)
+        for key in [key for key in self.requests if key[0] not in seq_ids]:
+            del self.requests[key]  # finished requests
+        plan = self._pending
+        if plan is None or len(plan.active) != 2 or self.tables[plan.active[1]] is None or not step.seq_ids:
+            return ()
+        model, k = plan.active[1], plan.lengths[0]
+        lookups = [t for t in range(1, len(self.tiers)) if self.tables[t] is None]
+        out = []
+        for seq_id, params in zip(step.seq_ids, step.params):
+            best, most = model, self.acceptance.expected(0, model, params.greedy, k)
+            for lookup in lookups:
+                tokens = self.request_tokens(seq_id, lookup, k)
+                if tokens is not None and tokens > most:
+                    best, most = lookup, tokens
+            out.append(best)
+        return tuple(out) if any(d != model for d in out) else ()
 
     def plan_batch(self, batch: int, params: list[SamplingParams] | None = None, behind: dict[int, int] | None = None,
                    remaining: tuple[int, ...] = ()) -> tuple[list[int], tuple[int, ...]]:

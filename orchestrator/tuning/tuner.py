@@ -244,6 +244,10 @@ class Tuner:
         self.timing.round_begins()
         return list(plan.lengths), plan.active
 
+    def drafters(self, step) -> tuple[int, ...]:
+        """`contract.RoundPlanner.drafters`: one request, its plan's drafter."""
+        return ()
+
     def observe(self, observation) -> None:
         """`contract.RoundPlanner.observe`, in the order the round makes them. A distributed chain's
         round arrives whole after it ran, maybe while the next one is planned (driver.DistributedChain):

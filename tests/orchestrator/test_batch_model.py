@@ -657,3 +657,31 @@ def test_a_plan_whose_model_value_rises_but_measures_poor_again_costs_a_bounded_
     seconds = sum((4 if len(a) > 1 else 1) / truth(a) for a in ran)
     tokens = sum(4 if len(a) > 1 else 1 for a in ran)
     assert tokens / seconds >= 0.95 * 180.0
+
+
+def test_a_request_whose_own_text_makes_the_lookup_pay_drafts_with_it_under_a_model_drafter_plan():
+    """Four requests under target <- mid (accepted at 0.6): the two whose own shadows match at 0.9 draft with the
+    lookup, the one matching at 0.1 and the one heard only 4 times (under REQUEST_MIN_ROUNDS) keep the mid model;
+    one that has nothing to copy three rounds in four keeps it too (its misses count). Under a plan with the lookup
+    under the target, or with no override due, the plan's drafter serves all."""
+    tiers = chain()
+    tiers[1].can_verify = False
+    plan = BatchPlanner(tiers, [table(lambda b, w: 10.0), table(lambda b, w: 2.0), None], [0.0, 0.0, 0.05])
+    accept(plan, 0, 1, 0.6)
+    heard = {"a": (0.9, 16, 0), "b": (0.1, 16, 0), "c": (0.9, 4, 0), "d": (0.9, 16, 3), "e": (0.9, 16, 0)}
+    for seq_id, (rate, rounds, misses_per_hit) in heard.items():
+        pattern = diffused_rounds(rate, 10**9, 6)
+        for j in range(rounds):
+            if misses_per_hit and j % (misses_per_hit + 1):
+                plan.observe(ShadowObservation(2, 0, 0, True, seq_id))
+                continue
+            proposed, accepted = next(pattern)
+            plan.observe(ShadowObservation(2, proposed, accepted, True, seq_id))
+    step = types.SimpleNamespace(seq_ids=tuple(heard), params=tuple(types.SimpleNamespace(greedy=True) for _ in heard))
+    plan._pending = Plan((0, 1), (6, 0))
+    assert plan.drafters(step) == (2, 1, 1, 1, 2)
+    plan._pending = Plan((0, 2), (6, 0))
+    assert plan.drafters(step) == ()
+    plan._pending = Plan((0, 1), (6, 0))
+    assert plan.drafters(types.SimpleNamespace(seq_ids=("b", "c"), params=step.params[:2])) == ()
+    assert set(key[0] for key in plan.requests) == {"b", "c"}  # requests no longer in a step are forgotten

@@ -496,11 +496,17 @@ class RecordingPlanner:
 
     one_request = False
 
-    def __init__(self, active: tuple[int, ...], shadows: bool = True) -> None:
+    def __init__(self, active: tuple[int, ...], shadows: bool = True, drafters=None) -> None:
         self.active, self.shadows, self.heard = active, shadows, []
+        self.override = drafters  # per step: per request, the tier drafting its block (None: the plan's)
+        self.steps: list = []
 
     def plan(self, step):
+        self.steps.append(step)
         return [4], self.active
+
+    def drafters(self, step):
+        return self.override(step) if self.override else ()
 
     def observe(self, observation) -> None:
         self.heard.append(observation)
@@ -536,7 +542,28 @@ def test_a_lookup_left_out_of_a_step_is_asked_what_it_would_have_proposed(tiny_f
             index = NGramIndex(lookup.min_ngram, lookup.max_ngram)
             index.sync(prompt + output[:t])
             proposal = index.lookup(5)  # the step's block of 4, and its bonus
-            if proposal:
-                expected.append((1, 1) if proposal[0] == token else (len(proposal), 0))
+            expected.append(((1, 1) if proposal[0] == token else (len(proposal), 0)) if proposal else (0, 0))  # (0, 0): a miss
         assert [(o.drafter, o.proposed, o.accepted, o.greedy) for o in shadows] == [(1, p, a, True) for p, a in expected]
-        assert any(a for _, a in expected) and any(not a for _, a in expected), expected  # both outcomes were checked
+        assert {(1, 1), (0, 0)} <= set(expected) and any(p > 1 for p, _ in expected), expected  # every outcome was checked
+
+
+def test_requests_of_one_step_may_draft_with_different_tiers(tiny_family, target_model):
+    """A planner that has request 0 and 2 of a step draft with the n-gram tier while 1 and 3 draft with the mid
+    model (the target verifies all four blocks in one forward): every output is the target's own greedy text,
+    each request's stats show the pair it ran, and its plans record it."""
+    engine = build(tiny_family, ["target", "mid", "ngram"], {"lengths": [4, 2]}, {"max_requests": 4})
+    scheduler = engine.scheduler
+    scheduler.eos_token_ids = frozenset()
+    scheduler.planner = RecordingPlanner((0, 1), shadows=False, drafters=lambda step: tuple(
+        2 if int(seq_id) % 2 == 0 else 1 for seq_id in step.seq_ids))
+    prompts = [encode_prompt(engine.tokenizer, p) for p in PROMPTS[:4]]
+    states = [scheduler.start(prompt, 24, SamplingParams(), seed=0) for prompt in prompts]
+    while not all(state.done for state in states):
+        scheduler.step_all([state for state in states if not state.done])
+    for prompt, state in zip(prompts, states):
+        result = scheduler.finish(state)
+        _check_greedy(target_model, prompt, result.token_ids, 24)
+        lookup = int(state.run.seq_id) % 2 == 0
+        pairs = {(stage["tier"], stage["drafter"]) for stage in result.stats["stages"] if stage.get("blocks")}
+        assert pairs == ({("target", "ng")} if lookup else {("target", "mid")}), (state.run.seq_id, result.stats["stages"])
+        assert {tuple(p["tiers"]) for p in result.stats["plans"]} == {("target", "ng") if lookup else ("target", "mid")}
