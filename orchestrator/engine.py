@@ -24,6 +24,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from polyspec.orchestrator.batch_runner import run_requests
 from polyspec.orchestrator.decode.contract import BatchDecoder, RequestState
 from polyspec.orchestrator.decode.scheduler import ChainScheduler
 from polyspec.orchestrator.config import ChainConfig
@@ -394,28 +395,20 @@ class Engine:
             raise RequestError(f"approximate mode {mode.mode} refused: {why}")
         return mode
 
-    def generate(self, request: GenerationRequest, on_commit: Callable[[list[int]], None] | None = None) -> dict:
-        started, first_commit = time.perf_counter(), []
-
-        def commit(tokens: list[int]) -> None:
-            if not first_commit:
-                first_commit.append(time.perf_counter())
-            if on_commit is not None:
+    def generate(self, request: GenerationRequest, on_commit: Callable[[list[int]], None] | None = None,
+                 stops: tuple[str, ...] = (), on_text: Callable[[str], None] | None = None) -> dict:
+        """One request through the one request loop (`batch_runner.run_requests`: a batch of one).
+        `on_commit(tokens)`: each round's committed tokens; `on_text(text)`: the new text as it is
+        committed; `stops`: stop strings that end it (finish_reason "stop", cut there)."""
+        def delta(_, tokens: list[int], text: str) -> None:
+            if on_commit is not None and tokens:
                 on_commit(tokens)
+            if on_text is not None and text:
+                on_text(text)
 
-        if not request.approximate.lossless:  # the mode's rule or driver hangs on the request's state: round by round
-            state = self.start(request)
-            try:
-                while not state.done:
-                    emitted = self.step(state)
-                    if emitted:
-                        commit(emitted)
-            except BaseException:
-                self.cancel(state)
-                raise
-            return self.finish(state)
-        output = self.scheduler.generate(list(request.prompt_ids), request.max_new_tokens, request.params, seed_stream(request.seed), commit)
-        return self._result(request, output, started, first_commit[0] if first_commit else None)
+        results: list[dict] = []
+        run_requests(self, [request], results.append, max_requests=1, on_delta=delta, stops=stops, stream=on_text is not None)
+        return results[0]
 
     # Round-by-round API for callers that interleave requests (the server). One thread only.
 

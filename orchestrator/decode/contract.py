@@ -7,7 +7,7 @@ A decoder turns requests into verified tokens, one target round at a time:
         tokens = decoder.step(state)      # the tokens this round committed (may be empty)
     output = decoder.finish(state)        # or decoder.cancel(state): frees the request's caches
 
-`generate` is that loop. The engine and the server drive any `Decoder` through it, so a
+The one request loop (polyspec.orchestrator.batch_runner) drives any decoder that way, so a
 request means the same thing whichever decoder runs it. The rules every decoder shares
 live here, in one place:
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable, Iterable, Protocol, runtime_checkable
+from typing import Any, Iterable, Protocol, runtime_checkable
 
 import torch
 
@@ -31,6 +31,7 @@ from polyspec.workers.core.sampling import RandomStream, SamplingParams
 FINISH_LENGTH = "length"  # max_new_tokens reached, or the context is full
 FINISH_EOS = "eos"  # the last committed token ends the sequence
 FINISH_CANCELLED = "cancelled"  # the caller stopped the request
+FINISH_STOP = "stop"  # a stop string appeared in its text (the request loop's TextStream)
 NO_LIMIT = 1 << 62  # the context limit of a chain whose models state none
 
 
@@ -107,6 +108,7 @@ class RequestState:
     started: float = dataclasses.field(default_factory=time.perf_counter)
     first_commit_at: float | None = None  # when its first tokens were committed (Engine: prefill vs decode time)
     request: object = None  # the caller's request object, carried along (Engine keeps its GenerationRequest here)
+    text: Any = None  # its TextStream, where the request loop streams its text or matches stop strings
 
     @property
     def done(self) -> bool:
@@ -256,22 +258,6 @@ class RoundPlanner(Protocol):
 
     def observe(self, observation: Observation) -> None:
         """What a round, a draft or a step just measured."""
-
-
-def generate(decoder: Decoder, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams, seed: int | None = None,
-             on_commit: Callable[[list[int]], None] | None = None) -> GenerationOutput:
-    """Generate up to `max_new_tokens` after `prompt_ids`; `on_commit` sees each round's new tokens.
-    Whatever goes wrong, the request's caches are freed (`cancel`) before the error propagates."""
-    state = decoder.start(prompt_ids, max_new_tokens, params, seed)
-    try:
-        while not state.done:
-            emitted = decoder.step(state)
-            if on_commit is not None and emitted:
-                on_commit(emitted)
-    except BaseException:
-        decoder.cancel(state)
-        raise
-    return decoder.finish(state)
 
 
 # ----------------------------------------------------------------- end of a request

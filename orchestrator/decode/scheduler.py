@@ -13,8 +13,8 @@ one tier the loop is plain autoregressive sampling from the target (the baseline
 
 This is the only implementation of that round, and it always runs on a batch: `step_all`
 advances every given request by one target round, each tier's forward taking every
-request's block at once; `step` is a batch of one. Every caller drives it: `generate`,
-`polyspec batch`, jobs and `serve` (through the engine), and each tier worker of a
+request's block at once; `step` is a batch of one. Every caller drives it: the engine's one
+request loop (generate, chat, `polyspec batch`, jobs and `serve`), and each tier worker of a
 distributed chain (its own two-tier chain [this tier, the tier below], kept from call to
 call, one round per VerifyBatch / DraftBatch for a batch of sequences, or of one).
 
@@ -59,7 +59,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from typing import Callable
 
 import torch
 
@@ -74,7 +73,6 @@ from polyspec.orchestrator.decode.contract import (
     StepObservation,
     commit,
     finish_if_full,
-    generate,
     mark_cancelled,
     note_plan,
     output,
@@ -171,11 +169,6 @@ class ChainScheduler:
         self._kept: list[tuple[int, list[int]]] = []  # (seq_id, its tokens) of finished requests, oldest first
 
     # ----------------------------------------------------------------- decoder API
-
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams, seed: int | None = None,
-                 on_commit: Callable[[list[int]], None] | None = None) -> GenerationOutput:
-        """`contract.generate` on this scheduler."""
-        return generate(self, prompt_ids, max_new_tokens, params, seed, on_commit)
 
     def start(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams, seed: int | None = None) -> RequestState:
         """Open a request; advance it with `step` / `step_all` (one target round each), close it

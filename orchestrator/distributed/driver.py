@@ -38,7 +38,6 @@ from polyspec.orchestrator.decode.contract import (
     StageStats,
     commit,
     finish_if_full,
-    generate,
     mark_cancelled,
     note_plan,
     output,
@@ -196,11 +195,6 @@ class DistributedChain:
                 self.membership.target_failed(TierUnavailableError(self.tiers[0].name, f"{method}: {exc.code().name.lower()}"))
 
     # -------------------------------------------------------------------- API
-
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams, seed: int | None = None,
-                 on_commit: Callable[[list[int]], None] | None = None) -> GenerationOutput:
-        """`contract.generate` on this chain."""
-        return generate(self, prompt_ids, max_new_tokens, params, seed, on_commit)
 
     @property
     def concurrent_steps(self) -> bool:
@@ -383,17 +377,6 @@ class DistributedChain:
     def cancel(self, state: RequestState) -> GenerationOutput:
         mark_cancelled(state)
         return self.finish(state)
-
-    def generate_many(self, jobs: list[tuple], concurrency: int, on_done: Callable[[int, object], None]) -> None:
-        """Run `jobs` ((prompt_ids, max_new_tokens, params, seed) tuples) with up to `concurrency`
-        in flight, so the tiers overlap different requests; `on_done(index, output or exception)`."""
-        with futures.ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="polyspec-request") as pool:
-            pending = {pool.submit(self.generate, *job): i for i, job in enumerate(jobs)}
-            for done in futures.as_completed(pending):
-                try:
-                    on_done(pending[done], done.result())
-                except Exception as exc:  # noqa: BLE001 - reported per request
-                    on_done(pending[done], exc)
 
     # ------------------------------------------------------------------- stats
 
