@@ -230,12 +230,10 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    """One user turn per line of stdin; the whole conversation goes to the model each turn, and
-    where the chain allows, its caches stay between turns: a turn prefills only its new tokens."""
+    """One user turn per line of stdin; the whole conversation goes to the model each turn, and its
+    caches stay between turns (on every chain, Ray's included): a turn prefills only its new tokens."""
     stops = check_stops(args.stop, "--stop")
     engine = _load_engine(args, chat_flag="polyspec chat", reuse_prefix=True)
-    if not engine.reuses_prefix:
-        _log("this chain does not keep a conversation's caches between turns: each turn prefills the whole conversation")
     system = [{"role": "system", "content": args.system}] if args.system is not None else []
     messages = list(system)
     interactive = sys.stdin.isatty()

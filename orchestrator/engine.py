@@ -121,8 +121,8 @@ class Engine:
         terminal); `cache_profiles`: keep start-up profiles on disk and reuse them (tuning.profile_cache),
         `reprofile`: measure again all the same (and overwrite).
         `reuse_prefix`: keep the last request's caches, so that a next request whose prompt extends
-        its tokens (a conversation's next turn) prefills only what is new (`reuses_prefix` says
-        whether this chain can: the embedded one-request-at-a-time decoder can)."""
+        its tokens (a conversation's next turn) prefills only what is new (every chain can, a Ray chain's
+        tiers keeping the caches in their workers: `contract.KeptSequences`)."""
         quiet_transformers()
         started = time.perf_counter()
         self.log, self.cache_profiles, self.reprofile = log, cache_profiles, reprofile
@@ -133,8 +133,9 @@ class Engine:
         self.exact_only = False  # `serve --exact-only`: requests in an approximate mode are refused
         self._approximate: dict = {}  # seq_id -> polyspec.orchestrator.decode.approximate.Attached (approximate requests only)
         self.config = config if speculative else config.target_only()
+        keep_finished = 1 if reuse_prefix else 0
         if config.runtime.backend == "ray":
-            self._start_ray(auto_tune, batched)
+            self._start_ray(auto_tune, batched, keep_finished)
             self.load_s = time.perf_counter() - started
             return
         if any(needs_choice(tier) for tier in self.config.tiers):  # dtype / threads: auto
@@ -150,13 +151,7 @@ class Engine:
                 eos.update([configured] if isinstance(configured, int) else configured)
         self.batched = batched and self.config.batching.enabled
         eos = stop_token_ids(self.tokenizer, eos)
-        keep_finished = 1 if reuse_prefix else 0
         self._start(eos, auto_tune, keep_finished)
-
-    @property
-    def reuses_prefix(self) -> bool:
-        """Does a request reuse the caches of the one before where their tokens agree (Engine's `reuse_prefix`)?"""
-        return isinstance(self.scheduler, ChainScheduler) and self.scheduler.keep_finished > 0
 
     def _steps(self) -> bool:
         """Do the model tiers decode in static-shape steps (`BatchedModelTier`'s `steps`: CUDA graphs, logits, draws
@@ -237,13 +232,13 @@ class Engine:
             _note_commit(state, tokens)
         return emitted
 
-    def _start_ray(self, auto_tune: bool, batched: bool) -> None:
+    def _start_ray(self, auto_tune: bool, batched: bool, keep_finished: int = 0) -> None:
         """The tiers run as Ray actors (polyspec.orchestrator.distributed.ray_runtime); this process only drives them."""
         from polyspec.orchestrator.distributed.ray_runtime import ray_chain
         from polyspec.workers.tiers.loading import describe_chain
 
         self.tokenizer, eos = describe_chain(self.config.tiers)
-        self.scheduler = ray_chain(self.config, stop_token_ids(self.tokenizer, eos))
+        self.scheduler = ray_chain(self.config, stop_token_ids(self.tokenizer, eos), keep_finished)
         self.tiers = self.scheduler.tiers  # TierViews: name, vocab_size, busy_s
         if batched and self.config.batching.enabled:
             # every running request in one VerifyBatch per step; each tier actor scores all their

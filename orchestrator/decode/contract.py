@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Iterable, Protocol, runtime_checkable
+from typing import Any, Callable, Iterable, Protocol, runtime_checkable
 
 import torch
 
@@ -326,6 +326,44 @@ def output(state: RequestState, stages: Iterable[StageStats], **extra) -> Genera
         **extra,
     }
     return GenerationOutput(list(state.new_tokens), state.finish_reason or FINISH_LENGTH, stats)
+
+
+# ---------------------------------------------------------------------- prefix reuse
+
+
+class KeptSequences:
+    """Finished requests whose caches stay in the tiers, at most `keep` of them, oldest dropped first:
+    a new request whose prompt shares a prefix with one's tokens (a conversation's next turn) runs
+    under its sequence id, and every tier keeps the cached prefix and forwards only the rest.
+    `release(seq_id)` frees a dropped one's caches; `new_id()` makes a fresh sequence id."""
+
+    def __init__(self, keep: int, release: Callable[[int], None], new_id: Callable[[], int]) -> None:
+        self.keep, self.release, self.new_id = keep, release, new_id
+        self._kept: list[tuple[int, list[int]]] = []  # (seq_id, its tokens), oldest first
+
+    def sequence_for(self, prompt_ids: list[int]) -> int:
+        """The sequence id a new request runs under: that of the kept request whose tokens share the
+        longest prefix with `prompt_ids` (no longer kept: its caches are the new request's), else a fresh one."""
+        shared = [(common_prefix(tokens, prompt_ids), j) for j, (_, tokens) in enumerate(self._kept)]
+        length, best = max(shared, default=(0, None))
+        return self._kept.pop(best)[0] if length else self.new_id()
+
+    def put(self, seq_id: int, tokens: list[int]) -> bool:
+        """Keep a finished request's caches (dropping the oldest past `keep`); False: `keep` is 0, freed at once."""
+        self._kept.append((seq_id, list(tokens)))
+        while len(self._kept) > self.keep:
+            self.release(self._kept.pop(0)[0])
+        return self.keep > 0
+
+
+def common_prefix(tokens: list[int], other: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    length = 0
+    for a, b in zip(tokens, other):
+        if a != b:
+            break
+        length += 1
+    return length
 
 
 # ----------------------------------------------------------------------------- seeds

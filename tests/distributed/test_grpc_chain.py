@@ -407,3 +407,30 @@ def test_trained_drafters_in_their_targets_process_sample_as_embedded(tiny_draft
         local.close()
         for worker in workers:
             worker.stop()
+
+
+@pytest.mark.parametrize("pipeline", [False, True], ids=["serial", "pipelined"])
+def test_a_next_turn_reuses_the_workers_caches_and_says_the_same(tiny_family, embedded, pipeline):
+    """Prefix reuse on a distributed chain (`keep_finished`, as `polyspec chat` asks for on every chain): a
+    finished request's caches stay in every worker; the next request, whose prompt extends its tokens, runs
+    under its sequence id, each model tier forwarding only what it had not cached, and says what a fresh chain says."""
+    config = chain_config(tiny_family, ["target", "mid", "small"], lengths=[3, 2])
+    tiers, _ = load_tiers(config.tiers)
+    greedy = SamplingParams(temperature=0.0)
+    (first, _), (second, _) = list(embedded.values())[:2]
+    forwarded, outputs = {}, {}
+    for keep in (0, 1):
+        chain, workers = in_process_chain(tiers, [3, 2], pipeline=pipeline, eos_token_ids=EOS, keep_finished=keep)
+        try:
+            turn = generate_alone(chain, first, 12, greedy).token_ids
+            model_tiers = [w.siblings.of(w.tier) for w in workers[:2]]
+            before = [t.forwarded_tokens for t in model_tiers]
+            outputs[keep] = (turn, generate_alone(chain, first + turn + second, 12, greedy).token_ids)
+            forwarded[keep] = [t.forwarded_tokens - b for t, b in zip(model_tiers, before)]
+        finally:
+            chain.close()
+            for worker in workers:
+                worker.stop()
+    assert outputs[1] == outputs[0]  # greedy: lossless either way
+    for tier, (fresh, reused) in enumerate(zip(forwarded[0], forwarded[1])):
+        assert fresh - reused >= len(first) - 1, (tier, fresh, reused)  # the previous turn's prompt, at least, was cached

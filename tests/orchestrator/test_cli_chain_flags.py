@@ -224,7 +224,7 @@ def test_a_chat_reuses_its_caches_and_says_the_same(chat_target, tiny_family, ro
                            "batching": {"round": round_kind, "max_context": 512}})
     fresh = _chat(Engine(config))
     reusing = Engine(config, reuse_prefix=True)
-    assert reusing.reuses_prefix and not Engine(config).reuses_prefix
+    assert reusing.scheduler.kept.keep == 1 and Engine(config).scheduler.kept.keep == 0
     kept = _chat(reusing)
     assert [r["token_ids"] for r in kept] == [r["token_ids"] for r in fresh]  # greedy: lossless
     assert [r["text"] for r in kept] == [r["text"] for r in fresh]
