@@ -1,17 +1,21 @@
-"""Continuous batching over an Engine: many requests in, results out as each finishes.
+"""Continuous batching over an Engine: the one request loop. Many requests in, results out as each finishes.
 
     while requests wait or run:
         admit waiting requests while fewer than `max_requests` run (they hold cache slots)
         prefill joining requests' prompts within the step's token budget (chunked prefill)
         one batched round of every running request whose prompt is cached (`Engine.step_all`)
-        hand finished requests to `on_result`, freeing their slots for the next ones
+        report each request's new tokens and text (`on_delta`), then its result once done
+        (`on_result`), freeing its slot for the next ones
 
-This is the one request loop: `polyspec batch` and the load benchmarks go through
-`run_requests`; the server's request loop (polyspec.orchestrator.serving.request_loop) drives a
-`ContinuousBatch` itself, choosing what to admit (interactive requests, job items) and what to
-cancel. An engine that is not batched takes its requests' rounds in turn (`Engine.step`, one
-request after the other; a distributed chain's rounds in flight at once: `concurrent_steps`), so
-a long request holds the others back by one round per step, never by the whole request.
+Every caller drives it: `Engine.generate` (a batch of one: `polyspec generate` and `chat`, the
+harness), `polyspec batch` and the load benchmarks through `run_requests`; the server's request
+loop (polyspec.orchestrator.serving.request_loop: `serve` and jobs) drives a `ContinuousBatch`
+itself, choosing what to admit (interactive requests, job items) and what to cancel. Streaming
+and stop strings are a request's `TextStream` (polyspec.orchestrator.tokenization): the text
+each round adds, and the token that completes a stop string ends the request there. An engine
+that is not batched takes its requests' rounds in turn (`Engine.step`, one request after the
+other; a distributed chain's rounds in flight at once: `concurrent_steps`), so a long request
+holds the others back by one round per step, never by the whole request.
 
 Failure isolation (`step_isolated`): a step is one forward per tier for every running
 request, so an exception raised for one request's row would fail all of them. When a

@@ -15,7 +15,9 @@ live here, in one place:
   the first end-of-sequence token; the request finishes as "eos", or as "length" when it
   has all its tokens or its context is full; `cancel` finishes it as "cancelled";
 - seeds (`tier_seeds`, `seeded_generator`): a request's seed is expanded into one seed per
-  tier, so a seeded request samples the same tokens whichever decoder runs it.
+  tier, so a seeded request samples the same tokens whichever decoder runs it;
+- prefix reuse (`KeptSequences`): a finished request's caches may stay, and a next request
+  whose prompt extends its tokens runs under its sequence id (a chat's next turn).
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ chain exactly as an embedded one. A step is one `VerifyBatch` call to the target
 target pulls its block from the tier below, which pulls from the tier below it: the driver
 never relays blocks. The driver keeps each request's committed tokens, so a request
 survives any tier's death: a step that failed committed nothing and is simply redone.
+With `keep_finished` (a chat) a finished request's caches stay in every worker (`Release` with
+`keep_caches`) and a next turn extending its tokens runs under its sequence id, as embedded.
 
 Where the workers live is a `Membership`: `polyspec.orchestrator.distributed.ray_runtime.RayMembership`
 for Ray actors, which also restarts and rewires tiers (the tests' in-process chains have one of

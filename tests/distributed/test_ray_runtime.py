@@ -17,7 +17,7 @@ ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from polyspec.orchestrator.config import parse_config  # noqa: E402
-from polyspec.orchestrator.engine import Engine  # noqa: E402
+from polyspec.orchestrator.engine import Engine, GenerationRequest  # noqa: E402
 from polyspec.workers.core.errors import ConfigError  # noqa: E402
 from polyspec.workers.core.sampling import SamplingParams  # noqa: E402
 from polyspec.orchestrator.tokenization import encode_prompt  # noqa: E402
@@ -92,6 +92,29 @@ def chain_engine(cluster, tiny_family):
     engine = Engine(config(tiny_family, cluster[0].address, pipeline=False))
     yield engine
     engine.close()
+
+
+@pytest.mark.parametrize("pipeline", [False, True], ids=["serial", "pipelined"])
+def test_a_chats_next_turn_reuses_the_ray_workers_caches(chain_engine, embedded, pipeline):
+    """`polyspec chat` on a Ray chain (Engine's reuse_prefix: one finished request keeps its caches in every
+    worker): the next turn, whose prompt extends the previous prompt and reply, runs under the same sequence
+    id through the one request loop, and says what the target alone says."""
+    engine, chain = chain_engine, chain_engine.scheduler
+    chain.pipeline, chain.lengths = pipeline, [4, 2]
+    (first, _), (second, _) = embedded[1][:2]
+    greedy = SamplingParams(temperature=0.0)
+    states, start = [], chain.start
+    chain.start = lambda *args: states.append(start(*args)) or states[-1]
+    chain.kept.keep = 1
+    try:
+        turn = engine.generate(GenerationRequest(tuple(first), 12, greedy))["token_ids"]
+        following = list(first) + turn + list(second)
+        reply = engine.generate(GenerationRequest(tuple(following), 12, greedy))["token_ids"]
+    finally:
+        chain.kept.keep = 0
+        del chain.start
+    assert states[0].seq_id == states[1].seq_id  # the kept caches' sequence
+    assert reply == generate_alone(embedded[0].scheduler, following, 12, greedy).token_ids
 
 
 @pytest.mark.parametrize("pipeline", [False, True], ids=["serial", "pipelined"])
