@@ -117,7 +117,7 @@ def hf_static(model, prompts: list[list[int]], concurrency: int, new_tokens: int
         done = time.perf_counter()
         tokens += (out.shape[1] - width) * len(group)
         latencies += [done - sent] * len(group)
-    return Cell(tokens[0], time.perf_counter() - started, latencies, os.getloadavg()[0])
+    return Cell(tokens, time.perf_counter() - started, latencies, os.getloadavg()[0])
 
 
 def main(argv=None) -> int:
