@@ -365,8 +365,6 @@ def engine_system(name: str, config_path: str, max_new_tokens: int, setting: str
         engine = Engine(load_config(config_path), speculative=speculative)
 
         def generate(prompt: str) -> Generation:
-            from polyspec.orchestrator.cli import run_request
-
             raw = {"prompt": prompt, "max_new_tokens": max_new_tokens, "temperature": 0.0}
             if approximate is not None:
                 raw["approximate"] = approximate
@@ -374,7 +372,7 @@ def engine_system(name: str, config_path: str, max_new_tokens: int, setting: str
             started = time.perf_counter()
             # round by round, ended at the first stop sequence (the function's end, the next question), as
             # `polyspec generate --stop` does: a completion runs to max_new_tokens only where the model never stops
-            result = run_request(engine, request, stop_sequences)
+            result = engine.generate(request, stops=stop_sequences)
             seconds = time.perf_counter() - started
             return Generation(result["text"], len(result["token_ids"]), seconds, dict(result.get("stats") or {}))
 

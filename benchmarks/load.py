@@ -77,25 +77,25 @@ def closed_loop(engine, requests, concurrency: int) -> Cell:
     from polyspec.orchestrator.batch_runner import ContinuousBatch
 
     queue = list(requests)
-    batch = ContinuousBatch(engine, concurrency)
     sent: dict[int, float] = {}
     latencies: list[float] = []
-    tokens = 0
+    tokens = [0]
+
+    def finished(state, result: dict) -> None:
+        latencies.append(time.perf_counter() - sent.pop(id(state)))
+        tokens[0] += len(result["token_ids"])
+
+    batch = ContinuousBatch(engine, concurrency, on_result=finished)  # (no on_error: a failure raises)
     started = time.perf_counter()
     try:
         while queue or batch.running:
             while queue and batch.room:
                 state = batch.admit(queue.pop(0))
                 sent[id(state)] = time.perf_counter()
-            failed = batch.step().failed
-            if failed:
-                raise failed[0][1]
-            for state in batch.pop_finished():
-                latencies.append(time.perf_counter() - sent.pop(id(state)))
-                tokens += len(engine.finish(state)["token_ids"])
+            batch.step()
     finally:
         batch.close()
-    return Cell(tokens, time.perf_counter() - started, latencies, os.getloadavg()[0])
+    return Cell(tokens[0], time.perf_counter() - started, latencies, os.getloadavg()[0])
 
 
 def hf_static(model, prompts: list[list[int]], concurrency: int, new_tokens: int, temperature: float) -> Cell:

@@ -40,8 +40,8 @@ def stages_hist(outputs) -> list[int]:
     """Blocks with exactly j accepted, summed over the requests of one pass (target's stage)."""
     hist: list[int] = []
     for out in outputs.values():
-        for stage in out.stats["stages"]:
-            if stage["tier"] == out.stats["stages"][0]["tier"]:
+        for stage in out["stats"]["stages"]:
+            if stage["tier"] == out["stats"]["stages"][0]["tier"]:
                 for j, count in enumerate(stage["accepted_counts"]):
                     hist += [0] * (j + 1 - len(hist))
                     hist[j] += count
@@ -117,6 +117,8 @@ def main() -> int:
 
     from polyspec.orchestrator.config import load_config
     from polyspec.orchestrator.engine import Engine
+    from polyspec.orchestrator.batch_runner import run_requests
+    from polyspec.orchestrator.engine import GenerationRequest
     from polyspec.orchestrator.tokenization import encode_prompt
     from polyspec.workers.core.sampling import SamplingParams
 
@@ -132,7 +134,7 @@ def main() -> int:
     ids = [encode_prompt(embedded.tokenizer, p)[-256:] for p in prompts]
     greedy = SamplingParams(temperature=0.0)
 
-    reference = [embedded.scheduler.generate(i, args.max_new_tokens, greedy).token_ids for i in ids]  # + warm-up
+    reference = [embedded.generate(GenerationRequest(tuple(i), args.max_new_tokens, greedy))["token_ids"] for i in ids]  # + warm-up
     modes = {
         "embedded": ("embedded", False, 1),
         "ray serial": ("ray", False, 1),
@@ -141,7 +143,7 @@ def main() -> int:
         f"ray pipelined x{args.concurrency}": ("ray", True, args.concurrency),
     }
     for i in ids[:2]:  # warm the actors
-        chain.generate(i, 8, greedy)
+        ray_engine.generate(GenerationRequest(tuple(i), 8, greedy))
     last_serial = [None]
     samples = {name: [] for name in modes}
     overheads = {name: [] for name in modes}
@@ -152,23 +154,24 @@ def main() -> int:
             started = time.perf_counter()
             if backend == "embedded":
                 for j, i in enumerate(ids):
-                    outputs[j] = embedded.scheduler.generate(i, args.max_new_tokens, greedy)
+                    outputs[j] = embedded.generate(GenerationRequest(tuple(i), args.max_new_tokens, greedy))
             else:
                 chain.pipeline = pipeline
-                jobs = [(i, args.max_new_tokens, greedy, None) for i in ids]
-                chain.generate_many(jobs, concurrency, lambda j, out: outputs.__setitem__(j, out))
+                jobs = [GenerationRequest(tuple(i), args.max_new_tokens, greedy, id=str(j)) for j, i in enumerate(ids)]
+                run_requests(ray_engine, jobs, lambda out: outputs.__setitem__(int(out["id"]), out), max_requests=concurrency,
+                             on_error=lambda request, exc: outputs.__setitem__(int(request.id), exc))
             wall = time.perf_counter() - started
             if name == "ray serial":
                 last_serial[0] = outputs
-            bad = [j for j in range(len(ids)) if isinstance(outputs[j], Exception) or outputs[j].token_ids != reference[j]]
+            bad = [j for j in range(len(ids)) if isinstance(outputs[j], Exception) or outputs[j]["token_ids"] != reference[j]]
             if bad:
                 raise SystemExit(f"{name}: output differs from embedded greedy for prompt(s) {bad}")
-            tokens = sum(len(outputs[j].token_ids) for j in range(len(ids)))
+            tokens = sum(len(outputs[j]["token_ids"]) for j in range(len(ids)))
             samples[name].append(tokens / wall)
-            rounds = sum(outputs[j].stats.get("rounds", 0) for j in range(len(ids)))
+            rounds = sum(outputs[j]["stats"].get("rounds", 0) for j in range(len(ids)))
             if rounds:
-                overheads[name].append(1000.0 * sum(outputs[j].stats.get("overhead_s", 0.0) for j in range(len(ids))) / rounds)
-            accepted = [s for j in range(len(ids)) for s in outputs[j].stats["stages"] if s["drafter"] != s["tier"]]
+                overheads[name].append(1000.0 * sum(outputs[j]["stats"].get("overhead_s", 0.0) for j in range(len(ids))) / rounds)
+            accepted = [s for j in range(len(ids)) for s in outputs[j]["stats"]["stages"] if s["drafter"] != s["tier"]]
             if accepted:
                 stages[name].append(sum(s["accepted"] for s in accepted) / max(1, sum(s["blocks"] for s in accepted)))
             print(f"pass {repeat + 1}/{args.repeats} {name:>22}: {tokens / wall:7.1f} tok/s", flush=True)

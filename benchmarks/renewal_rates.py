@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from polyspec.harness import tune
     from polyspec.orchestrator.config import load_config
-    from polyspec.orchestrator.engine import Engine
+    from polyspec.orchestrator.engine import Engine, GenerationRequest
     from polyspec.orchestrator.tuning.time_model import expected_emitted, renewal_rates
     from polyspec.workers.tiers.tier import NGramTier
 
@@ -82,8 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     texts = []
     for prompt in sets.tuning:
         ids = engine.parse_request({"prompt": prompt, "max_new_tokens": args.max_new_tokens}).prompt_ids
-        out = engine.scheduler.generate(list(ids), args.max_new_tokens, params, seed=0)
-        texts.append((len(ids), list(ids) + list(out.token_ids)))
+        out = engine.generate(GenerationRequest(tuple(ids), args.max_new_tokens, params, 0))
+        texts.append((len(ids), list(ids) + list(out["token_ids"])))
     engine.close()
 
     runs = []  # per prompt, per generated context: how many tokens the drafter's proposal matches

@@ -1,17 +1,21 @@
-"""Continuous batching over an Engine: many requests in, results out as each finishes.
+"""Continuous batching over an Engine: the one request loop. Many requests in, results out as each finishes.
 
     while requests wait or run:
         admit waiting requests while fewer than `max_requests` run (they hold cache slots)
         prefill joining requests' prompts within the step's token budget (chunked prefill)
         one batched round of every running request whose prompt is cached (`Engine.step_all`)
-        hand finished requests to `on_result`, freeing their slots for the next ones
+        report each request's new tokens and text (`on_delta`), then its result once done
+        (`on_result`), freeing its slot for the next ones
 
-This is the one request loop: `polyspec batch` and the load benchmarks go through
-`run_requests`; the server's request loop (polyspec.orchestrator.serving.request_loop) drives a
-`ContinuousBatch` itself, choosing what to admit (interactive requests, job items) and what to
-cancel. An engine that is not batched takes its requests' rounds in turn (`Engine.step`, one
-request after the other; a distributed chain's rounds in flight at once: `concurrent_steps`), so
-a long request holds the others back by one round per step, never by the whole request.
+Every caller drives it: `Engine.generate` (a batch of one: `polyspec generate` and `chat`, the
+harness), `polyspec batch` and the load benchmarks through `run_requests`; the server's request
+loop (polyspec.orchestrator.serving.request_loop: `serve` and jobs) drives a `ContinuousBatch`
+itself, choosing what to admit (interactive requests, job items) and what to cancel. Streaming
+and stop strings are a request's `TextStream` (polyspec.orchestrator.tokenization): the text
+each round adds, and the token that completes a stop string ends the request there. An engine
+that is not batched takes its requests' rounds in turn (`Engine.step`, one request after the
+other; a distributed chain's rounds in flight at once: `concurrent_steps`), so a long request
+holds the others back by one round per step, never by the whole request.
 
 Failure isolation (`step_isolated`): a step is one forward per tier for every running
 request, so an exception raised for one request's row would fail all of them. When a
@@ -31,7 +35,8 @@ import dataclasses
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any, Callable, Iterable
 
-from polyspec.orchestrator.decode.contract import BatchDecoder
+from polyspec.orchestrator.decode.contract import FINISH_STOP, BatchDecoder
+from polyspec.orchestrator.tokenization import TextStream
 from polyspec.workers.core.sampling import RandomStream
 
 
@@ -120,23 +125,35 @@ def step_isolated(engine, states: list, pool: Executor | None = None) -> StepOut
 class ContinuousBatch:
     """The running set of one engine: admit, step, then finish or cancel each request.
 
+    A step reports through the callbacks given here, request by request, on the caller's thread:
+    `on_delta(state, tokens, text)` after each round that committed tokens (`text`: the new text,
+    for a request admitted with `stream` or `stops`, else ""), then `on_result(state, result)` once
+    it is done (its caches freed; a stop string ends it as "stop", cut there: `TextStream`), or
+    `on_error(state, exc, shared)` when its own row raised (`shared`: every request of the step
+    failed alone too, see `StepOutcome.shared_fault`). Without `on_error` the error is raised.
+
     `max_requests`: how many requests hold caches at once (default: the engine's). A batched engine
     steps them all in one round; one that is not batched takes their rounds in turn, so a caller may
     let more of them hold caches than one forward carries (the server does), but never more than a
     decoder with a fixed number of cache slots has (the device round's `max_requests`)."""
 
-    def __init__(self, engine, max_requests: int | None = None) -> None:
+    def __init__(self, engine, max_requests: int | None = None, on_delta: Callable[[Any, list[int], str], None] | None = None,
+                 on_result: Callable[[Any, dict], None] | None = None,
+                 on_error: Callable[[Any, Exception, bool], None] | None = None) -> None:
         self.engine = engine
         self.max_requests = max_requests or getattr(engine, "max_requests", 1) or 1
         slots = getattr(engine.scheduler, "max_requests", None)
         if slots is not None:
             self.max_requests = min(self.max_requests, slots)
+        self.on_delta, self.on_result, self.on_error = on_delta, on_result, on_error
         self.running: list[Any] = []  # RequestState, admission order
         self._pool: Executor | None = None  # a distributed chain's rounds in flight at once (`concurrent_steps`)
 
-    def admit(self, request) -> Any:
-        """Start `request` (its caches are taken at its first step); raises for a request the engine refuses."""
+    def admit(self, request, stops: tuple[str, ...] = (), stream: bool = False) -> Any:
+        """Start `request` (its caches are taken at its first step); raises for a request the engine refuses.
+        `stops`: stop strings that end it; `stream`: report its text as it is committed."""
         state = self.engine.start(request)
+        state.text = TextStream(self.engine.decode, stops) if stops or stream else None
         self.running.append(state)
         return state
 
@@ -146,12 +163,44 @@ class ContinuousBatch:
 
     def step(self, states: list | None = None) -> StepOutcome:
         """Prefill joining requests, then one round (`step_isolated`) of `states` (default: every running
-        request; the others wait, caches kept). A failed state leaves the running set with its caches freed."""
+        request; the others wait, caches kept), reported through the callbacks. A request that failed or
+        ended leaves the running set, its caches freed."""
         stepping = list(self.running if states is None else states)
         outcome = step_isolated(self.engine, stepping, self._concurrent_pool() if len(stepping) > 1 else None)
-        for state, _ in outcome.failed:
+        for state, exc in outcome.failed:
             self.drop(state)
+            self._fail(state, exc, outcome.shared_fault)
+        for state, tokens in outcome.advanced:
+            try:
+                self._report(state, tokens)
+            except Exception as exc:  # noqa: BLE001 - this request's own fault (its result, its callback)
+                self.drop(state)
+                self._fail(state, exc, False)
         return outcome
+
+    def _report(self, state, tokens: list[int]) -> None:
+        """`on_delta` for a round's tokens; `on_result` once the request is done, or a stop string ended it."""
+        stream = state.text
+        text = stream.push(tokens, final=state.done) if stream is not None and (tokens or state.done) else ""
+        if stream is not None and stream.stopped:
+            tokens = tokens[: len(tokens) - (len(state.new_tokens) - len(stream.token_ids))]
+        if (tokens or text) and self.on_delta is not None:
+            self.on_delta(state, tokens, text)
+        if not state.done and not (stream is not None and stream.stopped):
+            return
+        self.running.remove(state)
+        result = self.engine.finish(state) if state.done else self.engine.cancel(state)
+        if stream is not None:
+            result.update(text=stream.text, token_ids=list(stream.token_ids))
+            if stream.stopped:
+                result["finish_reason"] = FINISH_STOP
+        if self.on_result is not None:
+            self.on_result(state, result)
+
+    def _fail(self, state, exc: Exception, shared: bool) -> None:
+        if self.on_error is None:
+            raise exc
+        self.on_error(state, exc, shared)
 
     def _concurrent_pool(self) -> Executor | None:
         if self.engine.batched or not getattr(self.engine.scheduler, "concurrent_steps", False):
@@ -159,12 +208,6 @@ class ContinuousBatch:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.max_requests, thread_name_prefix="polyspec-round")
         return self._pool
-
-    def pop_finished(self) -> list[Any]:
-        """The requests that are done, out of the running set (the caller calls `Engine.finish` on each)."""
-        finished = [s for s in self.running if s.done]
-        self.running = [s for s in self.running if not s.done]
-        return finished
 
     def cancel(self, state) -> dict:
         """Stop `state` now and free its caches; its result (finish_reason "cancelled" unless it was done)."""
@@ -191,34 +234,32 @@ class ContinuousBatch:
             self._pool = None
 
 
-def run_requests(engine, requests: Iterable, on_result: Callable[[dict], None],
-                 on_tokens: Callable[[Any, list[int]], None] | None = None, max_requests: int | None = None,
-                 on_error: Callable[[Any, Exception], None] | None = None) -> None:
-    """Generate every request (GenerationRequest) with continuous batching; `on_result(result)` as each finishes.
+def run_requests(engine, requests: Iterable, on_result: Callable[[dict], None], max_requests: int | None = None,
+                 on_error: Callable[[Any, Exception], None] | None = None,
+                 on_delta: Callable[[Any, list[int], str], None] | None = None,
+                 stops: tuple[str, ...] = (), stream: bool = False) -> None:
+    """Generate every request (GenerationRequest) with continuous batching; `on_result(result)` as each finishes,
+    `on_delta(request, tokens, text)` after each of its rounds (`text`: with `stream` or `stops`, its new text).
+    `stops`: stop strings that end each request (finish_reason "stop"; text and token_ids cut there).
     A request whose own row raises goes to `on_error(request, exc)` and the others carry on; without
     `on_error` its exception stops the run (every other request's caches freed)."""
-    batch = ContinuousBatch(engine, max_requests)
+    batch = ContinuousBatch(
+        engine, max_requests,
+        on_delta=None if on_delta is None else lambda state, tokens, text: on_delta(state.request, tokens, text),
+        on_result=lambda state, result: on_result(result),
+        on_error=None if on_error is None else lambda state, exc, shared: on_error(state.request, exc))
     waiting = collections.deque(requests)
     try:
         while waiting or batch.running:
             while waiting and batch.room:
                 request = waiting.popleft()
                 try:
-                    batch.admit(request)
+                    batch.admit(request, stops, stream)
                 except Exception as exc:  # noqa: BLE001 - this request's own fault
                     if on_error is None:
                         raise
                     on_error(request, exc)
-            outcome = batch.step()
-            for state, exc in outcome.failed:
-                if on_error is None:
-                    raise exc
-                on_error(state.request, exc)
-            for state, tokens in outcome.advanced:
-                if tokens and on_tokens is not None:
-                    on_tokens(state, tokens)
-            for state in batch.pop_finished():
-                on_result(engine.finish(state))
+            batch.step()
     except BaseException:
         batch.cancel_all()
         raise

@@ -16,7 +16,7 @@ from pathlib import Path
 from polyspec import __version__
 from polyspec.harness import zoo_fetch
 from polyspec.orchestrator import chain_args, serving_cli, validate
-from polyspec.orchestrator.tokenization import REPLACEMENT_CHAR, StopMatcher, check_stops
+from polyspec.orchestrator.tokenization import check_stops
 from polyspec.workers.core.errors import PolyspecError, RequestError
 from polyspec.workers.core.heartbeat import heartbeat
 
@@ -181,49 +181,22 @@ def _check_chat_template(target: str, has_template: bool | None, flag: str) -> N
                            f"{'; drop --chat to send the prompt as plain text' if flag == '--chat' else '; use polyspec generate -p TEXT'}")
 
 
-def run_request(engine, request, stops: tuple[str, ...] = (), write=None, log=None) -> dict:
-    """Generate one request round by round, passing the text to `write` as it is committed.
-    A stop string ends the request there (finish_reason "stop"; the text stops before it).
-    `log`: told every few seconds while no token has come yet (a long prompt's prefill)."""
-    matcher = StopMatcher(stops)
-    shown, decoded = [], ""
-    state = engine.start(request)
-    try:
-        while not state.done:
-            waiting = log if not state.new_tokens else None
-            with heartbeat(waiting, f"prefilling the prompt ({len(request.prompt_ids)} tokens) and the first round"):
-                state_tokens = engine.step(state)
-            if not state_tokens:
-                continue
-            text = engine.decode(state.new_tokens)
-            if text.endswith(REPLACEMENT_CHAR):  # a token ended inside a character: wait for the rest
-                continue
-            delta = text[len(decoded):] if text.startswith(decoded) else ""
-            decoded = text
-            shown.append(matcher.push(delta))
-            if write is not None and shown[-1]:
-                write(shown[-1])
-            if matcher.stopped:
-                break
-    except BaseException:
-        engine.cancel(state)
-        raise
-    if matcher.stopped:
-        result = engine.cancel(state)
-        ids = result["token_ids"]
-        # the tokens up to the one that completed the stop string (a round commits several)
-        kept = next(n for n in range(1, len(ids) + 1) if any(stop in engine.decode(ids[:n]) for stop in stops))
-        result.update(text="".join(shown), token_ids=ids[:kept], finish_reason="stop")
-        return result
-    result = engine.finish(state)
-    rest = result["text"][len(decoded):] if result["text"].startswith(decoded) else ""
-    shown.append(matcher.push(rest) + matcher.finish())
-    if write is not None and shown[-1]:
-        write(shown[-1])
-    if matcher.stopped:
-        result["finish_reason"] = "stop"
-    result["text"] = "".join(shown)
-    return result
+def _generate(engine, request, stops: tuple[str, ...], write=None) -> dict:
+    """One request through the engine's one loop, its text passed to `write` as it is committed;
+    a line every few seconds while no token has come yet (a long prompt's prefill)."""
+    shown = []
+
+    def waiting(line: str) -> None:
+        if not shown:
+            _log(line)
+
+    def text(delta: str) -> None:
+        shown.append(delta)
+        if write is not None:
+            write(delta)
+
+    with heartbeat(waiting, f"prefilling the prompt ({len(request.prompt_ids)} tokens) and the first round"):
+        return engine.generate(request, stops=stops, on_text=text)
 
 
 def _write(text: str) -> None:
@@ -248,21 +221,19 @@ def cmd_generate(args) -> int:
     engine = _load_engine(args, chat_flag="--chat" if args.chat else None)
     request = engine.parse_request(_request_from_flags(args, prompt))
     if args.json:
-        print(json.dumps(run_request(engine, request, stops, log=_log)))
+        print(json.dumps(_generate(engine, request, stops)))
         return 0
-    result = run_request(engine, request, stops, _write, _log)
+    result = _generate(engine, request, stops, _write)
     sys.stdout.write("\n")
     print(_summary(result), file=sys.stderr)
     return 0
 
 
 def cmd_chat(args) -> int:
-    """One user turn per line of stdin; the whole conversation goes to the model each turn, and
-    where the chain allows, its caches stay between turns: a turn prefills only its new tokens."""
+    """One user turn per line of stdin; the whole conversation goes to the model each turn, and its
+    caches stay between turns (on every chain, Ray's included): a turn prefills only its new tokens."""
     stops = check_stops(args.stop, "--stop")
     engine = _load_engine(args, chat_flag="polyspec chat", reuse_prefix=True)
-    if not engine.reuses_prefix:
-        _log("this chain does not keep a conversation's caches between turns: each turn prefills the whole conversation")
     system = [{"role": "system", "content": args.system}] if args.system is not None else []
     messages = list(system)
     interactive = sys.stdin.isatty()
@@ -283,7 +254,7 @@ def cmd_chat(args) -> int:
             continue
         messages.append({"role": "user", "content": line})
         request = engine.parse_request({"messages": messages, **_sampling_fields(args)})
-        result = run_request(engine, request, stops, _write, _log)
+        result = _generate(engine, request, stops, _write)
         sys.stdout.write("\n")
         sys.stdout.flush()
         messages.append({"role": "assistant", "content": result["text"]})

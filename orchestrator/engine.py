@@ -24,6 +24,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from polyspec.orchestrator.batch_runner import run_requests
 from polyspec.orchestrator.decode.contract import BatchDecoder, RequestState
 from polyspec.orchestrator.decode.scheduler import ChainScheduler
 from polyspec.orchestrator.config import ChainConfig
@@ -120,8 +121,8 @@ class Engine:
         terminal); `cache_profiles`: keep start-up profiles on disk and reuse them (tuning.profile_cache),
         `reprofile`: measure again all the same (and overwrite).
         `reuse_prefix`: keep the last request's caches, so that a next request whose prompt extends
-        its tokens (a conversation's next turn) prefills only what is new (`reuses_prefix` says
-        whether this chain can: the embedded one-request-at-a-time decoder can)."""
+        its tokens (a conversation's next turn) prefills only what is new (every chain can, a Ray chain's
+        tiers keeping the caches in their workers: `contract.KeptSequences`)."""
         quiet_transformers()
         started = time.perf_counter()
         self.log, self.cache_profiles, self.reprofile = log, cache_profiles, reprofile
@@ -132,8 +133,9 @@ class Engine:
         self.exact_only = False  # `serve --exact-only`: requests in an approximate mode are refused
         self._approximate: dict = {}  # seq_id -> polyspec.orchestrator.decode.approximate.Attached (approximate requests only)
         self.config = config if speculative else config.target_only()
+        keep_finished = 1 if reuse_prefix else 0
         if config.runtime.backend == "ray":
-            self._start_ray(auto_tune, batched)
+            self._start_ray(auto_tune, batched, keep_finished)
             self.load_s = time.perf_counter() - started
             return
         if any(needs_choice(tier) for tier in self.config.tiers):  # dtype / threads: auto
@@ -149,13 +151,7 @@ class Engine:
                 eos.update([configured] if isinstance(configured, int) else configured)
         self.batched = batched and self.config.batching.enabled
         eos = stop_token_ids(self.tokenizer, eos)
-        keep_finished = 1 if reuse_prefix else 0
         self._start(eos, auto_tune, keep_finished)
-
-    @property
-    def reuses_prefix(self) -> bool:
-        """Does a request reuse the caches of the one before where their tokens agree (Engine's `reuse_prefix`)?"""
-        return isinstance(self.scheduler, ChainScheduler) and self.scheduler.keep_finished > 0
 
     def _steps(self) -> bool:
         """Do the model tiers decode in static-shape steps (`BatchedModelTier`'s `steps`: CUDA graphs, logits, draws
@@ -236,13 +232,13 @@ class Engine:
             _note_commit(state, tokens)
         return emitted
 
-    def _start_ray(self, auto_tune: bool, batched: bool) -> None:
+    def _start_ray(self, auto_tune: bool, batched: bool, keep_finished: int = 0) -> None:
         """The tiers run as Ray actors (polyspec.orchestrator.distributed.ray_runtime); this process only drives them."""
         from polyspec.orchestrator.distributed.ray_runtime import ray_chain
         from polyspec.workers.tiers.loading import describe_chain
 
         self.tokenizer, eos = describe_chain(self.config.tiers)
-        self.scheduler = ray_chain(self.config, stop_token_ids(self.tokenizer, eos))
+        self.scheduler = ray_chain(self.config, stop_token_ids(self.tokenizer, eos), keep_finished)
         self.tiers = self.scheduler.tiers  # TierViews: name, vocab_size, busy_s
         if batched and self.config.batching.enabled:
             # every running request in one VerifyBatch per step; each tier actor scores all their
@@ -394,28 +390,20 @@ class Engine:
             raise RequestError(f"approximate mode {mode.mode} refused: {why}")
         return mode
 
-    def generate(self, request: GenerationRequest, on_commit: Callable[[list[int]], None] | None = None) -> dict:
-        started, first_commit = time.perf_counter(), []
-
-        def commit(tokens: list[int]) -> None:
-            if not first_commit:
-                first_commit.append(time.perf_counter())
-            if on_commit is not None:
+    def generate(self, request: GenerationRequest, on_commit: Callable[[list[int]], None] | None = None,
+                 stops: tuple[str, ...] = (), on_text: Callable[[str], None] | None = None) -> dict:
+        """One request through the one request loop (`batch_runner.run_requests`: a batch of one).
+        `on_commit(tokens)`: each round's committed tokens; `on_text(text)`: the new text as it is
+        committed; `stops`: stop strings that end it (finish_reason "stop", cut there)."""
+        def delta(_, tokens: list[int], text: str) -> None:
+            if on_commit is not None and tokens:
                 on_commit(tokens)
+            if on_text is not None and text:
+                on_text(text)
 
-        if not request.approximate.lossless:  # the mode's rule or driver hangs on the request's state: round by round
-            state = self.start(request)
-            try:
-                while not state.done:
-                    emitted = self.step(state)
-                    if emitted:
-                        commit(emitted)
-            except BaseException:
-                self.cancel(state)
-                raise
-            return self.finish(state)
-        output = self.scheduler.generate(list(request.prompt_ids), request.max_new_tokens, request.params, seed_stream(request.seed), commit)
-        return self._result(request, output, started, first_commit[0] if first_commit else None)
+        results: list[dict] = []
+        run_requests(self, [request], results.append, max_requests=1, on_delta=delta, stops=stops, stream=on_text is not None)
+        return results[0]
 
     # Round-by-round API for callers that interleave requests (the server). One thread only.
 

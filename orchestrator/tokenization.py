@@ -1,4 +1,5 @@
-"""Prompts and chats tokenized as the model expects, and the tokens that end a generation.
+"""Prompts and chats tokenized as the model expects, the tokens that end a generation, and a
+request's text as it streams (`TextStream`: incremental detokenization and stop strings).
 
 A plain prompt goes through the tokenizer with its defaults, special tokens included: a
 model trained with a BOS token (Llama-2/3, Vicuna, Gemma) produces degenerate text
@@ -13,7 +14,7 @@ every request stops there whether it came in as `prompt` or `messages`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from polyspec.workers.core.errors import RequestError
 
@@ -99,36 +100,60 @@ def stop_token_ids(tokenizer, configured: set[int] | tuple[int, ...] = ()) -> tu
     return tuple(sorted(stops))
 
 
-class StopMatcher:
-    """Stop strings over committed text: text deltas in, the part safe to show out.
+class TextStream:
+    """One request's text as its tokens are committed: incremental detokenization and the stop-string rule.
 
-    A delta's tail that could still grow into a stop string is held back, so what a
-    stream has shown never runs past a stop; once a stop string appears, everything from
-    its first character on is dropped and `stopped` is set. The matcher works on decoded
-    text (str), so a cut never falls inside a UTF-8 character."""
+    `push(tokens)` takes a round's committed tokens and returns only the new text that is safe
+    to show: nothing while the last token ends inside a character, and a tail that could still
+    grow into a stop string is held back, so what a stream has shown never runs past a stop.
+    The token that completes a stop string ends the request: `stopped` is set, `token_ids`
+    ends with that token and `text` ends just before the stop string's first character.
+    Stops are matched on decoded text (str), so a cut never falls inside a UTF-8 character."""
 
-    def __init__(self, stops: tuple[str, ...] | list[str] = ()) -> None:
+    def __init__(self, decode: Callable[[list[int]], str], stops: tuple[str, ...] | list[str] = ()) -> None:
+        self.decode = decode
         self.stops = tuple(stop for stop in stops if stop)
-        self.held = ""
+        self.token_ids: list[int] = []  # committed so far (cut after the stop-completing token once stopped)
+        self.text = ""  # shown so far
         self.stopped = False
+        self._decoded = ""  # the text of `token_ids` already matched
+        self._held = ""  # matched, not shown: it may be the start of a stop string
 
-    def push(self, delta: str) -> str:
+    def push(self, tokens: list[int], final: bool = False) -> str:
+        """A round's tokens -> the new text to show. `final`: no more tokens come (what was held is shown)."""
         if self.stopped:
             return ""
-        text = self.held + delta
+        before = len(self.token_ids)
+        self.token_ids += tokens
+        decoded = self.decode(self.token_ids)
+        if decoded.endswith(REPLACEMENT_CHAR) and not final:  # a token ended inside a character: wait for the rest
+            return ""
+        delta = decoded[len(self._decoded):] if decoded.startswith(self._decoded) else ""
+        self._decoded = decoded
+        shown = self._match(delta)
+        if self.stopped:  # the tokens up to the one that completed the stop string (a round commits several)
+            ids = self.token_ids
+            self.token_ids = ids[: next(n for n in range(before + 1, len(ids) + 1)
+                                        if any(stop in self.decode(ids[:n]) for stop in self.stops))]
+        self.text += shown
+        return shown + self.finish() if final else shown
+
+    def finish(self) -> str:
+        """What was held back, now that no more text comes (shown from now on)."""
+        rest, self._held = ("" if self.stopped else self._held), ""
+        self.text += rest
+        return rest
+
+    def _match(self, delta: str) -> str:
+        text = self._held + delta
         hits = [index for index in (text.find(stop) for stop in self.stops) if index >= 0]
         if hits:
-            self.stopped, self.held = True, ""
+            self.stopped, self._held = True, ""
             return text[: min(hits)]
         keep = max((size for stop in self.stops for size in range(min(len(stop) - 1, len(text)), 0, -1)
                     if text.endswith(stop[:size])), default=0)
-        self.held = text[len(text) - keep :]
+        self._held = text[len(text) - keep :]
         return text[: len(text) - keep]
-
-    def finish(self) -> str:
-        """What was held back, now that no more text comes."""
-        rest, self.held = self.held, ""
-        return "" if self.stopped else rest
 
 
 def check_stops(stop: Any, what: str = "stop", limit: int = 16, max_chars: int = 256) -> tuple[str, ...]:

@@ -1,9 +1,10 @@
-"""Small helpers of the core-math and device-round tests."""
+"""Small helpers of the core-math, device-round and chain tests."""
 
 from __future__ import annotations
 
 import torch
 
+from polyspec.orchestrator.batch_runner import run_requests
 from polyspec.workers.core.tree import DraftTree
 
 
@@ -72,3 +73,43 @@ def greedy_references(model, prompts: list[list[int]], max_new: int) -> dict[tup
                                    eos_token_id=None, pad_token_id=0)
         out[tuple(prompt)] = generated[0, len(prompt):].tolist()
     return out
+
+
+class DecoderEngine:
+    """A bare decoder (a ChainScheduler, a distributed chain) as the one request loop's engine: request `i`
+    is `jobs[i]` ((prompt_ids, max_new_tokens, params, seed)), its result (i, its GenerationOutput)."""
+
+    batched = False  # rounds in turn (a distributed chain's in flight at once: `concurrent_steps`)
+
+    def __init__(self, decoder, jobs: list[tuple], max_requests: int = 1) -> None:
+        self.scheduler, self.jobs, self.max_requests = decoder, jobs, max_requests
+
+    def start(self, index: int):
+        prompt_ids, max_new_tokens, params, seed = self.jobs[index]
+        state = self.scheduler.start(list(prompt_ids), max_new_tokens, params, seed)
+        state.request = index
+        return state
+
+    def step(self, state) -> list[int]:
+        return self.scheduler.step(state)
+
+    def finish(self, state):
+        return state.request, self.scheduler.finish(state)
+
+    def cancel(self, state):
+        return state.request, self.scheduler.cancel(state)
+
+
+def generate_each(decoder, jobs: list[tuple], concurrency: int, on_done) -> None:
+    """Every job ((prompt_ids, max_new_tokens, params, seed)) through the one request loop, up to `concurrency`
+    in flight; `on_done(index, GenerationOutput or the exception its rounds raised)`."""
+    run_requests(DecoderEngine(decoder, jobs, concurrency), range(len(jobs)), lambda done: on_done(*done),
+                 max_requests=concurrency, on_error=on_done)
+
+
+def generate_alone(decoder, prompt_ids, max_new_tokens: int, params, seed: int | None = None, on_commit=None):
+    """One request on a bare decoder through the one request loop (a batch of one); its GenerationOutput."""
+    outputs = []
+    run_requests(DecoderEngine(decoder, [(prompt_ids, max_new_tokens, params, seed)]), [0], outputs.append,
+                 on_delta=None if on_commit is None else lambda _, tokens, text: on_commit(tokens))
+    return outputs[0][1]

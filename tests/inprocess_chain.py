@@ -18,10 +18,12 @@ class StaticMembership(Membership):
 
 
 def in_process_chain(tiers, lengths: list[int], *, eos_token_ids=(), tree_width: int = 1, scheme: str = "specinfer",
-                     pipeline: bool = False, host: str = "127.0.0.1", device_slots: int = 0) -> tuple[DistributedChain, list]:
+                     pipeline: bool = False, host: str = "127.0.0.1", device_slots: int = 0,
+                     keep_finished: int = 0) -> tuple[DistributedChain, list]:
     """Loaded `tiers` (target first) served by TierWorkers in this process, wired over gRPC on
     loopback: the distributed protocol without Ray. `device_slots`: each model tier serves batched
     calls as a device tier of that many requests (as a Ray actor does with `batching.round: device`).
+    `keep_finished`: finished requests whose caches stay in the workers (prefix reuse).
     Returns the chain and the workers (stop them with `worker.stop()`)."""
     workers = [TierWorker(tier, i, eos_token_ids=eos_token_ids, host=host, device_slots=device_slots if tier.has_weights else 0,
                           device_context=256 if device_slots else None) for i, tier in enumerate(tiers)]
@@ -32,5 +34,5 @@ def in_process_chain(tiers, lengths: list[int], *, eos_token_ids=(), tree_width:
     for view, tier in zip(membership.views, tiers):
         view.vocab_size, view.max_context = tier.vocab_size, tier.max_context
     chain = DistributedChain(membership, lengths, tree_width=tree_width, scheme=scheme, eos_token_ids=tuple(eos_token_ids),
-                             max_context=min(contexts) if contexts else None, pipeline=pipeline)
+                             max_context=min(contexts) if contexts else None, pipeline=pipeline, keep_finished=keep_finished)
     return chain, workers

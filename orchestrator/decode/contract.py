@@ -7,7 +7,7 @@ A decoder turns requests into verified tokens, one target round at a time:
         tokens = decoder.step(state)      # the tokens this round committed (may be empty)
     output = decoder.finish(state)        # or decoder.cancel(state): frees the request's caches
 
-`generate` is that loop. The engine and the server drive any `Decoder` through it, so a
+The one request loop (polyspec.orchestrator.batch_runner) drives any decoder that way, so a
 request means the same thing whichever decoder runs it. The rules every decoder shares
 live here, in one place:
 
@@ -15,7 +15,9 @@ live here, in one place:
   the first end-of-sequence token; the request finishes as "eos", or as "length" when it
   has all its tokens or its context is full; `cancel` finishes it as "cancelled";
 - seeds (`tier_seeds`, `seeded_generator`): a request's seed is expanded into one seed per
-  tier, so a seeded request samples the same tokens whichever decoder runs it.
+  tier, so a seeded request samples the same tokens whichever decoder runs it;
+- prefix reuse (`KeptSequences`): a finished request's caches may stay, and a next request
+  whose prompt extends its tokens runs under its sequence id (a chat's next turn).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from polyspec.workers.core.sampling import RandomStream, SamplingParams
 FINISH_LENGTH = "length"  # max_new_tokens reached, or the context is full
 FINISH_EOS = "eos"  # the last committed token ends the sequence
 FINISH_CANCELLED = "cancelled"  # the caller stopped the request
+FINISH_STOP = "stop"  # a stop string appeared in its text (the request loop's TextStream)
 NO_LIMIT = 1 << 62  # the context limit of a chain whose models state none
 
 
@@ -107,6 +110,7 @@ class RequestState:
     started: float = dataclasses.field(default_factory=time.perf_counter)
     first_commit_at: float | None = None  # when its first tokens were committed (Engine: prefill vs decode time)
     request: object = None  # the caller's request object, carried along (Engine keeps its GenerationRequest here)
+    text: Any = None  # its TextStream, where the request loop streams its text or matches stop strings
 
     @property
     def done(self) -> bool:
@@ -281,22 +285,6 @@ class RoundPlanner(Protocol):
         that differs from the plan's for some (a request whose own text makes a lookup pay); empty: the plan's for all."""
 
 
-def generate(decoder: Decoder, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams, seed: int | None = None,
-             on_commit: Callable[[list[int]], None] | None = None) -> GenerationOutput:
-    """Generate up to `max_new_tokens` after `prompt_ids`; `on_commit` sees each round's new tokens.
-    Whatever goes wrong, the request's caches are freed (`cancel`) before the error propagates."""
-    state = decoder.start(prompt_ids, max_new_tokens, params, seed)
-    try:
-        while not state.done:
-            emitted = decoder.step(state)
-            if on_commit is not None and emitted:
-                on_commit(emitted)
-    except BaseException:
-        decoder.cancel(state)
-        raise
-    return decoder.finish(state)
-
-
 # ----------------------------------------------------------------- end of a request
 
 
@@ -363,6 +351,44 @@ def output(state: RequestState, stages: Iterable[StageStats], **extra) -> Genera
         **extra,
     }
     return GenerationOutput(list(state.new_tokens), state.finish_reason or FINISH_LENGTH, stats)
+
+
+# ---------------------------------------------------------------------- prefix reuse
+
+
+class KeptSequences:
+    """Finished requests whose caches stay in the tiers, at most `keep` of them, oldest dropped first:
+    a new request whose prompt shares a prefix with one's tokens (a conversation's next turn) runs
+    under its sequence id, and every tier keeps the cached prefix and forwards only the rest.
+    `release(seq_id)` frees a dropped one's caches; `new_id()` makes a fresh sequence id."""
+
+    def __init__(self, keep: int, release: Callable[[int], None], new_id: Callable[[], int]) -> None:
+        self.keep, self.release, self.new_id = keep, release, new_id
+        self._kept: list[tuple[int, list[int]]] = []  # (seq_id, its tokens), oldest first
+
+    def sequence_for(self, prompt_ids: list[int]) -> int:
+        """The sequence id a new request runs under: that of the kept request whose tokens share the
+        longest prefix with `prompt_ids` (no longer kept: its caches are the new request's), else a fresh one."""
+        shared = [(common_prefix(tokens, prompt_ids), j) for j, (_, tokens) in enumerate(self._kept)]
+        length, best = max(shared, default=(0, None))
+        return self._kept.pop(best)[0] if length else self.new_id()
+
+    def put(self, seq_id: int, tokens: list[int]) -> bool:
+        """Keep a finished request's caches (dropping the oldest past `keep`); False: `keep` is 0, freed at once."""
+        self._kept.append((seq_id, list(tokens)))
+        while len(self._kept) > self.keep:
+            self.release(self._kept.pop(0)[0])
+        return self.keep > 0
+
+
+def common_prefix(tokens: list[int], other: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    length = 0
+    for a, b in zip(tokens, other):
+        if a != b:
+            break
+        length += 1
+    return length
 
 
 # ----------------------------------------------------------------------------- seeds

@@ -13,8 +13,8 @@ one tier the loop is plain autoregressive sampling from the target (the baseline
 
 This is the only implementation of that round, and it always runs on a batch: `step_all`
 advances every given request by one target round, each tier's forward taking every
-request's block at once; `step` is a batch of one. Every caller drives it: `generate`,
-`polyspec batch`, jobs and `serve` (through the engine), and each tier worker of a
+request's block at once; `step` is a batch of one. Every caller drives it: the engine's one
+request loop (generate, chat, `polyspec batch`, jobs and `serve`), and each tier worker of a
 distributed chain (its own two-tier chain [this tier, the tier below], kept from call to
 call, one round per VerifyBatch / DraftBatch for a batch of sequences, or of one).
 
@@ -59,7 +59,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from typing import Callable
 
 import torch
 
@@ -67,6 +66,7 @@ from polyspec.orchestrator.decode.contract import (
     NO_LIMIT,
     DraftObservation,
     GenerationOutput,
+    KeptSequences,
     RequestState,
     RoundObservation,
     ShadowObservation,
@@ -75,7 +75,6 @@ from polyspec.orchestrator.decode.contract import (
     StepObservation,
     commit,
     finish_if_full,
-    generate,
     mark_cancelled,
     note_plan,
     output,
@@ -167,23 +166,17 @@ class ChainScheduler:
             max_context = min(contexts) if contexts else None
         self.max_context = max_context
         self.last_step: dict = {}  # batch size, tokens, seconds and plan of the latest step
-        self.keep_finished = keep_finished
         self.scorer = scorer if scorer is not None else self.tiers[0]
-        self._kept: list[tuple[int, list[int]]] = []  # (seq_id, its tokens) of finished requests, oldest first
+        self.kept = KeptSequences(keep_finished, self._release, lambda: next(_sequence_ids))
 
     # ----------------------------------------------------------------- decoder API
-
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams, seed: int | None = None,
-                 on_commit: Callable[[list[int]], None] | None = None) -> GenerationOutput:
-        """`contract.generate` on this scheduler."""
-        return generate(self, prompt_ids, max_new_tokens, params, seed, on_commit)
 
     def start(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams, seed: int | None = None) -> RequestState:
         """Open a request; advance it with `step` / `step_all` (one target round each), close it
         with `finish`. Requests are independent, so a caller may interleave or batch their steps.
         All calls must come from one thread at a time."""
         run = Run(
-            seq_id=self._sequence_for(prompt_ids),
+            seq_id=self.kept.sequence_for(prompt_ids),
             params=params,
             generators=[seeded_generator(s) for s in tier_seeds(seed, len(self.tiers))],
             stages=[StageStats(self.tiers[i].name, self.tiers[i + 1].name) for i in range(len(self.tiers) - 1)],
@@ -321,7 +314,7 @@ class ChainScheduler:
 
     def finish(self, state: RequestState) -> GenerationOutput:
         """Release the request's caches (or keep them: `keep_finished`) and return its tokens and stats."""
-        self._keep_or_release(state.seq_id, state.committed)
+        self.kept.put(state.seq_id, state.committed)
         run: Run = state.run
         extra = {"tiers": [{"tier": t.name, "busy_s": round(busy, 6), "forwarded_tokens": tokens}
                            for t, busy, tokens in zip(self.tiers, state.tier_busy_s, run.forwarded_tokens)]}
@@ -334,25 +327,11 @@ class ChainScheduler:
         mark_cancelled(state)
         return self.finish(state)
 
-    # -------------------------------------------------------------- prefix reuse
-
-    def _sequence_for(self, prompt_ids: list[int]) -> int:
-        """The sequence id a new request runs under: that of the kept request whose tokens share
-        the longest prefix with `prompt_ids` (its caches hold that prefix), else a fresh one."""
-        shared = [(_common_prefix(tokens, prompt_ids), j) for j, (_, tokens) in enumerate(self._kept)]
-        length, best = max(shared, default=(0, None))
-        if not length:
-            return next(_sequence_ids)
-        return self._kept.pop(best)[0]
-
-    def _keep_or_release(self, seq_id: int, tokens: list[int]) -> None:
-        """Keep a finished request's caches (dropping the oldest kept past `keep_finished`), or free them."""
-        self._kept.append((seq_id, list(tokens)))
-        while len(self._kept) > self.keep_finished:
-            dropped, _ = self._kept.pop(0)
-            for tier in self.tiers:
-                tier.release(dropped)
-            self.scorer.release(scratch_sequence(dropped))  # a SpecReason request's scored prompts
+    def _release(self, seq_id: int) -> None:
+        """Free a kept request's caches (`keep_finished`: it was dropped)."""
+        for tier in self.tiers:
+            tier.release(seq_id)
+        self.scorer.release(scratch_sequence(seq_id))  # a SpecReason request's scored prompts
 
     # ------------------------------------------------------------ the round
 
@@ -506,13 +485,3 @@ class ChainScheduler:
             emitted = [block.tokens[j] for j in path] + ([] if no_bonus else [next_token])
             out.append((emitted, None if decided.rows is None else decided.rows[: len(emitted)]))
         return out
-
-
-def _common_prefix(tokens: list[int], other: list[int]) -> int:
-    """Length of the longest common prefix of two token lists."""
-    length = 0
-    for a, b in zip(tokens, other):
-        if a != b:
-            break
-        length += 1
-    return length

@@ -7,6 +7,8 @@ chain exactly as an embedded one. A step is one `VerifyBatch` call to the target
 target pulls its block from the tier below, which pulls from the tier below it: the driver
 never relays blocks. The driver keeps each request's committed tokens, so a request
 survives any tier's death: a step that failed committed nothing and is simply redone.
+With `keep_finished` (a chat) a finished request's caches stay in every worker (`Release` with
+`keep_caches`) and a next turn extending its tokens runs under its sequence id, as embedded.
 
 Where the workers live is a `Membership`: `polyspec.orchestrator.distributed.ray_runtime.RayMembership`
 for Ray actors, which also restarts and rewires tiers (the tests' in-process chains have one of
@@ -31,6 +33,7 @@ from polyspec.orchestrator.decode.contract import (
     NO_LIMIT,
     DraftObservation,
     GenerationOutput,
+    KeptSequences,
     RequestState,
     RoundObservation,
     StepInput,
@@ -38,7 +41,6 @@ from polyspec.orchestrator.decode.contract import (
     StageStats,
     commit,
     finish_if_full,
-    generate,
     mark_cancelled,
     note_plan,
     output,
@@ -128,7 +130,10 @@ class DistributedChain:
     plan_ahead = True  # with a one-request planner: plan the next round while this one is in flight (`_planner_work`)
 
     def __init__(self, membership: Membership, lengths: list[int], *, tree_width: int = 1, scheme: str = "specinfer",
-                 eos_token_ids: tuple[int, ...] = (), max_context: int | None = None, pipeline: bool = False) -> None:
+                 eos_token_ids: tuple[int, ...] = (), max_context: int | None = None, pipeline: bool = False,
+                 keep_finished: int = 0) -> None:
+        """`keep_finished`: how many finished requests keep their caches in every tier for a later prompt that
+        extends them (prefix reuse, as the embedded chain's: `contract.KeptSequences`)."""
         self.membership = membership
         self.tiers = membership.views
         self.lengths = list(lengths)
@@ -150,6 +155,7 @@ class DistributedChain:
         self._target_lock = threading.Lock()
         self._seq_ids = itertools.count(random.getrandbits(40) << 20)
         self._releases = futures.ThreadPoolExecutor(1, thread_name_prefix="polyspec-release")
+        self.kept = KeptSequences(keep_finished, self._release, lambda: next(self._seq_ids))
         # continuous batching: the engine steps every running request in one `step_all` (one VerifyBatch);
         # otherwise requests step one at a time, concurrently (each a VerifyBatch of one)
         self.batched = False
@@ -197,11 +203,6 @@ class DistributedChain:
 
     # -------------------------------------------------------------------- API
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams, seed: int | None = None,
-                 on_commit: Callable[[list[int]], None] | None = None) -> GenerationOutput:
-        """`contract.generate` on this chain."""
-        return generate(self, prompt_ids, max_new_tokens, params, seed, on_commit)
-
     @property
     def concurrent_steps(self) -> bool:
         """Steps of different requests may run at once (the server overlaps them), unless batched."""
@@ -209,7 +210,7 @@ class DistributedChain:
 
     def start(self, prompt_ids, max_new_tokens, params: SamplingParams, seed=None) -> RequestState:
         header = tier_pb2.SequenceHeader(
-            seq_id=next(self._seq_ids), temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+            seq_id=self.kept.sequence_for(list(prompt_ids)), temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
             seeds=tier_seeds(seed, len(self.tiers)), lengths=self.lengths, pipeline=self.pipeline, scheme=self.scheme,
             tree_width=self.tree_width, limit=self.max_context or 0,
         )
@@ -365,16 +366,8 @@ class DistributedChain:
         if run.unobserved is not None:  # the last round's report (in the request's time: its caller waits for it)
             pending, run.unobserved = run.unobserved, None
             self._hear(pending)
-        stub = self._stub().stub
-        seq_id = state.seq_id
-
-        def release() -> None:
-            try:
-                stub.Release(tier_pb2.ReleaseRequest(seq_id=seq_id), timeout=10.0)
-            except (grpc.RpcError, ValueError):
-                pass  # the target is gone: its caches went with it
-
-        self._releases.submit(release)
+        if self.kept.put(state.seq_id, state.committed):
+            self._release(state.seq_id, keep_caches=True)
         extra = {"rounds": run.rounds, "overhead_s": round(run.overhead_s, 6)}
         if state.plans:
             extra["plans"] = state.plans
@@ -384,16 +377,20 @@ class DistributedChain:
         mark_cancelled(state)
         return self.finish(state)
 
-    def generate_many(self, jobs: list[tuple], concurrency: int, on_done: Callable[[int, object], None]) -> None:
-        """Run `jobs` ((prompt_ids, max_new_tokens, params, seed) tuples) with up to `concurrency`
-        in flight, so the tiers overlap different requests; `on_done(index, output or exception)`."""
-        with futures.ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="polyspec-request") as pool:
-            pending = {pool.submit(self.generate, *job): i for i, job in enumerate(jobs)}
-            for done in futures.as_completed(pending):
-                try:
-                    on_done(pending[done], done.result())
-                except Exception as exc:  # noqa: BLE001 - reported per request
-                    on_done(pending[done], exc)
+    def _release(self, seq_id: int, keep_caches: bool = False) -> None:
+        """Free a sequence in every tier (in the background), or only its state, its caches kept for a next
+        request under its id (`keep_caches`: answered once every tier has, so that request never meets the old state)."""
+        def release() -> None:
+            try:
+                stub.Release(tier_pb2.ReleaseRequest(seq_id=seq_id, keep_caches=keep_caches), timeout=10.0)
+            except (grpc.RpcError, ValueError):
+                pass  # the target is gone: its caches went with it
+
+        try:
+            stub = self._stub().stub
+        except Exception:  # noqa: BLE001 - no target to release at (it is down): its caches went with it
+            return
+        release() if keep_caches else self._releases.submit(release)
 
     # ------------------------------------------------------------------- stats
 

@@ -578,11 +578,11 @@ class RayMembership(Membership):
                 pass
 
 
-def ray_chain(config: ChainConfig, eos_token_ids: tuple[int, ...]) -> DistributedChain:
+def ray_chain(config: ChainConfig, eos_token_ids: tuple[int, ...], keep_finished: int = 0) -> DistributedChain:
     membership = RayMembership(config, eos_token_ids)
     chain = DistributedChain(membership, config.speculation_lengths(), tree_width=config.speculation.tree_width,
                              scheme=config.speculation.verifier, eos_token_ids=eos_token_ids,
-                             max_context=membership.max_context, pipeline=config.runtime.pipeline)
+                             max_context=membership.max_context, pipeline=config.runtime.pipeline, keep_finished=keep_finished)
     chain.vocab_size = membership.vocab_size
     chain.transport = membership.transport
     return chain

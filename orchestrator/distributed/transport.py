@@ -300,5 +300,12 @@ class RemoteTier(BatchedTier):
         self._cast("Verdict", tier_pb2.VerdictRequest(seq_id=seq_id, epoch=seq.epoch_below, base_len=base_len,
                                                       proposed=proposed, accepted=accepted, correction=correction))
 
-    def release(self, seq_id):
-        self._cast("Release", tier_pb2.ReleaseRequest(seq_id=seq_id))
+    def release(self, seq_id, keep_caches: bool = False):
+        """Free the sequence below (fire and forget); `keep_caches`: only its state, answered (prefix reuse)."""
+        if not keep_caches:
+            self._cast("Release", tier_pb2.ReleaseRequest(seq_id=seq_id))
+            return
+        try:
+            self._call("Release", tier_pb2.ReleaseRequest(seq_id=seq_id, keep_caches=True), timeout=10.0)
+        except (TierUnavailableError, RuntimeError):
+            pass  # the tier is gone: its caches went with it

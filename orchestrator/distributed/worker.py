@@ -368,7 +368,8 @@ class TierWorker(BatchedRounds):
             if len(context) > 1:  # (all but the last token: a round feeds at least one)
                 self.batched_tier().prefill([request.header.seq_id], [context], len(context))
 
-    def release(self, seq_id: int) -> None:
+    def release(self, seq_id: int, keep_caches: bool = False) -> None:
+        """Free a sequence here and below; `keep_caches`: its state only, its caches kept (prefix reuse)."""
         with self._sequences_lock:
             seq = self._sequences.pop(seq_id, None)
         if seq is not None:
@@ -379,11 +380,12 @@ class TierWorker(BatchedRounds):
                 self.tier.exit_by_seq.pop(seq_id, None)
         batched = self.siblings.made(self.tier)
         if batched is not None:
-            batched.release(seq_id)
+            if not keep_caches:
+                batched.release(seq_id)
             batched.release(scratch_sequence(seq_id))  # a SpecReason request's scored prompts (Score)
         lower = self.lower
         if lower is not None:
-            lower.release(seq_id)
+            lower.release(seq_id, keep_caches)
 
     # ------------------------------------------------------------------ health
 
@@ -474,7 +476,7 @@ class _Servicer(tier_pb2_grpc.TierServicer):
         return tier_pb2.Ack()
 
     def Release(self, request, context):
-        self._guard(context, lambda: self.worker.release(request.seq_id))
+        self._guard(context, lambda: self.worker.release(request.seq_id, request.keep_caches))
         return tier_pb2.Ack()
 
     def Health(self, request, context):

@@ -251,12 +251,12 @@ class OpenAIApi:
         except RequestError as exc:
             raise ApiError(400, str(exc)) from None
 
-    def _submit(self, requests: list, tenant: str) -> list[tuple[Work, asyncio.Queue]]:
+    def _submit(self, requests: list, tenant: str, stops: tuple[str, ...]) -> list[tuple[Work, asyncio.Queue]]:
         """Queue every request, or none of them (each counts against `tenant`'s share of the queue)."""
         pairs = []
         for parsed in requests:
             events, on_event = self.service.events()
-            pairs.append((Work(parsed, on_event=on_event, tenant=tenant), events))
+            pairs.append((Work(parsed, on_event=on_event, tenant=tenant, stops=stops), events))
         try:
             self.service.scheduler.submit_all([work for work, _ in pairs])
         except QueueFull as exc:
@@ -333,8 +333,8 @@ class OpenAIApi:
 
     def _choices_of(self, requests: list, body: dict, tenant: str) -> list["_Answer"]:
         stops = check_stops(body.get("stop"), "'stop'", limit=MAX_STOPS)
-        return [_Answer(index, work, events, stops, self.service.scheduler)
-                for index, (work, events) in enumerate(self._submit(requests, tenant))]
+        return [_Answer(index, work, events, self.service.scheduler)
+                for index, (work, events) in enumerate(self._submit(requests, tenant, stops))]
 
     @staticmethod
     def _usage(requests: list, choices: list["_Answer"], body: dict) -> dict:
@@ -460,8 +460,8 @@ class _Answer(Choice):
     """One choice of an answer (choices.Choice: cut at the first stop string) as OpenAI shows it: its
     index, its request's events in, text and OpenAI's finish_reason out."""
 
-    def __init__(self, index: int, work: Work, events: asyncio.Queue, stops: tuple[str, ...], scheduler) -> None:
-        super().__init__(work, stops, scheduler)
+    def __init__(self, index: int, work: Work, events: asyncio.Queue, scheduler) -> None:
+        super().__init__(work, scheduler)
         self.index, self.events = index, events
         self.reason: str | None = None  # OpenAI's finish_reason, once done
 
@@ -469,12 +469,11 @@ class _Answer(Choice):
         """(text to show, whether the choice is done); ApiError for a failed request."""
         kind, payload = event
         if kind == "delta":
-            return self.delta(*payload) or "", False
+            return self.delta(*payload), False
         if kind == "done":
-            result, tail, _ = payload
-            shown = self.done(result, tail)
+            self.done(payload[0])
             self.reason = FINISH_REASONS.get(self.finish_reason, "stop")
-            return shown, True
+            return "", True
         self.failed()
         raise _failure(payload)
 

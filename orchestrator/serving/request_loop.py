@@ -13,16 +13,18 @@ module only chooses what runs. Each pass:
     2. fill free slots with job items: a batched engine gives them all but JOB_RESERVE_SHARE of
        its slots (kept for interactive requests); one that takes turns, one item at a time and
        only while no interactive request waits or runs
-    3. cancel what was cancelled (a client went away or its stop string came, a job was
-       cancelled, the server drains: a job item is then not written and runs again later)
+    3. cancel what was cancelled (a client went away, a job was cancelled, the server drains:
+       a job item is then not written and runs again later)
     4. one step of the batch: every running request takes one round, a batched engine in one
        forward per tier (the prompts of newly admitted requests cached first, within the step's
        token budget), one that takes turns one request after the other (a long request holds the
        others back by one round each; its job item waits, caches kept, while interactive
        requests run). A request whose own row raises fails alone (`step_isolated`)
 
-A request reports through its `on_event(kind, payload)`, called on this thread:
-("delta", (token_ids, text)) after each round, then ("done", result) or ("error", exc).
+A request reports through its `on_event(kind, payload)`, called on this thread from the batch's
+callbacks: ("delta", (token_ids, text)) after each round (only the new text; a stop string ends
+the request there: its last delta ends before the stop, its result's finish_reason is "stop"),
+then ("done", (result, timings)) or ("error", exc).
 Job items write their result through the JobStore (result and "done" in one transaction).
 """
 
@@ -39,7 +41,6 @@ from polyspec.orchestrator.batch_runner import ContinuousBatch, is_unavailable
 from polyspec.orchestrator.serving.jobs import JobStore, PendingItem
 from polyspec.orchestrator.serving.metrics import Metrics
 from polyspec.orchestrator.serving.security import Tenants
-from polyspec.orchestrator.tokenization import REPLACEMENT_CHAR
 from polyspec.workers.core.errors import RequestError
 
 MAX_ACTIVE = 32  # interactive requests holding caches at once; the rest wait their turn
@@ -59,9 +60,9 @@ class Work:
     tenant: str = ""  # whose share of the queue and of the batch it takes
     received_at: float = dataclasses.field(default_factory=time.perf_counter)
     cancelled: bool = False  # set from any thread; honoured before the next round
+    stops: tuple[str, ...] = ()  # stop strings that end it (the batch's TextStream)
     state: Any = None
-    token_ids: list[int] = dataclasses.field(default_factory=list)
-    text_sent: str = ""
+    token_ids: list[int] = dataclasses.field(default_factory=list)  # committed (up to the stop-completing token)
     started_at: float | None = None
     first_token_at: float | None = None
 
@@ -96,18 +97,19 @@ class Draining(Exception):
 
 class RoundScheduler(threading.Thread):
     def __init__(self, engine, store: JobStore | None, metrics: Metrics, max_queue: int,
-                 on_jobs_changed: Callable[[], None] = lambda: None, tokenizer_lock: threading.Lock | None = None,
-                 tenants: Tenants | None = None) -> None:
+                 on_jobs_changed: Callable[[], None] = lambda: None, tenants: Tenants | None = None) -> None:
         super().__init__(name="polyspec-rounds", daemon=True)
         self.engine = engine
-        self.batch = ContinuousBatch(engine, engine.max_requests if engine.batched else MAX_ACTIVE)
+        self.batch = ContinuousBatch(engine, engine.max_requests if engine.batched else MAX_ACTIVE,
+                                     self._on_delta, self._on_result, self._on_error)
+        self._over: list[Work] = []  # the work of the step under way that is over
+        self._work_of: dict[int, Work] = {}  # id(state) -> its work, for the step under way
         self.store = store
         self.metrics = metrics
         self.max_queue = max_queue
         self.tenants = tenants or Tenants({})
         self._last_request: dict[str, float] = {}  # tenant -> when its latest request arrived (monotonic)
         self.on_jobs_changed = on_jobs_changed
-        self.tokenizer_lock = tokenizer_lock or threading.Lock()  # shared with the server's request parsing
         self._cond = threading.Condition()
         self._waiting: list[Work] = []
         self._active: list[Work] = []  # interactive requests admitted (changed on this thread only, under _cond)
@@ -250,53 +252,50 @@ class RoundScheduler(threading.Thread):
 
     def _step(self) -> list[Work]:
         """Cancel what was cancelled, start what was admitted, then one step of the batch, reported
-        request by request; returns the work that is over (finished, cancelled or failed)."""
-        over, live = [], []
+        request by request (the batch's callbacks); returns the work that is over (finished, cancelled or failed)."""
+        self._over, live = [], []
         for work in self._active + self._jobs:
             if work.cancelled:
                 self._cancel(work)
-                over.append(work)
+                self._over.append(work)
                 continue
             if work.state is None:
                 try:
                     work.started_at = time.perf_counter()
-                    work.state = self.batch.admit(work.request)
+                    work.state = self.batch.admit(work.request, work.stops, stream=work.job_item is None)
                 except Exception as exc:  # noqa: BLE001 - one bad request must not take the server down
                     self._failed(work, exc)
-                    over.append(work)
+                    self._over.append(work)
                     continue
             live.append(work)
-        if not live:
-            return over
-        interactive = [work for work in live if work.job_item is None]
-        # an engine that takes turns: job items wait (caches kept) while interactive requests run
-        stepping = live if self.engine.batched or not interactive else interactive
-        outcome = self.batch.step([work.state for work in stepping])
-        work_of = {id(work.state): work for work in live}
-        for state, exc in outcome.failed:  # (its caches freed by the batch)
-            self._failed(work_of[id(state)], exc, shared=outcome.shared_fault)
-            over.append(work_of[id(state)])
-        step = outcome.step
-        if step.get("batch"):
-            self.metrics.batch_step(step["batch"], step["tokens"], step["seconds"], len(step.get("tiers", ())) > 1)
-        finished = set(map(id, self.batch.pop_finished()))
-        for state, tokens in outcome.advanced:
-            work = work_of[id(state)]
-            try:
-                if tokens:
-                    self._emit_delta(work, tokens)
-                if id(state) in finished:
-                    self._finished(work, self._finish(work))
-                    over.append(work)
-            except Exception as exc:  # noqa: BLE001 - one bad request must not take the server down
-                self.batch.drop(state)
-                self._failed(work, exc)
-                over.append(work)
-        return over
+        self._work_of = {id(work.state): work for work in live}
+        if live:
+            interactive = [work for work in live if work.job_item is None]
+            # an engine that takes turns: job items wait (caches kept) while interactive requests run
+            stepping = live if self.engine.batched or not interactive else interactive
+            step = self.batch.step([work.state for work in stepping]).step
+            if step.get("batch"):
+                self.metrics.batch_step(step["batch"], step["tokens"], step["seconds"], len(step.get("tiers", ())) > 1)
+        return self._over
 
-    def _finish(self, work: Work) -> dict:
-        with self.tokenizer_lock:
-            return self.engine.finish(work.state)
+    def _on_delta(self, state, tokens: list[int], text: str) -> None:
+        work = self._work_of[id(state)]
+        if work.first_token_at is None:
+            work.first_token_at = time.perf_counter()
+            if work.job_item is None:
+                self.metrics.first_token(work.first_token_at - work.received_at)
+        work.token_ids.extend(tokens)
+        self.metrics.tokens(len(tokens))
+        if work.on_event is not None:
+            work.on_event("delta", (list(tokens), text))
+
+    def _on_result(self, state, result: dict) -> None:
+        self._over.append(self._work_of[id(state)])
+        self._finished(self._work_of[id(state)], result)
+
+    def _on_error(self, state, exc: Exception, shared: bool) -> None:
+        self._over.append(self._work_of[id(state)])
+        self._failed(self._work_of[id(state)], exc, shared)
 
     def _retire(self, over: list[Work]) -> None:
         """Take work that is over out of the running lists (its slot is free for the next)."""
@@ -310,28 +309,8 @@ class RoundScheduler(threading.Thread):
             if not self._active and not self._waiting:
                 self.idle.set()
 
-    def _decode(self, token_ids: list[int]) -> str:
-        with self.tokenizer_lock:
-            return self.engine.decode(token_ids)
-
     def _has_job_work(self) -> bool:
         return not self._draining and self.store is not None and self.store.next_pending() is not None
-
-    def _emit_delta(self, work: Work, tokens: list[int]) -> None:
-        if work.first_token_at is None:
-            work.first_token_at = time.perf_counter()
-            if work.job_item is None:
-                self.metrics.first_token(work.first_token_at - work.received_at)
-        work.token_ids.extend(tokens)
-        self.metrics.tokens(len(tokens))
-        text = self._decode(work.token_ids) if work.job_item is None else ""
-        if text.endswith(REPLACEMENT_CHAR) and not work.state.done:
-            delta = ""  # wait for the rest of the character
-        else:
-            delta = text[len(work.text_sent):] if text.startswith(work.text_sent) else ""
-            work.text_sent += delta
-        if work.on_event is not None:
-            work.on_event("delta", (list(tokens), delta))
 
     def publish_speculation(self) -> None:
         """The lengths in use (a tuner moves them) -> the speculation_length gauge."""
@@ -347,20 +326,17 @@ class RoundScheduler(threading.Thread):
         if work.job_item is not None:
             self._write_item(work, result, None)
             return
-        final = self._decode(work.token_ids)
-        tail = final[len(work.text_sent):] if final.startswith(work.text_sent) else ""
-        status = "cancelled" if result.get("finish_reason") == "cancelled" else "ok"
+        status = "cancelled" if result.get("finish_reason") == "cancelled" else "ok"  # (a stop string's end is "ok")
         self.metrics.request_finished(status, time.perf_counter() - work.received_at)
         if work.on_event is not None:
-            work.on_event("done", (result, tail, work.timings()))
+            work.on_event("done", (result, work.timings()))
 
     def _cancel(self, work: Work) -> None:
         """Stop `work` and free its caches (`Engine.cancel`)."""
         result = {"token_ids": work.token_ids, "finish_reason": "cancelled", "stats": {}}
         if work.state is not None:
             try:
-                with self.tokenizer_lock:
-                    result = self.batch.cancel(work.state)
+                result = self.batch.cancel(work.state)
             except Exception as exc:  # noqa: BLE001 - one bad request must not take the server down
                 self._failed(work, exc)
                 return
@@ -418,8 +394,7 @@ class RoundScheduler(threading.Thread):
         """A pending job item marked running and parsed into work; None (its error written) when invalid."""
         self.store.mark_running(item.job_id)
         try:
-            with self.tokenizer_lock:
-                request = self.engine.parse_request({**item.request, "id": item.id})
+            request = self.engine.parse_request({**item.request, "id": item.id})
         except RequestError as exc:
             self._write_item(Work(None, job_item=item), None, str(exc))
             return None

@@ -96,8 +96,7 @@ async def _serve(config, host, port, store, tenants, limits, tls, tls_files, met
     except PolyspecError:
         await server.stop(0)
         raise
-    scheduler = RoundScheduler(engine, store, metrics, config.server.max_queue, service.jobs_changed, service.tokenizer_lock,
-                               tenants)
+    scheduler = RoundScheduler(engine, store, metrics, config.server.max_queue, service.jobs_changed, tenants)
     scheduler.start()
     service.attach(engine, scheduler)
     for tier in engine.tiers:

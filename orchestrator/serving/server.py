@@ -208,7 +208,6 @@ class PolyspecService(pb_grpc.PolyspecServicer):
         self.scorer: TargetScorer | None = None  # logprobs, for gRPC and HTTP alike (loads its target copy on first use)
         self.draining = False
         self.started = time.time()
-        self.tokenizer_lock = threading.Lock()  # the engine's tokenizer: the round thread's (decoding)
         self._scorer_lock = threading.Lock()
         self._prompt_tokenizers: queue.Queue = queue.Queue()  # copies for tokenizing requests in worker threads
         self._jobs_changed = asyncio.Event()
@@ -343,7 +342,7 @@ class PolyspecService(pb_grpc.PolyspecServicer):
         except LimitExceeded as exc:
             await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         events, reporter = self._choice_events()
-        choices = [Choice(Work(choice_request(parsed, j), on_event=reporter(j), tenant=tenant), stops, self.scheduler)
+        choices = [Choice(Work(choice_request(parsed, j), on_event=reporter(j), tenant=tenant, stops=stops), self.scheduler)
                    for j in range(count)]
         try:
             self.scheduler.submit_all([choice.work for choice in choices])  # every choice, or none
@@ -357,15 +356,12 @@ class PolyspecService(pb_grpc.PolyspecServicer):
                 choice = choices[index]
                 if kind == "delta":
                     token_ids, text = payload
-                    shown = choice.delta(token_ids, text)
-                    if shown is not None:  # (None: a round committed before the stop string's cancel was seen)
-                        yield pb.GenerateResponse(token_ids=token_ids, text=shown, id=request.id, index=index)
+                    yield pb.GenerateResponse(token_ids=token_ids, text=choice.delta(token_ids, text), id=request.id, index=index)
                 elif kind == "done":
-                    result, tail, timings = payload
-                    shown = choice.done(result, tail)
+                    result, timings = payload
+                    choice.done(result)
                     stats = result.get("stats") or {}
                     message = pb.GenerateResponse(
-                        text=shown,
                         finish_reason=choice.finish_reason,
                         stats=stats_message(stats, timings),
                         stats_json=json.dumps(stats),

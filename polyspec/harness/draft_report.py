@@ -61,7 +61,7 @@ def chain_acceptance(
     """{drafter name: {"T=<t>": summary}} for each `drafters` tier spec under the target, plus
     the target alone, all on the same prompts, interleaved per prompt."""
     from polyspec.orchestrator.config import parse_config
-    from polyspec.orchestrator.engine import Engine
+    from polyspec.orchestrator.engine import Engine, GenerationRequest
     from polyspec.orchestrator.tokenization import encode_prompt
     from polyspec.workers.core.sampling import SamplingParams
 
@@ -81,9 +81,9 @@ def chain_acceptance(
             order = names[index % len(names) :] + names[: index % len(names)]
             for name in order:
                 started = time.perf_counter()
-                out = engines[name].scheduler.generate(ids, max_new_tokens, SamplingParams(temperature=temperature), seed=seed + index)
-                speeds[(name, temperature)].append(len(out.token_ids) / (time.perf_counter() - started))
-                stages[(name, temperature)] += out.stats["stages"][:1]
+                out = engines[name].generate(GenerationRequest(tuple(ids), max_new_tokens, SamplingParams(temperature=temperature), seed + index))
+                speeds[(name, temperature)].append(len(out["token_ids"]) / (time.perf_counter() - started))
+                stages[(name, temperature)] += out["stats"]["stages"][:1]
     report: dict = {}
     for name in names:
         for temperature in temperatures:

@@ -14,7 +14,7 @@ import random
 import statistics
 import time
 
-from polyspec.orchestrator.engine import Engine
+from polyspec.orchestrator.engine import Engine, GenerationRequest
 from polyspec.orchestrator.tuning.tuner import Plan, Tuner, request_class
 from polyspec.workers.core.errors import PolyspecError
 from polyspec.workers.core.sampling import SamplingParams
@@ -110,7 +110,7 @@ def interleaved_pass(engine: Engine, items: list, prompt_ids: list[list[int]], s
     tiers), a Tuner (`lengths: auto`, learning as it goes over the prompts in order), or a
     (Plan, Tuner) pair (the plan's fixed lengths through the tuner's hooks: it learns, it does
     not re-tune; the calibration). `after(index)` is called after each run of item `index`;
-    `record(index, prompt_number, output)` too, with the run's GenerationOutput;
+    `record(index, prompt_number, output)` too, with the run's result;
     `log(message)` after each prompt.
 
     A shared CPU's speed drifts over seconds: the demo chain at fixed lengths measured 4.0 and
@@ -141,11 +141,11 @@ def interleaved_pass(engine: Engine, items: list, prompt_ids: list[list[int]], s
                     item.fix(None)
                     scheduler.planner = item
                 cpu_started = time.process_time()
-                output = scheduler.generate(list(ids), settings.max_new_tokens, params, seed=request_seed(settings, seed, number))
+                output = engine.generate(GenerationRequest(tuple(ids), settings.max_new_tokens, params, request_seed(settings, seed, number)))
                 total = totals[index]
-                total[0] += output.stats["time_s"]
+                total[0] += output["stats"]["time_s"]
                 total[1] += time.process_time() - cpu_started
-                total[2] += len(output.token_ids)
+                total[2] += len(output["token_ids"])
                 if after is not None:
                     after(index)
                 if record is not None:
@@ -218,9 +218,9 @@ def measure_heldout(engine: Engine, best: Plan, prompt_ids: list[list[int]], set
 
         def record(index: int, number: int, output) -> None:
             entry = this_pass[names[index]]
-            entry["prompt_ms_per_token"][number] = round(1000.0 * output.stats["time_s"] / max(1, len(output.token_ids)), 3)
-            if "plans" in output.stats:  # what the tuner ran in that prompt: [new tokens so far, lengths, tiers] at each change
-                entry.setdefault("plans", [None] * len(prompt_ids))[number] = [[p["new_tokens"], p["lengths"], p["tiers"]] for p in output.stats["plans"]]
+            entry["prompt_ms_per_token"][number] = round(1000.0 * output["stats"]["time_s"] / max(1, len(output["token_ids"])), 3)
+            if "plans" in output["stats"]:  # what the tuner ran in that prompt: [new tokens so far, lengths, tiers] at each change
+                entry.setdefault("plans", [None] * len(prompt_ids))[number] = [[p["new_tokens"], p["lengths"], p["tiers"]] for p in output["stats"]["plans"]]
 
         results = interleaved_pass(engine, list(items.values()), prompt_ids, settings, seed=settings.seed + 2000 + repeat, record=record)
         for name, result in zip(items, results):
@@ -299,12 +299,12 @@ def measure_shift(engine: Engine, tuner: Tuner, code_ids: list[list[int]], prose
     tuner.fix(None)
     try:
         for number, ids in enumerate(code_ids):
-            engine.scheduler.generate(list(ids), settings.max_new_tokens, params, seed=settings.seed + number)
+            engine.generate(GenerationRequest(tuple(ids), settings.max_new_tokens, params, settings.seed + number))
         switch_round = tuner.class_state(key).rounds
         plan_before = tuner.class_state(key).plan
         at_switch = shift_view(engine, tuner, key)
         for number, ids in enumerate(prose_ids):
-            engine.scheduler.generate(list(ids), settings.max_new_tokens, params, seed=settings.seed + 100 + number)
+            engine.generate(GenerationRequest(tuple(ids), settings.max_new_tokens, params, settings.seed + 100 + number))
         end_round = tuner.class_state(key).rounds
     finally:
         engine.scheduler.planner = None

@@ -19,6 +19,7 @@ from polyspec.orchestrator.engine import Engine
 from polyspec.orchestrator.tokenization import encode_prompt
 from polyspec.workers.core.sampling import SamplingParams
 from polyspec.workers.tiers.loading import load_tiers
+from core_helpers import generate_alone
 
 PROMPTS = ["def add(a, b):\n    return", "import os\nimport sys\n", "for i in range(10):\n    print(i)\nfor i in"]
 MAX_NEW = 40
@@ -67,7 +68,7 @@ def embedded(tiny_family):
     outputs = {}
     for prompt in PROMPTS:
         ids = encode_prompt(engine.tokenizer, prompt)
-        outputs[prompt] = (ids, engine.scheduler.generate(ids, MAX_NEW, SamplingParams(temperature=0.0)).token_ids)
+        outputs[prompt] = (ids, generate_alone(engine.scheduler, ids, MAX_NEW, SamplingParams(temperature=0.0)).token_ids)
     return outputs
 
 
@@ -128,7 +129,7 @@ def test_seeded_request_samples_the_same_in_a_batch_as_alone(tiny_family):
     params = SamplingParams(temperature=1.0)
     jobs = [(prompts[i % 3], 24, params, seed) for i, seed in enumerate(range(11, 17))]
     try:
-        expected = [alone.generate(*job).token_ids for job in jobs]
+        expected = [generate_alone(alone, *job).token_ids for job in jobs]
     finally:
         stop(alone, alone_workers)
     chain, workers, _ = batched_chain(tiny_family, ["target", "mid", "small"], [3, 2], pipeline=False)

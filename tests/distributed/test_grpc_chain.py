@@ -16,6 +16,7 @@ from polyspec.orchestrator.engine import Engine
 from polyspec.workers.tiers.loading import load_tiers
 from polyspec.workers.core.sampling import SamplingParams
 from polyspec.orchestrator.tokenization import encode_prompt
+from core_helpers import generate_alone, generate_each
 
 PROMPTS = ["def add(a, b):\n    return", "import os\nimport sys\n", "for i in range(10):\n    print(i)\nfor i in"]
 MAX_NEW = 40
@@ -36,7 +37,7 @@ def embedded(tiny_family):
     outputs = {}
     for prompt in PROMPTS:
         ids = encode_prompt(tokenizer, prompt)
-        outputs[prompt] = (ids, engine.scheduler.generate(ids, MAX_NEW, SamplingParams(temperature=0.0)).token_ids)
+        outputs[prompt] = (ids, generate_alone(engine.scheduler, ids, MAX_NEW, SamplingParams(temperature=0.0)).token_ids)
     return outputs
 
 
@@ -54,7 +55,7 @@ def test_greedy_equals_target(tiny_family, embedded, names, speculation, pipelin
                                       pipeline=pipeline, eos_token_ids=EOS)
     try:
         for prompt, (ids, expected) in embedded.items():
-            out = chain.generate(ids, MAX_NEW, SamplingParams(temperature=0.0))
+            out = generate_alone(chain, ids, MAX_NEW, SamplingParams(temperature=0.0))
             assert out.token_ids == expected, prompt
             assert out.stats["stages"], "the chain verified blocks"
         stats = chain.runtime_stats()
@@ -77,7 +78,7 @@ def test_concurrent_requests_match_one_at_a_time(tiny_family, embedded):
     try:
         jobs = [(ids, MAX_NEW, SamplingParams(temperature=0.0), None) for ids, _ in embedded.values()] * 3
         results = {}
-        chain.generate_many(jobs, concurrency=6, on_done=lambda i, out: results.__setitem__(i, out))
+        generate_each(chain, jobs, concurrency=6, on_done=lambda i, out: results.__setitem__(i, out))
         expected = [tokens for _, tokens in embedded.values()] * 3
         assert [results[i].token_ids for i in range(len(jobs))] == expected
     finally:
@@ -108,7 +109,7 @@ def test_online_tuner_sets_lengths_of_a_distributed_chain(tiny_family, embedded,
         chain.planner = tuner
         jobs = [(ids, MAX_NEW, SamplingParams(temperature=0.0), None) for ids, _ in embedded.values()] * 2
         results = {}
-        chain.generate_many(jobs, concurrency=3, on_done=lambda i, out: results.__setitem__(i, out))
+        generate_each(chain, jobs, concurrency=3, on_done=lambda i, out: results.__setitem__(i, out))
         assert [results[i].token_ids for i in range(len(jobs))] == [tokens for _, tokens in embedded.values()] * 2
         estimates = tuner.estimates("greedy")
         assert set(estimates) == {(0, 1), (1, 2)} and all(e.blocks > 0 for e in estimates.values())
@@ -119,7 +120,7 @@ def test_online_tuner_sets_lengths_of_a_distributed_chain(tiny_family, embedded,
             assert out.stats["plans"] and all(plan["lengths"] in [h["lengths"] for h in tuner.history] for plan in out.stats["plans"])
         tuner.fix(Plan((3, 2), (0, 1, 2), 0.0))  # the driver sends the tuner's lengths with every round
         ids, expected = next(iter(embedded.values()))
-        out = chain.generate(ids, MAX_NEW, SamplingParams(temperature=0.0))
+        out = generate_alone(chain, ids, MAX_NEW, SamplingParams(temperature=0.0))
         assert out.token_ids == expected
         assert [stage["lengths"][0] for stage in out.stats["stages"]] == [3, 2]  # (then clipped near max_new_tokens)
     finally:
@@ -237,7 +238,7 @@ def test_the_tuner_hears_each_round_and_plans_the_next_while_rounds_run(tiny_fam
         for ids, expected in embedded.values():
             for record in (calls, plans, heard, kinds):
                 record.clear()
-            out = chain.generate(ids, MAX_NEW, SamplingParams(temperature=0.0))
+            out = generate_alone(chain, ids, MAX_NEW, SamplingParams(temperature=0.0))
             assert out.token_ids == expected
             rounds = out.stats["rounds"]
             assert len(calls.sent) == rounds == len(heard)
@@ -281,7 +282,7 @@ def test_drafter_death_falls_back_to_the_target(tiny_family, embedded):
         assert chain.finish(state).token_ids == expected
         assert chain.degraded_rounds > 0
         for ids, expected in rest:
-            assert chain.generate(ids, MAX_NEW, SamplingParams(temperature=0.0)).token_ids == expected
+            assert generate_alone(chain, ids, MAX_NEW, SamplingParams(temperature=0.0)).token_ids == expected
     finally:
         chain.close()
         workers[0].stop()
@@ -297,8 +298,8 @@ def test_seeded_sampling_matches_embedded(tiny_family):
     chain, workers = in_process_chain(tiers, [3, 2], pipeline=False, eos_token_ids=EOS)
     try:
         for seed in (1, 2, 3):
-            local = engine.scheduler.generate(ids, 24, params, seed=seed).token_ids
-            assert chain.generate(ids, 24, params, seed=seed).token_ids == local
+            local = generate_alone(engine.scheduler, ids, 24, params, seed=seed).token_ids
+            assert generate_alone(chain, ids, 24, params, seed=seed).token_ids == local
     finally:
         chain.close()
         for worker in workers:
@@ -326,7 +327,7 @@ def test_pipelined_sampling_is_lossless(tiny_family, names, lengths, samples):
     try:
         outputs = {}
         jobs = [(prompt_ids, 3, params, seed) for seed in range(samples)]  # round 2 has a block to draft ahead
-        chain.generate_many(jobs, concurrency=4, on_done=lambda i, out: outputs.__setitem__(i, out))
+        generate_each(chain, jobs, concurrency=4, on_done=lambda i, out: outputs.__setitem__(i, out))
         counts = collections.Counter(tuple(outputs[i].token_ids[:2]) for i in range(samples))
         hits = sum(t["draft_ahead"]["hits"] for t in chain.runtime_stats()["tiers"])
     finally:
@@ -398,11 +399,38 @@ def test_trained_drafters_in_their_targets_process_sample_as_embedded(tiny_draft
     try:
         params = SamplingParams(temperature=1.0)
         for seed in (1, 2, 3):
-            expected = local.scheduler.generate(ids, 24, params, seed=seed).token_ids
-            assert chain.generate(ids, 24, params, seed=seed).token_ids == expected
+            expected = generate_alone(local.scheduler, ids, 24, params, seed=seed).token_ids
+            assert generate_alone(chain, ids, 24, params, seed=seed).token_ids == expected
         assert siblings.of(tiers[1]).inner.source is siblings.of(tiers[0]).inner, "the head reads the batched target"
     finally:
         chain.close()
         local.close()
         for worker in workers:
             worker.stop()
+
+
+@pytest.mark.parametrize("pipeline", [False, True], ids=["serial", "pipelined"])
+def test_a_next_turn_reuses_the_workers_caches_and_says_the_same(tiny_family, embedded, pipeline):
+    """Prefix reuse on a distributed chain (`keep_finished`, as `polyspec chat` asks for on every chain): a
+    finished request's caches stay in every worker; the next request, whose prompt extends its tokens, runs
+    under its sequence id, each model tier forwarding only what it had not cached, and says what a fresh chain says."""
+    config = chain_config(tiny_family, ["target", "mid", "small"], lengths=[3, 2])
+    tiers, _ = load_tiers(config.tiers)
+    greedy = SamplingParams(temperature=0.0)
+    (first, _), (second, _) = list(embedded.values())[:2]
+    forwarded, outputs = {}, {}
+    for keep in (0, 1):
+        chain, workers = in_process_chain(tiers, [3, 2], pipeline=pipeline, eos_token_ids=EOS, keep_finished=keep)
+        try:
+            turn = generate_alone(chain, first, 12, greedy).token_ids
+            model_tiers = [w.siblings.of(w.tier) for w in workers[:2]]
+            before = [t.forwarded_tokens for t in model_tiers]
+            outputs[keep] = (turn, generate_alone(chain, first + turn + second, 12, greedy).token_ids)
+            forwarded[keep] = [t.forwarded_tokens - b for t, b in zip(model_tiers, before)]
+        finally:
+            chain.close()
+            for worker in workers:
+                worker.stop()
+    assert outputs[1] == outputs[0]  # greedy: lossless either way
+    for tier, (fresh, reused) in enumerate(zip(forwarded[0], forwarded[1])):
+        assert fresh - reused >= len(first) - 1, (tier, fresh, reused)  # the previous turn's prompt, at least, was cached

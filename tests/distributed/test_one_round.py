@@ -19,6 +19,7 @@ from polyspec.orchestrator.engine import Engine, GenerationRequest
 from polyspec.orchestrator.tokenization import encode_prompt
 from polyspec.workers.core.sampling import SamplingParams
 from polyspec.workers.tiers.loading import load_tiers
+from core_helpers import generate_alone
 
 PROMPT = "def add(a, b):\n    return"
 MAX_NEW = 24
@@ -78,7 +79,7 @@ def test_embedded_single_batched_and_distributed_rounds_are_one_code(tiny_family
     tiers, _ = load_tiers(config.tiers)
     chain, workers = in_process_chain(tiers, lengths, pipeline=False, eos_token_ids=())
     try:
-        out = chain.generate(ids, MAX_NEW, GREEDY)
+        out = generate_alone(chain, ids, MAX_NEW, GREEDY)
         assert out.token_ids == single
         # the target worker verifies the middle tier's blocks, the middle worker the small tier's: both by the round
         assert {"target", "mid"} <= {name for name, _ in counted}, counted
@@ -126,7 +127,7 @@ def test_a_distributed_step_is_a_verify_batch_of_one_and_each_worker_keeps_its_c
     tiers, _ = load_tiers(config.tiers)
     chain, workers = in_process_chain(tiers, lengths, pipeline=pipeline, eos_token_ids=())
     try:
-        outs = [chain.generate(ids, MAX_NEW, GREEDY) for _ in range(2)]
+        outs = [generate_alone(chain, ids, MAX_NEW, GREEDY) for _ in range(2)]
         assert [out.token_ids for out in outs] == [expected] * 2
     finally:
         chain.close()

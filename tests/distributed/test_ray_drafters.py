@@ -20,6 +20,7 @@ from polyspec.workers.core.errors import ConfigError  # noqa: E402
 from polyspec.workers.core.sampling import SamplingParams  # noqa: E402
 from tiny_models import EOS  # noqa: E402
 from ray_cluster import shutdown_cluster  # noqa: E402
+from core_helpers import generate_alone  # noqa: E402
 
 PROMPTS = ["def add(a, b):\n    return", "for i in range(10):\n    print(i)\nfor i in", "class Point:\n    def __init__(self"]
 MAX_NEW = 24
@@ -98,7 +99,7 @@ def test_greedy_equals_generate_with_trained_drafters(cluster, tiny_drafters, ex
         assert {infos[i]["pid"] for i in trained} == {infos[0]["pid"]}, "trained drafters run in the target's actor"
         assert len({info["address"] for info in infos}) == len(infos), "each tier serves on its own port"
         for ids, want in expected:
-            assert engine.scheduler.generate(ids, MAX_NEW, SamplingParams(temperature=0.0)).token_ids == want
+            assert generate_alone(engine.scheduler, ids, MAX_NEW, SamplingParams(temperature=0.0)).token_ids == want
         stats = engine.scheduler.runtime_stats()
         assert all(tier["sent"]["grpc"]["messages"] > 0 for tier in stats["tiers"][:-1]), "every tier drafted for the one above"
     finally:
@@ -115,11 +116,11 @@ def test_seeded_sampling_equals_the_embedded_chain(cluster, tiny_drafters, expec
     local = Engine(parse_config(chain(tiny_drafters, drafters, [3, 2], "local")))
     try:
         for ids, want in expected:
-            assert engine.scheduler.generate(ids, MAX_NEW, SamplingParams(temperature=0.0)).token_ids == want
+            assert generate_alone(engine.scheduler, ids, MAX_NEW, SamplingParams(temperature=0.0)).token_ids == want
         params = SamplingParams(temperature=1.0)
         for seed, (ids, _) in enumerate(expected):
-            want = local.scheduler.generate(ids, MAX_NEW, params, seed=seed).token_ids
-            assert engine.scheduler.generate(ids, MAX_NEW, params, seed=seed).token_ids == want
+            want = generate_alone(local.scheduler, ids, MAX_NEW, params, seed=seed).token_ids
+            assert generate_alone(engine.scheduler, ids, MAX_NEW, params, seed=seed).token_ids == want
     finally:
         engine.close()
         local.close()
@@ -183,12 +184,12 @@ def test_target_restart_brings_its_drafters_back(cluster, tiny_drafters, expecte
     try:
         membership = engine.scheduler.membership
         for ids, want in expected:
-            assert engine.scheduler.generate(ids, MAX_NEW, SamplingParams(temperature=0.0)).token_ids == want
+            assert generate_alone(engine.scheduler, ids, MAX_NEW, SamplingParams(temperature=0.0)).token_ids == want
         before = ray.get(membership.actors[1].info.remote(1))
         assert before["pid"] == ray.get(membership.actors[0].info.remote(0))["pid"], "the feature head runs in the target's actor"
         ray.kill(membership.actors[0], no_restart=False)
         for ids, want in expected:
-            assert engine.scheduler.generate(ids, MAX_NEW, SamplingParams(temperature=0.0)).token_ids == want
+            assert generate_alone(engine.scheduler, ids, MAX_NEW, SamplingParams(temperature=0.0)).token_ids == want
         after = ray.get(membership.actors[1].info.remote(1))
         assert after["pid"] != before["pid"], "the feature head restarted with its target"
         assert membership.views[1].address == after["address"] and all(view.up for view in membership.views)

@@ -28,6 +28,7 @@ from polyspec.workers.core.errors import ConfigError
 from polyspec.workers.core.sampling import SamplingParams
 from ray.cluster_utils import Cluster
 from ray_cluster import shutdown_cluster
+from core_helpers import generate_alone
 
 PROMPTS = ["def add(a, b):\n    return", "import os\nimport sys\n", "for i in range(10):\n    print(i)\nfor i in",
            "class Point:\n    def __init__(self", "while True:\n    line ="]
@@ -77,7 +78,7 @@ def greedy(tiny_family):
     out = []
     for prompt in PROMPTS:
         ids = encode_prompt(engine.tokenizer, prompt)
-        out.append((ids, engine.scheduler.generate(ids, MAX_NEW, SamplingParams(temperature=0.0)).token_ids))
+        out.append((ids, generate_alone(engine.scheduler, ids, MAX_NEW, SamplingParams(temperature=0.0)).token_ids))
     return out
 
 
@@ -128,7 +129,7 @@ def test_unplaceable_drafter_starts_without_it_and_joins_later(cluster, nodes, t
         stats = chain.runtime_stats()
         assert stats["tiers"][1] == {"tier": "small", "up": False}
         ids, expected = greedy[0]
-        out = chain.generate(ids, MAX_NEW, SamplingParams(temperature=0.0))
+        out = generate_alone(chain, ids, MAX_NEW, SamplingParams(temperature=0.0))
         assert out.token_ids == expected and not out.stats["stages"], "the target alone: no drafting stage"
         assert chain.runtime_stats()["degraded_rounds"] == out.stats["rounds"], "its rounds ran on a shortened chain"
 
@@ -138,7 +139,7 @@ def test_unplaceable_drafter_starts_without_it_and_joins_later(cluster, nodes, t
         assert "tier 'small' is up: wired into the chain" in capfd.readouterr().err
         shortened = chain.degraded_rounds
         for ids, expected in greedy:
-            out = chain.generate(ids, MAX_NEW, SamplingParams(temperature=0.0))
+            out = generate_alone(chain, ids, MAX_NEW, SamplingParams(temperature=0.0))
             assert out.token_ids == expected
         assert out.stats["stages"][0]["blocks"] > 0, "the drafter drafts once it has joined"
         assert chain.degraded_rounds == shortened, "the whole chain again"
@@ -191,7 +192,7 @@ def test_nodes_killed_during_start_and_during_run_lose_no_request(cluster, nodes
         wait_up(chain, 2)
         assert ("small", "up") in events(chain)
         ids, tokens = greedy[1]
-        out = chain.generate(ids, MAX_NEW, SamplingParams(temperature=0.0))
+        out = generate_alone(chain, ids, MAX_NEW, SamplingParams(temperature=0.0))
         assert out.token_ids == tokens and any(stage["blocks"] > 0 for stage in out.stats["stages"])
     finally:
         engine.close()

@@ -17,12 +17,13 @@ ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from polyspec.orchestrator.config import parse_config  # noqa: E402
-from polyspec.orchestrator.engine import Engine  # noqa: E402
+from polyspec.orchestrator.engine import Engine, GenerationRequest  # noqa: E402
 from polyspec.workers.core.errors import ConfigError  # noqa: E402
 from polyspec.workers.core.sampling import SamplingParams  # noqa: E402
 from polyspec.orchestrator.tokenization import encode_prompt  # noqa: E402
 from ray_cluster import shutdown_cluster  # noqa: E402
 import approximate_cases  # noqa: E402
+from core_helpers import generate_alone, generate_each  # noqa: E402
 
 PROMPTS = ["def add(a, b):\n    return", "import os\nimport sys\n", "for i in range(10):\n    print(i)\nfor i in",
            "class Point:\n    def __init__(self", "while True:\n    line ="]
@@ -78,7 +79,7 @@ def config(family, address, *, pipeline, names=("target", "mid", "small"), lengt
 def embedded(tiny_family):
     engine = Engine(parse_config({"tiers": [{"name": "target", "model": tiny_family["target"]}]}))
     ids = [encode_prompt(engine.tokenizer, p) for p in PROMPTS]
-    return engine, [(i, engine.scheduler.generate(i, MAX_NEW, SamplingParams(temperature=0.0)).token_ids) for i in ids]
+    return engine, [(i, generate_alone(engine.scheduler, i, MAX_NEW, SamplingParams(temperature=0.0)).token_ids) for i in ids]
 
 
 def node_of(engine, tier_index):
@@ -94,6 +95,29 @@ def chain_engine(cluster, tiny_family):
 
 
 @pytest.mark.parametrize("pipeline", [False, True], ids=["serial", "pipelined"])
+def test_a_chats_next_turn_reuses_the_ray_workers_caches(chain_engine, embedded, pipeline):
+    """`polyspec chat` on a Ray chain (Engine's reuse_prefix: one finished request keeps its caches in every
+    worker): the next turn, whose prompt extends the previous prompt and reply, runs under the same sequence
+    id through the one request loop, and says what the target alone says."""
+    engine, chain = chain_engine, chain_engine.scheduler
+    chain.pipeline, chain.lengths = pipeline, [4, 2]
+    (first, _), (second, _) = embedded[1][:2]
+    greedy = SamplingParams(temperature=0.0)
+    states, start = [], chain.start
+    chain.start = lambda *args: states.append(start(*args)) or states[-1]
+    chain.kept.keep = 1
+    try:
+        turn = engine.generate(GenerationRequest(tuple(first), 12, greedy))["token_ids"]
+        following = list(first) + turn + list(second)
+        reply = engine.generate(GenerationRequest(tuple(following), 12, greedy))["token_ids"]
+    finally:
+        chain.kept.keep = 0
+        del chain.start
+    assert states[0].seq_id == states[1].seq_id  # the kept caches' sequence
+    assert reply == generate_alone(embedded[0].scheduler, following, 12, greedy).token_ids
+
+
+@pytest.mark.parametrize("pipeline", [False, True], ids=["serial", "pipelined"])
 def test_greedy_equals_embedded_one_node_per_tier(cluster, chain_engine, embedded, pipeline):
     _, nodes = cluster
     engine = chain_engine
@@ -102,7 +126,7 @@ def test_greedy_equals_embedded_one_node_per_tier(cluster, chain_engine, embedde
     assert node_of(engine, 2) == nodes["tier_small"].node_id
     assert len({node_of(engine, i) for i in range(3)}) == 3, "each tier on its own node"
     for ids, expected in embedded[1]:
-        assert engine.scheduler.generate(ids, MAX_NEW, SamplingParams(temperature=0.0)).token_ids == expected
+        assert generate_alone(engine.scheduler, ids, MAX_NEW, SamplingParams(temperature=0.0)).token_ids == expected
     stats = engine.scheduler.runtime_stats()
     assert stats["tiers"][0]["sent"]["grpc"]["messages"] > 0 and stats["tiers"][1]["sent"]["grpc"]["messages"] > 0
     if pipeline:
@@ -155,7 +179,7 @@ def test_sampling_is_lossless_pipelined(chain_engine, tiny_family):
         joint = exact_two_token_probs(reference.tiers[0].model, engine.vocab_size, prompt_ids, params)
         samples = 600
         outputs = {}
-        engine.scheduler.generate_many([(prompt_ids, 3, params, seed) for seed in range(samples)], 6,
+        generate_each(engine.scheduler, [(prompt_ids, 3, params, seed) for seed in range(samples)], 6,
                                        lambda i, out: outputs.__setitem__(i, out))
     finally:
         engine.scheduler.eos_token_ids, engine.scheduler.lengths = eos, [4, 2]
@@ -180,8 +204,8 @@ def test_rows_over_gloo_sample_exactly_as_embedded(cluster, tiny_family, monkeyp
         ids = encode_prompt(local.tokenizer, "def f(x):")
         params = SamplingParams(temperature=1.0)
         for seed in range(4):
-            expected = local.scheduler.generate(ids, 24, params, seed=seed).token_ids
-            assert engine.scheduler.generate(ids, 24, params, seed=seed).token_ids == expected
+            expected = generate_alone(local.scheduler, ids, 24, params, seed=seed).token_ids
+            assert generate_alone(engine.scheduler, ids, 24, params, seed=seed).token_ids == expected
         sent = [t["sent"] for t in engine.scheduler.runtime_stats()["tiers"]]
         assert sent[1].get("gloo", {}).get("messages", 0) > 0 and sent[2].get("gloo", {}).get("messages", 0) > 0
     finally:
@@ -204,7 +228,7 @@ def _run_batch(engine, jobs, during):
         if len(results) >= 5:
             started.set()
 
-    runner = threading.Thread(target=engine.scheduler.generate_many, args=(jobs, 6, done))
+    runner = threading.Thread(target=generate_each, args=(engine.scheduler, jobs, 6, done))
     runner.start()
     assert started.wait(120), "the batch did not start"
     during()
@@ -332,18 +356,18 @@ def test_restarted_drafter_rejoins(cluster, tiny_family, embedded):
     try:
         chain = engine.scheduler
         (ids, expected), *_ = embedded[1]
-        assert chain.generate(ids, MAX_NEW, SamplingParams(temperature=0.0)).token_ids == expected
+        assert generate_alone(chain, ids, MAX_NEW, SamplingParams(temperature=0.0)).token_ids == expected
         old_address = chain.tiers[1].address
         ray.kill(chain.membership.actors[1], no_restart=False)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:  # keep generating: every output stays exact meanwhile
-            assert chain.generate(ids, MAX_NEW, SamplingParams(temperature=0.0)).token_ids == expected
+            assert generate_alone(chain, ids, MAX_NEW, SamplingParams(temperature=0.0)).token_ids == expected
             if chain.tiers[1].up and chain.tiers[1].address != old_address:
                 break
             time.sleep(0.5)
         assert chain.tiers[1].address != old_address, "the restarted drafter was not wired back in"
         degraded = chain.degraded_rounds
-        out = chain.generate(ids, MAX_NEW, SamplingParams(temperature=0.0))
+        out = generate_alone(chain, ids, MAX_NEW, SamplingParams(temperature=0.0))
         assert out.token_ids == expected
         assert chain.degraded_rounds == degraded and out.stats["stages"][0]["blocks"] > 0, "the drafter is back in the chain"
     finally:
@@ -366,7 +390,7 @@ def test_lengths_auto_and_tune_on_the_cluster(cluster, tiny_family, embedded):
         tuner = engine.scheduler.planner
         assert tuner is not None and tuner.distributed and tuner.pipelined
         for ids, expected in embedded[1][:2]:
-            out = engine.scheduler.generate(ids, MAX_NEW, SamplingParams(temperature=0.0))
+            out = generate_alone(engine.scheduler, ids, MAX_NEW, SamplingParams(temperature=0.0))
             assert out.token_ids == expected
             assert out.stats["plans"][0]["tiers"] == ["target", "mid", "small"]
         assert tuner.estimates("greedy")[(0, 1)].blocks > 0
@@ -377,7 +401,7 @@ def test_lengths_auto_and_tune_on_the_cluster(cluster, tiny_family, embedded):
         planner = engine.scheduler.planner
         assert {plan.active for plan in planner.plans} == {(0,), (0, 1, 2)}
         for ids, expected in embedded[1][:2]:
-            out = engine.scheduler.generate(ids, MAX_NEW, SamplingParams(temperature=0.0))
+            out = generate_alone(engine.scheduler, ids, MAX_NEW, SamplingParams(temperature=0.0))
             assert out.token_ids == expected and out.stats["plans"]
         assert planner.describe()["ab"]
     finally:

@@ -7,6 +7,8 @@ no model, microseconds.
   every request of a step of several fails, the fault is the chain's (`shared_fault`).
 - `step(states)` steps only those (the others keep their caches and wait); `cancel` frees one now;
   no more requests are admitted than a decoder with fixed cache slots (the device round) holds.
+- A step reports through callbacks: deltas carry only the new text, and the token that completes a
+  stop string ends the request there (finish_reason "stop", its text and tokens cut).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ class State:
     request: str
     left: int  # rounds until done
     done: bool = False
+    new_tokens: list = dataclasses.field(default_factory=list)
+    text: object = None  # its TextStream (set by the batch)
 
 
 class TurnsEngine:
@@ -56,7 +60,11 @@ class TurnsEngine:
             raise RuntimeError(f"{state.request}'s own fault")
         state.left -= 1
         state.done = state.left == 0
+        state.new_tokens.append(len(self.rounds))
         return [len(self.rounds)]
+
+    def decode(self, token_ids: list[int]) -> str:
+        return "".join(chr(ord("a") + t % 26) for t in token_ids)
 
     def finish(self, state: State) -> dict:
         return {"id": state.request}
@@ -68,27 +76,30 @@ class TurnsEngine:
 
 def test_rounds_are_taken_in_turn_and_a_bad_request_fails_alone():
     engine = TurnsEngine()
-    batch = ContinuousBatch(engine, 3)
+    finished, errors = [], []
+    batch = ContinuousBatch(engine, 3, on_result=lambda state, result: finished.append(state),
+                            on_error=lambda state, exc, shared: errors.append((state.request, shared)))
     a, bad, b = (batch.admit(name) for name in ("a", "bad", "b"))
     outcome = batch.step()
     assert [name for name, _ in engine.rounds] == ["a", "bad", "b"]
     assert {s.request for s, _ in outcome.advanced} == {"a", "b"} and [s.request for s, _ in outcome.failed] == ["bad"]
-    assert not outcome.shared_fault and outcome.step == {}
+    assert not outcome.shared_fault and outcome.step == {} and errors == [("bad", False)]
     assert batch.running == [a, b] and engine.cancelled == ["bad"]  # its caches freed
     batch.step([b])  # only b: a waits, caches kept
     assert (a.left, b.left) == (2, 1)
     assert batch.cancel(a)["finish_reason"] == "cancelled" and batch.running == [b]
     while not b.done:
         batch.step()
-    assert batch.pop_finished() == [b] and batch.room == 3
+    assert finished == [b] and batch.running == [] and batch.room == 3  # reported once done, out of the running set
 
 
 def test_when_every_request_of_a_step_fails_the_fault_is_shared():
     engine = TurnsEngine()
-    batch = ContinuousBatch(engine, 2)
+    errors = []
+    batch = ContinuousBatch(engine, 2, on_error=lambda state, exc, shared: errors.append(shared))
     batch.admit("bad1"), batch.admit("bad2")
     outcome = batch.step()
-    assert len(outcome.failed) == 2 and outcome.shared_fault and not batch.running
+    assert len(outcome.failed) == 2 and outcome.shared_fault and not batch.running and errors == [True, True]
 
 
 def test_a_distributed_chains_rounds_are_in_flight_at_once():
@@ -111,3 +122,16 @@ def test_no_more_requests_hold_caches_than_a_decoder_has_slots_for():
     assert ContinuousBatch(engine, 32).max_requests == 32  # rounds in turn: as many as the caller lets in
     engine.scheduler.max_requests = 1  # the device round's fixed KV slots
     assert ContinuousBatch(engine, 32).max_requests == 1
+
+
+def test_deltas_carry_only_the_new_text_and_a_stop_string_ends_the_request_there():
+    engine = TurnsEngine()  # round n commits token n, shown as the n-th letter: b, c, d, ...
+    deltas, results = [], []
+    run_requests(engine, ["a", "b"], results.append, max_requests=2, stream=True,
+                 on_delta=lambda request, tokens, text: deltas.append((request, tokens, text)))
+    assert deltas[:2] == [("a", [1], "b"), ("b", [2], "c")]
+    assert {r["id"]: r["text"] for r in results} == {"a": "bdf", "b": "ceg"}
+    engine, results = TurnsEngine(), []
+    run_requests(engine, ["a"], results.append, stops=("c",))  # the second round's token is "c"
+    assert results == [{"id": "a", "text": "b", "token_ids": [1, 2], "finish_reason": "stop"}]
+    assert engine.cancelled == ["a"] and len(engine.rounds) == 2  # no round past the stop

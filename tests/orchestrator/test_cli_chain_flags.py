@@ -17,7 +17,6 @@ from polyspec import __version__
 from polyspec.harness.zoo_fetch import MODELS
 from polyspec.orchestrator.chain_args import chain_config
 from polyspec.orchestrator.cli import build_parser, main
-from polyspec.orchestrator.tokenization import StopMatcher
 from polyspec.workers.core.errors import ConfigError
 from polyspec.workers.tiers.model_cache import ZOO_NAMES
 
@@ -154,17 +153,6 @@ def test_prompt_from_a_file_and_the_prompt_flags_checked(tiny_family, tmp_path, 
 # ---------------------------------------------------------------- stop strings
 
 
-def test_stop_matcher_never_shows_text_past_a_stop():
-    matcher = StopMatcher(["END", "\n\n"])
-    shown = [matcher.push(delta) for delta in ["ab", "cE", "N", "x", "yE", "ND zz"]]
-    assert shown == ["ab", "c", "", "ENx", "y", ""] and matcher.stopped and matcher.finish() == ""
-    matcher = StopMatcher(["abc"])
-    assert [matcher.push(delta) for delta in ["xa", "bd", "ab"]] == ["x", "abd", ""]
-    assert matcher.finish() == "ab" and not matcher.stopped  # held text comes out once nothing more comes
-    matcher = StopMatcher(["é!"])  # text, not bytes: a cut never falls inside a character
-    assert matcher.push("aé") == "a" and matcher.push("!b") == "" and matcher.stopped
-
-
 def test_stop_ends_generation_before_the_stop_text(tiny_family, capsys):
     base = ["generate", "-m", tiny_family["target"], "--draft", tiny_family["mid"], "-p", "import os", "-n", "24", "--json"]
     assert main(base) == 0
@@ -236,7 +224,7 @@ def test_a_chat_reuses_its_caches_and_says_the_same(chat_target, tiny_family, ro
                            "batching": {"round": round_kind, "max_context": 512}})
     fresh = _chat(Engine(config))
     reusing = Engine(config, reuse_prefix=True)
-    assert reusing.reuses_prefix and not Engine(config).reuses_prefix
+    assert reusing.scheduler.kept.keep == 1 and Engine(config).scheduler.kept.keep == 0
     kept = _chat(reusing)
     assert [r["token_ids"] for r in kept] == [r["token_ids"] for r in fresh]  # greedy: lossless
     assert [r["text"] for r in kept] == [r["text"] for r in fresh]

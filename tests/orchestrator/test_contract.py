@@ -10,11 +10,11 @@ from polyspec.orchestrator.decode.contract import (
     FINISH_EOS,
     FINISH_LENGTH,
     Decoder,
+    KeptSequences,
     RequestState,
     StageStats,
     commit,
     finish_if_full,
-    generate,
     mark_cancelled,
     output,
     seeded_generator,
@@ -23,6 +23,7 @@ from polyspec.orchestrator.decode.contract import (
 from polyspec.orchestrator.decode.scheduler import ChainScheduler
 from polyspec.orchestrator.distributed.driver import DistributedChain
 from polyspec.workers.core.sampling import SamplingParams
+from core_helpers import generate_alone
 
 EOS = frozenset({2})
 
@@ -119,15 +120,26 @@ class _Counting:
         return self.finish(s)
 
 
-def test_generate_streams_every_round_and_cancels_on_error():
+def test_the_one_loop_streams_every_round_and_cancels_on_error():
     decoder = _Counting()
     seen = []
-    out = generate(decoder, [1], 3, SamplingParams(), on_commit=seen.extend)
+    out = generate_alone(decoder, [1], 3, SamplingParams(), on_commit=seen.extend)
     assert out.token_ids == [10, 11, 12] == seen and out.finish_reason == FINISH_LENGTH
     failing = _Counting(fail_at=1)
     with pytest.raises(RuntimeError):
-        generate(failing, [1], 3, SamplingParams())
+        generate_alone(failing, [1], 3, SamplingParams())
     assert failing.cancelled == 1
+
+
+def test_kept_sequences_hand_the_longest_shared_prefix_its_sequence_and_drop_the_oldest():
+    released, fresh = [], iter(range(100, 200))
+    kept = KeptSequences(2, released.append, lambda: next(fresh))
+    assert kept.sequence_for([1, 2]) == 100  # nothing kept: a fresh id
+    assert kept.put(1, [5, 6, 7]) and kept.put(2, [5, 6, 9, 9]) and released == []
+    assert kept.put(3, [8]) and released == [1]  # past `keep`: the oldest is freed
+    assert kept.sequence_for([5, 6, 9, 9, 4]) == 2 and kept.sequence_for([5, 6, 9]) == 101  # taken: no longer kept
+    assert kept.sequence_for([8, 1]) == 3
+    assert not KeptSequences(0, released.append, lambda: 0).put(4, [1]) and released == [1, 4]  # keep 0: freed at once
 
 
 def test_both_decoders_implement_the_protocol():

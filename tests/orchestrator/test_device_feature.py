@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core_helpers import greedy_references
+from core_helpers import generate_alone, greedy_references
 from polyspec.orchestrator.decode.scheduler import ChainScheduler
 from polyspec.workers.core.sampling import SamplingParams
 from polyspec.workers.core.tree import DraftTree
@@ -175,4 +175,4 @@ def test_cuda_graph_rounds_with_trained_drafters_give_the_targets_greedy_output(
     # the ragged feature tier on CUDA too (its inputs and kept features on the target's device)
     scheduler = ChainScheduler(list(_runtime(target, head)), [4])
     for prompt in PROMPTS:
-        assert scheduler.generate(prompt, MAX_NEW, SamplingParams()).token_ids == expected[tuple(prompt)]
+        assert generate_alone(scheduler, prompt, MAX_NEW, SamplingParams()).token_ids == expected[tuple(prompt)]

@@ -21,6 +21,7 @@ from polyspec.workers.core.sampling import SamplingParams
 
 from family_chains import tier_specs
 from lossless_stats import ALPHA, chi_square_p_value, exact_two_token_probs
+from core_helpers import generate_alone
 
 PROMPT = "def f(x):\n    return x +"
 
@@ -29,7 +30,7 @@ def sample_first_two(engine: Engine, prompt_ids, params, samples: int) -> collec
     engine.scheduler.eos_token_ids = frozenset()
     counts: collections.Counter = collections.Counter()
     for seed in range(samples):
-        out = engine.scheduler.generate(prompt_ids, 3, params, seed=seed)
+        out = generate_alone(engine.scheduler, prompt_ids, 3, params, seed=seed)
         counts[tuple(out.token_ids[:2])] += 1
     return counts
 

@@ -9,7 +9,7 @@ import torch
 from tiny_models import EOS, make_model, make_tokenizer
 from polyspec.orchestrator.config import parse_config
 from polyspec.orchestrator.engine import Engine
-from polyspec.orchestrator.tokenization import encode_chat, encode_prompt, end_of_turn_ids, stop_token_ids
+from polyspec.orchestrator.tokenization import TextStream, encode_chat, encode_prompt, end_of_turn_ids, stop_token_ids
 from polyspec.workers.core.errors import RequestError
 
 BOS, END_OF_TURN = "<s>", "<|end|>"
@@ -136,3 +136,34 @@ def test_the_sdk_sends_messages_the_server_reads():
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
     assert request_dict(request_message({"id": "a", "messages": messages, "max_new_tokens": 5})) == {
         "id": "a", "messages": messages, "max_new_tokens": 5}
+
+
+def test_a_text_stream_never_shows_text_past_a_stop():
+    stream = TextStream("".join, ["END", "\n\n"])  # (tokens here are strings: decode joins them)
+    shown = [stream.push([delta]) for delta in ["ab", "cE", "N", "x", "yE", "ND zz"]]
+    assert shown == ["ab", "c", "", "ENx", "y", ""] and stream.stopped and stream.finish() == ""
+    assert stream.text == "abcENxy" and len(stream.token_ids) == 6
+    stream = TextStream("".join, ["abc"])
+    assert [stream.push([delta]) for delta in ["xa", "bd", "ab"]] == ["x", "abd", ""]
+    assert stream.finish() == "ab" and not stream.stopped and stream.text == "xabdab"  # held text comes out at the end
+    stream = TextStream("".join, ["é!"])  # text, not bytes: a cut never falls inside a character
+    assert stream.push(["aé"]) == "a" and stream.push(["!b"]) == "" and stream.stopped
+
+
+def test_the_token_that_completes_a_stop_string_ends_the_text_stream():
+    stream = TextStream("".join, ["END"])
+    assert stream.push(list("abEN")) == "ab" and stream.push(list("Dxyz")) == "" and stream.stopped
+    assert stream.token_ids == list("abEND") and stream.text == "ab"  # cut after "D", though the round committed "xyz" too
+    assert stream.push(["more"]) == "" and stream.token_ids == list("abEND")
+
+
+def test_a_text_stream_shows_only_the_new_text_and_waits_for_a_whole_character():
+    def decode(ids):  # a byte-level tokenizer: each id one byte, a partial character decodes to U+FFFD
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    stream = TextStream(decode)
+    encoded = list("hé!".encode())
+    assert stream.push(encoded[:1]) == "h" and stream.push(encoded[1:2]) == ""  # "é" is two bytes: wait for the second
+    assert stream.push(encoded[2:]) == "é!" and stream.text == "hé!"
+    cut = TextStream(decode)
+    assert cut.push(encoded[:2], final=True) == "h\ufffd"  # the request ended there: what it has is shown

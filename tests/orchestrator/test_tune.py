@@ -124,14 +124,15 @@ def test_interleaved_pass_runs_every_item_on_a_prompt_before_the_next():
         planner = None
         lengths, active = [1, 1], (0, 1, 2)
 
-        def generate(self, ids, max_new_tokens, params, seed):
+        def generate(self, request):  # Engine.generate's, reading this scheduler's plan
+            ids, seed = request.prompt_ids, request.seed
             who = self.planner.name if self.planner is not None else tuple(self.lengths)
             calls.append((who, ids[0], seed))
             if self.planner is not None:
                 assert self.planner.fixed is None
                 self.planner.seen.append(ids[0])
             tokens = 4 if who == (2, 2) else 2
-            return types.SimpleNamespace(stats={"time_s": 0.01 * tokens * (1 + ids[0])}, token_ids=[0] * tokens)
+            return {"stats": {"time_s": 0.01 * tokens * (1 + ids[0])}, "token_ids": [0] * tokens}
 
     class FakeTuner:
         def __init__(self, name):
@@ -140,7 +141,8 @@ def test_interleaved_pass_runs_every_item_on_a_prompt_before_the_next():
         def fix(self, plan):
             self.fixed = plan
 
-    engine = types.SimpleNamespace(scheduler=Scheduler())
+    scheduler = Scheduler()
+    engine = types.SimpleNamespace(scheduler=scheduler, generate=scheduler.generate)
     auto = FakeTuner("auto")
     items = [Plan((2, 2), (0, 1, 2)), Plan((3, 1), (0, 2)), auto]
     settings = TuneSettings(max_new_tokens=4, seed=7)
@@ -177,9 +179,10 @@ def test_each_pass_is_predicted_from_calibration_runs_interleaved_with_it():
         planner = None
         lengths, active = [1, 1], (0, 1, 2)
 
-        def generate(self, ids, max_new_tokens, params, seed):
+        def generate(self, request):  # Engine.generate's, reading this scheduler's plan
+            ids, seed = request.prompt_ids, request.seed
             calls.append(("cal" if self.planner is calibrating else "measured", ids[0]))
-            return types.SimpleNamespace(stats={"time_s": 0.004}, token_ids=[0] * 4)
+            return {"stats": {"time_s": 0.004}, "token_ids": [0] * 4}
 
     class FakeTuner:
         fixed = None
@@ -201,7 +204,8 @@ def test_each_pass_is_predicted_from_calibration_runs_interleaved_with_it():
         events.append(("predict", repeat))
         return {"pass": repeat}
 
-    engine = types.SimpleNamespace(scheduler=Scheduler())
+    scheduler = Scheduler()
+    engine = types.SimpleNamespace(scheduler=scheduler, generate=scheduler.generate)
     settings = TuneSettings(max_new_tokens=4, repeats=2)
     measured, tuners, predictions = measure(engine, fixed, [[0], [1]], settings, FakeTuner, lambda message: None,
                                             predict=predict, calibration=calibration)
@@ -228,14 +232,15 @@ def test_heldout_report_keeps_each_pass_per_prompt_with_the_tuners_plans():
         planner = None
         lengths, active = [1, 1], (0, 1, 2)
 
-        def generate(self, ids, max_new_tokens, params, seed):
+        def generate(self, request):  # Engine.generate's, reading this scheduler's plan
+            ids, seed = request.prompt_ids, request.seed
             stats = {"time_s": 0.004 * (1 + ids[0])}
             if self.planner is not None:  # a tuner's run: slower on prompt 1, where it switched plans
                 stats["time_s"] *= 2 if ids[0] == 1 else 1
                 stats["plans"] = [{"new_tokens": 0, "lengths": [1, 1], "tiers": ["t", "m", "n"]}]
                 if ids[0] == 1:
                     stats["plans"].append({"new_tokens": 3, "lengths": [4, 2], "tiers": ["t", "m", "n"]})
-            return types.SimpleNamespace(stats=stats, token_ids=[0] * 4)
+            return {"stats": stats, "token_ids": [0] * 4}
 
     class FakeTuner:
         fixed = None
@@ -243,7 +248,8 @@ def test_heldout_report_keeps_each_pass_per_prompt_with_the_tuners_plans():
         def fix(self, plan):
             self.fixed = plan
 
-    engine = types.SimpleNamespace(scheduler=Scheduler())
+    scheduler = Scheduler()
+    engine = types.SimpleNamespace(scheduler=scheduler, generate=scheduler.generate)
     settings = TuneSettings(max_new_tokens=4, heldout_repeats=2)
     report = measure_heldout(engine, Plan((2, 2), (0, 1, 2)), [[0], [1]], settings, FakeTuner, lambda message: None, warm_tuner=FakeTuner())
     assert len(report["per_pass"]) == 2
@@ -272,10 +278,11 @@ def test_heldout_ratio_pairs_each_pass_with_the_fixed_run_beside_it():
         planner = None
         lengths, active = [1, 1], (0, 1, 2)
 
-        def generate(self, ids, max_new_tokens, params, seed):
+        def generate(self, request):  # Engine.generate's, reading this scheduler's plan
+            ids, seed = request.prompt_ids, request.seed
             repeat = pass_of_seed.setdefault(seed, len(pass_of_seed))
             ms = pass_speed[repeat] * (auto_slowdown[repeat] if self.planner is not None else 1.0)
-            return types.SimpleNamespace(stats={"time_s": ms * 4 / 1000.0}, token_ids=[0] * 4)
+            return {"stats": {"time_s": ms * 4 / 1000.0}, "token_ids": [0] * 4}
 
     class FakeTuner:
         fixed = None
@@ -283,7 +290,8 @@ def test_heldout_ratio_pairs_each_pass_with_the_fixed_run_beside_it():
         def fix(self, plan):
             self.fixed = plan
 
-    engine = types.SimpleNamespace(scheduler=Scheduler())
+    scheduler = Scheduler()
+    engine = types.SimpleNamespace(scheduler=scheduler, generate=scheduler.generate)
     settings = TuneSettings(max_new_tokens=4, heldout_repeats=3)
     report = measure_heldout(engine, Plan((2, 2), (0, 1, 2)), [[0]], settings, FakeTuner, lambda message: None, warm_tuner=FakeTuner())
     assert [p["auto"]["ms_per_token"] for p in report["per_pass"]] == pytest.approx([1.0, 2.5, 4.0])

@@ -21,6 +21,7 @@ import polyspec.orchestrator.tuning.tuner as tuner_module
 from polyspec.orchestrator.tuning.tuner import FULL_SEARCH_EVERY, PROBE_BUDGET, RETUNE_BUDGET
 from polyspec.orchestrator.tuning.tuner import AcceptanceEstimate, Plan, Tuner
 from polyspec.workers.core.sampling import SamplingParams
+from core_helpers import generate_alone
 
 GREEDY = SamplingParams()
 
@@ -897,7 +898,7 @@ def test_heldout_runs_a_fresh_and_a_warm_tuner_without_changing_the_warm_one(tin
     for prompt in ids:  # the warm tuner serves other prompts first
         warm.fix(None)
         engine.scheduler.planner = warm
-        engine.scheduler.generate(list(prompt), 8, settings.params(), seed=0)
+        generate_alone(engine.scheduler, list(prompt), 8, settings.params(), seed=0)
     engine.scheduler.planner = None
     rounds, history = warm.class_state("greedy").rounds, list(warm.history)
     fresh = []

@@ -18,6 +18,7 @@ from polyspec.orchestrator.config import parse_config
 from polyspec.orchestrator.engine import Engine
 from polyspec.orchestrator.tokenization import encode_chat, encode_prompt, stop_token_ids
 from polyspec.workers.core.sampling import SamplingParams
+from core_helpers import generate_alone
 
 MAX_NEW = 32
 CHAT = [{"role": "user", "content": "Write a Python function that returns the square of a number."}]
@@ -104,7 +105,7 @@ def test_sampling_through_the_chain_is_the_targets_distribution(smollm2, model, 
     counts: collections.Counter = collections.Counter()
     proposed = accepted = 0
     for seed in range(SAMPLES):
-        out = engine.scheduler.generate(prompt_ids, 2, PARAMS, seed=seed)
+        out = generate_alone(engine.scheduler, prompt_ids, 2, PARAMS, seed=seed)
         counts[tuple(out.token_ids[:2])] += 1
         proposed += out.stats["stages"][0]["proposed"]
         accepted += out.stats["stages"][0]["accepted"]

@@ -1,6 +1,6 @@
-"""The per-choice stop handler both APIs share (serving/choices.py): text cut before the first stop
-string (one split across rounds included), the request cancelled there once, rounds committed after
-it dropped, and the finish reason "stop"; without a stop, the engine's reason and all the text."""
+"""One choice of an answer (serving/choices.py), both APIs': it gathers its request's deltas (the round
+thread's batch has cut them at the first stop string already) and the result's finish_reason;
+"stop" marks a choice a stop string ended."""
 
 from __future__ import annotations
 
@@ -16,26 +16,23 @@ class Scheduler:
         self.cancelled.append(work)
 
 
-def test_a_stop_string_split_across_rounds_cuts_the_text_and_cancels_once():
-    scheduler, work = Scheduler(), Work(None)
-    choice = Choice(work, ("\n\n",), scheduler)
-    assert choice.delta([1, 2], "def f") == "def f"
-    assert choice.delta([3], "():\n") == "():"  # the "\n" could start the stop string: held back
-    assert not choice.stopped and not scheduler.cancelled
-    assert choice.delta([4, 5], "\n    x") == "" and choice.stopped
-    assert scheduler.cancelled == [work]
-    assert choice.delta([6], "more") is None  # a round committed before the cancel was seen
-    assert choice.done({"finish_reason": "cancelled"}, "tail") == ""
-    assert (choice.text, choice.token_ids, choice.finish_reason, choice.finished) == ("def f():", [1, 2, 3, 4, 5], "stop", True)
-    assert scheduler.cancelled == [work]
+def test_a_choice_gathers_its_deltas_and_its_finish_reason():
+    scheduler, work = Scheduler(), Work(None, stops=("\n\n",))
+    choice = Choice(work, scheduler)
+    assert choice.delta([1, 2], "def f") == "def f" and choice.delta([3, 4], "():") == "():"
+    choice.done({"finish_reason": "stop"})
+    assert (choice.text, choice.token_ids, choice.finish_reason, choice.finished, choice.stopped) == ("def f():", [1, 2, 3, 4], "stop", True, True)
+    assert scheduler.cancelled == []  # the batch ended it: nothing to cancel
+    other = Choice(Work(None), scheduler)
+    other.done({"finish_reason": "length"})
+    assert not other.stopped and other.finish_reason == "length"
 
 
-def test_without_a_stop_the_choice_keeps_all_its_text_and_the_engines_reason():
+def test_a_failed_or_abandoned_choice():
     scheduler = Scheduler()
-    choice = Choice(Work(None), ("END",), scheduler)
-    assert choice.delta([1], "abcE") == "abc"
-    assert choice.done({"finish_reason": "length"}, "N") == "EN"  # what was held back, now that no more comes
-    assert (choice.text, choice.finish_reason, scheduler.cancelled) == ("abcEN", "length", [])
-    failing = Choice(Work(None), (), scheduler)
+    failing = Choice(Work(None), scheduler)
     failing.failed()
     assert failing.finished and failing.finish_reason is None
+    left = Choice(Work(None), scheduler)
+    left.cancel()  # the client went away
+    assert scheduler.cancelled == [left.work]

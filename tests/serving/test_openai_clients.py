@@ -74,6 +74,7 @@ def target_alone(demo_config):
         raw = {"messages": messages} if messages is not None else {"prompt": prompt}
         return engine.generate(engine.parse_request({**raw, "max_new_tokens": max_tokens, "temperature": 0}))
 
+    generate.decode = engine.decode
     return generate
 
 
@@ -147,7 +148,9 @@ def test_stop_ends_the_text_before_the_stop_string(api, target_alone):
     assert cut >= 0 and stop.strip(), expected
     completion = api.completions.create(model="demo", prompt=PROMPT, max_tokens=32, temperature=0, stop=[stop, "never here"])
     assert completion.choices[0].text == expected[:cut] and completion.choices[0].finish_reason == "stop"
-    assert completion.usage.completion_tokens < len(target_alone(32, PROMPT)["token_ids"])
+    ids = target_alone(32, PROMPT)["token_ids"]
+    # the request ends at the token that completes the stop string: its tokens are counted up to that one
+    assert completion.usage.completion_tokens == next(n for n in range(1, len(ids) + 1) if stop in target_alone.decode(ids[:n]))
 
     chunks = list(api.completions.create(model="demo", prompt=PROMPT, max_tokens=32, temperature=0, stop=stop, stream=True))
     streamed = "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
@@ -164,8 +167,11 @@ def test_the_sdk_and_grpc_take_stop_strings_too(demo_server, target_alone):
     expected = target_alone(32, PROMPT)["text"]
     stop = expected[6:10]
     with Client(demo_server.address) as client:
+        before = client.stats()["requests"]
         result = client.generate(PROMPT, max_new_tokens=32, temperature=0, stop=[stop, "never here"])
         assert result["text"] == expected[: expected.find(stop)] and result["finish_reason"] == "stop"
+        after = client.stats()["requests"]  # a stop string's end is a request that went well, not a cancelled one
+        assert after["ok"] == before["ok"] + 1 and after["cancelled"] == before["cancelled"]
         shown = ""
         for delta in client.stream(PROMPT, max_new_tokens=32, temperature=0, stop=stop):
             shown += delta.text

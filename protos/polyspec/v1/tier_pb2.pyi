@@ -208,10 +208,12 @@ class RollbackRequest(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("seq_id",)
+    __slots__ = ("seq_id", "keep_caches")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    KEEP_CACHES_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
-    def __init__(self, seq_id: _Optional[int] = ...) -> None: ...
+    keep_caches: bool
+    def __init__(self, seq_id: _Optional[int] = ..., keep_caches: _Optional[bool] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ()
