@@ -74,6 +74,7 @@ from polyspec.orchestrator.decode.contract import (
     StepInput,
     StepObservation,
     commit,
+    common_prefix,
     finish_if_full,
     mark_cancelled,
     note_plan,
@@ -308,7 +309,7 @@ class ChainScheduler:
         if proposal is None or not committed:
             return
         compared = min(len(proposal), len(committed))
-        matched = _common_prefix(proposal[:compared], committed[:compared])
+        matched = common_prefix(proposal[:compared], committed[:compared])
         proposed = len(proposal) if matched < compared else matched
         self._observe(ShadowObservation(level, proposed, matched, run.params.greedy, run.seq_id))
 
