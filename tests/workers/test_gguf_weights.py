@@ -7,7 +7,8 @@
   channel within half a step, and Q8_0 rows whose blocks share one scale keep their levels.
 - A tiny synthetic llama GGUF (every type, written with gguf's GGUFWriter): close to transformers' float32
   load of the same file, and through the engine its greedy tokens are its own one-token-at-a-time decode.
-- The real SmolLM2 file (opt-in: -m real_models): greedy tokens equal to the float32-dequantized file's.
+- The real SmolLM2 file (opt-in: -m real_models): teacher-forced on the float32-dequantized file's greedy tokens, within
+  stated logit and top-1 tolerances (as close as transformers' own bfloat16 load of the file).
 """
 
 from __future__ import annotations
@@ -301,14 +302,27 @@ def test_the_quantize_flag_on_a_folder_is_one_line_and_fails(tiny_family):
 
 @pytest.mark.real_models
 @pytest.mark.slow
-def test_smollm2_from_its_blocks_is_greedy_equal_to_its_float32_dequantized_self():
-    """SmolLM2-135M Q4_1 (int4 with the file's levels, a Q8_0 head on int8): 32 greedy tokens equal to transformers'
-    float32 load of the same file on one code prompt (~30 s: transformers' load is most of it)."""
+def test_smollm2_from_its_blocks_follows_its_float32_dequantized_self():
+    """SmolLM2-135M Q4_1 (int4 with the file's levels, a Q8_0 head on int8) against transformers' float32 load of the
+    same file, teacher-forced on the reference's own 32 greedy tokens, 2 prompts (~35 s: transformers' load is most of
+    it). Greedy sequences are not compared token for token: transformers' own bfloat16 load of this file leaves the
+    float32 one at token 12 of the first prompt too (reference margins go down to 0.02). Tolerances, measured
+    2026-12-06: max |logit difference| 1.07 (bf16 load: 0.96) -> at most 1.5; top-1 agreement 0.94 (bf16 load:
+    0.94-0.97) -> at least 0.9; and a pick may differ only where the reference's top two are within 2x that difference."""
     if not SMOLLM2.is_file():
         pytest.skip(f"{SMOLLM2} not here (polyspec zoo fetch smollm2)")
     ours = load_gguf_weight_only(str(SMOLLM2), torch.bfloat16, measure_dense_rows=False)
     reference = loading.load_gguf_model(str(SMOLLM2), torch.float32)
     tokenizer = loading.load_gguf_tokenizer(str(SMOLLM2))
-    prompt = tokenizer("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")["input_ids"]
-    eos = -1  # no early stop: all 32 compared
-    assert greedy_one_token_at_a_time(ours, prompt, 32, eos) == greedy_one_token_at_a_time(reference, prompt, 32, eos)
+    for text in ('def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n', "import os\nimport sys\n\ndef main():\n"):
+        prompt = tokenizer(text)["input_ids"]
+        continuation = greedy_one_token_at_a_time(reference, prompt, 32, -1)  # eos -1: all 32
+        ids = torch.tensor([prompt + continuation])
+        with torch.inference_mode():
+            expected = reference(ids).logits[0, len(prompt) - 1 : -1]
+            got = ours(ids).logits[0, len(prompt) - 1 : -1].float()
+        difference = (got - expected).abs().max()
+        assert difference <= 1.5
+        assert (got.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.9
+        picked = expected.gather(-1, got.argmax(-1, keepdim=True)).squeeze(-1)
+        assert bool(((expected.amax(-1) - picked) <= 2 * difference).all())
