@@ -15,6 +15,7 @@ llama model's q and k rows in an interleaved rotary order; the rows are put back
 
 from __future__ import annotations
 
+import gc
 import time
 
 import numpy as np
@@ -114,7 +115,7 @@ def load_gguf_weight_only(path: str, dtype: torch.dtype, measure_dense_rows: boo
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from polyspec.workers.tiers.loading import add_stop_token_ids, gguf_stop_token_ids
+    from polyspec.workers.tiers.loading import add_stop_token_ids, gguf_stop_token_ids, return_freed_memory
 
     started, rss = time.perf_counter(), _rss_mb()
     arch = gguf_file.read_file(path, {"general.architecture"})[0].get("general.architecture")
@@ -166,6 +167,9 @@ def load_gguf_weight_only(path: str, dtype: torch.dtype, measure_dense_rows: boo
         for module in model.modules():
             if isinstance(module, WeightOnlyLinear):
                 module.dense_rows = NEVER if module is model.lm_head else measured_dense_rows(module, dtype)
+    del tensors, head_tensor, tensor  # the last views of the mapped file: its pages leave the resident set with it
+    gc.collect()
+    return_freed_memory()  # the float32 chunks of the int8 re-quantization were freed in pieces glibc keeps
     grown = _rss_mb()
     model.weight_only_skipped = 0
     model.gguf_report = {
