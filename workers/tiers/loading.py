@@ -549,7 +549,7 @@ def load_tiers(tiers_config, log=None) -> tuple[list[Tier], object]:
         if log is not None:
             log(f"tier {tier.name}: loading {describe_tier(tier)}")
         started, rss = time.perf_counter(), _rss_bytes()
-        source = float_models.get((tier.model, tier.device)) if tier.quantize in ("int4", "int8w") else None
+        source = float_models.get((tier.model, tier.device)) if tier.quantize in ("int4", "int8w", "gguf") else None
         with heartbeat(log, f"tier {tier.name}: loading"):
             tiers.append(load_model_tier(tier, embedding_source=source))
         if not tier.quantize:
