@@ -289,6 +289,19 @@ def test_quantize_gguf_off_the_cpu_is_one_line(tiny_gguf):
         loading.load_model(tier)
 
 
+def test_another_architecture_is_one_line(tmp_path):
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(tmp_path / "other.gguf"), "phi3")
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match="quantize: gguf reads llama, qwen2 files; this one is 'phi3'"):
+        load_gguf_weight_only(str(tmp_path / "other.gguf"), torch.bfloat16)
+
+
 def test_the_quantize_flag_on_a_folder_is_one_line_and_fails(tiny_family):
     done = subprocess.run([sys.executable, "-m", "polyspec", "generate", "-m", tiny_family["target"], "--quantize", "gguf", "-p", "x"],
                           capture_output=True, text=True, timeout=120)

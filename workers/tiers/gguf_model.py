@@ -118,10 +118,10 @@ def load_gguf_weight_only(path: str, dtype: torch.dtype, measure_dense_rows: boo
     from polyspec.workers.tiers.loading import add_stop_token_ids, gguf_stop_token_ids, return_freed_memory
 
     started, rss = time.perf_counter(), _rss_mb()
-    arch = gguf_file.read_file(path, {"general.architecture"})[0].get("general.architecture")
+    meta, tensors = gguf_file.read_file(path, set().union(*(_keys(a) for a in ARCHITECTURES)))  # one pass over the header
+    arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise ModelLoadError(f"{path}: quantize: gguf reads {', '.join(ARCHITECTURES)} files; this one is {arch!r}")
-    meta, tensors = gguf_file.read_file(path, _keys(arch))
     config = model_config(meta, tensors, arch)
     with init_empty_weights(include_buffers=False):  # parameters on the meta device: no float weights allocated
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
