@@ -216,6 +216,12 @@ def markdown(report: dict) -> str:
         lines.append(f"| {model} | {', '.join(map(str, g['decode_tok_s']))} | {', '.join(map(str, b['decode_tok_s']))} | {ratio:.2f} | "
                      f"{', '.join(map(str, g['load_s']))} | {', '.join(map(str, b['load_s']))} | {', '.join(map(str, g['resident_mb']))} | "
                      f"{', '.join(map(str, b['resident_mb']))} | {same} |")
+    lines += ["", "Notes: an int4 row's levels are the file's; \"moved\" there counts weights whose group's scale or zero is not a "
+              "bfloat16 number (most are: the file's d * sc has up to 17 significant bits, bfloat16 8); scale and zero each move by at most 2^-9 of themselves. "
+              "int8 rows are re-quantized from float32: a weight keeps its value only where its block's scale is the row's. "
+              "Greedy runs that part from the float32 file's are not a bug by themselves: the file's own bf16 load parts too "
+              "(reference top-two margins go down to ~0.02 on these prompts). The 2 cores are shared with other work: "
+              "tokens/s of one run can move by 1.5x; both systems take turns so a drift hits both."]
     return "\n".join(lines) + "\n"
 
 
