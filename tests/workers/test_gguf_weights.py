@@ -302,6 +302,20 @@ def test_another_architecture_is_one_line(tmp_path):
         load_gguf_weight_only(str(tmp_path / "other.gguf"), torch.bfloat16)
 
 
+def test_scaled_rotary_embeddings_are_refused_in_one_line(tmp_path):
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(tmp_path / "llama3.gguf"), "llama")
+    writer.add_block_count(1)
+    writer.add_tensor("rope_freqs.weight", np.ones(32, np.float32))  # Llama 3.1's per-frequency factors
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match="does not read scaled rotary embeddings"):
+        load_gguf_weight_only(str(tmp_path / "llama3.gguf"), torch.bfloat16)
+
+
 def test_the_quantize_flag_on_a_folder_is_one_line_and_fails(tiny_family):
     done = subprocess.run([sys.executable, "-m", "polyspec", "generate", "-m", tiny_family["target"], "--quantize", "gguf", "-p", "x"],
                           capture_output=True, text=True, timeout=120)

@@ -41,7 +41,7 @@ NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
 def _keys(arch: str) -> set[str]:
     fields = ("block_count", "context_length", "embedding_length", "feed_forward_length", "attention.head_count",
               "attention.head_count_kv", "rope.freq_base", "attention.layer_norm_rms_epsilon")
-    return {"general.architecture", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"} | {f"{arch}.{f}" for f in fields}
+    return {"general.architecture", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", f"{arch}.rope.scaling.type"} | {f"{arch}.{f}" for f in fields}
 
 
 def model_config(meta: dict, tensors: dict, arch: str):
@@ -122,6 +122,10 @@ def load_gguf_weight_only(path: str, dtype: torch.dtype, measure_dense_rows: boo
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise ModelLoadError(f"{path}: quantize: gguf reads {', '.join(ARCHITECTURES)} files; this one is {arch!r}")
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    if "rope_freqs.weight" in tensors or scaling not in (None, "none"):  # Llama 3.1's rope, YaRN, ...: the config here has none
+        raise ModelLoadError(f"{path}: quantize: gguf does not read scaled rotary embeddings ({scaling or 'rope_freqs.weight'}); "
+                             "load the file without it")
     config = model_config(meta, tensors, arch)
     with init_empty_weights(include_buffers=False):  # parameters on the meta device: no float weights allocated
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
