@@ -167,7 +167,7 @@ def test_llama_rows_are_put_back_in_hugging_faces_order():
 # ------------------------------------------------------------------------------ a tiny model
 
 
-def write_tiny_gguf(path: Path, hidden=256, ffn=512, layers=2, heads=4, kv=2, vocab=272, seed=0) -> Path:
+def write_tiny_gguf(path: Path, hidden=256, ffn=512, layers=2, heads=4, kv=2, vocab=272, seed=0, types=TYPES) -> Path:
     """A llama GGUF with every type polyspec reads (K-quants from random bytes, the rest quantized by gguf itself), no tokenizer."""
     from gguf import GGUFWriter
 
@@ -197,7 +197,7 @@ def write_tiny_gguf(path: Path, hidden=256, ffn=512, layers=2, heads=4, kv=2, vo
               "attn_output": (hidden, hidden), "ffn_gate": (ffn, hidden), "ffn_up": (ffn, hidden), "ffn_down": (hidden, ffn)}
     for i in range(layers):
         for j, (name, (rows, cols)) in enumerate(shapes.items()):
-            tensor(f"blk.{i}.{name}.weight", TYPES[(i + j) % len(TYPES)], rows, cols)
+            tensor(f"blk.{i}.{name}.weight", types[(i + j) % len(types)], rows, cols)
         for norm in ("attn_norm", "ffn_norm"):
             writer.add_tensor(f"blk.{i}.{norm}.weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
     writer.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
@@ -314,6 +314,13 @@ def test_scaled_rotary_embeddings_are_refused_in_one_line(tmp_path):
     writer.close()
     with pytest.raises(ModelLoadError, match="does not read scaled rotary embeddings"):
         load_gguf_weight_only(str(tmp_path / "llama3.gguf"), torch.bfloat16)
+
+
+def test_a_type_polyspec_does_not_read_is_one_line(tmp_path):
+    path = write_tiny_gguf(tmp_path / "q3.gguf", layers=1, types=("Q3_K",))
+    with pytest.raises(ModelLoadError, match="blk.0.attn_q.weight: GGUF type Q3_K is not read by quantize: gguf") as error:
+        load_gguf_weight_only(str(path), torch.bfloat16)
+    assert "\n" not in str(error.value)
 
 
 def test_the_quantize_flag_on_a_folder_is_one_line_and_fails(tiny_family):
