@@ -14,7 +14,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from polyspec.orchestrator.config import AUTO, DTYPES, ChainConfig, parse_lengths, load_config, parse_config
+from polyspec.orchestrator.config import AUTO, DTYPES, QUANTIZE, ChainConfig, check_gguf_quantize, load_config, parse_config, parse_lengths
 from polyspec.orchestrator.validate import check_model_paths
 from polyspec.workers.core.errors import ConfigError
 from polyspec.workers.tiers.model_cache import NGRAM_MODEL
@@ -31,6 +31,9 @@ def add_chain_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--ngram", action="store_true", help="with -m: a model-free prompt-lookup drafter as the last tier")
     group.add_argument("--dtype", choices=(*DTYPES, AUTO), default=None,
                        help="every model tier's dtype (overrides the config; auto: measured once per machine)")
+    group.add_argument("--quantize", choices=QUANTIZE, default=None,
+                       help="the target tier's quantization (overrides the config; gguf: a .gguf target's own blocks on the "
+                            "weight-only kernels, the quantized model is then the target)")
     group.add_argument("--threads", type=_threads, default=None,
                        help="torch threads of every model tier, or auto (overrides the config)")
     group.add_argument("--device", default=None, help="every model tier's device: cpu, cuda, cuda:1, auto (overrides the config)")
@@ -87,6 +90,12 @@ def chain_config(args) -> ChainConfig:
     if overrides:
         tiers = tuple(tier if tier.is_ngram else dataclasses.replace(tier, **overrides) for tier in config.tiers)
         config = dataclasses.replace(config, tiers=tiers)
+    quantize = getattr(args, "quantize", None)
+    if quantize is not None:
+        target = config.tiers[0]
+        check_gguf_quantize("--quantize", quantize, target.model)
+        group_size = target.group_size if quantize == "int4" else None  # group_size belongs to int4 alone
+        config = dataclasses.replace(config, tiers=(dataclasses.replace(target, quantize=quantize, group_size=group_size), *config.tiers[1:]))
     check_model_paths(config)
     if config.runtime.backend != "local" and AUTO in (args.dtype, args.threads):
         raise ConfigError("--dtype / --threads auto are measured in the process that loads the tiers: not with runtime.backend: ray")

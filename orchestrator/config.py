@@ -32,7 +32,7 @@ from polyspec.workers.tiers.model_cache import NGRAM_MODEL, resolve_zoo_referenc
 DTYPES = ("float32", "bfloat16", "float16")
 ROUNDS = ("auto", "device", "ragged")
 AUTO = "auto"  # dtype / threads: measured at start-up (polyspec.orchestrator.tuning.autoconf)
-QUANTIZE = ("int8", "fp8", "int4", "int8w")  # int8: dynamic; int8w / int4: weight-only (workers/tiers/weight_only.py)
+QUANTIZE = ("int8", "fp8", "int4", "int8w", "gguf")  # int8: dynamic; int8w / int4: weight-only (workers/tiers/weight_only.py); gguf: the file's own blocks on those kernels (gguf_model.py)
 GROUP_SIZES = (32, 64, 128, 256)  # int4: inputs per scale and zero (what torch's int4 kernels accept)
 SCHEMES = ("specinfer", "rsd", "spectr", "importance")
 BACKENDS = ("local", "ray")
@@ -290,9 +290,16 @@ def _parse_tier(index: int, raw: Any, base_dir: Path | None) -> TierConfig:
         raise ConfigError(f"{section}.resources must be a mapping of Ray resource names to amounts")
     if values.get("drafter") is None:
         values["model"] = resolve_model_path(values["model"], base_dir)
+        check_gguf_quantize(section, values.get("quantize"), values["model"])
     elif values.get("quantize") is not None:
         raise ConfigError(f"{section}: a trained drafter shares the target's weights; quantize the target instead")
     return TierConfig(**values)
+
+
+def check_gguf_quantize(where: str, quantize: str | None, model: str) -> None:
+    """`quantize: gguf` reads the blocks of a .gguf file: on anything else it has nothing to read."""
+    if quantize == "gguf" and not str(model).lower().endswith(".gguf"):
+        raise ConfigError(f"{where}: quantize: gguf loads a .gguf file's own quantized blocks; model {model!r} is not a .gguf file")
 
 
 def _check_drafters(tiers: tuple[TierConfig, ...]) -> None:

@@ -37,7 +37,7 @@ GIB = 1024**3
 
 # bytes per parameter for each dtype and quantization
 DTYPE_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0}
-QUANTIZE_BYTES = {"int8": 1.0, "fp8": 1.0, "int4": 0.5, "int8w": 1.0}
+QUANTIZE_BYTES = {"int8": 1.0, "fp8": 1.0, "int4": 0.5, "int8w": 1.0, "gguf": 1.0}  # gguf: int4 where the file's blocks map, int8 elsewhere: at most 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -332,6 +332,8 @@ def check_tiers(config: ChainConfig) -> list[MemoryEstimate]:
     may verify for a smaller float model, as in target <- int8 copy <- 0.5B."""
     estimates = [estimate_memory(tier) for tier in config.tiers]
     for tier in config.tiers:
+        if tier.quantize == "gguf" and not tier.device.startswith(("cpu", "auto")):
+            raise ConfigError(f"tier {tier.name!r}: quantize: gguf runs on CPU only (its non-4-bit tensors use torch's CPU int8 kernel)")
         if tier.quantize == "int8w" and not tier.device.startswith(("cpu", "auto")):
             raise ConfigError(f"tier {tier.name!r}: quantize: int8w (torch's weight-only int8 kernel) runs on CPU only; use fp8 on a GPU")
         if tier.quantize == "int8" and tier.device.startswith("cuda"):
@@ -404,6 +406,8 @@ def format_plan(config: ChainConfig, placements: list[TierPlacement], cluster_na
             )
         if tier.quantize == "int4":
             lines.append(f"    int4 weight-only: torch's kernels on the CPU and a CUDA GPU (group {tier.group_size or 128})")
+        if tier.quantize == "gguf":
+            lines.append("    gguf weight-only: the file's Q4_0/Q4_1/Q4_K blocks on the int4 kernel, other types int8 per channel (CPU)")
         if tier.quantize == "int8w":
             lines.append("    int8 weight-only (per channel): torch's kernel, CPU only")
         if tier.quantize == "fp8":

@@ -121,6 +121,13 @@ def test_overrides_apply_to_a_config_too(tiny_family, tmp_path):
     assert (config.tiers[0].threads, config.tiers[0].dtype) == (3, "bfloat16")
 
 
+def test_quantize_applies_to_the_target_only(tiny_family):
+    config = chain_config(flags("-m", tiny_family["target"], "--draft", tiny_family["small"], "--quantize", "int4"))
+    assert [t.quantize for t in config.tiers] == ["int4", None]
+    with pytest.raises(ConfigError, match="--quantize: quantize: gguf loads a .gguf file's own quantized blocks"):
+        chain_config(flags("-m", tiny_family["target"], "--quantize", "gguf"))
+
+
 def test_generate_with_models_from_a_pipe_equals_the_target_alone(tiny_family):
     chain = run_cli("generate", "-m", tiny_family["target"], "--draft", tiny_family["mid"], "--ngram", "-p", "-",
                     "-n", "12", "--json", stdin="def f(x):")

@@ -23,6 +23,7 @@ from polyspec.workers.core.errors import ModelLoadError
 from polyspec.workers.core.heartbeat import heartbeat
 from polyspec.workers.tiers.batched_llama import unsupported
 from polyspec.workers.tiers.fp8_linear import fp8_problem, quantize_fp8
+from polyspec.workers.tiers.gguf_model import load_gguf_weight_only
 from polyspec.workers.tiers.model_cache import fetch_hint
 from polyspec.workers.tiers.tier import ModelTier, NGramTier, Tier
 from polyspec.workers.tiers.weight_only import DEFAULT_GROUP_SIZE, quantize_weight_only
@@ -127,6 +128,8 @@ def load_tokenizer(model: str, tier_name: str):
 
     check_model_reference(model, tier_name)
     if is_gguf(model):
+        if os.path.isfile(model) and not gguf_metadata(model, {"tokenizer.ggml.model"}):
+            return None  # a file written without a vocabulary (tests' synthetic models): prompt_ids only, as a folder without one
         try:
             return load_gguf_tokenizer(model)
         except Exception as exc:  # noqa: BLE001 - gguf raises many kinds on a damaged file
@@ -365,6 +368,8 @@ def load_model(tier, embedding_source=None):
 
     device = resolve_device(tier.device)
     group_size = getattr(tier, "group_size", None)
+    if tier.quantize == "gguf" and (device.type != "cpu" or not is_gguf(tier.model)):
+        raise ModelLoadError(f"tier {tier.name!r}: quantize: gguf loads a .gguf file on the CPU (got {tier.model!r} on {device})")
     if tier.quantize == "int8w" and device.type != "cpu":
         raise ModelLoadError(f"tier {tier.name!r}: quantize: int8w (torch's weight-only int8 kernel) runs on CPU only; use fp8 on a GPU")
     if tier.quantize == "int8" and device.type != "cpu":
@@ -379,7 +384,9 @@ def load_model(tier, embedding_source=None):
     if tier.threads:
         torch.set_num_threads(tier.threads)
     try:
-        if is_gguf(tier.model):
+        if tier.quantize == "gguf":  # the file's blocks straight onto the weight-only kernels: no float copy of a projection
+            model = load_gguf_weight_only(tier.model, dtype)
+        elif is_gguf(tier.model):
             model = load_gguf_model(tier.model, dtype, attn_implementation="sdpa")
         else:
             model = AutoModelForCausalLM.from_pretrained(tier.model, dtype=dtype, attn_implementation="sdpa")
@@ -492,13 +499,23 @@ def weight_only_note(model) -> str:
     quantized = sum(m.resident_bytes() for m in modules)
     skipped = getattr(model, "weight_only_skipped", 0)
     floats = f", {skipped} left float" if skipped else ""
-    return f"; {modules[0].kind} weights {quantized / 2**20:.0f} MB ({len(modules)} Linears{floats})"
+    kinds: dict[str, int] = {}
+    for module in modules:
+        kinds[module.kind] = kinds.get(module.kind, 0) + 1
+    if len(kinds) == 1:
+        return f"; {modules[0].kind} weights {quantized / 2**20:.0f} MB ({len(modules)} Linears{floats})"
+    counts = " + ".join(f"{count} {kind}" for kind, count in kinds.items())  # quantize: gguf mixes them, by file type
+    return f"; weight-only weights {quantized / 2**20:.0f} MB ({counts} Linears{floats})"
 
 
 def describe_tier(tier) -> str:
     """'/path/to/model (float32, 1 thread, cpu)': what a start-up line says a tier is."""
     kind = f"{tier.quantize} copy of {tier.model}" if tier.quantize in ("int8", "fp8", "int4", "int8w") else tier.model
+    if tier.quantize == "gguf":
+        kind = f"{tier.model}, its own blocks"
     dtype = "int8 (dynamic)" if tier.quantize == "int8" else tier.dtype + (f", {tier.quantize}" if tier.quantize in ("int4", "fp8") else "")
+    if tier.quantize == "gguf":
+        dtype = f"{tier.dtype}, int4 / int8 weight-only"
     if tier.quantize == "int8w":
         dtype = f"{tier.dtype}, int8 weight-only"
     elif tier.quantize == "int4" and getattr(tier, "group_size", None):
@@ -532,7 +549,7 @@ def load_tiers(tiers_config, log=None) -> tuple[list[Tier], object]:
         if log is not None:
             log(f"tier {tier.name}: loading {describe_tier(tier)}")
         started, rss = time.perf_counter(), _rss_bytes()
-        source = float_models.get((tier.model, tier.device)) if tier.quantize in ("int4", "int8w") else None
+        source = float_models.get((tier.model, tier.device)) if tier.quantize in ("int4", "int8w", "gguf") else None
         with heartbeat(log, f"tier {tier.name}: loading"):
             tiers.append(load_model_tier(tier, embedding_source=source))
         if not tier.quantize:
