@@ -55,7 +55,7 @@ LLAMA_SYSTEMS = {  # name -> extra llama-server arguments (the model is the 1.5B
 TARGET = "target"  # the 2-tier config with --no-speculation: the bf16 target alone
 ALONE = "/alone"  # a config name with this suffix runs its target alone (--no-speculation)
 POLYSPEC_SYSTEMS = [TARGET, "qwen2.5-coder-2tier", "qwen2.5-coder-3tier-auto", "qwen2.5-coder-int4-target" + ALONE,
-                    "qwen2.5-coder-int4-target", "qwen2.5-coder-int4"]
+                    "qwen2.5-coder-int4-target", "qwen2.5-coder-int4", "qwen2.5-coder-gguf" + ALONE, "qwen2.5-coder-gguf"]
 TASKSET = None  # --taskset: the CPUs both systems are pinned to
 CONTEXT = 4096
 START_TIMEOUT_S = 300

@@ -18,7 +18,7 @@ from polyspec.harness.zoo_fetch import MODELS
 from polyspec.orchestrator.chain_args import chain_config
 from polyspec.orchestrator.cli import build_parser, main
 from polyspec.workers.core.errors import ConfigError
-from polyspec.workers.tiers.model_cache import ZOO_NAMES
+from polyspec.workers.tiers.model_cache import ZOO_GGUF, ZOO_NAMES, resolve_zoo_reference
 
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% endif %}")
@@ -73,6 +73,8 @@ def test_mistakes_are_one_line_before_torch_is_imported(tmp_path, config, args, 
 
 def test_the_zoo_names_configs_know_are_the_ones_zoo_fetch_can_fetch():
     assert set(ZOO_NAMES) == set(MODELS)
+    assert ZOO_GGUF == {name: model.gguf_file for name, model in MODELS.items()}
+    assert resolve_zoo_reference("zoo:qwen2.5-coder-1.5b.gguf").endswith("/gguf/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")
 
 
 def test_a_missing_zoo_model_names_a_fetch_command_that_works(tmp_path, monkeypatch):
