@@ -52,10 +52,10 @@ def weight_stats(path: str) -> dict:
     import numpy as np
     import torch
 
-    from polyspec.workers.tiers import gguf_file
+    from polyspec.workers.tiers import gguf_file, gguf_header
     from polyspec.workers.tiers.weight_only import quantize_int8_channels
 
-    _, tensors = gguf_file.read_file(path, set())
+    _, tensors = gguf_header.read_file(path, set())
     head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
     names = [n for n in tensors if n.startswith("blk.") and n.endswith(".weight") and len(tensors[n].shape) == 2] + [head]
     stats: dict[str, dict] = {}

@@ -19,6 +19,7 @@ import dataclasses
 import io
 import json
 import logging
+import math
 import os
 import re
 import struct
@@ -247,27 +248,23 @@ def _cached_hub_config(model_id: str) -> Path | None:
 
 
 def _gguf_shape(path: Path) -> ModelShape | None:
-    """Parameter count and attention shape from a GGUF file's header (the weights stay on disk)."""
+    """Parameter count and attention shape from a GGUF file's header (one pass for the architecture, one for
+    its fields; the weights stay on disk, and neither torch nor gguf's reader, which decodes every field, loads)."""
+    from polyspec.workers.tiers.gguf_header import read_file
+
     try:
-        from gguf import GGUFReader
-    except ImportError:
-        return None
-    try:
-        reader = GGUFReader(str(path))
+        architecture = read_file(str(path), {"general.architecture"})[0].get("general.architecture") or ""
+        names = {f"{architecture}.{key}": key for key in ("attention.head_count", "attention.head_count_kv", "embedding_length",
+                                                          "block_count", "context_length")}
+        found, tensors = read_file(str(path), set(names))
     except Exception:  # noqa: BLE001 - a damaged file: the loader will say so
         return None
-
-    def field(key: str):
-        entry = reader.fields.get(key)
-        return None if entry is None or not entry.data else entry.parts[entry.data[0]].tolist()[0]
-
-    architecture = bytes(reader.fields["general.architecture"].parts[-1]).decode() if "general.architecture" in reader.fields else ""
-    params = sum(int(tensor.n_elements) for tensor in reader.tensors)
-    heads, kv_heads = field(f"{architecture}.attention.head_count"), field(f"{architecture}.attention.head_count_kv")
-    hidden = field(f"{architecture}.embedding_length")
+    field = {key: found.get(name) for name, key in names.items()}
+    params = sum(int(math.prod(tensor.shape)) for tensor in tensors.values())
+    heads, hidden = field["attention.head_count"], field["embedding_length"]
     head_dim = hidden // heads if hidden and heads else None
-    return ModelShape(params, field(f"{architecture}.block_count"), kv_heads or heads, head_dim,
-                      field(f"{architecture}.context_length"), "GGUF header (dequantized)")
+    return ModelShape(params, field["block_count"], field["attention.head_count_kv"] or heads, head_dim,
+                      field["context_length"], "GGUF header (dequantized)")
 
 
 def is_local_path(model: str) -> bool:

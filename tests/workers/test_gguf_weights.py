@@ -26,7 +26,7 @@ from gguf import GGMLQuantizationType as T  # noqa: E402
 
 from polyspec.orchestrator.config import parse_config  # noqa: E402
 from polyspec.workers.core.errors import ConfigError, ModelLoadError  # noqa: E402
-from polyspec.workers.tiers import gguf_file, loading  # noqa: E402
+from polyspec.workers.tiers import gguf_file, gguf_header, loading  # noqa: E402
 from polyspec.workers.tiers.gguf_model import _unpermute_rows, load_gguf_weight_only  # noqa: E402
 from polyspec.workers.tiers.weight_only import WeightOnlyLinear, dequantize_int4, dequantize_int8  # noqa: E402
 
@@ -73,7 +73,7 @@ def test_unpacking_gives_ggufs_own_dequantized_values(qtype):
 def test_a_real_files_tensors_unpack_as_gguf_reads_them():
     if not SMOLLM2.is_file():
         pytest.skip(f"{SMOLLM2} not here (polyspec zoo fetch smollm2)")
-    _, tensors = gguf_file.read_file(str(SMOLLM2), set())
+    _, tensors = gguf_header.read_file(str(SMOLLM2), set())
     for name in ("token_embd.weight", "blk.0.attn_q.weight", "blk.0.ffn_down.weight"):  # Q8_0, Q4_1, Q4_1
         tensor = tensors[name]
         rows = 64
@@ -85,7 +85,7 @@ def test_a_real_files_tensors_unpack_as_gguf_reads_them():
 def test_the_file_table_is_ggufs_own(tiny_gguf):
     from gguf import GGUFReader
 
-    meta, tensors = gguf_file.read_file(str(tiny_gguf), {"llama.block_count", "general.architecture"})
+    meta, tensors = gguf_header.read_file(str(tiny_gguf), {"llama.block_count", "general.architecture"})
     assert meta == {"llama.block_count": 2, "general.architecture": "llama"}
     reader = GGUFReader(str(tiny_gguf))
     assert sorted(tensors) == sorted(t.name for t in reader.tensors)

@@ -40,13 +40,13 @@ import dataclasses
 import numpy as np
 import torch
 
+from polyspec.workers.tiers.gguf_header import BLOCK_BYTES, QK_K
 from polyspec.workers.tiers.weight_only import Int4Weights, Int8Weights, quantize_int8_channels
 
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # map exactly onto group-32 int4 (levels unchanged)
 INT8_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "F32", "F16", "BF16")  # re-quantized per channel
 INT4_GROUP = 32
 ROWS_PER_CHUNK = 4096  # rows dequantized at once when re-quantizing (a 152k-row head in float32 would be ~1 GB)
-QK_K = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,18 +149,6 @@ def unpack(qtype: str, data: np.ndarray, shape: tuple[int, int]) -> GroupedLevel
     return GroupedLevels(levels.reshape(rows, cols), scale.reshape(rows, -1), offset.reshape(rows, -1), group)
 
 
-BLOCK_BYTES = {  # type -> (bytes per block, elements per block)
-    "Q4_0": (18, 32),
-    "Q4_1": (20, 32),
-    "Q5_0": (22, 32),
-    "Q5_1": (24, 32),
-    "Q8_0": (34, 32),
-    "Q4_K": (144, QK_K),
-    "Q5_K": (176, QK_K),
-    "Q6_K": (210, QK_K),
-}
-
-
 # ------------------------------------------------------------------------ onto the kernels
 
 
@@ -214,93 +202,3 @@ def int8_weights(qtype: str, data: np.ndarray, shape: tuple[int, int], rows: np.
 def maps_to_int4(qtype: str, shape: tuple[int, int]) -> bool:
     """Does this tensor take the int4 kernel with its own levels (the kernel wants out_features % 16 == 0)?"""
     return qtype in INT4_TYPES and shape[0] % 16 == 0 and shape[1] % INT4_GROUP == 0
-
-
-# ------------------------------------------------------------------------ reading the file
-
-
-@dataclasses.dataclass(frozen=True)
-class FileTensor:
-    name: str
-    qtype: str  # ggml's type name: Q4_K, F32, ...
-    shape: tuple[int, ...]  # torch order (rows first): ggml lists the dimensions innermost first
-    data: np.ndarray  # the tensor's bytes, a view of the mapped file
-
-    @property
-    def matrix_shape(self) -> tuple[int, int]:
-        return (int(np.prod(self.shape[:-1])), self.shape[-1])
-
-
-def read_file(path: str, keys: set[str]) -> tuple[dict, dict[str, FileTensor]]:
-    """(the metadata values of `keys`, every tensor by name) from one pass over the header, the file mapped
-    read-only. gguf's GGUFReader decodes every field on the way (Qwen's 151k tokens and merges: ~8 s on
-    this project's 2-core machine); this skips the values it is not asked for."""
-    import struct
-
-    from gguf import GGMLQuantizationType, GGUFValueType
-
-    scalars = {
-        GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H", GGUFValueType.INT16: "<h",
-        GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i", GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?",
-        GGUFValueType.UINT64: "<Q", GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
-    }
-    mapped = np.memmap(path, dtype=np.uint8, mode="r")
-    header = memoryview(mapped)
-    offset = 0
-
-    def read(fmt):
-        nonlocal offset
-        (out,) = struct.unpack_from(fmt, header, offset)
-        offset += struct.calcsize(fmt)
-        return out
-
-    def string(keep: bool):
-        nonlocal offset
-        size = read("<Q")
-        offset += size
-        return bytes(header[offset - size : offset]).decode("utf-8", errors="replace") if keep else None
-
-    def value(kind, keep: bool):
-        nonlocal offset
-        kind = GGUFValueType(kind)
-        if kind == GGUFValueType.STRING:
-            return string(keep)
-        if kind == GGUFValueType.ARRAY:
-            item, count = GGUFValueType(read("<I")), read("<Q")
-            if item in scalars and not keep:
-                offset += count * struct.calcsize(scalars[item])
-                return None
-            return [value(item, keep) for _ in range(count)]
-        return read(scalars[kind])
-
-    if bytes(header[:4]) != b"GGUF":
-        raise ValueError(f"{path} is not a GGUF file")
-    offset = 8
-    n_tensors, n_fields = read("<Q"), read("<Q")
-    found = {}
-    alignment = 32
-    for _ in range(n_fields):
-        key = string(True)
-        kept = value(read("<I"), key in keys or key == "general.alignment")
-        if key == "general.alignment":
-            alignment = int(kept)
-        if key in keys:
-            found[key] = kept
-    infos = []
-    for _ in range(n_tensors):
-        name = string(True)
-        dims = [read("<Q") for _ in range(read("<I"))]
-        infos.append((name, GGMLQuantizationType(read("<I")).name, tuple(reversed(dims)), read("<Q")))
-    start = (offset + alignment - 1) // alignment * alignment
-    tensors = {}
-    for name, qtype, shape, at in infos:
-        elements = int(np.prod(shape))
-        if qtype in BLOCK_BYTES:
-            block_bytes, block = BLOCK_BYTES[qtype]
-            size = elements // block * block_bytes
-        elif qtype in ("F32", "F16", "BF16"):
-            size = elements * (4 if qtype == "F32" else 2)
-        else:
-            size = 0  # a type polyspec does not read: the loader names it if a tensor it needs has it
-        tensors[name] = FileTensor(name, qtype, shape, mapped[start + at : start + at + size])
-    return found, tensors

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from polyspec.workers.core.errors import ModelLoadError
-from polyspec.workers.tiers import gguf_file
+from polyspec.workers.tiers import gguf_file, gguf_header
 from polyspec.workers.tiers.weight_only import NEVER, WeightOnlyLinear, measured_dense_rows
 
 ARCHITECTURES = ("llama", "qwen2")
@@ -76,7 +76,7 @@ def _unpermute_rows(rows: int, heads: int) -> np.ndarray:
     return np.arange(rows).reshape(heads, half, 2).swapaxes(1, 2).reshape(rows)  # HF (head, pair, i) <- file (head, i, pair)
 
 
-def _float(tensor: gguf_file.FileTensor, dtype: torch.dtype) -> torch.Tensor:
+def _float(tensor: gguf_header.FileTensor, dtype: torch.dtype) -> torch.Tensor:
     shape = tensor.matrix_shape if len(tensor.shape) > 1 else (1, tensor.shape[0])
     out = torch.empty(shape, dtype=dtype)
     for start in range(0, shape[0], gguf_file.ROWS_PER_CHUNK):  # a 152k-row table in float32 at once is ~1 GB
@@ -85,7 +85,7 @@ def _float(tensor: gguf_file.FileTensor, dtype: torch.dtype) -> torch.Tensor:
     return out.reshape(tensor.shape)
 
 
-def weight_only_linear(tensor: gguf_file.FileTensor, bias: torch.Tensor | None, rows: np.ndarray | None = None) -> WeightOnlyLinear:
+def weight_only_linear(tensor: gguf_header.FileTensor, bias: torch.Tensor | None, rows: np.ndarray | None = None) -> WeightOnlyLinear:
     """One projection from its blocks: int4 with the file's levels where the type maps, int8 per channel otherwise."""
     shape = tensor.matrix_shape
     if gguf_file.maps_to_int4(tensor.qtype, shape):
@@ -118,7 +118,7 @@ def load_gguf_weight_only(path: str, dtype: torch.dtype, measure_dense_rows: boo
     from polyspec.workers.tiers.loading import add_stop_token_ids, gguf_stop_token_ids, return_freed_memory
 
     started, rss = time.perf_counter(), _rss_mb()
-    meta, tensors = gguf_file.read_file(path, set().union(*(_keys(a) for a in ARCHITECTURES)))  # one pass over the header
+    meta, tensors = gguf_header.read_file(path, set().union(*(_keys(a) for a in ARCHITECTURES)))  # one pass over the header
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise ModelLoadError(f"{path}: quantize: gguf reads {', '.join(ARCHITECTURES)} files; this one is {arch!r}")
