@@ -174,56 +174,13 @@ END_OF_GENERATION_TEXTS = frozenset((
 GGUF_STOP_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 
 
-_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-
-
 def gguf_metadata(path: str, keys: set[str]) -> dict:
-    """The values of `keys` in a GGUF file's metadata (strings decoded, arrays as lists), read in one pass
-    over the mapped header that skips everything else. gguf's own GGUFReader parses every field (Qwen's
-    151k merges): ~30 s on a 2-core machine, for a few ids."""
-    import mmap
-    import struct
+    """The values of `keys` in a GGUF file's metadata (strings decoded, arrays as lists): one pass over the mapped
+    header that skips everything else (gguf's own GGUFReader parses every field, Qwen's 151k merges: ~30 s on a
+    2-core machine, for a few ids)."""
+    from polyspec.workers.tiers.gguf_header import read_file
 
-    with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        offset = 0
-
-        def read(fmt):
-            nonlocal offset
-            (out,) = struct.unpack_from(fmt, data, offset)
-            offset += struct.calcsize(fmt)
-            return out
-
-        def string(keep: bool):
-            nonlocal offset
-            size = read("<Q")
-            offset += size
-            return data[offset - size : offset].decode("utf-8", errors="replace") if keep else None
-
-        def value(kind, keep: bool):
-            nonlocal offset
-            if kind == _GGUF_STRING:
-                return string(keep)
-            if kind == _GGUF_ARRAY:
-                item_kind, count = read("<I"), read("<Q")
-                if item_kind in _GGUF_SCALARS and not keep:
-                    offset += count * struct.calcsize(_GGUF_SCALARS[item_kind])
-                    return None
-                return [value(item_kind, keep) for _ in range(count)]
-            return read(_GGUF_SCALARS[kind])
-
-        if data[:4] != b"GGUF":
-            raise ValueError(f"{path} is not a GGUF file")
-        offset = 4 + 4 + 8  # magic, version, tensor count
-        found = {}
-        for _ in range(read("<Q")):
-            key = string(True)
-            kept = value(read("<I"), key in keys)
-            if key in keys:
-                found[key] = kept
-            if len(found) == len(keys):
-                break
-    return found
+    return read_file(path, keys)[0]
 
 
 def gguf_stop_token_ids(path: str) -> tuple[int, ...]:
