@@ -188,3 +188,17 @@ class OneAtATime:
 
     def score_batch(self, seq_ids, contexts, blocks, params):
         return [self.inner.score_batch([s], [c], [b], [p])[0] for s, c, b, p in zip(seq_ids, contexts, blocks, params)]
+
+
+def greedy_one_token_at_a_time(model, prompt_ids: list[int], count: int, eos: int) -> list[int]:
+    """The model's own greedy decode: the prompt, then one token per forward on transformers' KV cache."""
+    cache, out = DynamicCache(), []
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt_ids]), cache=cache, use_cache=True).logits[0, -1]
+        while len(out) < count:
+            token = int(logits.argmax())
+            out.append(token)
+            if token == eos:
+                break
+            logits = model(torch.tensor([[token]]), cache=cache, use_cache=True).logits[0, -1]
+    return out

@@ -29,6 +29,7 @@ from polyspec.workers.core.errors import ConfigError, ModelLoadError  # noqa: E4
 from polyspec.workers.tiers import gguf_file, gguf_header, loading  # noqa: E402
 from polyspec.workers.tiers.gguf_model import _unpermute_rows, load_gguf_weight_only  # noqa: E402
 from polyspec.workers.tiers.weight_only import WeightOnlyLinear, dequantize_int4, dequantize_int8  # noqa: E402
+from reference_tier import greedy_one_token_at_a_time  # noqa: E402
 
 TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 SMOLLM2 = Path.home() / ".cache/polyspec/models/gguf/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -242,21 +243,6 @@ def test_the_tiny_model_is_close_to_transformers_float32_load(tiny_gguf, tiny_mo
     picked = expected[0].gather(-1, got[0].argmax(-1, keepdim=True)).squeeze(-1)
     assert bool(((expected[0].amax(-1) - picked) <= 2 * difference).all())
     assert (got.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.8
-
-
-def greedy_one_token_at_a_time(model, prompt_ids: list[int], count: int, eos: int) -> list[int]:
-    from transformers import DynamicCache
-
-    cache, out = DynamicCache(), []
-    with torch.inference_mode():
-        logits = model(torch.tensor([prompt_ids]), cache=cache, use_cache=True).logits[0, -1]
-        while len(out) < count:
-            token = int(logits.argmax())
-            out.append(token)
-            if token == eos:
-                break
-            logits = model(torch.tensor([[token]]), cache=cache, use_cache=True).logits[0, -1]
-    return out
 
 
 def test_the_tiny_model_through_the_engine_is_its_own_greedy_decode(tiny_gguf, tiny_model):

@@ -30,6 +30,7 @@ from polyspec.workers.core.errors import ConfigError, ModelLoadError
 from polyspec.workers.tiers import loading
 from polyspec.workers.tiers import weight_only as wo
 from polyspec.workers.tiers.batched import BatchedModelTier
+from reference_tier import greedy_one_token_at_a_time
 
 FLOAT32_TOLERANCE = 1e-5
 BFLOAT16_TOLERANCE = 2**-6
@@ -155,22 +156,6 @@ def test_the_cuda_int4_kernel_matches_the_reference():
 
 def int4_tier(family: dict, name: str = "int4", group_size: int = 32) -> dict:
     return {"name": name, "model": family["target"], "quantize": "int4", "group_size": group_size}
-
-
-def greedy_one_token_at_a_time(model, prompt_ids: list[int], count: int, eos: int) -> list[int]:
-    """The model's own greedy decode: the prompt, then one token per forward on transformers' KV cache."""
-    from transformers import DynamicCache
-
-    cache, out = DynamicCache(), []
-    with torch.inference_mode():
-        logits = model(torch.tensor([prompt_ids]), cache=cache, use_cache=True).logits[0, -1]
-        while len(out) < count:
-            token = int(logits.argmax())
-            out.append(token)
-            if token == eos:
-                break
-            logits = model(torch.tensor([[token]]), cache=cache, use_cache=True).logits[0, -1]
-    return out
 
 
 def test_an_int4_model_quantizes_every_projection_it_can(tiny_family):
