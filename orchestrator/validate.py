@@ -253,7 +253,7 @@ def _gguf_shape(path: Path) -> ModelShape | None:
     from polyspec.workers.tiers.gguf_header import read_file
 
     try:
-        architecture = read_file(str(path), {"general.architecture"})[0].get("general.architecture") or ""
+        architecture = read_file(str(path), {"general.architecture"}, tensors=False)[0].get("general.architecture") or ""
         names = {f"{architecture}.{key}": key for key in ("attention.head_count", "attention.head_count_kv", "embedding_length",
                                                           "block_count", "context_length")}
         found, tensors = read_file(str(path), set(names))

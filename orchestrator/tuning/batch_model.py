@@ -93,6 +93,8 @@ RETRY_MARGIN = 1.1  # a plan measured poor is measured again when the model carr
 RETRY_STEPS = 16  # ... at most once per this many steps of the load, doubling with each retry
 REQUEST_MEMORY_ROUNDS = 16  # a request's own lookup counts fade by 1 / this per round of it
 REQUEST_MIN_ROUNDS = 8  # ... and speak for the request once this many rounds are in
+# the faded count of REQUEST_MIN_ROUNDS rounds (the least a request's own counts must hold; less a rounding's width)
+REQUEST_MIN_WEIGHT = sum((1.0 - 1.0 / REQUEST_MEMORY_ROUNDS) ** i for i in range(REQUEST_MIN_ROUNDS)) - 1e-9
 LENGTHS = (3, 6, 12)
 INNER_LENGTHS = (4, 10)
 READ_OPTIONS = ("max_length", "allow_bypass", "explore_every", "shadow")  # the config's `tuning:` options it reads (the rest: the one-request tuner's)
@@ -223,6 +225,7 @@ class Arm:
     seed: Plan | None = None  # the best speculating plan of the nearest decided load: the one a new load tries
     steps: int = 0  # steps run at this load
     retries: dict = dataclasses.field(default_factory=dict)  # Plan -> times it was measured again (`BatchPlanner.stale`)
+    retrying: set = dataclasses.field(default_factory=set)  # plans `stale` asked for: their next step starts a fresh rate
 
     def best_measured(self) -> Plan | None:
         measured = {p: self.measured(p) for p in self.rates if p.speculating and self.measured(p) is not None}
@@ -336,6 +339,10 @@ class BatchPlanner:
                 self.correction[key] = current + SMOOTHING * (ratio - current)
         arm.steps += 1
         if seconds > 0:
+            if plan in arm.retrying:  # its first step since `stale` asked for it: the old rate goes now, when it runs
+                arm.retrying.discard(plan)
+                arm.retries[plan] = arm.retries.get(plan, 0) + 1
+                arm.rates[plan] = Rate()
             arm.rate(plan).add(tokens, seconds, self._predicted_value, arm.steps)
             if arm.speculate is not None and not arm.probe and plan.speculating == arm.speculate:
                 arm.since += seconds
@@ -544,9 +551,10 @@ class BatchPlanner:
 
     def stale(self, arm: Arm, measured: dict, best: Plan, batch: int) -> Plan | None:
         """A plan measured below `best` whose measured rate, carried forward by the model (x its model value now /
-        its model value while measured: its drafters' acceptance moved), reaches RETRY_MARGIN times best's: its old
-        rate is dropped and it is measured again (None: no such plan). Each plan at most once per
-        RETRY_STEPS x 2^(its retries) steps of this load, and only where the running requests can pay for it."""
+        its model value while measured: its drafters' acceptance moved), reaches RETRY_MARGIN times best's: it is
+        measured again, its old rate dropped when it next runs (`observe_step`: where off is taken, that is the next
+        re-probe; dropped sooner, the plan would lose its measurement without a new one). None: no such plan. Each plan
+        at most once per RETRY_STEPS x 2^(its retries) steps of this load, and only where the running requests can pay for it."""
         carried = {}
         for plan, rate in measured.items():
             record = arm.rates[plan]
@@ -560,8 +568,7 @@ class BatchPlanner:
         if not carried:
             return None
         plan = max(carried, key=carried.get)
-        arm.retries[plan] = arm.retries.get(plan, 0) + 1
-        arm.rates[plan] = Rate()
+        arm.retrying.add(plan)
         return plan
 
     def neighbours(self, plan: Plan) -> list[Plan]:
@@ -641,7 +648,7 @@ class BatchPlanner:
         """Tokens a round of block k drafted by lookup `drafter` is expected to give this request, from its own
         rounds (a miss gives the one token of the verifier); None: too few of them."""
         counts = self.requests.get((seq_id, drafter))
-        if counts is None or counts[2] < REQUEST_MIN_ROUNDS * (1.0 - 1.0 / REQUEST_MEMORY_ROUNDS) ** REQUEST_MIN_ROUNDS:
+        if counts is None or counts[2] < REQUEST_MIN_WEIGHT:
             return None
         accepted, rejected, rounds, misses = counts
         rate = accepted / (accepted + rejected) if accepted + rejected > 0 else 0.0
@@ -713,13 +720,14 @@ class BatchPlanner:
         return list(best.lengths), best.active
 
     def describe(self) -> dict:
+        def pair(a: int, b: int, g: bool) -> str:
+            return f"{self.tiers[a].name}<-{self.tiers[b].name}{'' if g else ' (sampling)'}"
+
         return {
-            "rates": {f"{self.tiers[a].name}<-{self.tiers[b].name}{'' if g else ' (sampling)'}": round(self.rate(a, b, g), 4)
-                      for a, b, g in self.acceptance.pairs()},
-            "rate_spreads": {f"{self.tiers[a].name}<-{self.tiers[b].name}{'' if g else ' (sampling)'}":
-                             round(self.acceptance.spread(a, b, g), 4) for a, b, g in self.acceptance.pairs()},
+            "rates": {pair(a, b, g): round(self.rate(a, b, g), 4) for a, b, g in self.acceptance.pairs()},
+            "rate_spreads": {pair(a, b, g): round(self.acceptance.spread(a, b, g), 4) for a, b, g in self.acceptance.pairs()},
             **({"tree_width": self.tree_width, "tree_depth_rates": {
-                f"{self.tiers[a].name}<-{self.tiers[b].name}{'' if g else ' (sampling)'}":
+                pair(a, b, g):
                     [round(q, 4) for q in
                      self.acceptance.depth_rates(a, b, g, self.tree_width, len(self.acceptance.reached[(a, b, g)]))]
                 for a, b, g in self.acceptance.pairs() if (a, b, g) in self.acceptance.reached}} if self.tree_width > 1 else {}),

@@ -60,7 +60,7 @@ import time
 from typing import Callable
 
 from polyspec.orchestrator.config import TuningConfig
-from polyspec.orchestrator.decode.contract import DraftObservation, RoundObservation, StepInput, StepObservation
+from polyspec.orchestrator.decode.contract import DraftObservation, RoundObservation, StepInput, StepObservation, common_prefix
 from polyspec.orchestrator.tuning.chain_model import chain_cost, local_search, round_models, search_lengths
 from polyspec.orchestrator.tuning.estimates import MIN_BLOCKS, AcceptanceEstimate, FillEstimate, ema, request_class
 from polyspec.orchestrator.tuning.profiler import LatencyProfile
@@ -317,9 +317,7 @@ class Tuner:
         if shadow is None:
             return
         shadow.committed += tokens
-        matched = 0
-        while matched < min(len(shadow.proposal), len(shadow.committed)) and shadow.proposal[matched] == shadow.committed[matched]:
-            matched += 1
+        matched = common_prefix(shadow.proposal, shadow.committed)
         if matched < len(shadow.committed) or matched == len(shadow.proposal):
             # The full chain's target rounds sample contexts about evenly along the text; a chain
             # running this pair samples them once per round, and a round from a context where

@@ -685,3 +685,24 @@ def test_a_request_whose_own_text_makes_the_lookup_pay_drafts_with_it_under_a_mo
     plan._pending = Plan((0, 1), (6, 0))
     assert plan.drafters(types.SimpleNamespace(seq_ids=("b", "c"), params=step.params[:2])) == ()
     assert set(key[0] for key in plan.requests) == {"b", "c"}  # requests no longer in a step are forgotten
+
+
+def test_a_plan_asked_for_again_keeps_its_measurement_until_it_runs():
+    """Where off is taken, the plan `stale` asks for runs at the next re-probe, not the next step: until it runs, its
+    old measurement stands (dropped at once, the plan would lose it without a new one); its first step starts the
+    fresh rate and counts the retry."""
+    plan = two_drafters()
+    truth = lambda active: {(0,): 100.0, (0, 1): 180.0, (0, 2): 100.0}[active]
+    run_steps(plan, 4, 40, truth)
+    arm = plan.arms[(4, 0)]
+    lookup = next(p for p in arm.rates if p.active == (0, 2) and arm.measured(p) is not None)
+    measured = arm.measured(lookup)
+    arm.steps += RETRY_STEPS  # long enough since it ran
+    for proposed, accepted in diffused_rounds(0.95, 200, 6):
+        plan.acceptance.observe(0, 2, proposed, accepted)  # its model value rises far past the mid model's plan
+    assert plan.stale(arm, {p: arm.measured(p) for p in arm.rates if p.speculating and arm.measured(p)},
+                      arm.best_measured(), 4) == lookup
+    assert arm.measured(lookup) == measured and lookup not in arm.retries
+    plan._pending, plan._pending_arm, plan._predicted_value = lookup, arm, 1.0
+    plan.observe_step(4, 16, 0.01, list(lookup.lengths), lookup.active)
+    assert arm.retries[lookup] == 1 and arm.rates[lookup].steps == 1 and lookup not in arm.retrying

@@ -180,7 +180,7 @@ def gguf_metadata(path: str, keys: set[str]) -> dict:
     2-core machine, for a few ids)."""
     from polyspec.workers.tiers.gguf_header import read_file
 
-    return read_file(path, keys)[0]
+    return read_file(path, keys, tensors=False)[0]
 
 
 def gguf_stop_token_ids(path: str) -> tuple[int, ...]:
