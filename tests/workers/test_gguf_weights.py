@@ -275,31 +275,31 @@ def test_quantize_gguf_off_the_cpu_is_one_line(tiny_gguf):
         loading.load_model(tier)
 
 
-def test_another_architecture_is_one_line(tmp_path):
+def write_one_block_header(path, architecture: str, tensors: dict | None = None) -> str:
+    """A GGUF file of one block of `architecture` with only `tensors`: enough for the loader's refusals."""
     from gguf import GGUFWriter
 
-    writer = GGUFWriter(str(tmp_path / "other.gguf"), "phi3")
+    writer = GGUFWriter(str(path), architecture)
     writer.add_block_count(1)
+    for name, values in (tensors or {}).items():
+        writer.add_tensor(name, values)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return str(path)
+
+
+def test_another_architecture_is_one_line(tmp_path):
     with pytest.raises(ModelLoadError, match="quantize: gguf reads llama, qwen2 files; this one is 'phi3'"):
-        load_gguf_weight_only(str(tmp_path / "other.gguf"), torch.bfloat16)
+        load_gguf_weight_only(write_one_block_header(tmp_path / "other.gguf", "phi3"), torch.bfloat16)
 
 
 def test_scaled_rotary_embeddings_are_refused_in_one_line(tmp_path):
-    from gguf import GGUFWriter
-
-    writer = GGUFWriter(str(tmp_path / "llama3.gguf"), "llama")
-    writer.add_block_count(1)
-    writer.add_tensor("rope_freqs.weight", np.ones(32, np.float32))  # Llama 3.1's per-frequency factors
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    path = write_one_block_header(tmp_path / "llama3.gguf", "llama",
+                                  {"rope_freqs.weight": np.ones(32, np.float32)})  # Llama 3.1's per-frequency factors
     with pytest.raises(ModelLoadError, match="does not read scaled rotary embeddings"):
-        load_gguf_weight_only(str(tmp_path / "llama3.gguf"), torch.bfloat16)
+        load_gguf_weight_only(path, torch.bfloat16)
 
 
 def test_a_type_polyspec_does_not_read_is_one_line(tmp_path):
