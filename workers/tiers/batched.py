@@ -51,6 +51,7 @@ import time
 import torch
 
 from polyspec.workers.core.device_verify import confidence
+from polyspec.workers.core.grammar import cut_at_disallowed, grammar_of, node_context, restrict_each, restrict_rows, tree_prefixes
 from polyspec.workers.core.sampling import SamplingParams, warp_logits
 from polyspec.workers.core.verdicts import Draws, verify_blocks
 from polyspec.workers.core.tree import DraftTree, path_rows, tree_allowed
@@ -475,6 +476,8 @@ class BatchedModelTier(BatchedTier):
             outputs.append(len(tail) - 1)
             layouts.append(layout)
         logits = self._forward(slots, feeds, outputs, layouts if any(layouts) else None)  # each [len(block) + 1, V]
+        logits = [restrict_rows(rows, grammar_of(p), tree_prefixes(context, block.tokens, block.parents))
+                  if grammar_of(p) is not None else rows for rows, p, context, block in zip(logits, params, contexts, blocks)]
         return [warp_logits(rows, p) for rows, p in zip(logits, params)]
 
     def draft_batch(self, seq_ids, contexts, counts, params, generators):
@@ -500,6 +503,7 @@ class BatchedModelTier(BatchedTier):
                 break
             logits = self._forward([slots[i] for i in going], [feeds[i] for i in going], [len(feeds[i]) - 1 for i in going])
             last = torch.stack([row[-1] for row in logits])  # [R, V]
+            last = restrict_each(last, [params[live[i]] for i in going], [contexts[live[i]] + tokens[i] for i in going])
             drawn, probs = draws.draw(last, torch.tensor(going, device=last.device), step)
             sure = [True] * len(going)
             if any(thresholds[i] is not None for i in going):
@@ -527,6 +531,7 @@ class BatchedModelTier(BatchedTier):
         draws = Draws.of([params[r] for r in live], [generators[r] for r in live], [depths[r] for r in live], self.logits_device)
         threshold = self.tier.exit_threshold
         roots = torch.stack([row[-1] for row in self._forward(slots, tails, [len(t) - 1 for t in tails])])  # [R, V]
+        roots = restrict_each(roots, [params[r] for r in live], [contexts[r] for r in live])
         candidates, valid, root_rows = draws.roots(roots, torch.arange(len(live), device=roots.device), width, scheme == "rsd")
         sure = [True] * len(live) if threshold is None else (confidence(roots) >= threshold).tolist()
         pending, frontier, node_depths, rows = [], [], [], []
@@ -547,6 +552,9 @@ class BatchedModelTier(BatchedTier):
             logits = self._forward([slots[i] for i in growing], [[trees[live[i]].tokens[n] for n in frontier[i]] for i in growing],
                                    [0] * len(growing), layouts)
             flat = torch.cat(logits)  # [nodes, V]
+            flat = restrict_each(flat, [params[live[i]] for i in growing for _ in frontier[i]],
+                                  [node_context(contexts[live[i]], trees[live[i]].tokens, trees[live[i]].parents, n)
+                                   for i in growing for n in frontier[i]])
             owner = torch.tensor([i for i in growing for _ in frontier[i]], device=flat.device)
             first = torch.tensor([w * flat.shape[-1] for i in growing for w in range(len(frontier[i]))], device=flat.device)
             drawn, probs = draws.draw(flat, owner, level, first)
@@ -643,6 +651,7 @@ class BatchedNGramTier(BatchedTier):
         out = []
         for seq_id, context, count, p in zip(seq_ids, contexts, counts, params):
             tokens = self._index(seq_id, context).lookup(count) if count > 0 else []
+            tokens = cut_at_disallowed(grammar_of(p), context, tokens)
             out.append((tokens, None if p.greedy or not tokens else self._one_hot(tokens)))
         self.tier.busy_s += time.perf_counter() - started
         return out
@@ -654,6 +663,7 @@ class BatchedNGramTier(BatchedTier):
         for seq_id, context, depth, p in zip(seq_ids, contexts, depths, params):
             tree = DraftTree([], [], None)
             for continuation in self._index(seq_id, context).continuations(depth, width) if depth > 0 else []:
+                continuation = cut_at_disallowed(grammar_of(p), context, continuation)
                 parent = -1
                 for token in continuation:
                     tree.tokens.append(token)

@@ -33,6 +33,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from polyspec.workers.core.grammar import grammar_of, node_context, restrict_each, restrict_rows, tree_prefixes
 from polyspec.workers.core.sampling import SamplingParams, warp_logits
 from polyspec.workers.core.tree import DraftTree, tree_allowed
 from polyspec.workers.core.verdicts import Draws
@@ -206,7 +207,8 @@ class BatchedFeatureTier(BatchedTier):
 
         def draw(i: int, logits: torch.Tensor) -> None:  # position j of request i draws from its round j
             r = live[i]
-            token, probs = draws.draw(logits[None], torch.tensor([i]), len(tokens[i]))
+            row = restrict_rows(logits[None], grammar_of(params[r]), [contexts[r] + tokens[i]])
+            token, probs = draws.draw(row, torch.tensor([i]), len(tokens[i]))
             tokens[i].append(int(token))
             drawn_rows[i].append(probs[0])
             if len(tokens[i]) < counts[r]:
@@ -230,8 +232,9 @@ class BatchedFeatureTier(BatchedTier):
         roots: dict[int, torch.Tensor] = {}
         self._steps(rows, roots.__setitem__)
         draws = Draws.of([params[r] for r in live], [generators[r] for r in live], [depths[r] for r in live], "cpu")
-        candidates, valid, root_rows = draws.roots(torch.stack([roots[i] for i in range(len(live))]), torch.arange(len(live)), width,
-                                                   scheme == "rsd")
+        root_logits = restrict_each(torch.stack([roots[i] for i in range(len(live))]), [params[r] for r in live],
+                                     [contexts[r] for r in live])
+        candidates, valid, root_rows = draws.roots(root_logits, torch.arange(len(live)), width, scheme == "rsd")
         pending, frontier, node_depths, drawn_rows = [], [], [], []
         for i, (r, tokens, ok) in enumerate(zip(live, candidates.tolist(), valid.tolist())):
             pending.append(PendingTree(rows[i].context_len, {}))
@@ -260,6 +263,9 @@ class BatchedFeatureTier(BatchedTier):
             fed = [[trees[live[i]].tokens[node] for node in frontier[i]] for i in growing]
             logits = self._forward([rows[i].slot for i in growing], fed, previous, [0] * len(growing), layouts)
             flat = torch.cat(logits)  # [nodes, V]: node w of a level draws from the level's round, draws w * V ..
+            flat = restrict_each(flat, [params[live[i]] for i in growing for _ in frontier[i]],
+                                  [node_context(contexts[live[i]], trees[live[i]].tokens, trees[live[i]].parents, n)
+                                   for i in growing for n in frontier[i]])
             owner = torch.tensor([i for i in growing for _ in frontier[i]])
             first = torch.tensor([w * flat.shape[-1] for i in growing for w in range(len(frontier[i]))])
             drawn, probs = draws.draw(flat, owner, level, first)
@@ -296,4 +302,6 @@ class BatchedFeatureTier(BatchedTier):
 
         if rows:
             self._steps(rows, record)
-        return [warp_logits(torch.stack(rows_of), p) for rows_of, p in zip(scored, params)]
+        scored = [restrict_rows(torch.stack(rows_of), grammar_of(p), tree_prefixes(context, block.tokens, block.parents))
+                  for rows_of, p, context, block in zip(scored, params, contexts, blocks)]
+        return [warp_logits(rows, p) for rows, p in zip(scored, params)]

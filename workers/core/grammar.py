@@ -1,0 +1,283 @@
+"""Structured output: a request's grammar (JSON schema, regex or EBNF) as a mask on every tier's rows.
+
+The lossless rule under speculation: at every position the target's distribution is its warped
+distribution restricted to the tokens the grammar allows after the tokens before it, renormalised
+(the disallowed logits are set to -inf before the warp). Every tier restricts its rows the same way:
+the verifier's rows (verification, the correction and bonus draws) and each drafter's own rows (it
+proposes only tokens the target can accept). The speculative-sampling induction (DESIGN.md 3) then
+holds for the restricted distributions, so the output is distributed exactly as the target's
+restricted distribution, and greedy output is the target's own constrained greedy decode.
+
+Types, top-down:
+- `ConstraintSpec`: what a request asked for (kind and source), validated and compiled once per
+  request before any model work (`GrammarBook.compile`: bounded in time; an invalid one is one line);
+- `GrammarBook`: one chain's compiler (xgrammar's, over the target's tokenizer and vocabulary);
+- `GrammarState`: one request's matcher. `allowed(context)` is the mask after a context (prompt then
+  generated tokens): the matcher advances over the tokens past the prompt and rolls back to the
+  longest prefix it shares with the last context it saw (a drafted block, then the accepted prefix).
+  Masks are cached per position, so the tiers of one request share each one.
+
+The library is xgrammar (benchmarks/grammar-library.md: mask time per token over Qwen2.5's 151,936
+tokens, rollback, install size). Its bitmask (int32 words) is unpacked to a bool row here, in torch,
+so applying it works on any device.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import re
+import threading
+
+import torch
+
+from polyspec.workers.core.errors import RequestError
+
+KINDS = ("json_schema", "regex", "grammar")  # the request fields that constrain output (at most one per request)
+MAX_SOURCE_CHARS = 64 * 1024  # a longer schema / regex / grammar is refused before compiling
+COMPILE_TIMEOUT_S = 10.0  # a grammar still compiling after this is refused (its thread finishes in the background)
+COMPILE_THREADS = 2  # compilations at once; a pathological one occupies one, the other keeps serving
+COMPILER_CACHE_BYTES = 256 << 20  # the compiler's cache of compiled grammars (shared by equal requests)
+MASK_CACHE_POSITIONS = 512  # a request's cached masks past which the oldest positions are dropped
+FINISH_GRAMMAR = "grammar"  # finish reason: the grammar allows no token of the vocabulary here (nor an end)
+JSON_OBJECT_SCHEMA = {"type": "object"}  # OpenAI's response_format json_object: any JSON object
+_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConstraintSpec:
+    """A request's constraint: `kind` (one of KINDS) and its source text (a JSON schema as JSON text),
+    with the compiled grammar once `GrammarBook.compile` has checked it (excluded from equality)."""
+
+    kind: str
+    source: str
+    strict: bool = True  # json_schema: properties not named are refused (OpenAI's strict; xgrammar's strict_mode)
+    compiled: object = dataclasses.field(default=None, compare=False, repr=False)
+
+
+def constraint_from_fields(raw: dict) -> ConstraintSpec | None:
+    """The constraint named by a request's fields (`json_schema`: an object or its JSON text; `regex`,
+    `grammar`: strings), checked for shape only; None when it names none. Raises RequestError."""
+    named = [kind for kind in KINDS if raw.get(kind) is not None]
+    if not named:
+        return None
+    if len(named) > 1:
+        raise RequestError(f"give one of {', '.join(KINDS)}, not several ({' and '.join(named)})")
+    kind, value = named[0], raw[named[0]]
+    if kind == "json_schema":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise RequestError(f"json_schema is not valid JSON: {exc}") from None
+        if isinstance(value, bool):
+            value = {} if value else {"not": {}}
+        if not isinstance(value, dict):
+            raise RequestError(f"json_schema must be a JSON object (a schema), got {type(value).__name__}")
+        source = json.dumps(value)
+    else:
+        if not isinstance(value, str):
+            raise RequestError(f"{kind} must be a string, got {type(value).__name__}")
+        if not value:
+            raise RequestError(f"{kind} is empty")
+        source = value
+    if len(source) > MAX_SOURCE_CHARS:
+        raise RequestError(f"{kind} is {len(source)} characters; at most {MAX_SOURCE_CHARS} are compiled")
+    return ConstraintSpec(kind, source)
+
+
+_NATIVE_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")  # xgrammar's "[23:02:22] /project/cpp/file.cc:94: "
+
+
+def one_line(exc: BaseException, limit: int = 240) -> str:
+    """An exception's message on one line (without the library's time and source file), cut to `limit` characters."""
+    text = _NATIVE_PREFIX.sub("", " ".join(str(exc).split())) or type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class GrammarBook:
+    """One chain's grammar compiler: xgrammar's `GrammarCompiler` over the target's tokenizer, its
+    vocabulary (`vocab_size`: the model's logit rows, which may be wider than the tokenizer's) and the
+    chain's stop tokens (what a finished grammar allows: the request then ends as "eos"). Built lazily:
+    the tokenizer's table takes ~0.6 s for a 151,936-token vocabulary."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = tuple(stop_token_ids)
+        self._compiler = None
+        self._lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="polyspec-grammar")
+
+    def compiler(self):
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar
+
+                if self.tokenizer is None:
+                    raise RequestError("the target model has no tokenizer, so output cannot be constrained")
+                info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                               stop_token_ids=list(self.stop_token_ids) or None)
+                self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_limit_bytes=COMPILER_CACHE_BYTES)
+            return self._compiler
+
+    def compile(self, spec: ConstraintSpec, timeout_s: float = COMPILE_TIMEOUT_S) -> ConstraintSpec:
+        """`spec` with its compiled grammar; an invalid source, or one that takes more than `timeout_s` to
+        compile, raises RequestError (one line)."""
+        compiler = self.compiler()
+        future = self._pool.submit(_compile, compiler, spec)
+        try:
+            compiled = future.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise RequestError(f"{spec.kind} took longer than {timeout_s:g} s to compile; simplify it") from None
+        except RequestError:
+            raise
+        except Exception as exc:  # xgrammar's parse errors (RuntimeError, ValueError, its own types)
+            raise RequestError(f"invalid {spec.kind}: {one_line(exc)}") from None
+        return dataclasses.replace(spec, compiled=compiled)
+
+    def start(self, spec: ConstraintSpec, prompt_len: int) -> "GrammarState":
+        """A request's matcher over `spec` (compiled), for contexts whose first `prompt_len` tokens are its prompt."""
+        if spec.compiled is None:
+            spec = self.compile(spec)
+        return GrammarState(spec, prompt_len, self.vocab_size, self.stop_token_ids)
+
+
+def _compile(compiler, spec: ConstraintSpec):
+    if spec.kind == "json_schema":
+        # no free whitespace between tokens: a model may not pad its JSON forever (", " and ": " separate)
+        return compiler.compile_json_schema(spec.source, any_whitespace=False, strict_mode=spec.strict)
+    if spec.kind == "regex":
+        return compiler.compile_regex(spec.source)
+    return compiler.compile_grammar(spec.source)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """xgrammar's bitmask words [W] int32 (bit j of word i: token 32 i + j is allowed) -> [vocab_size] bool."""
+    bits = (bitmask[:, None] >> _BIT_SHIFTS[None, :]) & 1  # [W, 32]
+    return bits.reshape(-1)[:vocab_size].bool()
+
+
+class GrammarState:
+    """One request's grammar: its matcher, which advances over a context's tokens past the prompt and rolls
+    back to the prefix the next context shares, and its masks, cached per position (the tiers of the
+    request share them). Not thread-safe: the round's one thread calls it."""
+
+    def __init__(self, spec: ConstraintSpec, prompt_len: int, vocab_size: int, stop_token_ids: tuple[int, ...]) -> None:
+        import xgrammar
+
+        self.spec = spec
+        self.prompt_len = prompt_len
+        self.vocab_size = vocab_size
+        self.stop_token_ids = tuple(stop_token_ids)
+        self.matcher = xgrammar.GrammarMatcher(spec.compiled)
+        self._bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)  # [1, W] int32
+        self.consumed: list[int] = []  # the generated tokens the matcher has accepted, in order
+        self.masks: dict[tuple[int, ...], torch.Tensor | None] = {}
+        self.dead_ends: set[tuple[int, ...]] = set()  # positions where nothing (not even an end) is allowed
+        self.mask_fills = 0  # masks computed (each position once)
+
+    def _goto(self, generated: list[int]) -> bool:
+        """Put the matcher after `generated`; False when the grammar refuses one of them (or a token after an end)."""
+        keep = 0
+        for mine, theirs in zip(self.consumed, generated):
+            if mine != theirs:
+                break
+            keep += 1
+        if keep < len(self.consumed):
+            self.matcher.rollback(len(self.consumed) - keep)
+            del self.consumed[keep:]
+        for token in generated[keep:]:
+            if self.matcher.is_terminated() or not self.matcher.accept_token(int(token)):
+                return False
+            self.consumed.append(int(token))
+        return True
+
+    def allowed(self, context: list[int]) -> torch.Tensor | None:
+        """[V] bool: the tokens the grammar allows after `context` (the prompt, then generated tokens); None
+        where no row there is ever used (the grammar refused a token before, or ended): no restriction."""
+        key = tuple(context[self.prompt_len:])
+        if key in self.masks:
+            return self.masks[key]
+        mask = None
+        if self._goto(list(key)) and not self.matcher.is_terminated():
+            self.matcher.fill_next_token_bitmask(self._bitmask)
+            self.mask_fills += 1
+            mask = unpack_bitmask(self._bitmask[0], self.vocab_size)
+            if not bool(mask.any()):  # the tokenizer cannot continue this grammar: end here, and say why
+                self.dead_ends.add(key)
+                mask[list(self.stop_token_ids)] = True
+        if len(self.masks) >= MASK_CACHE_POSITIONS:  # keep the newest positions (the committed prefix only grows)
+            longest = max(len(k) for k in self.masks)
+            self.masks = {k: v for k, v in self.masks.items() if len(k) > longest - MASK_CACHE_POSITIONS // 4}
+        self.masks[key] = mask
+        return mask
+
+    def accepts(self, context: list[int], token: int) -> bool:
+        """Does the grammar allow `token` after `context`?"""
+        mask = self.allowed(context)
+        return mask is None or bool(mask[token])
+
+    def ended_unsatisfiable(self, generated: list[int]) -> bool:
+        """Did a request that committed `generated` end where its grammar allowed no token?"""
+        return tuple(generated[:-1]) in self.dead_ends or tuple(generated) in self.dead_ends
+
+
+# ------------------------------------------------------------------------ what the tiers call
+
+
+def grammar_of(params):
+    """A request's GrammarState (None when its output is free)."""
+    return getattr(params, "grammar", None)
+
+
+def restrict_rows(logits: torch.Tensor, grammar: GrammarState | None, prefixes: list[list[int]]) -> torch.Tensor:
+    """`logits` [n, V] with row j's disallowed tokens (after `prefixes[j]`) at -inf; the rows unchanged
+    without a grammar. A fresh tensor where anything is masked (the caller's rows may be a graph's buffers)."""
+    if grammar is None:
+        return logits
+    assert logits.dim() == 2 and logits.shape[0] == len(prefixes), (logits.shape, len(prefixes))
+    masks = [grammar.allowed(prefix) for prefix in prefixes]
+    if all(mask is None for mask in masks):
+        return logits
+    allowed = torch.stack([torch.ones(logits.shape[-1], dtype=torch.bool) if m is None else m[: logits.shape[-1]]
+                           for m in masks]).to(logits.device, non_blocking=True)  # [n, V]
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
+def restrict_each(rows: torch.Tensor, params: list, prefixes: list[list[int]]) -> torch.Tensor:
+    """Drafting rows [R, V] (row r after `prefixes[r]`, of the request with `params[r]`) restricted by each
+    request's grammar; the rows themselves when no request has one."""
+    if all(grammar_of(p) is None for p in params):
+        return rows
+    return torch.cat([restrict_rows(rows[r: r + 1], grammar_of(p), [prefix])
+                      for r, (p, prefix) in enumerate(zip(params, prefixes))])
+
+
+def node_context(context: list[int], tokens: list[int], parents: list[int], node: int) -> list[int]:
+    """`context` then the tokens on a tree's path from the root to `node` (inclusive)."""
+    path = []
+    while node >= 0:
+        path.append(tokens[node])
+        node = parents[node]
+    return context + path[::-1]
+
+
+def tree_prefixes(context: list[int], tokens: list[int], parents: list[int]) -> list[list[int]]:
+    """The context before each scored row of a block: the root (after `context`), then after each node
+    (its path's tokens). A chain's parents are -1, 0, 1, ..."""
+    paths: list[list[int]] = []
+    for node, parent in enumerate(parents):
+        paths.append((paths[parent] if parent >= 0 else []) + [tokens[node]])
+    return [context] + [context + path for path in paths]
+
+
+def cut_at_disallowed(grammar: GrammarState | None, context: list[int], tokens: list[int]) -> list[int]:
+    """A lookup's proposal `tokens` after `context`, cut before its first token the grammar refuses."""
+    if grammar is None:
+        return tokens
+    for j, token in enumerate(tokens):
+        if not grammar.accepts(context + tokens[:j], token):
+            return tokens[:j]
+    return tokens
