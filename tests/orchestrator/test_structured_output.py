@@ -1,0 +1,257 @@
+"""Structured output (polyspec.workers.core.grammar) stays lossless under speculation.
+
+The reference is independent of the code under test: the target model through transformers, one
+token per forward, its logits masked by xgrammar's own matcher and bitmask kernel
+(`xgrammar.apply_token_bitmask_inplace`), then the argmax (greedy) or the exact restricted,
+renormalised joint of the first two tokens (sampling; chi-square as tests/lossless_stats.py).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+import xgrammar
+
+from polyspec.orchestrator.batch_runner import run_requests
+from polyspec.orchestrator.config import load_config, parse_config
+from polyspec.orchestrator.engine import Engine
+from polyspec.workers.core.errors import RequestError
+from polyspec.workers.core.grammar import constraint_from_fields, cut_at_disallowed, tree_prefixes, unpack_bitmask
+from polyspec.workers.core.sampling import SamplingParams, warp_logits
+
+from family_chains import tier_specs
+from lossless_stats import ALPHA, chi_square_p_value
+
+DEMO = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
+
+PERSON = {  # nested objects, arrays, enums; bounded strings so a small model's reply ends inside the budget
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 3},
+        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                    "required": ["city", "zip"]},
+    },
+    "required": ["name", "age", "role", "tags", "address"],
+}
+CONSTRAINTS = {
+    "json_schema": {"json_schema": PERSON},
+    "regex": {"regex": "(def|class) [a-z_]{1,12}\\([a-z, ]{0,20}\\):"},
+    "grammar": {"grammar": 'root ::= "return " expr\nexpr ::= [a-z] | [a-z] " + " expr | "(" expr ")"'},
+}
+PROMPTS = ["def add(a, b):\n    ", "import os\n\nclass Config:\n", "for i in range(10):\n"]
+
+
+# ------------------------------------------------------------------------------ reference
+
+
+def reference_matcher(engine: Engine, raw: dict):
+    """xgrammar's matcher for `raw`'s constraint over the engine's tokenizer, built here (not by the engine)."""
+    info = xgrammar.TokenizerInfo.from_huggingface(engine.tokenizer, vocab_size=engine.vocab_size,
+                                                   stop_token_ids=sorted(engine.scheduler.eos_token_ids))
+    compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+    if "json_schema" in raw:
+        compiled = compiler.compile_json_schema(json.dumps(raw["json_schema"]), any_whitespace=False)
+    elif "regex" in raw:
+        compiled = compiler.compile_regex(raw["regex"])
+    else:
+        compiled = compiler.compile_grammar(raw["grammar"])
+    return xgrammar.GrammarMatcher(compiled)
+
+
+def masked(logits: torch.Tensor, matcher) -> torch.Tensor:
+    """[V] logits with what `matcher` disallows at -inf (xgrammar's own kernel)."""
+    bitmask = xgrammar.allocate_token_bitmask(1, logits.shape[-1])
+    matcher.fill_next_token_bitmask(bitmask)
+    row = logits.float().clone()[None]
+    xgrammar.apply_token_bitmask_inplace(row, bitmask)
+    return row[0]
+
+
+def constrained_greedy(model, vocab: int, prompt_ids: list[int], count: int, eos: set[int], matcher) -> list[int]:
+    """The target's own constrained greedy decode: one token per forward (the whole context each time)."""
+    out: list[int] = []
+    with torch.inference_mode():
+        while len(out) < count:
+            logits = model(torch.tensor([prompt_ids + out])).logits[0, -1, :vocab]
+            token = int(masked(logits, matcher).argmax())
+            out.append(token)
+            if token in eos:
+                break
+            assert matcher.accept_token(token)
+    return out
+
+
+def restricted_two_token_probs(model, vocab: int, prompt_ids: list[int], params: SamplingParams, matcher) -> torch.Tensor:
+    """[V, V] joint of the first two tokens under the target's warped distribution restricted by the grammar."""
+    with torch.inference_mode():
+        first = warp_logits(masked(model(torch.tensor([prompt_ids])).logits[0, -1, :vocab], matcher), params)  # [V]
+        joint = torch.zeros(vocab, vocab)
+        for x in first.nonzero().flatten().tolist():
+            assert matcher.accept_token(x)
+            second = warp_logits(masked(model(torch.tensor([prompt_ids + [x]])).logits[0, -1, :vocab], matcher), params)
+            matcher.rollback(1)
+            joint[x] = first[x] * second
+    return joint
+
+
+# ---------------------------------------------------------------------------- pure parts
+
+
+def test_unpack_bitmask_matches_xgrammar():
+    generator = torch.Generator().manual_seed(0)
+    vocab = 100
+    bitmask = torch.randint(-(1 << 31), 1 << 31, (1, 4), dtype=torch.int64, generator=generator).to(torch.int32)
+    logits = torch.zeros(1, vocab)
+    xgrammar.apply_token_bitmask_inplace(logits, bitmask)
+    assert torch.equal(unpack_bitmask(bitmask[0], vocab), logits[0] == 0)
+
+
+def test_request_fields_are_checked_before_compiling():
+    assert constraint_from_fields({"prompt": "x"}) is None
+    assert constraint_from_fields({"json_schema": '{"type": "object"}'}).source == '{"type": "object"}'
+    for raw, message in [({"json_schema": {}, "regex": "a"}, "not several"), ({"json_schema": "{"}, "not valid JSON"),
+                         ({"json_schema": [1]}, "must be a JSON object"), ({"regex": 3}, "must be a string"),
+                         ({"grammar": ""}, "is empty"), ({"regex": "a" * 70000}, "at most")]:
+        with pytest.raises(RequestError, match=message):
+            constraint_from_fields(raw)
+
+
+def test_tree_prefixes_follow_each_nodes_path():
+    assert tree_prefixes([9], [1, 2, 3], [-1, 0, -1]) == [[9], [9, 1], [9, 1, 2], [9, 3]]
+
+
+class _OnlyEven:
+    def accepts(self, context, token):
+        return token % 2 == 0
+
+
+def test_lookup_proposals_are_cut_at_the_first_disallowed_token():
+    assert cut_at_disallowed(_OnlyEven(), [1], [2, 4, 5, 6]) == [2, 4]
+    assert cut_at_disallowed(None, [1], [5]) == [5]
+
+
+# ------------------------------------------------------------------------ the demo chain
+
+
+@pytest.fixture(scope="module")
+def demo():
+    """The demo chain (target <- int8 copy <- n-gram), batched, and the target's model."""
+    return Engine(load_config(str(DEMO)), batched=True)
+
+
+def _generate_all(engine: Engine, raws: list[dict]) -> list[dict]:
+    requests = [engine.parse_request({**raw, "id": str(i)}) for i, raw in enumerate(raws)]
+    results: dict[str, dict] = {}
+    run_requests(engine, requests, lambda result: results.__setitem__(result["id"], result), max_requests=len(requests))
+    return [results[str(i)] for i in range(len(raws))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", list(CONSTRAINTS))
+def test_demo_chain_greedy_equals_the_targets_constrained_decode(demo, kind):
+    """Constrained and free requests side by side in one batch of rounds (int8 drafter, n-gram below it):
+    each constrained reply equals the target's own constrained greedy decode; each free one its free reply."""
+    raws = [{"prompt": p, "max_new_tokens": 48, **CONSTRAINTS[kind]} for p in PROMPTS]
+    free = [{"prompt": p, "max_new_tokens": 24} for p in PROMPTS[:2]]
+    results = _generate_all(demo, raws + free)
+    model, vocab, eos = demo.tiers[0].model, demo.vocab_size, set(demo.scheduler.eos_token_ids)
+    for raw, result in zip(raws, results):
+        prompt_ids = demo.parse_request(raw).prompt_ids
+        expected = constrained_greedy(model, vocab, list(prompt_ids), raw["max_new_tokens"], eos, reference_matcher(demo, raw))
+        assert result["token_ids"] == expected, (kind, raw["prompt"], result["text"])
+    alone = _generate_all(demo, free)
+    assert [r["token_ids"] for r in results[len(raws):]] == [r["token_ids"] for r in alone]
+
+
+@pytest.mark.slow
+def test_json_schema_reply_parses_and_validates(demo):
+    results = _generate_all(demo, [{"prompt": p, "max_new_tokens": 120, "json_schema": PERSON} for p in PROMPTS])
+    for result in results:
+        assert result["finish_reason"] == "eos", result
+        jsonschema.validate(json.loads(result["text"]), PERSON)
+
+
+def test_bad_constraints_are_refused_before_model_work(demo):
+    for bad in [{"json_schema": {"type": "objekt"}}, {"regex": "(["}, {"grammar": "root ::= undefined_rule"},
+                {"json_schema": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}]:
+        with pytest.raises(RequestError) as caught:
+            demo.parse_request({"prompt": "x", **bad})
+        assert "\n" not in str(caught.value) and str(caught.value).startswith("invalid ")
+
+
+def test_unsatisfiable_grammar_allows_only_the_end_and_says_so():
+    """A vocabulary that cannot spell what the grammar needs (a word-level one without "c"): the mask allows only
+    the stop token, and a request that ends there is marked (the engine's finish reason "grammar")."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from polyspec.workers.core.grammar import GrammarBook
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "b": 1, "<eos>": 2}, unk_token="<eos>")),
+                                        eos_token="<eos>")
+    book = GrammarBook(tokenizer, 3, (2,))
+    state = book.start(book.compile(constraint_from_fields({"grammar": 'root ::= "a" "c"'})), prompt_len=1)
+    assert state.allowed([1]).tolist() == [True, False, False]
+    assert state.allowed([1, 0]).tolist() == [False, False, True]
+    assert state.ended_unsatisfiable([0, 2]) and not state.ended_unsatisfiable([2])
+
+
+# ----------------------------------------------------------------- other tier kinds (tiny family)
+
+CHAINS = {
+    "model drafters": (["target", "mid", "small"], {"lengths": [3, 2]}),
+    "int8 + ngram": (["target", "int8", "ngram"], {"lengths": [3, 3]}),
+    "tree specinfer": (["target", "mid", "small"], {"lengths": [3, 2], "tree_width": 3, "verifier": "specinfer"}),
+    "feature head": (["target", "feature"], {"lengths": [3]}),
+}
+TINY_REGEX = {"regex": "[a-f][0-9a-f]"}  # byte tokens: 6 x 16 allowed pairs, then only the end
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("chain", list(CHAINS))
+def test_tiny_chains_greedy_equal_the_targets_constrained_decode(tiny_drafters, chain):
+    names, speculation = CHAINS[chain]
+    engine = Engine(parse_config({"tiers": tier_specs(tiny_drafters, names), "speculation": speculation}), batched=True)
+    raws = [{"prompt": p, "max_new_tokens": 24, "regex": "[a-z]{2,6}(, [a-z]{2,6}){1,3}"} for p in PROMPTS]
+    model, vocab, eos = engine.tiers[0].model, engine.vocab_size, set(engine.scheduler.eos_token_ids)
+    for raw, result in zip(raws, _generate_all(engine, raws + [{"prompt": "free", "max_new_tokens": 16}])):
+        prompt_ids = list(engine.parse_request(raw).prompt_ids)
+        assert result["token_ids"] == constrained_greedy(model, vocab, prompt_ids, 24, eos, reference_matcher(engine, raw)), chain
+
+
+SAMPLED = {  # name: (chain, samples); chi-square at ALPHA (tests/lossless_stats.py), cells under 5 expected pooled
+    "model drafters": ("model drafters", 1200),
+    "int8 + ngram": ("int8 + ngram", 1200),
+    "tree specinfer": ("tree specinfer", 1200),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(SAMPLED))
+def test_sampled_output_is_the_targets_restricted_distribution(tiny_drafters, case):
+    """At T = 1 the first two tokens (96 allowed pairs) are distributed as the target's restricted, renormalised
+    joint: chi-square over `samples` seeded requests, failing only at p < ALPHA (1e-3)."""
+    chain, samples = SAMPLED[case]
+    names, speculation = CHAINS[chain]
+    engine = Engine(parse_config({"tiers": tier_specs(tiny_drafters, names), "speculation": speculation}))
+    params = SamplingParams(temperature=1.0)
+    prompt = PROMPTS[0]
+    prompt_ids = list(engine.parse_request({"prompt": prompt}).prompt_ids)
+    joint = restricted_two_token_probs(engine.tiers[0].model, engine.vocab_size, prompt_ids, params,
+                                       reference_matcher(engine, TINY_REGEX))
+    counts: collections.Counter = collections.Counter()
+    for seed in range(samples):
+        result = engine.generate(engine.parse_request({"prompt": prompt, "max_new_tokens": 2, "temperature": 1.0, "seed": seed,
+                                                       **TINY_REGEX}))
+        counts[tuple(result["token_ids"][:2])] += 1
+    assert all(joint[a, b] > 0 for a, b in counts), "a pair the grammar refuses was emitted"
+    p_value = chi_square_p_value(counts, joint, samples)
+    assert p_value > ALPHA, f"{case}: chi-square p={p_value:.2e} over {samples} samples"
