@@ -73,7 +73,8 @@ INLINE_PARSE_BYTES = 64 << 10  # a body up to this size is parsed on the event l
 HTTP_STATUS_LABELS = {400: "invalid_argument", 401: "unauthenticated", 404: "invalid_argument", 405: "invalid_argument",
                       408: "resource_exhausted", 413: "resource_exhausted", 429: "resource_exhausted", 500: "internal",
                       503: "unavailable"}  # an HTTP refusal -> polyspec_requests_total's status
-FINISH_REASONS = {"eos": "stop", "length": "length", "cancelled": "stop"}  # the engine's finish_reason -> OpenAI's ("stop" stays)
+# the engine's finish_reason -> OpenAI's ("stop" stays; "grammar": the request's grammar allowed no token of the vocabulary)
+FINISH_REASONS = {"eos": "stop", "length": "length", "cancelled": "stop", "grammar": "grammar"}
 SHOWN_NAME_CHARS = 64  # of a model name an error quotes back
 
 

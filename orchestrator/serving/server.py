@@ -67,6 +67,7 @@ from polyspec.orchestrator.tokenization import check_stops
 from polyspec.protos.polyspec.v1 import polyspec_pb2 as pb
 from polyspec.protos.polyspec.v1 import polyspec_pb2_grpc as pb_grpc
 from polyspec.workers.core.errors import RequestError
+from polyspec.workers.core.grammar import KINDS
 
 STREAMING_METHODS = ("Generate", "StreamJobResults")
 MAX_OPTIONS_JSON_BYTES = 16 << 10  # approximate_json: an options object ({"mode": "bild", ...})
@@ -106,6 +107,9 @@ def request_dict(request: pb.GenerateRequest, request_id: str | None = None) -> 
         raw["max_new_tokens"] = request.max_new_tokens
     for field in SAMPLING_FIELDS:
         if request.HasField(field):
+            raw[field] = getattr(request, field)
+    for field in KINDS:  # structured output: compiled (and refused when invalid) by parse_request
+        if getattr(request, field):
             raw[field] = getattr(request, field)
     if request.approximate_json:  # measured before it is parsed: an options object needs kilobytes, not megabytes
         try:
