@@ -255,3 +255,24 @@ def test_sampled_output_is_the_targets_restricted_distribution(tiny_drafters, ca
     assert all(joint[a, b] > 0 for a, b in counts), "a pair the grammar refuses was emitted"
     p_value = chi_square_p_value(counts, joint, samples)
     assert p_value > ALPHA, f"{case}: chi-square p={p_value:.2e} over {samples} samples"
+
+
+def test_compiling_is_bounded_in_time(demo):
+    """A grammar still compiling after the bound is refused in one line (its thread finishes in the background)."""
+    from polyspec.workers.core.grammar import GrammarBook
+
+    book = GrammarBook(demo.tokenizer, demo.vocab_size, tuple(demo.scheduler.eos_token_ids))
+    with pytest.raises(RequestError, match="took longer than 0.001 s to compile"):
+        book.compile(constraint_from_fields({"regex": "([a-z]{1,100}[0-9]{1,100}){1,90}"}), timeout_s=0.001)
+    assert book.compile(constraint_from_fields({"regex": "[0-9]+"})).compiled is not None  # the book still serves
+
+
+def test_refused_where_it_cannot_run_exactly(demo):
+    """Ray chains and approximate modes refuse a constrained request with one line, before any model work."""
+    import types
+
+    ray = types.SimpleNamespace(config=types.SimpleNamespace(runtime=types.SimpleNamespace(backend="ray")))
+    with pytest.raises(RequestError, match="embedded chains only"):
+        Engine._constraint(ray, {"regex": "a"}, demo.config.approximate)
+    with pytest.raises(RequestError, match="exact only"):
+        demo.parse_request({"prompt": "x", "regex": "[a-z]+", "approximate": {"mode": "bild"}})
