@@ -382,7 +382,7 @@ class OpenAIApi:
     async def _logprobs(self, parsed, text: str, choice: "_Answer", top: int, chat: bool) -> dict:
         """The choice's tokens (those its text holds, when a stop string cut it) with the target's log-probabilities."""
         scored, names = await asyncio.to_thread(self.service.score_choice, parsed.prompt_ids, choice.token_ids, text,
-                                                choice.stopped, parsed.params, top)
+                                                choice.stopped, parsed.params, top, parsed.constraint)
         if chat:
             def entry(token: int, logprob: float) -> dict:
                 return {"token": names[token], "logprob": logprob, "bytes": list(names[token].encode("utf-8"))}

@@ -276,3 +276,14 @@ def test_refused_where_it_cannot_run_exactly(demo):
         Engine._constraint(ray, {"regex": "a"}, demo.config.approximate)
     with pytest.raises(RequestError, match="exact only"):
         demo.parse_request({"prompt": "x", "regex": "[a-z]+", "approximate": {"mode": "bild"}})
+
+
+def test_unpack_bitmask_rows_and_the_shift_path_agree():
+    """The numpy unpack (CPU) and the torch shifts (any device) give the same rows."""
+    from polyspec.workers.core import grammar
+
+    generator = torch.Generator().manual_seed(1)
+    words = torch.randint(-(1 << 31), 1 << 31, (3, 5), dtype=torch.int64, generator=generator).to(torch.int32)
+    shifts = ((words[..., None] >> torch.arange(32, dtype=torch.int32)) & 1).flatten(-2)[..., :150].bool()
+    assert torch.equal(unpack_bitmask(words, 150), shifts)
+    assert grammar._bit(31) == -(1 << 31) and grammar._bit(33) == 2  # token 31: the sign bit of its int32 word

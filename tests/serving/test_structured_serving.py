@@ -105,6 +105,14 @@ def test_openai_json_object_and_polyspec_regex(api, target_alone):
     assert completion.choices[0].text == target_alone({"prompt": "import os\n", "max_new_tokens": 24, "regex": REGEX})["text"]
 
 
+def test_logprobs_are_of_the_restricted_rows(api):
+    """The first token's alternatives are all tokens the grammar allows (digits), under the restricted warp."""
+    completion = api.completions.create(model="target", prompt="x = ", max_tokens=2, temperature=0, logprobs=5,
+                                        extra_body={"regex": "[0-9]{3}"})
+    first = completion.choices[0].logprobs.top_logprobs[0]
+    assert first and all(token.isdigit() for token in first), first
+
+
 def test_openai_bad_constraints_are_400(api):
     for fields, message in BAD:
         with pytest.raises(openai.BadRequestError, match=message):

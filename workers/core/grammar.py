@@ -41,7 +41,7 @@ MAX_SOURCE_CHARS = 64 * 1024  # a longer schema / regex / grammar is refused bef
 COMPILE_TIMEOUT_S = 10.0  # a grammar still compiling after this is refused (its thread finishes in the background)
 COMPILE_THREADS = 2  # compilations at once; a pathological one occupies one, the other keeps serving
 COMPILER_CACHE_BYTES = 256 << 20  # the compiler's cache of compiled grammars (shared by equal requests)
-MASK_CACHE_POSITIONS = 512  # a request's cached masks past which the oldest positions are dropped
+MASK_CACHE_POSITIONS = 256  # a request's cached masks (19 KB each at 151,936 tokens) past which the oldest are dropped
 FINISH_GRAMMAR = "grammar"  # finish reason: the grammar allows no token of the vocabulary here (nor an end)
 JSON_OBJECT_SCHEMA = {"type": "object"}  # OpenAI's response_format json_object: any JSON object
 _BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
@@ -156,19 +156,21 @@ def _compile(compiler, spec: ConstraintSpec):
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """xgrammar's bitmask words [W] int32 (bit j of word i: token 32 i + j is allowed) -> [vocab_size] bool.
-    numpy's unpackbits over the words' little-endian bytes: ~30 µs at 151,936 tokens (torch's shifts: ~120)."""
-    if sys.byteorder != "little":
-        bits = (bitmask[:, None] >> _BIT_SHIFTS[None, :]) & 1  # [W, 32]
-        return bits.reshape(-1)[:vocab_size].bool()
-    unpacked = np.unpackbits(bitmask.contiguous().numpy().view(np.uint8), bitorder="little")[:vocab_size]  # [V] uint8
-    return torch.from_numpy(unpacked.view(np.bool_))
+    """xgrammar's bitmask words [..., W] int32 (bit j of word i: token 32 i + j is allowed) -> [..., vocab_size] bool,
+    on the words' device. On the CPU numpy's unpackbits over the words' little-endian bytes (~30 µs at 151,936
+    tokens; torch's shifts ~120 µs); elsewhere the shifts, on the device."""
+    if bitmask.device.type == "cpu" and sys.byteorder == "little":
+        as_bytes = bitmask.contiguous().numpy().view(np.uint8)  # [..., 4 W]
+        unpacked = np.unpackbits(as_bytes, axis=-1, bitorder="little")[..., :vocab_size]  # [..., V] uint8
+        return torch.from_numpy(unpacked.view(np.bool_))
+    bits = (bitmask[..., :, None] >> _BIT_SHIFTS.to(bitmask.device)) & 1  # [..., W, 32]
+    return bits.flatten(-2)[..., :vocab_size].bool()
 
 
 class GrammarState:
     """One request's grammar: its matcher, which advances over a context's tokens past the prompt and rolls
-    back to the prefix the next context shares, and its masks, cached per position (the tiers of the
-    request share them). Not thread-safe: the round's one thread calls it."""
+    back to the prefix the next context shares, and its masks (packed words), cached per position (the tiers
+    of the request share them). Not thread-safe: the round's one thread calls it."""
 
     def __init__(self, spec: ConstraintSpec, prompt_len: int, vocab_size: int, stop_token_ids: tuple[int, ...]) -> None:
         import xgrammar
@@ -180,7 +182,7 @@ class GrammarState:
         self.matcher = xgrammar.GrammarMatcher(spec.compiled)
         self._bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)  # [1, W] int32
         self.consumed: list[int] = []  # the generated tokens the matcher has accepted, in order
-        self.masks: dict[tuple[int, ...], torch.Tensor | None] = {}
+        self.masks: dict[tuple[int, ...], torch.Tensor | None] = {}  # generated tokens -> packed words [W] (None: free)
         self.dead_ends: set[tuple[int, ...]] = set()  # positions where nothing (not even an end) is allowed
         self.mask_fills = 0  # masks computed (each position once)
 
@@ -200,34 +202,46 @@ class GrammarState:
             self.consumed.append(int(token))
         return True
 
-    def allowed(self, context: list[int]) -> torch.Tensor | None:
-        """[V] bool: the tokens the grammar allows after `context` (the prompt, then generated tokens); None
-        where no row there is ever used (the grammar refused a token before, or ended): no restriction."""
+    def words(self, context: list[int]) -> torch.Tensor | None:
+        """[W] int32, xgrammar's packed mask of the tokens the grammar allows after `context` (the prompt, then
+        generated tokens); None where no row there is ever used (the grammar refused a token before, or ended)."""
         key = tuple(context[self.prompt_len:])
         if key in self.masks:
             return self.masks[key]
-        mask = None
+        words = None
         if self._goto(list(key)) and not self.matcher.is_terminated():
             self.matcher.fill_next_token_bitmask(self._bitmask)
             self.mask_fills += 1
-            mask = unpack_bitmask(self._bitmask[0], self.vocab_size)
-            if not mask.numpy().any():  # the tokenizer cannot continue this grammar: end here, and say why
+            words = self._bitmask[0].clone()
+            if not unpack_bitmask(words, self.vocab_size).numpy().any():  # the tokenizer cannot continue: end here, say why
                 self.dead_ends.add(key)
-                mask[list(self.stop_token_ids)] = True
+                for token in self.stop_token_ids:
+                    words[token >> 5] |= _bit(token)
         if len(self.masks) >= MASK_CACHE_POSITIONS:  # keep the newest positions (the committed prefix only grows)
             longest = max(len(k) for k in self.masks)
             self.masks = {k: v for k, v in self.masks.items() if len(k) > longest - MASK_CACHE_POSITIONS // 4}
-        self.masks[key] = mask
-        return mask
+        self.masks[key] = words
+        return words
+
+    def allowed(self, context: list[int]) -> torch.Tensor | None:
+        """[V] bool: the tokens the grammar allows after `context`; None where no row is ever used (`words`)."""
+        words = self.words(context)
+        return None if words is None else unpack_bitmask(words, self.vocab_size)
 
     def accepts(self, context: list[int], token: int) -> bool:
         """Does the grammar allow `token` after `context`?"""
-        mask = self.allowed(context)
-        return mask is None or bool(mask[token])
+        words = self.words(context)
+        return words is None or bool((int(words[token >> 5]) >> (token & 31)) & 1)
 
     def ended_unsatisfiable(self, generated: list[int]) -> bool:
         """Did a request that committed `generated` end where its grammar allowed no token?"""
         return tuple(generated[:-1]) in self.dead_ends or tuple(generated) in self.dead_ends
+
+
+def _bit(token: int) -> int:
+    """Token's bit in its int32 word (bit 31 as the negative int32 it is)."""
+    bit = 1 << (token & 31)
+    return bit - (1 << 32) if bit >= 1 << 31 else bit
 
 
 # ------------------------------------------------------------------------ what the tiers call
@@ -240,15 +254,17 @@ def grammar_of(params):
 
 def restrict_rows(logits: torch.Tensor, grammar: GrammarState | None, prefixes: list[list[int]]) -> torch.Tensor:
     """`logits` [n, V] with row j's disallowed tokens (after `prefixes[j]`) at -inf; the rows unchanged
-    without a grammar. A fresh tensor where anything is masked (the caller's rows may be a graph's buffers)."""
+    without a grammar. The packed masks go to the logits' device and are unpacked there. A fresh tensor where
+    anything is masked (the caller's rows may be a graph's buffers)."""
     if grammar is None:
         return logits
     assert logits.dim() == 2 and logits.shape[0] == len(prefixes), (logits.shape, len(prefixes))
-    masks = [grammar.allowed(prefix) for prefix in prefixes]
-    if all(mask is None for mask in masks):
+    words = [grammar.words(prefix) for prefix in prefixes]
+    if all(w is None for w in words):
         return logits
-    allowed = torch.stack([torch.ones(logits.shape[-1], dtype=torch.bool) if m is None else m[: logits.shape[-1]]
-                           for m in masks]).to(logits.device, non_blocking=True)  # [n, V]
+    free = torch.full_like(next(w for w in words if w is not None), -1)  # every bit set: a row nobody reads
+    packed = torch.stack([free if w is None else w for w in words]).to(logits.device, non_blocking=True)  # [n, W]
+    allowed = unpack_bitmask(packed, logits.shape[-1])  # [n, V]
     return logits.masked_fill(~allowed, float("-inf"))
 
 
