@@ -388,9 +388,6 @@ class Engine:
         spec = constraint_from_fields(raw)
         if spec is None:
             return None
-        if self.config.runtime.backend == "ray":
-            raise RequestError(f"{spec.kind}: structured output runs on embedded chains only (runtime.backend: local), "
-                               "not on a Ray chain yet")
         if not mode.lossless:
             raise RequestError(f"{spec.kind}: structured output is exact only; it cannot run in approximate mode {mode.mode}")
         return self.grammars.compile(spec)
@@ -400,7 +397,9 @@ class Engine:
         """The chain's grammar compiler (over the target's tokenizer and vocabulary), made at its first use."""
         with self._grammars_lock:
             if self._grammars is None:
-                self._grammars = GrammarBook(self.tokenizer, self.vocab_size, tuple(self.scheduler.eos_token_ids))
+                # a Ray chain's tiers load the tokenizer from the target's folder (tier.proto's constraint_json)
+                self._grammars = GrammarBook(self.tokenizer, self.vocab_size, tuple(self.scheduler.eos_token_ids),
+                                             tokenizer_source=self.config.tiers[0].model)
             return self._grammars
 
     def _approximate_mode(self, raw: dict) -> ApproximateMode:

@@ -46,6 +46,7 @@ from polyspec.orchestrator.decode.scheduler import Run
 from polyspec.orchestrator.decode.approximate import worker_hooks
 from polyspec.orchestrator.tuning.time_model import AHEAD_SMOOTHING, AHEAD_THRESHOLD  # the time model reads the same bet
 from polyspec.protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
+from polyspec.workers.core.grammar import from_wire
 from polyspec.workers.core.sampling import SamplingParams
 from polyspec.workers.tiers.tier import Tier, scratch_sequence
 from polyspec.orchestrator.distributed.model_lock import LockedTiers, ModelLock, model_seconds
@@ -94,6 +95,9 @@ class _Sequence:
         self.header = tier_pb2.SequenceHeader()
         self.header.CopyFrom(header)
         self.params = header_params(header)
+        if header.constraint_json:  # structured output: this tier's own matcher, its rows restricted here
+            self.params = dataclasses.replace(self.params, grammar=from_wire(header.constraint_json, worker.tier.vocab_size,
+                                                                             tuple(worker.eos_token_ids)))
         seed = header.seeds[worker.index] if worker.index < len(header.seeds) else None
         self.run = Run(
             seq_id=header.seq_id,

@@ -1,10 +1,7 @@
-"""Structured output (polyspec.workers.core.grammar) stays lossless under speculation.
-
-The reference is independent of the code under test: the target model through transformers, one
-token per forward, its logits masked by xgrammar's own matcher and bitmask kernel
-(`xgrammar.apply_token_bitmask_inplace`), then the argmax (greedy) or the exact restricted,
-renormalised joint of the first two tokens (sampling; chi-square as tests/lossless_stats.py).
-"""
+"""Structured output (polyspec.workers.core.grammar) stays lossless under speculation, against the independent
+reference of tests/grammar_reference.py (the target through transformers, xgrammar's own matcher and kernel):
+greedy replies equal the target's constrained greedy decode; at T = 1 the first two tokens follow the target's
+restricted joint (chi-square as tests/lossless_stats.py)."""
 
 from __future__ import annotations
 
@@ -22,9 +19,10 @@ from polyspec.orchestrator.config import load_config, parse_config
 from polyspec.orchestrator.engine import Engine
 from polyspec.workers.core.errors import RequestError
 from polyspec.workers.core.grammar import constraint_from_fields, cut_at_disallowed, tree_prefixes, unpack_bitmask
-from polyspec.workers.core.sampling import SamplingParams, warp_logits
+from polyspec.workers.core.sampling import SamplingParams
 
 from family_chains import tier_specs
+from grammar_reference import constrained_greedy, matcher_for, restricted_two_token_probs
 from lossless_stats import ALPHA, chi_square_p_value
 
 DEMO = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
@@ -49,57 +47,8 @@ CONSTRAINTS = {
 PROMPTS = ["def add(a, b):\n    ", "import os\n\nclass Config:\n", "for i in range(10):\n"]
 
 
-# ------------------------------------------------------------------------------ reference
-
-
 def reference_matcher(engine: Engine, raw: dict):
-    """xgrammar's matcher for `raw`'s constraint over the engine's tokenizer, built here (not by the engine)."""
-    info = xgrammar.TokenizerInfo.from_huggingface(engine.tokenizer, vocab_size=engine.vocab_size,
-                                                   stop_token_ids=sorted(engine.scheduler.eos_token_ids))
-    compiler = xgrammar.GrammarCompiler(info, max_threads=1)
-    if "json_schema" in raw:
-        compiled = compiler.compile_json_schema(json.dumps(raw["json_schema"]), any_whitespace=False)
-    elif "regex" in raw:
-        compiled = compiler.compile_regex(raw["regex"])
-    else:
-        compiled = compiler.compile_grammar(raw["grammar"])
-    return xgrammar.GrammarMatcher(compiled)
-
-
-def masked(logits: torch.Tensor, matcher) -> torch.Tensor:
-    """[V] logits with what `matcher` disallows at -inf (xgrammar's own kernel)."""
-    bitmask = xgrammar.allocate_token_bitmask(1, logits.shape[-1])
-    matcher.fill_next_token_bitmask(bitmask)
-    row = logits.float().clone()[None]
-    xgrammar.apply_token_bitmask_inplace(row, bitmask)
-    return row[0]
-
-
-def constrained_greedy(model, vocab: int, prompt_ids: list[int], count: int, eos: set[int], matcher) -> list[int]:
-    """The target's own constrained greedy decode: one token per forward (the whole context each time)."""
-    out: list[int] = []
-    with torch.inference_mode():
-        while len(out) < count:
-            logits = model(torch.tensor([prompt_ids + out])).logits[0, -1, :vocab]
-            token = int(masked(logits, matcher).argmax())
-            out.append(token)
-            if token in eos:
-                break
-            assert matcher.accept_token(token)
-    return out
-
-
-def restricted_two_token_probs(model, vocab: int, prompt_ids: list[int], params: SamplingParams, matcher) -> torch.Tensor:
-    """[V, V] joint of the first two tokens under the target's warped distribution restricted by the grammar."""
-    with torch.inference_mode():
-        first = warp_logits(masked(model(torch.tensor([prompt_ids])).logits[0, -1, :vocab], matcher), params)  # [V]
-        joint = torch.zeros(vocab, vocab)
-        for x in first.nonzero().flatten().tolist():
-            assert matcher.accept_token(x)
-            second = warp_logits(masked(model(torch.tensor([prompt_ids + [x]])).logits[0, -1, :vocab], matcher), params)
-            matcher.rollback(1)
-            joint[x] = first[x] * second
-    return joint
+    return matcher_for(engine.tokenizer, engine.vocab_size, sorted(engine.scheduler.eos_token_ids), raw)
 
 
 # ---------------------------------------------------------------------------- pure parts
@@ -267,13 +216,8 @@ def test_compiling_is_bounded_in_time(demo):
     assert book.compile(constraint_from_fields({"regex": "[0-9]+"})).compiled is not None  # the book still serves
 
 
-def test_refused_where_it_cannot_run_exactly(demo):
-    """Ray chains and approximate modes refuse a constrained request with one line, before any model work."""
-    import types
-
-    ray = types.SimpleNamespace(config=types.SimpleNamespace(runtime=types.SimpleNamespace(backend="ray")))
-    with pytest.raises(RequestError, match="embedded chains only"):
-        Engine._constraint(ray, {"regex": "a"}, demo.config.approximate)
+def test_refused_in_approximate_modes(demo):
+    """Structured output is exact only: an approximate mode refuses a constrained request with one line."""
     with pytest.raises(RequestError, match="exact only"):
         demo.parse_request({"prompt": "x", "regex": "[a-z]+", "approximate": {"mode": "bild"}})
 

@@ -104,10 +104,12 @@ class GrammarBook:
     chain's stop tokens (what a finished grammar allows: the request then ends as "eos"). Built lazily:
     the tokenizer's table takes ~0.6 s for a 151,936-token vocabulary."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...], tokenizer_source: str | None = None) -> None:
+        """`tokenizer_source`: where the tokenizer loads from (the target's folder), for a distributed chain's tiers."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = tuple(stop_token_ids)
+        self.tokenizer_source = tokenizer_source
         self._compiler = None
         self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="polyspec-grammar")
@@ -143,7 +145,38 @@ class GrammarBook:
         """A request's matcher over `spec` (compiled), for contexts whose first `prompt_len` tokens are its prompt."""
         if spec.compiled is None:
             spec = self.compile(spec)
-        return GrammarState(spec, prompt_len, self.vocab_size, self.stop_token_ids)
+        state = GrammarState(spec, prompt_len, self.vocab_size, self.stop_token_ids)
+        state.tokenizer_source = self.tokenizer_source
+        return state
+
+
+def wire_form(state: "GrammarState") -> str:
+    """A request's constraint as a distributed chain's tiers receive it (tier.proto SequenceHeader.constraint_json)."""
+    spec = state.spec
+    return json.dumps({"kind": spec.kind, "source": spec.source, "strict": spec.strict, "prompt_len": state.prompt_len,
+                       "tokenizer": state.tokenizer_source})
+
+
+_BOOKS: dict[tuple, GrammarBook] = {}
+_BOOKS_LOCK = threading.Lock()
+
+
+def from_wire(constraint_json: str, vocab_size: int, stop_token_ids: tuple[int, ...]) -> "GrammarState":
+    """`wire_form`'s request at a tier of a distributed chain: compiled over the tokenizer it names (one book per
+    tokenizer, vocabulary and stop tokens in this process, so equal constraints share the compiler's cache)."""
+    fields = json.loads(constraint_json)
+    key = (fields["tokenizer"], vocab_size, tuple(sorted(stop_token_ids)))
+    with _BOOKS_LOCK:
+        book = _BOOKS.get(key)
+        if book is None:
+            if not fields["tokenizer"]:
+                raise RequestError("structured output on a distributed chain needs the target's tokenizer folder")
+            from polyspec.workers.tiers.loading import load_tokenizer  # (a folder, a Hugging Face id or a .gguf file)
+
+            tokenizer = load_tokenizer(fields["tokenizer"], "target")
+            book = _BOOKS[key] = GrammarBook(tokenizer, vocab_size, tuple(stop_token_ids), fields["tokenizer"])
+    spec = ConstraintSpec(fields["kind"], fields["source"], bool(fields.get("strict", True)))
+    return book.start(book.compile(spec), int(fields["prompt_len"]))
 
 
 def _compile(compiler, spec: ConstraintSpec):
@@ -185,6 +218,7 @@ class GrammarState:
         self.masks: dict[tuple[int, ...], torch.Tensor | None] = {}  # generated tokens -> packed words [W] (None: free)
         self.dead_ends: set[tuple[int, ...]] = set()  # positions where nothing (not even an end) is allowed
         self.mask_fills = 0  # masks computed (each position once)
+        self.tokenizer_source: str | None = None  # where the tokenizer loads from (`wire_form`)
 
     def _goto(self, generated: list[int]) -> bool:
         """Put the matcher after `generated`; False when the grammar refuses one of them (or a token after an end)."""
