@@ -64,11 +64,16 @@ def test_unpack_bitmask_matches_xgrammar():
 
 
 def test_request_fields_are_checked_before_compiling():
+    deep: object = 1
+    for _ in range(70):  # past MAX_SCHEMA_DEPTH (64)
+        deep = [deep]
     assert constraint_from_fields({"prompt": "x"}) is None
     assert constraint_from_fields({"json_schema": '{"type": "object"}'}).source == '{"type": "object"}'
     for raw, message in [({"json_schema": {}, "regex": "a"}, "not several"), ({"json_schema": "{"}, "not valid JSON"),
                          ({"json_schema": [1]}, "must be a JSON object"), ({"regex": 3}, "must be a string"),
-                         ({"grammar": ""}, "is empty"), ({"regex": "a" * 70000}, "at most")]:
+                         ({"grammar": ""}, "is empty"), ({"regex": "a" * 70000}, "at most"),
+                         ({"json_schema": "[" * 5000 + "]" * 5000}, "nests deeper"),  # past Python's recursion limit
+                         ({"json_schema": {"default": deep}}, "nests deeper")]:
         with pytest.raises(RequestError, match=message):
             constraint_from_fields(raw)
 

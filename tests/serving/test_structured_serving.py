@@ -126,6 +126,51 @@ def test_openai_bad_constraints_are_400(api):
     assert ok.choices[0].finish_reason in ("length", "stop")
 
 
+def _deep(levels: int) -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(levels):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+HOSTILE = [  # 21 malformed or pathological constraints: each a clean 400, while other clients' requests complete unchanged
+    {"json_schema": {"type": "objekt"}}, {"json_schema": "{"}, {"json_schema": [1, 2]}, {"json_schema": 5},
+    {"json_schema": _deep(200)}, {"json_schema": {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}},
+    {"json_schema": {"$ref": "#/nowhere"}}, {"json_schema": {"type": "string", "pattern": "(["}},
+    {"json_schema": {"type": "integer", "minimum": 10, "maximum": 1}}, {"json_schema": {"type": "string", "minLength": 5, "maxLength": 2}},
+    {"json_schema": {"enum": []}}, {"regex": "(["}, {"regex": "a{5,2}"}, {"regex": "(" * 3000 + "a" + ")" * 3000}, {"regex": 42},
+    {"regex": ""}, {"grammar": "root ::= nowhere"}, {"grammar": "not a grammar"}, {"grammar": "root ::= " + '"a" ' * 20000},
+    {"grammar": "root ::= " + "(" * 3000 + '"a"' + ")" * 3000}, {"json_schema": {}, "regex": "a"},
+]
+
+
+def test_hostile_constraints_get_clean_errors_while_others_complete(demo_server, target_alone):
+    import threading
+    import urllib.error
+    import urllib.request
+
+    expected = target_alone({"prompt": "import os\n", "max_new_tokens": 24})["text"]
+    others: list[str] = []
+
+    def other_client() -> None:
+        with Client(demo_server.address) as client:
+            for _ in range(3):
+                others.append(client.generate("import os\n", max_new_tokens=24, temperature=0)["text"])
+
+    beside = threading.Thread(target=other_client)
+    beside.start()
+    for fields in HOSTILE:
+        body = json.dumps({"model": "target", "prompt": "x", "max_tokens": 4, **fields}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{demo_server.http_port}/v1/completions", body,
+                                         {"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(request, timeout=60)
+        message = json.loads(caught.value.read())["error"]["message"]
+        assert caught.value.code == 400 and "\n" not in message and len(message) < 400, (str(fields)[:80], caught.value.code, message)
+    beside.join(timeout=120)
+    assert others == [expected] * 3
+
+
 def test_grpc_sdk_and_jobs(demo_server, target_alone):
     with Client(demo_server.address) as client:
         result = client.generate("def area(r):\n    ", max_new_tokens=96, json_schema=SCHEMA)
