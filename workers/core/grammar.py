@@ -17,9 +17,12 @@ Types, top-down:
   longest prefix it shares with the last context it saw (a drafted block, then the accepted prefix).
   Masks are cached per position, so the tiers of one request share each one.
 
+On a distributed chain the driver sends the constraint in the sequence header (`wire_form`) and each
+tier makes its own matcher (`from_wire`): masks are made where the tokens are.
+
 The library is xgrammar (benchmarks/grammar-library.md: mask time per token over Qwen2.5's 151,936
-tokens, rollback, install size). Its bitmask (int32 words) is unpacked to a bool row here, in torch,
-so applying it works on any device.
+tokens, rollback, install size). Masks are cached as its packed bitmask (int32 words) and unpacked to
+bool rows on the logits' device (numpy on the CPU, torch's shifts elsewhere).
 """
 
 from __future__ import annotations
