@@ -30,7 +30,7 @@ import time
 from typing import Any, Callable
 
 from polyspec.orchestrator.batch_runner import run_requests
-from polyspec.orchestrator.decode.contract import BatchDecoder, RequestState
+from polyspec.orchestrator.decode.contract import FINISH_EOS, BatchDecoder, RequestState
 from polyspec.orchestrator.decode.scheduler import ChainScheduler
 from polyspec.orchestrator.config import ChainConfig
 from polyspec.orchestrator.tokenization import encode_chat, encode_prompt, stop_token_ids
@@ -460,7 +460,7 @@ class Engine:
     def finish(self, state: RequestState) -> dict:
         output = self.scheduler.finish(state)
         grammar = getattr(state.params, "grammar", None)
-        if grammar is not None and output.finish_reason == "eos" and grammar.ended_unsatisfiable(output.token_ids):
+        if grammar is not None and output.finish_reason == FINISH_EOS and grammar.ended_unsatisfiable(output.token_ids):
             output = dataclasses.replace(output, finish_reason=FINISH_GRAMMAR)
         return self._result(state.request, output, state.started, state.first_commit_at, self._detach(state))
 
