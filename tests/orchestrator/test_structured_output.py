@@ -11,14 +11,11 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-import torch
-import xgrammar
 
 from polyspec.orchestrator.batch_runner import run_requests
 from polyspec.orchestrator.config import load_config, parse_config
 from polyspec.orchestrator.engine import Engine
 from polyspec.workers.core.errors import RequestError
-from polyspec.workers.core.grammar import constraint_from_fields, cut_at_disallowed, tree_prefixes, unpack_bitmask
 from polyspec.workers.core.sampling import SamplingParams
 
 from family_chains import tier_specs
@@ -49,47 +46,6 @@ PROMPTS = ["def add(a, b):\n    ", "import os\n\nclass Config:\n", "for i in ran
 
 def reference_matcher(engine: Engine, raw: dict):
     return matcher_for(engine.tokenizer, engine.vocab_size, sorted(engine.scheduler.eos_token_ids), raw)
-
-
-# ---------------------------------------------------------------------------- pure parts
-
-
-def test_unpack_bitmask_matches_xgrammar():
-    generator = torch.Generator().manual_seed(0)
-    vocab = 100
-    bitmask = torch.randint(-(1 << 31), 1 << 31, (1, 4), dtype=torch.int64, generator=generator).to(torch.int32)
-    logits = torch.zeros(1, vocab)
-    xgrammar.apply_token_bitmask_inplace(logits, bitmask)
-    assert torch.equal(unpack_bitmask(bitmask[0], vocab), logits[0] == 0)
-
-
-def test_request_fields_are_checked_before_compiling():
-    deep: object = 1
-    for _ in range(70):  # past MAX_SCHEMA_DEPTH (64)
-        deep = [deep]
-    assert constraint_from_fields({"prompt": "x"}) is None
-    assert constraint_from_fields({"json_schema": '{"type": "object"}'}).source == '{"type": "object"}'
-    for raw, message in [({"json_schema": {}, "regex": "a"}, "not several"), ({"json_schema": "{"}, "not valid JSON"),
-                         ({"json_schema": [1]}, "must be a JSON object"), ({"regex": 3}, "must be a string"),
-                         ({"grammar": ""}, "is empty"), ({"regex": "a" * 70000}, "at most"),
-                         ({"json_schema": "[" * 5000 + "]" * 5000}, "nests deeper"),  # past Python's recursion limit
-                         ({"json_schema": {"default": deep}}, "nests deeper")]:
-        with pytest.raises(RequestError, match=message):
-            constraint_from_fields(raw)
-
-
-def test_tree_prefixes_follow_each_nodes_path():
-    assert tree_prefixes([9], [1, 2, 3], [-1, 0, -1]) == [[9], [9, 1], [9, 1, 2], [9, 3]]
-
-
-class _OnlyEven:
-    def accepts(self, context, token):
-        return token % 2 == 0
-
-
-def test_lookup_proposals_are_cut_at_the_first_disallowed_token():
-    assert cut_at_disallowed(_OnlyEven(), [1], [2, 4, 5, 6]) == [2, 4]
-    assert cut_at_disallowed(None, [1], [5]) == [5]
 
 
 # ------------------------------------------------------------------------ the demo chain
@@ -139,23 +95,6 @@ def test_bad_constraints_are_refused_before_model_work(demo):
         with pytest.raises(RequestError) as caught:
             demo.parse_request({"prompt": "x", **bad})
         assert "\n" not in str(caught.value) and str(caught.value).startswith("invalid ")
-
-
-def test_unsatisfiable_grammar_allows_only_the_end_and_says_so():
-    """A vocabulary that cannot spell what the grammar needs (a word-level one without "c"): the mask allows only
-    the stop token, and a request that ends there is marked (the engine's finish reason "grammar")."""
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
-    from polyspec.workers.core.grammar import GrammarBook
-
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "b": 1, "<eos>": 2}, unk_token="<eos>")),
-                                        eos_token="<eos>")
-    book = GrammarBook(tokenizer, 3, (2,))
-    state = book.start(book.compile(constraint_from_fields({"grammar": 'root ::= "a" "c"'})), prompt_len=1)
-    assert state.allowed([1]).tolist() == [True, False, False]
-    assert state.allowed([1, 0]).tolist() == [False, False, True]
-    assert state.ended_unsatisfiable([0, 2]) and not state.ended_unsatisfiable([2])
 
 
 # ----------------------------------------------------------------- other tier kinds (tiny family)
@@ -211,28 +150,7 @@ def test_sampled_output_is_the_targets_restricted_distribution(tiny_drafters, ca
     assert p_value > ALPHA, f"{case}: chi-square p={p_value:.2e} over {samples} samples"
 
 
-def test_compiling_is_bounded_in_time(demo):
-    """A grammar still compiling after the bound is refused in one line (its thread finishes in the background)."""
-    from polyspec.workers.core.grammar import GrammarBook
-
-    book = GrammarBook(demo.tokenizer, demo.vocab_size, tuple(demo.scheduler.eos_token_ids))
-    with pytest.raises(RequestError, match="took longer than 0.001 s to compile"):
-        book.compile(constraint_from_fields({"regex": "([a-z]{1,100}[0-9]{1,100}){1,90}"}), timeout_s=0.001)
-    assert book.compile(constraint_from_fields({"regex": "[0-9]+"})).compiled is not None  # the book still serves
-
-
 def test_refused_in_approximate_modes(demo):
     """Structured output is exact only: an approximate mode refuses a constrained request with one line."""
     with pytest.raises(RequestError, match="exact only"):
         demo.parse_request({"prompt": "x", "regex": "[a-z]+", "approximate": {"mode": "bild"}})
-
-
-def test_unpack_bitmask_rows_and_the_shift_path_agree():
-    """The numpy unpack (CPU) and the torch shifts (any device) give the same rows."""
-    from polyspec.workers.core import grammar
-
-    generator = torch.Generator().manual_seed(1)
-    words = torch.randint(-(1 << 31), 1 << 31, (3, 5), dtype=torch.int64, generator=generator).to(torch.int32)
-    shifts = ((words[..., None] >> torch.arange(32, dtype=torch.int32)) & 1).flatten(-2)[..., :150].bool()
-    assert torch.equal(unpack_bitmask(words, 150), shifts)
-    assert grammar._bit(31) == -(1 << 31) and grammar._bit(33) == 2  # token 31: the sign bit of its int32 word
