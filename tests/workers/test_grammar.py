@@ -86,6 +86,29 @@ def test_unpack_bitmask_rows_and_the_shift_path_agree():
     """The numpy unpack (CPU) and the torch shifts (any device) give the same rows."""
     generator = torch.Generator().manual_seed(1)
     words = torch.randint(-(1 << 31), 1 << 31, (3, 5), dtype=torch.int64, generator=generator).to(torch.int32)
-    shifts = ((words[..., None] >> torch.arange(32, dtype=torch.int32)) & 1).flatten(-2)[..., :150].bool()
-    assert torch.equal(unpack_bitmask(words, 150), shifts)
+    assert torch.equal(unpack_bitmask(words, 150), grammar.unpack_by_shifts(words, 150))
+    assert torch.equal(unpack_bitmask(words[0], 150), grammar.unpack_by_shifts(words, 150)[0])
     assert grammar._bit(31) == -(1 << 31) and grammar._bit(33) == 2  # token 31: the sign bit of its int32 word
+
+
+def test_slow_compiles_make_no_other_wait_and_are_bounded_in_number(monkeypatch):
+    """Each compile runs on its own thread: one stuck past its bound delays no other; past MAX_COMPILING running,
+    a new one is refused at once."""
+    import threading
+
+    tokenizer = make_tokenizer()
+    book = GrammarBook(tokenizer, len(tokenizer), (tokenizer.eos_token_id,))
+    release = threading.Event()
+    compile_now = grammar._compile
+    monkeypatch.setattr(grammar, "_compile", lambda compiler, spec: release.wait(5) and compile_now(compiler, spec)
+                        if spec.source == "[a-z]+" else compile_now(compiler, spec))
+    monkeypatch.setattr(grammar, "MAX_COMPILING", 3)
+    for _ in range(2):
+        with pytest.raises(RequestError, match="took longer"):
+            book.compile(constraint_from_fields({"regex": "[a-z]+"}), timeout_s=0.05)
+    assert book.compile(constraint_from_fields({"regex": "[0-9]+"}), timeout_s=5).compiled is not None  # not behind them
+    with pytest.raises(RequestError, match="took longer"):
+        book.compile(constraint_from_fields({"regex": "[a-z]+"}), timeout_s=0.05)
+    with pytest.raises(RequestError, match="3 grammars are compiling already"):
+        book.compile(constraint_from_fields({"regex": "[0-9]+"}))
+    release.set()

@@ -27,7 +27,6 @@ bool rows on the logits' device (numpy on the CPU, torch's shifts elsewhere).
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import json
 import re
@@ -43,7 +42,7 @@ KINDS = ("json_schema", "regex", "grammar")  # the request fields that constrain
 MAX_SOURCE_CHARS = 64 * 1024  # a longer schema / regex / grammar is refused before compiling
 MAX_SCHEMA_DEPTH = 64  # JSON nesting of a schema (a schema nesting 200 objects took 2.3 s to compile)
 COMPILE_TIMEOUT_S = 10.0  # a grammar still compiling after this is refused (its thread finishes in the background)
-COMPILE_THREADS = 2  # compilations at once; a pathological one occupies one, the other keeps serving
+MAX_COMPILING = 8  # compilations at once, each on a thread of its own (a slow one makes no other wait); more are refused
 COMPILER_CACHE_BYTES = 256 << 20  # the compiler's cache of compiled grammars (shared by equal requests)
 MASK_CACHE_POSITIONS = 256  # a request's cached masks (19 KB each at 151,936 tokens) past which the oldest are dropped
 FINISH_GRAMMAR = "grammar"  # finish reason: the grammar allows no token of the vocabulary here (nor an end)
@@ -140,7 +139,7 @@ class GrammarBook:
         self.tokenizer_source = tokenizer_source
         self._compiler = None
         self._lock = threading.Lock()
-        self._pool = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="polyspec-grammar")
+        self.compiling = 0  # compilations running, those past their bound included (their threads run on)
 
     def compiler(self):
         with self._lock:
@@ -158,16 +157,29 @@ class GrammarBook:
         """`spec` with its compiled grammar; an invalid source, or one that takes more than `timeout_s` to
         compile, raises RequestError (one line)."""
         compiler = self.compiler()
-        future = self._pool.submit(_compile, compiler, spec)
-        try:
-            compiled = future.result(timeout=timeout_s)
-        except concurrent.futures.TimeoutError:
-            raise RequestError(f"{spec.kind} took longer than {timeout_s:g} s to compile; simplify it") from None
-        except RequestError:
-            raise
-        except Exception as exc:  # xgrammar's parse errors (RuntimeError, ValueError, its own types)
-            raise RequestError(f"invalid {spec.kind}: {one_line(exc)}") from None
-        return dataclasses.replace(spec, compiled=compiled)
+        with self._lock:
+            if self.compiling >= MAX_COMPILING:
+                raise RequestError(f"{MAX_COMPILING} grammars are compiling already; send {spec.kind} again shortly")
+            self.compiling += 1
+        outcome: dict = {}
+        done = threading.Event()
+
+        def run() -> None:  # a thread of its own: a slow compile delays no other request's
+            try:
+                outcome["compiled"] = _compile(compiler, spec)
+            except Exception as exc:  # noqa: BLE001 - xgrammar's parse errors (RuntimeError, ValueError, its own types)
+                outcome["error"] = exc
+            finally:
+                with self._lock:
+                    self.compiling -= 1
+                done.set()
+
+        threading.Thread(target=run, name="polyspec-grammar", daemon=True).start()
+        if not done.wait(timeout_s):
+            raise RequestError(f"{spec.kind} took longer than {timeout_s:g} s to compile; simplify it")
+        if "error" in outcome:
+            raise RequestError(f"invalid {spec.kind}: {one_line(outcome['error'])}")
+        return dataclasses.replace(spec, compiled=outcome["compiled"])
 
     def start(self, spec: ConstraintSpec, prompt_len: int) -> "GrammarState":
         """A request's matcher over `spec` (compiled), for contexts whose first `prompt_len` tokens are its prompt."""
@@ -224,6 +236,11 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
         as_bytes = bitmask.contiguous().numpy().view(np.uint8)  # [..., 4 W]
         unpacked = np.unpackbits(as_bytes, axis=-1, bitorder="little")[..., :vocab_size]  # [..., V] uint8
         return torch.from_numpy(unpacked.view(np.bool_))
+    return unpack_by_shifts(bitmask, vocab_size)
+
+
+def unpack_by_shifts(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """`unpack_bitmask` in torch ops on the words' own device (a device tier's logits: no copy to the host)."""
     bits = (bitmask[..., :, None] >> _BIT_SHIFTS.to(bitmask.device)) & 1  # [..., W, 32]
     return bits.flatten(-2)[..., :vocab_size].bool()
 
