@@ -87,6 +87,13 @@ class _Stream:
         self.rows.extend(list(rows) if rows is not None else [None] * len(tokens))
 
 
+def target_tokenizer(source: str):
+    """The target's tokenizer from its folder, Hugging Face id or .gguf file (a structured-output request's grammar)."""
+    from polyspec.workers.tiers.loading import load_tokenizer
+
+    return load_tokenizer(source, "target")
+
+
 class _Sequence:
     """One request as seen by this worker."""
 
@@ -96,8 +103,8 @@ class _Sequence:
         self.header.CopyFrom(header)
         self.params = header_params(header)
         if header.constraint_json:  # structured output: this tier's own matcher, its rows restricted here
-            self.params = dataclasses.replace(self.params, grammar=from_wire(header.constraint_json, worker.tier.vocab_size,
-                                                                             tuple(worker.eos_token_ids)))
+            grammar = from_wire(header.constraint_json, worker.tier.vocab_size, tuple(worker.eos_token_ids), target_tokenizer)
+            self.params = dataclasses.replace(self.params, grammar=grammar)
         seed = header.seeds[worker.index] if worker.index < len(header.seeds) else None
         self.run = Run(
             seq_id=header.seq_id,

@@ -29,7 +29,8 @@ def test_distributed_greedy_equals_the_targets_constrained_decode(tiny_family, n
 
     made = []  # (the tier's vocabulary) for each request's matcher a tier made from its header
     original = worker_module.from_wire
-    monkeypatch.setattr(worker_module, "from_wire", lambda text, vocab, stops: made.append(vocab) or original(text, vocab, stops))
+    monkeypatch.setattr(worker_module, "from_wire",
+                        lambda text, vocab, stops, load: made.append(vocab) or original(text, vocab, stops, load))
     chain, workers, tokenizer = batched_chain(tiny_family, names, lengths, pipeline)
     try:
         vocab = workers[0].tier.vocab_size

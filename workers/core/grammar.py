@@ -201,9 +201,10 @@ _BOOKS: dict[tuple, GrammarBook] = {}
 _BOOKS_LOCK = threading.Lock()
 
 
-def from_wire(constraint_json: str, vocab_size: int, stop_token_ids: tuple[int, ...]) -> "GrammarState":
-    """`wire_form`'s request at a tier of a distributed chain: compiled over the tokenizer it names (one book per
-    tokenizer, vocabulary and stop tokens in this process, so equal constraints share the compiler's cache)."""
+def from_wire(constraint_json: str, vocab_size: int, stop_token_ids: tuple[int, ...], load_tokenizer) -> "GrammarState":
+    """`wire_form`'s request at a tier of a distributed chain: compiled over the tokenizer it names, read by
+    `load_tokenizer(source)` (one book per tokenizer, vocabulary and stop tokens in this process, so equal
+    constraints share the compiler's cache)."""
     fields = json.loads(constraint_json)
     key = (fields["tokenizer"], vocab_size, tuple(sorted(stop_token_ids)))
     with _BOOKS_LOCK:
@@ -211,9 +212,7 @@ def from_wire(constraint_json: str, vocab_size: int, stop_token_ids: tuple[int, 
         if book is None:
             if not fields["tokenizer"]:
                 raise RequestError("structured output on a distributed chain needs the target's tokenizer folder")
-            from polyspec.workers.tiers.loading import load_tokenizer  # (a folder, a Hugging Face id or a .gguf file)
-
-            tokenizer = load_tokenizer(fields["tokenizer"], "target")
+            tokenizer = load_tokenizer(fields["tokenizer"])
             book = _BOOKS[key] = GrammarBook(tokenizer, vocab_size, tuple(stop_token_ids), fields["tokenizer"])
     spec = ConstraintSpec(fields["kind"], fields["source"], bool(fields.get("strict", True)))
     return book.start(book.compile(spec), int(fields["prompt_len"]))
