@@ -20,6 +20,7 @@ from serving_helpers import ServerProcess, free_port, polyspec_command
 from polyspec.client import Client, InvalidArgument
 
 openai = pytest.importorskip("openai")
+pytest.importorskip("xgrammar")  # the server compiles the constraints with it (pyproject's pin)
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import xgrammar
 
 from polyspec.workers.core import grammar
 from polyspec.workers.core.errors import RequestError
 from polyspec.workers.core.grammar import GrammarBook, constraint_from_fields, cut_at_disallowed, tree_prefixes, unpack_bitmask
 from tiny_models import make_tokenizer
+
+xgrammar = pytest.importorskip("xgrammar")  # pyproject's pin
 
 
 def test_unpack_bitmask_matches_xgrammar():
@@ -112,3 +113,12 @@ def test_slow_compiles_make_no_other_wait_and_are_bounded_in_number(monkeypatch)
     with pytest.raises(RequestError, match="3 grammars are compiling already"):
         book.compile(constraint_from_fields({"regex": "[0-9]+"}))
     release.set()
+
+
+def test_without_the_library_a_constrained_request_is_one_line(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # `import xgrammar` raises ImportError
+    tokenizer = make_tokenizer()
+    with pytest.raises(RequestError, match="structured output needs xgrammar"):
+        GrammarBook(tokenizer, len(tokenizer), (tokenizer.eos_token_id,)).compile(constraint_from_fields({"regex": "a"}))

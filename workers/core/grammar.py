@@ -119,6 +119,15 @@ def nesting_depth(value) -> int:
     return deepest
 
 
+def _xgrammar():
+    """The grammar library, imported at the first constrained request; its absence is one line."""
+    try:
+        import xgrammar
+    except ImportError:
+        raise RequestError("structured output needs xgrammar: pip install xgrammar==0.2.9 (polyspec's pinned dependency)") from None
+    return xgrammar
+
+
 def one_line(exc: BaseException, limit: int = 240) -> str:
     """An exception's message on one line (without the library's time and source file), cut to `limit` characters."""
     text = _NATIVE_PREFIX.sub("", " ".join(str(exc).split())) or type(exc).__name__
@@ -144,8 +153,7 @@ class GrammarBook:
     def compiler(self):
         with self._lock:
             if self._compiler is None:
-                import xgrammar
-
+                xgrammar = _xgrammar()
                 if self.tokenizer is None:
                     raise RequestError("the target model has no tokenizer, so output cannot be constrained")
                 info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
@@ -250,8 +258,7 @@ class GrammarState:
     of the request share them). Not thread-safe: the round's one thread calls it."""
 
     def __init__(self, spec: ConstraintSpec, prompt_len: int, vocab_size: int, stop_token_ids: tuple[int, ...]) -> None:
-        import xgrammar
-
+        xgrammar = _xgrammar()
         self.spec = spec
         self.prompt_len = prompt_len
         self.vocab_size = vocab_size
