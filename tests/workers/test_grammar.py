@@ -59,8 +59,8 @@ def test_unsatisfiable_grammar_allows_only_the_end_and_says_so():
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "b": 1, "<eos>": 2}, unk_token="<eos>")),
-                                        eos_token="<eos>")
+    vocabulary = models.WordLevel({"a": 0, "b": 1, "<eos>": 2}, unk_token="<eos>")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(vocabulary), eos_token="<eos>")
     book = GrammarBook(tokenizer, 3, (2,))
     state = book.start(book.compile(constraint_from_fields({"grammar": 'root ::= "a" "c"'})), prompt_len=1)
     assert state.allowed([1]).tolist() == [True, False, False]

@@ -124,7 +124,7 @@ def _xgrammar():
     try:
         import xgrammar
     except ImportError:
-        raise RequestError("structured output needs xgrammar: pip install xgrammar==0.2.9 (polyspec's pinned dependency)") from None
+        raise RequestError("structured output needs xgrammar: pip install xgrammar==0.2.9 (polyspec's pin)") from None
     return xgrammar
 
 
