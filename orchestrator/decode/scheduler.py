@@ -78,7 +78,9 @@ from polyspec.orchestrator.decode.contract import (
     finish_if_full,
     mark_cancelled,
     note_plan,
+    note_round,
     output,
+    plan_records,
     remaining,
     seeded_generator,
     stage_of,
@@ -239,6 +241,7 @@ class ChainScheduler:
         if not live:
             return out
         drafters: list[int | None] = [self.below(0)] * len(live)  # per live request: the tier drafting its target block
+        predicted = None  # the planner's tokens/s for each request under its plan
         if self.planner is not None:
             behind = {level: sum(max(0, len(states[i].committed) - 1 - tier.cached(states[i].run.seq_id)) for i in live)
                       for level, tier in enumerate(self.tiers) if level and tier.has_weights}
@@ -246,6 +249,7 @@ class ChainScheduler:
                              tuple(min(remaining(states[i]), states[i].limit - len(states[i].committed)) for i in live),
                              seq_ids=tuple(states[i].run.seq_id for i in live))
             lengths, active = self.planner.plan(step)
+            predicted = getattr(self.planner, "predicted_tokens_per_s", None)
             self.lengths, self.active = list(lengths), tuple(active)
             # (a tree's drafter grows the tree the verifier walks: one drafter for the step)
             drafters = list((self.planner.drafters(step) if self.tree_width == 1 else ()) or [self.below(0)] * len(live))
@@ -276,6 +280,9 @@ class ChainScheduler:
             for level, proposals in shadows.items():
                 self._observe_shadow(level, proposals[len(committed) - 1], emitted, state.run)
         seconds = time.perf_counter() - started
+        if self.planner is not None:  # each request's round, under the plan it ran: its tokens in the step's wall time
+            for i, emitted in zip(live, committed):
+                note_round(states[i].plans, len(emitted), seconds, predicted)
         lengths = [self.lengths[t] for t in self.active[:-1]]
         self.last_step = {"batch": len(live), "tokens": sum(len(c) for c in committed), "seconds": seconds,
                           "lengths": lengths, "tiers": list(self.active)}
@@ -320,7 +327,7 @@ class ChainScheduler:
         extra = {"tiers": [{"tier": t.name, "busy_s": round(busy, 6), "forwarded_tokens": tokens}
                            for t, busy, tokens in zip(self.tiers, state.tier_busy_s, run.forwarded_tokens)]}
         if self.planner is not None:
-            extra["plans"] = state.plans
+            extra["plans"] = plan_records(state.plans)
         return output(state, run.stages + list(run.bypass_stages.values()), **extra)
 
     def cancel(self, state: RequestState) -> GenerationOutput:

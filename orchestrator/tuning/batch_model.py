@@ -610,6 +610,7 @@ class BatchPlanner:
         return arm
 
     one_request = False  # plans steps of any batch (contract.RoundPlanner)
+    predicted_tokens_per_s: float | None = None  # (contract.RoundPlanner) set by `plan_batch`: the step's goodput / its requests
 
     def plan(self, step) -> tuple[list[int], tuple[int, ...]]:
         """`contract.RoundPlanner.plan`: the step's (lengths, active tiers)."""
@@ -715,6 +716,7 @@ class BatchPlanner:
         self._pending, self._pending_arm = best, arm
         self._predicted_ms = self.step_ms(best, batch)[0] * self.corrected(best, group)
         self._predicted_value = self.model_goodput(best, batch)
+        self.predicted_tokens_per_s = self.goodput(best, batch) / batch  # (contract.RoundPlanner) each request's share
         return list(best.lengths), best.active
 
     def describe(self) -> dict:
