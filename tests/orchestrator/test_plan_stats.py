@@ -73,3 +73,39 @@ def test_each_plan_a_request_ran_under_carries_its_predicted_and_measured_tokens
     for result in results:
         for plan in check_plans(result):  # the target, then tiers of the chain in order
             assert plan["tiers"][0] == names[0] and plan["tiers"] == sorted(plan["tiers"], key=names.index)
+
+
+def write_config(path, tiny_family, lengths, tuning: dict) -> str:
+    import yaml
+
+    path.write_text(yaml.safe_dump({"tiers": tier_specs(tiny_family, ["target", "mid", "ngram"]), "speculation": {"lengths": lengths},
+                                    "sampling": {"max_new_tokens": 16}, "tuning": tuning}))
+    return str(path)
+
+
+def test_the_cli_shows_the_planners_chains(tiny_family, tmp_path, capsys):
+    """`polyspec generate`'s summary line names each chain's rounds, measured and predicted tokens/s; `polyspec batch`
+    writes each result's plans and --stats sums them per chain; with fixed lengths the `tuning:` section is named."""
+    import json
+
+    from polyspec.orchestrator.cli import main
+
+    auto = write_config(tmp_path / "auto.yaml", tiny_family, "auto", {"max_length": 4})
+    assert main(["generate", "-c", auto, "-p", "def f(x):", "-n", "12"]) == 0
+    summary = capsys.readouterr().err.strip().splitlines()[-1]
+    assert ", planned: target" in summary and " rounds " in summary and "tok/s (predicted " in summary, summary
+    requests = tmp_path / "in.jsonl"
+    requests.write_text("".join(json.dumps({"id": str(i), "prompt": p}) + "\n" for i, p in enumerate(PROMPTS)))
+    out, stats = tmp_path / "out.jsonl", tmp_path / "stats.json"
+    assert main(["batch", "-c", auto, "-i", str(requests), "-o", str(out), "--stats", str(stats)]) == 0
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    tally = PlanTally()
+    for result in results:
+        tally.add(check_plans(result))
+    totals = json.loads(stats.read_text())["plans"]
+    assert totals == tally.as_dict() and all(total["rounds"] > 0 for total in totals.values())
+    capsys.readouterr()
+    fixed = write_config(tmp_path / "fixed.yaml", tiny_family, [4, 2], {"max_length": 4})
+    assert main(["generate", "-c", fixed, "-p", "def f(x):", "-n", "4"]) == 0
+    err = capsys.readouterr().err
+    assert "polyspec: tuning: max_length set, but no planner runs" in err and "planned:" not in err
