@@ -92,3 +92,20 @@ def test_switch_hysteresis_sets_the_gain_speculation_needs_to_be_switched_on():
         shares[len(section)] = sum(speculated[-200:]) / 200
     assert shares[0] > 0.9 and shares[1] < 0.1
     assert goodput({"switch_hysteresis": 0.5}).switch_on == 1.5 and MIN_STEPS
+
+
+def test_validate_names_what_each_path_would_not_read(tmp_path, capsys):
+    import yaml
+
+    from polyspec.orchestrator.cli import main
+
+    config = tmp_path / "chain.yaml"
+    config.write_text(yaml.safe_dump({"tiers": TIERS, "speculation": {"lengths": "auto"}, "tuning": {"hysteresis": 0.1}}))
+    assert main(["validate", "-c", str(config), "--no-model-check"]) == 0
+    out = capsys.readouterr().out
+    assert "note (batched steps: batch, jobs, serve): tuning: hysteresis set, but batched steps are planned by the goodput planner" in out
+    assert "one request at a time" not in out
+    config.write_text(yaml.safe_dump({"tiers": TIERS, "speculation": {"lengths": [2, 2]}, "tuning": {"hysteresis": 0.1}}))
+    assert main(["validate", "-c", str(config), "--no-model-check"]) == 0
+    assert "note (one request at a time; batched steps: batch, jobs, serve): tuning: hysteresis set, but no planner runs" \
+        in capsys.readouterr().out
