@@ -714,9 +714,11 @@ class BatchPlanner:
             self.history.append({"batch": batch, "tiers": list(best.active), "lengths": list(best.lengths)})
             del self.history[:-64]
         self._pending, self._pending_arm = best, arm
-        self._predicted_ms = self.step_ms(best, batch)[0] * self.corrected(best, group)
+        ms, tokens = self.step_ms(best, batch)
+        self._predicted_ms = ms * self.corrected(best, group)
         self._predicted_value = self.model_goodput(best, batch)
-        self.predicted_tokens_per_s = self.goodput(best, batch) / batch  # (contract.RoundPlanner) each request's share
+        # (contract.RoundPlanner) each request's share of the step's goodput: its tokens over the corrected step time
+        self.predicted_tokens_per_s = tokens / max(self._predicted_ms, 1e-6) * 1000.0
         return list(best.lengths), best.active
 
     def describe(self) -> dict:
