@@ -2,11 +2,10 @@
 
 The config's `tuning:` section (config.TuningConfig) feeds whichever planner a run has:
 
-    path                                                         planner
-    one request at a time (generate, chat, batching.enabled: false)  the one-request tuner (tuner.Tuner)
-    batched steps (polyspec batch, jobs, serve; embedded, the
-      device round or a Ray chain)                               the goodput planner (batch_model.BatchPlanner)
-    speculation.lengths fixed, or --no-speculation               none: the lengths are the config's
+    one request at a time (generate, chat, batching.enabled: false): the one-request tuner (tuner.Tuner)
+    batched steps (polyspec batch, jobs, serve; embedded, the device round or Ray): the goodput planner
+        (batch_model.BatchPlanner)
+    speculation.lengths fixed, or --no-speculation: none (the lengths are the config's)
 
 A Ray chain runs every tier in every round (its repair loop routes around dead tiers), so the
 options about leaving tiers out mean nothing there, and its batched round hears no shadow
