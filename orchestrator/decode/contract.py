@@ -286,8 +286,9 @@ class RoundPlanner(Protocol):
         that differs from the plan's for some (a request whose own text makes a lookup pay); empty: the plan's for all."""
 
     # right after `plan(step)`: the tokens/s it expects of each request of the step under the plan (None: no prediction);
-    # recorded per plan in the request's stats beside the measured rate (`note_round`)
-    predicted_tokens_per_s: float | None
+    # after `drafters(step)` named drafters apart, one per request; recorded per plan in the request's stats beside the
+    # measured rate (`note_round`)
+    predicted_tokens_per_s: float | tuple[float, ...] | None
 
 
 # ----------------------------------------------------------------- end of a request

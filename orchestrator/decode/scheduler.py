@@ -241,7 +241,7 @@ class ChainScheduler:
         if not live:
             return out
         drafters: list[int | None] = [self.below(0)] * len(live)  # per live request: the tier drafting its target block
-        predicted = None  # the planner's tokens/s for each request under its plan
+        predicted: list[float | None] = [None] * len(live)  # per live request: the planner's tokens/s under its plan
         if self.planner is not None:
             behind = {level: sum(max(0, len(states[i].committed) - 1 - tier.cached(states[i].run.seq_id)) for i in live)
                       for level, tier in enumerate(self.tiers) if level and tier.has_weights}
@@ -249,10 +249,12 @@ class ChainScheduler:
                              tuple(min(remaining(states[i]), states[i].limit - len(states[i].committed)) for i in live),
                              seq_ids=tuple(states[i].run.seq_id for i in live))
             lengths, active = self.planner.plan(step)
-            predicted = getattr(self.planner, "predicted_tokens_per_s", None)
             self.lengths, self.active = list(lengths), tuple(active)
             # (a tree's drafter grows the tree the verifier walks: one drafter for the step)
             drafters = list((self.planner.drafters(step) if self.tree_width == 1 else ()) or [self.below(0)] * len(live))
+            predicted = getattr(self.planner, "predicted_tokens_per_s", None)  # (per request where they draft apart)
+            if not isinstance(predicted, tuple):
+                predicted = [predicted] * len(live)
             for i, drafter in zip(live, drafters):
                 tiers = [0, drafter] if drafter != self.below(0) else list(self.active)  # a request drafted apart: its pair
                 note_plan(states[i].plans, len(states[i].new_tokens), [self.lengths[t] for t in tiers[:-1]],
@@ -281,8 +283,8 @@ class ChainScheduler:
                 self._observe_shadow(level, proposals[len(committed) - 1], emitted, state.run)
         seconds = time.perf_counter() - started
         if self.planner is not None:  # each request's round, under the plan it ran: its tokens in the step's wall time
-            for i, emitted in zip(live, committed):
-                note_round(states[i].plans, len(emitted), seconds, predicted)
+            for i, emitted, expected in zip(live, committed, predicted):
+                note_round(states[i].plans, len(emitted), seconds, expected)
         lengths = [self.lengths[t] for t in self.active[:-1]]
         self.last_step = {"batch": len(live), "tokens": sum(len(c) for c in committed), "seconds": seconds,
                           "lengths": lengths, "tiers": list(self.active)}

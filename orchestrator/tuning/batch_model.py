@@ -610,7 +610,9 @@ class BatchPlanner:
         return arm
 
     one_request = False  # plans steps of any batch (contract.RoundPlanner)
-    predicted_tokens_per_s: float | None = None  # (contract.RoundPlanner) set by `plan_batch`: the step's goodput / its requests
+    # (contract.RoundPlanner) set by `plan_batch`: the step's goodput over its requests; by `drafters` where requests
+    # draft apart: per request, its drafter's expected tokens over the step's time
+    predicted_tokens_per_s: float | tuple[float, ...] | None = None
 
     def plan(self, step) -> tuple[list[int], tuple[int, ...]]:
         """`contract.RoundPlanner.plan`: the step's (lengths, active tiers)."""
@@ -665,7 +667,7 @@ class BatchPlanner:
             return ()
         model, k = plan.active[1], plan.lengths[0]
         lookups = [t for t in range(1, len(self.tiers)) if self.tables[t] is None]
-        out = []
+        out, expected = [], []
         for seq_id, params in zip(step.seq_ids, step.params):
             best, most = model, self.acceptance.expected(0, model, params.greedy, k)
             for lookup in lookups:
@@ -673,7 +675,12 @@ class BatchPlanner:
                 if tokens is not None and tokens > most:
                     best, most = lookup, tokens
             out.append(best)
-        return tuple(out) if any(d != model for d in out) else ()
+            expected.append(most)
+        if all(d == model for d in out):
+            return ()
+        # each request's own prediction: the tokens its drafter is expected to give it, over the step's corrected time
+        self.predicted_tokens_per_s = tuple(tokens / max(self._predicted_ms, 1e-6) * 1000.0 for tokens in expected)
+        return tuple(out)
 
     def plan_batch(self, batch: int, params: list[SamplingParams] | None = None, behind: dict[int, int] | None = None,
                    remaining: tuple[int, ...] = ()) -> tuple[list[int], tuple[int, ...]]:

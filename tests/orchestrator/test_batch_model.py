@@ -672,8 +672,11 @@ def test_a_request_whose_own_text_makes_the_lookup_pay_drafts_with_it_under_a_mo
             proposed, accepted = next(pattern)
             plan.observe(ShadowObservation(2, proposed, accepted, True, seq_id))
     step = types.SimpleNamespace(seq_ids=tuple(heard), params=tuple(types.SimpleNamespace(greedy=True) for _ in heard))
-    plan._pending = Plan((0, 1), (6, 0))
+    plan._pending, plan._predicted_ms = Plan((0, 1), (6, 0)), 10.0
     assert plan.drafters(step) == (2, 1, 1, 1, 2)
+    predicted = plan.predicted_tokens_per_s  # each request's own: its drafter's expected tokens over the step's 10 ms
+    assert predicted[1] == predicted[2] == predicted[3] and math.isclose(predicted[1], 100.0 * plan.acceptance.expected(0, 1, True, 6))
+    assert predicted[0] > predicted[1] and predicted[4] > predicted[1]
     plan._pending = Plan((0, 2), (6, 0))
     assert plan.drafters(step) == ()
     plan._pending = Plan((0, 1), (6, 0))
