@@ -256,7 +256,7 @@ class Engine:
         self.tiers = self.scheduler.tiers  # TierViews: name, vocab_size, busy_s
         if batched and self.config.batching.enabled:
             # every running request in one VerifyBatch per step; each tier actor scores all their
-            # blocks in one forward (polyspec.orchestrator.distributed.batched_rounds)
+            # blocks in one forward (polyspec.orchestrator.distributed.worker)
             self.batched = self.scheduler.batched = True
             self.max_requests = self.config.batching.max_requests
         if auto_tune and self.config.speculation.lengths == "auto" and len(self.tiers) > 1:

@@ -232,7 +232,7 @@ class DistributedChain:
 
     def step_all(self, states: list[RequestState]) -> list[list[int]]:
         """One target round of every request in `states`, in one VerifyBatch: each tier scores every
-        request's block in one forward (polyspec.orchestrator.distributed.batched_rounds). A planner
+        request's block in one forward (polyspec.orchestrator.distributed.worker). A planner
         plans the step and hears its stage reports as typed observations (`round_observations`)."""
         started = time.perf_counter()
         out: list[list[int]] = [[] for _ in states]
