@@ -67,7 +67,7 @@ class Metrics:
                                 ["chain", "source"], registry=r)
         self._plan_ratio = Histogram("polyspec_plan_prediction_ratio", "Measured / predicted tokens/s of each plan a request ran under",
                                      buckets=PREDICTION_RATIO_BUCKETS, registry=r)
-        self.plans = PlanTally()  # the same, for GetStats and snapshot()
+        self.plans = PlanTally()  # the same sums, for snapshot()
         self.approximate = collections.Counter()  # mode -> count
         self.goodput = 0.0
         self._tenants_seen: set[str] = set()

@@ -14,7 +14,8 @@ from what the shallower ones measured). A round of depth d emits 1 + sum_{i<d} p
 The statistics are those of the engine's one tree width (they are not kept per width).
 
 Acceptance moves: a lookup drafter's grows with the request's own text, a model drafter's differs between
-prose, code and math. So a pair's chain counts fade (by 1 / MEMORY_ROUNDS per round of that pair): the
+prose, code and math. So a pair's chain counts fade (by 1 / MEMORY_ROUNDS per round of that pair, or to
+`tuning.decay` of themselves where the config sets it): the
 rate follows the last ~MEMORY_ROUNDS rounds, and `spread` says how sure one is (the posterior's standard
 deviation over the counts kept, prior included). A tree's per-depth counts do not fade: its deeper levels
 are reached by few rounds, and they are priced from the chain rate until they have been.
