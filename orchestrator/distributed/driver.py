@@ -43,7 +43,9 @@ from polyspec.orchestrator.decode.contract import (
     finish_if_full,
     mark_cancelled,
     note_plan,
+    note_round,
     output,
+    plan_records,
     remaining,
     tier_seeds,
 )
@@ -114,7 +116,7 @@ class RemoteRun:
     rounds: int = 0
     overhead_s: float = 0.0  # round trips not spent in model forwards on the critical path
     # with a planner that follows one request (`_planner_work`): (planner, observations) of the last round,
-    # heard during the next round, and (planner, (lengths, active)) of the next round, planned during this one
+    # heard during the next round, and (planner, (lengths, active), predicted tokens/s) of the next round, planned during this one
     unobserved: tuple | None = None
     planned: tuple | None = None
 
@@ -243,7 +245,7 @@ class DistributedChain:
                 out[i] = self.step_all([states[i]])[0]
             return out
         running = [states[i] for i in live]
-        lengths, active = self._plan(running)
+        lengths, active, predicted = self._plan(running)
         requests = [self._round_request(state, lengths) for state in running]
         reply, wall = self._call_target("VerifyBatch", tier_pb2.VerifyBatchRequest(requests=requests),
                                         meanwhile=self._planner_work(running, lengths))
@@ -256,6 +258,9 @@ class DistributedChain:
             out[i] = self._round_reply(state, one, wall)
         seconds = time.perf_counter() - started
         committed = tuple(tuple(out[i]) for i in live)
+        if planner is not None:  # each request's round, under the plan it ran: its tokens in the step's wall time
+            for state, tokens in zip(running, committed):
+                note_round(state.plans, len(tokens), seconds, predicted)
         self.last_step = {"batch": len(live), "tokens": sum(map(len, committed)), "seconds": seconds, "tiers": list(active),
                           "lengths": list(lengths)}
         if planner is not None:
@@ -274,22 +279,24 @@ class DistributedChain:
                          remaining=tuple(min(remaining(state), state.limit - len(state.committed)) for state in states),
                          first=tuple(state.run.rounds == 0 for state in states))
 
-    def _plan(self, states: list[RequestState]) -> tuple[list[int], tuple[int, ...]]:
+    def _plan(self, states: list[RequestState]) -> tuple[list[int], tuple[int, ...], float | None]:
         """The step's lengths and tiers: the planner's (made while the request's last round was in flight,
-        where it was: `_planner_work`), else the chain's own."""
+        where it was: `_planner_work`), else the chain's own; and the planner's predicted tokens/s of each
+        request under them (None: no planner, or no prediction)."""
         planner = self.planner
         if planner is None:
-            return list(self.lengths), self.active
+            return list(self.lengths), self.active, None
         planned, states[0].run.planned = states[0].run.planned, None
         if planned is not None and planned[0] is planner and len(states) == 1:
-            lengths, active = planned[1]
+            (lengths, active), predicted = planned[1], planned[2]
         else:
             with self._planner_lock:
                 lengths, active = planner.plan(self._step_input(states))
+                predicted = getattr(planner, "predicted_tokens_per_s", None)
         for state in states:
             note_plan(state.plans, len(state.new_tokens), lengths, [self.tiers[t].name for t in active])
         self.lengths, self.active = list(lengths), tuple(active)  # the plan in use (the server's speculation_length gauge)
-        return self.lengths, self.active
+        return self.lengths, self.active, predicted
 
     def _planner_work(self, states: list[RequestState], lengths: list[int]) -> Callable[[], None] | None:
         """With a planner that follows one request (the online tuner): its work for this thread while
@@ -317,7 +324,7 @@ class DistributedChain:
                 self._hear(pending)
             if ahead:
                 with self._planner_lock:
-                    run.planned = (planner, planner.plan(self._step_input([state])))
+                    run.planned = (planner, planner.plan(self._step_input([state])), getattr(planner, "predicted_tokens_per_s", None))
 
         return work
 
@@ -370,7 +377,7 @@ class DistributedChain:
             self._release(state.seq_id, keep_caches=True)
         extra = {"rounds": run.rounds, "overhead_s": round(run.overhead_s, 6)}
         if state.plans:
-            extra["plans"] = state.plans
+            extra["plans"] = plan_records(state.plans)
         return output(state, [stage for _, stage in sorted(run.stages.items())], **extra)
 
     def cancel(self, state: RequestState) -> GenerationOutput:
