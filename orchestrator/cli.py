@@ -366,7 +366,7 @@ def cmd_batch(args) -> int:
                  "pipeline": engine.config.runtime.pipeline, "batched": engine.batched,
                  "max_requests": min(args.concurrency or engine.max_requests, engine.max_requests) if engine.batched else None,
                  **engine.scheduler.runtime_stats()}
-        if getattr(engine.scheduler, "planner", None) is not None:
+        if engine.scheduler.planner is not None:
             stats["planner"] = engine.scheduler.planner.describe()
             stats["plans"] = chains.as_dict()
         if args.stats:
@@ -378,7 +378,7 @@ def cmd_batch(args) -> int:
         rate = tokens[0] / elapsed if elapsed > 0 else 0.0
         stats = {"requests": len(todo), "generated_tokens": tokens[0], "time_s": round(elapsed, 3), "tokens_per_s": round(rate, 3),
                  "max_requests": engine.max_requests}
-        planner = getattr(engine.scheduler, "planner", None)
+        planner = engine.scheduler.planner
         if planner is not None:
             stats["planner"] = planner.describe()
             stats["plans"] = chains.as_dict()

@@ -174,7 +174,7 @@ class Engine:
         mode = self.config.batching.round
         if mode != "auto":
             return mode == "device"
-        return str(getattr(self.tiers[0], "device", "cpu")).startswith("cuda")
+        return str(self.tiers[0].device).startswith("cuda")
 
     def _start(self, eos: tuple[int, ...], auto_tune: bool, keep_finished: int = 0) -> None:
         """The round over the one tier family (polyspec.workers.tiers.batched): every model tier one forward
@@ -268,9 +268,7 @@ class Engine:
 
     def close(self) -> None:
         """Stop the chain's actors (ray backend); nothing to do embedded."""
-        close = getattr(self.scheduler, "close", None)
-        if close is not None:
-            close()
+        self.scheduler.close()
 
     def make_tuner(self, context: list[int] | None = None, **knobs):
         """Profile every tier (a few seconds) and build the online tuner (polyspec.orchestrator.tuning.tuner)
@@ -324,7 +322,7 @@ class Engine:
 
     @property
     def vocab_size(self) -> int:
-        return getattr(self.scheduler, "vocab_size", None) or self.tiers[0].vocab_size
+        return self.scheduler.vocab_size
 
     # ------------------------------------------------------------------- requests
 

@@ -125,6 +125,14 @@ class Decoder(Protocol):
     tiers: list  # target first; each has at least `name` and `busy_s`
     max_context: int | None  # the longest context any request may reach (None: no limit)
     eos_token_ids: frozenset[int]
+    vocab_size: int  # the chain's shared vocabulary (what a request's logits rows span)
+    lengths: list[int]  # the speculation length of each verifying level in use
+    active: tuple[int, ...]  # the tiers in use, target first (a planner may bypass some)
+    planner: "RoundPlanner | None"  # lengths: auto's planner (None: the lengths are fixed)
+    concurrent_steps: bool  # may steps of different requests run at once (threads; a remote chain)?
+
+    def close(self) -> None:
+        """Release what the decoder holds outside this process (a remote chain's channels, actors)."""
 
     def start(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams, seed: int | None = None) -> RequestState:
         """Open a request. Requests are independent: a caller may interleave their steps."""

@@ -125,6 +125,8 @@ class ChainScheduler:
     finish / cancel over the chain's tiers, and the round API a tier worker drives on its own
     `Run`s (`round_batch`, `emit_batch`, `length_at`)."""
 
+    concurrent_steps = False  # one step at a time: a step runs every request it is given in one round
+
     def __init__(
         self,
         tiers: list[BatchedTier],
@@ -161,6 +163,7 @@ class ChainScheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.active = tuple(range(len(tiers)))  # tiers in use, target first; a planner may bypass some
         self.planner = planner
+        self.vocab_size = self.tiers[0].vocab_size
         self.recorder = recorder
         self.draft_ahead = draft_ahead
         self.prefill_budget = prefill_budget
@@ -173,6 +176,9 @@ class ChainScheduler:
         self.kept = KeptSequences(keep_finished, self._release, lambda: next(_sequence_ids))
 
     # ----------------------------------------------------------------- decoder API
+
+    def close(self) -> None:
+        """Nothing to release: the tiers are this process's own."""
 
     def start(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams, seed: int | None = None) -> RequestState:
         """Open a request; advance it with `step` / `step_all` (one target round each), close it
@@ -232,7 +238,7 @@ class ChainScheduler:
 
     def step_all(self, states: list[RequestState]) -> list[list[int]]:
         """One target round for every request in `states`; the newly committed tokens of each."""
-        if len(states) > 1 and getattr(self.planner, "one_request", False):
+        if len(states) > 1 and self.planner is not None and self.planner.one_request:
             return [self.step_all([state])[0] for state in states]  # a planner that follows one request at a time
         started = time.perf_counter()
         catch_up_s = 0.0
@@ -252,7 +258,7 @@ class ChainScheduler:
             self.lengths, self.active = list(lengths), tuple(active)
             # (a tree's drafter grows the tree the verifier walks: one drafter for the step)
             drafters = list((self.planner.drafters(step) if self.tree_width == 1 else ()) or [self.below(0)] * len(live))
-            predicted = getattr(self.planner, "predicted_tokens_per_s", None)  # (per request where they draft apart)
+            predicted = self.planner.predicted_tokens_per_s  # (per request where they draft apart)
             if not isinstance(predicted, tuple):
                 predicted = [predicted] * len(live)
             for i, drafter in zip(live, drafters):

@@ -138,6 +138,7 @@ class DistributedChain:
         extends them (prefix reuse, as the embedded chain's: `contract.KeptSequences`)."""
         self.membership = membership
         self.tiers = membership.views
+        self.vocab_size = min((view.vocab_size for view in self.tiers), default=0)  # (set again once the tiers report theirs)
         self.lengths = list(lengths)
         self.active = tuple(range(len(self.tiers)))
         self.tree_width = tree_width

@@ -422,10 +422,10 @@ class TierWorker:
             tier=self.tier.name, index=self.index, vocab_size=self.tier.vocab_size, max_context=min(limits) if limits else 0,
             can_verify=self.tier.can_verify, deterministic_drafts=self.tier.deterministic_drafts,
             lower=self.lower.address if self.lower is not None else "", busy_s=self.tier.busy_s,
-            uptime_s=time.time() - self.started, forwards=getattr(self.tier, "forwards", 0),
+            uptime_s=time.time() - self.started, forwards=self.tier.forwards,
             open_sequences=len(self._sequences), sent=self.counters.as_proto(), ahead_hits=self.ahead_hits,
             ahead_misses=self.ahead_misses, ahead_dropped_tokens=self.ahead_dropped,
-            device=str(getattr(self.tier, "device", "cpu")), pid=os.getpid(),
+            device=str(self.tier.device), pid=os.getpid(),
         )
 
     def profile(self, request: tier_pb2.ProfileRequest) -> tier_pb2.ProfileReply:
