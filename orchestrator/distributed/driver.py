@@ -79,6 +79,7 @@ class Membership:
     """Where the tiers are; what to do when one fails."""
 
     views: list[TierView]
+    events: tuple | list = ()  # membership changes, when it records them (RayMembership)
 
     def target_address(self) -> str:
         raise NotImplementedError
@@ -456,7 +457,7 @@ class DistributedChain:
             "degraded_rounds": self.degraded_rounds,
             "tiers": tiers,
             # drafters left out at start-up, bypassed, wired (back) in: when and why (RayMembership)
-            "tier_events": list(getattr(self.membership, "events", [])),
+            "tier_events": list(self.membership.events),
         }
 
     def close(self) -> None:

@@ -558,7 +558,7 @@ class PolyspecService(pb_grpc.PolyspecServicer):
             response.speculation_lengths.extend(int(k) for k in chain.lengths)
             response.active_tiers.extend(chain.tiers[i].name for i in active)
             for tier, config in zip(self.engine.tiers, self.engine.config.tiers):
-                response.tiers.add(tier=tier.name, model=config.model, up=getattr(tier, "up", True), busy_s=getattr(tier, "busy_s", 0.0))
+                response.tiers.add(tier=tier.name, model=config.model, up=tier.up, busy_s=tier.busy_s)
         return response
 
 

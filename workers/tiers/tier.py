@@ -52,6 +52,7 @@ class Tier:
     can_verify: bool = True
     deterministic_drafts: bool = False  # drafts are a function of the context (n-gram lookup)
     has_weights: bool = True  # its forwards stream model weights through the caches (not the n-gram lookup)
+    up = True  # serving (a loaded tier always is; a remote tier's view says whether its worker answers)
     device = torch.device("cpu")  # where its forwards run (a model tier: its model's device)
     exit_threshold: float | None = None  # a drafter's early exit (ModelTier's doc); None: drafts every position asked
 
