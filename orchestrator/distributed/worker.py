@@ -395,12 +395,14 @@ class TierWorker:
 
     def release(self, seq_id: int, keep_caches: bool = False) -> None:
         """Free a sequence here and below; `keep_caches`: its state only, its caches kept (prefix reuse)."""
-        with self._sequences_lock:
-            seq = self._sequences.pop(seq_id, None)
+        seq = self._sequences.get(seq_id)
         if seq is not None:
+            # after the call or draft-ahead step that holds it, whose replies from below look it up by id
             with seq.cond:
                 seq.closed = True
                 self._drop_stream(seq)
+                with self._sequences_lock:
+                    self._sequences.pop(seq_id, None)
             if seq.exits:
                 self.tier.exit_by_seq.pop(seq_id, None)
         batched = self.siblings.made(self.tier)
