@@ -26,9 +26,10 @@ Writes benchmarks/planner.{json,md,png}; finished runs go to benchmarks/planner.
 writes benchmarks/planner-smoke.* instead (never the judged table). Needs `polyspec zoo fetch
 qwen2.5-coder` (the real run) and matplotlib for the plot.
 
-Duration of the real run (2-core EPYC, estimated from the Qwen figures in shared FACTS: 7-20 tokens/s a
-system, 20-30 s to start a process): about 100 minutes a round (10 systems x 5 workloads x 2
-concurrencies, 4 prompts x 128 tokens a run), so `--rounds 2` takes about 3.5 hours.
+Duration of the real run on 2 cores, from benchmarks/qwen-batch.partial.jsonl (the same configs, 4 HumanEval
+prompts x 128 tokens at once: 30-45 s decoding, 38-80 s a process with the load) and the target alone's 7-10
+tokens/s one request at a time: about 60 s a run at 4 requests and 85 s at 1, so about 2 hours a round (10
+systems x 5 workloads x 2 concurrencies) and 4 hours for `--rounds 2`; the smoke test takes about 8 minutes.
 """
 
 from __future__ import annotations
