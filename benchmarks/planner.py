@@ -40,6 +40,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 from polyspec.harness.batch_bench import (append_partial, describe_divergences, first_divergences, read_partial, run_batch,
@@ -191,7 +192,8 @@ def write(result: dict, stem: Path) -> None:
              f"Family `{meta['family']}`; machine: {meta['cpu']}, {meta['cores']} cores; `--threads {meta['threads']}`"
              f"{', pinned to CPU ' + meta['taskset'] if meta['taskset'] else ''}. Greedy, at most {meta['tokens']} new tokens, "
              f"{meta['prompts']} questions a workload (first turns; ids in the JSON), at 1 and at 4 requests at once; "
-             f"{meta['rounds']} round(s). Command: `{meta['command']}`.", "",
+             f"{meta['rounds']} round(s). Command: `{meta['command']}`."
+             + (f" Finished {meta['finished']}, load average then {meta['load_average_end']}." if meta.get("finished") else ""), "",
              "tokens/s = generated tokens / decoding wall time of one `polyspec batch` process (load and start-up profile "
              "excluded); median over the rounds, spread min-max. x best fixed: the -auto config over the fastest fixed config "
              f"of its own tiers in that cell (bar {AUTO_BAR}); x target: over the target alone (bar {TARGET_BAR}); "
@@ -308,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
                     runs.append(run)
                     append_partial(partial, run)
                     write(report(runs, meta, family), stem)
+    meta["finished"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    meta["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     write(report(runs, meta, family, divergences(runs, family, requests)), stem)
     return 0
 
