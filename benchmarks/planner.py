@@ -4,6 +4,7 @@ tiers and the target alone, at 1 and at 4 requests at once, through `polyspec ba
     python benchmarks/planner.py --rounds 2                     # the real run (Qwen2.5-Coder; resumable)
     python benchmarks/planner.py --family demo --smoke          # the demo family, minutes: checks the script
     python benchmarks/planner.py --workloads code math --concurrency 1 --systems target qwen2.5-coder-3tier-auto
+    python benchmarks/planner.py --workloads code chat chat-2   # chat-2: MT-Bench's second turns too (opt-in)
     python benchmarks/planner.py --fresh                        # start over
 
 Workloads: benchmarks/planner-questions/question.jsonl (code completion, chat, translation, summarization,
@@ -49,6 +50,7 @@ from polyspec.harness.batch_bench import (append_partial, describe_divergences, 
 REPO = Path(__file__).resolve().parents[1]
 QUESTIONS = REPO / "benchmarks" / "planner-questions" / "question.jsonl"
 WORKLOADS = ("code", "chat", "translation", "summarization", "math")
+SECOND_TURNS = "chat-2"  # opt-in: MT-Bench's second turns, after the target alone's own first answer
 CONCURRENCY = (1, 4)
 TARGET = "target"
 AUTO_BAR = 0.95  # the -auto config's tokens/s over the best fixed config of its own tiers
@@ -108,6 +110,30 @@ def request(question: dict, family: Family) -> dict:
     if question["mode"] == "chat" and family.chat:
         return {"id": key, "messages": [{"role": "user", "content": text}]}
     return {"id": key, "prompt": text}
+
+
+def second_turn(question: dict, answer: str, family: Family) -> dict:
+    """The `polyspec batch` line of a chat question's second turn: the first turn, the target alone's answer to it
+    (every system gets the same conversation), then the second turn."""
+    first, second = question["turns"][0], question["turns"][1]
+    key = f"q{question['question_id']}t2"
+    if family.chat:
+        return {"id": key, "messages": [{"role": "user", "content": first}, {"role": "assistant", "content": answer},
+                                        {"role": "user", "content": second}]}
+    text = f"{first}\n{answer}\n{second}"
+    return {"id": key, "prompt": text[-family.clip_chars:] if family.clip_chars else text}
+
+
+def cell_rows(workload: str, picked: dict[str, list[dict]], family: Family, runs: list[dict]) -> list[dict] | None:
+    """A workload's requests; the second turns need the target alone's first answers (None until a chat run has them)."""
+    if workload != SECOND_TURNS:
+        return [request(q, family) for q in picked[workload]]
+    firsts = sorted((r for r in runs if r["system"] == TARGET and r["workload"] == "chat"), key=lambda r: r["concurrency"])
+    if not firsts:
+        return None
+    answers = firsts[0]["texts"]
+    return [second_turn(q, answers[f"q{q['question_id']}"], family) for q in picked["chat"]
+            if len(q["turns"]) > 1 and f"q{q['question_id']}" in answers]
 
 
 def cell_key(run: dict) -> tuple[str, int]:
@@ -191,7 +217,7 @@ def write(result: dict, stem: Path) -> None:
     lines = [f"# The planner over several workloads{' (SMOKE TEST: not the judged table)' if meta['smoke'] else ''}", "",
              f"Family `{meta['family']}`; machine: {meta['cpu']}, {meta['cores']} cores; `--threads {meta['threads']}`"
              f"{', pinned to CPU ' + meta['taskset'] if meta['taskset'] else ''}. Greedy, at most {meta['tokens']} new tokens, "
-             f"{meta['prompts']} questions a workload (first turns; ids in the JSON), at 1 and at 4 requests at once; "
+             f"{meta['prompts']} questions a workload (first turns, and with chat-2 the chat questions' second turns after the target alone's answer; ids in the JSON), at 1 and at 4 requests at once; "
              f"{meta['rounds']} round(s). Command: `{meta['command']}`."
              + (f" Finished {meta['finished']}, load average then {meta['load_average_end']}." if meta.get("finished") else ""), "",
              "tokens/s = generated tokens / decoding wall time of one `polyspec batch` process (load and start-up profile "
@@ -258,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", choices=sorted(FAMILIES), default="qwen")
     parser.add_argument("--systems", nargs="+", default=None, help="only these systems (the target alone is always run)")
-    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=(*WORKLOADS, SECOND_TURNS),
+                        help=f"{SECOND_TURNS}: also MT-Bench's second turns (after chat, which it needs)")
     parser.add_argument("--concurrency", nargs="+", type=int, default=list(CONCURRENCY))
     parser.add_argument("--prompts", type=int, default=4, help="questions a workload (the first of each in the file)")
     parser.add_argument("--tokens", type=int, default=128)
@@ -282,12 +309,14 @@ def main(argv: list[str] | None = None) -> int:
     partial = stem.with_name(stem.name + ".partial.jsonl")
     if args.fresh and partial.exists():
         partial.unlink()
-    picked = questions(args.workloads, args.prompts)
-    requests = {r["id"]: r for qs in picked.values() for r in (request(q, family) for q in qs)}
+    if SECOND_TURNS in args.workloads:  # after chat, whose target answers it continues
+        args.workloads = [w for w in args.workloads if w != SECOND_TURNS] + [SECOND_TURNS]
+    picked = questions([w for w in args.workloads if w != SECOND_TURNS] + (["chat"] if SECOND_TURNS in args.workloads else []),
+                       args.prompts)
     meta = {"family": args.family, "smoke": args.smoke, "systems": [s.name for s in systems], "workloads": args.workloads,
             "concurrency": args.concurrency, "prompts": args.prompts, "tokens": args.tokens, "rounds": args.rounds,
             "threads": args.threads, "taskset": args.taskset, "cpu": cpu_name(), "cores": os.cpu_count(),
-            "question_ids": {w: [q["question_id"] for q in qs] for w, qs in picked.items()},
+            "question_ids": {w: [q["question_id"] for q in qs] for w, qs in picked.items()},  # chat-2: chat's, second turns
             "sources": {w: [f"{q['source']} {q['source_id']}" for q in qs] for w, qs in picked.items()},
             "command": "python benchmarks/planner.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     # a run is kept only for the settings it was made with: a partial file of other settings is not mixed in
@@ -295,7 +324,10 @@ def main(argv: list[str] | None = None) -> int:
     runs = [r for r in read_partial(partial) if r.get("settings") == same]
     for round_no in range(args.rounds):
         for workload in args.workloads:
-            rows = [request(q, family) for q in picked[workload]]
+            rows = cell_rows(workload, picked, family, runs)
+            if not rows:
+                print(f"{workload}: no target answers to chat's first turns yet: skipped", file=sys.stderr)
+                continue
             for concurrency in args.concurrency:
                 for system in systems:
                     done = [r for r in runs if r["system"] == system.name and cell_key(r) == (workload, concurrency)]
@@ -312,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
                     write(report(runs, meta, family), stem)
     meta["finished"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     meta["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
+    requests = {r["id"]: r for w in args.workloads for r in (cell_rows(w, picked, family, runs) or [])}
     write(report(runs, meta, family, divergences(runs, family, requests)), stem)
     return 0
 

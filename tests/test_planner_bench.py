@@ -61,3 +61,13 @@ def test_the_auto_ratio_is_over_the_best_fixed_config_of_its_tiers_and_the_targe
     assert judged["demo-2tier-auto"]["x_best_fixed_of_its_tiers"] == 0.4 and not judged["demo-2tier-auto"]["meets_bars"]
     assert result["cells"][0]["rows"]["demo-2tier-auto"]["greedy_equals_target"] is False
     assert result["summary"]["demo-auto"] == {"cells": 1, "cells_meeting_bars": 1, "lowest_x_best_fixed": 0.975, "lowest_x_target": 1.95}
+
+
+def test_a_second_turn_continues_after_the_target_alones_first_answer():
+    question = {"question_id": 9, "mode": "chat", "turns": ["Hi?", "More."]}
+    runs = [{"system": "target", "workload": "chat", "concurrency": 4, "texts": {"q9": "late"}},
+            {"system": "target", "workload": "chat", "concurrency": 1, "texts": {"q9": "Hello."}}]
+    rows = planner.cell_rows(planner.SECOND_TURNS, {"chat": [question]}, planner.FAMILIES["qwen"], runs)
+    assert rows == [{"id": "q9t2", "messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."},
+                                                {"role": "user", "content": "More."}]}]
+    assert planner.cell_rows(planner.SECOND_TURNS, {"chat": [question]}, planner.FAMILIES["qwen"], []) is None
