@@ -44,8 +44,15 @@ import sys
 import time
 from pathlib import Path
 
-from polyspec.harness.batch_bench import (append_partial, describe_divergences, first_divergences, read_partial, run_batch,
-                                          target_of, tier_set)
+from polyspec.harness.batch_bench import (
+    append_partial,
+    describe_divergences,
+    first_divergences,
+    read_partial,
+    run_batch,
+    target_of,
+    tier_set,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 QUESTIONS = REPO / "benchmarks" / "planner-questions" / "question.jsonl"
@@ -214,18 +221,20 @@ def short(name: str) -> str:
 def write(result: dict, stem: Path) -> None:
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     meta = result["meta"]
-    lines = [f"# The planner over several workloads{' (SMOKE TEST: not the judged table)' if meta['smoke'] else ''}", "",
-             f"Family `{meta['family']}`; machine: {meta['cpu']}, {meta['cores']} cores; `--threads {meta['threads']}`"
-             f"{', pinned to CPU ' + meta['taskset'] if meta['taskset'] else ''}. Greedy, at most {meta['tokens']} new tokens, "
-             f"{meta['prompts']} questions a workload (first turns, and with chat-2 the chat questions' second turns after the target alone's answer; ids in the JSON), at 1 and at 4 requests at once; "
-             f"{meta['rounds']} round(s). Command: `{meta['command']}`."
-             + (f" Finished {meta['finished']}, load average then {meta['load_average_end']}." if meta.get("finished") else ""), "",
-             "tokens/s = generated tokens / decoding wall time of one `polyspec batch` process (load and start-up profile "
-             "excluded); median over the rounds, spread min-max. x best fixed: the -auto config over the fastest fixed config "
-             f"of its own tiers in that cell (bar {AUTO_BAR}); x target: over the target alone (bar {TARGET_BAR}); "
-             "greedy = target: True, or per differing request the first differing token and the target's logit gap there.", "",
-             "## -auto configs", "", "| auto config | cells | meeting both bars | lowest x best fixed | lowest x target |",
-             "|---|---:|---:|---:|---:|"]
+    title = f"# The planner over several workloads{' (SMOKE TEST: not the judged table)' if meta['smoke'] else ''}"
+    pinned = f", pinned to CPU {meta['taskset']}" if meta["taskset"] else ""
+    finished = f" Finished {meta['finished']}, load average then {meta['load_average_end']}." if meta.get("finished") else ""
+    setting = (f"Family `{meta['family']}`; machine: {meta['cpu']}, {meta['cores']} cores; `--threads {meta['threads']}`{pinned}. "
+               f"Greedy, at most {meta['tokens']} new tokens, {meta['prompts']} questions a workload (first turns; chat-2: the "
+               "chat questions' second turns after the target alone's answer; ids in the JSON), "
+               f"{' and '.join(map(str, meta['concurrency']))} request(s) at once; {meta['rounds']} round(s). "
+               f"Command: `{meta['command']}`.{finished}")
+    legend = ("tokens/s = generated tokens / decoding wall time of one `polyspec batch` process (load and start-up profile "
+              "excluded); median over the rounds, spread min-max. x best fixed: the -auto config over the fastest fixed config "
+              f"of its own tiers in that cell (bar {AUTO_BAR}); x target: over the target alone (bar {TARGET_BAR}); "
+              "greedy = target: True, or per differing request the first differing token and the target's logit gap there.")
+    lines = [title, "", setting, "", legend, "", "## -auto configs", "",
+             "| auto config | cells | meeting both bars | lowest x best fixed | lowest x target |", "|---|---:|---:|---:|---:|"]
     for name, s in result["summary"].items():
         lines.append(f"| {name} | {s['cells']} | {s['cells_meeting_bars']} | {s['lowest_x_best_fixed']} | {s['lowest_x_target']} |")
     lines += ["", "| workload | requests | auto config | tokens/s | x target | best fixed of its tiers | x best fixed | greedy = target |",

@@ -25,8 +25,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from polyspec.harness.batch_bench import (append_partial, describe_divergences, first_divergences, read_partial,
-                                          run_batch)
+from polyspec.harness.batch_bench import append_partial, describe_divergences, first_divergences, read_partial, run_batch
 from polyspec.harness.batch_bench import tier_set as config_tier_set
 
 REPO = Path(__file__).resolve().parents[1]
