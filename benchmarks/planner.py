@@ -8,7 +8,7 @@ tiers and the target alone, at 1 and at 4 requests at once, through `polyspec ba
     python benchmarks/planner.py --fresh                        # start over
 
 Workloads: benchmarks/planner-questions/question.jsonl (code completion, chat, translation, summarization,
-math; its README names each source), the first `--prompts` questions of each, first turns only; code is
+math; its README names each source), `--prompts` questions of each (evenly spaced through its 8), first turns only; code is
 sent as a plain completion prompt, the rest as a user message through the chat template (the demo family
 has none: there every turn is a plain prompt). Greedy, `--tokens` new tokens at most (a chat answer may
 stop sooner), `--threads auto`.
@@ -106,8 +106,10 @@ def own_fixed(auto: System, systems: list[System]) -> list[System]:
 
 
 def questions(workloads: list[str], count: int) -> dict[str, list[dict]]:
+    """`count` questions of each workload, evenly spaced through its 8 (each spread over its source already)."""
     rows = [json.loads(line) for line in QUESTIONS.read_text().splitlines() if line.strip()]
-    return {w: [r for r in rows if r["category"] == w][:count] for w in workloads}
+    by_workload = {w: [r for r in rows if r["category"] == w] for w in workloads}
+    return {w: [found[i * len(found) // count] for i in range(min(count, len(found)))] for w, found in by_workload.items()}
 
 
 def request(question: dict, family: Family) -> dict:
@@ -296,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=(*WORKLOADS, SECOND_TURNS),
                         help=f"{SECOND_TURNS}: also MT-Bench's second turns (after chat, which it needs)")
     parser.add_argument("--concurrency", nargs="+", type=int, default=list(CONCURRENCY))
-    parser.add_argument("--prompts", type=int, default=4, help="questions a workload (the first of each in the file)")
+    parser.add_argument("--prompts", type=int, default=4, help="questions a workload (evenly spaced through its 8)")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=1, help="runs of every (system, cell), interleaved")
     parser.add_argument("--threads", default="auto", help="--threads of every run (a number, or auto)")
