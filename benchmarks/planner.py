@@ -356,7 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     meta["finished"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     meta["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     requests = {r["id"]: r for w in args.workloads for r in (cell_rows(w, picked, family, runs) or [])}
-    write(report(runs, meta, family, divergences(runs, family, requests)), stem)
+    asked = [r for r in runs if cell_key(r)[0] in args.workloads and cell_key(r)[1] in args.concurrency]
+    write(report(runs, meta, family, divergences(asked, family, requests)), stem)
     return 0
 
 
