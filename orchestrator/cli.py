@@ -49,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_flags(gen)
     gen.add_argument("--no-speculation", action="store_true", help="sample from the target alone (the baseline)")
     gen.add_argument("--json", action="store_true", help="print {text, token_ids, finish_reason, stats} as JSON")
+    constrain = gen.add_mutually_exclusive_group()  # structured output, lossless (README: Structured output)
+    constrain.add_argument("--json-schema", metavar="FILE", help="the reply is JSON valid against this JSON schema file")
+    constrain.add_argument("--regex", metavar="REGEX", help="the reply matches this regular expression")
+    constrain.add_argument("--grammar", metavar="FILE", help="the reply follows this EBNF grammar file (root ::= ...)")
 
     chat = sub.add_parser("chat", help="an interactive conversation (one user turn per line; /reset forgets it, Ctrl-D ends)")
     chain_args.add_chain_flags(chat)
@@ -171,7 +175,28 @@ def _request_from_flags(args, prompt: str) -> dict:
         raw = {"messages": [*system, {"role": "user", "content": prompt}]}
     else:
         raw = {"prompt": prompt}
-    return {**raw, **_sampling_fields(args)}
+    return {**raw, **_sampling_fields(args), **_constraint_fields(args)}
+
+
+def _constraint_fields(args) -> dict:
+    """`polyspec generate`'s structured output flags as request fields (files read and the schema parsed here, before
+    any model loads; the engine compiles it)."""
+    if args.regex is not None:
+        return {"regex": args.regex}
+    for flag, path, field in (("--json-schema", args.json_schema, "json_schema"), ("--grammar", args.grammar, "grammar")):
+        if path is None:
+            continue
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise RequestError(f"{flag} {path}: cannot read it ({exc.strerror or exc})") from None
+        if field == "json_schema":
+            try:
+                return {field: json.loads(text)}
+            except ValueError as exc:
+                raise RequestError(f"{flag} {path}: not valid JSON ({exc})") from None
+        return {field: text}
+    return {}
 
 
 def _check_chat_template(target: str, has_template: bool | None, flag: str) -> None:
@@ -231,8 +256,9 @@ def cmd_generate(args) -> int:
         raise RequestError("--system needs --chat")
     stops = check_stops(args.stop, "--stop")
     prompt = _read_prompt(args)
+    raw = _request_from_flags(args, prompt)  # (a schema file that cannot be read is refused before the models load)
     engine = _load_engine(args, chat_flag="--chat" if args.chat else None)
-    request = engine.parse_request(_request_from_flags(args, prompt))
+    request = engine.parse_request(raw)
     if args.json:
         print(json.dumps(_generate(engine, request, stops)))
         return 0

@@ -6,8 +6,13 @@ over the device round's tiers, or a Ray chain's driver; and its planner. `genera
 `batch`, jobs and `serve` all parse requests here (`parse_request`), so a request means the same
 thing everywhere:
 
-    request: {id, prompt | prompt_ids | messages, max_new_tokens, temperature, top_p, top_k, seed, approximate}
+    request: {id, prompt | prompt_ids | messages, max_new_tokens, temperature, top_p, top_k, seed, approximate,
+              json_schema | regex | grammar}
     result:  {id, text, token_ids, finish_reason, stats, mode (only when not exact; stats.approximate too)}
+
+`json_schema`, `regex` or `grammar` (EBNF) constrains the output, losslessly: every tier's rows are
+restricted to what the grammar allows (polyspec.workers.core.grammar); it is compiled while the request is
+parsed, so a bad one is refused before any model work.
 
 `approximate` ({mode: bild, ...}; docs/approximate.md) picks a decoding mode that is NOT
 lossless; without it a request runs the config's `approximate:` mode, exact unless named.
@@ -25,7 +30,7 @@ import time
 from typing import Any, Callable
 
 from polyspec.orchestrator.batch_runner import run_requests
-from polyspec.orchestrator.decode.contract import BatchDecoder, RequestState
+from polyspec.orchestrator.decode.contract import FINISH_EOS, BatchDecoder, RequestState
 from polyspec.orchestrator.decode.scheduler import ChainScheduler
 from polyspec.orchestrator.config import ChainConfig
 from polyspec.orchestrator.tokenization import encode_chat, encode_prompt, stop_token_ids
@@ -33,6 +38,7 @@ from polyspec.orchestrator.tuning.autoconf import needs_choice, resolve_auto
 from polyspec.orchestrator.tuning.profile_cache import ProfileCache
 from polyspec.workers.core.approximate import ApproximateMode, ApproximateModeError
 from polyspec.workers.core.errors import ConfigError, RequestError
+from polyspec.workers.core.grammar import FINISH_GRAMMAR, ConstraintSpec, GrammarBook, constraint_from_fields
 from polyspec.workers.core.heartbeat import heartbeat
 from polyspec.workers.tiers.loading import load_tiers, quiet_transformers
 from polyspec.workers.core.sampling import SamplingParams
@@ -41,7 +47,8 @@ PROFILE_CONTEXT_TOKENS = 128  # committed tokens when the start-up profile has n
 PROFILE_MAX_BATCH = 16  # the batched profile stops here; larger batches are extrapolated in proportion to their rows
 SEED_LIMIT = 1 << 63  # seeds are in [0, 2^63): an int64 on the wire, every bit used
 MAX_TEMPERATURE = 1000.0  # far past uniform sampling; larger (or inf) is a mistake
-REQUEST_FIELDS = ("id", "prompt", "prompt_ids", "messages", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "approximate")
+REQUEST_FIELDS = ("id", "prompt", "prompt_ids", "messages", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "approximate",
+                  "json_schema", "regex", "grammar")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +59,7 @@ class GenerationRequest:
     seed: int | None = None
     id: str | None = None
     approximate: ApproximateMode = ApproximateMode()  # exact unless the request or the config names a mode
+    constraint: ConstraintSpec | None = None  # structured output (json_schema / regex / grammar), compiled; None: free
 
 
 def _number(name: str, value, kind):
@@ -132,6 +140,8 @@ class Engine:
         self.max_requests = 1
         self.exact_only = False  # `serve --exact-only`: requests in an approximate mode are refused
         self._approximate: dict = {}  # seq_id -> polyspec.orchestrator.decode.approximate.Attached (approximate requests only)
+        self._grammars: GrammarBook | None = None
+        self._grammars_lock = threading.Lock()
         self.config = config if speculative else config.target_only()
         keep_finished = 1 if reuse_prefix else 0
         self._note_tuning(config, speculative, auto_tune, batched)
@@ -382,7 +392,27 @@ class Engine:
                 raise RequestError(f"seed must be in [0, 2^63), got {str(seed)[:40]}")
         request_id = raw.get("id")
         mode = self._approximate_mode(raw)
-        return GenerationRequest(tuple(ids), max_new, params, seed, None if request_id is None else str(request_id), mode)
+        constraint = self._constraint(raw, mode)
+        return GenerationRequest(tuple(ids), max_new, params, seed, None if request_id is None else str(request_id), mode, constraint)
+
+    def _constraint(self, raw: dict, mode: ApproximateMode) -> ConstraintSpec | None:
+        """The request's structured-output constraint, compiled (bounded in time); refused where it cannot run."""
+        spec = constraint_from_fields(raw)
+        if spec is None:
+            return None
+        if not mode.lossless:
+            raise RequestError(f"{spec.kind}: structured output is exact only; it cannot run in approximate mode {mode.mode}")
+        return self.grammars.compile(spec)
+
+    @property
+    def grammars(self) -> GrammarBook:
+        """The chain's grammar compiler (over the target's tokenizer and vocabulary), made at its first use."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                # a Ray chain's tiers load the tokenizer from the target's folder (tier.proto's constraint_json)
+                self._grammars = GrammarBook(self.tokenizer, self.vocab_size, tuple(self.scheduler.eos_token_ids),
+                                             tokenizer_source=self.config.tiers[0].model)
+            return self._grammars
 
     def _approximate_mode(self, raw: dict) -> ApproximateMode:
         """The request's decoding mode: its `approximate` field, else the config's; refused where it cannot run."""
@@ -420,7 +450,10 @@ class Engine:
     # Round-by-round API for callers that interleave requests (the server). One thread only.
 
     def start(self, request: GenerationRequest) -> RequestState:
-        state = self.scheduler.start(list(request.prompt_ids), request.max_new_tokens, request.params, seed_stream(request.seed))
+        params = request.params
+        if request.constraint is not None:  # the request's own matcher, shared by every tier's rows
+            params = dataclasses.replace(params, grammar=self.grammars.start(request.constraint, len(request.prompt_ids)))
+        state = self.scheduler.start(list(request.prompt_ids), request.max_new_tokens, params, seed_stream(request.seed))
         state.request = request
         if not request.approximate.lossless:
             from polyspec.orchestrator.decode.approximate import attach
@@ -438,6 +471,9 @@ class Engine:
 
     def finish(self, state: RequestState) -> dict:
         output = self.scheduler.finish(state)
+        grammar = getattr(state.params, "grammar", None)
+        if grammar is not None and output.finish_reason == FINISH_EOS and grammar.ended_unsatisfiable(output.token_ids):
+            output = dataclasses.replace(output, finish_reason=FINISH_GRAMMAR)
         return self._result(state.request, output, state.started, state.first_commit_at, self._detach(state))
 
     def cancel(self, state: RequestState) -> dict:

@@ -38,7 +38,8 @@ from polyspec.protos.polyspec.v1 import polyspec_pb2_grpc as pb_grpc
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 RETRY_PAUSE_S = 0.5
-REQUEST_FIELDS = ("id", "prompt", "prompt_ids", "messages", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "approximate")
+REQUEST_FIELDS = ("id", "prompt", "prompt_ids", "messages", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "approximate",
+                  "json_schema", "regex", "grammar")
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 SERVING = 1  # grpc.health.v1.HealthCheckResponse.SERVING
 MAX_MESSAGE_BYTES = 64 << 20
@@ -162,6 +163,8 @@ def request_message(raw: dict) -> pb.GenerateRequest:
         fields["id"] = str(fields["id"])
     if "approximate" in fields:  # an approximate decoding mode travels as JSON (the server validates it)
         fields["approximate_json"] = json.dumps(fields.pop("approximate"))
+    if "json_schema" in fields and not isinstance(fields["json_schema"], str):  # a schema object travels as JSON text
+        fields["json_schema"] = json.dumps(fields["json_schema"])
     try:
         return pb.GenerateRequest(**fields)
     except (TypeError, ValueError) as exc:
@@ -169,9 +172,10 @@ def request_message(raw: dict) -> pb.GenerateRequest:
 
 
 def _request(prompt, prompt_ids, messages, max_new_tokens, temperature, top_p, top_k, seed, id, stop=None, n=None,
-             logprobs=None, top_logprobs=None) -> pb.GenerateRequest:
+             logprobs=None, top_logprobs=None, json_schema=None, regex=None, grammar=None) -> pb.GenerateRequest:
     raw = {"id": id, "prompt": prompt, "prompt_ids": prompt_ids, "messages": messages, "max_new_tokens": max_new_tokens,
-           "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed}
+           "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed, "json_schema": json_schema, "regex": regex,
+           "grammar": grammar}
     message = request_message(raw)
     # Generate only (a job's requests run to their end, one result each); the server checks the values
     extra = {"n": n, "logprobs": logprobs, "top_logprobs": top_logprobs}
@@ -317,15 +321,18 @@ class Client:
                temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
                seed: int | None = None, id: str | None = None, timeout: float | None = None,
                stop: str | list[str] | None = None, n: int | None = None, logprobs: bool | None = None,
-               top_logprobs: int | None = None) -> Iterator[Delta]:
+               top_logprobs: int | None = None, json_schema: dict | str | None = None, regex: str | None = None,
+               grammar: str | None = None) -> Iterator[Delta]:
         """Deltas as they are committed; leaving the loop early cancels the request on the server.
         `stop`: the text ends before the first of these strings (finish_reason "stop").
+        `json_schema` (a schema, or its JSON text), `regex` or `grammar` (EBNF): structured output, lossless;
+        an invalid one raises InvalidArgument before any model work.
         `n`: that many choices, sampled independently (each delta's `index` says whose); with a
         seed, choice j samples from a seed derived from (seed, j).
         `logprobs` (and `top_logprobs`, 0-20 alternatives): each choice's last delta carries the
         target's log-probabilities of its tokens, under the request's warp (docs/serving.md)."""
         request = _request(prompt, prompt_ids, messages, max_new_tokens, temperature, top_p, top_k, seed, id, stop, n,
-                           logprobs, top_logprobs)
+                           logprobs, top_logprobs, json_schema, regex, grammar)
         call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
         try:
             for message in call:
@@ -446,10 +453,11 @@ class AsyncClient:
                      temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
                      seed: int | None = None, id: str | None = None, timeout: float | None = None,
                      stop: str | list[str] | None = None, n: int | None = None, logprobs: bool | None = None,
-                     top_logprobs: int | None = None) -> AsyncIterator[Delta]:
+                     top_logprobs: int | None = None, json_schema: dict | str | None = None, regex: str | None = None,
+                     grammar: str | None = None) -> AsyncIterator[Delta]:
         """As Client.stream."""
         request = _request(prompt, prompt_ids, messages, max_new_tokens, temperature, top_p, top_k, seed, id, stop, n,
-                           logprobs, top_logprobs)
+                           logprobs, top_logprobs, json_schema, regex, grammar)
         call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
         try:
             async for message in call:

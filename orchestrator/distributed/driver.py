@@ -50,6 +50,7 @@ from polyspec.orchestrator.decode.contract import (
     tier_seeds,
 )
 from polyspec.protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
+from polyspec.workers.core.grammar import wire_form
 from polyspec.workers.core.sampling import SamplingParams
 from polyspec.orchestrator.distributed.transport import CHANNEL_OPTIONS, UNAVAILABLE_CODES, Counters, TierUnavailableError, decode_rows
 
@@ -218,6 +219,8 @@ class DistributedChain:
             seeds=tier_seeds(seed, len(self.tiers)), lengths=self.lengths, pipeline=self.pipeline, scheme=self.scheme,
             tree_width=self.tree_width, limit=self.max_context or 0,
         )
+        if params.grammar is not None:  # structured output: each tier compiles it and restricts its own rows
+            header.constraint_json = wire_form(params.grammar)
         return RequestState(seq_id=header.seq_id, params=params, committed=list(prompt_ids), max_new_tokens=max_new_tokens,
                             limit=self.max_context or NO_LIMIT, run=RemoteRun(header), tier_busy_s=[0.0] * len(self.tiers))
 

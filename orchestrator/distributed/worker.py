@@ -58,6 +58,7 @@ from polyspec.orchestrator.decode.scheduler import CATCH_UP_GAP, ChainScheduler,
 from polyspec.orchestrator.decode.approximate import worker_hooks
 from polyspec.orchestrator.tuning.time_model import AHEAD_SMOOTHING, AHEAD_THRESHOLD  # the time model reads the same bet
 from polyspec.protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
+from polyspec.workers.core.grammar import from_wire
 from polyspec.workers.core.sampling import SamplingParams
 from polyspec.workers.tiers.tier import Tier, scratch_score, scratch_sequence
 from polyspec.orchestrator.distributed.model_lock import (
@@ -106,6 +107,13 @@ class _Stream:
         self.rows.extend(list(rows) if rows is not None else [None] * len(tokens))
 
 
+def target_tokenizer(source: str):
+    """The target's tokenizer from its folder, Hugging Face id or .gguf file (a structured-output request's grammar)."""
+    from polyspec.workers.tiers.loading import load_tokenizer
+
+    return load_tokenizer(source, "target")
+
+
 class _Sequence:
     """One request as seen by this worker."""
 
@@ -114,6 +122,9 @@ class _Sequence:
         self.header = tier_pb2.SequenceHeader()
         self.header.CopyFrom(header)
         self.params = header_params(header)
+        if header.constraint_json:  # structured output: this tier's own matcher, its rows restricted here
+            grammar = from_wire(header.constraint_json, worker.tier.vocab_size, tuple(worker.eos_token_ids), target_tokenizer)
+            self.params = dataclasses.replace(self.params, grammar=grammar)
         seed = header.seeds[worker.index] if worker.index < len(header.seeds) else None
         self.run = Run(
             seq_id=header.seq_id,

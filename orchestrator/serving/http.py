@@ -76,7 +76,8 @@ INLINE_PARSE_BYTES = 64 << 10  # a body up to this size is parsed on the event l
 HTTP_STATUS_LABELS = {400: "invalid_argument", 401: "unauthenticated", 404: "invalid_argument", 405: "invalid_argument",
                       408: "resource_exhausted", 413: "resource_exhausted", 429: "resource_exhausted", 500: "internal",
                       503: "unavailable"}  # an HTTP refusal -> polyspec_requests_total's status
-FINISH_REASONS = {"eos": "stop", "length": "length", "cancelled": "stop"}  # the engine's finish_reason -> OpenAI's ("stop" stays)
+# the engine's finish_reason -> OpenAI's ("stop" stays; "grammar": the request's grammar allowed no token of the vocabulary)
+FINISH_REASONS = {"eos": "stop", "length": "length", "cancelled": "stop", "grammar": "grammar"}
 SHOWN_NAME_CHARS = 64  # of a model name an error quotes back
 
 
@@ -387,7 +388,7 @@ class OpenAIApi:
     async def _logprobs(self, parsed, text: str, choice: "_Answer", top: int, chat: bool) -> dict:
         """The choice's tokens (those its text holds, when a stop string cut it) with the target's log-probabilities."""
         scored, names = await asyncio.to_thread(self.service.score_choice, parsed.prompt_ids, choice.token_ids, text,
-                                                choice.stopped, parsed.params, top)
+                                                choice.stopped, parsed.params, top, parsed.constraint)
         if chat:
             def entry(token: int, logprob: float) -> dict:
                 return {"token": names[token], "logprob": logprob, "bytes": list(names[token].encode("utf-8"))}

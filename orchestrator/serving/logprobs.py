@@ -2,7 +2,8 @@
 
 They are the target's own: one forward of a copy of the target over prompt + completion
 after the choice is done, warped as the request sampled (temperature, top-k, top-p: the
-distribution the lossless chain's tokens follow). A greedy request (temperature 0) has a
+distribution the lossless chain's tokens follow; a structured-output request's rows restricted by its
+grammar, as the chain's were). A greedy request (temperature 0) has a
 one-hot warp, whose log-probabilities say nothing, so it reports the target's distribution
 at temperature 1 with the request's top-k / top-p.
 
@@ -41,12 +42,14 @@ class TargetScorer:
             self._model = load_model(self.target_config)
         return self._model
 
-    def score(self, prompt_ids: list[int], token_ids: list[int], params, top: int) -> list[TokenLogprob]:
-        """Each of `token_ids` (the completion after `prompt_ids`) with its log-probability and the `top` alternatives."""
+    def score(self, prompt_ids: list[int], token_ids: list[int], params, top: int, grammar=None) -> list[TokenLogprob]:
+        """Each of `token_ids` (the completion after `prompt_ids`) with its log-probability and the `top` alternatives.
+        `grammar`: a structured-output request's fresh GrammarState: each row restricted as the chain's were."""
         if not token_ids:
             return []
         import torch
 
+        from polyspec.workers.core.grammar import restrict_rows
         from polyspec.workers.core.sampling import SamplingParams, warp_logits
 
         if params.greedy:  # the argmax's one-hot warp has no information: the model's own distribution
@@ -58,7 +61,9 @@ class TargetScorer:
             # rows at positions P-1 .. P+N-2 predict the N completion tokens
             logits = model(input_ids=ids, logits_to_keep=len(token_ids) + 1).logits[0, :-1]  # [N, V]
             vocab = min(logits.shape[-1], model.config.vocab_size)
-            log_probs = torch.log(warp_logits(logits[:, :vocab], params))  # [N, V] float32, -inf outside the warp
+            contexts = [list(prompt_ids) + list(token_ids[:j]) for j in range(len(token_ids))]  # before each token
+            logits = restrict_rows(logits[:, :vocab], grammar, contexts)
+            log_probs = torch.log(warp_logits(logits, params))  # [N, V] float32, -inf outside the warp (and the grammar)
             chosen = log_probs.gather(1, torch.tensor(token_ids, device=log_probs.device)[:, None])[:, 0]  # [N]
             best = torch.topk(log_probs, min(top, vocab), dim=-1) if top else None
         scored = []

@@ -1,5 +1,5 @@
 """What an OpenAI-shaped request asks for, checked: its fields, prompts or messages, `n`,
-`stop`, `logprobs`, `max_tokens`, and the engine requests it becomes (one per choice).
+`stop`, `logprobs`, `max_tokens`, `response_format`, and the engine requests it becomes (one per choice).
 Every mistake is an ApiError with one line naming the field as the client sent it."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from polyspec.orchestrator.engine import choice_seed
 from polyspec.orchestrator.serving.logprobs import MAX_TOP_LOGPROBS
 from polyspec.orchestrator.tokenization import check_stops
 from polyspec.workers.core.errors import RequestError
+from polyspec.workers.core.grammar import JSON_OBJECT_SCHEMA, KINDS
 
 MAX_MESSAGES = 1024
 MAX_CHOICES = 16  # n
@@ -16,7 +17,8 @@ MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' `logprobs` (top alternatives), a
 UNSUPPORTED = {"echo": False, "suffix": None}
 SHARED_FIELDS = {"model", "max_tokens", "temperature", "top_p", "seed", "stream", "n", "user", "frequency_penalty",
                  "presence_penalty", "logit_bias", "stream_options", "top_k", "logprobs", "stop",
-                 "approximate"}  # polyspec's extension: an approximate decoding mode ({"mode": "bild", ...}), never implied
+                 "approximate",  # polyspec's extension: an approximate decoding mode ({"mode": "bild", ...}), never implied
+                 *KINDS}  # polyspec's structured output: json_schema / regex / grammar (chat also takes OpenAI's response_format)
 KNOWN_FIELDS = {*SHARED_FIELDS, "prompt", "best_of", *UNSUPPORTED}
 CHAT_FIELDS = {*SHARED_FIELDS, "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                "response_format", "parallel_tool_calls"}
@@ -58,8 +60,7 @@ def check_options(body: dict, known: set[str]) -> None:
     for field in ("logit_bias", "tools", "tool_choice"):
         if body.get(field):
             raise ApiError(400, f"{field!r} is not supported by polyspec")
-    if body.get("response_format") not in (None, {"type": "text"}):
-        raise ApiError(400, "'response_format' other than text is not supported by polyspec")
+    constraint_fields(body)
     if body.get("stream") is not None and not isinstance(body["stream"], bool):
         raise ApiError(400, "'stream' must be true or false")
     options = body.get("stream_options")
@@ -72,6 +73,35 @@ def check_options(body: dict, known: set[str]) -> None:
         check_stops(body.get("stop"), "'stop'", limit=MAX_STOPS)
     except RequestError as exc:
         raise ApiError(400, str(exc), param="stop") from None
+
+
+def constraint_fields(body: dict) -> dict:
+    """The engine fields (json_schema / regex / grammar) of the request's structured output: polyspec's own
+    fields, or OpenAI's `response_format` (`json_object`: any JSON object; `json_schema`: its `schema`, always
+    enforced whatever `strict` says). Their contents are checked when the engine compiles them."""
+    own = {kind: body[kind] for kind in KINDS if body.get(kind) is not None}
+    if len(own) > 1:
+        raise ApiError(400, f"give one of {', '.join(KINDS)}, not several", param=sorted(own)[1])
+    response_format = body.get("response_format")
+    if response_format is None or response_format == {"type": "text"}:
+        return own
+    if not isinstance(response_format, dict) or not isinstance(response_format.get("type"), str):
+        raise ApiError(400, "'response_format' must be an object with a 'type'", param="response_format")
+    if own:
+        raise ApiError(400, f"give 'response_format' or {next(iter(own))!r}, not both", param="response_format")
+    kind = response_format["type"]
+    if kind == "json_object":
+        return {"json_schema": JSON_OBJECT_SCHEMA}
+    if kind != "json_schema":
+        raise ApiError(400, f"'response_format' type {kind[:32]!r} is not supported (text, json_object, json_schema)",
+                       param="response_format")
+    spec = response_format.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+        raise ApiError(400, "'response_format.json_schema' must be an object like {\"name\": ..., \"schema\": {...}}",
+                       param="response_format")
+    if not isinstance(spec.get("strict", True), (bool, type(None))):
+        raise ApiError(400, "'response_format.json_schema.strict' must be true or false", param="response_format")
+    return {"json_schema": spec.get("schema", {})}
 
 
 def top_logprobs(body: dict, chat: bool) -> int | None:
@@ -124,6 +154,7 @@ def raw_requests(body: dict, prompt, max_tokens_default: int | None) -> list[dic
     for field in ("temperature", "top_p", "top_k", "seed", "approximate"):
         if body.get(field) is not None:
             raw[field] = body[field]
+    raw.update(constraint_fields(body))
     seed = raw.get("seed")
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         return [dict(raw) for _ in range(choices(body))]  # no seed (or a bad one: parse_request names it)

@@ -67,6 +67,7 @@ from polyspec.orchestrator.tokenization import check_stops
 from polyspec.protos.polyspec.v1 import polyspec_pb2 as pb
 from polyspec.protos.polyspec.v1 import polyspec_pb2_grpc as pb_grpc
 from polyspec.workers.core.errors import RequestError
+from polyspec.workers.core.grammar import KINDS
 
 STREAMING_METHODS = ("Generate", "StreamJobResults")
 MAX_OPTIONS_JSON_BYTES = 16 << 10  # approximate_json: an options object ({"mode": "bild", ...})
@@ -106,6 +107,9 @@ def request_dict(request: pb.GenerateRequest, request_id: str | None = None) -> 
         raw["max_new_tokens"] = request.max_new_tokens
     for field in SAMPLING_FIELDS:
         if request.HasField(field):
+            raw[field] = getattr(request, field)
+    for field in KINDS:  # structured output: compiled (and refused when invalid) by parse_request
+        if getattr(request, field):
             raw[field] = getattr(request, field)
     if request.approximate_json:  # measured before it is parsed: an options object needs kilobytes, not megabytes
         try:
@@ -287,10 +291,10 @@ class PolyspecService(pb_grpc.PolyspecServicer):
             return self.engine.parse_request(raw, tokenizer=tokenizer)
 
     def score_choice(self, prompt_ids, token_ids: list[int], text: str, stopped: bool, params,
-                     top: int) -> tuple[list[TokenLogprob], dict[int, str]]:
+                     top: int, constraint=None) -> tuple[list[TokenLogprob], dict[int, str]]:
         """The target's log-probabilities of a finished choice's tokens (when a stop string cut
-        it, those its `text` holds), and the text of every token they name. Blocking: call it
-        from a request thread."""
+        it, those its `text` holds), and the text of every token they name; `constraint`: the request's
+        structured output (its rows restricted as the chain's were). Blocking: call it from a request thread."""
         def decode(ids: list[int]) -> str:
             return tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else ""
 
@@ -300,7 +304,8 @@ class PolyspecService(pb_grpc.PolyspecServicer):
         with self._scorer_lock:  # request threads: the first that asks for logprobs makes the scorer
             if self.scorer is None:
                 self.scorer = TargetScorer(self.engine.config.tiers[0])
-        scored = self.scorer.score(list(prompt_ids), token_ids, params, top)
+        grammar = None if constraint is None else self.engine.grammars.start(constraint, len(prompt_ids))
+        scored = self.scorer.score(list(prompt_ids), token_ids, params, top, grammar)
         with self.prompt_tokenizer() as tokenizer:
             names = {t: tokenizer.decode([t]) if tokenizer is not None else "" for s in scored for t in (s.token_id, *(i for i, _ in s.top))}
         return scored, names
@@ -369,8 +374,8 @@ class PolyspecService(pb_grpc.PolyspecServicer):
                         index=index,
                     )
                     if top is not None:
-                        scored, names = await asyncio.to_thread(self.score_choice, parsed.prompt_ids, choice.token_ids,
-                                                                choice.text, choice.stopped, parsed.params, top)
+                        scored, names = await asyncio.to_thread(self.score_choice, parsed.prompt_ids, choice.token_ids, choice.text,
+                                                                choice.stopped, parsed.params, top, parsed.constraint)
                         message.logprobs.extend(logprob_messages(scored, names))
                     yield message
                 else:

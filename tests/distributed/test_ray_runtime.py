@@ -413,3 +413,20 @@ def test_lengths_auto_and_tune_on_the_cluster(cluster, tiny_family, embedded):
     assert report["bypass"] == [] and report["baseline"] is None and report["summary_cpu"] is None
     assert report["runtime"] == {"backend": "ray", "pipeline": True}
     assert report["tiers"][0]["forward_ms"] and report["tiers"][2]["draft_ms"]
+
+
+@pytest.mark.parametrize("pipeline", [False, True], ids=["serial", "pipelined"])
+def test_structured_output_on_ray_is_the_targets_constrained_decode(chain_engine, embedded, pipeline):
+    """A regex-constrained request on the Ray chain (each actor compiles the header's constraint and masks its own
+    rows): greedy, it says what the target alone says under the same grammar (tests/grammar_reference.py)."""
+    from grammar_reference import constrained_greedy, matcher_for
+
+    engine = chain_engine
+    engine.scheduler.pipeline, engine.scheduler.lengths = pipeline, [4, 2]
+    raw = {"regex": "[a-z]{2,6}(, [a-z]{2,6}){1,3}"}
+    target, eos = embedded[0], sorted(engine.scheduler.eos_token_ids)
+    for ids, _ in embedded[1][:2]:
+        result = engine.generate(engine.parse_request({"prompt_ids": list(ids), "max_new_tokens": 24, "temperature": 0, **raw}))
+        expected = constrained_greedy(target.tiers[0].model, target.vocab_size, list(ids), 24, set(eos),
+                                      matcher_for(target.tokenizer, target.vocab_size, eos, raw))
+        assert result["token_ids"] == expected

@@ -28,6 +28,9 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = no top-k truncation
+    # the request's structured-output state (polyspec.workers.core.grammar.GrammarState): every tier masks its
+    # rows with it before the warp; None: free output. Not part of equality (one per request).
+    grammar: object = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0):  # also rejects NaN

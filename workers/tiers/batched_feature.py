@@ -36,6 +36,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from polyspec.workers.core.grammar import grammar_of, restrict_rows, tree_prefixes
 from polyspec.workers.core.sampling import SamplingParams, warp_logits
 from polyspec.workers.core.tree import DraftTree
 from polyspec.workers.tiers.batched import BatchedModelTier, Row
@@ -181,4 +182,6 @@ class BatchedFeatureTier(BatchedModelTier):
 
         if rows:
             self._steps(rows, record)
-        return [warp_logits(torch.stack(rows_of), p) for rows_of, p in zip(scored, params)]
+        scored = [restrict_rows(torch.stack(rows_of), grammar_of(p), tree_prefixes(context, block.tokens, block.parents))
+                  for rows_of, p, context, block in zip(scored, params, contexts, blocks)]
+        return [warp_logits(rows, p) for rows, p in zip(scored, params)]

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SequenceHeader(_message.Message):
-    __slots__ = ("seq_id", "temperature", "top_p", "top_k", "seeds", "lengths", "pipeline", "epoch", "scheme", "tree_width", "limit", "approximate_json")
+    __slots__ = ("seq_id", "temperature", "top_p", "top_k", "seeds", "lengths", "pipeline", "epoch", "scheme", "tree_width", "limit", "approximate_json", "constraint_json")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,7 @@ class SequenceHeader(_message.Message):
     TREE_WIDTH_FIELD_NUMBER: _ClassVar[int]
     LIMIT_FIELD_NUMBER: _ClassVar[int]
     APPROXIMATE_JSON_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINT_JSON_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     temperature: float
     top_p: float
@@ -33,7 +34,8 @@ class SequenceHeader(_message.Message):
     tree_width: int
     limit: int
     approximate_json: str
-    def __init__(self, seq_id: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seeds: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ..., pipeline: _Optional[bool] = ..., epoch: _Optional[int] = ..., scheme: _Optional[str] = ..., tree_width: _Optional[int] = ..., limit: _Optional[int] = ..., approximate_json: _Optional[str] = ...) -> None: ...
+    constraint_json: str
+    def __init__(self, seq_id: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seeds: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ..., pipeline: _Optional[bool] = ..., epoch: _Optional[int] = ..., scheme: _Optional[str] = ..., tree_width: _Optional[int] = ..., limit: _Optional[int] = ..., approximate_json: _Optional[str] = ..., constraint_json: _Optional[str] = ...) -> None: ...
 
 class Rows(_message.Message):
     __slots__ = ("encoding", "num_rows", "vocab", "dense", "counts", "indices", "values", "dist_tag", "dist_src")
