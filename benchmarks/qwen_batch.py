@@ -22,11 +22,11 @@ import gzip
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
+
+from polyspec.harness.batch_bench import append_partial, describe_divergences, first_divergences, read_partial, run_batch
+from polyspec.harness.batch_bench import tier_set as config_tier_set
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = ["qwen2.5-coder-ngram", "qwen2.5-coder-2tier", "qwen2.5-coder-int8", "qwen2.5-coder-int8-3tier",
@@ -44,79 +44,28 @@ def prompts(count: int) -> list[dict]:
     return [{"id": t["task_id"].replace("/", "-"), "prompt": t["prompt"]} for t in picked]
 
 
+def config_path(system: str) -> Path:
+    return REPO / "configs" / f"{'qwen2.5-coder-2tier' if system == TARGET else system}.yaml"
+
+
 def run_one(system: str, rows: list[dict], tokens: int, threads: str, taskset: str | None) -> dict:
-    config = REPO / "configs" / f"{'qwen2.5-coder-2tier' if system == TARGET else system}.yaml"
-    with tempfile.TemporaryDirectory() as tmp:
-        inp, out, stats = Path(tmp) / "in.jsonl", Path(tmp) / "out.jsonl", Path(tmp) / "stats.json"
-        inp.write_text("".join(json.dumps({**r, "max_new_tokens": tokens}) + "\n" for r in rows))
-        cmd = [sys.executable, "-m", "polyspec.orchestrator.cli", "batch", "-c", str(config), "-i", str(inp), "-o", str(out),
-               "--stats", str(stats), "--concurrency", str(len(rows)), "--threads", threads]
-        if system == TARGET:
-            cmd.append("--no-speculation")
-        if taskset:
-            cmd = ["taskset", "-c", taskset, *cmd]
-        started = time.perf_counter()
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        wall = time.perf_counter() - started
-        if done.returncode != 0:
-            raise SystemExit(f"{system}: polyspec batch failed ({done.returncode}):\n{done.stderr[-3000:]}")
-        results = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
-        summary = json.loads(stats.read_text())
-    first = results[0]["stats"]
-    stages = [[{k: s.get(k) for k in ("tier", "drafter", "mean_accepted_length", "lengths")} for s in r["stats"]["stages"]]
-              for r in results]
-    return {"system": system, "tokens_per_s": summary["tokens_per_s"], "generated_tokens": summary["generated_tokens"],
-            "decode_wall_s": summary["time_s"], "process_wall_s": round(wall, 1), "load_s": first.get("load_s"),
-            "profile_s": first.get("profile_s"), "texts": {r["id"]: r["text"] for r in results},
-            "token_ids": {r["id"]: r["token_ids"] for r in results}, "stages": stages[0],
-            "load_average": [round(x, 2) for x in os.getloadavg()]}
+    run = run_batch(config_path(system), rows, tokens=tokens, concurrency=len(rows), threads=threads, taskset=taskset,
+                    speculative=system != TARGET)
+    return {"system": system, **run}
 
 
 def divergences(runs: list[dict]) -> dict[str, dict[str, dict]]:
-    """Where a system's greedy tokens differ from the target alone's: per (system, prompt) the first differing
-    token and the target's own top-two logit gap there (the target forward over the prompt and the tokens both
-    agree on, in the dtype the runs resolved). A gap of one rounding step of that dtype is a tie that a forward
-    over another shape (a batch of blocks instead of single tokens) may break the other way; a larger gap is a bug."""
+    """Where a system's greedy tokens differ from the target alone's (batch_bench.first_divergences)."""
     target = next((r for r in runs if r["system"] == TARGET), None)
-    differing = [(r["system"], key) for r in runs if r["system"] != TARGET and target
-                 for key, ids in r["token_ids"].items() if ids != target["token_ids"].get(key)]
-    if not differing:
+    if target is None:
         return {}
-    import torch
-
-    from polyspec.orchestrator.config import load_config
-    from polyspec.orchestrator.engine import Engine
-    from polyspec.orchestrator.tokenization import encode_prompt
-
-    # the target as the runs loaded it (dtype: auto resolved from this machine's cached measurement)
-    engine = Engine(load_config(str(REPO / "configs" / "qwen2.5-coder-2tier.yaml")), speculative=False, auto_tune=False,
-                    cache_profiles=True)
-    model, tokenizer = engine.tiers[0].model, engine.tokenizer
-    prompt_text = {row["id"]: row["prompt"] for row in prompts(len(target["token_ids"]))}
-    out: dict[str, dict[str, dict]] = {}
-    for system, key in differing:
-        ours, theirs = target["token_ids"][key], next(r for r in runs if r["system"] == system)["token_ids"][key]
-        at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
-        if at >= min(len(ours), len(theirs)):
-            out.setdefault(system, {})[key] = {"token": at, "note": "one output is a prefix of the other (a stop)"}
-            continue
-        ids = encode_prompt(tokenizer, prompt_text[key]) + ours[:at]
-        with torch.inference_mode():
-            logits = model(torch.tensor([ids])).logits[0, -1]
-        gap = float(logits[ours[at]].float() - logits[theirs[at]].float())
-        step = float(torch.finfo(logits.dtype).eps) * abs(float(logits[ours[at]].float()))
-        out.setdefault(system, {})[key] = {"token": at, "target_token": ours[at], "other_token": theirs[at],
-                                           "logit_gap": round(gap, 5), "dtype": str(logits.dtype).replace("torch.", ""),
-                                           "tie": abs(gap) <= step}
-    return out
+    requests = {row["id"]: row for row in prompts(len(target["token_ids"]))}
+    others = [(r["system"], r["token_ids"]) for r in runs if r["system"] != TARGET]
+    return first_divergences(config_path(TARGET), requests, target["token_ids"], others)
 
 
 def tier_set(system: str) -> frozenset:
-    """What a config's tiers are (model and quantization each): an -auto config can run any fixed chain of its tiers."""
-    import yaml
-
-    raw = yaml.safe_load((REPO / "configs" / f"{system}.yaml").read_text())
-    return frozenset((str(t["model"]), t.get("quantize")) for t in raw["tiers"])
+    return config_tier_set(config_path(system))
 
 
 def report(runs: list[dict], meta: dict, ties: dict | None = None) -> dict:
@@ -134,9 +83,7 @@ def report(runs: list[dict], meta: dict, ties: dict | None = None) -> dict:
             same = all(r["token_ids"] == target[0]["token_ids"] for r in by[system])
             found = (ties or {}).get(system)
             if not same and found:  # each divergence at a tie of the dtype's rounding, or not
-                same = "; ".join(f"{key}: token {d['token']}, " + (d.get("note") or f"gap {d['logit_gap']} {d['dtype']}"
-                                                                   f"{' (a tie)' if d['tie'] else ' (NOT a tie)'}")
-                                 for key, d in sorted(found.items()))
+                same = describe_divergences(found)
         rows.append({"system": system, "runs": len(rates), "tokens_per_s": round(statistics.median(rates), 3),
                      "spread": [round(min(rates), 3), round(max(rates), 3)],
                      "x_target": round(statistics.median(rates) / base, 3) if base else None, "greedy_equals_target": same,
@@ -218,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.fresh and partial.exists():
         partial.unlink()
     rows = prompts(args.prompts)
-    runs = [json.loads(line) for line in partial.read_text().splitlines() if line.strip()] if partial.exists() else []
+    runs = read_partial(partial)
     meta = {"prompts": len(rows), "prompt_ids": [r["id"] for r in rows], "tokens": args.tokens, "threads": args.threads,
             "taskset": args.taskset, "cpu": cpu_name(), "cores": os.cpu_count(),
             "command": "python benchmarks/qwen_batch.py " + " ".join(argv if argv is not None else sys.argv[1:])}
@@ -231,8 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             run = run_one(system, rows, args.tokens, args.threads, args.taskset)
             print(f"  {run['tokens_per_s']} tok/s (load {run['load_s']} s, profile {run['profile_s']} s)", file=sys.stderr, flush=True)
             runs.append(run)
-            with partial.open("a") as handle:
-                handle.write(json.dumps(run) + "\n")
+            append_partial(partial, run)
             write(report(runs, meta), stem)
     write(report(runs, meta, divergences(runs)), stem)
     return 0

@@ -134,17 +134,13 @@ class ContinuousBatch:
 
     `max_requests`: how many requests hold caches at once (default: the engine's). A batched engine
     steps them all in one round; one that is not batched takes their rounds in turn, so a caller may
-    let more of them hold caches than one forward carries (the server does), but never more than a
-    decoder with a fixed number of cache slots has (the device round's `max_requests`)."""
+    let more of them hold caches than one forward carries (the server does)."""
 
     def __init__(self, engine, max_requests: int | None = None, on_delta: Callable[[Any, list[int], str], None] | None = None,
                  on_result: Callable[[Any, dict], None] | None = None,
                  on_error: Callable[[Any, Exception, bool], None] | None = None) -> None:
         self.engine = engine
-        self.max_requests = max_requests or getattr(engine, "max_requests", 1) or 1
-        slots = getattr(engine.scheduler, "max_requests", None)
-        if slots is not None:
-            self.max_requests = min(self.max_requests, slots)
+        self.max_requests = max_requests or engine.max_requests
         self.on_delta, self.on_result, self.on_error = on_delta, on_result, on_error
         self.running: list[Any] = []  # RequestState, admission order
         self._pool: Executor | None = None  # a distributed chain's rounds in flight at once (`concurrent_steps`)
@@ -203,7 +199,7 @@ class ContinuousBatch:
         self.on_error(state, exc, shared)
 
     def _concurrent_pool(self) -> Executor | None:
-        if self.engine.batched or not getattr(self.engine.scheduler, "concurrent_steps", False):
+        if self.engine.batched or not self.engine.scheduler.concurrent_steps:
             return None
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.max_requests, thread_name_prefix="polyspec-round")

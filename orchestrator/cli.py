@@ -235,7 +235,20 @@ def _summary(result: dict) -> str:
     profile = f", profile {stats['profile_s']:.1f}s" if stats.get("profile_s") else ""
     return (f"[{len(result['token_ids'])} tokens, {stats['tokens_per_s']:.1f} tok/s, load {stats['load_s']:.1f}s{profile}, "
             f"prefill {stats['prefill_s']:.2f}s, decode {stats['decode_s']:.2f}s, "
-            f"finish={result['finish_reason']}{', accepted/block: ' + stages if stages else ''}]")
+            f"finish={result['finish_reason']}{', accepted/block: ' + stages if stages else ''}{_plans_summary(stats)}]")
+
+
+def _plans_summary(stats: dict) -> str:
+    """The planner's chains of this request (`lengths: auto`): rounds, measured and predicted tokens/s of each
+    (the whole record, per plan and its lengths, is in --json's stats.plans)."""
+    from polyspec.orchestrator.decode.contract import PlanTally
+
+    tally = PlanTally()
+    tally.add(stats.get("plans", []))
+    shown = [f"{chain} {total['rounds']} rounds {total['measured_tokens_per_s']:.1f} tok/s"
+             + (f" (predicted {total['predicted_tokens_per_s']:.1f})" if "predicted_tokens_per_s" in total else "")
+             for chain, total in sorted(tally.as_dict().items(), key=lambda item: -item[1]["rounds"])]
+    return f", planned: {'; '.join(shown)}" if shown else ""
 
 
 def cmd_generate(args) -> int:
@@ -323,6 +336,9 @@ def cmd_batch(args) -> int:
             if request_id not in done:
                 todo.append((number, request_id, raw, parse_error))
     failures = [0]
+    from polyspec.orchestrator.decode.contract import PlanTally
+
+    chains = PlanTally()  # the planner's chains over every result (--stats: "plans")
     write_lock = threading.Lock()
     started = time.perf_counter()
     tokens = [0]
@@ -336,6 +352,7 @@ def cmd_batch(args) -> int:
                 out.flush()  # a result is on disk as soon as it is done
                 os.fsync(out.fileno())
                 tokens[0] += len(result.get("token_ids", ()))
+                chains.add((result.get("stats") or {}).get("plans", []))
                 written[0] += 1
                 progress.update(1)
                 now = time.perf_counter()
@@ -375,8 +392,9 @@ def cmd_batch(args) -> int:
                  "pipeline": engine.config.runtime.pipeline, "batched": engine.batched,
                  "max_requests": min(args.concurrency or engine.max_requests, engine.max_requests) if engine.batched else None,
                  **engine.scheduler.runtime_stats()}
-        if getattr(engine.scheduler, "planner", None) is not None:
+        if engine.scheduler.planner is not None:
             stats["planner"] = engine.scheduler.planner.describe()
+            stats["plans"] = chains.as_dict()
         if args.stats:
             Path(args.stats).write_text(json.dumps(stats, indent=2) + "\n", encoding="utf-8")
         print(f"polyspec: {tokens[0]} tokens in {elapsed:.1f}s ({stats['tokens_per_s']:.1f} tok/s), "
@@ -386,9 +404,10 @@ def cmd_batch(args) -> int:
         rate = tokens[0] / elapsed if elapsed > 0 else 0.0
         stats = {"requests": len(todo), "generated_tokens": tokens[0], "time_s": round(elapsed, 3), "tokens_per_s": round(rate, 3),
                  "max_requests": engine.max_requests}
-        planner = getattr(engine.scheduler, "planner", None)
+        planner = engine.scheduler.planner
         if planner is not None:
             stats["planner"] = planner.describe()
+            stats["plans"] = chains.as_dict()
         if args.stats:
             Path(args.stats).write_text(json.dumps(stats, indent=2) + "\n", encoding="utf-8")
         print(f"polyspec: {tokens[0]} tokens in {elapsed:.1f}s ({rate:.1f} tok/s)", file=sys.stderr)

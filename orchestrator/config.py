@@ -109,7 +109,8 @@ class BatchingConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TuningConfig:
-    """The online tuner's knobs (`speculation.lengths: auto`; polyspec.orchestrator.tuning.tuner).
+    """The planners' knobs (`speculation.lengths: auto`): the one-request tuner (polyspec.orchestrator.tuning.tuner)
+    reads them all; the goodput planner of batched steps some (polyspec.orchestrator.tuning.options says which).
     The defaults suit any chain; docs/time-model.md explains each."""
 
     max_length: int = 8  # the longest speculation length the searches consider
@@ -126,6 +127,9 @@ class TuningConfig:
     warmup_optimism: float = 1.0  # warm-up searches see acceptance this many posterior sd above the mean
     probe_optimism: float = 1.0  # the probe schedule sees unrun pairs' acceptance this many sd above the mean
     shadow: bool = True  # estimate skipped pairs from the committed tokens (polyspec tune measures them directly)
+    # the options the config file wrote (set by parsing): a planner with defaults of its own reads only those
+    # (polyspec.orchestrator.tuning.options: which planner reads which option, on which path)
+    given: frozenset = dataclasses.field(default=frozenset(), compare=False)
 
 
 # key -> (kind, lowest, highest, whether the lowest value itself is allowed): the checks of each tuning knob
@@ -330,7 +334,7 @@ def parse_lengths(raw: Any, num_tiers: int):
 
 def parse_tuning(raw: Any) -> TuningConfig:
     """The `tuning:` section: every knob typed and in range, or a ConfigError naming it."""
-    values = _check_keys("tuning", raw, TuningConfig)
+    values = _check_keys("tuning", raw, TuningConfig, internal=("given",))
     for key, value in values.items():
         kind, low, high, low_ok = _TUNING_RANGES[key]
         values[key] = value = _typed("tuning", key, value, kind)
@@ -338,7 +342,7 @@ def parse_tuning(raw: Any) -> TuningConfig:
             raise ConfigError(f"config key 'tuning.{key}' must be {'>=' if low_ok else '>'} {low}, got {value}")
         if high is not None and value > high:
             raise ConfigError(f"config key 'tuning.{key}' must be <= {high}, got {value}")
-    return TuningConfig(**values)
+    return TuningConfig(**values, given=frozenset(values))
 
 
 def parse_config(raw: Any, source: str | None = None) -> ChainConfig:

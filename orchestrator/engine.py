@@ -144,6 +144,7 @@ class Engine:
         self._grammars_lock = threading.Lock()
         self.config = config if speculative else config.target_only()
         keep_finished = 1 if reuse_prefix else 0
+        self._note_tuning(config, speculative, auto_tune, batched)
         if config.runtime.backend == "ray":
             self._start_ray(auto_tune, batched, keep_finished)
             self.load_s = time.perf_counter() - started
@@ -163,13 +164,27 @@ class Engine:
         eos = stop_token_ids(self.tokenizer, eos)
         self._start(eos, auto_tune, keep_finished)
 
+    @staticmethod
+    def _note_tuning(config: ChainConfig, speculative: bool, auto_tune: bool, batched: bool) -> None:
+        """Name on stderr, in one line, the `tuning:` options set that the planner this run will have does not read
+        (polyspec.orchestrator.tuning.options); `auto_tune` off (polyspec tune builds its own tuners): nothing to say."""
+        from polyspec.orchestrator.tuning import options
+
+        if not auto_tune:
+            return
+        planner = options.planner_of(config.speculation.lengths == "auto", speculative, batched and config.batching.enabled,
+                                     len(config.tiers))
+        line = options.note(config.tuning, planner, distributed=config.runtime.backend == "ray")
+        if line:
+            print(f"polyspec: {line}", file=sys.stderr, flush=True)
+
     def _steps(self) -> bool:
         """Do the model tiers decode in static-shape steps (`BatchedModelTier`'s `steps`: CUDA graphs, logits, draws
         and verdicts on the device)? `batching.round` decides: device, ragged, or auto: steps on CUDA."""
         mode = self.config.batching.round
         if mode != "auto":
             return mode == "device"
-        return str(getattr(self.tiers[0], "device", "cpu")).startswith("cuda")
+        return str(self.tiers[0].device).startswith("cuda")
 
     def _start(self, eos: tuple[int, ...], auto_tune: bool, keep_finished: int = 0) -> None:
         """The round over the one tier family (polyspec.workers.tiers.batched): every model tier one forward
@@ -207,24 +222,23 @@ class Engine:
 
     def make_planner(self):
         """Profile each tier's batched forward (a few seconds) and build the goodput planner, with the
-        `tuning:` options it reads (the others, when set, are named on stderr: `batch_model.unread_note`)."""
-        from polyspec.orchestrator.tuning.batch_model import BatchPlanner, unread_note
+        `tuning:` options it reads (`options.goodput_options`; the others, set, were named at start-up)."""
+        from polyspec.orchestrator.tuning.batch_model import BatchPlanner
+        from polyspec.orchestrator.tuning.options import goodput_options
 
-        tiers, tuning, max_batch = self.scheduler.tiers, self.config.tuning, min(self.max_requests, PROFILE_MAX_BATCH)
-        if unread_note(tuning):
-            print(f"polyspec: {unread_note(tuning)}", file=sys.stderr, flush=True)
-        max_length, allow_bypass = tuning.max_length, tuning.allow_bypass
-        if self.config.runtime.backend == "ray":  # each tier profiles itself; a distributed round cannot skip a tier
+        tiers, max_batch = self.scheduler.tiers, min(self.max_requests, PROFILE_MAX_BATCH)
+        distributed = self.config.runtime.backend == "ray"
+        if distributed:  # each tier profiles itself; a distributed round cannot skip a tier (goodput_options: no bypass)
             from polyspec.orchestrator.distributed.driver import profile_grid_remote
 
-            (tables, lookup), allow_bypass = profile_grid_remote(self.scheduler, max_batch), False
+            tables, lookup = profile_grid_remote(self.scheduler, max_batch)
         else:
             from polyspec.orchestrator.tuning.profiler import profile_batched
 
             with self._profiling() as (cache, bar):
                 tables, lookup = profile_batched(tiers, self.vocab_size, max_batch, cache=cache, bar=bar, log=self.log)
-        return BatchPlanner(tiers, tables, lookup, max_length, self.config.batching.max_batched_tokens,
-                            self.config.speculation.tree_width, allow_bypass, tuning.explore_every, tuning.shadow)
+        return BatchPlanner(tiers, tables, lookup, max_batched_tokens=self.config.batching.max_batched_tokens,
+                            tree_width=self.config.speculation.tree_width, **goodput_options(self.config.tuning, distributed))
 
     def step_all(self, states: list[RequestState]) -> list[list[int]]:
         """One round of every request in `states` (batched chains: one forward per tier; otherwise in turn)."""
@@ -252,7 +266,7 @@ class Engine:
         self.tiers = self.scheduler.tiers  # TierViews: name, vocab_size, busy_s
         if batched and self.config.batching.enabled:
             # every running request in one VerifyBatch per step; each tier actor scores all their
-            # blocks in one forward (polyspec.orchestrator.distributed.batched_rounds)
+            # blocks in one forward (polyspec.orchestrator.distributed.worker)
             self.batched = self.scheduler.batched = True
             self.max_requests = self.config.batching.max_requests
         if auto_tune and self.config.speculation.lengths == "auto" and len(self.tiers) > 1:
@@ -264,9 +278,7 @@ class Engine:
 
     def close(self) -> None:
         """Stop the chain's actors (ray backend); nothing to do embedded."""
-        close = getattr(self.scheduler, "close", None)
-        if close is not None:
-            close()
+        self.scheduler.close()
 
     def make_tuner(self, context: list[int] | None = None, **knobs):
         """Profile every tier (a few seconds) and build the online tuner (polyspec.orchestrator.tuning.tuner)
@@ -320,7 +332,7 @@ class Engine:
 
     @property
     def vocab_size(self) -> int:
-        return getattr(self.scheduler, "vocab_size", None) or self.tiers[0].vocab_size
+        return self.scheduler.vocab_size
 
     # ------------------------------------------------------------------- requests
 

@@ -116,8 +116,13 @@ class TextStream:
         self.token_ids: list[int] = []  # committed so far (cut after the stop-completing token once stopped)
         self.text = ""  # shown so far
         self.stopped = False
-        self._decoded = ""  # the text of `token_ids` already matched
         self._held = ""  # matched, not shown: it may be the start of a stop string
+        # A round decodes only its own tokens, after a few already shown (vLLM's prefix / read
+        # offsets): decoding a window that starts mid-text can differ at its first token (a
+        # SentencePiece leading space), so the window starts one round back and only the text
+        # past `ids[prefix:read]` is new. Decoding the whole request each round costs O(n^2).
+        self._prefix = 0
+        self._read = 0
 
     def push(self, tokens: list[int], final: bool = False) -> str:
         """A round's tokens -> the new text to show. `final`: no more tokens come (what was held is shown)."""
@@ -125,14 +130,15 @@ class TextStream:
             return ""
         before = len(self.token_ids)
         self.token_ids += tokens
-        decoded = self.decode(self.token_ids)
+        ids = self.token_ids
+        seen = self.decode(ids[self._prefix : self._read]) if self._read > self._prefix else ""
+        decoded = self.decode(ids[self._prefix :])
         if decoded.endswith(REPLACEMENT_CHAR) and not final:  # a token ended inside a character: wait for the rest
             return ""
-        delta = decoded[len(self._decoded):] if decoded.startswith(self._decoded) else ""
-        self._decoded = decoded
+        delta = decoded[len(seen) :] if decoded.startswith(seen) else ""
+        self._prefix, self._read = self._read, len(ids)
         shown = self._match(delta)
         if self.stopped:  # the tokens up to the one that completed the stop string (a round commits several)
-            ids = self.token_ids
             self.token_ids = ids[: next(n for n in range(before + 1, len(ids) + 1)
                                         if any(stop in self.decode(ids[:n]) for stop in self.stops))]
         self.text += shown

@@ -379,7 +379,7 @@ def attach(engine, state: RequestState, mode: ApproximateMode) -> Attached:
     if mode.mode == BILD:
         # the fallback: whichever tier drafts at the bottom of the chain stops after a token it is unsure of
         for tier in scheduler.tiers[1:]:
-            model_tier = getattr(tier, "tier", tier)  # a batched tier reads its model tier's thresholds
+            model_tier = tier.tier  # a batched tier reads its model tier's thresholds
             model_tier.exit_by_seq[state.seq_id] = mode.fallback_threshold
             attached.drafters.append(model_tier)
     return attached

@@ -23,6 +23,7 @@ live here, in one place:
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Any, Callable, Iterable, Protocol, runtime_checkable
 
@@ -124,6 +125,14 @@ class Decoder(Protocol):
     tiers: list  # target first; each has at least `name` and `busy_s`
     max_context: int | None  # the longest context any request may reach (None: no limit)
     eos_token_ids: frozenset[int]
+    vocab_size: int  # the chain's shared vocabulary (what a request's logits rows span)
+    lengths: list[int]  # the speculation length of each verifying level in use
+    active: tuple[int, ...]  # the tiers in use, target first (a planner may bypass some)
+    planner: "RoundPlanner | None"  # lengths: auto's planner (None: the lengths are fixed)
+    concurrent_steps: bool  # may steps of different requests run at once (threads; a remote chain)?
+
+    def close(self) -> None:
+        """Release what the decoder holds outside this process (a remote chain's channels, actors)."""
 
     def start(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams, seed: int | None = None) -> RequestState:
         """Open a request. Requests are independent: a caller may interleave their steps."""
@@ -284,6 +293,11 @@ class RoundPlanner(Protocol):
         """Right after `plan(step)`: per request of the step, the tier that drafts its block for the target, where
         that differs from the plan's for some (a request whose own text makes a lookup pay); empty: the plan's for all."""
 
+    # right after `plan(step)`: the tokens/s it expects of each request of the step under the plan (None: no prediction);
+    # after `drafters(step)` named drafters apart, one per request; recorded per plan in the request's stats beside the
+    # measured rate (`note_round`)
+    predicted_tokens_per_s: float | tuple[float, ...] | None
+
 
 # ----------------------------------------------------------------- end of a request
 
@@ -327,10 +341,82 @@ def commit(state: RequestState, emitted: list[int], eos_token_ids: frozenset[int
 
 
 def note_plan(plans: list[dict], new_tokens: int, lengths, tiers: list[str]) -> None:
-    """Append a request's plan (lengths, tiers) to `plans`, its result's record, when it differs from the last."""
+    """Append a request's plan (lengths, tiers) to `plans`, its result's record, when it differs from the last;
+    `note_round` then adds each round run under it."""
     shown = {"lengths": list(lengths), "tiers": list(tiers)}
     if not plans or {k: plans[-1][k] for k in shown} != shown:
-        plans.append({"new_tokens": new_tokens, **shown})
+        plans.append({"new_tokens": new_tokens, **shown, "rounds": 0, "tokens": 0, "seconds": 0.0, "predicted_tokens": 0.0,
+                      "predicted_seconds": 0.0})
+
+
+def note_round(plans: list[dict], tokens: int, seconds: float, predicted_tokens_per_s: float | None) -> None:
+    """A round of the request under its latest plan: the tokens it committed, the step's wall `seconds`, and the
+    planner's predicted tokens/s for this request under the plan (`RoundPlanner.predicted_tokens_per_s`; None: none)."""
+    if not plans:
+        return
+    record = plans[-1]
+    record["rounds"] += 1
+    record["tokens"] += tokens
+    record["seconds"] += seconds
+    if predicted_tokens_per_s is not None and predicted_tokens_per_s > 0 and math.isfinite(predicted_tokens_per_s):
+        record["predicted_tokens"] += predicted_tokens_per_s * seconds
+        record["predicted_seconds"] += seconds
+
+
+def plan_records(plans: list[dict]) -> list[dict]:
+    """A request's plans as its stats show them: per plan it ran under (in order; a plan taken again is a new entry),
+    the new tokens before it, its tiers and lengths, its rounds, the tokens they committed and their wall seconds,
+    `measured_tokens_per_s` (tokens / seconds) and `predicted_tokens_per_s` (the planner's prediction for the
+    request under the plan, averaged over those seconds; absent where the planner gave none)."""
+    out = []
+    for record in plans:
+        shown = {key: record[key] for key in ("new_tokens", "tiers", "lengths")}
+        if "rounds" in record:
+            seconds = record["seconds"]
+            shown.update(rounds=record["rounds"], tokens=record["tokens"], seconds=round(seconds, 6),
+                         measured_tokens_per_s=round(record["tokens"] / seconds, 3) if seconds > 0 else 0.0)
+            if record["predicted_seconds"] > 0:
+                shown["predicted_tokens_per_s"] = round(record["predicted_tokens"] / record["predicted_seconds"], 3)
+        out.append(shown)
+    return out
+
+
+def chain_label(tiers: list[str]) -> str:
+    """A plan's set of tiers as one label, target first ("target<-mid<-ngram"): a chain has at most 2^(tiers - 1)."""
+    return "<-".join(tiers)
+
+
+class PlanTally:
+    """Finished requests' plans summed per chain (`chain_label`): rounds, tokens, seconds, and the predicted tokens
+    over the seconds that had a prediction. What `polyspec batch --stats` and the server's metrics report."""
+
+    def __init__(self) -> None:
+        self.chains: dict[str, dict] = {}
+
+    def add(self, records: list[dict]) -> None:
+        """One request's `plan_records`."""
+        for record in records:
+            if "rounds" not in record:
+                continue
+            total = self.chains.setdefault(chain_label(record["tiers"]), {"rounds": 0, "tokens": 0, "seconds": 0.0,
+                                                                           "predicted_tokens": 0.0, "predicted_seconds": 0.0})
+            total["rounds"] += record["rounds"]
+            total["tokens"] += record["tokens"]
+            total["seconds"] += record["seconds"]
+            if "predicted_tokens_per_s" in record:
+                total["predicted_tokens"] += record["predicted_tokens_per_s"] * record["seconds"]
+                total["predicted_seconds"] += record["seconds"]
+
+    def as_dict(self) -> dict:
+        """Per chain: rounds, tokens, seconds, measured and predicted tokens/s (per request, over its rounds' seconds)."""
+        out = {}
+        for label, total in sorted(self.chains.items()):
+            seconds = total["seconds"]
+            out[label] = {"rounds": total["rounds"], "tokens": total["tokens"], "seconds": round(seconds, 6),
+                          "measured_tokens_per_s": round(total["tokens"] / seconds, 3) if seconds > 0 else 0.0}
+            if total["predicted_seconds"] > 0:
+                out[label]["predicted_tokens_per_s"] = round(total["predicted_tokens"] / total["predicted_seconds"], 3)
+        return out
 
 
 def mark_cancelled(state: RequestState) -> None:

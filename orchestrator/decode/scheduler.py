@@ -78,7 +78,9 @@ from polyspec.orchestrator.decode.contract import (
     finish_if_full,
     mark_cancelled,
     note_plan,
+    note_round,
     output,
+    plan_records,
     remaining,
     seeded_generator,
     stage_of,
@@ -123,6 +125,8 @@ class ChainScheduler:
     finish / cancel over the chain's tiers, and the round API a tier worker drives on its own
     `Run`s (`round_batch`, `emit_batch`, `length_at`)."""
 
+    concurrent_steps = False  # one step at a time: a step runs every request it is given in one round
+
     def __init__(
         self,
         tiers: list[BatchedTier],
@@ -159,6 +163,7 @@ class ChainScheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.active = tuple(range(len(tiers)))  # tiers in use, target first; a planner may bypass some
         self.planner = planner
+        self.vocab_size = self.tiers[0].vocab_size
         self.recorder = recorder
         self.draft_ahead = draft_ahead
         self.prefill_budget = prefill_budget
@@ -171,6 +176,9 @@ class ChainScheduler:
         self.kept = KeptSequences(keep_finished, self._release, lambda: next(_sequence_ids))
 
     # ----------------------------------------------------------------- decoder API
+
+    def close(self) -> None:
+        """Nothing to release: the tiers are this process's own."""
 
     def start(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams, seed: int | None = None) -> RequestState:
         """Open a request; advance it with `step` / `step_all` (one target round each), close it
@@ -230,7 +238,7 @@ class ChainScheduler:
 
     def step_all(self, states: list[RequestState]) -> list[list[int]]:
         """One target round for every request in `states`; the newly committed tokens of each."""
-        if len(states) > 1 and getattr(self.planner, "one_request", False):
+        if len(states) > 1 and self.planner is not None and self.planner.one_request:
             return [self.step_all([state])[0] for state in states]  # a planner that follows one request at a time
         started = time.perf_counter()
         catch_up_s = 0.0
@@ -239,6 +247,7 @@ class ChainScheduler:
         if not live:
             return out
         drafters: list[int | None] = [self.below(0)] * len(live)  # per live request: the tier drafting its target block
+        predicted: list[float | None] = [None] * len(live)  # per live request: the planner's tokens/s under its plan
         if self.planner is not None:
             behind = {level: sum(max(0, len(states[i].committed) - 1 - tier.cached(states[i].run.seq_id)) for i in live)
                       for level, tier in enumerate(self.tiers) if level and tier.has_weights}
@@ -249,6 +258,9 @@ class ChainScheduler:
             self.lengths, self.active = list(lengths), tuple(active)
             # (a tree's drafter grows the tree the verifier walks: one drafter for the step)
             drafters = list((self.planner.drafters(step) if self.tree_width == 1 else ()) or [self.below(0)] * len(live))
+            predicted = self.planner.predicted_tokens_per_s  # (per request where they draft apart)
+            if not isinstance(predicted, tuple):
+                predicted = [predicted] * len(live)
             for i, drafter in zip(live, drafters):
                 tiers = [0, drafter] if drafter != self.below(0) else list(self.active)  # a request drafted apart: its pair
                 note_plan(states[i].plans, len(states[i].new_tokens), [self.lengths[t] for t in tiers[:-1]],
@@ -276,6 +288,9 @@ class ChainScheduler:
             for level, proposals in shadows.items():
                 self._observe_shadow(level, proposals[len(committed) - 1], emitted, state.run)
         seconds = time.perf_counter() - started
+        if self.planner is not None:  # each request's round, under the plan it ran: its tokens in the step's wall time
+            for i, emitted, expected in zip(live, committed, predicted):
+                note_round(states[i].plans, len(emitted), seconds, expected)
         lengths = [self.lengths[t] for t in self.active[:-1]]
         self.last_step = {"batch": len(live), "tokens": sum(len(c) for c in committed), "seconds": seconds,
                           "lengths": lengths, "tiers": list(self.active)}
@@ -320,7 +335,7 @@ class ChainScheduler:
         extra = {"tiers": [{"tier": t.name, "busy_s": round(busy, 6), "forwarded_tokens": tokens}
                            for t, busy, tokens in zip(self.tiers, state.tier_busy_s, run.forwarded_tokens)]}
         if self.planner is not None:
-            extra["plans"] = state.plans
+            extra["plans"] = plan_records(state.plans)
         return output(state, run.stages + list(run.bypass_stages.values()), **extra)
 
     def cancel(self, state: RequestState) -> GenerationOutput:

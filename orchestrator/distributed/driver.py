@@ -43,7 +43,9 @@ from polyspec.orchestrator.decode.contract import (
     finish_if_full,
     mark_cancelled,
     note_plan,
+    note_round,
     output,
+    plan_records,
     remaining,
     tier_seeds,
 )
@@ -78,6 +80,7 @@ class Membership:
     """Where the tiers are; what to do when one fails."""
 
     views: list[TierView]
+    events: tuple | list = ()  # membership changes, when it records them (RayMembership)
 
     def target_address(self) -> str:
         raise NotImplementedError
@@ -115,7 +118,7 @@ class RemoteRun:
     rounds: int = 0
     overhead_s: float = 0.0  # round trips not spent in model forwards on the critical path
     # with a planner that follows one request (`_planner_work`): (planner, observations) of the last round,
-    # heard during the next round, and (planner, (lengths, active)) of the next round, planned during this one
+    # heard during the next round, and (planner, (lengths, active), predicted tokens/s) of the next round, planned during this one
     unobserved: tuple | None = None
     planned: tuple | None = None
 
@@ -137,6 +140,7 @@ class DistributedChain:
         extends them (prefix reuse, as the embedded chain's: `contract.KeptSequences`)."""
         self.membership = membership
         self.tiers = membership.views
+        self.vocab_size = min((view.vocab_size for view in self.tiers), default=0)  # (set again once the tiers report theirs)
         self.lengths = list(lengths)
         self.active = tuple(range(len(self.tiers)))
         self.tree_width = tree_width
@@ -233,7 +237,7 @@ class DistributedChain:
 
     def step_all(self, states: list[RequestState]) -> list[list[int]]:
         """One target round of every request in `states`, in one VerifyBatch: each tier scores every
-        request's block in one forward (polyspec.orchestrator.distributed.batched_rounds). A planner
+        request's block in one forward (polyspec.orchestrator.distributed.worker). A planner
         plans the step and hears its stage reports as typed observations (`round_observations`)."""
         started = time.perf_counter()
         out: list[list[int]] = [[] for _ in states]
@@ -246,7 +250,7 @@ class DistributedChain:
                 out[i] = self.step_all([states[i]])[0]
             return out
         running = [states[i] for i in live]
-        lengths, active = self._plan(running)
+        lengths, active, predicted = self._plan(running)
         requests = [self._round_request(state, lengths) for state in running]
         reply, wall = self._call_target("VerifyBatch", tier_pb2.VerifyBatchRequest(requests=requests),
                                         meanwhile=self._planner_work(running, lengths))
@@ -259,6 +263,9 @@ class DistributedChain:
             out[i] = self._round_reply(state, one, wall)
         seconds = time.perf_counter() - started
         committed = tuple(tuple(out[i]) for i in live)
+        if planner is not None:  # each request's round, under the plan it ran: its tokens in the step's wall time
+            for state, tokens in zip(running, committed):
+                note_round(state.plans, len(tokens), seconds, predicted)
         self.last_step = {"batch": len(live), "tokens": sum(map(len, committed)), "seconds": seconds, "tiers": list(active),
                           "lengths": list(lengths)}
         if planner is not None:
@@ -277,22 +284,24 @@ class DistributedChain:
                          remaining=tuple(min(remaining(state), state.limit - len(state.committed)) for state in states),
                          first=tuple(state.run.rounds == 0 for state in states))
 
-    def _plan(self, states: list[RequestState]) -> tuple[list[int], tuple[int, ...]]:
+    def _plan(self, states: list[RequestState]) -> tuple[list[int], tuple[int, ...], float | None]:
         """The step's lengths and tiers: the planner's (made while the request's last round was in flight,
-        where it was: `_planner_work`), else the chain's own."""
+        where it was: `_planner_work`), else the chain's own; and the planner's predicted tokens/s of each
+        request under them (None: no planner, or no prediction)."""
         planner = self.planner
         if planner is None:
-            return list(self.lengths), self.active
+            return list(self.lengths), self.active, None
         planned, states[0].run.planned = states[0].run.planned, None
         if planned is not None and planned[0] is planner and len(states) == 1:
-            lengths, active = planned[1]
+            (lengths, active), predicted = planned[1], planned[2]
         else:
             with self._planner_lock:
                 lengths, active = planner.plan(self._step_input(states))
+                predicted = getattr(planner, "predicted_tokens_per_s", None)
         for state in states:
             note_plan(state.plans, len(state.new_tokens), lengths, [self.tiers[t].name for t in active])
         self.lengths, self.active = list(lengths), tuple(active)  # the plan in use (the server's speculation_length gauge)
-        return self.lengths, self.active
+        return self.lengths, self.active, predicted
 
     def _planner_work(self, states: list[RequestState], lengths: list[int]) -> Callable[[], None] | None:
         """With a planner that follows one request (the online tuner): its work for this thread while
@@ -320,7 +329,7 @@ class DistributedChain:
                 self._hear(pending)
             if ahead:
                 with self._planner_lock:
-                    run.planned = (planner, planner.plan(self._step_input([state])))
+                    run.planned = (planner, planner.plan(self._step_input([state])), getattr(planner, "predicted_tokens_per_s", None))
 
         return work
 
@@ -373,7 +382,7 @@ class DistributedChain:
             self._release(state.seq_id, keep_caches=True)
         extra = {"rounds": run.rounds, "overhead_s": round(run.overhead_s, 6)}
         if state.plans:
-            extra["plans"] = state.plans
+            extra["plans"] = plan_records(state.plans)
         return output(state, [stage for _, stage in sorted(run.stages.items())], **extra)
 
     def cancel(self, state: RequestState) -> GenerationOutput:
@@ -451,7 +460,7 @@ class DistributedChain:
             "degraded_rounds": self.degraded_rounds,
             "tiers": tiers,
             # drafters left out at start-up, bypassed, wired (back) in: when and why (RayMembership)
-            "tier_events": list(getattr(self.membership, "events", [])),
+            "tier_events": list(self.membership.events),
         }
 
     def close(self) -> None:

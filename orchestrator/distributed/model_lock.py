@@ -12,6 +12,7 @@ tell transport overhead from model time.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 
@@ -72,64 +73,29 @@ class ModelLock:
                 self._cond.notify_all()
 
 
-class LockedBatched(BatchedTier):
+class LockedBatched:
     """A batched tier (polyspec.workers.tiers.batched) behind the worker's ModelLock: the calls
-    a verifier waits on and the draft-ahead steps take turns on its one slot cache."""
+    a verifier waits on and the draft-ahead steps take turns on its one slot cache. The calls
+    that run a forward or change the cache take the lock; everything else is the inner tier's."""
 
-    def __init__(self, tier, lock: ModelLock) -> None:  # (no BatchedTier.__init__: every field is the inner tier's)
+    LOCKED = ("prefill", "draft_batch", "draft_tree_batch", "score_batch", "verify_batch", "accept_path", "truncate", "release")
+
+    def __init__(self, tier: BatchedTier, lock: ModelLock) -> None:
         self.inner = tier
         self.lock = lock
-        for name in ("tier", "name", "vocab_size", "max_context", "can_verify", "has_weights", "caches_prompts"):
-            setattr(self, name, getattr(tier, name))
+        for name in self.LOCKED:
+            setattr(self, name, self._locked(getattr(tier, name)))
 
-    @property
-    def busy_s(self) -> float:
-        return self.inner.busy_s
+    def _locked(self, method):
+        @functools.wraps(method)
+        def call(*args, **options):
+            with self.lock.hold():
+                return method(*args, **options)
 
-    @property
-    def forward_log(self) -> list:
-        return self.inner.forward_log
+        return call
 
-    def cached(self, seq_id) -> int:
-        return self.inner.cached(seq_id)
-
-    def continues_past(self, seq_id) -> bool:
-        return False
-
-    def verdict(self, *args) -> None:
-        pass
-
-    def score_batch(self, *args):
-        with self.lock.hold():
-            return self.inner.score_batch(*args)
-
-    def draft_batch(self, *args):
-        with self.lock.hold():
-            return self.inner.draft_batch(*args)
-
-    def verify_batch(self, *args, **options):
-        with self.lock.hold():
-            return self.inner.verify_batch(*args, **options)
-
-    def draft_tree_batch(self, *args):
-        with self.lock.hold():
-            return self.inner.draft_tree_batch(*args)
-
-    def prefill(self, *args) -> int:
-        with self.lock.hold():
-            return self.inner.prefill(*args)
-
-    def accept_path(self, seq_id, path) -> None:
-        with self.lock.hold():
-            self.inner.accept_path(seq_id, path)
-
-    def truncate(self, seq_id, length: int) -> None:
-        with self.lock.hold():
-            self.inner.truncate(seq_id, length)
-
-    def release(self, seq_id) -> None:
-        with self.lock.hold():
-            self.inner.release(seq_id)
+    def __getattr__(self, name: str):  # only for what __init__ did not set
+        return getattr(self.inner, name)
 
 
 class LockedTiers:

@@ -65,10 +65,10 @@ def device_slots(tier, batching) -> int:
     else 0 (the ragged forward, its pool's own bound)."""
     from polyspec.workers.tiers.tier import NGramTier
 
-    mode = getattr(batching, "round", "ragged")
+    mode = batching.round
     if mode == "ragged" or isinstance(tier, NGramTier):
         return 0
-    on_cuda = str(getattr(tier, "device", "cpu")).startswith("cuda")
+    on_cuda = str(tier.device).startswith("cuda")
     return batching.max_requests + 1 if (mode == "device" or on_cuda) else 0  # + 1: a profile's sequence
 
 
@@ -114,7 +114,7 @@ class TierActor:
         # one model lock, and batched tiers made together: a feature head reads its target's slot cache
         # a ragged tier's pool: every request's sequence, its scoring scratch sequence and a profile's
         ragged = 2 * batching.max_requests + 2 if batching is not None else None
-        siblings = LockedTiers(tiers, ModelLock(), slots, getattr(batching, "max_context", None), ragged)
+        siblings = LockedTiers(tiers, ModelLock(), slots, batching.max_context, ragged)
         self.workers = {index: TierWorker(tier, index, eos_token_ids=eos_token_ids, host=host, siblings=siblings)
                         for index, tier in zip(indices, tiers)}
         self.first = indices[0]
@@ -124,7 +124,7 @@ class TierActor:
         worker = self.workers[self.first if index is None else index]
         tier = worker.tier
         return {"address": worker.address, "out_features": self.out_features, "max_context": tier.max_context,
-                "node_id": self.node_id, "pid": os.getpid(), "device": str(getattr(tier, "device", "cpu"))}
+                "node_id": self.node_id, "pid": os.getpid(), "device": str(tier.device)}
 
     def setup(self, vocab_size: int) -> None:
         for worker in self.workers.values():

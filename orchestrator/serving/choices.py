@@ -21,6 +21,7 @@ class Choice:
         self.text = ""  # shown so far
         self.finish_reason: str | None = None  # once done: "stop" when a stop string cut it, else the engine's reason
         self.finished = False  # done, or failed
+        self.plans: list[dict] | None = None  # once done, with `lengths: auto`: the planner's plans (stats.plans)
 
     @property
     def stopped(self) -> bool:
@@ -34,6 +35,7 @@ class Choice:
 
     def done(self, result: dict) -> None:
         self.finish_reason = result["finish_reason"]
+        self.plans = (result.get("stats") or {}).get("plans")
         self.finished = True
 
     def failed(self) -> None:

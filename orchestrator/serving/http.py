@@ -15,7 +15,10 @@ first stop string, a stream never shows text past it, and generation stops there
 (finish_reason "stop"). `n` > 1 runs n independent requests per prompt (choice index
 prompt * n + j); with a `seed`, choice j samples from a seed derived from (seed, j), so at
 temperature 0 every choice is the target's greedy text. Every answer carries `usage`; a
-stream carries it in a last chunk with `stream_options: {"include_usage": true}`.
+stream carries it in a last chunk with `stream_options: {"include_usage": true}`. With
+`speculation.lengths: auto`, `usage.polyspec_plans` (polyspec's extension) lists per choice
+the plans the planner ran it under (the result's `stats.plans`: tiers, lengths, rounds,
+predicted and measured tokens/s).
 `approximate` (polyspec's extension, both routes: {"mode": "bild", ...}, docs/approximate.md) runs an
 approximate decoding mode, NOT lossless; the answer (each chunk of a stream) then carries
 `approximate` with the mode and its knobs, and `serve --exact-only` answers 400.
@@ -341,7 +344,10 @@ class OpenAIApi:
     def _usage(requests: list, choices: list["_Answer"], body: dict) -> dict:
         # a prompt counts once however many choices it has (as OpenAI counts it)
         prompt_tokens = sum(len(r.prompt_ids) for r in requests[:: openai_request.choices(body)])
-        return _usage(prompt_tokens, sum(len(choice.token_ids) for choice in choices))
+        usage = _usage(prompt_tokens, sum(len(choice.token_ids) for choice in choices))
+        if any(choice.plans for choice in choices):  # polyspec's extension (lengths: auto): per choice, the planner's plans
+            usage["polyspec_plans"] = [choice.plans for choice in choices]
+        return usage
 
     async def _answer(self, request: Request, tenant: str, body: dict, model: str, requests: list, chat: bool) -> Response:
         kind = "chat.completion" if chat else "text_completion"

@@ -8,7 +8,13 @@ the anonymous tenant of a server without tokens is "anonymous"), job_items_done_
 batched engine also batch_size (requests in the latest batched step, histogram),
 goodput_tokens_per_second (tokens committed per second of batched steps, smoothed) and
 speculating (1 while the planner speculates at the current batch size); approximate_requests_total{mode}
-(requests and job items finished in an approximate decoding mode, docs/approximate.md).
+(requests and job items finished in an approximate decoding mode, docs/approximate.md). The planner's
+decisions (`speculation.lengths: auto`), from each finished request's `stats.plans`, per chain (its set of
+tiers, "target<-mid<-ngram": at most 2^(tiers - 1) labels, so bounded by the config): plan_rounds_total,
+plan_tokens_total and plan_seconds_total{chain} (rounds run under it, the tokens they committed, their wall
+seconds summed over requests), plan_tokens_per_second{chain,source} (per request, over all its rounds so far:
+source "measured" = tokens / seconds, "predicted" = the planner's prediction over the same seconds) and
+plan_prediction_ratio (histogram: measured / predicted tokens/s of each plan a request ran under).
 `build_metrics_app` serves them at GET /metrics (with a Tenants object: only to a caller
 with a token).
 """
@@ -20,7 +26,10 @@ import threading
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from polyspec.orchestrator.decode.contract import PlanTally, chain_label
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+PREDICTION_RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 0.95, 1.05, 1.1, 1.25, 1.5, 2.0, 4.0)
 STATUSES = ("ok", "cancelled", "invalid_argument", "resource_exhausted", "unauthenticated", "unavailable", "internal")
 
 
@@ -50,6 +59,15 @@ class Metrics:
         self._speculating = Gauge("polyspec_speculating", "1 while the batched steps speculate", registry=r)
         self._approximate = Counter("polyspec_approximate_requests", "Requests finished in an approximate (not lossless) mode",
                                     ["mode"], registry=r)
+        self._plan_rounds = Counter("polyspec_plan_rounds", "Rounds run under each chain the planner chose", ["chain"], registry=r)
+        self._plan_tokens = Counter("polyspec_plan_tokens", "Tokens committed under each chain the planner chose", ["chain"], registry=r)
+        self._plan_seconds = Counter("polyspec_plan_seconds", "Wall seconds of the rounds under each chain, summed over requests",
+                                     ["chain"], registry=r)
+        self._plan_rate = Gauge("polyspec_plan_tokens_per_second", "Per request tokens/s under each chain: measured, and the planner's prediction",
+                                ["chain", "source"], registry=r)
+        self._plan_ratio = Histogram("polyspec_plan_prediction_ratio", "Measured / predicted tokens/s of each plan a request ran under",
+                                     buckets=PREDICTION_RATIO_BUCKETS, registry=r)
+        self.plans = PlanTally()  # the same sums, for snapshot()
         self.approximate = collections.Counter()  # mode -> count
         self.goodput = 0.0
         self._tenants_seen: set[str] = set()
@@ -78,6 +96,25 @@ class Metrics:
                 self.goodput = rate if not self.last_batch else self.goodput + 0.2 * (rate - self.goodput)
                 self.last_batch = size
             self._goodput.set(self.goodput)
+
+    def plan_stats(self, records: list[dict]) -> None:
+        """Add one finished request's `stats["plans"]` (contract.plan_records): what the planner chose and how it ran."""
+        with self._lock:
+            self.plans.add(records)
+            totals = self.plans.as_dict()
+        for record in records:
+            if "rounds" not in record:
+                continue
+            label = chain_label(record["tiers"])
+            self._plan_rounds.labels(label).inc(record["rounds"])
+            self._plan_tokens.labels(label).inc(record["tokens"])
+            self._plan_seconds.labels(label).inc(record["seconds"])
+            total = totals[label]
+            self._plan_rate.labels(label, "measured").set(total["measured_tokens_per_s"])
+            if "predicted_tokens_per_s" in total:
+                self._plan_rate.labels(label, "predicted").set(total["predicted_tokens_per_s"])
+            if record.get("predicted_tokens_per_s") and record["seconds"] > 0:
+                self._plan_ratio.observe(record["measured_tokens_per_s"] / record["predicted_tokens_per_s"])
 
     def approximate_request(self, mode: str) -> None:
         with self._lock:
@@ -137,6 +174,7 @@ class Metrics:
                 "job_items": dict(self.job_items),
                 "generated_tokens": self.generated_tokens,
                 "stages": {key: dict(value) for key, value in self.stages.items()},
+                "plans": self.plans.as_dict(),
             }
 
 

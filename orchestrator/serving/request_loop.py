@@ -320,6 +320,7 @@ class RoundScheduler(threading.Thread):
     def _finished(self, work: Work, result: dict) -> None:
         stats = result.get("stats") or {}
         self.metrics.stage_stats(stats.get("stages", []))
+        self.metrics.plan_stats(stats.get("plans", []))
         self.publish_speculation()
         if result.get("mode"):  # only an approximate result names its mode
             self.metrics.approximate_request(result["mode"])

@@ -559,11 +559,11 @@ class PolyspecService(pb_grpc.PolyspecServicer):
         )
         if self.engine is not None:
             chain = self.engine.scheduler
-            active = getattr(chain, "active", tuple(range(len(chain.tiers))))
+            active = chain.active
             response.speculation_lengths.extend(int(k) for k in chain.lengths)
             response.active_tiers.extend(chain.tiers[i].name for i in active)
             for tier, config in zip(self.engine.tiers, self.engine.config.tiers):
-                response.tiers.add(tier=tier.name, model=config.model, up=getattr(tier, "up", True), busy_s=getattr(tier, "busy_s", 0.0))
+                response.tiers.add(tier=tier.name, model=config.model, up=tier.up, busy_s=tier.busy_s)
         return response
 
 

@@ -14,7 +14,8 @@ from what the shallower ones measured). A round of depth d emits 1 + sum_{i<d} p
 The statistics are those of the engine's one tree width (they are not kept per width).
 
 Acceptance moves: a lookup drafter's grows with the request's own text, a model drafter's differs between
-prose, code and math. So a pair's chain counts fade (by 1 / MEMORY_ROUNDS per round of that pair): the
+prose, code and math. So a pair's chain counts fade (by 1 / MEMORY_ROUNDS per round of that pair, or to
+`tuning.decay` of themselves where the config sets it): the
 rate follows the last ~MEMORY_ROUNDS rounds, and `spread` says how sure one is (the posterior's standard
 deviation over the counts kept, prior included). A tree's per-depth counts do not fade: its deeper levels
 are reached by few rounds, and they are priced from the chain rate until they have been.
@@ -42,8 +43,12 @@ def expected_tokens(rate: float, k: int) -> float:
 class Acceptance:
     """Observed acceptance per (verifier level, drafter, greedy): a chain rate and per-depth tree rates."""
 
-    def __init__(self, priors: list[float]) -> None:
-        self.priors = priors  # per tier index: its prior chain rate as a drafter
+    def __init__(self, priors: list[float], prior_weight: float = PRIOR_WEIGHT, keep: float = 1.0 - 1.0 / MEMORY_ROUNDS) -> None:
+        """`priors`: per tier index, its prior chain rate as a drafter, worth `prior_weight` tokens; `keep`: what a
+        pair's chain counts keep per round of it (`tuning.decay` where the config sets it; 1.0: plain counts)."""
+        self.priors = priors
+        self.prior_weight = prior_weight
+        self.keep = keep
         self.accepted: dict[tuple, float] = {}  # chain tokens accepted ...
         self.rejected: dict[tuple, float] = {}  # ... and chain rounds ended by a rejection
         self.reached: dict[tuple, list[float]] = {}  # tree rounds whose walk reached depth i ...
@@ -55,10 +60,9 @@ class Acceptance:
         if proposed <= 0:
             return
         key = (level, drafter, greedy)
-        keep = 1.0 - 1.0 / MEMORY_ROUNDS
         for counts in (self.accepted, self.rejected):
             if key in counts:
-                counts[key] *= keep
+                counts[key] *= self.keep
         if depth is None:
             self.accepted[key] = self.accepted.get(key, 0.0) + accepted
             self.rejected[key] = self.rejected.get(key, 0.0) + (1.0 if accepted < proposed else 0.0)
@@ -77,14 +81,14 @@ class Acceptance:
     def rate(self, level: int, drafter: int, greedy: bool = True) -> float:
         key = (level, drafter, greedy)
         prior = self.priors[drafter]
-        accepted = self.accepted.get(key, 0.0) + prior * PRIOR_WEIGHT
-        rejected = self.rejected.get(key, 0.0) + (1 - prior) * PRIOR_WEIGHT
+        accepted = self.accepted.get(key, 0.0) + prior * self.prior_weight
+        rejected = self.rejected.get(key, 0.0) + (1 - prior) * self.prior_weight
         return accepted / (accepted + rejected)
 
     def spread(self, level: int, drafter: int, greedy: bool = True) -> float:
         """The chain rate's uncertainty: the standard deviation of its Beta posterior over the counts kept."""
         key = (level, drafter, greedy)
-        seen = self.accepted.get(key, 0.0) + self.rejected.get(key, 0.0) + PRIOR_WEIGHT
+        seen = self.accepted.get(key, 0.0) + self.rejected.get(key, 0.0) + self.prior_weight
         rate = self.rate(level, drafter, greedy)
         return math.sqrt(rate * (1.0 - rate) / (seen + 1.0))
 
@@ -98,7 +102,7 @@ class Acceptance:
             prior = 1.0 - (1.0 - chain) ** width if i == 0 else chain
             seen = reached[i] if i < len(reached) else 0.0
             hits = passed[i] if i < len(passed) else 0.0
-            out.append((hits + prior * PRIOR_WEIGHT) / (seen + PRIOR_WEIGHT))
+            out.append((hits + prior * self.prior_weight) / (seen + self.prior_weight))
         return out
 
     def expected(self, level: int, drafter: int, greedy: bool, k: int, width: int = 1) -> float:

@@ -69,8 +69,8 @@ import math
 
 
 from polyspec.orchestrator.decode.contract import RoundObservation, ShadowObservation, StepObservation
-from polyspec.orchestrator.tuning.batch_acceptance import (LOOKUP_PRIOR_RATE, PRIOR_RATE, Acceptance,  # noqa: F401 (re-exported)
-                                                            expected_tokens)
+from polyspec.orchestrator.tuning.batch_acceptance import (LOOKUP_PRIOR_RATE, MEMORY_ROUNDS, PRIOR_RATE,  # noqa: F401 (re-exported)
+                                                            PRIOR_WEIGHT, Acceptance, expected_tokens)
 from polyspec.workers.core.sampling import SamplingParams
 
 BATCH_GRID = (1, 4, 16, 64)
@@ -97,23 +97,12 @@ REQUEST_MIN_ROUNDS = 8  # ... and speak for the request once this many rounds ar
 REQUEST_MIN_WEIGHT = sum((1.0 - 1.0 / REQUEST_MEMORY_ROUNDS) ** i for i in range(REQUEST_MIN_ROUNDS)) - 1e-9
 LENGTHS = (3, 6, 12)
 INNER_LENGTHS = (4, 10)
-READ_OPTIONS = ("max_length", "allow_bypass", "explore_every", "shadow")  # the config's `tuning:` options it reads (the rest: the one-request tuner's)
 
 
 def length_grid(grid: tuple[int, ...], longest: int) -> tuple[int, ...]:
     """The lengths of `grid` up to `longest`, and `longest` itself where the grid goes past it."""
     kept = tuple(k for k in grid if k <= longest)
     return kept if longest >= grid[-1] or longest in kept else kept + (longest,)
-
-
-def unread_note(tuning) -> str | None:
-    """One line naming the `tuning:` options set away from their defaults that the goodput planner does not
-    read (the one-request tuner's estimates, re-tunes, margins and probes, where its A/B decides instead),
-    so that a batched chain never ignores them silently; None: none."""
-    defaults = type(tuning)()
-    unread = [f.name for f in dataclasses.fields(tuning) if f.name not in READ_OPTIONS and getattr(tuning, f.name) != getattr(defaults, f.name)]
-    return (f"tuning: {', '.join(unread)} set, but batched steps are planned by the goodput planner, which reads only "
-            f"{', '.join(READ_OPTIONS[:-1])} and {READ_OPTIONS[-1]} (the others are the one-request tuner's)") if unread else None
 
 
 def bucket(batch: int) -> int:
@@ -241,12 +230,12 @@ class Arm:
         return rate.value if rate is not None and rate.steps >= MIN_STEPS else None
 
 
-def decide(speculating_now: bool | None, off_rate: float, spec_rate: float) -> bool:
-    """The A/B's rule with hysteresis: speculation turns on only when it measured SWITCH_ON times
+def decide(speculating_now: bool | None, off_rate: float, spec_rate: float, switch_on: float = SWITCH_ON) -> bool:
+    """The A/B's rule with hysteresis: speculation turns on only when it measured `switch_on` times
     off's tokens/s, and once on stays on while it measures at least SWITCH_OFF times off's."""
     if speculating_now:
         return spec_rate >= SWITCH_OFF * off_rate
-    return spec_rate > SWITCH_ON * off_rate
+    return spec_rate > switch_on * off_rate
 
 
 class BatchPlanner:
@@ -255,12 +244,19 @@ class BatchPlanner:
     asks for (the grids' lengths up to it: `length_grid`); `allow_bypass`: speculating plans may
     leave tiers out (False: they run every tier, as a distributed round must; off is always the bar);
     `explore_every`: the longest time between re-probes of the side not taken, in probes' times (0: never);
-    `shadows`: hear what the lookup tiers a step leaves out would have proposed (`tuning.shadow`)."""
+    `shadows`: hear what the lookup tiers a step leaves out would have proposed (`tuning.shadow`);
+    `decay`: what a pair's acceptance counts keep per round (`tuning.decay`; None: 1 - 1 / MEMORY_ROUNDS);
+    `prior_rate`, `prior_weight`: every drafter's prior acceptance and its weight in tokens (`tuning.prior_mean`,
+    `prior_strength`; None: PRIOR_RATE for a model drafter, LOOKUP_PRIOR_RATE for a lookup, PRIOR_WEIGHT);
+    `switch_on`: the measured multiple of off's tokens/s speculation needs to be switched on (1 + `tuning.switch_hysteresis`).
+    (options.goodput_options maps the config's `tuning:` section to these.)"""
 
     def __init__(self, tiers, tables: list[ForwardTable | None], lookup_ms: list[float], max_length: int = max(LENGTHS),
                  max_batched_tokens: int | None = None, tree_width: int = 1, allow_bypass: bool = True,
-                 explore_every: int = 64, shadows: bool = True) -> None:
+                 explore_every: int = 64, shadows: bool = True, decay: float | None = None, prior_rate: float | None = None,
+                 prior_weight: float | None = None, switch_on: float = SWITCH_ON) -> None:
         self.tiers = tiers
+        self.switch_on = switch_on
         self.allow_bypass = allow_bypass
         self.explore_every = explore_every
         self.shadows = shadows  # (contract.RoundPlanner) `tuning.shadow`: hear what the lookups left out would have proposed
@@ -270,7 +266,9 @@ class BatchPlanner:
         self.lookup_ms = lookup_ms  # per tier: ms per request of a model-free draft
         self.lengths_grid = length_grid(LENGTHS, max_length)  # the target's blocks
         self.inner_grid = length_grid(INNER_LENGTHS, max_length)  # a middle tier's
-        self.acceptance = Acceptance([PRIOR_RATE if t is not None else LOOKUP_PRIOR_RATE for t in tables])
+        priors = [prior_rate if prior_rate is not None else PRIOR_RATE if t is not None else LOOKUP_PRIOR_RATE for t in tables]
+        self.acceptance = Acceptance(priors, PRIOR_WEIGHT if prior_weight is None else prior_weight,
+                                     1.0 - 1.0 / MEMORY_ROUNDS if decay is None else decay)
         self.correction: dict[tuple, float] = {}  # (plan | side | None, bucket or 0) -> measured / predicted step time
         self.arms: dict[tuple[int, int], Arm] = {}  # (bucket, sampling mix) -> its A/B
         self.plans = self._candidates()
@@ -356,7 +354,7 @@ class BatchPlanner:
             return
         if arm.speculate is None and self.unexplored(arm, batch):
             return  # a new load decides once each set of tiers has been measured
-        verdict = decide(arm.speculate, off, spec_rate)
+        verdict = decide(arm.speculate, off, spec_rate, self.switch_on)
         if verdict != arm.speculate:
             arm.period = REPROBE_FIRST  # the load changed its mind: look again soon
         arm.speculate = verdict
@@ -612,6 +610,9 @@ class BatchPlanner:
         return arm
 
     one_request = False  # plans steps of any batch (contract.RoundPlanner)
+    # (contract.RoundPlanner) set by `plan_batch`: the step's goodput over its requests; by `drafters` where requests
+    # draft apart: per request, its drafter's expected tokens over the step's time
+    predicted_tokens_per_s: float | tuple[float, ...] | None = None
 
     def plan(self, step) -> tuple[list[int], tuple[int, ...]]:
         """`contract.RoundPlanner.plan`: the step's (lengths, active tiers)."""
@@ -666,7 +667,7 @@ class BatchPlanner:
             return ()
         model, k = plan.active[1], plan.lengths[0]
         lookups = [t for t in range(1, len(self.tiers)) if self.tables[t] is None]
-        out = []
+        out, expected = [], []
         for seq_id, params in zip(step.seq_ids, step.params):
             best, most = model, self.acceptance.expected(0, model, params.greedy, k)
             for lookup in lookups:
@@ -674,7 +675,12 @@ class BatchPlanner:
                 if tokens is not None and tokens > most:
                     best, most = lookup, tokens
             out.append(best)
-        return tuple(out) if any(d != model for d in out) else ()
+            expected.append(most)
+        if all(d == model for d in out):
+            return ()
+        # each request's own prediction: the tokens its drafter is expected to give it, over the step's corrected time
+        self.predicted_tokens_per_s = tuple(tokens / max(self._predicted_ms, 1e-6) * 1000.0 for tokens in expected)
+        return tuple(out)
 
     def plan_batch(self, batch: int, params: list[SamplingParams] | None = None, behind: dict[int, int] | None = None,
                    remaining: tuple[int, ...] = ()) -> tuple[list[int], tuple[int, ...]]:
@@ -715,8 +721,11 @@ class BatchPlanner:
             self.history.append({"batch": batch, "tiers": list(best.active), "lengths": list(best.lengths)})
             del self.history[:-64]
         self._pending, self._pending_arm = best, arm
-        self._predicted_ms = self.step_ms(best, batch)[0] * self.corrected(best, group)
+        ms, tokens = self.step_ms(best, batch)
+        self._predicted_ms = ms * self.corrected(best, group)
         self._predicted_value = self.model_goodput(best, batch)
+        # (contract.RoundPlanner) each request's share of the step's goodput: its tokens over the corrected step time
+        self.predicted_tokens_per_s = tokens / max(self._predicted_ms, 1e-6) * 1000.0
         return list(best.lengths), best.active
 
     def describe(self) -> dict:

@@ -203,6 +203,7 @@ class Tuner:
     # --------------------------------------------------------------- planner hooks
 
     one_request = True  # follows one request's text: given steps of one request (contract.RoundPlanner)
+    predicted_tokens_per_s: float | None = None  # (contract.RoundPlanner) set by `plan`
     shadows = False  # it builds its skip pairs' shadow estimates from the full chain's own proposals
 
     def plan(self, step: StepInput) -> tuple[list[int], tuple[int, ...]]:
@@ -241,6 +242,8 @@ class Tuner:
         previous = self.running.active if self.running is not None else plan.active
         self._catching_up = frozenset(plan.active) - frozenset(previous)
         self.running = plan
+        # (contract.RoundPlanner) the request's tokens/s the plan was chosen on: 1 / its predicted time per token
+        self.predicted_tokens_per_s = 1000.0 / plan.predicted_ms if plan.predicted_ms > 0 and math.isfinite(plan.predicted_ms) else None
         self.timing.round_begins()
         return list(plan.lengths), plan.active
 

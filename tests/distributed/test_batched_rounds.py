@@ -147,6 +147,7 @@ def test_goodput_planner_sets_the_lengths_of_batched_rounds(tiny_family, embedde
     planner measures speculation off first, then a plan running every tier; greedy output stays the target's."""
     from polyspec.orchestrator.distributed.driver import profile_grid_remote
     from polyspec.orchestrator.tuning.batch_model import BatchPlanner
+    from tests.orchestrator.test_plan_stats import check_plans
 
     chain, workers, _ = batched_chain(tiny_family, names, [2] * (len(names) - 1), pipeline=True, tree_width=tree_width)
     try:  # as Engine.make_planner builds it for a batched Ray chain
@@ -157,6 +158,8 @@ def test_goodput_planner_sets_the_lengths_of_batched_rounds(tiny_family, embedde
         jobs = [(ids, MAX_NEW, SamplingParams(temperature=0.0), None) for ids, _ in embedded.values()] * 4
         outputs, _ = run_batch(chain, jobs, max_running=4)
         assert [out.token_ids for out in outputs] == [expected for _, expected in embedded.values()] * 4
+        for out in outputs:  # each plan with the planner's predicted and the measured tokens/s
+            check_plans({"token_ids": out.token_ids, "stats": out.stats})
         plans = [plan for out in outputs for plan in out.stats["plans"]]
         assert {tuple(p["lengths"]) for p in plans} >= {(0,) * (len(names) - 1)}, "speculation off was measured"
         assert any(p["lengths"][0] > 0 for p in plans), "a speculating plan was measured"

@@ -95,6 +95,7 @@ def test_online_tuner_sets_lengths_of_a_distributed_chain(tiny_family, embedded,
     output is still the target's greedy text."""
     from polyspec.orchestrator.distributed.driver import profile_remote
     from polyspec.orchestrator.tuning.tuner import Plan, Tuner
+    from tests.orchestrator.test_plan_stats import check_plans
 
     config = chain_config(tiny_family, ["target", "mid", "small"], lengths=[1, 1])
     tiers, _ = load_tiers(config.tiers)
@@ -116,8 +117,9 @@ def test_online_tuner_sets_lengths_of_a_distributed_chain(tiny_family, embedded,
         assert any(table.online for (tier, _), table in profile.online_draft.items() if tier == 2)  # proposals reported
         assert any(table.online for (tier, _), table in profile.online_forward.items() if tier == 0)
         assert tuner.history and all(entry["active"] == ["target", "mid", "small"] for entry in tuner.history)  # no bypass
-        for out in results.values():  # each request ran the plans the tuner chose
+        for out in results.values():  # each request ran the plans the tuner chose, with its predicted and measured tokens/s
             assert out.stats["plans"] and all(plan["lengths"] in [h["lengths"] for h in tuner.history] for plan in out.stats["plans"])
+            check_plans({"token_ids": out.token_ids, "stats": out.stats})
         tuner.fix(Plan((3, 2), (0, 1, 2), 0.0))  # the driver sends the tuner's lengths with every round
         ids, expected = next(iter(embedded.values()))
         out = generate_alone(chain, ids, MAX_NEW, SamplingParams(temperature=0.0))

@@ -527,10 +527,7 @@ def test_the_tuning_options_reach_the_goodput_planner():
     """`tuning.max_length` caps the grids of lengths (the cap itself joins them); `allow_bypass: false`
     keeps every speculating plan on every tier (off stays the A/B's bar); `explore_every` bounds the
     time between re-probes of the side not taken (0: never); `shadow: false` stops the lookups' shadow
-    proposals; the tuner's other options, set, are named in one line rather than ignored silently."""
-    from polyspec.orchestrator.config import TuningConfig
-    from polyspec.orchestrator.tuning.batch_model import unread_note
-
+    proposals (tests/orchestrator/test_tuning_options.py: the options set from the config, and the rest named)."""
     capped = planner(lambda b, w: 10.0, max_length=8)
     assert capped.lengths_grid == (3, 6, 8) and capped.inner_grid == (4, 8)
     assert max(max(p.lengths) for p in capped.plans) == 8 and Plan((0, 1, 2), (8, 8)) in capped.plans
@@ -545,9 +542,6 @@ def test_the_tuning_options_reach_the_goodput_planner():
         accept(plan, 1, 2, 0.9)
         late_probes[explore_every] = sum(run_steps(plan, 16, 1000, LOSES)[2][-300:])
     assert late_probes[0] == 0 and late_probes[2] > 3 * PROBE_STEPS  # never, or every 2 probes' times
-    assert unread_note(TuningConfig(max_length=4, allow_bypass=False, explore_every=0, shadow=False)) is None
-    note = unread_note(TuningConfig(decay=0.9, shadow=False))
-    assert note.startswith("tuning: decay set") and "reads only max_length, allow_bypass, explore_every and shadow" in note
     assert planner(lambda b, w: 10.0).shadows and not planner(lambda b, w: 10.0, shadows=False).shadows
 
 
@@ -678,8 +672,11 @@ def test_a_request_whose_own_text_makes_the_lookup_pay_drafts_with_it_under_a_mo
             proposed, accepted = next(pattern)
             plan.observe(ShadowObservation(2, proposed, accepted, True, seq_id))
     step = types.SimpleNamespace(seq_ids=tuple(heard), params=tuple(types.SimpleNamespace(greedy=True) for _ in heard))
-    plan._pending = Plan((0, 1), (6, 0))
+    plan._pending, plan._predicted_ms = Plan((0, 1), (6, 0)), 10.0
     assert plan.drafters(step) == (2, 1, 1, 1, 2)
+    predicted = plan.predicted_tokens_per_s  # each request's own: its drafter's expected tokens over the step's 10 ms
+    assert predicted[1] == predicted[2] == predicted[3] and math.isclose(predicted[1], 100.0 * plan.acceptance.expected(0, 1, True, 6))
+    assert predicted[0] > predicted[1] and predicted[4] > predicted[1]
     plan._pending = Plan((0, 2), (6, 0))
     assert plan.drafters(step) == ()
     plan._pending = Plan((0, 1), (6, 0))

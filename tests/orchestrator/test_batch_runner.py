@@ -117,13 +117,6 @@ def test_without_on_error_a_failed_round_stops_the_run_and_frees_every_request()
     assert sorted(engine.cancelled) == ["a", "b", "bad"]
 
 
-def test_no_more_requests_hold_caches_than_a_decoder_has_slots_for():
-    engine = TurnsEngine()
-    assert ContinuousBatch(engine, 32).max_requests == 32  # rounds in turn: as many as the caller lets in
-    engine.scheduler.max_requests = 1  # the device round's fixed KV slots
-    assert ContinuousBatch(engine, 32).max_requests == 1
-
-
 def test_deltas_carry_only_the_new_text_and_a_stop_string_ends_the_request_there():
     engine = TurnsEngine()  # round n commits token n, shown as the n-th letter: b, c, d, ...
     deltas, results = [], []

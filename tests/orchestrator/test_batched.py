@@ -496,6 +496,7 @@ class RecordingPlanner:
     """A planner that runs the plan it is given every step and records what it is told."""
 
     one_request = False
+    predicted_tokens_per_s = None
 
     def __init__(self, active: tuple[int, ...], shadows: bool = True, drafters=None) -> None:
         self.active, self.shadows, self.heard = active, shadows, []

@@ -97,9 +97,17 @@ class _Counting:
     tiers: list = []
     max_context = None
     eos_token_ids = EOS
+    vocab_size = 32
+    lengths: list = []
+    active = (0,)
+    planner = None
+    concurrent_steps = False
 
     def __init__(self, fail_at: int | None = None) -> None:
         self.fail_at, self.cancelled = fail_at, 0
+
+    def close(self) -> None:
+        pass
 
     def start(self, prompt_ids, max_new_tokens, params, seed=None):
         return RequestState(0, params, list(prompt_ids), max_new_tokens, 1 << 62, None, [])
@@ -144,7 +152,7 @@ def test_kept_sequences_hand_the_longest_shared_prefix_its_sequence_and_drop_the
 
 def test_both_decoders_implement_the_protocol():
     for cls in (ChainScheduler, DistributedChain, _Counting):
-        assert all(callable(getattr(cls, name, None)) for name in ("start", "step", "finish", "cancel")), cls
+        assert all(callable(getattr(cls, name, None)) for name in ("start", "step", "finish", "cancel", "close")), cls
     assert isinstance(_Counting(), Decoder)
 
 

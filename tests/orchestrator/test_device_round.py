@@ -431,6 +431,7 @@ def test_lengths_auto_plans_the_device_round(tiny_family, drafter, tree_width):
     from polyspec.orchestrator.engine import Engine
 
     from family_chains import tier_specs
+    from tests.orchestrator.test_plan_stats import check_plans
 
     def engine(names, lengths, width=1):
         return Engine(parse_config({"tiers": tier_specs(tiny_family, names), "speculation": {"lengths": lengths, "tree_width": width},
@@ -447,5 +448,6 @@ def test_lengths_auto_plans_the_device_round(tiny_family, drafter, tree_width):
         results[id(chosen)] = out
     for raw in raws:
         assert results[id(auto)][raw["id"]]["token_ids"] == results[id(alone)][raw["id"]]["token_ids"], raw["id"]
+        check_plans(results[id(auto)][raw["id"]])  # each plan run with its predicted and measured tokens/s
     described = auto.scheduler.planner.describe()
     assert described, "the planner reports its decisions"

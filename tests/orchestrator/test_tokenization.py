@@ -3,6 +3,8 @@ through the chat template, and the template's end-of-turn token stops generation
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -167,3 +169,46 @@ def test_a_text_stream_shows_only_the_new_text_and_waits_for_a_whole_character()
     assert stream.push(encoded[2:]) == "é!" and stream.text == "hé!"
     cut = TextStream(decode)
     assert cut.push(encoded[:2], final=True) == "h\ufffd"  # the request ended there: what it has is shown
+
+
+def _metaspace_tokenizer():
+    """A SentencePiece-style tokenizer (Metaspace: a word's leading space is "▁", and a decode strips
+    the space of its first token), the case where decoding a window mid-text differs from the whole."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    words = ["▁def", "▁return", "▁x", "▁y", "(", ")", ":", "▁é", "é", "▁", "+"]
+    tokenizer = Tokenizer(models.WordPiece({w: i for i, w in enumerate(words + ["[UNK]"])}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Metaspace()
+    return lambda ids: tokenizer.decode(ids), len(words)
+
+
+@pytest.mark.parametrize("kind", ["demo", "metaspace"])
+def test_a_text_stream_equals_the_whole_decode_and_decodes_only_a_window(kind):
+    import random
+
+    if kind == "demo":
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(Path(__file__).resolve().parents[2] / "models/stdlib/small")
+        whole = lambda ids: tokenizer.decode(ids)  # noqa: E731
+        ids = tokenizer("def f(x):\n    return x + 'é🙂' # ünïcode\n" * 20)["input_ids"]
+    else:
+        whole, vocab = _metaspace_tokenizer()
+        ids = [random.Random(1).randrange(vocab) for _ in range(400)]
+    windows = []
+
+    def decode(part):
+        windows.append(len(part))
+        return whole(part)
+
+    rng = random.Random(0)
+    stream, start, shown = TextStream(decode), 0, ""
+    while start < len(ids):
+        size = rng.randint(1, 8)
+        windows.clear()
+        shown += stream.push(ids[start : start + size], final=start + size >= len(ids))
+        # this round's tokens, the round before, and rounds held while a character is incomplete: never the whole text
+        assert max(windows) <= 4 * 8 < len(ids) // 10
+        start += size
+    assert shown == stream.text == whole(ids)

@@ -747,7 +747,9 @@ def test_forced_bypass_keeps_greedy_output(tiny_family, reference):
         assert result["token_ids"] == reference[prompt]
         stages = {(s["tier"], s["drafter"]): s for s in result["stats"]["stages"]}
         assert stages[("target", "ngram")]["blocks"] > 0 and stages[("target", "mid")]["blocks"] == 0
-        assert result["stats"]["plans"] == [{"new_tokens": 0, "lengths": [5], "tiers": ["target", "ngram"]}]
+        (plan,) = result["stats"]["plans"]
+        assert {key: plan[key] for key in ("new_tokens", "lengths", "tiers")} == {"new_tokens": 0, "lengths": [5], "tiers": ["target", "ngram"]}
+        assert plan["tokens"] == len(result["token_ids"]) and "predicted_tokens_per_s" not in plan  # a pinned plan has no prediction
 
 
 def test_auto_lengths_sampling_runs(tiny_family):

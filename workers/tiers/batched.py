@@ -29,7 +29,8 @@ order whatever else is in the batch, so seeding means the same thing batched or 
 runs a model through the one forward (`BatchedLlama`) on its KV pool (`SlotCache`);
 `BatchedNGramTier` answers the n-gram lookup from an index per request, kept up to date as the
 context grows and rolled back with it; `BatchedFeatureTier` (polyspec.workers.tiers.batched_feature)
-runs a feature head the same way; a distributed chain's remote tier implements the same protocol.
+is a model tier over a feature head's layer, drafting with the model tier's code. A distributed
+chain's remote tier implements the same protocol.
 
 A model tier made with `steps` decodes in static-shape steps (`BatchedLlama.step`: requests padded to a
 power of two, tokens to the widest row, the attended span to a power of two), each bucket captured once
@@ -159,6 +160,22 @@ class Verdict:
     path: list[int]
     next_token: int
     rows: torch.Tensor | None = None
+
+
+@dataclasses.dataclass
+class Row:
+    """One request in a drafting call of a model tier: its slot, the next position it feeds, and what it feeds."""
+
+    slot: int
+    position: int  # the next position fed
+    context_len: int
+    chunk: list[int]  # fed by the first forward (a model: the context's uncached tail)
+    queue: list[int]  # fed one a forward after the chunk (drafted tokens; a feature head's provisional context)
+    chunk_features: torch.Tensor | None = None  # a feature head's features for the chunk (`BatchedFeatureTier`)
+
+    @property
+    def going(self) -> bool:
+        return bool(self.chunk or self.queue)
 
 
 class BatchedTier:
@@ -361,9 +378,11 @@ class BatchedModelTier(BatchedTier):
         allowed = tree_allowed(tree.parents, pending.node_slots, nodes, pending.prefix_len - len(tail), len(tail), first + len(nodes))
         return RowLayout(positions, allowed)
 
-    def _forward(self, slots: list[int], feeds: list[list[int]], outputs: list[int], layouts=None) -> list[torch.Tensor]:
+    def _forward(self, slots: list[int], feeds: list[list[int]], outputs: list[int], layouts=None,
+                 previous: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """Append `feeds[r]` to slot `slots[r]`; each row's logits [len(feeds[r]) - outputs[r], V] float32 on
-        `logits_device`, of its positions from `outputs[r]` on."""
+        `logits_device`, of its positions from `outputs[r]` on. (`previous`: a feature head's inputs; a model
+        reads tokens only.)"""
         if self.threads and torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)
         started = time.perf_counter()
@@ -480,77 +499,129 @@ class BatchedModelTier(BatchedTier):
                   if grammar_of(p) is not None else rows for rows, p, context, block in zip(logits, params, contexts, blocks)]
         return [warp_logits(rows, p) for rows, p in zip(logits, params)]
 
+    # ---------------------------------------------------------------------- drafting
+
+    def _rows(self, seq_ids, contexts: list[list[int]]) -> list[Row]:
+        """Each request's slot rolled back to what it shares with its context; the uncached tail is its chunk."""
+        rows = []
+        for seq_id, context in zip(seq_ids, contexts):
+            slot = self.cache.slot(seq_id)
+            tail = self._sync(slot, context)
+            rows.append(Row(slot, len(context) - len(tail), len(context), tail, []))
+        return rows
+
+    def _previous(self, row: Row, chunk: bool) -> torch.Tensor | None:
+        """A feature head's inputs for what `row` feeds next: its chunk's, or its next queued token's (a model: none)."""
+        return None
+
+    def _level_previous(self, rows: list[Row], pending: list[PendingTree], trees: list[DraftTree],
+                        frontiers: list[list[int]]) -> list[torch.Tensor] | None:
+        """A feature head's inputs for a tree level's nodes, read at each node's parent (a model: none)."""
+        return None
+
+    def _advance(self, rows: list[Row], going: list[int]) -> dict[int, torch.Tensor]:
+        """One forward of `rows[i]` for i in `going`: its chunk, or its next queued token. The logits [V] at the
+        last position fed, of the rows that reached (or passed) their context's end."""
+        slots, tokens, previous, outputs = [], [], [], []
+        for i in going:
+            row = rows[i]
+            features = self._previous(row, bool(row.chunk))
+            if row.chunk:
+                fed, row.chunk = row.chunk, []
+            else:
+                fed = [row.queue.pop(0)]
+            row.position += len(fed)
+            slots.append(row.slot)
+            tokens.append(fed)
+            previous.append(features)
+            outputs.append(len(fed) - 1 if row.position >= row.context_len else len(fed))
+        logits = self._forward(slots, tokens, outputs, previous=None if previous[0] is None else previous)
+        return {i: row_logits[-1] for i, row_logits in zip(going, logits) if row_logits.shape[0]}
+
+    def _steps(self, rows: list[Row], after) -> None:
+        """Forward every row until none has anything left to feed; `after(ready)` receives the rows that reached
+        their context's end in a forward ({i: logits [V]}) and may queue each one's next token."""
+        going = list(range(len(rows)))
+        while going:
+            ready = self._advance(rows, going)
+            if ready:
+                after(ready)
+            going = [i for i in going if rows[i].going]
+
     def draft_batch(self, seq_ids, contexts, counts, params, generators):
-        """Each request's block of `counts[r]` tokens: one forward per position over the requests still drafting,
-        then their draws (`Draws`: request r's position j draws from round j of the `counts[r]` rounds it takes).
-        An early exit (`ModelTier.exit_threshold`, or a request's own: BiLD's fallback) ends a request's block
-        after its first token drafted below the threshold: the exit reads the drafter's own rows only, so
-        verification stays exact."""
+        """Each request's block of `counts[r]` tokens: the first forward brings every row up to its context, then
+        one forward per position over the requests still drafting, with their draws (`Draws`: request r's
+        position j draws from round j of the `counts[r]` rounds it takes). An early exit
+        (`Tier.exit_threshold`, or a request's own: BiLD's fallback) ends a request's block after its first
+        token drafted below the threshold: the exit reads the drafter's own rows only, so verification stays exact."""
         out: list[tuple[list[int], torch.Tensor | None]] = [([], None) for _ in seq_ids]
         live = [r for r, count in enumerate(counts) if count > 0]
         if not live:
             return out
-        slots = [self.cache.slot(seq_ids[r]) for r in live]
-        feeds = [self._sync(slot, contexts[r]) for slot, r in zip(slots, live)]
+        rows = self._rows([seq_ids[r] for r in live], [contexts[r] for r in live])
         draws = Draws.of([params[r] for r in live], [generators[r] for r in live], [counts[r] for r in live], self.logits_device)
         thresholds = [self.tier.exit_by_seq.get(seq_ids[r], self.tier.exit_threshold) for r in live]
         tokens: list[list[int]] = [[] for _ in live]
-        rows: list[list[torch.Tensor]] = [[] for _ in live]
-        going = list(range(len(live)))
-        for step in range(max(counts)):
-            going = [i for i in going if step < counts[live[i]]]
-            if not going:
-                break
-            logits = self._forward([slots[i] for i in going], [feeds[i] for i in going], [len(feeds[i]) - 1 for i in going])
-            last = torch.stack([row[-1] for row in logits])  # [R, V]
-            last = restrict_each(last, [params[live[i]] for i in going], [contexts[live[i]] + tokens[i] for i in going])
-            drawn, probs = draws.draw(last, torch.tensor(going, device=last.device), step)
-            sure = [True] * len(going)
-            if any(thresholds[i] is not None for i in going):
-                sure = (confidence(last) >= torch.tensor([-1.0 if thresholds[i] is None else thresholds[i] for i in going])).tolist()
-            for j, (i, token) in enumerate(zip(going, drawn.tolist())):
+        drawn_rows: list[list[torch.Tensor]] = [[] for _ in live]
+
+        def draw(ready: dict[int, torch.Tensor]) -> None:
+            at = list(ready)
+            last = torch.stack([ready[i] for i in at])  # [R, V]
+            last = restrict_each(last, [params[live[i]] for i in at], [contexts[live[i]] + tokens[i] for i in at])
+            rounds = [len(tokens[i]) for i in at]  # (a feature head's rows reach their context's end apart)
+            drawn, probs = draws.draw(last, torch.tensor(at, device=last.device),
+                                      rounds[0] if len(set(rounds)) == 1 else torch.tensor(rounds, device=last.device))
+            sure = [True] * len(at)
+            if any(thresholds[i] is not None for i in at):
+                sure = (confidence(last) >= torch.tensor([-1.0 if thresholds[i] is None else thresholds[i] for i in at])).tolist()
+            for j, (i, token, ok) in enumerate(zip(at, drawn.tolist(), sure)):
                 tokens[i].append(token)
-                rows[i].append(probs[j])
-                feeds[i] = [token]
-            going = [i for i, ok in zip(going, sure) if ok]
+                drawn_rows[i].append(probs[j])
+                if ok and len(tokens[i]) < counts[live[i]]:
+                    rows[i].queue.append(token)
+
+        self._steps(rows, draw)
         for i, r in enumerate(live):
-            out[r] = (tokens[i], None if params[r].greedy else torch.stack(rows[i]))
+            out[r] = (tokens[i], None if params[r].greedy else torch.stack(drawn_rows[i]))
         return out
 
     def draft_tree_batch(self, seq_ids, contexts, width, depths, params, scheme, generators):
-        """Each request's tree of `width` chains: the root forward and its `width` candidates (`Draws.roots`: the
-        top ones when greedy, without replacement for rsd, else i.i.d.), then one forward per level over every
-        request's frontier, one child per frontier node (node w of level l draws from round l, draws w * V ..).
-        An early exit grows a tree on while any of its branches is sure."""
+        """Each request's tree of `width` chains: its row brought up to its context and its `width` root candidates
+        (`Draws.roots`: the top ones when greedy, without replacement for rsd, else i.i.d.), then one forward per
+        level over every request's frontier, one child per frontier node (node w of level l draws from round l,
+        draws w * V ..). An early exit grows a tree on while any of its branches is sure."""
         trees = [DraftTree([], [], None) for _ in seq_ids]
         live = [r for r, depth in enumerate(depths) if depth > 0]
         if not live:
             return trees
-        slots = [self.cache.slot(seq_ids[r]) for r in live]
-        tails = [self._sync(slot, contexts[r]) for slot, r in zip(slots, live)]
+        rows = self._rows([seq_ids[r] for r in live], [contexts[r] for r in live])
+        reached: dict[int, torch.Tensor] = {}
+        self._steps(rows, reached.update)
+        roots = torch.stack([reached[i] for i in range(len(live))])  # [R, V]
         draws = Draws.of([params[r] for r in live], [generators[r] for r in live], [depths[r] for r in live], self.logits_device)
         threshold = self.tier.exit_threshold
-        roots = torch.stack([row[-1] for row in self._forward(slots, tails, [len(t) - 1 for t in tails])])  # [R, V]
         roots = restrict_each(roots, [params[r] for r in live], [contexts[r] for r in live])
         candidates, valid, root_rows = draws.roots(roots, torch.arange(len(live), device=roots.device), width, scheme == "rsd")
         sure = [True] * len(live) if threshold is None else (confidence(roots) >= threshold).tolist()
-        pending, frontier, node_depths, rows = [], [], [], []
+        pending, frontier, node_depths, drawn_rows = [], [], [], []
         for i, (r, tokens, ok) in enumerate(zip(live, candidates.tolist(), valid.tolist())):
             pending.append(PendingTree(len(contexts[r]), {}))
-            self.cache.pending[slots[i]] = pending[i]
+            self.cache.pending[rows[i].slot] = pending[i]
             kept = [token for token, good in zip(tokens, ok) if good]
             trees[r].tokens.extend(kept)
             trees[r].parents.extend([-1] * len(kept))
-            rows.append([root_rows[i]] * len(kept))
+            drawn_rows.append([root_rows[i]] * len(kept))
             frontier.append(list(range(len(kept))))
             node_depths.append([0] * len(kept))
         for level in range(1, max(depths)):
             growing = [i for i, r in enumerate(live) if level < depths[r] and sure[i] and frontier[i]]
             if not growing:
                 break
-            layouts = [self._tree_layout(slots[i], pending[i], [], trees[live[i]], frontier[i], node_depths[i]) for i in growing]
-            logits = self._forward([slots[i] for i in growing], [[trees[live[i]].tokens[n] for n in frontier[i]] for i in growing],
-                                   [0] * len(growing), layouts)
+            layouts = [self._tree_layout(rows[i].slot, pending[i], [], trees[live[i]], frontier[i], node_depths[i]) for i in growing]
+            previous = self._level_previous([rows[i] for i in growing], [pending[i] for i in growing],
+                                            [trees[live[i]] for i in growing], [frontier[i] for i in growing])
+            logits = self._forward([rows[i].slot for i in growing], [[trees[live[i]].tokens[n] for n in frontier[i]] for i in growing],
+                                   [0] * len(growing), layouts, previous=previous)
             flat = torch.cat(logits)  # [nodes, V]
             flat = restrict_each(flat, [params[live[i]] for i in growing for _ in frontier[i]],
                                   [node_context(contexts[live[i]], trees[live[i]].tokens, trees[live[i]].parents, n)
@@ -567,13 +638,13 @@ class BatchedModelTier(BatchedTier):
                 for parent in frontier[i]:
                     tree.tokens.append(drawn[node])
                     tree.parents.append(parent)
-                    rows[i].append(probs[node])
+                    drawn_rows[i].append(probs[node])
                     node_depths[i].append(level)
                     grown.append(len(tree.tokens) - 1)
                     node += 1
                 frontier[i] = grown
         for i, r in enumerate(live):
-            trees[r].draft_rows = None if params[r].greedy or not rows[i] else torch.stack(rows[i])
+            trees[r].draft_rows = None if params[r].greedy or not drawn_rows[i] else torch.stack(drawn_rows[i])
         return trees
 
 

@@ -564,12 +564,12 @@ class BatchedLlama:
                 masks[window] = spread
         if packed:
             real = torch.tensor([r * width + j for r in range(rows) for j in range(counts[r])], dtype=torch.long, device=device)
-            lead: tuple[int, ...] = (len(real),)
+            # `lead` below: (N,) the packed real tokens
             token_ids, rotary_index = ids.view(-1)[real], rotary_index.view(-1)[real]  # [N]
             write_slots = slot_t.repeat_interleave(torch.tensor(counts, device=device), output_size=len(real))
             write_at = cache_at.view(-1)[real]  # real positions only: nothing is written past a row's block
         else:
-            lead, token_ids = (rows, width), ids
+            token_ids = ids  # `lead` below: (rows, width)
             write_slots = slot_t[:, None].expand(rows, width)
             write_at = cache_at.clamp_max(cache.capacity - 1)  # a row's padding past the context goes to the junk column
         cos = self.cos[rotary_index].unsqueeze(-2)  # [*lead, 1, D]

@@ -53,4 +53,5 @@ class FeatureTier(Tier):
         self.source = source
         self.vocab_size = source.vocab_size
         self.max_context = source.max_context
+        self.device = source.device  # (its head runs beside the target, reading the target's features)
         self.threads = threads

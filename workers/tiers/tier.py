@@ -52,6 +52,9 @@ class Tier:
     can_verify: bool = True
     deterministic_drafts: bool = False  # drafts are a function of the context (n-gram lookup)
     has_weights: bool = True  # its forwards stream model weights through the caches (not the n-gram lookup)
+    up = True  # serving (a loaded tier always is; a remote tier's view says whether its worker answers)
+    device = torch.device("cpu")  # where its forwards run (a model tier: its model's device)
+    exit_threshold: float | None = None  # a drafter's early exit (ModelTier's doc); None: drafts every position asked
 
     def __init__(self) -> None:
         self.busy_s = 0.0  # wall time spent in forwards / lookups
@@ -68,8 +71,6 @@ class ModelTier(Tier):
     `exit_threshold` (a trained early-exit drafter, polyspec.workers.tiers.drafters): a drafting tier stops a
     block early, after the first token its own (temperature-1) top probability puts below the threshold. The
     block length then depends only on the drafter's distributions, so verification stays exact."""
-
-    exit_threshold: float | None = None
 
     def __init__(self, name: str, model, vocab_size: int, device: torch.device, threads: int | None = None) -> None:
         super().__init__()

@@ -1,0 +1,73 @@
+"""benchmarks/planner.py's pure parts: the question file, the requests it sends, which fixed configs an -auto
+config is judged against, and the judged ratios (no model runs: the demo smoke test runs the CLI)."""
+
+from __future__ import annotations
+
+import collections
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("planner_bench", ROOT / "benchmarks" / "planner.py")
+planner = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = planner  # dataclasses look their module up by name
+_spec.loader.exec_module(planner)
+
+
+def test_the_question_file_has_every_workload_in_question_jsonl_format():
+    rows = [json.loads(line) for line in planner.QUESTIONS.read_text().splitlines() if line.strip()]
+    assert collections.Counter(r["category"] for r in rows) == {w: 8 for w in planner.WORKLOADS}
+    assert len({r["question_id"] for r in rows}) == len(rows)
+    for row in rows:
+        assert row["turns"] and all(isinstance(turn, str) and turn for turn in row["turns"])
+        assert row["mode"] == ("completion" if row["category"] == "code" else "chat") and row["source"]
+
+
+def test_each_qwen_auto_config_is_judged_against_the_fixed_configs_of_its_own_tiers():
+    systems = list(planner.FAMILIES["qwen"].systems)
+    by_name = {s.name: s for s in systems}
+    own = {auto: {s.name.replace("qwen2.5-coder-", "") for s in planner.own_fixed(by_name[auto], systems)}
+           for auto in ("qwen2.5-coder-3tier-auto", "qwen2.5-coder-4tier-auto")}
+    assert own["qwen2.5-coder-3tier-auto"] == {"ngram", "2tier", "3tier"}
+    assert own["qwen2.5-coder-4tier-auto"] == {"ngram", "2tier", "3tier", "int8", "int8-3tier", "int8-0.5b", "4tier"}
+    assert [s.name for s in systems if s.auto] == ["qwen2.5-coder-3tier-auto", "qwen2.5-coder-4tier-auto"]
+
+
+def test_chat_turns_go_as_messages_and_code_as_a_plain_prompt():
+    chat, code = {"question_id": 9, "mode": "chat", "turns": ["Hi?", "More."]}, {"question_id": 1, "mode": "completion", "turns": ["def f():"]}
+    assert planner.request(chat, planner.FAMILIES["qwen"]) == {"id": "q9", "messages": [{"role": "user", "content": "Hi?"}]}
+    assert planner.request(code, planner.FAMILIES["qwen"]) == {"id": "q1", "prompt": "def f():"}
+    demo = planner.FAMILIES["demo"]  # no chat template, a 512-token context: plain prompts, clipped
+    long_chat = {**chat, "turns": ["x" * 5000]}
+    assert planner.request(long_chat, demo) == {"id": "q9", "prompt": "x" * demo.clip_chars}
+
+
+def _run(system: str, rate: float, ids=(1, 2)) -> dict:
+    return {"system": system, "workload": "code", "concurrency": 1, "tokens_per_s": rate, "token_ids": {"q1": list(ids)},
+            "generated_tokens": 2, "stages": [], "plans": None}
+
+
+def test_the_auto_ratio_is_over_the_best_fixed_config_of_its_tiers_and_the_target():
+    family = planner.FAMILIES["demo"]
+    meta = {"systems": [s.name for s in family.systems], "workloads": ["code"], "concurrency": [1]}
+    runs = [_run("target", 10.0), _run("demo", 20.0), _run("demo-2tier", 30.0), _run("demo-auto", 19.5),
+            _run("demo-2tier-auto", 12.0, ids=(1, 3))]
+    result = planner.report(runs, meta, family)
+    judged = result["cells"][0]["auto"]
+    assert judged["demo-auto"]["best_fixed_of_its_tiers"] == "demo"  # demo-2tier's small model is not one of its tiers
+    assert judged["demo-auto"]["x_best_fixed_of_its_tiers"] == 0.975 and judged["demo-auto"]["meets_bars"]
+    assert judged["demo-2tier-auto"]["x_best_fixed_of_its_tiers"] == 0.4 and not judged["demo-2tier-auto"]["meets_bars"]
+    assert result["cells"][0]["rows"]["demo-2tier-auto"]["greedy_equals_target"] is False
+    assert result["summary"]["demo-auto"] == {"cells": 1, "cells_meeting_bars": 1, "lowest_x_best_fixed": 0.975, "lowest_x_target": 1.95}
+
+
+def test_a_second_turn_continues_after_the_target_alones_first_answer():
+    question = {"question_id": 9, "mode": "chat", "turns": ["Hi?", "More."]}
+    runs = [{"system": "target", "workload": "chat", "concurrency": 4, "texts": {"q9": "late"}},
+            {"system": "target", "workload": "chat", "concurrency": 1, "texts": {"q9": "Hello."}}]
+    rows = planner.cell_rows(planner.SECOND_TURNS, {"chat": [question]}, planner.FAMILIES["qwen"], runs)
+    assert rows == [{"id": "q9t2", "messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."},
+                                                {"role": "user", "content": "More."}]}]
+    assert planner.cell_rows(planner.SECOND_TURNS, {"chat": [question]}, planner.FAMILIES["qwen"], []) is None
