@@ -97,6 +97,25 @@ def test_openai_response_format_json_schema(api, target_alone):
             jsonschema.validate(json.loads(choice.message.content), SCHEMA)
 
 
+def test_openai_parse_with_a_pydantic_model(api):
+    """The openai package's own structured-output helper: `chat.completions.parse(response_format=Model)` sends the
+    model's strict JSON schema and parses the reply into it."""
+    from pydantic import BaseModel
+
+    class Owner(BaseModel):
+        uid: int
+
+    class File(BaseModel):
+        name: str
+        kind: str
+        owner: Owner
+        sizes: list[int]
+
+    reply = api.chat.completions.parse(model="target", messages=MESSAGES, response_format=File, max_tokens=200, temperature=0)
+    assert reply.choices[0].finish_reason == "stop"
+    assert isinstance(reply.choices[0].message.parsed, File)
+
+
 def test_openai_json_object_and_polyspec_regex(api, target_alone):
     chat = api.chat.completions.create(model="target", messages=MESSAGES, max_tokens=64, temperature=0,
                                        response_format={"type": "json_object"})
