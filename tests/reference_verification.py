@@ -559,3 +559,31 @@ def _walk_tree(target_probs: torch.Tensor, tree: DraftTree, scheme: str, greedy:
             return path, token
         path.append(children[index])
         node = children[index]
+
+
+# --------------------------------------------------- the device rules' verdicts as token rows (for comparing)
+
+PLACEHOLDER_TOKEN_ID = -1  # fills a request's row past its emitted tokens
+
+
+def emitted_tokens(draft_tokens: torch.Tensor, cu_num_draft: torch.Tensor, num_accepted: torch.Tensor, next_tokens: torch.Tensor,
+                   max_draft: int) -> torch.Tensor:
+    """[B, max_draft + 1] int64: each request's accepted draft tokens then its next token, then
+    PLACEHOLDER_TOKEN_ID: the one tensor a round sends to the host."""
+    num_requests = num_accepted.shape[0]
+    device = num_accepted.device
+    columns = torch.arange(max_draft + 1, device=device)[None, :]  # [1, K + 1]
+    flat = (cu_num_draft[:-1, None] + columns).clamp_max(max(draft_tokens.shape[0] - 1, 0))  # [B, K + 1]
+    drafted = draft_tokens[flat] if draft_tokens.shape[0] else torch.zeros(num_requests, max_draft + 1, dtype=torch.int64, device=device)
+    out = torch.where(columns < num_accepted[:, None], drafted, torch.full_like(drafted, PLACEHOLDER_TOKEN_ID))
+    return torch.where(columns == num_accepted[:, None], next_tokens[:, None].expand_as(out), out)
+
+
+def emitted_tree_tokens(node_tokens: torch.Tensor, path: torch.Tensor, path_len: torch.Tensor,
+                        next_tokens: torch.Tensor) -> torch.Tensor:
+    """[B, max_depth + 1] int64: the accepted path's tokens, the next token, then PLACEHOLDER_TOKEN_ID."""
+    path_tokens = node_tokens.gather(1, path.clamp_min(0))  # [B, D]
+    path_tokens = torch.where(path >= 0, path_tokens, torch.full_like(path_tokens, PLACEHOLDER_TOKEN_ID))
+    out = torch.cat([path_tokens, torch.full_like(path_tokens[:, :1], PLACEHOLDER_TOKEN_ID)], dim=1)  # [B, D + 1]
+    columns = torch.arange(out.shape[1], device=out.device)[None, :]
+    return torch.where(columns == path_len[:, None], next_tokens[:, None].expand_as(out), out)

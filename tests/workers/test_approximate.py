@@ -17,7 +17,6 @@ from polyspec.workers.core.approximate import (
     accept_step,
     bild_first_rollback,
     bild_rollback_distances,
-    bild_should_fall_back,
     bild_verdict,
     expected_utility_score,
     find_reflection_point,
@@ -118,15 +117,6 @@ def test_direct_construction_validates_too():
 
 
 # ---------------------------------------------------------------------------- BiLD
-
-
-def test_fallback_when_the_small_models_max_probability_is_below_the_threshold():
-    unsure = torch.tensor([0.4, 0.35, 0.25])
-    assert bild_should_fall_back(unsure, 0.5)
-    assert not bild_should_fall_back(unsure, 0.4)  # equal to the threshold: the test is strict
-    assert not bild_should_fall_back(unsure, 0.0)  # threshold 0 never falls back
-    assert bild_should_fall_back(unsure, 1.0)
-    assert not bild_should_fall_back(torch.tensor([1.0, 0.0, 0.0]), 1.0)  # certain: even 1 keeps it
 
 
 def test_rollback_distance_is_the_cross_entropy_of_the_small_token_under_the_large_model():

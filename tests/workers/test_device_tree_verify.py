@@ -25,15 +25,21 @@ from lossless_stats import ALPHA, chi_square_p_value
 from polyspec.workers.core.device_tree_verify import (
     PLACEHOLDER_NODE,
     children_table,
-    emitted_tree_tokens,
     pack_trees,
     tree_draws,
     verify_greedy_trees,
     verify_trees,
 )
-from polyspec.workers.core.device_verify import DOMAIN_DRAFT, DOMAIN_NEXT, PLACEHOLDER_TOKEN_ID, stream_exponentials
+from polyspec.workers.core.device_verify import DOMAIN_DRAFT, DOMAIN_NEXT, stream_exponentials
 from polyspec.workers.core.tree import DraftTree
-from reference_verification import MULTI_DRAFT_SCHEMES, draw_without_replacement, verify_tree, verify_tree_drawn
+from reference_verification import (
+    MULTI_DRAFT_SCHEMES,
+    PLACEHOLDER_TOKEN_ID,
+    draw_without_replacement,
+    emitted_tree_tokens,
+    verify_tree,
+    verify_tree_drawn,
+)
 
 VOCAB = 12
 MAX_NODES = 14

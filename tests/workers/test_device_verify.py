@@ -23,8 +23,6 @@ from polyspec.workers.core.device_verify import (
     DOMAIN_ACCEPT,
     DOMAIN_DRAFT,
     DOMAIN_NEXT,
-    PLACEHOLDER_TOKEN_ID,
-    emitted_tokens,
     verify_greedy_chains,
     stream_exponentials,
     stream_uniforms,
@@ -32,7 +30,7 @@ from polyspec.workers.core.device_verify import (
     warp_batch,
 )
 from polyspec.workers.core.sampling import SamplingParams, warp_logits
-from reference_verification import verify_chain_drawn, verify_greedy
+from reference_verification import PLACEHOLDER_TOKEN_ID, emitted_tokens, verify_chain_drawn, verify_greedy
 
 ALPHA = 1e-3  # chi-square false-alarm rate per test
 PARAMS = [SamplingParams(0.0), SamplingParams(1.0), SamplingParams(0.7, top_k=5), SamplingParams(1.3, top_p=0.8),

@@ -51,17 +51,6 @@ from polyspec.workers.core.verdicts import verify_blocks
 # ---------------------------------------------------------------------------------
 
 
-def bild_should_fall_back(draft_probs_row: torch.Tensor, fallback_threshold: float) -> bool:
-    """BiLD's fallback policy: the small model hands control to the large model when it is
-    unsure of its next token, i.e. when max_y p_small(y | context) < alpha_FB.
-
-    draft_probs_row: [V] the small model's warped probabilities for its next token.
-    A max probability equal to the threshold does not fall back (the paper's test is strict).
-    """
-    _require(draft_probs_row.dim() == 1, "draft_probs_row must be 1-D [V]")
-    return float(draft_probs_row.float().max()) < fallback_threshold
-
-
 def bild_rollback_distances(target_probs: torch.Tensor, draft_tokens: torch.Tensor) -> torch.Tensor:
     """BiLD's distance between a drafted token and the large model's prediction at its position:
     the cross-entropy between the small model's hard label and the large model's soft label,

@@ -41,7 +41,6 @@ from polyspec.workers.core.device_verify import (
     DOMAIN_ACCEPT,
     DOMAIN_NEXT,
     DOMAIN_TREE_MOVE,
-    PLACEHOLDER_TOKEN_ID,
     stream_exponentials,
     stream_uniforms,
 )
@@ -118,16 +117,6 @@ def tree_draws(seeds: torch.Tensor, counters: torch.Tensor, max_nodes: int, voca
     return (stream_uniforms(seeds, counters, DOMAIN_ACCEPT, max_nodes),
             stream_uniforms(seeds, counters, DOMAIN_TREE_MOVE, max_nodes),
             stream_exponentials(seeds, counters, DOMAIN_NEXT, vocab))
-
-
-def emitted_tree_tokens(node_tokens: torch.Tensor, path: torch.Tensor, path_len: torch.Tensor,
-                        next_tokens: torch.Tensor) -> torch.Tensor:
-    """[B, max_depth + 1] int64: the accepted path's tokens, the next token, then PLACEHOLDER_TOKEN_ID."""
-    path_tokens = node_tokens.gather(1, path.clamp_min(0))  # [B, D]
-    path_tokens = torch.where(path >= 0, path_tokens, torch.full_like(path_tokens, PLACEHOLDER_TOKEN_ID))
-    out = torch.cat([path_tokens, torch.full_like(path_tokens[:, :1], PLACEHOLDER_TOKEN_ID)], dim=1)  # [B, D + 1]
-    columns = torch.arange(out.shape[1], device=out.device)[None, :]
-    return torch.where(columns == path_len[:, None], next_tokens[:, None].expand_as(out), out)
 
 
 # ------------------------------------------------------------------------------ kernels

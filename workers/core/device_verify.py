@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import torch
 
-PLACEHOLDER_TOKEN_ID = -1  # fills a request's output row past its emitted tokens
 MASK32 = 0xFFFFFFFF
 HASH_MULTIPLIER = 0x45D9F3B  # < 2^27: a 32-bit value times it stays inside int64 (no overflow)
 DOMAIN_ACCEPT = 1  # the acceptance uniforms of a round
@@ -160,19 +159,6 @@ def verify_chains(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_t
     sampled = torch.argmax(rows / exponentials, dim=-1)
     next_tokens = torch.where(greedy, next_rows.argmax(dim=-1), sampled)
     return num_accepted, next_tokens
-
-
-def emitted_tokens(draft_tokens: torch.Tensor, cu_num_draft: torch.Tensor, num_accepted: torch.Tensor, next_tokens: torch.Tensor,
-                   max_draft: int) -> torch.Tensor:
-    """[B, max_draft + 1] int64: each request's accepted draft tokens then its next token, then
-    PLACEHOLDER_TOKEN_ID: the one tensor a round sends to the host."""
-    num_requests = num_accepted.shape[0]
-    device = num_accepted.device
-    columns = torch.arange(max_draft + 1, device=device)[None, :]  # [1, K + 1]
-    flat = (cu_num_draft[:-1, None] + columns).clamp_max(max(draft_tokens.shape[0] - 1, 0))  # [B, K + 1]
-    drafted = draft_tokens[flat] if draft_tokens.shape[0] else torch.zeros(num_requests, max_draft + 1, dtype=torch.int64, device=device)
-    out = torch.where(columns < num_accepted[:, None], drafted, torch.full_like(drafted, PLACEHOLDER_TOKEN_ID))
-    return torch.where(columns == num_accepted[:, None], next_tokens[:, None].expand_as(out), out)
 
 
 # ------------------------------------------------------------------------------- drafting
