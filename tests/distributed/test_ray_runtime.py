@@ -415,7 +415,7 @@ def test_lengths_auto_and_tune_on_the_cluster(cluster, tiny_family, embedded):
     assert report["tiers"][0]["forward_ms"] and report["tiers"][2]["draft_ms"]
 
 
-@pytest.mark.parametrize("pipeline", [False, True], ids=["serial", "pipelined"])
+@pytest.mark.parametrize("pipeline", [False, pytest.param(True, marks=pytest.mark.extended)], ids=["serial", "pipelined"])
 def test_structured_output_on_ray_is_the_targets_constrained_decode(chain_engine, embedded, pipeline):
     """A regex-constrained request on the Ray chain (each actor compiles the header's constraint and masks its own
     rows): greedy, it says what the target alone says under the same grammar (tests/grammar_reference.py)."""

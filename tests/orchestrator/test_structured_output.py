@@ -129,7 +129,8 @@ SAMPLED = {  # name: (chain, samples); chi-square at ALPHA (tests/lossless_stats
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", list(SAMPLED))
+@pytest.mark.parametrize("case", [case if case == "model drafters" else pytest.param(case, marks=pytest.mark.extended)
+                                  for case in SAMPLED])  # (the demo chain's test below runs by default too)
 def test_sampled_output_is_the_targets_restricted_distribution(tiny_drafters, case):
     """At T = 1 the first two tokens (96 allowed pairs) are distributed as the target's restricted, renormalised
     joint: chi-square over `samples` seeded requests, failing only at p < ALPHA (1e-3)."""
