@@ -56,8 +56,14 @@ def make_engine(family, names, speculation) -> Engine:
     return Engine(parse_config({"tiers": tier_specs(family, names), "speculation": speculation}))
 
 
+# Extended (opt-in): the other multi-draft rules end to end (each is checked against the reference walk in
+# tests/workers/test_verification.py and test_device_tree_verify.py by default) and a second truncated warp
+# (the default run keeps "feature head + early exit" at top-k 12).
+EXTENDED = {"tree rsd", "tree spectr", "tree importance", "3-tier chain top-k/top-p"}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [pytest.param(case, marks=pytest.mark.extended) if case in EXTENDED else case for case in CASES])
 def test_first_two_tokens_match_target(tiny_drafters, case):
     names, speculation, params, samples = CASES[case]
     engine = make_engine(tiny_drafters, names, speculation)

@@ -7,6 +7,7 @@ when its fixture ends.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -89,6 +90,19 @@ class ServerProcess:
                 self.proc.wait(10)
         self.log.close()
         return self.proc.returncode
+
+
+@contextlib.contextmanager
+def http_server(config: str, state_dir: Path, *extra: str):
+    """`polyspec serve` with its HTTP API on a free port (`http_port`), ready; stopped on exit."""
+    http_port = free_port()
+    process = ServerProcess(config, state_dir, "--http-port", str(http_port), *extra)
+    process.http_port = http_port
+    try:
+        process.wait_ready().close()
+        yield process
+    finally:
+        process.stop()
 
 
 def write_config(path: Path, tiny_family: dict, max_queue: int = 64, max_new_tokens: int = 12) -> str:

@@ -12,7 +12,7 @@ import threading
 import time
 
 import pytest
-from serving_helpers import DEMO_CONFIG, ServerProcess, free_port
+from serving_helpers import DEMO_CONFIG, http_server
 
 REQUEST_TIMEOUT_S = 4.0
 MAX_CONNECTIONS = 8
@@ -21,15 +21,9 @@ LINE_EVERY_S = 2.0  # the trickling client's pace: each line well inside the tim
 
 @pytest.fixture(scope="module")
 def demo_server(tmp_path_factory):
-    http_port = free_port()
-    process = ServerProcess(DEMO_CONFIG, tmp_path_factory.mktemp("hostile_http") / "state", "--http-port", str(http_port),
-                            "--request-timeout-s", str(REQUEST_TIMEOUT_S), "--max-connections", str(MAX_CONNECTIONS))
-    process.http_port = http_port
-    try:
-        process.wait_ready().close()
+    with http_server(DEMO_CONFIG, tmp_path_factory.mktemp("hostile_http") / "state", "--request-timeout-s", str(REQUEST_TIMEOUT_S),
+                     "--max-connections", str(MAX_CONNECTIONS)) as process:
         yield process
-    finally:
-        process.stop()
 
 
 def read_response(sock: socket.socket) -> tuple[bytes, bytes]:

