@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -90,6 +91,24 @@ class ServerProcess:
                 self.proc.wait(10)
         self.log.close()
         return self.proc.returncode
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def demo_chat_config(root: Path) -> Path:
+    """The demo chain's config over a copy of its target given a chat template (`CHAT_TEMPLATE`), in `root`."""
+    target = root / "target"
+    shutil.copytree(Path(DEMO_CONFIG).parents[1] / "models/stdlib/target", target)
+    (target / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    config = yaml.safe_load(Path(DEMO_CONFIG).read_text())
+    for tier in config["tiers"]:
+        if tier["model"] != "ngram":
+            tier["model"] = str(target)
+    path = root / "demo.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
 
 
 @contextlib.contextmanager

@@ -7,7 +7,6 @@ alone, run in this process."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import urllib.error
@@ -16,30 +15,17 @@ from pathlib import Path
 
 import pytest
 import yaml
-from serving_helpers import http_server
+from serving_helpers import demo_chat_config, http_server
 
 openai = pytest.importorskip("openai")
 
-ROOT = Path(__file__).resolve().parents[2]
 NAMES = ("demo", "polyspec-demo")
-TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<assistant>{% endif %}")
 PROMPT = "def fibonacci(n):"
 
 
 @pytest.fixture(scope="module")
 def demo_config(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("demo")
-    target = root / "target"
-    shutil.copytree(ROOT / "models/stdlib/target", target)
-    (target / "chat_template.jinja").write_text(TEMPLATE)
-    config = yaml.safe_load((ROOT / "configs/demo.yaml").read_text())
-    for tier in config["tiers"]:
-        if tier["model"] != "ngram":
-            tier["model"] = str(target)
-    path = root / "demo.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
+    return demo_chat_config(tmp_path_factory.mktemp("demo"))
 
 
 @pytest.fixture(scope="module")

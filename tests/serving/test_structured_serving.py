@@ -7,24 +7,19 @@ this process); bad constraints get 400 / INVALID_ARGUMENT / a job item error / o
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 from pathlib import Path
 
 import grpc
 import jsonschema
 import pytest
-import yaml
-from serving_helpers import http_server, polyspec_command
+from serving_helpers import demo_chat_config, http_server, polyspec_command
 
 from polyspec.client import Client, InvalidArgument
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("xgrammar")  # the server compiles the constraints with it (pyproject's pin)
 
-ROOT = Path(__file__).resolve().parents[2]
-TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<assistant>{% endif %}")
 SCHEMA = {  # nested object, array, enum; bounded strings so the small demo model ends inside the budget
     "type": "object",
     "properties": {
@@ -43,17 +38,7 @@ BAD = [({"json_schema": {"type": "objekt"}}, "invalid json_schema"), ({"regex": 
 
 @pytest.fixture(scope="module")
 def demo_config(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("demo")
-    target = root / "target"
-    shutil.copytree(ROOT / "models/stdlib/target", target)
-    (target / "chat_template.jinja").write_text(TEMPLATE)
-    config = yaml.safe_load((ROOT / "configs/demo.yaml").read_text())
-    for tier in config["tiers"]:
-        if tier["model"] != "ngram":
-            tier["model"] = str(target)
-    path = root / "demo.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
+    return demo_chat_config(tmp_path_factory.mktemp("demo"))
 
 
 @pytest.fixture(scope="module")
