@@ -32,6 +32,7 @@ import json
 import re
 import sys
 import threading
+from typing import Callable
 
 import numpy as np
 import torch
@@ -353,13 +354,21 @@ def restrict_rows(logits: torch.Tensor, grammar: GrammarState | None, prefixes: 
     return logits.masked_fill(~allowed, float("-inf"))
 
 
-def restrict_each(rows: torch.Tensor, params: list, prefixes: list[list[int]]) -> torch.Tensor:
-    """Drafting rows [R, V] (row r after `prefixes[r]`, of the request with `params[r]`) restricted by each
-    request's grammar; the rows themselves when no request has one."""
+def restrict_each(rows: torch.Tensor, params: list, prefix: Callable[[int], list[int]]) -> torch.Tensor:
+    """Drafting rows [R, V] (row r after `prefix(r)`, of the request with `params[r]`) restricted by each
+    request's grammar; the rows themselves when no request has one. `prefix` is asked only for constrained
+    rows: a free request's context is never copied on the drafting path."""
     if all(grammar_of(p) is None for p in params):
         return rows
-    return torch.cat([restrict_rows(rows[r: r + 1], grammar_of(p), [prefix])
-                      for r, (p, prefix) in enumerate(zip(params, prefixes))])
+    return torch.cat([rows[r: r + 1] if grammar_of(p) is None else restrict_rows(rows[r: r + 1], grammar_of(p), [prefix(r)])
+                      for r, p in enumerate(params)])
+
+
+def restrict_blocks(scored: list[torch.Tensor], params: list, contexts: list[list[int]], blocks: list) -> list[torch.Tensor]:
+    """Each request's scored rows [len(block) + 1, V] restricted by its grammar along its block (a tree's rows
+    along each node's own path); a free request's rows unchanged, its prefixes never built."""
+    return [rows if grammar_of(p) is None else restrict_rows(rows, grammar_of(p), tree_prefixes(context, block.tokens, block.parents))
+            for rows, p, context, block in zip(scored, params, contexts, blocks)]
 
 
 def node_context(context: list[int], tokens: list[int], parents: list[int], node: int) -> list[int]:

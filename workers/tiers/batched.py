@@ -52,7 +52,7 @@ import time
 import torch
 
 from polyspec.workers.core.device_verify import confidence
-from polyspec.workers.core.grammar import cut_at_disallowed, grammar_of, node_context, restrict_each, restrict_rows, tree_prefixes
+from polyspec.workers.core.grammar import cut_at_disallowed, grammar_of, node_context, restrict_blocks, restrict_each
 from polyspec.workers.core.sampling import SamplingParams, warp_logits
 from polyspec.workers.core.verdicts import Draws, verify_blocks
 from polyspec.workers.core.tree import DraftTree, path_rows, tree_allowed
@@ -495,9 +495,7 @@ class BatchedModelTier(BatchedTier):
             outputs.append(len(tail) - 1)
             layouts.append(layout)
         logits = self._forward(slots, feeds, outputs, layouts if any(layouts) else None)  # each [len(block) + 1, V]
-        logits = [restrict_rows(rows, grammar_of(p), tree_prefixes(context, block.tokens, block.parents))
-                  if grammar_of(p) is not None else rows for rows, p, context, block in zip(logits, params, contexts, blocks)]
-        return [warp_logits(rows, p) for rows, p in zip(logits, params)]
+        return [warp_logits(rows, p) for rows, p in zip(restrict_blocks(logits, params, contexts, blocks), params)]
 
     # ---------------------------------------------------------------------- drafting
 
@@ -567,7 +565,7 @@ class BatchedModelTier(BatchedTier):
         def draw(ready: dict[int, torch.Tensor]) -> None:
             at = list(ready)
             last = torch.stack([ready[i] for i in at])  # [R, V]
-            last = restrict_each(last, [params[live[i]] for i in at], [contexts[live[i]] + tokens[i] for i in at])
+            last = restrict_each(last, [params[live[i]] for i in at], lambda j: contexts[live[at[j]]] + tokens[at[j]])
             rounds = [len(tokens[i]) for i in at]  # (a feature head's rows reach their context's end apart)
             drawn, probs = draws.draw(last, torch.tensor(at, device=last.device),
                                       rounds[0] if len(set(rounds)) == 1 else torch.tensor(rounds, device=last.device))
@@ -600,7 +598,7 @@ class BatchedModelTier(BatchedTier):
         roots = torch.stack([reached[i] for i in range(len(live))])  # [R, V]
         draws = Draws.of([params[r] for r in live], [generators[r] for r in live], [depths[r] for r in live], self.logits_device)
         threshold = self.tier.exit_threshold
-        roots = restrict_each(roots, [params[r] for r in live], [contexts[r] for r in live])
+        roots = restrict_each(roots, [params[r] for r in live], lambda j: contexts[live[j]])
         candidates, valid, root_rows = draws.roots(roots, torch.arange(len(live), device=roots.device), width, scheme == "rsd")
         sure = [True] * len(live) if threshold is None else (confidence(roots) >= threshold).tolist()
         pending, frontier, node_depths, drawn_rows = [], [], [], []
@@ -623,9 +621,9 @@ class BatchedModelTier(BatchedTier):
             logits = self._forward([rows[i].slot for i in growing], [[trees[live[i]].tokens[n] for n in frontier[i]] for i in growing],
                                    [0] * len(growing), layouts, previous=previous)
             flat = torch.cat(logits)  # [nodes, V]
-            flat = restrict_each(flat, [params[live[i]] for i in growing for _ in frontier[i]],
-                                  [node_context(contexts[live[i]], trees[live[i]].tokens, trees[live[i]].parents, n)
-                                   for i in growing for n in frontier[i]])
+            nodes = [(live[i], n) for i in growing for n in frontier[i]]  # (request, node) of each row
+            flat = restrict_each(flat, [params[r] for r, _ in nodes],
+                                 lambda j: node_context(contexts[nodes[j][0]], trees[nodes[j][0]].tokens, trees[nodes[j][0]].parents, nodes[j][1]))
             owner = torch.tensor([i for i in growing for _ in frontier[i]], device=flat.device)
             first = torch.tensor([w * flat.shape[-1] for i in growing for w in range(len(frontier[i]))], device=flat.device)
             drawn, probs = draws.draw(flat, owner, level, first)

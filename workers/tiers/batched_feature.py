@@ -36,7 +36,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from polyspec.workers.core.grammar import grammar_of, restrict_rows, tree_prefixes
+from polyspec.workers.core.grammar import restrict_blocks
 from polyspec.workers.core.sampling import SamplingParams, warp_logits
 from polyspec.workers.core.tree import DraftTree
 from polyspec.workers.tiers.batched import BatchedModelTier, Row
@@ -182,6 +182,5 @@ class BatchedFeatureTier(BatchedModelTier):
 
         if rows:
             self._steps(rows, record)
-        scored = [restrict_rows(torch.stack(rows_of), grammar_of(p), tree_prefixes(context, block.tokens, block.parents))
-                  for rows_of, p, context, block in zip(scored, params, contexts, blocks)]
-        return [warp_logits(rows, p) for rows, p in zip(scored, params)]
+        restricted = restrict_blocks([torch.stack(rows_of) for rows_of in scored], params, contexts, blocks)
+        return [warp_logits(rows, p) for rows, p in zip(restricted, params)]
