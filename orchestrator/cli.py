@@ -179,10 +179,11 @@ def _request_from_flags(args, prompt: str) -> dict:
 
 
 def _constraint_fields(args) -> dict:
-    """`polyspec generate`'s structured output flags as request fields (files read and the schema parsed here, before
-    any model loads; the engine compiles it)."""
+    """`polyspec generate`'s structured output flags as request fields: files read and the source parsed here,
+    before any model loads (a bad schema, regex or grammar is one line); the engine compiles it over the tokenizer."""
+    fields = {}
     if args.regex is not None:
-        return {"regex": args.regex}
+        fields = {"regex": args.regex}
     for flag, path, field in (("--json-schema", args.json_schema, "json_schema"), ("--grammar", args.grammar, "grammar")):
         if path is None:
             continue
@@ -192,11 +193,16 @@ def _constraint_fields(args) -> dict:
             raise RequestError(f"{flag} {path}: cannot read it ({exc.strerror or exc})") from None
         if field == "json_schema":
             try:
-                return {field: json.loads(text)}
+                fields = {field: json.loads(text)}
             except ValueError as exc:
                 raise RequestError(f"{flag} {path}: not valid JSON ({exc})") from None
-        return {field: text}
-    return {}
+        else:
+            fields = {field: text}
+    if fields:
+        from polyspec.workers.core.grammar import check_source, constraint_from_fields
+
+        check_source(constraint_from_fields(fields))
+    return fields
 
 
 def _check_chat_template(target: str, has_template: bool | None, flag: str) -> None:

@@ -10,6 +10,9 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a typo'd path must fail fast, not wait on a network
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# Ray waits 30 s for a new head's GCS to write its port; a CI run (2 cores, the full suite) once took longer, and every
+# test of the module whose cluster it was failed at setup. Every cluster a test starts inherits this.
+os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
 
 import pytest
 import torch

@@ -2,8 +2,9 @@
 
 Exact reference: P(x1, x2) = p_target(x1 | prompt) * p_target(x2 | prompt, x1), computed from
 the target model itself (one batched forward over every x1). Each chain configuration is
-sampled N times with different seeds; a chi-square test compares the counts of the first
-two tokens with the exact probabilities. Cells with expected count < MIN_EXPECTED are pooled
+sampled N times with different seeds, PER_BATCH requests in each batched step (a request's
+draws are the same batched or alone: tests/orchestrator/test_batched.py checks that seed by
+seed); a chi-square test compares the counts of the first two tokens with the exact probabilities. Cells with expected count < MIN_EXPECTED are pooled
 into one cell (standard practice for chi-square). The test fails only if p < ALPHA: a
 correct chain fails with probability ALPHA per configuration.
 """
@@ -15,23 +16,30 @@ import collections
 import pytest
 import torch
 
+from polyspec.orchestrator.batch_runner import run_requests
 from polyspec.orchestrator.config import parse_config
 from polyspec.orchestrator.engine import Engine
 from polyspec.workers.core.sampling import SamplingParams
 
 from family_chains import tier_specs
 from lossless_stats import ALPHA, chi_square_p_value, exact_two_token_probs
-from core_helpers import generate_alone
 
 PROMPT = "def f(x):\n    return x +"
 
 
+PER_BATCH = 60
+
+
 def sample_first_two(engine: Engine, prompt_ids, params, samples: int) -> collections.Counter:
+    """The first two tokens of `samples` seeded requests, PER_BATCH of them in each batched step."""
     engine.scheduler.eos_token_ids = frozenset()
+    sampling = {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p}
     counts: collections.Counter = collections.Counter()
-    for seed in range(samples):
-        out = generate_alone(engine.scheduler, prompt_ids, 3, params, seed=seed)
-        counts[tuple(out.token_ids[:2])] += 1
+    for first in range(0, samples, PER_BATCH):
+        requests = [engine.parse_request({"prompt_ids": prompt_ids, "max_new_tokens": 3, "seed": seed, "id": f"s{seed}", **sampling})
+                    for seed in range(first, min(samples, first + PER_BATCH))]
+        run_requests(engine, requests, lambda result: counts.update([tuple(result["token_ids"][:2])]))
+    assert sum(counts.values()) == samples
     return counts
 
 
@@ -52,21 +60,21 @@ CASES = {
 }
 
 
-def make_engine(family, names, speculation) -> Engine:
-    return Engine(parse_config({"tiers": tier_specs(family, names), "speculation": speculation}))
+def make_engine(family, names, speculation, batched: bool = False) -> Engine:
+    batching = {"max_requests": PER_BATCH} if batched else {}
+    return Engine(parse_config({"tiers": tier_specs(family, names), "speculation": speculation, "batching": batching}), batched=batched)
 
 
-# Extended (opt-in): the other multi-draft rules end to end (each is checked against the reference walk in
-# tests/workers/test_verification.py and test_device_tree_verify.py by default) and a second truncated warp
-# (the default run keeps "feature head + early exit" at top-k 12).
-EXTENDED = {"tree rsd", "tree spectr", "tree importance", "3-tier chain top-k/top-p"}
+# Extended (opt-in): importance sampling's rule end to end (it is checked against the reference walk in
+# tests/workers/test_verification.py and test_device_tree_verify.py by default; its batched rows cost the most here).
+EXTENDED = {"tree importance"}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", [pytest.param(case, marks=pytest.mark.extended) if case in EXTENDED else case for case in CASES])
 def test_first_two_tokens_match_target(tiny_drafters, case):
     names, speculation, params, samples = CASES[case]
-    engine = make_engine(tiny_drafters, names, speculation)
+    engine = make_engine(tiny_drafters, names, speculation, batched=True)
     prompt_ids = engine.tokenizer(PROMPT)["input_ids"]
     joint = exact_two_token_probs(engine.tiers[0].model, engine.vocab_size, prompt_ids, params)
     counts = sample_first_two(engine, prompt_ids, params, samples)

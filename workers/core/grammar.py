@@ -227,6 +227,21 @@ def from_wire(constraint_json: str, vocab_size: int, stop_token_ids: tuple[int, 
     return book.start(book.compile(spec), int(fields["prompt_len"]))
 
 
+def check_source(spec: ConstraintSpec) -> None:
+    """Parse `spec`'s source without a tokenizer (no model needed): the command line refuses a bad schema, regex or
+    grammar file in one line before the models load. Raises RequestError; the engine's compile stays the judge."""
+    xgrammar = _xgrammar()
+    try:
+        if spec.kind == "json_schema":
+            xgrammar.Grammar.from_json_schema(spec.source, any_whitespace=False, strict_mode=spec.strict)
+        elif spec.kind == "regex":
+            xgrammar.Grammar.from_regex(spec.source)
+        else:
+            xgrammar.Grammar.from_ebnf(spec.source)
+    except Exception as exc:  # noqa: BLE001 - xgrammar's parse errors (RuntimeError, ValueError, its own types)
+        raise RequestError(f"invalid {spec.kind}: {one_line(exc)}") from None
+
+
 def _compile(compiler, spec: ConstraintSpec):
     if spec.kind == "json_schema":
         # no free whitespace between tokens: a model may not pad its JSON forever (", " and ": " separate)
