@@ -129,24 +129,21 @@ SAMPLED = {  # name: (chain, samples); chi-square at ALPHA (tests/lossless_stats
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [case if case == "model drafters" else pytest.param(case, marks=pytest.mark.extended)
-                                  for case in SAMPLED])  # (the demo chain's test below runs by default too)
+@pytest.mark.parametrize("case", list(SAMPLED))  # (the demo chain's test below runs by default too)
 def test_sampled_output_is_the_targets_restricted_distribution(tiny_drafters, case):
     """At T = 1 the first two tokens (96 allowed pairs) are distributed as the target's restricted, renormalised
-    joint: chi-square over `samples` seeded requests, failing only at p < ALPHA (1e-3)."""
+    joint: chi-square over `samples` seeded requests (60 per batched step), failing only at p < ALPHA (1e-3)."""
     chain, samples = SAMPLED[case]
     names, speculation = CHAINS[chain]
-    engine = Engine(parse_config({"tiers": tier_specs(tiny_drafters, names), "speculation": speculation}))
+    engine = Engine(parse_config({"tiers": tier_specs(tiny_drafters, names), "speculation": speculation,
+                                  "batching": {"max_requests": 60}}), batched=True)
     params = SamplingParams(temperature=1.0)
-    prompt = PROMPTS[0]
-    prompt_ids = list(engine.parse_request({"prompt": prompt}).prompt_ids)
+    prompt_ids = list(engine.parse_request({"prompt": PROMPTS[0]}).prompt_ids)
     joint = restricted_two_token_probs(engine.tiers[0].model, engine.vocab_size, prompt_ids, params,
                                        reference_matcher(engine, TINY_REGEX))
-    counts: collections.Counter = collections.Counter()
-    for seed in range(samples):
-        result = engine.generate(engine.parse_request({"prompt": prompt, "max_new_tokens": 2, "temperature": 1.0, "seed": seed,
-                                                       **TINY_REGEX}))
-        counts[tuple(result["token_ids"][:2])] += 1
+    results = _generate_all(engine, [{"prompt_ids": prompt_ids, "max_new_tokens": 2, "temperature": 1.0, "seed": seed, **TINY_REGEX}
+                                     for seed in range(samples)])
+    counts = collections.Counter(tuple(result["token_ids"][:2]) for result in results)
     assert all(joint[a, b] > 0 for a, b in counts), "a pair the grammar refuses was emitted"
     p_value = chi_square_p_value(counts, joint, samples)
     assert p_value > ALPHA, f"{case}: chi-square p={p_value:.2e} over {samples} samples"
