@@ -29,7 +29,7 @@ import json
 import time
 import uuid
 from pathlib import Path
-from typing import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from typing import AsyncIterator, Awaitable, Callable, Iterable, Iterator, TypedDict
 
 import grpc
 
@@ -225,16 +225,49 @@ def _job_result(message: pb.JobResult) -> dict:
 
 
 def message_dict(message) -> dict:
-    """Every field of a message as plain Python values (numbers stay numbers, unlike MessageToDict's int64)."""
+    """Every field of a message as plain Python values (numbers stay numbers, unlike MessageToDict's int64);
+    an `optional` number the server left unset is absent."""
     out = {}
     for field in message.DESCRIPTOR.fields:
         value = getattr(message, field.name)
         repeated = field.is_repeated
+        if field.message_type is None and not repeated and field.has_presence and not message.HasField(field.name):
+            continue
         if field.message_type is not None:
             out[field.name] = [message_dict(v) for v in value] if repeated else message_dict(value)
         else:
             out[field.name] = list(value) if repeated else value
     return out
+
+
+class _PlanTotals(TypedDict):
+    rounds: int
+    tokens: int
+    seconds: float
+    measured_tokens_per_s: float
+
+
+class ChainPlan(_PlanTotals, total=False):
+    """`stats()["plans"]` entry: one chain the planner chose (`speculation.lengths: auto`), summed over every
+    plan run on it since the server started: `chain` ("target<-mid<-ngram", /metrics' label), `tiers` (the same as
+    names), `rounds`, the `tokens` they committed, their wall `seconds` summed over requests,
+    `measured_tokens_per_s` (tokens / seconds) and `predicted_tokens_per_s` (the planner's prediction over the
+    seconds that had one; absent where none did)."""
+
+    chain: str
+    tiers: list[str]
+    predicted_tokens_per_s: float
+
+
+class PlanRecord(_PlanTotals, total=False):
+    """`stats()["recent_plans"]` entry: one plan a request ran under, as its result's `stats["plans"]` lists it:
+    `tiers` (target first), `lengths` (one per verifying tier; 0: the target alone), `new_tokens` before it,
+    `rounds`, `tokens`, `seconds`, `measured_tokens_per_s` and `predicted_tokens_per_s` (absent: the planner gave none)."""
+
+    tiers: list[str]
+    lengths: list[int]
+    new_tokens: int
+    predicted_tokens_per_s: float
 
 
 class _Collector:
@@ -401,7 +434,10 @@ class Client:
     # ------------------------------------------------------------------ server
 
     def stats(self) -> dict:
-        """GetStats as a dict: stages, speculation_lengths, active_tiers, tiers, queue, requests, ..."""
+        """GetStats as a dict: stages, speculation_lengths, active_tiers, tiers, queue, requests, generated_tokens,
+        uptime_s, ready, draining, and the planner's decisions (`speculation.lengths: auto`; empty lists with fixed
+        lengths): `plans` (list[ChainPlan], per chain, the sums /metrics' polyspec_plan_* series export) and
+        `recent_plans` (list[PlanRecord], the last 32 plans requests ran, oldest first, with their lengths)."""
         return message_dict(self._call(self._stub.GetStats, pb.GetStatsRequest()))
 
     def ready(self, timeout: float = 1.0) -> bool:
@@ -519,6 +555,7 @@ class AsyncClient:
             call.cancel()
 
     async def stats(self) -> dict:
+        """`Client.stats`: GetStats as a dict, with the planner's `plans` and `recent_plans`."""
         return message_dict(await self._call(self._stub.GetStats, pb.GetStatsRequest()))
 
     async def ready(self, timeout: float = 1.0) -> bool:

@@ -15,6 +15,8 @@ plan_tokens_total and plan_seconds_total{chain} (rounds run under it, the tokens
 seconds summed over requests), plan_tokens_per_second{chain,source} (per request, over all its rounds so far:
 source "measured" = tokens / seconds, "predicted" = the planner's prediction over the same seconds) and
 plan_prediction_ratio (histogram: measured / predicted tokens/s of each plan a request ran under).
+`GetStats` carries the same per-chain sums (`plans`) and the last RECENT_PLANS plan records as results
+list them (`recent_plans`: tiers, lengths, rounds, measured and predicted tokens/s).
 `build_metrics_app` serves them at GET /metrics (with a Tenants object: only to a caller
 with a token).
 """
@@ -30,6 +32,7 @@ from polyspec.orchestrator.decode.contract import PlanTally, chain_label
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 PREDICTION_RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 0.95, 1.05, 1.1, 1.25, 1.5, 2.0, 4.0)
+RECENT_PLANS = 32  # plan records GetStats' recent_plans keeps (the last ones run, over all requests)
 STATUSES = ("ok", "cancelled", "invalid_argument", "resource_exhausted", "unauthenticated", "unavailable", "internal")
 
 
@@ -68,6 +71,7 @@ class Metrics:
         self._plan_ratio = Histogram("polyspec_plan_prediction_ratio", "Measured / predicted tokens/s of each plan a request ran under",
                                      buckets=PREDICTION_RATIO_BUCKETS, registry=r)
         self.plans = PlanTally()  # the same sums, for snapshot()
+        self.recent_plans: collections.deque[dict] = collections.deque(maxlen=RECENT_PLANS)  # the records themselves
         self.approximate = collections.Counter()  # mode -> count
         self.goodput = 0.0
         self._tenants_seen: set[str] = set()
@@ -101,6 +105,7 @@ class Metrics:
         """Add one finished request's `stats["plans"]` (contract.plan_records): what the planner chose and how it ran."""
         with self._lock:
             self.plans.add(records)
+            self.recent_plans.extend(dict(record) for record in records)
             totals = self.plans.as_dict()
         for record in records:
             if "rounds" not in record:
@@ -175,6 +180,7 @@ class Metrics:
                 "generated_tokens": self.generated_tokens,
                 "stages": {key: dict(value) for key, value in self.stages.items()},
                 "plans": self.plans.as_dict(),
+                "recent_plans": [dict(record) for record in self.recent_plans],
             }
 
 

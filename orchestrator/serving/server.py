@@ -171,6 +171,26 @@ def stage_message(stage: dict) -> pb.StageStats:
     )
 
 
+def chain_plan_message(chain: str, total: dict) -> pb.ChainPlanStats:
+    """One chain's sums (`PlanTally.as_dict()`'s entry under its label) as GetStats' `plans` entry."""
+    message = pb.ChainPlanStats(chain=chain, tiers=chain.split("<-"), rounds=total["rounds"], tokens=total["tokens"],
+                                seconds=total["seconds"], measured_tokens_per_s=total["measured_tokens_per_s"])
+    if "predicted_tokens_per_s" in total:
+        message.predicted_tokens_per_s = total["predicted_tokens_per_s"]
+    return message
+
+
+def plan_record_message(record: dict) -> pb.PlanRecord:
+    """One `plan_records` entry (a result's stats.plans) as GetStats' `recent_plans` entry."""
+    message = pb.PlanRecord(tiers=record["tiers"], lengths=[int(k) for k in record["lengths"]],
+                            new_tokens=record.get("new_tokens", 0), rounds=record.get("rounds", 0),
+                            tokens=record.get("tokens", 0), seconds=record.get("seconds", 0.0),
+                            measured_tokens_per_s=record.get("measured_tokens_per_s", 0.0))
+    if "predicted_tokens_per_s" in record:
+        message.predicted_tokens_per_s = record["predicted_tokens_per_s"]
+    return message
+
+
 def requests_digest(requests) -> str:
     """A job's requests, hashed as this server parsed them (so the same requests hash alike
     whatever client encoded them): what an idempotency key is checked against."""
@@ -556,6 +576,8 @@ class PolyspecService(pb_grpc.PolyspecServicer):
             uptime_s=time.time() - self.started,
             ready=self.scheduler is not None,
             draining=self.draining,
+            plans=[chain_plan_message(chain, total) for chain, total in snapshot["plans"].items()],
+            recent_plans=[plan_record_message(record) for record in snapshot["recent_plans"]],
         )
         if self.engine is not None:
             chain = self.engine.scheduler

@@ -174,3 +174,4 @@ def test_stats_report_stages_lengths_tiers_and_queue(client):
     assert stats["speculation_lengths"] == [4, 2] and stats["active_tiers"] == ["target", "mid", "ng"]
     assert [t["tier"] for t in stats["tiers"]] == ["target", "mid", "ng"] and all(t["up"] for t in stats["tiers"])
     assert stats["queue"]["max_queue"] == 64 and stats["requests"]["ok"] >= 1 and stats["generated_tokens"] >= 6
+    assert stats["plans"] == [] and stats["recent_plans"] == []  # fixed lengths: no planner

@@ -1,5 +1,6 @@
 """`polyspec serve` with `lengths: auto`: the planner's chains and their predicted and measured tokens/s in each
-response's stats (gRPC) and usage (HTTP's `polyspec_plans`) and in /metrics; a `tuning:` option the batched planner does not read is named in its log."""
+response's stats (gRPC) and usage (HTTP's `polyspec_plans`), in /metrics and in GetStats (`plans`, `recent_plans`);
+a `tuning:` option the batched planner does not read is named in its log."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import urllib.request
 
 import yaml
 
-from polyspec.client import AsyncClient
+from polyspec.client import AsyncClient, Client
 
 from serving_helpers import free_port
 
@@ -57,3 +58,47 @@ def test_the_planners_chains_reach_the_stats_and_metrics(start_server, tiny_fami
             assert value and float(value.group(1)) > 0, (chain, source)
     assert float(re.search(r"^polyspec_plan_prediction_ratio_count (\S+)$", text, re.M).group(1)) == \
         sum(len(result["stats"]["plans"]) for result in results) + len(http_plans)
+
+    # GetStats: per chain the same sums as /metrics, and the plans themselves (as the results listed them)
+    with Client(server.address) as client:
+        stats = client.stats()
+    assert {plan["chain"]: plan["rounds"] for plan in stats["plans"]} == {chain: int(count) for chain, count in rounds.items()}
+    for plan in stats["plans"]:
+        assert plan["tiers"][0] == "target" and set(plan["tiers"]) <= {"target", "mid", "ng"}
+        assert "<-".join(plan["tiers"]) == plan["chain"]
+        assert plan["predicted_tokens_per_s"] > 0
+        for source in ("measured", "predicted"):
+            series = rf'^polyspec_plan_tokens_per_second\{{chain="{re.escape(plan["chain"])}",source="{source}"\}} (\S+)$'
+            value = re.search(series, text, re.M)
+            assert float(value.group(1)) == plan[f"{source}_tokens_per_s"], (plan, source)
+    run = [plan for result in results for plan in result["stats"]["plans"]] + http_plans
+    recent = stats["recent_plans"]
+    assert len(recent) == min(len(run), 32) and recent
+    key = lambda plan: json.dumps(plan, sort_keys=True)  # noqa: E731
+    assert {key(plan) for plan in recent} <= {key(plan) for plan in run}
+    if len(run) <= 32:
+        assert sorted(map(key, recent)) == sorted(map(key, run))
+    for plan in recent:
+        assert set(plan["tiers"]) <= {"target", "mid", "ng"} and len(plan["lengths"]) == len(plan["tiers"]) - 1
+        assert max(plan["lengths"], default=0) <= 6 and plan["predicted_tokens_per_s"] > 0
+
+
+def test_recent_plans_keep_the_last_ones_and_a_missing_prediction_stays_missing():
+    from polyspec.client import message_dict
+    from polyspec.orchestrator.serving.metrics import RECENT_PLANS, Metrics
+    from polyspec.orchestrator.serving.server import chain_plan_message, plan_record_message
+    from polyspec.protos.polyspec.v1 import polyspec_pb2 as pb
+
+    metrics = Metrics()
+    records = [{"new_tokens": i, "tiers": ["target", "ng"], "lengths": [3], "rounds": 1, "tokens": 2, "seconds": 0.5,
+                "measured_tokens_per_s": 4.0, **({"predicted_tokens_per_s": 5.0} if i % 2 else {})}
+               for i in range(RECENT_PLANS + 8)]
+    metrics.plan_stats(records)
+    snapshot = metrics.snapshot()
+    assert snapshot["recent_plans"] == records[-RECENT_PLANS:]
+    response = pb.StatsResponse(plans=[chain_plan_message(chain, total) for chain, total in snapshot["plans"].items()],
+                                recent_plans=[plan_record_message(record) for record in snapshot["recent_plans"]])
+    stats = message_dict(pb.StatsResponse.FromString(response.SerializeToString()))
+    assert stats["recent_plans"] == records[-RECENT_PLANS:]  # the records as results list them, unset prediction absent
+    (chain,) = stats["plans"]
+    assert chain == {"chain": "target<-ng", "tiers": ["target", "ng"], **snapshot["plans"]["target<-ng"]}

@@ -225,7 +225,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("stages", "speculation_lengths", "active_tiers", "tiers", "queue", "requests", "generated_tokens", "uptime_s", "ready", "draining")
+    __slots__ = ("stages", "speculation_lengths", "active_tiers", "tiers", "queue", "requests", "generated_tokens", "uptime_s", "ready", "draining", "plans", "recent_plans")
     STAGES_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_LENGTHS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_TIERS_FIELD_NUMBER: _ClassVar[int]
@@ -236,6 +236,8 @@ class StatsResponse(_message.Message):
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    PLANS_FIELD_NUMBER: _ClassVar[int]
+    RECENT_PLANS_FIELD_NUMBER: _ClassVar[int]
     stages: _containers.RepeatedCompositeFieldContainer[StageStats]
     speculation_lengths: _containers.RepeatedScalarFieldContainer[int]
     active_tiers: _containers.RepeatedScalarFieldContainer[str]
@@ -246,7 +248,47 @@ class StatsResponse(_message.Message):
     uptime_s: float
     ready: bool
     draining: bool
-    def __init__(self, stages: _Optional[_Iterable[_Union[StageStats, _Mapping]]] = ..., speculation_lengths: _Optional[_Iterable[int]] = ..., active_tiers: _Optional[_Iterable[str]] = ..., tiers: _Optional[_Iterable[_Union[TierHealth, _Mapping]]] = ..., queue: _Optional[_Union[QueueStats, _Mapping]] = ..., requests: _Optional[_Union[RequestCounts, _Mapping]] = ..., generated_tokens: _Optional[int] = ..., uptime_s: _Optional[float] = ..., ready: _Optional[bool] = ..., draining: _Optional[bool] = ...) -> None: ...
+    plans: _containers.RepeatedCompositeFieldContainer[ChainPlanStats]
+    recent_plans: _containers.RepeatedCompositeFieldContainer[PlanRecord]
+    def __init__(self, stages: _Optional[_Iterable[_Union[StageStats, _Mapping]]] = ..., speculation_lengths: _Optional[_Iterable[int]] = ..., active_tiers: _Optional[_Iterable[str]] = ..., tiers: _Optional[_Iterable[_Union[TierHealth, _Mapping]]] = ..., queue: _Optional[_Union[QueueStats, _Mapping]] = ..., requests: _Optional[_Union[RequestCounts, _Mapping]] = ..., generated_tokens: _Optional[int] = ..., uptime_s: _Optional[float] = ..., ready: _Optional[bool] = ..., draining: _Optional[bool] = ..., plans: _Optional[_Iterable[_Union[ChainPlanStats, _Mapping]]] = ..., recent_plans: _Optional[_Iterable[_Union[PlanRecord, _Mapping]]] = ...) -> None: ...
+
+class ChainPlanStats(_message.Message):
+    __slots__ = ("chain", "tiers", "rounds", "tokens", "seconds", "measured_tokens_per_s", "predicted_tokens_per_s")
+    CHAIN_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    chain: str
+    tiers: _containers.RepeatedScalarFieldContainer[str]
+    rounds: int
+    tokens: int
+    seconds: float
+    measured_tokens_per_s: float
+    predicted_tokens_per_s: float
+    def __init__(self, chain: _Optional[str] = ..., tiers: _Optional[_Iterable[str]] = ..., rounds: _Optional[int] = ..., tokens: _Optional[int] = ..., seconds: _Optional[float] = ..., measured_tokens_per_s: _Optional[float] = ..., predicted_tokens_per_s: _Optional[float] = ...) -> None: ...
+
+class PlanRecord(_message.Message):
+    __slots__ = ("tiers", "lengths", "new_tokens", "rounds", "tokens", "seconds", "measured_tokens_per_s", "predicted_tokens_per_s")
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    tiers: _containers.RepeatedScalarFieldContainer[str]
+    lengths: _containers.RepeatedScalarFieldContainer[int]
+    new_tokens: int
+    rounds: int
+    tokens: int
+    seconds: float
+    measured_tokens_per_s: float
+    predicted_tokens_per_s: float
+    def __init__(self, tiers: _Optional[_Iterable[str]] = ..., lengths: _Optional[_Iterable[int]] = ..., new_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., tokens: _Optional[int] = ..., seconds: _Optional[float] = ..., measured_tokens_per_s: _Optional[float] = ..., predicted_tokens_per_s: _Optional[float] = ...) -> None: ...
 
 class TierHealth(_message.Message):
     __slots__ = ("tier", "model", "up", "busy_s")
