@@ -25,8 +25,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -40,7 +38,6 @@ from polyspec.orchestrator.config import TierConfig, parse_config
 from polyspec.orchestrator.engine import Engine
 from polyspec.workers.core.errors import ModelLoadError
 from polyspec.workers.tiers import fp8_linear, loading
-from polyspec.workers.tiers.batched_llama import BatchedLlama
 from polyspec.workers.tiers.fp8_linear import FP8_MAX, Fp8Linear, fp8_problem, quantize_weight
 from polyspec.workers.tiers.batched_llama import BatchedLlama, step_unsupported
 
@@ -193,15 +190,14 @@ def chain_config(tiny_family, tmp_path, names=("target", "fp8", "small"), **tier
     return str(path)
 
 
-def test_a_chain_through_the_fp8_copy_gives_the_target_greedy_tokens(tiny_family, tmp_path):
-    config = chain_config(tiny_family, tmp_path)
-    command = [sys.executable, "-m", "polyspec", "generate", "-c", config, "-p", "def add(a, b):\n    return", "-n", "32", "--json"]
-    chain = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    target = subprocess.run(command + ["--no-speculation"], capture_output=True, text=True, timeout=300)
-    assert chain.returncode == 0 and target.returncode == 0, chain.stderr + target.stderr
-    assert "fp8 copy of" in chain.stderr  # the start-up line names the tier's kind
-    result = json.loads(chain.stdout)
-    assert result["token_ids"] == json.loads(target.stdout)["token_ids"]
+def test_a_chain_through_the_fp8_copy_gives_the_target_greedy_tokens(tiny_family, tmp_path, capsys):
+    command = ["generate", "-c", chain_config(tiny_family, tmp_path), "-p", "def add(a, b):\n    return", "-n", "32", "--json"]
+    assert main(command) == 0
+    chain = capsys.readouterr()
+    assert "fp8 copy of" in chain.err  # the start-up line names the tier's kind
+    assert main(command + ["--no-speculation"]) == 0
+    result = json.loads(chain.out)
+    assert result["token_ids"] == json.loads(capsys.readouterr().out)["token_ids"]
     assert [stage["drafter"] for stage in result["stats"]["stages"]] == ["fp8", "small"]
 
 
@@ -216,12 +212,12 @@ def test_the_device_round_runs_a_quantized_drafter(tiny_family, quantize):
         assert engine.generate(engine.parse_request(request))["token_ids"] == target.generate(target.parse_request(request))["token_ids"]
 
 
-def test_a_device_that_cannot_run_fp8_is_one_line_through_the_cli(tiny_family, tmp_path):
+def test_a_device_that_cannot_run_fp8_is_one_line_through_the_cli(tiny_family, tmp_path, capsys):
     config = chain_config(tiny_family, tmp_path, names=("target", "fp8"), device="mps")
-    proc = subprocess.run([sys.executable, "-m", "polyspec", "generate", "-c", config, "-p", "x", "-n", "4"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1] == "polyspec: error: tier 'fp8': quantize: fp8 runs on CPU or CUDA, not mps"
+    assert main(["generate", "-c", config, "-p", "x", "-n", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1] == "polyspec: error: tier 'fp8': quantize: fp8 runs on CPU or CUDA, not mps"
 
 
 def test_a_torch_without_float8_is_one_line(tiny_family, tmp_path, monkeypatch, capsys):

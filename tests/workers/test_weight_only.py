@@ -24,6 +24,7 @@ import torch
 import yaml
 
 from family_chains import tier_specs
+from polyspec.orchestrator.cli import main
 from polyspec.orchestrator.config import parse_config
 from polyspec.orchestrator.engine import Engine
 from polyspec.workers.core.errors import ConfigError, ModelLoadError
@@ -192,16 +193,15 @@ def test_int4_target_through_polyspec_is_its_own_greedy_decode(tiny_family, tmp_
 
 
 @pytest.mark.parametrize("kind", ["int4", "int8w"])
-def test_a_chain_through_a_weight_only_copy_gives_the_target_greedy_tokens(tiny_family, tmp_path, kind):
+def test_a_chain_through_a_weight_only_copy_gives_the_target_greedy_tokens(tiny_family, tmp_path, kind, capsys):
     copy = int4_tier(tiny_family) if kind == "int4" else {"name": "int8w", "model": tiny_family["target"], "quantize": "int8w"}
     config_path = tmp_path / "chain.yaml"
     config_path.write_text(yaml.safe_dump({"tiers": [*tier_specs(tiny_family, ["target"]), copy], "speculation": {"lengths": [4]}}))
-    command = [sys.executable, "-m", "polyspec", "generate", "-c", str(config_path), "-p", PROMPTS[0], "-n", "32", "--json"]
-    chain = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    target = subprocess.run(command + ["--no-speculation"], capture_output=True, text=True, timeout=300)
-    assert chain.returncode == 0 and target.returncode == 0, chain.stderr + target.stderr
-    result = json.loads(chain.stdout)
-    assert result["token_ids"] == json.loads(target.stdout)["token_ids"]
+    command = ["generate", "-c", str(config_path), "-p", PROMPTS[0], "-n", "32", "--json"]
+    assert main(command) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert main(command + ["--no-speculation"]) == 0
+    assert result["token_ids"] == json.loads(capsys.readouterr().out)["token_ids"]
     assert [stage["drafter"] for stage in result["stats"]["stages"]] == [kind]
 
 
