@@ -311,7 +311,7 @@ def test_polyspec_batch_through_the_device_round(tiny_family, tmp_path):
     request of a continuous batch (4 at a time), and the seeded request draws the same tokens alone."""
     import json
 
-    from tests.orchestrator.test_cli import run_cli
+    from polyspec.orchestrator.cli import main  # (in this process: an interpreter start less per run)
 
     requests = [{"id": f"g{i}", "prompt_ids": p, "max_new_tokens": 12} for i, p in enumerate(PROMPTS)]
     requests.append({"id": "s", "prompt_ids": PROMPTS[0], "max_new_tokens": 12, "temperature": 0.8, "top_p": 0.9, "seed": 9})
@@ -319,8 +319,7 @@ def test_polyspec_batch_through_the_device_round(tiny_family, tmp_path):
     outputs = {}
     for round_kind in ("device", "ragged"):
         config = _config(tmp_path, tiny_family, ["target", "mid"], [3], round_kind)
-        done = run_cli("batch", "-c", config, "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / f"{round_kind}.jsonl"))
-        assert done.returncode == 0, done.stderr[-2000:]
+        assert main(["batch", "-c", config, "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / f"{round_kind}.jsonl")]) == 0
         outputs[round_kind] = {r["id"]: r for r in map(json.loads, (tmp_path / f"{round_kind}.jsonl").read_text().splitlines())}
     for request in requests[:-1]:
         assert outputs["device"][request["id"]]["token_ids"] == outputs["ragged"][request["id"]]["token_ids"], request["id"]
@@ -336,15 +335,14 @@ def test_polyspec_batch_runs_draft_trees_through_the_device_round(tiny_family, t
     """End to end through the CLI with `speculation.tree_width: 2`: the device round's greedy tokens are the ragged round's."""
     import json
 
-    from tests.orchestrator.test_cli import run_cli
+    from polyspec.orchestrator.cli import main  # (in this process: an interpreter start less per run)
 
     requests = [{"id": f"g{i}", "prompt_ids": p, "max_new_tokens": 12} for i, p in enumerate(PROMPTS)]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in requests))
     outputs = {}
     for round_kind in ("device", "ragged"):
         config = _config(tmp_path, tiny_family, ["target", "mid"], [3], round_kind, tree_width=2)
-        done = run_cli("batch", "-c", config, "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / f"{round_kind}.jsonl"))
-        assert done.returncode == 0, done.stderr[-2000:]
+        assert main(["batch", "-c", config, "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / f"{round_kind}.jsonl")]) == 0
         outputs[round_kind] = {r["id"]: r for r in map(json.loads, (tmp_path / f"{round_kind}.jsonl").read_text().splitlines())}
     for request in requests:
         assert outputs["device"][request["id"]]["token_ids"] == outputs["ragged"][request["id"]]["token_ids"], request["id"]
@@ -356,15 +354,14 @@ def test_blocks_wider_than_a_step_run_through_the_ragged_forward(tiny_family, tm
     `batching.round: device`: such a block goes through the ragged forward, with the ragged round's greedy tokens."""
     import json
 
-    from tests.orchestrator.test_cli import run_cli
+    from polyspec.orchestrator.cli import main  # (in this process: an interpreter start less per run)
 
     requests = [{"id": f"g{i}", "prompt_ids": p, "max_new_tokens": 30} for i, p in enumerate(PROMPTS[:2])]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in requests))
     outputs = {}
     for round_kind in ("device", "ragged"):
         config = _config(tmp_path, tiny_family, ["target", "mid", "small"], [20, 13], round_kind)
-        done = run_cli("batch", "-c", config, "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / f"{round_kind}.jsonl"))
-        assert done.returncode == 0, done.stderr[-2000:]
+        assert main(["batch", "-c", config, "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / f"{round_kind}.jsonl")]) == 0
         outputs[round_kind] = [r["token_ids"] for r in map(json.loads, (tmp_path / f"{round_kind}.jsonl").read_text().splitlines())]
     assert outputs["device"] == outputs["ragged"]
 
