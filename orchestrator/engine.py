@@ -122,7 +122,7 @@ class Engine:
     def __init__(self, config: ChainConfig, speculative: bool = True, auto_tune: bool = True, batched: bool = False,
                  log: Callable[[str], None] | None = None, cache_profiles: bool = False, reprofile: bool = False,
                  reuse_prefix: bool = False) -> None:
-        """`auto_tune`: with `speculation.lengths: auto`, profile the tiers and let the tuner set the lengths.
+        """`auto_tune`: with `speculation.lengths: auto`, profile the tiers and let the goodput planner set the lengths.
         `batched`: step many requests per forward (`polyspec batch`, jobs, `serve`), where the config allows it
         (`batching.enabled`, a local chain); otherwise requests take turns, one round each.
         `log(line)`: start-up progress (each tier as it loads, then the profile, with a progress bar on a
@@ -144,7 +144,7 @@ class Engine:
         self._grammars_lock = threading.Lock()
         self.config = config if speculative else config.target_only()
         keep_finished = 1 if reuse_prefix else 0
-        self._note_tuning(config, speculative, auto_tune, batched)
+        self._note_tuning(config, speculative, auto_tune)
         if config.runtime.backend == "ray":
             self._start_ray(auto_tune, batched, keep_finished)
             self.load_s = time.perf_counter() - started
@@ -165,15 +165,14 @@ class Engine:
         self._start(eos, auto_tune, keep_finished)
 
     @staticmethod
-    def _note_tuning(config: ChainConfig, speculative: bool, auto_tune: bool, batched: bool) -> None:
+    def _note_tuning(config: ChainConfig, speculative: bool, auto_tune: bool) -> None:
         """Name on stderr, in one line, the `tuning:` options set that the planner this run will have does not read
-        (polyspec.orchestrator.tuning.options); `auto_tune` off (polyspec tune builds its own tuners): nothing to say."""
+        (polyspec.orchestrator.tuning.options); `auto_tune` off (polyspec tune builds its own planners): nothing to say."""
         from polyspec.orchestrator.tuning import options
 
         if not auto_tune:
             return
-        planner = options.planner_of(config.speculation.lengths == "auto", speculative, batched and config.batching.enabled,
-                                     len(config.tiers))
+        planner = options.planner_of(config.speculation.lengths == "auto", speculative, len(config.tiers))
         line = options.note(config.tuning, planner, distributed=config.runtime.backend == "ray")
         if line:
             print(f"polyspec: {line}", file=sys.stderr, flush=True)
@@ -210,7 +209,7 @@ class Engine:
                                         tree_width=spec.tree_width, scheme=spec.verifier, keep_finished=keep_finished,
                                         scorer=self._scorer(tiers[0].model))
         if auto_tune and spec.lengths == "auto" and len(self.tiers) > 1:
-            self.scheduler.planner = self.make_planner() if self.batched else self.make_tuner()
+            self.scheduler.planner = self.make_planner()
 
     def _scorer(self, forward):
         """Where SpecReason's scores run: the target's `forward` (its BatchedLlama) on a pool of its own (allocated at its first score), so
@@ -222,7 +221,8 @@ class Engine:
 
     def make_planner(self):
         """Profile each tier's batched forward (a few seconds) and build the goodput planner, with the
-        `tuning:` options it reads (`options.goodput_options`; the others, set, were named at start-up)."""
+        `tuning:` options it reads (`options.goodput_options`; the others, set, were named at start-up).
+        One request at a time is a load of one: the profile stops at a batch of one, and each round is a step of one."""
         from polyspec.orchestrator.tuning.batch_model import BatchPlanner
         from polyspec.orchestrator.tuning.options import goodput_options
 
@@ -273,8 +273,8 @@ class Engine:
             if not all(view.up for view in self.tiers):  # each tier profiles itself: one left out at start-up cannot
                 print(f"polyspec: speculation.lengths: auto: not every tier is up, so the chain runs lengths "
                       f"{self.scheduler.lengths} untuned", file=sys.stderr, flush=True)
-            else:  # batched steps: the goodput planner (lengths for the load, speculation off included); else the tuner
-                self.scheduler.planner = self.make_planner() if self.batched else self.make_tuner()
+            else:  # the goodput planner (lengths for the load, speculation off included), batched or one request at a time
+                self.scheduler.planner = self.make_planner()
 
     def close(self) -> None:
         """Stop the chain's actors (ray backend); nothing to do embedded."""

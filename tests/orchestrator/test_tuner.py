@@ -706,57 +706,11 @@ PROMPTS = ["def add(a, b):\n    return", "for i in range(10):\n    print(i)\nfor
 MAX_NEW = 40
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_family):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_family["target"])
-    model = AutoModelForCausalLM.from_pretrained(tiny_family["target"]).eval()
-    out = {}
-    for prompt in PROMPTS:
-        ids = tokenizer(prompt)["input_ids"]
-        generated = model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
-        out[prompt] = generated[0, len(ids) :].tolist()
-    return out
-
-
 def auto_engine(family, names, **speculation):
     tiers = [{"name": n, "model": "ngram" if n == "ngram" else family[n]} for n in names]
-    engine = Engine(parse_config({"tiers": tiers, "speculation": {"lengths": "auto", **speculation}}))
+    engine = Engine(parse_config({"tiers": tiers, "speculation": {"lengths": "auto", **speculation}}), auto_tune=False)
     engine.scheduler.eos_token_ids = frozenset()
     return engine
-
-
-@pytest.mark.parametrize("names,extra", [(["target", "mid", "ngram"], {}), (["target", "mid", "small"], {"tree_width": 2})])
-def test_auto_lengths_keep_greedy_output(tiny_family, reference, names, extra):
-    engine = auto_engine(tiny_family, names, **extra)
-    assert engine.scheduler.planner is not None
-    for _ in range(2):  # the second pass runs on learned estimates (and probably other lengths)
-        for prompt in PROMPTS:
-            result = engine.generate(engine.parse_request({"prompt": prompt, "max_new_tokens": MAX_NEW}))
-            assert result["token_ids"] == reference[prompt]
-            assert result["stats"]["plans"] and result["stats"]["plans"][0]["new_tokens"] == 0
-    assert engine.scheduler.planner.history
-
-
-def test_forced_bypass_keeps_greedy_output(tiny_family, reference):
-    engine = auto_engine(tiny_family, ["target", "mid", "ngram"])
-    engine.scheduler.planner.fix(Plan((5, 3), (0, 2)))
-    for prompt in PROMPTS:
-        result = engine.generate(engine.parse_request({"prompt": prompt, "max_new_tokens": MAX_NEW}))
-        assert result["token_ids"] == reference[prompt]
-        stages = {(s["tier"], s["drafter"]): s for s in result["stats"]["stages"]}
-        assert stages[("target", "ngram")]["blocks"] > 0 and stages[("target", "mid")]["blocks"] == 0
-        (plan,) = result["stats"]["plans"]
-        assert {key: plan[key] for key in ("new_tokens", "lengths", "tiers")} == {"new_tokens": 0, "lengths": [5], "tiers": ["target", "ngram"]}
-        assert plan["tokens"] == len(result["token_ids"]) and "predicted_tokens_per_s" not in plan  # a pinned plan has no prediction
-
-
-def test_auto_lengths_sampling_runs(tiny_family):
-    engine = auto_engine(tiny_family, ["target", "mid", "ngram"])
-    result = engine.generate(engine.parse_request({"prompt": PROMPTS[0], "max_new_tokens": 24, "temperature": 1.0, "seed": 3}))
-    assert len(result["token_ids"]) == 24
-    assert "sampling" in {h["class"] for h in engine.scheduler.planner.history}
 
 
 def test_proposal_fill_from_the_bottom_drafters_proposals():
@@ -893,8 +847,7 @@ def test_heldout_runs_a_fresh_and_a_warm_tuner_without_changing_the_warm_one(tin
     from polyspec.harness.tune import TuneSettings, measure_heldout
 
     engine = auto_engine(tiny_family, ["target", "mid", "ngram"])
-    warm = engine.scheduler.planner
-    engine.scheduler.planner = None
+    warm = engine.make_tuner()
     ids = [engine.parse_request({"prompt": p, "max_new_tokens": 8}).prompt_ids for p in PROMPTS[:2]]
     settings = TuneSettings(max_new_tokens=8, grid_max=4, heldout_repeats=2)
     for prompt in ids:  # the warm tuner serves other prompts first
