@@ -841,36 +841,6 @@ def test_lengths_on_the_same_tiers_move_while_another_set_waits_for_its_margin()
     assert tuner.history[-1]["lengths"] == [6, 2]
 
 
-def test_heldout_runs_a_fresh_and_a_warm_tuner_without_changing_the_warm_one(tiny_family):
-    import copy
-
-    from polyspec.harness.tune import TuneSettings, measure_heldout
-
-    engine = auto_engine(tiny_family, ["target", "mid", "ngram"])
-    warm = engine.make_tuner()
-    ids = [engine.parse_request({"prompt": p, "max_new_tokens": 8}).prompt_ids for p in PROMPTS[:2]]
-    settings = TuneSettings(max_new_tokens=8, grid_max=4, heldout_repeats=2)
-    for prompt in ids:  # the warm tuner serves other prompts first
-        warm.fix(None)
-        engine.scheduler.planner = warm
-        generate_alone(engine.scheduler, list(prompt), 8, settings.params(), seed=0)
-    engine.scheduler.planner = None
-    rounds, history = warm.class_state("greedy").rounds, list(warm.history)
-    fresh = []
-
-    def make_fresh():
-        fresh.append(Tuner(copy.deepcopy(warm.profile), max_length=4))
-        return fresh[-1]
-
-    report = measure_heldout(engine, Plan((3, 3), (0, 1, 2)), ids, settings, make_fresh, lambda message: None, warm_tuner=warm)
-    assert len(fresh) == 2 and all(t.class_state("greedy").rounds > 0 for t in fresh)  # one fresh tuner per pass, each used
-    assert (warm.class_state("greedy").rounds, warm.history) == (rounds, history)  # each pass ran a copy
-    assert report["passes"] == 2 and report["warm_auto_ms_per_token"] > 0
-    assert report["warm_auto_ratio_of_medians"] == pytest.approx(report["best_grid_ms_per_token"] / report["warm_auto_ms_per_token"], rel=1e-3)
-    paired = sorted(p["fixed"]["ms_per_token"] / p["warm"]["ms_per_token"] for p in report["per_pass"])
-    assert report["warm_auto_tokens_per_s_over_best"] == pytest.approx(sum(paired) / 2, rel=1e-3)  # the median of 2 passes
-
-
 def test_positions_no_block_asked_for_forget_faster(monkeypatch):
     """One rejection at position 3 (a block of 3 with 2 accepted), then blocks of 2, all
     accepted: position 3 gets no data, and only its extra forgetting (UNASKED_DECAY a step,
