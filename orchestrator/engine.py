@@ -43,7 +43,6 @@ from polyspec.workers.core.heartbeat import heartbeat
 from polyspec.workers.tiers.loading import load_tiers, quiet_transformers
 from polyspec.workers.core.sampling import SamplingParams
 
-PROFILE_CONTEXT_TOKENS = 128  # committed tokens when the start-up profile has no real prompt
 PROFILE_MAX_BATCH = 16  # the batched profile stops here; larger batches are extrapolated in proportion to their rows
 SEED_LIMIT = 1 << 63  # seeds are in [0, 2^63): an int64 on the wire, every bit used
 MAX_TEMPERATURE = 1000.0  # far past uniform sampling; larger (or inf) is a mistake
@@ -279,31 +278,6 @@ class Engine:
     def close(self) -> None:
         """Stop the chain's actors (ray backend); nothing to do embedded."""
         self.scheduler.close()
-
-    def make_tuner(self, context: list[int] | None = None, **knobs):
-        """Profile every tier (a few seconds) and build the online tuner (polyspec.orchestrator.tuning.tuner)
-        with the config's `tuning:` knobs, `knobs` overriding single ones (`max_length=6`)."""
-        from polyspec.orchestrator.tuning.profiler import profile_tiers, synthetic_context
-        from polyspec.orchestrator.tuning.tuner import Tuner
-
-        spec = self.config.speculation
-        tuning = dataclasses.replace(self.config.tuning, **knobs)
-        max_length = tuning.max_length
-        if context is None:
-            room = (self.scheduler.max_context or 1 << 30) - 2 * spec.tree_width * max_length - 4
-            context = synthetic_context(self.vocab_size, max(2, min(PROFILE_CONTEXT_TOKENS, room)))
-        sampling = self.config.sampling
-        params = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
-        if self.config.runtime.backend == "ray":  # each tier profiles itself in its own process
-            from polyspec.orchestrator.distributed.driver import profile_remote
-
-            profile, _ = profile_remote(self.scheduler, len(context), params, max_length)
-            # a distributed chain runs every tier (its repair loop routes around dead ones)
-            return Tuner(profile, tuning, tree_width=spec.tree_width, distributed=True, pipelined=bool(self.scheduler.pipeline))
-        with self._profiling() as (cache, bar):
-            profile = profile_tiers(self.scheduler.tiers, context, params, max_length, spec.tree_width, spec.verifier, cache=cache, bar=bar,
-                                    log=self.log)
-        return Tuner(profile, tuning, tree_width=spec.tree_width)
 
     @contextlib.contextmanager
     def _profiling(self):

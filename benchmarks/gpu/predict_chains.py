@@ -56,8 +56,8 @@ from polyspec.orchestrator.config import BatchingConfig, TuningConfig, load_conf
 from polyspec.orchestrator.tuning.batch_acceptance import expected_tokens
 from polyspec.orchestrator.tuning.batch_model import BATCH_GRID, WIDTH_GRID, BatchPlanner, ForwardTable, Plan
 from polyspec.orchestrator.tuning.profiler import monotone
-from polyspec.orchestrator.tuning.chain_model import chain_cost, search_lengths
-from polyspec.orchestrator.tuning.time_model import StageSpec, latency
+from polyspec.harness.chain_model import chain_cost, search_lengths
+from polyspec.harness.time_model import StageSpec, latency
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -275,12 +275,9 @@ Observation = RoundObservation | DraftObservation | StepObservation | ShadowObse
 
 @runtime_checkable
 class RoundPlanner(Protocol):
-    """What sets a round's speculation lengths and tiers (the online tuner, the goodput planner):
-    `plan` before each step, `observe` every round, draft and step as it happens. A planner
-    with `one_request` set follows one request's text (the online tuner): it is given steps of
-    one request only."""
+    """What sets a round's speculation lengths and tiers (the goodput planner): `plan` before each
+    step, `observe` every round, draft and step as it happens."""
 
-    one_request: bool
     shadows: bool  # is it told what the lookup tiers left out of a step would have proposed (ShadowObservation)?
 
     def plan(self, step: StepInput) -> tuple[list[int], tuple[int, ...]]:

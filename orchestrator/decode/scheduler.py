@@ -238,8 +238,6 @@ class ChainScheduler:
 
     def step_all(self, states: list[RequestState]) -> list[list[int]]:
         """One target round for every request in `states`; the newly committed tokens of each."""
-        if len(states) > 1 and self.planner is not None and self.planner.one_request:
-            return [self.step_all([state])[0] for state in states]  # a planner that follows one request at a time
         started = time.perf_counter()
         catch_up_s = 0.0
         out: list[list[int]] = [[] for _ in states]

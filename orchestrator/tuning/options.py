@@ -6,25 +6,21 @@ request at a time (generate, chat, bench, batching.enabled: false), embedded, th
 the lengths fixed, or --no-speculation, no planner runs (the lengths are the config's).
 
 A Ray chain runs every tier in every round (its repair loop routes around dead tiers), so the options about
-leaving tiers out mean nothing there, and its round hears no shadow proposals. An option the planner does
-not read, set in the config, is named in one line on stderr when the engine starts (`note`), never ignored
-silently.
+leaving tiers out mean nothing there, and its round hears no shadow proposals. An option set in the config
+that the run does not read (those two on a Ray chain; any, with the lengths fixed) is named in one line on
+stderr when the engine starts (`note`), never ignored silently. (The one-request tuner's options are gone:
+config.parse_tuning names them as removed.)
 """
 
 from __future__ import annotations
 
 GOODPUT = "goodput planner"
 
-_ALL = ("max_length", "retune_every", "hysteresis", "switch_hysteresis", "replan_drift", "decay", "prior_mean",
-        "prior_strength", "allow_bypass", "warmup_rounds", "explore_every", "warmup_optimism", "probe_optimism", "shadow")
+_ALL = ("max_length", "switch_hysteresis", "decay", "prior_mean", "prior_strength", "allow_bypass", "explore_every", "shadow")
 # distributed -> the options the planner reads
 READS = {
-    False: ("max_length", "allow_bypass", "explore_every", "shadow", "decay", "prior_mean", "prior_strength", "switch_hysteresis"),
-    True: ("max_length", "explore_every", "decay", "prior_mean", "prior_strength", "switch_hysteresis"),
-}
-WHY_NOT = {  # why the planner does not read an option: the note's reason
-    False: "it plans every step, with a measured A/B instead of re-tunes, margins and warm-up",
-    True: "it plans every step with a measured A/B, and a Ray chain runs every tier, hearing no shadow proposals",
+    False: _ALL,
+    True: tuple(name for name in _ALL if name not in ("allow_bypass", "shadow")),
 }
 
 
@@ -52,9 +48,8 @@ def note(tuning, planner: str | None, distributed: bool = False) -> str | None:
     unread = [name for name in written if name not in reads]
     if not unread:
         return None
-    where = f"{'a Ray chain' if distributed else 'the chain'} is planned by the {planner}"
-    return (f"tuning: {', '.join(unread)} set, but {where}, which does not read {'it' if len(unread) == 1 else 'them'} "
-            f"({WHY_NOT[distributed]}); it reads {', '.join(reads)}")
+    return (f"tuning: {', '.join(unread)} set, but a Ray chain runs every tier in every round, hearing no shadow "
+            f"proposals, so the {planner} does not read {'it' if len(unread) == 1 else 'them'} there; it reads {', '.join(reads)}")
 
 
 def goodput_options(tuning, distributed: bool = False) -> dict:

@@ -84,7 +84,6 @@ class Pinned:
 
     fixed: Plan
     planner: BatchPlanner
-    one_request = False
     shadows = False
     predicted_tokens_per_s = None
 

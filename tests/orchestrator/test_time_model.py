@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from polyspec.orchestrator.tuning.time_model import StageSpec, accepted_pmf, expected_emitted, first_passage, latency
-from polyspec.orchestrator.tuning.chain_model import chain_cost, first_round_ms, generation_ms, round_models, local_search, search_lengths
+from polyspec.harness.time_model import StageSpec, accepted_pmf, expected_emitted, first_passage, latency
+from polyspec.harness.chain_model import chain_cost, first_round_ms, generation_ms, round_models, local_search, search_lengths
 from time_model_reference import best_stage_cost, cost_per_token, expected_emitted_scalar, ideal_bottom_up, ideal_cost_per_token, tier_pays_off, tree_accept_rates
 
 TARGET_MS = {m: 10.0 + m for m in range(1, 40)}  # t_0(m) = 10 + m
@@ -166,7 +166,7 @@ def test_tree_rates_and_cost():
 def hard_bet(monkeypatch):
     """The runtime's bet as a hard switch at AHEAD_THRESHOLD (the formulas by hand below);
     `ahead_share` smooths it (test_the_bet_is_mixed_near_the_threshold)."""
-    from polyspec.orchestrator.tuning import time_model
+    from polyspec.harness import time_model
 
     monkeypatch.setattr(time_model, "ahead_share", lambda whole: 1.0 if whole >= time_model.AHEAD_THRESHOLD else 0.0)
 
@@ -174,7 +174,7 @@ def hard_bet(monkeypatch):
 def test_the_bet_is_mixed_near_the_threshold():
     """The runtime drafts ahead while an EMA (0.2) of whole blocks is >= 0.5: near the
     threshold it flips back and forth, and the round is the mixture of the two regimes."""
-    from polyspec.orchestrator.tuning.time_model import AHEAD_SMOOTHING, ahead_share, round_model
+    from polyspec.harness.time_model import AHEAD_SMOOTHING, ahead_share, round_model
     from time_model_reference import pipelined_round_model
 
     assert ahead_share(0.5) == pytest.approx(0.5)
@@ -332,7 +332,7 @@ def test_expected_max_and_a_jittery_pipelined_round():
     """E[max(A, B)] of two normal times (Clark): equal means sd s each -> mean + s / sqrt(pi);
     far apart -> the larger mean; never below max of the means. A pipelined round accepted whole
     waits for the later of forward and block, so jitter costs most when the two are close."""
-    from polyspec.orchestrator.tuning.time_model import expected_max
+    from polyspec.harness.time_model import expected_max
 
     assert expected_max(10.0, 2.0, 10.0, 2.0) == pytest.approx(10.0 + 2.0 / math.sqrt(math.pi))
     assert expected_max(10.0, 1.0, 30.0, 1.0) == pytest.approx(30.0)

@@ -25,29 +25,23 @@ def goodput(section: dict, distributed: bool = False) -> BatchPlanner:
 
 def test_every_option_is_in_the_audit():
     fields = {f.name for f in dataclasses.fields(TuningConfig)} - {"given"}
-    assert set(options._ALL) == fields
-    for reads in options.READS.values():
-        assert set(reads) <= fields
-    assert options.note(tuning({name: getattr(TuningConfig(), name) for name in options.READS[False]}), options.GOODPUT) is None
+    assert set(options._ALL) == fields == set(options.READS[False])
+    assert set(options.READS[True]) == fields - {"allow_bypass", "shadow"}
+    assert options.note(tuning({name: getattr(TuningConfig(), name) for name in fields}), options.GOODPUT) is None
 
 
 def test_an_option_written_at_its_default_counts_as_set():
     written = tuning({"decay": 0.93, "max_length": 6})
     assert written == dataclasses.replace(TuningConfig(), max_length=6)  # (what was written is not compared)
     assert options.set_options(written) == ["max_length", "decay"]
-    assert options.set_options(TuningConfig(hysteresis=0.1)) == ["hysteresis"]  # built in code: what differs
-
-
-def test_the_options_the_goodput_planner_does_not_read_are_named_in_one_line():
-    line = options.note(tuning({"hysteresis": 0.1, "warmup_rounds": 2, "decay": 0.9, "max_length": 6}), options.GOODPUT)
-    assert line.startswith("tuning: hysteresis, warmup_rounds set, but the chain is planned by the goodput planner")
-    assert "\n" not in line and "it reads max_length, allow_bypass, explore_every, shadow, decay" in line
-    assert options.note(tuning({"decay": 0.9, "prior_mean": 0.5, "switch_hysteresis": 0.3}), options.GOODPUT) is None
+    assert options.set_options(TuningConfig(explore_every=8)) == ["explore_every"]  # built in code: what differs
 
 
 def test_a_ray_chain_names_the_options_about_tiers_left_out():
     line = options.note(tuning({"allow_bypass": True, "shadow": False, "decay": 0.9}), options.GOODPUT, distributed=True)
-    assert line.startswith("tuning: allow_bypass, shadow set, but a Ray chain is planned by the goodput planner")
+    assert line.startswith("tuning: allow_bypass, shadow set, but a Ray chain runs every tier in every round")
+    assert "\n" not in line and line.endswith("it reads max_length, switch_hysteresis, decay, prior_mean, prior_strength, explore_every")
+    assert options.note(tuning({"allow_bypass": True, "decay": 0.9}), options.GOODPUT) is None
     assert not options.goodput_options(tuning({"allow_bypass": True}), distributed=True)["allow_bypass"]
 
 
@@ -98,10 +92,13 @@ def test_validate_names_what_the_planner_would_not_read(tmp_path, capsys):
     from polyspec.orchestrator.cli import main
 
     config = tmp_path / "chain.yaml"
+    config.write_text(yaml.safe_dump({"tiers": TIERS, "speculation": {"lengths": "auto"}, "tuning": {"explore_every": 8}}))
+    assert main(["validate", "-c", str(config), "--no-model-check"]) == 0
+    assert "note:" not in capsys.readouterr().out
+    config.write_text(yaml.safe_dump({"tiers": TIERS, "speculation": {"lengths": [2, 2]}, "tuning": {"explore_every": 8}}))
+    assert main(["validate", "-c", str(config), "--no-model-check"]) == 0
+    assert "note: tuning: explore_every set, but no planner runs" in capsys.readouterr().out
     config.write_text(yaml.safe_dump({"tiers": TIERS, "speculation": {"lengths": "auto"}, "tuning": {"hysteresis": 0.1}}))
-    assert main(["validate", "-c", str(config), "--no-model-check"]) == 0
-    out = capsys.readouterr().out
-    assert "note: tuning: hysteresis set, but the chain is planned by the goodput planner" in out
-    config.write_text(yaml.safe_dump({"tiers": TIERS, "speculation": {"lengths": [2, 2]}, "tuning": {"hysteresis": 0.1}}))
-    assert main(["validate", "-c", str(config), "--no-model-check"]) == 0
-    assert "note: tuning: hysteresis set, but no planner runs" in capsys.readouterr().out
+    assert main(["validate", "-c", str(config), "--no-model-check"]) == 2
+    err = capsys.readouterr().err
+    assert "config key 'tuning.hysteresis' was removed" in err and err.count("\n") == 1

@@ -14,7 +14,7 @@ import itertools
 import math
 from typing import Sequence
 
-from polyspec.orchestrator.tuning.time_model import LatencyTable, RoundModel, StageSpec, block_for, round_from_shape, round_model, round_shape
+from polyspec.harness.time_model import LatencyTable, RoundModel, StageSpec, block_for, round_from_shape, round_model, round_shape
 
 
 def round_models(

@@ -1,4 +1,7 @@
-"""The optimal-inference-time model, one stage at a time: pure functions on numbers.
+"""The serial time model, one stage at a time: pure functions on numbers.
+
+No planner reads it (the goodput planner has its own, polyspec.orchestrator.tuning.batch_model): realbench
+prices its chains with it (real_report), and benchmarks/gpu/predict_chains beside the planner's.
 
 Units: every time is in milliseconds; acceptance rates are probabilities. No I/O.
 
@@ -37,6 +40,8 @@ import dataclasses
 import functools
 import math
 from typing import Mapping, Sequence
+
+from polyspec.orchestrator.distributed.worker import AHEAD_SMOOTHING, AHEAD_THRESHOLD  # the tier worker's bet
 
 LatencyTable = Mapping[int, float]  # m new tokens (or k drafted tokens) -> ms
 
@@ -359,8 +364,6 @@ def expected_max(mean_a: float, sd_a: float, mean_b: float, sd_b: float) -> floa
     return mean_a * cdf + mean_b * (1.0 - cdf) + theta * pdf
 
 
-AHEAD_THRESHOLD = 0.5  # a drafter drafts past its block while at least this share of its blocks is accepted whole
-AHEAD_SMOOTHING = 0.2  # ... measured as an EMA of whole / not whole with this smoothing (the tier worker's bet, polyspec.orchestrator.distributed.worker)
 
 
 def whole_probability(rates: tuple[float, ...], block_pmf: Sequence[float]) -> float:
