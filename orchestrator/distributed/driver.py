@@ -232,7 +232,7 @@ class DistributedChain:
         reply, wall = self._call_target("VerifyBatch", tier_pb2.VerifyBatchRequest(requests=requests))
         if len(reply.replies) != len(live):
             raise RuntimeError(f"tier {self.tiers[0].name!r}: VerifyBatch answered {len(reply.replies)} of {len(live)} requests")
-        heard, first = [], tuple(state.run.rounds == 0 for state in running)
+        heard = []
         for i, state, one in zip(live, running, reply.replies):
             if planner is not None:
                 heard += round_observations(one.stages, state.params, len(state.committed), state.seq_id)
@@ -245,14 +245,13 @@ class DistributedChain:
         self.last_step = {"batch": len(live), "tokens": sum(map(len, committed)), "seconds": seconds, "tiers": list(active),
                           "lengths": list(lengths)}
         if planner is not None:
-            heard.append(StepObservation(committed, seconds, tuple(lengths), tuple(active), first=first))
+            heard.append(StepObservation(committed, seconds, tuple(lengths), tuple(active)))
             self._hear(planner, heard)
         return out
 
     def _step_input(self, states: list[RequestState]) -> StepInput:
         return StepInput(tuple(state.params for state in states), tuple(len(state.committed) for state in states),
-                         remaining=tuple(min(remaining(state), state.limit - len(state.committed)) for state in states),
-                         first=tuple(state.run.rounds == 0 for state in states))
+                         remaining=tuple(min(remaining(state), state.limit - len(state.committed)) for state in states))
 
     def _plan(self, states: list[RequestState]) -> tuple[list[int], tuple[int, ...], float | None]:
         """The step's lengths and tiers: the planner's, else the chain's own; and the planner's predicted

@@ -264,7 +264,7 @@ class TierWorker:
             seq = self._sequences.get(header.seq_id)
             if seq is None:
                 seq = self._sequences[header.seq_id] = _Sequence(self, header)
-            else:  # lengths may move between rounds (a tuner)
+            else:  # lengths may move between rounds (a planner)
                 del seq.header.lengths[:]
                 seq.header.lengths.extend(header.lengths)
             return seq
@@ -337,7 +337,7 @@ class TierWorker:
                                    degraded=seq.degraded, continues=continues)
 
     def _report_draft(self, seq: _Sequence, need: int, proposed: int) -> None:
-        """As the bottom of the chain: how long this proposal took (the tuner's draft_ms)."""
+        """As the bottom of the chain: how long this proposal took (a stage report's seconds)."""
         if self.lower is None:
             seq.reports.append(tier_pb2.StageReport(tier=self.index, drafter=self.index, length=need, proposed=proposed,
                                                     seconds=model_seconds()))

@@ -154,7 +154,7 @@ class StageSpec:
     # drafted ahead (D). A round accepted whole waits for the later of the two, and the mean
     # of a maximum exceeds the maximum of the means, most when t + o and D are close.
     jitter_cv: float = 0.0
-    # accept_rates are per position of the text (the tuner's estimates, `renewal_rates`): a
+    # accept_rates are per position of the text (`renewal_rates` converts them): a
     # round asking for k tokens sees `at_length(k)`'s rates
     per_text_position: bool = False
     # pipelined, the target's stage only: a request's first round scores the prompt too, so its
@@ -241,33 +241,6 @@ def contended_block_ms(block_ms: float, forward_ms: float, slowdown: float) -> f
     if block_ms * slowdown <= forward_ms:
         return block_ms * slowdown
     return block_ms + forward_ms * (1.0 - 1.0 / slowdown)
-
-
-def fit_slowdown(samples: Sequence[tuple[float, float, float, float]], start: float = 1.0) -> float:
-    """The slow-down s whose `contended_block_ms` matches blocks drafted ahead on (weighted)
-    average: samples (weight, measured_ms, block_ms, forward_ms), sum w (contended(s) - measured)
-    = 0 by Newton steps from `start` (the sum rises with s), clamped to 1/3..3. Averaging each
-    block's own inverse of `contended_block_ms` instead was biased and noisy (s = 1 / (1 - excess / forward)
-    is convex in a block's excess time; on the Ray demo chain at T = 1 an EMA of it read 1.04 to
-    1.81 within one run, the blocks' mean excess 1.2-1.3)."""
-    s = min(max(start, 1.0 / 3), 3.0)
-    for _ in range(6):
-        gap = slope = 0.0
-        shared, squared = 1.0 - 1.0 / s, s * s  # (contended_block_ms inlined: it runs ~400 times a fit)
-        for weight, measured_ms, block_ms, forward_ms in samples:
-            if block_ms * s <= forward_ms:
-                gap += weight * (block_ms * s - measured_ms)
-                slope += weight * block_ms
-            else:
-                gap += weight * (block_ms + forward_ms * shared - measured_ms)
-                slope += weight * (forward_ms / squared)
-        if slope <= 1e-12:
-            break
-        step = gap / slope
-        s = min(max(s - step, 1.0 / 3), 3.0)
-        if abs(step) < 1e-4:
-            break
-    return s
 
 
 def block_from_below(below: RoundModel | None, draft_ms: LatencyTable, need: int) -> tuple[list[float], float]:
