@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     parser.add_argument("--concurrency", default="1,4,16")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--temperatures", default="0")
-    parser.add_argument("--lengths", default="5,2", help="fixed speculation lengths (the runtime's per-request tuner is not batch-aware)")
+    parser.add_argument("--lengths", default="5,2", help="fixed speculation lengths (the same for every arm: the planner is left out)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "ray-load"))
     args = parser.parse_args(argv)
     from polyspec.harness.bench_prompts import code_prompts

@@ -38,7 +38,7 @@ def add_chain_flags(parser: argparse.ArgumentParser) -> None:
                        help="torch threads of every model tier, or auto (overrides the config)")
     group.add_argument("--device", default=None, help="every model tier's device: cpu, cuda, cuda:1, auto (overrides the config)")
     group.add_argument("--lengths", default=None, metavar="auto|K[,K...]",
-                       help="speculation lengths, one per verifying tier, or auto (the tuner; overrides the config)")
+                       help="speculation lengths, one per verifying tier, or auto (the goodput planner; overrides the config)")
     group.add_argument("--reprofile", action="store_true",
                        help="lengths: auto: measure the tiers again instead of reusing this machine's cached profile")
 

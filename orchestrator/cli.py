@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--seed", type=int, default=0)
     tune.add_argument("--repeats", type=int, default=1, help="passes over every plan (median reported)")
     tune.add_argument("--heldout-prompts", type=int, default=16, help="held-out prompts (evenly spaced through those the tuning set left over)")
-    tune.add_argument("--heldout-repeats", type=int, default=7, help="passes of the held-out comparison: best grid point vs lengths: auto (fresh and warm tuner)")
+    tune.add_argument("--heldout-repeats", type=int, default=7, help="passes of the held-out comparison: best grid point vs lengths: auto (fresh and warm planner)")
     tune.add_argument("--json", action="store_true", help="print the report as JSON")
 
     bench = sub.add_parser("bench", help="polyspec side by side with transformers generate / assisted / prompt lookup")

@@ -9,7 +9,7 @@
     runtime: {backend: local}
     server: {host: 127.0.0.1, port: 50051}
     batching: {enabled: true, max_requests: 64, max_batched_tokens: 2048, kv_memory_mb: null, round: auto, max_context: null}
-    tuning: {max_length: 8, hysteresis: 0.03}   # optional: the online tuner's knobs (lengths: auto)
+    tuning: {max_length: 8, explore_every: 64}   # optional: the goodput planner's knobs (lengths: auto)
     approximate: {mode: bild, rollback_threshold: 2.0}  # optional, NOT lossless: docs/approximate.md (default exact)
 
 Every mistake is a `ConfigError` with one line that names the offending key.
@@ -63,7 +63,7 @@ class TierConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SpeculationConfig:
-    lengths: tuple[int, ...] | str = "default"  # one per verifying tier, or "auto" (tuner)
+    lengths: tuple[int, ...] | str = "default"  # one per verifying tier, or "auto" (the goodput planner)
     tree_width: int = 1
     verifier: str = "specinfer"
 
@@ -109,46 +109,35 @@ class BatchingConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TuningConfig:
-    """The planners' knobs (`speculation.lengths: auto`): the one-request tuner (polyspec.orchestrator.tuning.tuner)
-    reads them all; the goodput planner of batched steps some (polyspec.orchestrator.tuning.options says which).
-    The defaults suit any chain; docs/time-model.md explains each."""
+    """The goodput planner's knobs (`speculation.lengths: auto`; polyspec.orchestrator.tuning.options says which
+    it reads on which path). The defaults suit any chain; docs/time-model.md explains each."""
 
-    max_length: int = 8  # the longest speculation length the searches consider
-    retune_every: int = 4  # target rounds between routine re-tunes (as the re-tune budget allows)
-    hysteresis: float = 0.03  # predicted gain new lengths on the same tiers need before the tuner switches
-    switch_hysteresis: float = 0.2  # predicted gain another set of tiers needs (a returning tier re-feeds what it missed)
-    replan_drift: float = 0.1  # once the plan's predicted time has drifted this far, new lengths need no margin
-    decay: float = 0.93  # what acceptance counts keep per target round (1.0: plain counts, no forgetting)
-    prior_mean: float = 0.6  # prior acceptance of position 1 of a block ...
-    prior_strength: float = 2.0  # ... and its weight, in tokens
-    allow_bypass: bool = True  # the tuner may leave tiers out of the chain when that is predicted faster
-    warmup_rounds: int = 8  # a request class's first target rounds: re-tune every round, optimistic acceptance
-    explore_every: int = 64  # while bypassing: the most target rounds between probes of all tiers (0: never)
-    warmup_optimism: float = 1.0  # warm-up searches see acceptance this many posterior sd above the mean
-    probe_optimism: float = 1.0  # the probe schedule sees unrun pairs' acceptance this many sd above the mean
-    shadow: bool = True  # estimate skipped pairs from the committed tokens (polyspec tune measures them directly)
-    # the options the config file wrote (set by parsing): a planner with defaults of its own reads only those
-    # (polyspec.orchestrator.tuning.options: which planner reads which option, on which path)
+    max_length: int = 8  # the longest speculation length a plan asks for
+    switch_hysteresis: float = 0.2  # speculation is switched on at (1 + this) times off's measured tokens/s (set: read)
+    decay: float = 0.93  # what a pair's acceptance counts keep per round (set: read; the planner's own default otherwise)
+    prior_mean: float = 0.6  # prior acceptance of a drafter (set: read) ...
+    prior_strength: float = 2.0  # ... and its weight, in tokens (set: read)
+    allow_bypass: bool = True  # plans may leave tiers out of the chain
+    explore_every: int = 64  # the most probes' times between re-probes of the side of the A/B not taken (0: never)
+    shadow: bool = True  # hear what the lookup tiers a step leaves out would have proposed
+    # the options the config file wrote (set by parsing): the planner reads some only where written
+    # (polyspec.orchestrator.tuning.options: which option it reads, on which path)
     given: frozenset = dataclasses.field(default=frozenset(), compare=False)
 
 
 # key -> (kind, lowest, highest, whether the lowest value itself is allowed): the checks of each tuning knob
 _TUNING_RANGES = {
     "max_length": (int, 1, None, True),
-    "retune_every": (int, 1, None, True),
-    "hysteresis": (float, 0.0, 1.0, True),
     "switch_hysteresis": (float, 0.0, 1.0, True),
-    "replan_drift": (float, 0.0, None, False),
     "decay": (float, 0.0, 1.0, False),
     "prior_mean": (float, 0.0, 1.0, False),
     "prior_strength": (float, 0.0, None, False),
     "allow_bypass": (bool, None, None, True),
-    "warmup_rounds": (int, 0, None, True),
     "explore_every": (int, 0, None, True),
-    "warmup_optimism": (float, 0.0, None, True),
-    "probe_optimism": (float, 0.0, None, True),
     "shadow": (bool, None, None, True),
 }
+# options of the one-request tuner, which is gone: named as removed, not as unknown
+_REMOVED_TUNING = ("retune_every", "hysteresis", "replan_drift", "warmup_rounds", "warmup_optimism", "probe_optimism")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +154,7 @@ class ChainConfig:
     source: str | None = None  # the file it was read from
 
     def speculation_lengths(self) -> list[int]:
-        """Fixed lengths, one per verifying tier (the tuner replaces them when 'auto')."""
+        """Fixed lengths, one per verifying tier (the planner replaces them when 'auto')."""
         lengths = self.speculation.lengths
         if isinstance(lengths, str):
             return [DEFAULT_SPECULATION_LENGTH] * (len(self.tiers) - 1)
@@ -334,6 +323,10 @@ def parse_lengths(raw: Any, num_tiers: int):
 
 def parse_tuning(raw: Any) -> TuningConfig:
     """The `tuning:` section: every knob typed and in range, or a ConfigError naming it."""
+    removed = sorted(set(raw) & set(_REMOVED_TUNING)) if isinstance(raw, dict) else []
+    if removed:
+        raise ConfigError(f"config key 'tuning.{removed[0]}' was removed: it tuned the one-request tuner, and the goodput "
+                          f"planner now plans every path (known keys: {', '.join(sorted(_TUNING_RANGES))})")
     values = _check_keys("tuning", raw, TuningConfig, internal=("given",))
     for key, value in values.items():
         kind, low, high, low_ok = _TUNING_RANGES[key]

@@ -43,7 +43,6 @@ from polyspec.workers.core.heartbeat import heartbeat
 from polyspec.workers.tiers.loading import load_tiers, quiet_transformers
 from polyspec.workers.core.sampling import SamplingParams
 
-PROFILE_CONTEXT_TOKENS = 128  # committed tokens when the start-up profile has no real prompt
 PROFILE_MAX_BATCH = 16  # the batched profile stops here; larger batches are extrapolated in proportion to their rows
 SEED_LIMIT = 1 << 63  # seeds are in [0, 2^63): an int64 on the wire, every bit used
 MAX_TEMPERATURE = 1000.0  # far past uniform sampling; larger (or inf) is a mistake
@@ -122,7 +121,7 @@ class Engine:
     def __init__(self, config: ChainConfig, speculative: bool = True, auto_tune: bool = True, batched: bool = False,
                  log: Callable[[str], None] | None = None, cache_profiles: bool = False, reprofile: bool = False,
                  reuse_prefix: bool = False) -> None:
-        """`auto_tune`: with `speculation.lengths: auto`, profile the tiers and let the tuner set the lengths.
+        """`auto_tune`: with `speculation.lengths: auto`, profile the tiers and let the goodput planner set the lengths.
         `batched`: step many requests per forward (`polyspec batch`, jobs, `serve`), where the config allows it
         (`batching.enabled`, a local chain); otherwise requests take turns, one round each.
         `log(line)`: start-up progress (each tier as it loads, then the profile, with a progress bar on a
@@ -144,7 +143,7 @@ class Engine:
         self._grammars_lock = threading.Lock()
         self.config = config if speculative else config.target_only()
         keep_finished = 1 if reuse_prefix else 0
-        self._note_tuning(config, speculative, auto_tune, batched)
+        self._note_tuning(config, speculative, auto_tune)
         if config.runtime.backend == "ray":
             self._start_ray(auto_tune, batched, keep_finished)
             self.load_s = time.perf_counter() - started
@@ -165,15 +164,14 @@ class Engine:
         self._start(eos, auto_tune, keep_finished)
 
     @staticmethod
-    def _note_tuning(config: ChainConfig, speculative: bool, auto_tune: bool, batched: bool) -> None:
+    def _note_tuning(config: ChainConfig, speculative: bool, auto_tune: bool) -> None:
         """Name on stderr, in one line, the `tuning:` options set that the planner this run will have does not read
-        (polyspec.orchestrator.tuning.options); `auto_tune` off (polyspec tune builds its own tuners): nothing to say."""
+        (polyspec.orchestrator.tuning.options); `auto_tune` off (polyspec tune builds its own planners): nothing to say."""
         from polyspec.orchestrator.tuning import options
 
         if not auto_tune:
             return
-        planner = options.planner_of(config.speculation.lengths == "auto", speculative, batched and config.batching.enabled,
-                                     len(config.tiers))
+        planner = options.planner_of(config.speculation.lengths == "auto", speculative, len(config.tiers))
         line = options.note(config.tuning, planner, distributed=config.runtime.backend == "ray")
         if line:
             print(f"polyspec: {line}", file=sys.stderr, flush=True)
@@ -210,7 +208,7 @@ class Engine:
                                         tree_width=spec.tree_width, scheme=spec.verifier, keep_finished=keep_finished,
                                         scorer=self._scorer(tiers[0].model))
         if auto_tune and spec.lengths == "auto" and len(self.tiers) > 1:
-            self.scheduler.planner = self.make_planner() if self.batched else self.make_tuner()
+            self.scheduler.planner = self.make_planner()
 
     def _scorer(self, forward):
         """Where SpecReason's scores run: the target's `forward` (its BatchedLlama) on a pool of its own (allocated at its first score), so
@@ -222,7 +220,8 @@ class Engine:
 
     def make_planner(self):
         """Profile each tier's batched forward (a few seconds) and build the goodput planner, with the
-        `tuning:` options it reads (`options.goodput_options`; the others, set, were named at start-up)."""
+        `tuning:` options it reads (`options.goodput_options`; the others, set, were named at start-up).
+        One request at a time is a load of one: the profile stops at a batch of one, and each round is a step of one."""
         from polyspec.orchestrator.tuning.batch_model import BatchPlanner
         from polyspec.orchestrator.tuning.options import goodput_options
 
@@ -273,37 +272,12 @@ class Engine:
             if not all(view.up for view in self.tiers):  # each tier profiles itself: one left out at start-up cannot
                 print(f"polyspec: speculation.lengths: auto: not every tier is up, so the chain runs lengths "
                       f"{self.scheduler.lengths} untuned", file=sys.stderr, flush=True)
-            else:  # batched steps: the goodput planner (lengths for the load, speculation off included); else the tuner
-                self.scheduler.planner = self.make_planner() if self.batched else self.make_tuner()
+            else:  # the goodput planner (lengths for the load, speculation off included), batched or one request at a time
+                self.scheduler.planner = self.make_planner()
 
     def close(self) -> None:
         """Stop the chain's actors (ray backend); nothing to do embedded."""
         self.scheduler.close()
-
-    def make_tuner(self, context: list[int] | None = None, **knobs):
-        """Profile every tier (a few seconds) and build the online tuner (polyspec.orchestrator.tuning.tuner)
-        with the config's `tuning:` knobs, `knobs` overriding single ones (`max_length=6`)."""
-        from polyspec.orchestrator.tuning.profiler import profile_tiers, synthetic_context
-        from polyspec.orchestrator.tuning.tuner import Tuner
-
-        spec = self.config.speculation
-        tuning = dataclasses.replace(self.config.tuning, **knobs)
-        max_length = tuning.max_length
-        if context is None:
-            room = (self.scheduler.max_context or 1 << 30) - 2 * spec.tree_width * max_length - 4
-            context = synthetic_context(self.vocab_size, max(2, min(PROFILE_CONTEXT_TOKENS, room)))
-        sampling = self.config.sampling
-        params = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
-        if self.config.runtime.backend == "ray":  # each tier profiles itself in its own process
-            from polyspec.orchestrator.distributed.driver import profile_remote
-
-            profile, _ = profile_remote(self.scheduler, len(context), params, max_length)
-            # a distributed chain runs every tier (its repair loop routes around dead ones)
-            return Tuner(profile, tuning, tree_width=spec.tree_width, distributed=True, pipelined=bool(self.scheduler.pipeline))
-        with self._profiling() as (cache, bar):
-            profile = profile_tiers(self.scheduler.tiers, context, params, max_length, spec.tree_width, spec.verifier, cache=cache, bar=bar,
-                                    log=self.log)
-        return Tuner(profile, tuning, tree_width=spec.tree_width)
 
     @contextlib.contextmanager
     def _profiling(self):

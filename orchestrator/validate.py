@@ -382,16 +382,12 @@ def _count(params: int) -> str:
 
 
 def tuning_lines(config: ChainConfig) -> list[str]:
-    """The `tuning:` options set that the planner of each path would not read (what the engine names at start-up)."""
+    """The `tuning:` options set that the planner would not read (what the engine names at start-up)."""
     from polyspec.orchestrator.tuning import options
 
-    notes: dict[str, list[str]] = {}  # note -> the paths it holds for
-    for batched, path in ((False, "one request at a time"), (True, "batched steps: batch, jobs, serve")):
-        planner = options.planner_of(config.speculation.lengths == "auto", True, batched and config.batching.enabled, len(config.tiers))
-        note = options.note(config.tuning, planner, distributed=config.runtime.backend == "ray")
-        if note:
-            notes.setdefault(note, []).append(path)
-    return [f"note ({'; '.join(paths)}): {note}" for note, paths in notes.items()]
+    planner = options.planner_of(config.speculation.lengths == "auto", True, len(config.tiers))
+    note = options.note(config.tuning, planner, distributed=config.runtime.backend == "ray")
+    return [f"note: {note}"] if note else []
 
 
 def format_plan(config: ChainConfig, placements: list[TierPlacement], cluster_names: list[str]) -> str:

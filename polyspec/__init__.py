@@ -5,7 +5,7 @@ The package is layered; each layer imports only the layers below it:
     polyspec.workers.core          verification rules, draft trees, sampling, KV bookkeeping (pure math)
     polyspec.workers.tiers         the models of a chain behind the `Tier` interface, and their loading
     polyspec.orchestrator.decode   the chain scheduler and its public round API
-    polyspec.orchestrator.tuning   the time model, latency profiles and the online tuner
+    polyspec.orchestrator.tuning   the goodput planner, its start-up profiles and options
     polyspec.orchestrator.distributed  tier workers, the tier-to-tier transport, the Ray runtime
     polyspec.orchestrator.engine   one configured chain: requests in, results out
     polyspec.orchestrator.serving  the gRPC server, its request loop, jobs, metrics, HTTP

@@ -5,7 +5,7 @@ Layers, lowest first (a module may import its own layer and the ones below it):
 
     core math and wire format (workers/core, protos, the SDK client)
     <- tiers (workers/tiers) <- the config, tokenization <- decode (the decoder contract, the schedulers)
-    <- tuning (time model, profiler, tuner) <- distributed (worker, transport, driver, Ray)
+    <- tuning (goodput planner, profiler) <- distributed (worker, transport, driver, Ray)
     <- engine, the batch runner <- serving (server, request loop, jobs, metrics, HTTP), validate
     <- harness (bench, tune, zoo) <- the `polyspec` command (cli.py, __main__)
 
@@ -180,7 +180,7 @@ def check_at(root: Path, modules: dict[str, Path]) -> list[str]:
 
 
 @pytest.mark.parametrize("module, layer", [("polyspec.orchestrator.decode.contract", 3),
-                                           ("polyspec.orchestrator.tuning.tuner", 4),
+                                           ("polyspec.orchestrator.tuning.batch_model", 4),
                                            ("polyspec.harness.tune", 8)])
 def test_layer_of(module, layer):
     assert layer_of(module) == layer

@@ -1,7 +1,7 @@
 """Reference forms of the time model that only the tests use.
 
 The textbook form of the cost, C_i = (t_i(k_i+1) + k_i C_{i+1}) / E_i(k_i), with every block
-exactly k tokens: the scheduler's model (polyspec.orchestrator.tuning.time_model /
+exactly k tokens: the scheduler's model (polyspec.harness.time_model /
 chain_model) must reproduce it where the two coincide (one stage, a drafter's own table).
 And small inverses and wrappers of the model's functions that the tests check it with.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from polyspec.orchestrator.tuning.chain_model import round_models
-from polyspec.orchestrator.tuning.time_model import (
+from polyspec.harness.chain_model import round_models
+from polyspec.harness.time_model import (
     AHEAD_THRESHOLD,
     LatencyTable,
     RoundModel,

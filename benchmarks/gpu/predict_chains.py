@@ -56,13 +56,13 @@ from polyspec.orchestrator.config import BatchingConfig, TuningConfig, load_conf
 from polyspec.orchestrator.tuning.batch_acceptance import expected_tokens
 from polyspec.orchestrator.tuning.batch_model import BATCH_GRID, WIDTH_GRID, BatchPlanner, ForwardTable, Plan
 from polyspec.orchestrator.tuning.profiler import monotone
-from polyspec.orchestrator.tuning.chain_model import chain_cost, search_lengths
-from polyspec.orchestrator.tuning.time_model import StageSpec, latency
+from polyspec.harness.chain_model import chain_cost, search_lengths
+from polyspec.harness.time_model import StageSpec, latency
 
 REPO = Path(__file__).resolve().parents[2]
 
 BATCHES = (1, 16, 64)
-MAX_LENGTH = TuningConfig().max_length  # the tuner's longest length: the full searches' range
+MAX_LENGTH = TuningConfig().max_length  # the config's longest length: the full searches' range
 STAGE_WIDTHS = 4 * MAX_LENGTH + 2  # forward widths a stage's latency table lists (a middle tier's overshoot included)
 ASSUMED_RATE = 0.75  # FACTS.md: greedy agreement, 0.5B drafter vs 1.5B target, 5 prompts (the issue's figure)
 EVIDENCE_TOKENS = 1e9  # tokens of evidence given to the planner's acceptance estimator: its prior no longer counts

@@ -107,7 +107,7 @@ class RequestState:
     tier_busy_s: list[float]  # model time spent on this request, per tier (where the decoder can tell)
     new_tokens: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None  # set once done
-    plans: list[dict] = dataclasses.field(default_factory=list)  # with a tuner: lengths / tiers each time they changed
+    plans: list[dict] = dataclasses.field(default_factory=list)  # with a planner: lengths / tiers each time they changed
     started: float = dataclasses.field(default_factory=time.perf_counter)
     first_commit_at: float | None = None  # when its first tokens were committed (Engine: prefill vs decode time)
     request: object = None  # the caller's request object, carried along (Engine keeps its GenerationRequest here)
@@ -173,15 +173,13 @@ class StepInput:
     """What a planner sees before a step: the live requests' sampling parameters and context
     lengths (target first in every list), per drafting model tier how many context tokens it
     has yet to cache (what switching it on would cost), how many tokens each request may
-    still commit (what a one-time cost such as that catch-up is spread over; empty: unknown),
-    whether this step is each request's first (it feeds the prompt; empty: unknown), and each
-    request's sequence id (what its observations carry; empty: unknown)."""
+    still commit (what a one-time cost such as that catch-up is spread over; empty: unknown), and
+    each request's sequence id (what its observations carry; empty: unknown)."""
 
     params: tuple[SamplingParams, ...]
     context_lens: tuple[int, ...]
     behind: dict[int, int] = dataclasses.field(default_factory=dict)
     remaining: tuple[int, ...] = ()
-    first: tuple[bool, ...] = ()
     seq_ids: tuple = ()
 
     @property
@@ -233,17 +231,13 @@ class StepObservation:
     """A step ended: each live request's committed tokens (in the order of its StepInput), the
     step's wall time, and the lengths / tiers it ran with; `catch_up_s`: the part of the wall time
     spent caching contexts a drafter of the plan was behind on (a price of switching it on, not of
-    the plan's steps); `first`: per request, whether the step was its first (it fed the prompt;
-    empty: unknown); `model_s`: the part of the wall time spent in model forwards on the step's
-    critical path, where the decoder can tell (a distributed chain's workers report it)."""
+    the plan's steps)."""
 
     committed: tuple[tuple[int, ...], ...]
     seconds: float
     lengths: tuple[int, ...]
     active: tuple[int, ...]
     catch_up_s: float = 0.0
-    first: tuple[bool, ...] = ()
-    model_s: float | None = None
 
     @property
     def batch(self) -> int:
@@ -275,12 +269,9 @@ Observation = RoundObservation | DraftObservation | StepObservation | ShadowObse
 
 @runtime_checkable
 class RoundPlanner(Protocol):
-    """What sets a round's speculation lengths and tiers (the online tuner, the goodput planner):
-    `plan` before each step, `observe` every round, draft and step as it happens. A planner
-    with `one_request` set follows one request's text (the online tuner): it is given steps of
-    one request only."""
+    """What sets a round's speculation lengths and tiers (the goodput planner): `plan` before each
+    step, `observe` every round, draft and step as it happens."""
 
-    one_request: bool
     shadows: bool  # is it told what the lookup tiers left out of a step would have proposed (ShadowObservation)?
 
     def plan(self, step: StepInput) -> tuple[list[int], tuple[int, ...]]:

@@ -42,8 +42,8 @@ path (`accept_path`).
 Requests join and leave between steps (continuous batching): `start` opens one, `prefill`
 caches new prompts within a token budget before they join the rounds (chunked prefill),
 `finish` / `cancel` free its slots. The lengths and tiers of a step are the same for every
-request in it; a planner (`contract.RoundPlanner`: the online tuner for one request at a
-time, the goodput planner for batches) sets them before each step and observes every
+request in it; a planner (`contract.RoundPlanner`: the goodput planner, for one request or many)
+sets them before each step and observes every
 round, draft and step (`contract.RoundObservation`, `DraftObservation`, `StepObservation`);
 an optional `recorder` observes them too (a tier worker turns rounds into stage reports).
 
@@ -238,8 +238,6 @@ class ChainScheduler:
 
     def step_all(self, states: list[RequestState]) -> list[list[int]]:
         """One target round for every request in `states`; the newly committed tokens of each."""
-        if len(states) > 1 and self.planner is not None and self.planner.one_request:
-            return [self.step_all([state])[0] for state in states]  # a planner that follows one request at a time
         started = time.perf_counter()
         catch_up_s = 0.0
         out: list[list[int]] = [[] for _ in states]

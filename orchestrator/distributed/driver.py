@@ -23,7 +23,6 @@ import random
 import threading
 import time
 from concurrent import futures
-from typing import Callable
 
 import grpc
 import torch
@@ -117,10 +116,6 @@ class RemoteRun:
     stages: dict[tuple[int, int], StageStats] = dataclasses.field(default_factory=dict)  # (tier, drafter) -> stats
     rounds: int = 0
     overhead_s: float = 0.0  # round trips not spent in model forwards on the critical path
-    # with a planner that follows one request (`_planner_work`): (planner, observations) of the last round,
-    # heard during the next round, and (planner, (lengths, active), predicted tokens/s) of the next round, planned during this one
-    unobserved: tuple | None = None
-    planned: tuple | None = None
 
 
 @dataclasses.dataclass
@@ -131,8 +126,6 @@ class _Target:
 
 
 class DistributedChain:
-    plan_ahead = True  # with a one-request planner: plan the next round while this one is in flight (`_planner_work`)
-
     def __init__(self, membership: Membership, lengths: list[int], *, tree_width: int = 1, scheme: str = "specinfer",
                  eos_token_ids: tuple[int, ...] = (), max_context: int | None = None, pipeline: bool = False,
                  keep_finished: int = 0) -> None:
@@ -148,9 +141,8 @@ class DistributedChain:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_context = max_context
         self.pipeline = pipeline
-        # lengths: auto: a `contract.RoundPlanner` sets every step's lengths from the stage reports the tiers send
-        # up: the online tuner (Tuner, distributed: no bypass) one request at a time, or for batched steps the
-        # goodput planner (BatchPlanner over plans that run every tier or none: Engine.make_planner)
+        # lengths: auto: the goodput planner (BatchPlanner over plans that run every tier or none: Engine.make_planner)
+        # sets every step's lengths from the stage reports the tiers send up
         self.planner = None
         self._planner_lock = threading.Lock()  # steps of concurrent requests plan and report under it
         self.counters = Counters()
@@ -178,26 +170,15 @@ class DistributedChain:
                 self._target = _Target(address, channel, tier_pb2_grpc.TierStub(channel))
             return self._target
 
-    def _call_target(self, method: str, request, timeout: float = VERIFY_TIMEOUT_S, meanwhile: Callable[[], None] | None = None):
-        """Call the target; on a dead target wait for its restart and call again. `meanwhile`:
-        work for this thread while the (first) call is in flight; the reply is then timed from
-        the call to its arrival, not to the end of that work (see `_planner_work`). Returns the reply and
+    def _call_target(self, method: str, request, timeout: float = VERIFY_TIMEOUT_S):
+        """Call the target; on a dead target wait for its restart and call again. Returns the reply and
         the seconds the last call took."""
         while True:
             target = self._stub()
             started = time.perf_counter()
             try:
-                if meanwhile is None:
-                    reply = getattr(target.stub, method)(request, timeout=timeout)
-                    arrived = time.perf_counter()
-                else:
-                    call = getattr(target.stub, method).future(request, timeout=timeout)
-                    arrival: list[float] = []
-                    call.add_done_callback(lambda _: arrival.append(time.perf_counter()))
-                    work, meanwhile = meanwhile, None
-                    work()
-                    reply = call.result()
-                    arrived = arrival[0] if arrival else time.perf_counter()
+                reply = getattr(target.stub, method)(request, timeout=timeout)
+                arrived = time.perf_counter()
                 self.counters.add("grpc", request.ByteSize() + reply.ByteSize())
                 return reply, arrived - started
             except grpc.RpcError as exc:
@@ -245,18 +226,13 @@ class DistributedChain:
         if not live:
             return out
         planner = self.planner
-        if planner is not None and planner.one_request and len(live) > 1:
-            for i in live:  # a planner that follows one request at a time
-                out[i] = self.step_all([states[i]])[0]
-            return out
         running = [states[i] for i in live]
         lengths, active, predicted = self._plan(running)
         requests = [self._round_request(state, lengths) for state in running]
-        reply, wall = self._call_target("VerifyBatch", tier_pb2.VerifyBatchRequest(requests=requests),
-                                        meanwhile=self._planner_work(running, lengths))
+        reply, wall = self._call_target("VerifyBatch", tier_pb2.VerifyBatchRequest(requests=requests))
         if len(reply.replies) != len(live):
             raise RuntimeError(f"tier {self.tiers[0].name!r}: VerifyBatch answered {len(reply.replies)} of {len(live)} requests")
-        heard, first = [], tuple(state.run.rounds == 0 for state in running)
+        heard = []
         for i, state, one in zip(live, running, reply.replies):
             if planner is not None:
                 heard += round_observations(one.stages, state.params, len(state.committed), state.seq_id)
@@ -269,69 +245,27 @@ class DistributedChain:
         self.last_step = {"batch": len(live), "tokens": sum(map(len, committed)), "seconds": seconds, "tiers": list(active),
                           "lengths": list(lengths)}
         if planner is not None:
-            if planner.one_request:  # the call's own time, and the model time in it (the rest: overheads)
-                heard.append(StepObservation(committed, wall, tuple(lengths), tuple(active), first=first, model_s=reply.replies[0].model_s))
-                if not first[0]:  # heard during the next round (`_planner_work`), or by `finish`
-                    running[0].run.unobserved = (planner, heard)
-                    return out
-            else:
-                heard.append(StepObservation(committed, seconds, tuple(lengths), tuple(active), first=first))
-            self._hear((planner, heard))
+            heard.append(StepObservation(committed, seconds, tuple(lengths), tuple(active)))
+            self._hear(planner, heard)
         return out
 
     def _step_input(self, states: list[RequestState]) -> StepInput:
         return StepInput(tuple(state.params for state in states), tuple(len(state.committed) for state in states),
-                         remaining=tuple(min(remaining(state), state.limit - len(state.committed)) for state in states),
-                         first=tuple(state.run.rounds == 0 for state in states))
+                         remaining=tuple(min(remaining(state), state.limit - len(state.committed)) for state in states))
 
     def _plan(self, states: list[RequestState]) -> tuple[list[int], tuple[int, ...], float | None]:
-        """The step's lengths and tiers: the planner's (made while the request's last round was in flight,
-        where it was: `_planner_work`), else the chain's own; and the planner's predicted tokens/s of each
-        request under them (None: no planner, or no prediction)."""
+        """The step's lengths and tiers: the planner's, else the chain's own; and the planner's predicted
+        tokens/s of each request under them (None: no planner)."""
         planner = self.planner
         if planner is None:
             return list(self.lengths), self.active, None
-        planned, states[0].run.planned = states[0].run.planned, None
-        if planned is not None and planned[0] is planner and len(states) == 1:
-            (lengths, active), predicted = planned[1], planned[2]
-        else:
-            with self._planner_lock:
-                lengths, active = planner.plan(self._step_input(states))
-                predicted = getattr(planner, "predicted_tokens_per_s", None)
+        with self._planner_lock:
+            lengths, active = planner.plan(self._step_input(states))
+            predicted = planner.predicted_tokens_per_s
         for state in states:
             note_plan(state.plans, len(state.new_tokens), lengths, [self.tiers[t].name for t in active])
         self.lengths, self.active = list(lengths), tuple(active)  # the plan in use (the server's speculation_length gauge)
         return self.lengths, self.active, predicted
-
-    def _planner_work(self, states: list[RequestState], lengths: list[int]) -> Callable[[], None] | None:
-        """With a planner that follows one request (the online tuner): its work for this thread while
-        the round is in flight, off the critical path.
-
-        The planner hears the request's last round then, and plans its next round (with its re-tunes:
-        about a millisecond of Python a round) when this round cannot end the request. The planner sees
-        the same calls in the same order as when each round is planned at its start: plan n, observe
-        n - 2, plan n + 1, observe n - 1, ... (a plan has not seen the round before it: a one-round lag;
-        its StepInput is the request as it was before this round); a request's first round, whose
-        report restarts the class's estimates, is heard at once (`step_all`)."""
-        planner = self.planner
-        if planner is None or not planner.one_request:
-            return None
-        (state,) = states
-        run: RemoteRun = state.run
-        pending, run.unobserved = run.unobserved, None
-        ahead = (self.plan_ahead and run.rounds > 0 and remaining(state) > lengths[0] + 1
-                 and len(state.committed) + lengths[0] + 1 < state.limit)
-        if not pending and not ahead:
-            return None
-
-        def work() -> None:
-            if pending:
-                self._hear(pending)
-            if ahead:
-                with self._planner_lock:
-                    run.planned = (planner, planner.plan(self._step_input([state])), getattr(planner, "predicted_tokens_per_s", None))
-
-        return work
 
     def _round_request(self, state: RequestState, lengths: list[int]) -> tier_pb2.VerifyRequest:
         """The request's next Verify, with the step's lengths."""
@@ -355,9 +289,8 @@ class DistributedChain:
             self.membership.degraded(reply.degraded_reason)
         return commit(state, list(reply.tokens), self.eos_token_ids)
 
-    def _hear(self, pending: tuple) -> None:
-        """(planner, observations): the planner that planned a round hears it."""
-        planner, observations = pending
+    def _hear(self, planner, observations: list) -> None:
+        """The planner that planned a round hears it."""
         with self._planner_lock:
             for observation in observations:
                 planner.observe(observation)
@@ -375,9 +308,6 @@ class DistributedChain:
 
     def finish(self, state: RequestState) -> GenerationOutput:
         run: RemoteRun = state.run
-        if run.unobserved is not None:  # the last round's report (in the request's time: its caller waits for it)
-            pending, run.unobserved = run.unobserved, None
-            self._hear(pending)
         if self.kept.put(state.seq_id, state.committed):
             self._release(state.seq_id, keep_caches=True)
         extra = {"rounds": run.rounds, "overhead_s": round(run.overhead_s, 6)}
@@ -493,33 +423,6 @@ def _profile(view: TierView, request: tier_pb2.ProfileRequest) -> tier_pb2.Profi
             return tier_pb2_grpc.TierStub(channel).Profile(request, timeout=VERIFY_TIMEOUT_S)
         except grpc.RpcError as exc:
             raise TierUnavailableError(view.name, f"Profile: {exc.details() or exc.code().name.lower()}") from None
-
-
-def profile_remote(chain: DistributedChain, context_len: int, params: SamplingParams, max_length: int,
-                   repeats: int = 5, prefill_lens: list[int] | tuple[int, ...] = ()):
-    """Each tier's latency profile measured in its own process (the Profile RPC), one tier at
-    a time, as `polyspec.orchestrator.tuning.profiler.profile_tiers` measures an embedded chain. Returns
-    (LatencyProfile, [per tier: [ms of prefilling each of `prefill_lens` tokens]])."""
-    from polyspec.orchestrator.tuning.profiler import LatencyProfile, fit_affine, fit_proportional, forward_sizes
-
-    views = chain.tiers
-    forward, draft, prefill = [], [], []
-    for index, view in enumerate(views):
-        verifies = index < len(views) - 1
-        request = tier_pb2.ProfileRequest(
-            context_len=context_len, repeats=repeats, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-            max_tokens=max(forward_sizes(index, len(views), max_length, chain.tree_width)) if verifies else 0,
-            max_draft=max_length if index > 0 else 0, tree_width=chain.tree_width, scheme=chain.scheme,
-            prefill_lens=list(prefill_lens),
-        )
-        reply = _profile(view, request)
-        measured = {m: ms for m, ms in enumerate(reply.forward_ms, start=1)}
-        forward.append(fit_affine(measured) if verifies and reply.can_verify and measured else None)
-        drafts = {k: ms for k, ms in enumerate(reply.draft_ms, start=1)}
-        fit = fit_affine if reply.deterministic_drafts else fit_proportional  # a lookup costs about the same for any k
-        draft.append(fit(drafts) if drafts else None)
-        prefill.append(list(reply.prefill_ms))
-    return LatencyProfile([view.name for view in views], forward, draft), prefill
 
 
 def profile_grid_remote(chain: DistributedChain, max_batch: int, repeats: int = 2):

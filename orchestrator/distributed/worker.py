@@ -42,7 +42,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import statistics
 import sys
 import threading
 import time
@@ -56,10 +55,8 @@ from polyspec.orchestrator.distributed import cluster_auth
 from polyspec.orchestrator.decode.contract import NO_LIMIT, RoundObservation, StageStats, first_eos, seeded_generator
 from polyspec.orchestrator.decode.scheduler import CATCH_UP_GAP, ChainScheduler, Run
 from polyspec.orchestrator.decode.approximate import worker_hooks
-from polyspec.orchestrator.tuning.time_model import AHEAD_SMOOTHING, AHEAD_THRESHOLD  # the time model reads the same bet
 from polyspec.protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
 from polyspec.workers.core.grammar import from_wire
-from polyspec.workers.core.sampling import SamplingParams
 from polyspec.workers.tiers.tier import Tier, scratch_score, scratch_sequence
 from polyspec.orchestrator.distributed.model_lock import (
     LockedBatched,
@@ -85,6 +82,8 @@ MAX_RPC_THREADS = 64
 # Drafting past a block bets it is accepted whole. Lost bets are free only on an idle core, on a shared one they slow the
 # verifier (benchmarks/ray-pipeline.md): a sequence drafts ahead only while its blocks are mostly accepted whole (EMA).
 AHEAD_PRIOR = 0.5
+AHEAD_THRESHOLD = 0.5  # it drafts past its block while at least this share of its blocks is accepted whole ...
+AHEAD_SMOOTHING = 0.2  # ... measured as an EMA of whole / not whole with this smoothing
 
 
 @dataclasses.dataclass
@@ -265,7 +264,7 @@ class TierWorker:
             seq = self._sequences.get(header.seq_id)
             if seq is None:
                 seq = self._sequences[header.seq_id] = _Sequence(self, header)
-            else:  # lengths may move between rounds (a tuner)
+            else:  # lengths may move between rounds (a planner)
                 del seq.header.lengths[:]
                 seq.header.lengths.extend(header.lengths)
             return seq
@@ -338,7 +337,7 @@ class TierWorker:
                                    degraded=seq.degraded, continues=continues)
 
     def _report_draft(self, seq: _Sequence, need: int, proposed: int) -> None:
-        """As the bottom of the chain: how long this proposal took (the tuner's draft_ms)."""
+        """As the bottom of the chain: how long this proposal took (a stage report's seconds)."""
         if self.lower is None:
             seq.reports.append(tier_pb2.StageReport(tier=self.index, drafter=self.index, length=need, proposed=proposed,
                                                     seconds=model_seconds()))
@@ -440,39 +439,6 @@ class TierWorker:
             ahead_misses=self.ahead_misses, ahead_dropped_tokens=self.ahead_dropped,
             device=str(self.tier.device), pid=os.getpid(),
         )
-
-    def profile(self, request: tier_pb2.ProfileRequest) -> tier_pb2.ProfileReply:
-        """This tier's latency profile, measured here (polyspec.orchestrator.tuning.profiler, as in embedded
-        mode): median ms of a verification round over m = 1..max_tokens new tokens, of
-        proposing k = 1..max_draft tokens, and of prefilling each of `prefill_lens` tokens.
-        Measured one request at a time, holding the model throughout (nothing else runs meanwhile)."""
-        from polyspec.orchestrator.tuning.profiler import profile_draft, profile_forward, synthetic_context
-
-        tier = self.siblings.of(self.tier).inner  # (this call holds the lock itself)
-        params = SamplingParams(temperature=request.temperature, top_p=request.top_p or 1.0, top_k=request.top_k)
-        repeats = max(1, request.repeats)
-        context = synthetic_context(tier.vocab_size, max(2, request.context_len))
-        reply = tier_pb2.ProfileReply(can_verify=tier.can_verify, deterministic_drafts=tier.deterministic_drafts)
-        with self.lock.hold():
-            if request.max_tokens > 0 and tier.can_verify:
-                table = profile_forward(tier, context, range(1, request.max_tokens + 1), params, repeats)
-                reply.forward_ms.extend(table[m] for m in sorted(table))
-            if request.max_draft > 0:
-                table = profile_draft(tier, context, range(1, request.max_draft + 1), params, max(1, request.tree_width),
-                                      request.scheme or "specinfer", repeats)
-                reply.draft_ms.extend(table[k] for k in sorted(table))
-            for number, length in enumerate(request.prefill_lens):
-                prompt = synthetic_context(tier.vocab_size, max(1, length), seed=1 + number)
-                samples = []
-                for repeat in range(repeats if tier.can_verify else 1):
-                    seq_id = ("profile-prefill", os.getpid(), number, repeat)
-                    started = time.perf_counter()
-                    if tier.can_verify:
-                        tier.score_batch([seq_id], [prompt], [DraftTree([], [], None)], [params])
-                    samples.append((time.perf_counter() - started) * 1000.0)
-                    tier.release(seq_id)
-                reply.prefill_ms.append(statistics.median(samples))
-        return reply
 
     def batched_tier(self) -> LockedBatched:
         """This worker's tier behind the batched seam, made on first use (after the chain's vocabulary is set)."""
@@ -813,4 +779,4 @@ class _Servicer(tier_pb2_grpc.TierServicer):
         return self._guard(context, lambda: self.worker.score(request))
 
     def Profile(self, request, context):
-        return self._guard(context, lambda: (self.worker.profile_grid if request.max_batch > 0 else self.worker.profile)(request))
+        return self._guard(context, lambda: self.worker.profile_grid(request))

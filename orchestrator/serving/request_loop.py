@@ -313,7 +313,7 @@ class RoundScheduler(threading.Thread):
         return not self._draining and self.store is not None and self.store.next_pending() is not None
 
     def publish_speculation(self) -> None:
-        """The lengths in use (a tuner moves them) -> the speculation_length gauge."""
+        """The lengths in use (a planner moves them) -> the speculation_length gauge."""
         chain = self.engine.scheduler
         self.metrics.speculation([(chain.tiers[i].name, chain.tiers[i + 1].name, k) for i, k in enumerate(chain.lengths)])
 

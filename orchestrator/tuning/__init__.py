@@ -1,1 +1,1 @@
-"""The time model, latency profiles and the online tuner that picks speculation lengths and tiers."""
+"""The goodput planner that picks speculation lengths and tiers, its start-up profiles and its options."""

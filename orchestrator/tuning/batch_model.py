@@ -609,7 +609,6 @@ class BatchPlanner:
                 arm.seed = nearest.best_measured()
         return arm
 
-    one_request = False  # plans steps of any batch (contract.RoundPlanner)
     # (contract.RoundPlanner) set by `plan_batch`: the step's goodput over its requests; by `drafters` where requests
     # draft apart: per request, its drafter's expected tokens over the step's time
     predicted_tokens_per_s: float | tuple[float, ...] | None = None

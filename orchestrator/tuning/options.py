@@ -1,38 +1,26 @@
-"""Which `tuning:` options the planner that runs reads, on each path, and the one line naming the rest.
+"""Which `tuning:` options the planner reads, and the one line naming the rest.
 
-The config's `tuning:` section (config.TuningConfig) feeds whichever planner a run has:
+The config's `tuning:` section (config.TuningConfig) feeds the one planner of `speculation.lengths: auto`, the
+goodput planner (batch_model.BatchPlanner), on every path: batched steps (polyspec batch, jobs, serve) and one
+request at a time (generate, chat, bench, batching.enabled: false), embedded, the device round or Ray. With
+the lengths fixed, or --no-speculation, no planner runs (the lengths are the config's).
 
-    one request at a time (generate, chat, batching.enabled: false): the one-request tuner (tuner.Tuner)
-    batched steps (polyspec batch, jobs, serve; embedded, the device round or Ray): the goodput planner
-        (batch_model.BatchPlanner)
-    speculation.lengths fixed, or --no-speculation: none (the lengths are the config's)
-
-A Ray chain runs every tier in every round (its repair loop routes around dead tiers), so the
-options about leaving tiers out mean nothing there, and its batched round hears no shadow
-proposals. An option the planner that runs does not read, set in the config, is named in one
-line on stderr when the engine starts (`note`), never ignored silently.
+A Ray chain runs every tier in every round (its repair loop routes around dead tiers), so the options about
+leaving tiers out mean nothing there, and its round hears no shadow proposals. An option set in the config
+that the run does not read (those two on a Ray chain; any, with the lengths fixed) is named in one line on
+stderr when the engine starts (`note`), never ignored silently. (The one-request tuner's options are gone:
+config.parse_tuning names them as removed.)
 """
 
 from __future__ import annotations
 
-TUNER = "one-request tuner"
 GOODPUT = "goodput planner"
 
-_ALL = ("max_length", "retune_every", "hysteresis", "switch_hysteresis", "replan_drift", "decay", "prior_mean",
-        "prior_strength", "allow_bypass", "warmup_rounds", "explore_every", "warmup_optimism", "probe_optimism", "shadow")
-_BYPASS = ("allow_bypass", "explore_every", "probe_optimism", "switch_hysteresis", "shadow")  # about tiers left out
-# (planner, distributed) -> the options it reads
+_ALL = ("max_length", "switch_hysteresis", "decay", "prior_mean", "prior_strength", "allow_bypass", "explore_every", "shadow")
+# distributed -> the options the planner reads
 READS = {
-    (TUNER, False): _ALL,
-    (TUNER, True): tuple(o for o in _ALL if o not in _BYPASS),
-    (GOODPUT, False): ("max_length", "allow_bypass", "explore_every", "shadow", "decay", "prior_mean", "prior_strength",
-                       "switch_hysteresis"),
-    (GOODPUT, True): ("max_length", "explore_every", "decay", "prior_mean", "prior_strength", "switch_hysteresis"),
-}
-WHY_NOT = {  # why a planner does not read an option: the note's reason
-    (GOODPUT, False): "it plans every step, with a measured A/B instead of the tuner's re-tunes, margins and warm-up",
-    (GOODPUT, True): "it plans every step with a measured A/B, and a Ray chain runs every tier, hearing no shadow proposals",
-    (TUNER, True): "a Ray chain runs every tier in every round, so there is no bypass to allow, probe or shadow",
+    False: _ALL,
+    True: tuple(name for name in _ALL if name not in ("allow_bypass", "shadow")),
 }
 
 
@@ -43,11 +31,11 @@ def set_options(tuning) -> list[str]:
     return [name for name in _ALL if name in given or getattr(tuning, name) != getattr(defaults, name)]
 
 
-def planner_of(lengths_auto: bool, speculative: bool, batched: bool, tiers: int) -> str | None:
-    """The planner a run has: GOODPUT for batched steps, TUNER for one request at a time; None: no planner."""
+def planner_of(lengths_auto: bool, speculative: bool, tiers: int) -> str | None:
+    """The planner a run has: GOODPUT, for batched steps and one request at a time alike; None: no planner."""
     if not (lengths_auto and speculative and tiers > 1):
         return None
-    return GOODPUT if batched else TUNER
+    return GOODPUT
 
 
 def note(tuning, planner: str | None, distributed: bool = False) -> str | None:
@@ -56,21 +44,18 @@ def note(tuning, planner: str | None, distributed: bool = False) -> str | None:
     if planner is None:
         return (f"tuning: {', '.join(written)} set, but no planner runs (speculation.lengths is fixed, or speculation "
                 f"is off): these options are read with speculation.lengths: auto") if written else None
-    reads = READS[(planner, distributed)]
+    reads = READS[distributed]
     unread = [name for name in written if name not in reads]
     if not unread:
         return None
-    steps = "batched steps" if planner == GOODPUT else "requests"
-    owner = "a Ray chain's " if distributed else ""
-    where = f"{owner}{steps} are planned by the {planner}"
-    return (f"tuning: {', '.join(unread)} set, but {where}, which does not read {'it' if len(unread) == 1 else 'them'} "
-            f"({WHY_NOT[(planner, distributed)]}); it reads {', '.join(reads)}")
+    return (f"tuning: {', '.join(unread)} set, but a Ray chain runs every tier in every round, hearing no shadow "
+            f"proposals, so the {planner} does not read {'it' if len(unread) == 1 else 'them'} there; it reads {', '.join(reads)}")
 
 
 def goodput_options(tuning, distributed: bool = False) -> dict:
     """The goodput planner's keyword arguments from `tuning`: max_length, allow_bypass, explore_every and shadow
     always; decay, prior_mean, prior_strength and switch_hysteresis where the config set them (the planner's
-    own defaults suit batched rounds: acceptance fading over ~128 rounds, a prior of 0.8 for a model drafter and
+    own defaults suit its rounds: acceptance fading over ~128 rounds, a prior of 0.8 for a model drafter and
     0.5 for a lookup worth 4 tokens, speculation switched on at 1.05 times off's measured tokens/s)."""
     written = set(set_options(tuning))
     options = {"max_length": tuning.max_length, "allow_bypass": tuning.allow_bypass and not distributed,
@@ -81,4 +66,3 @@ def goodput_options(tuning, distributed: bool = False) -> dict:
         if name in written:
             options[keyword] = value
     return options
-

@@ -9,7 +9,7 @@ system generates back to back (in a rotating order), so machine noise hits all a
                               (its defaults; `@k<k>`: a constant k-token draft, our length)
     hf-prompt-lookup          transformers prompt-lookup decoding
     polyspec:<tiers>          our chain: the target with each drafter, and the full chain,
-                              with the config's fixed lengths (and `@auto` with the tuner)
+                              with the config's fixed lengths (and `@auto` with the goodput planner)
 
 Each system generates exactly `max_new_tokens` tokens: end-of-sequence is disabled
 everywhere (our scheduler gets no EOS ids; transformers gets `eos_token_id=None`), so

@@ -164,7 +164,7 @@ def build_systems(config: ChainConfig, notes: list[str], tuned: bool = True) -> 
         for name, chain_config in polyspec_chains(config):
             systems.append(EngineSystem(name, chain_config))
         if tuned:
-            systems += auto_systems(config, notes)
+            systems += auto_systems(config)
         else:
             notes.append("--quick: the chains with lengths: auto are left out (`polyspec bench` without --quick, or `polyspec tune`, measures them)")
     return systems, skipped
@@ -208,14 +208,7 @@ def _fixed_length_assistant(tier: TierConfig, length: int):
     return model
 
 
-def auto_systems(config: ChainConfig, notes: list[str]) -> list[System]:
-    """The chains again with `lengths: auto`, if this engine tunes (its scheduler has a tuner)."""
-    chains = polyspec_chains(config)
-    systems: list[System] = []
-    for name, chain_config in chains:
-        system = EngineSystem(name + "@auto", _with_lengths(chain_config, chain_config.tiers, "auto"))
-        if getattr(system.engine.scheduler, "tuner", None) is None:
-            notes.append("speculation.lengths: auto not measured: this engine has no tuner yet (fixed lengths only)")
-            return []
-        systems.append(system)
-    return systems
+def auto_systems(config: ChainConfig) -> list[System]:
+    """The chains again with `lengths: auto` (the goodput planner, one request at a time)."""
+    return [EngineSystem(name + "@auto", _with_lengths(chain_config, chain_config.tiers, "auto"))
+            for name, chain_config in polyspec_chains(config)]

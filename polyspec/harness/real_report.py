@@ -117,8 +117,8 @@ def fitted_rate(mean_accepted: float, length: int) -> float:
 def predict(costs: dict | None, chain: list[str], rates: list[float]) -> dict | None:
     """Best lengths and speedup over the target alone that the serial time model gives for
     `chain` with these forward costs and per-stage acceptance rates."""
-    from polyspec.orchestrator.tuning.chain_model import search_lengths
-    from polyspec.orchestrator.tuning.time_model import StageSpec
+    from polyspec.harness.chain_model import search_lengths
+    from polyspec.harness.time_model import StageSpec
 
     if not costs or any(t not in costs for t in chain):
         return None

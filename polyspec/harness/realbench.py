@@ -10,7 +10,7 @@ Systems (each at the dtype and thread count it runs best at on this machine, rec
 - `chain:<tiers>`             polyspec chains over target, int8 (a dynamically quantized copy
                               of the target), small (the drafter) and ngram (prompt lookup):
                               every 2-tier sub-chain, the 3-tier ones and the 4-tier chain
-- `auto:<tiers>`              the 4-tier chain with `lengths: auto` (the tuner picks lengths
+- `auto:<tiers>`              the 4-tier chain with `lengths: auto` (the goodput planner picks lengths
                               and bypasses tiers online)
 - `ray:<tiers>`               a chain on the Ray runtime, one actor (one core, one thread)
                               per model tier, drafters drafting ahead (`pipeline: true`)
@@ -34,7 +34,7 @@ HUMANEVAL_FILE = "HumanEval.jsonl.gz"
 NGRAM_MAX = 3
 
 # (tiers, fixed lengths) of the chains; short blocks because a bf16 target's forward grows
-# with the block on two cores (the tuner's `auto` chain picks its own)
+# with the block on two cores (the `auto` chain's planner picks its own)
 CHAINS: dict[str, tuple[tuple[str, ...], tuple[int, ...]]] = {
     "chain:target+ngram": (("target", "ngram"), (4,)),
     "chain:target+int8": (("target", "int8"), (5,)),

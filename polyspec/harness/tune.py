@@ -1,47 +1,48 @@
-"""`polyspec tune`: the time model against the clock, on the chain of a config.
+"""`polyspec tune`: the goodput planner's time model against the clock, on the chain of a config.
 
     polyspec tune -c CONFIG [--prompts FILE] [--temperature T] [--max-new-tokens N]
                   [--grid-max K] [--max-prompts P] [--repeats R] [--heldout-prompts Q]
                   [--heldout-repeats H] [--json]
 
-Steps, on the config's chain (embedded, or Ray actors driven from this process; the tuner is
-the chain's planner in both, fed the same typed observations):
-1. profile every tier (profiler.profile_tiers; a Ray chain's tiers in their own processes,
-   driver.profile_remote) at the prompts' typical context length, and each model tier's
+Steps, on the config's chain (embedded, or Ray actors driven from this process; the planner is
+the one `lengths: auto` runs, batch_model.BatchPlanner, one request at a time: a load of one):
+1. profile every tier's forward at a batch of one (profiler.profile_batched; a Ray chain's
+   tiers in their own processes, driver.profile_grid_remote), and, embedded, each model tier's
    prefill of every prompt;
-2. calibrate: generate every prompt with every usable set of tiers (the full chain and each
-   bypass; a Ray chain has only the full one) at long, middle and short lengths, through the
-   tuner's hooks without re-tuning:
-   acceptance as plain counts per stage (no recency weighting), latencies refined online
-   per set of tiers (a tier is slower on a shared CPU when others run in between);
-3. predict, from those estimates only, the ms per token of every grid point (k_i in
-   1..K for every stage), of the tuner's choice and of the best chain with each tier
-   bypassed: (sum of prefills + time_model.generation_ms) / tokens;
+2. calibrate: generate every prompt with every set of tiers the planner considers (a Ray
+   chain: the full one) at long, middle and short lengths, through the planner's observations
+   without letting it plan (tune_measure.Pinned): acceptance as plain counts per pair (no
+   fading), forward costs refined online;
+3. predict, from those estimates only, the ms per token of every grid point (k_i in 1..K for
+   every stage of the full chain), of the planner's choice, of the best plan with each tier
+   bypassed and of the target alone: (sum of prefills + new tokens / tokens a step x the
+   step's ms) / tokens, the step as `BatchPlanner.step_ms` prices it at a batch of one;
 4. measure every one of them (the same prompts, seeds and token counts; EOS is ignored so
    every run generates exactly max_new_tokens), in `--repeats` passes, each interleaved per
    prompt (every plan generates prompt 1 in a shuffled order, then prompt 2, ...: the
-   machine's speed drifts over seconds, and plans compared must see the same seconds;
-   the calibration runs are interleaved the same way); the calibration plans run again
-   inside every pass, interleaved with the measured runs, and each pass is predicted from
-   them (latency tables: that pass's plain means), so prediction and measurement see the
-   same seconds of a machine whose speed drifts; the reported prediction is the median over
-   passes (the first calibration's alone, made before any pass, is reported too);
-5. the best grid points again against the tuner's choice (fresh passes: the minimum of many
-   noisy measurements is biased low); the best grid point against `lengths: auto` on
+   machine's speed drifts over seconds, and plans compared must see the same seconds);
+   the calibration plans run again inside every pass, interleaved with the measured runs,
+   and each pass is predicted from them, so prediction and measurement see the same seconds
+   of a machine whose speed drifts; the reported prediction is the median over passes (the
+   first calibration's alone, made before any pass, is reported too);
+5. the best grid points again against the planner's choice (fresh passes: the minimum of
+   many noisy measurements is biased low); the best grid point against `lengths: auto` on
    `--heldout-prompts` held-out prompts (16; evenly spaced through the prompts the tuning
-   set left over), with a fresh tuner and with one that has served the tuning prompts
+   set left over), with a fresh planner and with one that has served the tuning prompts
    (warm), in `--heldout-repeats` interleaved passes (the goal is a 5 % ratio);
-   a fresh tuner on code prompts then prose prompts (how many
-   rounds until its plan changes).
+   a fresh planner on code prompts then prose prompts (how many rounds until its plan changes).
 
-The modules: tune_prompts (the prompt sets), tune_measure (interleaved passes, held-out and
-shift measurements), tune_report (the JSON report and its text form); this one predicts,
-calibrates and runs the steps.
+The goodput planner prices plans of up to three tiers (the target, a middle tier, a bottom
+drafter), so the grid is over chains of two or three tiers. A Ray chain's prefills are not
+measured apart: its predictions leave them out.
+
+The modules: tune_prompts (the prompt sets), tune_measure (interleaved passes and the held-out
+measurement), tune_report (the JSON report and its text form); this one predicts, calibrates
+and runs the steps.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import itertools
 import json
@@ -53,6 +54,7 @@ import torch
 from polyspec.harness.tune_measure import (
     TuneError,
     TuneSettings,
+    copy_planner,
     interleaved_pass,
     measure,
     measure_heldout,
@@ -66,57 +68,31 @@ from polyspec.harness.tune_report import Confirmation, Contenders, TuneResults, 
 from polyspec.orchestrator.chain_args import chain_config
 from polyspec.orchestrator.config import ChainConfig
 from polyspec.orchestrator.engine import Engine
-from polyspec.orchestrator.tuning.time_model import latency
-from polyspec.orchestrator.tuning.chain_model import first_round_ms, generation_ms
-from polyspec.orchestrator.tuning.tuner import Plan, Tuner, request_class
+from polyspec.orchestrator.tuning.batch_model import BatchPlanner, Plan
+from polyspec.orchestrator.tuning.options import goodput_options
 
-CONFIRM_TOP = 5  # grid points measured again with the tuner's choice (see confirm)
+CONFIRM_TOP = 5  # grid points measured again with the planner's choice (see confirm)
+MAX_TIERS = 3  # the longest chain the goodput planner prices
 
 
 # ----------------------------------------------------------------------------- predicting
 
 
-def predict_plan(tuner: Tuner, key: str, plan: Plan, prefill_extra_ms: list[list[float]], new_tokens: int) -> float:
-    """Predicted ms per token over the prompts: prefills of the tiers in use + decoding."""
-    if len(plan.active) == 1:
-        decode = [new_tokens * (latency(tuner.profile.forward_ms(0, plan.active), 1) + tuner.timing.round_overhead_ms)] * len(prefill_extra_ms)
-    else:
-        stages, draft_ms = tuner.stages(key, plan.active)
-        lengths = [plan.lengths[level] for level in plan.active[:-1]]
-        if stages[0].pipelined:  # each prompt's prefill is the head start of its second block (time_model.RoundModel)
-            decode = [generation_ms([dataclasses.replace(stages[0], head_start_ms=extra[0])] + stages[1:], draft_ms, lengths, new_tokens, tuner.tree_width)
-                      for extra in prefill_extra_ms]
-        else:
-            decode = [generation_ms(stages, draft_ms, lengths, new_tokens, tuner.tree_width)] * len(prefill_extra_ms)
-    total = sum(ms + sum(extra[t] for t in plan.active) for ms, extra in zip(decode, prefill_extra_ms))
-    if tuner.first_round_scale != 1.0 and len(plan.active) > 1:  # a distributed chain: its first rounds, as calibrated
-        total += (tuner.first_round_scale - 1.0) * sum(modelled_first_rounds(tuner, key, plan, prefill_extra_ms, new_tokens))
+def plan_of(num_tiers: int, active: tuple[int, ...], lengths: tuple[int, ...]) -> Plan:
+    """The plan running the tiers `active` (target first) with `lengths[i]` at the i-th verifying tier of them."""
+    per_tier = [0] * (num_tiers - 1)
+    for level, k in zip(active[:-1], lengths):
+        per_tier[level] = k
+    return Plan(tuple(active), tuple(per_tier))
+
+
+def predict_plan(planner: BatchPlanner, plan: Plan, prefill_extra_ms: list[list[float]], new_tokens: int) -> float:
+    """Predicted ms per token over the prompts: prefills of the tiers in use + the steps that
+    commit `new_tokens` (the model's step time over its expected tokens a step, at a batch of one)."""
+    ms, tokens = planner.step_ms(plan, 1)
+    decode = new_tokens / max(tokens, 1e-9) * ms
+    total = sum(decode + sum(extra[t] for t in plan.active) for extra in prefill_extra_ms)
     return total / (new_tokens * len(prefill_extra_ms))
-
-
-def modelled_first_rounds(tuner: Tuner, key: str, plan: Plan, prefill_extra_ms: list[list[float]], new_tokens: int) -> list[float]:
-    """Per prompt, the model's ms for a request's first target round with `plan`: the prefills'
-    extra time of the tiers in use + the round with nothing drafted ahead (`first_round_ms`)."""
-    stages, draft_ms = tuner.stages(key, plan.active)
-    lengths = [plan.lengths[level] for level in plan.active[:-1]]
-    first = first_round_ms(stages, draft_ms, lengths, new_tokens, tuner.tree_width)
-    return [first + sum(extra[t] for t in plan.active) for extra in prefill_extra_ms]
-
-
-def calibrate_first_rounds(tuner: Tuner, key: str, runs: list[tuple[Plan, list[float]]], prefill_extra_ms: list[list[float]], new_tokens: int) -> None:
-    """A distributed chain's first target round of a request costs more than its model (the
-    prefills as profiled + a round with nothing drafted ahead): every tier sets the sequence up,
-    and a pipelined drafter starts drafting ahead beside the target's prefill. `runs`: the
-    calibration's plans with the first-round wall ms of each prompt, in prompt order; the
-    tuner keeps the median of measured / modelled (`first_round_scale`)."""
-    ratios = []
-    for plan, walls in runs:
-        for wall, modelled in zip(walls, modelled_first_rounds(tuner, key, plan, prefill_extra_ms, new_tokens)):
-            if modelled > 0:
-                ratios.append(wall / modelled)
-    if ratios:
-        tuner.first_round_scale = statistics.median(ratios)
-
 
 
 # ----------------------------------------------------------------------------- calibrating
@@ -127,83 +103,76 @@ def distributed(engine: Engine) -> bool:
     return hasattr(engine.scheduler, "membership")
 
 
-def calibration_plans(tuner: Tuner, grid_max: int) -> list[Plan]:
-    """Every usable set of tiers at a few lengths: long, middle and short blocks.
+def tier_sets(planner: BatchPlanner) -> list[tuple[int, ...]]:
+    """The sets of tiers the planner speculates with (a Ray chain: the full one only), in its order."""
+    return list(dict.fromkeys(plan.active for plan in planner.plans if plan.speculating))
 
-    (The target alone reports no rounds to the tuner: its prediction uses the start-up profile.)"""
+
+def calibration_plans(planner: BatchPlanner, grid_max: int) -> list[Plan]:
+    """Every set of tiers the planner considers at a few lengths: long, middle and short blocks.
+
+    (The target alone needs no acceptance: its prediction uses the profile.)"""
     lengths = sorted({grid_max, max(1, grid_max // 2), min(2, grid_max)}, reverse=True)
-    return [Plan((k,) * (tuner.num_tiers - 1), active) for active in tuner.candidate_sets() for k in lengths]
+    num_tiers = len(planner.tiers)
+    return [plan_of(num_tiers, active, (k,) * (len(active) - 1)) for active in tier_sets(planner) for k in lengths]
 
 
-def calibrate(engine: Engine, prompt_ids: list[list[int]], settings: TuneSettings, log) -> tuple[Tuner, list[list[float]]]:
-    """Steps 1-2: a tuner holding the latency profile (start-up, then refined in every set of
-    tiers) and acceptance counts from passes over the prompts with every usable set of tiers
-    (`calibration_plans`); and per prompt, per tier, the prefill's extra ms."""
-    log("profiling the tiers")
-    typical = int(statistics.median(len(ids) for ids in prompt_ids)) + settings.max_new_tokens // 2
-    context = (list(prompt_ids[0]) * (typical // len(prompt_ids[0]) + 1))[:typical]
-    # calibration: plain counts over all prompts (no decay); skip pairs are measured directly below
-    calibrating = dataclasses.replace(engine.config.tuning, max_length=settings.grid_max, decay=1.0, shadow=False)
-    if distributed(engine):  # every tier profiles itself (and its prefills) in its own process
-        from polyspec.orchestrator.distributed.driver import profile_remote
+def start_planner(engine: Engine, settings: TuneSettings) -> BatchPlanner:
+    """The goodput planner on a start-up profile at a batch of one, its acceptance plain counts (no fading)
+    and no shadow proposals (the pairs a plan leaves out are measured directly by the calibration)."""
+    remote = distributed(engine)
+    if remote:
+        from polyspec.orchestrator.distributed.driver import profile_grid_remote
 
-        profile, prefill_ms = profile_remote(engine.scheduler, typical, settings.params(), settings.grid_max,
-                                             prefill_lens=[len(ids) for ids in prompt_ids])
-        tuner = Tuner(profile, calibrating, tree_width=engine.scheduler.tree_width, distributed=True,
-                      pipelined=bool(engine.scheduler.pipeline))
-        prefills = [[prefill_ms[tier][number] for tier in range(len(engine.tiers))] for number in range(len(prompt_ids))]
+        tables, lookup = profile_grid_remote(engine.scheduler, 1)
     else:
-        tuner = engine.make_tuner(context, **dataclasses.asdict(calibrating))
-        prefills = [measure_prefill_ms(engine, list(ids)) for ids in prompt_ids]
-    profile = tuner.profile
-    first_forward = [latency(profile.forward_ms(i), 1) if profile.forward[i] is not None else 0.0 for i in range(len(engine.tiers))]
-    prefill_extra = [[max(0.0, ms - first) for ms, first in zip(row, first_forward)] for row in prefills]
+        from polyspec.orchestrator.tuning.profiler import profile_batched
 
+        tables, lookup = profile_batched(engine.scheduler.tiers, engine.vocab_size, 1)
+    options = dict(goodput_options(engine.config.tuning, remote), max_length=settings.grid_max)
+    return BatchPlanner(engine.scheduler.tiers, tables, lookup, tree_width=engine.config.speculation.tree_width, **options)
+
+
+def calibrate(engine: Engine, prompt_ids: list[list[int]], settings: TuneSettings, log) -> tuple[BatchPlanner, BatchPlanner, list[list[float]]]:
+    """Steps 1-2: a planner holding the start-up profile (refined in every set of tiers) and acceptance
+    counts from passes over the prompts with every set of tiers (`calibration_plans`); a fresh planner
+    on the start-up profile alone (what `lengths: auto` starts from); and per prompt, per tier, the
+    prefill's extra ms over a forward of one token."""
+    log("profiling the tiers")
+    fresh = start_planner(engine, settings)
+    planner = copy_planner(fresh)
+    planner.acceptance.keep, planner.shadows = 1.0, False
+    if distributed(engine):
+        prefill_extra = [[0.0] * len(engine.tiers) for _ in prompt_ids]
+    else:
+        first_forward = [table.estimate(1, 1) if table is not None else 0.0 for table in planner.tables]
+        prefill_extra = [[max(0.0, ms - first) for ms, first in zip(measure_prefill_ms(engine, list(ids)), first_forward)]
+                         for ids in prompt_ids]
     full = tuple(range(len(engine.tiers)))
-    longest = Plan((settings.grid_max,) * (len(full) - 1), full)
+    longest = plan_of(len(full), full, (settings.grid_max,) * (len(full) - 1))
     log("warming up")
     run_plan(engine, longest, prompt_ids[:1], dataclasses.replace(settings, max_new_tokens=min(16, settings.max_new_tokens)))
-    recalibrate(engine, tuner, prompt_ids, settings, log, prefill_extra)
-    return tuner, prefill_extra
+    recalibrate(engine, planner, prompt_ids, settings, log)
+    return planner, fresh, prefill_extra
 
 
-def recalibrate(engine: Engine, tuner: Tuner, prompt_ids: list[list[int]], settings: TuneSettings, log,
-                prefill_extra_ms: list[list[float]]) -> None:
-    """One pass of the calibration plans through the tuner's hooks (`calibration_items`), alone."""
-    items, after, finish = calibration_items(engine, tuner, settings, prefill_extra_ms)
+def recalibrate(engine: Engine, planner: BatchPlanner, prompt_ids: list[list[int]], settings: TuneSettings, log) -> None:
+    """One pass of the calibration plans through the planner's observations (`calibration_items`), alone."""
+    items, after, finish = calibration_items(planner, settings)
     names = ", ".join(sorted({"+".join(engine.tiers[t].name for t in plan.active) for plan, _ in items}))
-    # interleaved per prompt like the measurements: every set of tiers' latency table is
-    # refined over the same seconds of the machine (one after the other, a slow phase
-    # landed on one set: the target's t(1) came out 7.3 ms in one set and 10.4 ms in another)
+    # interleaved per prompt like the measurements: every set of tiers' forwards are refined over the same
+    # seconds of the machine
     interleaved_pass(engine, items, prompt_ids, settings, seed=settings.seed + 3000,
                      after=after, log=lambda message: log(f"calibrating {len(items)} plans ({names}): {message}"))
     finish()
 
 
-def calibration_items(engine: Engine, tuner: Tuner, settings: TuneSettings, prefill_extra_ms: list[list[float]]):
-    """A pass of the calibration plans through the tuner's hooks, as items of an
-    `interleaved_pass` (with its `after` hook, and `finish()` to call once the pass is over):
-    acceptance counts grow, and the latency tables become this pass's plain means (a shared
-    CPU drifts over minutes; an EMA kept the last prompt's few forwards, and the predictions of
-    whole runs moved with them, every grid row off by the same 10-20 %);
-    a distributed chain's first rounds are calibrated from the same runs."""
-    prompts = len(prefill_extra_ms)
-    plans = calibration_plans(tuner, settings.grid_max)
-    walls: list[list[float]] = [[] for _ in plans]  # per plan: first-round wall ms per prompt (distributed)
-    tuner.profile.restart_means()
-    tuner.first_rounds.clear()
-
-    def after(index: int) -> None:
-        walls[index].extend(tuner.first_rounds)
-        tuner.first_rounds.clear()
-
-    def finish() -> None:
-        first_rounds = [(plan, runs) for plan, runs in zip(plans, walls) if tuner.distributed and len(runs) == prompts]
-        if first_rounds:
-            calibrate_first_rounds(tuner, request_class(settings.params()), first_rounds, prefill_extra_ms, settings.max_new_tokens)
-
-    return [(plan, tuner) for plan in plans], after, finish
-
+def calibration_items(planner: BatchPlanner, settings: TuneSettings):
+    """A pass of the calibration plans through the planner's observations, as items of an
+    `interleaved_pass` (with its `after` hook, and `finish()` to call once the pass is over: the
+    planner needs neither): acceptance counts grow, forward costs follow the machine."""
+    planner.greedy_share = 1.0 if settings.params().greedy else 0.0  # (what `step_ms` prices the plans at)
+    return [(plan, planner) for plan in calibration_plans(planner, settings.grid_max)], None, lambda: None
 
 
 # ----------------------------------------------------------------------------- the run
@@ -213,8 +182,8 @@ def run_tune(config: ChainConfig, prompts: list[str], settings: TuneSettings, lo
     """Profile, calibrate, predict and measure; the report (see the module docstring).
     `sets`: held-out prompts (best grid point vs `lengths: auto`) and the code -> prose sequence."""
     log = log or (lambda message: None)
-    if len(config.tiers) < 2:
-        raise TuneError("tune needs a chain of at least two tiers")
+    if not 2 <= len(config.tiers) <= MAX_TIERS:
+        raise TuneError(f"tune needs a chain of two or three tiers (the goodput planner prices up to {MAX_TIERS}), got {len(config.tiers)}")
     torch.manual_seed(settings.seed)
     engine = Engine(config, auto_tune=False)
     try:
@@ -235,30 +204,26 @@ def check_room(engine: Engine, prompt_ids: list[list[int]], settings: TuneSettin
         raise TuneError(f"the longest prompt ({longest} tokens) + max_new_tokens ({settings.max_new_tokens}) does not fit the model context ({limit})")
 
 
-def contenders(tuner: Tuner, key: str, num_tiers: int, grid_max: int) -> Contenders:
-    """Step 3's plans: every grid point, the tuner's choice, each bypass, the target alone."""
+def contenders(planner: BatchPlanner, predict, grid_max: int, remote: bool) -> Contenders:
+    """Step 3's plans: every grid point of the full chain, the planner's choice, the best plan
+    (predicted) without each tier, the target alone."""
+    num_tiers = len(planner.tiers)
     full = tuple(range(num_tiers))
-    grid = [Plan(lengths, full) for lengths in itertools.product(range(1, grid_max + 1), repeat=num_tiers - 1)]
-    chosen = tuner.choose(key)
-    # a distributed chain runs every tier every round: no bypass, no target alone to compare
-    bypass = [] if tuner.distributed else [(tier, tuner.choose(key, exclude=tier)) for tier in range(1, num_tiers)]
-    baseline = None if tuner.distributed else Plan((grid_max,) * (num_tiers - 1), (0,))
-    return Contenders(grid, chosen, bypass, baseline)
+    grid = [plan_of(num_tiers, full, lengths) for lengths in itertools.product(range(1, grid_max + 1), repeat=num_tiers - 1)]
+    chosen = planner.predicted_best(1)
+    bypass = []
+    if not remote:  # a distributed chain runs every tier or none: no bypass to compare
+        for tier in range(1, num_tiers):
+            plans = [plan_of(num_tiers, active, lengths) for active in tier_sets(planner) if tier not in active
+                     for lengths in itertools.product(range(1, grid_max + 1), repeat=len(active) - 1)]
+            if plans:
+                bypass.append((tier, min(plans, key=predict)))
+    return Contenders(grid, chosen, bypass, planner.plans[0])
 
 
-def fresh_tuners(tuner: Tuner, grid_max: int):
+def fresh_planners(start: BatchPlanner):
     """A factory of what `lengths: auto` starts from: the start-up profile, no acceptance data."""
-
-    def make() -> Tuner:
-        profile = copy.deepcopy(tuner.profile)
-        profile.online_forward.clear()
-        profile.online_draft.clear()
-        profile.plain_means = False  # (the calibration's tables are pass means; a tuner's are EMAs)
-        fresh = Tuner(profile, max_length=grid_max, tree_width=tuner.tree_width, distributed=tuner.distributed,
-                      pipelined=tuner.pipelined)
-        return fresh
-
-    return make
+    return lambda: copy_planner(start)
 
 
 def confirm(engine: Engine, plans: Contenders, measured: dict, prompt_ids: list[list[int]], settings: TuneSettings, log) -> Confirmation:
@@ -270,53 +235,47 @@ def confirm(engine: Engine, plans: Contenders, measured: dict, prompt_ids: list[
     return Confirmation(best, confirm_plans, measure_plans(engine, confirm_plans, prompt_ids, settings, log))
 
 
-def heldout_and_shift(engine: Engine, sets: PromptSets | None, best: Plan, settings: TuneSettings, make_auto_tuner, warm_tuner: Tuner,
-                      log) -> tuple[dict | None, dict | None]:
-    """Step 5's held-out comparison and the code -> prose shift test, where `sets` has their prompts."""
-    heldout = shift = None
-    if sets is not None and sets.heldout:
-        heldout = measure_heldout(engine, best, token_ids(engine, sets.heldout, settings), settings, make_auto_tuner, log, warm_tuner=warm_tuner)
-    if sets is not None and sets.shift_code and sets.shift_prose:
-        log("shift: code prompts, then prose")
-        shift = measure_shift(engine, make_auto_tuner(), token_ids(engine, sets.shift_code, settings),
-                              token_ids(engine, sets.shift_prose, settings), settings)
-    return heldout, shift
-
-
 def tune_engine(engine: Engine, config: ChainConfig, prompts: list[str], settings: TuneSettings, log, sets: PromptSets | None) -> dict:
     """Steps 1-5 on a built engine; the report."""
     engine.scheduler.eos_token_ids = frozenset()  # every run generates exactly max_new_tokens
     prompt_ids = token_ids(engine, prompts, settings)
     check_room(engine, prompt_ids, settings)
-    tuner, prefill_extra = calibrate(engine, prompt_ids, settings, log)
+    planner, start, prefill_extra = calibrate(engine, prompt_ids, settings, log)
 
     # step 3: predictions, from the calibration only
-    key = request_class(settings.params())
-    plans = contenders(tuner, key, len(engine.tiers), settings.grid_max)
+    def predict(plan: Plan) -> float:
+        return predict_plan(planner, plan, prefill_extra, settings.max_new_tokens)
+
+    plans = contenders(planner, predict, settings.grid_max, distributed(engine))
 
     def predict_all() -> dict:
-        return {plan: predict_plan(tuner, key, plan, prefill_extra, settings.max_new_tokens) for plan in plans.plans()}
+        return {plan: predict(plan) for plan in plans.plans()}
 
     first_predicted = predict_all()
-    tiers = tier_report(engine, tuner, key, settings.grid_max)
-    overhead_ms = tuner.timing.round_overhead_ms
+    tiers = tier_report(engine, planner)
 
     # step 4: measurements. Each pass is predicted from calibration runs interleaved with it
-    # (the same seconds of a machine whose speed drifts by 10-30 % over minutes: calibrated in
-    # a pass of its own just before, a whole grid came out over- or under-predicted by 13-16 %,
-    # every row the same way), never from the measured runs themselves.
-    make_auto_tuner = fresh_tuners(tuner, settings.grid_max)
-    measured, auto_tuners, per_pass = measure(engine, plans.plans(), prompt_ids, settings, make_auto_tuner, log,
-                                              predict=lambda repeat: predict_all(),
-                                              calibration=lambda: calibration_items(engine, tuner, settings, prefill_extra))
+    # (the same seconds of a machine whose speed drifts by 10-30 % over minutes), never from
+    # the measured runs themselves.
+    make_auto_planner = fresh_planners(start)
+    measured, auto_planners, per_pass = measure(engine, plans.plans(), prompt_ids, settings, make_auto_planner, log,
+                                                predict=lambda repeat: predict_all(),
+                                                calibration=lambda: calibration_items(planner, settings))
     predicted = {plan: statistics.median(p[plan] for p in per_pass) for plan in plans.plans()}
 
     # step 5
     best_wall = min(plans.grid, key=lambda plan: measured[plan].wall_ms)
-    heldout, shift = heldout_and_shift(engine, sets, best_wall, settings, make_auto_tuner, auto_tuners[-1], log)
+    heldout = shift = None
+    if sets is not None and sets.heldout:
+        heldout = measure_heldout(engine, best_wall, token_ids(engine, sets.heldout, settings), settings, make_auto_planner, log,
+                                  warm_planner=auto_planners[-1])
+    if sets is not None and sets.shift_code and sets.shift_prose:
+        log("shift: code prompts, then prose")
+        shift = measure_shift(engine, make_auto_planner(), token_ids(engine, sets.shift_code, settings),
+                              token_ids(engine, sets.shift_prose, settings), settings)
     confirmation = confirm(engine, plans, measured, prompt_ids, settings, log)
-    results = TuneResults(plans, predicted, first_predicted, measured, confirmation, auto_tuners[-1].history, tiers, overhead_ms, heldout, shift)
-    return build_report(engine, config, tuner, settings, prompts, results)
+    results = TuneResults(plans, predicted, first_predicted, measured, confirmation, auto_planners[-1].history, tiers, heldout, shift)
+    return build_report(engine, config, settings, prompts, results)
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -1,5 +1,5 @@
-"""`polyspec tune`'s measurements: interleaved passes over plans and tuners, the held-out
-comparison and the code -> prose shift test.
+"""`polyspec tune`'s measurements: interleaved passes over plans and planners, and the held-out
+comparison.
 
 Every run generates exactly `max_new_tokens` (the caller disables EOS); a pass is interleaved
 per prompt (`interleaved_pass`) so that the items it compares see the same seconds of a
@@ -15,7 +15,7 @@ import statistics
 import time
 
 from polyspec.orchestrator.engine import Engine, GenerationRequest
-from polyspec.orchestrator.tuning.tuner import Plan, Tuner, request_class
+from polyspec.orchestrator.tuning.batch_model import BatchPlanner, Plan
 from polyspec.workers.core.errors import PolyspecError
 from polyspec.workers.core.sampling import SamplingParams
 from polyspec.workers.core.tree import DraftTree
@@ -77,15 +77,35 @@ class Measurement:
     cpu_ms: float
 
 
-def run_plan(engine: Engine, plan: Plan, prompt_ids: list[list[int]], settings: TuneSettings, tuner: Tuner | None = None) -> Measurement:
-    """Every prompt with `plan` (fixed lengths / tiers); with `tuner`, through its hooks
-    (it learns but does not re-tune)."""
-    return interleaved_pass(engine, [plan if tuner is None else (plan, tuner)], prompt_ids, settings, seed=0)[0]
+@dataclasses.dataclass
+class Pinned:
+    """A `contract.RoundPlanner` that runs `fixed` every step and passes what it observes to `planner`: the
+    planner learns the plan's acceptance and forward costs (the calibration) without choosing the plan."""
+
+    fixed: Plan
+    planner: BatchPlanner
+    shadows = False
+    predicted_tokens_per_s = None
+
+    def plan(self, step) -> tuple[list[int], tuple[int, ...]]:
+        return list(self.fixed.lengths), self.fixed.active
+
+    def observe(self, observation) -> None:
+        self.planner.observe(observation)  # (a step it did not plan refines its tables only)
+
+    def drafters(self, step) -> tuple[int, ...]:
+        return ()
 
 
-def run_auto(engine: Engine, tuner: Tuner, prompt_ids: list[list[int]], settings: TuneSettings) -> Measurement:
-    """Every prompt with `lengths: auto` (the tuner learning as it goes)."""
-    return interleaved_pass(engine, [tuner], prompt_ids, settings, seed=0)[0]
+def copy_planner(planner: BatchPlanner) -> BatchPlanner:
+    """A copy of `planner`'s estimates and A/B that plans on the same tiers (they are not copied)."""
+    return copy.deepcopy(planner, {id(planner.tiers): planner.tiers})
+
+
+def run_plan(engine: Engine, plan: Plan, prompt_ids: list[list[int]], settings: TuneSettings, planner: BatchPlanner | None = None) -> Measurement:
+    """Every prompt with `plan` (fixed lengths / tiers); with `planner`, through its observations
+    (it learns but does not plan: `Pinned`)."""
+    return interleaved_pass(engine, [plan if planner is None else (plan, planner)], prompt_ids, settings, seed=0)[0]
 
 
 PASS_SEED_STRIDE = 1 << 16  # request seeds of one pass: settings.seed + prompt number + stride * pass seed
@@ -107,9 +127,9 @@ def interleaved_pass(engine: Engine, items: list, prompt_ids: list[list[int]], s
                      after=None, log=None, record=None) -> list[Measurement]:
     """One measurement pass, interleaved per prompt: every item generates prompt 1 (in a
     shuffled order), then every item prompt 2, and so on. An item is a Plan (fixed lengths and
-    tiers), a Tuner (`lengths: auto`, learning as it goes over the prompts in order), or a
-    (Plan, Tuner) pair (the plan's fixed lengths through the tuner's hooks: it learns, it does
-    not re-tune; the calibration). `after(index)` is called after each run of item `index`;
+    tiers), a planner (`lengths: auto`, learning as it goes over the prompts in order), or a
+    (Plan, planner) pair (the plan's fixed lengths through the planner's observations: it learns,
+    it does not plan; the calibration). `after(index)` is called after each run of item `index`;
     `record(index, prompt_number, output)` too, with the run's result;
     `log(message)` after each prompt.
 
@@ -133,12 +153,8 @@ def interleaved_pass(engine: Engine, items: list, prompt_ids: list[list[int]], s
                     scheduler.planner = None
                     scheduler.lengths, scheduler.active = list(item.lengths), tuple(item.active)
                 elif isinstance(item, tuple):
-                    plan, tuner = item
-                    tuner.fix(plan)
-                    scheduler.planner = tuner
-                    scheduler.lengths, scheduler.active = list(plan.lengths), tuple(plan.active)
+                    scheduler.planner = Pinned(*item)
                 else:
-                    item.fix(None)
                     scheduler.planner = item
                 cpu_started = time.process_time()
                 output = engine.generate(GenerationRequest(tuple(ids), settings.max_new_tokens, params, request_seed(settings, seed, number)))
@@ -161,33 +177,33 @@ def _medians(runs: list[Measurement]) -> Measurement:
     return Measurement(statistics.median(m.wall_ms for m in runs), statistics.median(m.cpu_ms for m in runs))
 
 
-def measure(engine: Engine, plans: list[Plan], prompt_ids: list[list[int]], settings: TuneSettings, make_auto_tuner, log,
-            predict=None, calibration=None) -> tuple[dict, list[Tuner], list[dict]]:
+def measure(engine: Engine, plans: list[Plan], prompt_ids: list[list[int]], settings: TuneSettings, make_auto_planner, log,
+            predict=None, calibration=None) -> tuple[dict, list[BatchPlanner], list[dict]]:
     """Step 4: `settings.repeats` passes, each over every plan and one fresh `lengths: auto`
-    tuner, interleaved per prompt (`interleaved_pass`), with `calibration()`'s items (see
+    planner, interleaved per prompt (`interleaved_pass`), with `calibration()`'s items (see
     `calibration_items`) interleaved in the same pass; after each pass `predict(repeat)`
     returns its predictions (from the calibration runs, never the measured ones). Returns
-    ({plan or "auto": median Measurement}, the auto runs' tuners, [per-pass predictions])."""
+    ({plan or "auto": median Measurement}, the auto runs' planners, [per-pass predictions])."""
     runs: dict = {plan: [] for plan in [*plans, "auto"]}
-    tuners = []
+    planners = []
     predictions = []
     started = time.perf_counter()
     for repeat in range(settings.repeats):
         extra, after, finish = calibration() if calibration is not None else ([], None, None)
-        auto_tuner = make_auto_tuner()
-        measured = [*plans, auto_tuner]
+        auto_planner = make_auto_planner()
+        measured = [*plans, auto_planner]
         hook = (lambda index: after(index - len(measured)) if index >= len(measured) else None) if after is not None else None
         results = interleaved_pass(engine, [*measured, *extra], prompt_ids, settings, seed=settings.seed + repeat, after=hook)
         if finish is not None:
             finish()
         for item, result in zip([*plans, "auto"], results):
             runs[item].append(result)
-        tuners.append(auto_tuner)
+        planners.append(auto_planner)
         if predict is not None:
             predictions.append(predict(repeat))
         log(f"pass {repeat + 1}/{settings.repeats}: {len(plans) + 1} runs of {len(prompt_ids)} prompts"
             f"{f' and {len(extra)} calibration runs' if extra else ''} ({time.perf_counter() - started:.0f} s)")
-    return {item: _medians(values) for item, values in runs.items()}, tuners, predictions
+    return {item: _medians(values) for item, values in runs.items()}, planners, predictions
 
 
 def measure_plans(engine: Engine, plans: list[Plan], prompt_ids: list[list[int]], settings: TuneSettings, log) -> dict:
@@ -200,26 +216,26 @@ def measure_plans(engine: Engine, plans: list[Plan], prompt_ids: list[list[int]]
     return {plan: _medians(values) for plan, values in runs.items()}
 
 
-def measure_heldout(engine: Engine, best: Plan, prompt_ids: list[list[int]], settings: TuneSettings, make_auto_tuner, log,
-                    warm_tuner: Tuner | None = None) -> dict:
+def measure_heldout(engine: Engine, best: Plan, prompt_ids: list[list[int]], settings: TuneSettings, make_auto_planner, log,
+                    warm_planner: BatchPlanner | None = None) -> dict:
     """The best grid point (fixed lengths, chosen on the tuning set) against `lengths: auto` on
     prompts neither saw; `heldout_repeats` passes, interleaved per prompt. Auto runs twice a pass:
-    a fresh tuner (start-up profile only: a server's first requests), and, when `warm_tuner`
-    is given, a copy of it (a tuner that has already served other prompts: the tuning set,
+    a fresh planner (start-up profile only: a server's first requests), and, when `warm_planner`
+    is given, a copy of it (a planner that has already served other prompts: the tuning set,
     in one `lengths: auto` run), as in a server that has been up for a while."""
     runs: dict[str, list[Measurement]] = {"fixed": [], "auto": [], "warm": []}
-    detail = []  # per pass, per item: ms/token of each prompt, and the tuners' plans in each
+    detail = []  # per pass, per item: ms/token of each prompt, and the planners' plans in each
     for repeat in range(settings.heldout_repeats):
-        items = {"fixed": best, "auto": make_auto_tuner()}
-        if warm_tuner is not None:
-            items["warm"] = copy.deepcopy(warm_tuner)
+        items = {"fixed": best, "auto": make_auto_planner()}
+        if warm_planner is not None:
+            items["warm"] = copy_planner(warm_planner)
         names = list(items)
         this_pass = {name: {"prompt_ms_per_token": [None] * len(prompt_ids)} for name in names}
 
         def record(index: int, number: int, output) -> None:
             entry = this_pass[names[index]]
             entry["prompt_ms_per_token"][number] = round(1000.0 * output["stats"]["time_s"] / max(1, len(output["token_ids"])), 3)
-            if "plans" in output["stats"]:  # what the tuner ran in that prompt: [new tokens so far, lengths, tiers] at each change
+            if "plans" in output["stats"]:  # what the planner ran in that prompt: [new tokens so far, lengths, tiers] at each change
                 entry.setdefault("plans", [None] * len(prompt_ids))[number] = [[p["new_tokens"], p["lengths"], p["tiers"]] for p in output["stats"]["plans"]]
 
         results = interleaved_pass(engine, list(items.values()), prompt_ids, settings, seed=settings.seed + 2000 + repeat, record=record)
@@ -270,63 +286,40 @@ def heldout_summary(runs: dict[str, list[Measurement]], detail: list[dict], best
     }
 
 
-def shift_view(engine: Engine, tuner: Tuner, key: str) -> dict:
-    """What the tuner believes at one moment of the shift test: acceptance per pair it has
-    measured (positions 1-4) and the best plan it predicts with every tier and without each."""
-    names = [tier.name for tier in engine.tiers]
-    acceptance = {
-        f"{names[v]}<-{names[d]}": {"per_position": [round(r, 3) for r in tuner.accept_rates(key, v, d)[:4]], "blocks": round(estimate.blocks, 1)}
-        for (v, d), estimate in sorted(tuner.estimates(key).items())
-    }
-    contenders = [tuner.choose(key, bypass=False)]
-    if not tuner.distributed:  # a distributed chain cannot bypass a tier
-        contenders += [tuner.choose(key, exclude=tier) for tier in range(1, len(engine.tiers))]
-    predicted = [
-        {"tiers": [names[t] for t in plan.active], "lengths": [plan.lengths[level] for level in plan.active[:-1]], "ms_per_token": round(plan.predicted_ms, 4)}
-        for plan in dict.fromkeys(contenders)
-    ]
-    return {"acceptance": acceptance, "predicted": predicted}
-
-
-def measure_shift(engine: Engine, tuner: Tuner, code_ids: list[list[int]], prose_ids: list[list[int]], settings: TuneSettings) -> dict:
-    """`lengths: auto` on code prompts, then prose prompts, in one tuner: the target rounds
-    from the first prose round to the next change of plan (lengths or tiers) made after it.
-    (A change planned for the first prose round itself is not counted: it was decided before
-    that round, from code rounds only.) With the tuner's view at the switch and at the end."""
+def measure_shift(engine: Engine, planner: BatchPlanner, code_ids: list[list[int]], prose_ids: list[list[int]], settings: TuneSettings) -> dict:
+    """`lengths: auto` on code prompts, then prose prompts, in one planner: the rounds from the first prose
+    round to the first change of plan (lengths or tiers) after it, read from the requests' plan records.
+    (The plan of the first prose round itself is not counted as a change: it was decided before that round,
+    from code rounds only.)"""
     params = settings.params()
-    key = request_class(params)
-    engine.scheduler.planner = tuner
-    tuner.fix(None)
+    records = []  # (prose?, plan record) of every request, in order
+    engine.scheduler.planner = planner
     try:
-        for number, ids in enumerate(code_ids):
-            engine.generate(GenerationRequest(tuple(ids), settings.max_new_tokens, params, settings.seed + number))
-        switch_round = tuner.class_state(key).rounds
-        plan_before = tuner.class_state(key).plan
-        at_switch = shift_view(engine, tuner, key)
-        for number, ids in enumerate(prose_ids):
-            engine.generate(GenerationRequest(tuple(ids), settings.max_new_tokens, params, settings.seed + 100 + number))
-        end_round = tuner.class_state(key).rounds
+        for prose, ids_list, offset in ((False, code_ids, 0), (True, prose_ids, 100)):
+            for number, ids in enumerate(ids_list):
+                output = engine.generate(GenerationRequest(tuple(ids), settings.max_new_tokens, params, settings.seed + offset + number))
+                records += [(prose, record) for record in output["stats"]["plans"]]
     finally:
         engine.scheduler.planner = None
-    changes = [h for h in tuner.history if h["round"] > switch_round]
-    at_end = shift_view(engine, tuner, key)
-    best_at_end = min(at_end["predicted"], key=lambda plan: plan["ms_per_token"])
+    code = [record for prose, record in records if not prose]
+    prose = [record for is_prose, record in records if is_prose]
+    switch_round = sum(record["rounds"] for record in code)
+
+    def shown(record: dict) -> dict:
+        return {"lengths": record["lengths"], "tiers": record["tiers"]}
+
+    rounds, change = 0, None
+    for before, record in zip(prose, prose[1:]):
+        rounds += before["rounds"]
+        if shown(record) != shown(before):
+            change = rounds
+            break
     return {
         "code_prompts": len(code_ids),
         "prose_prompts": len(prose_ids),
         "prose_from_round": switch_round,
-        "prose_rounds": end_round - switch_round,
-        "plan_at_switch": None if plan_before is None else {
-            "lengths": [plan_before.lengths[level] for level in plan_before.active[:-1]],
-            "tiers": [engine.tiers[t].name for t in plan_before.active],
-        },
-        "rounds_to_first_change": (changes[0]["round"] - switch_round) if changes else None,
-        "at_switch": at_switch,
-        "at_end": at_end,
-        # the model's best plan on the prose's estimates: when it is the plan at the switch, the
-        # prose gave the lengths nothing to follow (an int8 copy of the target accepts ~99 % of
-        # code and prose alike; a bypassed n-gram tier stays bypassed)
-        "best_at_end": {"tiers": best_at_end["tiers"], "lengths": best_at_end["lengths"]},
-        "history": tuner.history,
+        "prose_rounds": sum(record["rounds"] for record in prose),
+        "plan_at_switch": shown(code[-1]) if code else None,
+        "rounds_to_first_change": change,
+        "history": planner.history,
     }
-

@@ -4,6 +4,7 @@ text form `polyspec tune` prints without `--json`."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 
 import torch
@@ -12,13 +13,17 @@ from polyspec.harness.bench import machine_info
 from polyspec.harness.tune_measure import Measurement, TuneSettings
 from polyspec.orchestrator.config import ChainConfig
 from polyspec.orchestrator.engine import Engine
-from polyspec.orchestrator.tuning.chain_model import relative_error
-from polyspec.orchestrator.tuning.tuner import Plan, Tuner
+from polyspec.orchestrator.tuning.batch_model import WIDTH_GRID, BatchPlanner, Plan
+
+
+def relative_error(predicted: float, measured: float) -> float:
+    """|predicted - measured| / measured (inf when nothing was measured)."""
+    return abs(predicted - measured) / measured if measured > 0 else math.inf
 
 
 def plan_entry(engine: Engine, plan: Plan, predicted: float, measured: Measurement) -> dict:
     return {
-        "lengths": [plan.lengths[level] for level in plan.active[:-1]],
+        "lengths": lengths_of(plan),
         "tiers": [engine.tiers[t].name for t in plan.active],
         "predicted_ms_per_token": round(predicted, 4),
         "measured_ms_per_token": round(measured.wall_ms, 4),
@@ -26,34 +31,30 @@ def plan_entry(engine: Engine, plan: Plan, predicted: float, measured: Measureme
     }
 
 
-def tier_report(engine: Engine, tuner: Tuner, key: str, grid_max: int) -> list[dict]:
+def tier_report(engine: Engine, planner: BatchPlanner) -> list[dict]:
+    """Per tier, as the calibrated planner sees it at a batch of one: a model tier's forward ms per width
+    (new tokens), a lookup tier's ms a draft, and its acceptance as the drafter of the tier above it
+    (the target's of the bottom tier too, in a chain of three)."""
     tiers = []
-    profile = tuner.profile
     last = len(engine.tiers) - 1
+    greedy = planner.greedy_share >= 1.0
     for index, tier in enumerate(engine.tiers):
-        entry: dict = {"name": tier.name, "forward_ms": None, "draft_ms": None, "acceptance": None}
-        full = tuple(range(len(engine.tiers)))
-        if profile.forward[index] is not None:
-            entry["forward_ms"] = {str(m): round(v, 4) for m, v in profile.forward_ms(index, full).items()}
-        if profile.draft[index] is not None:
-            entry["draft_ms"] = {str(k): round(v, 4) for k, v in profile.draft_ms(index, full).items()}
-            entry["proposal_fill"] = round(tuner.fill(key, index), 4)  # share of an asked block it proposes
+        table = planner.tables[index]
+        entry: dict = {"name": tier.name, "forward_ms": None, "lookup_ms": None, "acceptance": None}
+        if table is not None:
+            entry["forward_ms"] = {str(w): round(table.estimate(1, w), 4) for w in WIDTH_GRID}
+        else:
+            entry["lookup_ms"] = round(planner.lookup_ms[index], 4)
         if index < last:
-            entry["acceptance"] = acceptance_entry(engine, tuner, key, index, index + 1, grid_max)
+            entry["acceptance"] = acceptance_entry(engine, planner, index, index + 1, greedy)
         if index == 0 and last >= 2:
-            entry["acceptance_skip"] = acceptance_entry(engine, tuner, key, 0, last, grid_max)
+            entry["acceptance_skip"] = acceptance_entry(engine, planner, 0, last, greedy)
         tiers.append(entry)
     return tiers
 
 
-def acceptance_entry(engine: Engine, tuner: Tuner, key: str, verifier: int, drafter: int, grid_max: int) -> dict:
-    rates = tuner.accept_rates(key, verifier, drafter)
-    estimate = tuner.estimates(key).get((verifier, drafter))
-    return {
-        "drafter": engine.tiers[drafter].name,
-        "per_position": [round(r, 4) for r in rates[: 2 * grid_max]],
-        "blocks": 0 if estimate is None else int(round(estimate.blocks)),
-    }
+def acceptance_entry(engine: Engine, planner: BatchPlanner, verifier: int, drafter: int, greedy: bool) -> dict:
+    return {"drafter": engine.tiers[drafter].name, "rate": round(planner.rate(verifier, drafter, greedy), 4)}
 
 
 def lengths_of(plan: Plan) -> list[int]:
@@ -63,18 +64,18 @@ def lengths_of(plan: Plan) -> list[int]:
 
 @dataclasses.dataclass
 class Contenders:
-    """The plans a tune run predicts and measures: the grid over every tier, the tuner's choice,
-    the best plan with each tier bypassed, and the target alone (no bypass and no baseline in a
-    distributed chain, which runs every tier every round)."""
+    """The plans a tune run predicts and measures: the grid over every tier, the planner's choice,
+    the best plan with each tier bypassed (none in a distributed chain, which runs every tier or
+    none), and the target alone."""
 
     grid: list[Plan]
     chosen: Plan
     bypass: list[tuple[int, Plan]]  # (bypassed tier, best plan without it)
-    baseline: Plan | None
+    baseline: Plan
 
     def plans(self) -> list[Plan]:
         """Every plan once, in report order."""
-        return list(dict.fromkeys(self.grid + [self.chosen] + [plan for _, plan in self.bypass] + ([self.baseline] if self.baseline else [])))
+        return list(dict.fromkeys(self.grid + [self.chosen] + [plan for _, plan in self.bypass] + [self.baseline]))
 
 
 @dataclasses.dataclass
@@ -98,7 +99,6 @@ class TuneResults:
     confirmation: Confirmation
     auto_plans: list  # the plan changes of the last fresh `lengths: auto` run
     tiers: list[dict]  # tier_report, taken right after the initial calibration
-    round_overhead_ms: float
     heldout: dict | None
     shift: dict | None
 
@@ -135,9 +135,10 @@ def summary(engine: Engine, results: TuneResults, field: str) -> dict:
     }
 
 
-def build_report(engine: Engine, config: ChainConfig, tuner: Tuner, settings: TuneSettings, prompts: list[str], results: TuneResults) -> dict:
+def build_report(engine: Engine, config: ChainConfig, settings: TuneSettings, prompts: list[str], results: TuneResults) -> dict:
     """The JSON report of a tune run (`polyspec tune --json`)."""
     contenders, measured = results.contenders, results.measured
+    remote = config.runtime.backend == "ray"
     return {
         "config": config.source,
         "temperature": settings.temperature,
@@ -147,8 +148,8 @@ def build_report(engine: Engine, config: ChainConfig, tuner: Tuner, settings: Tu
         "grid": [plan_report(engine, results, plan) for plan in contenders.grid],
         "chosen": plan_report(engine, results, contenders.chosen),
         "bypass": [{"bypassed": engine.tiers[tier].name, **plan_report(engine, results, plan)} for tier, plan in contenders.bypass],
-        "baseline": plan_report(engine, results, contenders.baseline) if contenders.baseline else None,
-        "runtime": {"backend": config.runtime.backend, "pipeline": tuner.pipelined if tuner.distributed else False},
+        "baseline": plan_report(engine, results, contenders.baseline),
+        "runtime": {"backend": config.runtime.backend, "pipeline": config.runtime.pipeline if remote else False},
         # the CPU matters: how a drafter's forward compares with the target's differs between CPUs
         "machine": {**machine_info(torch.get_num_threads(), config.tiers[0].dtype, "cpu"),
                     "tier_threads": {tier.name: tier.threads for tier in config.tiers}},
@@ -158,14 +159,9 @@ def build_report(engine: Engine, config: ChainConfig, tuner: Tuner, settings: Tu
             "plans": results.auto_plans,
         },
         "tiers": results.tiers,
-        "round_overhead_ms": round(results.round_overhead_ms, 4),
-        "step_overhead_ms": round(tuner.timing.step_overhead_ms, 4) if tuner.distributed else None,  # per target round (distributed)
-        "ahead_slowdown": {engine.tiers[t].name: round(v, 4) for t, v in tuner.timing.ahead_slowdown.items()},  # pipelined drafters
-        "first_round_scale": round(tuner.first_round_scale, 4) if tuner.distributed else None,  # first rounds, measured / modelled
-        "jitter_cv": round(tuner.timing.jitter_cv, 4) if tuner.distributed and tuner.pipelined else None,  # spread of round / block times
         "summary": summary(engine, results, "wall_ms"),
         # this process's CPU time: meaningless when the tiers run in other processes
-        "summary_cpu": None if tuner.distributed else summary(engine, results, "cpu_ms"),
+        "summary_cpu": None if remote else summary(engine, results, "cpu_ms"),
         "heldout": results.heldout,
         "shift": results.shift,
     }
@@ -175,24 +171,17 @@ def build_report(engine: Engine, config: ChainConfig, tuner: Tuner, settings: Tu
 
 
 def tier_lines(report: dict) -> list[str]:
-    """Per tier: forward and draft latencies, acceptance; then the overheads."""
+    """Per tier: forward ms per width (or a lookup's ms), acceptance."""
     lines = []
     for tier in report["tiers"]:
         parts = [f"{tier['name']:>10}"]
         if tier["forward_ms"]:
-            sizes = list(tier["forward_ms"].items())
-            parts.append("forward ms " + " ".join(f"{m}:{v:.2f}" for m, v in sizes[:: max(1, len(sizes) // 6)]))
-        if tier["draft_ms"]:
-            parts.append("draft ms " + " ".join(f"{k}:{v:.2f}" for k, v in list(tier["draft_ms"].items())[::2]))
+            parts.append("forward ms " + " ".join(f"{w}:{v:.2f}" for w, v in tier["forward_ms"].items()))
+        if tier["lookup_ms"] is not None:
+            parts.append(f"lookup ms {tier['lookup_ms']:.3f}")
         if tier["acceptance"]:
-            rates = tier["acceptance"]["per_position"][:6]
-            parts.append(f"accepts {tier['acceptance']['drafter']}: " + " ".join(f"{r:.2f}" for r in rates))
+            parts.append(f"accepts {tier['acceptance']['drafter']}: {tier['acceptance']['rate']:.2f}")
         lines.append("  ".join(parts))
-    lines.append(f"{'':>10}  per-round overhead outside forwards: {report['round_overhead_ms']:.3f} ms")
-    if report.get("step_overhead_ms") is not None:
-        lines.append(f"{'':>10}  per target round (the driver's call, the target's call to its drafter): {report['step_overhead_ms']:.3f} ms")
-    if report.get("first_round_scale") is not None:
-        lines.append(f"{'':>10}  a request's first round (prefills + set-up), measured / modelled: {report['first_round_scale']:.3f}")
     return lines
 
 
@@ -217,12 +206,11 @@ def describe(label: str, entry: dict) -> str:
 
 def plan_lines(report: dict) -> list[str]:
     """The choice, each bypass, the target alone and `lengths: auto`."""
-    lines = [describe("tuner's choice", report["chosen"])]
+    lines = [describe("planner's choice", report["chosen"])]
     for entry in report["bypass"]:
         lines.append(describe(f"without {entry['bypassed']}", entry))
-    if report["baseline"]:
-        lines.append(describe("target alone", report["baseline"]))
-    lines.append(f"lengths: auto (fresh tuner): measured {report['auto']['measured_ms_per_token']:.3f} ms/token, {len(report['auto']['plans'])} plan changes")
+    lines.append(describe("target alone", report["baseline"]))
+    lines.append(f"lengths: auto (fresh planner): measured {report['auto']['measured_ms_per_token']:.3f} ms/token, {len(report['auto']['plans'])} plan changes")
     return lines
 
 
@@ -235,7 +223,7 @@ def heldout_lines(heldout: dict | None) -> list[str]:
     ]
     if "warm_auto_ms_per_token" in heldout:
         lines.append(
-            f"held out, lengths: auto with a tuner that has served the tuning prompts: {heldout['warm_auto_ms_per_token']:.3f} ms/token,"
+            f"held out, lengths: auto with a planner that has served the tuning prompts: {heldout['warm_auto_ms_per_token']:.3f} ms/token,"
             f" {heldout['warm_auto_tokens_per_s_over_best']:.3f}x"
         )
     return lines
@@ -246,11 +234,6 @@ def shift_lines(shift: dict | None) -> list[str]:
         return []
     rounds = shift["rounds_to_first_change"]
     change = "no change of plan" if rounds is None else f"first change of plan after {rounds} rounds"
-    best, before = shift.get("best_at_end"), shift.get("plan_at_switch")
-    if rounds is None and best is not None:
-        same = best == before
-        change += (f" (the model's best on the prose is the plan at the switch, {'+'.join(best['tiers'])} {best['lengths']})" if same
-                   else f" (the model's best on the prose: {'+'.join(best['tiers'])} {best['lengths']})")
     return [f"code -> prose: {shift['prose_rounds']} prose rounds from round {shift['prose_from_round']}; {change}"]
 
 

@@ -5,7 +5,6 @@ token, serial and pipelined (draft-ahead, no bonus token on a fully accepted blo
 from __future__ import annotations
 
 import collections
-import contextlib
 
 import pytest
 
@@ -88,185 +87,43 @@ def test_concurrent_requests_match_one_at_a_time(tiny_family, embedded):
 
 
 @pytest.mark.parametrize("pipeline", [False, True], ids=["serial", "pipelined"])
-def test_online_tuner_sets_lengths_of_a_distributed_chain(tiny_family, embedded, pipeline):
-    """lengths: auto on a distributed chain: every tier profiles itself (Profile RPC), the
-    driver's planner (the tuner) hears each round's stage reports (rounds, and the bottom tier's
-    proposals) as typed observations and sets the lengths sent with the next round; concurrent requests report safely; the
+def test_the_goodput_planner_sets_lengths_of_a_distributed_chain(tiny_family, embedded, pipeline):
+    """lengths: auto on a distributed chain: every tier profiles itself (Profile RPC), the driver's planner
+    (the goodput planner, its plans on every tier or none) hears each round's stage reports as typed
+    observations and sets the lengths sent with the next round; concurrent requests report safely; the
     output is still the target's greedy text."""
-    from polyspec.orchestrator.distributed.driver import profile_remote
-    from polyspec.orchestrator.tuning.tuner import Plan, Tuner
+    from polyspec.harness.tune_measure import Pinned
+    from polyspec.orchestrator.distributed.driver import profile_grid_remote
+    from polyspec.orchestrator.tuning.batch_model import BatchPlanner, Plan
     from tests.orchestrator.test_plan_stats import check_plans
 
     config = chain_config(tiny_family, ["target", "mid", "small"], lengths=[1, 1])
     tiers, _ = load_tiers(config.tiers)
     chain, workers = in_process_chain(tiers, [1, 1], pipeline=pipeline, eos_token_ids=EOS)
     try:
-        profile, prefill = profile_remote(chain, 24, SamplingParams(temperature=0.0), max_length=4, repeats=1,
-                                          prefill_lens=[8, 16])
-        assert profile.forward[0] and profile.forward[1] and profile.forward[2] is None  # the bottom only drafts
-        assert sorted(profile.draft[2]) == [1, 2, 3, 4] and profile.draft[0] is None
-        assert len(prefill[0]) == 2 and all(ms > 0 for ms in prefill[0])
-        tuner = Tuner(profile, max_length=4, retune_every=2, warmup_rounds=2, distributed=True, pipelined=pipeline)
-        chain.planner = tuner
+        tables, lookup = profile_grid_remote(chain, 1, repeats=1)
+        assert all(table is not None and table.ms for table in tables) and lookup == [0.0, 0.0, 0.0]
+        planner = BatchPlanner(chain.tiers, tables, lookup, max_length=4, allow_bypass=False)
+        assert {plan.active for plan in planner.plans} == {(0,), (0, 1, 2)}
+        chain.planner = planner
         jobs = [(ids, MAX_NEW, SamplingParams(temperature=0.0), None) for ids, _ in embedded.values()] * 2
         results = {}
         generate_each(chain, jobs, concurrency=3, on_done=lambda i, out: results.__setitem__(i, out))
         assert [results[i].token_ids for i in range(len(jobs))] == [tokens for _, tokens in embedded.values()] * 2
-        estimates = tuner.estimates("greedy")
-        assert set(estimates) == {(0, 1), (1, 2)} and all(e.blocks > 0 for e in estimates.values())
-        assert any(table.online for (tier, _), table in profile.online_draft.items() if tier == 2)  # proposals reported
-        assert any(table.online for (tier, _), table in profile.online_forward.items() if tier == 0)
-        assert tuner.history and all(entry["active"] == ["target", "mid", "small"] for entry in tuner.history)  # no bypass
-        for out in results.values():  # each request ran the plans the tuner chose, with its predicted and measured tokens/s
-            assert out.stats["plans"] and all(plan["lengths"] in [h["lengths"] for h in tuner.history] for plan in out.stats["plans"])
+        assert planner.history and planner.arms  # it planned steps and measured them
+        for out in results.values():  # each request ran plans the planner chose, with its predicted and measured tokens/s
+            assert out.stats["plans"]
             check_plans({"token_ids": out.token_ids, "stats": out.stats})
-        tuner.fix(Plan((3, 2), (0, 1, 2), 0.0))  # the driver sends the tuner's lengths with every round
+        chain.planner = Pinned(Plan((0, 1, 2), (3, 2)), planner)  # the driver sends the plan's lengths with every round
         ids, expected = next(iter(embedded.values()))
         out = generate_alone(chain, ids, MAX_NEW, SamplingParams(temperature=0.0))
         assert out.token_ids == expected
         assert [stage["lengths"][0] for stage in out.stats["stages"]] == [3, 2]  # (then clipped near max_new_tokens)
+        assert {(0, 1, True), (1, 2, True)} <= set(planner.acceptance.pairs())  # both stages' rounds heard
     finally:
         chain.close()
         for worker in workers:
             worker.stop()
-
-
-class VerifyCalls:
-    """The driver's calls to the target (a VerifyBatch of one per step of one request): the lengths
-    each was sent with, the replies arrived (`done`) and those the driver has taken (`collected`)."""
-
-    def __init__(self) -> None:
-        self.sent: list[list[int]] = []
-        self.done = self.collected = 0
-
-    def clear(self) -> None:
-        self.sent.clear()
-        self.done = self.collected = 0
-
-
-@contextlib.contextmanager
-def pipelined_chain_with_tuner(tiny_family, tuner_class):
-    """A pipelined in-process chain (target <- mid <- small) driven by a `tuner_class` tuner on
-    its start-up profile, with its VerifyBatch calls counted (the stub has no other). Yields (chain, tuner, VerifyCalls)."""
-    import dataclasses
-
-    from polyspec.orchestrator.distributed.driver import profile_remote
-
-    config = chain_config(tiny_family, ["target", "mid", "small"], lengths=[1, 1])
-    tiers, _ = load_tiers(config.tiers)
-    chain, workers = in_process_chain(tiers, [1, 1], pipeline=True, eos_token_ids=EOS)
-    calls = VerifyCalls()
-
-    class Collected:
-        def __init__(self, call):
-            self.call = call
-
-        def add_done_callback(self, callback):
-            self.call.add_done_callback(callback)
-
-        def result(self, timeout=None):
-            reply = self.call.result(timeout)
-            calls.collected += 1
-            return reply
-
-    class CountingMethod:
-        def __init__(self, method):
-            self.method = method
-
-        @staticmethod
-        def lengths(request):
-            (one,) = request.requests  # a step of one request: a batch of one
-            return list(one.header.lengths)
-
-        def future(self, request, timeout=None):
-            calls.sent.append(self.lengths(request))
-            call = self.method.future(request, timeout=timeout)
-            call.add_done_callback(lambda _: setattr(calls, "done", calls.done + 1))
-            return Collected(call)
-
-        def __call__(self, request, timeout=None):
-            calls.sent.append(self.lengths(request))
-            reply = self.method(request, timeout=timeout)
-            calls.done += 1
-            calls.collected += 1
-            return reply
-
-    class CountingStub:
-        def __init__(self, stub):
-            self.VerifyBatch = CountingMethod(stub.VerifyBatch)
-
-    try:
-        profile, _ = profile_remote(chain, 24, SamplingParams(temperature=0.0), max_length=4, repeats=1, prefill_lens=[8])
-        real_stub = chain._stub
-        chain._stub = lambda: dataclasses.replace(real_stub(), stub=CountingStub(real_stub().stub))
-        tuner = tuner_class(profile, max_length=4, retune_every=1, warmup_rounds=4, distributed=True, pipelined=True)
-        chain.planner = tuner
-        yield chain, tuner, calls
-    finally:
-        chain.close()
-        for worker in workers:
-            worker.stop()
-
-
-def test_the_tuner_hears_each_round_and_plans_the_next_while_rounds_run(tiny_family, embedded):
-    """The driver folds a round's report into the tuner while the next round is in flight (off
-    the critical path), with the lengths that round was sent with; a request's first round is
-    folded in at once (it restarts the class's estimates) and its last one by `finish`: every
-    round is heard exactly once, in order. It also plans round n + 1 while round n is in flight
-    (its plan off the critical path) whenever round n cannot end the request, and the tuner
-    sees its calls in the order of planning each round at its start: plan 0, observe 0, plan 1,
-    then plan k before observe k - 1, so each plan has seen every round but the one before it."""
-    from polyspec.orchestrator.tuning.tuner import Tuner
-
-    from polyspec.orchestrator.decode.contract import StepObservation
-
-    plans, heard = [], []  # (Verify calls sent, replies taken) at each plan; (first, lengths, sent, replies arrived) at each round heard
-    kinds = []  # "plan" | "observe", in call order
-
-    class Recording(Tuner):
-        def plan(self, step):
-            kinds.append("plan")
-            plans.append((len(calls.sent), calls.collected))
-            return super().plan(step)
-
-        def observe(self, observation):
-            if isinstance(observation, StepObservation):  # the end of a round's observations
-                kinds.append("observe")
-                heard.append((observation.first[0], list(observation.lengths), len(calls.sent), calls.done))
-            super().observe(observation)
-
-    with pipelined_chain_with_tuner(tiny_family, Recording) as (chain, tuner, calls):
-        deferred = ahead = 0
-        for ids, expected in embedded.values():
-            for record in (calls, plans, heard, kinds):
-                record.clear()
-            out = generate_alone(chain, ids, MAX_NEW, SamplingParams(temperature=0.0))
-            assert out.token_ids == expected
-            rounds = out.stats["rounds"]
-            assert len(calls.sent) == rounds == len(heard)
-            assert [lengths for _, lengths, _, _ in heard] == calls.sent  # each round with its own lengths, in order
-            assert heard[0][0] and not any(first for first, *_ in heard[1:])
-            assert heard[0][2:] == (1, 1)  # the first round: at once
-            middle = heard[1:-1]  # round j (from 0) heard just after round j + 1 was sent ...
-            assert [sent for _, _, sent, _ in middle] == list(range(3, rounds + 1))
-            # ... and before its reply came (a reply quicker than the few microseconds in
-            # between would need this thread descheduled for a whole forward: allowed rarely)
-            in_flight = sum(done == sent - 1 for _, _, sent, done in middle)
-            assert in_flight >= 0.8 * len(middle), middle
-            assert heard[-1][2:] == (rounds, rounds)  # the last: by finish
-            deferred += len(middle)
-            # a plan made ahead for a round that never came: only when the request ended early (EOS)
-            assert len(plans) == rounds or (len(plans) == rounds + 1 and out.finish_reason == "eos")
-            order = ["plan", "observe", "plan"] + ["plan", "observe"] * (rounds - 2) + ["observe"]
-            if len(plans) > rounds:
-                order = order[:-1] + ["plan", "observe"]
-            assert kinds == order
-            assert plans[0] == (0, 0) and plans[1] == (1, 1)  # round 1: planned at its start, after round 0's report
-            for k, (sent, collected) in enumerate(plans[2:], start=2):
-                # round k: planned while round k - 1 was in flight (its reply not yet taken), or at its start
-                assert sent == k and collected in (k - 1, k)
-                ahead += collected == k - 1
-        assert deferred >= 10 and ahead >= 10 and tuner.history
 
 
 def test_drafter_death_falls_back_to_the_target(tiny_family, embedded):
@@ -365,8 +222,8 @@ def test_prefill_rollback_and_profile_rpcs(tiny_family, embedded):
         while not state.done:
             chain.step(state)
         assert chain.finish(state).token_ids == expected
-        profile = stubs[0].Profile(tier_pb2.ProfileRequest(context_len=16, max_tokens=3, repeats=2)).forward_ms
-        assert len(profile) == 3 and all(ms > 0 for ms in profile)
+        grid = stubs[0].Profile(tier_pb2.ProfileRequest(max_batch=1, repeats=1)).batched
+        assert (1, 1) in {(cell.batch, cell.width) for cell in grid} and all(cell.ms > 0 for cell in grid)
     finally:
         chain.close()
         for worker in workers:

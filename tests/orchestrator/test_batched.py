@@ -495,7 +495,6 @@ def test_batched_draft_stops_where_the_one_request_tier_stops(tiny_family, thres
 class RecordingPlanner:
     """A planner that runs the plan it is given every step and records what it is told."""
 
-    one_request = False
     predicted_tokens_per_s = None
 
     def __init__(self, active: tuple[int, ...], shadows: bool = True, drafters=None) -> None:

@@ -65,6 +65,8 @@ def test_every_system_runs_at_both_temperatures(report):
     for temperature in (0.0, 1.0):
         systems = {row["system"].removesuffix("@auto") for row in report["results"] if row["temperature"] == temperature}
         assert systems == expected | {"hf-assisted:int8@k4", "hf-assisted:small@k3"}
+        auto = {row["system"] for row in report["results"] if row["temperature"] == temperature and row["system"].endswith("@auto")}
+        assert auto == {name + "@auto" for name in expected if name.startswith("polyspec:")}  # lengths: auto, the goodput planner
     assert [s["system"] for s in report["skipped"]] == ["hf-assisted:ngram"]
 
 

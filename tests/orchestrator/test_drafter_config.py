@@ -86,14 +86,13 @@ def test_validate_prints_one_line_for_a_bad_threshold(tiny_drafters, tmp_path, c
     assert "node: its target's ('target'), in the target's actor" in capsys.readouterr().out
 
 
-def test_the_tuner_sees_the_early_exit_blocks_length(tiny_drafters):
-    """With lengths: auto the tuner measures the share of an asked block the early-exit tier
-    proposes (its fill), which sizes the verifier's forwards in the time model."""
+def test_the_planner_hears_the_early_exit_tiers_rounds(tiny_drafters):
+    """With lengths: auto the goodput planner hears the early-exit tier's rounds (a block it stopped early counts
+    as what it proposed, not as what it was asked for) and keeps the pair's acceptance."""
     early = {"name": "e", "model": {"early_exit": tiny_drafters["early_exit_noisy"], "exit_threshold": 0.9}}
     engine = Engine(parse_config(chain(tiny_drafters, early, speculation={"lengths": "auto"})))
     engine.scheduler.eos_token_ids = frozenset()
     result = engine.generate(engine.parse_request({"prompt": "def f(x):\n    return", "max_new_tokens": 24}))
     stage = result["stats"]["stages"][0]
     assert stage["blocks"] > 0
-    fill = engine.scheduler.planner.fill("greedy", 1)
-    assert fill < 1.0  # blocks stopped early were seen
+    assert (0, 1, True) in engine.scheduler.planner.acceptance.pairs()

@@ -45,13 +45,13 @@ def test_generate_says_what_it_loads_and_how_long_each_part_took(tiny_family, pr
 def test_auto_lengths_profile_is_cached_per_tier_and_reused(tiny_family, profile_dir, capsys):
     assert main([*_chain(tiny_family), "--lengths", "auto"]) == 0
     first = capsys.readouterr().err
-    assert first.count("profiled in") == 3 and "read from the cache" not in first
-    assert len(list(profile_dir.glob("*.json"))) == 3  # target, draft, ngram
+    assert first.count("profiled in") == 2 and "read from the cache" not in first
+    assert len(list(profile_dir.glob("*.json"))) == 2  # target, draft (the ngram tier's lookup is timed every time)
     assert main([*_chain(tiny_family), "--lengths", "auto"]) == 0
     second = capsys.readouterr().err
-    assert second.count("start-up profile read from the cache") == 3 and "profiled in" not in second
+    assert second.count("start-up profile read from the cache") == 2 and "profiled in" not in second
     assert main([*_chain(tiny_family), "--lengths", "auto", "--reprofile"]) == 0
-    assert capsys.readouterr().err.count("profiled in") == 3
+    assert capsys.readouterr().err.count("profiled in") == 2
 
 
 def test_a_cached_profile_is_the_one_measured(tiny_family, profile_dir):
@@ -59,9 +59,9 @@ def test_a_cached_profile_is_the_one_measured(tiny_family, profile_dir):
 
     config = models_config(tiny_family["target"], [tiny_family["mid"]], True)
     config = dataclasses.replace(config, speculation=dataclasses.replace(config.speculation, lengths="auto"))
-    measured = Engine(config, cache_profiles=True).scheduler.planner.profile
-    cached = Engine(config, cache_profiles=True).scheduler.planner.profile
-    assert cached.forward == measured.forward and cached.draft == measured.draft
+    one = Engine(config, cache_profiles=True).scheduler.planner
+    cached = Engine(config, cache_profiles=True).scheduler.planner
+    assert [t.ms if t else None for t in cached.tables] == [t.ms if t else None for t in one.tables]
     batched = Engine(config, cache_profiles=True, batched=True).scheduler.planner
     again = Engine(config, cache_profiles=True, batched=True).scheduler.planner
     assert [t.ms if t else None for t in again.tables] == [t.ms if t else None for t in batched.tables]

@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from polyspec.orchestrator.tuning.time_model import StageSpec, accepted_pmf, expected_emitted, first_passage, latency
-from polyspec.orchestrator.tuning.chain_model import chain_cost, first_round_ms, generation_ms, round_models, local_search, search_lengths
+from polyspec.harness.time_model import StageSpec, accepted_pmf, expected_emitted, first_passage, latency
+from polyspec.harness.chain_model import chain_cost, first_round_ms, generation_ms, round_models, search_lengths
 from time_model_reference import best_stage_cost, cost_per_token, expected_emitted_scalar, ideal_bottom_up, ideal_cost_per_token, tier_pays_off, tree_accept_rates
 
 TARGET_MS = {m: 10.0 + m for m in range(1, 40)}  # t_0(m) = 10 + m
@@ -111,28 +111,6 @@ def test_search_lengths_bottom_up_matches_brute_force():
         assert greedy_cost == pytest.approx(brute_cost, rel=0.01), (rates, brute, greedy)
 
 
-def test_local_search_climbs_to_the_full_search_optimum():
-    """Hill-climbing from any start gets within 1 % of the exhaustive optimum on these chains
-    (C_0 is flat near it, and a step that gains nothing ends the climb: why the tuner still
-    runs a full search every 32 rounds), and from the optimum it stays put."""
-    cheap_draft = {k: 0.05 for k in range(1, 40)}
-    for rates in [((0.9,), (0.6,)), ((0.5, 0.6, 0.7), (0.5, 0.8)), ((0.7,), (0.3,)), ((0.99,), (0.95,)), ((0.95,), (0.2,)), ((0.6,), (0.9,))]:
-        stages = [StageSpec(TARGET_MS, rates[0]), StageSpec(MID_MS, rates[1])]
-        best, best_cost = search_lengths(stages, cheap_draft, 8, exhaustive_limit=10_000)
-        for start in itertools.product((1, 4, 8), repeat=2):
-            lengths, cost = local_search(stages, cheap_draft, list(start), 8)
-            assert best_cost <= cost <= best_cost * 1.01, (rates, start, lengths, best)
-        assert local_search(stages, cheap_draft, best, 8)[0] == best
-        # max_steps bounds the walk: one step moves each k by at most one
-        one_step, _ = local_search(stages, cheap_draft, [4, 4], 8, max_steps=1)
-        assert all(abs(k - 4) <= 1 for k in one_step)
-    # the coupled case that moving one k at a time got stuck in (at [2, 8], 8 % above [8, 6])
-    stages = [StageSpec(TARGET_MS, (0.99,)), StageSpec(MID_MS, (0.95,))]
-    assert local_search(stages, cheap_draft, [1, 1], 8)[1] <= search_lengths(stages, cheap_draft, 8)[1] * 1.01
-    # out-of-range starts are clipped to 1..max_length
-    assert all(1 <= k <= 8 for k in local_search([StageSpec(TARGET_MS, (0.9,))], cheap_draft, [20], 8)[0])
-
-
 def test_bypass_condition():
     target = StageSpec(TARGET_MS, (0.6,))
     # a middle tier as slow as the target that agrees no better than the bottom: bypass it
@@ -166,7 +144,7 @@ def test_tree_rates_and_cost():
 def hard_bet(monkeypatch):
     """The runtime's bet as a hard switch at AHEAD_THRESHOLD (the formulas by hand below);
     `ahead_share` smooths it (test_the_bet_is_mixed_near_the_threshold)."""
-    from polyspec.orchestrator.tuning import time_model
+    from polyspec.harness import time_model
 
     monkeypatch.setattr(time_model, "ahead_share", lambda whole: 1.0 if whole >= time_model.AHEAD_THRESHOLD else 0.0)
 
@@ -174,7 +152,7 @@ def hard_bet(monkeypatch):
 def test_the_bet_is_mixed_near_the_threshold():
     """The runtime drafts ahead while an EMA (0.2) of whole blocks is >= 0.5: near the
     threshold it flips back and forth, and the round is the mixture of the two regimes."""
-    from polyspec.orchestrator.tuning.time_model import AHEAD_SMOOTHING, ahead_share, round_model
+    from polyspec.harness.time_model import AHEAD_SMOOTHING, ahead_share, round_model
     from time_model_reference import pipelined_round_model
 
     assert ahead_share(0.5) == pytest.approx(0.5)
@@ -296,7 +274,7 @@ def test_the_second_block_is_drafted_beside_the_prompts_forward(hard_bet):
     costs = {k: chain_cost([request], slow, [k]) for k in range(2, 9)}
     # (the second round hides min(head start, D - forward): 8 ms at k = 3, 40 from k = 8 on)
     assert all(costs[k + 1] < costs[k] for k in range(2, 8)) and costs[8] < costs[2] * 0.9
-    assert search_lengths([request], slow, 8)[0] == [8] and local_search([request], slow, [2], 8)[0] == [8]
+    assert search_lengths([request], slow, 8)[0] == [8]
     assert chain_cost([stage], slow, [4]) == pytest.approx(cost_per_token([stage], slow, [4]))  # no request: C_0
 
 
@@ -332,7 +310,7 @@ def test_expected_max_and_a_jittery_pipelined_round():
     """E[max(A, B)] of two normal times (Clark): equal means sd s each -> mean + s / sqrt(pi);
     far apart -> the larger mean; never below max of the means. A pipelined round accepted whole
     waits for the later of forward and block, so jitter costs most when the two are close."""
-    from polyspec.orchestrator.tuning.time_model import expected_max
+    from polyspec.harness.time_model import expected_max
 
     assert expected_max(10.0, 2.0, 10.0, 2.0) == pytest.approx(10.0 + 2.0 / math.sqrt(math.pi))
     assert expected_max(10.0, 1.0, 30.0, 1.0) == pytest.approx(30.0)

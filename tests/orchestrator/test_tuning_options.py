@@ -23,39 +23,31 @@ def goodput(section: dict, distributed: bool = False) -> BatchPlanner:
                         **options.goodput_options(tuning(section), distributed))
 
 
-def test_every_option_is_in_the_audit_and_the_one_request_tuner_reads_them_all():
+def test_every_option_is_in_the_audit():
     fields = {f.name for f in dataclasses.fields(TuningConfig)} - {"given"}
-    assert set(options.READS[(options.TUNER, False)]) == fields
-    for reads in options.READS.values():
-        assert set(reads) <= fields
-    assert options.note(tuning({name: getattr(TuningConfig(), name) for name in fields}), options.TUNER) is None
+    assert set(options._ALL) == fields == set(options.READS[False])
+    assert set(options.READS[True]) == fields - {"allow_bypass", "shadow"}
+    assert options.note(tuning({name: getattr(TuningConfig(), name) for name in fields}), options.GOODPUT) is None
 
 
 def test_an_option_written_at_its_default_counts_as_set():
     written = tuning({"decay": 0.93, "max_length": 6})
     assert written == dataclasses.replace(TuningConfig(), max_length=6)  # (what was written is not compared)
     assert options.set_options(written) == ["max_length", "decay"]
-    assert options.set_options(TuningConfig(hysteresis=0.1)) == ["hysteresis"]  # built in code: what differs
-
-
-def test_the_options_the_goodput_planner_does_not_read_are_named_in_one_line():
-    line = options.note(tuning({"hysteresis": 0.1, "warmup_rounds": 2, "decay": 0.9, "max_length": 6}), options.GOODPUT)
-    assert line.startswith("tuning: hysteresis, warmup_rounds set, but batched steps are planned by the goodput planner")
-    assert "\n" not in line and "it reads max_length, allow_bypass, explore_every, shadow, decay" in line
-    assert options.note(tuning({"decay": 0.9, "prior_mean": 0.5, "switch_hysteresis": 0.3}), options.GOODPUT) is None
+    assert options.set_options(TuningConfig(explore_every=8)) == ["explore_every"]  # built in code: what differs
 
 
 def test_a_ray_chain_names_the_options_about_tiers_left_out():
-    assert "allow_bypass set, but a Ray chain's requests are planned by the one-request tuner" in \
-        options.note(tuning({"allow_bypass": True}), options.TUNER, distributed=True)
     line = options.note(tuning({"allow_bypass": True, "shadow": False, "decay": 0.9}), options.GOODPUT, distributed=True)
-    assert line.startswith("tuning: allow_bypass, shadow set, but a Ray chain's batched steps")
+    assert line.startswith("tuning: allow_bypass, shadow set, but a Ray chain runs every tier in every round")
+    assert "\n" not in line and line.endswith("it reads max_length, switch_hysteresis, decay, prior_mean, prior_strength, explore_every")
+    assert options.note(tuning({"allow_bypass": True, "decay": 0.9}), options.GOODPUT) is None
     assert not options.goodput_options(tuning({"allow_bypass": True}), distributed=True)["allow_bypass"]
 
 
 def test_with_fixed_lengths_no_planner_runs_and_the_section_is_named():
-    assert options.planner_of(False, True, True, 3) is None and options.planner_of(True, False, False, 3) is None
-    assert options.planner_of(True, True, True, 3) == options.GOODPUT and options.planner_of(True, True, False, 3) == options.TUNER
+    assert options.planner_of(False, True, 3) is None and options.planner_of(True, False, 3) is None
+    assert options.planner_of(True, True, 3) == options.GOODPUT and options.planner_of(True, True, 1) is None
     line = options.note(tuning({"max_length": 4}), None)
     assert line.startswith("tuning: max_length set, but no planner runs")
     assert options.note(TuningConfig(), None) is None
@@ -94,18 +86,19 @@ def test_switch_hysteresis_sets_the_gain_speculation_needs_to_be_switched_on():
     assert goodput({"switch_hysteresis": 0.5}).switch_on == 1.5 and MIN_STEPS
 
 
-def test_validate_names_what_each_path_would_not_read(tmp_path, capsys):
+def test_validate_names_what_the_planner_would_not_read(tmp_path, capsys):
     import yaml
 
     from polyspec.orchestrator.cli import main
 
     config = tmp_path / "chain.yaml"
+    config.write_text(yaml.safe_dump({"tiers": TIERS, "speculation": {"lengths": "auto"}, "tuning": {"explore_every": 8}}))
+    assert main(["validate", "-c", str(config), "--no-model-check"]) == 0
+    assert "note:" not in capsys.readouterr().out
+    config.write_text(yaml.safe_dump({"tiers": TIERS, "speculation": {"lengths": [2, 2]}, "tuning": {"explore_every": 8}}))
+    assert main(["validate", "-c", str(config), "--no-model-check"]) == 0
+    assert "note: tuning: explore_every set, but no planner runs" in capsys.readouterr().out
     config.write_text(yaml.safe_dump({"tiers": TIERS, "speculation": {"lengths": "auto"}, "tuning": {"hysteresis": 0.1}}))
-    assert main(["validate", "-c", str(config), "--no-model-check"]) == 0
-    out = capsys.readouterr().out
-    assert "note (batched steps: batch, jobs, serve): tuning: hysteresis set, but batched steps are planned by the goodput planner" in out
-    assert "one request at a time" not in out
-    config.write_text(yaml.safe_dump({"tiers": TIERS, "speculation": {"lengths": [2, 2]}, "tuning": {"hysteresis": 0.1}}))
-    assert main(["validate", "-c", str(config), "--no-model-check"]) == 0
-    assert "note (one request at a time; batched steps: batch, jobs, serve): tuning: hysteresis set, but no planner runs" \
-        in capsys.readouterr().out
+    assert main(["validate", "-c", str(config), "--no-model-check"]) == 2
+    err = capsys.readouterr().err
+    assert "config key 'tuning.hysteresis' was removed" in err and err.count("\n") == 1

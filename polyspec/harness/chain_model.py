@@ -1,8 +1,8 @@
 """The time model of a whole chain: its stages' rounds composed bottom-up (`round_models`), a
-request's expected time (`generation_ms`, `first_round_ms`), the cost the tuner minimises
+request's expected time (`generation_ms`, `first_round_ms`), the cost a search minimises
 (`chain_cost`: ms per target token, with a pipelined chain's first rounds weighed by the
-request's length), and the searches over lengths (`search_lengths`: every combination,
-`local_search`: hill-climbing from given lengths). One stage's round: time_model.py.
+request's length), and the search over lengths (`search_lengths`: every combination). One
+stage's round: time_model.py. (No planner reads it: realbench and benchmarks/gpu price chains with it.)
 
 The target's round length is clipped to `min(k_0, remaining - 1)` near `max_new_tokens`
 and its last round's surplus is dropped (`generation_ms`).
@@ -11,10 +11,9 @@ and its last round's surplus is dropped (`generation_ms`).
 from __future__ import annotations
 
 import itertools
-import math
 from typing import Sequence
 
-from polyspec.orchestrator.tuning.time_model import LatencyTable, RoundModel, StageSpec, block_for, round_from_shape, round_model, round_shape
+from polyspec.harness.time_model import LatencyTable, RoundModel, StageSpec, block_for, round_from_shape, round_model, round_shape
 
 
 def round_models(
@@ -142,38 +141,3 @@ def search_lengths(
                 if cost < best_cost * (1 - 1e-9):
                     lengths, best_cost, improved = trial, cost, True
     return lengths, best_cost
-
-
-def local_search(
-    stages: Sequence[StageSpec], draft_ms: LatencyTable, start: Sequence[int], max_length: int, tree_width: int = 1, max_steps: int | None = None
-) -> tuple[list[int], float]:
-    """Lengths minimising `chain_cost` near `start`: hill-climbing to the best neighbour
-    (every k moved by -1, 0 or +1, at least one moved) while it improves. A routine re-tune
-    between full searches: the estimates move a little between two of them, so the optimum
-    does too, and 3 ** len(stages) - 1 evaluations a step cost a fraction of `search_lengths`'
-    max_length ** len(stages). Moving one k at a time is not enough: the stages' ks are
-    coupled (at rates 0.99 / 0.95, from [1, 1] it stopped at [2, 8], 8 % above [8, 6]).
-    Returns (lengths, cost)."""
-    memo: dict = {}
-
-    def total(lengths: Sequence[int]) -> float:
-        return chain_cost(stages, draft_ms, lengths, tree_width, memo)
-
-    moves = [move for move in itertools.product((-1, 0, 1), repeat=len(stages)) if any(move)]
-    lengths = [min(max(1, k), max_length) for k in start]
-    best_cost = total(lengths)
-    for _ in range(max_length if max_steps is None else max_steps):
-        neighbours = [trial for trial in ([k + step for k, step in zip(lengths, move)] for move in moves) if all(1 <= k <= max_length for k in trial)]
-        if not neighbours:
-            break
-        trial = min(neighbours, key=total)
-        cost = total(trial)
-        if not cost < best_cost * (1 - 1e-9):
-            break
-        lengths, best_cost = trial, cost
-    return lengths, best_cost
-
-
-def relative_error(predicted: float, measured: float) -> float:
-    """|predicted - measured| / measured (inf when nothing was measured)."""
-    return abs(predicted - measured) / measured if measured > 0 else math.inf

@@ -1,4 +1,7 @@
-"""The optimal-inference-time model, one stage at a time: pure functions on numbers.
+"""The serial time model, one stage at a time: pure functions on numbers.
+
+No planner reads it (the goodput planner has its own, polyspec.orchestrator.tuning.batch_model): realbench
+prices its chains with it (real_report), and benchmarks/gpu/predict_chains beside the planner's.
 
 Units: every time is in milliseconds; acceptance rates are probabilities. No I/O.
 
@@ -37,6 +40,8 @@ import dataclasses
 import functools
 import math
 from typing import Mapping, Sequence
+
+from polyspec.orchestrator.distributed.worker import AHEAD_SMOOTHING, AHEAD_THRESHOLD  # the tier worker's bet
 
 LatencyTable = Mapping[int, float]  # m new tokens (or k drafted tokens) -> ms
 
@@ -149,7 +154,7 @@ class StageSpec:
     # drafted ahead (D). A round accepted whole waits for the later of the two, and the mean
     # of a maximum exceeds the maximum of the means, most when t + o and D are close.
     jitter_cv: float = 0.0
-    # accept_rates are per position of the text (the tuner's estimates, `renewal_rates`): a
+    # accept_rates are per position of the text (`renewal_rates` converts them): a
     # round asking for k tokens sees `at_length(k)`'s rates
     per_text_position: bool = False
     # pipelined, the target's stage only: a request's first round scores the prompt too, so its
@@ -236,33 +241,6 @@ def contended_block_ms(block_ms: float, forward_ms: float, slowdown: float) -> f
     if block_ms * slowdown <= forward_ms:
         return block_ms * slowdown
     return block_ms + forward_ms * (1.0 - 1.0 / slowdown)
-
-
-def fit_slowdown(samples: Sequence[tuple[float, float, float, float]], start: float = 1.0) -> float:
-    """The slow-down s whose `contended_block_ms` matches blocks drafted ahead on (weighted)
-    average: samples (weight, measured_ms, block_ms, forward_ms), sum w (contended(s) - measured)
-    = 0 by Newton steps from `start` (the sum rises with s), clamped to 1/3..3. Averaging each
-    block's own inverse of `contended_block_ms` instead was biased and noisy (s = 1 / (1 - excess / forward)
-    is convex in a block's excess time; on the Ray demo chain at T = 1 an EMA of it read 1.04 to
-    1.81 within one run, the blocks' mean excess 1.2-1.3)."""
-    s = min(max(start, 1.0 / 3), 3.0)
-    for _ in range(6):
-        gap = slope = 0.0
-        shared, squared = 1.0 - 1.0 / s, s * s  # (contended_block_ms inlined: it runs ~400 times a fit)
-        for weight, measured_ms, block_ms, forward_ms in samples:
-            if block_ms * s <= forward_ms:
-                gap += weight * (block_ms * s - measured_ms)
-                slope += weight * block_ms
-            else:
-                gap += weight * (block_ms + forward_ms * shared - measured_ms)
-                slope += weight * (forward_ms / squared)
-        if slope <= 1e-12:
-            break
-        step = gap / slope
-        s = min(max(s - step, 1.0 / 3), 3.0)
-        if abs(step) < 1e-4:
-            break
-    return s
 
 
 def block_from_below(below: RoundModel | None, draft_ms: LatencyTable, need: int) -> tuple[list[float], float]:
@@ -359,8 +337,6 @@ def expected_max(mean_a: float, sd_a: float, mean_b: float, sd_b: float) -> floa
     return mean_a * cdf + mean_b * (1.0 - cdf) + theta * pdf
 
 
-AHEAD_THRESHOLD = 0.5  # a drafter drafts past its block while at least this share of its blocks is accepted whole
-AHEAD_SMOOTHING = 0.2  # ... measured as an EMA of whole / not whole with this smoothing (the tier worker's bet, polyspec.orchestrator.distributed.worker)
 
 
 def whole_probability(rates: tuple[float, ...], block_pmf: Sequence[float]) -> float:
