@@ -360,22 +360,11 @@ def ahead_share(whole: float) -> float:
 def pipelined_shape(stage: StageSpec, block_pmf: Sequence[float], whole: float) -> tuple[tuple[float, ...], float]:
     """A draft-ahead stage's round, part 1: its emitted pmf and t_avg + o (the block's cost plays
     no part in them; `whole` = P(the block is accepted whole), `whole_probability`).
-    not bet on whole blocks (then the stage runs as in serial mode; `round_model` mixes the
-    two by `ahead_share`).
 
     While the verifier scores block n the drafter drafts block n+1, betting that n is accepted
-    whole (P = P[A = L]). Accepted whole: the next block is ready after max(t + o, D) and the
-    round emits L tokens (no bonus: the drafter's continuation is verified next, and the
-    next forward covers L new tokens, not L + 1). Otherwise the draft-ahead work is lost and
-    the next block costs D after the verdict: t + o + D, and the round emits A + 1 tokens.
-    By renewal-reward, with outcomes independent from block to block:
-
-        round_ms = P * E[max(t_avg + o, D_ahead)] + (1 - P) * (t_avg + o + D)
-        t_avg    = P * t(L) + (1 - P) * t(L + 1)      (the previous round's outcome)
-        D_ahead  = contended_block_ms(D, t_avg + o, s)  (drafted beside the verifier)
-
-    (with L the tokens really proposed: fill * L for a drafter that proposes less than asked;
-    E[max] of two normal times with the stage's `jitter_cv`, `expected_max`)
+    whole. Accepted whole, the round emits L tokens (no bonus: the drafter's continuation is
+    verified next); otherwise the draft-ahead work is lost and the round emits A + 1 tokens, so
+    t_avg = P * t(L) + (1 - P) * t(L + 1) (the round's time: docs/time-model.md, renewal-reward).
     """
     rates = tuple(stage.accept_rates)
     emitted = [0.0] * (len(block_pmf) + 1)

@@ -4,8 +4,8 @@ rounds as steps of one, and the output is the target's own."""
 from __future__ import annotations
 
 import pytest
-import torch
 
+from core_helpers import greedy_references
 from polyspec.orchestrator.config import parse_config
 from polyspec.orchestrator.engine import Engine
 from polyspec.orchestrator.tuning.batch_model import BatchPlanner
@@ -16,16 +16,13 @@ MAX_NEW = 40
 
 @pytest.fixture(scope="module")
 def reference(tiny_family):
+    """The target's own greedy continuation of each prompt (transformers' generate)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_family["target"])
     model = AutoModelForCausalLM.from_pretrained(tiny_family["target"]).eval()
-    out = {}
-    for prompt in PROMPTS:
-        ids = tokenizer(prompt)["input_ids"]
-        generated = model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
-        out[prompt] = generated[0, len(ids) :].tolist()
-    return out
+    by_ids = greedy_references(model, [tokenizer(prompt)["input_ids"] for prompt in PROMPTS], MAX_NEW)
+    return {prompt: tokens for prompt, tokens in zip(PROMPTS, by_ids.values())}
 
 
 def auto_engine(family, names, **speculation):
