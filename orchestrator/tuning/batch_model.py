@@ -63,9 +63,11 @@ the same, and the model drafter's batch shrinks.
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 import itertools
 import math
+import time
 
 
 from polyspec.orchestrator.decode.contract import RoundObservation, ShadowObservation, StepObservation
@@ -78,6 +80,8 @@ WIDTH_GRID = (1, 4, 8, 16)
 PROFILE_CONTEXT = 128
 SMOOTHING = 0.2
 WINDOW = 8  # steps a measured rate sums before older steps start to fade
+IN_FLIGHT_KEPT = 64  # planned steps kept per plan until heard (more in flight at once than any chain runs)
+IN_FLIGHT_STALE_S = 120.0  # a planned step not heard for this long is taken for one whose round failed
 MIN_STEPS = 3  # steps each side of an A/B runs before the A/B decides
 PROBE_STEPS = 3  # steps the side not taken runs when it is looked at again
 REPROBE_FIRST = 8  # time on the side taken before the first re-probe, in probes' times; doubles while the decision
@@ -202,6 +206,17 @@ class Rate:
         return self.tokens / self.seconds if self.steps and self.seconds > 0 else None
 
 
+@dataclasses.dataclass(frozen=True)
+class Pending:
+    """A planned step not yet heard: its plan, its load's A/B, the corrected step time and the model's tokens/s."""
+
+    plan: Plan
+    arm: "Arm"
+    predicted_ms: float
+    predicted_value: float
+    planned_at: float  # time.monotonic()
+
+
 @dataclasses.dataclass
 class Arm:
     """The A/B of one load (batch-size bucket and sampling mix): speculation off against the best speculating plan."""
@@ -275,10 +290,11 @@ class BatchPlanner:
         self.chosen: dict[int, Plan] = {}
         self.history: list[dict] = []  # (batch, plan) each time a bucket's choice changed
         self.greedy_share = 1.0  # of the requests in the step being planned
-        self._pending: Plan | None = None
-        self._pending_arm: Arm | None = None
-        self._predicted_ms = 0.0
-        self._predicted_value = 0.0  # the model's tokens/s for the pending step's plan (uncorrected)
+        self._pending: Plan | None = None  # the plan just made (`drafters` reads it)
+        self._predicted_ms = 0.0  # its corrected step time
+        # steps planned and not yet heard, per (lengths, tiers): a chain whose steps overlap (a distributed chain
+        # stepping requests one at a time, concurrently) hears each step against the plan it ran, oldest first
+        self._in_flight: dict[tuple, collections.deque[Pending]] = {}
         self.requests: dict[tuple, list[float]] = {}  # (seq_id, lookup tier) -> faded [accepted, rejected, rounds, misses]
         self.behind: dict[int, int] = {}  # per drafting tier: tokens of the current requests it has not cached
         self.horizon = 0.0  # the current requests' mean remaining tokens (0: unknown)
@@ -324,13 +340,13 @@ class BatchPlanner:
         prompts, its ~5 s prefill included, measured 4.8 tokens/s against off's 11.5 and was never run again.)"""
         self.observe_forwards()
         seconds = max(seconds - catch_up_s, 0.0)
-        plan, arm = self._pending, self._pending_arm
-        if plan is None or arm is None:
+        pending = self._heard(lengths, active)
+        if pending is None:
             return
-        self._pending = self._pending_arm = None
-        if self._predicted_ms > 0 and seconds > 0:
+        plan, arm = pending.plan, pending.arm
+        if pending.predicted_ms > 0 and seconds > 0:
             group = bucket(batch)
-            ratio = min(4.0, max(0.25, seconds * 1000.0 / self._predicted_ms))
+            ratio = min(4.0, max(0.25, seconds * 1000.0 / pending.predicted_ms))
             side = "spec" if plan.speculating else "off"
             for key in ((plan, group), (plan, 0), (side, group), (side, 0), (None, group), (None, 0)):
                 current = self.correction.get(key, 1.0)
@@ -341,11 +357,21 @@ class BatchPlanner:
                 arm.retrying.discard(plan)
                 arm.retries[plan] = arm.retries.get(plan, 0) + 1
                 arm.rates[plan] = Rate()
-            arm.rate(plan).add(tokens, seconds, self._predicted_value, arm.steps)
+            arm.rate(plan).add(tokens, seconds, pending.predicted_value, arm.steps)
             if arm.speculate is not None and not arm.probe and plan.speculating == arm.speculate:
                 arm.since += seconds
         if not arm.probe:  # between probes only: a probe's steps are all in before the A/B looks again
             self._decide(arm, batch)
+
+    def _heard(self, lengths, active) -> Pending | None:
+        """The oldest step planned with `lengths` and `active` and not yet heard (None given: the latest planned)."""
+        if lengths is None or active is None:
+            queue = next((q for q in reversed(self._in_flight.values()) if q), None)
+            return queue.pop() if queue else None
+        queue = self._in_flight.get((tuple(lengths), tuple(active)))
+        while queue and len(queue) > 1 and time.monotonic() - queue[0].planned_at > IN_FLIGHT_STALE_S:
+            queue.popleft()  # a step whose round failed is never heard: its entry must not shift the next ones
+        return queue.popleft() if queue else None
 
     def _decide(self, arm: Arm, batch: int) -> None:
         off = arm.measured(self.plans[0])
@@ -719,10 +745,11 @@ class BatchPlanner:
             self.chosen[group] = best
             self.history.append({"batch": batch, "tiers": list(best.active), "lengths": list(best.lengths)})
             del self.history[:-64]
-        self._pending, self._pending_arm = best, arm
+        self._pending = best
         ms, tokens = self.step_ms(best, batch)
         self._predicted_ms = ms * self.corrected(best, group)
-        self._predicted_value = self.model_goodput(best, batch)
+        queue = self._in_flight.setdefault((best.lengths, best.active), collections.deque(maxlen=IN_FLIGHT_KEPT))
+        queue.append(Pending(best, arm, self._predicted_ms, self.model_goodput(best, batch), time.monotonic()))
         # (contract.RoundPlanner) each request's share of the step's goodput: its tokens over the corrected step time
         self.predicted_tokens_per_s = tokens / max(self._predicted_ms, 1e-6) * 1000.0
         return list(best.lengths), best.active

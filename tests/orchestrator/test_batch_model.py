@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import collections
 import math
 import random
+import time
 import types
 
 from polyspec.orchestrator.tuning.batch_model import (BATCH_GRID, EXPLORE_BEST_SHARE, EXPLORE_FLOOR, MIN_STEPS, PROBE_STEPS,
                                                       RETRY_STEPS, SWITCH_ON, WIDTH_GRID,
-                                                      Acceptance, BatchPlanner, ForwardTable, Plan, bucket, decide,
+                                                      Acceptance, BatchPlanner, ForwardTable, Pending, Plan, bucket, decide,
                                                       expected_tokens)
 from polyspec.orchestrator.decode.contract import ShadowObservation
 
@@ -700,6 +702,27 @@ def test_a_plan_asked_for_again_keeps_its_measurement_until_it_runs():
     assert plan.stale(arm, {p: arm.measured(p) for p in arm.rates if p.speculating and arm.measured(p)},
                       arm.best_measured(), 4) == lookup
     assert arm.measured(lookup) == measured and lookup not in arm.retries
-    plan._pending, plan._pending_arm, plan._predicted_value = lookup, arm, 1.0
+    plan._in_flight[(lookup.lengths, lookup.active)] = collections.deque([Pending(lookup, arm, 0.0, 1.0, time.monotonic())])
     plan.observe_step(4, 16, 0.01, list(lookup.lengths), lookup.active)
     assert arm.retries[lookup] == 1 and arm.rates[lookup].steps == 1 and lookup not in arm.retrying
+
+
+def test_overlapping_steps_are_heard_against_the_plans_they_ran():
+    """A chain whose steps overlap (a distributed chain stepping single requests concurrently) plans step B before
+    step A is heard: A's time is credited to A's plan and B's to B's, whichever was planned last."""
+    plan = planner(lambda b, w: 10.0)
+    accept(plan, 0, 1, 0.9)
+    arm = plan.arm(1)
+    off = plan.plans[0]
+    spec = next(p for p in plan.plans if p.speculating)
+    for first, second in ((off, spec), (spec, off)):
+        steps = {p: arm.rate(p).steps for p in (first, second)}
+        for p in (first, second):  # both planned, as plan_batch leaves them
+            plan._in_flight.setdefault((p.lengths, p.active), collections.deque()).append(Pending(p, arm, 10.0, 1.0, time.monotonic()))
+        plan.observe_step(1, 1, 0.01, list(first.lengths), first.active)
+        assert arm.rate(first).steps == steps[first] + 1 and arm.rate(second).steps == steps[second]
+        plan.observe_step(1, 4, 0.01, list(second.lengths), second.active)
+        assert arm.rate(second).steps == steps[second] + 1
+    assert not any(plan._in_flight.values()), "every planned step was heard once"
+    plan.observe_step(1, 1, 0.01, list(off.lengths), off.active)  # a step nobody planned: nothing to credit
+    assert arm.rate(off).steps == 2
