@@ -23,6 +23,8 @@ from polyspec.workers.core.device_verify import (
     DOMAIN_ACCEPT,
     DOMAIN_DRAFT,
     DOMAIN_NEXT,
+    MASK32,
+    unit_interval,
     verify_greedy_chains,
     stream_exponentials,
     stream_uniforms,
@@ -131,6 +133,23 @@ def test_streams_do_not_depend_on_the_batch():
     many = stream_uniforms(torch.arange(200), torch.zeros(200, dtype=torch.int64), DOMAIN_ACCEPT, 500).flatten()
     assert 0 < float(many.min()) and float(many.max()) < 1
     assert stats.kstest(many.numpy(), "uniform").pvalue > ALPHA  # 100,000 draws
+
+
+def test_the_extreme_hashes_stay_strictly_inside_the_unit_interval():
+    """The hashes that map to the smallest and largest uniforms: both strictly inside (0, 1) in float32, so every Exp(1)
+    noise is positive and finite, and a token of probability 0 never wins the exponential race (at u = 1 the noise was
+    0 and 0 / 0 = NaN won the argmax: a top-k 4 draw over SmolLM2's 49,152 tokens emitted a token outside its top 4)."""
+    bits = torch.tensor([0, 511, 1 << 31, MASK32 - 511, MASK32], dtype=torch.int64)
+    uniforms = unit_interval(bits)
+    assert float(uniforms.min()) > 0 and float(uniforms.max()) < 1
+    assert float(uniforms.max()) == 1 - 2.0**-24
+    noise = -torch.log(uniforms)
+    assert bool(torch.isfinite(noise).all()) and float(noise.min()) > 0
+    probs = torch.tensor([[0.0, 0.7, 0.3, 0.0, 0.0]])
+    for column in range(5):  # the extreme noise on any token: the race stays inside the support
+        race = torch.full((1, 5), 1.0)
+        race[0, column] = float(noise.min())
+        assert int(torch.argmax(probs / race)) in (1, 2)
 
 
 def test_device_verification_is_lossless():

@@ -54,8 +54,15 @@ def stream_uniforms(seeds: torch.Tensor, counters: torch.Tensor, domain: int, co
         index = index + first[:, None]
     lo, hi = seeds & MASK32, (seeds >> 32) & MASK32
     key = _mix32(lo ^ _mix32(hi ^ _mix32((counters * DOMAINS + domain) & MASK32)))  # [B]
-    bits = _mix32(key[:, None] ^ _mix32(index))  # [B, count]
-    return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # 24 bits: exact in float32, never 0 or 1
+    return unit_interval(_mix32(key[:, None] ^ _mix32(index)))  # [B, count]
+
+
+def unit_interval(bits: torch.Tensor) -> torch.Tensor:
+    """32-bit hashes -> float32 in (0, 1): the top 23 bits, plus a half. (2^23 - 1) + 0.5 needs 24 significant
+    bits, so every value is exact in float32 and the largest is 1 - 2^-24. With 24 bits the top one, 2^24 - 0.5,
+    rounded to 2^24, i.e. u = 1: its Exp(1) noise was 0, and a token outside the top-k / top-p support won the
+    exponential race as 0 / 0 = NaN (argmax takes NaN), about once per 2^24 draws (a real model's 49k-token rows)."""
+    return ((bits >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 def stream_exponentials(seeds: torch.Tensor, counters: torch.Tensor, domain: int, count: int,
