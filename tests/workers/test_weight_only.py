@@ -113,6 +113,27 @@ def test_kernel_and_block_path_match_the_dequantized_reference(kind, out_feature
             within(out, reference, magnitude, tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_features, in_features, group_size", [(64, 96, 32), (192, 320, 64), (320, 384, 128), (8960, 256, 32)])
+def test_the_block_paths_widened_weights_are_the_references_bit_for_bit(out_features, in_features, group_size, dtype):
+    """`widened_int4` is `dequantize_int4(...)` (float32) rounded once to the activations' dtype, bit for bit, slice by
+    slice (odd block counts, every group size); its GEMM then differs from the slow reference's `F.linear` only by the
+    order of float32 sums (one rounding of the output in bf16)."""
+    quantized = wo.quantize_int4_groups(spread_weight(out_features, in_features, seed=in_features), group_size)
+    module = wo.WeightOnlyLinear.from_int4(quantized, None)
+    if module._block is None:
+        pytest.skip("this CPU's int4 packing is not the split-halves layout: the block path is the kernel")
+    reference = wo.dequantize_int4(quantized).to(dtype)  # [N, K]
+    blocks = out_features // module._block
+    for per_slice in (1, 3, blocks):
+        widened = torch.cat([module.widened_int4(start, per_slice, dtype) for start in range(0, blocks, per_slice)], dim=1)
+        assert widened.dtype == dtype and torch.equal(widened, reference.T)
+    x = torch.randn(37, in_features).to(dtype)
+    obvious = torch.nn.functional.linear(x, reference)
+    magnitude = x.float().abs() @ reference.float().abs().T
+    within(module.block_path(x), obvious.float(), magnitude, FLOAT32_TOLERANCE if dtype == torch.float32 else 2**-8)
+
+
 def test_the_block_path_is_on_where_the_layout_is_uniform():
     assert wo.WeightOnlyLinear.from_int4(wo.quantize_int4_groups(torch.randn(128, 64), 32), None)._block is not None
     assert wo.cpu_int4_layout(8960) is not None and 8960 % wo.cpu_int4_layout(8960)[0] == 0
