@@ -36,12 +36,13 @@ import time
 
 import torch
 
-from polyspec.orchestrator.tuning.batch_model import BATCH_GRID, PROFILE_CONTEXT, WIDTH_GRID, ForwardTable
+from polyspec.orchestrator.tuning.batch_model import BATCH_GRID, PROFILE_CONTEXT, WIDTH_GRID, ForwardTable, switch_widths
 from polyspec.orchestrator.tuning.profile_cache import decode_table, encode_table
 from polyspec.orchestrator.tuning.time_model import latency
 from polyspec.workers.core.sampling import SamplingParams
 from polyspec.workers.tiers.batched import BatchedTier as Tier
 from polyspec.workers.core.tree import DraftTree
+from polyspec.workers.tiers.weight_only import switch_rows
 
 OUTLIER_FACTOR = 3.0
 DEFAULT_SMOOTHING = 0.2
@@ -59,6 +60,7 @@ class OnlineTable:
     scale: float = 1.0  # EMA of observed / start-up
     counts: dict[int, int] | None = None  # plain-mean mode: observations per size since the restart ...
     scale_count: int = 0  # ... and of the slow-down factor
+    breaks: tuple[int, ...] = ()  # sizes where the tier's forward changes regime: the fit is affine between them (`fit_affine_pieces`)
     _fitted: dict[int, float] | None = dataclasses.field(default=None, repr=False, compare=False)  # table(), until the next observation
 
     def estimate(self, size: int) -> float:
@@ -91,7 +93,7 @@ class OnlineTable:
         """Every size known (start-up or online) -> the affine fit through the current estimates.
         (The tuner reads it several times per round: the fit is kept until the next observation.)"""
         if self._fitted is None:
-            self._fitted = fit_affine({size: self.estimate(size) for size in sorted(set(self.base) | set(self.online))})
+            self._fitted = fit_affine_pieces({size: self.estimate(size) for size in sorted(set(self.base) | set(self.online))}, self.breaks)
         return dict(self._fitted)
 
 
@@ -119,6 +121,7 @@ class LatencyProfile:
     online_draft: dict[tuple[int, Config], OnlineTable] = dataclasses.field(default_factory=dict)
     plain_means: bool = False  # new online tables start in plain-mean mode (restart_means)
     weights: list[bool] | None = None  # per tier: runs model weights (False: the n-gram lookup); None: unknown, all do
+    breaks: list[tuple[int, ...]] | None = None  # per tier: sizes where its forward changes regime (`tier_switch_rows`)
 
     def observe_forward(self, tier: int, new_tokens: int, ms: float, config: Config = ()) -> None:
         self._online(self.online_forward, self.forward, tier, config).observe(new_tokens, ms)
@@ -135,7 +138,8 @@ class LatencyProfile:
     def _online(self, online: dict, base: list, tier: int, config: Config) -> OnlineTable:
         table = online.get((tier, config))
         if table is None:
-            table = online[(tier, config)] = OnlineTable(dict(base[tier] or {}), self.smoothing)
+            breaks = self.breaks[tier] if self.breaks and base is self.forward else ()
+            table = online[(tier, config)] = OnlineTable(dict(base[tier] or {}), self.smoothing, breaks=breaks)
             if self.plain_means:
                 table.restart_means()
         return table
@@ -213,6 +217,27 @@ def fit_affine(points: dict[int, float]) -> dict[int, float]:
     slope = max(0.0, statistics.median(slopes))
     intercept = statistics.median(points[m] - slope * m for m in sizes)
     return {m: intercept + slope * m for m in sizes}
+
+
+def fit_affine_pieces(points: dict[int, float], breaks: tuple[int, ...] = ()) -> dict[int, float]:
+    """`fit_affine` on each run of sizes between `breaks` (sizes at which the forward changes regime: a weight-only
+    tier's switch from its quantized kernel to the block path, `tier_switch_rows`), joined. One line through
+    a kernel's steep segment and a block path's flat one prices both wrong."""
+    edges = sorted(b for b in breaks if points and min(points) < b <= max(points))
+    if not edges:
+        return fit_affine(points)
+    out: dict[int, float] = {}
+    for piece in range(len(edges) + 1):
+        low = edges[piece - 1] if piece else float("-inf")
+        high = edges[piece] if piece < len(edges) else float("inf")
+        out.update(fit_affine({m: ms for m, ms in points.items() if low <= m < high}))
+    return dict(sorted(out.items()))
+
+
+def tier_switch_rows(tier) -> tuple[int, ...]:
+    """Row counts at which the tier's forward changes regime (weight_only.switch_rows of its model; none for a
+    tier without one)."""
+    return switch_rows(getattr(tier, "model", None))
 
 
 def fit_proportional(points: dict[int, float]) -> dict[int, float]:
@@ -332,6 +357,7 @@ def profile_tiers(
     others written to it; `bar` (a tqdm): its total is set and it steps once per size measured;
     `log(line)`: where each tier's profile came from."""
     plans = []
+    breaks = [tier_switch_rows(tier) for tier in tiers]  # a weight-only tier's forward: kernel, then block path
     for index, tier in enumerate(tiers):
         can_verify = tier.can_verify and index < len(tiers) - 1
         sizes = forward_sizes(index, len(tiers), max_length, tree_width) if can_verify else range(0)
@@ -339,6 +365,8 @@ def profile_tiers(
         measurement = {"kind": "serial", "index": index, "tiers": len(tiers), "sizes": list(sizes), "draft_sizes": list(draft_sizes),
                        "warp": [params.temperature, params.top_p, params.top_k], "tree_width": tree_width, "scheme": scheme,
                        "repeats": repeats, "context": len(context)}
+        if breaks[index]:
+            measurement["switch_rows"] = list(breaks[index])
         plans.append((sizes, draft_sizes, measurement, cache.get(index, measurement) if cache is not None else None))
     if bar is not None:
         bar.total = sum(len(sizes) + len(draft_sizes) for sizes, draft_sizes, _, hit in plans if hit is None)
@@ -354,14 +382,14 @@ def profile_tiers(
                 log(f"tier {tier.name}: start-up profile read from the cache")
             continue
         started = time.perf_counter()
-        forward.append(fit_affine(profile_forward(tier, context, sizes, params, repeats, tick)) if sizes else None)
+        forward.append(fit_affine_pieces(profile_forward(tier, context, sizes, params, repeats, tick), breaks[index]) if sizes else None)
         fit = fit_affine if tier.deterministic_drafts else fit_proportional  # a lookup costs about the same for any k
         draft.append(fit(profile_draft(tier, context, draft_sizes, params, tree_width, scheme, repeats, tick)) if draft_sizes else None)
         if cache is not None:
             cache.put(index, measurement, {"forward": encode_table(forward[-1]), "draft": encode_table(draft[-1])})
         if log is not None:
             log(f"tier {tier.name}: profiled in {time.perf_counter() - started:.1f}s")
-    return LatencyProfile([t.name for t in tiers], forward, draft, weights=[t.has_weights for t in tiers])
+    return LatencyProfile([t.name for t in tiers], forward, draft, weights=[t.has_weights for t in tiers], breaks=breaks)
 
 
 def profile_batched(tiers, vocab_size: int, max_batch: int, repeats: int = 2, cache=None, bar=None,
@@ -378,9 +406,18 @@ def profile_batched(tiers, vocab_size: int, max_batch: int, repeats: int = 2, ca
     cacheable = [cache is not None and tier.has_weights and tier.caches_prompts for tier in tiers]
     # a device tier's steps (static shapes, graph-replayed on CUDA) cost what the ragged forward's do not
     measurements = [dict(measurement, kind=tier.profile_kind) for tier in tiers]
+    # a weight-only tier leaves its quantized kernel for the block path at some row counts: its forward is also
+    # measured on both sides of each (ForwardTable interpolates between all widths measured at a batch)
+    knots = []
+    for index, tier in enumerate(tiers):
+        rows = tier_switch_rows(tier)
+        knots.append({b: switch_widths(b, rows) for b in batches})
+        if rows:
+            measurements[index]["switch_rows"] = list(rows)
     hits = [cache.get(index, measurements[index]) if cacheable[index] else None for index in range(len(tiers))]
     if bar is not None:
-        bar.total = sum(len(batches) * len(WIDTH_GRID) for tier, hit in zip(tiers, hits) if tier.has_weights and hit is None)
+        bar.total = sum(len(batches) * len(WIDTH_GRID) + sum(map(len, extra.values()))
+                        for tier, hit, extra in zip(tiers, hits, knots) if tier.has_weights and hit is None)
         bar.refresh()
     for index, tier in enumerate(tiers):
         context = torch.randint(1, vocab_size, (PROFILE_CONTEXT,), generator=generator).tolist()
@@ -405,7 +442,7 @@ def profile_batched(tiers, vocab_size: int, max_batch: int, repeats: int = 2, ca
         tier.prefill(ids, [context] * len(ids), PROFILE_CONTEXT * len(ids))
         warm = False
         for b in batches:
-            for w in WIDTH_GRID:
+            for w in sorted(WIDTH_GRID + knots[index][b]):
                 best = float("inf")
                 for _ in range(repeats + (0 if warm else 1)):  # the very first run warms up
                     for seq_id in ids[:b]:
@@ -436,7 +473,7 @@ def profile_batched(tiers, vocab_size: int, max_batch: int, repeats: int = 2, ca
             if b not in batches:
                 for w in WIDTH_GRID:
                     ms[(b, w)] = ms[(batches[-1], w)] * b / batches[-1]
-        tables.append(ForwardTable(monotone(ms), catch_up))
+        tables.append(ForwardTable(monotone(ms, tier_switch_rows(tier)), catch_up))
         if cacheable[index]:
             cache.put(index, measurements[index], {"ms": encode_table(tables[-1].ms), "catch_up": catch_up})
         if log is not None:
@@ -450,16 +487,24 @@ def _chains(tokens: list[int], count: int) -> list[DraftTree]:
     return [DraftTree.chain(tokens, None) for _ in range(count)]
 
 
-def monotone(ms: dict[tuple[int, int], float]) -> dict[tuple[int, int], float]:
+def monotone(ms: dict[tuple[int, int], float], switch_rows: tuple[int, ...] = ()) -> dict[tuple[int, int], float]:
     """A forward never gets cheaper with more rows or more tokens: each cell becomes the smallest
-    measurement at or beyond it, so one slow outlier (a busy machine) cannot dent the table."""
+    measurement at or beyond it, so one slow outlier (a busy machine) cannot dent the table. Along the
+    widths of a batch that includes its switch widths (`switch_widths`); along the batches, the grid's.
+    Except across a switch (`switch_rows`: where a weight-only tier's kernel gives way to its block path,
+    a forward of more rows may really cost less): no cell takes a cheaper one from the other side."""
+    def same_side(rows: int, more: int) -> bool:
+        return not any(rows < switch <= more for switch in switch_rows)
+
     out = dict(ms)
     for b in BATCH_GRID:
-        for w in reversed(WIDTH_GRID[:-1]):
-            nxt = WIDTH_GRID[WIDTH_GRID.index(w) + 1]
-            out[(b, w)] = min(out[(b, w)], out[(b, nxt)])
+        widths = sorted(w for batch, w in out if batch == b)
+        for w, nxt in reversed(list(zip(widths, widths[1:]))):
+            if same_side(b * w, b * nxt):
+                out[(b, w)] = min(out[(b, w)], out[(b, nxt)])
     for w in WIDTH_GRID:
         for b in reversed(BATCH_GRID[:-1]):
             nxt = BATCH_GRID[BATCH_GRID.index(b) + 1]
-            out[(b, w)] = min(out[(b, w)], out[(nxt, w)])
+            if same_side(b * w, nxt * w):
+                out[(b, w)] = min(out[(b, w)], out[(nxt, w)])
     return out

@@ -55,7 +55,7 @@ INT8_MAX = 127
 MIN_SCALE = 1e-8
 NEVER = 1 << 30  # dense_rows for "always the kernel"
 PROBE_ROWS = (2, 4, 8, 16, 32, 64, 128, 256, 512)  # row counts (blocks, batches, prompts: a prefill's hundreds) at which the kernel is timed against the block path
-PROBE_REPEATS = 5  # best of: a shared machine's slow stretches must not flip the choice
+PROBE_REPEATS = 3  # best of
 SLICE_BYTES = 8 << 20  # widened weights per slice of the block path (1-8 MiB measured alike on a 2 MiB-L2 Xeon; fewer ops matter on a shared machine)
 PACK_ROWS = 4096  # rows packed per call at load: a multiple of any kernel block, so slices pack as the whole
 
@@ -346,21 +346,42 @@ def first_block_rows(module: WeightOnlyLinear, dtype: torch.dtype, probe_rows=PR
     widens them once, so its cost is nearly flat (its floor: the widening) until the GEMM dominates. The floor
     is timed once, at the fewest rows; a row count where the kernel costs no more than that floor is the
     kernel's without timing the block path there. Past the switch the kernel's cost grows faster than the
-    block path's, so the probe stops at the first row count the block path wins: it runs up to the prefill
-    sizes (512 rows) only for a shape whose kernel stays cheap that far."""
+    block path's, so the probe stops at the first row count the block path wins (then bisects back toward the
+    last one the kernel won, to an eighth of the rows): it runs up to the prefill sizes (512 rows) only for a
+    shape whose kernel stays cheap that far."""
     def seconds(path, x) -> float:
         path(x)  # warm
         return best_of(lambda: path(x), repeats)
 
     most = torch.randn(probe_rows[-1], module.in_features, dtype=dtype)
     floor_s = seconds(module.block_path, most[: probe_rows[0]])
-    for rows in probe_rows:
+
+    def block_wins(rows: int) -> bool:
         kernel_s = seconds(module.kernel, most[:rows])
         if kernel_s <= floor_s:
+            return False
+        return (floor_s if rows == probe_rows[0] else seconds(module.block_path, most[:rows])) < kernel_s
+
+    for index, rows in enumerate(probe_rows):
+        if not block_wins(rows):
             continue
-        if (floor_s if rows == probe_rows[0] else seconds(module.block_path, most[:rows])) < kernel_s:
-            return rows
+        # between the last row count the kernel won and this one, bisected to an eighth: the switch sits near where
+        # the two costs cross, so a forward's cost has a kink there, not a step (the planner's profile interpolates it)
+        low, high = (probe_rows[index - 1] if index else rows), rows
+        while high - low > max(1, high // 8):
+            middle = (low + high) // 2
+            low, high = (low, middle) if block_wins(middle) else (middle, high)
+        return high
     return NEVER
+
+
+def switch_rows(model: torch.nn.Module | None) -> tuple[int, ...]:
+    """The row counts at which some weight-only Linear of `model` leaves its kernel for the block path (sorted; none:
+    no such Linear, or all keep the kernel). A forward's cost has a kink at each: the start-up profile measures
+    there (orchestrator/tuning/profiler.py) instead of interpolating across it."""
+    if model is None or not hasattr(model, "modules"):
+        return ()
+    return tuple(sorted({m.dense_rows for m in model.modules() if isinstance(m, WeightOnlyLinear) and m.dense_rows < NEVER}))
 
 
 def quantize_weight_only(model: torch.nn.Module, kind: str, group_size: int = DEFAULT_GROUP_SIZE) -> torch.nn.Module:
