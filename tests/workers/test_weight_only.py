@@ -154,7 +154,28 @@ def test_the_measured_threshold_can_be_forced(monkeypatch):
     monkeypatch.setenv("POLYSPEC_WEIGHT_ONLY_BLOCK", "dense")
     assert wo.measured_dense_rows(module, torch.float32) == 1
     monkeypatch.delenv("POLYSPEC_WEIGHT_ONLY_BLOCK")
-    assert wo.measured_dense_rows(module, torch.float32) in (*wo.PROBE_ROWS, wo.NEVER)
+    chosen = wo.measured_dense_rows(module, torch.float32)  # a probed row count, or one bisected below it
+    assert chosen == wo.NEVER or 1 <= chosen <= wo.PROBE_ROWS[-1]
+
+
+def sleeping_paths(kernel_ms_per_row: float, block_ms: float):
+    """A stand-in for a WeightOnlyLinear whose kernel costs `kernel_ms_per_row` per row and block path `block_ms` flat."""
+    import time
+    import types
+
+    return types.SimpleNamespace(
+        in_features=8,
+        kernel=lambda x: time.sleep(kernel_ms_per_row * x.shape[0] / 1000),
+        block_path=lambda x: time.sleep(block_ms / 1000),
+    )
+
+
+@pytest.mark.parametrize("kernel_ms_per_row, block_ms, low, high", [(0.1, 6.0, 48, 72), (0.02, 8.0, 256, 512), (0.001, 8.0, wo.NEVER, wo.NEVER)])
+def test_the_switch_is_where_the_costs_cross_up_to_prefill_sizes(kernel_ms_per_row, block_ms, low, high):
+    """Costs crossing at 60 rows: the switch is bisected near it (not the next power of two only); crossing at 400
+    rows (a kernel cheap up to 256): a prefill still takes the block path; never crossing: the kernel always."""
+    chosen = wo.first_block_rows(sleeping_paths(kernel_ms_per_row, block_ms), torch.float32)
+    assert low <= chosen <= high
 
 
 CUDA = torch.cuda.is_available()
