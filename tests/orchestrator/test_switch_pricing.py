@@ -108,3 +108,11 @@ def test_profile_batched_measures_a_weight_only_tier_at_its_switch():
     # sleeping overshoots a little on a busy machine: the kernel's side at 44 rows is priced as the kernel, not the mix
     assert table.estimate(4, 11) == pytest.approx(cost(44), rel=0.25)
     assert table.estimate(4, 12) == pytest.approx(cost(48), rel=0.25)
+
+
+def test_switch_rows_near_one_another_are_priced_once():
+    model = torch.nn.Sequential(*(wo.WeightOnlyLinear.from_int4(wo.quantize_int4_groups(torch.randn(64, 64), 32), None) for _ in range(5)))
+    for module, rows in zip(model, (52, 56, 64, 72, wo.NEVER)):
+        module.dense_rows = rows
+    assert wo.switch_rows(model) == (52, 72)  # 56 and 64 within 1.25x of 52; a kernel-only Linear adds none
+    assert wo.switch_rows(None) == () and wo.switch_rows(torch.nn.Linear(4, 4)) == ()

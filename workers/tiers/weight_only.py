@@ -340,7 +340,7 @@ def measured_dense_rows(module: WeightOnlyLinear, dtype: torch.dtype) -> int:
 
 
 def first_block_rows(module: WeightOnlyLinear, dtype: torch.dtype, probe_rows=PROBE_ROWS, repeats: int = PROBE_REPEATS) -> int:
-    """The first of `probe_rows` at which the block path is measured faster than the kernel (NEVER: none).
+    """The row count from which the block path is measured faster than the kernel (NEVER: at none of `probe_rows`).
 
     The kernel widens the weights again for every few rows, so its cost grows with the rows; the block path
     widens them once, so its cost is nearly flat (its floor: the widening) until the GEMM dominates. The floor
@@ -375,13 +375,22 @@ def first_block_rows(module: WeightOnlyLinear, dtype: torch.dtype, probe_rows=PR
     return NEVER
 
 
+SWITCH_CLUSTER = 1.25  # switch rows within this factor of a smaller one are priced as that one
+
+
 def switch_rows(model: torch.nn.Module | None) -> tuple[int, ...]:
-    """The row counts at which some weight-only Linear of `model` leaves its kernel for the block path (sorted; none:
-    no such Linear, or all keep the kernel). A forward's cost has a kink at each: the start-up profile measures
-    there (orchestrator/tuning/profiler.py) instead of interpolating across it."""
+    """The row counts at which the weight-only Linears of `model` leave their kernel for the block path (sorted;
+    none: no such Linear, or all keep the kernel). A forward's cost has a kink at each: the start-up profile
+    measures there (orchestrator/tuning/profiler.py) instead of interpolating across it. Each shape bisects its
+    own switch to an eighth, so a model's are many near one another: one within `SWITCH_CLUSTER` of a smaller
+    one is left out (each kept one costs the profile up to two more forwards per batch)."""
     if model is None or not hasattr(model, "modules"):
         return ()
-    return tuple(sorted({m.dense_rows for m in model.modules() if isinstance(m, WeightOnlyLinear) and m.dense_rows < NEVER}))
+    kept: list[int] = []
+    for rows in sorted({m.dense_rows for m in model.modules() if isinstance(m, WeightOnlyLinear) and m.dense_rows < NEVER}):
+        if not kept or rows > kept[-1] * SWITCH_CLUSTER:
+            kept.append(rows)
+    return tuple(kept)
 
 
 def quantize_weight_only(model: torch.nn.Module, kind: str, group_size: int = DEFAULT_GROUP_SIZE) -> torch.nn.Module:
