@@ -236,8 +236,12 @@ def fit_affine_pieces(points: dict[int, float], breaks: tuple[int, ...] = ()) ->
 
 def tier_switch_rows(tier) -> tuple[int, ...]:
     """Row counts at which the tier's forward changes regime (weight_only.switch_rows of its model; none for a
-    tier without one)."""
-    return switch_rows(getattr(tier, "model", None))
+    tier without one). A batched tier's `model` is its forward (BatchedLlama, not a torch module): the modules
+    are its serial tier's model's (`tier.tier.model`), the same WeightOnlyLinear objects."""
+    for model in (getattr(tier, "model", None), getattr(getattr(tier, "tier", None), "model", None)):
+        if isinstance(model, torch.nn.Module):
+            return switch_rows(model)
+    return ()
 
 
 def fit_proportional(points: dict[int, float]) -> dict[int, float]:

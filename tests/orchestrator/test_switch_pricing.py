@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from polyspec.orchestrator.tuning.batch_model import BATCH_GRID, WIDTH_GRID, ForwardTable, switch_widths
-from polyspec.orchestrator.tuning.profiler import LatencyProfile, fit_affine, fit_affine_pieces, monotone, profile_batched
+from polyspec.orchestrator.tuning.profiler import LatencyProfile, fit_affine, fit_affine_pieces, monotone, profile_batched, tier_switch_rows
 from polyspec.workers.tiers import weight_only as wo
 
 SWITCH = 48  # rows from which the block path runs
@@ -72,15 +72,17 @@ def test_the_serial_fit_is_affine_on_each_side_of_the_switch():
 
 
 class SleepingTier:
-    """What profile_batched calls of a batched model tier; a forward sleeps `cost(rows)` ms. Its model holds one
-    weight-only Linear that switches at SWITCH rows (what the profile reads off the tier)."""
+    """What profile_batched calls of a batched model tier; a forward sleeps `cost(rows)` ms. As a BatchedModelTier's,
+    its `model` is a forward, not a torch module; its serial tier's model holds one weight-only Linear that switches
+    at SWITCH rows (what the profile reads off the tier)."""
 
     name, has_weights, caches_prompts, profile_kind = "int4", True, True, "batched"
 
     def __init__(self) -> None:
         linear = wo.WeightOnlyLinear.from_int4(wo.quantize_int4_groups(torch.randn(64, 64), 32), None)
         linear.dense_rows = SWITCH
-        self.model = torch.nn.Sequential(linear)
+        self.model = types.SimpleNamespace(layers=[(linear.forward,)])  # BatchedLlama keeps the modules' forwards
+        self.tier = types.SimpleNamespace(model=torch.nn.Sequential(linear))
         self.forward_log: list = []
         self.rows_run: set[int] = set()
 
@@ -101,7 +103,7 @@ class SleepingTier:
 
 def test_profile_batched_measures_a_weight_only_tier_at_its_switch():
     tier = SleepingTier()
-    assert wo.switch_rows(tier.model) == (SWITCH,)
+    assert tier_switch_rows(tier) == (SWITCH,) and tier_switch_rows(types.SimpleNamespace()) == ()
     (table,), _ = profile_batched([tier], vocab_size=100, max_batch=16, repeats=1)
     assert {44, 48} <= tier.rows_run and {32, 64} <= tier.rows_run  # 4 x 11 and 4 x 12 beside the grid's 4 x 8, 4 x 16
     assert sorted(w for b, w in table.ms if b == 4) == [1, 4, 8, 11, 12, 16]

@@ -233,6 +233,28 @@ def test_int4_target_through_polyspec_is_its_own_greedy_decode(tiny_family, tmp_
         assert result["token_ids"] == greedy_one_token_at_a_time(model, tokenizer(prompt)["input_ids"], 16, tokenizer.eos_token_id)
 
 
+def test_an_int4_target_on_the_block_path_everywhere_is_its_own_greedy_decode(tiny_family, monkeypatch):
+    """POLYSPEC_WEIGHT_ONLY_BLOCK=dense: every forward of the int4 target widens its weights (the block path from one
+    row); through the batched engine its tokens are still its own one-token-at-a-time greedy decode, and the start-up
+    profile finds the switch on the batched tier (its `model` is a forward, the modules its serial tier's)."""
+    from transformers import AutoTokenizer
+
+    from polyspec.orchestrator.tuning.profiler import tier_switch_rows
+
+    monkeypatch.setenv("POLYSPEC_WEIGHT_ONLY_BLOCK", "dense")
+    tiers = [int4_tier(tiny_family, "target"), *tier_specs(tiny_family, ["small"])]
+    config = parse_config({"tiers": tiers, "speculation": {"lengths": [4]}, "batching": {"round": "ragged", "max_requests": 2}})
+    engine = Engine(config, batched=True)
+    target = engine.scheduler.tiers[0]
+    assert isinstance(target, BatchedModelTier) and tier_switch_rows(target) == (1,)
+    model, tokenizer = target.tier.model, AutoTokenizer.from_pretrained(tiny_family["target"])
+    widened = [m for m in model.modules() if isinstance(m, wo.WeightOnlyLinear) and m._block is not None]  # the head: 257 rows
+    assert widened and all(m.dense_rows == 1 for m in widened)
+    for prompt in PROMPTS:
+        result = engine.generate(engine.parse_request({"prompt": prompt, "max_new_tokens": 16}))
+        assert result["token_ids"] == greedy_one_token_at_a_time(model, tokenizer(prompt)["input_ids"], 16, tokenizer.eos_token_id)
+
+
 @pytest.mark.parametrize("kind", ["int4", "int8w"])
 def test_a_chain_through_a_weight_only_copy_gives_the_target_greedy_tokens(tiny_family, tmp_path, kind):
     copy = int4_tier(tiny_family) if kind == "int4" else {"name": "int8w", "model": tiny_family["target"], "quantize": "int8w"}
