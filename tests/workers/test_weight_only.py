@@ -158,14 +158,15 @@ def test_the_measured_threshold_can_be_forced(monkeypatch):
     assert chosen == wo.NEVER or 1 <= chosen <= wo.PROBE_ROWS[-1]
 
 
-def sleeping_paths(kernel_ms_per_row: float, block_ms: float):
-    """A stand-in for a WeightOnlyLinear whose kernel costs `kernel_ms_per_row` per row and block path `block_ms` flat."""
+def sleeping_paths(kernel_ms_per_row: float, block_ms: float, stalled_rows: int = 0):
+    """A stand-in for a WeightOnlyLinear whose kernel costs `kernel_ms_per_row` per row and block path `block_ms` flat
+    (the kernel at `stalled_rows` rows: 20 ms every time, as if a busy machine stalled each timing of it)."""
     import time
     import types
 
     return types.SimpleNamespace(
         in_features=8,
-        kernel=lambda x: time.sleep(kernel_ms_per_row * x.shape[0] / 1000),
+        kernel=lambda x: time.sleep((20.0 if x.shape[0] == stalled_rows else kernel_ms_per_row * x.shape[0]) / 1000),
         block_path=lambda x: time.sleep(block_ms / 1000),
     )
 
@@ -176,6 +177,12 @@ def test_the_switch_is_where_the_costs_cross_up_to_prefill_sizes(kernel_ms_per_r
     rows (a kernel cheap up to 256): a prefill still takes the block path; never crossing: the kernel always."""
     chosen = wo.first_block_rows(sleeping_paths(kernel_ms_per_row, block_ms), torch.float32)
     assert low <= chosen <= high
+
+
+def test_one_stalled_timing_of_the_kernel_does_not_switch_early():
+    """The block path must win at the next probed row count too: a kernel timed slow at 4 rows alone (a busy machine)
+    would otherwise put every 4-row block on the widening."""
+    assert 48 <= wo.first_block_rows(sleeping_paths(0.1, 6.0, stalled_rows=4), torch.float32) <= 72
 
 
 CUDA = torch.cuda.is_available()

@@ -346,8 +346,8 @@ def first_block_rows(module: WeightOnlyLinear, dtype: torch.dtype, probe_rows=PR
     widens them once, so its cost is nearly flat (its floor: the widening) until the GEMM dominates. The floor
     is timed once, at the fewest rows; a row count where the kernel costs no more than that floor is the
     kernel's without timing the block path there. Past the switch the kernel's cost grows faster than the
-    block path's, so the probe stops at the first row count the block path wins (then bisects back toward the
-    last one the kernel won, to an eighth of the rows): it runs up to the prefill sizes (512 rows) only for a
+    block path's, so the probe stops at the first row count the block path wins, and wins again at the next
+    (then bisects back toward the last one the kernel won, to an eighth of the rows): it runs up to the prefill sizes (512 rows) only for a
     shape whose kernel stays cheap that far."""
     def seconds(path, x) -> float:
         path(x)  # warm
@@ -364,6 +364,11 @@ def first_block_rows(module: WeightOnlyLinear, dtype: torch.dtype, probe_rows=PR
 
     for index, rows in enumerate(probe_rows):
         if not block_wins(rows):
+            continue
+        # and confirmed at the next row count (where its lead only grows): on a shared machine one stalled timing of
+        # the kernel could otherwise switch early, and every small block would then pay the whole widening, many
+        # times the kernel's cost; a switch a probe late costs far less
+        if index + 1 < len(probe_rows) and not block_wins(probe_rows[index + 1]):
             continue
         # between the last row count the kernel won and this one, bisected to an eighth: the switch sits near where
         # the two costs cross, so a forward's cost has a kink there, not a step (the planner's profile interpolates it)
