@@ -369,8 +369,8 @@ def profile_tiers(
         measurement = {"kind": "serial", "index": index, "tiers": len(tiers), "sizes": list(sizes), "draft_sizes": list(draft_sizes),
                        "warp": [params.temperature, params.top_p, params.top_k], "tree_width": tree_width, "scheme": scheme,
                        "repeats": repeats, "context": len(context)}
-        if breaks[index]:
-            measurement["switch_rows"] = list(breaks[index])
+        if breaks[index]:  # not the rows themselves: measured at each load, they move by a probe's noise (see profile_batched)
+            measurement["switches"] = "weight_only"
         plans.append((sizes, draft_sizes, measurement, cache.get(index, measurement) if cache is not None else None))
     if bar is not None:
         bar.total = sum(len(sizes) + len(draft_sizes) for sizes, draft_sizes, _, hit in plans if hit is None)
@@ -416,8 +416,9 @@ def profile_batched(tiers, vocab_size: int, max_batch: int, repeats: int = 2, ca
     for index, tier in enumerate(tiers):
         rows = tier_switch_rows(tier)
         knots.append({b: switch_widths(b, rows) for b in batches})
-        if rows:
-            measurements[index]["switch_rows"] = list(rows)
+        if rows:  # a table with switch widths; not keyed by the rows themselves, which each load measures again and which
+            # move by a probe's noise: a cached table's switch widths stay cells measured on this machine, a few rows off at worst
+            measurements[index]["switches"] = "weight_only"
     hits = [cache.get(index, measurements[index]) if cacheable[index] else None for index in range(len(tiers))]
     if bar is not None:
         bar.total = sum(len(batches) * len(WIDTH_GRID) + sum(map(len, extra.values()))
