@@ -128,17 +128,24 @@ class ForwardTable:
     `ms` may hold more widths than WIDTH_GRID at a grid batch: a tier whose cost changes regime at some row count
     (a weight-only tier leaving its quantized kernel for the block path, workers/tiers/weight_only.py) is also
     measured on both sides of each such row count (`switch_widths`), and the estimate interpolates between the
-    widths measured at that batch, so a kink or step between two grid widths is priced where it is."""
+    widths measured at that batch, so a kink or step between two grid widths is priced where it is; between two
+    grid batches such a table reads both at this forward's rows, not its width (tests/orchestrator/test_switch_pricing.py)."""
 
     ms: dict[tuple[int, int], float]
     # ms per context token of a request's catch-up, timed for a tier that catches up inside its own calls (a feature
     # head: one forward over a context, while it verifies one token at a time); None: the widest block's per-token cost
     catch_up_ms: float | None = None
-    _widths: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
+    _widths: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)  # widths() and switched(), kept
 
     def catch_up(self) -> float:
         """ms per context token a request's catch-up costs this tier (one row)."""
         return self.catch_up_ms if self.catch_up_ms is not None else self.estimate(1, WIDTH_GRID[-1]) / WIDTH_GRID[-1]
+
+    def switched(self) -> bool:
+        """Whether the table holds switch widths (a tier whose cost changes regime at a row count)."""
+        if "switched" not in self._widths:
+            self._widths["switched"] = any(w not in WIDTH_GRID for _, w in self.ms)
+        return self._widths["switched"]
 
     def widths(self, batch: int) -> tuple[int, ...]:
         """The widths measured at grid batch `batch`: WIDTH_GRID's and any switch widths."""
@@ -152,6 +159,18 @@ class ForwardTable:
             top = self.estimate(batch, last)
             return top + max(0.0, top - self.estimate(batch, before)) / (last - before) * (width - last)
         bl, bh, bw = _interpolate(BATCH_GRID, batch)
+        rows = batch * width
+        if 0.0 < bw < 1.0 and self.switched():
+            # between two grid batches, each read at the same rows as this forward (not the same width): a switch sits
+            # at a row count, so both neighbours are then on the same side of it as this forward. Where one of them
+            # cannot hold that many rows (fewer than its requests, or past its widest block, where its line extrapolated
+            # knows no switch beyond), the other alone.
+            low, high = BATCH_GRID[bl], BATCH_GRID[bh]
+            if rows < high:
+                return self.estimate(low, rows / low)
+            if rows / low > last:
+                return self.estimate(high, rows / high)
+            return self.estimate(low, rows / low) * (1 - bw) + self.estimate(high, rows / high) * bw
 
         def along(b: int) -> float:  # at grid batch b: linear between the two measured widths around `width`
             widths = self.widths(BATCH_GRID[b])

@@ -118,3 +118,22 @@ def test_switch_rows_near_one_another_are_priced_once():
         module.dense_rows = rows
     assert wo.switch_rows(model) == (52, 72)  # 56 and 64 within 1.25x of 52; a kernel-only Linear adds none
     assert wo.switch_rows(None) == () and wo.switch_rows(torch.nn.Linear(4, 4)) == ()
+
+
+def test_between_grid_batches_the_table_reads_its_neighbours_at_the_same_rows():
+    """Batch 8 x width 6 = 48 rows (the block path): read at equal widths, batch 4 x 6 (24 rows, the kernel) and
+    16 x 6 (96 rows) mixed the two regimes, 60 % over; at equal rows (4 x 12, 16 x 3) both are on the block path's
+    side. Over off-grid batches 2-48 and widths 1-16 the mean error is ~1 % (~24 % at equal widths); what is left is a
+    neighbour whose rows fall between two of its widths across the switch (20 x 2: batch 16 at width 2.5)."""
+    priced = table_of(BATCH_GRID, (SWITCH,))
+    grid_only = ForwardTable({(b, w): cost(b * w) for b in BATCH_GRID for w in WIDTH_GRID})
+    assert priced.estimate(8, 6) == pytest.approx(cost(48)) and grid_only.estimate(8, 6) > 1.5 * cost(48)
+    cells = [(b, w) for b in (2, 3, 5, 6, 8, 10, 12, 20, 32, 48) for w in range(1, 17)]
+
+    def mean_error(table: ForwardTable) -> float:
+        return sum(abs(table.estimate(b, w) / cost(b * w) - 1) for b, w in cells) / len(cells)
+
+    assert mean_error(priced) < 0.03 and mean_error(grid_only) > 0.2
+    # a table without switch widths keeps reading its neighbours at the same width (exact for a bilinear cost)
+    plain = ForwardTable({(b, w): 1.0 + b + 0.1 * b * w for b in BATCH_GRID for w in WIDTH_GRID})
+    assert plain.estimate(8, 6) == pytest.approx(1.0 + 8 + 0.1 * 48)
