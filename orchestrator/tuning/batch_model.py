@@ -127,16 +127,35 @@ def _interpolate(grid: tuple[int, ...], x: float) -> tuple[int, int, float]:
 
 @dataclasses.dataclass
 class ForwardTable:
-    """ms of one batched forward on the (batch, width) grid, refined online."""
+    """ms of one batched forward on the (batch, width) grid, refined online.
+
+    `ms` may hold more widths than WIDTH_GRID at a grid batch: a tier whose cost changes regime at some row count
+    (a weight-only tier leaving its quantized kernel for the block path, workers/tiers/weight_only.py) is also
+    measured on both sides of each such row count (`switch_widths`), and the estimate interpolates between the
+    widths measured at that batch, so a kink or step between two grid widths is priced where it is; between two
+    grid batches such a table reads both at this forward's rows, not its width (tests/orchestrator/test_switch_pricing.py)."""
 
     ms: dict[tuple[int, int], float]
     # ms per context token of a request's catch-up, timed for a tier that catches up inside its own calls (a feature
     # head: one forward over a context, while it verifies one token at a time); None: the widest block's per-token cost
     catch_up_ms: float | None = None
+    _widths: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)  # widths() and switched(), kept
 
     def catch_up(self) -> float:
         """ms per context token a request's catch-up costs this tier (one row)."""
         return self.catch_up_ms if self.catch_up_ms is not None else self.estimate(1, WIDTH_GRID[-1]) / WIDTH_GRID[-1]
+
+    def switched(self) -> bool:
+        """Whether the table holds switch widths (a tier whose cost changes regime at a row count)."""
+        if "switched" not in self._widths:
+            self._widths["switched"] = any(w not in WIDTH_GRID for _, w in self.ms)
+        return self._widths["switched"]
+
+    def widths(self, batch: int) -> tuple[int, ...]:
+        """The widths measured at grid batch `batch`: WIDTH_GRID's and any switch widths."""
+        if batch not in self._widths:
+            self._widths[batch] = tuple(sorted(w for b, w in self.ms if b == batch and w <= WIDTH_GRID[-1]))
+        return self._widths[batch]
 
     def estimate(self, batch: int, width: int) -> float:
         last, before = WIDTH_GRID[-1], WIDTH_GRID[-2]
@@ -144,25 +163,47 @@ class ForwardTable:
             top = self.estimate(batch, last)
             return top + max(0.0, top - self.estimate(batch, before)) / (last - before) * (width - last)
         bl, bh, bw = _interpolate(BATCH_GRID, batch)
-        wl, wh, ww = _interpolate(WIDTH_GRID, width)
+        rows = batch * width
+        if 0.0 < bw < 1.0 and self.switched():
+            # between two grid batches, each read at the same rows as this forward (not the same width): a switch sits
+            # at a row count, so both neighbours are then on the same side of it as this forward. Where one of them
+            # cannot hold that many rows (fewer than its requests, or past its widest block, where its line extrapolated
+            # knows no switch beyond), the other alone.
+            low, high = BATCH_GRID[bl], BATCH_GRID[bh]
+            if rows < high:
+                return self.estimate(low, rows / low)
+            if rows / low > last:
+                return self.estimate(high, rows / high)
+            return self.estimate(low, rows / low) * (1 - bw) + self.estimate(high, rows / high) * bw
 
-        def at(b: int, w: int) -> float:
-            return self.ms[(BATCH_GRID[b], WIDTH_GRID[w])]
+        def along(b: int) -> float:  # at grid batch b: linear between the two measured widths around `width`
+            widths = self.widths(BATCH_GRID[b])
+            wl, wh, ww = _interpolate(widths, width)
+            return self.ms[(BATCH_GRID[b], widths[wl])] * (1 - ww) + self.ms[(BATCH_GRID[b], widths[wh])] * ww
 
-        low = at(bl, wl) * (1 - ww) + at(bl, wh) * ww
-        high = at(bh, wl) * (1 - ww) + at(bh, wh) * ww
-        value = low * (1 - bw) + high * bw
+        value = along(bl) * (1 - bw) + along(bh) * bw
         return value * max(1.0, batch / BATCH_GRID[-1])  # past the largest batch: proportional to the rows
 
     def observe(self, batch: int, width: int, ms: float) -> None:
-        """Move the nearest grid cell toward what this forward's size predicts for it."""
+        """Move the nearest measured cell toward what this forward's size predicts for it."""
         b = min(BATCH_GRID, key=lambda g: abs(math.log(g) - math.log(max(1, batch))))
-        w = min(WIDTH_GRID, key=lambda g: abs(g - width))
+        w = min(self.widths(b), key=lambda g: abs(g - width))
         predicted = self.estimate(batch, width)
         if predicted <= 0:
             return
         ratio = min(3.0, max(1 / 3.0, ms / predicted))
         self.ms[(b, w)] *= 1.0 + SMOOTHING * (ratio - 1.0)
+
+
+def switch_widths(batch: int, switch_rows: tuple[int, ...]) -> tuple[int, ...]:
+    """The widths to measure at `batch` besides WIDTH_GRID for a tier whose cost changes regime at each of
+    `switch_rows` rows (a batch x width forward runs batch * width rows): the last width below each switch and
+    the first at or past it, where they fall strictly inside the grid's widths and are not grid widths."""
+    out = set()
+    for rows in switch_rows:
+        first = -(-rows // batch)  # ceil: the first width whose forward takes the other path
+        out.update(w for w in (first - 1, first) if WIDTH_GRID[0] < w < WIDTH_GRID[-1] and w not in WIDTH_GRID)
+    return tuple(sorted(out))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,11 +17,12 @@ import time
 
 import torch
 
-from polyspec.orchestrator.tuning.batch_model import BATCH_GRID, PROFILE_CONTEXT, WIDTH_GRID, ForwardTable
+from polyspec.orchestrator.tuning.batch_model import BATCH_GRID, PROFILE_CONTEXT, WIDTH_GRID, ForwardTable, switch_widths
 from polyspec.orchestrator.tuning.profile_cache import decode_table, encode_table
 from polyspec.workers.core.sampling import SamplingParams
 from polyspec.workers.tiers.batched import BatchedTier as Tier
 from polyspec.workers.core.tree import DraftTree
+from polyspec.workers.tiers.weight_only import switch_rows
 
 DEFAULT_REPEATS = 5
 
@@ -33,6 +34,16 @@ def synthetic_context(vocab_size: int, length: int, seed: int = 0) -> list[int]:
     """A fixed pseudo-random context when no real prompt is at hand."""
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size, (length,), generator=generator).tolist()
+
+
+def tier_switch_rows(tier) -> tuple[int, ...]:
+    """Row counts at which the tier's forward changes regime (weight_only.switch_rows of its model; none for a
+    tier without one). A batched tier's `model` is its forward (BatchedLlama, not a torch module): the modules
+    are its serial tier's model's (`tier.tier.model`), the same WeightOnlyLinear objects."""
+    for model in (getattr(tier, "model", None), getattr(getattr(tier, "tier", None), "model", None)):
+        if isinstance(model, torch.nn.Module):
+            return switch_rows(model)
+    return ()
 
 
 def _median_ms(run, repeats: int) -> float:
@@ -132,9 +143,19 @@ def profile_batched(tiers, vocab_size: int, max_batch: int, repeats: int = 2, ca
     cacheable = [cache is not None and tier.has_weights and tier.caches_prompts for tier in tiers]
     # a device tier's steps (static shapes, graph-replayed on CUDA) cost what the ragged forward's do not
     measurements = [dict(measurement, kind=tier.profile_kind) for tier in tiers]
+    # a weight-only tier leaves its quantized kernel for the block path at some row counts: its forward is also
+    # measured on both sides of each (ForwardTable interpolates between all widths measured at a batch)
+    knots = []
+    for index, tier in enumerate(tiers):
+        rows = tier_switch_rows(tier)
+        knots.append({b: switch_widths(b, rows) for b in batches})
+        if rows:  # a table with switch widths; not keyed by the rows themselves, which each load measures again and which
+            # move by a probe's noise: a cached table's switch widths stay cells measured on this machine, a few rows off at worst
+            measurements[index]["switches"] = "weight_only"
     hits = [cache.get(index, measurements[index]) if cacheable[index] else None for index in range(len(tiers))]
     if bar is not None:
-        bar.total = sum(len(batches) * len(WIDTH_GRID) for tier, hit in zip(tiers, hits) if tier.has_weights and hit is None)
+        bar.total = sum(len(batches) * len(WIDTH_GRID) + sum(map(len, extra.values()))
+                        for tier, hit, extra in zip(tiers, hits, knots) if tier.has_weights and hit is None)
         bar.refresh()
     for index, tier in enumerate(tiers):
         context = torch.randint(1, vocab_size, (PROFILE_CONTEXT,), generator=generator).tolist()
@@ -159,7 +180,7 @@ def profile_batched(tiers, vocab_size: int, max_batch: int, repeats: int = 2, ca
         tier.prefill(ids, [context] * len(ids), PROFILE_CONTEXT * len(ids))
         warm = False
         for b in batches:
-            for w in WIDTH_GRID:
+            for w in sorted(WIDTH_GRID + knots[index][b]):
                 best = float("inf")
                 for _ in range(repeats + (0 if warm else 1)):  # the very first run warms up
                     for seq_id in ids[:b]:
@@ -190,7 +211,7 @@ def profile_batched(tiers, vocab_size: int, max_batch: int, repeats: int = 2, ca
             if b not in batches:
                 for w in WIDTH_GRID:
                     ms[(b, w)] = ms[(batches[-1], w)] * b / batches[-1]
-        tables.append(ForwardTable(monotone(ms), catch_up))
+        tables.append(ForwardTable(monotone(ms, tier_switch_rows(tier)), catch_up))
         if cacheable[index]:
             cache.put(index, measurements[index], {"ms": encode_table(tables[-1].ms), "catch_up": catch_up})
         if log is not None:
@@ -204,16 +225,24 @@ def _chains(tokens: list[int], count: int) -> list[DraftTree]:
     return [DraftTree.chain(tokens, None) for _ in range(count)]
 
 
-def monotone(ms: dict[tuple[int, int], float]) -> dict[tuple[int, int], float]:
+def monotone(ms: dict[tuple[int, int], float], switch_rows: tuple[int, ...] = ()) -> dict[tuple[int, int], float]:
     """A forward never gets cheaper with more rows or more tokens: each cell becomes the smallest
-    measurement at or beyond it, so one slow outlier (a busy machine) cannot dent the table."""
+    measurement at or beyond it, so one slow outlier (a busy machine) cannot dent the table. Along the
+    widths of a batch that includes its switch widths (`switch_widths`); along the batches, the grid's.
+    Except across a switch (`switch_rows`: where a weight-only tier's kernel gives way to its block path,
+    a forward of more rows may really cost less): no cell takes a cheaper one from the other side."""
+    def same_side(rows: int, more: int) -> bool:
+        return not any(rows < switch <= more for switch in switch_rows)
+
     out = dict(ms)
     for b in BATCH_GRID:
-        for w in reversed(WIDTH_GRID[:-1]):
-            nxt = WIDTH_GRID[WIDTH_GRID.index(w) + 1]
-            out[(b, w)] = min(out[(b, w)], out[(b, nxt)])
+        widths = sorted(w for batch, w in out if batch == b)
+        for w, nxt in reversed(list(zip(widths, widths[1:]))):
+            if same_side(b * w, b * nxt):
+                out[(b, w)] = min(out[(b, w)], out[(b, nxt)])
     for w in WIDTH_GRID:
         for b in reversed(BATCH_GRID[:-1]):
             nxt = BATCH_GRID[BATCH_GRID.index(b) + 1]
-            out[(b, w)] = min(out[(b, w)], out[(nxt, w)])
+            if same_side(b * w, nxt * w):
+                out[(b, w)] = min(out[(b, w)], out[(nxt, w)])
     return out

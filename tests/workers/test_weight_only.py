@@ -114,6 +114,27 @@ def test_kernel_and_block_path_match_the_dequantized_reference(kind, out_feature
             within(out, reference, magnitude, tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_features, in_features, group_size", [(64, 96, 32), (192, 320, 64), (320, 384, 128), (8960, 256, 32)])
+def test_the_block_paths_widened_weights_are_the_references_bit_for_bit(out_features, in_features, group_size, dtype):
+    """`widened_int4` is `dequantize_int4(...)` (float32) rounded once to the activations' dtype, bit for bit, slice by
+    slice (odd block counts, every group size); its GEMM then differs from the slow reference's `F.linear` only by the
+    order of float32 sums (one rounding of the output in bf16)."""
+    quantized = wo.quantize_int4_groups(spread_weight(out_features, in_features, seed=in_features), group_size)
+    module = wo.WeightOnlyLinear.from_int4(quantized, None)
+    if module._block is None:
+        pytest.skip("this CPU's int4 packing is not the split-halves layout: the block path is the kernel")
+    reference = wo.dequantize_int4(quantized).to(dtype)  # [N, K]
+    blocks = out_features // module._block
+    for per_slice in (1, 3, blocks):
+        widened = torch.cat([module.widened_int4(start, per_slice, dtype) for start in range(0, blocks, per_slice)], dim=1)
+        assert widened.dtype == dtype and torch.equal(widened, reference.T)
+    x = torch.randn(37, in_features).to(dtype)
+    obvious = torch.nn.functional.linear(x, reference)
+    magnitude = x.float().abs() @ reference.float().abs().T
+    within(module.block_path(x), obvious.float(), magnitude, FLOAT32_TOLERANCE if dtype == torch.float32 else 2**-8)
+
+
 def test_the_block_path_is_on_where_the_layout_is_uniform():
     assert wo.WeightOnlyLinear.from_int4(wo.quantize_int4_groups(torch.randn(128, 64), 32), None)._block is not None
     assert wo.cpu_int4_layout(8960) is not None and 8960 % wo.cpu_int4_layout(8960)[0] == 0
@@ -134,7 +155,35 @@ def test_the_measured_threshold_can_be_forced(monkeypatch):
     monkeypatch.setenv("POLYSPEC_WEIGHT_ONLY_BLOCK", "dense")
     assert wo.measured_dense_rows(module, torch.float32) == 1
     monkeypatch.delenv("POLYSPEC_WEIGHT_ONLY_BLOCK")
-    assert wo.measured_dense_rows(module, torch.float32) in (*wo.PROBE_ROWS, wo.NEVER)
+    chosen = wo.measured_dense_rows(module, torch.float32)  # a probed row count, or one bisected below it
+    assert chosen == wo.NEVER or 1 <= chosen <= wo.PROBE_ROWS[-1]
+
+
+def sleeping_paths(kernel_ms_per_row: float, block_ms: float, stalled_rows: int = 0):
+    """A stand-in for a WeightOnlyLinear whose kernel costs `kernel_ms_per_row` per row and block path `block_ms` flat
+    (the kernel at `stalled_rows` rows: 20 ms every time, as if a busy machine stalled each timing of it)."""
+    import time
+    import types
+
+    return types.SimpleNamespace(
+        in_features=8,
+        kernel=lambda x: time.sleep((20.0 if x.shape[0] == stalled_rows else kernel_ms_per_row * x.shape[0]) / 1000),
+        block_path=lambda x: time.sleep(block_ms / 1000),
+    )
+
+
+@pytest.mark.parametrize("kernel_ms_per_row, block_ms, low, high", [(0.1, 6.0, 48, 72), (0.02, 8.0, 256, 512), (0.001, 8.0, wo.NEVER, wo.NEVER)])
+def test_the_switch_is_where_the_costs_cross_up_to_prefill_sizes(kernel_ms_per_row, block_ms, low, high):
+    """Costs crossing at 60 rows: the switch is bisected near it (not the next power of two only); crossing at 400
+    rows (a kernel cheap up to 256): a prefill still takes the block path; never crossing: the kernel always."""
+    chosen = wo.first_block_rows(sleeping_paths(kernel_ms_per_row, block_ms), torch.float32)
+    assert low <= chosen <= high
+
+
+def test_one_stalled_timing_of_the_kernel_does_not_switch_early():
+    """The block path must win at the next probed row count too: a kernel timed slow at 4 rows alone (a busy machine)
+    would otherwise put every 4-row block on the widening."""
+    assert 48 <= wo.first_block_rows(sleeping_paths(0.1, 6.0, stalled_rows=4), torch.float32) <= 72
 
 
 CUDA = torch.cuda.is_available()
@@ -187,6 +236,28 @@ def test_int4_target_through_polyspec_is_its_own_greedy_decode(tiny_family, tmp_
     batched = parse_config({"tiers": tiers, "speculation": {"lengths": [4]}, "batching": {"round": "ragged", "max_requests": 2}})
     engine = Engine(batched, batched=True)
     assert isinstance(engine.scheduler.tiers[0], BatchedModelTier)  # the int4 target on the one forward
+    for prompt in PROMPTS:
+        result = engine.generate(engine.parse_request({"prompt": prompt, "max_new_tokens": 16}))
+        assert result["token_ids"] == greedy_one_token_at_a_time(model, tokenizer(prompt)["input_ids"], 16, tokenizer.eos_token_id)
+
+
+def test_an_int4_target_on_the_block_path_everywhere_is_its_own_greedy_decode(tiny_family, monkeypatch):
+    """POLYSPEC_WEIGHT_ONLY_BLOCK=dense: every forward of the int4 target widens its weights (the block path from one
+    row); through the batched engine its tokens are still its own one-token-at-a-time greedy decode, and the start-up
+    profile finds the switch on the batched tier (its `model` is a forward, the modules its serial tier's)."""
+    from transformers import AutoTokenizer
+
+    from polyspec.orchestrator.tuning.profiler import tier_switch_rows
+
+    monkeypatch.setenv("POLYSPEC_WEIGHT_ONLY_BLOCK", "dense")
+    tiers = [int4_tier(tiny_family, "target"), *tier_specs(tiny_family, ["small"])]
+    config = parse_config({"tiers": tiers, "speculation": {"lengths": [4]}, "batching": {"round": "ragged", "max_requests": 2}})
+    engine = Engine(config, batched=True)
+    target = engine.scheduler.tiers[0]
+    assert isinstance(target, BatchedModelTier) and tier_switch_rows(target) == (1,)
+    model, tokenizer = target.tier.model, AutoTokenizer.from_pretrained(tiny_family["target"])
+    widened = [m for m in model.modules() if isinstance(m, wo.WeightOnlyLinear) and m._block is not None]  # the head: 257 rows
+    assert widened and all(m.dense_rows == 1 for m in widened)
     for prompt in PROMPTS:
         result = engine.generate(engine.parse_request({"prompt": prompt, "max_new_tokens": 16}))
         assert result["token_ids"] == greedy_one_token_at_a_time(model, tokenizer(prompt)["input_ids"], 16, tokenizer.eos_token_id)

@@ -19,13 +19,15 @@ Formats (the quantizers below, pure functions; the tests dequantize their output
 
 The kernels pay for one row: on this project's 2-core EPYC (benchmarks/weight_only.md) one row
 through int4 costs ~0.2x bf16's `F.linear`, int8 ~0.4-0.7x. But both widen the weights again for
-every few rows of activations (dequantizing is compute): int4 costs ~2x its one-row time at 4 rows
-and ~4x at 8, int8 is worse. A verified block of k tokens must not cost k one-token forwards, so
-above a row count measured once per weight shape on the machine that runs the model (`dense_rows`)
-the forward takes the block path instead: the weights are widened once, in cache-sized slices, to
-the activations' dtype and multiplied with one dense GEMM per slice. Both paths compute the same
-function up to the rounding of the sums (tests/workers/test_weight_only.py bounds both against a
-float32 reference).
+every few rows of activations (dequantizing is compute): int4 costs ~2x its one-row time at 4 rows,
+~4x at 8, ~100x at 512 (a prefill: ~6x bf16's `F.linear` there). A verified block of k tokens must not
+cost k one-token forwards, so from a row count measured once per weight shape on the machine that runs
+the model (`dense_rows`, `first_block_rows`) the forward takes the block path instead: the weights are
+widened once, a cache-sized slice of output rows at a time, to the activations' dtype, and multiplied
+with one dense GEMM per slice: bf16's cost plus one widening (int4: the widened weights are
+`dequantize_int4(...)` rounded once to the activations' dtype, bit for bit, `widened_int4`). Both paths
+compute the same function up to the rounding of the sums (tests/workers/test_weight_only.py bounds
+both against a float32 reference and the block path's weights against `dequantize_int4` exactly).
 
 Packing happens once, at load; the float weight is dropped. Not a `torch.nn.Linear` subclass on
 purpose (as `Fp8Linear`): code that treats a `Linear` as a float weight must not take it for one.
@@ -52,9 +54,9 @@ INT4_MID = 8  # q = 8 is the group's `zero`
 INT8_MAX = 127
 MIN_SCALE = 1e-8
 NEVER = 1 << 30  # dense_rows for "always the kernel"
-PROBE_ROWS = (2, 4, 8, 16, 32, 64, 128, 256)  # row counts (blocks, batches, prompts) at which the kernel is timed against the block path
-PROBE_REPEATS = 3
-SLICE_BYTES = 8 << 20  # widened weights per slice of the block path: about an L2-L3 cache's worth
+PROBE_ROWS = (2, 4, 8, 16, 32, 64, 128, 256, 512)  # row counts (blocks, batches, prompts: a prefill's hundreds) at which the kernel is timed against the block path
+PROBE_REPEATS = 3  # best of
+SLICE_BYTES = 8 << 20  # widened weights per slice of the block path (1-8 MiB measured alike on a 2 MiB-L2 Xeon; fewer ops matter on a shared machine)
 PACK_ROWS = 4096  # rows packed per call at load: a multiple of any kernel block, so slices pack as the whole
 
 
@@ -155,6 +157,23 @@ def cpu_int4_layout(out_features: int) -> tuple[int, torch.Tensor] | None:
     return block, block_order
 
 
+def split_halves(block: int, order: torch.Tensor) -> bool:
+    """Whether byte j of a packed k-row holds row j in its low nibble and row j + block / 2 in its high
+    one (what torch's AVX-512 packing does): then splitting the bytes' nibbles into two halves gives the
+    block's rows in order, and the block path widens without a gather. Other layouts keep the kernel."""
+    half = block // 2
+    expected = torch.stack((torch.arange(half), torch.arange(half) + half), dim=1).reshape(-1)
+    return block % 2 == 0 and torch.equal(order, expected)
+
+
+def _wide_dtype(half: int) -> torch.dtype:
+    """The widest element that a half-block's `half` bytes are a whole number of (for the transposing copy)."""
+    for dtype in (torch.complex128, torch.int64, torch.int32, torch.int16):
+        if half % dtype.itemsize == 0:
+            return dtype
+    return torch.uint8
+
+
 # ------------------------------------------------------------------------------ the module
 
 
@@ -172,7 +191,7 @@ class WeightOnlyLinear(torch.nn.Module):
         self.register_buffer("bias", bias)
         self.dense_rows = NEVER
         self._scales_by_dtype: dict[torch.dtype, torch.Tensor] = {}
-        self._block = None  # int4 on the CPU: (block, order inverse, block scales, block zeros) for the block path
+        self._block = None  # int4 on the CPU: the packing's block of rows, where the block path can widen it (`split_halves`)
 
     # -- construction
 
@@ -210,14 +229,8 @@ class WeightOnlyLinear(torch.nn.Module):
         ]
         module.register_buffer("weight", torch.cat(packed) if len(packed) > 1 else packed[0])  # [N, K/2] uint8
         layout = cpu_int4_layout(out_features)
-        if layout is not None:
-            block, order = layout
-            inverse = torch.empty_like(order)
-            inverse[order] = torch.arange(block)
-            # scales / zeros in the packed nibble order: [N/block, G, 1, block]
-            by_block = weights.scale.reshape(-1, block, weights.scale.shape[1])[:, order].permute(0, 2, 1).unsqueeze(2)
-            zeros = weights.zero.reshape(-1, block, weights.zero.shape[1])[:, order].permute(0, 2, 1).unsqueeze(2)
-            module._block = (block, inverse, by_block.contiguous(), zeros.contiguous())
+        if layout is not None and split_halves(*layout):
+            module._block = layout[0]
         return module
 
     def extra_repr(self) -> str:
@@ -251,7 +264,8 @@ class WeightOnlyLinear(torch.nn.Module):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, self.group_size, self._scales(x.dtype))
 
     def block_path(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] -> [M, N] with W widened to x's dtype once, a cache-sized slice of output rows at a time."""
+        """x [M, K] -> [M, N] with W widened to x's dtype once, a cache-sized slice of output rows at a time,
+        and one dense GEMM per slice (`x @ W^T[:, slice]`, float32 sums: the slow reference's arithmetic)."""
         if self.kind in INT8_KINDS:
             rows = max(1, SLICE_BYTES // (2 * self.in_features))
             outs = [F.linear(x, self.weight[start : start + rows].to(x.dtype)) for start in range(0, self.out_features, rows)]
@@ -259,20 +273,38 @@ class WeightOnlyLinear(torch.nn.Module):
             return out * self._scales(x.dtype)
         if self._block is None:
             return self.kernel(x)
-        block, inverse, block_scale, block_zero = self._block
-        packed = self.weight.view(-1, self.in_features, block // 2)  # [NB, K, block/2]: one k-row of a block per row
+        block = self._block
         blocks_per_slice = max(1, SLICE_BYTES // (2 * self.in_features * block))
-        groups = self.in_features // self.group_size
-        outs = []
-        for start in range(0, packed.shape[0], blocks_per_slice):
-            part = packed[start : start + blocks_per_slice]
-            nibbles = torch.stack((part & 15, part >> 4), dim=-1).view(part.shape[0], groups, self.group_size, block)
-            widened = (nibbles.to(x.dtype) - INT4_MID) * block_scale[start : start + blocks_per_slice].to(x.dtype)
-            widened = widened + block_zero[start : start + blocks_per_slice].to(x.dtype)  # [nb, G, gs, block]: W^T per block
-            outs.append(torch.matmul(x, widened.view(part.shape[0], self.in_features, block)))  # [nb, M, block]
-        out = torch.cat(outs) if len(outs) > 1 else outs[0]  # [NB, M, block], columns in nibble order
-        out = out[:, :, inverse]  # [NB, M, block] in row order
-        return out.permute(1, 0, 2).reshape(x.shape[0], self.out_features)
+        outs = [x @ self.widened_int4(start, blocks_per_slice, x.dtype) for start in range(0, self.out_features // block, blocks_per_slice)]
+        return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+
+    def widened_int4(self, first_block: int, blocks: int, dtype: torch.dtype) -> torch.Tensor:
+        """W^T [K, n] in `dtype` for the output rows of `blocks` packed blocks from `first_block` on (CPU int4
+        with the split-halves layout, see `split_halves`): `(q - 8) * scale + zero` computed in float32 and
+        rounded once, as `dequantize_int4(...).to(dtype)` rounds it. The passes over the weights are all over
+        contiguous memory in K-major order except the one transposing copy, which moves whole half-blocks
+        (16-byte elements): torch's elementwise kernels are slow on short strided runs, this keeps them fast."""
+        block, in_features = self._block, self.in_features
+        half = block // 2
+        packed = self.weight.view(-1, in_features, half)[first_block : first_block + blocks]  # [nb, K, half] bytes
+        blocks = packed.shape[0]
+        wide = _wide_dtype(half)
+        low, high = (packed & 15).view(wide), (packed >> 4).view(wide)  # [nb, K, half/w]: rows 0..half-1, half..block-1
+        levels = torch.empty(in_features, blocks, block, dtype=torch.uint8)  # W^T's levels, K-major: [K, nb, block]
+        split = levels.view(wide)
+        step = split.shape[-1] // 2
+        split[..., :step].copy_(low.transpose(0, 1))
+        split[..., step:].copy_(high.transpose(0, 1))
+        levels = levels.sub_(INT4_MID).view(torch.int8)  # q - 8, wrapped: exact in int8
+        groups = in_features // self.group_size
+        widened = levels.to(dtype).view(groups, self.group_size, blocks * block)
+        scales = self._scales(dtype)  # [G, N, 2]: (scale, zero)
+        columns = slice(first_block * block, (first_block + blocks) * block)
+        # [G, 1, n] each, contiguous: 1/group_size of the weights' size to copy, and an interleaved (stride 2)
+        # operand measured ~3x slower in addcmul
+        scale, zero = scales[:, None, columns, 0].contiguous(), scales[:, None, columns, 1].contiguous()
+        torch.addcmul(zero, widened, scale, out=widened)
+        return widened.view(in_features, blocks * block)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
@@ -294,7 +326,7 @@ _dense_rows: dict[tuple, int] = {}
 def measured_dense_rows(module: WeightOnlyLinear, dtype: torch.dtype) -> int:
     """The fewest rows from which the block path beats the kernel on this machine (NEVER: it does not
     up to PROBE_ROWS' largest, or the block path is off). Measured once per shape, kind, dtype and
-    thread count, at load. `POLYSPEC_WEIGHT_ONLY_BLOCK=kernel` / `=dense` skip the measurement."""
+    thread count, at load (`first_block_rows`). `POLYSPEC_WEIGHT_ONLY_BLOCK=kernel` / `=dense` skip the measurement."""
     mode = os.environ.get("POLYSPEC_WEIGHT_ONLY_BLOCK", "auto")
     device = module.weight.device
     if mode == "kernel" or device.type != "cpu" or (module.kind in INT4_KINDS and module._block is None):
@@ -303,19 +335,67 @@ def measured_dense_rows(module: WeightOnlyLinear, dtype: torch.dtype) -> int:
         return 1
     key = (module.kind, module.out_features, module.in_features, module.group_size, dtype, torch.get_num_threads())
     if key not in _dense_rows:
-        # the block path's cost is the widening, nearly flat in rows: timed once, at the most rows, it bounds
-        # the block path below; the kernel's grows with the rows. Switch where the kernel costs more than that bound.
-        most = torch.randn(PROBE_ROWS[-1], module.in_features, dtype=dtype)
-        module.block_path(most)  # warm
-        block_s = best_of(lambda: module.block_path(most), PROBE_REPEATS)
-        _dense_rows[key] = NEVER
-        for rows in PROBE_ROWS:
-            x = most[:rows]
-            module.kernel(x)  # warm
-            if best_of(lambda: module.kernel(x), PROBE_REPEATS) > block_s:
-                _dense_rows[key] = rows
-                break
+        _dense_rows[key] = first_block_rows(module, dtype)
     return _dense_rows[key]
+
+
+def first_block_rows(module: WeightOnlyLinear, dtype: torch.dtype, probe_rows=PROBE_ROWS, repeats: int = PROBE_REPEATS) -> int:
+    """The row count from which the block path is measured faster than the kernel (NEVER: at none of `probe_rows`).
+
+    The kernel widens the weights again for every few rows, so its cost grows with the rows; the block path
+    widens them once, so its cost is nearly flat (its floor: the widening) until the GEMM dominates. The floor
+    is timed once, at the fewest rows; a row count where the kernel costs no more than that floor is the
+    kernel's without timing the block path there. Past the switch the kernel's cost grows faster than the
+    block path's, so the probe stops at the first row count the block path wins, and wins again at the next
+    (then bisects back toward the last one the kernel won, to an eighth of the rows): it runs up to the prefill sizes (512 rows) only for a
+    shape whose kernel stays cheap that far."""
+    def seconds(path, x) -> float:
+        path(x)  # warm
+        return best_of(lambda: path(x), repeats)
+
+    most = torch.randn(probe_rows[-1], module.in_features, dtype=dtype)
+    floor_s = seconds(module.block_path, most[: probe_rows[0]])
+
+    def block_wins(rows: int) -> bool:
+        kernel_s = seconds(module.kernel, most[:rows])
+        if kernel_s <= floor_s:
+            return False
+        return (floor_s if rows == probe_rows[0] else seconds(module.block_path, most[:rows])) < kernel_s
+
+    for index, rows in enumerate(probe_rows):
+        if not block_wins(rows):
+            continue
+        # and confirmed at the next row count (where its lead only grows): on a shared machine one stalled timing of
+        # the kernel could otherwise switch early, and every small block would then pay the whole widening, many
+        # times the kernel's cost; a switch a probe late costs far less
+        if index + 1 < len(probe_rows) and not block_wins(probe_rows[index + 1]):
+            continue
+        # between the last row count the kernel won and this one, bisected to an eighth: the switch sits near where
+        # the two costs cross, so a forward's cost has a kink there, not a step (the planner's profile interpolates it)
+        low, high = (probe_rows[index - 1] if index else rows), rows
+        while high - low > max(1, high // 8):
+            middle = (low + high) // 2
+            low, high = (low, middle) if block_wins(middle) else (middle, high)
+        return high
+    return NEVER
+
+
+SWITCH_CLUSTER = 1.25  # switch rows within this factor of a smaller one are priced as that one
+
+
+def switch_rows(model: torch.nn.Module | None) -> tuple[int, ...]:
+    """The row counts at which the weight-only Linears of `model` leave their kernel for the block path (sorted;
+    none: no such Linear, or all keep the kernel). A forward's cost has a kink at each: the start-up profile
+    measures there (orchestrator/tuning/profiler.py) instead of interpolating across it. Each shape bisects its
+    own switch to an eighth, so a model's are many near one another: one within `SWITCH_CLUSTER` of a smaller
+    one is left out (each kept one costs the profile up to two more forwards per batch)."""
+    if model is None or not hasattr(model, "modules"):
+        return ()
+    kept: list[int] = []
+    for rows in sorted({m.dense_rows for m in model.modules() if isinstance(m, WeightOnlyLinear) and m.dense_rows < NEVER}):
+        if not kept or rows > kept[-1] * SWITCH_CLUSTER:
+            kept.append(rows)
+    return tuple(kept)
 
 
 def quantize_weight_only(model: torch.nn.Module, kind: str, group_size: int = DEFAULT_GROUP_SIZE) -> torch.nn.Module:
