@@ -130,6 +130,8 @@ def test_streams_do_not_depend_on_the_batch():
         assert torch.equal(stream_uniforms(seeds[r:r + 1], counters[r:r + 1], DOMAIN_ACCEPT, 64)[0], together[r])
     assert not torch.equal(together[0], together[2])  # the next round draws afresh
     assert not torch.equal(together[0], stream_uniforms(seeds[:1], counters[:1], DOMAIN_NEXT, 64)[0])  # so does another domain
+    offsets = torch.zeros(4, dtype=torch.int64)  # the same draws through the uncached index hash
+    assert torch.equal(stream_uniforms(seeds, counters, DOMAIN_ACCEPT, 64, first=offsets), together)
     many = stream_uniforms(torch.arange(200), torch.zeros(200, dtype=torch.int64), DOMAIN_ACCEPT, 500).flatten()
     assert 0 < float(many.min()) and float(many.max()) < 1
     assert stats.kstest(many.numpy(), "uniform").pvalue > ALPHA  # 100,000 draws

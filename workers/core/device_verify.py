@@ -39,22 +39,42 @@ DOMAINS = 4  # fixed: changing it would change every request's streams
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (Mueller's), on int64 tensors holding values in [0, 2^32)."""
-    x = (x ^ (x >> 16)) * HASH_MULTIPLIER & MASK32
-    x = (x ^ (x >> 16)) * HASH_MULTIPLIER & MASK32
-    return x ^ (x >> 16)
+    """A 32-bit integer hash (Mueller's), on int64 tensors holding values in [0, 2^32); `x` is left as it was
+    (the passes after the first work in place on the copy: a vocabulary-wide draw hashes 150k values a row)."""
+    x = x ^ (x >> 16)
+    x.mul_(HASH_MULTIPLIER).bitwise_and_(MASK32)
+    x.bitwise_xor_(x >> 16).mul_(HASH_MULTIPLIER).bitwise_and_(MASK32)
+    return x.bitwise_xor_(x >> 16)
+
+
+_INDEX_HASHES: dict[int, torch.Tensor] = {}  # count -> _mix32(arange(count)) on the CPU: the same for every row and round
+
+
+def _index_hash(count: int, device: torch.device) -> torch.Tensor:
+    """[1, count] `_mix32` of the draw numbers 0 .. count - 1. Kept per count on the CPU (a draw over the vocabulary
+    hashes the same numbers every round); computed afresh elsewhere and while a step is traced (a graph holds no dict).
+    """
+    if device.type != "cpu" or torch.compiler.is_compiling():
+        return _mix32(torch.arange(count, device=device, dtype=torch.int64)[None, :])
+    hashed = _INDEX_HASHES.get(count)
+    if hashed is None:
+        if len(_INDEX_HASHES) >= 64:  # block lengths, widths, vocabularies: a few counts in practice
+            _INDEX_HASHES.clear()
+        hashed = _INDEX_HASHES[count] = _mix32(torch.arange(count, dtype=torch.int64)[None, :])
+    return hashed
 
 
 def stream_uniforms(seeds: torch.Tensor, counters: torch.Tensor, domain: int, count: int,
                     first: torch.Tensor | None = None) -> torch.Tensor:
     """[B, count] float32 uniforms in (0, 1): request r's draws number first[r] .. first[r] + count - 1
     (`first` None: 0 ..) of round `counters[r]` in `domain`. seeds: [B] int64 (63-bit), counters: [B] int64."""
-    index = torch.arange(count, device=seeds.device, dtype=torch.int64)[None, :]  # [1, count]
-    if first is not None:
-        index = index + first[:, None]
+    if first is None:
+        hashed = _index_hash(count, seeds.device)  # [1, count]
+    else:
+        hashed = _mix32(torch.arange(count, device=seeds.device, dtype=torch.int64)[None, :] + first[:, None])  # [B, count]
     lo, hi = seeds & MASK32, (seeds >> 32) & MASK32
     key = _mix32(lo ^ _mix32(hi ^ _mix32((counters * DOMAINS + domain) & MASK32)))  # [B]
-    return unit_interval(_mix32(key[:, None] ^ _mix32(index)))  # [B, count]
+    return unit_interval(_mix32(key[:, None] ^ hashed))  # [B, count]
 
 
 def unit_interval(bits: torch.Tensor) -> torch.Tensor:
