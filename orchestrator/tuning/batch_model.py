@@ -373,7 +373,7 @@ class BatchPlanner:
                 table.observe(rows, width, seconds * 1000.0)
             log.clear()
 
-    def observe_step(self, batch: int, tokens: int, seconds: float, lengths=None, active=None, catch_up_s: float = 0.0) -> None:
+    def observe_step(self, batch: int, tokens: int, seconds: float, lengths, active, catch_up_s: float = 0.0) -> None:
         """The step just planned took `seconds` and committed `tokens`: refine the model, feed the A/B.
         `catch_up_s` of the step went to drafters catching up on contexts (a plan's first steps: its drafters'
         prompts): a price of switching the plan on, weighed before it is tried (`entry_goodput`), so neither the
@@ -405,10 +405,7 @@ class BatchPlanner:
             self._decide(arm, batch)
 
     def _heard(self, lengths, active) -> Pending | None:
-        """The oldest step planned with `lengths` and `active` and not yet heard (None given: the latest planned)."""
-        if lengths is None or active is None:
-            queue = next((q for q in reversed(self._in_flight.values()) if q), None)
-            return queue.pop() if queue else None
+        """The oldest step planned with `lengths` and `active` and not yet heard."""
         queue = self._in_flight.get((tuple(lengths), tuple(active)))
         while queue and len(queue) > 1 and time.monotonic() - queue[0].planned_at > IN_FLIGHT_STALE_S:
             queue.popleft()  # a step whose round failed is never heard: its entry must not shift the next ones

@@ -145,9 +145,9 @@ def profile_batched(tiers, vocab_size: int, max_batch: int, repeats: int = 2, ca
     measurements = [dict(measurement, kind=tier.profile_kind) for tier in tiers]
     # a weight-only tier leaves its quantized kernel for the block path at some row counts: its forward is also
     # measured on both sides of each (ForwardTable interpolates between all widths measured at a batch)
+    switches = [tier_switch_rows(tier) for tier in tiers]
     knots = []
-    for index, tier in enumerate(tiers):
-        rows = tier_switch_rows(tier)
+    for index, rows in enumerate(switches):
         knots.append({b: switch_widths(b, rows) for b in batches})
         if rows:  # a table with switch widths; not keyed by the rows themselves, which each load measures again and which
             # move by a probe's noise: a cached table's switch widths stay cells measured on this machine, a few rows off at worst
@@ -211,7 +211,7 @@ def profile_batched(tiers, vocab_size: int, max_batch: int, repeats: int = 2, ca
             if b not in batches:
                 for w in WIDTH_GRID:
                     ms[(b, w)] = ms[(batches[-1], w)] * b / batches[-1]
-        tables.append(ForwardTable(monotone(ms, tier_switch_rows(tier)), catch_up))
+        tables.append(ForwardTable(monotone(ms, switches[index]), catch_up))
         if cacheable[index]:
             cache.put(index, measurements[index], {"ms": encode_table(tables[-1].ms), "catch_up": catch_up})
         if log is not None:
