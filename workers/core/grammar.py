@@ -233,7 +233,7 @@ def check_source(spec: ConstraintSpec) -> None:
     xgrammar = _xgrammar()
     try:
         if spec.kind == "json_schema":
-            xgrammar.Grammar.from_json_schema(spec.source, any_whitespace=False, strict_mode=spec.strict)
+            xgrammar.Grammar.from_json_schema(spec.source, **_schema_options(spec))
         elif spec.kind == "regex":
             xgrammar.Grammar.from_regex(spec.source)
         else:
@@ -242,10 +242,15 @@ def check_source(spec: ConstraintSpec) -> None:
         raise RequestError(f"invalid {spec.kind}: {one_line(exc)}") from None
 
 
+def _schema_options(spec: ConstraintSpec) -> dict:
+    """How a JSON schema becomes a grammar, the same for the command line's check and the engine's compile: no free
+    whitespace between tokens (a model may not pad its JSON forever; ", " and ": " separate), and `strict`."""
+    return {"any_whitespace": False, "strict_mode": spec.strict}
+
+
 def _compile(compiler, spec: ConstraintSpec):
     if spec.kind == "json_schema":
-        # no free whitespace between tokens: a model may not pad its JSON forever (", " and ": " separate)
-        return compiler.compile_json_schema(spec.source, any_whitespace=False, strict_mode=spec.strict)
+        return compiler.compile_json_schema(spec.source, **_schema_options(spec))
     if spec.kind == "regex":
         return compiler.compile_regex(spec.source)
     return compiler.compile_grammar(spec.source)
