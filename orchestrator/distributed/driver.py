@@ -9,6 +9,8 @@ never relays blocks. The driver keeps each request's committed tokens, so a requ
 survives any tier's death: a step that failed committed nothing and is simply redone.
 With `keep_finished` (a chat) a finished request's caches stay in every worker (`Release` with
 `keep_caches`) and a next turn extending its tokens runs under its sequence id, as embedded.
+A round sends the target only the tokens committed since its last one (transport.SentContexts);
+a target that lost them (a restart) refuses, and the round goes again with the whole context.
 
 Where the workers live is a `Membership`: `polyspec.orchestrator.distributed.ray_runtime.RayMembership`
 for Ray actors, which also restarts and rewires tiers (the tests' in-process chains have one of
@@ -51,7 +53,16 @@ from polyspec.orchestrator.decode.contract import (
 from polyspec.protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
 from polyspec.workers.core.grammar import grammar_of, wire_form
 from polyspec.workers.core.sampling import SamplingParams
-from polyspec.orchestrator.distributed.transport import CHANNEL_OPTIONS, UNAVAILABLE_CODES, Counters, TierUnavailableError, decode_rows
+from polyspec.orchestrator.distributed.transport import (
+    CHANNEL_OPTIONS,
+    UNAVAILABLE_CODES,
+    Counters,
+    SentContexts,
+    TierUnavailableError,
+    call_with_contexts,
+    decode_rows,
+    raise_if_stale,
+)
 
 VERIFY_TIMEOUT_S = 300.0
 
@@ -150,6 +161,9 @@ class DistributedChain:
         self.degraded_rounds = 0
         self._target: _Target | None = None
         self._target_lock = threading.Lock()
+        self._sent_target = SentContexts()  # what the target keeps of each request's context (made anew with a new target)
+        self._sent_drafter = SentContexts()  # the same for tier 1 (an approximate step's `sub_chain_block`)
+        self.context_resends = 0  # calls a tier refused for a context base it lacked, sent again whole
         self._seq_ids = itertools.count(random.getrandbits(40) << 20)
         self._releases = futures.ThreadPoolExecutor(1, thread_name_prefix="polyspec-release")
         self.kept = KeptSequences(keep_finished, self._release, lambda: next(self._seq_ids))
@@ -166,6 +180,7 @@ class DistributedChain:
             if self._target is None or self._target.address != address:
                 if self._target is not None:
                     self._target.channel.close()
+                    self._sent_target = SentContexts()
                 channel = cluster_auth.insecure_channel(address, options=CHANNEL_OPTIONS)
                 self._target = _Target(address, channel, tier_pb2_grpc.TierStub(channel))
             return self._target
@@ -182,6 +197,7 @@ class DistributedChain:
                 self.counters.add("grpc", request.ByteSize() + reply.ByteSize())
                 return reply, arrived - started
             except grpc.RpcError as exc:
+                raise_if_stale(exc)
                 if exc.code() not in UNAVAILABLE_CODES:
                     raise RuntimeError(f"tier {self.tiers[0].name!r}: {method} failed: {exc.details()}") from None
                 self.failovers += 1
@@ -228,8 +244,11 @@ class DistributedChain:
         planner = self.planner
         running = [states[i] for i in live]
         lengths, active, predicted = self._plan(running)
-        requests = [self._round_request(state, lengths) for state in running]
-        reply, wall = self._call_target("VerifyBatch", tier_pb2.VerifyBatchRequest(requests=requests))
+        def batch(deltas) -> tier_pb2.VerifyBatchRequest:
+            return tier_pb2.VerifyBatchRequest(requests=[self._round_request(state, lengths, delta) for state, delta in zip(running, deltas)])
+
+        reply, wall = call_with_contexts(lambda request: self._call_target("VerifyBatch", request), batch, self._sent_target,
+                                         [state.seq_id for state in running], [state.committed for state in running], self._resent)
         if len(reply.replies) != len(live):
             raise RuntimeError(f"tier {self.tiers[0].name!r}: VerifyBatch answered {len(reply.replies)} of {len(live)} requests")
         heard = []
@@ -267,12 +286,17 @@ class DistributedChain:
         self.lengths, self.active = list(lengths), tuple(active)  # the plan in use (the server's speculation_length gauge)
         return self.lengths, self.active, predicted
 
-    def _round_request(self, state: RequestState, lengths: list[int]) -> tier_pb2.VerifyRequest:
-        """The request's next Verify, with the step's lengths."""
+    def _round_request(self, state: RequestState, lengths: list[int], delta) -> tier_pb2.VerifyRequest:
+        """The request's next Verify, with the step's lengths; `delta`: (the committed tokens the target
+        lacks, the ContextDelta they extend)."""
         header = state.run.header
         del header.lengths[:]
         header.lengths.extend(lengths)
-        return tier_pb2.VerifyRequest(header=header, context=state.committed, max_tokens=remaining(state))
+        tail, base = delta
+        return tier_pb2.VerifyRequest(header=header, context=tail, delta=base, max_tokens=remaining(state))
+
+    def _resent(self) -> None:
+        self.context_resends += 1
 
     def _round_reply(self, state: RequestState, reply: tier_pb2.VerifyReply, wall: float) -> list[int]:
         """Fold one round's reply into the request: stats and the committed tokens."""
@@ -322,6 +346,9 @@ class DistributedChain:
     def _release(self, seq_id: int, keep_caches: bool = False) -> None:
         """Free a sequence in every tier (in the background), or only its state, its caches kept for a next
         request under its id (`keep_caches`: answered once every tier has, so that request never meets the old state)."""
+        self._sent_target.forget(seq_id)
+        self._sent_drafter.forget(seq_id)
+
         def release() -> None:
             try:
                 stub.Release(tier_pb2.ReleaseRequest(seq_id=seq_id, keep_caches=keep_caches), timeout=10.0)
@@ -351,22 +378,39 @@ class DistributedChain:
         header.CopyFrom(state.run.header)
         header.pipeline = False  # a block asked for directly: no draft-ahead bet on it
         view = self.tiers[1]
-        request = tier_pb2.DraftRequest(header=header, context=context, num_tokens=need, caller=0)
-        try:
-            with cluster_auth.insecure_channel(view.address, options=CHANNEL_OPTIONS) as channel:
-                reply = tier_pb2_grpc.TierStub(channel).Draft(request, timeout=VERIFY_TIMEOUT_S)
-        except grpc.RpcError as exc:
-            if exc.code() in UNAVAILABLE_CODES:
-                raise TierUnavailableError(view.name, f"Draft: {exc.code().name.lower()}") from None
-            raise RuntimeError(f"tier {view.name!r}: Draft failed: {exc.details()}") from None
-        self.counters.add("grpc", request.ByteSize() + reply.ByteSize())
+
+        def draft(request: tier_pb2.DraftRequest) -> tier_pb2.DraftReply:
+            try:
+                with cluster_auth.insecure_channel(view.address, options=CHANNEL_OPTIONS) as channel:
+                    reply = tier_pb2_grpc.TierStub(channel).Draft(request, timeout=VERIFY_TIMEOUT_S)
+            except grpc.RpcError as exc:
+                raise_if_stale(exc)
+                if exc.code() in UNAVAILABLE_CODES:
+                    raise TierUnavailableError(view.name, f"Draft: {exc.code().name.lower()}") from None
+                raise RuntimeError(f"tier {view.name!r}: Draft failed: {exc.details()}") from None
+            self.counters.add("grpc", request.ByteSize() + reply.ByteSize())
+            return reply
+
+        def one(deltas) -> tier_pb2.DraftRequest:
+            (tail, delta), = deltas
+            return tier_pb2.DraftRequest(header=header, context=tail, delta=delta, num_tokens=need, caller=0)
+
+        reply = call_with_contexts(draft, one, self._sent_drafter, [state.seq_id], [context], self._resent)
         return list(reply.tokens)
 
     def target_distribution(self, prompt_ids: list[int], seq_id=None) -> torch.Tensor:
         """The target's own distribution (temperature 1) after `prompt_ids` [V], from its worker; with the
         request's `seq_id` the worker keeps the scored KV until the request is released (ChainScheduler's)."""
-        request = tier_pb2.ScoreRequest(context=prompt_ids, temperature=1.0, seq_id=seq_id or 0)
-        reply, _ = self._call_target("Score", request)
+        if not seq_id:
+            reply, _ = self._call_target("Score", tier_pb2.ScoreRequest(context=prompt_ids, temperature=1.0))
+            return decode_rows(reply.rows)[0]
+
+        def one(deltas) -> tier_pb2.ScoreRequest:
+            (tail, delta), = deltas
+            return tier_pb2.ScoreRequest(context=tail, delta=delta, temperature=1.0, seq_id=seq_id)
+
+        reply, _ = call_with_contexts(lambda request: self._call_target("Score", request), one, self._sent_target, [seq_id],
+                                      [prompt_ids], self._resent)
         return decode_rows(reply.rows)[0]
 
     def runtime_stats(self) -> dict:
@@ -383,10 +427,13 @@ class DistributedChain:
                 "forwards": reply.forwards, "lower": reply.lower,
                 "sent": {c.transport: {"messages": c.messages, "bytes": c.bytes} for c in reply.sent},
                 "draft_ahead": {"hits": reply.ahead_hits, "misses": reply.ahead_misses, "dropped_tokens": reply.ahead_dropped_tokens},
+                # context bases this tier lacked (its callers resent those contexts whole) / its calls the tier below refused
+                "contexts": {"refused": reply.stale_contexts, "resent": reply.context_resends},
             })
         return {
             "driver_sent": {t: {"messages": self.counters.messages[t], "bytes": self.counters.bytes[t]} for t in self.counters.messages},
             "failovers": self.failovers,
+            "context_resends": self.context_resends,
             "degraded_rounds": self.degraded_rounds,
             "tiers": tiers,
             # drafters left out at start-up, bypassed, wired (back) in: when and why (RayMembership)

@@ -26,12 +26,21 @@ a torch.distributed group is fixed at start-up and a restarted tier cannot rejoi
 inline is what survives failover; the demo vocabulary's blocks (k x 4096 x 4 bytes) stay
 under the crossover anyway. Ask for `gloo` to trade that for speed on big vocabularies;
 `auto` picks NCCL between tiers on distinct GPUs (GPU memory to GPU memory, no host copy).
+
+Contexts never cross twice: a caller keeps, per sequence, what it last sent its callee
+(`SentContexts`) and sends only the tokens past the prefix the callee still keeps under that
+version (`ContextDelta`); the callee keeps the last few versions per sequence (`KeptContexts`) and
+refuses a call whose base it lacks (`StaleContextError`, FAILED_PRECONDITION on the wire), after
+which the caller sends the whole contexts once. A 2,000-token prompt crosses each hop once.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
+import logging
 import os
+import random
 import threading
 from concurrent import futures
 from typing import Callable
@@ -39,6 +48,7 @@ from typing import Callable
 import grpc
 import torch
 
+from polyspec.orchestrator.decode.contract import common_prefix
 from polyspec.orchestrator.distributed import cluster_auth
 from polyspec.protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
 from polyspec.workers.core.tree import DraftTree
@@ -69,6 +79,16 @@ class TierUnavailableError(RuntimeError):
         self.tier = tier
 
 
+STALE_CONTEXT = "stale context"  # the detail of a refusal for a base the callee lacks (FAILED_PRECONDITION)
+KEPT_VERSIONS = 4  # contexts a callee keeps per sequence: one per caller of it, and a call whose reply was lost
+
+log = logging.getLogger(__name__)
+
+
+class StaleContextError(RuntimeError):
+    """A call named a context version the callee does not keep (a lost message, a restart): send it whole."""
+
+
 class Counters:
     """Messages and bytes per transport (grpc | gloo | nccl), counted by the caller: a gRPC
     call is one message with its request and reply bytes. Thread-safe."""
@@ -86,6 +106,118 @@ class Counters:
     def as_proto(self) -> list[tier_pb2.TransportCounters]:
         with self._lock:
             return [tier_pb2.TransportCounters(transport=t, messages=self.messages[t], bytes=self.bytes[t]) for t in sorted(self.messages)]
+
+
+# ------------------------------------------------------------------------- contexts
+
+
+class SentContexts:
+    """The caller's side, for one callee: per sequence, the context it last sent and its version.
+
+    Versions start at a random 62-bit number per caller, so the versions two callers of one tier
+    give one sequence never meet. Thread-safe; a caller sends one sequence's calls one at a time."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sent: dict[int, tuple[int, list[int]]] = {}
+        self._versions = itertools.count(random.getrandbits(62) + 1)
+
+    def delta(self, seq_id: int, context: list[int], whole: bool = False) -> tuple[list[int], tier_pb2.ContextDelta]:
+        """What to send for `context`: the tokens the callee lacks and how they extend its kept version."""
+        with self._lock:
+            version = next(self._versions)
+            sent = None if whole else self._sent.get(seq_id)
+        if sent is None:
+            return list(context), tier_pb2.ContextDelta(version=version)
+        base_version, kept = sent
+        # the usual call extends what was sent; after a rollback, the tokens up to where it differs
+        base_len = len(kept) if context[: len(kept)] == kept else common_prefix(kept, context)
+        return list(context[base_len:]), tier_pb2.ContextDelta(version=version, base_version=base_version, base_len=base_len)
+
+    def sent(self, seq_id: int, delta: tier_pb2.ContextDelta, context: list[int]) -> None:
+        """The callee answered a call carrying `delta`: it keeps `context` under its version."""
+        with self._lock:
+            self._sent[seq_id] = (delta.version, list(context))
+
+    def forget(self, seq_id: int) -> None:
+        with self._lock:
+            self._sent.pop(seq_id, None)
+
+    def __len__(self) -> int:
+        return len(self._sent)
+
+
+class KeptContexts:
+    """The callee's side: per sequence, the last KEPT_VERSIONS contexts its callers sent, by version
+    (a version names one context for good, so any kept one is a safe base). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._kept: dict[int, collections.OrderedDict[int, list[int]]] = {}
+        self.stale = 0  # sequences refused for a base not kept here (each one's caller resent it whole)
+
+    def resolve(self, seq_id: int, tail, delta: tier_pb2.ContextDelta) -> list[int] | None:
+        """The whole context a call names (None: its base is not kept here), kept under the call's version."""
+        tail = list(tail)
+        with self._lock:
+            versions = self._kept.get(seq_id)
+            if delta.base_version:
+                base = versions.get(delta.base_version) if versions is not None else None
+                if base is None or delta.base_len > len(base):
+                    self.stale += 1
+                    return None
+                context = base[: delta.base_len] + tail
+            else:
+                context = tail
+            if delta.version:  # a copy: the caller of resolve may change its list
+                versions = self._kept.setdefault(seq_id, collections.OrderedDict())
+                versions[delta.version] = list(context)
+                while len(versions) > KEPT_VERSIONS:
+                    versions.popitem(last=False)
+        return context
+
+    def resolve_all(self, seq_ids, tails, deltas) -> list[list[int]]:
+        """Every context of a batch, or StaleContextError naming the sequences whose base is not kept here."""
+        contexts = [self.resolve(s, t, d) for s, t, d in zip(seq_ids, tails, deltas)]
+        stale = [s for s, c in zip(seq_ids, contexts) if c is None]
+        if stale:
+            log.debug("refused stale contexts of sequences %s (their callers resend them whole)", stale)
+            raise StaleContextError(f"{STALE_CONTEXT}: sequences {stale} are not kept at the versions named")
+        return contexts
+
+    def drop(self, seq_id: int) -> None:
+        with self._lock:
+            self._kept.pop(seq_id, None)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._kept.clear()
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+
+def raise_if_stale(exc: grpc.RpcError) -> None:
+    """A callee's refusal of a context base it lacks, as StaleContextError (the caller sends the contexts whole)."""
+    if hasattr(exc, "code") and exc.code() == grpc.StatusCode.FAILED_PRECONDITION and STALE_CONTEXT in (exc.details() or ""):
+        raise StaleContextError(exc.details()) from None
+
+
+def call_with_contexts(call, build, sent: SentContexts, seq_ids, contexts, on_resend: Callable[[], None]):
+    """`call(build(deltas))`, `deltas` one (tail, ContextDelta) per sequence: each sequence sends only
+    what the callee lacks; if the callee refuses a base (StaleContextError), the call goes once more
+    with whole contexts. What was sent is recorded once the callee answered."""
+    deltas = [sent.delta(s, c) for s, c in zip(seq_ids, contexts)]
+    try:
+        reply = call(build(deltas))
+    except StaleContextError as exc:
+        on_resend()
+        log.debug("resending whole contexts: %s", exc)
+        deltas = [sent.delta(s, c, whole=True) for s, c in zip(seq_ids, contexts)]
+        reply = call(build(deltas))  # whole contexts name no base: never refused
+    for seq_id, context, (_, delta) in zip(seq_ids, contexts, deltas):
+        sent.sent(seq_id, delta, context)
+    return reply
 
 
 # ----------------------------------------------------------------------------- rows
@@ -203,7 +335,9 @@ class RemoteTier(BatchedTier):
     caches_prompts = False
 
     def __init__(self, address: str, sequence: Callable, counters: Counters, dist: DistChannel | None = None,
-                 timeout_s: float = RPC_TIMEOUT_S, caller: int = 0) -> None:  # (no BatchedTier.__init__: no local tier)
+                 timeout_s: float = RPC_TIMEOUT_S, caller: int = 0,
+                 on_resend: Callable[[], None] | None = None) -> None:  # (no BatchedTier.__init__: no local tier)
+        """`on_resend`: called when the tier below refused a call's context bases and the call went again whole."""
         self.caller = caller
         self.address = address
         self._sequence = sequence
@@ -212,6 +346,8 @@ class RemoteTier(BatchedTier):
         self.timeout_s = timeout_s
         self._channel = cluster_auth.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = tier_pb2_grpc.TierStub(self._channel)
+        self.sent = SentContexts()  # what this caller last sent the tier below, per sequence
+        self._on_resend = on_resend or (lambda: None)
         self._casts = futures.ThreadPoolExecutor(1, thread_name_prefix="tier-casts")
         info = self._call("Health", tier_pb2.HealthRequest(), timeout=10.0, name=address)
         self.info = info
@@ -233,6 +369,7 @@ class RemoteTier(BatchedTier):
             self.counters.add("grpc", request.ByteSize() + reply.ByteSize())  # one call: request and reply bytes
         except grpc.RpcError as exc:
             code = exc.code() if hasattr(exc, "code") else None
+            raise_if_stale(exc)
             if code in UNAVAILABLE_CODES:
                 raise TierUnavailableError(name or self.name, f"{method}: {code.name.lower()} ({self.address})") from None
             raise RuntimeError(f"tier {name or self.name!r}: {method} failed: {exc.details() if hasattr(exc, 'details') else exc}") from None
@@ -255,10 +392,12 @@ class RemoteTier(BatchedTier):
         except RuntimeError:  # closed
             pass
 
-    def _draft_request(self, seq_id, context, num_tokens: int, tree: bool) -> tier_pb2.DraftRequest:
+    def _draft_request(self, seq_id, delta, num_tokens: int, tree: bool) -> tier_pb2.DraftRequest:
         seq = self._sequence(seq_id)
-        return tier_pb2.DraftRequest(header=seq.header_for_lower(), context=context, num_tokens=num_tokens, tree=tree,
+        tail, delta = delta
+        return tier_pb2.DraftRequest(header=seq.header_for_lower(), context=tail, delta=delta, num_tokens=num_tokens, tree=tree,
                                      caller=self.caller, accept_dist=self.dist is not None)
+
 
     def _absorb(self, seq_id, reply: tier_pb2.DraftReply, tree: bool):
         """The block (tokens, rows) or tree of one sequence's reply; its reports go to the caller's sequence."""
@@ -272,8 +411,11 @@ class RemoteTier(BatchedTier):
 
     def _draft_many(self, seq_ids, contexts, counts, tree: bool) -> list:
         """Every sequence's block (or tree) in one DraftBatch call."""
-        requests = [self._draft_request(s, c, n, tree) for s, c, n in zip(seq_ids, contexts, counts)]
-        reply = self._call("DraftBatch", tier_pb2.DraftBatchRequest(requests=requests))
+        def batch(deltas):
+            return tier_pb2.DraftBatchRequest(requests=[self._draft_request(s, d, n, tree) for s, d, n in zip(seq_ids, deltas, counts)])
+
+        reply = call_with_contexts(lambda request: self._call("DraftBatch", request), batch, self.sent, seq_ids, contexts,
+                                   self._on_resend)
         if len(reply.replies) != len(seq_ids):
             raise RuntimeError(f"tier {self.name!r}: DraftBatch answered {len(reply.replies)} of {len(seq_ids)} sequences")
         return [self._absorb(s, r, tree) for s, r in zip(seq_ids, reply.replies)]
@@ -302,6 +444,7 @@ class RemoteTier(BatchedTier):
 
     def release(self, seq_id, keep_caches: bool = False):
         """Free the sequence below (fire and forget); `keep_caches`: only its state, answered (prefix reuse)."""
+        self.sent.forget(seq_id)
         if not keep_caches:
             self._cast("Release", tier_pb2.ReleaseRequest(seq_id=seq_id))
             return

@@ -71,7 +71,9 @@ from polyspec.orchestrator.distributed.transport import (
     CHANNEL_OPTIONS,
     Counters,
     DistChannel,
+    KeptContexts,
     RemoteTier,
+    StaleContextError,
     TierUnavailableError,
     encode_rows,
     header_params,
@@ -202,6 +204,8 @@ class TierWorker:
         self.rpc_timeout_s = rpc_timeout_s
         self.started = time.time()
         self.ahead_hits = self.ahead_misses = self.ahead_dropped = 0
+        self.contexts = KeptContexts()  # what callers sent, by version: a call carries only what is not kept here
+        self.context_resends = 0  # calls the tier below refused for a context base it lacked, sent again whole
         self._sequences: dict[int, _Sequence] = {}
         self._sequences_lock = threading.Lock()
         self._wiring = threading.Lock()
@@ -233,7 +237,7 @@ class TierWorker:
                 old.close()
             if address:
                 self.lower = RemoteTier(address, self._sequence_of, self.counters, self.dist,
-                                        timeout_s=self.rpc_timeout_s, caller=self.index)
+                                        timeout_s=self.rpc_timeout_s, caller=self.index, on_resend=self._resent)
                 self.lower_error = ""
             return self.lower.name if self.lower is not None else ""
 
@@ -248,6 +252,9 @@ class TierWorker:
         self.server.stop(0)
         if self.lower is not None:
             self.lower.close()
+
+    def _resent(self) -> None:
+        self.context_resends += 1
 
     def _lower_failed(self, lower: RemoteTier, exc: Exception) -> None:
         with self._wiring:
@@ -397,9 +404,9 @@ class TierWorker:
             self.batched_tier().truncate(request.seq_id, request.length)
 
     def prefill(self, request: tier_pb2.PrefillRequest) -> None:
+        (context,) = self._contexts_of([request])
         seq = self._sequence(request.header)
         with seq.cond:
-            context = list(request.context)
             if len(context) > 1:  # (all but the last token: a round feeds at least one)
                 self.batched_tier().prefill([request.header.seq_id], [context], len(context))
 
@@ -415,6 +422,7 @@ class TierWorker:
                     self._sequences.pop(seq_id, None)
             if seq.exits:
                 self.tier.exit_by_seq.pop(seq_id, None)
+        self.contexts.drop(seq_id)
         batched = self.siblings.made(self.tier)
         if batched is not None:
             if not keep_caches:
@@ -437,7 +445,8 @@ class TierWorker:
             uptime_s=time.time() - self.started, forwards=self.tier.forwards,
             open_sequences=len(self._sequences), sent=self.counters.as_proto(), ahead_hits=self.ahead_hits,
             ahead_misses=self.ahead_misses, ahead_dropped_tokens=self.ahead_dropped,
-            device=str(self.tier.device), pid=os.getpid(),
+            device=str(self.tier.device), pid=os.getpid(), stale_contexts=self.contexts.stale,
+            context_resends=self.context_resends,
         )
 
     def batched_tier(self) -> LockedBatched:
@@ -527,14 +536,19 @@ class TierWorker:
 
     # ------------------------------------------------------------------- verify
 
+    def _contexts_of(self, requests) -> list[list[int]]:
+        """Each request's whole context, rebuilt from the version it names (StaleContextError: send them whole)."""
+        return self.contexts.resolve_all([r.header.seq_id for r in requests], [r.context for r in requests],
+                                         [r.delta for r in requests])
+
     def verify_batch(self, request: tier_pb2.VerifyBatchRequest) -> tier_pb2.VerifyBatchReply:
+        contexts = self._contexts_of(request.requests)
         seqs = [self._sequence(r.header) for r in request.requests]
         self._distinct(seqs, "VerifyBatch")
         set_model_seconds(0.0)
         with self._holding(seqs):
             for seq in seqs:
                 seq.reset_call()
-            contexts = [list(r.context) for r in request.requests]
             self._catch_up(seqs, contexts)
 
             def one_round(lower):
@@ -558,6 +572,7 @@ class TierWorker:
 
     def draft_batch(self, request: tier_pb2.DraftBatchRequest, dst_rank: int | None) -> tier_pb2.DraftBatchReply:
         requests = list(request.requests)
+        contexts = self._contexts_of(requests)
         seqs = [self._sequence(r.header) for r in requests]
         self._distinct(seqs, "DraftBatch")
         started = time.perf_counter()
@@ -566,7 +581,6 @@ class TierWorker:
             set_model_seconds(time.perf_counter() - started)
             for seq in seqs:
                 seq.reset_call()
-            contexts = [list(r.context) for r in requests]
             trees = [i for i, r in enumerate(requests) if r.tree]
             # what each stream holds now, without waiting on it: streams still short are topped up
             # below in the misses' forwards (one wait per sequence would grow them one at a time)
@@ -615,9 +629,10 @@ class TierWorker:
     def score(self, request: tier_pb2.ScoreRequest) -> tier_pb2.ScoreReply:
         """This tier's distribution after the context, on a sequence of its own (SpecReason's utility score:
         `tier.scratch_score`; a request's scored prompt stays until `release`)."""
+        (context,) = self.contexts.resolve_all([request.seq_id], [request.context], [request.delta])
         batched = self.siblings.of(self.tier)
         with self.lock.hold():
-            row = scratch_score(batched.inner, list(request.context), request.seq_id or None, request.temperature or 1.0)
+            row = scratch_score(batched.inner, context, request.seq_id or None, request.temperature or 1.0)
         return tier_pb2.ScoreReply(rows=encode_rows(row[None], self.counters))  # [1, V]
 
     # --------------------------------------------------------------- profile
@@ -739,6 +754,8 @@ class _Servicer(tier_pb2_grpc.TierServicer):
             return fn()
         except TierUnavailableError as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except StaleContextError as exc:  # the caller sends the whole contexts again: no traceback
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except Exception as exc:  # noqa: BLE001 - reported to the caller as INTERNAL with the cause
             traceback.print_exc()
             context.abort(grpc.StatusCode.INTERNAL, f"tier {self.worker.tier.name!r}: {exc!r}")

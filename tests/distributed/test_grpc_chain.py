@@ -200,7 +200,7 @@ def test_pipelined_sampling_is_lossless(tiny_family, names, lengths, samples):
 
 def test_prefill_rollback_and_profile_rpcs(tiny_family, embedded):
     """Prefill warms a cache, Rollback cuts one back mid-request, Profile times forwards:
-    the request still ends with the target's own greedy tokens (every call carries its context)."""
+    the request still ends with the target's own greedy tokens (every call names its whole context, kept by its callee)."""
     from polyspec.orchestrator.distributed import cluster_auth
     from polyspec.protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
 

@@ -89,21 +89,33 @@ class StageReport(_message.Message):
     block_seconds: float
     def __init__(self, tier: _Optional[int] = ..., drafter: _Optional[int] = ..., length: _Optional[int] = ..., proposed: _Optional[int] = ..., accepted: _Optional[int] = ..., seconds: _Optional[float] = ..., ahead: _Optional[bool] = ..., block_seconds: _Optional[float] = ...) -> None: ...
 
+class ContextDelta(_message.Message):
+    __slots__ = ("version", "base_version", "base_len")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BASE_LEN_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    base_version: int
+    base_len: int
+    def __init__(self, version: _Optional[int] = ..., base_version: _Optional[int] = ..., base_len: _Optional[int] = ...) -> None: ...
+
 class DraftRequest(_message.Message):
-    __slots__ = ("header", "context", "num_tokens", "tree", "caller", "accept_dist")
+    __slots__ = ("header", "context", "num_tokens", "tree", "caller", "accept_dist", "delta")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
     CALLER_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_DIST_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
     header: SequenceHeader
     context: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
     tree: bool
     caller: int
     accept_dist: bool
-    def __init__(self, header: _Optional[_Union[SequenceHeader, _Mapping]] = ..., context: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., tree: _Optional[bool] = ..., caller: _Optional[int] = ..., accept_dist: _Optional[bool] = ...) -> None: ...
+    delta: ContextDelta
+    def __init__(self, header: _Optional[_Union[SequenceHeader, _Mapping]] = ..., context: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., tree: _Optional[bool] = ..., caller: _Optional[int] = ..., accept_dist: _Optional[bool] = ..., delta: _Optional[_Union[ContextDelta, _Mapping]] = ...) -> None: ...
 
 class DraftReply(_message.Message):
     __slots__ = ("tokens", "parents", "rows", "model_s", "ahead_hit", "stages", "degraded", "continues")
@@ -126,14 +138,16 @@ class DraftReply(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., rows: _Optional[_Union[Rows, _Mapping]] = ..., model_s: _Optional[float] = ..., ahead_hit: _Optional[bool] = ..., stages: _Optional[_Iterable[_Union[StageReport, _Mapping]]] = ..., degraded: _Optional[bool] = ..., continues: _Optional[bool] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("header", "context", "max_tokens")
+    __slots__ = ("header", "context", "max_tokens", "delta")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
     header: SequenceHeader
     context: _containers.RepeatedScalarFieldContainer[int]
     max_tokens: int
-    def __init__(self, header: _Optional[_Union[SequenceHeader, _Mapping]] = ..., context: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+    delta: ContextDelta
+    def __init__(self, header: _Optional[_Union[SequenceHeader, _Mapping]] = ..., context: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., delta: _Optional[_Union[ContextDelta, _Mapping]] = ...) -> None: ...
 
 class VerifyReply(_message.Message):
     __slots__ = ("tokens", "stages", "model_s", "degraded", "degraded_reason")
@@ -194,12 +208,14 @@ class VerdictRequest(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., epoch: _Optional[int] = ..., base_len: _Optional[int] = ..., proposed: _Optional[int] = ..., accepted: _Optional[int] = ..., correction: _Optional[int] = ..., path: _Optional[_Iterable[int]] = ..., tree: _Optional[bool] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("header", "context")
+    __slots__ = ("header", "context", "delta")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
     header: SequenceHeader
     context: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, header: _Optional[_Union[SequenceHeader, _Mapping]] = ..., context: _Optional[_Iterable[int]] = ...) -> None: ...
+    delta: ContextDelta
+    def __init__(self, header: _Optional[_Union[SequenceHeader, _Mapping]] = ..., context: _Optional[_Iterable[int]] = ..., delta: _Optional[_Union[ContextDelta, _Mapping]] = ...) -> None: ...
 
 class RollbackRequest(_message.Message):
     __slots__ = ("seq_id", "length")
@@ -236,7 +252,7 @@ class TransportCounters(_message.Message):
     def __init__(self, transport: _Optional[str] = ..., messages: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("tier", "index", "vocab_size", "max_context", "can_verify", "deterministic_drafts", "lower", "busy_s", "uptime_s", "forwards", "open_sequences", "sent", "ahead_hits", "ahead_misses", "ahead_dropped_tokens", "device", "pid")
+    __slots__ = ("tier", "index", "vocab_size", "max_context", "can_verify", "deterministic_drafts", "lower", "busy_s", "uptime_s", "forwards", "open_sequences", "sent", "ahead_hits", "ahead_misses", "ahead_dropped_tokens", "device", "pid", "stale_contexts", "context_resends")
     TIER_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -254,6 +270,8 @@ class HealthReply(_message.Message):
     AHEAD_DROPPED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    STALE_CONTEXTS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_RESENDS_FIELD_NUMBER: _ClassVar[int]
     tier: str
     index: int
     vocab_size: int
@@ -271,7 +289,9 @@ class HealthReply(_message.Message):
     ahead_dropped_tokens: int
     device: str
     pid: int
-    def __init__(self, tier: _Optional[str] = ..., index: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., can_verify: _Optional[bool] = ..., deterministic_drafts: _Optional[bool] = ..., lower: _Optional[str] = ..., busy_s: _Optional[float] = ..., uptime_s: _Optional[float] = ..., forwards: _Optional[int] = ..., open_sequences: _Optional[int] = ..., sent: _Optional[_Iterable[_Union[TransportCounters, _Mapping]]] = ..., ahead_hits: _Optional[int] = ..., ahead_misses: _Optional[int] = ..., ahead_dropped_tokens: _Optional[int] = ..., device: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+    stale_contexts: int
+    context_resends: int
+    def __init__(self, tier: _Optional[str] = ..., index: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., can_verify: _Optional[bool] = ..., deterministic_drafts: _Optional[bool] = ..., lower: _Optional[str] = ..., busy_s: _Optional[float] = ..., uptime_s: _Optional[float] = ..., forwards: _Optional[int] = ..., open_sequences: _Optional[int] = ..., sent: _Optional[_Iterable[_Union[TransportCounters, _Mapping]]] = ..., ahead_hits: _Optional[int] = ..., ahead_misses: _Optional[int] = ..., ahead_dropped_tokens: _Optional[int] = ..., device: _Optional[str] = ..., pid: _Optional[int] = ..., stale_contexts: _Optional[int] = ..., context_resends: _Optional[int] = ...) -> None: ...
 
 class ProfileRequest(_message.Message):
     __slots__ = ("context_len", "max_tokens", "repeats", "max_draft", "temperature", "top_p", "top_k", "tree_width", "scheme", "prefill_lens", "max_batch")
@@ -330,14 +350,16 @@ class ProfileReply(_message.Message):
     def __init__(self, forward_ms: _Optional[_Iterable[float]] = ..., draft_ms: _Optional[_Iterable[float]] = ..., can_verify: _Optional[bool] = ..., deterministic_drafts: _Optional[bool] = ..., prefill_ms: _Optional[_Iterable[float]] = ..., batched: _Optional[_Iterable[_Union[GridCost, _Mapping]]] = ..., lookup_ms: _Optional[float] = ..., catch_up_ms: _Optional[float] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("context", "temperature", "seq_id")
+    __slots__ = ("context", "temperature", "seq_id", "delta")
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
     context: _containers.RepeatedScalarFieldContainer[int]
     temperature: float
     seq_id: int
-    def __init__(self, context: _Optional[_Iterable[int]] = ..., temperature: _Optional[float] = ..., seq_id: _Optional[int] = ...) -> None: ...
+    delta: ContextDelta
+    def __init__(self, context: _Optional[_Iterable[int]] = ..., temperature: _Optional[float] = ..., seq_id: _Optional[int] = ..., delta: _Optional[_Union[ContextDelta, _Mapping]] = ...) -> None: ...
 
 class ScoreReply(_message.Message):
     __slots__ = ("rows",)
