@@ -325,7 +325,8 @@ class RemoteTier(BatchedTier):
 
     `sequence(seq_id)` returns the caller's per-sequence state, which supplies the header
     sent down (`header_for_lower()`) and absorbs what comes back (`absorb(reply)`): stage
-    reports, model time, degraded flags.
+    reports, model time, degraded flags. `sent` holds what the tier below was last sent of each
+    sequence's context: a DraftBatch carries only the tokens past it (`call_with_contexts`).
     """
 
     # the tier below runs its forwards and keeps its caches in its own process: it times, counts and catches them up there

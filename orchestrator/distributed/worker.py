@@ -33,6 +33,10 @@ drafted, together. After the reply each sequence's stream grows on its own bet
 wants tokens by one token per forward (`_ahead_loop`), yielding the model to calls a verifier
 waits on, and skipping a sequence whose call is being served.
 
+Contexts: a call names its sequence's context by a version this worker keeps and carries only
+the tokens past it (`contexts`, transport.KeptContexts); a call naming a version not kept here
+(a restart, a lost reply) is refused before any state changes and its caller sends it whole.
+
 Failure: if the tier below stops answering, the current call is redone without it (a model
 tier drafts or verifies alone; the target alone is always a valid chain) and the reply says
 `degraded`; the driver wires a replacement in when Ray restarts the actor."""
