@@ -244,6 +244,7 @@ class DistributedChain:
         planner = self.planner
         running = [states[i] for i in live]
         lengths, active, predicted = self._plan(running)
+
         def batch(deltas) -> tier_pb2.VerifyBatchRequest:
             return tier_pb2.VerifyBatchRequest(requests=[self._round_request(state, lengths, delta) for state, delta in zip(running, deltas)])
 
@@ -286,14 +287,14 @@ class DistributedChain:
         self.lengths, self.active = list(lengths), tuple(active)  # the plan in use (the server's speculation_length gauge)
         return self.lengths, self.active, predicted
 
-    def _round_request(self, state: RequestState, lengths: list[int], delta) -> tier_pb2.VerifyRequest:
-        """The request's next Verify, with the step's lengths; `delta`: (the committed tokens the target
+    def _round_request(self, state: RequestState, lengths: list[int], sending) -> tier_pb2.VerifyRequest:
+        """The request's next Verify, with the step's lengths; `sending`: (the committed tokens the target
         lacks, the ContextDelta they extend)."""
         header = state.run.header
         del header.lengths[:]
         header.lengths.extend(lengths)
-        tail, base = delta
-        return tier_pb2.VerifyRequest(header=header, context=tail, delta=base, max_tokens=remaining(state))
+        tail, delta = sending
+        return tier_pb2.VerifyRequest(header=header, context=tail, delta=delta, max_tokens=remaining(state))
 
     def _resent(self) -> None:
         self.context_resends += 1

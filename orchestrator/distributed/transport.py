@@ -114,8 +114,8 @@ class Counters:
 class SentContexts:
     """The caller's side, for one callee: per sequence, the context it last sent and its version.
 
-    Versions start at a random 62-bit number per caller, so the versions two callers of one tier
-    give one sequence never meet. Thread-safe; a caller sends one sequence's calls one at a time."""
+    Versions count up from a random 62-bit number per caller, so two callers of one tier (or a
+    caller and its restarted self) practically never name one sequence's contexts alike. Thread-safe; a caller sends one sequence's calls one at a time."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -123,7 +123,8 @@ class SentContexts:
         self._versions = itertools.count(random.getrandbits(62) + 1)
 
     def delta(self, seq_id: int, context: list[int], whole: bool = False) -> tuple[list[int], tier_pb2.ContextDelta]:
-        """What to send for `context`: the tokens the callee lacks and how they extend its kept version."""
+        """What to send for `context`: the tokens the callee lacks and how they extend its kept version
+        (`whole`: all of them, on no base)."""
         with self._lock:
             version = next(self._versions)
             sent = None if whole else self._sent.get(seq_id)
@@ -393,12 +394,12 @@ class RemoteTier(BatchedTier):
         except RuntimeError:  # closed
             pass
 
-    def _draft_request(self, seq_id, delta, num_tokens: int, tree: bool) -> tier_pb2.DraftRequest:
+    def _draft_request(self, seq_id, sending, num_tokens: int, tree: bool) -> tier_pb2.DraftRequest:
+        """`sending`: (the context tokens the tier below lacks, the ContextDelta they extend)."""
         seq = self._sequence(seq_id)
-        tail, delta = delta
+        tail, delta = sending
         return tier_pb2.DraftRequest(header=seq.header_for_lower(), context=tail, delta=delta, num_tokens=num_tokens, tree=tree,
                                      caller=self.caller, accept_dist=self.dist is not None)
-
 
     def _absorb(self, seq_id, reply: tier_pb2.DraftReply, tree: bool):
         """The block (tokens, rows) or tree of one sequence's reply; its reports go to the caller's sequence."""
