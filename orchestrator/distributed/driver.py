@@ -246,10 +246,12 @@ class DistributedChain:
         lengths, active, predicted = self._plan(running)
 
         def batch(deltas) -> tier_pb2.VerifyBatchRequest:
-            return tier_pb2.VerifyBatchRequest(requests=[self._round_request(state, lengths, delta) for state, delta in zip(running, deltas)])
+            return tier_pb2.VerifyBatchRequest(requests=[self._round_request(state, lengths, sending)
+                                                         for state, sending in zip(running, deltas)])
 
         reply, wall = call_with_contexts(lambda request: self._call_target("VerifyBatch", request), batch, self._sent_target,
-                                         [state.seq_id for state in running], [state.committed for state in running], self._resent)
+                                         [state.seq_id for state in running], [state.committed for state in running],
+                                         self._resent)
         if len(reply.replies) != len(live):
             raise RuntimeError(f"tier {self.tiers[0].name!r}: VerifyBatch answered {len(reply.replies)} of {len(live)} requests")
         heard = []

@@ -115,7 +115,8 @@ class SentContexts:
     """The caller's side, for one callee: per sequence, the context it last sent and its version.
 
     Versions count up from a random 62-bit number per caller, so two callers of one tier (or a
-    caller and its restarted self) practically never name one sequence's contexts alike. Thread-safe; a caller sends one sequence's calls one at a time."""
+    caller and its restarted self) practically never name one sequence's contexts alike.
+    Thread-safe; a caller sends one sequence's calls one at a time."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -414,7 +415,8 @@ class RemoteTier(BatchedTier):
     def _draft_many(self, seq_ids, contexts, counts, tree: bool) -> list:
         """Every sequence's block (or tree) in one DraftBatch call."""
         def batch(deltas):
-            return tier_pb2.DraftBatchRequest(requests=[self._draft_request(s, d, n, tree) for s, d, n in zip(seq_ids, deltas, counts)])
+            return tier_pb2.DraftBatchRequest(requests=[self._draft_request(s, d, n, tree)
+                                                        for s, d, n in zip(seq_ids, deltas, counts)])
 
         reply = call_with_contexts(lambda request: self._call("DraftBatch", request), batch, self.sent, seq_ids, contexts,
                                    self._on_resend)
