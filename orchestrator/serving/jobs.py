@@ -355,13 +355,6 @@ class JobStore:
                 self._db.execute("DELETE FROM jobs WHERE job_id = ?", (job_id,))
         return len(old)
 
-    def stored_bytes(self, tenant: str | None = None) -> int:
-        query, args = "SELECT COALESCE(SUM(bytes), 0) FROM jobs", ()
-        if tenant is not None:
-            query, args = query + " WHERE tenant = ?", (tenant,)
-        with self._lock:
-            return self._db.execute(query, args).fetchone()[0]
-
     def finish_item(self, item: PendingItem, result: dict | None, error: str | None) -> JobRecord | None:
         """Mark one item done (with its result) or failed (with its error), in one transaction.
 

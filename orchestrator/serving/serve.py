@@ -32,7 +32,6 @@ from polyspec.protos.polyspec.v1 import polyspec_pb2_grpc as pb_grpc
 from polyspec.workers.core.errors import ConfigError, PolyspecError
 from polyspec.workers.core.heartbeat import heartbeat
 
-DEFAULT_GRACE_S = 30.0
 PURGE_EVERY_S = 300.0  # how often jobs past their retention are looked for
 
 

@@ -14,7 +14,6 @@ from polyspec.orchestrator.serving.jobs import DamagedStore, JobStore
 from polyspec.orchestrator.serving.security import Limits, Tenants
 from polyspec.workers.core.errors import ConfigError
 
-DEFAULT_METRICS_PORT = 9464
 LOCK_NAME = "serve.lock"  # in the state dir: held (flock) by the one server using it
 
 

@@ -69,7 +69,6 @@ from polyspec.protos.polyspec.v1 import polyspec_pb2_grpc as pb_grpc
 from polyspec.workers.core.errors import RequestError
 from polyspec.workers.core.grammar import KINDS
 
-STREAMING_METHODS = ("Generate", "StreamJobResults")
 MAX_OPTIONS_JSON_BYTES = 16 << 10  # approximate_json: an options object ({"mode": "bild", ...})
 PROMPT_TOKENIZERS = 4  # requests tokenized at once (each with its own copy of the tokenizer)
 JOB_STATES = {
