@@ -1,27 +1,13 @@
-"""Batch jobs persisted in SQLite (`<state-dir>/jobs.sqlite3`), so they survive the server dying.
+"""Batch jobs persisted in SQLite (`<state-dir>/jobs.sqlite3`, tables `jobs` and `items` below), so they survive
+the server dying: docs/serving.md ("Jobs survive crashes") says what a crash, damage or a full disk leaves.
 
-    jobs:  job_id, state, total, completed, failed, created_at, finished_at,
-           tenant, idempotency_key
-    items: job_id, idx, id, request (JSON), status (pending | done | failed),
-           result (JSON), error, done_seq
-
-An item's result is written in the same transaction that marks it done and bumps its
-job's counters, so after a crash (even SIGKILL) every item is either done with its
-result or still pending and is run again: every id exactly once, no gap. Item ids are
-unique inside a job (the table's key). Job ids are made here; no path a client names is
-ever opened. A job belongs to the tenant that submitted it; reads and cancels name the
-caller's tenant and see only its jobs (tenant None: every job). An idempotency key is
-unique per tenant: `create` with a key already used returns that job, if the requests
-are the same (their digest is kept with the job), and refuses otherwise.
-
-Job data holds prompts and results: the folder is made 0700 and the database 0600
-(SQLite gives its -wal / -shm files the database's mode).
-
-Damage and a full disk: an existing file is integrity-checked, read-only, before it is
-opened (DamagedStore: the server refuses it, the file as it was); a row that does not
-decode is that item's error, never its bytes; the request loop's calls (pending items,
-results) never raise for the store's sake, they log one line and pause job work, leaving
-every item not written pending (`_loop_failed`).
+An item's result is written in the same transaction that marks it done and bumps its job's counters.
+Job ids are made here; no path a client names is ever opened. A job belongs to the tenant that
+submitted it; reads and cancels name the caller's tenant and see only its jobs (tenant None: every
+job). An idempotency key is unique per tenant: `create` with a key already used returns that job, if
+the requests are the same (their digest is kept with the job), and refuses otherwise. Job data holds
+prompts and results: the folder is made 0700 and the database 0600 (SQLite gives its -wal / -shm
+files the database's mode).
 
 Thread use: one connection behind a lock; the scheduler thread writes results, the
 server's event loop reads.

@@ -1,14 +1,9 @@
 """`polyspec serve`: gRPC (server.py), the OpenAI-compatible HTTP API (http.py) and /metrics,
 all on one event loop; the models on the RoundScheduler thread (request_loop.py).
 
-The gRPC server starts first and answers health NOT_SERVING while the models load;
-SERVING once they are loaded and warm. SIGTERM (or Ctrl-C) drains: health NOT_SERVING,
-no new work, running streams get `--grace` seconds to finish, the current job item is
-dropped and runs again at the next start.
-
-Security: with `--tls-cert/--tls-key`, gRPC, HTTP and /metrics all speak TLS. With
-`--auth-token-file` or `--tenants-file` every call but health needs a token (security.py);
-`--auth-reflection` / `--auth-metrics` put reflection and /metrics behind it too. Binding
+The gRPC server starts first and answers health NOT_SERVING while the models load; SERVING once
+they are loaded and warm. SIGTERM (or Ctrl-C) drains (docs/serving.md, "Jobs survive crashes").
+TLS and tokens cover gRPC, HTTP and /metrics alike (security.py; docs/serving.md's flags); binding
 an address other than loopback without a token prints a warning.
 """
 

@@ -4,21 +4,12 @@
          ^                                    |
          +------ deltas / results ------------+   (loop.call_soon_threadsafe)
 
-The gRPC server starts first and answers health NOT_SERVING while the models load;
-SERVING once they are loaded and warm. Streams carry one message per target round.
-A client that cancels (or whose deadline passes) cancels its request's work. SIGTERM
-(or Ctrl-C) drains: health NOT_SERVING, no new work, running streams get `--grace`
-seconds to finish, the current job item is dropped and runs again at the next start.
-
-Errors map to status codes: RequestError -> INVALID_ARGUMENT, unknown job -> NOT_FOUND,
-token -> UNAUTHENTICATED, queue full or a limit (security.Limits) -> RESOURCE_EXHAUSTED,
-loading / draining / no valid chain -> UNAVAILABLE, bytes that are not the method's message
--> INVALID_ARGUMENT, an idempotency key reused for other requests -> FAILED_PRECONDITION.
-Each with one line of text.
-
-Nothing that can block runs on the event loop: tokenizing (with a copy of the tokenizer,
-so the round thread's decoding never waits for it) and every SQLite call go through
-`asyncio.to_thread`, and every size is checked before that work starts.
+Streams carry one message per target round; a client that cancels (or whose deadline passes)
+cancels its request's work. Health, draining and the status code of each error (one line of
+text) are as docs/serving.md ("The API", "Jobs survive crashes") describes them. Nothing that
+can block runs on the event loop: tokenizing (with a copy of the tokenizer, so the round
+thread's decoding never waits for it) and every SQLite call go through `asyncio.to_thread`, and
+every size is checked before that work starts.
 """
 
 from __future__ import annotations
