@@ -8,16 +8,11 @@ A decoder turns requests into verified tokens, one target round at a time:
     output = decoder.finish(state)        # or decoder.cancel(state): frees the request's caches
 
 The one request loop (polyspec.orchestrator.batch_runner) drives any decoder that way, so a
-request means the same thing whichever decoder runs it. The rules every decoder shares
-live here, in one place:
-
-- end of a request (`commit`): a round's tokens are cut at `max_new_tokens` and just after
-  the first end-of-sequence token; the request finishes as "eos", or as "length" when it
-  has all its tokens or its context is full; `cancel` finishes it as "cancelled";
-- seeds (`tier_seeds`, `seeded_generator`): a request's seed is expanded into one seed per
-  tier, so a seeded request samples the same tokens whichever decoder runs it;
-- prefix reuse (`KeptSequences`): a finished request's caches may stay, and a next request
-  whose prompt extends its tokens runs under its sequence id (a chat's next turn).
+request means the same thing whichever decoder runs it. The rules every decoder shares live
+here, once (docs/architecture.md, "The decoder contract"): the end of a request (`commit`,
+`cancel`), seeds (`tier_seeds`: one per tier, so a seeded request samples the same tokens
+whichever decoder runs it) and prefix reuse (`KeptSequences`: a chat's next turn runs under
+the sequence id whose caches hold its prefix).
 """
 
 from __future__ import annotations

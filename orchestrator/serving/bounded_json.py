@@ -3,22 +3,13 @@
 `json.loads` is C code that keeps the interpreter lock for its whole run and makes one
 Python object per value, so its cost is the input's bytes plus, above all, its arrays and
 objects (8 MiB of 30-deep nested arrays: four million lists, about two seconds and over a
-gigabyte). `loads_bounded` therefore measures the input before parsing it, with a handful
-of C-speed passes over the bytes (no Python loop over the input):
-
-    1. the size, against the caller's byte limit
-    2. the strings dropped: escapes blanked (`\\\\` and `\\"`), then every "..." removed;
-       what is left is structure and numbers
-    3. object members (colons) and values (commas) counted, against MAX_MEMBERS and MAX_VALUES
-       (a dict of a million keys or a list of a million floats costs seconds to build)
-    4. the skeleton: every byte but brackets deleted -- the nesting, e.g. b"[{}[]]" -- and its
-       arrays and objects counted, against MAX_CONTAINERS
-    5. the deepest nesting, from at most the first 2 * MAX_CONTAINERS bytes of the skeleton
-       (a deeper input is refused at its first too-deep bracket)
-
-and only then parses. Lone surrogates (`"\\ud800"`) are looked for only when the bytes hold
-such an escape. Every refusal is a `JsonRefused` with one line and the HTTP status it
-deserves (400 malformed or too deep, 413 too large or too many arrays and objects).
+gigabyte). `loads_bounded` therefore measures the input before parsing it (`measure`), with a
+handful of C-speed passes over the bytes and no Python loop over the input: its size; with
+escapes blanked and strings dropped, its colons (members) and commas (values); then its
+brackets alone (the skeleton, e.g. b"[{}[]]"): how many arrays and objects, and how deep,
+read from at most the first 2 * MAX_CONTAINERS of them. Lone surrogates (`"\\ud800"`) are
+looked for only when the bytes hold such an escape. Every refusal is a `JsonRefused` with one
+line and the HTTP status it deserves (400 malformed or too deep, 413 too large or too many).
 """
 
 from __future__ import annotations
