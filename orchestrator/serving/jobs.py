@@ -28,6 +28,7 @@ import uuid
 from pathlib import Path
 
 from polyspec.orchestrator.serving.security import short
+from polyspec.workers.core.errors import first_line
 
 QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = "queued", "running", "succeeded", "failed", "cancelled"
 TERMINAL = (SUCCEEDED, FAILED, CANCELLED)
@@ -385,7 +386,7 @@ class JobStore:
         now = time.monotonic()
         if now < self._paused_until:  # items already in flight when it began: one line, one pause
             return
-        _log(f"{TROUBLE[trouble(exc)]} ({what}: {str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}); "
+        _log(f"{TROUBLE[trouble(exc)]} ({what}: {first_line(exc, 200)}); "
              "job items stay pending and are retried")
         self._pause_s = min(MAX_PAUSE_S, max(MIN_PAUSE_S, self._pause_s * 2))
         self._paused_until = now + self._pause_s

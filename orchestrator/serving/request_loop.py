@@ -27,7 +27,7 @@ from polyspec.orchestrator.batch_runner import ContinuousBatch, is_unavailable
 from polyspec.orchestrator.serving.jobs import JobStore, PendingItem
 from polyspec.orchestrator.serving.metrics import Metrics
 from polyspec.orchestrator.serving.security import Tenants
-from polyspec.workers.core.errors import RequestError
+from polyspec.workers.core.errors import RequestError, first_line
 
 MAX_ACTIVE = 32  # interactive requests holding caches at once; the rest wait their turn
 JOB_RESERVE_SHARE = 0.25  # batched: this share of the slots is never taken by job items
@@ -68,8 +68,7 @@ def public_reason(exc: BaseException) -> str:
     """What a client is told about `exc`, one line: a request's own mistake or a down chain is
     described (the server's own words); any other exception's text stays in the server's log."""
     if isinstance(exc, RequestError) or is_unavailable(exc):
-        text = str(exc)
-        return text.splitlines()[0][:500] if text else type(exc).__name__
+        return first_line(exc)
     return INTERNAL_REASON
 
 

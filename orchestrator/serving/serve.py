@@ -24,7 +24,7 @@ from polyspec.orchestrator.serving.security import is_loopback
 from polyspec.orchestrator.serving.guard import SERVICE_NAME, Guard
 from polyspec.orchestrator.serving.server import PolyspecService
 from polyspec.protos.polyspec.v1 import polyspec_pb2_grpc as pb_grpc
-from polyspec.workers.core.errors import ConfigError, PolyspecError
+from polyspec.workers.core.errors import ConfigError, PolyspecError, first_line
 from polyspec.workers.core.heartbeat import heartbeat
 
 PURGE_EVERY_S = 300.0  # how often jobs past their retention are looked for
@@ -153,7 +153,7 @@ async def _purge_old_jobs(store, retention_s: float) -> None:
         try:
             purged = await asyncio.to_thread(store.purge, time.time() - retention_s)
         except Exception as exc:  # noqa: BLE001 - a full or damaged store is reported where it is written
-            _log(f"could not delete old jobs: {str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}")
+            _log(f"could not delete old jobs: {first_line(exc, 200)}")
             purged = 0
         if purged:
             _log(f"deleted {purged} job(s) that ended over {retention_s:g}s ago (--job-retention-s)")

@@ -19,7 +19,7 @@ import warnings
 
 import torch
 
-from polyspec.workers.core.errors import ModelLoadError
+from polyspec.workers.core.errors import ModelLoadError, first_line
 from polyspec.workers.core.heartbeat import heartbeat
 from polyspec.workers.tiers.batched_llama import unsupported
 from polyspec.workers.tiers.fp8_linear import fp8_problem, quantize_fp8
@@ -97,11 +97,6 @@ def check_model_reference(model: str, tier_name: str) -> None:
         hub_constants.HF_HUB_OFFLINE = True  # read at call time by transformers' is_offline_mode()
 
 
-def _short(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
-
-
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
@@ -133,7 +128,7 @@ def load_tokenizer(model: str, tier_name: str):
         try:
             return load_gguf_tokenizer(model)
         except Exception as exc:  # noqa: BLE001 - gguf raises many kinds on a damaged file
-            raise ModelLoadError(f"tier {tier_name!r}: cannot read a tokenizer from {model!r}: {_short(exc)}") from None
+            raise ModelLoadError(f"tier {tier_name!r}: cannot read a tokenizer from {model!r}: {first_line(exc)}") from None
     if os.path.isdir(model) and not any(os.path.exists(os.path.join(model, f)) for f in TOKENIZER_FILES):
         return None
     try:
@@ -142,9 +137,9 @@ def load_tokenizer(model: str, tier_name: str):
         if not os.path.isdir(model):
             raise ModelLoadError(
                 f"tier {tier_name!r}: {model!r} is not a local directory and could not be fetched from the Hugging Face Hub "
-                f"({'offline' if not hub_reachable() else _short(exc)})"
+                f"({'offline' if not hub_reachable() else first_line(exc)})"
             ) from None
-        raise ModelLoadError(f"tier {tier_name!r}: cannot load a tokenizer from {model!r}: {_short(exc)}") from None
+        raise ModelLoadError(f"tier {tier_name!r}: cannot load a tokenizer from {model!r}: {first_line(exc)}") from None
 
 
 def _gguf_args(path: str) -> tuple[str, dict]:
@@ -351,7 +346,7 @@ def load_model(tier, embedding_source=None):
         raise
     except Exception as exc:
         where = "local directory" if os.path.isdir(tier.model) else "local path or a Hugging Face model id"
-        raise ModelLoadError(f"tier {tier.name!r}: cannot load model {tier.model!r} (not a loadable {where}): {_short(exc)}") from None
+        raise ModelLoadError(f"tier {tier.name!r}: cannot load model {tier.model!r} (not a loadable {where}): {first_line(exc)}") from None
     model = model.to(device).eval()
     retie_lm_head(model)
     if embedding_source is not None:
@@ -552,7 +547,7 @@ def describe_chain(tiers_config) -> tuple[object, tuple[int, ...]]:
             else:
                 configs[tier.name] = AutoConfig.from_pretrained(tier.model)
         except Exception as exc:
-            raise ModelLoadError(f"tier {tier.name!r}: cannot read the model config of {tier.model!r}: {_short(exc)}") from None
+            raise ModelLoadError(f"tier {tier.name!r}: cannot read the model config of {tier.model!r}: {first_line(exc)}") from None
     if any(tok is None for tok in tokenizers.values()):
         sizes = [(name, config.vocab_size) for name, config in configs.items()]
         for name, size in sizes[1:]:
