@@ -320,14 +320,14 @@ class PolyspecService(pb_grpc.PolyspecServicer):
             names = {t: tokenizer.decode([t]) if tokenizer is not None else "" for s in scored for t in (s.token_id, *(i for i, _ in s.top))}
         return scored, names
 
-    def events(self) -> tuple[asyncio.Queue, object]:
-        """A queue on this loop and the `on_event` that feeds it from the round thread."""
+    def events(self) -> tuple[asyncio.Queue, Callable]:
+        """A queue on this loop and the `on_event(*event)` that puts `event` (a tuple) on it from the round thread."""
         events: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
 
-        def on_event(kind, payload) -> None:
+        def on_event(*event) -> None:
             try:
-                loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
+                loop.call_soon_threadsafe(events.put_nowait, event)
             except RuntimeError:  # the loop is closed: shutting down
                 pass
 
@@ -356,7 +356,11 @@ class PolyspecService(pb_grpc.PolyspecServicer):
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except LimitExceeded as exc:
             await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        events, reporter = self._choice_events()
+        events, on_event = self.events()  # (choice index, (kind, payload)) of every choice of the call
+
+        def reporter(index: int) -> Callable:
+            return lambda kind, payload: on_event(index, (kind, payload))
+
         choices = [Choice(Work(choice_request(parsed, j), on_event=reporter(j), tenant=tenant, stops=stops), self.scheduler)
                    for j in range(count)]
         try:
@@ -400,23 +404,6 @@ class PolyspecService(pb_grpc.PolyspecServicer):
             for choice in choices:
                 if not choice.finished:  # the client went away, its deadline passed, or another choice failed
                     choice.cancel()
-
-    def _choice_events(self) -> tuple[asyncio.Queue, Callable[[int], Callable]]:
-        """A queue on this loop for the events of every choice of a call, as (choice index, event),
-        and `reporter(index)`: the `on_event` that feeds it from the round thread."""
-        events: asyncio.Queue = asyncio.Queue()
-        loop = asyncio.get_running_loop()
-
-        def reporter(index: int):
-            def on_event(kind, payload) -> None:
-                try:
-                    loop.call_soon_threadsafe(events.put_nowait, (index, (kind, payload)))
-                except RuntimeError:  # the loop is closed: shutting down
-                    pass
-
-            return on_event
-
-        return events, reporter
 
     # -------------------------------------------------------------------- jobs
 
