@@ -183,9 +183,12 @@ def _create_store(path: Path) -> None:
     """A new, empty store at `path`, made under another name and renamed into place, so that
     an empty file at `path` is never ours (a crash here leaves only the other name)."""
     fresh = path.with_name(f"{path.name}.new-{os.getpid()}")
-    for suffix in ("", "-wal", "-shm", "-journal"):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(f"{fresh}{suffix}")
+    def remove_fresh() -> None:
+        for suffix in ("", "-wal", "-shm", "-journal"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"{fresh}{suffix}")
+
+    remove_fresh()
     try:
         os.close(os.open(fresh, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
         db = sqlite3.connect(str(fresh), isolation_level=None)
@@ -194,15 +197,9 @@ def _create_store(path: Path) -> None:
             db.executescript(_SCHEMA)
         finally:
             db.close()  # checkpoints: the file holds it all, no -wal left
-        fd = os.open(fresh, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync(fresh)
     except (OSError, sqlite3.Error):  # e.g. a full disk: leave nothing half-made behind
-        for suffix in ("", "-wal", "-shm", "-journal"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(f"{fresh}{suffix}")
+        remove_fresh()
         raise
     try:
         os.link(fresh, path)  # never over a store another process made meanwhile
@@ -212,9 +209,13 @@ def _create_store(path: Path) -> None:
         os.rename(fresh, path)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(fresh)
-    fd = os.open(path.parent, os.O_RDONLY)
+    _fsync(path.parent)  # the new name survives a crash too
+
+
+def _fsync(path) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(fd)  # the new name survives a crash too
+        os.fsync(fd)
     finally:
         os.close(fd)
 

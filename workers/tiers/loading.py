@@ -404,9 +404,8 @@ def check_vocabularies(tokenizers: dict) -> None:
             )
 
 
-def check_vocabulary_sizes(tiers: list[ModelTier]) -> None:
-    """Without tokenizers to compare, the models' configured vocabulary sizes must agree."""
-    sizes = [(tier.name, tier.model.config.vocab_size) for tier in tiers]
+def check_vocabulary_sizes(sizes: list[tuple[str, int]]) -> None:
+    """Without tokenizers to compare, the models' configured vocabulary sizes ((tier name, size) each) must agree."""
     for name, size in sizes[1:]:
         if size != sizes[0][1]:
             raise ModelLoadError(f"tiers {sizes[0][0]!r} and {name!r} do not share a vocabulary ({sizes[0][1]} vs {size} tokens)")
@@ -511,7 +510,7 @@ def load_tiers(tiers_config, log=None) -> tuple[list[Tier], object]:
             memory = f", {(grown - rss) / 2**20:+.0f} MB resident" if grown is not None and rss is not None else ""
             log(f"tier {tier.name}: loaded in {time.perf_counter() - started:.1f}s on {tiers[-1].device}{memory}{weight_only_note(tiers[-1].model)}")
     if any(tok is None for tok in tokenizers.values()):
-        check_vocabulary_sizes(tiers)
+        check_vocabulary_sizes([(tier.name, tier.model.config.vocab_size) for tier in tiers])
     # logits may be padded differently per model; every tier samples and verifies over the
     # same first V columns, the no-speculation baseline included, so the chain stays exact
     vocab_size = min(t.vocab_size for t in tiers)
@@ -549,10 +548,7 @@ def describe_chain(tiers_config) -> tuple[object, tuple[int, ...]]:
         except Exception as exc:
             raise ModelLoadError(f"tier {tier.name!r}: cannot read the model config of {tier.model!r}: {first_line(exc)}") from None
     if any(tok is None for tok in tokenizers.values()):
-        sizes = [(name, config.vocab_size) for name, config in configs.items()]
-        for name, size in sizes[1:]:
-            if size != sizes[0][1]:
-                raise ModelLoadError(f"tiers {sizes[0][0]!r} and {name!r} do not share a vocabulary ({sizes[0][1]} vs {size} tokens)")
+        check_vocabulary_sizes([(name, config.vocab_size) for name, config in configs.items()])
     shared = next((tok for tok in tokenizers.values() if tok is not None), None)
     eos: set[int] = set()
     if shared is not None and shared.eos_token_id is not None:
@@ -564,8 +560,14 @@ def describe_chain(tiers_config) -> tuple[object, tuple[int, ...]]:
             sources.append(GenerationConfig.from_pretrained(target.model))
     except Exception:  # noqa: BLE001 - no generation_config.json: the model config's ids stand
         pass
+    return shared, tuple(sorted(eos | configured_eos_ids(sources)))
+
+
+def configured_eos_ids(sources) -> set[int]:
+    """The end-of-sequence ids a model's config and generation config name (an int or a list each; None: none)."""
+    eos: set[int] = set()
     for source in sources:
         configured = getattr(source, "eos_token_id", None)
         if configured is not None:
             eos.update([configured] if isinstance(configured, int) else configured)
-    return shared, tuple(sorted(eos))
+    return eos
