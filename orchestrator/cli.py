@@ -17,7 +17,7 @@ from polyspec import __version__
 from polyspec.harness import zoo_fetch
 from polyspec.orchestrator import chain_args, serving_cli, validate
 from polyspec.orchestrator.tokenization import check_stops
-from polyspec.workers.core.errors import PolyspecError, RequestError
+from polyspec.workers.core.errors import PolyspecError, RequestError, first_line
 from polyspec.workers.core.heartbeat import heartbeat
 
 EXIT_USER_ERROR = 2
@@ -383,7 +383,7 @@ def cmd_batch(args) -> int:
 
         def failed(request, exc: Exception) -> None:  # this request alone: the others go on
             failures[0] += 1
-            reason = str(exc).splitlines()[0][:500] if str(exc) else type(exc).__name__
+            reason = first_line(exc)
             if not isinstance(exc, RequestError):
                 reason = f"internal error: {reason}"
                 print(f"polyspec: request {request.id!r} failed: {exc!r}", file=sys.stderr)
@@ -392,31 +392,24 @@ def cmd_batch(args) -> int:
         in_flight = min(args.concurrency or engine.max_requests, engine.max_requests) if engine.batched else concurrency
         run_requests(engine, requests, write, max_requests=in_flight, on_error=failed)
     elapsed = time.perf_counter() - started
+    rate = tokens[0] / elapsed if elapsed > 0 else 0.0
+    stats = {"requests": len(todo), "generated_tokens": tokens[0], "time_s": round(elapsed, 3), "tokens_per_s": round(rate, 3)}
     if distributed:
-        stats = {"requests": len(todo), "generated_tokens": tokens[0], "time_s": round(elapsed, 3),
-                 "tokens_per_s": round(tokens[0] / elapsed, 3) if elapsed > 0 else 0.0, "concurrency": concurrency,
-                 "pipeline": engine.config.runtime.pipeline, "batched": engine.batched,
-                 "max_requests": min(args.concurrency or engine.max_requests, engine.max_requests) if engine.batched else None,
-                 **engine.scheduler.runtime_stats()}
-        if engine.scheduler.planner is not None:
-            stats["planner"] = engine.scheduler.planner.describe()
-            stats["plans"] = chains.as_dict()
-        if args.stats:
-            Path(args.stats).write_text(json.dumps(stats, indent=2) + "\n", encoding="utf-8")
-        print(f"polyspec: {tokens[0]} tokens in {elapsed:.1f}s ({stats['tokens_per_s']:.1f} tok/s), "
-              f"{stats['failovers']} target failover(s), {stats['degraded_rounds']} round(s) on a shortened chain", file=sys.stderr)
-        engine.close()
+        stats.update(concurrency=concurrency, pipeline=engine.config.runtime.pipeline, batched=engine.batched,
+                     max_requests=in_flight if engine.batched else None, **engine.scheduler.runtime_stats())
     else:
-        rate = tokens[0] / elapsed if elapsed > 0 else 0.0
-        stats = {"requests": len(todo), "generated_tokens": tokens[0], "time_s": round(elapsed, 3), "tokens_per_s": round(rate, 3),
-                 "max_requests": engine.max_requests}
-        planner = engine.scheduler.planner
-        if planner is not None:
-            stats["planner"] = planner.describe()
-            stats["plans"] = chains.as_dict()
-        if args.stats:
-            Path(args.stats).write_text(json.dumps(stats, indent=2) + "\n", encoding="utf-8")
-        print(f"polyspec: {tokens[0]} tokens in {elapsed:.1f}s ({rate:.1f} tok/s)", file=sys.stderr)
+        stats["max_requests"] = engine.max_requests
+    planner = engine.scheduler.planner
+    if planner is not None:
+        stats["planner"] = planner.describe()
+        stats["plans"] = chains.as_dict()
+    if args.stats:
+        Path(args.stats).write_text(json.dumps(stats, indent=2) + "\n", encoding="utf-8")
+    line = f"polyspec: {tokens[0]} tokens in {elapsed:.1f}s ({rate:.1f} tok/s)"
+    if distributed:
+        line += f", {stats['failovers']} target failover(s), {stats['degraded_rounds']} round(s) on a shortened chain"
+        engine.close()
+    print(line, file=sys.stderr)
     if failures[0]:
         print(f"polyspec: {failures[0]} request(s) failed; see their 'error' field in {output_path}", file=sys.stderr)
     return 0

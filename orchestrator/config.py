@@ -136,8 +136,6 @@ _TUNING_RANGES = {
     "explore_every": (int, 0, None, True),
     "shadow": (bool, None, None, True),
 }
-# options of the one-request tuner, which is gone: named as removed, not as unknown
-_REMOVED_TUNING = ("retune_every", "hysteresis", "replan_drift", "warmup_rounds", "warmup_optimism", "probe_optimism")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,10 +321,6 @@ def parse_lengths(raw: Any, num_tiers: int):
 
 def parse_tuning(raw: Any) -> TuningConfig:
     """The `tuning:` section: every knob typed and in range, or a ConfigError naming it."""
-    removed = sorted(set(raw) & set(_REMOVED_TUNING)) if isinstance(raw, dict) else []
-    if removed:
-        raise ConfigError(f"config key 'tuning.{removed[0]}' was removed: it tuned the one-request tuner, and the goodput "
-                          f"planner now plans every path (known keys: {', '.join(sorted(_TUNING_RANGES))})")
     values = _check_keys("tuning", raw, TuningConfig, internal=("given",))
     for key, value in values.items():
         kind, low, high, low_ok = _TUNING_RANGES[key]

@@ -40,7 +40,7 @@ from polyspec.workers.core.approximate import ApproximateMode, ApproximateModeEr
 from polyspec.workers.core.errors import ConfigError, RequestError
 from polyspec.workers.core.grammar import FINISH_GRAMMAR, ConstraintSpec, GrammarBook, constraint_from_fields
 from polyspec.workers.core.heartbeat import heartbeat
-from polyspec.workers.tiers.loading import load_tiers, quiet_transformers
+from polyspec.workers.tiers.loading import configured_eos_ids, load_tiers, quiet_transformers
 from polyspec.workers.core.sampling import SamplingParams
 
 PROFILE_MAX_BATCH = 16  # the batched profile stops here; larger batches are extrapolated in proportion to their rows
@@ -153,12 +153,8 @@ class Engine:
             self.config = dataclasses.replace(self.config, tiers=resolve_auto(self.config.tiers, cache, log))
         self.tiers, self.tokenizer = load_tiers(self.config.tiers, log)
         self.load_s = time.perf_counter() - started  # the models (a profile comes after, timed on its own)
-        eos = set()
         target_model = self.tiers[0].model
-        for source in (getattr(target_model, "generation_config", None), target_model.config):
-            configured = getattr(source, "eos_token_id", None)
-            if configured is not None:
-                eos.update([configured] if isinstance(configured, int) else configured)
+        eos = configured_eos_ids((getattr(target_model, "generation_config", None), target_model.config))
         self.batched = batched and self.config.batching.enabled
         eos = stop_token_ids(self.tokenizer, eos)
         self._start(eos, auto_tune, keep_finished)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from polyspec.workers.core.errors import RequestError
+from polyspec.workers.core.errors import RequestError, first_line
 
 REPLACEMENT_CHAR = "\ufffd"  # a token that ends inside a multi-byte character decodes to this
 ROLES = ("system", "user", "assistant", "tool", "developer", "function")
@@ -65,8 +65,7 @@ def encode_chat(tokenizer, messages: Any) -> list[int]:
     try:
         text = tokenizer.apply_chat_template(checked, add_generation_prompt=True, tokenize=False)
     except Exception as exc:  # noqa: BLE001 - a template may raise on a conversation it does not accept
-        first = str(exc).strip().splitlines()
-        raise RequestError(f"the chat template rejected these messages: {first[0] if first else type(exc).__name__}") from None
+        raise RequestError(f"the chat template rejected these messages: {first_line(exc)}") from None
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 

@@ -13,7 +13,7 @@ import torch
 from transformers import DynamicCache
 
 from polyspec.workers.core.sampling import warp_logits
-from polyspec.workers.core.tree import DraftTree, tree_attention_mask
+from polyspec.workers.core.tree import DraftTree, tree_allowed
 from polyspec.workers.core.verdicts import Draws
 
 
@@ -86,8 +86,10 @@ class ReferenceTier:
         for offset, node in enumerate(nodes):
             seq.node_slots[node] = first + offset
         positions = list(range(cached, first)) + [seq.tree_prefix + depths[n] for n in nodes]
-        mask = tree_attention_mask(tree.parents, seq.node_slots, nodes, prefix_len=seq.tree_prefix - len(tail), tail_len=len(tail),
-                                   total_len=first + len(nodes), dtype=self.dtype)
+        allowed = tree_allowed(tree.parents, seq.node_slots, nodes, prefix_len=seq.tree_prefix - len(tail), tail_len=len(tail),
+                               total_len=first + len(nodes))
+        # transformers' additive 4-D mask [1, 1, queries, keys]
+        mask = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, torch.finfo(self.dtype).min)[None, None]
         return self._forward(seq, tail + [tree.tokens[n] for n in nodes], positions, mask)
 
     def score_batch(self, seq_ids, contexts, blocks, params) -> list[torch.Tensor]:

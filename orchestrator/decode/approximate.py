@@ -156,19 +156,14 @@ class StepDriver:
         self.stats.large_tokens += len(tokens)
         return tokens
 
-    def _small(self, state: RequestState, need: int) -> list[int]:
-        """At least `need` tokens (fewer at EOS or the context limit) from the drafting sub-chain, after
-        the committed and pending tokens: tier 1's block (exact rounds of tier 1 over the tiers below;
-        on a distributed chain, tier 1's worker drafts it)."""
-        return self.scheduler.sub_chain_block(state, state.committed + self.pending, need)
-
     def _write_small(self, state: RequestState, chunk: int = STEP_CHUNK) -> bool:
-        """Add a chunk of up to `chunk` tokens to `pending`; False when the small model can write no more (EOS,
-        length, context)."""
+        """Add a chunk of up to `chunk` tokens from the drafting sub-chain to `pending` (tier 1's block: exact rounds
+        of tier 1 over the tiers below; on a distributed chain, tier 1's worker drafts it); False when the small model
+        can write no more (EOS, length, context)."""
         room = remaining(state) - len(self.pending)
         if room <= 0 or first_eos(self.pending, self.scheduler.eos_token_ids) is not None:
             return False
-        tokens = self._small(state, min(chunk, room))
+        tokens = self.scheduler.sub_chain_block(state, state.committed + self.pending, min(chunk, room))
         self.pending += tokens[:room]
         return bool(tokens)
 

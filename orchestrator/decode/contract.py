@@ -8,16 +8,11 @@ A decoder turns requests into verified tokens, one target round at a time:
     output = decoder.finish(state)        # or decoder.cancel(state): frees the request's caches
 
 The one request loop (polyspec.orchestrator.batch_runner) drives any decoder that way, so a
-request means the same thing whichever decoder runs it. The rules every decoder shares
-live here, in one place:
-
-- end of a request (`commit`): a round's tokens are cut at `max_new_tokens` and just after
-  the first end-of-sequence token; the request finishes as "eos", or as "length" when it
-  has all its tokens or its context is full; `cancel` finishes it as "cancelled";
-- seeds (`tier_seeds`, `seeded_generator`): a request's seed is expanded into one seed per
-  tier, so a seeded request samples the same tokens whichever decoder runs it;
-- prefix reuse (`KeptSequences`): a finished request's caches may stay, and a next request
-  whose prompt extends its tokens runs under its sequence id (a chat's next turn).
+request means the same thing whichever decoder runs it. The rules every decoder shares live
+here, once (docs/architecture.md, "The decoder contract"): the end of a request (`commit`,
+`cancel`), seeds (`tier_seeds`: one per tier, so a seeded request samples the same tokens
+whichever decoder runs it) and prefix reuse (`KeptSequences`: a chat's next turn runs under
+the sequence id whose caches hold its prefix).
 """
 
 from __future__ import annotations
@@ -36,6 +31,7 @@ FINISH_EOS = "eos"  # the last committed token ends the sequence
 FINISH_CANCELLED = "cancelled"  # the caller stopped the request
 FINISH_STOP = "stop"  # a stop string appeared in its text (the request loop's TextStream)
 NO_LIMIT = 1 << 62  # the context limit of a chain whose models state none
+_NO_ROUNDS = {"rounds": 0, "tokens": 0, "seconds": 0.0, "predicted_tokens": 0.0, "predicted_seconds": 0.0}  # a plan's sums
 
 
 @dataclasses.dataclass
@@ -336,8 +332,7 @@ def note_plan(plans: list[dict], new_tokens: int, lengths, tiers: list[str]) -> 
     `note_round` then adds each round run under it."""
     shown = {"lengths": list(lengths), "tiers": list(tiers)}
     if not plans or {k: plans[-1][k] for k in shown} != shown:
-        plans.append({"new_tokens": new_tokens, **shown, "rounds": 0, "tokens": 0, "seconds": 0.0, "predicted_tokens": 0.0,
-                      "predicted_seconds": 0.0})
+        plans.append({"new_tokens": new_tokens, **shown, **_NO_ROUNDS})
 
 
 def note_round(plans: list[dict], tokens: int, seconds: float, predicted_tokens_per_s: float | None) -> None:
@@ -359,16 +354,18 @@ def plan_records(plans: list[dict]) -> list[dict]:
     the new tokens before it, its tiers and lengths, its rounds, the tokens they committed and their wall seconds,
     `measured_tokens_per_s` (tokens / seconds) and `predicted_tokens_per_s` (the planner's prediction for the
     request under the plan, averaged over those seconds; absent where the planner gave none)."""
-    out = []
-    for record in plans:
-        shown = {key: record[key] for key in ("new_tokens", "tiers", "lengths")}
-        if "rounds" in record:
-            seconds = record["seconds"]
-            shown.update(rounds=record["rounds"], tokens=record["tokens"], seconds=round(seconds, 6),
-                         measured_tokens_per_s=round(record["tokens"] / seconds, 3) if seconds > 0 else 0.0)
-            if record["predicted_seconds"] > 0:
-                shown["predicted_tokens_per_s"] = round(record["predicted_tokens"] / record["predicted_seconds"], 3)
-        out.append(shown)
+    return [{**{key: record[key] for key in ("new_tokens", "tiers", "lengths")}, **(_rates(record) if "rounds" in record else {})}
+            for record in plans]
+
+
+def _rates(sums: dict) -> dict:
+    """Rounds, tokens and seconds of `sums` (a plan's record, or a chain's total) with the measured tokens/s and,
+    where some of its seconds had a prediction, the predicted."""
+    seconds = sums["seconds"]
+    out = {"rounds": sums["rounds"], "tokens": sums["tokens"], "seconds": round(seconds, 6),
+           "measured_tokens_per_s": round(sums["tokens"] / seconds, 3) if seconds > 0 else 0.0}
+    if sums["predicted_seconds"] > 0:
+        out["predicted_tokens_per_s"] = round(sums["predicted_tokens"] / sums["predicted_seconds"], 3)
     return out
 
 
@@ -389,8 +386,7 @@ class PlanTally:
         for record in records:
             if "rounds" not in record:
                 continue
-            total = self.chains.setdefault(chain_label(record["tiers"]), {"rounds": 0, "tokens": 0, "seconds": 0.0,
-                                                                           "predicted_tokens": 0.0, "predicted_seconds": 0.0})
+            total = self.chains.setdefault(chain_label(record["tiers"]), dict(_NO_ROUNDS))
             total["rounds"] += record["rounds"]
             total["tokens"] += record["tokens"]
             total["seconds"] += record["seconds"]
@@ -400,14 +396,7 @@ class PlanTally:
 
     def as_dict(self) -> dict:
         """Per chain: rounds, tokens, seconds, measured and predicted tokens/s (per request, over its rounds' seconds)."""
-        out = {}
-        for label, total in sorted(self.chains.items()):
-            seconds = total["seconds"]
-            out[label] = {"rounds": total["rounds"], "tokens": total["tokens"], "seconds": round(seconds, 6),
-                          "measured_tokens_per_s": round(total["tokens"] / seconds, 3) if seconds > 0 else 0.0}
-            if total["predicted_seconds"] > 0:
-                out[label]["predicted_tokens_per_s"] = round(total["predicted_tokens"] / total["predicted_seconds"], 3)
-        return out
+        return {label: _rates(total) for label, total in sorted(self.chains.items())}
 
 
 def mark_cancelled(state: RequestState) -> None:

@@ -1,57 +1,30 @@
 """The chain scheduler: staged polybasic speculative decoding, one round for every request.
 
-    emit(i, need):   tier i returns >= `need` tokens, each distributed as tier i's own sampler
-        i == n-1:    the last tier drafts autoregressively (or proposes a tree)
-        otherwise:   repeat one round until enough: tier i+1 emits a block of k_i tokens,
-                     tier i scores it in ONE forward and verifies it; the accepted tokens
-                     plus the correction / bonus token are emitted, with tier i's rows
-
-The target (tier 0) runs rounds until the request is done. Every token a tier emits is
-distributed exactly as that tier's warped distribution, so when tier i-1 verifies it the
-draft rows are tier i's rows — the induction that makes the whole chain lossless. With
-one tier the loop is plain autoregressive sampling from the target (the baseline).
-
-This is the only implementation of that round, and it always runs on a batch: `step_all`
-advances every given request by one target round, each tier's forward taking every
-request's block at once; `step` is a batch of one. Every caller drives it: the engine's one
-request loop (generate, chat, `polyspec batch`, jobs and `serve`), and each tier worker of a
-distributed chain (its own two-tier chain [this tier, the tier below], kept from call to
-call, one round per VerifyBatch / DraftBatch for a batch of sequences, or of one).
-
     round_batch(level, R):  blocks   = emit_batch(below, R, k_level)          # one block per request
                             verdicts = tier[level].verify_batch(R, blocks)    # ONE forward, every block verified
     emit_batch(level, R, need): bottom tier: draft_batch (one forward per position)
                             otherwise: round_batch(level, those still short) until each has `need`
 
-The tiers are batched tiers (polyspec.workers.tiers.batched): a model tier sharing one slot
-cache and one forward (decoding in static steps replayed as CUDA graphs where `batching.round`
-says so); the tier below a distributed worker (polyspec.orchestrator.distributed.transport.RemoteTier:
-one DraftBatch per call). `verify_batch` scores the blocks (`score_batch`) and verifies them all
-with the tensor verifiers (`batched.verify_blocks`), each request drawing from its own stream. An approximate mode's
-rule (polyspec.orchestrator.decode.approximate) takes `score_batch` and its own check. Per request the round is the serial one — same
-blocks, same verification rule, same draws from the same per-tier generators — so a
-request's output does not depend on what else is in the batch (up to the last bits of
-batched float arithmetic) and seeds mean what they mean alone.
+docs/architecture.md ("The chain and staged verification", "The round", "Trees") derives why the
+chain is lossless and walks through a round. This is the only implementation of that round, and it
+always runs on a batch: `step_all` advances every given request by one target round; `step` is a
+batch of one. The engine's one request loop drives it, and so does each tier worker of a distributed
+chain (its own two-tier chain [this tier, the tier below], one round per VerifyBatch / DraftBatch).
+Per request the round is the serial one (same blocks, same verification rule, same draws from the
+same per-tier streams), so a request's output does not depend on what else is in the batch (up to
+the last bits of batched float arithmetic) and seeds mean what they mean alone. An approximate
+mode's rule (polyspec.orchestrator.decode.approximate) takes `score_batch` and its own check.
 
-With `tree_width > 1` the bottom tier proposes a draft tree per request instead of a chain
-(`draft_tree_batch`: one forward per tree level); the tier above scores every request's tree
-in its one forward (tree rows beside chain rows), each request walks its own tree with its
-own stream (`verify_blocks`, the config's scheme) and both tiers keep only the accepted
-path (`accept_path`).
-
-Requests join and leave between steps (continuous batching): `start` opens one, `prefill`
-caches new prompts within a token budget before they join the rounds (chunked prefill),
-`finish` / `cancel` free its slots. The lengths and tiers of a step are the same for every
-request in it; a planner (`contract.RoundPlanner`: the goodput planner, for one request or many)
-sets them before each step and observes every
-round, draft and step (`contract.RoundObservation`, `DraftObservation`, `StepObservation`);
-an optional `recorder` observes them too (a tier worker turns rounds into stage reports).
+Requests join and leave between steps (continuous batching): `start` opens one, `prefill` caches new
+prompts within a token budget before they join the rounds (chunked prefill), `finish` / `cancel` free
+its slots. A planner (`contract.RoundPlanner`) sets a step's lengths and tiers, the same for every
+request in it, and observes every round, draft and step; an optional `recorder` observes them too (a
+tier worker turns rounds into stage reports).
 
 Prefix reuse (`keep_finished`): a finished request's caches may stay in the tiers, and a later
-request whose prompt shares a prefix with its tokens (a conversation's next turn: the previous
-turn's prompt and reply, then the new message) runs under its sequence id. Every tier keeps
-the cached prefix a context shares with it and forwards only the rest (the Tier contract),
-so the new request prefills only its new tokens, and computes what it would from scratch.
+request whose prompt shares a prefix with its tokens (a conversation's next turn) runs under its
+sequence id; every tier keeps the cached prefix and forwards only the rest, so the new request
+prefills only its new tokens and computes what it would from scratch.
 """
 
 from __future__ import annotations

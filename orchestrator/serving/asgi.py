@@ -2,22 +2,16 @@
 
 uvicorn (h11) gives HTTP/1.1 keep-alive, pipelining, the request body left unread by an
 early error drained instead of parsed as the next request, malformed requests answered
-400, TLS, and a cap on connections (`limit_concurrency`: 503 past it). Added here:
-
-- a client that does not finish a request's headers within `request_timeout_s` is
-  disconnected: counted from the connection on its first request, and from the first
-  byte of each later one on a kept-alive connection (uvicorn's keep-alive timer covers
-  only the idle time between requests, and any byte stops it);
-- past `max_connections`, a complete request first closes connections that have waited
-  over `IDLE_EVICT_S` for their next request's headers (idle keep-alive, or trickling
-  headers), oldest first, and is answered 503 only when none is left to close: clients
-  that hold connections without sending requests cannot starve those that send them;
-- a request with both `Content-Length` and `Transfer-Encoding` is answered 400 and the
-  connection closed (RFC 9112 section 6.1: its framing is ambiguous, so whatever follows
-  it on the connection could be a smuggled request; h11 would take the chunked framing);
-- the socket is bound here, so a port in use is an OSError for the caller to report, not
-  a `sys.exit` inside uvicorn;
-- uvicorn leaves the process's signal handlers alone: `polyspec serve` drains on SIGTERM.
+400, TLS, and a cap on connections (`limit_concurrency`: 503 past it). Added here, as
+docs/serving.md ("Slow clients", the status table) describes them: a deadline on each
+request's headers (uvicorn's keep-alive timer covers only the idle time between requests,
+and any byte stops it); past `max_connections`, connections waiting over `IDLE_EVICT_S` for
+their next request closed before a complete request is refused; a request with both
+`Content-Length` and `Transfer-Encoding` answered 400 and its connection closed (RFC 9112
+section 6.1: h11 would take the chunked framing, and what follows could be a smuggled
+request). The socket is bound here, so a port in use is an OSError for the caller to report,
+not a `sys.exit` inside uvicorn; uvicorn leaves the signal handlers alone (`polyspec serve`
+drains on SIGTERM).
 """
 
 from __future__ import annotations

@@ -3,22 +3,13 @@
 `json.loads` is C code that keeps the interpreter lock for its whole run and makes one
 Python object per value, so its cost is the input's bytes plus, above all, its arrays and
 objects (8 MiB of 30-deep nested arrays: four million lists, about two seconds and over a
-gigabyte). `loads_bounded` therefore measures the input before parsing it, with a handful
-of C-speed passes over the bytes (no Python loop over the input):
-
-    1. the size, against the caller's byte limit
-    2. the strings dropped: escapes blanked (`\\\\` and `\\"`), then every "..." removed;
-       what is left is structure and numbers
-    3. object members (colons) and values (commas) counted, against MAX_MEMBERS and MAX_VALUES
-       (a dict of a million keys or a list of a million floats costs seconds to build)
-    4. the skeleton: every byte but brackets deleted -- the nesting, e.g. b"[{}[]]" -- and its
-       arrays and objects counted, against MAX_CONTAINERS
-    5. the deepest nesting, from at most the first 2 * MAX_CONTAINERS bytes of the skeleton
-       (a deeper input is refused at its first too-deep bracket)
-
-and only then parses. Lone surrogates (`"\\ud800"`) are looked for only when the bytes hold
-such an escape. Every refusal is a `JsonRefused` with one line and the HTTP status it
-deserves (400 malformed or too deep, 413 too large or too many arrays and objects).
+gigabyte). `loads_bounded` therefore measures the input before parsing it (`measure`), with a
+handful of C-speed passes over the bytes and no Python loop over the input: its size; with
+escapes blanked and strings dropped, its colons (members) and commas (values); then its
+brackets alone (the skeleton, e.g. b"[{}[]]"): how many arrays and objects, and how deep,
+read from at most the first 2 * MAX_CONTAINERS of them. Lone surrogates (`"\\ud800"`) are
+looked for only when the bytes hold such an escape. Every refusal is a `JsonRefused` with one
+line and the HTTP status it deserves (400 malformed or too deep, 413 too large or too many).
 """
 
 from __future__ import annotations
@@ -71,8 +62,7 @@ def deepest(brackets: bytes, limit: int) -> int:
     return deepest_seen
 
 
-def measure(raw: bytes, what: str, max_bytes: int, max_depth: int = MAX_JSON_DEPTH,
-            max_containers: int = MAX_CONTAINERS) -> None:
+def measure(raw: bytes, what: str, max_bytes: int) -> None:
     """JsonRefused unless `raw` is within every bound; cheap whatever `raw` holds."""
     if len(raw) > max_bytes:
         raise JsonRefused(f"{what} has {len(raw)} bytes (at most {max_bytes})", 413)
@@ -85,20 +75,19 @@ def measure(raw: bytes, what: str, max_bytes: int, max_depth: int = MAX_JSON_DEP
         raise JsonRefused(f"{what} holds {values} JSON values (at most {MAX_VALUES})", 413)
     brackets = structure.translate(None, _NOT_BRACKETS)
     containers = brackets.count(b"[") + brackets.count(b"{")
-    if deepest(brackets[: 2 * max_containers + 2], max_depth) > max_depth:
-        raise JsonRefused(f"malformed JSON in {what}: nested deeper than {max_depth} levels")
-    if containers > max_containers:
-        raise JsonRefused(f"{what} holds {containers} JSON arrays and objects (at most {max_containers})", 413)
+    if deepest(brackets[: 2 * MAX_CONTAINERS + 2], MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+        raise JsonRefused(f"malformed JSON in {what}: nested deeper than {MAX_JSON_DEPTH} levels")
+    if containers > MAX_CONTAINERS:
+        raise JsonRefused(f"{what} holds {containers} JSON arrays and objects (at most {MAX_CONTAINERS})", 413)
 
 
-def loads_bounded(raw: bytes | str, what: str, max_bytes: int, max_depth: int = MAX_JSON_DEPTH,
-                  max_containers: int = MAX_CONTAINERS):
+def loads_bounded(raw: bytes | str, what: str, max_bytes: int):
     """`raw` parsed, or JsonRefused with one line naming `what` (e.g. "the request body")."""
     if isinstance(raw, str):
         if len(raw) > max_bytes:  # characters <= bytes: refused before encoding a huge string
             raise JsonRefused(f"{what} has {len(raw)} characters (at most {max_bytes} bytes)", 413)
         raw = raw.encode("utf-8", "surrogatepass")
-    measure(raw, what, max_bytes, max_depth, max_containers)
+    measure(raw, what, max_bytes)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -106,7 +95,7 @@ def loads_bounded(raw: bytes | str, what: str, max_bytes: int, max_depth: int = 
     try:
         value = json.loads(text)
     except RecursionError:  # cannot happen within MAX_JSON_DEPTH; kept as a one-line answer all the same
-        raise JsonRefused(f"malformed JSON in {what}: nested deeper than {max_depth} levels") from None
+        raise JsonRefused(f"malformed JSON in {what}: nested deeper than {MAX_JSON_DEPTH} levels") from None
     except ValueError as exc:
         raise JsonRefused(f"malformed JSON in {what}: {str(exc).splitlines()[0][:200]}") from None
     if _SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(value):

@@ -1,47 +1,13 @@
-"""OpenAI-compatible HTTP API on `polyspec serve --http-port` (a Starlette app, run by asgi.py).
+"""OpenAI-compatible HTTP API on `polyspec serve --http-port` (a Starlette app, run by asgi.py):
+POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{id}], GET /health (no token needed).
 
-    POST /v1/completions        {model, prompt (string | token ids | list of those), max_tokens (16),
-                                 temperature, top_p, top_k, seed, stop, n (1), stream, stream_options}
-    POST /v1/chat/completions   {model, messages: [{role, content}], max_tokens | max_completion_tokens
-                                 (default: the config's), temperature, top_p, top_k, seed, stop, n (1),
-                                 stream, stream_options}
-    GET  /v1/models, GET /v1/models/{id}
-    GET  /health                200 once the models are loaded, 503 while loading or draining (no token needed)
-
-`model` must be one of the served names (`serve --served-model-name`, repeatable; by default
-the target's folder name or id); another is 404 `model_not_found`; left out, it is the first.
-`stop` (a string or a list) is matched on the committed text: the text ends before the
-first stop string, a stream never shows text past it, and generation stops there
-(finish_reason "stop"). `n` > 1 runs n independent requests per prompt (choice index
-prompt * n + j); with a `seed`, choice j samples from a seed derived from (seed, j), so at
-temperature 0 every choice is the target's greedy text. Every answer carries `usage`; a
-stream carries it in a last chunk with `stream_options: {"include_usage": true}`. With
-`speculation.lengths: auto`, `usage.polyspec_plans` (polyspec's extension) lists per choice
-the plans the planner ran it under (the result's `stats.plans`: tiers, lengths, rounds,
-predicted and measured tokens/s).
-`approximate` (polyspec's extension, both routes: {"mode": "bild", ...}, docs/approximate.md) runs an
-approximate decoding mode, NOT lossless; the answer (each chunk of a stream) then carries
-`approximate` with the mode and its knobs, and `serve --exact-only` answers 400.
-`logprobs` (completions: 0-5 alternatives; chat: `logprobs: true`, `top_logprobs` 0-20, not
-streamed) are the target's own log-probabilities of the committed tokens under the
-request's warp, temperature 1 for a greedy request (logprobs.py).
-
-Backed by the same RoundScheduler as gRPC, so both kinds of traffic share the fair queue.
-`stream: true` answers with server-sent events (`data: {...}` chunks, then `data: [DONE]`).
-Chat messages become the prompt through the target tokenizer's chat template
-(polyspec.orchestrator.tokenization.encode_chat).
-
-Errors are OpenAI-shaped (`{"error": {"message", "type", "param", "code"}}`), one line:
-400 for a malformed body (not UTF-8, not JSON, nested too deep, a lone surrogate) or a bad
-or unsupported option (echo, best_of > 1, suffix, tools, penalties, logprobs with
-stream: never silently ignored), 401 without the token (`Authorization: Bearer <token>`), 404 for an
-unknown route or model, 408 for a body not sent within the request timeout, 413 past a size limit
-(body, JSON arrays and objects, prompts per list, prompt bytes), 429 when the queue, or the
-caller's tenant's share of it, has no room for every prompt of the request (then none is
-queued), 503 while loading or draining. Each is counted in polyspec_requests_total. A body is
-measured before it is parsed (bounded_json: depth, arrays and objects, members, values); one
-over 64 KiB is parsed in a worker thread, one at a time, so no body holds the event loop. A client that
-disconnects, streaming or not, cancels its requests.
+docs/serving.md ("OpenAI-compatible") is the reference for its fields, polyspec's extensions
+(`approximate`: docs/approximate.md; `usage.polyspec_plans`; structured output) and its status codes;
+errors are OpenAI-shaped (`{"error": {"message", "type", "param", "code"}}`), one line, each counted in
+polyspec_requests_total. Backed by the same RoundScheduler as gRPC, so both kinds of traffic share the
+fair queue. A body is measured before it is parsed (bounded_json); one over 64 KiB is parsed in a worker
+thread, one at a time, so no body holds the event loop. A client that disconnects, streaming or not,
+cancels its requests.
 """
 
 from __future__ import annotations

@@ -1,27 +1,13 @@
-"""Batch jobs persisted in SQLite (`<state-dir>/jobs.sqlite3`), so they survive the server dying.
+"""Batch jobs persisted in SQLite (`<state-dir>/jobs.sqlite3`, tables `jobs` and `items` below), so they survive
+the server dying: docs/serving.md ("Jobs survive crashes") says what a crash, damage or a full disk leaves.
 
-    jobs:  job_id, state, total, completed, failed, created_at, finished_at,
-           tenant, idempotency_key
-    items: job_id, idx, id, request (JSON), status (pending | done | failed),
-           result (JSON), error, done_seq
-
-An item's result is written in the same transaction that marks it done and bumps its
-job's counters, so after a crash (even SIGKILL) every item is either done with its
-result or still pending and is run again: every id exactly once, no gap. Item ids are
-unique inside a job (the table's key). Job ids are made here; no path a client names is
-ever opened. A job belongs to the tenant that submitted it; reads and cancels name the
-caller's tenant and see only its jobs (tenant None: every job). An idempotency key is
-unique per tenant: `create` with a key already used returns that job, if the requests
-are the same (their digest is kept with the job), and refuses otherwise.
-
-Job data holds prompts and results: the folder is made 0700 and the database 0600
-(SQLite gives its -wal / -shm files the database's mode).
-
-Damage and a full disk: an existing file is integrity-checked, read-only, before it is
-opened (DamagedStore: the server refuses it, the file as it was); a row that does not
-decode is that item's error, never its bytes; the request loop's calls (pending items,
-results) never raise for the store's sake, they log one line and pause job work, leaving
-every item not written pending (`_loop_failed`).
+An item's result is written in the same transaction that marks it done and bumps its job's counters.
+Job ids are made here; no path a client names is ever opened. A job belongs to the tenant that
+submitted it; reads and cancels name the caller's tenant and see only its jobs (tenant None: every
+job). An idempotency key is unique per tenant: `create` with a key already used returns that job, if
+the requests are the same (their digest is kept with the job), and refuses otherwise. Job data holds
+prompts and results: the folder is made 0700 and the database 0600 (SQLite gives its -wal / -shm
+files the database's mode).
 
 Thread use: one connection behind a lock; the scheduler thread writes results, the
 server's event loop reads.
@@ -42,6 +28,7 @@ import uuid
 from pathlib import Path
 
 from polyspec.orchestrator.serving.security import short
+from polyspec.workers.core.errors import first_line
 
 QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = "queued", "running", "succeeded", "failed", "cancelled"
 TERMINAL = (SUCCEEDED, FAILED, CANCELLED)
@@ -196,9 +183,12 @@ def _create_store(path: Path) -> None:
     """A new, empty store at `path`, made under another name and renamed into place, so that
     an empty file at `path` is never ours (a crash here leaves only the other name)."""
     fresh = path.with_name(f"{path.name}.new-{os.getpid()}")
-    for suffix in ("", "-wal", "-shm", "-journal"):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(f"{fresh}{suffix}")
+    def remove_fresh() -> None:
+        for suffix in ("", "-wal", "-shm", "-journal"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"{fresh}{suffix}")
+
+    remove_fresh()
     try:
         os.close(os.open(fresh, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
         db = sqlite3.connect(str(fresh), isolation_level=None)
@@ -207,15 +197,9 @@ def _create_store(path: Path) -> None:
             db.executescript(_SCHEMA)
         finally:
             db.close()  # checkpoints: the file holds it all, no -wal left
-        fd = os.open(fresh, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync(fresh)
     except (OSError, sqlite3.Error):  # e.g. a full disk: leave nothing half-made behind
-        for suffix in ("", "-wal", "-shm", "-journal"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(f"{fresh}{suffix}")
+        remove_fresh()
         raise
     try:
         os.link(fresh, path)  # never over a store another process made meanwhile
@@ -225,9 +209,13 @@ def _create_store(path: Path) -> None:
         os.rename(fresh, path)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(fresh)
-    fd = os.open(path.parent, os.O_RDONLY)
+    _fsync(path.parent)  # the new name survives a crash too
+
+
+def _fsync(path) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(fd)  # the new name survives a crash too
+        os.fsync(fd)
     finally:
         os.close(fd)
 
@@ -355,13 +343,6 @@ class JobStore:
                 self._db.execute("DELETE FROM jobs WHERE job_id = ?", (job_id,))
         return len(old)
 
-    def stored_bytes(self, tenant: str | None = None) -> int:
-        query, args = "SELECT COALESCE(SUM(bytes), 0) FROM jobs", ()
-        if tenant is not None:
-            query, args = query + " WHERE tenant = ?", (tenant,)
-        with self._lock:
-            return self._db.execute(query, args).fetchone()[0]
-
     def finish_item(self, item: PendingItem, result: dict | None, error: str | None) -> JobRecord | None:
         """Mark one item done (with its result) or failed (with its error), in one transaction.
 
@@ -406,7 +387,7 @@ class JobStore:
         now = time.monotonic()
         if now < self._paused_until:  # items already in flight when it began: one line, one pause
             return
-        _log(f"{TROUBLE[trouble(exc)]} ({what}: {str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}); "
+        _log(f"{TROUBLE[trouble(exc)]} ({what}: {first_line(exc, 200)}); "
              "job items stay pending and are retried")
         self._pause_s = min(MAX_PAUSE_S, max(MIN_PAUSE_S, self._pause_s * 2))
         self._paused_until = now + self._pause_s

@@ -1,24 +1,10 @@
 """Server counters: one object feeds both `GetStats` and Prometheus `/metrics`.
 
-Prometheus names (all prefixed `polyspec_`): requests_total{status}, generated_tokens_total,
-stage_proposed_tokens_total / stage_accepted_tokens_total{tier,drafter},
-speculation_length{tier,drafter}, time_to_first_token_seconds and request_latency_seconds
-(histograms), queue_depth{state}, tenant_queue_depth{tenant,state} (waiting / running per tenant;
-the anonymous tenant of a server without tokens is "anonymous"), job_items_done_total{outcome}, tier_up{tier}; with the
-batched engine also batch_size (requests in the latest batched step, histogram),
-goodput_tokens_per_second (tokens committed per second of batched steps, smoothed) and
-speculating (1 while the planner speculates at the current batch size); approximate_requests_total{mode}
-(requests and job items finished in an approximate decoding mode, docs/approximate.md). The planner's
-decisions (`speculation.lengths: auto`), from each finished request's `stats.plans`, per chain (its set of
-tiers, "target<-mid<-ngram": at most 2^(tiers - 1) labels, so bounded by the config): plan_rounds_total,
-plan_tokens_total and plan_seconds_total{chain} (rounds run under it, the tokens they committed, their wall
-seconds summed over requests), plan_tokens_per_second{chain,source} (per request, over all its rounds so far:
-source "measured" = tokens / seconds, "predicted" = the planner's prediction over the same seconds) and
-plan_prediction_ratio (histogram: measured / predicted tokens/s of each plan a request ran under).
-`GetStats` carries the same per-chain sums (`plans`) and the last RECENT_PLANS plan records as results
-list them (`recent_plans`: tiers, lengths, rounds, measured and predicted tokens/s).
-`build_metrics_app` serves them at GET /metrics (with a Tenants object: only to a caller
-with a token).
+The Prometheus metrics are declared in `Metrics.__init__`, each with its help text (docs/serving.md lists
+them). The planner's are labelled per chain, its set of tiers ("target<-mid<-ngram": at most 2^(tiers - 1)
+labels, so bounded by the config), from each finished request's `stats.plans`; `GetStats` carries the same
+per-chain sums (`plans`) and the last RECENT_PLANS plan records as results list them (`recent_plans`).
+`build_metrics_app` serves them at GET /metrics (with a Tenants object: only to a caller with a token).
 """
 
 from __future__ import annotations

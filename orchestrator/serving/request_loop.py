@@ -2,24 +2,10 @@
 
 The Engine is not thread-safe, so all model work happens on this thread. It drives a
 `ContinuousBatch` (polyspec.orchestrator.batch_runner: the loop `polyspec batch` runs); this
-module only chooses what runs. Each pass:
-
-    1. admit waiting interactive requests while the batch has room (at most `max_requests`
-       hold caches at once: the batched engine's own, MAX_ACTIVE for an engine that takes turns),
-       fairly between tenants: each free slot goes to the waiting tenant with the fewest running
-       requests for its weight; while several tenants have work, none is admitted past its
-       weighted share of the slots, and a tenant alone leaves one slot free for each other
-       tenant (at most half of them), so a tenant that floods the server waits behind itself
-    2. fill free slots with job items: a batched engine gives them all but JOB_RESERVE_SHARE of
-       its slots (kept for interactive requests); one that takes turns, one item at a time and
-       only while no interactive request waits or runs
-    3. cancel what was cancelled (a client went away, a job was cancelled, the server drains:
-       a job item is then not written and runs again later)
-    4. one step of the batch: every running request takes one round, a batched engine in one
-       forward per tier (the prompts of newly admitted requests cached first, within the step's
-       token budget), one that takes turns one request after the other (a long request holds the
-       others back by one round each; its job item waits, caches kept, while interactive
-       requests run). A request whose own row raises fails alone (`step_isolated`)
+module only chooses what runs, each pass (`run`): admit waiting requests, fairly between tenants
+(`_admit`, `_slot_cap`), fill free slots with job items (`_fill_jobs`), cancel what was cancelled,
+then one step of the batch, where a request whose own row raises fails alone. docs/serving.md
+("Scheduling", "Tenants share the server") gives the rules.
 
 A request reports through its `on_event(kind, payload)`, called on this thread from the batch's
 callbacks: ("delta", (token_ids, text)) after each round (only the new text; a stop string ends
@@ -41,7 +27,7 @@ from polyspec.orchestrator.batch_runner import ContinuousBatch, is_unavailable
 from polyspec.orchestrator.serving.jobs import JobStore, PendingItem
 from polyspec.orchestrator.serving.metrics import Metrics
 from polyspec.orchestrator.serving.security import Tenants
-from polyspec.workers.core.errors import RequestError
+from polyspec.workers.core.errors import RequestError, first_line
 
 MAX_ACTIVE = 32  # interactive requests holding caches at once; the rest wait their turn
 JOB_RESERVE_SHARE = 0.25  # batched: this share of the slots is never taken by job items
@@ -82,8 +68,7 @@ def public_reason(exc: BaseException) -> str:
     """What a client is told about `exc`, one line: a request's own mistake or a down chain is
     described (the server's own words); any other exception's text stays in the server's log."""
     if isinstance(exc, RequestError) or is_unavailable(exc):
-        text = str(exc)
-        return text.splitlines()[0][:500] if text else type(exc).__name__
+        return first_line(exc)
     return INTERNAL_REASON
 
 

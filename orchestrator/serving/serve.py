@@ -1,14 +1,9 @@
 """`polyspec serve`: gRPC (server.py), the OpenAI-compatible HTTP API (http.py) and /metrics,
 all on one event loop; the models on the RoundScheduler thread (request_loop.py).
 
-The gRPC server starts first and answers health NOT_SERVING while the models load;
-SERVING once they are loaded and warm. SIGTERM (or Ctrl-C) drains: health NOT_SERVING,
-no new work, running streams get `--grace` seconds to finish, the current job item is
-dropped and runs again at the next start.
-
-Security: with `--tls-cert/--tls-key`, gRPC, HTTP and /metrics all speak TLS. With
-`--auth-token-file` or `--tenants-file` every call but health needs a token (security.py);
-`--auth-reflection` / `--auth-metrics` put reflection and /metrics behind it too. Binding
+The gRPC server starts first and answers health NOT_SERVING while the models load; SERVING once
+they are loaded and warm. SIGTERM (or Ctrl-C) drains (docs/serving.md, "Jobs survive crashes").
+TLS and tokens cover gRPC, HTTP and /metrics alike (security.py; docs/serving.md's flags); binding
 an address other than loopback without a token prints a warning.
 """
 
@@ -29,10 +24,9 @@ from polyspec.orchestrator.serving.security import is_loopback
 from polyspec.orchestrator.serving.guard import SERVICE_NAME, Guard
 from polyspec.orchestrator.serving.server import PolyspecService
 from polyspec.protos.polyspec.v1 import polyspec_pb2_grpc as pb_grpc
-from polyspec.workers.core.errors import ConfigError, PolyspecError
+from polyspec.workers.core.errors import ConfigError, PolyspecError, first_line
 from polyspec.workers.core.heartbeat import heartbeat
 
-DEFAULT_GRACE_S = 30.0
 PURGE_EVERY_S = 300.0  # how often jobs past their retention are looked for
 
 
@@ -159,7 +153,7 @@ async def _purge_old_jobs(store, retention_s: float) -> None:
         try:
             purged = await asyncio.to_thread(store.purge, time.time() - retention_s)
         except Exception as exc:  # noqa: BLE001 - a full or damaged store is reported where it is written
-            _log(f"could not delete old jobs: {str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}")
+            _log(f"could not delete old jobs: {first_line(exc, 200)}")
             purged = 0
         if purged:
             _log(f"deleted {purged} job(s) that ended over {retention_s:g}s ago (--job-retention-s)")

@@ -14,7 +14,6 @@ from polyspec.orchestrator.serving.jobs import DamagedStore, JobStore
 from polyspec.orchestrator.serving.security import Limits, Tenants
 from polyspec.workers.core.errors import ConfigError
 
-DEFAULT_METRICS_PORT = 9464
 LOCK_NAME = "serve.lock"  # in the state dir: held (flock) by the one server using it
 
 
@@ -143,12 +142,10 @@ def serve_options(args, config) -> dict:
         "reprofile": bool(getattr(args, "reprofile", False)),
         "exact_only": bool(getattr(args, "exact_only", False)),
     }
-    if options["exact_only"] and not config.approximate.lossless:
-        store.close()
-        lock.release(tidy=True)
-        raise ConfigError(f"--exact-only, but the config's approximate.mode is {config.approximate.mode}: "
-                          "remove that section or serve without --exact-only")
     try:
+        if options["exact_only"] and not config.approximate.lossless:
+            raise ConfigError(f"--exact-only, but the config's approximate.mode is {config.approximate.mode}: "
+                              "remove that section or serve without --exact-only")
         check_bindable(host, port)
     except ConfigError:
         store.close()

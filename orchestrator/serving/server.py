@@ -4,21 +4,12 @@
          ^                                    |
          +------ deltas / results ------------+   (loop.call_soon_threadsafe)
 
-The gRPC server starts first and answers health NOT_SERVING while the models load;
-SERVING once they are loaded and warm. Streams carry one message per target round.
-A client that cancels (or whose deadline passes) cancels its request's work. SIGTERM
-(or Ctrl-C) drains: health NOT_SERVING, no new work, running streams get `--grace`
-seconds to finish, the current job item is dropped and runs again at the next start.
-
-Errors map to status codes: RequestError -> INVALID_ARGUMENT, unknown job -> NOT_FOUND,
-token -> UNAUTHENTICATED, queue full or a limit (security.Limits) -> RESOURCE_EXHAUSTED,
-loading / draining / no valid chain -> UNAVAILABLE, bytes that are not the method's message
--> INVALID_ARGUMENT, an idempotency key reused for other requests -> FAILED_PRECONDITION.
-Each with one line of text.
-
-Nothing that can block runs on the event loop: tokenizing (with a copy of the tokenizer,
-so the round thread's decoding never waits for it) and every SQLite call go through
-`asyncio.to_thread`, and every size is checked before that work starts.
+Streams carry one message per target round; a client that cancels (or whose deadline passes)
+cancels its request's work. Health, draining and the status code of each error (one line of
+text) are as docs/serving.md ("The API", "Jobs survive crashes") describes them. Nothing that
+can block runs on the event loop: tokenizing (with a copy of the tokenizer, so the round
+thread's decoding never waits for it) and every SQLite call go through `asyncio.to_thread`, and
+every size is checked before that work starts.
 """
 
 from __future__ import annotations
@@ -69,7 +60,6 @@ from polyspec.protos.polyspec.v1 import polyspec_pb2_grpc as pb_grpc
 from polyspec.workers.core.errors import RequestError
 from polyspec.workers.core.grammar import KINDS
 
-STREAMING_METHODS = ("Generate", "StreamJobResults")
 MAX_OPTIONS_JSON_BYTES = 16 << 10  # approximate_json: an options object ({"mode": "bild", ...})
 PROMPT_TOKENIZERS = 4  # requests tokenized at once (each with its own copy of the tokenizer)
 JOB_STATES = {
@@ -330,14 +320,14 @@ class PolyspecService(pb_grpc.PolyspecServicer):
             names = {t: tokenizer.decode([t]) if tokenizer is not None else "" for s in scored for t in (s.token_id, *(i for i, _ in s.top))}
         return scored, names
 
-    def events(self) -> tuple[asyncio.Queue, object]:
-        """A queue on this loop and the `on_event` that feeds it from the round thread."""
+    def events(self) -> tuple[asyncio.Queue, Callable]:
+        """A queue on this loop and the `on_event(*event)` that puts `event` (a tuple) on it from the round thread."""
         events: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
 
-        def on_event(kind, payload) -> None:
+        def on_event(*event) -> None:
             try:
-                loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
+                loop.call_soon_threadsafe(events.put_nowait, event)
             except RuntimeError:  # the loop is closed: shutting down
                 pass
 
@@ -366,7 +356,11 @@ class PolyspecService(pb_grpc.PolyspecServicer):
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except LimitExceeded as exc:
             await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        events, reporter = self._choice_events()
+        events, on_event = self.events()  # (choice index, (kind, payload)) of every choice of the call
+
+        def reporter(index: int) -> Callable:
+            return lambda kind, payload: on_event(index, (kind, payload))
+
         choices = [Choice(Work(choice_request(parsed, j), on_event=reporter(j), tenant=tenant, stops=stops), self.scheduler)
                    for j in range(count)]
         try:
@@ -410,23 +404,6 @@ class PolyspecService(pb_grpc.PolyspecServicer):
             for choice in choices:
                 if not choice.finished:  # the client went away, its deadline passed, or another choice failed
                     choice.cancel()
-
-    def _choice_events(self) -> tuple[asyncio.Queue, Callable[[int], Callable]]:
-        """A queue on this loop for the events of every choice of a call, as (choice index, event),
-        and `reporter(index)`: the `on_event` that feeds it from the round thread."""
-        events: asyncio.Queue = asyncio.Queue()
-        loop = asyncio.get_running_loop()
-
-        def reporter(index: int):
-            def on_event(kind, payload) -> None:
-                try:
-                    loop.call_soon_threadsafe(events.put_nowait, (index, (kind, payload)))
-                except RuntimeError:  # the loop is closed: shutting down
-                    pass
-
-            return on_event
-
-        return events, reporter
 
     # -------------------------------------------------------------------- jobs
 

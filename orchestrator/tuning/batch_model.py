@@ -1,63 +1,29 @@
 """Goodput under load: the time model with a batch dimension, and the plan that maximises total tokens/s.
 
-A batched step (polyspec.orchestrator.decode.scheduler, or a batched Ray chain's driver) runs one round of B requests. Its
-cost is built from each tier's forward time `t_i(B, W)` for B rows padded to W new tokens:
+A batched step runs one round of B requests. Its cost is built from each tier's forward time `t_i(B, W)`
+for B rows padded to W new tokens:
 
     plan "off":            t_0(B, 1)                                              -> B tokens
     target <- d, k:        t_0(B, k + 1) + draft_d(B, k)                          -> B * E(a_0, k)
     target <- m <- d, k, j: t_0(B, k + 1) + ceil(k / E(a_1, j)) * (t_m(B, j + 1) + draft_d(B, j))
 
-with E(a, k) = (1 - a^(k+1)) / (1 - a) the expected tokens a round of block k emits at
-per-token acceptance rate a, and draft_d(B, k) = k forwards t_d(B, 1) for a model drafter
-or B lookups for the n-gram tier. Acceptance does not move with B, but the cost of a block
-does: at B = 1 a forward of k + 1 tokens costs little more than one, at B = 64 it costs
-several times more, so the same acceptance can pay at low load and lose at high load. The
-planner picks, for the number of requests in the step, the plan with the most expected
-tokens per second; speculation off is always a candidate. With `tree_width` w > 1 the
-bottom drafter's block is a tree of depth k (w candidates per level, as `draft_tree_batch`
-grows it): its verifier's forward is t(B, w k + 1), the draft a root forward then k - 1
-level forwards t_d(B, w), and E the tree's, from the per-depth acceptance of the tree
-rounds seen (polyspec.orchestrator.tuning.batch_acceptance).
+with E(a, k) = (1 - a^(k+1)) / (1 - a) the expected tokens a round of block k emits at per-token
+acceptance rate a (batch_acceptance.py; a tree's per depth), and draft_d(B, k) = k forwards t_d(B, 1)
+for a model drafter or B lookups for the n-gram tier; a tree of depth k and width w costs its verifier
+t(B, w k + 1) and its drafter a root forward then k - 1 level forwards t_d(B, w). `t_i(B, W)` is a
+start-up profile on a grid of (B, W) (`ForwardTable`), refined online from every batched forward; each
+plan's predicted step time is also corrected by the ratio of measured to predicted step times.
 
-`t_i(B, W)` comes from a start-up profile on a grid of (B, W), interpolated in between
-(past the grid: in proportion to the rows, and at the last step's cost per token), and
-is refined online from every batched forward (an EMA per grid cell); each plan's predicted
-step time is also corrected by the ratio of measured to predicted step times.
-
-A profile taken on a busy machine can be far off, so the model only proposes; a measured
-A/B decides. Per load (batch-size bucket, greedy / sampling / mixed requests) the planner
-keeps the measured tokens/s of the whole batch for speculation off and for each
-speculating plan it ran. The speculating side of the A/B is the plan with the most
-tokens/s, measured where measured, else predicted. The first load measures off for
-MIN_STEPS steps, then each set of tiers' predicted best plan for MIN_STEPS steps, skipping
-plans the model, scaled by its error on off's measured rate, predicts under EXPLORE_FLOOR of
-off (a step of such a plan at a large batch can cost many steps of off) or, once a speculating
-plan is measured, under EXPLORE_BEST_SHARE of the best one measured; a later load tries
-only the best plan of the nearest decided load against off, and starts from that load's
-decision where it carries over (off to larger batches, speculating to smaller ones),
-measuring the other side right after. Where speculation won, the lengths next to the best
-measured plan's are measured too. Beyond the first speculating plan, a plan is measured only when
-the running requests can pay for it: its MIN_STEPS at its predicted step time at most
-EXPLORE_TIME_SHARE of the time they still need (`affordable`), so a short job is not spent learning
-what a block of 12 costs. Then it runs the winner: speculation turns on only
-when it measured SWITCH_ON times off's tokens/s and stays on while it measures at least
-SWITCH_OFF times off's (hysteresis). The side not taken is re-probed for PROBE_STEPS steps
-after REPROBE_FIRST probes' times, then at doubling intervals (up to `tuning.explore_every`,
-64 by default; 0: never) while the decision holds, so a change of load or acceptance is
-noticed and a losing side costs a few percent at most.
-
-Acceptance moves (batch_acceptance: counts fade over the last rounds), and a lookup tier the step does not
-run under the target is still asked what it would have proposed (`ShadowObservation`), so its rate warms
-up with the requests' own text while another plan runs. A plan measured poor is therefore not written off:
-its measured rate is carried forward by the model (measured x model value now / model value while it was
-measured), and when that reaches RETRY_MARGIN times the best measured plan's, it is measured again, each plan
-at most once per RETRY_STEPS x 2^(its retries) steps of the load.
-
-Per request where it pays (`drafters`): under a plan of the target and a model drafter, a request whose own
-text makes a lookup tier pay (its own recent rounds and shadows: at least REQUEST_MIN_ROUNDS, the misses where
-the lookup had nothing to propose counted) drafts with the lookup instead, when that is expected to give it
-more tokens a round than the model drafter at the same block length: its share of the verifier's forward is
-the same, and the model drafter's batch shrinks.
+The model only proposes; per load (batch-size bucket, greedy / sampling / mixed requests) a measured A/B
+against speculation off decides. docs/serving.md ("Speculation under load") gives the rules and the
+measurements behind them; here each has its constant: MIN_STEPS per side, a plan not yet run gated by
+EXPLORE_FLOOR / EXPLORE_BEST_SHARE / SEED_FLOOR of the model's prediction (`unexplored`, `spec_candidate`)
+and by EXPLORE_TIME_SHARE of the running requests' remaining time (`affordable`), the lengths next to the
+best measured (`neighbours`), hysteresis SWITCH_ON / SWITCH_OFF (`decide`), re-probes after REPROBE_FIRST
+probes' times, doubling up to `tuning.explore_every`, a plan measured poor measured again once the model
+carries its rate RETRY_MARGIN past the best's, at most once per RETRY_STEPS x 2^(its retries) steps
+(`stale`), and per request drafting with a lookup tier once its own REQUEST_MIN_ROUNDS rounds say it pays
+(`drafters`).
 """
 
 from __future__ import annotations

@@ -8,8 +8,7 @@ the lengths fixed, or --no-speculation, no planner runs (the lengths are the con
 A Ray chain runs every tier in every round (its repair loop routes around dead tiers), so the options about
 leaving tiers out mean nothing there, and its round hears no shadow proposals. An option set in the config
 that the run does not read (those two on a Ray chain; any, with the lengths fixed) is named in one line on
-stderr when the engine starts (`note`), never ignored silently. (The one-request tuner's options are gone:
-config.parse_tuning names them as removed.)
+stderr when the engine starts (`note`), never ignored silently.
 """
 
 from __future__ import annotations

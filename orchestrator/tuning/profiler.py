@@ -22,7 +22,6 @@ from polyspec.orchestrator.tuning.profile_cache import decode_table, encode_tabl
 from polyspec.workers.core.sampling import SamplingParams
 from polyspec.workers.tiers.batched import BatchedTier as Tier
 from polyspec.workers.core.tree import DraftTree
-from polyspec.workers.tiers.weight_only import switch_rows
 
 DEFAULT_REPEATS = 5
 
@@ -34,16 +33,6 @@ def synthetic_context(vocab_size: int, length: int, seed: int = 0) -> list[int]:
     """A fixed pseudo-random context when no real prompt is at hand."""
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size, (length,), generator=generator).tolist()
-
-
-def tier_switch_rows(tier) -> tuple[int, ...]:
-    """Row counts at which the tier's forward changes regime (weight_only.switch_rows of its model; none for a
-    tier without one). A batched tier's `model` is its forward (BatchedLlama, not a torch module): the modules
-    are its serial tier's model's (`tier.tier.model`), the same WeightOnlyLinear objects."""
-    for model in (getattr(tier, "model", None), getattr(getattr(tier, "tier", None), "model", None)):
-        if isinstance(model, torch.nn.Module):
-            return switch_rows(model)
-    return ()
 
 
 def _median_ms(run, repeats: int) -> float:
@@ -145,7 +134,7 @@ def profile_batched(tiers, vocab_size: int, max_batch: int, repeats: int = 2, ca
     measurements = [dict(measurement, kind=tier.profile_kind) for tier in tiers]
     # a weight-only tier leaves its quantized kernel for the block path at some row counts: its forward is also
     # measured on both sides of each (ForwardTable interpolates between all widths measured at a batch)
-    switches = [tier_switch_rows(tier) for tier in tiers]
+    switches = [tier.tier.switch_rows for tier in tiers]  # (the loaded tier's: `Tier.switch_rows`)
     knots = []
     for index, rows in enumerate(switches):
         knots.append({b: switch_widths(b, rows) for b in batches})

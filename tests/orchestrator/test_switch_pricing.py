@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from polyspec.orchestrator.tuning.batch_model import BATCH_GRID, WIDTH_GRID, ForwardTable, switch_widths
-from polyspec.orchestrator.tuning.profiler import monotone, profile_batched, tier_switch_rows
+from polyspec.orchestrator.tuning.profiler import monotone, profile_batched
 from polyspec.workers.tiers import weight_only as wo
+from polyspec.workers.tiers.tier import NGramTier
 
 SWITCH = 48  # rows from which the block path runs
 
@@ -62,8 +63,8 @@ def test_monotone_does_not_carry_the_block_paths_price_below_the_switch():
 
 class SleepingTier:
     """What profile_batched calls of a batched model tier; a forward sleeps `cost(rows)` ms. As a BatchedModelTier's,
-    its `model` is a forward, not a torch module; its serial tier's model holds one weight-only Linear that switches
-    at SWITCH rows (what the profile reads off the tier)."""
+    its `model` is a forward, not a torch module; its loaded tier (`tier`) declares where its one weight-only Linear
+    switches, at SWITCH rows (`Tier.switch_rows`, what the profile reads)."""
 
     name, has_weights, caches_prompts, profile_kind = "int4", True, True, "batched"
 
@@ -71,7 +72,7 @@ class SleepingTier:
         linear = wo.WeightOnlyLinear.from_int4(wo.quantize_int4_groups(torch.randn(64, 64), 32), None)
         linear.dense_rows = SWITCH
         self.model = types.SimpleNamespace(layers=[(linear.forward,)])  # BatchedLlama keeps the modules' forwards
-        self.tier = types.SimpleNamespace(model=torch.nn.Sequential(linear))
+        self.tier = types.SimpleNamespace(switch_rows=wo.switch_rows(torch.nn.Sequential(linear)))
         self.forward_log: list = []
         self.rows_run: set[int] = set()
 
@@ -92,7 +93,7 @@ class SleepingTier:
 
 def test_profile_batched_measures_a_weight_only_tier_at_its_switch():
     tier = SleepingTier()
-    assert tier_switch_rows(tier) == (SWITCH,) and tier_switch_rows(types.SimpleNamespace()) == ()
+    assert tier.tier.switch_rows == (SWITCH,) and NGramTier("ngram", 100).switch_rows == ()
     (table,), _ = profile_batched([tier], vocab_size=100, max_batch=16, repeats=1)
     assert {44, 48} <= tier.rows_run and {32, 64} <= tier.rows_run  # 4 x 11 and 4 x 12 beside the grid's 4 x 8, 4 x 16
     assert sorted(w for b, w in table.ms if b == 4) == [1, 4, 8, 11, 12, 16]

@@ -101,4 +101,4 @@ def test_validate_names_what_the_planner_would_not_read(tmp_path, capsys):
     config.write_text(yaml.safe_dump({"tiers": TIERS, "speculation": {"lengths": "auto"}, "tuning": {"hysteresis": 0.1}}))
     assert main(["validate", "-c", str(config), "--no-model-check"]) == 2
     err = capsys.readouterr().err
-    assert "config key 'tuning.hysteresis' was removed" in err and err.count("\n") == 1
+    assert "unknown config key 'tuning.hysteresis' (did you mean 'switch_hysteresis'?" in err and err.count("\n") == 1

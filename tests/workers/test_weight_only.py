@@ -244,17 +244,16 @@ def test_int4_target_through_polyspec_is_its_own_greedy_decode(tiny_family, tmp_
 def test_an_int4_target_on_the_block_path_everywhere_is_its_own_greedy_decode(tiny_family, monkeypatch):
     """POLYSPEC_WEIGHT_ONLY_BLOCK=dense: every forward of the int4 target widens its weights (the block path from one
     row); through the batched engine its tokens are still its own one-token-at-a-time greedy decode, and the start-up
-    profile finds the switch on the batched tier (its `model` is a forward, the modules its serial tier's)."""
+    profile finds the switch on the batched tier's loaded tier (`Tier.switch_rows`: its `model` is a forward, the modules
+    its loaded tier's)."""
     from transformers import AutoTokenizer
-
-    from polyspec.orchestrator.tuning.profiler import tier_switch_rows
 
     monkeypatch.setenv("POLYSPEC_WEIGHT_ONLY_BLOCK", "dense")
     tiers = [int4_tier(tiny_family, "target"), *tier_specs(tiny_family, ["small"])]
     config = parse_config({"tiers": tiers, "speculation": {"lengths": [4]}, "batching": {"round": "ragged", "max_requests": 2}})
     engine = Engine(config, batched=True)
     target = engine.scheduler.tiers[0]
-    assert isinstance(target, BatchedModelTier) and tier_switch_rows(target) == (1,)
+    assert isinstance(target, BatchedModelTier) and target.tier.switch_rows == (1,)
     model, tokenizer = target.tier.model, AutoTokenizer.from_pretrained(tiny_family["target"])
     widened = [m for m in model.modules() if isinstance(m, wo.WeightOnlyLinear) and m._block is not None]  # the head: 257 rows
     assert widened and all(m.dense_rows == 1 for m in widened)

@@ -50,27 +50,9 @@ MODE_KEYS = {
 
 @dataclasses.dataclass(frozen=True)
 class ApproximateMode:
-    """Which decoding mode a request runs and its thresholds. `exact` (the default) is the
-    lossless chain; every other mode must be named.
-
-    fallback_threshold  (bild, [0, 1]): the small model hands over when its max probability is
-                        below this; 0 never hands over, 1 hands over unless it is certain.
-    rollback_threshold  (bild, [0, inf]): a drafted token is rolled back when its cross-entropy
-                        under the large model, -log target_prob(token) in nats, exceeds this;
-                        inf never rolls back, 0 rolls back every token the large model doubts.
-    score_threshold     (specreason, [0, 9]): a step is kept when the base model scores it at
-                        least this; 0 keeps every parsable score, 9 only perfect ones.
-    step_delimiter      (specreason, speculative-thinking): where a reasoning step ends.
-    max_step_tokens     (specreason, >= 0): a step also ends after this many tokens, so text without
-                        delimiters (code) is still judged step by step; 0: at the delimiter only.
-    trigger_words       (speculative-thinking): words that, opening a step, mark a reflection point.
-    takeover_tokens     (speculative-thinking, >= 1): tokens the large model writes per takeover.
-    reflection_limit    (speculative-thinking, >= 0): after this many reflection points the
-                        large model takes over at every step delimiter; 0 turns that off.
-    reflective_weight   (reflective, [0, 1]): the reflective distribution's share in the fused
-                        one; 0 is plain verification against the target.
-    probe_prompt        (reflective): the probing text placed between the draft and its copy.
-    """
+    """Which decoding mode a request runs and its knobs. `exact` (the default) is the lossless
+    chain; every other mode must be named. docs/approximate.md tables each mode's knobs: range,
+    default and what moving it does; `__post_init__` checks the ranges."""
 
     mode: str = EXACT
     fallback_threshold: float = 0.5

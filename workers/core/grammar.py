@@ -1,14 +1,8 @@
 """Structured output: a request's grammar (JSON schema, regex or EBNF) as a mask on every tier's rows.
 
-The lossless rule under speculation: at every position the target's distribution is its warped
-distribution restricted to the tokens the grammar allows after the tokens before it, renormalised
-(the disallowed logits are set to -inf before the warp). Every tier restricts its rows the same way:
-the verifier's rows (verification, the correction and bonus draws) and each drafter's own rows (it
-proposes only tokens the target can accept). The speculative-sampling induction (DESIGN.md 3) then
-holds for the restricted distributions, so the output is distributed exactly as the target's
-restricted distribution, and greedy output is the target's own constrained greedy decode.
-
-Types, top-down:
+docs/structured-output.md gives the lossless rule (every tier's rows restricted to what the grammar
+allows, so the output is distributed as the target's restricted distribution) and the choice of
+library (xgrammar). Types, top-down:
 - `ConstraintSpec`: what a request asked for (kind and source), validated and compiled once per
   request before any model work (`GrammarBook.compile`: bounded in time; an invalid one is one line);
 - `GrammarBook`: one chain's compiler (xgrammar's, over the target's tokenizer and vocabulary);
@@ -18,11 +12,8 @@ Types, top-down:
   Masks are cached per position, so the tiers of one request share each one.
 
 On a distributed chain the driver sends the constraint in the sequence header (`wire_form`) and each
-tier makes its own matcher (`from_wire`): masks are made where the tokens are.
-
-The library is xgrammar (benchmarks/grammar-library.md: mask time per token over Qwen2.5's 151,936
-tokens, rollback, install size). Masks are cached as its packed bitmask (int32 words) and unpacked to
-bool rows on the logits' device (numpy on the CPU, torch's shifts elsewhere).
+tier makes its own matcher (`from_wire`). Masks are cached as xgrammar's packed bitmask (int32 words)
+and unpacked to bool rows on the logits' device (numpy on the CPU, torch's shifts elsewhere).
 """
 
 from __future__ import annotations

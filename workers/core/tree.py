@@ -59,8 +59,13 @@ def tree_allowed(
     tail_len: int,
     total_len: int,
 ) -> torch.Tensor:
-    """Which positions each query of a tree forward may attend to: a boolean
-    [tail_len + len(fed_nodes), total_len] (see `tree_attention_mask` for the layout)."""
+    """Which positions each query of a forward feeding `tail_len` linear tokens, then the tree nodes
+    `fed_nodes`, may attend to: a boolean [tail_len + len(fed_nodes), total_len].
+
+    The cache (plus this forward's inputs) holds `total_len` positions: linear tokens at
+    [0, prefix_len + tail_len) and tree nodes at `node_positions[node]`. A linear token at
+    position p attends to [0, p]; a tree node attends to every linear position and to its
+    ancestors and itself."""
     linear_len = prefix_len + tail_len
     num_queries = tail_len + len(fed_nodes)
     allowed = torch.zeros(num_queries, total_len, dtype=torch.bool)
@@ -73,29 +78,6 @@ def tree_allowed(
             allowed[row, node_positions[node]] = True
             node = parents[node]
     return allowed
-
-
-def tree_attention_mask(
-    parents: list[int],
-    node_positions: list[int] | dict[int, int],
-    fed_nodes: list[int],
-    prefix_len: int,
-    tail_len: int,
-    total_len: int,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """Additive attention mask for a forward that feeds `tail_len` linear tokens followed by
-    the tree nodes `fed_nodes`.
-
-    The cache (plus this forward's inputs) holds `total_len` positions: linear tokens at
-    [0, prefix_len + tail_len) and tree nodes at `node_positions[node]`. A linear token at
-    position p attends to [0, p]; a tree node attends to every linear position and to its
-    ancestors and itself. Returns [1, 1, tail_len + len(fed_nodes), total_len].
-    """
-    allowed = tree_allowed(parents, node_positions, fed_nodes, prefix_len, tail_len, total_len)
-    mask = torch.zeros(allowed.shape, dtype=dtype)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[None, None]
 
 
 def chain_draft_rows(block: DraftTree, vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -1,25 +1,12 @@
 """Trained drafters that share the target's weights or features, and their checkpoints.
 
-Two kinds, both trained by `polyspec train-draft` (polyspec.harness.train_draft):
-
-- **feature** (EAGLE / FSPAD): one decoder layer over the target's last hidden states.
-  At position p it reads the target's feature at p-1 (what the target's LM head reads
-  to predict token p) and the embedding of token p, and predicts the target's feature at
-  p; the target's own LM head turns the prediction into logits. While drafting, the
-  predicted feature stands in for the target's at the next step. With `sampling` (FSPAD's
-  feature sampling) the input also carries feature * embedding: the coordinates of the
-  feature that the sampled token's embedding selects, so the head sees which of the
-  feature's possible continuations was taken. With `decoupled` (FSPAD's partial
-  alignment) the logits read the layer's output through their own norm and a
-  zero-initialised linear correction, so the regression to the target's feature and the
-  confidence of the logits do not pull on the same vector.
-- **early_exit** (Kangaroo): the target's first L layers (shared, not copied) plus one
-  trained adapter layer and norm before the target's LM head. It is a Llama model with
-  L + 1 layers, so it runs as an ordinary model tier (the one forward, KV rollback,
-  trees); its tier stops a block when its confidence drops (`ModelTier.exit_threshold`).
-
-A checkpoint is a directory holding `drafter.json` (kind, shape, the target it was
-trained for, training record) and `model.safetensors` (the trained weights only).
+Two kinds, both trained by `polyspec train-draft` (polyspec.harness.train_draft), described in
+docs/drafters.md: a **feature** head (EAGLE / FSPAD: one decoder layer over the target's last hidden
+states, with FSPAD's feature sampling and partial alignment as options) and an **early_exit**
+adapter (Kangaroo: the target's first L layers, shared, plus one trained layer and norm before its LM
+head, so it runs as an ordinary model tier of L + 1 layers). A checkpoint is a directory holding
+`drafter.json` (kind, shape, the target it was trained for, training record) and
+`model.safetensors` (the trained weights only).
 """
 
 from __future__ import annotations

@@ -2,25 +2,12 @@
 
 It sits directly under the target (`source`, the target's `ModelTier`), and runs as
 polyspec.workers.tiers.batched_feature.BatchedFeatureTier, over its target's runtime tier, whose
-slot cache records the features. At position p the head reads a feature for p-1 and the
-embedding of token p:
-
-- the target's own feature, for every position the target has computed (the committed
-  context, minus its last token, after the first round);
-- otherwise the head's own prediction at p-1 (drafted tokens, and tokens the target has
-  not verified yet when this tier verifies a cheaper tier's blocks).
-
-Head positions computed from a predicted feature are provisional: at the next call they
-are recomputed from the target's features once the target has them (`_HeadSequence.real`
-counts the positions computed from real features only). The head's KV cache rolls back
-like every tier's; its distributions are a function of the context and of which
-positions the target had computed, decided before any token is drawn from them, so
-verification against them stays exact.
-
-When the target has nothing cached for a sequence yet (a new prompt), the tier asks it
-for the prompt's features: one forward the target's next `score_batch` finds in its cache.
-The target's forwards record them for every position they compute, so the head costs the
-target no forward of its own otherwise.
+slot cache records the features. At position p the head reads the target's feature at p-1 where
+the target has computed it, else its own prediction there (docs/drafters.md, "The feature head").
+Head positions computed from a predicted feature are provisional: the next call recomputes them
+from the target's features (`_HeadSequence.real` counts the others). Its distributions are a
+function of the context and of which positions the target had computed, decided before any
+token is drawn from them, so verification against them stays exact.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import warnings
 
 import torch
 
-from polyspec.workers.core.errors import ModelLoadError
+from polyspec.workers.core.errors import ModelLoadError, first_line
 from polyspec.workers.core.heartbeat import heartbeat
 from polyspec.workers.tiers.batched_llama import unsupported
 from polyspec.workers.tiers.fp8_linear import fp8_problem, quantize_fp8
@@ -97,11 +97,6 @@ def check_model_reference(model: str, tier_name: str) -> None:
         hub_constants.HF_HUB_OFFLINE = True  # read at call time by transformers' is_offline_mode()
 
 
-def _short(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
-
-
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
@@ -133,7 +128,7 @@ def load_tokenizer(model: str, tier_name: str):
         try:
             return load_gguf_tokenizer(model)
         except Exception as exc:  # noqa: BLE001 - gguf raises many kinds on a damaged file
-            raise ModelLoadError(f"tier {tier_name!r}: cannot read a tokenizer from {model!r}: {_short(exc)}") from None
+            raise ModelLoadError(f"tier {tier_name!r}: cannot read a tokenizer from {model!r}: {first_line(exc)}") from None
     if os.path.isdir(model) and not any(os.path.exists(os.path.join(model, f)) for f in TOKENIZER_FILES):
         return None
     try:
@@ -142,9 +137,9 @@ def load_tokenizer(model: str, tier_name: str):
         if not os.path.isdir(model):
             raise ModelLoadError(
                 f"tier {tier_name!r}: {model!r} is not a local directory and could not be fetched from the Hugging Face Hub "
-                f"({'offline' if not hub_reachable() else _short(exc)})"
+                f"({'offline' if not hub_reachable() else first_line(exc)})"
             ) from None
-        raise ModelLoadError(f"tier {tier_name!r}: cannot load a tokenizer from {model!r}: {_short(exc)}") from None
+        raise ModelLoadError(f"tier {tier_name!r}: cannot load a tokenizer from {model!r}: {first_line(exc)}") from None
 
 
 def _gguf_args(path: str) -> tuple[str, dict]:
@@ -351,7 +346,7 @@ def load_model(tier, embedding_source=None):
         raise
     except Exception as exc:
         where = "local directory" if os.path.isdir(tier.model) else "local path or a Hugging Face model id"
-        raise ModelLoadError(f"tier {tier.name!r}: cannot load model {tier.model!r} (not a loadable {where}): {_short(exc)}") from None
+        raise ModelLoadError(f"tier {tier.name!r}: cannot load model {tier.model!r} (not a loadable {where}): {first_line(exc)}") from None
     model = model.to(device).eval()
     retie_lm_head(model)
     if embedding_source is not None:
@@ -409,9 +404,8 @@ def check_vocabularies(tokenizers: dict) -> None:
             )
 
 
-def check_vocabulary_sizes(tiers: list[ModelTier]) -> None:
-    """Without tokenizers to compare, the models' configured vocabulary sizes must agree."""
-    sizes = [(tier.name, tier.model.config.vocab_size) for tier in tiers]
+def check_vocabulary_sizes(sizes: list[tuple[str, int]]) -> None:
+    """Without tokenizers to compare, the models' configured vocabulary sizes ((tier name, size) each) must agree."""
     for name, size in sizes[1:]:
         if size != sizes[0][1]:
             raise ModelLoadError(f"tiers {sizes[0][0]!r} and {name!r} do not share a vocabulary ({sizes[0][1]} vs {size} tokens)")
@@ -516,7 +510,7 @@ def load_tiers(tiers_config, log=None) -> tuple[list[Tier], object]:
             memory = f", {(grown - rss) / 2**20:+.0f} MB resident" if grown is not None and rss is not None else ""
             log(f"tier {tier.name}: loaded in {time.perf_counter() - started:.1f}s on {tiers[-1].device}{memory}{weight_only_note(tiers[-1].model)}")
     if any(tok is None for tok in tokenizers.values()):
-        check_vocabulary_sizes(tiers)
+        check_vocabulary_sizes([(tier.name, tier.model.config.vocab_size) for tier in tiers])
     # logits may be padded differently per model; every tier samples and verifies over the
     # same first V columns, the no-speculation baseline included, so the chain stays exact
     vocab_size = min(t.vocab_size for t in tiers)
@@ -552,12 +546,9 @@ def describe_chain(tiers_config) -> tuple[object, tuple[int, ...]]:
             else:
                 configs[tier.name] = AutoConfig.from_pretrained(tier.model)
         except Exception as exc:
-            raise ModelLoadError(f"tier {tier.name!r}: cannot read the model config of {tier.model!r}: {_short(exc)}") from None
+            raise ModelLoadError(f"tier {tier.name!r}: cannot read the model config of {tier.model!r}: {first_line(exc)}") from None
     if any(tok is None for tok in tokenizers.values()):
-        sizes = [(name, config.vocab_size) for name, config in configs.items()]
-        for name, size in sizes[1:]:
-            if size != sizes[0][1]:
-                raise ModelLoadError(f"tiers {sizes[0][0]!r} and {name!r} do not share a vocabulary ({sizes[0][1]} vs {size} tokens)")
+        check_vocabulary_sizes([(name, config.vocab_size) for name, config in configs.items()])
     shared = next((tok for tok in tokenizers.values() if tok is not None), None)
     eos: set[int] = set()
     if shared is not None and shared.eos_token_id is not None:
@@ -569,8 +560,14 @@ def describe_chain(tiers_config) -> tuple[object, tuple[int, ...]]:
             sources.append(GenerationConfig.from_pretrained(target.model))
     except Exception:  # noqa: BLE001 - no generation_config.json: the model config's ids stand
         pass
+    return shared, tuple(sorted(eos | configured_eos_ids(sources)))
+
+
+def configured_eos_ids(sources) -> set[int]:
+    """The end-of-sequence ids a model's config and generation config name (an int or a list each; None: none)."""
+    eos: set[int] = set()
     for source in sources:
         configured = getattr(source, "eos_token_id", None)
         if configured is not None:
             eos.update([configured] if isinstance(configured, int) else configured)
-    return shared, tuple(sorted(eos))
+    return eos

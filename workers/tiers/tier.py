@@ -18,6 +18,7 @@ import torch
 from polyspec.workers.core.sampling import SamplingParams
 from polyspec.workers.core.tree import DraftTree
 from polyspec.workers.tiers.model_cache import NGRAM_MODEL  # noqa: F401 - tiers name the n-gram tier too
+from polyspec.workers.tiers.weight_only import switch_rows
 
 
 SCRATCH_SEQUENCE = "scratch-score"  # the sequence ids `scratch_score` keeps a request's scored prompts under
@@ -55,6 +56,7 @@ class Tier:
     up = True  # serving (a loaded tier always is; a remote tier's view says whether its worker answers)
     device = torch.device("cpu")  # where its forwards run (a model tier: its model's device)
     exit_threshold: float | None = None  # a drafter's early exit (ModelTier's doc); None: drafts every position asked
+    switch_rows: tuple[int, ...] = ()  # row counts at which its forward changes regime (ModelTier's: weight-only Linears)
 
     def __init__(self) -> None:
         self.busy_s = 0.0  # wall time spent in forwards / lookups
@@ -80,6 +82,12 @@ class ModelTier(Tier):
         self.device = device
         self.threads = threads
         self.max_context = getattr(model.config, "max_position_embeddings", None)
+
+    @property
+    def switch_rows(self) -> tuple[int, ...]:
+        """Where its weight-only Linears leave their kernel for the block path (`weight_only.switch_rows`): the
+        start-up profile measures on both sides of each (orchestrator/tuning/profiler.py)."""
+        return switch_rows(self.model)
 
 
 def copy_forward(context: list[int], start: int, num_tokens: int) -> list[int]:
