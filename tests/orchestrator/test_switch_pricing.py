@@ -1,17 +1,17 @@
 """Pricing a tier whose forward changes regime at a row count: a weight-only tier's quantized kernel gives way to
 its block path (workers/tiers/weight_only.py), so its cost has a kink or a step there. The start-up profile
 measures on both sides of it (`switch_widths`) instead of interpolating
-across it; checked on a synthetic cost curve, and through `profile_batched` on a tier that sleeps it."""
+across it; checked on a synthetic cost curve, and through `profile_batched` on a tier whose forwards advance a fake clock by that curve."""
 
 from __future__ import annotations
 
-import time
 import types
 
 import pytest
 import torch
 
 from polyspec.orchestrator.tuning.batch_model import BATCH_GRID, WIDTH_GRID, ForwardTable, switch_widths
+from polyspec.orchestrator.tuning import profiler
 from polyspec.orchestrator.tuning.profiler import monotone, profile_batched
 from polyspec.workers.tiers import weight_only as wo
 from polyspec.workers.tiers.tier import NGramTier
@@ -61,14 +61,26 @@ def test_monotone_does_not_carry_the_block_paths_price_below_the_switch():
     assert monotone(noisy, (SWITCH,))[(4, 4)] == cost(32)
 
 
-class SleepingTier:
-    """What profile_batched calls of a batched model tier; a forward sleeps `cost(rows)` ms. As a BatchedModelTier's,
+class Clock:
+    """A stand-in for `time.perf_counter` in the profiler: it moves only when a forward says it took time, so what the
+    profile reads is exactly the cost curve (no wall-clock in the test)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class CostedTier:
+    """What profile_batched calls of a batched model tier; a forward takes `cost(rows)` ms on `clock`. As a BatchedModelTier's,
     its `model` is a forward, not a torch module; its loaded tier (`tier`) declares where its one weight-only Linear
     switches, at SWITCH rows (`Tier.switch_rows`, what the profile reads)."""
 
     name, has_weights, caches_prompts, profile_kind = "int4", True, True, "batched"
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
         linear = wo.WeightOnlyLinear.from_int4(wo.quantize_int4_groups(torch.randn(64, 64), 32), None)
         linear.dense_rows = SWITCH
         self.model = types.SimpleNamespace(layers=[(linear.forward,)])  # BatchedLlama keeps the modules' forwards
@@ -88,18 +100,20 @@ class SleepingTier:
     def score_batch(self, ids, contexts, trees, params) -> None:
         rows = sum(len(tree) + 1 for tree in trees)  # a tail of one token and the block
         self.rows_run.add(rows)
-        time.sleep(cost(rows) / 1000.0)
+        self.clock.now += cost(rows) / 1000.0
 
 
-def test_profile_batched_measures_a_weight_only_tier_at_its_switch():
-    tier = SleepingTier()
+def test_profile_batched_measures_a_weight_only_tier_at_its_switch(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(profiler.time, "perf_counter", clock)
+    tier = CostedTier(clock)
     assert tier.tier.switch_rows == (SWITCH,) and NGramTier("ngram", 100).switch_rows == ()
     (table,), _ = profile_batched([tier], vocab_size=100, max_batch=16, repeats=1)
     assert {44, 48} <= tier.rows_run and {32, 64} <= tier.rows_run  # 4 x 11 and 4 x 12 beside the grid's 4 x 8, 4 x 16
     assert sorted(w for b, w in table.ms if b == 4) == [1, 4, 8, 11, 12, 16]
-    # sleeping overshoots a little on a busy machine: the kernel's side at 44 rows is priced as the kernel, not the mix
-    assert table.estimate(4, 11) == pytest.approx(cost(44), rel=0.25)
-    assert table.estimate(4, 12) == pytest.approx(cost(48), rel=0.25)
+    # the kernel's side at 44 rows is priced as the kernel, the block path's at 48 as the block path: not a mix
+    assert table.estimate(4, 11) == pytest.approx(cost(44))
+    assert table.estimate(4, 12) == pytest.approx(cost(48))
 
 
 def test_switch_rows_near_one_another_are_priced_once():
