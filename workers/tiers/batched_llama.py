@@ -154,15 +154,16 @@ def cuda_pool_budget(device) -> tuple[int, int]:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    input_dtype = x.dtype
-    x = x.to(torch.float32)
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(input_dtype)
+    """transformers' `LlamaRMSNorm`, bit for bit (`weight * (x32 * rsqrt(mean(x32²) + eps)).to(dtype)`), in one
+    kernel for the normalisation instead of five (tests/workers/test_forward.py checks it against the five)."""
+    return weight * F.rms_norm(x.to(torch.float32), x.shape[-1:], None, eps).to(x.dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def rotary(x: torch.Tensor, cos: torch.Tensor, folded_sin: torch.Tensor) -> torch.Tensor:
+    """x [..., D] turned by its positions' angles: transformers' `x * cos + rotate_half(x) * sin`, bit for bit, with
+    rotate_half's negation of the second half folded into the table (`folded_sin` = cat(-sin[:D/2], sin[D/2:]),
+    exact, as negation is), so the halves are only swapped: one op instead of rotate_half's four."""
+    return (x * cos) + (x.roll(x.shape[-1] // 2, -1) * folded_sin)
 
 
 def grouped_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -434,7 +435,9 @@ class BatchedLlama:
         emb = torch.cat((freqs, freqs), dim=-1)
         scale = base.rotary_emb.attention_scaling
         self.cos = (emb.cos() * scale).to(self.dtype)  # [P, D]
-        self.sin = (emb.sin() * scale).to(self.dtype)
+        sin = (emb.sin() * scale).to(self.dtype)
+        half = sin.shape[-1] // 2
+        self.sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # [P, D], sign-folded for `rotary`
 
     def step(self, pool: SlotCache, ids: torch.Tensor, rotary: torch.Tensor, write_at: torch.Tensor, slots: torch.Tensor, span: int,
              mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -474,18 +477,18 @@ class BatchedLlama:
 
     def decoder(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, store, attend) -> torch.Tensor:
         """The decoder layers over the input vectors `x` [*lead, H] (the ragged forward's packed tokens [N], or a
-        step's [B, T]), with rotary tables `cos` / `sin` [*lead, 1, D]; the layers' output [*lead, H] (before the
-        final norm). Where keys and values go and what a query attends to is the caller's: `store(layer, k, v)` writes
-        a layer's new keys / values [*lead, kv_heads, D] into the KV pool, `attend(layer, q)` turns its queries
-        [*lead, heads, D] into the attention output [*lead, heads * D]."""
+        step's [B, T]), with rotary tables `cos` / `sin` [*lead, 1, D] (`sin` sign-folded, as `rotary` takes it); the
+        layers' output [*lead, H] (before the final norm). Where keys and values go and what a query attends to is the
+        caller's: `store(layer, k, v)` writes a layer's new keys / values [*lead, kv_heads, D] into the KV pool,
+        `attend(layer, q)` turns its queries [*lead, heads, D] into the attention output [*lead, heads * D]."""
         shape = (*x.shape[:-1], -1, self.head_dim)
         for index, (w_in, q_proj, k_proj, v_proj, o_proj, w_post, gate, up, down, eps_in, eps_post) in enumerate(self.layers):
             h = rms_norm(x, w_in, eps_in)
             q = q_proj(h).view(shape)  # [*lead, heads, D]
             k = k_proj(h).view(shape)  # [*lead, kv_heads, D]
             v = v_proj(h).view(shape)
-            q = (q * cos) + (rotate_half(q) * sin)
-            k = (k * cos) + (rotate_half(k) * sin)
+            q = rotary(q, cos, sin)
+            k = rotary(k, cos, sin)
             store(index, k, v)
             x = x + o_proj(attend(index, q))
             h = rms_norm(x, w_post, eps_post)
