@@ -520,63 +520,74 @@ class BatchedLlama:
         cache.reserve(max(slots) + 1, end)
         device = self.device
         ids = torch.tensor([t + [0] * (width - len(t)) for t in tokens], dtype=torch.long, device=device)  # [B, W]
-        start_t = torch.tensor(starts, dtype=torch.long, device=device)
-        offsets = torch.arange(width, device=device)
-        cache_at = start_t[:, None] + offsets[None, :]  # [B, W] where each new token is cached
         trees = [(r, layout) for r, layout in enumerate(layouts or ()) if layout is not None]
-        positions = cache_at
-        if trees:  # tree nodes sit at prefix length + depth
-            positions = cache_at.clone()
-            for r, layout in trees:
-                positions[r, : counts[r]] = torch.tensor(layout.positions, dtype=torch.long, device=device)
-        rotary_index = positions.clamp_max(self.cos.shape[0] - 1)  # padding may run past the table
-        # query (r, j) sees its slot's positions 0 .. start_r + j (a tree row: its layout's)
-        mask = (torch.arange(end, device=device)[None, None, :] <= cache_at[:, :, None])[:, None]  # [B, 1, W, end]
-        for r, layout in trees:
-            mask[r, 0, : counts[r]] = False
-            mask[r, 0, : counts[r], : starts[r] + counts[r]] = layout.allowed.to(device)
-        lo, hi = min(slots), max(slots) + 1
-        slot_t = torch.tensor(slots, dtype=torch.long, device=device)
-        row_of = slot_t - lo
-        if slots == list(range(lo, hi)):
-            mode = "view"  # the rows are exactly a slot range: attend over a view of the buffers
-        elif hi - lo <= GATHER_SPAN_RATIO * rows:
-            mode = "span"  # a view of the slot range; slots not in this call are idle rows
+        # one chain row (a single request's round) on full-attention layers: its positions are a slice of the rotary
+        # tables, its block is written as a slice of its slot, and its lone token needs no mask; on so small a model
+        # as the demo family's the index and mask tensors a ragged batch needs cost as much as a layer
+        single = rows == 1 and not trees and not any(self.windows) and end <= self.cos.shape[0]
+        if single:
+            start = starts[0]
+            lo, hi, mode, packed = slots[0], slots[0] + 1, "view", False
+            token_ids = ids  # `lead` below: (1, width)
+            cos, sin = self.cos[start:end][None, :, None], self.sin[start:end][None, :, None]  # [1, W, 1, D]
+            # the general path's causal mask, from the one row's positions
+            masks = {None: None if width == 1 else
+                     (torch.arange(end, device=device) <= torch.arange(start, end, device=device)[:, None])[None, None]}  # [1, 1, W, end]
         else:
-            mode = "gather"  # few rows far apart: copy their slots
-        # Ragged blocks (rows of different lengths): every operation but attention runs on the real
-        # tokens only, packed one after the other ([N, ...], N = sum of the rows' lengths), and
-        # attention on them scattered into the padded [B, W] layout. Padding a row of one token to
-        # a drafted row's 5 cost the projections 5x that row's work. Rows of one length run padded-free as they are.
-        packed = sum(counts) < rows * width
-        # one chain row (a single request's round): its block is written as a slice, and its lone token needs no mask
-        single = rows == 1 and not trees and not packed
-        masks = {None: None if single and width == 1 and mode == "view" else mask}
-        for window in set(self.windows) - {None}:  # sliding-window layers: keys within `window` positions of the query
-            key_positions = torch.arange(end, device=device).expand(rows, end).clone()  # [B, end]
+            start_t = torch.tensor(starts, dtype=torch.long, device=device)
+            offsets = torch.arange(width, device=device)
+            cache_at = start_t[:, None] + offsets[None, :]  # [B, W] where each new token is cached
+            positions = cache_at
+            if trees:  # tree nodes sit at prefix length + depth
+                positions = cache_at.clone()
+                for r, layout in trees:
+                    positions[r, : counts[r]] = torch.tensor(layout.positions, dtype=torch.long, device=device)
+            rotary_index = positions.clamp_max(self.cos.shape[0] - 1)  # padding may run past the table
+            # query (r, j) sees its slot's positions 0 .. start_r + j (a tree row: its layout's)
+            mask = (torch.arange(end, device=device)[None, None, :] <= cache_at[:, :, None])[:, None]  # [B, 1, W, end]
             for r, layout in trees:
-                if layout.key_positions is not None:
-                    key_positions[r, : len(layout.key_positions)] = torch.tensor(layout.key_positions, device=device)
-            near = (positions[:, :, None] - key_positions[:, None, :]) < window  # [B, W, end]
-            masks[window] = mask & near[:, None]
-        if mode == "span":
-            for window, allowed in masks.items():
-                spread = torch.zeros(hi - lo, 1, width, end, dtype=torch.bool, device=device)
-                spread[:, :, :, 0] = True  # idle rows attend to something (their output is dropped)
-                spread[row_of] = allowed
-                masks[window] = spread
-        if packed:
-            real = torch.tensor([r * width + j for r in range(rows) for j in range(counts[r])], dtype=torch.long, device=device)
-            # `lead` below: (N,) the packed real tokens
-            token_ids, rotary_index = ids.view(-1)[real], rotary_index.view(-1)[real]  # [N]
-            write_slots = slot_t.repeat_interleave(torch.tensor(counts, device=device), output_size=len(real))
-            write_at = cache_at.view(-1)[real]  # real positions only: nothing is written past a row's block
-        else:
-            token_ids = ids  # `lead` below: (rows, width)
-            write_slots = slot_t[:, None].expand(rows, width)
-            write_at = cache_at.clamp_max(cache.capacity - 1)  # a row's padding past the context goes to the junk column
-        cos = self.cos[rotary_index].unsqueeze(-2)  # [*lead, 1, D]
-        sin = self.sin[rotary_index].unsqueeze(-2)
+                mask[r, 0, : counts[r]] = False
+                mask[r, 0, : counts[r], : starts[r] + counts[r]] = layout.allowed.to(device)
+            lo, hi = min(slots), max(slots) + 1
+            slot_t = torch.tensor(slots, dtype=torch.long, device=device)
+            row_of = slot_t - lo
+            if slots == list(range(lo, hi)):
+                mode = "view"  # the rows are exactly a slot range: attend over a view of the buffers
+            elif hi - lo <= GATHER_SPAN_RATIO * rows:
+                mode = "span"  # a view of the slot range; slots not in this call are idle rows
+            else:
+                mode = "gather"  # few rows far apart: copy their slots
+            # Ragged blocks (rows of different lengths): every operation but attention runs on the real
+            # tokens only, packed one after the other ([N, ...], N = sum of the rows' lengths), and
+            # attention on them scattered into the padded [B, W] layout. Padding a row of one token to
+            # a drafted row's 5 cost the projections 5x that row's work. Rows of one length run padded-free as they are.
+            packed = sum(counts) < rows * width
+            masks = {None: None if rows == 1 and width == 1 and not trees else mask}  # a lone chain token sees all it has
+            for window in set(self.windows) - {None}:  # sliding-window layers: keys within `window` positions of the query
+                key_positions = torch.arange(end, device=device).expand(rows, end).clone()  # [B, end]
+                for r, layout in trees:
+                    if layout.key_positions is not None:
+                        key_positions[r, : len(layout.key_positions)] = torch.tensor(layout.key_positions, device=device)
+                near = (positions[:, :, None] - key_positions[:, None, :]) < window  # [B, W, end]
+                masks[window] = mask & near[:, None]
+            if mode == "span":
+                for window, allowed in masks.items():
+                    spread = torch.zeros(hi - lo, 1, width, end, dtype=torch.bool, device=device)
+                    spread[:, :, :, 0] = True  # idle rows attend to something (their output is dropped)
+                    spread[row_of] = allowed
+                    masks[window] = spread
+            if packed:
+                real = torch.tensor([r * width + j for r in range(rows) for j in range(counts[r])], dtype=torch.long, device=device)
+                # `lead` below: (N,) the packed real tokens
+                token_ids, rotary_index = ids.view(-1)[real], rotary_index.view(-1)[real]  # [N]
+                write_slots = slot_t.repeat_interleave(torch.tensor(counts, device=device), output_size=len(real))
+                write_at = cache_at.view(-1)[real]  # real positions only: nothing is written past a row's block
+            else:
+                token_ids = ids  # `lead` below: (rows, width)
+                write_slots = slot_t[:, None].expand(rows, width)
+                write_at = cache_at.clamp_max(cache.capacity - 1)  # a row's padding past the context goes to the junk column
+            cos = self.cos[rotary_index].unsqueeze(-2)  # [*lead, 1, D]
+            sin = self.sin[rotary_index].unsqueeze(-2)
         if inputs is None:
             x = F.embedding(token_ids, self.embed)  # [*lead, H*D]
         else:  # packed: the rows one after the other; else every row is `width` long
@@ -629,7 +640,10 @@ class BatchedLlama:
         wanted = [first[r] + j for r in range(rows) for j in range(outputs[r], counts[r])]
         if not wanted:
             return [torch.zeros(0, 0, dtype=x.dtype) for _ in range(rows)]
-        picked = x.index_select(0, torch.tensor(wanted, dtype=torch.long, device=device))  # [N, H*D]
+        if single:
+            picked = x[outputs[0]:]  # [N, H*D], the same rows index_select copies below
+        else:
+            picked = x.index_select(0, torch.tensor(wanted, dtype=torch.long, device=device))  # [N, H*D]
         per_row = [max(0, c - o) for c, o in zip(counts, outputs)]
         if raw:
             return list(torch.split(picked, per_row))
