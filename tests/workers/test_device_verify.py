@@ -23,7 +23,10 @@ from polyspec.workers.core.device_verify import (
     DOMAIN_ACCEPT,
     DOMAIN_DRAFT,
     DOMAIN_NEXT,
+    DOMAINS,
     MASK32,
+    _mix32,
+    stream_keys,
     unit_interval,
     verify_greedy_chains,
     stream_exponentials,
@@ -135,6 +138,18 @@ def test_streams_do_not_depend_on_the_batch():
     many = stream_uniforms(torch.arange(200), torch.zeros(200, dtype=torch.int64), DOMAIN_ACCEPT, 500).flatten()
     assert 0 < float(many.min()) and float(many.max()) < 1
     assert stats.kstest(many.numpy(), "uniform").pvalue > ALPHA  # 100,000 draws
+
+
+def test_the_host_keys_are_the_tensor_keys():
+    """On the CPU a round's keys are hashed in Python integers; the device's tensor form must give the same numbers
+    (seeds to 2^63 - 1, counters past 2^32, every domain), and an empty draw is an empty row per request."""
+    seeds = torch.tensor([0, 5, 17, 2**32 - 1, 2**32, 2**62 + 3, 2**63 - 1, 123456789012345], dtype=torch.int64)
+    counters = torch.tensor([0, 1, 9, 2**31, 2**32 + 5, 2**40, 3, 77], dtype=torch.int64)
+    for domain in range(DOMAINS):
+        lo, hi = seeds & MASK32, (seeds >> 32) & MASK32
+        tensor_keys = _mix32(lo ^ _mix32(hi ^ _mix32((counters * DOMAINS + domain) & MASK32)))
+        assert torch.equal(stream_keys(seeds, counters, domain), tensor_keys), domain
+    assert stream_uniforms(seeds, counters, DOMAIN_ACCEPT, 0).shape == (8, 0)
 
 
 def test_the_extreme_hashes_stay_strictly_inside_the_unit_interval():

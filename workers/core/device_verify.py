@@ -64,17 +64,36 @@ def _index_hash(count: int, device: torch.device) -> torch.Tensor:
     return hashed
 
 
+def _mix32_int(x: int) -> int:
+    """`_mix32` of one Python integer in [0, 2^32): the same passes."""
+    x = ((x ^ (x >> 16)) * HASH_MULTIPLIER) & MASK32
+    x = ((x ^ (x >> 16)) * HASH_MULTIPLIER) & MASK32
+    return x ^ (x >> 16)
+
+
+def stream_keys(seeds: torch.Tensor, counters: torch.Tensor, domain: int) -> torch.Tensor:
+    """[B] int64: each request's key for round `counters[r]` in `domain`, which every draw of that round mixes in.
+    On the CPU it is hashed in Python integers (a few for a whole batch: the tensor form is two dozen kernel calls over
+    B elements, a tenth of a one-row round of the demo target at T = 1); on a device, or while a step is traced, as
+    tensors. Both are `_mix32(lo ^ _mix32(hi ^ _mix32((counter * DOMAINS + domain) mod 2^32)))`."""
+    if seeds.device.type == "cpu" and not torch.compiler.is_compiling():
+        return torch.tensor([_mix32_int((seed & MASK32) ^ _mix32_int(((seed >> 32) & MASK32) ^ _mix32_int((counter * DOMAINS + domain) & MASK32)))
+                             for seed, counter in zip(seeds.tolist(), counters.tolist())], dtype=torch.int64)
+    lo, hi = seeds & MASK32, (seeds >> 32) & MASK32
+    return _mix32(lo ^ _mix32(hi ^ _mix32((counters * DOMAINS + domain) & MASK32)))
+
+
 def stream_uniforms(seeds: torch.Tensor, counters: torch.Tensor, domain: int, count: int,
                     first: torch.Tensor | None = None) -> torch.Tensor:
     """[B, count] float32 uniforms in (0, 1): request r's draws number first[r] .. first[r] + count - 1
     (`first` None: 0 ..) of round `counters[r]` in `domain`. seeds: [B] int64 (63-bit), counters: [B] int64."""
+    if count == 0:  # a round with no drafts to accept: nothing to hash
+        return torch.zeros(seeds.shape[0], 0, dtype=torch.float32, device=seeds.device)
     if first is None:
         hashed = _index_hash(count, seeds.device)  # [1, count]
     else:
         hashed = _mix32(torch.arange(count, device=seeds.device, dtype=torch.int64)[None, :] + first[:, None])  # [B, count]
-    lo, hi = seeds & MASK32, (seeds >> 32) & MASK32
-    key = _mix32(lo ^ _mix32(hi ^ _mix32((counters * DOMAINS + domain) & MASK32)))  # [B]
-    return unit_interval(_mix32(key[:, None] ^ hashed))  # [B, count]
+    return unit_interval(_mix32(stream_keys(seeds, counters, domain)[:, None] ^ hashed))  # [B, count]
 
 
 def unit_interval(bits: torch.Tensor) -> torch.Tensor:
