@@ -15,7 +15,12 @@ allocated outright, within what the card has free.
 run on the rows' real tokens packed one after the other (rows of different lengths pay for
 their own tokens, not the longest row's); attention runs with each row right-padded to the
 longest, each query attending to its own slot's keys up to its own position (a per-row boolean
-mask), and positions (hence rotary angles) are per row.
+mask), and positions (hence rotary angles) are per row. A single chain row (one request's round: the
+common case on a CPU) is the same computation with its per-call tensors cut to what one row needs: its
+rotary rows a slice of the tables, its keys written as a slice of its slot, no mask for a lone token. On a
+model as small as the demo family's (8.75M parameters) the forward's Python and small-tensor work is about
+as long as its matrix products, so the norm (`rms_norm`) and the rotation (`rotary`) are written in
+fewer kernels, bit for bit transformers' forms.
 
 A row may carry a draft tree instead of a chain (`RowLayout`): its new tokens are still
 written one after the other into the slot, but each takes the rotary position and the
@@ -84,7 +89,15 @@ def linear_function(module):
     if packed is not None and getattr(packed, "dtype", None) == torch.qint8 and getattr(module, "version", 4) >= 4:
         params = packed._packed_params
         op = torch.ops.quantized.linear_dynamic.default  # the overload itself: no per-call dispatch checks in Python
-        return lambda x: op(x, params, True) if x.dtype == torch.float32 else op(x, params, True).to(x.dtype)
+        # and its C++ function: `OpOverload.__call__` first walks the arguments in Python for the fake script objects
+        # only tracing passes (a few microseconds a call: a tenth of an int8 drafter's one-token forward)
+        call = op._op
+
+        def linear(x: torch.Tensor) -> torch.Tensor:
+            out = op(x, params, True) if torch.compiler.is_compiling() else call(x, params, True)
+            return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+        return linear
     return None
 
 
@@ -155,7 +168,10 @@ def cuda_pool_budget(device) -> tuple[int, int]:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' `LlamaRMSNorm`, bit for bit (`weight * (x32 * rsqrt(mean(x32²) + eps)).to(dtype)`), in one
-    kernel for the normalisation instead of five (tests/workers/test_forward.py checks it against the five)."""
+    kernel for the normalisation instead of five, and float32 with its weight in that one kernel (tests/workers/
+    test_forward.py checks both against the five ops; in float16 the one kernel rounds the weight's product differently)."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, x.shape[-1:], weight, eps)
     return weight * F.rms_norm(x.to(torch.float32), x.shape[-1:], None, eps).to(x.dtype)
 
 
