@@ -141,14 +141,17 @@ def test_streams_do_not_depend_on_the_batch():
 
 
 def test_the_host_keys_are_the_tensor_keys():
-    """On the CPU a round's keys are hashed in Python integers; the device's tensor form must give the same numbers
-    (seeds to 2^63 - 1, counters past 2^32, every domain), and an empty draw is an empty row per request."""
+    """On the CPU a round's keys are hashed in Python integers and its draws in numpy; the device's tensor form must give
+    the same numbers (seeds to 2^63 - 1, counters past 2^32, every domain), and an empty draw is an empty row per request."""
     seeds = torch.tensor([0, 5, 17, 2**32 - 1, 2**32, 2**62 + 3, 2**63 - 1, 123456789012345], dtype=torch.int64)
     counters = torch.tensor([0, 1, 9, 2**31, 2**32 + 5, 2**40, 3, 77], dtype=torch.int64)
     for domain in range(DOMAINS):
         lo, hi = seeds & MASK32, (seeds >> 32) & MASK32
         tensor_keys = _mix32(lo ^ _mix32(hi ^ _mix32((counters * DOMAINS + domain) & MASK32)))
         assert torch.equal(stream_keys(seeds, counters, domain), tensor_keys), domain
+        for count in (1, 13, 4096):  # the host's draws (numpy's uint32) are the tensor form's numbers
+            tensor_uniforms = unit_interval(_mix32(tensor_keys[:, None] ^ _mix32(torch.arange(count)[None, :])))
+            assert torch.equal(stream_uniforms(seeds, counters, domain, count), tensor_uniforms), (domain, count)
     assert stream_uniforms(seeds, counters, DOMAIN_ACCEPT, 0).shape == (8, 0)
 
 

@@ -24,6 +24,7 @@ tests/workers/test_device_verify.py, and for losslessness by a chi-square test.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 MASK32 = 0xFFFFFFFF
@@ -47,21 +48,12 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x.bitwise_xor_(x >> 16)
 
 
-_INDEX_HASHES: dict[int, torch.Tensor] = {}  # count -> _mix32(arange(count)) on the CPU: the same for every row and round
+_INDEX_HASHES: dict[int, np.ndarray] = {}  # count -> _mix32(0 .. count - 1) as uint32: the same for every row and round
 
 
-def _index_hash(count: int, device: torch.device) -> torch.Tensor:
-    """[1, count] `_mix32` of the draw numbers 0 .. count - 1. Kept per count on the CPU (a draw over the vocabulary
-    hashes the same numbers every round); computed afresh elsewhere and while a step is traced (a graph holds no dict).
-    """
-    if device.type != "cpu" or torch.compiler.is_compiling():
-        return _mix32(torch.arange(count, device=device, dtype=torch.int64)[None, :])
-    hashed = _INDEX_HASHES.get(count)
-    if hashed is None:
-        if len(_INDEX_HASHES) >= 64:  # block lengths, widths, vocabularies: a few counts in practice
-            _INDEX_HASHES.clear()
-        hashed = _INDEX_HASHES[count] = _mix32(torch.arange(count, dtype=torch.int64)[None, :])
-    return hashed
+def _on_host(tensor: torch.Tensor) -> bool:
+    """Draws for CPU tensors, outside tracing, are computed on the host (Python integers, numpy); elsewhere as tensors."""
+    return tensor.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 def _mix32_int(x: int) -> int:
@@ -71,16 +63,40 @@ def _mix32_int(x: int) -> int:
     return x ^ (x >> 16)
 
 
+def _host_keys(seeds: torch.Tensor, counters: torch.Tensor, domain: int) -> list[int]:
+    return [_mix32_int((seed & MASK32) ^ _mix32_int(((seed >> 32) & MASK32) ^ _mix32_int((counter * DOMAINS + domain) & MASK32)))
+            for seed, counter in zip(seeds.tolist(), counters.tolist())]
+
+
 def stream_keys(seeds: torch.Tensor, counters: torch.Tensor, domain: int) -> torch.Tensor:
-    """[B] int64: each request's key for round `counters[r]` in `domain`, which every draw of that round mixes in.
-    On the CPU it is hashed in Python integers (a few for a whole batch: the tensor form is two dozen kernel calls over
-    B elements, a tenth of a one-row round of the demo target at T = 1); on a device, or while a step is traced, as
-    tensors. Both are `_mix32(lo ^ _mix32(hi ^ _mix32((counter * DOMAINS + domain) mod 2^32)))`."""
-    if seeds.device.type == "cpu" and not torch.compiler.is_compiling():
-        return torch.tensor([_mix32_int((seed & MASK32) ^ _mix32_int(((seed >> 32) & MASK32) ^ _mix32_int((counter * DOMAINS + domain) & MASK32)))
-                             for seed, counter in zip(seeds.tolist(), counters.tolist())], dtype=torch.int64)
+    """[B] int64: each request's key for round `counters[r]` in `domain`, which every draw of that round mixes in:
+    `_mix32(lo ^ _mix32(hi ^ _mix32((counter * DOMAINS + domain) mod 2^32)))` of the seed's halves. On the host
+    in Python integers (the tensor form is two dozen kernel calls over B elements: a tenth of a one-row round of the
+    demo target at T = 1), as tensors on a device or while a step is traced."""
+    if _on_host(seeds):
+        return torch.tensor(_host_keys(seeds, counters, domain), dtype=torch.int64)
     lo, hi = seeds & MASK32, (seeds >> 32) & MASK32
     return _mix32(lo ^ _mix32(hi ^ _mix32((counters * DOMAINS + domain) & MASK32)))
+
+
+def _host_uniforms(keys: list[int], count: int) -> torch.Tensor:
+    """[B, count] `stream_uniforms` of draws 0 .. count - 1 on the host, in numpy's uint32 arithmetic (it wraps modulo
+    2^32, where `_mix32` masks): the same numbers, in half the memory and without a tensor op's dispatch per pass.
+    The draw numbers' hash is kept per count (a draw over the vocabulary hashes the same numbers every round)."""
+    hashed = _INDEX_HASHES.get(count)
+    if hashed is None:
+        if len(_INDEX_HASHES) >= 64:  # block lengths, widths, vocabularies: a few counts in practice
+            _INDEX_HASHES.clear()
+        hashed = _INDEX_HASHES[count] = _mix32(torch.arange(count, dtype=torch.int64)[None, :]).numpy().astype(np.uint32)
+    bits = np.array(keys, dtype=np.uint32)[:, None] ^ hashed  # [B, count]
+    for _ in range(2):
+        bits ^= bits >> 16
+        bits *= np.uint32(HASH_MULTIPLIER)
+    bits ^= bits >> 16
+    uniforms = (bits >> 9).astype(np.float32)  # `unit_interval`'s steps, each exact in float32
+    uniforms += np.float32(0.5)
+    uniforms *= np.float32(1.0 / (1 << 23))
+    return torch.from_numpy(uniforms)
 
 
 def stream_uniforms(seeds: torch.Tensor, counters: torch.Tensor, domain: int, count: int,
@@ -89,10 +105,10 @@ def stream_uniforms(seeds: torch.Tensor, counters: torch.Tensor, domain: int, co
     (`first` None: 0 ..) of round `counters[r]` in `domain`. seeds: [B] int64 (63-bit), counters: [B] int64."""
     if count == 0:  # a round with no drafts to accept: nothing to hash
         return torch.zeros(seeds.shape[0], 0, dtype=torch.float32, device=seeds.device)
-    if first is None:
-        hashed = _index_hash(count, seeds.device)  # [1, count]
-    else:
-        hashed = _mix32(torch.arange(count, device=seeds.device, dtype=torch.int64)[None, :] + first[:, None])  # [B, count]
+    if first is None and _on_host(seeds):
+        return _host_uniforms(_host_keys(seeds, counters, domain), count)
+    numbers = torch.arange(count, device=seeds.device, dtype=torch.int64)[None, :]  # [1, count]
+    hashed = _mix32(numbers if first is None else numbers + first[:, None])  # [1 or B, count]
     return unit_interval(_mix32(stream_keys(seeds, counters, domain)[:, None] ^ hashed))  # [B, count]
 
 
