@@ -662,6 +662,6 @@ class BatchedLlama:
             picked = x.index_select(0, torch.tensor(wanted, dtype=torch.long, device=device))  # [N, H*D]
         per_row = [max(0, c - o) for c, o in zip(counts, outputs)]
         if raw:
-            return list(torch.split(picked, per_row))
+            return [picked] if single else list(picked.split(per_row))
         logits = self.lm_head(rms_norm(picked, self.norm_weight, self.norm_eps)).cpu()  # [N, V]
-        return list(torch.split(logits, per_row))
+        return [logits] if single else list(logits.split(per_row))
