@@ -67,6 +67,11 @@ def test_warp_without_truncation_equals_warp_logits():
     batched = warp_batch(logits, *_param_tensors(params), truncate=False)
     for row, p in enumerate(params):
         assert torch.equal(batched[row], warp_logits(logits[row], p)), (row, p)
+    sampled = [r for r, p in enumerate(params) if not p.greedy]  # without a greedy row the host skips the one-hot rows
+    assert len(sampled) >= 2
+    batched = warp_batch(logits[sampled], *_param_tensors([params[r] for r in sampled]), truncate=False)
+    for row, r in enumerate(sampled):
+        assert torch.equal(batched[row], warp_logits(logits[r], params[r])), (r, params[r])
 
 
 def test_greedy_chains_equal_verify_greedy_with_padding():

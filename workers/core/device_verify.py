@@ -141,6 +141,10 @@ def warp_batch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Ten
     assert logits.dim() == 2 and temperature.shape == top_k.shape == top_p.shape == logits.shape[:1]
     logits = logits.float()
     vocab = logits.shape[-1]
+    if not truncate and _on_host(temperature) and not bool((temperature == 0).any()):
+        # no greedy row, as the host sees for free (a drafter's draw at T = 1): the softmax below alone, without
+        # the one-hot rows and the choices between them
+        return torch.softmax((logits - logits.amax(dim=-1, keepdim=True)) / temperature[:, None], dim=-1)
     greedy = (temperature == 0)[:, None]  # [R, 1]
     one_hot = torch.nn.functional.one_hot(logits.argmax(dim=-1), vocab).float()  # [R, V]
     safe_temperature = torch.where(greedy, torch.ones_like(temperature[:, None]), temperature[:, None])
@@ -252,6 +256,8 @@ def draw_tokens(logits: torch.Tensor, mode: str, temperature: torch.Tensor, top_
         return logits.argmax(dim=-1), logits.float()
     probs = warp_batch(logits, temperature, top_k, top_p, truncate=mode == TRUNCATED)
     sampled = torch.argmax(probs / stream_exponentials(seeds, counters, DOMAIN_DRAFT, probs.shape[-1], first), dim=-1)
+    if _on_host(greedy) and not bool(greedy.any()):
+        return sampled, probs
     return torch.where(greedy, probs.argmax(dim=-1), sampled), probs
 
 
