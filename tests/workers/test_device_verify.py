@@ -113,9 +113,11 @@ def _random_batch(seed: int, vocab: int = 50):
     return lengths, torch.tensor(greedy), target, draft, tokens, cu, flat_uniforms, exponentials
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_verify_chains_equals_the_per_request_reference(seed):
+@pytest.mark.parametrize("seed,all_sampled", [(seed, False) for seed in range(6)] + [(seed, True) for seed in range(3)])
+def test_verify_chains_equals_the_per_request_reference(seed, all_sampled):
     lengths, greedy, target, draft, tokens, cu, uniforms, exponentials = _random_batch(seed)
+    if all_sampled:  # no greedy request: the host skips the argmax rows (the one-hot rows are then sampled ones)
+        greedy = torch.zeros_like(greedy)
     num_accepted, next_tokens = verify_chains(target, draft, tokens, cu, greedy, uniforms, exponentials)
     out = emitted_tokens(tokens, cu, num_accepted, next_tokens, max(lengths))
     for r, k in enumerate(lengths):

@@ -198,6 +198,8 @@ def verify_chains(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_t
     num_drafts = draft_tokens.shape[0]
     assert target_probs.shape[0] == num_drafts + num_requests and exponentials.shape == (num_requests, target_probs.shape[1])
     device = target_probs.device
+    # no greedy request, as the host sees for free: the argmax rows and the choices between them are not needed
+    sampled_only = _on_host(greedy) and not bool(greedy.any())
     requests = torch.arange(num_requests, device=device)
     if num_draft is None:
         num_draft = cu_num_draft[1:] - cu_num_draft[:-1]  # [B]
@@ -207,12 +209,16 @@ def verify_chains(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_t
         positions = torch.arange(num_drafts, device=device)
         request_of = torch.searchsorted(cu_num_draft[1:], positions, right=True)  # [N]
         local = positions - cu_num_draft[request_of]  # [N] index inside its block
-        target_rows = target_probs[positions + request_of]  # [N, V] the row each draft token is checked against
-        target_at = target_rows.gather(-1, draft_tokens[:, None])[:, 0]  # [N]
+        checked = positions + request_of  # [N] the target row each draft token is checked against
+        target_at = target_probs[checked, draft_tokens]  # [N]
         draft_at = draft_probs.gather(-1, draft_tokens[:, None])[:, 0]  # [N]
         sampled_ok = (draft_at > 0) & (uniforms * draft_at < target_at)  # u < target / draft, never with draft 0
-        greedy_ok = target_rows.argmax(dim=-1) == draft_tokens
-        accepted = torch.where(greedy[request_of], greedy_ok, sampled_ok) | (local >= num_draft[request_of])  # [N] padding passes
+        if sampled_only:
+            accepted = sampled_ok
+        else:
+            greedy_ok = target_probs[checked].argmax(dim=-1) == draft_tokens
+            accepted = torch.where(greedy[request_of], greedy_ok, sampled_ok)
+        accepted = accepted | (local >= num_draft[request_of])  # [N] padding passes
         rejected_at = torch.where(accepted, torch.full_like(local, num_drafts + 1), local)
         num_accepted = num_accepted.scatter_reduce(0, request_of, rejected_at, reduce="amin", include_self=True)
     next_rows = target_probs[first_row + num_accepted]  # [B, V]
@@ -223,8 +229,9 @@ def verify_chains(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_t
         use_residual = ((num_accepted < num_draft) & (residual.sum(dim=-1) > 0))[:, None]
         rows = torch.where(use_residual, residual, next_rows)
     sampled = torch.argmax(rows / exponentials, dim=-1)
-    next_tokens = torch.where(greedy, next_rows.argmax(dim=-1), sampled)
-    return num_accepted, next_tokens
+    if sampled_only:
+        return num_accepted, sampled
+    return num_accepted, torch.where(greedy, next_rows.argmax(dim=-1), sampled)
 
 
 # ------------------------------------------------------------------------------- drafting
