@@ -23,7 +23,10 @@ from polyspec.workers.core.device_verify import (
     DOMAIN_ACCEPT,
     DOMAIN_DRAFT,
     DOMAIN_NEXT,
+    DOMAINS,
     MASK32,
+    _mix32,
+    stream_keys,
     unit_interval,
     verify_greedy_chains,
     stream_exponentials,
@@ -64,6 +67,11 @@ def test_warp_without_truncation_equals_warp_logits():
     batched = warp_batch(logits, *_param_tensors(params), truncate=False)
     for row, p in enumerate(params):
         assert torch.equal(batched[row], warp_logits(logits[row], p)), (row, p)
+    sampled = [r for r, p in enumerate(params) if not p.greedy]  # without a greedy row the host skips the one-hot rows
+    assert len(sampled) >= 2
+    batched = warp_batch(logits[sampled], *_param_tensors([params[r] for r in sampled]), truncate=False)
+    for row, r in enumerate(sampled):
+        assert torch.equal(batched[row], warp_logits(logits[r], params[r])), (r, params[r])
 
 
 def test_greedy_chains_equal_verify_greedy_with_padding():
@@ -105,9 +113,11 @@ def _random_batch(seed: int, vocab: int = 50):
     return lengths, torch.tensor(greedy), target, draft, tokens, cu, flat_uniforms, exponentials
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_verify_chains_equals_the_per_request_reference(seed):
+@pytest.mark.parametrize("seed,all_sampled", [(seed, False) for seed in range(6)] + [(seed, True) for seed in range(3)])
+def test_verify_chains_equals_the_per_request_reference(seed, all_sampled):
     lengths, greedy, target, draft, tokens, cu, uniforms, exponentials = _random_batch(seed)
+    if all_sampled:  # no greedy request: the host skips the argmax rows (the one-hot rows are then sampled ones)
+        greedy = torch.zeros_like(greedy)
     num_accepted, next_tokens = verify_chains(target, draft, tokens, cu, greedy, uniforms, exponentials)
     out = emitted_tokens(tokens, cu, num_accepted, next_tokens, max(lengths))
     for r, k in enumerate(lengths):
@@ -135,6 +145,21 @@ def test_streams_do_not_depend_on_the_batch():
     many = stream_uniforms(torch.arange(200), torch.zeros(200, dtype=torch.int64), DOMAIN_ACCEPT, 500).flatten()
     assert 0 < float(many.min()) and float(many.max()) < 1
     assert stats.kstest(many.numpy(), "uniform").pvalue > ALPHA  # 100,000 draws
+
+
+def test_the_host_keys_are_the_tensor_keys():
+    """On the CPU a round's keys are hashed in Python integers and its draws in numpy; the device's tensor form must give
+    the same numbers (seeds to 2^63 - 1, counters past 2^32, every domain), and an empty draw is an empty row per request."""
+    seeds = torch.tensor([0, 5, 17, 2**32 - 1, 2**32, 2**62 + 3, 2**63 - 1, 123456789012345], dtype=torch.int64)
+    counters = torch.tensor([0, 1, 9, 2**31, 2**32 + 5, 2**40, 3, 77], dtype=torch.int64)
+    for domain in range(DOMAINS):
+        lo, hi = seeds & MASK32, (seeds >> 32) & MASK32
+        tensor_keys = _mix32(lo ^ _mix32(hi ^ _mix32((counters * DOMAINS + domain) & MASK32)))
+        assert torch.equal(stream_keys(seeds, counters, domain), tensor_keys), domain
+        for count in (1, 13, 4096):  # the host's draws (numpy's uint32) are the tensor form's numbers
+            tensor_uniforms = unit_interval(_mix32(tensor_keys[:, None] ^ _mix32(torch.arange(count)[None, :])))
+            assert torch.equal(stream_uniforms(seeds, counters, domain, count), tensor_uniforms), (domain, count)
+    assert stream_uniforms(seeds, counters, DOMAIN_ACCEPT, 0).shape == (8, 0)
 
 
 def test_the_extreme_hashes_stay_strictly_inside_the_unit_interval():

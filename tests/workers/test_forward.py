@@ -20,6 +20,7 @@ from polyspec.workers.core.errors import ModelLoadError
 from polyspec.workers.core.sampling import SamplingParams
 from polyspec.workers.core.tree import DraftTree
 from polyspec.workers.tiers.batched import BatchedModelTier
+from polyspec.workers.tiers.batched_llama import rms_norm, rotary
 from polyspec.workers.tiers.loading import load_model_tier
 from reference_tier import ReferenceTier
 
@@ -60,6 +61,34 @@ def compare(path: str, dtype: str = "float32", quantize: str | None = None, atol
             continue  # a greedy draft follows any rounding at a near-tie: only float32's tokens are compared
         assert got.shape == want.shape, step
         assert torch.allclose(got, want, atol=atol), (step, (got - want).abs().max())
+
+
+def slow_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm, op for op."""
+    x32 = x.to(torch.float32)
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def slow_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' apply_rotary_pos_emb for one tensor, rotate_half and all."""
+    half = x.shape[-1] // 2
+    return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_norm_and_the_rotation_are_transformers_bit_for_bit(dtype):
+    # 3 widths x 3 row counts x 3 scales per dtype; the fused forms may not round differently anywhere
+    generator = torch.Generator().manual_seed(0)
+    for width in (64, 320, 896):
+        for rows in (1, 5, 13):
+            for scale in (1e-3, 1.0, 50.0):
+                x = (torch.randn(rows, 3, width, generator=generator) * scale).to(dtype)
+                weight = torch.randn(width, generator=generator).to(dtype)
+                assert torch.equal(rms_norm(x, weight, 1e-6), slow_rms_norm(x, weight, 1e-6)), (width, rows, scale)
+                angles = torch.randn(rows, 1, width, generator=generator)
+                cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+                folded = torch.cat((-sin[..., : width // 2], sin[..., width // 2:]), dim=-1)
+                assert torch.equal(rotary(x, cos, folded), slow_rotary(x, cos, sin)), (width, rows, scale)
 
 
 @pytest.mark.parametrize("dtype,quantize,atol", [("float32", None, 1e-5), ("bfloat16", None, 2e-2), ("float32", "int8", 5e-2)])

@@ -24,6 +24,7 @@ tests/workers/test_device_verify.py, and for losslessness by a chi-square test.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 MASK32 = 0xFFFFFFFF
@@ -47,34 +48,68 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x.bitwise_xor_(x >> 16)
 
 
-_INDEX_HASHES: dict[int, torch.Tensor] = {}  # count -> _mix32(arange(count)) on the CPU: the same for every row and round
+_INDEX_HASHES: dict[int, np.ndarray] = {}  # count -> _mix32(0 .. count - 1) as uint32: the same for every row and round
 
 
-def _index_hash(count: int, device: torch.device) -> torch.Tensor:
-    """[1, count] `_mix32` of the draw numbers 0 .. count - 1. Kept per count on the CPU (a draw over the vocabulary
-    hashes the same numbers every round); computed afresh elsewhere and while a step is traced (a graph holds no dict).
-    """
-    if device.type != "cpu" or torch.compiler.is_compiling():
-        return _mix32(torch.arange(count, device=device, dtype=torch.int64)[None, :])
+def _on_host(tensor: torch.Tensor) -> bool:
+    """Draws for CPU tensors, outside tracing, are computed on the host (Python integers, numpy); elsewhere as tensors."""
+    return tensor.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def _mix32_int(x: int) -> int:
+    """`_mix32` of one Python integer in [0, 2^32): the same passes."""
+    x = ((x ^ (x >> 16)) * HASH_MULTIPLIER) & MASK32
+    x = ((x ^ (x >> 16)) * HASH_MULTIPLIER) & MASK32
+    return x ^ (x >> 16)
+
+
+def _host_keys(seeds: torch.Tensor, counters: torch.Tensor, domain: int) -> list[int]:
+    return [_mix32_int((seed & MASK32) ^ _mix32_int(((seed >> 32) & MASK32) ^ _mix32_int((counter * DOMAINS + domain) & MASK32)))
+            for seed, counter in zip(seeds.tolist(), counters.tolist())]
+
+
+def stream_keys(seeds: torch.Tensor, counters: torch.Tensor, domain: int) -> torch.Tensor:
+    """[B] int64: each request's key for round `counters[r]` in `domain`, which every draw of that round mixes in:
+    `_mix32(lo ^ _mix32(hi ^ _mix32((counter * DOMAINS + domain) mod 2^32)))` of the seed's halves. On the host
+    in Python integers (the tensor form is two dozen kernel calls over B elements: a tenth of a one-row round of the
+    demo target at T = 1), as tensors on a device or while a step is traced."""
+    if _on_host(seeds):
+        return torch.tensor(_host_keys(seeds, counters, domain), dtype=torch.int64)
+    lo, hi = seeds & MASK32, (seeds >> 32) & MASK32
+    return _mix32(lo ^ _mix32(hi ^ _mix32((counters * DOMAINS + domain) & MASK32)))
+
+
+def _host_uniforms(keys: list[int], count: int) -> torch.Tensor:
+    """[B, count] `stream_uniforms` of draws 0 .. count - 1 on the host, in numpy's uint32 arithmetic (it wraps modulo
+    2^32, where `_mix32` masks): the same numbers, in half the memory and without a tensor op's dispatch per pass.
+    The draw numbers' hash is kept per count (a draw over the vocabulary hashes the same numbers every round)."""
     hashed = _INDEX_HASHES.get(count)
     if hashed is None:
         if len(_INDEX_HASHES) >= 64:  # block lengths, widths, vocabularies: a few counts in practice
             _INDEX_HASHES.clear()
-        hashed = _INDEX_HASHES[count] = _mix32(torch.arange(count, dtype=torch.int64)[None, :])
-    return hashed
+        hashed = _INDEX_HASHES[count] = _mix32(torch.arange(count, dtype=torch.int64)[None, :]).numpy().astype(np.uint32)
+    bits = np.array(keys, dtype=np.uint32)[:, None] ^ hashed  # [B, count]
+    for _ in range(2):
+        bits ^= bits >> 16
+        bits *= np.uint32(HASH_MULTIPLIER)
+    bits ^= bits >> 16
+    uniforms = (bits >> 9).astype(np.float32)  # `unit_interval`'s steps, each exact in float32
+    uniforms += np.float32(0.5)
+    uniforms *= np.float32(1.0 / (1 << 23))
+    return torch.from_numpy(uniforms)
 
 
 def stream_uniforms(seeds: torch.Tensor, counters: torch.Tensor, domain: int, count: int,
                     first: torch.Tensor | None = None) -> torch.Tensor:
     """[B, count] float32 uniforms in (0, 1): request r's draws number first[r] .. first[r] + count - 1
     (`first` None: 0 ..) of round `counters[r]` in `domain`. seeds: [B] int64 (63-bit), counters: [B] int64."""
-    if first is None:
-        hashed = _index_hash(count, seeds.device)  # [1, count]
-    else:
-        hashed = _mix32(torch.arange(count, device=seeds.device, dtype=torch.int64)[None, :] + first[:, None])  # [B, count]
-    lo, hi = seeds & MASK32, (seeds >> 32) & MASK32
-    key = _mix32(lo ^ _mix32(hi ^ _mix32((counters * DOMAINS + domain) & MASK32)))  # [B]
-    return unit_interval(_mix32(key[:, None] ^ hashed))  # [B, count]
+    if count == 0:  # a round with no drafts to accept: nothing to hash
+        return torch.zeros(seeds.shape[0], 0, dtype=torch.float32, device=seeds.device)
+    if first is None and _on_host(seeds):
+        return _host_uniforms(_host_keys(seeds, counters, domain), count)
+    numbers = torch.arange(count, device=seeds.device, dtype=torch.int64)[None, :]  # [1, count]
+    hashed = _mix32(numbers if first is None else numbers + first[:, None])  # [1 or B, count]
+    return unit_interval(_mix32(stream_keys(seeds, counters, domain)[:, None] ^ hashed))  # [B, count]
 
 
 def unit_interval(bits: torch.Tensor) -> torch.Tensor:
@@ -106,6 +141,10 @@ def warp_batch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Ten
     assert logits.dim() == 2 and temperature.shape == top_k.shape == top_p.shape == logits.shape[:1]
     logits = logits.float()
     vocab = logits.shape[-1]
+    if not truncate and _on_host(temperature) and not bool((temperature == 0).any()):
+        # no greedy row, as the host sees for free (a drafter's draw at T = 1): the softmax below alone, without
+        # the one-hot rows and the choices between them
+        return torch.softmax((logits - logits.amax(dim=-1, keepdim=True)) / temperature[:, None], dim=-1)
     greedy = (temperature == 0)[:, None]  # [R, 1]
     one_hot = torch.nn.functional.one_hot(logits.argmax(dim=-1), vocab).float()  # [R, V]
     safe_temperature = torch.where(greedy, torch.ones_like(temperature[:, None]), temperature[:, None])
@@ -159,6 +198,8 @@ def verify_chains(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_t
     num_drafts = draft_tokens.shape[0]
     assert target_probs.shape[0] == num_drafts + num_requests and exponentials.shape == (num_requests, target_probs.shape[1])
     device = target_probs.device
+    # no greedy request, as the host sees for free: the argmax rows and the choices between them are not needed
+    sampled_only = _on_host(greedy) and not bool(greedy.any())
     requests = torch.arange(num_requests, device=device)
     if num_draft is None:
         num_draft = cu_num_draft[1:] - cu_num_draft[:-1]  # [B]
@@ -168,12 +209,16 @@ def verify_chains(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_t
         positions = torch.arange(num_drafts, device=device)
         request_of = torch.searchsorted(cu_num_draft[1:], positions, right=True)  # [N]
         local = positions - cu_num_draft[request_of]  # [N] index inside its block
-        target_rows = target_probs[positions + request_of]  # [N, V] the row each draft token is checked against
-        target_at = target_rows.gather(-1, draft_tokens[:, None])[:, 0]  # [N]
+        checked = positions + request_of  # [N] the target row each draft token is checked against
+        target_at = target_probs[checked, draft_tokens]  # [N]
         draft_at = draft_probs.gather(-1, draft_tokens[:, None])[:, 0]  # [N]
         sampled_ok = (draft_at > 0) & (uniforms * draft_at < target_at)  # u < target / draft, never with draft 0
-        greedy_ok = target_rows.argmax(dim=-1) == draft_tokens
-        accepted = torch.where(greedy[request_of], greedy_ok, sampled_ok) | (local >= num_draft[request_of])  # [N] padding passes
+        if sampled_only:
+            accepted = sampled_ok
+        else:
+            greedy_ok = target_probs[checked].argmax(dim=-1) == draft_tokens
+            accepted = torch.where(greedy[request_of], greedy_ok, sampled_ok)
+        accepted = accepted | (local >= num_draft[request_of])  # [N] padding passes
         rejected_at = torch.where(accepted, torch.full_like(local, num_drafts + 1), local)
         num_accepted = num_accepted.scatter_reduce(0, request_of, rejected_at, reduce="amin", include_self=True)
     next_rows = target_probs[first_row + num_accepted]  # [B, V]
@@ -184,8 +229,9 @@ def verify_chains(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_t
         use_residual = ((num_accepted < num_draft) & (residual.sum(dim=-1) > 0))[:, None]
         rows = torch.where(use_residual, residual, next_rows)
     sampled = torch.argmax(rows / exponentials, dim=-1)
-    next_tokens = torch.where(greedy, next_rows.argmax(dim=-1), sampled)
-    return num_accepted, next_tokens
+    if sampled_only:
+        return num_accepted, sampled
+    return num_accepted, torch.where(greedy, next_rows.argmax(dim=-1), sampled)
 
 
 # ------------------------------------------------------------------------------- drafting
@@ -217,6 +263,8 @@ def draw_tokens(logits: torch.Tensor, mode: str, temperature: torch.Tensor, top_
         return logits.argmax(dim=-1), logits.float()
     probs = warp_batch(logits, temperature, top_k, top_p, truncate=mode == TRUNCATED)
     sampled = torch.argmax(probs / stream_exponentials(seeds, counters, DOMAIN_DRAFT, probs.shape[-1], first), dim=-1)
+    if _on_host(greedy) and not bool(greedy.any()):
+        return sampled, probs
     return torch.where(greedy, probs.argmax(dim=-1), sampled), probs
 
 

@@ -15,7 +15,12 @@ allocated outright, within what the card has free.
 run on the rows' real tokens packed one after the other (rows of different lengths pay for
 their own tokens, not the longest row's); attention runs with each row right-padded to the
 longest, each query attending to its own slot's keys up to its own position (a per-row boolean
-mask), and positions (hence rotary angles) are per row.
+mask), and positions (hence rotary angles) are per row. A single chain row (one request's round: the
+common case on a CPU) is the same computation with its per-call tensors cut to what one row needs: its
+rotary rows a slice of the tables, its keys written as a slice of its slot, no mask for a lone token. On a
+model as small as the demo family's (8.75M parameters) the forward's Python and small-tensor work is about
+as long as its matrix products, so the norm (`rms_norm`) and the rotation (`rotary`) are written in
+fewer kernels, bit for bit transformers' forms.
 
 A row may carry a draft tree instead of a chain (`RowLayout`): its new tokens are still
 written one after the other into the slot, but each takes the rotary position and the
@@ -84,7 +89,15 @@ def linear_function(module):
     if packed is not None and getattr(packed, "dtype", None) == torch.qint8 and getattr(module, "version", 4) >= 4:
         params = packed._packed_params
         op = torch.ops.quantized.linear_dynamic.default  # the overload itself: no per-call dispatch checks in Python
-        return lambda x: op(x, params, True) if x.dtype == torch.float32 else op(x, params, True).to(x.dtype)
+        # and its C++ function: `OpOverload.__call__` first walks the arguments in Python for the fake script objects
+        # only tracing passes (a few microseconds a call: a tenth of an int8 drafter's one-token forward)
+        call = op._op
+
+        def linear(x: torch.Tensor) -> torch.Tensor:
+            out = op(x, params, True) if torch.compiler.is_compiling() else call(x, params, True)
+            return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+        return linear
     return None
 
 
@@ -154,15 +167,19 @@ def cuda_pool_budget(device) -> tuple[int, int]:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    input_dtype = x.dtype
-    x = x.to(torch.float32)
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(input_dtype)
+    """transformers' `LlamaRMSNorm`, bit for bit (`weight * (x32 * rsqrt(mean(x32²) + eps)).to(dtype)`), in one
+    kernel for the normalisation instead of five, and float32 with its weight in that one kernel (tests/workers/
+    test_forward.py checks both against the five ops; in float16 the one kernel rounds the weight's product differently)."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, x.shape[-1:], weight, eps)
+    return weight * F.rms_norm(x.to(torch.float32), x.shape[-1:], None, eps).to(x.dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def rotary(x: torch.Tensor, cos: torch.Tensor, folded_sin: torch.Tensor) -> torch.Tensor:
+    """x [..., D] turned by its positions' angles: transformers' `x * cos + rotate_half(x) * sin`, bit for bit, with
+    rotate_half's negation of the second half folded into the table (`folded_sin` = cat(-sin[:D/2], sin[D/2:]),
+    exact, as negation is), so the halves are only swapped: one op instead of rotate_half's four."""
+    return (x * cos) + (x.roll(x.shape[-1] // 2, -1) * folded_sin)
 
 
 def grouped_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -434,7 +451,9 @@ class BatchedLlama:
         emb = torch.cat((freqs, freqs), dim=-1)
         scale = base.rotary_emb.attention_scaling
         self.cos = (emb.cos() * scale).to(self.dtype)  # [P, D]
-        self.sin = (emb.sin() * scale).to(self.dtype)
+        sin = (emb.sin() * scale).to(self.dtype)
+        half = sin.shape[-1] // 2
+        self.sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # [P, D], sign-folded for `rotary`
 
     def step(self, pool: SlotCache, ids: torch.Tensor, rotary: torch.Tensor, write_at: torch.Tensor, slots: torch.Tensor, span: int,
              mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -474,18 +493,18 @@ class BatchedLlama:
 
     def decoder(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, store, attend) -> torch.Tensor:
         """The decoder layers over the input vectors `x` [*lead, H] (the ragged forward's packed tokens [N], or a
-        step's [B, T]), with rotary tables `cos` / `sin` [*lead, 1, D]; the layers' output [*lead, H] (before the
-        final norm). Where keys and values go and what a query attends to is the caller's: `store(layer, k, v)` writes
-        a layer's new keys / values [*lead, kv_heads, D] into the KV pool, `attend(layer, q)` turns its queries
-        [*lead, heads, D] into the attention output [*lead, heads * D]."""
+        step's [B, T]), with rotary tables `cos` / `sin` [*lead, 1, D] (`sin` sign-folded, as `rotary` takes it); the
+        layers' output [*lead, H] (before the final norm). Where keys and values go and what a query attends to is the
+        caller's: `store(layer, k, v)` writes a layer's new keys / values [*lead, kv_heads, D] into the KV pool,
+        `attend(layer, q)` turns its queries [*lead, heads, D] into the attention output [*lead, heads * D]."""
         shape = (*x.shape[:-1], -1, self.head_dim)
         for index, (w_in, q_proj, k_proj, v_proj, o_proj, w_post, gate, up, down, eps_in, eps_post) in enumerate(self.layers):
             h = rms_norm(x, w_in, eps_in)
             q = q_proj(h).view(shape)  # [*lead, heads, D]
             k = k_proj(h).view(shape)  # [*lead, kv_heads, D]
             v = v_proj(h).view(shape)
-            q = (q * cos) + (rotate_half(q) * sin)
-            k = (k * cos) + (rotate_half(k) * sin)
+            q = rotary(q, cos, sin)
+            k = rotary(k, cos, sin)
             store(index, k, v)
             x = x + o_proj(attend(index, q))
             h = rms_norm(x, w_post, eps_post)
@@ -517,63 +536,74 @@ class BatchedLlama:
         cache.reserve(max(slots) + 1, end)
         device = self.device
         ids = torch.tensor([t + [0] * (width - len(t)) for t in tokens], dtype=torch.long, device=device)  # [B, W]
-        start_t = torch.tensor(starts, dtype=torch.long, device=device)
-        offsets = torch.arange(width, device=device)
-        cache_at = start_t[:, None] + offsets[None, :]  # [B, W] where each new token is cached
         trees = [(r, layout) for r, layout in enumerate(layouts or ()) if layout is not None]
-        positions = cache_at
-        if trees:  # tree nodes sit at prefix length + depth
-            positions = cache_at.clone()
-            for r, layout in trees:
-                positions[r, : counts[r]] = torch.tensor(layout.positions, dtype=torch.long, device=device)
-        rotary_index = positions.clamp_max(self.cos.shape[0] - 1)  # padding may run past the table
-        # query (r, j) sees its slot's positions 0 .. start_r + j (a tree row: its layout's)
-        mask = (torch.arange(end, device=device)[None, None, :] <= cache_at[:, :, None])[:, None]  # [B, 1, W, end]
-        for r, layout in trees:
-            mask[r, 0, : counts[r]] = False
-            mask[r, 0, : counts[r], : starts[r] + counts[r]] = layout.allowed.to(device)
-        lo, hi = min(slots), max(slots) + 1
-        slot_t = torch.tensor(slots, dtype=torch.long, device=device)
-        row_of = slot_t - lo
-        if slots == list(range(lo, hi)):
-            mode = "view"  # the rows are exactly a slot range: attend over a view of the buffers
-        elif hi - lo <= GATHER_SPAN_RATIO * rows:
-            mode = "span"  # a view of the slot range; slots not in this call are idle rows
+        # one chain row (a single request's round) on full-attention layers: its positions are a slice of the rotary
+        # tables, its block is written as a slice of its slot, and its lone token needs no mask; on so small a model
+        # as the demo family's the index and mask tensors a ragged batch needs cost as much as a layer
+        single = rows == 1 and not trees and not any(self.windows) and end <= self.cos.shape[0]
+        if single:
+            start = starts[0]
+            lo, hi, mode, packed = slots[0], slots[0] + 1, "view", False
+            token_ids = ids  # `lead` below: (1, width)
+            cos, sin = self.cos[start:end][None, :, None], self.sin[start:end][None, :, None]  # [1, W, 1, D]
+            # the general path's causal mask, from the one row's positions
+            masks = {None: None if width == 1 else
+                     (torch.arange(end, device=device) <= torch.arange(start, end, device=device)[:, None])[None, None]}  # [1, 1, W, end]
         else:
-            mode = "gather"  # few rows far apart: copy their slots
-        # Ragged blocks (rows of different lengths): every operation but attention runs on the real
-        # tokens only, packed one after the other ([N, ...], N = sum of the rows' lengths), and
-        # attention on them scattered into the padded [B, W] layout. Padding a row of one token to
-        # a drafted row's 5 cost the projections 5x that row's work. Rows of one length run padded-free as they are.
-        packed = sum(counts) < rows * width
-        # one chain row (a single request's round): its block is written as a slice, and its lone token needs no mask
-        single = rows == 1 and not trees and not packed
-        masks = {None: None if single and width == 1 and mode == "view" else mask}
-        for window in set(self.windows) - {None}:  # sliding-window layers: keys within `window` positions of the query
-            key_positions = torch.arange(end, device=device).expand(rows, end).clone()  # [B, end]
+            start_t = torch.tensor(starts, dtype=torch.long, device=device)
+            offsets = torch.arange(width, device=device)
+            cache_at = start_t[:, None] + offsets[None, :]  # [B, W] where each new token is cached
+            positions = cache_at
+            if trees:  # tree nodes sit at prefix length + depth
+                positions = cache_at.clone()
+                for r, layout in trees:
+                    positions[r, : counts[r]] = torch.tensor(layout.positions, dtype=torch.long, device=device)
+            rotary_index = positions.clamp_max(self.cos.shape[0] - 1)  # padding may run past the table
+            # query (r, j) sees its slot's positions 0 .. start_r + j (a tree row: its layout's)
+            mask = (torch.arange(end, device=device)[None, None, :] <= cache_at[:, :, None])[:, None]  # [B, 1, W, end]
             for r, layout in trees:
-                if layout.key_positions is not None:
-                    key_positions[r, : len(layout.key_positions)] = torch.tensor(layout.key_positions, device=device)
-            near = (positions[:, :, None] - key_positions[:, None, :]) < window  # [B, W, end]
-            masks[window] = mask & near[:, None]
-        if mode == "span":
-            for window, allowed in masks.items():
-                spread = torch.zeros(hi - lo, 1, width, end, dtype=torch.bool, device=device)
-                spread[:, :, :, 0] = True  # idle rows attend to something (their output is dropped)
-                spread[row_of] = allowed
-                masks[window] = spread
-        if packed:
-            real = torch.tensor([r * width + j for r in range(rows) for j in range(counts[r])], dtype=torch.long, device=device)
-            # `lead` below: (N,) the packed real tokens
-            token_ids, rotary_index = ids.view(-1)[real], rotary_index.view(-1)[real]  # [N]
-            write_slots = slot_t.repeat_interleave(torch.tensor(counts, device=device), output_size=len(real))
-            write_at = cache_at.view(-1)[real]  # real positions only: nothing is written past a row's block
-        else:
-            token_ids = ids  # `lead` below: (rows, width)
-            write_slots = slot_t[:, None].expand(rows, width)
-            write_at = cache_at.clamp_max(cache.capacity - 1)  # a row's padding past the context goes to the junk column
-        cos = self.cos[rotary_index].unsqueeze(-2)  # [*lead, 1, D]
-        sin = self.sin[rotary_index].unsqueeze(-2)
+                mask[r, 0, : counts[r]] = False
+                mask[r, 0, : counts[r], : starts[r] + counts[r]] = layout.allowed.to(device)
+            lo, hi = min(slots), max(slots) + 1
+            slot_t = torch.tensor(slots, dtype=torch.long, device=device)
+            row_of = slot_t - lo
+            if slots == list(range(lo, hi)):
+                mode = "view"  # the rows are exactly a slot range: attend over a view of the buffers
+            elif hi - lo <= GATHER_SPAN_RATIO * rows:
+                mode = "span"  # a view of the slot range; slots not in this call are idle rows
+            else:
+                mode = "gather"  # few rows far apart: copy their slots
+            # Ragged blocks (rows of different lengths): every operation but attention runs on the real
+            # tokens only, packed one after the other ([N, ...], N = sum of the rows' lengths), and
+            # attention on them scattered into the padded [B, W] layout. Padding a row of one token to
+            # a drafted row's 5 cost the projections 5x that row's work. Rows of one length run padded-free as they are.
+            packed = sum(counts) < rows * width
+            masks = {None: None if rows == 1 and width == 1 and not trees else mask}  # a lone chain token sees all it has
+            for window in set(self.windows) - {None}:  # sliding-window layers: keys within `window` positions of the query
+                key_positions = torch.arange(end, device=device).expand(rows, end).clone()  # [B, end]
+                for r, layout in trees:
+                    if layout.key_positions is not None:
+                        key_positions[r, : len(layout.key_positions)] = torch.tensor(layout.key_positions, device=device)
+                near = (positions[:, :, None] - key_positions[:, None, :]) < window  # [B, W, end]
+                masks[window] = mask & near[:, None]
+            if mode == "span":
+                for window, allowed in masks.items():
+                    spread = torch.zeros(hi - lo, 1, width, end, dtype=torch.bool, device=device)
+                    spread[:, :, :, 0] = True  # idle rows attend to something (their output is dropped)
+                    spread[row_of] = allowed
+                    masks[window] = spread
+            if packed:
+                real = torch.tensor([r * width + j for r in range(rows) for j in range(counts[r])], dtype=torch.long, device=device)
+                # `lead` below: (N,) the packed real tokens
+                token_ids, rotary_index = ids.view(-1)[real], rotary_index.view(-1)[real]  # [N]
+                write_slots = slot_t.repeat_interleave(torch.tensor(counts, device=device), output_size=len(real))
+                write_at = cache_at.view(-1)[real]  # real positions only: nothing is written past a row's block
+            else:
+                token_ids = ids  # `lead` below: (rows, width)
+                write_slots = slot_t[:, None].expand(rows, width)
+                write_at = cache_at.clamp_max(cache.capacity - 1)  # a row's padding past the context goes to the junk column
+            cos = self.cos[rotary_index].unsqueeze(-2)  # [*lead, 1, D]
+            sin = self.sin[rotary_index].unsqueeze(-2)
         if inputs is None:
             x = F.embedding(token_ids, self.embed)  # [*lead, H*D]
         else:  # packed: the rows one after the other; else every row is `width` long
@@ -626,9 +656,12 @@ class BatchedLlama:
         wanted = [first[r] + j for r in range(rows) for j in range(outputs[r], counts[r])]
         if not wanted:
             return [torch.zeros(0, 0, dtype=x.dtype) for _ in range(rows)]
-        picked = x.index_select(0, torch.tensor(wanted, dtype=torch.long, device=device))  # [N, H*D]
+        if single:
+            picked = x[outputs[0]:]  # [N, H*D], the same rows index_select copies below
+        else:
+            picked = x.index_select(0, torch.tensor(wanted, dtype=torch.long, device=device))  # [N, H*D]
         per_row = [max(0, c - o) for c, o in zip(counts, outputs)]
         if raw:
-            return list(torch.split(picked, per_row))
+            return [picked] if single else list(picked.split(per_row))
         logits = self.lm_head(rms_norm(picked, self.norm_weight, self.norm_eps)).cpu()  # [N, V]
-        return list(torch.split(logits, per_row))
+        return [logits] if single else list(logits.split(per_row))
