@@ -9,6 +9,7 @@ crossed the wire is read where the callee receives it: each request's `context` 
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -120,16 +121,27 @@ def test_a_callee_keeps_its_last_versions_per_sequence_and_a_release_drops_them(
 # ----------------------------------------------------------------------- over gRPC
 
 
+@contextlib.contextmanager
+def three_tier_chain(family, pipeline: bool):
+    """target <- mid <- small as in-process gRPC workers, each recording what it receives: (chain, workers, received)."""
+    config = chain_config(family, ["target", "mid", "small"], lengths=[4, 3])
+    tiers, _ = load_tiers(config.tiers)
+    chain, workers = in_process_chain(tiers, [4, 3], pipeline=pipeline, eos_token_ids=EOS)
+    received = [_record_received(worker) for worker in workers]
+    try:
+        yield chain, workers, received
+    finally:
+        chain.close()
+        for worker in workers:
+            worker.stop()
+
+
 @pytest.mark.parametrize("pipeline", [False, True], ids=["serial", "pipelined"])
 def test_after_the_first_call_only_new_tokens_cross_the_wire(tiny_family, expected, pipeline):
     """A ~170-token prompt through target <- mid <- small: each hop receives the prompt once, every later
     call only the tokens past what it was sent before, and the text is the target's own."""
     ids, target_tokens = expected
-    config = chain_config(tiny_family, ["target", "mid", "small"], lengths=[4, 3])
-    tiers, _ = load_tiers(config.tiers)
-    chain, workers = in_process_chain(tiers, [4, 3], pipeline=pipeline, eos_token_ids=EOS)
-    received = [_record_received(worker) for worker in workers]
-    try:
+    with three_tier_chain(tiny_family, pipeline) as (chain, workers, received):
         assert generate_alone(chain, ids, MAX_NEW, GREEDY).token_ids == target_tokens
         stats = chain.runtime_stats()
         for tier, calls in enumerate(received):
@@ -149,10 +161,6 @@ def test_after_the_first_call_only_new_tokens_cross_the_wire(tiny_family, expect
         assert len(chain._sent_target) == 0
         assert _wait_until(lambda: all(len(w.contexts) == 0 for w in workers))
         assert all(len(w.lower.sent) == 0 for w in workers[:-1])
-    finally:
-        chain.close()
-        for worker in workers:
-            worker.stop()
 
 
 @pytest.mark.parametrize("pipeline", [False, True], ids=["serial", "pipelined"])
@@ -160,11 +168,7 @@ def test_a_callee_that_lost_its_contexts_is_sent_them_whole_and_says_the_same(ti
     """Every worker forgets what it was sent mid-request (as a restart would): the next calls name bases
     nobody keeps, are refused, and go again with whole contexts; the greedy text is the target's own."""
     ids, target_tokens = expected
-    config = chain_config(tiny_family, ["target", "mid", "small"], lengths=[4, 3])
-    tiers, _ = load_tiers(config.tiers)
-    chain, workers = in_process_chain(tiers, [4, 3], pipeline=pipeline, eos_token_ids=EOS)
-    received = [_record_received(worker) for worker in workers]
-    try:
+    with three_tier_chain(tiny_family, pipeline) as (chain, workers, received):
         state = chain.start(ids, MAX_NEW, GREEDY)
         for _ in range(3):
             chain.step(state)
@@ -183,7 +187,3 @@ def test_a_callee_that_lost_its_contexts_is_sent_them_whole_and_says_the_same(ti
         for tier, (calls, before) in enumerate(zip(received, calls_before)):
             after = [len(tail) for _, tail, _ in calls[before:]]
             assert sum(n >= len(ids) for n in after) >= 1, f"tier {tier} was sent its context whole again"
-    finally:
-        chain.close()
-        for worker in workers:
-            worker.stop()
