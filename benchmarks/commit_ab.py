@@ -3,7 +3,8 @@
 A redesign must keep speed: this runs the same quick bench (demo chain, 4 code + 2 prose prompts x 64
 tokens, T = 0 and 1, one torch thread) alternately in a base checkout (its own interpreter, e.g. a git
 worktree of the commit before the work with a venv over it) and in this tree, pinned to one core, and
-reports each polybasic system's tokens/s per round and this tree's ratio to the base in the same round.
+reports each polybasic system's tokens/s per round and this tree's ratio to the base in the same round
+(which checkout runs first alternates by round, so an order effect falls on both sides alike).
 Every bench run also measures transformers' `generate()`, whose code is the same in both checkouts: its
 ratio is the run-to-run noise of the machine.
 
@@ -54,8 +55,12 @@ def main() -> int:
     rounds = []
     with tempfile.TemporaryDirectory() as scratch:
         for number in range(args.rounds):
-            base = bench(Path(args.base_dir), args.base_python, args.core, Path(scratch) / f"base-{number}")
-            this = bench(REPO, sys.executable, args.core, Path(scratch) / f"this-{number}")
+            # which checkout runs first alternates by round, so that an order effect (a warmer or a more loaded
+            # second run) does not land on one side only
+            runs = {"base": (Path(args.base_dir), args.base_python), "this": (REPO, sys.executable)}
+            order = ("base", "this") if number % 2 == 0 else ("this", "base")
+            measured = {side: bench(*runs[side], args.core, Path(scratch) / f"{side}-{number}") for side in order}
+            base, this = measured["base"], measured["this"]
             rounds.append({"base": base, "this": this})
             print(f"round {number + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     keys = sorted({key for r in rounds for key in r["this"] if key[0].startswith("polyspec") or key[0] in ("target", SAME_CODE)},
@@ -68,11 +73,12 @@ def main() -> int:
                      "this_tokens_per_s": [round(r["this"][(system, temperature)], 1) for r in rounds],
                      "ratio_per_round": [round(x, 3) for x in ratios], "ratio_median": round(statistics.median(ratios), 3)})
     report = {"base": base_rev, "this": this_rev, "cpu": cpu_name(), "core": args.core, "rounds": args.rounds,
-              "command": "polyspec bench -c configs/demo.yaml --quick (1 torch thread), base and this tree alternately",
+              "command": "polyspec bench -c configs/demo.yaml --quick (1 torch thread), base and this tree alternately, the first of a round alternating",
               "rows": rows}
     Path(args.out + ".json").write_text(json.dumps(report, indent=1) + "\n")
     lines = [f"# `polyspec bench --quick`: {this_rev} against {base_rev}, interleaved", "",
-             f"CPU: {report['cpu']}, pinned to core {args.core}; {args.rounds} rounds (base, then this tree, each round). "
+             f"CPU: {report['cpu']}, pinned to core {args.core}; {args.rounds} rounds (base and this tree each round, "
+             f"which one first alternating by round). "
              f"`{SAME_CODE}` runs the same code in both: its ratio is the machine's noise.", "",
              "| system | T | base tokens/s | this tokens/s | this / base per round | median |", "|---|---:|---|---|---|---:|"]
     for row in rows:
