@@ -93,11 +93,16 @@ def verify_blocks(scored: list[torch.Tensor], blocks: list[DraftTree], params: l
     (device_verify's domains: a seeded request's verdict is the same alone or in any batch). A block that
     carries no draft rows (a lookup's proposals) is a point mass."""
     device = scored[0].device
-    draws = Draws.of(params, generators, [1] * len(blocks), device)
     out: list[tuple[list[int], int] | None] = [None] * len(blocks)
     greedy = [r for r, (b, p) in enumerate(zip(blocks, params)) if b.is_chain() and p.greedy]
     sampled = [r for r, (b, p) in enumerate(zip(blocks, params)) if b.is_chain() and not p.greedy]
     trees = [r for r, b in enumerate(blocks) if not b.is_chain()]
+    # every request's stream gives one round to its verdict, drawn on or not (a seeded request's later draws do
+    # not depend on its neighbours' rules); the columns are built only where something draws
+    draws = Draws.of(params, generators, [1] * len(blocks), device) if sampled or trees else None
+    if draws is None:
+        for generator in generators:
+            stream_key(generator, 1)
     if greedy:
         width = max(len(blocks[r]) for r in greedy)
         argmax = torch.stack([torch.nn.functional.pad(scored[r].argmax(dim=-1), (0, width - len(blocks[r]))) for r in greedy])
