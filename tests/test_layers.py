@@ -117,6 +117,9 @@ PUBLIC_UNDERSCORED = {
     # torch's weight-only int4 / int8 kernels and their packing (weight_only): aten ops with no public wrapper
     "_weight_int8pack_mm", "_weight_int4pack_mm", "_weight_int4pack_mm_for_cpu",
     "_convert_weight_to_int4pack", "_convert_weight_to_int4pack_for_cpu",
+    # an OpOverload's C++ function (batched_llama's int8 projections): its __call__ first walks the arguments in
+    # Python for tracing's fake objects, ~8 us a call, 43 calls a forward of an int8 drafter; torch is pinned
+    "_op",
 }
 
 
