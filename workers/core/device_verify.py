@@ -56,6 +56,12 @@ def _on_host(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
+def _none_on_host(flags: torch.Tensor) -> bool:
+    """Are all of `flags` known false on the host, for free (CPU flags, outside tracing)? Then a draw or verdict skips
+    its greedy rows (the argmax and the choice between them): what `torch.where` would choose when no row is greedy."""
+    return _on_host(flags) and not bool(flags.any())
+
+
 def _mix32_int(x: int) -> int:
     """`_mix32` of one Python integer in [0, 2^32): the same passes."""
     x = ((x ^ (x >> 16)) * HASH_MULTIPLIER) & MASK32
@@ -141,9 +147,7 @@ def warp_batch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Ten
     assert logits.dim() == 2 and temperature.shape == top_k.shape == top_p.shape == logits.shape[:1]
     logits = logits.float()
     vocab = logits.shape[-1]
-    if not truncate and _on_host(temperature) and not bool((temperature == 0).any()):
-        # no greedy row, as the host sees for free (a drafter's draw at T = 1): the softmax below alone, without
-        # the one-hot rows and the choices between them
+    if not truncate and _none_on_host(temperature == 0):  # (a drafter's draw at T = 1): the softmax below alone
         return torch.softmax((logits - logits.amax(dim=-1, keepdim=True)) / temperature[:, None], dim=-1)
     greedy = (temperature == 0)[:, None]  # [R, 1]
     one_hot = torch.nn.functional.one_hot(logits.argmax(dim=-1), vocab).float()  # [R, V]
@@ -198,8 +202,7 @@ def verify_chains(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_t
     num_drafts = draft_tokens.shape[0]
     assert target_probs.shape[0] == num_drafts + num_requests and exponentials.shape == (num_requests, target_probs.shape[1])
     device = target_probs.device
-    # no greedy request, as the host sees for free: the argmax rows and the choices between them are not needed
-    sampled_only = _on_host(greedy) and not bool(greedy.any())
+    sampled_only = _none_on_host(greedy)
     requests = torch.arange(num_requests, device=device)
     if num_draft is None:
         num_draft = cu_num_draft[1:] - cu_num_draft[:-1]  # [B]
@@ -263,7 +266,7 @@ def draw_tokens(logits: torch.Tensor, mode: str, temperature: torch.Tensor, top_
         return logits.argmax(dim=-1), logits.float()
     probs = warp_batch(logits, temperature, top_k, top_p, truncate=mode == TRUNCATED)
     sampled = torch.argmax(probs / stream_exponentials(seeds, counters, DOMAIN_DRAFT, probs.shape[-1], first), dim=-1)
-    if _on_host(greedy) and not bool(greedy.any()):
+    if _none_on_host(greedy):
         return sampled, probs
     return torch.where(greedy, probs.argmax(dim=-1), sampled), probs
 
