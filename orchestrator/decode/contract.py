@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterable, Protocol, runtime_checkable
 import torch
 
 from polyspec.workers.core.sampling import RandomStream, SamplingParams
+from polyspec.workers.tiers.tier import common_prefix
 
 FINISH_LENGTH = "length"  # max_new_tokens reached, or the context is full
 FINISH_EOS = "eos"  # the last committed token ends the sequence
@@ -445,16 +446,6 @@ class KeptSequences:
         while len(self._kept) > self.keep:
             self.release(self._kept.pop(0)[0])
         return self.keep > 0
-
-
-def common_prefix(tokens: list[int], other: list[int]) -> int:
-    """Length of the longest common prefix of two token lists."""
-    length = 0
-    for a, b in zip(tokens, other):
-        if a != b:
-            break
-        length += 1
-    return length
 
 
 # ----------------------------------------------------------------------------- seeds

@@ -47,7 +47,6 @@ from polyspec.orchestrator.decode.contract import (
     StepInput,
     StepObservation,
     commit,
-    common_prefix,
     finish_if_full,
     mark_cancelled,
     note_plan,
@@ -63,7 +62,7 @@ from polyspec.orchestrator.decode.approximate import scoring, verdict
 from polyspec.workers.core.sampling import SamplingParams
 from polyspec.workers.core.tree import DraftTree, path_rows
 from polyspec.workers.tiers.batched import BatchedTier, Verdict
-from polyspec.workers.tiers.tier import scratch_score, scratch_sequence
+from polyspec.workers.tiers.tier import common_prefix, scratch_score, scratch_sequence
 
 
 DEFAULT_PREFILL_BUDGET = 512  # prompt tokens cached per step for joining requests

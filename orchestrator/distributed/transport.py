@@ -48,11 +48,11 @@ from typing import Callable
 import grpc
 import torch
 
-from polyspec.orchestrator.decode.contract import common_prefix
 from polyspec.orchestrator.distributed import cluster_auth
 from polyspec.protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
 from polyspec.workers.core.tree import DraftTree
 from polyspec.workers.tiers.batched import BatchedTier
+from polyspec.workers.tiers.tier import common_prefix
 
 SPARSE_FRACTION = 0.25
 DIST_MIN_BYTES = int(os.environ.get("POLYSPEC_DIST_MIN_BYTES", 256 << 10))  # gloo beats inline above this (measured)
@@ -132,8 +132,7 @@ class SentContexts:
         if sent is None:
             return list(context), tier_pb2.ContextDelta(version=version)
         base_version, kept = sent
-        # the usual call extends what was sent; after a rollback, the tokens up to where it differs
-        base_len = len(kept) if context[: len(kept)] == kept else common_prefix(kept, context)
+        base_len = common_prefix(kept, context)  # all that was sent, unless the context rolled back past it
         return list(context[base_len:]), tier_pb2.ContextDelta(version=version, base_version=base_version, base_len=base_len)
 
     def sent(self, seq_id: int, delta: tier_pb2.ContextDelta, context: list[int]) -> None:

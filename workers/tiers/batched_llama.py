@@ -57,6 +57,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from polyspec.workers.tiers.block_linear import linear_of, pack
 from polyspec.workers.tiers.fp8_linear import Fp8Linear
+from polyspec.workers.tiers.tier import common_prefix
 from polyspec.workers.tiers.weight_only import WeightOnlyLinear
 
 GPU_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -333,14 +334,7 @@ class SlotCache:
         buffer[start:end] = hidden.float()
 
     def common_prefix(self, slot: int, context: list[int]) -> int:
-        cached = self.tokens[slot]
-        limit = min(len(cached), len(context))
-        if cached[:limit] == context[:limit]:
-            return limit
-        n = 0
-        while n < limit and cached[n] == context[n]:
-            n += 1
-        return n
+        return common_prefix(self.tokens[slot], context)
 
     @property
     def open_sequences(self) -> int:
