@@ -183,6 +183,11 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, folded_sin: torch.Tensor) -> torc
     return (x * cos) + (x.roll(x.shape[-1] // 2, -1) * folded_sin)
 
 
+def causal_mask(cache_at: torch.Tensor, span: int) -> torch.Tensor:
+    """[B, 1, W, span] bool: query (b, j), cached at position `cache_at[b, j]` ([B, W]), sees positions 0 .. that one."""
+    return (torch.arange(span, device=cache_at.device)[None, None, :] <= cache_at[:, :, None])[:, None]
+
+
 def grouped_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scaling: float) -> torch.Tensor:
     """SDPA of q [B, heads, T, D] over key / value [B, kv_heads, S, D] (grouped-query attention:
     query head h reads key / value head h // groups) under a boolean mask [B, 1, T, S] (None: every query sees every key); [B, heads, T, D].
@@ -463,7 +468,7 @@ class BatchedLlama:
         index = rotary.clamp_max(self.cos.shape[0] - 1)
         cos, sin = self.cos[index][:, :, None], self.sin[index][:, :, None]  # [B, T, 1, D]
         if mask is None:
-            mask = (torch.arange(span, device=ids.device)[None, None, :] <= write_at[:, :, None])[:, None]  # [B, 1, T, span]
+            mask = causal_mask(write_at, span)  # [B, 1, T, span]
         write_slots = slots[:, None].expand(rows, width)  # [B, T]
 
         def store(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:  # [B, T, kv_heads, D] into [slot, :, position]
@@ -541,8 +546,7 @@ class BatchedLlama:
             token_ids = ids  # `lead` below: (1, width)
             cos, sin = self.cos[start:end][None, :, None], self.sin[start:end][None, :, None]  # [1, W, 1, D]
             # the general path's causal mask, from the one row's positions
-            masks = {None: None if width == 1 else
-                     (torch.arange(end, device=device) <= torch.arange(start, end, device=device)[:, None])[None, None]}  # [1, 1, W, end]
+            masks = {None: None if width == 1 else causal_mask(torch.arange(start, end, device=device)[None], end)}  # [1, 1, W, end]
         else:
             start_t = torch.tensor(starts, dtype=torch.long, device=device)
             offsets = torch.arange(width, device=device)
@@ -554,7 +558,7 @@ class BatchedLlama:
                     positions[r, : counts[r]] = torch.tensor(layout.positions, dtype=torch.long, device=device)
             rotary_index = positions.clamp_max(self.cos.shape[0] - 1)  # padding may run past the table
             # query (r, j) sees its slot's positions 0 .. start_r + j (a tree row: its layout's)
-            mask = (torch.arange(end, device=device)[None, None, :] <= cache_at[:, :, None])[:, None]  # [B, 1, W, end]
+            mask = causal_mask(cache_at, end)  # [B, 1, W, end]
             for r, layout in trees:
                 mask[r, 0, : counts[r]] = False
                 mask[r, 0, : counts[r], : starts[r] + counts[r]] = layout.allowed.to(device)
