@@ -247,18 +247,20 @@ class StepObservation:
 
 @dataclasses.dataclass(frozen=True)
 class ShadowObservation:
-    """A lookup tier `drafter` the step did not run under the target, asked what it would have proposed at a
-    request's context before the step: the first `accepted` of its `proposed` tokens matched what the step
-    committed, and `accepted < proposed` only where a committed token differed (where the committed tokens ran out
-    first, `proposed` is cut to the match). Every committed token is distributed as the target's own, so a match
-    is an acceptance at the rate a verified block of these tokens (point masses) would have had, sampling or not.
-    `proposed` 0: the lookup had nothing to propose there. `seq_id`: the request's."""
+    """A lookup tier `drafter` the step did not run under tier `level`, asked what it would have proposed at a
+    request's context: the first `accepted` of its `proposed` tokens matched the tokens tier `level` produced there
+    (level 0: what the step committed; a model drafter: the block it drafted), and `accepted < proposed` only where
+    one of them differed (where those tokens ran out first, `proposed` is cut to the match). Each of those tokens
+    is distributed as tier `level`'s own, so a match is an acceptance at the rate that tier verifying a block of
+    these tokens (point masses) would have had, sampling or not. `proposed` 0: the lookup had nothing to propose
+    there. `seq_id`: the request's."""
 
     drafter: int
     proposed: int
     accepted: int
     greedy: bool
     seq_id: object = None
+    level: int = 0
 
 
 Observation = RoundObservation | DraftObservation | StepObservation | ShadowObservation

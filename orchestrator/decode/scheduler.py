@@ -255,8 +255,8 @@ class ChainScheduler:
                 state.run.forwarded_tokens[t] += forwarded[t] // len(live)
             out[i] = emitted
             committed.append(tuple(emitted))
-            for level, proposals in shadows.items():
-                self._observe_shadow(level, proposals[len(committed) - 1], emitted, state.run)
+            for lookup, proposals in shadows.items():
+                self._observe_shadow(lookup, proposals[len(committed) - 1], emitted, state.run)
         seconds = time.perf_counter() - started
         if self.planner is not None:  # each request's round, under the plan it ran: its tokens in the step's wall time
             for i, emitted, expected in zip(live, committed, predicted):
@@ -287,16 +287,33 @@ class ChainScheduler:
                     out[level][j] = tokens
         return out
 
-    def _observe_shadow(self, level: int, proposal: list[int] | None, committed: list[int], run: Run) -> None:
-        """Tell the planner how far `proposal` matched the tokens the step committed (a mismatch is a rejection;
-        where the committed tokens ran out first, the match is cut there, with no rejection; nothing proposed: a
-        miss)."""
-        if proposal is None or not committed:
+    def _observe_shadow(self, lookup: int, proposal: list[int] | None, produced: list[int], run: Run, level: int = 0) -> None:
+        """Tell the planner how far lookup tier `lookup`'s `proposal` matched the tokens tier `level` produced at the
+        same context (the target: the step's committed tokens; a mismatch is a rejection; where the produced tokens
+        ran out first, the match is cut there, with no rejection; nothing proposed: a miss)."""
+        if proposal is None or not produced:
             return
-        compared = min(len(proposal), len(committed))
-        matched = common_prefix(proposal[:compared], committed[:compared])
+        compared = min(len(proposal), len(produced))
+        matched = common_prefix(proposal[:compared], produced[:compared])
         proposed = len(proposal) if matched < compared else matched
-        self._observe(ShadowObservation(level, proposed, matched, run.params.greedy, run.seq_id))
+        self._observe(ShadowObservation(lookup, proposed, matched, run.params.greedy, run.seq_id, level))
+
+    def _shadow_drafts(self, level: int, items: list[tuple], drafted: list[tuple]) -> None:
+        """A model drafter at the bottom of the plan (tier `level`) just drafted each item's block: what each lookup
+        tier the plan leaves out below it would have proposed at the same contexts, matched against those blocks
+        (ShadowObservations at `level`). A plan that puts the lookup under this drafter is then priced from the
+        lookup's acceptance as this drafter measures it now, not as it was when that plan last ran (on code, the
+        Qwen 0.5B accepts much of what the n-gram tier copies from the prompt once the output repeats it)."""
+        if self.planner is None or not self.planner.shadows or not self.tiers[level].has_weights:
+            return
+        for lookup, tier in enumerate(self.tiers):
+            if lookup <= level or tier.has_weights or lookup in self.active:
+                continue
+            proposals = tier.draft_batch([run.seq_id for run, _, _ in items], [context for _, context, _ in items],
+                                         [need for _, _, need in items], [run.params for run, _, _ in items],
+                                         [run.generators[lookup] for run, _, _ in items])
+            for (run, _, _), (proposal, _), (tokens, _) in zip(items, proposals, drafted):
+                self._observe_shadow(lookup, proposal, tokens, run, level)
 
     def finish(self, state: RequestState) -> GenerationOutput:
         """Release the request's caches (or keep them: `keep_finished`) and return its tokens and stats."""
@@ -353,6 +370,7 @@ class ChainScheduler:
             seconds = (time.perf_counter() - started) / max(1, len(items))
             for (run, context, need), (tokens, _) in zip(items, drafted):
                 self._observe(DraftObservation(level, need, len(context), tuple(tokens), seconds))
+            self._shadow_drafts(level, items, drafted)
             return drafted
         tokens: list[list[int]] = [[] for _ in items]
         rows: list[list[torch.Tensor]] = [[] for _ in items]

@@ -656,8 +656,10 @@ class BatchPlanner:
             if observation.level == 0 and observation.depth is None and self.tables[observation.drafter] is None:
                 self.observe_request(observation.seq_id, observation.drafter, observation.proposed, observation.accepted)
         elif isinstance(observation, ShadowObservation):
-            self.acceptance.observe(0, observation.drafter, observation.proposed, observation.accepted, observation.greedy)
-            self.observe_request(observation.seq_id, observation.drafter, observation.proposed, observation.accepted)
+            self.acceptance.observe(observation.level, observation.drafter, observation.proposed, observation.accepted,
+                                    observation.greedy)
+            if observation.level == 0:  # (a request's own counts choose its drafter for the target)
+                self.observe_request(observation.seq_id, observation.drafter, observation.proposed, observation.accepted)
         elif isinstance(observation, StepObservation):
             self.observe_step(observation.batch, observation.tokens, observation.seconds, list(observation.lengths),
                               observation.active, observation.catch_up_s)

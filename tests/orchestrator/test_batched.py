@@ -497,14 +497,14 @@ class RecordingPlanner:
 
     predicted_tokens_per_s = None
 
-    def __init__(self, active: tuple[int, ...], shadows: bool = True, drafters=None) -> None:
-        self.active, self.shadows, self.heard = active, shadows, []
+    def __init__(self, active: tuple[int, ...], shadows: bool = True, drafters=None, lengths=(4,)) -> None:
+        self.active, self.shadows, self.heard, self.lengths = active, shadows, [], list(lengths)
         self.override = drafters  # per step: per request, the tier drafting its block (None: the plan's)
         self.steps: list = []
 
     def plan(self, step):
         self.steps.append(step)
-        return [4], self.active
+        return self.lengths, self.active
 
     def drafters(self, step):
         return self.override(step) if self.override else ()
@@ -546,6 +546,47 @@ def test_a_lookup_left_out_of_a_step_is_asked_what_it_would_have_proposed(tiny_f
             expected.append(((1, 1) if proposal[0] == token else (len(proposal), 0)) if proposal else (0, 0))  # (0, 0): a miss
         assert [(o.drafter, o.proposed, o.accepted, o.greedy) for o in shadows] == [(1, p, a, True) for p, a in expected]
         assert {(1, 1), (0, 0)} <= set(expected) and any(p > 1 for p, _ in expected), expected  # every outcome was checked
+
+
+def test_a_lookup_left_out_under_a_model_drafter_is_matched_against_its_drafts(tiny_family, target_model):
+    """target <- mid runs, the n-gram tier left out: each time the mid model drafts a block, the planner also hears
+    how far the n-gram tier's proposal at the same context matched that block (a ShadowObservation at level 1: what
+    the mid model verifying the lookup's block would have accepted), as an independent index over the same context
+    says; the target's shadows (level 0) go on as before. The output is the target's own greedy text; with the
+    lookup under the mid model in the plan, no level-1 shadow is heard (it is measured)."""
+    from polyspec.orchestrator.decode.contract import DraftObservation, ShadowObservation
+    from polyspec.workers.tiers.batched import NGramIndex
+
+    engine = build(tiny_family, ["target", "mid", "ngram"], {"lengths": [4, 2]})
+    scheduler = engine.scheduler
+    scheduler.eos_token_ids = frozenset()
+    prompt = encode_prompt(engine.tokenizer, PROMPTS[2])  # a loop written twice: the lookup has text to copy
+    lookup = scheduler.tiers[2].tier
+    for active in ((0, 1), (0, 1, 2)):
+        planner = scheduler.planner = RecordingPlanner(active, lengths=(4, 2))
+        state = scheduler.start(prompt, 48, SamplingParams(), seed=0)
+        while not state.done:
+            scheduler.step_all([state])
+        output = scheduler.finish(state).token_ids
+        _check_greedy(target_model, prompt, output, 48)
+        shadows = [o for o in planner.heard if isinstance(o, ShadowObservation) and o.level == 1]
+        if active == (0, 1, 2):
+            assert not shadows
+            continue
+        drafts = [o for o in planner.heard if isinstance(o, DraftObservation) and o.tier == 1]
+        expected = []
+        for draft in drafts:
+            index = NGramIndex(lookup.min_ngram, lookup.max_ngram)
+            index.sync((prompt + output)[: draft.context_len])
+            proposal, block = index.lookup(draft.length), list(draft.tokens)
+            if not proposal:
+                expected.append((0, 0))
+                continue
+            compared = min(len(proposal), len(block))
+            matched = next((i for i in range(compared) if proposal[i] != block[i]), compared)
+            expected.append((len(proposal) if matched < compared else matched, matched))
+        assert [(o.drafter, o.proposed, o.accepted, o.greedy) for o in shadows] == [(2, p, a, True) for p, a in expected]
+        assert any(a > 0 for _, a in expected) and any(p > a for p, a in expected), expected  # matches and rejections
 
 
 def test_requests_of_one_step_may_draft_with_different_tiers(tiny_family, target_model):
