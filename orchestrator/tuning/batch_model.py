@@ -21,7 +21,7 @@ EXPLORE_FLOOR / EXPLORE_BEST_SHARE / SEED_FLOOR of the model's prediction (`unex
 and by EXPLORE_TIME_SHARE of the running requests' remaining time (`affordable`), the lengths next to the
 best measured (`neighbours`), hysteresis SWITCH_ON / SWITCH_OFF (`decide`), re-probes after REPROBE_FIRST
 probes' times, doubling up to `tuning.explore_every`, a plan measured poor measured again once the model
-carries its rate RETRY_MARGIN past the best's, at most once per RETRY_STEPS x 2^(its retries) steps
+carries its rate plus one standard error RETRY_MARGIN past the best's, at most once per RETRY_STEPS x 2^(its retries) steps
 (`stale`), and per request drafting with a lookup tier once its own REQUEST_MIN_ROUNDS rounds say it pays
 (`drafters`).
 """
@@ -193,6 +193,7 @@ class Rate:
     steps: int = 0
     predicted: float = 0.0  # the model's tokens/s for the plan at each step, summed as the steps are
     last: int = 0  # the load's step count at the last step measured
+    squares: tuple[float, float, float] = (0.0, 0.0, 0.0)  # faded sums of tokens^2, tokens x seconds, seconds^2 (`spread`)
 
     def add(self, tokens: int, seconds: float, predicted: float = 0.0, at: int = 0) -> None:
         keep = 1.0 - SMOOTHING if self.steps >= WINDOW else 1.0
@@ -200,8 +201,22 @@ class Rate:
         self.seconds = self.seconds * keep + seconds
         self.predicted = self.predicted * keep + predicted
         self.weight = self.weight * keep + 1.0
+        tt, ts, ss = self.squares
+        self.squares = (tt * keep + tokens * tokens, ts * keep + tokens * seconds, ss * keep + seconds * seconds)
         self.steps += 1
         self.last = at
+
+    @property
+    def spread(self) -> float:
+        """The standard error of `value`, a ratio of sums: the steps' residuals about it (tokens - value x seconds),
+        n / (n - 1) for the value estimated from them, over the seconds summed. inf under two steps. (Three steps
+        of one request on a CPU committed 1 to 5 tokens each: their tokens/s is known to about a third.)"""
+        if self.steps < 2 or self.seconds <= 0:
+            return math.inf
+        value = self.tokens / self.seconds
+        tt, ts, ss = self.squares
+        residual = max(0.0, tt - 2.0 * value * ts + value * value * ss)
+        return math.sqrt(residual * self.weight / max(self.weight - 1.0, 1e-9)) / self.seconds
 
     @property
     def predicted_value(self) -> float:
@@ -579,10 +594,12 @@ class BatchPlanner:
 
     def stale(self, arm: Arm, measured: dict, best: Plan, batch: int) -> Plan | None:
         """A plan measured below `best` whose measured rate, carried forward by the model (x its model value now /
-        its model value while measured: its drafters' acceptance moved), reaches RETRY_MARGIN times best's: it is
-        measured again, its old rate dropped when it next runs (`observe_step`: where off is taken, that is the next
-        re-probe; dropped sooner, the plan would lose its measurement without a new one). None: no such plan. Each plan
-        at most once per RETRY_STEPS x 2^(its retries) steps of this load, and only where the running requests can pay for it."""
+        its model value while measured: its drafters' acceptance moved) and given the benefit of one standard error
+        (`Rate.spread`, carried alike: a plan that lost on a few noisy steps is not written off for good), reaches
+        RETRY_MARGIN times best's: it is measured again, its old rate dropped when it next runs (`observe_step`: where
+        off is taken, that is the next re-probe; dropped sooner, the plan would lose its measurement without a new
+        one). None: no such plan. Each plan at most once per RETRY_STEPS x 2^(its retries) steps of this load, and only
+        where the running requests can pay for it."""
         carried = {}
         for plan, rate in measured.items():
             record = arm.rates[plan]
@@ -590,7 +607,8 @@ class BatchPlanner:
                 continue
             if arm.steps - record.last < RETRY_STEPS * 2 ** arm.retries.get(plan, 0):
                 continue
-            value = rate * self.model_goodput(plan, batch) / record.predicted_value
+            drift = self.model_goodput(plan, batch) / record.predicted_value
+            value = (rate + min(record.spread, rate)) * drift
             if value >= RETRY_MARGIN * measured[best] and self.affordable(arm, plan, batch):
                 carried[plan] = value
         if not carried:
