@@ -1,8 +1,8 @@
 """The engine: a loaded chain plus request handling (validation, tokenization, results).
 
 It loads the tiers and builds the one decoder over them: the round (`ChainScheduler`) over the
-runtime tiers (the same for one request or many: `batched` only sets how many run at once) or
-over the device round's tiers, or a Ray chain's driver; and its planner. `generate`, `chat`,
+one tier family (the same for one request or many: `batched` only sets how many run at once; on
+CUDA its static-shape steps), or a Ray chain's driver; and its planner. `generate`, `chat`,
 `batch`, jobs and `serve` all parse requests here (`parse_request`), so a request means the same
 thing everywhere:
 
@@ -30,7 +30,7 @@ import time
 from typing import Any, Callable
 
 from polyspec.orchestrator.batch_runner import run_requests
-from polyspec.orchestrator.decode.contract import FINISH_EOS, BatchDecoder, RequestState
+from polyspec.orchestrator.decode.contract import FINISH_EOS, RequestState
 from polyspec.orchestrator.decode.scheduler import ChainScheduler
 from polyspec.orchestrator.config import ChainConfig
 from polyspec.orchestrator.tokenization import encode_chat, encode_prompt, stop_token_ids
@@ -236,20 +236,17 @@ class Engine:
                             tree_width=self.config.speculation.tree_width, **goodput_options(self.config.tuning, distributed))
 
     def step_all(self, states: list[RequestState]) -> list[list[int]]:
-        """One round of every request in `states` (batched chains: one forward per tier; otherwise in turn)."""
-        driven = {i for i, state in enumerate(states) if getattr(self._approximate.get(state.seq_id), "driver", None) is not None}
-        if isinstance(self.scheduler, BatchDecoder):
-            rounds = [state for i, state in enumerate(states) if i not in driven]
-            batched = iter(self.scheduler.step_all(rounds) if rounds else [])
-            # a step-level approximate request (its own driver) steps alone, after the batched round
-            emitted = [self._approximate[state.seq_id].driver.step(state) if i in driven else next(batched)
-                       for i, state in enumerate(states)]
-        else:
-            emitted = [self._approximate[state.seq_id].driver.step(state) if i in driven else self.scheduler.step(state)
-                       for i, state in enumerate(states)]
-        for state, tokens in zip(states, emitted):
-            _note_commit(state, tokens)
-        return emitted
+        """One batched round of every request in `states` (one forward per tier); a request in a step-level
+        approximate mode takes one of its own driver's steps instead, alone, after the batched round."""
+        drivers = [self._driver(state) for state in states]
+        rounds = [state for state, driver in zip(states, drivers) if driver is None]
+        batched = iter(self.scheduler.step_all(rounds) if rounds else [])
+        return [_note_commit(state, next(batched) if driver is None else driver.step(state))
+                for state, driver in zip(states, drivers)]
+
+    def _driver(self, state: RequestState):
+        """The step-level driver of an approximate request that has one (None: the chain's round steps it)."""
+        return getattr(self._approximate.get(state.seq_id), "driver", None)
 
     def _start_ray(self, auto_tune: bool, batched: bool, keep_finished: int = 0) -> None:
         """The tiers run as Ray actors (polyspec.orchestrator.distributed.ray_runtime); this process only drives them."""
@@ -434,10 +431,7 @@ class Engine:
     def step(self, state: RequestState) -> list[int]:
         """One target verification round; the newly committed token ids (empty once done).
         A request in a step-level approximate mode advances by one of its driver's steps instead."""
-        attached = self._approximate.get(state.seq_id)
-        if attached is not None and attached.driver is not None:
-            return _note_commit(state, attached.driver.step(state))
-        return _note_commit(state, self.scheduler.step(state))
+        return _note_commit(state, (self._driver(state) or self.scheduler).step(state))
 
     def finish(self, state: RequestState) -> dict:
         output = self.scheduler.finish(state)
