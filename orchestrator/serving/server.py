@@ -134,51 +134,28 @@ def logprob_messages(scored: list[TokenLogprob], names: dict[int, str]) -> list[
             for s in scored]
 
 
+def fields_message(cls, values: dict, **extra):
+    """A `cls` message from the entries of `values` it has fields for (a field with no entry keeps its default;
+    an `optional` one stays unset), then `extra`."""
+    fields = cls.DESCRIPTOR.fields_by_name
+    return cls(**{**{key: value for key, value in values.items() if key in fields}, **extra})
+
+
 def stats_message(stats: dict, timings: dict | None = None) -> pb.GenerationStats:
-    message = pb.GenerationStats(
-        tokens_per_s=stats.get("tokens_per_s", 0.0),
-        new_tokens=stats.get("new_tokens", 0),
-        time_s=stats.get("time_s", 0.0),
-        stages=[stage_message(s) for s in stats.get("stages", [])],
-        tiers=[pb.TierBusy(tier=t["tier"], busy_s=t.get("busy_s", 0.0)) for t in stats.get("tiers", [])],
-    )
-    if timings:
-        message.queue_s, message.first_token_s = timings["queue_s"], timings["first_token_s"]
-    return message
-
-
-def stage_message(stage: dict) -> pb.StageStats:
-    return pb.StageStats(
-        tier=stage["tier"],
-        drafter=stage["drafter"],
-        blocks=stage.get("blocks", 0),
-        proposed=stage.get("proposed", 0),
-        accepted=stage.get("accepted", 0),
-        mean_accepted_length=stage.get("mean_accepted_length", 0.0),
-        lengths=stage.get("lengths", []),
-        accepted_counts=stage.get("accepted_counts", []),
-        time_s=stage.get("time_s", 0.0),
-    )
+    """A result's stats (and its request's `Work.timings`) as a GenerateResponse's `stats`."""
+    return fields_message(pb.GenerationStats, {**stats, **(timings or {})},
+                          stages=[fields_message(pb.StageStats, stage) for stage in stats.get("stages", [])],
+                          tiers=[fields_message(pb.TierBusy, tier) for tier in stats.get("tiers", [])])
 
 
 def chain_plan_message(chain: str, total: dict) -> pb.ChainPlanStats:
     """One chain's sums (`PlanTally.as_dict()`'s entry under its label) as GetStats' `plans` entry."""
-    message = pb.ChainPlanStats(chain=chain, tiers=chain.split("<-"), rounds=total["rounds"], tokens=total["tokens"],
-                                seconds=total["seconds"], measured_tokens_per_s=total["measured_tokens_per_s"])
-    if "predicted_tokens_per_s" in total:
-        message.predicted_tokens_per_s = total["predicted_tokens_per_s"]
-    return message
+    return fields_message(pb.ChainPlanStats, total, chain=chain, tiers=chain.split("<-"))
 
 
 def plan_record_message(record: dict) -> pb.PlanRecord:
     """One `plan_records` entry (a result's stats.plans) as GetStats' `recent_plans` entry."""
-    message = pb.PlanRecord(tiers=record["tiers"], lengths=[int(k) for k in record["lengths"]],
-                            new_tokens=record.get("new_tokens", 0), rounds=record.get("rounds", 0),
-                            tokens=record.get("tokens", 0), seconds=record.get("seconds", 0.0),
-                            measured_tokens_per_s=record.get("measured_tokens_per_s", 0.0))
-    if "predicted_tokens_per_s" in record:
-        message.predicted_tokens_per_s = record["predicted_tokens_per_s"]
-    return message
+    return fields_message(pb.PlanRecord, record, lengths=[int(k) for k in record["lengths"]])
 
 
 def requests_digest(requests) -> str:
@@ -536,8 +513,8 @@ class PolyspecService(pb_grpc.PolyspecServicer):
         pending = await asyncio.to_thread(self.store.pending_count)
         response = pb.StatsResponse(
             stages=[
-                stage_message({"tier": tier, "drafter": drafter, **totals,
-                               "mean_accepted_length": totals["accepted"] / totals["blocks"] if totals["blocks"] else 0.0})
+                fields_message(pb.StageStats, totals, tier=tier, drafter=drafter,
+                               mean_accepted_length=totals["accepted"] / totals["blocks"] if totals["blocks"] else 0.0)
                 for (tier, drafter), totals in snapshot["stages"].items()
             ],
             queue=pb.QueueStats(waiting=waiting, running=running, max_queue=self.max_queue, job_items_pending=pending),
