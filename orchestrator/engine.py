@@ -60,6 +60,15 @@ class GenerationRequest:
     approximate: ApproximateMode = ApproximateMode()  # exact unless the request or the config names a mode
     constraint: ConstraintSpec | None = None  # structured output (json_schema / regex / grammar), compiled; None: free
 
+    def choice(self, index: int) -> "GenerationRequest":
+        """Choice `index` of a request asking for several (OpenAI's `n`, gRPC's `n`): choice 0 is the request
+        itself, so n = 1 means what it always did; the others sample from independent streams derived from
+        (seed, index) (an unseeded request's choices are independent anyway)."""
+        if self.seed is None or index == 0:
+            return self
+        digest = hashlib.blake2b(self.seed.to_bytes(8, "little") + index.to_bytes(4, "little"), digest_size=8, person=b"polyspec-n")
+        return dataclasses.replace(self, seed=int.from_bytes(digest.digest(), "little") >> 1)
+
 
 def _number(name: str, value, kind):
     if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
@@ -76,15 +85,6 @@ def seed_stream(seed: int | None) -> int | None:
     if seed is None:
         return None
     return int.from_bytes(hashlib.blake2b(int(seed).to_bytes(8, "little"), digest_size=8).digest(), "little") >> 1
-
-
-def choice_seed(seed: int, choice: int) -> int:
-    """The seed of choice `choice` of a request asking for several (OpenAI's `n`): choice 0
-    keeps `seed`, so n = 1 means what it always did; the others get independent streams."""
-    if choice == 0 or not 0 <= seed < SEED_LIMIT:
-        return seed  # (an out-of-range seed is reported by parse_request)
-    digest = hashlib.blake2b(seed.to_bytes(8, "little") + choice.to_bytes(4, "little"), digest_size=8, person=b"polyspec-n")
-    return int.from_bytes(digest.digest(), "little") >> 1
 
 
 def requests_within_memory(max_requests: int, kv_memory_mb: int | None, bytes_per_request: int) -> int:

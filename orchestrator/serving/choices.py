@@ -15,8 +15,9 @@ from polyspec.orchestrator.serving.request_loop import Work
 class Choice:
     """One choice's work, and what has been shown of it so far."""
 
-    def __init__(self, work: Work, scheduler) -> None:
+    def __init__(self, work: Work, scheduler, index: int = 0) -> None:
         self.work, self.scheduler = work, scheduler  # scheduler: the RoundScheduler the work was submitted to
+        self.index = index  # its place among the answer's choices
         self.token_ids: list[int] = []  # up to the token that completed a stop string
         self.text = ""  # shown so far
         self.finish_reason: str | None = None  # once done: "stop" when a stop string cut it, else the engine's reason

@@ -17,13 +17,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import dataclasses
+import functools
 import hashlib
 import json
 import queue
 import threading
 import time
-from typing import Callable
 
 import grpc
 
@@ -41,7 +40,6 @@ from polyspec.orchestrator.serving.jobs import (
     LimitExceeded,
     Quota,
 )
-from polyspec.orchestrator.engine import choice_seed
 from polyspec.orchestrator.serving.logprobs import MAX_TOP_LOGPROBS, TargetScorer, TokenLogprob
 from polyspec.orchestrator.serving.metrics import Metrics
 from polyspec.orchestrator.serving.openai_request import MAX_CHOICES, MAX_MESSAGES
@@ -118,14 +116,6 @@ def generate_options(request: pb.GenerateRequest) -> tuple[int, int | None]:
     if request.top_logprobs and not request.logprobs:
         raise RequestError("top_logprobs needs logprobs: true")
     return max(1, request.n), (request.top_logprobs if request.logprobs else None)
-
-
-def choice_request(parsed, choice: int):
-    """Choice `choice` of a request asking for several: the same request, from its own seed
-    (engine.choice_seed; an unseeded request's choices are independent anyway)."""
-    if parsed.seed is None or choice == 0:
-        return parsed
-    return dataclasses.replace(parsed, seed=choice_seed(parsed.seed, choice))
 
 
 def logprob_messages(scored: list[TokenLogprob], names: dict[int, str]) -> list[pb.TokenLogprob]:
@@ -297,8 +287,9 @@ class PolyspecService(pb_grpc.PolyspecServicer):
             names = {t: tokenizer.decode([t]) if tokenizer is not None else "" for s in scored for t in (s.token_id, *(i for i, _ in s.top))}
         return scored, names
 
-    def events(self) -> tuple[asyncio.Queue, Callable]:
-        """A queue on this loop and the `on_event(*event)` that puts `event` (a tuple) on it from the round thread."""
+    def submit(self, requests: list, tenant: str, stops: tuple[str, ...], kind=Choice) -> tuple[list, asyncio.Queue]:
+        """One `kind` (a Choice) per request, queued as `tenant`'s work: every one, or (QueueFull, Draining) none.
+        They all report on the one queue returned, from the round thread: (choice index, event kind, payload)."""
         events: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
 
@@ -308,7 +299,10 @@ class PolyspecService(pb_grpc.PolyspecServicer):
             except RuntimeError:  # the loop is closed: shutting down
                 pass
 
-        return events, on_event
+        choices = [kind(Work(parsed, on_event=functools.partial(on_event, index), tenant=tenant, stops=stops), self.scheduler, index)
+                   for index, parsed in enumerate(requests)]
+        self.scheduler.submit_all([choice.work for choice in choices])
+        return choices, events
 
     # ---------------------------------------------------------------- Generate
 
@@ -333,22 +327,15 @@ class PolyspecService(pb_grpc.PolyspecServicer):
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except LimitExceeded as exc:
             await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        events, on_event = self.events()  # (choice index, (kind, payload)) of every choice of the call
-
-        def reporter(index: int) -> Callable:
-            return lambda kind, payload: on_event(index, (kind, payload))
-
-        choices = [Choice(Work(choice_request(parsed, j), on_event=reporter(j), tenant=tenant, stops=stops), self.scheduler)
-                   for j in range(count)]
         try:
-            self.scheduler.submit_all([choice.work for choice in choices])  # every choice, or none
+            choices, events = self.submit([parsed.choice(j) for j in range(count)], tenant, stops)  # every choice, or none
         except QueueFull as exc:
             await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except Draining as exc:
             await self._refuse(context, grpc.StatusCode.UNAVAILABLE, str(exc))
         try:
             while not all(choice.finished for choice in choices):
-                index, (kind, payload) = await events.get()
+                index, kind, payload = await events.get()
                 choice = choices[index]
                 if kind == "delta":
                     token_ids, text = payload
