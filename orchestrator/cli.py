@@ -1,4 +1,5 @@
-"""`polyspec` command line: generate, batch, zoo.
+"""`polyspec` command line: generate, chat, batch, zoo, tune, bench, train-draft, validate; serve, submit
+and jobs (serving_cli).
 
 A user mistake prints one line, `polyspec: error: ...`, and exits with status 2;
 nothing a user can fix ends in a traceback.
@@ -458,18 +459,15 @@ def cmd_tune(args) -> int:
     return run(args, config)
 
 
-COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "batch": cmd_batch, "zoo": cmd_zoo, "bench": cmd_bench, "tune": cmd_tune}
-COMMANDS.update(serving_cli.COMMANDS)  # serve, submit, jobs
-COMMANDS["validate"] = validate.cmd_validate
-
-
 def cmd_train_draft(args) -> int:
     from polyspec.harness.train_draft import cmd_train_draft as run
 
     return run(args)
 
 
-COMMANDS["train-draft"] = cmd_train_draft
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "batch": cmd_batch, "zoo": cmd_zoo, "bench": cmd_bench, "tune": cmd_tune,
+            "validate": validate.cmd_validate, "train-draft": cmd_train_draft,
+            **serving_cli.COMMANDS}  # serve, submit, jobs
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,6 +8,7 @@ A server-side error is one line naming its gRPC status, e.g.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -212,18 +213,12 @@ def cmd_jobs(args) -> int:
             for job in client.jobs():
                 print(_describe(job))
         elif args.jobs_command == "status":
-            print(json.dumps(_job_dict(client.job(args.job_id))))
+            print(json.dumps(dataclasses.asdict(client.job(args.job_id))))
         elif args.jobs_command == "results":
             _write_results(client.results(args.job_id), args.output)
         elif args.jobs_command == "cancel":
             print(_describe(client.cancel(args.job_id)))
     return 0
-
-
-def _job_dict(job) -> dict:
-    import dataclasses
-
-    return dataclasses.asdict(job)
 
 
 COMMANDS = {"serve": cmd_serve, "submit": cmd_submit, "jobs": cmd_jobs}

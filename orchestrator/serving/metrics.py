@@ -147,13 +147,11 @@ class Metrics:
 
     def tenant_queue(self, counts: dict[str, list[int]]) -> None:
         """tenant -> [waiting, running]; a tenant once seen keeps its gauges (at 0 when idle)."""
-        for tenant, (waiting, running) in counts.items():
+        self._tenants_seen |= set(counts)
+        for tenant in self._tenants_seen:
+            waiting, running = counts.get(tenant, (0, 0))
             self._tenant_queue.labels(tenant or "anonymous", "waiting").set(waiting)
             self._tenant_queue.labels(tenant or "anonymous", "running").set(running)
-        for tenant in self._tenants_seen - set(counts):
-            self._tenant_queue.labels(tenant or "anonymous", "waiting").set(0)
-            self._tenant_queue.labels(tenant or "anonymous", "running").set(0)
-        self._tenants_seen |= set(counts)
 
     def tier_up(self, tier: str, up: bool) -> None:
         self._tier_up.labels(tier).set(1 if up else 0)

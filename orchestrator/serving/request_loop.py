@@ -106,9 +106,6 @@ class RoundScheduler(threading.Thread):
 
     # --------------------------------------------------------- called from any thread
 
-    def submit(self, work: Work) -> None:
-        self.submit_all([work])
-
     def submit_all(self, works: list[Work]) -> None:
         """Queue every one of `works`, or (QueueFull, Draining) none of them."""
         with self._cond:

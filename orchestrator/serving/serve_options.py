@@ -73,12 +73,8 @@ class StateDirLock:
 
 
 def limits_from_args(args) -> Limits:
-    values = {}
-    for name in Limits.__dataclass_fields__:
-        value = getattr(args, name, None)
-        if value is not None:
-            values[name] = value
-    return Limits(**values)
+    """The limits the flags set (each flag's dest is its Limits field); the others keep their defaults."""
+    return Limits(**{name: getattr(args, name) for name in Limits.__dataclass_fields__ if getattr(args, name, None) is not None})
 
 
 def served_model_names(args) -> list[str] | None:
