@@ -334,7 +334,7 @@ class OpenAIApi:
                 choice.cancel()  # no-op for finished work
         top = openai_request.top_logprobs(body, chat)
         logprobs = [None] * len(choices) if top is None else await asyncio.gather(
-            *(self._logprobs(parsed, text, choice, top, chat) for parsed, choice, text in zip(requests, choices, texts)))
+            *(self._logprobs(choice, top, chat) for choice in choices))
         answers = []
         for choice, text, scored in zip(choices, texts, logprobs):
             if chat:
@@ -344,10 +344,9 @@ class OpenAIApi:
                 answers.append({"index": choice.index, "text": text, "logprobs": scored, "finish_reason": choice.reason})
         return JSONResponse({**header, "choices": answers, "usage": self._usage(requests, choices, body)})
 
-    async def _logprobs(self, parsed, text: str, choice: "_Answer", top: int, chat: bool) -> dict:
+    async def _logprobs(self, choice: "_Answer", top: int, chat: bool) -> dict:
         """The choice's tokens (those its text holds, when a stop string cut it) with the target's log-probabilities."""
-        scored, names = await asyncio.to_thread(self.service.score_choice, parsed.prompt_ids, choice.token_ids, text,
-                                                choice.stopped, parsed.params, top, parsed.constraint)
+        scored, names = await asyncio.to_thread(self.service.score_choice, choice, top)
         if chat:
             def entry(token: int, logprob: float) -> dict:
                 return {"token": names[token], "logprob": logprob, "bytes": list(names[token].encode("utf-8"))}

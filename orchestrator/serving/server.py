@@ -267,22 +267,22 @@ class PolyspecService(pb_grpc.PolyspecServicer):
         with self.prompt_tokenizer() as tokenizer:
             return self.engine.parse_request(raw, tokenizer=tokenizer)
 
-    def score_choice(self, prompt_ids, token_ids: list[int], text: str, stopped: bool, params,
-                     top: int, constraint=None) -> tuple[list[TokenLogprob], dict[int, str]]:
+    def score_choice(self, choice: Choice, top: int) -> tuple[list[TokenLogprob], dict[int, str]]:
         """The target's log-probabilities of a finished choice's tokens (when a stop string cut
-        it, those its `text` holds), and the text of every token they name; `constraint`: the request's
-        structured output (its rows restricted as the chain's were). Blocking: call it from a request thread."""
+        it, those its text holds), and the text of every token they name; a structured-output request's
+        rows restricted as the chain's were. Blocking: call it from a request thread."""
         def decode(ids: list[int]) -> str:
             return tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else ""
 
+        request, token_ids = choice.work.request, choice.token_ids
         with self.prompt_tokenizer() as tokenizer:
-            if stopped:  # the longest prefix of the tokens whose text the answer holds
-                token_ids = token_ids[: max(m for m in range(len(token_ids) + 1) if text.startswith(decode(token_ids[:m])))]
+            if choice.stopped:  # the longest prefix of the tokens whose text the answer holds
+                token_ids = token_ids[: max(m for m in range(len(token_ids) + 1) if choice.text.startswith(decode(token_ids[:m])))]
         with self._scorer_lock:  # request threads: the first that asks for logprobs makes the scorer
             if self.scorer is None:
                 self.scorer = TargetScorer(self.engine.config.tiers[0])
-        grammar = None if constraint is None else self.engine.grammars.start(constraint, len(prompt_ids))
-        scored = self.scorer.score(list(prompt_ids), token_ids, params, top, grammar)
+        grammar = None if request.constraint is None else self.engine.grammars.start(request.constraint, len(request.prompt_ids))
+        scored = self.scorer.score(list(request.prompt_ids), token_ids, request.params, top, grammar)
         with self.prompt_tokenizer() as tokenizer:
             names = {t: tokenizer.decode([t]) if tokenizer is not None else "" for s in scored for t in (s.token_id, *(i for i, _ in s.top))}
         return scored, names
@@ -352,8 +352,7 @@ class PolyspecService(pb_grpc.PolyspecServicer):
                         index=index,
                     )
                     if top is not None:
-                        scored, names = await asyncio.to_thread(self.score_choice, parsed.prompt_ids, choice.token_ids, choice.text,
-                                                                choice.stopped, parsed.params, top, parsed.constraint)
+                        scored, names = await asyncio.to_thread(self.score_choice, choice, top)
                         message.logprobs.extend(logprob_messages(scored, names))
                     yield message
                 else:
