@@ -27,9 +27,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from polyspec.orchestrator.serving.bounded_json import LARGE_REQUEST_BYTES, JsonRefused, loads_bounded, return_memory_soon
-from polyspec.orchestrator.serving.choices import Choice
 from polyspec.orchestrator.serving.jobs import LimitExceeded
-from polyspec.orchestrator.serving.request_loop import Draining, QueueFull, is_unavailable, public_reason
+from polyspec.orchestrator.serving.request_loop import Choice, Draining, QueueFull, is_unavailable, public_reason
 from polyspec.orchestrator.serving.security import Tenants
 from polyspec.orchestrator.serving import openai_request
 from polyspec.orchestrator.serving.openai_request import CHAT_FIELDS, KNOWN_FIELDS, MAX_STOPS, ApiError
@@ -418,7 +417,7 @@ class OpenAIApi:
 
 
 class _Answer(Choice):
-    """One choice of an answer (choices.Choice: cut at the first stop string) as OpenAI shows it: its request's
+    """One choice of an answer (request_loop.Choice: cut at the first stop string) as OpenAI shows it: its request's
     events in, text and OpenAI's finish_reason out."""
 
     @property

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import dataclasses
 import functools
 import hashlib
 import json
@@ -27,7 +28,6 @@ import time
 import grpc
 
 from polyspec.orchestrator.serving.bounded_json import JsonRefused, loads_bounded
-from polyspec.orchestrator.serving.choices import Choice
 from polyspec.orchestrator.serving.jobs import (
     CANCELLED,
     FAILED,
@@ -43,7 +43,7 @@ from polyspec.orchestrator.serving.jobs import (
 from polyspec.orchestrator.serving.logprobs import MAX_TOP_LOGPROBS, TargetScorer, TokenLogprob
 from polyspec.orchestrator.serving.metrics import Metrics
 from polyspec.orchestrator.serving.openai_request import MAX_CHOICES, MAX_MESSAGES
-from polyspec.orchestrator.serving.request_loop import Draining, QueueFull, RoundScheduler, Work, is_unavailable, public_reason
+from polyspec.orchestrator.serving.request_loop import Choice, Draining, QueueFull, RoundScheduler, Work, is_unavailable, public_reason
 from polyspec.orchestrator.serving.security import (
     MAX_ID_CHARS,
     MAX_IDEMPOTENCY_KEY_CHARS,
@@ -160,16 +160,7 @@ def requests_digest(requests) -> str:
 
 
 def job_message(job: JobRecord) -> pb.Job:
-    return pb.Job(
-        job_id=job.job_id,
-        state=JOB_STATES[job.state],
-        total=job.total,
-        completed=job.completed,
-        failed=job.failed,
-        created_at=job.created_at,
-        finished_at=job.finished_at,
-    )
-
+    return fields_message(pb.Job, dataclasses.asdict(job), state=JOB_STATES[job.state])
 
 
 # ------------------------------------------------------------------------- service
@@ -474,15 +465,9 @@ class PolyspecService(pb_grpc.PolyspecServicer):
             changed = self._jobs_changed
             over = job.finished
             for seq, item in await asyncio.to_thread(self.store.results_after, job.job_id, seq):
-                result = item.result or {}
-                yield pb.JobResult(
-                    id=item.id,
-                    token_ids=result.get("token_ids", []),
-                    text=result.get("text", ""),
-                    finish_reason=result.get("finish_reason", ""),
-                    error=item.error,
-                    stats_json=json.dumps(result["stats"]) if "stats" in result else "",
-                )
+                result = item.result or {}  # {id, text, token_ids, finish_reason, stats}; {} for a failed item
+                yield fields_message(pb.JobResult, result, id=item.id, error=item.error,
+                                     stats_json=json.dumps(result["stats"]) if "stats" in result else "")
             if over:
                 return
             try:
