@@ -243,8 +243,11 @@ class OpenAIApi:
             raise _model_not_found(self.service, name)
         return JSONResponse(self._model(name))
 
-    def _check_model(self, body: dict) -> str:
-        """The served name the request asked for (the first one when it named none)."""
+    def _check_model(self, body: dict, chat: bool) -> str:
+        """The body's fields and logprobs checked (completions' or chat's), then the served name it asked for
+        (the first one when it named none)."""
+        openai_request.check_options(body, CHAT_FIELDS if chat else KNOWN_FIELDS)
+        openai_request.top_logprobs(body, chat)
         names = served_names(self.service)
         name = body.get("model")
         if name is None:
@@ -254,9 +257,7 @@ class OpenAIApi:
         return name
 
     async def completions(self, request: Request, tenant: str, body: dict) -> Response:
-        openai_request.check_options(body, KNOWN_FIELDS)
-        openai_request.top_logprobs(body, chat=False)
-        model = self._check_model(body)
+        model = self._check_model(body, chat=False)
         prompts = openai_request.prompts(body)
         if len(prompts) * openai_request.choices(body) > self.limits.max_prompts:
             raise ApiError(413, f"{len(prompts)} prompts x n = {openai_request.choices(body)} choices in one request (at most {self.limits.max_prompts})")
@@ -267,9 +268,7 @@ class OpenAIApi:
         return await self._answer(request, tenant, body, model, requests, chat=False)
 
     async def chat(self, request: Request, tenant: str, body: dict) -> Response:
-        openai_request.check_options(body, CHAT_FIELDS)
-        openai_request.top_logprobs(body, chat=True)
-        model = self._check_model(body)
+        model = self._check_model(body, chat=True)
         if openai_request.choices(body) > self.limits.max_prompts:
             raise ApiError(413, f"n = {openai_request.choices(body)} choices in one request (at most {self.limits.max_prompts})")
         messages = openai_request.messages(body, self.limits.max_prompt_bytes)
