@@ -185,7 +185,7 @@ class Engine:
         per call over all the requests in it (static steps where `_steps`), on a KV pool of its own; a single
         request is a batch of one. `keep_finished`: finished requests whose caches stay for a next prompt that
         extends them."""
-        from polyspec.workers.tiers.batched import batched_tiers
+        from polyspec.workers.tiers.batched import BatchedModelTier, batched_tiers
 
         batching = self.config.batching
         steps = self._steps()  # (batching.max_context bounds a stepping tier's pool)
@@ -200,19 +200,13 @@ class Engine:
             tier.set_max_slots(slots + keep_finished)
         prefill = max(1, batching.max_batched_tokens - self.max_requests)
         spec = self.config.speculation
+        # SpecReason's scores run on the target's BatchedLlama with a pool of its own (allocated at its first score), so a
+        # request's scored prompts take no slot of the round's (a kept finished request keeps its scores too)
+        scorer = BatchedModelTier(self.tiers[0], self.max_requests + 1, model=target)
         self.scheduler = ChainScheduler(tiers, self.config.speculation_lengths(), eos_token_ids=eos, prefill_budget=prefill,
-                                        tree_width=spec.tree_width, scheme=spec.verifier, keep_finished=keep_finished,
-                                        scorer=self._scorer(tiers[0].model))
+                                        tree_width=spec.tree_width, scheme=spec.verifier, keep_finished=keep_finished, scorer=scorer)
         if auto_tune and spec.lengths == "auto" and len(self.tiers) > 1:
             self.scheduler.planner = self.make_planner()
-
-    def _scorer(self, forward):
-        """Where SpecReason's scores run: the target's `forward` (its BatchedLlama) on a pool of its own (allocated at its first score), so
-        a request's scored prompts take no slot of the round's."""
-        from polyspec.workers.tiers.batched import BatchedModelTier
-
-        # (a kept finished request keeps its scores too)
-        return BatchedModelTier(self.tiers[0], self.max_requests + 1, model=forward)
 
     def make_planner(self):
         """Profile each tier's batched forward (a few seconds) and build the goodput planner, with the
