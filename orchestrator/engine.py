@@ -432,36 +432,32 @@ class Engine:
         grammar = getattr(state.params, "grammar", None)
         if grammar is not None and output.finish_reason == FINISH_EOS and grammar.ended_unsatisfiable(output.token_ids):
             output = dataclasses.replace(output, finish_reason=FINISH_GRAMMAR)
-        return self._result(state.request, output, state.started, state.first_commit_at, self._detach(state))
+        return self._result(state, output)
 
     def cancel(self, state: RequestState) -> dict:
-        output = self.scheduler.cancel(state)
-        return self._result(state.request, output, state.started, state.first_commit_at, self._detach(state))
+        return self._result(state, self.scheduler.cancel(state))
 
-    def _detach(self, state: RequestState) -> dict | None:
-        """An approximate request's mode and counts for its result (None when exact); its hooks are removed."""
-        attached = self._approximate.pop(state.seq_id, None)
-        return None if attached is None else attached.detach()
-
-    def _result(self, request: GenerationRequest, output, started: float, first_commit: float | None, approximate: dict | None = None) -> dict:
-        """The result; its stats gain the chain's load (and start-up profile) time and the request's
+    def _result(self, state: RequestState, output) -> dict:
+        """The request's result; its stats gain the chain's load (and start-up profile) time and the request's
         prefill (start to the first committed tokens: the prompt through every tier, and the first
-        round) and decode time (the rest)."""
+        round) and decode time (the rest). An approximate request's hooks are removed, its mode and counts
+        marked in the result."""
         now = time.perf_counter()
-        first_commit = first_commit or now
+        first_commit = state.first_commit_at or now
         timings = {"load_s": round(self.load_s, 3), "profile_s": round(self.profile_s, 3),
-                   "prefill_s": round(first_commit - started, 4), "decode_s": round(now - first_commit, 4)}
+                   "prefill_s": round(first_commit - state.started, 4), "decode_s": round(now - first_commit, 4)}
         result = {
             "text": self.decode(output.token_ids),
             "token_ids": output.token_ids,
             "finish_reason": output.finish_reason,
             "stats": {**output.stats, **timings},
         }
-        if approximate is not None:  # marked in the result and its stats: this text is not the target's own
+        attached = self._approximate.pop(state.seq_id, None)
+        if attached is not None:  # marked in the result and its stats: this text is not the target's own
+            result["stats"]["approximate"] = approximate = attached.detach()
             result["mode"] = approximate["mode"]
-            result["stats"]["approximate"] = approximate
-        if request.id is not None:
-            result = {"id": request.id, **result}
+        if state.request.id is not None:
+            result = {"id": state.request.id, **result}
         return result
 
     def encode(self, text: str) -> list[int]:

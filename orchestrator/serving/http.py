@@ -46,14 +46,10 @@ FINISH_REASONS = {"eos": "stop", "length": "length", "cancelled": "stop", "gramm
 SHOWN_NAME_CHARS = 64  # of a model name an error quotes back
 
 
-def model_name(service) -> str:
-    target = service.engine.config.tiers[0]
-    return Path(target.model).name if Path(target.model).exists() else target.model
-
-
 def served_names(service) -> list[str]:
     """The names the API answers to: `serve --served-model-name`, or the target's folder name or id."""
-    return list(service.served_model_names or [model_name(service)])
+    target = service.engine.config.tiers[0].model
+    return list(service.served_model_names or [Path(target).name if Path(target).exists() else target])
 
 
 def _shown(name: str) -> str:
@@ -136,10 +132,6 @@ def parse_json_body(raw: bytes, max_bytes: int) -> dict:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     return body
-
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
 
 
 def _failure(exc: Exception) -> ApiError:
@@ -301,7 +293,8 @@ class OpenAIApi:
     def _usage(requests: list, choices: list["_Answer"], body: dict) -> dict:
         # a prompt counts once however many choices it has (as OpenAI counts it)
         prompt_tokens = sum(len(r.prompt_ids) for r in requests[:: openai_request.choices(body)])
-        usage = _usage(prompt_tokens, sum(len(choice.token_ids) for choice in choices))
+        completion_tokens = sum(len(choice.token_ids) for choice in choices)
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
         if any(choice.plans for choice in choices):  # polyspec's extension (lengths: auto): per choice, the planner's plans
             usage["polyspec_plans"] = [choice.plans for choice in choices]
         return usage
