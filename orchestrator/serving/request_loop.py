@@ -49,7 +49,6 @@ class Work:
     cancelled: bool = False  # set from any thread; honoured before the next round
     stops: tuple[str, ...] = ()  # stop strings that end it (the batch's TextStream)
     state: Any = None
-    token_ids: list[int] = dataclasses.field(default_factory=list)  # committed (up to the stop-completing token)
     started_at: float | None = None
     first_token_at: float | None = None
 
@@ -304,7 +303,6 @@ class RoundScheduler(threading.Thread):
             work.first_token_at = time.perf_counter()
             if work.job_item is None:
                 self.metrics.first_token(work.first_token_at - work.received_at)
-        work.token_ids.extend(tokens)
         self.metrics.tokens(len(tokens))
         if work.on_event is not None:
             work.on_event("delta", (list(tokens), text))
@@ -354,7 +352,7 @@ class RoundScheduler(threading.Thread):
 
     def _cancel(self, work: Work) -> None:
         """Stop `work` and free its caches (`Engine.cancel`)."""
-        result = {"token_ids": work.token_ids, "finish_reason": "cancelled", "stats": {}}
+        result = {"token_ids": [], "finish_reason": "cancelled", "stats": {}}  # (never admitted: nothing committed)
         if work.state is not None:
             try:
                 result = self.batch.cancel(work.state)
