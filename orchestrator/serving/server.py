@@ -512,6 +512,3 @@ class PolyspecService(pb_grpc.PolyspecServicer):
             for tier, config in zip(self.engine.tiers, self.engine.config.tiers):
                 response.tiers.add(tier=tier.name, model=config.model, up=tier.up, busy_s=tier.busy_s)
         return response
-
-
-# ------------------------------------------------------------------ the guard
