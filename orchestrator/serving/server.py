@@ -379,13 +379,10 @@ class PolyspecService(pb_grpc.PolyspecServicer):
                 job = await asyncio.to_thread(self.store.create, [], tenant, key, digest=digest)
                 if job is not None:
                     return job_message(job)
-            try:
+            try:  # a prompt over its limit, or a job over the store's
                 items = await asyncio.to_thread(self._job_items, request.requests)  # tokenizing many prompts: off the loop
-            except LimitExceeded as exc:
-                await self._refuse(context, exhausted, str(exc))
-            if isinstance(items, str):
-                await self._refuse(context, invalid, items)
-            try:
+                if isinstance(items, str):
+                    await self._refuse(context, invalid, items)
                 job = await asyncio.to_thread(self.store.create, items, tenant, key or None, self.job_quota(tenant), digest)
             except LimitExceeded as exc:
                 await self._refuse(context, exhausted, str(exc))
