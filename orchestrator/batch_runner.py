@@ -35,7 +35,7 @@ import dataclasses
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any, Callable, Iterable
 
-from polyspec.orchestrator.decode.contract import FINISH_STOP, BatchDecoder
+from polyspec.orchestrator.decode.contract import FINISH_STOP
 from polyspec.orchestrator.tokenization import TextStream
 from polyspec.workers.core.sampling import RandomStream
 
@@ -76,11 +76,9 @@ def _restore_random_streams(states: list, saved: list[list]) -> None:
 
 def _step(engine, states: list) -> list[tuple[Any, list[int]]]:
     """Prefill joining requests, then one batched round of every state whose prompt is cached."""
-    scheduler = engine.scheduler
-    ready = states
-    if isinstance(scheduler, BatchDecoder):
-        scheduler.prefill(states)
-        ready = [s for s in states if s.done or scheduler.ready(s)]
+    scheduler = engine.scheduler  # a batched engine's decoder is a BatchDecoder
+    scheduler.prefill(states)
+    ready = [s for s in states if s.done or scheduler.ready(s)]
     emitted = engine.step_all(ready) if ready else []
     return list(zip(ready, emitted))
 

@@ -1,4 +1,5 @@
-"""`polyspec` command line: generate, batch, zoo.
+"""`polyspec` command line: generate, chat, batch, zoo, tune, bench, train-draft, validate; serve, submit
+and jobs (serving_cli).
 
 A user mistake prints one line, `polyspec: error: ...`, and exits with status 2;
 nothing a user can fix ends in a traceback.
@@ -316,8 +317,6 @@ def _finished_results(path: Path) -> list[str]:
 
 
 def cmd_batch(args) -> int:
-    import threading
-
     from tqdm import tqdm
 
     input_path, output_path = Path(args.input), Path(args.output)
@@ -345,26 +344,24 @@ def cmd_batch(args) -> int:
     from polyspec.orchestrator.decode.contract import PlanTally
 
     chains = PlanTally()  # the planner's chains over every result (--stats: "plans")
-    write_lock = threading.Lock()
     started = time.perf_counter()
     tokens = [0]
     reported, written = [started], [0]
     with open(output_path, "a" if args.resume else "w", encoding="utf-8") as out, \
             tqdm(total=len(todo), desc="batch", unit="req", file=sys.stderr, disable=None) as progress:
 
-        def write(result: dict) -> None:
-            with write_lock:
-                out.write(json.dumps(result) + "\n")
-                out.flush()  # a result is on disk as soon as it is done
-                os.fsync(out.fileno())
-                tokens[0] += len(result.get("token_ids", ()))
-                chains.add((result.get("stats") or {}).get("plans", []))
-                written[0] += 1
-                progress.update(1)
-                now = time.perf_counter()
-                if progress.disable and now - reported[0] >= PROGRESS_EVERY_S:  # not a terminal (a log file): a line now and then
-                    reported[0] = now
-                    print(f"polyspec: {written[0]}/{len(todo)} requests, {tokens[0]} tokens in {now - started:.0f}s", file=sys.stderr, flush=True)
+        def write(result: dict) -> None:  # (on this thread only: run_requests reports on its caller's thread)
+            out.write(json.dumps(result) + "\n")
+            out.flush()  # a result is on disk as soon as it is done
+            os.fsync(out.fileno())
+            tokens[0] += len(result.get("token_ids", ()))
+            chains.add((result.get("stats") or {}).get("plans", []))
+            written[0] += 1
+            progress.update(1)
+            now = time.perf_counter()
+            if progress.disable and now - reported[0] >= PROGRESS_EVERY_S:  # not a terminal (a log file): a line now and then
+                reported[0] = now
+                print(f"polyspec: {written[0]}/{len(todo)} requests, {tokens[0]} tokens in {now - started:.0f}s", file=sys.stderr, flush=True)
 
         # the one request loop (batch_runner): a batched chain steps every running request in one round; one that is
         # not batched takes their rounds in turn (embedded: one request at a time; distributed: `concurrency` in flight)
@@ -458,18 +455,15 @@ def cmd_tune(args) -> int:
     return run(args, config)
 
 
-COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "batch": cmd_batch, "zoo": cmd_zoo, "bench": cmd_bench, "tune": cmd_tune}
-COMMANDS.update(serving_cli.COMMANDS)  # serve, submit, jobs
-COMMANDS["validate"] = validate.cmd_validate
-
-
 def cmd_train_draft(args) -> int:
     from polyspec.harness.train_draft import cmd_train_draft as run
 
     return run(args)
 
 
-COMMANDS["train-draft"] = cmd_train_draft
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "batch": cmd_batch, "zoo": cmd_zoo, "bench": cmd_bench, "tune": cmd_tune,
+            "validate": validate.cmd_validate, "train-draft": cmd_train_draft,
+            **serving_cli.COMMANDS}  # serve, submit, jobs
 
 
 def main(argv: list[str] | None = None) -> int:

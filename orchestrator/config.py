@@ -258,16 +258,13 @@ def _parse_tier(index: int, raw: Any, base_dir: Path | None) -> TierConfig:
     if "model" not in values:
         raise ConfigError(f"{section} has no 'model' (a Hugging Face id, a local path, or 'ngram')")
     values.setdefault("name", f"tier{index}")
-    for key, kind in (("name", str), ("model", str), ("dtype", str), ("device", str)):
+    for key, kind in (("name", str), ("model", str), ("dtype", str), ("device", str), ("max_ngram", int), ("min_ngram", int)):
         if key in values:
             _typed(section, key, values[key], kind)
     if values.get("threads") != AUTO and "threads" in values:
         values["threads"] = _typed(section, "threads", values["threads"], int, allow_none=True)
         if values["threads"] is not None and values["threads"] < 1:
             raise ConfigError(f"config key '{section}.threads' must be >= 1 or auto, got {values['threads']}")
-    for key in ("max_ngram", "min_ngram"):
-        if key in values:
-            _typed(section, key, values[key], int)
     if values.get("dtype", "float32") not in (*DTYPES, AUTO):
         raise ConfigError(f"{section}.dtype must be one of {', '.join(DTYPES)} or {AUTO}, got {values['dtype']!r}")
     if values.get("quantize") is not None and values["quantize"] not in QUANTIZE:

@@ -1,8 +1,8 @@
 """The engine: a loaded chain plus request handling (validation, tokenization, results).
 
 It loads the tiers and builds the one decoder over them: the round (`ChainScheduler`) over the
-runtime tiers (the same for one request or many: `batched` only sets how many run at once) or
-over the device round's tiers, or a Ray chain's driver; and its planner. `generate`, `chat`,
+one tier family (the same for one request or many: `batched` only sets how many run at once; on
+CUDA its static-shape steps), or a Ray chain's driver; and its planner. `generate`, `chat`,
 `batch`, jobs and `serve` all parse requests here (`parse_request`), so a request means the same
 thing everywhere:
 
@@ -30,7 +30,7 @@ import time
 from typing import Any, Callable
 
 from polyspec.orchestrator.batch_runner import run_requests
-from polyspec.orchestrator.decode.contract import FINISH_EOS, BatchDecoder, RequestState
+from polyspec.orchestrator.decode.contract import FINISH_EOS, RequestState
 from polyspec.orchestrator.decode.scheduler import ChainScheduler
 from polyspec.orchestrator.config import ChainConfig
 from polyspec.orchestrator.tokenization import encode_chat, encode_prompt, stop_token_ids
@@ -60,6 +60,15 @@ class GenerationRequest:
     approximate: ApproximateMode = ApproximateMode()  # exact unless the request or the config names a mode
     constraint: ConstraintSpec | None = None  # structured output (json_schema / regex / grammar), compiled; None: free
 
+    def choice(self, index: int) -> "GenerationRequest":
+        """Choice `index` of a request asking for several (OpenAI's `n`, gRPC's `n`): choice 0 is the request
+        itself, so n = 1 means what it always did; the others sample from independent streams derived from
+        (seed, index) (an unseeded request's choices are independent anyway)."""
+        if self.seed is None or index == 0:
+            return self
+        digest = hashlib.blake2b(self.seed.to_bytes(8, "little") + index.to_bytes(4, "little"), digest_size=8, person=b"polyspec-n")
+        return dataclasses.replace(self, seed=int.from_bytes(digest.digest(), "little") >> 1)
+
 
 def _number(name: str, value, kind):
     if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
@@ -76,15 +85,6 @@ def seed_stream(seed: int | None) -> int | None:
     if seed is None:
         return None
     return int.from_bytes(hashlib.blake2b(int(seed).to_bytes(8, "little"), digest_size=8).digest(), "little") >> 1
-
-
-def choice_seed(seed: int, choice: int) -> int:
-    """The seed of choice `choice` of a request asking for several (OpenAI's `n`): choice 0
-    keeps `seed`, so n = 1 means what it always did; the others get independent streams."""
-    if choice == 0 or not 0 <= seed < SEED_LIMIT:
-        return seed  # (an out-of-range seed is reported by parse_request)
-    digest = hashlib.blake2b(seed.to_bytes(8, "little") + choice.to_bytes(4, "little"), digest_size=8, person=b"polyspec-n")
-    return int.from_bytes(digest.digest(), "little") >> 1
 
 
 def requests_within_memory(max_requests: int, kv_memory_mb: int | None, bytes_per_request: int) -> int:
@@ -185,7 +185,7 @@ class Engine:
         per call over all the requests in it (static steps where `_steps`), on a KV pool of its own; a single
         request is a batch of one. `keep_finished`: finished requests whose caches stay for a next prompt that
         extends them."""
-        from polyspec.workers.tiers.batched import batched_tiers
+        from polyspec.workers.tiers.batched import BatchedModelTier, batched_tiers
 
         batching = self.config.batching
         steps = self._steps()  # (batching.max_context bounds a stepping tier's pool)
@@ -200,19 +200,13 @@ class Engine:
             tier.set_max_slots(slots + keep_finished)
         prefill = max(1, batching.max_batched_tokens - self.max_requests)
         spec = self.config.speculation
+        # SpecReason's scores run on the target's BatchedLlama with a pool of its own (allocated at its first score), so a
+        # request's scored prompts take no slot of the round's (a kept finished request keeps its scores too)
+        scorer = BatchedModelTier(self.tiers[0], self.max_requests + 1, model=target)
         self.scheduler = ChainScheduler(tiers, self.config.speculation_lengths(), eos_token_ids=eos, prefill_budget=prefill,
-                                        tree_width=spec.tree_width, scheme=spec.verifier, keep_finished=keep_finished,
-                                        scorer=self._scorer(tiers[0].model))
+                                        tree_width=spec.tree_width, scheme=spec.verifier, keep_finished=keep_finished, scorer=scorer)
         if auto_tune and spec.lengths == "auto" and len(self.tiers) > 1:
             self.scheduler.planner = self.make_planner()
-
-    def _scorer(self, forward):
-        """Where SpecReason's scores run: the target's `forward` (its BatchedLlama) on a pool of its own (allocated at its first score), so
-        a request's scored prompts take no slot of the round's."""
-        from polyspec.workers.tiers.batched import BatchedModelTier
-
-        # (a kept finished request keeps its scores too)
-        return BatchedModelTier(self.tiers[0], self.max_requests + 1, model=forward)
 
     def make_planner(self):
         """Profile each tier's batched forward (a few seconds) and build the goodput planner, with the
@@ -236,20 +230,17 @@ class Engine:
                             tree_width=self.config.speculation.tree_width, **goodput_options(self.config.tuning, distributed))
 
     def step_all(self, states: list[RequestState]) -> list[list[int]]:
-        """One round of every request in `states` (batched chains: one forward per tier; otherwise in turn)."""
-        driven = {i for i, state in enumerate(states) if getattr(self._approximate.get(state.seq_id), "driver", None) is not None}
-        if isinstance(self.scheduler, BatchDecoder):
-            rounds = [state for i, state in enumerate(states) if i not in driven]
-            batched = iter(self.scheduler.step_all(rounds) if rounds else [])
-            # a step-level approximate request (its own driver) steps alone, after the batched round
-            emitted = [self._approximate[state.seq_id].driver.step(state) if i in driven else next(batched)
-                       for i, state in enumerate(states)]
-        else:
-            emitted = [self._approximate[state.seq_id].driver.step(state) if i in driven else self.scheduler.step(state)
-                       for i, state in enumerate(states)]
-        for state, tokens in zip(states, emitted):
-            _note_commit(state, tokens)
-        return emitted
+        """One batched round of every request in `states` (one forward per tier); a request in a step-level
+        approximate mode takes one of its own driver's steps instead, alone, after the batched round."""
+        drivers = [self._driver(state) for state in states]
+        rounds = [state for state, driver in zip(states, drivers) if driver is None]
+        batched = iter(self.scheduler.step_all(rounds) if rounds else [])
+        return [_note_commit(state, next(batched) if driver is None else driver.step(state))
+                for state, driver in zip(states, drivers)]
+
+    def _driver(self, state: RequestState):
+        """The step-level driver of an approximate request that has one (None: the chain's round steps it)."""
+        return getattr(self._approximate.get(state.seq_id), "driver", None)
 
     def _start_ray(self, auto_tune: bool, batched: bool, keep_finished: int = 0) -> None:
         """The tiers run as Ray actors (polyspec.orchestrator.distributed.ray_runtime); this process only drives them."""
@@ -434,46 +425,39 @@ class Engine:
     def step(self, state: RequestState) -> list[int]:
         """One target verification round; the newly committed token ids (empty once done).
         A request in a step-level approximate mode advances by one of its driver's steps instead."""
-        attached = self._approximate.get(state.seq_id)
-        if attached is not None and attached.driver is not None:
-            return _note_commit(state, attached.driver.step(state))
-        return _note_commit(state, self.scheduler.step(state))
+        return _note_commit(state, (self._driver(state) or self.scheduler).step(state))
 
     def finish(self, state: RequestState) -> dict:
         output = self.scheduler.finish(state)
         grammar = getattr(state.params, "grammar", None)
         if grammar is not None and output.finish_reason == FINISH_EOS and grammar.ended_unsatisfiable(output.token_ids):
             output = dataclasses.replace(output, finish_reason=FINISH_GRAMMAR)
-        return self._result(state.request, output, state.started, state.first_commit_at, self._detach(state))
+        return self._result(state, output)
 
     def cancel(self, state: RequestState) -> dict:
-        output = self.scheduler.cancel(state)
-        return self._result(state.request, output, state.started, state.first_commit_at, self._detach(state))
+        return self._result(state, self.scheduler.cancel(state))
 
-    def _detach(self, state: RequestState) -> dict | None:
-        """An approximate request's mode and counts for its result (None when exact); its hooks are removed."""
-        attached = self._approximate.pop(state.seq_id, None)
-        return None if attached is None else attached.detach()
-
-    def _result(self, request: GenerationRequest, output, started: float, first_commit: float | None, approximate: dict | None = None) -> dict:
-        """The result; its stats gain the chain's load (and start-up profile) time and the request's
+    def _result(self, state: RequestState, output) -> dict:
+        """The request's result; its stats gain the chain's load (and start-up profile) time and the request's
         prefill (start to the first committed tokens: the prompt through every tier, and the first
-        round) and decode time (the rest)."""
+        round) and decode time (the rest). An approximate request's hooks are removed, its mode and counts
+        marked in the result."""
         now = time.perf_counter()
-        first_commit = first_commit or now
+        first_commit = state.first_commit_at or now
         timings = {"load_s": round(self.load_s, 3), "profile_s": round(self.profile_s, 3),
-                   "prefill_s": round(first_commit - started, 4), "decode_s": round(now - first_commit, 4)}
+                   "prefill_s": round(first_commit - state.started, 4), "decode_s": round(now - first_commit, 4)}
         result = {
             "text": self.decode(output.token_ids),
             "token_ids": output.token_ids,
             "finish_reason": output.finish_reason,
             "stats": {**output.stats, **timings},
         }
-        if approximate is not None:  # marked in the result and its stats: this text is not the target's own
+        attached = self._approximate.pop(state.seq_id, None)
+        if attached is not None:  # marked in the result and its stats: this text is not the target's own
+            result["stats"]["approximate"] = approximate = attached.detach()
             result["mode"] = approximate["mode"]
-            result["stats"]["approximate"] = approximate
-        if request.id is not None:
-            result = {"id": request.id, **result}
+        if state.request.id is not None:
+            result = {"id": state.request.id, **result}
         return result
 
     def encode(self, text: str) -> list[int]:

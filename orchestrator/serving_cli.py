@@ -8,6 +8,8 @@ A server-side error is one line naming its gRPC status, e.g.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -106,35 +108,29 @@ def cmd_serve(args) -> int:
 # ------------------------------------------------------------------------ clients
 
 
-class _Connection:
-    """A Client from the common flags; ClientError -> one-line RequestError."""
+@contextlib.contextmanager
+def _connection(args):
+    """A Client from the common flags, closed at the end; ClientError -> one-line RequestError."""
+    from polyspec.client import Client, ClientError, Unavailable
 
-    def __init__(self, args) -> None:
-        from polyspec.client import Client
-
-        self.address = args.server or os.environ.get(SERVER_ENV) or "127.0.0.1:50051"
-        token = os.environ.get(TOKEN_ENV)
-        if args.auth_token_file:
-            try:
-                token = Path(args.auth_token_file).read_text(encoding="utf-8").strip()
-            except OSError as exc:
-                raise RequestError(f"cannot read auth token file {args.auth_token_file}: {exc.strerror or exc}") from None
-        if args.tls_ca and not Path(args.tls_ca).is_file():
-            raise RequestError(f"TLS CA file not found: {args.tls_ca}")
-        self.client = Client(self.address, token=token, tls=args.tls_ca)
-
-    def __enter__(self):
-        return self.client
-
-    def __exit__(self, _kind, exc, _tb):
-        from polyspec.client import ClientError, Unavailable
-
-        self.client.close()
+    address = args.server or os.environ.get(SERVER_ENV) or "127.0.0.1:50051"
+    token = os.environ.get(TOKEN_ENV)
+    if args.auth_token_file:
+        try:
+            token = Path(args.auth_token_file).read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise RequestError(f"cannot read auth token file {args.auth_token_file}: {exc.strerror or exc}") from None
+    if args.tls_ca and not Path(args.tls_ca).is_file():
+        raise RequestError(f"TLS CA file not found: {args.tls_ca}")
+    client = Client(address, token=token, tls=args.tls_ca)
+    try:
+        yield client
+    except ClientError as exc:
         if isinstance(exc, Unavailable) and "connect" in exc.details.lower():
-            raise RequestError(f"cannot reach a polyspec server at {self.address} (is `polyspec serve` running?)") from None
-        if isinstance(exc, ClientError):
-            raise RequestError(f"{exc.code.name}: {exc.details}") from None
-        return False
+            raise RequestError(f"cannot reach a polyspec server at {address} (is `polyspec serve` running?)") from None
+        raise RequestError(f"{exc.code.name}: {exc.details}") from None
+    finally:
+        client.close()
 
 
 def read_requests(path: str) -> list[dict]:
@@ -188,7 +184,7 @@ def _describe(job) -> str:
 
 def cmd_submit(args) -> int:
     requests = read_requests(args.input)
-    with _Connection(args) as client:
+    with _connection(args) as client:
         job = client.submit_job(requests, idempotency_key=args.idempotency_key, retry_s=args.retry_s)
         print(job.job_id, flush=True)
         if not args.wait:
@@ -207,23 +203,17 @@ def cmd_submit(args) -> int:
 
 
 def cmd_jobs(args) -> int:
-    with _Connection(args) as client:
+    with _connection(args) as client:
         if args.jobs_command == "list":
             for job in client.jobs():
                 print(_describe(job))
         elif args.jobs_command == "status":
-            print(json.dumps(_job_dict(client.job(args.job_id))))
+            print(json.dumps(dataclasses.asdict(client.job(args.job_id))))
         elif args.jobs_command == "results":
             _write_results(client.results(args.job_id), args.output)
         elif args.jobs_command == "cancel":
             print(_describe(client.cancel(args.job_id)))
     return 0
-
-
-def _job_dict(job) -> dict:
-    import dataclasses
-
-    return dataclasses.asdict(job)
 
 
 COMMANDS = {"serve": cmd_serve, "submit": cmd_submit, "jobs": cmd_jobs}

@@ -43,11 +43,6 @@ def without_strings(raw: bytes) -> bytes:
     return _STRING.sub(b"", blanked)
 
 
-def skeleton(raw: bytes) -> bytes:
-    """The brackets of `raw` outside its strings, in order."""
-    return without_strings(raw).translate(None, _NOT_BRACKETS)
-
-
 def deepest(brackets: bytes, limit: int) -> int:
     """The deepest nesting of `brackets`, stopping at the first level past `limit`."""
     depth = deepest_seen = 0

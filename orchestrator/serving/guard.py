@@ -12,6 +12,7 @@ import grpc
 from polyspec.orchestrator.serving.bounded_json import LARGE_REQUEST_BYTES, return_memory_soon
 from polyspec.orchestrator.serving.jobs import BROKEN, DAMAGED, FULL, TROUBLE, trouble
 from polyspec.orchestrator.serving.metrics import Metrics
+from polyspec.orchestrator.serving.request_loop import INTERNAL_REASON
 from polyspec.orchestrator.serving.security import Tenants
 from polyspec.protos.polyspec.v1 import polyspec_pb2 as pb
 
@@ -83,7 +84,7 @@ async def _unexpected(exc: Exception, method: str, context, metrics: Metrics) ->
         metrics.request_finished("resource_exhausted" if kind == FULL else "internal")
         await context.abort(STORE_STATUS[kind], TROUBLE[kind] + ("; retry later" if kind == FULL else ""))
     metrics.request_finished("internal")
-    await context.abort(grpc.StatusCode.INTERNAL, "internal error (the server's log has the details)")
+    await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_REASON)
 
 
 def _tolerant(handler, method: str, metrics: Metrics):

@@ -27,9 +27,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from polyspec.orchestrator.serving.bounded_json import LARGE_REQUEST_BYTES, JsonRefused, loads_bounded, return_memory_soon
-from polyspec.orchestrator.serving.choices import Choice
 from polyspec.orchestrator.serving.jobs import LimitExceeded
-from polyspec.orchestrator.serving.request_loop import Draining, QueueFull, Work, is_unavailable, public_reason
+from polyspec.orchestrator.serving.request_loop import Choice, Draining, QueueFull, is_unavailable, public_reason
 from polyspec.orchestrator.serving.security import Tenants
 from polyspec.orchestrator.serving import openai_request
 from polyspec.orchestrator.serving.openai_request import CHAT_FIELDS, KNOWN_FIELDS, MAX_STOPS, ApiError
@@ -47,14 +46,10 @@ FINISH_REASONS = {"eos": "stop", "length": "length", "cancelled": "stop", "gramm
 SHOWN_NAME_CHARS = 64  # of a model name an error quotes back
 
 
-def model_name(service) -> str:
-    target = service.engine.config.tiers[0]
-    return Path(target.model).name if Path(target.model).exists() else target.model
-
-
 def served_names(service) -> list[str]:
     """The names the API answers to: `serve --served-model-name`, or the target's folder name or id."""
-    return list(service.served_model_names or [model_name(service)])
+    target = service.engine.config.tiers[0].model
+    return list(service.served_model_names or [Path(target).name if Path(target).exists() else target])
 
 
 def _shown(name: str) -> str:
@@ -139,10 +134,6 @@ def parse_json_body(raw: bytes, max_bytes: int) -> dict:
     return body
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
-
-
 def _failure(exc: Exception) -> ApiError:
     """A request the request loop failed (and counted already)."""
     if isinstance(exc, RequestError):
@@ -210,30 +201,18 @@ class OpenAIApi:
 
         return run
 
-    async def _parse_all(self, raws: list[dict]) -> list:
+    async def _parse_all(self, raws: list[dict], body: dict) -> list:
+        """Each prompt's request validated and tokenized once, then one request per choice (`n`), a prompt's together."""
         service = self.service
         try:
             for raw in raws:
                 service.check_sizes(raw)
-            return await asyncio.to_thread(lambda: [service.parse_now(raw) for raw in raws])
+            parsed = await asyncio.to_thread(lambda: [service.parse_now(raw) for raw in raws])
         except LimitExceeded as exc:
             raise ApiError(413, str(exc)) from None
         except RequestError as exc:
             raise ApiError(400, str(exc)) from None
-
-    def _submit(self, requests: list, tenant: str, stops: tuple[str, ...]) -> list[tuple[Work, asyncio.Queue]]:
-        """Queue every request, or none of them (each counts against `tenant`'s share of the queue)."""
-        pairs = []
-        for parsed in requests:
-            events, on_event = self.service.events()
-            pairs.append((Work(parsed, on_event=on_event, tenant=tenant, stops=stops), events))
-        try:
-            self.service.scheduler.submit_all([work for work, _ in pairs])
-        except QueueFull as exc:
-            raise ApiError(429, str(exc), "rate_limit_error") from None
-        except Draining as exc:
-            raise ApiError(503, str(exc), "server_error") from None
-        return pairs
+        return [request.choice(j) for request in parsed for j in range(openai_request.choices(body))]
 
     # ------------------------------------------------------------------ routes
 
@@ -256,8 +235,11 @@ class OpenAIApi:
             raise _model_not_found(self.service, name)
         return JSONResponse(self._model(name))
 
-    def _check_model(self, body: dict) -> str:
-        """The served name the request asked for (the first one when it named none)."""
+    def _check_model(self, body: dict, chat: bool) -> str:
+        """The body's fields and logprobs checked (completions' or chat's), then the served name it asked for
+        (the first one when it named none)."""
+        openai_request.check_options(body, CHAT_FIELDS if chat else KNOWN_FIELDS)
+        openai_request.top_logprobs(body, chat)
         names = served_names(self.service)
         name = body.get("model")
         if name is None:
@@ -267,22 +249,18 @@ class OpenAIApi:
         return name
 
     async def completions(self, request: Request, tenant: str, body: dict) -> Response:
-        openai_request.check_options(body, KNOWN_FIELDS)
-        openai_request.top_logprobs(body, chat=False)
-        model = self._check_model(body)
+        model = self._check_model(body, chat=False)
         prompts = openai_request.prompts(body)
         if len(prompts) * openai_request.choices(body) > self.limits.max_prompts:
             raise ApiError(413, f"{len(prompts)} prompts x n = {openai_request.choices(body)} choices in one request (at most {self.limits.max_prompts})")
         stream = bool(body.get("stream"))
         if stream and len(prompts) > 1:
             raise ApiError(400, "stream: true takes one prompt")
-        requests = await self._parse_all([raw for prompt in prompts for raw in openai_request.raw_requests(body, prompt, DEFAULT_MAX_TOKENS)])
+        requests = await self._parse_all([openai_request.raw_request(body, prompt, DEFAULT_MAX_TOKENS) for prompt in prompts], body)
         return await self._answer(request, tenant, body, model, requests, chat=False)
 
     async def chat(self, request: Request, tenant: str, body: dict) -> Response:
-        openai_request.check_options(body, CHAT_FIELDS)
-        openai_request.top_logprobs(body, chat=True)
-        model = self._check_model(body)
+        model = self._check_model(body, chat=True)
         if openai_request.choices(body) > self.limits.max_prompts:
             raise ApiError(413, f"n = {openai_request.choices(body)} choices in one request (at most {self.limits.max_prompts})")
         messages = openai_request.messages(body, self.limits.max_prompt_bytes)
@@ -296,21 +274,27 @@ class OpenAIApi:
             ids = await asyncio.to_thread(encode)
         except RequestError as exc:
             raise ApiError(400, str(exc)) from None
-        requests = await self._parse_all(openai_request.raw_requests(body, ids, None))
+        requests = await self._parse_all([openai_request.raw_request(body, ids, None)], body)
         return await self._answer(request, tenant, body, model, requests, chat=True)
 
     # ---------------------------------------------------------------- answers
 
-    def _choices_of(self, requests: list, body: dict, tenant: str) -> list["_Answer"]:
+    def _choices_of(self, requests: list, body: dict, tenant: str) -> tuple[list["_Answer"], asyncio.Queue]:
+        """Every request queued (or none: each counts against `tenant`'s share of the queue), and the queue of their events."""
         stops = check_stops(body.get("stop"), "'stop'", limit=MAX_STOPS)
-        return [_Answer(index, work, events, self.service.scheduler)
-                for index, (work, events) in enumerate(self._submit(requests, tenant, stops))]
+        try:
+            return self.service.submit(requests, tenant, stops, _Answer)
+        except QueueFull as exc:
+            raise ApiError(429, str(exc), "rate_limit_error") from None
+        except Draining as exc:
+            raise ApiError(503, str(exc), "server_error") from None
 
     @staticmethod
     def _usage(requests: list, choices: list["_Answer"], body: dict) -> dict:
         # a prompt counts once however many choices it has (as OpenAI counts it)
         prompt_tokens = sum(len(r.prompt_ids) for r in requests[:: openai_request.choices(body)])
-        usage = _usage(prompt_tokens, sum(len(choice.token_ids) for choice in choices))
+        completion_tokens = sum(len(choice.token_ids) for choice in choices)
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
         if any(choice.plans for choice in choices):  # polyspec's extension (lengths: auto): per choice, the planner's plans
             usage["polyspec_plans"] = [choice.plans for choice in choices]
         return usage
@@ -325,8 +309,8 @@ class OpenAIApi:
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             return await self._stream(header, body, requests, include_usage, chat, tenant)
-        choices = self._choices_of(requests, body, tenant)
-        collecting = asyncio.ensure_future(asyncio.gather(*(choice.collect() for choice in choices)))
+        choices, events = self._choices_of(requests, body, tenant)
+        collecting = asyncio.ensure_future(_collect(choices, events))
         watching = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait({collecting, watching}, return_when=asyncio.FIRST_COMPLETED)
@@ -341,7 +325,7 @@ class OpenAIApi:
                 choice.cancel()  # no-op for finished work
         top = openai_request.top_logprobs(body, chat)
         logprobs = [None] * len(choices) if top is None else await asyncio.gather(
-            *(self._logprobs(parsed, text, choice, top, chat) for parsed, choice, text in zip(requests, choices, texts)))
+            *(self._logprobs(choice, top, chat) for choice in choices))
         answers = []
         for choice, text, scored in zip(choices, texts, logprobs):
             if chat:
@@ -351,10 +335,9 @@ class OpenAIApi:
                 answers.append({"index": choice.index, "text": text, "logprobs": scored, "finish_reason": choice.reason})
         return JSONResponse({**header, "choices": answers, "usage": self._usage(requests, choices, body)})
 
-    async def _logprobs(self, parsed, text: str, choice: "_Answer", top: int, chat: bool) -> dict:
+    async def _logprobs(self, choice: "_Answer", top: int, chat: bool) -> dict:
         """The choice's tokens (those its text holds, when a stop string cut it) with the target's log-probabilities."""
-        scored, names = await asyncio.to_thread(self.service.score_choice, parsed.prompt_ids, choice.token_ids, text,
-                                                choice.stopped, parsed.params, top, parsed.constraint)
+        scored, names = await asyncio.to_thread(self.service.score_choice, choice, top)
         if chat:
             def entry(token: int, logprob: float) -> dict:
                 return {"token": names[token], "logprob": logprob, "bytes": list(names[token].encode("utf-8"))}
@@ -370,24 +353,20 @@ class OpenAIApi:
 
     async def _stream(self, header: dict, body: dict, requests: list, include_usage: bool, chat: bool,
                       tenant: str) -> Response:
-        choices = self._choices_of(requests, body, tenant)
-        merged: asyncio.Queue = asyncio.Queue()  # (choice, event) of every choice, as they come
-        pumps = [asyncio.ensure_future(choice.pump(merged)) for choice in choices]
+        choices, events = self._choices_of(requests, body, tenant)  # (choice index, kind, payload) of every choice, as they come
 
         def stop_all() -> None:
-            for pump in pumps:
-                pump.cancel()
             for choice in choices:
                 choice.cancel()
 
         try:
-            first = await merged.get()  # an error before any token is still a plain JSON error
+            first = await events.get()  # an error before any token is still a plain JSON error
         except asyncio.CancelledError:
             stop_all()
             raise
-        if first[1][0] == "error":
+        if first[1] == "error":
             stop_all()
-            raise _failure(first[1][1])
+            raise _failure(first[2])
         header = {**header, "object": "chat.completion.chunk" if chat else "text_completion"}
 
         def chunk(index: int, text: str | None, reason: str | None, role: bool = False) -> bytes:
@@ -405,9 +384,9 @@ class OpenAIApi:
                         yield chunk(choice.index, "", None, role=True)
                 pending, item = len(choices), first
                 while True:
-                    choice, event = item
+                    choice = choices[item[0]]
                     try:
-                        text, done = choice.handle(event)
+                        text, done = choice.handle(item[1:])
                     except ApiError as error:
                         yield b"data: " + json.dumps(_error_body(error)).encode() + b"\n\n"
                         break
@@ -421,7 +400,7 @@ class OpenAIApi:
                             usage = self._usage(requests, choices, body)
                             yield b"data: " + json.dumps({**header, "choices": [], "usage": usage}).encode() + b"\n\n"
                         break
-                    item = await merged.get()
+                    item = await events.get()
                 yield b"data: [DONE]\n\n"
             finally:
                 stop_all()  # the client went away, or an error ended the stream: every choice stops
@@ -430,13 +409,13 @@ class OpenAIApi:
 
 
 class _Answer(Choice):
-    """One choice of an answer (choices.Choice: cut at the first stop string) as OpenAI shows it: its
-    index, its request's events in, text and OpenAI's finish_reason out."""
+    """One choice of an answer (request_loop.Choice: cut at the first stop string) as OpenAI shows it: its request's
+    events in, text and OpenAI's finish_reason out."""
 
-    def __init__(self, index: int, work: Work, events: asyncio.Queue, scheduler) -> None:
-        super().__init__(work, scheduler)
-        self.index, self.events = index, events
-        self.reason: str | None = None  # OpenAI's finish_reason, once done
+    @property
+    def reason(self) -> str:
+        """OpenAI's finish_reason, once done."""
+        return FINISH_REASONS.get(self.finish_reason, "stop")
 
     def handle(self, event) -> tuple[str, bool]:
         """(text to show, whether the choice is done); ApiError for a failed request."""
@@ -445,23 +424,17 @@ class _Answer(Choice):
             return self.delta(*payload), False
         if kind == "done":
             self.done(payload[0])
-            self.reason = FINISH_REASONS.get(self.finish_reason, "stop")
             return "", True
         self.failed()
         raise _failure(payload)
 
-    async def collect(self) -> str:
-        while not self.handle(await self.events.get())[1]:
-            pass
-        return self.text
 
-    async def pump(self, merged: asyncio.Queue) -> None:
-        """This choice's events into the queue of a stream's choices, up to its last."""
-        while True:
-            event = await self.events.get()
-            await merged.put((self, event))
-            if event[0] != "delta":
-                return
+async def _collect(choices: list[_Answer], events: asyncio.Queue) -> list[str]:
+    """Every choice's events until each is done (ApiError for one that failed); their texts."""
+    while not all(choice.finished for choice in choices):
+        index, *event = await events.get()
+        choices[index].handle(event)
+    return [choice.text for choice in choices]
 
 
 async def _disconnected(request: Request) -> None:

@@ -35,13 +35,6 @@ class TargetScorer:
         self._model = None
         self._lock = threading.Lock()
 
-    def _loaded(self):
-        if self._model is None:
-            from polyspec.workers.tiers.loading import load_model
-
-            self._model = load_model(self.target_config)
-        return self._model
-
     def score(self, prompt_ids: list[int], token_ids: list[int], params, top: int, grammar=None) -> list[TokenLogprob]:
         """Each of `token_ids` (the completion after `prompt_ids`) with its log-probability and the `top` alternatives.
         `grammar`: a structured-output request's fresh GrammarState: each row restricted as the chain's were."""
@@ -51,11 +44,14 @@ class TargetScorer:
 
         from polyspec.workers.core.grammar import restrict_rows
         from polyspec.workers.core.sampling import SamplingParams, warp_logits
+        from polyspec.workers.tiers.loading import load_model
 
         if params.greedy:  # the argmax's one-hot warp has no information: the model's own distribution
             params = SamplingParams(temperature=1.0, top_p=params.top_p, top_k=params.top_k)
         with self._lock, torch.no_grad():
-            model = self._loaded()
+            if self._model is None:  # loaded at the first score
+                self._model = load_model(self.target_config)
+            model = self._model
             device = next(model.parameters()).device
             ids = torch.tensor([list(prompt_ids) + list(token_ids)], dtype=torch.long, device=device)  # [1, P + N]
             # rows at positions P-1 .. P+N-2 predict the N completion tokens

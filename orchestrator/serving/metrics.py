@@ -58,7 +58,6 @@ class Metrics:
                                      buckets=PREDICTION_RATIO_BUCKETS, registry=r)
         self.plans = PlanTally()  # the same sums, for snapshot()
         self.recent_plans: collections.deque[dict] = collections.deque(maxlen=RECENT_PLANS)  # the records themselves
-        self.approximate = collections.Counter()  # mode -> count
         self.goodput = 0.0
         self._tenants_seen: set[str] = set()
         self.last_batch = 0
@@ -108,8 +107,6 @@ class Metrics:
                 self._plan_ratio.observe(record["measured_tokens_per_s"] / record["predicted_tokens_per_s"])
 
     def approximate_request(self, mode: str) -> None:
-        with self._lock:
-            self.approximate[mode] += 1
         self._approximate.labels(mode).inc()
 
     def first_token(self, seconds: float) -> None:
@@ -147,13 +144,11 @@ class Metrics:
 
     def tenant_queue(self, counts: dict[str, list[int]]) -> None:
         """tenant -> [waiting, running]; a tenant once seen keeps its gauges (at 0 when idle)."""
-        for tenant, (waiting, running) in counts.items():
+        self._tenants_seen |= set(counts)
+        for tenant in self._tenants_seen:
+            waiting, running = counts.get(tenant, (0, 0))
             self._tenant_queue.labels(tenant or "anonymous", "waiting").set(waiting)
             self._tenant_queue.labels(tenant or "anonymous", "running").set(running)
-        for tenant in self._tenants_seen - set(counts):
-            self._tenant_queue.labels(tenant or "anonymous", "waiting").set(0)
-            self._tenant_queue.labels(tenant or "anonymous", "running").set(0)
-        self._tenants_seen |= set(counts)
 
     def tier_up(self, tier: str, up: bool) -> None:
         self._tier_up.labels(tier).set(1 if up else 0)

@@ -4,7 +4,6 @@ Every mistake is an ApiError with one line naming the field as the client sent i
 
 from __future__ import annotations
 
-from polyspec.orchestrator.engine import choice_seed
 from polyspec.orchestrator.serving.logprobs import MAX_TOP_LOGPROBS
 from polyspec.orchestrator.tokenization import check_stops
 from polyspec.workers.core.errors import RequestError
@@ -143,8 +142,8 @@ def max_tokens(body: dict) -> tuple[str, object]:
     return "max_tokens", None
 
 
-def raw_requests(body: dict, prompt, max_tokens_default: int | None) -> list[dict]:
-    """The `n` engine requests of one prompt; choice j's seed is derived from (seed, j)."""
+def raw_request(body: dict, prompt, max_tokens_default: int | None) -> dict:
+    """The engine request of one prompt (its `n` choices are made from it once parsed: GenerationRequest.choice)."""
     raw = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_ids": prompt}
     limit = max_tokens(body)[1]
     if limit is None:
@@ -155,10 +154,7 @@ def raw_requests(body: dict, prompt, max_tokens_default: int | None) -> list[dic
         if body.get(field) is not None:
             raw[field] = body[field]
     raw.update(constraint_fields(body))
-    seed = raw.get("seed")
-    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-        return [dict(raw) for _ in range(choices(body))]  # no seed (or a bad one: parse_request names it)
-    return [{**raw, "seed": choice_seed(seed, j)} for j in range(choices(body))]
+    return raw
 
 
 def messages(body: dict, max_bytes: int) -> list[dict]:

@@ -24,6 +24,7 @@ import traceback
 from typing import Any, Callable
 
 from polyspec.orchestrator.batch_runner import ContinuousBatch, is_unavailable
+from polyspec.orchestrator.decode.contract import FINISH_STOP
 from polyspec.orchestrator.serving.jobs import JobStore, PendingItem
 from polyspec.orchestrator.serving.metrics import Metrics
 from polyspec.orchestrator.serving.security import Tenants
@@ -48,7 +49,6 @@ class Work:
     cancelled: bool = False  # set from any thread; honoured before the next round
     stops: tuple[str, ...] = ()  # stop strings that end it (the batch's TextStream)
     state: Any = None
-    token_ids: list[int] = dataclasses.field(default_factory=list)  # committed (up to the stop-completing token)
     started_at: float | None = None
     first_token_at: float | None = None
 
@@ -59,6 +59,43 @@ class Work:
             "queue_s": round(start - self.received_at, 6),
             "first_token_s": round((self.first_token_at or start) - self.received_at, 6),
         }
+
+
+class Choice:
+    """One choice of an answer (OpenAI's `n`, gRPC's `n`; both APIs use it): one request's work, submitted with its
+    stop strings, and what its events have shown so far. The round thread's batch cuts its text and tokens at the
+    first stop string (`TextStream`) and ends it there as "stop"; a choice gathers the deltas' tokens and text, then
+    the result's finish_reason."""
+
+    def __init__(self, work: Work, scheduler, index: int = 0) -> None:
+        self.work, self.scheduler = work, scheduler  # scheduler: the RoundScheduler the work was submitted to
+        self.index = index  # its place among the answer's choices
+        self.token_ids: list[int] = []  # up to the token that completed a stop string
+        self.text = ""  # shown so far
+        self.finish_reason: str | None = None  # once done: "stop" when a stop string cut it, else the engine's reason
+        self.finished = False  # done, or failed
+        self.plans: list[dict] | None = None  # once done, with `lengths: auto`: the planner's plans (stats.plans)
+
+    @property
+    def stopped(self) -> bool:
+        return self.finish_reason == FINISH_STOP
+
+    def delta(self, token_ids: list[int], text: str) -> str:
+        """A round's tokens and new text -> the text to show."""
+        self.token_ids += token_ids
+        self.text += text
+        return text
+
+    def done(self, result: dict) -> None:
+        self.finish_reason = result["finish_reason"]
+        self.plans = (result.get("stats") or {}).get("plans")
+        self.finished = True
+
+    def failed(self) -> None:
+        self.finished = True
+
+    def cancel(self) -> None:
+        self.scheduler.cancel(self.work)  # a no-op for finished work
 
 
 INTERNAL_REASON = "internal error (the server's log has the details)"
@@ -105,9 +142,6 @@ class RoundScheduler(threading.Thread):
         self.idle = threading.Event()  # set while no interactive request is waiting or running
 
     # --------------------------------------------------------- called from any thread
-
-    def submit(self, work: Work) -> None:
-        self.submit_all([work])
 
     def submit_all(self, works: list[Work]) -> None:
         """Queue every one of `works`, or (QueueFull, Draining) none of them."""
@@ -269,7 +303,6 @@ class RoundScheduler(threading.Thread):
             work.first_token_at = time.perf_counter()
             if work.job_item is None:
                 self.metrics.first_token(work.first_token_at - work.received_at)
-        work.token_ids.extend(tokens)
         self.metrics.tokens(len(tokens))
         if work.on_event is not None:
             work.on_event("delta", (list(tokens), text))
@@ -319,7 +352,7 @@ class RoundScheduler(threading.Thread):
 
     def _cancel(self, work: Work) -> None:
         """Stop `work` and free its caches (`Engine.cancel`)."""
-        result = {"token_ids": work.token_ids, "finish_reason": "cancelled", "stats": {}}
+        result = {"token_ids": [], "finish_reason": "cancelled", "stats": {}}  # (never admitted: nothing committed)
         if work.state is not None:
             try:
                 result = self.batch.cancel(work.state)

@@ -71,10 +71,6 @@ class Tenants:
     def enabled(self) -> bool:
         return bool(self._tokens)
 
-    @property
-    def names(self) -> set[str]:
-        return {tenant for _, tenant in self._tokens}
-
     def tenant_of(self, authorization) -> str | None:
         if not self._tokens:
             return ""

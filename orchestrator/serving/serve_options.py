@@ -72,22 +72,6 @@ class StateDirLock:
         os.close(self.fd)
 
 
-def limits_from_args(args) -> Limits:
-    values = {}
-    for name in Limits.__dataclass_fields__:
-        value = getattr(args, name, None)
-        if value is not None:
-            values[name] = value
-    return Limits(**values)
-
-
-def served_model_names(args) -> list[str] | None:
-    names = getattr(args, "served_model_name", None)
-    if names is not None and any(not name.strip() for name in names):
-        raise ConfigError("--served-model-name must not be empty")
-    return names
-
-
 def check_bindable(host: str, port: int) -> None:
     """A clear one-line error before gRPC tries (and logs its own multi-line complaint)."""
     try:
@@ -106,11 +90,14 @@ def check_bindable(host: str, port: int) -> None:
 def serve_options(args, config) -> dict:
     """The keyword arguments of `serve._serve` from the flags and `config` (the ChainConfig they name),
     every mistake a one-line ConfigError: files, the TLS pair, limits, the state dir, the address."""
-    tenants = Tenants.from_files(args.auth_token_file, getattr(args, "tenants_file", None))
+    tenants = Tenants.from_files(args.auth_token_file, args.tenants_file)
     if bool(args.tls_cert) != bool(args.tls_key):
         raise ConfigError("--tls-cert and --tls-key go together")
     tls = (_read_file(args.tls_key, "TLS key"), _read_file(args.tls_cert, "TLS certificate")) if args.tls_cert else None
-    limits = limits_from_args(args)
+    # each limit flag's dest is its Limits field; a flag not given keeps the default
+    limits = Limits(**{name: getattr(args, name) for name in Limits.__dataclass_fields__ if getattr(args, name) is not None})
+    if args.served_model_name is not None and any(not name.strip() for name in args.served_model_name):
+        raise ConfigError("--served-model-name must not be empty")
     state_dir = args.state_dir or default_state_dir()
     lock = StateDirLock(state_dir)  # before the store is opened: a second server never touches it
     try:
@@ -134,13 +121,13 @@ def serve_options(args, config) -> dict:
         "tls": tls,
         "tls_files": (args.tls_cert, args.tls_key) if tls else None,
         "metrics_port": args.metrics_port,
-        "http_port": getattr(args, "http_port", None),
+        "http_port": args.http_port,
         "grace_s": args.grace,
-        "auth_reflection": bool(getattr(args, "auth_reflection", False)),
-        "auth_metrics": bool(getattr(args, "auth_metrics", False)),
-        "served_model_names": served_model_names(args),
-        "reprofile": bool(getattr(args, "reprofile", False)),
-        "exact_only": bool(getattr(args, "exact_only", False)),
+        "auth_reflection": args.auth_reflection,
+        "auth_metrics": args.auth_metrics,
+        "served_model_names": args.served_model_name,
+        "reprofile": args.reprofile,
+        "exact_only": args.exact_only,
     }
     try:
         if options["exact_only"] and not config.approximate.lossless:

@@ -18,17 +18,16 @@ import asyncio
 import contextlib
 import copy
 import dataclasses
+import functools
 import hashlib
 import json
 import queue
 import threading
 import time
-from typing import Callable
 
 import grpc
 
 from polyspec.orchestrator.serving.bounded_json import JsonRefused, loads_bounded
-from polyspec.orchestrator.serving.choices import Choice
 from polyspec.orchestrator.serving.jobs import (
     CANCELLED,
     FAILED,
@@ -41,11 +40,10 @@ from polyspec.orchestrator.serving.jobs import (
     LimitExceeded,
     Quota,
 )
-from polyspec.orchestrator.engine import choice_seed
 from polyspec.orchestrator.serving.logprobs import MAX_TOP_LOGPROBS, TargetScorer, TokenLogprob
 from polyspec.orchestrator.serving.metrics import Metrics
 from polyspec.orchestrator.serving.openai_request import MAX_CHOICES, MAX_MESSAGES
-from polyspec.orchestrator.serving.request_loop import Draining, QueueFull, RoundScheduler, Work, is_unavailable, public_reason
+from polyspec.orchestrator.serving.request_loop import Choice, Draining, QueueFull, RoundScheduler, Work, is_unavailable, public_reason
 from polyspec.orchestrator.serving.security import (
     MAX_ID_CHARS,
     MAX_IDEMPOTENCY_KEY_CHARS,
@@ -120,65 +118,34 @@ def generate_options(request: pb.GenerateRequest) -> tuple[int, int | None]:
     return max(1, request.n), (request.top_logprobs if request.logprobs else None)
 
 
-def choice_request(parsed, choice: int):
-    """Choice `choice` of a request asking for several: the same request, from its own seed
-    (engine.choice_seed; an unseeded request's choices are independent anyway)."""
-    if parsed.seed is None or choice == 0:
-        return parsed
-    return dataclasses.replace(parsed, seed=choice_seed(parsed.seed, choice))
-
-
 def logprob_messages(scored: list[TokenLogprob], names: dict[int, str]) -> list[pb.TokenLogprob]:
     return [pb.TokenLogprob(token_id=s.token_id, token=names[s.token_id], logprob=s.logprob,
                             top_logprobs=[pb.TokenLogprob(token_id=i, token=names[i], logprob=v) for i, v in s.top])
             for s in scored]
 
 
+def fields_message(cls, values: dict, **extra):
+    """A `cls` message from the entries of `values` it has fields for (a field with no entry keeps its default;
+    an `optional` one stays unset), then `extra`."""
+    fields = cls.DESCRIPTOR.fields_by_name
+    return cls(**{**{key: value for key, value in values.items() if key in fields}, **extra})
+
+
 def stats_message(stats: dict, timings: dict | None = None) -> pb.GenerationStats:
-    message = pb.GenerationStats(
-        tokens_per_s=stats.get("tokens_per_s", 0.0),
-        new_tokens=stats.get("new_tokens", 0),
-        time_s=stats.get("time_s", 0.0),
-        stages=[stage_message(s) for s in stats.get("stages", [])],
-        tiers=[pb.TierBusy(tier=t["tier"], busy_s=t.get("busy_s", 0.0)) for t in stats.get("tiers", [])],
-    )
-    if timings:
-        message.queue_s, message.first_token_s = timings["queue_s"], timings["first_token_s"]
-    return message
-
-
-def stage_message(stage: dict) -> pb.StageStats:
-    return pb.StageStats(
-        tier=stage["tier"],
-        drafter=stage["drafter"],
-        blocks=stage.get("blocks", 0),
-        proposed=stage.get("proposed", 0),
-        accepted=stage.get("accepted", 0),
-        mean_accepted_length=stage.get("mean_accepted_length", 0.0),
-        lengths=stage.get("lengths", []),
-        accepted_counts=stage.get("accepted_counts", []),
-        time_s=stage.get("time_s", 0.0),
-    )
+    """A result's stats (and its request's `Work.timings`) as a GenerateResponse's `stats`."""
+    return fields_message(pb.GenerationStats, {**stats, **(timings or {})},
+                          stages=[fields_message(pb.StageStats, stage) for stage in stats.get("stages", [])],
+                          tiers=[fields_message(pb.TierBusy, tier) for tier in stats.get("tiers", [])])
 
 
 def chain_plan_message(chain: str, total: dict) -> pb.ChainPlanStats:
     """One chain's sums (`PlanTally.as_dict()`'s entry under its label) as GetStats' `plans` entry."""
-    message = pb.ChainPlanStats(chain=chain, tiers=chain.split("<-"), rounds=total["rounds"], tokens=total["tokens"],
-                                seconds=total["seconds"], measured_tokens_per_s=total["measured_tokens_per_s"])
-    if "predicted_tokens_per_s" in total:
-        message.predicted_tokens_per_s = total["predicted_tokens_per_s"]
-    return message
+    return fields_message(pb.ChainPlanStats, total, chain=chain, tiers=chain.split("<-"))
 
 
 def plan_record_message(record: dict) -> pb.PlanRecord:
     """One `plan_records` entry (a result's stats.plans) as GetStats' `recent_plans` entry."""
-    message = pb.PlanRecord(tiers=record["tiers"], lengths=[int(k) for k in record["lengths"]],
-                            new_tokens=record.get("new_tokens", 0), rounds=record.get("rounds", 0),
-                            tokens=record.get("tokens", 0), seconds=record.get("seconds", 0.0),
-                            measured_tokens_per_s=record.get("measured_tokens_per_s", 0.0))
-    if "predicted_tokens_per_s" in record:
-        message.predicted_tokens_per_s = record["predicted_tokens_per_s"]
-    return message
+    return fields_message(pb.PlanRecord, record, lengths=[int(k) for k in record["lengths"]])
 
 
 def requests_digest(requests) -> str:
@@ -193,16 +160,7 @@ def requests_digest(requests) -> str:
 
 
 def job_message(job: JobRecord) -> pb.Job:
-    return pb.Job(
-        job_id=job.job_id,
-        state=JOB_STATES[job.state],
-        total=job.total,
-        completed=job.completed,
-        failed=job.failed,
-        created_at=job.created_at,
-        finished_at=job.finished_at,
-    )
-
+    return fields_message(pb.Job, dataclasses.asdict(job), state=JOB_STATES[job.state])
 
 
 # ------------------------------------------------------------------------- service
@@ -300,28 +258,29 @@ class PolyspecService(pb_grpc.PolyspecServicer):
         with self.prompt_tokenizer() as tokenizer:
             return self.engine.parse_request(raw, tokenizer=tokenizer)
 
-    def score_choice(self, prompt_ids, token_ids: list[int], text: str, stopped: bool, params,
-                     top: int, constraint=None) -> tuple[list[TokenLogprob], dict[int, str]]:
+    def score_choice(self, choice: Choice, top: int) -> tuple[list[TokenLogprob], dict[int, str]]:
         """The target's log-probabilities of a finished choice's tokens (when a stop string cut
-        it, those its `text` holds), and the text of every token they name; `constraint`: the request's
-        structured output (its rows restricted as the chain's were). Blocking: call it from a request thread."""
+        it, those its text holds), and the text of every token they name; a structured-output request's
+        rows restricted as the chain's were. Blocking: call it from a request thread."""
         def decode(ids: list[int]) -> str:
             return tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else ""
 
+        request, token_ids = choice.work.request, choice.token_ids
         with self.prompt_tokenizer() as tokenizer:
-            if stopped:  # the longest prefix of the tokens whose text the answer holds
-                token_ids = token_ids[: max(m for m in range(len(token_ids) + 1) if text.startswith(decode(token_ids[:m])))]
+            if choice.stopped:  # the longest prefix of the tokens whose text the answer holds
+                token_ids = token_ids[: max(m for m in range(len(token_ids) + 1) if choice.text.startswith(decode(token_ids[:m])))]
         with self._scorer_lock:  # request threads: the first that asks for logprobs makes the scorer
             if self.scorer is None:
                 self.scorer = TargetScorer(self.engine.config.tiers[0])
-        grammar = None if constraint is None else self.engine.grammars.start(constraint, len(prompt_ids))
-        scored = self.scorer.score(list(prompt_ids), token_ids, params, top, grammar)
+        grammar = None if request.constraint is None else self.engine.grammars.start(request.constraint, len(request.prompt_ids))
+        scored = self.scorer.score(list(request.prompt_ids), token_ids, request.params, top, grammar)
         with self.prompt_tokenizer() as tokenizer:
             names = {t: tokenizer.decode([t]) if tokenizer is not None else "" for s in scored for t in (s.token_id, *(i for i, _ in s.top))}
         return scored, names
 
-    def events(self) -> tuple[asyncio.Queue, Callable]:
-        """A queue on this loop and the `on_event(*event)` that puts `event` (a tuple) on it from the round thread."""
+    def submit(self, requests: list, tenant: str, stops: tuple[str, ...], kind=Choice) -> tuple[list, asyncio.Queue]:
+        """One `kind` (a Choice) per request, queued as `tenant`'s work: every one, or (QueueFull, Draining) none.
+        They all report on the one queue returned, from the round thread: (choice index, event kind, payload)."""
         events: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
 
@@ -331,7 +290,10 @@ class PolyspecService(pb_grpc.PolyspecServicer):
             except RuntimeError:  # the loop is closed: shutting down
                 pass
 
-        return events, on_event
+        choices = [kind(Work(parsed, on_event=functools.partial(on_event, index), tenant=tenant, stops=stops), self.scheduler, index)
+                   for index, parsed in enumerate(requests)]
+        self.scheduler.submit_all([choice.work for choice in choices])
+        return choices, events
 
     # ---------------------------------------------------------------- Generate
 
@@ -356,22 +318,15 @@ class PolyspecService(pb_grpc.PolyspecServicer):
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except LimitExceeded as exc:
             await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        events, on_event = self.events()  # (choice index, (kind, payload)) of every choice of the call
-
-        def reporter(index: int) -> Callable:
-            return lambda kind, payload: on_event(index, (kind, payload))
-
-        choices = [Choice(Work(choice_request(parsed, j), on_event=reporter(j), tenant=tenant, stops=stops), self.scheduler)
-                   for j in range(count)]
         try:
-            self.scheduler.submit_all([choice.work for choice in choices])  # every choice, or none
+            choices, events = self.submit([parsed.choice(j) for j in range(count)], tenant, stops)  # every choice, or none
         except QueueFull as exc:
             await self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except Draining as exc:
             await self._refuse(context, grpc.StatusCode.UNAVAILABLE, str(exc))
         try:
             while not all(choice.finished for choice in choices):
-                index, (kind, payload) = await events.get()
+                index, kind, payload = await events.get()
                 choice = choices[index]
                 if kind == "delta":
                     token_ids, text = payload
@@ -388,8 +343,7 @@ class PolyspecService(pb_grpc.PolyspecServicer):
                         index=index,
                     )
                     if top is not None:
-                        scored, names = await asyncio.to_thread(self.score_choice, parsed.prompt_ids, choice.token_ids, choice.text,
-                                                                choice.stopped, parsed.params, top, parsed.constraint)
+                        scored, names = await asyncio.to_thread(self.score_choice, choice, top)
                         message.logprobs.extend(logprob_messages(scored, names))
                     yield message
                 else:
@@ -425,13 +379,10 @@ class PolyspecService(pb_grpc.PolyspecServicer):
                 job = await asyncio.to_thread(self.store.create, [], tenant, key, digest=digest)
                 if job is not None:
                     return job_message(job)
-            try:
+            try:  # a prompt over its limit, or a job over the store's
                 items = await asyncio.to_thread(self._job_items, request.requests)  # tokenizing many prompts: off the loop
-            except LimitExceeded as exc:
-                await self._refuse(context, exhausted, str(exc))
-            if isinstance(items, str):
-                await self._refuse(context, invalid, items)
-            try:
+                if isinstance(items, str):
+                    await self._refuse(context, invalid, items)
                 job = await asyncio.to_thread(self.store.create, items, tenant, key or None, self.job_quota(tenant), digest)
             except LimitExceeded as exc:
                 await self._refuse(context, exhausted, str(exc))
@@ -511,15 +462,9 @@ class PolyspecService(pb_grpc.PolyspecServicer):
             changed = self._jobs_changed
             over = job.finished
             for seq, item in await asyncio.to_thread(self.store.results_after, job.job_id, seq):
-                result = item.result or {}
-                yield pb.JobResult(
-                    id=item.id,
-                    token_ids=result.get("token_ids", []),
-                    text=result.get("text", ""),
-                    finish_reason=result.get("finish_reason", ""),
-                    error=item.error,
-                    stats_json=json.dumps(result["stats"]) if "stats" in result else "",
-                )
+                result = item.result or {}  # {id, text, token_ids, finish_reason, stats}; {} for a failed item
+                yield fields_message(pb.JobResult, result, id=item.id, error=item.error,
+                                     stats_json=json.dumps(result["stats"]) if "stats" in result else "")
             if over:
                 return
             try:
@@ -536,8 +481,8 @@ class PolyspecService(pb_grpc.PolyspecServicer):
         pending = await asyncio.to_thread(self.store.pending_count)
         response = pb.StatsResponse(
             stages=[
-                stage_message({"tier": tier, "drafter": drafter, **totals,
-                               "mean_accepted_length": totals["accepted"] / totals["blocks"] if totals["blocks"] else 0.0})
+                fields_message(pb.StageStats, totals, tier=tier, drafter=drafter,
+                               mean_accepted_length=totals["accepted"] / totals["blocks"] if totals["blocks"] else 0.0)
                 for (tier, drafter), totals in snapshot["stages"].items()
             ],
             queue=pb.QueueStats(waiting=waiting, running=running, max_queue=self.max_queue, job_items_pending=pending),
@@ -564,6 +509,3 @@ class PolyspecService(pb_grpc.PolyspecServicer):
             for tier, config in zip(self.engine.tiers, self.engine.config.tiers):
                 response.tiers.add(tier=tier.name, model=config.model, up=tier.up, busy_s=tier.busy_s)
         return response
-
-
-# ------------------------------------------------------------------ the guard

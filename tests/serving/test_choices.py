@@ -1,11 +1,10 @@
-"""One choice of an answer (serving/choices.py), both APIs': it gathers its request's deltas (the round
+"""One choice of an answer (serving/request_loop.py's Choice), both APIs': it gathers its request's deltas (the round
 thread's batch has cut them at the first stop string already) and the result's finish_reason;
 "stop" marks a choice a stop string ended."""
 
 from __future__ import annotations
 
-from polyspec.orchestrator.serving.choices import Choice
-from polyspec.orchestrator.serving.request_loop import Work
+from polyspec.orchestrator.serving.request_loop import Choice, Work
 
 
 class Scheduler:

@@ -113,7 +113,7 @@ def test_a_job_item_waits_while_interactive_requests_run_on_an_engine_that_takes
     def arrive(request_id: str) -> None:  # the interactive request arrives while the first job item is under way
         if request_id == "job0" and not submitted:
             submitted.append(request_id)
-            loop.submit(stream.work)
+            loop.submit_all([stream.work])
 
     rounds = _record_rounds(engine, arrive)
     with _serving(engine, store) as loop:
@@ -138,7 +138,7 @@ def test_a_cancelled_request_ends_cancelled_and_frees_its_slot(tiny_family):
     with _serving(engine) as loop:
         assert engine.batched and loop.batch.max_requests == engine.max_requests
         stream.on_delta = lambda: loop.cancel(stream.work)  # the client goes away at its first tokens
-        loop.submit(stream.work)
+        loop.submit_all([stream.work])
         assert stream.ended.wait(WAIT_S), "the cancelled request never ended"
         assert stream.result["finish_reason"] == "cancelled" and stream.result["token_ids"] == stream.token_ids
         assert 0 < len(stream.token_ids) < 40
