@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import sys
 import threading
@@ -61,6 +62,7 @@ from polyspec.orchestrator.decode.scheduler import CATCH_UP_GAP, ChainScheduler,
 from polyspec.orchestrator.decode.approximate import worker_hooks
 from polyspec.protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
 from polyspec.workers.core.grammar import from_wire
+from polyspec.workers.core.sampling import SamplingParams
 from polyspec.workers.tiers.tier import Tier, scratch_score, scratch_sequence
 from polyspec.orchestrator.distributed.model_lock import (
     LockedBatched,
@@ -80,7 +82,6 @@ from polyspec.orchestrator.distributed.transport import (
     StaleContextError,
     TierUnavailableError,
     encode_rows,
-    header_params,
 )
 from polyspec.workers.core.tree import DraftTree
 
@@ -126,7 +127,7 @@ class _Sequence:
         self.worker = worker
         self.header = tier_pb2.SequenceHeader()
         self.header.CopyFrom(header)
-        self.params = header_params(header)
+        self.params = SamplingParams(temperature=header.temperature, top_p=header.top_p, top_k=header.top_k)
         if header.constraint_json:  # structured output: this tier's own matcher, its rows restricted here
             grammar = from_wire(header.constraint_json, worker.tier.vocab_size, tuple(worker.eos_token_ids), target_tokenizer)
             self.params = dataclasses.replace(self.params, grammar=grammar)
@@ -177,9 +178,30 @@ class _Sequence:
         self.degraded = self.degraded or reply.degraded
 
 
-class TierWorker:
-    """Tier `index` of a chain, serving protos/polyspec/v1/tier.proto on `host`."""
+def _served(handler):
+    """A servicer method over `handler(worker, request)`: its errors reach the caller as a status (the tier below
+    gone: UNAVAILABLE; a context base not kept here: FAILED_PRECONDITION, and the caller sends the contexts whole,
+    no traceback; anything else: INTERNAL with the cause); a handler that answers nothing answers an Ack."""
 
+    @functools.wraps(handler)
+    def serve(worker: "TierWorker", request, context):
+        try:
+            reply = handler(worker, request)
+        except TierUnavailableError as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except StaleContextError as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except Exception as exc:  # noqa: BLE001 - reported to the caller as INTERNAL with the cause
+            traceback.print_exc()
+            context.abort(grpc.StatusCode.INTERNAL, f"tier {worker.tier.name!r}: {exc!r}")
+        return tier_pb2.Ack() if reply is None else reply
+
+    return serve
+
+
+class TierWorker(tier_pb2_grpc.TierServicer):
+    """Tier `index` of a chain, serving protos/polyspec/v1/tier.proto on `host` (its methods named after the
+    protocol's calls are the gRPC service's)."""
 
     _ahead_thread: threading.Thread | None = None
     _ahead_stopping = False
@@ -217,7 +239,7 @@ class TierWorker:
         self._ahead_cond, self._ahead_wanted = threading.Condition(), {}  # the sequences drafting ahead (`_ahead_loop`)
         self.server = grpc.server(futures.ThreadPoolExecutor(MAX_RPC_THREADS, thread_name_prefix=f"tier-{tier.name}"),
                                   options=CHANNEL_OPTIONS, interceptors=cluster_auth.server_interceptors())
-        tier_pb2_grpc.add_TierServicer_to_server(_Servicer(self), self.server)
+        tier_pb2_grpc.add_TierServicer_to_server(self, self.server)
         self.port = self.server.add_insecure_port(f"{host}:{port}")
         if not self.port:
             raise RuntimeError(f"tier {tier.name!r}: cannot listen on {host}:{port}")
@@ -285,13 +307,13 @@ class TierWorker:
 
     # ------------------------------------------------------------ one sequence
 
-    def verify(self, request: tier_pb2.VerifyRequest) -> tier_pb2.VerifyReply:
+    def Verify(self, request: tier_pb2.VerifyRequest, context) -> tier_pb2.VerifyReply:
         """One sequence's round (an older client's Verify): a batch of one."""
-        return self.verify_batch(tier_pb2.VerifyBatchRequest(requests=[request])).replies[0]
+        return self.VerifyBatch(tier_pb2.VerifyBatchRequest(requests=[request]), context).replies[0]
 
-    def draft(self, request: tier_pb2.DraftRequest, dst_rank: int | None) -> tier_pb2.DraftReply:
-        """One sequence's block (an older client's Draft): a batch of one."""
-        return self.draft_batch(tier_pb2.DraftBatchRequest(requests=[request]), dst_rank).replies[0]
+    def Draft(self, request: tier_pb2.DraftRequest, context) -> tier_pb2.DraftReply:
+        """One sequence's block (an older client's Draft, or a driver's `sub_chain_block`): a batch of one."""
+        return self.DraftBatch(tier_pb2.DraftBatchRequest(requests=[request]), context).replies[0]
 
     # ------------------------------------------------------------- draft-ahead
 
@@ -375,7 +397,8 @@ class TierWorker:
 
     # --------------------------------------------------------------- verdicts
 
-    def verdict(self, request: tier_pb2.VerdictRequest) -> None:
+    @_served
+    def Verdict(self, request: tier_pb2.VerdictRequest) -> None:
         seq = self._sequences.get(request.seq_id)
         if seq is None:
             return
@@ -399,7 +422,8 @@ class TierWorker:
             seq.cond.notify_all()
             self.want_ahead(seq)  # the next block is drafted while the verifier does the rest
 
-    def rollback(self, request: tier_pb2.RollbackRequest) -> None:
+    @_served
+    def Rollback(self, request: tier_pb2.RollbackRequest) -> None:
         seq = self._sequences.get(request.seq_id)
         if seq is None:
             return
@@ -407,15 +431,18 @@ class TierWorker:
             self._drop_stream(seq)
             self.batched_tier().truncate(request.seq_id, request.length)
 
-    def prefill(self, request: tier_pb2.PrefillRequest) -> None:
+    @_served
+    def Prefill(self, request: tier_pb2.PrefillRequest) -> None:
         (context,) = self._contexts_of([request])
         seq = self._sequence(request.header)
         with seq.cond:
             if len(context) > 1:  # (all but the last token: a round feeds at least one)
                 self.batched_tier().prefill([request.header.seq_id], [context], len(context))
 
-    def release(self, seq_id: int, keep_caches: bool = False) -> None:
+    @_served
+    def Release(self, request: tier_pb2.ReleaseRequest) -> None:
         """Free a sequence here and below; `keep_caches`: its state only, its caches kept (prefix reuse)."""
+        seq_id, keep_caches = request.seq_id, request.keep_caches
         seq = self._sequences.get(seq_id)
         if seq is not None:
             # after the call or draft-ahead step that holds it, whose replies from below look it up by id
@@ -438,7 +465,7 @@ class TierWorker:
 
     # ------------------------------------------------------------------ health
 
-    def health(self) -> tier_pb2.HealthReply:
+    def Health(self, request, context) -> tier_pb2.HealthReply:
         lower_max = self.lower.max_context if self.lower is not None else None
         own = self.tier.max_context
         limits = [c for c in (own, lower_max) if c]
@@ -545,7 +572,8 @@ class TierWorker:
         return self.contexts.resolve_all([r.header.seq_id for r in requests], [r.context for r in requests],
                                          [r.delta for r in requests])
 
-    def verify_batch(self, request: tier_pb2.VerifyBatchRequest) -> tier_pb2.VerifyBatchReply:
+    @_served
+    def VerifyBatch(self, request: tier_pb2.VerifyBatchRequest) -> tier_pb2.VerifyBatchReply:
         contexts = self._contexts_of(request.requests)
         seqs = [self._sequence(r.header) for r in request.requests]
         self._distinct(seqs, "VerifyBatch")
@@ -574,8 +602,11 @@ class TierWorker:
 
     # -------------------------------------------------------------------- draft
 
-    def draft_batch(self, request: tier_pb2.DraftBatchRequest, dst_rank: int | None) -> tier_pb2.DraftBatchReply:
+    @_served
+    def DraftBatch(self, request: tier_pb2.DraftBatchRequest) -> tier_pb2.DraftBatchReply:
         requests = list(request.requests)
+        # the caller's rank, where it takes rows over torch.distributed
+        dst_rank = requests[0].caller if requests and requests[0].accept_dist else None
         contexts = self._contexts_of(requests)
         seqs = [self._sequence(r.header) for r in requests]
         self._distinct(seqs, "DraftBatch")
@@ -630,7 +661,8 @@ class TierWorker:
                 replies.append(self.draft_reply(seq, contexts[i], r, hit is not None, tokens, rows, dst_rank))
         return tier_pb2.DraftBatchReply(replies=replies)
 
-    def score(self, request: tier_pb2.ScoreRequest) -> tier_pb2.ScoreReply:
+    @_served
+    def Score(self, request: tier_pb2.ScoreRequest) -> tier_pb2.ScoreReply:
         """This tier's distribution after the context, on a sequence of its own (SpecReason's utility score:
         `tier.scratch_score`; a request's scored prompt stays until `release`)."""
         (context,) = self.contexts.resolve_all([request.seq_id], [request.context], [request.delta])
@@ -641,7 +673,8 @@ class TierWorker:
 
     # --------------------------------------------------------------- profile
 
-    def profile_grid(self, request: tier_pb2.ProfileRequest) -> tier_pb2.ProfileReply:
+    @_served
+    def Profile(self, request: tier_pb2.ProfileRequest) -> tier_pb2.ProfileReply:
         """The batched forward's cost on the (batch, width) grid, measured here (the goodput planner's
         t_i(B, W), polyspec.orchestrator.tuning.profiler.profile_batched); a lookup tier's ms per request."""
         from polyspec.orchestrator.tuning.profiler import profile_batched
@@ -748,56 +781,3 @@ class _BatchRecorder:
                                                     proposed=observation.proposed, accepted=observation.accepted,
                                                     seconds=observation.seconds, ahead=drafting_ahead()))
 
-
-class _Servicer(tier_pb2_grpc.TierServicer):
-    def __init__(self, worker: TierWorker) -> None:
-        self.worker = worker
-
-    def _guard(self, context, fn):
-        try:
-            return fn()
-        except TierUnavailableError as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        except StaleContextError as exc:  # the caller sends the whole contexts again: no traceback
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        except Exception as exc:  # noqa: BLE001 - reported to the caller as INTERNAL with the cause
-            traceback.print_exc()
-            context.abort(grpc.StatusCode.INTERNAL, f"tier {self.worker.tier.name!r}: {exc!r}")
-
-    def Verify(self, request, context):
-        return self._guard(context, lambda: self.worker.verify(request))
-
-    def Draft(self, request, context):
-        return self._guard(context, lambda: self.worker.draft(request, request.caller if request.accept_dist else None))
-
-    def VerifyBatch(self, request, context):
-        return self._guard(context, lambda: self.worker.verify_batch(request))
-
-    def DraftBatch(self, request, context):
-        dst = request.requests[0].caller if request.requests and request.requests[0].accept_dist else None
-        return self._guard(context, lambda: self.worker.draft_batch(request, dst))
-
-    def Verdict(self, request, context):
-        self._guard(context, lambda: self.worker.verdict(request))
-        return tier_pb2.Ack()
-
-    def Rollback(self, request, context):
-        self._guard(context, lambda: self.worker.rollback(request))
-        return tier_pb2.Ack()
-
-    def Prefill(self, request, context):
-        self._guard(context, lambda: self.worker.prefill(request))
-        return tier_pb2.Ack()
-
-    def Release(self, request, context):
-        self._guard(context, lambda: self.worker.release(request.seq_id, request.keep_caches))
-        return tier_pb2.Ack()
-
-    def Health(self, request, context):
-        return self.worker.health()
-
-    def Score(self, request, context):
-        return self._guard(context, lambda: self.worker.score(request))
-
-    def Profile(self, request, context):
-        return self._guard(context, lambda: self.worker.profile_grid(request))
