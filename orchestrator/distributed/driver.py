@@ -55,13 +55,12 @@ from polyspec.workers.core.grammar import grammar_of, wire_form
 from polyspec.workers.core.sampling import SamplingParams
 from polyspec.orchestrator.distributed.transport import (
     CHANNEL_OPTIONS,
-    UNAVAILABLE_CODES,
     Counters,
     SentContexts,
     TierUnavailableError,
+    call_tier,
     call_with_contexts,
     decode_rows,
-    raise_if_stale,
 )
 
 VERIFY_TIMEOUT_S = 300.0
@@ -192,16 +191,11 @@ class DistributedChain:
             target = self._stub()
             started = time.perf_counter()
             try:
-                reply = getattr(target.stub, method)(request, timeout=timeout)
-                arrived = time.perf_counter()
-                self.counters.add("grpc", request.ByteSize() + reply.ByteSize())
-                return reply, arrived - started
-            except grpc.RpcError as exc:
-                raise_if_stale(exc)
-                if exc.code() not in UNAVAILABLE_CODES:
-                    raise RuntimeError(f"tier {self.tiers[0].name!r}: {method} failed: {exc.details()}") from None
+                reply = call_tier(target.stub, method, request, timeout, self.counters, self.tiers[0].name)
+                return reply, time.perf_counter() - started
+            except TierUnavailableError as exc:
                 self.failovers += 1
-                self.membership.target_failed(TierUnavailableError(self.tiers[0].name, f"{method}: {exc.code().name.lower()}"))
+                self.membership.target_failed(exc)
 
     # -------------------------------------------------------------------- API
 
@@ -383,16 +377,8 @@ class DistributedChain:
         view = self.tiers[1]
 
         def draft(request: tier_pb2.DraftRequest) -> tier_pb2.DraftReply:
-            try:
-                with cluster_auth.insecure_channel(view.address, options=CHANNEL_OPTIONS) as channel:
-                    reply = tier_pb2_grpc.TierStub(channel).Draft(request, timeout=VERIFY_TIMEOUT_S)
-            except grpc.RpcError as exc:
-                raise_if_stale(exc)
-                if exc.code() in UNAVAILABLE_CODES:
-                    raise TierUnavailableError(view.name, f"Draft: {exc.code().name.lower()}") from None
-                raise RuntimeError(f"tier {view.name!r}: Draft failed: {exc.details()}") from None
-            self.counters.add("grpc", request.ByteSize() + reply.ByteSize())
-            return reply
+            with cluster_auth.insecure_channel(view.address, options=CHANNEL_OPTIONS) as channel:
+                return call_tier(tier_pb2_grpc.TierStub(channel), "Draft", request, VERIFY_TIMEOUT_S, self.counters, view.name)
 
         def one(deltas) -> tier_pb2.DraftRequest:
             (tail, delta), = deltas
