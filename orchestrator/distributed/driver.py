@@ -61,6 +61,7 @@ from polyspec.orchestrator.distributed.transport import (
     call_tier,
     call_with_contexts,
     decode_rows,
+    health,
 )
 
 VERIFY_TIMEOUT_S = 300.0
@@ -102,17 +103,8 @@ class Membership:
         """A tier below the target was unreachable: rewire when it is back (non-blocking)."""
 
     def health(self) -> list[tier_pb2.HealthReply | None]:
-        replies = []
-        for view in self.views:
-            if not view.address:  # never started (a drafter the chain started without)
-                replies.append(None)
-                continue
-            try:
-                with cluster_auth.insecure_channel(view.address, options=CHANNEL_OPTIONS) as channel:
-                    replies.append(tier_pb2_grpc.TierStub(channel).Health(tier_pb2.HealthRequest(), timeout=5.0))
-            except grpc.RpcError:
-                replies.append(None)
-        return replies
+        # (no address: never started, a drafter the chain started without)
+        return [health(view.address, 5.0) if view.address else None for view in self.views]
 
     def close(self) -> None:
         pass

@@ -217,6 +217,15 @@ def call_tier(stub, method: str, request, timeout: float, counters: Counters, ti
     return reply
 
 
+def health(address: str, timeout: float) -> tier_pb2.HealthReply | None:
+    """The Health reply of the tier at `address`, on a channel of its own (None: it does not answer)."""
+    try:
+        with cluster_auth.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+            return tier_pb2_grpc.TierStub(channel).Health(tier_pb2.HealthRequest(), timeout=timeout)
+    except grpc.RpcError:
+        return None
+
+
 def call_with_contexts(call, build, sent: SentContexts, seq_ids, contexts, on_resend: Callable[[], None]):
     """`call(build(deltas))`, `deltas` one (tail, ContextDelta) per sequence: each sequence sends only
     what the callee lacks; if the callee refuses a base (StaleContextError), the call goes once more

@@ -150,15 +150,14 @@ class _Sequence:
         self.stream: _Stream | None = None
         self.ahead_until = 0
         self.closed = False
+        # rounds run since the last reply (draft-ahead rounds too: they go up with the next one)
+        self.reports: list[tier_pb2.StageReport] = []
         self.reset_call()
 
     def track_whole(self, whole: bool) -> None:
         self.full_rate += AHEAD_SMOOTHING * ((1.0 if whole else 0.0) - self.full_rate)
 
     def reset_call(self) -> None:
-        if not hasattr(self, "reports"):
-            # rounds run since the last reply (draft-ahead rounds too: they go up with the next one)
-            self.reports: list[tier_pb2.StageReport] = []
         self.model_below_s = 0.0
         self.degraded = False
 
@@ -262,7 +261,7 @@ class TierWorker(tier_pb2_grpc.TierServicer):
             if old is not None:
                 old.close()
             if address:
-                self.lower = RemoteTier(address, self._sequence_of, self.counters, self.dist,
+                self.lower = RemoteTier(address, self._sequences.__getitem__, self.counters, self.dist,
                                         timeout_s=self.rpc_timeout_s, caller=self.index, on_resend=self._resent)
                 self.lower_error = ""
             return self.lower.name if self.lower is not None else ""
@@ -301,9 +300,6 @@ class TierWorker(tier_pb2_grpc.TierServicer):
                 del seq.header.lengths[:]
                 seq.header.lengths.extend(header.lengths)
             return seq
-
-    def _sequence_of(self, seq_id: int) -> _Sequence:
-        return self._sequences[seq_id]
 
     # ------------------------------------------------------------ one sequence
 
@@ -549,11 +545,12 @@ class TierWorker(tier_pb2_grpc.TierServicer):
                 seq.degraded = True
         return work(None)
 
-    def _by_shape(self, indices, seqs) -> dict[tuple, list[int]]:
+    def _by_chain(self, lower: RemoteTier | None, indices, seqs) -> list[tuple[ChainScheduler, list[int]]]:
+        """The indices `i` of `seqs[i]` grouped by the chain (`_scheduler`) their shape runs on."""
         groups: dict[tuple, list[int]] = {}
         for i in indices:
             groups.setdefault(self._shape(seqs[i]), []).append(i)
-        return groups
+        return [(self._scheduler(lower, shape), group) for shape, group in groups.items()]
 
     def _catch_up(self, seqs, contexts) -> None:
         """Cache, in one forward, the contexts this tier is far behind on (a joining sequence's
@@ -585,8 +582,7 @@ class TierWorker(tier_pb2_grpc.TierServicer):
 
             def one_round(lower):
                 emitted: list[list[int]] = [[] for _ in seqs]
-                for shape, group in self._by_shape(range(len(seqs)), seqs).items():
-                    scheduler = self._scheduler(lower, shape)
+                for scheduler, group in self._by_chain(lower, range(len(seqs)), seqs):
                     items = [(seqs[i].run, contexts[i], min(scheduler.length_at(0), max(0, request.requests[i].max_tokens - 1)))
                              for i in group]
                     for i, (tokens, _) in zip(group, scheduler.round_batch(0, items)):
@@ -629,8 +625,7 @@ class TierWorker(tier_pb2_grpc.TierServicer):
             if misses or short:
                 def emit(lower):
                     out = {}
-                    for shape, group in self._by_shape(misses + short, seqs).items():
-                        scheduler = self._scheduler(lower, shape)
+                    for scheduler, group in self._by_chain(lower, misses + short, seqs):
                         items = [(seqs[i].run, contexts[i] + (hits[i][0] if hits[i] else []),
                                   requests[i].num_tokens - (len(hits[i][0]) if hits[i] else 0)) for i in group]
                         out.update(zip(group, scheduler.emit_batch(0, items)))
@@ -666,9 +661,8 @@ class TierWorker(tier_pb2_grpc.TierServicer):
         """This tier's distribution after the context, on a sequence of its own (SpecReason's utility score:
         `tier.scratch_score`; a request's scored prompt stays until `release`)."""
         (context,) = self.contexts.resolve_all([request.seq_id], [request.context], [request.delta])
-        batched = self.siblings.of(self.tier)
         with self.lock.hold():
-            row = scratch_score(batched.inner, context, request.seq_id or None, request.temperature or 1.0)
+            row = scratch_score(self.batched_tier().inner, context, request.seq_id or None, request.temperature or 1.0)
         return tier_pb2.ScoreReply(rows=encode_rows(row[None], self.counters))  # [1, V]
 
     # --------------------------------------------------------------- profile
@@ -749,8 +743,7 @@ class TierWorker(tier_pb2_grpc.TierServicer):
             return
         lower = self.lower
         try:
-            for shape, group in self._by_shape(range(len(growing)), growing).items():
-                scheduler = self._scheduler(lower, shape)
+            for scheduler, group in self._by_chain(lower, range(len(growing)), growing):
                 drafted = scheduler.emit_batch(0, [(growing[i].run, list(growing[i].stream.tokens), 1) for i in group])
                 for i, (tokens, rows) in zip(group, drafted):
                     seq, stream = growing[i], growing[i].stream
