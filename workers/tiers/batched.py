@@ -58,7 +58,7 @@ from polyspec.workers.core.verdicts import Draws, verify_blocks
 from polyspec.workers.core.tree import DraftTree, path_rows, tree_allowed
 from polyspec.workers.tiers.batched_llama import BatchedLlama, PendingTree, RowLayout, step_unsupported
 from polyspec.workers.tiers.loading import return_freed_memory
-from polyspec.workers.tiers.tier import ModelTier, NGramTier, Tier, copy_forward
+from polyspec.workers.tiers.tier import ModelTier, NGramTier, Tier, common_prefix, copy_forward
 
 # a forward's cost beyond its tokens' (reading every weight once), in prompt tokens of one row: on an EPYC core
 # (one thread, Qwen2.5-Coder-1.5B) a 4-row one-token step costs what ~13 (int8 copy) / ~24 (bfloat16) prefill tokens do
@@ -463,10 +463,8 @@ class BatchedModelTier(BatchedTier):
             if budget <= 0:
                 break
             slot = self.cache.slot(seq_id)
-            self.cache.drop_tree(slot)
-            keep = min(self.cache.common_prefix(slot, context), len(context) - 1)
-            self.cache.truncate(slot, keep)
-            chunk = context[keep : min(len(context) - 1, keep + budget)]
+            tail = self._sync(slot, context)
+            chunk = tail[: min(len(tail) - 1, budget)]  # all but the last token
             if chunk:
                 slots.append(slot)
                 feeds.append(chunk)
@@ -656,9 +654,7 @@ class NGramIndex:
 
     def sync(self, context: list[int]) -> None:
         cached = self.tokens
-        keep = min(len(cached), len(context))
-        if cached[:keep] != context[:keep]:
-            keep = next(i for i in range(keep) if cached[i] != context[i])
+        keep = common_prefix(cached, context)
         for end in range(len(cached) - 1, keep - 1, -1):  # drop the n-grams ending past `keep`, newest first
             for n in self.sizes:
                 if end - n + 1 >= 0:

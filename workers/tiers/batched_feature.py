@@ -67,15 +67,13 @@ class BatchedFeatureTier(BatchedModelTier):
         return 0 if slot is None else min(self.real.get(seq_id, 0), self.cache.length(slot))
 
     def release(self, seq_id) -> None:
-        self.cache.release(seq_id)
+        super().release(seq_id)
         self.real.pop(seq_id, None)
 
     def truncate(self, seq_id, length: int) -> None:
-        slot = self.cache.slot_of.get(seq_id)
-        if slot is not None:
-            self.cache.drop_tree(slot)
-            self.cache.truncate(slot, min(length, self.cache.length(slot)))
-            self.real[seq_id] = min(self.real.get(seq_id, 0), self.cache.length(slot))
+        super().truncate(seq_id, length)
+        if seq_id in self.cache.slot_of:
+            self.real[seq_id] = min(self.real.get(seq_id, 0), self.cache.length(self.cache.slot_of[seq_id]))
 
     def accept_path(self, seq_id, path: list[int]) -> None:
         """The accepted nodes were computed from predicted features: the tree goes, the next call computes them again."""
