@@ -350,8 +350,6 @@ class DistributedChain:
             return
         release() if keep_caches else self._releases.submit(release)
 
-    # ------------------------------------------------------------------- stats
-
     # ------------------------------------------------------- approximate modes
 
     def set_approximate(self, state: RequestState, approximate_json: str) -> None:
@@ -444,15 +442,6 @@ def round_observations(reports, params: SamplingParams, context_len: int, seq_id
     return observations
 
 
-def _profile(view: TierView, request: tier_pb2.ProfileRequest) -> tier_pb2.ProfileReply:
-    """One tier's Profile RPC, on a channel of its own (profiling runs before any request)."""
-    with cluster_auth.insecure_channel(view.address, options=CHANNEL_OPTIONS) as channel:
-        try:
-            return tier_pb2_grpc.TierStub(channel).Profile(request, timeout=VERIFY_TIMEOUT_S)
-        except grpc.RpcError as exc:
-            raise TierUnavailableError(view.name, f"Profile: {exc.details() or exc.code().name.lower()}") from None
-
-
 def profile_grid_remote(chain: DistributedChain, max_batch: int, repeats: int = 2):
     """Each tier's batched forward on the (batch, width) grid, measured in its own process (the
     Profile RPC with `max_batch`), as `polyspec.orchestrator.tuning.profiler.profile_batched`
@@ -462,7 +451,11 @@ def profile_grid_remote(chain: DistributedChain, max_batch: int, repeats: int = 
     tables, lookup = [], []
     for view in chain.tiers:
         request = tier_pb2.ProfileRequest(max_batch=max_batch, repeats=repeats)
-        reply = _profile(view, request)
+        with cluster_auth.insecure_channel(view.address, options=CHANNEL_OPTIONS) as channel:  # (before any request)
+            try:
+                reply = tier_pb2_grpc.TierStub(channel).Profile(request, timeout=VERIFY_TIMEOUT_S)
+            except grpc.RpcError as exc:
+                raise TierUnavailableError(view.name, f"Profile: {exc.details() or exc.code().name.lower()}") from None
         view.can_verify = reply.can_verify
         grid = {(cell.batch, cell.width): cell.ms for cell in reply.batched}
         tables.append(ForwardTable(grid, reply.catch_up_ms if reply.catch_up_ms >= 0 else None) if grid else None)

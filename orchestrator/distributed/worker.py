@@ -63,6 +63,7 @@ from polyspec.orchestrator.decode.approximate import worker_hooks
 from polyspec.protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
 from polyspec.workers.core.grammar import from_wire
 from polyspec.workers.core.sampling import SamplingParams
+from polyspec.workers.tiers.loading import load_tokenizer
 from polyspec.workers.tiers.tier import Tier, scratch_score, scratch_sequence
 from polyspec.orchestrator.distributed.model_lock import (
     LockedBatched,
@@ -113,13 +114,6 @@ class _Stream:
         self.rows.extend(list(rows) if rows is not None else [None] * len(tokens))
 
 
-def target_tokenizer(source: str):
-    """The target's tokenizer from its folder, Hugging Face id or .gguf file (a structured-output request's grammar)."""
-    from polyspec.workers.tiers.loading import load_tokenizer
-
-    return load_tokenizer(source, "target")
-
-
 class _Sequence:
     """One request as seen by this worker."""
 
@@ -129,7 +123,9 @@ class _Sequence:
         self.header.CopyFrom(header)
         self.params = SamplingParams(temperature=header.temperature, top_p=header.top_p, top_k=header.top_k)
         if header.constraint_json:  # structured output: this tier's own matcher, its rows restricted here
-            grammar = from_wire(header.constraint_json, worker.tier.vocab_size, tuple(worker.eos_token_ids), target_tokenizer)
+            # compiled over the target's tokenizer, read from its folder, Hugging Face id or .gguf file
+            grammar = from_wire(header.constraint_json, worker.tier.vocab_size, tuple(worker.eos_token_ids),
+                                functools.partial(load_tokenizer, tier_name="target"))
             self.params = dataclasses.replace(self.params, grammar=grammar)
         seed = header.seeds[worker.index] if worker.index < len(header.seeds) else None
         self.run = Run(
