@@ -18,7 +18,7 @@ driver is polyspec.orchestrator.distributed.driver.DistributedChain. This module
   target is waited for, and the driver redoes the step that failed;
 - joins the tiers into one torch.distributed group when dense rows go out of band
   (`tensor_transport`: nccl between distinct GPUs, gloo when asked; `auto` is nccl on GPUs
-  and inline gRPC on CPU, see workers/transport.py for the measurements behind that).
+  and inline gRPC on CPU, see polyspec.orchestrator.distributed.transport for the measurements behind that).
 """
 
 from __future__ import annotations

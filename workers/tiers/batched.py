@@ -367,8 +367,8 @@ class BatchedModelTier(BatchedTier):
         return context[keep:]
 
     def _tree_layout(self, slot: int, pending: PendingTree, tail: list[int], tree: DraftTree, nodes: list[int], depths: list[int]) -> RowLayout:
-        """The linear `tail` then tree `nodes` (whose ancestors are cached or fed here), as
-        `ModelTier._tree_forward` feeds them: nodes at prefix length + depth, seeing the linear
+        """The linear `tail` then tree `nodes` (whose ancestors are cached or fed here), in one
+        forward: nodes at prefix length + depth, seeing the linear
         context and their ancestors."""
         cached = self.cache.length(slot)
         first = cached + len(tail)

@@ -124,7 +124,7 @@ class BatchedFeatureTier(BatchedModelTier):
 
     def _rows(self, seq_ids, contexts: list[list[int]]) -> list[Row]:
         """Each request's slot rolled back to what it shares with its context and computed from the target's
-        features (`FeatureTier._condition`'s rules), and what it feeds to reach the context's end."""
+        features (feature_tier's docstring gives the rules), and what it feeds to reach the context's end."""
         wanted = [len(context) - 1 for context in contexts]
         real = [self.source.features(s, c, n) for s, c, n in zip(seq_ids, contexts, wanted)]
         new = [r for r, (have, n) in enumerate(zip(real, wanted)) if have.shape[0] == 0 and n > 0]
@@ -164,7 +164,7 @@ class BatchedFeatureTier(BatchedModelTier):
     # ------------------------------------------------------------------ verification
 
     def score_batch(self, seq_ids, contexts, blocks: list[DraftTree], params: list[SamplingParams]) -> list[torch.Tensor]:
-        """`FeatureTier.score` for every request: rows [len(block) + 1, V] after its context, the block's tokens
+        """Every request's rows [len(block) + 1, V] after its context, the block's tokens
         fed one a forward after the first, each read with the head's prediction at the position before."""
         if not all(block.is_chain() for block in blocks):
             raise NotImplementedError(f"tier {self.name!r} (a feature head) verifies chains only; "
