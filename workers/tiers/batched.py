@@ -382,10 +382,20 @@ class BatchedModelTier(BatchedTier):
                  previous: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """Append `feeds[r]` to slot `slots[r]`; each row's logits [len(feeds[r]) - outputs[r], V] float32 on
         `logits_device`, of its positions from `outputs[r]` on. (`previous`: a feature head's inputs; a model
-        reads tokens only.)"""
+        reads tokens only.) Timed and counted as the tier's forward; `_logits` runs it."""
         if self.threads and torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)
         started = time.perf_counter()
+        logits = self._logits(slots, feeds, outputs, layouts, previous)
+        seconds = time.perf_counter() - started
+        self.tier.busy_s += seconds
+        self.tier.forwards += 1
+        self.tier.forwarded_tokens += sum(len(f) for f in feeds)
+        self.log_forward(len(slots), max(len(f) for f in feeds), seconds)
+        return logits
+
+    def _logits(self, slots: list[int], feeds: list[list[int]], outputs: list[int], layouts, previous) -> list[torch.Tensor]:
+        """`_forward`'s forward: a static step where the rows fit one, else the ragged forward."""
         wanted = [len(feed) - output for feed, output in zip(feeds, outputs)]
         if self.steps and any(wanted) and max(wanted) <= MAX_STEP_TOKENS:
             logits = self._step(slots, feeds, outputs, layouts)
@@ -394,11 +404,6 @@ class BatchedModelTier(BatchedTier):
             logits = [row[:, : self.vocab_size].to(self.logits_device, torch.float32) for row in logits]
         if self.model.device.type == "cuda":  # a forward with no logits (a prefill) returns before its kernels end
             torch.cuda.synchronize(self.model.device)
-        seconds = time.perf_counter() - started
-        self.tier.busy_s += seconds
-        self.tier.forwards += 1
-        self.tier.forwarded_tokens += sum(len(f) for f in feeds)
-        self.log_forward(len(slots), max(len(f) for f in feeds), seconds)
         return logits
 
     @torch.inference_mode()
