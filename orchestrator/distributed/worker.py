@@ -58,7 +58,7 @@ import torch
 
 from polyspec.orchestrator.distributed import cluster_auth
 from polyspec.orchestrator.decode.contract import NO_LIMIT, RoundObservation, StageStats, first_eos, seeded_generator
-from polyspec.orchestrator.decode.scheduler import CATCH_UP_GAP, ChainScheduler, Run
+from polyspec.orchestrator.decode.scheduler import ChainScheduler, Run, catch_up
 from polyspec.orchestrator.decode.approximate import worker_hooks
 from polyspec.protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
 from polyspec.workers.core.grammar import from_wire
@@ -548,16 +548,6 @@ class TierWorker(tier_pb2_grpc.TierServicer):
             groups.setdefault(self._shape(seqs[i]), []).append(i)
         return [(self._scheduler(lower, shape), group) for shape, group in groups.items()]
 
-    def _catch_up(self, seqs, contexts) -> None:
-        """Cache, in one forward, the contexts this tier is far behind on (a joining sequence's
-        prompt), so the round's forward does not pad every row to that prompt's length."""
-        own = self.batched_tier()
-        if not own.caches_prompts:
-            return
-        behind = [i for i, (s, c) in enumerate(zip(seqs, contexts)) if len(c) - 1 - own.cached(s.run.seq_id) > CATCH_UP_GAP]
-        if behind:
-            own.prefill([seqs[i].run.seq_id for i in behind], [contexts[i] for i in behind], sum(len(contexts[i]) for i in behind))
-
     # ------------------------------------------------------------------- verify
 
     def _contexts_of(self, requests) -> list[list[int]]:
@@ -574,7 +564,7 @@ class TierWorker(tier_pb2_grpc.TierServicer):
         with self._holding(seqs):
             for seq in seqs:
                 seq.reset_call()
-            self._catch_up(seqs, contexts)
+            catch_up(self.batched_tier(), [seq.run for seq in seqs], contexts)
 
             def one_round(lower):
                 emitted: list[list[int]] = [[] for _ in seqs]
@@ -616,7 +606,7 @@ class TierWorker(tier_pb2_grpc.TierServicer):
             short = [i for i, hit in hits.items() if hit is not None and len(hit[0]) < requests[i].num_tokens
                      and first_eos(hit[0], self.eos_token_ids) is None]
             if misses or trees:
-                self._catch_up([seqs[i] for i in misses + trees], [contexts[i] for i in misses + trees])
+                catch_up(self.batched_tier(), [seqs[i].run for i in misses + trees], [contexts[i] for i in misses + trees])
             drafted: dict[int, tuple] = {}
             if misses or short:
                 def emit(lower):
