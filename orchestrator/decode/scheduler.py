@@ -54,12 +54,11 @@ from polyspec.orchestrator.decode.contract import (
     output,
     plan_records,
     remaining,
-    seeded_generator,
     stage_of,
     tier_seeds,
 )
 from polyspec.orchestrator.decode.approximate import scoring, verdict
-from polyspec.workers.core.sampling import SamplingParams
+from polyspec.workers.core.sampling import RandomStream, SamplingParams
 from polyspec.workers.core.tree import DraftTree, path_rows
 from polyspec.workers.tiers.batched import BatchedTier, Verdict
 from polyspec.workers.tiers.tier import common_prefix, scratch_score, scratch_sequence
@@ -169,7 +168,7 @@ class ChainScheduler:
         run = Run(
             seq_id=self.kept.sequence_for(prompt_ids),
             params=params,
-            generators=[seeded_generator(s) for s in tier_seeds(seed, len(self.tiers))],
+            generators=[RandomStream(s) for s in tier_seeds(seed, len(self.tiers))],
             stages=[StageStats(self.tiers[i].name, self.tiers[i + 1].name) for i in range(len(self.tiers) - 1)],
             limit=self.max_context or NO_LIMIT,
             forwarded_tokens=[0] * len(self.tiers),

@@ -57,12 +57,12 @@ import grpc
 import torch
 
 from polyspec.orchestrator.distributed import cluster_auth
-from polyspec.orchestrator.decode.contract import NO_LIMIT, RoundObservation, StageStats, first_eos, seeded_generator
+from polyspec.orchestrator.decode.contract import NO_LIMIT, RoundObservation, StageStats, first_eos
 from polyspec.orchestrator.decode.scheduler import ChainScheduler, Run, catch_up
 from polyspec.orchestrator.decode.approximate import worker_hooks
 from polyspec.protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
 from polyspec.workers.core.grammar import from_wire
-from polyspec.workers.core.sampling import SamplingParams
+from polyspec.workers.core.sampling import RandomStream, SamplingParams
 from polyspec.workers.tiers.loading import load_tokenizer
 from polyspec.workers.tiers.tier import Tier, scratch_score, scratch_sequence
 from polyspec.orchestrator.distributed.model_lock import (
@@ -131,7 +131,7 @@ class _Sequence:
         self.run = Run(
             seq_id=header.seq_id,
             params=self.params,
-            generators=[seeded_generator(seed), torch.Generator()],  # the tier below draws with its own
+            generators=[RandomStream(seed), torch.Generator()],  # the tier below draws with its own
             stages=[StageStats(worker.tier.name, "below")],
             limit=header.limit or NO_LIMIT,
         )
