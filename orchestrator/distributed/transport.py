@@ -352,8 +352,7 @@ class RemoteTier(BatchedTier):
     has_weights = False
     caches_prompts = False
 
-    def __init__(self, address: str, sequence: Callable, counters: Counters, dist: DistChannel | None = None,
-                 timeout_s: float = RPC_TIMEOUT_S, caller: int = 0,
+    def __init__(self, address: str, sequence: Callable, counters: Counters, dist: DistChannel | None = None, caller: int = 0,
                  on_resend: Callable[[], None] | None = None) -> None:  # (no BatchedTier.__init__: no local tier)
         """`on_resend`: called when the tier below refused a call's context bases and the call went again whole."""
         self.caller = caller
@@ -361,7 +360,6 @@ class RemoteTier(BatchedTier):
         self._sequence = sequence
         self.counters = counters
         self.dist = dist
-        self.timeout_s = timeout_s
         self._channel = cluster_auth.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = tier_pb2_grpc.TierStub(self._channel)
         self.sent = SentContexts()  # what this caller last sent the tier below, per sequence
@@ -382,7 +380,7 @@ class RemoteTier(BatchedTier):
         self._channel.close()
 
     def _call(self, method: str, request, timeout: float | None = None, name: str | None = None):
-        return call_tier(self._stub, method, request, timeout or self.timeout_s, self.counters, name or self.name, f" ({self.address})")
+        return call_tier(self._stub, method, request, timeout or RPC_TIMEOUT_S, self.counters, name or self.name, f" ({self.address})")
 
     def _cast(self, method: str, request) -> None:
         """Fire and forget (verdicts, releases): a lost one costs a re-sync, never a wrong token.

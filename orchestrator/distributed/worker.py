@@ -68,7 +68,6 @@ from polyspec.workers.tiers.tier import Tier, scratch_score, scratch_sequence
 from polyspec.orchestrator.distributed.model_lock import (
     LockedBatched,
     LockedTiers,
-    ModelLock,
     drafting_ahead,
     model_seconds,
     set_drafting_ahead,
@@ -118,7 +117,6 @@ class _Sequence:
     """One request as seen by this worker."""
 
     def __init__(self, worker: "TierWorker", header: tier_pb2.SequenceHeader) -> None:
-        self.worker = worker
         self.header = tier_pb2.SequenceHeader()
         self.header.CopyFrom(header)
         self.params = SamplingParams(temperature=header.temperature, top_p=header.top_p, top_k=header.top_k)
@@ -202,12 +200,11 @@ class TierWorker(tier_pb2_grpc.TierServicer):
     _ahead_stopping = False
     IDLE_POLL_S = 0.001  # every wanting sequence busy in a call: look again this soon
 
-    def __init__(self, tier: Tier, index: int, *, eos_token_ids=(), host: str = "127.0.0.1", port: int = 0,
-                 rpc_timeout_s: float = 120.0, lock: ModelLock | None = None, device_slots: int = 0,
+    def __init__(self, tier: Tier, index: int, *, eos_token_ids=(), host: str = "127.0.0.1", device_slots: int = 0,
                  device_context: int | None = None, siblings: LockedTiers | None = None) -> None:
-        """`device_slots` > 0: the tier decodes in static steps on a pool of that many requests (`BatchedModelTier`).
-        `siblings`: the batched tiers of every tier this process serves behind one lock (a target and
-        its trained drafters), `tier` among them; by default `tier` alone behind `lock`."""
+        """Listens on a free port of `host`. `device_slots` > 0: the tier decodes in static steps on a pool of that
+        many requests (`BatchedModelTier`). `siblings`: the batched tiers of every tier this process serves behind
+        one lock (a target and its trained drafters), `tier` among them; by default `tier` alone behind a lock."""
         # The forward thread holds the GIL for most of a small model's forward (Python module
         # code between short kernels); a gRPC handler thread waiting for it would wait up to the
         # default 5 ms switch interval each time, serialising requests that should overlap.
@@ -216,13 +213,12 @@ class TierWorker(tier_pb2_grpc.TierServicer):
         self.index = index
         self.eos_token_ids = frozenset(eos_token_ids)
         # tiers sharing one model in one process (a target and its trained drafters) share one lock
-        self.siblings = siblings or LockedTiers([tier], lock, [device_slots], device_context)
+        self.siblings = siblings or LockedTiers([tier], device_slots=[device_slots], device_context=device_context)
         self.lock = self.siblings.lock
         self.lower: RemoteTier | None = None
         self.lower_error = ""
         self.dist: DistChannel | None = None
         self.counters = Counters()
-        self.rpc_timeout_s = rpc_timeout_s
         self.started = time.time()
         self.ahead_hits = self.ahead_misses = self.ahead_dropped = 0
         self.contexts = KeptContexts()  # what callers sent, by version: a call carries only what is not kept here
@@ -235,9 +231,9 @@ class TierWorker(tier_pb2_grpc.TierServicer):
         self.server = grpc.server(futures.ThreadPoolExecutor(MAX_RPC_THREADS, thread_name_prefix=f"tier-{tier.name}"),
                                   options=CHANNEL_OPTIONS, interceptors=cluster_auth.server_interceptors())
         tier_pb2_grpc.add_TierServicer_to_server(self, self.server)
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        self.port = self.server.add_insecure_port(f"{host}:0")
         if not self.port:
-            raise RuntimeError(f"tier {tier.name!r}: cannot listen on {host}:{port}")
+            raise RuntimeError(f"tier {tier.name!r}: cannot listen on {host}")
         self.address = f"{host}:{self.port}"
         self.server.start()
 
@@ -257,8 +253,8 @@ class TierWorker(tier_pb2_grpc.TierServicer):
             if old is not None:
                 old.close()
             if address:
-                self.lower = RemoteTier(address, self._sequences.__getitem__, self.counters, self.dist,
-                                        timeout_s=self.rpc_timeout_s, caller=self.index, on_resend=self._resent)
+                self.lower = RemoteTier(address, self._sequences.__getitem__, self.counters, self.dist, caller=self.index,
+                                        on_resend=self._resent)
                 self.lower_error = ""
             return self.lower.name if self.lower is not None else ""
 
