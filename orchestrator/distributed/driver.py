@@ -254,12 +254,10 @@ class DistributedChain:
                           "lengths": list(lengths)}
         if planner is not None:
             heard.append(StepObservation(committed, seconds, tuple(lengths), tuple(active)))
-            self._hear(planner, heard)
+            with self._planner_lock:  # the planner that planned the step hears it
+                for observation in heard:
+                    planner.observe(observation)
         return out
-
-    def _step_input(self, states: list[RequestState]) -> StepInput:
-        return StepInput(tuple(state.params for state in states), tuple(len(state.committed) for state in states),
-                         remaining=tuple(min(remaining(state), state.limit - len(state.committed)) for state in states))
 
     def _plan(self, states: list[RequestState]) -> tuple[list[int], tuple[int, ...], float | None]:
         """The step's lengths and tiers: the planner's, else the chain's own; and the planner's predicted
@@ -268,7 +266,9 @@ class DistributedChain:
         if planner is None:
             return list(self.lengths), self.active, None
         with self._planner_lock:
-            lengths, active = planner.plan(self._step_input(states))
+            lengths, active = planner.plan(StepInput(
+                tuple(state.params for state in states), tuple(len(state.committed) for state in states),
+                remaining=tuple(min(remaining(state), state.limit - len(state.committed)) for state in states)))
             predicted = planner.predicted_tokens_per_s
         for state in states:
             note_plan(state.plans, len(state.new_tokens), lengths, [self.tiers[t].name for t in active])
@@ -301,12 +301,6 @@ class DistributedChain:
         if reply.degraded:
             self.membership.degraded(reply.degraded_reason)
         return commit(state, list(reply.tokens), self.eos_token_ids)
-
-    def _hear(self, planner, observations: list) -> None:
-        """The planner that planned a round hears it."""
-        with self._planner_lock:
-            for observation in observations:
-                planner.observe(observation)
 
     def _record(self, run: RemoteRun, reports) -> None:
         for report in reports:

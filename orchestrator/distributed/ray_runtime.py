@@ -33,7 +33,7 @@ from polyspec.orchestrator.distributed import cluster_auth
 from polyspec.orchestrator.config import ChainConfig
 from polyspec.orchestrator.distributed.driver import ChainUnavailableError, DistributedChain, Membership, TierView
 from polyspec.orchestrator.distributed.transport import health
-from polyspec.workers.core.errors import ConfigError
+from polyspec.workers.core.errors import ConfigError, PolyspecError
 
 START_TIMEOUT_S = float(os.environ.get("POLYSPEC_RAY_START_TIMEOUT_S", "180"))
 RESTART_TIMEOUT_S = float(os.environ.get("POLYSPEC_RAY_RESTART_TIMEOUT_S", "180"))
@@ -400,8 +400,6 @@ class RayMembership(Membership):
         """A tier's actor raised in its constructor (a model that does not load, say): one line, whatever the tier."""
         self.close()
         cause = getattr(exc, "cause", None) or exc
-        from polyspec.workers.core.errors import PolyspecError
-
         if isinstance(cause, PolyspecError):
             raise type(cause)(str(cause)) from None
         raise ConfigError(f"tier {name!r} failed to start: {str(cause).strip().splitlines()[-1]}") from None
