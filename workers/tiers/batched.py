@@ -347,11 +347,8 @@ class BatchedModelTier(BatchedTier):
         Needs `keep_features`."""
         if not self.keep_features:
             raise RuntimeError(f"tier {self.name!r} does not keep its hidden states (keep_features)")
-        slot = self.cache.slot_of.get(seq_id)
-        have = 0 if slot is None else self.cache.common_prefix(slot, context[: max(length, 0)])
-        pending = None if slot is None else self.cache.pending.get(slot)
-        if pending is not None:  # an unverified tree's nodes are not context
-            have = min(have, pending.prefix_len)
+        slot = self.cache.slot_of.get(seq_id)  # (`cached`: an unverified tree's nodes are not context)
+        have = 0 if slot is None else min(self.cached(seq_id), self.cache.common_prefix(slot, context[: max(length, 0)]))
         if compute and have < length:
             self.prefill([seq_id], [context[:length] + [0]], length)  # [0]: prefill caches all but the last token
             slot, have = self.cache.slot_of[seq_id], length
