@@ -710,18 +710,10 @@ class BatchedNGramTier(BatchedTier):
         index.sync(context)
         return index
 
-    def _one_hot(self, tokens: list[int]) -> torch.Tensor:
-        return torch.nn.functional.one_hot(torch.tensor(tokens, dtype=torch.long), self.vocab_size).float()
-
     def draft_batch(self, seq_ids, contexts, counts, params, generators):
-        started = time.perf_counter()
-        out = []
-        for seq_id, context, count, p in zip(seq_ids, contexts, counts, params):
-            tokens = self._index(seq_id, context).lookup(count) if count > 0 else []
-            tokens = cut_at_disallowed(grammar_of(p), context, tokens)
-            out.append((tokens, None if p.greedy or not tokens else self._one_hot(tokens)))
-        self.tier.busy_s += time.perf_counter() - started
-        return out
+        """Each request's continuation: a tree of one chain (the index's `lookup` is its first continuation)."""
+        trees = self.draft_tree_batch(seq_ids, contexts, 1, counts, params, "specinfer", generators)
+        return [(tree.tokens, tree.draft_rows) for tree in trees]
 
     def draft_tree_batch(self, seq_ids, contexts, width, depths, params, scheme, generators):
         """Each request's `width` continuations with distinct first tokens, as chains under the root (nodes parents-first)."""
@@ -736,8 +728,8 @@ class BatchedNGramTier(BatchedTier):
                     tree.tokens.append(token)
                     tree.parents.append(parent)
                     parent = len(tree.tokens) - 1
-            if not p.greedy and tree.tokens:
-                tree.draft_rows = self._one_hot(tree.tokens)
+            if not p.greedy and tree.tokens:  # point masses
+                tree.draft_rows = torch.nn.functional.one_hot(torch.tensor(tree.tokens, dtype=torch.long), self.vocab_size).float()
             trees.append(tree)
         self.tier.busy_s += time.perf_counter() - started
         return trees
