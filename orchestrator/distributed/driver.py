@@ -176,14 +176,14 @@ class DistributedChain:
                 self._target = _Target(address, channel, tier_pb2_grpc.TierStub(channel))
             return self._target
 
-    def _call_target(self, method: str, request, timeout: float = VERIFY_TIMEOUT_S):
+    def _call_target(self, method: str, request):
         """Call the target; on a dead target wait for its restart and call again. Returns the reply and
         the seconds the last call took."""
         while True:
             target = self._stub()
             started = time.perf_counter()
             try:
-                reply = call_tier(target.stub, method, request, timeout, self.counters, self.tiers[0].name)
+                reply = call_tier(target.stub, method, request, VERIFY_TIMEOUT_S, self.counters, self.tiers[0].name)
                 return reply, time.perf_counter() - started
             except TierUnavailableError as exc:
                 self.failovers += 1
