@@ -117,7 +117,7 @@ class ReflectiveRule:
 
 @dataclasses.dataclass
 class StepStats:
-    """What a step driver reports in the result's stats (`approximate_stats`)."""
+    """What a step driver reports in the result's stats (its `approximate` entry, `Attached.detach`)."""
 
     small_tokens: int = 0  # committed tokens the small model (the drafting sub-chain) wrote
     large_tokens: int = 0  # committed tokens the large model (the exact chain) wrote

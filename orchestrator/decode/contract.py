@@ -453,14 +453,8 @@ class KeptSequences:
 # ----------------------------------------------------------------------------- seeds
 
 
-def seeded_generator(seed: int | None) -> RandomStream:
-    """A request's random stream at one tier (host and device draws), seeded with `seed`, or from
-    the operating system's entropy when None."""
-    return RandomStream(seed)
-
-
 def tier_seeds(seed: int | None, tiers: int) -> list[int]:
     """One seed per tier, drawn from the request's `seed`: every decoder derives them this way,
     so a seeded request samples the same tokens embedded and distributed."""
-    base = seeded_generator(seed)
+    base = RandomStream(seed)
     return [int(torch.randint(0, 2**62, (1,), generator=base)) for _ in range(tiers)]

@@ -54,12 +54,11 @@ from polyspec.orchestrator.decode.contract import (
     output,
     plan_records,
     remaining,
-    seeded_generator,
     stage_of,
     tier_seeds,
 )
 from polyspec.orchestrator.decode.approximate import scoring, verdict
-from polyspec.workers.core.sampling import SamplingParams
+from polyspec.workers.core.sampling import RandomStream, SamplingParams
 from polyspec.workers.core.tree import DraftTree, path_rows
 from polyspec.workers.tiers.batched import BatchedTier, Verdict
 from polyspec.workers.tiers.tier import common_prefix, scratch_score, scratch_sequence
@@ -90,6 +89,16 @@ class Run:
 
 
 FROM_TIERS = "tiers"  # `max_context` default: the smallest context among the tiers
+
+
+def catch_up(tier: BatchedTier, runs: list[Run], contexts: list[list[int]]) -> None:
+    """Cache in `tier`, in one forward, the contexts it is more than CATCH_UP_GAP tokens behind on (a joining
+    request's prompt), so the round's forwards do not pad every row to that context's length."""
+    if not tier.caches_prompts:
+        return
+    behind = [j for j, (run, context) in enumerate(zip(runs, contexts)) if len(context) - 1 - tier.cached(run.seq_id) > CATCH_UP_GAP]
+    if behind:
+        tier.prefill([runs[j].seq_id for j in behind], [contexts[j] for j in behind], sum(len(contexts[j]) for j in behind))
 
 
 class ChainScheduler:
@@ -159,7 +168,7 @@ class ChainScheduler:
         run = Run(
             seq_id=self.kept.sequence_for(prompt_ids),
             params=params,
-            generators=[seeded_generator(s) for s in tier_seeds(seed, len(self.tiers))],
+            generators=[RandomStream(s) for s in tier_seeds(seed, len(self.tiers))],
             stages=[StageStats(self.tiers[i].name, self.tiers[i + 1].name) for i in range(len(self.tiers) - 1)],
             limit=self.max_context or NO_LIMIT,
             forwarded_tokens=[0] * len(self.tiers),
@@ -197,17 +206,6 @@ class ChainScheduler:
                 fed += tier.prefill([s.run.seq_id for s in waiting], [s.committed for s in waiting], budget)
         return fed
 
-    def catch_up(self, states: list[RequestState]) -> None:
-        """Cache in each drafting model tier of the plan the contexts it is far behind on, in one
-        forward per tier, before the round (whose forwards pad every row to the longest)."""
-        for level in self.active[1:]:
-            tier = self.tiers[level]
-            if not tier.caches_prompts:
-                continue
-            behind = [s for s in states if len(s.committed) - 1 - tier.cached(s.run.seq_id) > CATCH_UP_GAP]
-            if behind:
-                tier.prefill([s.run.seq_id for s in behind], [s.committed for s in behind], sum(len(s.committed) for s in behind))
-
     def step_all(self, states: list[RequestState]) -> list[list[int]]:
         """One target round for every request in `states`; the newly committed tokens of each."""
         started = time.perf_counter()
@@ -237,7 +235,8 @@ class ChainScheduler:
                           [self.tiers[t].name for t in tiers])
             # in the step's time, and timed apart: the planner weighs it as the price of switching a plan on, not as the plan's
             caught = time.perf_counter()
-            self.catch_up([states[i] for i in live])
+            for level in self.active[1:]:  # each drafting tier of the plan
+                catch_up(self.tiers[level], [states[i].run for i in live], [states[i].committed for i in live])
             catch_up_s = time.perf_counter() - caught
         shadows = self._shadow_proposals([states[i] for i in live], drafters)
         busy_before = [t.busy_s for t in self.tiers]

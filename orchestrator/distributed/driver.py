@@ -55,13 +55,13 @@ from polyspec.workers.core.grammar import grammar_of, wire_form
 from polyspec.workers.core.sampling import SamplingParams
 from polyspec.orchestrator.distributed.transport import (
     CHANNEL_OPTIONS,
-    UNAVAILABLE_CODES,
     Counters,
     SentContexts,
     TierUnavailableError,
+    call_tier,
     call_with_contexts,
     decode_rows,
-    raise_if_stale,
+    health,
 )
 
 VERIFY_TIMEOUT_S = 300.0
@@ -103,17 +103,8 @@ class Membership:
         """A tier below the target was unreachable: rewire when it is back (non-blocking)."""
 
     def health(self) -> list[tier_pb2.HealthReply | None]:
-        replies = []
-        for view in self.views:
-            if not view.address:  # never started (a drafter the chain started without)
-                replies.append(None)
-                continue
-            try:
-                with cluster_auth.insecure_channel(view.address, options=CHANNEL_OPTIONS) as channel:
-                    replies.append(tier_pb2_grpc.TierStub(channel).Health(tier_pb2.HealthRequest(), timeout=5.0))
-            except grpc.RpcError:
-                replies.append(None)
-        return replies
+        # (no address: never started, a drafter the chain started without)
+        return [health(view.address, 5.0) if view.address else None for view in self.views]
 
     def close(self) -> None:
         pass
@@ -185,23 +176,18 @@ class DistributedChain:
                 self._target = _Target(address, channel, tier_pb2_grpc.TierStub(channel))
             return self._target
 
-    def _call_target(self, method: str, request, timeout: float = VERIFY_TIMEOUT_S):
+    def _call_target(self, method: str, request):
         """Call the target; on a dead target wait for its restart and call again. Returns the reply and
         the seconds the last call took."""
         while True:
             target = self._stub()
             started = time.perf_counter()
             try:
-                reply = getattr(target.stub, method)(request, timeout=timeout)
-                arrived = time.perf_counter()
-                self.counters.add("grpc", request.ByteSize() + reply.ByteSize())
-                return reply, arrived - started
-            except grpc.RpcError as exc:
-                raise_if_stale(exc)
-                if exc.code() not in UNAVAILABLE_CODES:
-                    raise RuntimeError(f"tier {self.tiers[0].name!r}: {method} failed: {exc.details()}") from None
+                reply = call_tier(target.stub, method, request, VERIFY_TIMEOUT_S, self.counters, self.tiers[0].name)
+                return reply, time.perf_counter() - started
+            except TierUnavailableError as exc:
                 self.failovers += 1
-                self.membership.target_failed(TierUnavailableError(self.tiers[0].name, f"{method}: {exc.code().name.lower()}"))
+                self.membership.target_failed(exc)
 
     # -------------------------------------------------------------------- API
 
@@ -268,12 +254,10 @@ class DistributedChain:
                           "lengths": list(lengths)}
         if planner is not None:
             heard.append(StepObservation(committed, seconds, tuple(lengths), tuple(active)))
-            self._hear(planner, heard)
+            with self._planner_lock:  # the planner that planned the step hears it
+                for observation in heard:
+                    planner.observe(observation)
         return out
-
-    def _step_input(self, states: list[RequestState]) -> StepInput:
-        return StepInput(tuple(state.params for state in states), tuple(len(state.committed) for state in states),
-                         remaining=tuple(min(remaining(state), state.limit - len(state.committed)) for state in states))
 
     def _plan(self, states: list[RequestState]) -> tuple[list[int], tuple[int, ...], float | None]:
         """The step's lengths and tiers: the planner's, else the chain's own; and the planner's predicted
@@ -282,7 +266,9 @@ class DistributedChain:
         if planner is None:
             return list(self.lengths), self.active, None
         with self._planner_lock:
-            lengths, active = planner.plan(self._step_input(states))
+            lengths, active = planner.plan(StepInput(
+                tuple(state.params for state in states), tuple(len(state.committed) for state in states),
+                remaining=tuple(min(remaining(state), state.limit - len(state.committed)) for state in states)))
             predicted = planner.predicted_tokens_per_s
         for state in states:
             note_plan(state.plans, len(state.new_tokens), lengths, [self.tiers[t].name for t in active])
@@ -315,12 +301,6 @@ class DistributedChain:
         if reply.degraded:
             self.membership.degraded(reply.degraded_reason)
         return commit(state, list(reply.tokens), self.eos_token_ids)
-
-    def _hear(self, planner, observations: list) -> None:
-        """The planner that planned a round hears it."""
-        with self._planner_lock:
-            for observation in observations:
-                planner.observe(observation)
 
     def _record(self, run: RemoteRun, reports) -> None:
         for report in reports:
@@ -364,8 +344,6 @@ class DistributedChain:
             return
         release() if keep_caches else self._releases.submit(release)
 
-    # ------------------------------------------------------------------- stats
-
     # ------------------------------------------------------- approximate modes
 
     def set_approximate(self, state: RequestState, approximate_json: str) -> None:
@@ -383,16 +361,8 @@ class DistributedChain:
         view = self.tiers[1]
 
         def draft(request: tier_pb2.DraftRequest) -> tier_pb2.DraftReply:
-            try:
-                with cluster_auth.insecure_channel(view.address, options=CHANNEL_OPTIONS) as channel:
-                    reply = tier_pb2_grpc.TierStub(channel).Draft(request, timeout=VERIFY_TIMEOUT_S)
-            except grpc.RpcError as exc:
-                raise_if_stale(exc)
-                if exc.code() in UNAVAILABLE_CODES:
-                    raise TierUnavailableError(view.name, f"Draft: {exc.code().name.lower()}") from None
-                raise RuntimeError(f"tier {view.name!r}: Draft failed: {exc.details()}") from None
-            self.counters.add("grpc", request.ByteSize() + reply.ByteSize())
-            return reply
+            with cluster_auth.insecure_channel(view.address, options=CHANNEL_OPTIONS) as channel:
+                return call_tier(tier_pb2_grpc.TierStub(channel), "Draft", request, VERIFY_TIMEOUT_S, self.counters, view.name)
 
         def one(deltas) -> tier_pb2.DraftRequest:
             (tail, delta), = deltas
@@ -466,15 +436,6 @@ def round_observations(reports, params: SamplingParams, context_len: int, seq_id
     return observations
 
 
-def _profile(view: TierView, request: tier_pb2.ProfileRequest) -> tier_pb2.ProfileReply:
-    """One tier's Profile RPC, on a channel of its own (profiling runs before any request)."""
-    with cluster_auth.insecure_channel(view.address, options=CHANNEL_OPTIONS) as channel:
-        try:
-            return tier_pb2_grpc.TierStub(channel).Profile(request, timeout=VERIFY_TIMEOUT_S)
-        except grpc.RpcError as exc:
-            raise TierUnavailableError(view.name, f"Profile: {exc.details() or exc.code().name.lower()}") from None
-
-
 def profile_grid_remote(chain: DistributedChain, max_batch: int, repeats: int = 2):
     """Each tier's batched forward on the (batch, width) grid, measured in its own process (the
     Profile RPC with `max_batch`), as `polyspec.orchestrator.tuning.profiler.profile_batched`
@@ -484,7 +445,11 @@ def profile_grid_remote(chain: DistributedChain, max_batch: int, repeats: int = 
     tables, lookup = [], []
     for view in chain.tiers:
         request = tier_pb2.ProfileRequest(max_batch=max_batch, repeats=repeats)
-        reply = _profile(view, request)
+        with cluster_auth.insecure_channel(view.address, options=CHANNEL_OPTIONS) as channel:  # (before any request)
+            try:
+                reply = tier_pb2_grpc.TierStub(channel).Profile(request, timeout=VERIFY_TIMEOUT_S)
+            except grpc.RpcError as exc:
+                raise TierUnavailableError(view.name, f"Profile: {exc.details() or exc.code().name.lower()}") from None
         view.can_verify = reply.can_verify
         grid = {(cell.batch, cell.width): cell.ms for cell in reply.batched}
         tables.append(ForwardTable(grid, reply.catch_up_ms if reply.catch_up_ms >= 0 else None) if grid else None)

@@ -31,10 +31,6 @@ def set_model_seconds(seconds: float) -> None:
     _local.model_s = seconds
 
 
-def add_model_seconds(seconds: float) -> None:
-    _local.model_s = model_seconds() + seconds
-
-
 def drafting_ahead() -> bool:
     """This thread drafts ahead (its forwards yield to the calls a verifier waits on)."""
     return getattr(_local, "ahead", False)
@@ -67,7 +63,7 @@ class ModelLock:
         try:
             yield
         finally:
-            add_model_seconds(time.perf_counter() - started)
+            set_model_seconds(model_seconds() + time.perf_counter() - started)
             with self._cond:
                 self._busy = False
                 self._cond.notify_all()

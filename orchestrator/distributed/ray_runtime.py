@@ -18,7 +18,7 @@ driver is polyspec.orchestrator.distributed.driver.DistributedChain. This module
   target is waited for, and the driver redoes the step that failed;
 - joins the tiers into one torch.distributed group when dense rows go out of band
   (`tensor_transport`: nccl between distinct GPUs, gloo when asked; `auto` is nccl on GPUs
-  and inline gRPC on CPU, see workers/transport.py for the measurements behind that).
+  and inline gRPC on CPU, see polyspec.orchestrator.distributed.transport for the measurements behind that).
 """
 
 from __future__ import annotations
@@ -32,11 +32,13 @@ import time
 from polyspec.orchestrator.distributed import cluster_auth
 from polyspec.orchestrator.config import ChainConfig
 from polyspec.orchestrator.distributed.driver import ChainUnavailableError, DistributedChain, Membership, TierView
-from polyspec.workers.core.errors import ConfigError
+from polyspec.orchestrator.distributed.transport import health
+from polyspec.workers.core.errors import ConfigError, PolyspecError
 
 START_TIMEOUT_S = float(os.environ.get("POLYSPEC_RAY_START_TIMEOUT_S", "180"))
 RESTART_TIMEOUT_S = float(os.environ.get("POLYSPEC_RAY_RESTART_TIMEOUT_S", "180"))
 REPAIR_PERIOD_S = 1.0
+PING_TIMEOUT_S = 2.0  # a tier that does not answer Health within this is down
 START_POLL_S = 0.5  # how often start-up looks again at the actors not up yet and at the live nodes
 REPAIR_JOIN_S = 35.0  # close() waits this long for the repair thread: its longest call is a 30 s setup
 
@@ -398,8 +400,6 @@ class RayMembership(Membership):
         """A tier's actor raised in its constructor (a model that does not load, say): one line, whatever the tier."""
         self.close()
         cause = getattr(exc, "cause", None) or exc
-        from polyspec.workers.core.errors import PolyspecError
-
         if isinstance(cause, PolyspecError):
             raise type(cause)(str(cause)) from None
         raise ConfigError(f"tier {name!r} failed to start: {str(cause).strip().splitlines()[-1]}") from None
@@ -472,7 +472,7 @@ class RayMembership(Membership):
                         time.sleep(0.5)
                         continue
                     raise ChainUnavailableError(f"the target tier is gone: {err}") from None
-                if info["address"] == self.views[0].address and self._ping(info["address"]):
+                if info["address"] == self.views[0].address and health(info["address"], PING_TIMEOUT_S) is not None:
                     self.views[0].up = True
                     return  # a transient error: the same actor answers again
                 ray.get(self.actors[0].setup.remote(self.vocab_size))
@@ -486,19 +486,6 @@ class RayMembership(Membership):
 
     def degraded(self, reason: str) -> None:
         self._repair_wanted.set()
-
-    @staticmethod
-    def _ping(address: str) -> bool:
-        import grpc
-
-        from polyspec.protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
-
-        try:
-            with cluster_auth.insecure_channel(address) as channel:
-                tier_pb2_grpc.TierStub(channel).Health(tier_pb2.HealthRequest(), timeout=2.0)
-            return True
-        except grpc.RpcError:
-            return False
 
     def _repair_loop(self) -> None:
         """Find dead drafters (bypass them) and restarted ones (wire them back in)."""
@@ -516,7 +503,7 @@ class RayMembership(Membership):
                 if self._stop.is_set() or not ray.is_initialized():
                     return
                 view = self.views[i]
-                if view.up and not self._ping(view.address):
+                if view.up and health(view.address, PING_TIMEOUT_S) is None:
                     view.up = False
                     self._event(i, "down", "is down: bypassed until Ray restarts its actor")
                     changed = True
@@ -539,7 +526,7 @@ class RayMembership(Membership):
                         ray.get(self.actors[i].setup.remote(self.vocab_size), timeout=30)
                     except Exception:  # noqa: BLE001 - still restarting (or gone for good): try again later
                         continue
-                    if self._ping(info["address"]):
+                    if health(info["address"], PING_TIMEOUT_S) is not None:
                         view.address, view.max_context, view.up = info["address"], info["max_context"], True
                         self._refused.pop(i, None)
                         self._event(i, "up", "is up: wired into the chain")

@@ -198,10 +198,32 @@ class KeptContexts:
         return len(self._kept)
 
 
-def raise_if_stale(exc: grpc.RpcError) -> None:
-    """A callee's refusal of a context base it lacks, as StaleContextError (the caller sends the contexts whole)."""
-    if hasattr(exc, "code") and exc.code() == grpc.StatusCode.FAILED_PRECONDITION and STALE_CONTEXT in (exc.details() or ""):
-        raise StaleContextError(exc.details()) from None
+def call_tier(stub, method: str, request, timeout: float, counters: Counters, tier: str, where: str = ""):
+    """`stub.<method>(request)`, counted (one gRPC message: its request and reply bytes). A failed call raises what
+    its caller handles: StaleContextError (the callee refused a context base it lacks: send the contexts whole),
+    TierUnavailableError (tier `tier`, or its node, cannot be reached; `where`: said after the status), else a
+    RuntimeError naming the tier, the call and the callee's details."""
+    try:
+        reply = getattr(stub, method)(request, timeout=timeout)
+    except grpc.RpcError as exc:
+        code = exc.code() if hasattr(exc, "code") else None
+        details = exc.details() if hasattr(exc, "details") else str(exc)
+        if code == grpc.StatusCode.FAILED_PRECONDITION and STALE_CONTEXT in (details or ""):
+            raise StaleContextError(details) from None
+        if code in UNAVAILABLE_CODES:
+            raise TierUnavailableError(tier, f"{method}: {code.name.lower()}{where}") from None
+        raise RuntimeError(f"tier {tier!r}: {method} failed: {details}") from None
+    counters.add("grpc", request.ByteSize() + reply.ByteSize())
+    return reply
+
+
+def health(address: str, timeout: float) -> tier_pb2.HealthReply | None:
+    """The Health reply of the tier at `address`, on a channel of its own (None: it does not answer)."""
+    try:
+        with cluster_auth.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+            return tier_pb2_grpc.TierStub(channel).Health(tier_pb2.HealthRequest(), timeout=timeout)
+    except grpc.RpcError:
+        return None
 
 
 def call_with_contexts(call, build, sent: SentContexts, seq_ids, contexts, on_resend: Callable[[], None]):
@@ -310,12 +332,6 @@ def decode_rows(message: tier_pb2.Rows, dist: DistChannel | None = None) -> torc
     return dist.recv(message.num_rows, message.vocab, message.dist_src, message.dist_tag)
 
 
-def header_params(header: tier_pb2.SequenceHeader):
-    from polyspec.workers.core.sampling import SamplingParams
-
-    return SamplingParams(temperature=header.temperature, top_p=header.top_p, top_k=header.top_k)
-
-
 # ------------------------------------------------------------------------ the proxy
 
 
@@ -336,8 +352,7 @@ class RemoteTier(BatchedTier):
     has_weights = False
     caches_prompts = False
 
-    def __init__(self, address: str, sequence: Callable, counters: Counters, dist: DistChannel | None = None,
-                 timeout_s: float = RPC_TIMEOUT_S, caller: int = 0,
+    def __init__(self, address: str, sequence: Callable, counters: Counters, dist: DistChannel | None = None, caller: int = 0,
                  on_resend: Callable[[], None] | None = None) -> None:  # (no BatchedTier.__init__: no local tier)
         """`on_resend`: called when the tier below refused a call's context bases and the call went again whole."""
         self.caller = caller
@@ -345,7 +360,6 @@ class RemoteTier(BatchedTier):
         self._sequence = sequence
         self.counters = counters
         self.dist = dist
-        self.timeout_s = timeout_s
         self._channel = cluster_auth.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = tier_pb2_grpc.TierStub(self._channel)
         self.sent = SentContexts()  # what this caller last sent the tier below, per sequence
@@ -366,16 +380,7 @@ class RemoteTier(BatchedTier):
         self._channel.close()
 
     def _call(self, method: str, request, timeout: float | None = None, name: str | None = None):
-        try:
-            reply = getattr(self._stub, method)(request, timeout=timeout or self.timeout_s)
-            self.counters.add("grpc", request.ByteSize() + reply.ByteSize())  # one call: request and reply bytes
-        except grpc.RpcError as exc:
-            code = exc.code() if hasattr(exc, "code") else None
-            raise_if_stale(exc)
-            if code in UNAVAILABLE_CODES:
-                raise TierUnavailableError(name or self.name, f"{method}: {code.name.lower()} ({self.address})") from None
-            raise RuntimeError(f"tier {name or self.name!r}: {method} failed: {exc.details() if hasattr(exc, 'details') else exc}") from None
-        return reply
+        return call_tier(self._stub, method, request, timeout or RPC_TIMEOUT_S, self.counters, name or self.name, f" ({self.address})")
 
     def _cast(self, method: str, request) -> None:
         """Fire and forget (verdicts, releases): a lost one costs a re-sync, never a wrong token.
@@ -384,9 +389,8 @@ class RemoteTier(BatchedTier):
 
         def send() -> None:
             try:
-                reply = getattr(self._stub, method)(request, timeout=10.0)
-                self.counters.add("grpc", request.ByteSize() + reply.ByteSize())
-            except (grpc.RpcError, ValueError):  # the tier is gone or being replaced
+                self._call(method, request, timeout=10.0)
+            except (RuntimeError, ValueError):  # the tier is gone or being replaced (TierUnavailableError is a RuntimeError)
                 pass
 
         try:

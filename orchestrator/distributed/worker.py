@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import sys
 import threading
@@ -56,16 +57,17 @@ import grpc
 import torch
 
 from polyspec.orchestrator.distributed import cluster_auth
-from polyspec.orchestrator.decode.contract import NO_LIMIT, RoundObservation, StageStats, first_eos, seeded_generator
-from polyspec.orchestrator.decode.scheduler import CATCH_UP_GAP, ChainScheduler, Run
+from polyspec.orchestrator.decode.contract import NO_LIMIT, RoundObservation, StageStats, first_eos
+from polyspec.orchestrator.decode.scheduler import ChainScheduler, Run, catch_up
 from polyspec.orchestrator.decode.approximate import worker_hooks
 from polyspec.protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
 from polyspec.workers.core.grammar import from_wire
+from polyspec.workers.core.sampling import RandomStream, SamplingParams
+from polyspec.workers.tiers.loading import load_tokenizer
 from polyspec.workers.tiers.tier import Tier, scratch_score, scratch_sequence
 from polyspec.orchestrator.distributed.model_lock import (
     LockedBatched,
     LockedTiers,
-    ModelLock,
     drafting_ahead,
     model_seconds,
     set_drafting_ahead,
@@ -80,7 +82,6 @@ from polyspec.orchestrator.distributed.transport import (
     StaleContextError,
     TierUnavailableError,
     encode_rows,
-    header_params,
 )
 from polyspec.workers.core.tree import DraftTree
 
@@ -112,29 +113,23 @@ class _Stream:
         self.rows.extend(list(rows) if rows is not None else [None] * len(tokens))
 
 
-def target_tokenizer(source: str):
-    """The target's tokenizer from its folder, Hugging Face id or .gguf file (a structured-output request's grammar)."""
-    from polyspec.workers.tiers.loading import load_tokenizer
-
-    return load_tokenizer(source, "target")
-
-
 class _Sequence:
     """One request as seen by this worker."""
 
     def __init__(self, worker: "TierWorker", header: tier_pb2.SequenceHeader) -> None:
-        self.worker = worker
         self.header = tier_pb2.SequenceHeader()
         self.header.CopyFrom(header)
-        self.params = header_params(header)
+        self.params = SamplingParams(temperature=header.temperature, top_p=header.top_p, top_k=header.top_k)
         if header.constraint_json:  # structured output: this tier's own matcher, its rows restricted here
-            grammar = from_wire(header.constraint_json, worker.tier.vocab_size, tuple(worker.eos_token_ids), target_tokenizer)
+            # compiled over the target's tokenizer, read from its folder, Hugging Face id or .gguf file
+            grammar = from_wire(header.constraint_json, worker.tier.vocab_size, tuple(worker.eos_token_ids),
+                                functools.partial(load_tokenizer, tier_name="target"))
             self.params = dataclasses.replace(self.params, grammar=grammar)
         seed = header.seeds[worker.index] if worker.index < len(header.seeds) else None
         self.run = Run(
             seq_id=header.seq_id,
             params=self.params,
-            generators=[seeded_generator(seed), torch.Generator()],  # the tier below draws with its own
+            generators=[RandomStream(seed), torch.Generator()],  # the tier below draws with its own
             stages=[StageStats(worker.tier.name, "below")],
             limit=header.limit or NO_LIMIT,
         )
@@ -149,15 +144,14 @@ class _Sequence:
         self.stream: _Stream | None = None
         self.ahead_until = 0
         self.closed = False
+        # rounds run since the last reply (draft-ahead rounds too: they go up with the next one)
+        self.reports: list[tier_pb2.StageReport] = []
         self.reset_call()
 
     def track_whole(self, whole: bool) -> None:
         self.full_rate += AHEAD_SMOOTHING * ((1.0 if whole else 0.0) - self.full_rate)
 
     def reset_call(self) -> None:
-        if not hasattr(self, "reports"):
-            # rounds run since the last reply (draft-ahead rounds too: they go up with the next one)
-            self.reports: list[tier_pb2.StageReport] = []
         self.model_below_s = 0.0
         self.degraded = False
 
@@ -177,20 +171,40 @@ class _Sequence:
         self.degraded = self.degraded or reply.degraded
 
 
-class TierWorker:
-    """Tier `index` of a chain, serving protos/polyspec/v1/tier.proto on `host`."""
+def _served(handler):
+    """A servicer method over `handler(worker, request)`: its errors reach the caller as a status (the tier below
+    gone: UNAVAILABLE; a context base not kept here: FAILED_PRECONDITION, and the caller sends the contexts whole,
+    no traceback; anything else: INTERNAL with the cause); a handler that answers nothing answers an Ack."""
 
+    @functools.wraps(handler)
+    def serve(worker: "TierWorker", request, context):
+        try:
+            reply = handler(worker, request)
+        except TierUnavailableError as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except StaleContextError as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except Exception as exc:  # noqa: BLE001 - reported to the caller as INTERNAL with the cause
+            traceback.print_exc()
+            context.abort(grpc.StatusCode.INTERNAL, f"tier {worker.tier.name!r}: {exc!r}")
+        return tier_pb2.Ack() if reply is None else reply
+
+    return serve
+
+
+class TierWorker(tier_pb2_grpc.TierServicer):
+    """Tier `index` of a chain, serving protos/polyspec/v1/tier.proto on `host` (its methods named after the
+    protocol's calls are the gRPC service's)."""
 
     _ahead_thread: threading.Thread | None = None
     _ahead_stopping = False
     IDLE_POLL_S = 0.001  # every wanting sequence busy in a call: look again this soon
 
-    def __init__(self, tier: Tier, index: int, *, eos_token_ids=(), host: str = "127.0.0.1", port: int = 0,
-                 rpc_timeout_s: float = 120.0, lock: ModelLock | None = None, device_slots: int = 0,
+    def __init__(self, tier: Tier, index: int, *, eos_token_ids=(), host: str = "127.0.0.1", device_slots: int = 0,
                  device_context: int | None = None, siblings: LockedTiers | None = None) -> None:
-        """`device_slots` > 0: the tier decodes in static steps on a pool of that many requests (`BatchedModelTier`).
-        `siblings`: the batched tiers of every tier this process serves behind one lock (a target and
-        its trained drafters), `tier` among them; by default `tier` alone behind `lock`."""
+        """Listens on a free port of `host`. `device_slots` > 0: the tier decodes in static steps on a pool of that
+        many requests (`BatchedModelTier`). `siblings`: the batched tiers of every tier this process serves behind
+        one lock (a target and its trained drafters), `tier` among them; by default `tier` alone behind a lock."""
         # The forward thread holds the GIL for most of a small model's forward (Python module
         # code between short kernels); a gRPC handler thread waiting for it would wait up to the
         # default 5 ms switch interval each time, serialising requests that should overlap.
@@ -199,13 +213,12 @@ class TierWorker:
         self.index = index
         self.eos_token_ids = frozenset(eos_token_ids)
         # tiers sharing one model in one process (a target and its trained drafters) share one lock
-        self.siblings = siblings or LockedTiers([tier], lock, [device_slots], device_context)
+        self.siblings = siblings or LockedTiers([tier], device_slots=[device_slots], device_context=device_context)
         self.lock = self.siblings.lock
         self.lower: RemoteTier | None = None
         self.lower_error = ""
         self.dist: DistChannel | None = None
         self.counters = Counters()
-        self.rpc_timeout_s = rpc_timeout_s
         self.started = time.time()
         self.ahead_hits = self.ahead_misses = self.ahead_dropped = 0
         self.contexts = KeptContexts()  # what callers sent, by version: a call carries only what is not kept here
@@ -217,10 +230,10 @@ class TierWorker:
         self._ahead_cond, self._ahead_wanted = threading.Condition(), {}  # the sequences drafting ahead (`_ahead_loop`)
         self.server = grpc.server(futures.ThreadPoolExecutor(MAX_RPC_THREADS, thread_name_prefix=f"tier-{tier.name}"),
                                   options=CHANNEL_OPTIONS, interceptors=cluster_auth.server_interceptors())
-        tier_pb2_grpc.add_TierServicer_to_server(_Servicer(self), self.server)
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        tier_pb2_grpc.add_TierServicer_to_server(self, self.server)
+        self.port = self.server.add_insecure_port(f"{host}:0")
         if not self.port:
-            raise RuntimeError(f"tier {tier.name!r}: cannot listen on {host}:{port}")
+            raise RuntimeError(f"tier {tier.name!r}: cannot listen on {host}")
         self.address = f"{host}:{self.port}"
         self.server.start()
 
@@ -240,8 +253,8 @@ class TierWorker:
             if old is not None:
                 old.close()
             if address:
-                self.lower = RemoteTier(address, self._sequence_of, self.counters, self.dist,
-                                        timeout_s=self.rpc_timeout_s, caller=self.index, on_resend=self._resent)
+                self.lower = RemoteTier(address, self._sequences.__getitem__, self.counters, self.dist, caller=self.index,
+                                        on_resend=self._resent)
                 self.lower_error = ""
             return self.lower.name if self.lower is not None else ""
 
@@ -280,18 +293,15 @@ class TierWorker:
                 seq.header.lengths.extend(header.lengths)
             return seq
 
-    def _sequence_of(self, seq_id: int) -> _Sequence:
-        return self._sequences[seq_id]
-
     # ------------------------------------------------------------ one sequence
 
-    def verify(self, request: tier_pb2.VerifyRequest) -> tier_pb2.VerifyReply:
+    def Verify(self, request: tier_pb2.VerifyRequest, context) -> tier_pb2.VerifyReply:
         """One sequence's round (an older client's Verify): a batch of one."""
-        return self.verify_batch(tier_pb2.VerifyBatchRequest(requests=[request])).replies[0]
+        return self.VerifyBatch(tier_pb2.VerifyBatchRequest(requests=[request]), context).replies[0]
 
-    def draft(self, request: tier_pb2.DraftRequest, dst_rank: int | None) -> tier_pb2.DraftReply:
-        """One sequence's block (an older client's Draft): a batch of one."""
-        return self.draft_batch(tier_pb2.DraftBatchRequest(requests=[request]), dst_rank).replies[0]
+    def Draft(self, request: tier_pb2.DraftRequest, context) -> tier_pb2.DraftReply:
+        """One sequence's block (an older client's Draft, or a driver's `sub_chain_block`): a batch of one."""
+        return self.DraftBatch(tier_pb2.DraftBatchRequest(requests=[request]), context).replies[0]
 
     # ------------------------------------------------------------- draft-ahead
 
@@ -375,7 +385,8 @@ class TierWorker:
 
     # --------------------------------------------------------------- verdicts
 
-    def verdict(self, request: tier_pb2.VerdictRequest) -> None:
+    @_served
+    def Verdict(self, request: tier_pb2.VerdictRequest) -> None:
         seq = self._sequences.get(request.seq_id)
         if seq is None:
             return
@@ -399,7 +410,8 @@ class TierWorker:
             seq.cond.notify_all()
             self.want_ahead(seq)  # the next block is drafted while the verifier does the rest
 
-    def rollback(self, request: tier_pb2.RollbackRequest) -> None:
+    @_served
+    def Rollback(self, request: tier_pb2.RollbackRequest) -> None:
         seq = self._sequences.get(request.seq_id)
         if seq is None:
             return
@@ -407,15 +419,18 @@ class TierWorker:
             self._drop_stream(seq)
             self.batched_tier().truncate(request.seq_id, request.length)
 
-    def prefill(self, request: tier_pb2.PrefillRequest) -> None:
+    @_served
+    def Prefill(self, request: tier_pb2.PrefillRequest) -> None:
         (context,) = self._contexts_of([request])
         seq = self._sequence(request.header)
         with seq.cond:
             if len(context) > 1:  # (all but the last token: a round feeds at least one)
                 self.batched_tier().prefill([request.header.seq_id], [context], len(context))
 
-    def release(self, seq_id: int, keep_caches: bool = False) -> None:
+    @_served
+    def Release(self, request: tier_pb2.ReleaseRequest) -> None:
         """Free a sequence here and below; `keep_caches`: its state only, its caches kept (prefix reuse)."""
+        seq_id, keep_caches = request.seq_id, request.keep_caches
         seq = self._sequences.get(seq_id)
         if seq is not None:
             # after the call or draft-ahead step that holds it, whose replies from below look it up by id
@@ -438,7 +453,7 @@ class TierWorker:
 
     # ------------------------------------------------------------------ health
 
-    def health(self) -> tier_pb2.HealthReply:
+    def Health(self, request, context) -> tier_pb2.HealthReply:
         lower_max = self.lower.max_context if self.lower is not None else None
         own = self.tier.max_context
         limits = [c for c in (own, lower_max) if c]
@@ -522,21 +537,12 @@ class TierWorker:
                 seq.degraded = True
         return work(None)
 
-    def _by_shape(self, indices, seqs) -> dict[tuple, list[int]]:
+    def _by_chain(self, lower: RemoteTier | None, indices, seqs) -> list[tuple[ChainScheduler, list[int]]]:
+        """The indices `i` of `seqs[i]` grouped by the chain (`_scheduler`) their shape runs on."""
         groups: dict[tuple, list[int]] = {}
         for i in indices:
             groups.setdefault(self._shape(seqs[i]), []).append(i)
-        return groups
-
-    def _catch_up(self, seqs, contexts) -> None:
-        """Cache, in one forward, the contexts this tier is far behind on (a joining sequence's
-        prompt), so the round's forward does not pad every row to that prompt's length."""
-        own = self.batched_tier()
-        if not own.caches_prompts:
-            return
-        behind = [i for i, (s, c) in enumerate(zip(seqs, contexts)) if len(c) - 1 - own.cached(s.run.seq_id) > CATCH_UP_GAP]
-        if behind:
-            own.prefill([seqs[i].run.seq_id for i in behind], [contexts[i] for i in behind], sum(len(contexts[i]) for i in behind))
+        return [(self._scheduler(lower, shape), group) for shape, group in groups.items()]
 
     # ------------------------------------------------------------------- verify
 
@@ -545,7 +551,8 @@ class TierWorker:
         return self.contexts.resolve_all([r.header.seq_id for r in requests], [r.context for r in requests],
                                          [r.delta for r in requests])
 
-    def verify_batch(self, request: tier_pb2.VerifyBatchRequest) -> tier_pb2.VerifyBatchReply:
+    @_served
+    def VerifyBatch(self, request: tier_pb2.VerifyBatchRequest) -> tier_pb2.VerifyBatchReply:
         contexts = self._contexts_of(request.requests)
         seqs = [self._sequence(r.header) for r in request.requests]
         self._distinct(seqs, "VerifyBatch")
@@ -553,12 +560,11 @@ class TierWorker:
         with self._holding(seqs):
             for seq in seqs:
                 seq.reset_call()
-            self._catch_up(seqs, contexts)
+            catch_up(self.batched_tier(), [seq.run for seq in seqs], contexts)
 
             def one_round(lower):
                 emitted: list[list[int]] = [[] for _ in seqs]
-                for shape, group in self._by_shape(range(len(seqs)), seqs).items():
-                    scheduler = self._scheduler(lower, shape)
+                for scheduler, group in self._by_chain(lower, range(len(seqs)), seqs):
                     items = [(seqs[i].run, contexts[i], min(scheduler.length_at(0), max(0, request.requests[i].max_tokens - 1)))
                              for i in group]
                     for i, (tokens, _) in zip(group, scheduler.round_batch(0, items)):
@@ -574,8 +580,11 @@ class TierWorker:
 
     # -------------------------------------------------------------------- draft
 
-    def draft_batch(self, request: tier_pb2.DraftBatchRequest, dst_rank: int | None) -> tier_pb2.DraftBatchReply:
+    @_served
+    def DraftBatch(self, request: tier_pb2.DraftBatchRequest) -> tier_pb2.DraftBatchReply:
         requests = list(request.requests)
+        # the caller's rank, where it takes rows over torch.distributed
+        dst_rank = requests[0].caller if requests and requests[0].accept_dist else None
         contexts = self._contexts_of(requests)
         seqs = [self._sequence(r.header) for r in requests]
         self._distinct(seqs, "DraftBatch")
@@ -593,13 +602,12 @@ class TierWorker:
             short = [i for i, hit in hits.items() if hit is not None and len(hit[0]) < requests[i].num_tokens
                      and first_eos(hit[0], self.eos_token_ids) is None]
             if misses or trees:
-                self._catch_up([seqs[i] for i in misses + trees], [contexts[i] for i in misses + trees])
+                catch_up(self.batched_tier(), [seqs[i].run for i in misses + trees], [contexts[i] for i in misses + trees])
             drafted: dict[int, tuple] = {}
             if misses or short:
                 def emit(lower):
                     out = {}
-                    for shape, group in self._by_shape(misses + short, seqs).items():
-                        scheduler = self._scheduler(lower, shape)
+                    for scheduler, group in self._by_chain(lower, misses + short, seqs):
                         items = [(seqs[i].run, contexts[i] + (hits[i][0] if hits[i] else []),
                                   requests[i].num_tokens - (len(hits[i][0]) if hits[i] else 0)) for i in group]
                         out.update(zip(group, scheduler.emit_batch(0, items)))
@@ -630,18 +638,19 @@ class TierWorker:
                 replies.append(self.draft_reply(seq, contexts[i], r, hit is not None, tokens, rows, dst_rank))
         return tier_pb2.DraftBatchReply(replies=replies)
 
-    def score(self, request: tier_pb2.ScoreRequest) -> tier_pb2.ScoreReply:
+    @_served
+    def Score(self, request: tier_pb2.ScoreRequest) -> tier_pb2.ScoreReply:
         """This tier's distribution after the context, on a sequence of its own (SpecReason's utility score:
         `tier.scratch_score`; a request's scored prompt stays until `release`)."""
         (context,) = self.contexts.resolve_all([request.seq_id], [request.context], [request.delta])
-        batched = self.siblings.of(self.tier)
         with self.lock.hold():
-            row = scratch_score(batched.inner, context, request.seq_id or None, request.temperature or 1.0)
+            row = scratch_score(self.batched_tier().inner, context, request.seq_id or None, request.temperature or 1.0)
         return tier_pb2.ScoreReply(rows=encode_rows(row[None], self.counters))  # [1, V]
 
     # --------------------------------------------------------------- profile
 
-    def profile_grid(self, request: tier_pb2.ProfileRequest) -> tier_pb2.ProfileReply:
+    @_served
+    def Profile(self, request: tier_pb2.ProfileRequest) -> tier_pb2.ProfileReply:
         """The batched forward's cost on the (batch, width) grid, measured here (the goodput planner's
         t_i(B, W), polyspec.orchestrator.tuning.profiler.profile_batched); a lookup tier's ms per request."""
         from polyspec.orchestrator.tuning.profiler import profile_batched
@@ -716,8 +725,7 @@ class TierWorker:
             return
         lower = self.lower
         try:
-            for shape, group in self._by_shape(range(len(growing)), growing).items():
-                scheduler = self._scheduler(lower, shape)
+            for scheduler, group in self._by_chain(lower, range(len(growing)), growing):
                 drafted = scheduler.emit_batch(0, [(growing[i].run, list(growing[i].stream.tokens), 1) for i in group])
                 for i, (tokens, rows) in zip(group, drafted):
                     seq, stream = growing[i], growing[i].stream
@@ -748,56 +756,3 @@ class _BatchRecorder:
                                                     proposed=observation.proposed, accepted=observation.accepted,
                                                     seconds=observation.seconds, ahead=drafting_ahead()))
 
-
-class _Servicer(tier_pb2_grpc.TierServicer):
-    def __init__(self, worker: TierWorker) -> None:
-        self.worker = worker
-
-    def _guard(self, context, fn):
-        try:
-            return fn()
-        except TierUnavailableError as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        except StaleContextError as exc:  # the caller sends the whole contexts again: no traceback
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        except Exception as exc:  # noqa: BLE001 - reported to the caller as INTERNAL with the cause
-            traceback.print_exc()
-            context.abort(grpc.StatusCode.INTERNAL, f"tier {self.worker.tier.name!r}: {exc!r}")
-
-    def Verify(self, request, context):
-        return self._guard(context, lambda: self.worker.verify(request))
-
-    def Draft(self, request, context):
-        return self._guard(context, lambda: self.worker.draft(request, request.caller if request.accept_dist else None))
-
-    def VerifyBatch(self, request, context):
-        return self._guard(context, lambda: self.worker.verify_batch(request))
-
-    def DraftBatch(self, request, context):
-        dst = request.requests[0].caller if request.requests and request.requests[0].accept_dist else None
-        return self._guard(context, lambda: self.worker.draft_batch(request, dst))
-
-    def Verdict(self, request, context):
-        self._guard(context, lambda: self.worker.verdict(request))
-        return tier_pb2.Ack()
-
-    def Rollback(self, request, context):
-        self._guard(context, lambda: self.worker.rollback(request))
-        return tier_pb2.Ack()
-
-    def Prefill(self, request, context):
-        self._guard(context, lambda: self.worker.prefill(request))
-        return tier_pb2.Ack()
-
-    def Release(self, request, context):
-        self._guard(context, lambda: self.worker.release(request.seq_id, request.keep_caches))
-        return tier_pb2.Ack()
-
-    def Health(self, request, context):
-        return self.worker.health()
-
-    def Score(self, request, context):
-        return self._guard(context, lambda: self.worker.score(request))
-
-    def Profile(self, request, context):
-        return self._guard(context, lambda: self.worker.profile_grid(request))

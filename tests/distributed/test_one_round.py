@@ -118,7 +118,7 @@ def test_a_distributed_step_is_a_verify_batch_of_one_and_each_worker_keeps_its_c
     monkeypatch.setattr(ChainScheduler, "__init__", init)
     monkeypatch.setattr(ChainScheduler, "round_batch", round_batch)
     served = collections.Counter()
-    for method in ("verify", "draft", "verify_batch", "draft_batch"):
+    for method in ("Verify", "Draft", "VerifyBatch", "DraftBatch"):
         def counted(self, request, *args, _method=method, _original=getattr(TierWorker, method)):
             served[_method, len(getattr(request, "requests", [request]))] += 1
             return _original(self, request, *args)
@@ -134,8 +134,8 @@ def test_a_distributed_step_is_a_verify_batch_of_one_and_each_worker_keeps_its_c
         for worker in workers:
             worker.stop()
     steps = sum(out.stats["rounds"] for out in outs)
-    assert served[("verify_batch", 1)] == steps and served[("draft_batch", 1)] > 0, served
-    assert set(served) == {("verify_batch", 1), ("draft_batch", 1)}, served
+    assert served[("VerifyBatch", 1)] == steps and served[("DraftBatch", 1)] > 0, served
+    assert set(served) == {("VerifyBatch", 1), ("DraftBatch", 1)}, served
     assert sorted(built) == [("mid", "small"), ("small",), ("target", "mid")], built
     for name in ("target", "mid"):
         chains = {id(scheduler) for tier, scheduler in rounds if tier == name}

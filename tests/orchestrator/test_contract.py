@@ -17,12 +17,11 @@ from polyspec.orchestrator.decode.contract import (
     finish_if_full,
     mark_cancelled,
     output,
-    seeded_generator,
     tier_seeds,
 )
 from polyspec.orchestrator.decode.scheduler import ChainScheduler
 from polyspec.orchestrator.distributed.driver import DistributedChain
-from polyspec.workers.core.sampling import SamplingParams
+from polyspec.workers.core.sampling import RandomStream, SamplingParams
 from core_helpers import generate_alone
 
 EOS = frozenset({2})
@@ -87,7 +86,7 @@ def test_tier_seeds_are_a_function_of_the_request_seed():
     assert tier_seeds(5, 2) == tier_seeds(5, 3)[:2]  # a shorter chain's tiers draw the same seeds
     assert tier_seeds(5, 3) != tier_seeds(6, 3)
     assert len(set(tier_seeds(None, 4))) == 4
-    a, b = seeded_generator(9), seeded_generator(9)
+    a, b = RandomStream(9), RandomStream(9)
     assert torch.equal(torch.rand(4, generator=a), torch.rand(4, generator=b))
 
 

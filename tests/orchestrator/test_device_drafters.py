@@ -81,7 +81,7 @@ def test_the_early_exit_pool_is_its_own_and_its_weights_the_targets(target, earl
 def test_a_device_early_exit_draft_is_the_ragged_tiers(early, threshold):
     """Greedy blocks bit for bit (float32), after an exit threshold too (1.0: every block stops after its first token);
     sampled (T 0.8, top-k 50): a seeded request's rows are the model's own, within 1e-5, whatever it drew."""
-    from polyspec.orchestrator.decode.contract import seeded_generator
+    from polyspec.workers.core.sampling import RandomStream
     from polyspec.workers.core.sampling import warp_logits
 
     contexts, counts = [PROMPTS[0], PROMPTS[1], PROMPTS[2]], [6, 3, 5]
@@ -96,7 +96,7 @@ def test_a_device_early_exit_draft_is_the_ragged_tiers(early, threshold):
     elif threshold is None:
         assert [len(tokens) for tokens, _ in drafted] == counts
     params = SamplingParams(temperature=0.8, top_k=50)
-    sampled = device_tier.draft_batch([0, 1, 2], contexts, counts, [params] * 3, [seeded_generator(s) for s in (1, 2, 3)])
+    sampled = device_tier.draft_batch([0, 1, 2], contexts, counts, [params] * 3, [RandomStream(s) for s in (1, 2, 3)])
     for context, (tokens, rows) in zip(contexts, sampled):
         assert rows.shape == (len(tokens), early.config.vocab_size)
         with torch.inference_mode():

@@ -81,7 +81,7 @@ def test_a_head_over_a_stepping_target_drafts_as_over_a_ragged_one(target, head)
     tokens (0 to 4) and a correction; every other round the target verifies the block first (its features then come
     from its verify step, else from its prefill on demand). Greedy blocks equal bit for bit; sampled rows (T 0.8,
     top-k 50) within 1e-5, and so do the rows `score_batch` gives for the blocks drafted."""
-    from polyspec.orchestrator.decode.contract import seeded_generator
+    from polyspec.workers.core.sampling import RandomStream
 
     pairs = [_device(target, head, slots=4), _runtime(target, head)]
     contexts = [list(PROMPTS[0]), list(PROMPTS[1]), PROMPTS[2] * 4]  # 44 tokens, none cached: longer than a step
@@ -97,7 +97,7 @@ def test_a_head_over_a_stepping_target_drafts_as_over_a_ragged_one(target, head)
             kept = (round_index + r) % 5
             contexts[r] = contexts[r] + tokens[:kept] + [(17 * round_index + r) % 250]
     params = SamplingParams(temperature=0.8, top_k=50)
-    sampled = [pair[1].draft_batch([0, 1, 2], contexts, [4, 4, 2], [params] * 3, [seeded_generator(s) for s in (1, 2, 3)])
+    sampled = [pair[1].draft_batch([0, 1, 2], contexts, [4, 4, 2], [params] * 3, [RandomStream(s) for s in (1, 2, 3)])
                for pair in pairs]
     for (tokens, rows), (other_tokens, other_rows) in zip(*sampled):
         assert tokens == other_tokens and torch.allclose(rows, other_rows, atol=1e-5)

@@ -179,7 +179,7 @@ def test_a_device_drafters_tree_is_the_ragged_drafters(models, scheme):
     """Greedy: the same tokens and parents as `BatchedModelTier.draft_tree_batch` (the top candidates at the root,
     then each chain's argmax), for requests of different depths in one batch. Sampled: each node's row is the
     model's warped row after the node's parent (the root candidates': after the context), float32 within 1e-5."""
-    from polyspec.orchestrator.decode.contract import seeded_generator
+    from polyspec.workers.core.sampling import RandomStream
     from polyspec.workers.core.sampling import warp_logits
     from polyspec.workers.core.tree import DraftTree
     from polyspec.workers.tiers.batched import BatchedModelTier
@@ -194,7 +194,7 @@ def test_a_device_drafters_tree_is_the_ragged_drafters(models, scheme):
         assert (tree.tokens, tree.parents, tree.draft_rows) == (other.tokens, other.parents, None)
         assert len(tree) == width * depth
     params = SamplingParams(temperature=0.8, top_k=50)
-    generators = [seeded_generator(seed) for seed in (1, 2, 3)]
+    generators = [RandomStream(seed) for seed in (1, 2, 3)]
     trees = device_tier.draft_tree_batch([0, 1, 2], contexts, width, depths, [params] * 3, scheme, generators)
     for context, tree in zip(contexts, trees):
         assert isinstance(tree, DraftTree) and tree.draft_rows.shape == (len(tree), models["mid"].config.vocab_size)

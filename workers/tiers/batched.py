@@ -58,7 +58,7 @@ from polyspec.workers.core.verdicts import Draws, verify_blocks
 from polyspec.workers.core.tree import DraftTree, path_rows, tree_allowed
 from polyspec.workers.tiers.batched_llama import BatchedLlama, PendingTree, RowLayout, step_unsupported
 from polyspec.workers.tiers.loading import return_freed_memory
-from polyspec.workers.tiers.tier import ModelTier, NGramTier, Tier, copy_forward
+from polyspec.workers.tiers.tier import ModelTier, NGramTier, Tier, common_prefix, copy_forward
 
 # a forward's cost beyond its tokens' (reading every weight once), in prompt tokens of one row: on an EPYC core
 # (one thread, Qwen2.5-Coder-1.5B) a 4-row one-token step costs what ~13 (int8 copy) / ~24 (bfloat16) prefill tokens do
@@ -347,11 +347,8 @@ class BatchedModelTier(BatchedTier):
         Needs `keep_features`."""
         if not self.keep_features:
             raise RuntimeError(f"tier {self.name!r} does not keep its hidden states (keep_features)")
-        slot = self.cache.slot_of.get(seq_id)
-        have = 0 if slot is None else self.cache.common_prefix(slot, context[: max(length, 0)])
-        pending = None if slot is None else self.cache.pending.get(slot)
-        if pending is not None:  # an unverified tree's nodes are not context
-            have = min(have, pending.prefix_len)
+        slot = self.cache.slot_of.get(seq_id)  # (`cached`: an unverified tree's nodes are not context)
+        have = 0 if slot is None else min(self.cached(seq_id), self.cache.common_prefix(slot, context[: max(length, 0)]))
         if compute and have < length:
             self.prefill([seq_id], [context[:length] + [0]], length)  # [0]: prefill caches all but the last token
             slot, have = self.cache.slot_of[seq_id], length
@@ -367,8 +364,8 @@ class BatchedModelTier(BatchedTier):
         return context[keep:]
 
     def _tree_layout(self, slot: int, pending: PendingTree, tail: list[int], tree: DraftTree, nodes: list[int], depths: list[int]) -> RowLayout:
-        """The linear `tail` then tree `nodes` (whose ancestors are cached or fed here), as
-        `ModelTier._tree_forward` feeds them: nodes at prefix length + depth, seeing the linear
+        """The linear `tail` then tree `nodes` (whose ancestors are cached or fed here), in one
+        forward: nodes at prefix length + depth, seeing the linear
         context and their ancestors."""
         cached = self.cache.length(slot)
         first = cached + len(tail)
@@ -382,10 +379,20 @@ class BatchedModelTier(BatchedTier):
                  previous: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """Append `feeds[r]` to slot `slots[r]`; each row's logits [len(feeds[r]) - outputs[r], V] float32 on
         `logits_device`, of its positions from `outputs[r]` on. (`previous`: a feature head's inputs; a model
-        reads tokens only.)"""
+        reads tokens only.) Timed and counted as the tier's forward; `_logits` runs it."""
         if self.threads and torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)
         started = time.perf_counter()
+        logits = self._logits(slots, feeds, outputs, layouts, previous)
+        seconds = time.perf_counter() - started
+        self.tier.busy_s += seconds
+        self.tier.forwards += 1
+        self.tier.forwarded_tokens += sum(len(f) for f in feeds)
+        self.log_forward(len(slots), max(len(f) for f in feeds), seconds)
+        return logits
+
+    def _logits(self, slots: list[int], feeds: list[list[int]], outputs: list[int], layouts, previous) -> list[torch.Tensor]:
+        """`_forward`'s forward: a static step where the rows fit one, else the ragged forward."""
         wanted = [len(feed) - output for feed, output in zip(feeds, outputs)]
         if self.steps and any(wanted) and max(wanted) <= MAX_STEP_TOKENS:
             logits = self._step(slots, feeds, outputs, layouts)
@@ -394,11 +401,6 @@ class BatchedModelTier(BatchedTier):
             logits = [row[:, : self.vocab_size].to(self.logits_device, torch.float32) for row in logits]
         if self.model.device.type == "cuda":  # a forward with no logits (a prefill) returns before its kernels end
             torch.cuda.synchronize(self.model.device)
-        seconds = time.perf_counter() - started
-        self.tier.busy_s += seconds
-        self.tier.forwards += 1
-        self.tier.forwarded_tokens += sum(len(f) for f in feeds)
-        self.log_forward(len(slots), max(len(f) for f in feeds), seconds)
         return logits
 
     @torch.inference_mode()
@@ -463,10 +465,8 @@ class BatchedModelTier(BatchedTier):
             if budget <= 0:
                 break
             slot = self.cache.slot(seq_id)
-            self.cache.drop_tree(slot)
-            keep = min(self.cache.common_prefix(slot, context), len(context) - 1)
-            self.cache.truncate(slot, keep)
-            chunk = context[keep : min(len(context) - 1, keep + budget)]
+            tail = self._sync(slot, context)
+            chunk = tail[: min(len(tail) - 1, budget)]  # all but the last token
             if chunk:
                 slots.append(slot)
                 feeds.append(chunk)
@@ -656,9 +656,7 @@ class NGramIndex:
 
     def sync(self, context: list[int]) -> None:
         cached = self.tokens
-        keep = min(len(cached), len(context))
-        if cached[:keep] != context[:keep]:
-            keep = next(i for i in range(keep) if cached[i] != context[i])
+        keep = common_prefix(cached, context)
         for end in range(len(cached) - 1, keep - 1, -1):  # drop the n-grams ending past `keep`, newest first
             for n in self.sizes:
                 if end - n + 1 >= 0:
@@ -712,18 +710,10 @@ class BatchedNGramTier(BatchedTier):
         index.sync(context)
         return index
 
-    def _one_hot(self, tokens: list[int]) -> torch.Tensor:
-        return torch.nn.functional.one_hot(torch.tensor(tokens, dtype=torch.long), self.vocab_size).float()
-
     def draft_batch(self, seq_ids, contexts, counts, params, generators):
-        started = time.perf_counter()
-        out = []
-        for seq_id, context, count, p in zip(seq_ids, contexts, counts, params):
-            tokens = self._index(seq_id, context).lookup(count) if count > 0 else []
-            tokens = cut_at_disallowed(grammar_of(p), context, tokens)
-            out.append((tokens, None if p.greedy or not tokens else self._one_hot(tokens)))
-        self.tier.busy_s += time.perf_counter() - started
-        return out
+        """Each request's continuation: a tree of one chain (the index's `lookup` is its first continuation)."""
+        trees = self.draft_tree_batch(seq_ids, contexts, 1, counts, params, "specinfer", generators)
+        return [(tree.tokens, tree.draft_rows) for tree in trees]
 
     def draft_tree_batch(self, seq_ids, contexts, width, depths, params, scheme, generators):
         """Each request's `width` continuations with distinct first tokens, as chains under the root (nodes parents-first)."""
@@ -738,8 +728,8 @@ class BatchedNGramTier(BatchedTier):
                     tree.tokens.append(token)
                     tree.parents.append(parent)
                     parent = len(tree.tokens) - 1
-            if not p.greedy and tree.tokens:
-                tree.draft_rows = self._one_hot(tree.tokens)
+            if not p.greedy and tree.tokens:  # point masses
+                tree.draft_rows = torch.nn.functional.one_hot(torch.tensor(tree.tokens, dtype=torch.long), self.vocab_size).float()
             trees.append(tree)
         self.tier.busy_s += time.perf_counter() - started
         return trees

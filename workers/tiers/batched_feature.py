@@ -16,7 +16,7 @@ position drafted, whatever the batch:
 
 Drafting is the model tier's own (`BatchedModelTier.draft_batch` / `draft_tree_batch` over `Row`s): this class
 gives it the head's rows (`_rows`), the features each fed token reads (`_previous`, `_level_previous`) and the
-head's forward (`_forward`); only scoring, which feeds a block one token a forward, is its own.
+head's forward (`_logits`); only scoring, which feeds a block one token a forward, is its own.
 
 The rules are those of feature_tier's docstring: which positions read the target's features is fixed
 before any token is drawn; positions computed from predicted features are provisional (`real` counts the
@@ -30,8 +30,6 @@ scheduler prefills only the target, whose features the head's first forward read
 """
 
 from __future__ import annotations
-
-import time
 
 import torch
 import torch.nn.functional as F
@@ -67,15 +65,13 @@ class BatchedFeatureTier(BatchedModelTier):
         return 0 if slot is None else min(self.real.get(seq_id, 0), self.cache.length(slot))
 
     def release(self, seq_id) -> None:
-        self.cache.release(seq_id)
+        super().release(seq_id)
         self.real.pop(seq_id, None)
 
     def truncate(self, seq_id, length: int) -> None:
-        slot = self.cache.slot_of.get(seq_id)
-        if slot is not None:
-            self.cache.drop_tree(slot)
-            self.cache.truncate(slot, min(length, self.cache.length(slot)))
-            self.real[seq_id] = min(self.real.get(seq_id, 0), self.cache.length(slot))
+        super().truncate(seq_id, length)
+        if seq_id in self.cache.slot_of:
+            self.real[seq_id] = min(self.real.get(seq_id, 0), self.cache.length(self.cache.slot_of[seq_id]))
 
     def accept_path(self, seq_id, path: list[int]) -> None:
         """The accepted nodes were computed from predicted features: the tree goes, the next call computes them again."""
@@ -92,15 +88,12 @@ class BatchedFeatureTier(BatchedModelTier):
 
     # ---------------------------------------------------------------------- forwards
 
-    def _forward(self, slots: list[int], tokens: list[list[int]], outputs: list[int], layouts: list[RowLayout | None] | None = None,
-                 previous: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-        """Feed `tokens[r]` to slot `slots[r]`, token j read with `previous[r][j]` (the feature at its previous
-        position, [len(tokens[r]), H]); each row's logits [len(tokens[r]) - outputs[r], V] float32 on the CPU,
-        of its positions from `outputs[r]` on. The slot cache records the head's predicted feature at each."""
-        threads = self.tier.threads
-        if threads and torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
-        started = time.perf_counter()
+    def _logits(self, slots: list[int], tokens: list[list[int]], outputs: list[int], layouts: list[RowLayout | None] | None,
+                previous: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The head's forward (`_forward` times and counts it): feed `tokens[r]` to slot `slots[r]`, token j read with
+        `previous[r][j]` (the feature at its previous position, [len(tokens[r]), H]); each row's logits
+        [len(tokens[r]) - outputs[r], V] float32 on the CPU, of its positions from `outputs[r]` on. The slot cache
+        records the head's predicted feature at each."""
         counts = [len(t) for t in tokens]
         device, dtype = self.model.device, self.model.dtype
         with torch.inference_mode():
@@ -117,16 +110,11 @@ class BatchedFeatureTier(BatchedModelTier):
             if picked.shape[0]:
                 _, logit_input = self.head.outputs(picked)
                 logits = self.source.model.lm_head(logit_input)[:, : self.vocab_size].float().cpu()  # [M, V]
-        seconds = time.perf_counter() - started
-        self.tier.busy_s += seconds
-        self.tier.forwards += 1
-        self.tier.forwarded_tokens += sum(len(t) for t in tokens)
-        self.log_forward(len(slots), max(counts), seconds)
         return list(torch.split(logits, [row.shape[0] for row in trunk]))
 
     def _rows(self, seq_ids, contexts: list[list[int]]) -> list[Row]:
         """Each request's slot rolled back to what it shares with its context and computed from the target's
-        features (`FeatureTier._condition`'s rules), and what it feeds to reach the context's end."""
+        features (feature_tier's docstring gives the rules), and what it feeds to reach the context's end."""
         wanted = [len(context) - 1 for context in contexts]
         real = [self.source.features(s, c, n) for s, c, n in zip(seq_ids, contexts, wanted)]
         new = [r for r, (have, n) in enumerate(zip(real, wanted)) if have.shape[0] == 0 and n > 0]
@@ -166,7 +154,7 @@ class BatchedFeatureTier(BatchedModelTier):
     # ------------------------------------------------------------------ verification
 
     def score_batch(self, seq_ids, contexts, blocks: list[DraftTree], params: list[SamplingParams]) -> list[torch.Tensor]:
-        """`FeatureTier.score` for every request: rows [len(block) + 1, V] after its context, the block's tokens
+        """Every request's rows [len(block) + 1, V] after its context, the block's tokens
         fed one a forward after the first, each read with the head's prediction at the position before."""
         if not all(block.is_chain() for block in blocks):
             raise NotImplementedError(f"tier {self.name!r} (a feature head) verifies chains only; "

@@ -345,12 +345,12 @@ class SlotCache:
     def open_sequences(self) -> int:
         return len(self.slot_of)
 
-    def bytes_per_slot(self, capacity: int | None = None, hidden_size: int = 0) -> int:
-        """A slot's KV entries at `capacity` positions (default: the model context), plus its recorded
-        features (`hidden_size` floats per position) where kept."""
+    def bytes_per_slot(self, hidden_size: int = 0) -> int:
+        """A slot's KV entries at the model context, plus its recorded features (`hidden_size` floats per
+        position) where kept."""
         layers, heads, head_dim = self.shape
         width = torch.tensor([], dtype=self.dtype).element_size()
-        positions = capacity or self.limit or self.capacity
+        positions = self.limit or self.capacity
         return 2 * layers * heads * head_dim * positions * width + (4 * hidden_size * positions if self.keep_features else 0)
 
     # ------------------------------------------------------------- buffers

@@ -5,7 +5,7 @@ polyspec.workers.tiers.batched_feature.BatchedFeatureTier, over its target's run
 slot cache records the features. At position p the head reads the target's feature at p-1 where
 the target has computed it, else its own prediction there (docs/drafters.md, "The feature head").
 Head positions computed from a predicted feature are provisional: the next call recomputes them
-from the target's features (`_HeadSequence.real` counts the others). Its distributions are a
+from the target's features (`BatchedFeatureTier.real` counts the others). Its distributions are a
 function of the context and of which positions the target had computed, decided before any
 token is drawn from them, so verification against them stays exact.
 """

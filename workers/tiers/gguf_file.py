@@ -20,7 +20,7 @@ d, dmin and m are float16. scale and offset are exact in float32 (at most 11 + 8
 so `scale * level + offset` computed in float64 and rounded once to float32 is bit-for-bit what
 `gguf.quants.dequantize` returns (tests/workers/test_gguf_weights.py).
 
-Onto the kernels (`to_weight_only`):
+Onto the kernels (`unpack`, `int4_weights`, `int8_weights`):
 
 - Q4_0, Q4_1, Q4_K: 16 levels in groups of 32 are the int4 kernel's group-32 asymmetric format,
   `w = (q - 8) * scale + zero`, with `q` = the file's level and `zero = offset + 8 * scale`. The levels

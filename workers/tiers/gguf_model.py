@@ -97,16 +97,6 @@ def weight_only_linear(tensor: gguf_header.FileTensor, bias: torch.Tensor | None
     return WeightOnlyLinear.from_int8(gguf_file.int8_weights(tensor.qtype, tensor.data, shape, rows), bias)
 
 
-def _rss_mb() -> float | None:
-    try:
-        with open("/proc/self/statm") as handle:
-            import os
-
-            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 @torch.no_grad()
 def load_gguf_weight_only(path: str, dtype: torch.dtype, measure_dense_rows: bool = True):
     """The file as a transformers model whose every projection (and LM head) is a WeightOnlyLinear; embedding,
@@ -115,9 +105,9 @@ def load_gguf_weight_only(path: str, dtype: torch.dtype, measure_dense_rows: boo
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from polyspec.workers.tiers.loading import add_stop_token_ids, gguf_stop_token_ids, return_freed_memory
+    from polyspec.workers.tiers.loading import add_stop_token_ids, gguf_stop_token_ids, return_freed_memory, rss_bytes
 
-    started, rss = time.perf_counter(), _rss_mb()
+    started, rss = time.perf_counter(), rss_bytes()
     meta, tensors = gguf_header.read_file(path, set().union(*(_keys(a) for a in ARCHITECTURES)))  # one pass over the header
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
@@ -174,11 +164,11 @@ def load_gguf_weight_only(path: str, dtype: torch.dtype, measure_dense_rows: boo
     del tensors, head_tensor, tensor  # the last views of the mapped file: its pages leave the resident set with it
     gc.collect()
     return_freed_memory()  # the float32 chunks of the int8 re-quantization were freed in pieces glibc keeps
-    grown = _rss_mb()
+    grown = rss_bytes()
     model.weight_only_skipped = 0
     model.gguf_report = {
         "seconds": round(time.perf_counter() - started, 2),
-        "resident_mb": None if grown is None or rss is None else round(grown - rss),
+        "resident_mb": None if grown is None or rss is None else round((grown - rss) / 2**20),
         "linears": dict(sorted(kinds.items())),
         "file_types": dict(sorted(types.items())),
     }

@@ -274,12 +274,6 @@ def retie_lm_head(model) -> bool:
     return True
 
 
-def weight_only(tier, device: torch.device) -> bool:
-    """Does this tier quantize through polyspec's weight-only kernels (torch's int4 group-wise on the CPU and CUDA,
-    int8 per channel on the CPU)?"""
-    return tier.quantize in ("int4", "int8w")
-
-
 def share_embedding(model, source) -> bool:
     """Point `model`'s input embedding at `source`'s (another loaded tier's) where the two tables are
     equal: a quantized copy of the target keeps one embedding table, not two. True if shared."""
@@ -351,7 +345,7 @@ def load_model(tier, embedding_source=None):
     retie_lm_head(model)
     if embedding_source is not None:
         share_embedding(model, embedding_source)
-    if weight_only(tier, device):
+    if tier.quantize in ("int4", "int8w"):  # polyspec's weight-only kernels (torch's int4 group-wise, int8 per channel)
         model = quantize_weight_only(model, tier.quantize, group_size or DEFAULT_GROUP_SIZE)
         own_float_tensors(model, shared=embedding_source.get_input_embeddings().weight if embedding_source is not None else None)
     if tier.quantize == "int8":
@@ -431,7 +425,7 @@ def load_drafter_tier(tier, target: ModelTier) -> Tier:
     return early
 
 
-def _rss_bytes() -> int | None:
+def rss_bytes() -> int | None:
     """This process's resident memory (Linux /proc; None elsewhere)."""
     try:
         with open("/proc/self/statm", encoding="ascii") as handle:
@@ -499,14 +493,14 @@ def load_tiers(tiers_config, log=None) -> tuple[list[Tier], object]:
     for tier in model_configs:
         if log is not None:
             log(f"tier {tier.name}: loading {describe_tier(tier)}")
-        started, rss = time.perf_counter(), _rss_bytes()
+        started, rss = time.perf_counter(), rss_bytes()
         source = float_models.get((tier.model, tier.device)) if tier.quantize in ("int4", "int8w", "gguf") else None
         with heartbeat(log, f"tier {tier.name}: loading"):
             tiers.append(load_model_tier(tier, embedding_source=source))
         if not tier.quantize:
             float_models.setdefault((tier.model, tier.device), tiers[-1].model)
         if log is not None:
-            grown = _rss_bytes()
+            grown = rss_bytes()
             memory = f", {(grown - rss) / 2**20:+.0f} MB resident" if grown is not None and rss is not None else ""
             log(f"tier {tier.name}: loaded in {time.perf_counter() - started:.1f}s on {tiers[-1].device}{memory}{weight_only_note(tiers[-1].model)}")
     if any(tok is None for tok in tokenizers.values()):

@@ -17,7 +17,6 @@ import torch
 
 from polyspec.workers.core.sampling import SamplingParams
 from polyspec.workers.core.tree import DraftTree
-from polyspec.workers.tiers.model_cache import NGRAM_MODEL  # noqa: F401 - tiers name the n-gram tier too
 from polyspec.workers.tiers.weight_only import switch_rows
 
 
