@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable, Protocol, runtime_checkable
 import torch
 
 from polyspec.workers.core.sampling import RandomStream, SamplingParams
-from polyspec.workers.tiers.tier import common_prefix
+from polyspec.workers.core.tree import common_prefix
 
 FINISH_LENGTH = "length"  # max_new_tokens reached, or the context is full
 FINISH_EOS = "eos"  # the last committed token ends the sequence

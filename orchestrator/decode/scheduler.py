@@ -61,7 +61,8 @@ from polyspec.orchestrator.decode.approximate import scoring, verdict
 from polyspec.workers.core.sampling import RandomStream, SamplingParams
 from polyspec.workers.core.tree import DraftTree, path_rows
 from polyspec.workers.tiers.batched import BatchedTier, Verdict
-from polyspec.workers.tiers.tier import common_prefix, scratch_score, scratch_sequence
+from polyspec.workers.core.tree import common_prefix
+from polyspec.workers.tiers.tier import scratch_score, scratch_sequence
 
 
 DEFAULT_PREFILL_BUDGET = 512  # prompt tokens cached per step for joining requests

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from polyspec.workers.core.errors import RequestError
+from polyspec.workers.core.tree import common_prefix
 
 KINDS = ("json_schema", "regex", "grammar")  # the request fields that constrain output (at most one per request)
 MAX_SOURCE_CHARS = 64 * 1024  # a longer schema / regex / grammar is refused before compiling
@@ -285,11 +286,7 @@ class GrammarState:
 
     def _goto(self, generated: list[int]) -> bool:
         """Put the matcher after `generated`; False when the grammar refuses one of them (or a token after an end)."""
-        keep = 0
-        for mine, theirs in zip(self.consumed, generated):
-            if mine != theirs:
-                break
-            keep += 1
+        keep = common_prefix(self.consumed, generated)
         if keep < len(self.consumed):
             self.matcher.rollback(len(self.consumed) - keep)
             del self.consumed[keep:]

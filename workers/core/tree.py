@@ -6,7 +6,8 @@ the drafter's probability row the token was drawn from (the drafter's distributi
 the parent). A chain of k tokens is the tree with parents [-1, 0, 1, ..., k-2].
 
 Nodes are stored parents-first (a node's parent always has a smaller index), which is
-what the attention mask and the walk below rely on.
+what the attention mask and the walk below rely on. (Also `common_prefix`, of two token lists: where a cache,
+a grammar matcher or a context sent before parts from the context now.)
 """
 
 from __future__ import annotations
@@ -14,6 +15,21 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+
+
+def common_prefix(tokens: list[int], other: list[int]) -> int:
+    """Length of the longest common prefix of two token lists. Usually one extends the other (a cache and the
+    context after it, a context sent and the next one): that is one list comparison in C, the loop only finds
+    where they part."""
+    limit = min(len(tokens), len(other))
+    if tokens[:limit] == other[:limit]:
+        return limit
+    length = 0
+    for a, b in zip(tokens, other):
+        if a != b:
+            break
+        length += 1
+    return length
 
 
 @dataclasses.dataclass

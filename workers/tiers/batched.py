@@ -58,7 +58,8 @@ from polyspec.workers.core.verdicts import Draws, verify_blocks
 from polyspec.workers.core.tree import DraftTree, path_rows, tree_allowed
 from polyspec.workers.tiers.batched_llama import BatchedLlama, PendingTree, RowLayout, step_unsupported
 from polyspec.workers.tiers.loading import return_freed_memory
-from polyspec.workers.tiers.tier import ModelTier, NGramTier, Tier, common_prefix, copy_forward
+from polyspec.workers.core.tree import common_prefix
+from polyspec.workers.tiers.tier import ModelTier, NGramTier, Tier, copy_forward
 
 # a forward's cost beyond its tokens' (reading every weight once), in prompt tokens of one row: on an EPYC core
 # (one thread, Qwen2.5-Coder-1.5B) a 4-row one-token step costs what ~13 (int8 copy) / ~24 (bfloat16) prefill tokens do

@@ -57,7 +57,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from polyspec.workers.tiers.block_linear import linear_of, pack
 from polyspec.workers.tiers.fp8_linear import Fp8Linear
-from polyspec.workers.tiers.tier import common_prefix
+from polyspec.workers.core.tree import common_prefix
 from polyspec.workers.tiers.weight_only import WeightOnlyLinear
 
 GPU_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]

@@ -6,7 +6,7 @@ runs is the one tier family over them (polyspec.workers.tiers.batched: `batched_
 each tier's runtime: a model tier's KV pool and forward, the n-gram index, the head's pool), the
 same on every device and for one request or many.
 
-Besides: `common_prefix` of two token lists, `copy_forward`, the n-gram tier's copy, and `scratch_score`, a request's scoring of another prompt on a sequence of its own (SpecReason).
+Besides: `copy_forward`, the n-gram tier's copy, and `scratch_score`, a request's scoring of another prompt on a sequence of its own (SpecReason).
 """
 
 from __future__ import annotations
@@ -87,21 +87,6 @@ class ModelTier(Tier):
         """Where its weight-only Linears leave their kernel for the block path (`weight_only.switch_rows`): the
         start-up profile measures on both sides of each (orchestrator/tuning/profiler.py)."""
         return switch_rows(self.model)
-
-
-def common_prefix(tokens: list[int], other: list[int]) -> int:
-    """Length of the longest common prefix of two token lists. Usually one extends the other (a cache and the
-    context after it, a context sent and the next one): that is one list comparison in C, the loop only finds
-    where they part."""
-    limit = min(len(tokens), len(other))
-    if tokens[:limit] == other[:limit]:
-        return limit
-    length = 0
-    for a, b in zip(tokens, other):
-        if a != b:
-            break
-        length += 1
-    return length
 
 
 def copy_forward(context: list[int], start: int, num_tokens: int) -> list[int]:
