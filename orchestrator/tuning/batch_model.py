@@ -754,16 +754,13 @@ class BatchPlanner:
             best = off if arm.rate(off).steps < MIN_STEPS else spec
         else:
             best, other = (spec, off) if arm.speculate else (off, spec)
-            # speculation carried over from a larger load: off's tokens/s here is the bar it must beat, so
-            # measure it once speculating has MIN_STEPS. Off carried over from a smaller load is left to the
-            # re-probes: a block only costs more at a larger batch, and a speculating step there can cost
-            # many off steps (a drafter served row by row)
-            unmeasured_bar = arm.speculate and arm.measured(off) is None and arm.rate(spec).steps >= MIN_STEPS
+            # a decision carried over from a neighbouring load (speculating from a larger one, off from a smaller
+            # one: a block only costs more at a larger batch) is checked by the re-probes alone: measuring off at
+            # once at each smaller load a batch job's tail passes through cost each load three steps of one token
             period = min(arm.period, self.explore_every)
-            if unmeasured_bar or (period and arm.since >= period * PROBE_STEPS * self.step_seconds(arm, other, batch)):
+            if period and arm.since >= period * PROBE_STEPS * self.step_seconds(arm, other, batch):
                 arm.since = 0.0  # look at the other side (again): the load may have changed
-                if not unmeasured_bar:
-                    arm.period = min(2 * period, self.explore_every)
+                arm.period = min(2 * period, self.explore_every)
                 arm.probe = [other] * PROBE_STEPS
         if self.chosen.get(group) != best:
             self.chosen[group] = best

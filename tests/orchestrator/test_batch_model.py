@@ -9,7 +9,7 @@ import time
 import types
 
 from polyspec.orchestrator.tuning.batch_model import (BATCH_GRID, EXPLORE_BEST_SHARE, EXPLORE_FLOOR, MIN_STEPS, PROBE_STEPS,
-                                                      RETRY_STEPS, SWITCH_ON, WIDTH_GRID,
+                                                      REPROBE_FIRST, RETRY_STEPS, SWITCH_ON, WIDTH_GRID,
                                                       Acceptance, BatchPlanner, ForwardTable, Pending, Plan, bucket, decide,
                                                       expected_tokens)
 from polyspec.orchestrator.decode.contract import ShadowObservation
@@ -158,6 +158,21 @@ def test_each_load_has_its_own_ab_and_a_new_one_starts_from_its_neighbour():
     assert plan.plan_batch(2)[1] == (0,) and plan.arms[(2, 0)].speculate is None  # larger than a load that speculates: measured, off first
     plan.arms[(16, 0)].speculate = True  # had 16 measured speculation faster ...
     assert len(plan.plan_batch(8)[1]) > 1 and plan.arms[(8, 0)].speculate  # ... so 8, smaller, starts speculating
+
+
+def test_a_load_smaller_than_a_speculating_one_speculates_at_once_and_leaves_off_to_the_re_probes():
+    """A batch job's tail: 4 requests measured speculation at twice off's tokens/s, then one request is left. At
+    1 the plan speculates from its first step, and off runs only as re-probes (PROBE_STEPS at a time, the first
+    after REPROBE_FIRST probes' times), not as a bar measured at once: a block costs less at a smaller batch.
+    (One length a tier, so no other lengths are measured at 1.)"""
+    plan = planner(lambda b, w: 10.0, max_length=3)
+    accept(plan, 0, 1, 0.9)
+    run_steps(plan, 4, 60, WINS)
+    assert plan.arms[(4, 0)].speculate
+    _, _, tail = run_steps(plan, 1, 80, WINS)
+    assert all(tail[:REPROBE_FIRST]) and plan.arms[(1, 0)].speculate
+    off_runs = "".join("s" if s else "o" for s in tail).replace("s", " ").split()
+    assert off_runs and all(run == "o" * PROBE_STEPS for run in off_runs)  # re-probes only, each of PROBE_STEPS
 
 
 def test_the_speculating_side_is_the_best_measured_plan():
