@@ -234,7 +234,8 @@ def write(result: dict, stem: Path) -> None:
     legend = ("tokens/s = generated tokens / decoding wall time of one `polyspec batch` process (load and start-up profile "
               "excluded); median over the rounds, spread min-max. x best fixed: the -auto config over the fastest fixed config "
               f"of its own tiers in that cell (bar {AUTO_BAR}); x target: over the target alone (bar {TARGET_BAR}); "
-              "greedy = target: True, or per differing request the first differing token and the target's logit gap there.")
+              "greedy = target: True, or per differing request the first differing token and the target's logit gap there; "
+              "accepted per block: per verifier, the mean tokens it accepted a block, over every request of the last round's run.")
     lines = [title, "", setting, "", legend, "", "## -auto configs", "",
              "| auto config | cells | meeting both bars | lowest x best fixed | lowest x target |", "|---|---:|---:|---:|---:|"]
     for name, s in result["summary"].items():

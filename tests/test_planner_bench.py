@@ -71,3 +71,19 @@ def test_a_second_turn_continues_after_the_target_alones_first_answer():
     assert rows == [{"id": "q9t2", "messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."},
                                                 {"role": "user", "content": "More."}]}]
     assert planner.cell_rows(planner.SECOND_TURNS, {"chat": [question]}, planner.FAMILIES["qwen"], []) is None
+
+
+def test_a_runs_stages_are_summed_over_every_request():
+    """The 'accepted per block' column: each (tier, drafter) pair's accepted tokens over its blocks in all the run's
+    requests (not the first request's alone), the pairs in the order they first ran, their lengths merged."""
+    from polyspec.harness.batch_bench import run_stages
+
+    def result(*stages):
+        return {"stats": {"stages": [dict(zip(("tier", "drafter", "blocks", "accepted", "lengths"), s)) for s in stages]}}
+
+    results = [result(("target", "small", 7, 22, [4]), ("small", "ngram", 28, 2, [4])),
+               result(("small", "ngram", 10, 30, [4, 8]), ("target", "small", 3, 12, [6]), ("target", "ngram", 0, 0, []))]
+    assert run_stages(results) == [
+        {"tier": "target", "drafter": "small", "blocks": 10, "mean_accepted_length": 3.4, "lengths": [4, 6]},
+        {"tier": "small", "drafter": "ngram", "blocks": 38, "mean_accepted_length": round(32 / 38, 4), "lengths": [4, 8]},
+        {"tier": "target", "drafter": "ngram", "blocks": 0, "mean_accepted_length": 0.0, "lengths": []}]

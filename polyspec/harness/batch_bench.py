@@ -43,13 +43,28 @@ def run_batch(config: Path, rows: list[dict], *, tokens: int, concurrency: int, 
     if failed:
         raise SystemExit(f"{config.name}: {len(failed)} request(s) failed: {failed[0]['error']}")
     first = results[0]["stats"]
-    stages = [[{k: s.get(k) for k in ("tier", "drafter", "mean_accepted_length", "lengths")} for s in r["stats"]["stages"]]
-              for r in results]
     return {"tokens_per_s": summary["tokens_per_s"], "generated_tokens": summary["generated_tokens"],
             "decode_wall_s": summary["time_s"], "process_wall_s": round(wall, 1), "load_s": first.get("load_s"),
             "profile_s": first.get("profile_s"), "texts": {r["id"]: r["text"] for r in results},
-            "token_ids": {r["id"]: r["token_ids"] for r in results}, "stages": stages[0],
+            "token_ids": {r["id"]: r["token_ids"] for r in results}, "stages": run_stages(results),
             "plans": summary.get("plans"), "load_average": [round(x, 2) for x in os.getloadavg()]}
+
+
+def run_stages(results: list[dict]) -> list[dict]:
+    """Each (tier, drafter) pair's rounds summed over every request of a run, in the order the pairs first ran: its
+    mean accepted length over all of them and the lengths it ran at. (One request's stages told little: on 4 HumanEval
+    prompts the 0.5B accepted 0.07 of the n-gram tier's tokens a block on the first, and most on the third, which
+    repeats its own docstring.)"""
+    pairs: dict[tuple, dict] = {}
+    for result in results:
+        for stage in result["stats"]["stages"]:
+            pair = pairs.setdefault((stage["tier"], stage["drafter"]), {"blocks": 0, "accepted": 0, "lengths": set()})
+            pair["blocks"] += stage.get("blocks", 0)
+            pair["accepted"] += stage.get("accepted", 0)
+            pair["lengths"].update(stage.get("lengths") or ())
+    return [{"tier": tier, "drafter": drafter, "blocks": p["blocks"],
+             "mean_accepted_length": round(p["accepted"] / p["blocks"], 4) if p["blocks"] else 0.0, "lengths": sorted(p["lengths"])}
+            for (tier, drafter), p in pairs.items()]
 
 
 def tier_set(config: Path) -> frozenset:
