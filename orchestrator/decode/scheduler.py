@@ -59,9 +59,8 @@ from polyspec.orchestrator.decode.contract import (
 )
 from polyspec.orchestrator.decode.approximate import scoring, verdict
 from polyspec.workers.core.sampling import RandomStream, SamplingParams
-from polyspec.workers.core.tree import DraftTree, path_rows
+from polyspec.workers.core.tree import DraftTree, common_prefix, path_rows
 from polyspec.workers.tiers.batched import BatchedTier, Verdict
-from polyspec.workers.core.tree import common_prefix
 from polyspec.workers.tiers.tier import scratch_score, scratch_sequence
 
 

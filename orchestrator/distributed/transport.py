@@ -50,9 +50,8 @@ import torch
 
 from polyspec.orchestrator.distributed import cluster_auth
 from polyspec.protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
-from polyspec.workers.core.tree import DraftTree
+from polyspec.workers.core.tree import DraftTree, common_prefix
 from polyspec.workers.tiers.batched import BatchedTier
-from polyspec.workers.core.tree import common_prefix
 
 SPARSE_FRACTION = 0.25
 DIST_MIN_BYTES = int(os.environ.get("POLYSPEC_DIST_MIN_BYTES", 256 << 10))  # gloo beats inline above this (measured)

@@ -55,10 +55,9 @@ from polyspec.workers.core.device_verify import confidence
 from polyspec.workers.core.grammar import cut_at_disallowed, grammar_of, node_context, restrict_blocks, restrict_each
 from polyspec.workers.core.sampling import SamplingParams, warp_logits
 from polyspec.workers.core.verdicts import Draws, verify_blocks
-from polyspec.workers.core.tree import DraftTree, path_rows, tree_allowed
+from polyspec.workers.core.tree import DraftTree, common_prefix, path_rows, tree_allowed
 from polyspec.workers.tiers.batched_llama import BatchedLlama, PendingTree, RowLayout, step_unsupported
 from polyspec.workers.tiers.loading import return_freed_memory
-from polyspec.workers.core.tree import common_prefix
 from polyspec.workers.tiers.tier import ModelTier, NGramTier, Tier, copy_forward
 
 # a forward's cost beyond its tokens' (reading every weight once), in prompt tokens of one row: on an EPYC core
