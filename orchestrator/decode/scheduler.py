@@ -278,9 +278,7 @@ class ChainScheduler:
         for level, tier in enumerate(self.tiers):
             asked = [j for j, drafter in enumerate(drafters) if drafter != level]
             if level and not tier.has_weights and asked:
-                drafted = tier.draft_batch([states[j].run.seq_id for j in asked], [list(states[j].committed) for j in asked],
-                                           [count] * len(asked), [states[j].run.params for j in asked],
-                                           [states[j].run.generators[level] for j in asked])
+                drafted = self._draft(level, [(states[j].run, list(states[j].committed), count) for j in asked])
                 out[level] = [None] * len(states)
                 for j, (tokens, _) in zip(asked, drafted):
                     out[level][j] = tokens
@@ -308,10 +306,7 @@ class ChainScheduler:
         for lookup, tier in enumerate(self.tiers):
             if lookup <= level or tier.has_weights or lookup in self.active:
                 continue
-            proposals = tier.draft_batch([run.seq_id for run, _, _ in items], [context for _, context, _ in items],
-                                         [need for _, _, need in items], [run.params for run, _, _ in items],
-                                         [run.generators[lookup] for run, _, _ in items])
-            for (run, _, _), (proposal, _), (tokens, _) in zip(items, proposals, drafted):
+            for (run, _, _), (proposal, _), (tokens, _) in zip(items, self._draft(lookup, items), drafted):
                 self._observe_shadow(lookup, proposal, tokens, run, level)
 
     def finish(self, state: RequestState) -> GenerationOutput:
@@ -356,16 +351,20 @@ class ChainScheduler:
         """Draft tokens that fit: the block plus the token after it must stay inside the context."""
         return max(0, run.limit - len(context) - 1)
 
+    def _draft(self, level: int, items: list[tuple]) -> list[tuple[list[int], torch.Tensor | None]]:
+        """Tier `level`'s `draft_batch` over (run, context, count) items, each with its run's stream at that tier."""
+        return self.tiers[level].draft_batch([run.seq_id for run, _, _ in items], [context for _, context, _ in items],
+                                             [count for _, _, count in items], [run.params for run, _, _ in items],
+                                             [run.generators[level] for run, _, _ in items])
+
     def emit_batch(self, level: int, items: list[tuple]) -> list[tuple[list[int], torch.Tensor | None]]:
         """At least `need` tokens from tier `level` for each (run, context, need) (fewer only at EOS or
         the context limit), with the tier's rows for them (None when sampling greedily); a tier that
         verifies runs as many rounds as it takes."""
-        tier = self.tiers[level]
         items = [(run, context, min(need, self.room(run, context))) for run, context, need in items]
         if self.below(level) is None:
             started = time.perf_counter()
-            drafted = tier.draft_batch([r.seq_id for r, _, _ in items], [c for _, c, _ in items], [n for _, _, n in items],
-                                       [r.params for r, _, _ in items], [r.generators[level] for r, _, _ in items])
+            drafted = self._draft(level, items)
             seconds = (time.perf_counter() - started) / max(1, len(items))
             for (run, context, need), (tokens, _) in zip(items, drafted):
                 self._observe(DraftObservation(level, need, len(context), tuple(tokens), seconds))
