@@ -226,8 +226,10 @@ class BatchedTier:
 
     def draft_batch(self, seq_ids, contexts, counts: list[int], params, generators) -> list[tuple[list[int], torch.Tensor | None]]:
         """Each request's block of up to `counts[r]` tokens, with the rows they were drawn from ([k, V] float32;
-        None when greedy)."""
-        raise NotImplementedError
+        None when greedy). A chain is a draft tree of one candidate: by default, `draft_tree_batch` with width 1
+        (a model tier drafts its chains with a loop of its own)."""
+        trees = self.draft_tree_batch(seq_ids, contexts, 1, counts, params, "specinfer", generators)
+        return [(tree.tokens, tree.draft_rows) for tree in trees]
 
     def draft_tree_batch(self, seq_ids, contexts, width: int, depths: list[int], params, scheme: str, generators) -> list[DraftTree]:
         """Each request's draft tree: `width` candidate chains of `depths[r]` tokens sharing the root."""
@@ -709,11 +711,6 @@ class BatchedNGramTier(BatchedTier):
             index = self.indexes[seq_id] = NGramIndex(self.tier.min_ngram, self.tier.max_ngram)
         index.sync(context)
         return index
-
-    def draft_batch(self, seq_ids, contexts, counts, params, generators):
-        """Each request's continuation: a tree of one chain (the index's `lookup` is its first continuation)."""
-        trees = self.draft_tree_batch(seq_ids, contexts, 1, counts, params, "specinfer", generators)
-        return [(tree.tokens, tree.draft_rows) for tree in trees]
 
     def draft_tree_batch(self, seq_ids, contexts, width, depths, params, scheme, generators):
         """Each request's `width` continuations with distinct first tokens, as chains under the root (nodes parents-first)."""
