@@ -185,12 +185,15 @@ def report(runs: list[dict], meta: dict, family: Family, ties: dict | None = Non
                 rates = [r["tokens_per_s"] for r in mine]
                 same = all(r["token_ids"] == target[0]["token_ids"] for r in mine) if target else None
                 found = (ties or {}).get((workload, concurrency, system.name))
+                # greedy-equal up to ties: each divergence within one rounding step of the dtype, which a forward of
+                # another shape (a batch of blocks, not single tokens) may break either way
+                equal = same is True or bool(same is False and found and all(d.get("tie", False) for d in found.values()))
                 if same is False and found:
                     same = describe_divergences(found)
                 rows[system.name] = {"runs": len(rates), "tokens_per_s": round(statistics.median(rates), 3),
                                      "spread": [round(min(rates), 3), round(max(rates), 3)],
                                      "x_target": round(statistics.median(rates) / base, 3) if base else None,
-                                     "greedy_equals_target": same, "generated_tokens": mine[-1]["generated_tokens"],
+                                     "greedy_equals_target": same, "greedy_equal_up_to_ties": equal, "generated_tokens": mine[-1]["generated_tokens"],
                                      "stages": mine[-1]["stages"], "plans": mine[-1].get("plans")}
             judged = {}
             for auto in (s for s in systems if s.auto and s.name in rows):
@@ -201,7 +204,7 @@ def report(runs: list[dict], meta: dict, family: Family, ties: dict | None = Non
                 judged[auto.name] = {"x_target": mine["x_target"], "best_fixed_of_its_tiers": best and best.name,
                                      "x_best_fixed_of_its_tiers": x_best, "fixed_compared": [f.name for f in fixed],
                                      "meets_bars": (x_best is not None and x_best >= AUTO_BAR and mine["x_target"] is not None
-                                                    and mine["x_target"] >= TARGET_BAR and mine["greedy_equals_target"] is True)}
+                                                    and mine["x_target"] >= TARGET_BAR and mine["greedy_equal_up_to_ties"])}
             cells.append({"workload": workload, "concurrency": concurrency, "rows": rows, "auto": judged})
     autos = sorted({name for cell in cells for name in cell["auto"]})
     summary = {name: {"cells": sum(name in c["auto"] for c in cells),
@@ -234,7 +237,8 @@ def write(result: dict, stem: Path) -> None:
     legend = ("tokens/s = generated tokens / decoding wall time of one `polyspec batch` process (load and start-up profile "
               "excluded); median over the rounds, spread min-max. x best fixed: the -auto config over the fastest fixed config "
               f"of its own tiers in that cell (bar {AUTO_BAR}); x target: over the target alone (bar {TARGET_BAR}); "
-              "greedy = target: True, or per differing request the first differing token and the target's logit gap there; "
+              "greedy = target: True, or per differing request the first differing token and the target's logit gap there (a cell "
+              "meets the bars only where every such gap is a tie of the dtype's rounding); "
               "accepted per block: per verifier, the mean tokens it accepted a block, over every request of the last round's run.")
     lines = [title, "", setting, "", legend, "", "## -auto configs", "",
              "| auto config | cells | meeting both bars | lowest x best fixed | lowest x target |", "|---|---:|---:|---:|---:|"]

@@ -63,6 +63,20 @@ def test_the_auto_ratio_is_over_the_best_fixed_config_of_its_tiers_and_the_targe
     assert result["summary"]["demo-auto"] == {"cells": 1, "cells_meeting_bars": 1, "lowest_x_best_fixed": 0.975, "lowest_x_target": 1.95}
 
 
+def test_a_divergence_at_a_rounding_tie_keeps_the_bar_and_one_past_it_does_not():
+    family = planner.FAMILIES["demo"]
+    meta = {"systems": [s.name for s in family.systems], "workloads": ["code"], "concurrency": [1]}
+    runs = [_run("target", 10.0), _run("demo", 20.0), _run("demo-2tier", 15.0), _run("demo-auto", 19.5, ids=(1, 3)),
+            _run("demo-2tier-auto", 15.0, ids=(1, 4))]
+    ties = {("code", 1, "demo-auto"): {"q1": {"token": 1, "logit_gap": 0.125, "dtype": "bfloat16", "tie": True}},
+            ("code", 1, "demo-2tier-auto"): {"q1": {"token": 1, "logit_gap": -0.5, "dtype": "bfloat16", "tie": False}}}
+    result = planner.report(runs, meta, family, ties)
+    rows, judged = result["cells"][0]["rows"], result["cells"][0]["auto"]
+    assert rows["demo-auto"]["greedy_equal_up_to_ties"] and "(a tie)" in rows["demo-auto"]["greedy_equals_target"]
+    assert judged["demo-auto"]["meets_bars"]
+    assert not rows["demo-2tier-auto"]["greedy_equal_up_to_ties"] and not judged["demo-2tier-auto"]["meets_bars"]
+
+
 def test_a_second_turn_continues_after_the_target_alones_first_answer():
     question = {"question_id": 9, "mode": "chat", "turns": ["Hi?", "More."]}
     runs = [{"system": "target", "workload": "chat", "concurrency": 4, "texts": {"q9": "late"}},
