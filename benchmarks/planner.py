@@ -193,7 +193,8 @@ def report(runs: list[dict], meta: dict, family: Family, ties: dict | None = Non
                 rows[system.name] = {"runs": len(rates), "tokens_per_s": round(statistics.median(rates), 3),
                                      "spread": [round(min(rates), 3), round(max(rates), 3)],
                                      "x_target": round(statistics.median(rates) / base, 3) if base else None,
-                                     "greedy_equals_target": same, "greedy_equal_up_to_ties": equal, "generated_tokens": mine[-1]["generated_tokens"],
+                                     "greedy_equals_target": same, "greedy_equal_up_to_ties": equal,
+                                     "generated_tokens": mine[-1]["generated_tokens"],
                                      "stages": mine[-1]["stages"], "plans": mine[-1].get("plans")}
             judged = {}
             for auto in (s for s in systems if s.auto and s.name in rows):

@@ -92,10 +92,12 @@ def report(rows: list[dict], meta: dict) -> dict:
                 continue
             ratios = [t["tokens_per_s"] / b["tokens_per_s"] for b, t in pairs]
             out.append({"phase": phase, "system": system, "base_tokens_per_s": [b["tokens_per_s"] for b, _ in pairs],
-                        "this_tokens_per_s": [t["tokens_per_s"] for _, t in pairs], "ratio_per_round": [round(x, 3) for x in ratios],
+                        "this_tokens_per_s": [t["tokens_per_s"] for _, t in pairs],
+                        "ratio_per_round": [round(x, 3) for x in ratios],
                         "ratio_median": round(statistics.median(ratios), 3),
                         "same_tokens": all(b["token_ids"] == t["token_ids"] for b, t in pairs),
-                        "equals_target": None if target is None else all(t["token_ids"] == target["token_ids"] for _, t in pairs)})
+                        "equals_target": None if target is None
+                        else all(t["token_ids"] == target["token_ids"] for _, t in pairs)})
     return {"meta": meta, "rows": out}
 
 
@@ -159,7 +161,8 @@ def main() -> int:
             for index, system in enumerate(args.configs):
                 order = ("base", "this") if (index + number) % 2 else ("this", "base")
                 for side in order:
-                    if any(r["phase"] == phase and r["system"] == system and r["side"] == side and r["round"] == number for r in rows):
+                    key = (phase, system, side, number)
+                    if any((r["phase"], r["system"], r["side"], r["round"]) == key for r in rows):
                         continue
                     row = {"phase": phase, "system": system, "side": side, "round": number,
                            **run(*sides[side], system, phase, args.core)}

@@ -29,9 +29,9 @@ OWNERS = {  # the other issues open or resolved since the base, by what their co
     "hostile clients": r"hostile|guard|bounded_json|bounded JSON|BodyBudget|slowloris|tenant|state-dir lock|"
                        r"one server per state dir|client JSON measured|approximate_json is refused|jobs: an invalid item",
     "structured output": r"[Gg]rammar|[Ss]tructured output|json_schema|constraint",
-    "the planner on unseen work": r"goodput planner|^planner:|acceptance that moves|Per request where it pays|planner's decisions|"
-                                  r"GetStats carries the planner|tuning: every option|tuning options reach|"
-                                  r"The tuning: options reach|polyspec_plans|validate names, per path",
+    "the planner on unseen work": r"goodput planner|^planner:|acceptance that moves|Per request where it pays|"
+                                  r"planner's decisions|GetStats carries the planner|tuning: every option|"
+                                  r"tuning options reach|The tuning: options reach|polyspec_plans|validate names, per path",
 }
 OVERRIDES = {  # commits whose subjects match another issue's pattern but whose work is the one-family issue's
     THIS: "c8235f5 165b0a2 82a18c6 7344796 f86f735 e1a45df 26a2ea9 2fbb9a7 b96f94c 6f3f282 aa783cf 3c8c4fc 91752ab d0a968e "
@@ -78,8 +78,8 @@ def main() -> int:
         print(f"{issue}: {n}")
     print(f"total: {total}; other issues: {others}; what existed at {args.base} (with this issue's work): {total - others}")
     if args.list:
-        subjects = dict(line.split(" ", 1) for line in git("log", "--no-merges", "--format=%h %s", f"{args.base}..HEAD").splitlines())
-        subjects = {h[:7]: s for h, s in subjects.items()}
+        log = git("log", "--no-merges", "--format=%h %s", f"{args.base}..HEAD").splitlines()
+        subjects = {line[:7]: line.split(" ", 1)[1] for line in log}
         for commit, n in per_commit.most_common():
             if n and owner[commit] != THIS:
                 print(f"  {owner[commit]}: {commit} {n} lines: {subjects[commit][:100]}")
