@@ -48,6 +48,7 @@ from polyspec.harness.batch_bench import (
     append_partial,
     describe_divergences,
     first_divergences,
+    pin_here,
     read_partial,
     run_batch,
     target_of,
@@ -313,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="output stem (default benchmarks/planner, with --smoke planner-smoke)")
     parser.add_argument("--fresh", action="store_true")
     args = parser.parse_args(argv)
+    pin_here(args.taskset)
     if args.smoke:
         args.prompts, args.tokens = min(args.prompts, 2), min(args.tokens, 24)
     family = FAMILIES[args.family]

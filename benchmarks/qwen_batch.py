@@ -25,7 +25,8 @@ import statistics
 import sys
 from pathlib import Path
 
-from polyspec.harness.batch_bench import append_partial, describe_divergences, first_divergences, read_partial, run_batch
+from polyspec.harness.batch_bench import (append_partial, describe_divergences, first_divergences, pin_here, read_partial,
+                                         run_batch)
 from polyspec.harness.batch_bench import tier_set as config_tier_set
 
 REPO = Path(__file__).resolve().parents[1]
@@ -160,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "qwen-batch"))
     parser.add_argument("--fresh", action="store_true")
     args = parser.parse_args(argv)
+    pin_here(args.taskset)
     stem = Path(args.out)
     partial = stem.with_name(stem.name + ".partial.jsonl")
     if args.fresh and partial.exists():

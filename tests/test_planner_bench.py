@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -101,3 +102,14 @@ def test_a_runs_stages_are_summed_over_every_request():
         {"tier": "target", "drafter": "small", "blocks": 10, "mean_accepted_length": 3.4, "lengths": [4, 6]},
         {"tier": "small", "drafter": "ngram", "blocks": 38, "mean_accepted_length": round(32 / 38, 4), "lengths": [4, 8]},
         {"tier": "target", "drafter": "ngram", "blocks": 0, "mean_accepted_length": 0.0, "lengths": []}]
+
+
+def test_the_benchmark_process_is_pinned_to_the_runs_cpus():
+    """The greedy check's target forward runs in the benchmark's own process: `--taskset` pins it as it pins the runs."""
+    import subprocess
+
+    cpu = min(os.sched_getaffinity(0))
+    code = ("import os, torch; from polyspec.harness.batch_bench import pin_here; "
+            f"pin_here('{cpu}-{cpu}'); print(sorted(os.sched_getaffinity(0)), torch.get_num_threads())")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == [f"[{cpu}]", "1"]

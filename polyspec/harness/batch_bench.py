@@ -17,6 +17,22 @@ import time
 from pathlib import Path
 
 
+def pin_here(taskset: str | None) -> None:
+    """Pin this process to the runs' CPUs (`taskset -c` syntax: "1", "0,1", "0-1"), with as many torch threads: the
+    runs are pinned by `taskset`, and the greedy check's target forward here ran on every core, slowing whatever
+    ran on the other one."""
+    if not taskset:
+        return
+    cpus: set[int] = set()
+    for part in taskset.split(","):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    os.sched_setaffinity(0, cpus)
+    import torch
+
+    torch.set_num_threads(len(cpus))
+
+
 def run_batch(config: Path, rows: list[dict], *, tokens: int, concurrency: int, threads: str, taskset: str | None = None,
               speculative: bool = True, lengths: str | None = None) -> dict:
     """One `polyspec batch` process over `rows` (request objects with an `id` and a `prompt` or `messages`),
