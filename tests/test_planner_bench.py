@@ -93,11 +93,13 @@ def test_a_runs_stages_are_summed_over_every_request():
     requests (not the first request's alone), the pairs in the order they first ran, their lengths merged."""
     from polyspec.harness.batch_bench import run_stages
 
-    def result(*stages):
-        return {"stats": {"stages": [dict(zip(("tier", "drafter", "blocks", "accepted", "lengths"), s)) for s in stages]}}
+    def result(*stages):  # as StageStats.as_dict writes them (proposed and the per-count blocks only feed other reports)
+        keys = ("tier", "drafter", "blocks", "accepted", "lengths", "proposed", "accepted_counts")
+        return {"stats": {"stages": [dict(zip(keys, s)) for s in stages]}}
 
-    results = [result(("target", "small", 7, 22, [4]), ("small", "ngram", 28, 2, [4])),
-               result(("small", "ngram", 10, 30, [4, 8]), ("target", "small", 3, 12, [6]), ("target", "ngram", 0, 0, []))]
+    results = [result(("target", "small", 7, 22, [4], 28, [0, 1, 1, 2, 3]), ("small", "ngram", 28, 2, [4], 40, [26, 2])),
+               result(("small", "ngram", 10, 30, [4, 8], 40, [0, 0, 0, 10]), ("target", "small", 3, 12, [6], 18, [0, 0, 0, 0, 3]),
+                      ("target", "ngram", 0, 0, [], 0, []))]
     assert run_stages(results) == [
         {"tier": "target", "drafter": "small", "blocks": 10, "mean_accepted_length": 3.4, "lengths": [4, 6]},
         {"tier": "small", "drafter": "ngram", "blocks": 38, "mean_accepted_length": round(32 / 38, 4), "lengths": [4, 8]},

@@ -16,6 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from polyspec.harness.draft_report import stage_summary  # (the pooling benchmarks/drafters.py reports too)
+
 
 def pin_here(taskset: str | None) -> None:
     """Pin this process to the runs' CPUs (`taskset -c` syntax: "1", "0,1", "0-1"), with as many torch threads: the
@@ -71,16 +73,17 @@ def run_stages(results: list[dict]) -> list[dict]:
     mean accepted length over all of them and the lengths it ran at. (One request's stages told little: on 4 HumanEval
     prompts the 0.5B accepted 0.07 of the n-gram tier's tokens a block on the first, and most on the third, which
     repeats its own docstring.)"""
-    pairs: dict[tuple, dict] = {}
+    pairs: dict[tuple, list[dict]] = {}
     for result in results:
         for stage in result["stats"]["stages"]:
-            pair = pairs.setdefault((stage["tier"], stage["drafter"]), {"blocks": 0, "accepted": 0, "lengths": set()})
-            pair["blocks"] += stage.get("blocks", 0)
-            pair["accepted"] += stage.get("accepted", 0)
-            pair["lengths"].update(stage.get("lengths") or ())
-    return [{"tier": tier, "drafter": drafter, "blocks": p["blocks"],
-             "mean_accepted_length": round(p["accepted"] / p["blocks"], 4) if p["blocks"] else 0.0, "lengths": sorted(p["lengths"])}
-            for (tier, drafter), p in pairs.items()]
+            pairs.setdefault((stage["tier"], stage["drafter"]), []).append(stage)
+    out = []
+    for (tier, drafter), stages in pairs.items():
+        pooled = stage_summary(stages)
+        out.append({"tier": tier, "drafter": drafter, "blocks": pooled["blocks"],
+                    "mean_accepted_length": pooled["mean_accepted_length"],
+                    "lengths": sorted({length for stage in stages for length in stage.get("lengths") or ()})})
+    return out
 
 
 def tier_set(config: Path) -> frozenset:
