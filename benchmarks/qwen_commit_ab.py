@@ -30,10 +30,10 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+from polyspec.harness.batch_bench import run_batch
 from polyspec.harness.real_report import cpu_name
 
 REPO = Path(__file__).resolve().parents[1]
@@ -55,25 +55,14 @@ def prompts(first: int) -> list[dict]:
 
 
 def run(root: Path, python: str, system: str, phase: str, core: int) -> dict:
-    """One `polyspec batch` process of checkout `root` over the phase's prompts."""
+    """One `polyspec batch` process of checkout `root` over the phase's prompts, its own configs."""
     first, concurrency, tokens = PHASES[phase]
     config = root / "configs" / f"{'qwen2.5-coder-2tier' if system == TARGET else system}.yaml"
-    with tempfile.TemporaryDirectory() as scratch:
-        inp, out, stats = (Path(scratch) / name for name in ("in.jsonl", "out.jsonl", "stats.json"))
-        inp.write_text("".join(json.dumps({**row, "max_new_tokens": tokens}) + "\n" for row in prompts(first)))
-        command = ["taskset", "-c", str(core), python, "-m", "polyspec.orchestrator.cli", "batch", "-c", str(config),
-                   "-i", str(inp), "-o", str(out), "--stats", str(stats), "--concurrency", str(concurrency), "--threads", "1"]
-        if system == TARGET:
-            command.append("--no-speculation")
-        started = time.time()
-        done = subprocess.run(command, capture_output=True, text=True, cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        if done.returncode:
-            raise SystemExit(f"{system} in {root}: polyspec batch failed ({done.returncode}):\n{done.stderr[-2000:]}")
-        summary = json.loads(stats.read_text())
-        results = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
-    return {"tokens_per_s": summary["tokens_per_s"], "generated": summary["generated_tokens"], "decode_s": summary["time_s"],
-            "wall_s": round(time.time() - started, 1), "token_ids": {r["id"]: r["token_ids"] for r in results},
-            "load_average": round(os.getloadavg()[0], 2)}
+    started = time.time()
+    done = run_batch(config, prompts(first), tokens=tokens, concurrency=concurrency, threads="1", taskset=str(core),
+                     speculative=system != TARGET, python=python, cwd=root)
+    return {"tokens_per_s": done["tokens_per_s"], "generated": done["generated_tokens"], "decode_s": done["decode_wall_s"],
+            "wall_s": round(time.time() - started, 1), "token_ids": done["token_ids"], "load_average": done["load_average"][0]}
 
 
 def report(rows: list[dict], meta: dict) -> dict:
@@ -151,6 +140,7 @@ def main() -> int:
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "qwen-commit-ab"))
     parser.add_argument("--fresh", action="store_true")
     args = parser.parse_args()
+    os.environ["OMP_NUM_THREADS"] = "1"  # every run's, as its --threads 1
     partial = Path(args.out + ".partial.jsonl")
     if args.fresh:
         partial.unlink(missing_ok=True)

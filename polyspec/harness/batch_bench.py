@@ -36,13 +36,15 @@ def pin_here(taskset: str | None) -> None:
 
 
 def run_batch(config: Path, rows: list[dict], *, tokens: int, concurrency: int, threads: str, taskset: str | None = None,
-              speculative: bool = True, lengths: str | None = None) -> dict:
+              speculative: bool = True, lengths: str | None = None, python: str = sys.executable,
+              cwd: Path | None = None) -> dict:
     """One `polyspec batch` process over `rows` (request objects with an `id` and a `prompt` or `messages`),
-    `concurrency` requests at once; `lengths` overrides the config's speculation lengths (`--lengths`)."""
+    `concurrency` requests at once; `lengths` overrides the config's speculation lengths (`--lengths`). `python`, `cwd`:
+    the interpreter and directory it runs in (another checkout's: benchmarks/qwen_commit_ab.py)."""
     with tempfile.TemporaryDirectory() as tmp:
         inp, out, stats = Path(tmp) / "in.jsonl", Path(tmp) / "out.jsonl", Path(tmp) / "stats.json"
         inp.write_text("".join(json.dumps({**r, "max_new_tokens": tokens}) + "\n" for r in rows))
-        cmd = [sys.executable, "-m", "polyspec.orchestrator.cli", "batch", "-c", str(config), "-i", str(inp), "-o", str(out),
+        cmd = [python, "-m", "polyspec.orchestrator.cli", "batch", "-c", str(config), "-i", str(inp), "-o", str(out),
                "--stats", str(stats), "--concurrency", str(concurrency), "--threads", threads]
         if not speculative:
             cmd.append("--no-speculation")
@@ -51,7 +53,7 @@ def run_batch(config: Path, rows: list[dict], *, tokens: int, concurrency: int, 
         if taskset:
             cmd = ["taskset", "-c", taskset, *cmd]
         started = time.perf_counter()
-        done = subprocess.run(cmd, check=False, capture_output=True, text=True)
+        done = subprocess.run(cmd, check=False, capture_output=True, text=True, cwd=cwd)
         wall = time.perf_counter() - started
         if done.returncode != 0:
             raise SystemExit(f"{config.name}: polyspec batch failed ({done.returncode}):\n{done.stderr[-3000:]}")
