@@ -228,13 +228,16 @@ class StepObservation:
     """A step ended: each live request's committed tokens (in the order of its StepInput), the
     step's wall time, and the lengths / tiers it ran with; `catch_up_s`: the part of the wall time
     spent caching contexts a drafter of the plan was behind on (a price of switching it on, not of
-    the plan's steps)."""
+    the plan's steps); `busy_s`: the part its tiers' `forwards` forwards and lookups took (None where a
+    tier runs elsewhere: a remote tier's forwards are not timed here)."""
 
     committed: tuple[tuple[int, ...], ...]
     seconds: float
     lengths: tuple[int, ...]
     active: tuple[int, ...]
     catch_up_s: float = 0.0
+    busy_s: float | None = None
+    forwards: int | None = None
 
     @property
     def batch(self) -> int:

@@ -241,6 +241,7 @@ class ChainScheduler:
         shadows = self._shadow_proposals([states[i] for i in live], drafters)
         busy_before = [t.busy_s for t in self.tiers]
         tokens_before = [t.forwarded_tokens for t in self.tiers]
+        forwards_before = [t.forwards for t in self.tiers]
         items = [(states[i].run, list(states[i].committed), min(self.length_at(0), remaining(states[i]) - 1)) for i in live]
         results = self.round_batch(0, items, want_rows=False, drafters=drafters)
         spent = [t.busy_s - b for t, b in zip(self.tiers, busy_before)]
@@ -263,7 +264,10 @@ class ChainScheduler:
         lengths = [self.lengths[t] for t in self.active[:-1]]
         self.last_step = {"batch": len(live), "tokens": sum(len(c) for c in committed), "seconds": seconds,
                           "lengths": lengths, "tiers": list(self.active)}
-        self._observe(StepObservation(tuple(committed), seconds, tuple(self.lengths), tuple(self.active), catch_up_s))
+        timed = all(t.timed_here for t in self.tiers)  # (the host's time in a step is what its forwards leave: all timed here)
+        self._observe(StepObservation(tuple(committed), seconds, tuple(self.lengths), tuple(self.active), catch_up_s,
+                                      sum(spent) if timed else None,
+                                      sum(t.forwards - b for t, b in zip(self.tiers, forwards_before)) if timed else None))
         return out
 
     def _shadow_proposals(self, states: list[RequestState], drafters: list[int | None]) -> dict[int, list[list[int] | None]]:

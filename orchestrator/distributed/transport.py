@@ -347,7 +347,9 @@ class RemoteTier(BatchedTier):
 
     # the tier below runs its forwards and keeps its caches in its own process: it times, counts and catches them up there
     busy_s = 0.0
+    forwards = 0
     forwarded_tokens = 0
+    timed_here = False
     has_weights = False
     caches_prompts = False
 

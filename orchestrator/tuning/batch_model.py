@@ -5,14 +5,18 @@ for B rows padded to W new tokens:
 
     plan "off":            t_0(B, 1)                                              -> B tokens
     target <- d, k:        t_0(B, k + 1) + draft_d(B, k)                          -> B * E(a_0, k)
-    target <- m <- d, k, j: t_0(B, k + 1) + ceil(k / E(a_1, j)) * (t_m(B, j + 1) + draft_d(B, j))
+    target <- m <- d, k, j: sum_L P(L) t_0(B, L + 1) + R * (t_m(B, j + 1) + draft_d(B, j))  -> B * sum_L P(L) E(a_0, L)
 
 with E(a, k) = (1 - a^(k+1)) / (1 - a) the expected tokens a round of block k emits at per-token
-acceptance rate a (batch_acceptance.py; a tree's per depth), and draft_d(B, k) = k forwards t_d(B, 1)
+acceptance rate a (batch_acceptance.py; a tree's per depth); R the mid tier's expected rounds until it has k tokens
+and P(L) the law of the block L >= k it then hands up (it hands up all it emitted: `middle_rounds`, an exact
+first passage of its rounds' tokens), and draft_d(B, k) = k forwards t_d(B, 1)
 for a model drafter or B lookups for the n-gram tier; a tree of depth k and width w costs its verifier
 t(B, w k + 1) and its drafter a root forward then k - 1 level forwards t_d(B, w). `t_i(B, W)` is a
-start-up profile on a grid of (B, W) (`ForwardTable`), refined online from every batched forward; each
-plan's predicted step time is also corrected by the ratio of measured to predicted step times.
+start-up profile on a grid of (B, W) (`ForwardTable`), refined online from every batched forward no wider
+than a plan's; to each step's forwards the host's time around them is added (`HostTime`, a + b x the step's
+forwards, fitted from every step), and each plan's predicted step time is also corrected by the ratio of
+measured to predicted step times.
 
 The model only proposes; per load (batch-size bucket, greedy / sampling / mixed requests) a measured A/B
 against speculation off decides. docs/serving.md ("Speculation under load") gives the rules and the
@@ -38,7 +42,7 @@ import time
 
 from polyspec.orchestrator.decode.contract import RoundObservation, ShadowObservation, StepObservation
 from polyspec.orchestrator.tuning.batch_acceptance import (LOOKUP_PRIOR_RATE, MEMORY_ROUNDS, PRIOR_RATE,  # noqa: F401 (re-exported)
-                                                            PRIOR_WEIGHT, Acceptance, expected_tokens)
+                                                            PRIOR_WEIGHT, Acceptance, expected_tokens, middle_rounds)
 from polyspec.workers.core.sampling import SamplingParams
 
 BATCH_GRID = (1, 4, 16, 64)
@@ -61,6 +65,8 @@ EXPLORE_TIME_SHARE = 0.25  # a plan is measured only if its MIN_STEPS take at mo
 CANDIDATE_MARGIN = 1.5  # an unmeasured speculating plan must be predicted this much better than the measured best to be tried
 RETRY_MARGIN = 1.1  # a plan measured poor is measured again when the model carries its rate this far past the best's
 RETRY_STEPS = 16  # ... at most once per this many steps of the load, doubling with each retry
+HOST_MEMORY = 64  # steps the host-time fit (`HostTime`) remembers, fading by 1 / this a step ...
+HOST_MIN_STEPS = 3  # ... and the steps of a batch size it needs before it speaks for that size
 REQUEST_MEMORY_ROUNDS = 16  # a request's own lookup counts fade by 1 / this per round of it
 REQUEST_MIN_ROUNDS = 8  # ... and speak for the request once this many rounds are in
 # the faded count of REQUEST_MIN_ROUNDS rounds (the least a request's own counts must hold; less a rounding's width)
@@ -228,6 +234,44 @@ class Rate:
         return self.tokens / self.seconds if self.steps and self.seconds > 0 else None
 
 
+@dataclasses.dataclass
+class HostTime:
+    """ms a step spends outside the tiers' forwards and lookups (the scheduler's bookkeeping, sampling, verification,
+    the planner itself), as a + b x the forwards the step ran: least squares over the steps heard, fading by 1 /
+    HOST_MEMORY a step. The forwards' own time is the tables'; this is what they leave out. (On the demo chain, whose
+    forwards take a millisecond, it was a quarter of every step: `polyspec tune` predicted 24 % too fast without it.)
+    Steps that all ran the same number of forwards cannot tell a from b: all of it is then put on the forwards
+    (through the origin), the guess that grows with a plan's work."""
+
+    sums: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)  # faded weight, x, y, x^2, x y
+    steps: int = 0
+
+    def add(self, forwards: int, ms: float) -> None:
+        keep = 1.0 - 1.0 / HOST_MEMORY
+        n, sx, sy, sxx, sxy = (value * keep for value in self.sums)
+        self.sums = (n + 1.0, sx + forwards, sy + ms, sxx + forwards * forwards, sxy + forwards * ms)
+        self.steps += 1
+
+    def coefficients(self) -> tuple[float, float]:
+        """(a, b), both at least 0."""
+        n, sx, sy, sxx, sxy = self.sums
+        if n <= 0 or sxx <= 0:
+            return (sy / n if n > 0 else 0.0), 0.0
+        spread = n * sxx - sx * sx
+        if spread > 1e-6 * n * sxx:  # the steps ran different numbers of forwards: a and b both
+            b = (n * sxy - sx * sy) / spread
+            a = (sy - b * sx) / n
+            if a >= 0.0 and b >= 0.0:
+                return a, b
+            if b < 0.0:
+                return max(sy / n, 0.0), 0.0
+        return 0.0, max(sxy / sxx, 0.0)
+
+    def estimate(self, forwards: float) -> float:
+        a, b = self.coefficients()
+        return a + b * forwards
+
+
 @dataclasses.dataclass(frozen=True)
 class Pending:
     """A planned step not yet heard: its plan, its load's A/B, the corrected step time and the model's tokens/s."""
@@ -306,9 +350,13 @@ class BatchPlanner:
         priors = [prior_rate if prior_rate is not None else PRIOR_RATE if t is not None else LOOKUP_PRIOR_RATE for t in tables]
         self.acceptance = Acceptance(priors, PRIOR_WEIGHT if prior_weight is None else prior_weight,
                                      1.0 - 1.0 / MEMORY_ROUNDS if decay is None else decay)
+        self.host: dict[int, HostTime] = {}  # bucket (0: every batch size) -> the host's time around a step's forwards
         self.correction: dict[tuple, float] = {}  # (plan | side | None, bucket or 0) -> measured / predicted step time
         self.arms: dict[tuple[int, int], Arm] = {}  # (bucket, sampling mix) -> its A/B
         self.plans = self._candidates()
+        # the widest forward a plan runs: a verifier's block and its root (a tree's nodes), at least WIDTH_GRID's last
+        self.widest = max([WIDTH_GRID[-1]] + [width * k + 1 for plan in self.plans if plan.speculating
+                                              for _, _, k, width in self.stages(plan)])
         self.chosen: dict[int, Plan] = {}
         self.history: list[dict] = []  # (batch, plan) each time a bucket's choice changed
         self.greedy_share = 1.0  # of the requests in the step being planned
@@ -345,23 +393,34 @@ class BatchPlanner:
         self.acceptance.observe(level, drafter, proposed, accepted, greedy, depth)
 
     def observe_forwards(self) -> None:
-        """Fold the tiers' logged forwards into the tables."""
+        """Fold the tiers' logged forwards into the tables: those no wider than the widest forward a plan prices
+        (`widest`). A prompt's prefill is priced apart (catch-up, the tuner's prefills): folded in, a forward of
+        100 tokens moved the cell of 16 toward its own cost per token, and the demo chain's predicted steps fell
+        by a sixth over two passes of `polyspec tune`."""
         for tier, table in zip(self.tiers, self.tables):
             log = tier.forward_log
             if table is None or not log:
                 continue
             for rows, width, seconds in log:
-                table.observe(rows, width, seconds * 1000.0)
+                if width <= self.widest:
+                    table.observe(rows, width, seconds * 1000.0)
             log.clear()
 
-    def observe_step(self, batch: int, tokens: int, seconds: float, lengths, active, catch_up_s: float = 0.0) -> None:
+    def observe_step(self, batch: int, tokens: int, seconds: float, lengths, active, catch_up_s: float = 0.0,
+                     busy_s: float | None = None, forwards: int | None = None) -> None:
         """The step just planned took `seconds` and committed `tokens`: refine the model, feed the A/B.
         `catch_up_s` of the step went to drafters catching up on contexts (a plan's first steps: its drafters'
         prompts): a price of switching the plan on, weighed before it is tried (`entry_goodput`), so neither the
         A/B's rate nor the model's correction counts it. (Counted, the int8 copy's 3-step probe at 4 HumanEval
-        prompts, its ~5 s prefill included, measured 4.8 tokens/s against off's 11.5 and was never run again.)"""
+        prompts, its ~5 s prefill included, measured 4.8 tokens/s against off's 11.5 and was never run again.)
+        `busy_s`: of the rest, the seconds its `forwards` forwards and its lookups took (the host's time is the
+        remainder: `HostTime`, learned from every step, planned here or not; None: not timed apart)."""
         self.observe_forwards()
         seconds = max(seconds - catch_up_s, 0.0)
+        if busy_s is not None and forwards is not None and seconds > 0:
+            host_ms = max(seconds - busy_s, 0.0) * 1000.0
+            for key in (bucket(batch), 0):
+                self.host.setdefault(key, HostTime()).add(forwards, host_ms)
         pending = self._heard(lengths, active)
         if pending is None:
             return
@@ -440,19 +499,41 @@ class BatchPlanner:
                 for i in range(len(active) - 1)]
 
     def step_ms(self, plan: Plan, batch: int) -> tuple[float, float]:
-        """(predicted ms of one step, expected tokens per request) for `plan` at `batch` requests."""
+        """(predicted ms of one step, expected tokens per request) for `plan` at `batch` requests: its forwards and
+        lookups, and the host's time around them (`HostTime`, from the forwards the step runs)."""
+        forward_ms, forwards, tokens = self._forwards(plan, batch)
+        return forward_ms + self.host_ms(forwards, batch), tokens
+
+    def _forwards(self, plan: Plan, batch: int) -> tuple[float, float, float]:
+        """(ms of the step's forwards and lookups, the forwards it runs, expected tokens per request)."""
         t0 = self.tables[0]
         if not plan.speculating:
-            return t0.estimate(batch, 1), 1.0
+            return t0.estimate(batch, 1), 1.0, 1.0
         (_, top, k, width), *inner = self.stages(plan)
         if not inner:
-            return t0.estimate(batch, width * k + 1) + self.draft_ms(top, batch, k, width), self.emitted(0, top, k, width)
+            return (t0.estimate(batch, width * k + 1) + self.draft_ms(top, batch, k, width), 1.0 + self.draft_forwards(top, k),
+                    self.emitted(0, top, k, width))
         _, bottom, j, inner_width = inner[0]
-        per_round = self.emitted(top, bottom, j, inner_width)
-        rounds = math.ceil(k / per_round)
+        # the mid tier runs rounds of j until it has k tokens and hands up all it emitted: the target verifies that
+        # block (its length's pmf), at its rate against the mid tier
+        rounds, blocks = middle_rounds(k, j, round(self.emitted(top, bottom, j, inner_width), 3))
         mid_ms = rounds * (self.tables[top].estimate(batch, inner_width * j + 1) + self.draft_ms(bottom, batch, j, inner_width))
-        # the mid tier emits ~k tokens; the target accepts them at its rate against the mid tier
-        return t0.estimate(batch, k + 1) + mid_ms, self.emitted(0, top, k)
+        verify_ms = sum(p * t0.estimate(batch, length + 1) for length, p in blocks)
+        return (verify_ms + mid_ms, 1.0 + rounds * (1.0 + self.draft_forwards(bottom, j)),
+                sum(p * self.emitted(0, top, length) for length, p in blocks))
+
+    def draft_forwards(self, tier: int, k: int) -> float:
+        """Forwards a block of k drafted by `tier` runs (a tree's depth k alike: its root, then k - 1 levels); a lookup none."""
+        return 0.0 if self.tables[tier] is None else float(k)
+
+    def host_ms(self, forwards: float, batch: int) -> float:
+        """The host's ms in a step of `forwards` forwards at `batch` requests (`HostTime`): this batch size's fit once it
+        has HOST_MIN_STEPS steps, else every size's, else 0 (none heard yet: the forwards alone)."""
+        for key in (bucket(batch), 0):
+            fit = self.host.get(key)
+            if fit is not None and fit.steps >= HOST_MIN_STEPS:
+                return fit.estimate(forwards)
+        return 0.0
 
     def fits(self, plan: Plan, batch: int) -> bool:
         """Does the plan's widest forward (a verifier's block: a tree's nodes) stay within max_batched_tokens?"""
@@ -511,10 +592,12 @@ class BatchPlanner:
             return [p for p in allowed if p.active not in tried]
 
         def scale(plan: Plan) -> float:
-            """The model's error where it bears on `plan`: on the best measured plan sharing a drafter with it
-            (that drafter's table and acceptance), else on off (the target's table). A drafter that measured
-            far below its prediction (an int8 copy as slow as the bf16 target) says nothing of the others."""
-            shared = [q for q in measured if set(q.active[1:]) & set(plan.active[1:])]
+            """The model's error where it bears on `plan`: on the best measured plan sharing a drafter with it and
+            running no tier it lacks (that drafter's table and acceptance), else on off (the target's table). A
+            drafter that measured far below its prediction (an int8 copy as slow as the bf16 target) says nothing
+            of the others, nor does a plan whose error may be a tier this one leaves out (a 3-tier plan slowed by
+            its middle tier says nothing of its lookup alone)."""
+            shared = [q for q in measured if set(q.active[1:]) & set(plan.active[1:]) and set(q.active) <= set(plan.active)]
             reference = max(shared, key=measured.get) if shared else self.plans[0]
             rate = measured[reference] if shared else off
             return rate / max(self.goodput(reference, batch), 1e-9)
@@ -680,7 +763,7 @@ class BatchPlanner:
                 self.observe_request(observation.seq_id, observation.drafter, observation.proposed, observation.accepted)
         elif isinstance(observation, StepObservation):
             self.observe_step(observation.batch, observation.tokens, observation.seconds, list(observation.lengths),
-                              observation.active, observation.catch_up_s)
+                              observation.active, observation.catch_up_s, observation.busy_s, observation.forwards)
 
     def observe_request(self, seq_id, drafter: int, proposed: int, accepted: int) -> None:
         """A round (or shadow) of lookup tier `drafter` for one request: its own faded counts (nothing proposed: a miss)."""

@@ -42,6 +42,7 @@ import math
 from typing import Mapping, Sequence
 
 from polyspec.orchestrator.distributed.worker import AHEAD_SMOOTHING, AHEAD_THRESHOLD  # the tier worker's bet
+from polyspec.orchestrator.tuning.batch_acceptance import first_passage  # noqa: F401 (re-exported for the serial model's callers)
 
 LatencyTable = Mapping[int, float]  # m new tokens (or k drafted tokens) -> ms
 
@@ -192,32 +193,6 @@ class RoundModel:
     @property
     def ms_per_token(self) -> float:
         return self.round_ms / self.expected_emitted
-
-
-def first_passage(step_pmf: Sequence[float], need: int) -> tuple[list[float], float]:
-    """Add i.i.d. steps (step_pmf[x] = P(step = x), x >= 1) until the total reaches `need`.
-
-    Returns (pmf of the final total: [s] = P(total = s), s >= need; expected number of steps).
-    """
-    if need <= 0:
-        return [1.0], 0.0
-    reach = [0.0] * need  # [s] = P(some partial sum equals s), s < need
-    reach[0] = 1.0
-    totals = [0.0] * (need + len(step_pmf))
-    for partial in range(need):
-        mass = reach[partial]
-        if mass == 0.0:
-            continue
-        for step, p in enumerate(step_pmf):
-            if step == 0 or p == 0.0:
-                continue
-            if partial + step < need:
-                reach[partial + step] += mass * p
-            else:
-                totals[partial + step] += mass * p
-    while totals and totals[-1] == 0.0:
-        totals.pop()
-    return totals, sum(reach)  # steps taken = partial sums visited below `need`
 
 
 def block_for(stage: StageSpec, below: RoundModel | None, draft_ms: LatencyTable, need: int) -> tuple[list[float], float]:

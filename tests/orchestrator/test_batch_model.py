@@ -13,6 +13,8 @@ from polyspec.orchestrator.tuning.batch_model import (BATCH_GRID, EXPLORE_BEST_S
                                                       Acceptance, BatchPlanner, ForwardTable, Pending, Plan, bucket, decide,
                                                       expected_tokens)
 from polyspec.orchestrator.decode.contract import ShadowObservation
+from polyspec.orchestrator.tuning.batch_acceptance import middle_rounds
+from polyspec.orchestrator.tuning.batch_model import HOST_MIN_STEPS, LENGTHS, HostTime
 
 
 def table(cost) -> ForwardTable:
@@ -126,13 +128,17 @@ def test_ab_keeps_speculation_when_it_measures_faster_whatever_the_model_says():
 
 
 def test_ab_turns_speculation_off_when_it_measures_slower_whatever_the_model_says():
-    """The model predicts a big win (blocks free, acceptance high), the machine measures a loss: off, re-probed rarely."""
+    """The model predicts a big win (blocks free, acceptance high), the machine measures a loss: off, re-probed rarely.
+    The new load measures each set of tiers once (a 3-tier plan's loss says nothing of its tiers alone), MIN_STEPS
+    steps each, each step 8 of off's in time here (4 tokens a request at half off's rate); over 2000 steps that and
+    the re-probes cost under 5 %."""
     plan = planner(lambda b, w: 10.0)
     accept(plan, 0, 1, 0.95)
     accept(plan, 1, 2, 0.9)
     assert plan.predicted_best(16).speculating
-    tokens, seconds, speculated = run_steps(plan, 16, 1000, LOSES)
+    tokens, seconds, speculated = run_steps(plan, 16, 2000, LOSES)
     assert sum(speculated[-300:]) <= PROBE_STEPS  # intervals between re-probes have doubled
+    assert sum(speculated[:200]) <= 3 * MIN_STEPS + PROBE_STEPS  # each set once, then off and its first re-probe
     assert tokens / seconds >= 0.95 * 16 * 100.0  # the whole run, measuring included, within 5% of "off"
 
 
@@ -393,8 +399,11 @@ def test_tree_plans_price_their_nodes():
     assert plan.step_ms(two_tier, 1)[0] == target.estimate(1, 3 * 3 + 1) + mid.estimate(1, 2) + 2 * mid.estimate(1, 3)
     three_tier = next(p for p in plan.plans if p.active == (0, 1, 2) and p.lengths == (6, 4))
     ms, _ = plan.step_ms(three_tier, 1)  # the mid tier verifies the lookup's trees of depth 4; the target a chain of 6
-    rounds = math.ceil(6 / plan.emitted(1, 2, 4, 3))
-    assert abs(ms - (target.estimate(1, 7) + rounds * (mid.estimate(1, 3 * 4 + 1) + 0.5))) < 1e-9
+    # it runs rounds until it has 6 tokens and hands up all of them: the target verifies a block of 6 or more
+    rounds, blocks = middle_rounds(6, 4, round(plan.emitted(1, 2, 4, 3), 3))
+    assert 1.0 < rounds < 6.0 and abs(sum(p for _, p in blocks) - 1.0) < 1e-9 and min(length for length, _ in blocks) == 6
+    verify = sum(p * target.estimate(1, length + 1) for length, p in blocks)
+    assert abs(ms - (verify + rounds * (mid.estimate(1, 3 * 4 + 1) + 0.5))) < 1e-9
     assert plan.fits(two_tier, 6) and not plan.fits(two_tier, 7)  # 7 rows of 9 nodes + 1 > 64
     assert plan.fits(Plan((0, 2), (3, 0)), 2) and not plan.fits(Plan((0, 2), (12, 0)), 2)
 
@@ -769,3 +778,67 @@ def test_overlapping_steps_are_heard_against_the_plans_they_ran():
     assert not any(plan._in_flight.values()), "every planned step was heard once"
     plan.observe_step(1, 1, 0.01, list(off.lengths), off.active)  # a step nobody planned: nothing to credit
     assert arm.rate(off).steps == 2
+
+
+def test_a_middle_tier_runs_rounds_until_it_has_the_block_and_hands_up_all_of_it():
+    """Exact first passage: at per-token acceptance 1 (5 tokens a round of 4) a need of 6 takes 2 rounds and hands up
+    10; at acceptance 0 (1 token a round) 6 rounds and exactly 6; in between the mean block lies between the two."""
+    rounds, blocks = middle_rounds(6, 4, 5.0)
+    assert abs(rounds - 2.0) < 1e-6 and max(blocks, key=lambda b: b[1])[0] == 10
+    rounds, blocks = middle_rounds(6, 4, 1.0)
+    assert abs(rounds - 6.0) < 1e-6 and blocks[0][0] == 6 and abs(blocks[0][1] - 1.0) < 1e-6
+    rounds, blocks = middle_rounds(6, 4, 3.0)
+    mean = sum(length * p for length, p in blocks)
+    assert 2.0 < rounds < 6.0 and 6.0 < mean < 10.0 and abs(sum(p for _, p in blocks) - 1.0) < 1e-9
+
+
+def test_host_time_is_fitted_from_the_steps_forwards():
+    """The host's ms around a step's forwards, a + b x forwards, by least squares; all of it on the forwards while
+    every step ran as many; never negative (a falling fit: the steps' mean)."""
+    fit = HostTime()
+    for forwards in (1, 4, 7, 1, 4, 7):
+        fit.add(forwards, 2.0 + 0.5 * forwards)
+    a, b = fit.coefficients()
+    assert abs(a - 2.0) < 1e-9 and abs(b - 0.5) < 1e-9 and abs(fit.estimate(10) - 7.0) < 1e-9
+    same = HostTime()
+    for _ in range(5):
+        same.add(1, 3.0)
+    assert same.coefficients() == (0.0, 3.0)
+    falling = HostTime()
+    for forwards, ms in ((1, 5.0), (5, 1.0)):
+        falling.add(forwards, ms)
+    a, b = falling.coefficients()
+    assert b == 0.0 and 2.9 < a < 3.0  # the steps' mean, the older one faded a little
+
+
+def test_steps_timed_apart_teach_the_planner_the_hosts_time():
+    """A step of off measured at 30 ms whose forwards took 10: 20 ms of host time a forward (steps of one forward
+    cannot tell a step's share from a forward's), added to every plan's price by its forwards; an untimed step
+    (a remote tier in the chain) teaches nothing."""
+    plan = planner(lambda b, w: 10.0)
+    off = plan.plans[0]
+    two_tier = next(p for p in plan.plans if p.active == (0, 1) and p.lengths[0] == 3)
+    before = plan.step_ms(two_tier, 1)[0]
+    for _ in range(HOST_MIN_STEPS):
+        plan.observe_step(1, 1, 0.030, off.lengths, off.active)
+    assert plan.step_ms(two_tier, 1)[0] == before  # not timed apart: nothing learned
+    for _ in range(HOST_MIN_STEPS):
+        plan.observe_step(1, 1, 0.030, off.lengths, off.active, busy_s=0.010, forwards=1)
+    assert abs(plan.step_ms(off, 1)[0] - 30.0) < 1e-6
+    assert abs(plan.step_ms(two_tier, 1)[0] - (before + 20.0 * 4)) < 1e-6  # its verify and 3 draft forwards
+    assert abs(plan.step_ms(off, 16)[0] - (10.0 + 20.0)) < 1e-6  # another batch size: every size's fit until its own
+
+
+def test_a_prefill_does_not_move_the_tables_that_price_blocks():
+    """Forwards wider than any plan's (a prompt's prefill) are priced apart: folding one in moved the cell of the
+    widest block toward the prefill's cost per token. Blocks within the widest plan's are folded."""
+    tiers = chain()
+    plan = BatchPlanner(tiers, [table(lambda b, w: 1.0 + w), table(lambda b, w: 1.0), None], [0.0, 0.0, 0.05])
+    assert plan.widest == max(WIDTH_GRID[-1], max(LENGTHS) + 1)
+    before = dict(plan.tables[0].ms)
+    tiers[0].forward_log.append((1, 100, 0.010))  # 100 tokens in 10 ms: far below the line through the grid
+    plan.observe_forwards()
+    assert plan.tables[0].ms == before and not tiers[0].forward_log
+    tiers[0].forward_log.append((1, 7, 0.030))  # a block of 6 and its root, 30 ms against 8 predicted
+    plan.observe_forwards()
+    assert plan.tables[0].ms[(1, 8)] > before[(1, 8)]

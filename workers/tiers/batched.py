@@ -183,6 +183,7 @@ class BatchedTier:
     forwards took."""
 
     profile_kind = "batched"  # what its start-up profile times (a device tier's: its static steps, "device")
+    timed_here = True  # its forwards run, and are timed and counted (`busy_s`, `forwards`), in this process
 
     def __init__(self, tier: Tier) -> None:
         self.tier = tier
@@ -198,6 +199,11 @@ class BatchedTier:
     @property
     def busy_s(self) -> float:
         return self.tier.busy_s
+
+    @property
+    def forwards(self) -> int:
+        """The wrapped tier's count of forwards."""
+        return self.tier.forwards
 
     @property
     def forwarded_tokens(self) -> int:
