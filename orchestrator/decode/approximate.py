@@ -29,6 +29,7 @@ from polyspec.workers.core.approximate import (
     BILD, REFLECTIVE, SPECREASON, SPECULATIVE_THINKING, ApproximateMode, accept_step, bild_verdict, expected_utility_score,
     find_reflection_point, find_step_end, reflective_input, reflective_layout, utility_scoring_prompt, verify_reflective,
 )
+from polyspec.workers.core.context import Context
 from polyspec.workers.core.sampling import SamplingParams
 from polyspec.workers.core.tree import DraftTree, chain_draft_rows
 from polyspec.workers.core.verdicts import verify_blocks
@@ -163,7 +164,7 @@ class StepDriver:
         room = remaining(state) - len(self.pending)
         if room <= 0 or first_eos(self.pending, self.scheduler.eos_token_ids) is not None:
             return False
-        tokens = self.scheduler.sub_chain_block(state, state.committed + self.pending, min(chunk, room))
+        tokens = self.scheduler.sub_chain_block(state, Context(state.committed, tail=self.pending), min(chunk, room))
         self.pending += tokens[:room]
         return bool(tokens)
 

@@ -58,6 +58,7 @@ from polyspec.orchestrator.decode.contract import (
     tier_seeds,
 )
 from polyspec.orchestrator.decode.approximate import scoring, verdict
+from polyspec.workers.core.context import Context, extended
 from polyspec.workers.core.sampling import RandomStream, SamplingParams
 from polyspec.workers.core.tree import DraftTree, common_prefix, path_rows
 from polyspec.workers.tiers.batched import BatchedTier, Verdict
@@ -203,7 +204,7 @@ class ChainScheduler:
         fed = 0
         for tier in self.prefill_tiers():
             if waiting:
-                fed += tier.prefill([s.run.seq_id for s in waiting], [s.committed for s in waiting], budget)
+                fed += tier.prefill([s.run.seq_id for s in waiting], [Context(s.committed) for s in waiting], budget)
         return fed
 
     def step_all(self, states: list[RequestState]) -> list[list[int]]:
@@ -236,13 +237,13 @@ class ChainScheduler:
             # in the step's time, and timed apart: the planner weighs it as the price of switching a plan on, not as the plan's
             caught = time.perf_counter()
             for level in self.active[1:]:  # each drafting tier of the plan
-                catch_up(self.tiers[level], [states[i].run for i in live], [states[i].committed for i in live])
+                catch_up(self.tiers[level], [states[i].run for i in live], [Context(states[i].committed) for i in live])
             catch_up_s = time.perf_counter() - caught
         shadows = self._shadow_proposals([states[i] for i in live], drafters)
         busy_before = [t.busy_s for t in self.tiers]
         tokens_before = [t.forwarded_tokens for t in self.tiers]
         forwards_before = [t.forwards for t in self.tiers]
-        items = [(states[i].run, list(states[i].committed), min(self.length_at(0), remaining(states[i]) - 1)) for i in live]
+        items = [(states[i].run, Context(states[i].committed), min(self.length_at(0), remaining(states[i]) - 1)) for i in live]
         results = self.round_batch(0, items, want_rows=False, drafters=drafters)
         spent = [t.busy_s - b for t, b in zip(self.tiers, busy_before)]
         forwarded = [t.forwarded_tokens - b for t, b in zip(self.tiers, tokens_before)]
@@ -282,7 +283,7 @@ class ChainScheduler:
         for level, tier in enumerate(self.tiers):
             asked = [j for j, drafter in enumerate(drafters) if drafter != level]
             if level and not tier.has_weights and asked:
-                drafted = self._draft(level, [(states[j].run, list(states[j].committed), count) for j in asked])
+                drafted = self._draft(level, [(states[j].run, Context(states[j].committed), count) for j in asked])
                 out[level] = [None] * len(states)
                 for j, (tokens, _) in zip(asked, drafted):
                     out[level][j] = tokens
@@ -384,7 +385,7 @@ class ChainScheduler:
             round_items = []
             for j in short:
                 run, context, _ = items[j]
-                ctx = context + tokens[j]
+                ctx = extended(context, tokens[j])
                 round_items.append((run, ctx, min(self.length_at(level), self.room(run, ctx))))
             for j, (emitted, emitted_rows) in zip(short, self.round_batch(level, round_items)):
                 tokens[j] += emitted

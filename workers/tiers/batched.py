@@ -51,11 +51,12 @@ import time
 
 import torch
 
+from polyspec.workers.core.context import Synced, extended, head
 from polyspec.workers.core.device_verify import confidence
 from polyspec.workers.core.grammar import cut_at_disallowed, grammar_of, node_context, restrict_blocks, restrict_each
 from polyspec.workers.core.sampling import SamplingParams, warp_logits
 from polyspec.workers.core.verdicts import Draws, verify_blocks
-from polyspec.workers.core.tree import DraftTree, common_prefix, path_rows, tree_allowed
+from polyspec.workers.core.tree import DraftTree, path_rows, tree_allowed
 from polyspec.workers.tiers.batched_llama import BatchedLlama, PendingTree, RowLayout, step_unsupported
 from polyspec.workers.tiers.loading import return_freed_memory
 from polyspec.workers.tiers.tier import ModelTier, NGramTier, Tier, copy_forward
@@ -356,9 +357,9 @@ class BatchedModelTier(BatchedTier):
         if not self.keep_features:
             raise RuntimeError(f"tier {self.name!r} does not keep its hidden states (keep_features)")
         slot = self.cache.slot_of.get(seq_id)  # (`cached`: an unverified tree's nodes are not context)
-        have = 0 if slot is None else min(self.cached(seq_id), self.cache.common_prefix(slot, context[: max(length, 0)]))
+        have = 0 if slot is None else min(self.cached(seq_id), self.cache.agreed(slot, head(context, length), sync=False))
         if compute and have < length:
-            self.prefill([seq_id], [context[:length] + [0]], length)  # [0]: prefill caches all but the last token
+            self.prefill([seq_id], [extended(head(context, length), [0])], length)  # [0]: prefill caches all but the last token
             slot, have = self.cache.slot_of[seq_id], length
         if have <= 0:
             return torch.zeros(0, 0)
@@ -367,7 +368,7 @@ class BatchedModelTier(BatchedTier):
     def _sync(self, slot: int, context: list[int]) -> list[int]:
         """Roll the slot back to what `context` shares with it; the uncached tail (>= 1 token)."""
         self.cache.drop_tree(slot)
-        keep = min(self.cache.common_prefix(slot, context), len(context) - 1)
+        keep = min(self.cache.agreed(slot, context), len(context) - 1)
         self.cache.truncate(slot, keep)
         return context[keep:]
 
@@ -661,10 +662,11 @@ class NGramIndex:
         self.sizes = range(min_ngram, max_ngram + 1)
         self.tokens: list[int] = []
         self.starts: dict[tuple[int, ...], list[int]] = {}
+        self.synced = Synced()
 
     def sync(self, context: list[int]) -> None:
         cached = self.tokens
-        keep = common_prefix(cached, context)
+        keep = self.synced.agreed(cached, context)
         for end in range(len(cached) - 1, keep - 1, -1):  # drop the n-grams ending past `keep`, newest first
             for n in self.sizes:
                 if end - n + 1 >= 0:

@@ -127,7 +127,7 @@ class BatchedFeatureTier(BatchedModelTier):
             slot = self.cache.slot(seq_id)
             self.cache.drop_tree(slot)
             n = len(context)
-            keep = min(self.cache.common_prefix(slot, context), self.real.get(seq_id, 0), n - 1)
+            keep = min(self.cache.agreed(slot, context), self.real.get(seq_id, 0), n - 1)
             self.cache.truncate(slot, keep)
             real_end = min(n, have.shape[0] + 1)  # positions with a target feature for their predecessor
             chunk = context[keep:real_end]

@@ -57,6 +57,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from polyspec.workers.tiers.block_linear import linear_of, pack
 from polyspec.workers.tiers.fp8_linear import Fp8Linear
+from polyspec.workers.core.context import Synced
 from polyspec.workers.core.tree import common_prefix
 from polyspec.workers.tiers.weight_only import WeightOnlyLinear
 
@@ -250,6 +251,7 @@ class SlotCache:
         self.tokens: list[list[int] | None] = []  # per slot: the token at each cached position (None: free)
         self.slot_of: dict[object, int] = {}
         self.pending: dict[int, PendingTree] = {}  # slot -> its unverified tree
+        self.synced: dict[int, Synced] = {}  # slot -> the context it last synced to (`agreed`)
         # keep_features: every forward also records the last hidden state (after the final norm, what
         # the LM head reads) of each position it writes, per slot [positions, H] float32, rolled back
         # and compacted with the KV (a feature drafter reads them: BatchedModelTier.features)
@@ -271,6 +273,7 @@ class SlotCache:
             free = len(self.tokens)
             self.tokens.append(None)
         self.tokens[free] = []
+        self.synced[free] = Synced()
         self.slot_of[seq_id] = free
         return free
 
@@ -278,6 +281,7 @@ class SlotCache:
         slot = self.slot_of.pop(seq_id, None)
         if slot is not None:
             self.tokens[slot] = None
+            self.synced.pop(slot, None)
             self.pending.pop(slot, None)
             self.features.pop(slot, None)
             while self.tokens and self.tokens[-1] is None:
@@ -340,6 +344,11 @@ class SlotCache:
 
     def common_prefix(self, slot: int, context: list[int]) -> int:
         return common_prefix(self.tokens[slot], context)
+
+    def agreed(self, slot: int, context, sync: bool = True) -> int:
+        """`common_prefix` of the slot and `context` (a `Context`: only what lies past the committed tokens the slot
+        last synced to is compared). `sync`: the slot is about to keep that much and be written with the rest."""
+        return self.synced[slot].agreed(self.tokens[slot], context, remember=sync)
 
     @property
     def open_sequences(self) -> int:
