@@ -228,8 +228,8 @@ class StepObservation:
     """A step ended: each live request's committed tokens (in the order of its StepInput), the
     step's wall time, and the lengths / tiers it ran with; `catch_up_s`: the part of the wall time
     spent caching contexts a drafter of the plan was behind on (a price of switching it on, not of
-    the plan's steps); `busy_s`: the part its tiers' `forwards` forwards and lookups took (None where a
-    tier runs elsewhere: a remote tier's forwards are not timed here)."""
+    the plan's steps); `busy_s`: the part its tiers' forwards and lookups took, `forwards` per tier how many
+    (None where a tier runs elsewhere: a remote tier's forwards are not timed here)."""
 
     committed: tuple[tuple[int, ...], ...]
     seconds: float
@@ -237,7 +237,7 @@ class StepObservation:
     active: tuple[int, ...]
     catch_up_s: float = 0.0
     busy_s: float | None = None
-    forwards: int | None = None
+    forwards: tuple[int, ...] | None = None
 
     @property
     def batch(self) -> int:
@@ -264,6 +264,7 @@ class ShadowObservation:
     greedy: bool
     seq_id: object = None
     level: int = 0
+    ended: bool | None = None  # the round would have ended within the tokens compared (None: accepted < proposed)
 
 
 Observation = RoundObservation | DraftObservation | StepObservation | ShadowObservation

@@ -268,7 +268,7 @@ class ChainScheduler:
         timed = all(t.timed_here for t in self.tiers)  # (the host's time in a step is what its forwards leave: all timed here)
         self._observe(StepObservation(tuple(committed), seconds, tuple(self.lengths), tuple(self.active), catch_up_s,
                                       sum(spent) if timed else None,
-                                      sum(t.forwards - b for t, b in zip(self.tiers, forwards_before)) if timed else None))
+                                      tuple(t.forwards - b for t, b in zip(self.tiers, forwards_before)) if timed else None))
         return out
 
     def _shadow_proposals(self, states: list[RequestState], drafters: list[int | None]) -> dict[int, list[list[int] | None]]:
@@ -291,14 +291,18 @@ class ChainScheduler:
 
     def _observe_shadow(self, lookup: int, proposal: list[int] | None, produced: list[int], run: Run, level: int = 0) -> None:
         """Tell the planner how far lookup tier `lookup`'s `proposal` matched the tokens tier `level` produced at the
-        same context (the target: the step's committed tokens; a mismatch is a rejection; where the produced tokens
-        ran out first, the match is cut there, with no rejection; nothing proposed: a miss)."""
+        same context (the target: the step's committed tokens; a mismatch is a rejection, and so is a proposal shorter
+        than the block the produced tokens cover, as its round would have ended there; where the produced tokens ran
+        out first, the match is cut there, with no rejection; nothing proposed: a miss)."""
         if proposal is None or not produced:
             return
         compared = min(len(proposal), len(produced))
         matched = common_prefix(proposal[:compared], produced[:compared])
-        proposed = len(proposal) if matched < compared else matched
-        self._observe(ShadowObservation(lookup, proposed, matched, run.params.greedy, run.seq_id, level))
+        # a mismatch ends its round there, and so does a proposal that ran out (none: a miss) short of the block the
+        # produced tokens cover (all but their last: a correction or bonus)
+        ended = matched < compared or len(proposal) + 1 < len(produced)
+        proposed = len(proposal) if ended else matched
+        self._observe(ShadowObservation(lookup, proposed, matched, run.params.greedy, run.seq_id, level, ended))
 
     def _shadow_drafts(self, level: int, items: list[tuple], drafted: list[tuple]) -> None:
         """A model drafter at the bottom of the plan (tier `level`) just drafted each item's block: what each lookup

@@ -103,19 +103,30 @@ class Acceptance:
         self.rejected: dict[tuple, float] = {}  # ... and chain rounds ended by a rejection
         self.reached: dict[tuple, list[float]] = {}  # tree rounds whose walk reached depth i ...
         self.passed: dict[tuple, list[float]] = {}  # ... and accepted a node there
+        self.asked: dict[tuple, float] = {}  # tokens asked of the drafter ...
+        self.given: dict[tuple, float] = {}  # ... and proposed, up to what was asked (`fill`)
 
     def observe(self, level: int, drafter: int, proposed: int, accepted: int, greedy: bool = True,
-                depth: int | None = None) -> None:
-        """A round of `proposed` drafted nodes with an accepted path of `accepted`; `depth`: a tree's depth (None: a chain)."""
-        if proposed <= 0:
+                depth: int | None = None, ended: bool | None = None, length: int | None = None) -> None:
+        """A round of `proposed` drafted nodes with an accepted path of `accepted`; `depth`: a tree's depth (None: a chain).
+        `ended`: whether the round ended within its block (None: accepted < proposed, a rejection). A chain's round
+        that emits accepted + 1 tokens counts one end whatever ended it: a rejection, or a block shorter than asked
+        (a lookup that found a short continuation or none, an early exit), so E(a, k) prices the tokens a round of
+        k really emits. (Counting a lookup's misses and short blocks as nothing, the demo chain's n-gram tier was
+        priced at 3.5 tokens a round of 6 where it gave 2.3.) `length`: the block asked for (the fill: `fill`)."""
+        ended = accepted < proposed if ended is None else ended
+        if proposed <= 0 and not ended:
             return
         key = (level, drafter, greedy)
-        for counts in (self.accepted, self.rejected):
+        for counts in (self.accepted, self.rejected, self.asked, self.given):
             if key in counts:
                 counts[key] *= self.keep
+        if length:
+            self.asked[key] = self.asked.get(key, 0.0) + length
+            self.given[key] = self.given.get(key, 0.0) + min(proposed, length)
         if depth is None:
             self.accepted[key] = self.accepted.get(key, 0.0) + accepted
-            self.rejected[key] = self.rejected.get(key, 0.0) + (1.0 if accepted < proposed else 0.0)
+            self.rejected[key] = self.rejected.get(key, 0.0) + (1.0 if ended else 0.0)
             return
         reached, passed = self.reached.setdefault(key, []), self.passed.setdefault(key, [])
         while len(reached) < depth:
@@ -127,6 +138,13 @@ class Acceptance:
         if depth > 1 and accepted >= 1:  # past depth 0 the walk follows one candidate chain: a chain round of depth - 1
             self.accepted[key] = self.accepted.get(key, 0.0) + accepted - 1
             self.rejected[key] = self.rejected.get(key, 0.0) + (1.0 if accepted < depth else 0.0)
+
+    def fill(self, level: int, drafter: int, greedy: bool = True) -> float:
+        """The share of the tokens asked that the drafter proposed (1 until a round is heard; a lookup's misses and
+        short continuations make it less): its verifier's forward takes fill x k tokens of a block of k."""
+        key = (level, drafter, greedy)
+        asked = self.asked.get(key, 0.0)
+        return self.given.get(key, 0.0) / asked if asked > 0 else 1.0
 
     def rate(self, level: int, drafter: int, greedy: bool = True) -> float:
         key = (level, drafter, greedy)

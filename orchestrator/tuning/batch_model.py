@@ -4,19 +4,20 @@ A batched step runs one round of B requests. Its cost is built from each tier's 
 for B rows padded to W new tokens:
 
     plan "off":            t_0(B, 1)                                              -> B tokens
-    target <- d, k:        t_0(B, k + 1) + draft_d(B, k)                          -> B * E(a_0, k)
-    target <- m <- d, k, j: sum_L P(L) t_0(B, L + 1) + R * (t_m(B, j + 1) + draft_d(B, j))  -> B * sum_L P(L) E(a_0, L)
+    target <- d, k:        t_0(B, f k + 1) + draft_d(B, k)                        -> B * E(a_0, k)
+    target <- m <- d, k, j: sum_L P(L) t_0(B, L + 1) + R * (t_m(B, f j + 1) + draft_d(B, j))  -> B * sum_L P(L) E(a_0, L)
 
-with E(a, k) = (1 - a^(k+1)) / (1 - a) the expected tokens a round of block k emits at per-token
-acceptance rate a (batch_acceptance.py; a tree's per depth); R the mid tier's expected rounds until it has k tokens
-and P(L) the law of the block L >= k it then hands up (it hands up all it emitted: `middle_rounds`, an exact
-first passage of its rounds' tokens), and draft_d(B, k) = k forwards t_d(B, 1)
-for a model drafter or B lookups for the n-gram tier; a tree of depth k and width w costs its verifier
-t(B, w k + 1) and its drafter a root forward then k - 1 level forwards t_d(B, w). `t_i(B, W)` is a
-start-up profile on a grid of (B, W) (`ForwardTable`), refined online from every batched forward no wider
-than a plan's; to each step's forwards the host's time around them is added (`HostTime`, a + b x the step's
-forwards, fitted from every step), and each plan's predicted step time is also corrected by the ratio of
-measured to predicted step times.
+plus the host's time around the forwards (`HostTime`: a + m R + d D for R middle rounds and D drafted forwards,
+fitted from every step), with E(a, k) = (1 - a^(k+1)) / (1 - a) the expected tokens a round of block k emits at
+per-token acceptance rate a (batch_acceptance.py; a round ended short of its block by a rejection or a short block
+alike; a tree's per depth), f the share of a block the drafter fills (a lookup's misses and short continuations);
+R the mid tier's expected rounds until it has k tokens and P(L) the law of the block L >= k it then hands up (it
+hands up all it emitted: `middle_rounds`, an exact first passage of its rounds' tokens), and draft_d(B, k) = k
+forwards t_d(B, 1) for a model drafter or B lookups for the n-gram tier; a tree of depth k and width w costs its
+verifier t(B, w k + 1) and its drafter a root forward then k - 1 level forwards t_d(B, w). `t_i(B, W)` is a
+start-up profile on a grid of (B, W) (`ForwardTable`), refined online by each shape's measured / profiled ratio
+(forwards no wider than a plan's); each plan's predicted step time is also corrected by the ratio of measured to
+predicted step times.
 
 The model only proposes; per load (batch-size bucket, greedy / sampling / mixed requests) a measured A/B
 against speculation off decides. docs/serving.md ("Speculation under load") gives the rules and the
@@ -49,6 +50,8 @@ BATCH_GRID = (1, 4, 16, 64)
 WIDTH_GRID = (1, 4, 8, 16)
 PROFILE_CONTEXT = 128
 SMOOTHING = 0.2
+RATIO_MEMORY = 32  # a forward table's measured / profiled ratio of one shape fades over this many of its forwards ...
+RATIO_MIN_SEEN = 2  # ... and speaks for that shape once it has seen this many
 WINDOW = 8  # steps a measured rate sums before older steps start to fade
 IN_FLIGHT_KEPT = 64  # planned steps kept per plan until heard (more in flight at once than any chain runs)
 IN_FLIGHT_STALE_S = 120.0  # a planned step not heard for this long is taken for one whose round failed
@@ -81,6 +84,11 @@ def length_grid(grid: tuple[int, ...], longest: int) -> tuple[int, ...]:
     return kept if longest >= grid[-1] or longest in kept else kept + (longest,)
 
 
+def _nearest_batch(batch: int) -> int:
+    """The grid batch nearest `batch` (in ratio)."""
+    return min(BATCH_GRID, key=lambda g: abs(math.log(g) - math.log(max(1, batch))))
+
+
 def bucket(batch: int) -> int:
     """Batch sizes that share online corrections: powers of two."""
     return 1 << max(0, math.ceil(math.log2(max(1, batch))))
@@ -101,6 +109,13 @@ def _interpolate(grid: tuple[int, ...], x: float) -> tuple[int, int, float]:
 class ForwardTable:
     """ms of one batched forward on the (batch, width) grid, refined online.
 
+`ms` is the start-up profile (`profiled` reads it); what the tier's forwards then measure refines it as a ratio per
+(grid batch, width) measured: measured / profiled, faded over the last ~RATIO_MEMORY forwards of that shape,
+interpolated between the widths measured (`ratio`). Each shape that runs is priced from its own forwards: the
+profile's line between two grid widths is not the machine's (the demo target's 1- and 2-token forwards cost 2.1 and
+2.7 ms, not the line's 2.3), and moving the nearest grid cell toward each forward (as this table did) let the
+forwards on either side of a cell pull it apart, 15-35 % below the widths that ran.
+
     `ms` may hold more widths than WIDTH_GRID at a grid batch: a tier whose cost changes regime at some row count
     (a weight-only tier leaving its quantized kernel for the block path, workers/tiers/weight_only.py) is also
     measured on both sides of each such row count (`switch_widths`), and the estimate interpolates between the
@@ -112,6 +127,10 @@ class ForwardTable:
     # head: one forward over a context, while it verifies one token at a time); None: the widest block's per-token cost
     catch_up_ms: float | None = None
     _widths: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)  # widths() and switched(), kept
+    # grid batch -> {width: [faded sum of measured / profiled, faded count, forwards]}, and per grid batch the sorted (width, ratio)
+    # points of the widths measured RATIO_MIN_SEEN times (None: to rebuild)
+    _seen: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
+    _points: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     def catch_up(self) -> float:
         """ms per context token a request's catch-up costs this tier (one row)."""
@@ -129,11 +148,16 @@ class ForwardTable:
             self._widths[batch] = tuple(sorted(w for b, w in self.ms if b == batch and w <= WIDTH_GRID[-1]))
         return self._widths[batch]
 
-    def estimate(self, batch: int, width: int) -> float:
+    def estimate(self, batch: int, width: float) -> float:
+        """ms of a forward of `batch` rows padded to `width` tokens: the profile x what the forwards measured (`ratio`)."""
+        return self.profiled(batch, width) * self.ratio(batch, width)
+
+    def profiled(self, batch: int, width: float) -> float:
+        """The start-up profile's ms, interpolated between its cells."""
         last, before = WIDTH_GRID[-1], WIDTH_GRID[-2]
         if width > last:  # past the widest block profiled (a deep tree's nodes): each token costs what the last step's did
-            top = self.estimate(batch, last)
-            return top + max(0.0, top - self.estimate(batch, before)) / (last - before) * (width - last)
+            top = self.profiled(batch, last)
+            return top + max(0.0, top - self.profiled(batch, before)) / (last - before) * (width - last)
         bl, bh, bw = _interpolate(BATCH_GRID, batch)
         rows = batch * width
         if 0.0 < bw < 1.0 and self.switched():
@@ -143,10 +167,10 @@ class ForwardTable:
             # knows no switch beyond), the other alone.
             low, high = BATCH_GRID[bl], BATCH_GRID[bh]
             if rows < high:
-                return self.estimate(low, rows / low)
+                return self.profiled(low, rows / low)
             if rows / low > last:
-                return self.estimate(high, rows / high)
-            return self.estimate(low, rows / low) * (1 - bw) + self.estimate(high, rows / high) * bw
+                return self.profiled(high, rows / high)
+            return self.profiled(low, rows / low) * (1 - bw) + self.profiled(high, rows / high) * bw
 
         def along(b: int) -> float:  # at grid batch b: linear between the two measured widths around `width`
             widths = self.widths(BATCH_GRID[b])
@@ -156,15 +180,36 @@ class ForwardTable:
         value = along(bl) * (1 - bw) + along(bh) * bw
         return value * max(1.0, batch / BATCH_GRID[-1])  # past the largest batch: proportional to the rows
 
+    def ratio(self, batch: int, width: float) -> float:
+        """Measured / profiled at this shape: at the nearest grid batch, linear between the widths measured around
+        `width` (the nearest one's beyond them); where none was measured there, the mean over every shape measured;
+        1 before any forward is heard."""
+        b = _nearest_batch(batch)
+        points = self._points.get(b, ())
+        if points is None:
+            entries = self._seen.get(b, {})
+            points = self._points[b] = tuple(sorted((w, total / weight) for w, (total, weight, seen) in entries.items()
+                                                    if seen >= RATIO_MIN_SEEN))
+        if not points:
+            pooled = [(total, weight) for entries in self._seen.values() for total, weight, seen in entries.values()
+                      if seen >= RATIO_MIN_SEEN]
+            return sum(t for t, _ in pooled) / sum(c for _, c in pooled) if pooled else 1.0
+        widths = tuple(w for w, _ in points)
+        low, high, weight = _interpolate(widths, width)
+        return points[low][1] * (1 - weight) + points[high][1] * weight
+
     def observe(self, batch: int, width: int, ms: float) -> None:
-        """Move the nearest measured cell toward what this forward's size predicts for it."""
-        b = min(BATCH_GRID, key=lambda g: abs(math.log(g) - math.log(max(1, batch))))
-        w = min(self.widths(b), key=lambda g: abs(g - width))
-        predicted = self.estimate(batch, width)
-        if predicted <= 0:
+        """A forward of `batch` rows padded to `width` tokens took `ms`: its shape's ratio to the profile moves."""
+        profiled = self.profiled(batch, width)
+        if profiled <= 0:
             return
-        ratio = min(3.0, max(1 / 3.0, ms / predicted))
-        self.ms[(b, w)] *= 1.0 + SMOOTHING * (ratio - 1.0)
+        b = _nearest_batch(batch)
+        entry = self._seen.setdefault(b, {}).setdefault(round(width), [0.0, 0.0, 0])
+        keep = 1.0 - 1.0 / RATIO_MEMORY
+        entry[0] = entry[0] * keep + min(3.0, max(1 / 3.0, ms / profiled))
+        entry[1] = entry[1] * keep + 1.0
+        entry[2] += 1
+        self._points[b] = None
 
 
 def switch_widths(batch: int, switch_rows: tuple[int, ...]) -> tuple[int, ...]:
@@ -237,39 +282,57 @@ class Rate:
 @dataclasses.dataclass
 class HostTime:
     """ms a step spends outside the tiers' forwards and lookups (the scheduler's bookkeeping, sampling, verification,
-    the planner itself), as a + b x the forwards the step ran: least squares over the steps heard, fading by 1 /
-    HOST_MEMORY a step. The forwards' own time is the tables'; this is what they leave out. (On the demo chain, whose
-    forwards take a millisecond, it was a quarter of every step: `polyspec tune` predicted 24 % too fast without it.)
-    Steps that all ran the same number of forwards cannot tell a from b: all of it is then put on the forwards
-    (through the origin), the guess that grows with a plan's work."""
+    the planner itself), as a + m x its middle tiers' rounds + d x its bottom drafter's forwards: least squares over
+    the steps heard, fading by 1 / HOST_MEMORY a step, no coefficient below 0 (a feature no step has varied gets 0).
+    The forwards' own time is the tables'; this is what they leave out. On the demo chain, whose forwards take a few
+    milliseconds, a target round's host time was 0.3 ms, a middle tier's round 1.2 ms (its verification and the
+    round's bookkeeping), a drafted token 0.55 ms: `polyspec tune` predicted 3-tier plans a quarter too fast without."""
 
-    sums: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)  # faded weight, x, y, x^2, x y
+    sums: list = dataclasses.field(default_factory=lambda: [[0.0] * 3 for _ in range(3)] + [[0.0] * 3])  # X'X rows, then X'y
     steps: int = 0
 
-    def add(self, forwards: int, ms: float) -> None:
+    def add(self, middle_rounds: float, draft_forwards: float, ms: float) -> None:
         keep = 1.0 - 1.0 / HOST_MEMORY
-        n, sx, sy, sxx, sxy = (value * keep for value in self.sums)
-        self.sums = (n + 1.0, sx + forwards, sy + ms, sxx + forwards * forwards, sxy + forwards * ms)
+        x = (1.0, middle_rounds, draft_forwards)
+        for i in range(3):
+            for j in range(3):
+                self.sums[i][j] = self.sums[i][j] * keep + x[i] * x[j]
+            self.sums[3][i] = self.sums[3][i] * keep + x[i] * ms
         self.steps += 1
 
-    def coefficients(self) -> tuple[float, float]:
-        """(a, b), both at least 0."""
-        n, sx, sy, sxx, sxy = self.sums
-        if n <= 0 or sxx <= 0:
-            return (sy / n if n > 0 else 0.0), 0.0
-        spread = n * sxx - sx * sx
-        if spread > 1e-6 * n * sxx:  # the steps ran different numbers of forwards: a and b both
-            b = (n * sxy - sx * sy) / spread
-            a = (sy - b * sx) / n
-            if a >= 0.0 and b >= 0.0:
-                return a, b
-            if b < 0.0:
-                return max(sy / n, 0.0), 0.0
-        return 0.0, max(sxy / sxx, 0.0)
+    def coefficients(self) -> tuple[float, float, float]:
+        """(a, m, d), each at least 0: the least-squares fit over the features kept, dropping the most negative
+        coefficient's feature until none is."""
+        kept = [i for i in range(3) if self.sums[i][i] > 1e-9]
+        while kept:
+            solved = _solve([[self.sums[i][j] for j in kept] for i in kept], [self.sums[3][i] for i in kept])
+            if solved is None or min(solved) >= 0.0:
+                break
+            kept.pop(solved.index(min(solved)))
+        out = [0.0, 0.0, 0.0]
+        for i, value in zip(kept, solved or ()):
+            out[i] = value
+        return out[0], out[1], out[2]
 
-    def estimate(self, forwards: float) -> float:
-        a, b = self.coefficients()
-        return a + b * forwards
+    def estimate(self, middle_rounds: float, draft_forwards: float) -> float:
+        a, m, d = self.coefficients()
+        return a + m * middle_rounds + d * draft_forwards
+
+
+def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float] | None:
+    """x with matrix x = rhs (Gauss-Jordan, partial pivoting; a ridge of 1e-9 x the diagonal); None if singular."""
+    n = len(rhs)
+    rows = [[matrix[i][j] + (1e-9 * matrix[i][i] if i == j else 0.0) for j in range(n)] + [rhs[i]] for i in range(n)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(rows[r][col]))
+        if abs(rows[pivot][col]) < 1e-12:
+            return None
+        rows[col], rows[pivot] = rows[pivot], rows[col]
+        for r in range(n):
+            if r != col:
+                factor = rows[r][col] / rows[col][col]
+                rows[r] = [a - factor * b for a, b in zip(rows[r], rows[col])]
+    return [rows[i][n] / rows[i][i] for i in range(n)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -388,9 +451,12 @@ class BatchPlanner:
     # ------------------------------------------------------------- observing
 
     def observe_round(self, level: int, drafter: int, proposed: int, accepted: int, greedy: bool = True,
-                      depth: int | None = None) -> None:
-        """A verification round: `proposed` drafted nodes, an accepted path of `accepted`; `depth`: a tree's (None: a chain)."""
-        self.acceptance.observe(level, drafter, proposed, accepted, greedy, depth)
+                      depth: int | None = None, length: int | None = None) -> None:
+        """A verification round: `proposed` drafted nodes, an accepted path of `accepted`; `depth`: a tree's (None: a
+        chain); `length`: the block asked for (a chain's round ends short of it by a rejection or a short block alike:
+        `Acceptance.observe`)."""
+        ended = None if length is None or depth is not None else accepted < max(proposed, length)
+        self.acceptance.observe(level, drafter, proposed, accepted, greedy, depth, ended, length)
 
     def observe_forwards(self) -> None:
         """Fold the tiers' logged forwards into the tables: those no wider than the widest forward a plan prices
@@ -407,20 +473,22 @@ class BatchPlanner:
             log.clear()
 
     def observe_step(self, batch: int, tokens: int, seconds: float, lengths, active, catch_up_s: float = 0.0,
-                     busy_s: float | None = None, forwards: int | None = None) -> None:
+                     busy_s: float | None = None, forwards: tuple[int, ...] | None = None) -> None:
         """The step just planned took `seconds` and committed `tokens`: refine the model, feed the A/B.
         `catch_up_s` of the step went to drafters catching up on contexts (a plan's first steps: its drafters'
         prompts): a price of switching the plan on, weighed before it is tried (`entry_goodput`), so neither the
         A/B's rate nor the model's correction counts it. (Counted, the int8 copy's 3-step probe at 4 HumanEval
         prompts, its ~5 s prefill included, measured 4.8 tokens/s against off's 11.5 and was never run again.)
-        `busy_s`: of the rest, the seconds its `forwards` forwards and its lookups took (the host's time is the
-        remainder: `HostTime`, learned from every step, planned here or not; None: not timed apart)."""
+        `busy_s`: of the rest, the seconds its tiers' forwards (`forwards`: per tier, how many) and lookups took (the
+        host's time is the remainder: `HostTime`, learned from every step, planned here or not; None: not timed apart)."""
         self.observe_forwards()
         seconds = max(seconds - catch_up_s, 0.0)
-        if busy_s is not None and forwards is not None and seconds > 0:
+        if busy_s is not None and forwards is not None and seconds > 0 and len(active) > 0:
             host_ms = max(seconds - busy_s, 0.0) * 1000.0
+            middle = sum(forwards[t] for t in active[1:-1])
+            drafted = forwards[active[-1]] if len(active) > 1 else 0
             for key in (bucket(batch), 0):
-                self.host.setdefault(key, HostTime()).add(forwards, host_ms)
+                self.host.setdefault(key, HostTime()).add(middle, drafted, host_ms)
         pending = self._heard(lengths, active)
         if pending is None:
             return
@@ -500,39 +568,49 @@ class BatchPlanner:
 
     def step_ms(self, plan: Plan, batch: int) -> tuple[float, float]:
         """(predicted ms of one step, expected tokens per request) for `plan` at `batch` requests: its forwards and
-        lookups, and the host's time around them (`HostTime`, from the forwards the step runs)."""
-        forward_ms, forwards, tokens = self._forwards(plan, batch)
-        return forward_ms + self.host_ms(forwards, batch), tokens
+        lookups, and the host's time around them (`HostTime`, from the middle rounds and drafted forwards it runs)."""
+        forward_ms, middle, drafted, tokens = self._forwards(plan, batch)
+        return forward_ms + self.host_ms(middle, drafted, batch), tokens
 
-    def _forwards(self, plan: Plan, batch: int) -> tuple[float, float, float]:
-        """(ms of the step's forwards and lookups, the forwards it runs, expected tokens per request)."""
+    def _forwards(self, plan: Plan, batch: int) -> tuple[float, float, float, float]:
+        """(ms of the step's forwards and lookups, its middle tier's rounds, its bottom drafter's forwards, expected
+        tokens per request)."""
         t0 = self.tables[0]
         if not plan.speculating:
-            return t0.estimate(batch, 1), 1.0, 1.0
+            return t0.estimate(batch, 1), 0.0, 0.0, 1.0
         (_, top, k, width), *inner = self.stages(plan)
         if not inner:
-            return (t0.estimate(batch, width * k + 1) + self.draft_ms(top, batch, k, width), 1.0 + self.draft_forwards(top, k),
-                    self.emitted(0, top, k, width))
+            return (t0.estimate(batch, self.block_width(0, top, k, width)) + self.draft_ms(top, batch, k, width),
+                    0.0, self.draft_forwards(top, k), self.emitted(0, top, k, width))
         _, bottom, j, inner_width = inner[0]
         # the mid tier runs rounds of j until it has k tokens and hands up all it emitted: the target verifies that
         # block (its length's pmf), at its rate against the mid tier
         rounds, blocks = middle_rounds(k, j, round(self.emitted(top, bottom, j, inner_width), 3))
-        mid_ms = rounds * (self.tables[top].estimate(batch, inner_width * j + 1) + self.draft_ms(bottom, batch, j, inner_width))
+        mid_ms = rounds * (self.tables[top].estimate(batch, self.block_width(top, bottom, j, inner_width))
+                           + self.draft_ms(bottom, batch, j, inner_width))
         verify_ms = sum(p * t0.estimate(batch, length + 1) for length, p in blocks)
-        return (verify_ms + mid_ms, 1.0 + rounds * (1.0 + self.draft_forwards(bottom, j)),
+        return (verify_ms + mid_ms, rounds, rounds * self.draft_forwards(bottom, j),
                 sum(p * self.emitted(0, top, length) for length, p in blocks))
+
+    def block_width(self, level: int, drafter: int, k: int, width: int = 1) -> float:
+        """Tokens a verifier's forward takes for a block of k from `drafter`: a chain as long as the drafter fills it
+        (`Acceptance.fill`: a lookup's misses and short continuations), a tree's nodes, and the root."""
+        if width > 1:
+            return width * k + 1
+        return self.acceptance.fill(level, drafter, self.greedy_share >= 0.5) * k + 1
 
     def draft_forwards(self, tier: int, k: int) -> float:
         """Forwards a block of k drafted by `tier` runs (a tree's depth k alike: its root, then k - 1 levels); a lookup none."""
         return 0.0 if self.tables[tier] is None else float(k)
 
-    def host_ms(self, forwards: float, batch: int) -> float:
-        """The host's ms in a step of `forwards` forwards at `batch` requests (`HostTime`): this batch size's fit once it
-        has HOST_MIN_STEPS steps, else every size's, else 0 (none heard yet: the forwards alone)."""
+    def host_ms(self, middle_rounds: float, draft_forwards: float, batch: int) -> float:
+        """The host's ms in a step of `middle_rounds` rounds of middle tiers and `draft_forwards` forwards of its bottom
+        drafter at `batch` requests (`HostTime`): this batch size's fit once it has HOST_MIN_STEPS steps, else every
+        size's, else 0 (none heard yet: the forwards alone)."""
         for key in (bucket(batch), 0):
             fit = self.host.get(key)
             if fit is not None and fit.steps >= HOST_MIN_STEPS:
-                return fit.estimate(forwards)
+                return fit.estimate(middle_rounds, draft_forwards)
         return 0.0
 
     def fits(self, plan: Plan, batch: int) -> bool:
@@ -753,12 +831,12 @@ class BatchPlanner:
         (a draft's cost is in the tiers' forward logs already)."""
         if isinstance(observation, RoundObservation):
             self.observe_round(observation.level, observation.drafter, observation.proposed, observation.accepted,
-                               observation.greedy, observation.depth)
+                               observation.greedy, observation.depth, observation.length)
             if observation.level == 0 and observation.depth is None and self.tables[observation.drafter] is None:
                 self.observe_request(observation.seq_id, observation.drafter, observation.proposed, observation.accepted)
         elif isinstance(observation, ShadowObservation):
             self.acceptance.observe(observation.level, observation.drafter, observation.proposed, observation.accepted,
-                                    observation.greedy)
+                                    observation.greedy, ended=observation.ended)
             if observation.level == 0:  # (a request's own counts choose its drafter for the target)
                 self.observe_request(observation.seq_id, observation.drafter, observation.proposed, observation.accepted)
         elif isinstance(observation, StepObservation):

@@ -8,6 +8,8 @@ import random
 import time
 import types
 
+import pytest
+
 from polyspec.orchestrator.tuning.batch_model import (BATCH_GRID, EXPLORE_BEST_SHARE, EXPLORE_FLOOR, MIN_STEPS, PROBE_STEPS,
                                                       REPROBE_FIRST, RETRY_STEPS, SWITCH_ON, WIDTH_GRID,
                                                       Acceptance, BatchPlanner, ForwardTable, Pending, Plan, bucket, decide,
@@ -51,9 +53,26 @@ def test_table_interpolates_and_refines():
     assert t.estimate(128, 16) == 2 * 64 * 16  # beyond the grid: proportional to the rows ...
     assert t.estimate(4, 25) == 4 * 25  # ... and past the widest block, the last step's cost per token
     assert table(lambda b, w: 10.0 + 0.5 * w).estimate(1, 32) == 10.0 + 0.5 * 32
-    before = t.ms[(16, 8)]
-    t.observe(16, 8, 2 * before)
-    assert t.ms[(16, 8)] > before
+    t.observe(16, 8, 2 * 128.0)
+    assert t.estimate(16, 8) == 128  # one forward of a shape does not speak for it yet ...
+    t.observe(16, 8, 2 * 128.0)
+    assert t.estimate(16, 8) == 2 * 128 and t.ms[(16, 8)] == 128  # ... two do: the profile x their ratio to it
+    assert t.estimate(16, 3) == 2 * 48 and t.estimate(12, 8) == 2 * 96  # the nearest measured shape's ratio
+    assert t.estimate(1, 1) == 2.0  # a batch with none measured: the mean over every shape measured
+    t.observe(16, 4, 64.0)
+    t.observe(16, 4, 64.0)
+    assert t.estimate(16, 6) == 96 * 1.5 and t.estimate(16, 2) == 32  # linear between the widths measured, theirs beyond
+
+
+def test_each_shape_that_runs_is_priced_from_its_own_forwards():
+    """The profile's line between two grid widths is not the machine's: forwards of 1 and 2 tokens measured at 2.1
+    and 2.7 ms where the profile's line says 2.0 and 2.3 are priced at what they measured; moving the nearest grid
+    cell (cell 1 for both) toward each left both wrong."""
+    t = table(lambda b, w: 2.0 + 0.1 * (w - 1))  # 2.0 at 1 token, 2.3 at 4
+    for _ in range(40):
+        t.observe(1, 1, 2.1)
+        t.observe(1, 2, 2.7)
+    assert abs(t.estimate(1, 1) - 2.1) < 1e-9 and abs(t.estimate(1, 2) - 2.7) < 1e-9
 
 
 def test_memory_bound_target_speculates_and_compute_bound_does_not():
@@ -792,29 +811,31 @@ def test_a_middle_tier_runs_rounds_until_it_has_the_block_and_hands_up_all_of_it
     assert 2.0 < rounds < 6.0 and 6.0 < mean < 10.0 and abs(sum(p for _, p in blocks) - 1.0) < 1e-9
 
 
-def test_host_time_is_fitted_from_the_steps_forwards():
-    """The host's ms around a step's forwards, a + b x forwards, by least squares; all of it on the forwards while
-    every step ran as many; never negative (a falling fit: the steps' mean)."""
+def test_host_time_is_fitted_from_the_steps_work():
+    """The host's ms around a step's forwards, a + m x middle rounds + d x drafted forwards, by least squares; a
+    feature no step varied gets 0; no coefficient below 0 (the demo chain's figures: 0.3 ms a step, 1.2 a middle
+    round, 0.55 a drafted forward)."""
     fit = HostTime()
-    for forwards in (1, 4, 7, 1, 4, 7):
-        fit.add(forwards, 2.0 + 0.5 * forwards)
-    a, b = fit.coefficients()
-    assert abs(a - 2.0) < 1e-9 and abs(b - 0.5) < 1e-9 and abs(fit.estimate(10) - 7.0) < 1e-9
-    same = HostTime()
+    for middle, drafted in ((0, 0), (0, 6), (3, 0), (2, 0), (0, 3), (1, 4)):
+        fit.add(middle, drafted, 0.3 + 1.2 * middle + 0.55 * drafted)
+    a, m, d = fit.coefficients()
+    assert abs(a - 0.3) < 1e-6 and abs(m - 1.2) < 1e-6 and abs(d - 0.55) < 1e-6
+    assert abs(fit.estimate(3, 2) - (0.3 + 3.6 + 1.1)) < 1e-6
+    off_only = HostTime()
     for _ in range(5):
-        same.add(1, 3.0)
-    assert same.coefficients() == (0.0, 3.0)
+        off_only.add(0, 0, 0.4)
+    assert off_only.coefficients() == pytest.approx((0.4, 0.0, 0.0))
     falling = HostTime()
-    for forwards, ms in ((1, 5.0), (5, 1.0)):
-        falling.add(forwards, ms)
-    a, b = falling.coefficients()
-    assert b == 0.0 and 2.9 < a < 3.0  # the steps' mean, the older one faded a little
+    for drafted, ms in ((0, 5.0), (4, 1.0), (2, 3.0)):
+        falling.add(0, drafted, ms)
+    a, m, d = falling.coefficients()
+    assert d == 0.0 and m == 0.0 and 2.9 < a < 3.1  # a negative slope is dropped: the steps' mean
 
 
 def test_steps_timed_apart_teach_the_planner_the_hosts_time():
-    """A step of off measured at 30 ms whose forwards took 10: 20 ms of host time a forward (steps of one forward
-    cannot tell a step's share from a forward's), added to every plan's price by its forwards; an untimed step
-    (a remote tier in the chain) teaches nothing."""
+    """Steps of off whose forward took 10 ms of 30, and of a model drafter's block of 3 whose forwards took 13 of 39:
+    20 ms of host time a step and 2 a drafted forward, added to every plan's price by its work; an untimed step (a
+    remote tier in the chain) teaches nothing."""
     plan = planner(lambda b, w: 10.0)
     off = plan.plans[0]
     two_tier = next(p for p in plan.plans if p.active == (0, 1) and p.lengths[0] == 3)
@@ -823,9 +844,10 @@ def test_steps_timed_apart_teach_the_planner_the_hosts_time():
         plan.observe_step(1, 1, 0.030, off.lengths, off.active)
     assert plan.step_ms(two_tier, 1)[0] == before  # not timed apart: nothing learned
     for _ in range(HOST_MIN_STEPS):
-        plan.observe_step(1, 1, 0.030, off.lengths, off.active, busy_s=0.010, forwards=1)
+        plan.observe_step(1, 1, 0.030, off.lengths, off.active, busy_s=0.010, forwards=(1, 0, 0))
+        plan.observe_step(1, 4, 0.039, two_tier.lengths, two_tier.active, busy_s=0.013, forwards=(1, 3, 0))
     assert abs(plan.step_ms(off, 1)[0] - 30.0) < 1e-6
-    assert abs(plan.step_ms(two_tier, 1)[0] - (before + 20.0 * 4)) < 1e-6  # its verify and 3 draft forwards
+    assert abs(plan.step_ms(two_tier, 1)[0] - (before + 20.0 + 2.0 * 3)) < 1e-6
     assert abs(plan.step_ms(off, 16)[0] - (10.0 + 20.0)) < 1e-6  # another batch size: every size's fit until its own
 
 
@@ -835,10 +857,29 @@ def test_a_prefill_does_not_move_the_tables_that_price_blocks():
     tiers = chain()
     plan = BatchPlanner(tiers, [table(lambda b, w: 1.0 + w), table(lambda b, w: 1.0), None], [0.0, 0.0, 0.05])
     assert plan.widest == max(WIDTH_GRID[-1], max(LENGTHS) + 1)
-    before = dict(plan.tables[0].ms)
-    tiers[0].forward_log.append((1, 100, 0.010))  # 100 tokens in 10 ms: far below the line through the grid
+    before = plan.tables[0].estimate(1, 16)
+    tiers[0].forward_log.extend([(1, 100, 0.010)] * 2)  # 100 tokens in 10 ms: far below the line through the grid
     plan.observe_forwards()
-    assert plan.tables[0].ms == before and not tiers[0].forward_log
-    tiers[0].forward_log.append((1, 7, 0.030))  # a block of 6 and its root, 30 ms against 8 predicted
+    assert plan.tables[0].estimate(1, 16) == before and not tiers[0].forward_log
+    tiers[0].forward_log.extend([(1, 7, 0.020)] * 2)  # a block of 6 and its root, 20 ms against 8 profiled
     plan.observe_forwards()
-    assert plan.tables[0].ms[(1, 8)] > before[(1, 8)]
+    assert abs(plan.tables[0].estimate(1, 7) - 20.0) < 1e-9
+
+
+def test_a_lookups_short_blocks_and_misses_end_its_rounds():
+    """A lookup asked for 6 that proposes 2, all accepted, gives rounds of 3 tokens: the round ended at its block's
+    end as at a rejection, and its verifier's forward took 3 tokens, not 7. A miss (nothing proposed) ends its round
+    with none accepted. Counted as nothing, both priced the lookup at nearly 7 tokens a round."""
+    plan = planner(lambda b, w: 10.0)
+    for _ in range(200):
+        plan.observe_round(0, 2, 2, 2, length=6)
+    # (the geometric law at the rate counted, 2 accepted a round and one end: 2.8 tokens)
+    assert abs(plan.emitted(0, 2, 6) - 3.0) < 0.25 and abs(plan.block_width(0, 2, 6) - 3.0) < 1e-9
+    untold = planner(lambda b, w: 10.0)
+    for _ in range(200):
+        untold.observe_round(0, 2, 2, 2)  # the block asked for unknown: no rejection, the old count
+    assert untold.emitted(0, 2, 6) > 6.0
+    missing = planner(lambda b, w: 10.0)
+    for _ in range(200):
+        missing.observe_round(0, 2, 0, 0, length=6)
+    assert missing.emitted(0, 2, 6) < 1.1 and missing.block_width(0, 2, 6) == 1.0

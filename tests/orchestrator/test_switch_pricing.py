@@ -48,9 +48,10 @@ def test_the_batched_table_prices_both_sides_of_the_switch():
             assert priced.estimate(b, w) == pytest.approx(cost(b * w)), (b, w)
     grid_only = ForwardTable({(b, w): cost(b * w) for b in BATCH_GRID for w in WIDTH_GRID})
     assert grid_only.estimate(4, 11) < 0.65 * cost(44)
-    # observe() moves the measured cell nearest the forward, a switch width included
+    # forwards of a shape price it at their ratio to the profile, which keeps the profile's step at the switch around it
     priced.observe(4, 11, 2 * cost(44))
-    assert priced.estimate(4, 11) > cost(44) and priced.estimate(4, 8) == pytest.approx(cost(32))
+    priced.observe(4, 11, 2 * cost(44))
+    assert priced.estimate(4, 11) == pytest.approx(2 * cost(44)) and priced.estimate(4, 12) == pytest.approx(2 * cost(48))
 
 
 def test_monotone_does_not_carry_the_block_paths_price_below_the_switch():
