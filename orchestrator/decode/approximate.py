@@ -59,7 +59,8 @@ def verdict(run, level: int, target_probs: torch.Tensor, block: DraftTree, schem
     check."""
     rule = getattr(run, "rule", None)
     if rule is None or level != 0:
-        return verify_blocks([target_probs], [block], [run.params], [generator], scheme)[0]
+        verdict = verify_blocks([target_probs], [block], [run.params], [generator], scheme)[0]
+        return verdict.path, verdict.next_token
     return rule.verify(target_probs, block, run.params.greedy, generator)
 
 

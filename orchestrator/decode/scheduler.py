@@ -61,7 +61,8 @@ from polyspec.orchestrator.decode.approximate import scoring, verdict
 from polyspec.workers.core.context import Context, extended
 from polyspec.workers.core.sampling import RandomStream, SamplingParams
 from polyspec.workers.core.tree import DraftTree, common_prefix, path_rows
-from polyspec.workers.tiers.batched import BatchedTier, Verdict
+from polyspec.workers.core.verdicts import Verdict
+from polyspec.workers.tiers.batched import BatchedTier
 from polyspec.workers.tiers.tier import scratch_score, scratch_sequence
 
 

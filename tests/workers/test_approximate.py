@@ -296,8 +296,9 @@ def test_sampled_reflective_acceptance_is_speculative_sampling_against_the_fused
     draft_probs = rows([0.0, 1.0, 0.0])
     draft_tokens = torch.tensor([1])
     fused = fuse_reflective(target_probs[:1], reflective_probs, 0.5)
-    path, token = verify_blocks([torch.cat([fused, target_probs[1:]])], [DraftTree.chain([1], draft_probs)],
-                                [SamplingParams(temperature=1.0)], [torch.Generator().manual_seed(3)], "specinfer")[0]
+    verdict = verify_blocks([torch.cat([fused, target_probs[1:]])], [DraftTree.chain([1], draft_probs)],
+                            [SamplingParams(temperature=1.0)], [torch.Generator().manual_seed(3)], "specinfer")[0]
+    path, token = verdict.path, verdict.next_token
     got = verify_reflective(target_probs, reflective_probs, draft_tokens, draft_probs, 0.5, torch.Generator().manual_seed(3))
     assert got == (len(path), token)
     # acceptance probability min(1, fused / draft) = 0.7 here, against 0.4 for plain verification

@@ -615,5 +615,35 @@ def test_a_lookup_chain_without_draft_rows_is_verified_against_point_masses():
         given = verify_blocks([target_probs], [DraftTree.chain(tokens, rows)], [sampled], [torch.Generator().manual_seed(seed)],
                               "specinfer")[0]
         assert got == given
-        verdicts.add((len(got[0]), got[1]))
+        verdicts.add((len(got.path), got.next_token))
     assert len(verdicts) > 1  # the seeds do draw differently: the equality above is not one fixed verdict
+
+
+def test_a_calls_verdicts_are_device_tensors_with_offsets():
+    """`verify_blocks` over a greedy chain, a tree, a sampled chain and an empty block at once: the accepted paths
+    flattened with offsets and the next tokens, as tensors on the rows' device, read per request as each request's
+    verdict alone."""
+    from polyspec.workers.core.sampling import SamplingParams
+    from polyspec.workers.core.tree import DraftTree
+    from polyspec.workers.core.verdicts import Verdicts, verify_blocks
+
+    vocab = 11
+    torch.manual_seed(0)
+    greedy, sampled = SamplingParams(), SamplingParams(temperature=1.0)
+    target = torch.softmax(torch.randn(4, vocab), -1)
+    blocks = [DraftTree.chain([int(target[0].argmax()), int(target[1].argmax()), 3], None),
+              DraftTree([int(target[0].argmax()), 5, 6], [-1, -1, 0], None),
+              DraftTree.chain([2, 7], torch.softmax(torch.randn(2, vocab), -1)),
+              DraftTree([], [], None)]
+    scored = [target[: len(b) + 1] for b in blocks]
+    params = [greedy, greedy, sampled, greedy]
+    verdicts = verify_blocks(scored, blocks, params, [torch.Generator().manual_seed(r) for r in range(4)], "specinfer")
+    assert isinstance(verdicts, Verdicts) and verdicts.paths.device == target.device and len(verdicts) == 4
+    alone = [verify_blocks([s], [b], [p], [torch.Generator().manual_seed(r)], "specinfer")[0]
+             for r, (s, b, p) in enumerate(zip(scored, blocks, params))]
+    assert [(v.path, v.next_token) for v in verdicts] == [(v.path, v.next_token) for v in alone]
+    lengths = [len(v.path) for v in alone]
+    assert verdicts.offsets.tolist() == [0] + list(itertools.accumulate(lengths))
+    assert verdicts.paths.tolist() == [node for v in alone for node in v.path]
+    assert verdicts.next_tokens.tolist() == [v.next_token for v in alone]
+    assert alone[0].path[:2] == [0, 1] and alone[1].path[:1] == [0] and alone[3].path == []

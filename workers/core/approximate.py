@@ -248,7 +248,8 @@ def verify_reflective(
     rows = torch.cat([fused, target_probs[num_drafts:].float()], dim=0)  # [k+1, V]
     block = DraftTree.chain(draft_tokens.tolist(), draft_probs)
     params = SamplingParams(temperature=0.0 if draft_probs is None else 1.0)
-    path, next_token = verify_blocks([rows], [block], [params], [generator], "specinfer")[0]
+    verdict = verify_blocks([rows], [block], [params], [generator], "specinfer")[0]
+    path, next_token = verdict.path, verdict.next_token
     return len(path), next_token
 
 

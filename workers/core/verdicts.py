@@ -2,8 +2,10 @@
 
 `verify_blocks` sorts a batch's blocks by rule and runs each group as one tensor program: greedy chains
 from the argmax alone (`device_verify.verify_greedy_chains`), sampled chains by speculative sampling
-(`device_verify.verify_chains`), trees by the multi-draft scheme (`device_tree_verify`). `Draws` holds a
-call's sampling parameters and random streams as device columns, what every draw and verdict reads.
+(`device_verify.verify_chains`), trees by the multi-draft scheme (`device_tree_verify`). Its answer is
+`Verdicts`: every request's accepted path and next token as tensors on the verifier's device, flattened
+with offsets, copied to the host once when first read. `Draws` holds a call's sampling parameters and random
+streams as device columns, what every draw and verdict reads.
 
 Randomness: a request's draws come from counter-based streams keyed by its random stream at a tier
 (polyspec.workers.core.sampling.RandomStream: `key`, and `take()` for fresh counters; device_verify's
@@ -85,15 +87,57 @@ class Draws:
                                self.top_p[index], self.greedy[index], self.seeds[index], self.counters[index])
 
 
+@dataclasses.dataclass
+class Verdict:
+    """A verifier's decision on one request's block: the accepted path (node indices: a prefix of a chain, root to
+    leaf in a tree), the next token (the correction at a rejection, else the bonus), and the verifier's rows at each
+    emitted token ([len(path) + 1, V]; None unless asked for and sampling)."""
+
+    path: list[int]
+    next_token: int
+    rows: torch.Tensor | None = None
+
+
+@dataclasses.dataclass
+class Verdicts:
+    """A call's verdicts, one per request, as tensors on the verifier's device (vLLM's flattened layout): request r
+    accepted the nodes `paths[offsets[r]:offsets[r + 1]]` and then `next_tokens[r]`. `rows`: per request, the
+    verifier's rows at its emitted tokens (None: not asked for). Read as a sequence of `Verdict`, it copies the
+    tensors to the host once."""
+
+    paths: torch.Tensor  # [sum of the accepted lengths] long
+    offsets: torch.Tensor  # [R + 1] long
+    next_tokens: torch.Tensor  # [R] long
+    rows: list | None = None
+    _host: list | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    def __len__(self) -> int:
+        return self.next_tokens.shape[0]
+
+    def __getitem__(self, r: int) -> Verdict:
+        if self._host is None:
+            paths, offsets, tokens = self.paths.tolist(), self.offsets.tolist(), self.next_tokens.tolist()
+            self._host = [(paths[offsets[i] : offsets[i + 1]], tokens[i]) for i in range(len(tokens))]
+        path, token = self._host[r]
+        return Verdict(list(path), token, None if self.rows is None else self.rows[r])
+
+    def __iter__(self):
+        return (self[r] for r in range(len(self)))
+
+
 def verify_blocks(scored: list[torch.Tensor], blocks: list[DraftTree], params: list[SamplingParams], generators,
-                  scheme: str) -> list[tuple[list[int], int]]:
-    """Each request's verdict on its block, (accepted path, next token), from the verifier's warped rows
-    `scored[r]` [len(block) + 1, V]: the chains by the tensor verifier of chains (greedy ones from the argmax
-    alone), the trees by the tree verifier (`scheme`), each request drawing from one round of its stream
-    (device_verify's domains: a seeded request's verdict is the same alone or in any batch). A block that
-    carries no draft rows (a lookup's proposals) is a point mass."""
+                  scheme: str) -> Verdicts:
+    """Each request's verdict on its block (accepted path, next token) from the verifier's warped rows `scored[r]`
+    [len(block) + 1, V]: the chains by the tensor verifier of chains (greedy ones from the argmax alone), the trees by
+    the tree verifier (`scheme`), each request drawing from one round of its stream (device_verify's domains: a
+    seeded request's verdict is the same alone or in any batch). A block that carries no draft rows (a lookup's
+    proposals) is a point mass. Every group's verdicts stay on the device, gathered into one `Verdicts`."""
     device = scored[0].device
-    out: list[tuple[list[int], int] | None] = [None] * len(blocks)
+    count = len(blocks)
+    depth = max([max(len(b), 1) for b in blocks] + [1])
+    node_paths = torch.arange(depth, device=device).repeat(count, 1)  # [R, D]: a chain accepts nodes 0 .. n - 1
+    lengths = torch.zeros(count, dtype=torch.long, device=device)
+    next_tokens = torch.zeros(count, dtype=torch.long, device=device)
     greedy = [r for r, (b, p) in enumerate(zip(blocks, params)) if b.is_chain() and p.greedy]
     sampled = [r for r, (b, p) in enumerate(zip(blocks, params)) if b.is_chain() and not p.greedy]
     trees = [r for r, b in enumerate(blocks) if not b.is_chain()]
@@ -108,22 +152,21 @@ def verify_blocks(scored: list[torch.Tensor], blocks: list[DraftTree], params: l
         argmax = torch.stack([torch.nn.functional.pad(scored[r].argmax(dim=-1), (0, width - len(blocks[r]))) for r in greedy])
         drafts = torch.tensor([blocks[r].tokens + [0] * (width - len(blocks[r])) for r in greedy], dtype=torch.long, device=device)
         accepted, following = verify_greedy_chains(argmax, drafts, torch.tensor([len(blocks[r]) for r in greedy], device=device))
-        for r, n, token in zip(greedy, accepted.tolist(), following.tolist()):
-            out[r] = (list(range(n)), token)
+        index = torch.tensor(greedy, device=device)
+        lengths[index], next_tokens[index] = accepted.long(), following.long()
     if sampled:
         index = torch.tensor(sampled, device=device)
-        lengths = [len(blocks[r]) for r in sampled]
-        cu_num_draft = torch.tensor([0] + lengths, device=device).cumsum(0)
+        chain_lengths = [len(blocks[r]) for r in sampled]
+        cu_num_draft = torch.tensor([0] + chain_lengths, device=device).cumsum(0)
         tokens = torch.tensor([t for r in sampled for t in blocks[r].tokens], dtype=torch.long, device=device)
         vocab = scored[sampled[0]].shape[-1]
         draft_rows = [chain_draft_rows(blocks[r], vocab, device) for r in sampled]
         accepted, following = verify_chains(
             torch.cat([scored[r] for r in sampled]), torch.cat(draft_rows) if tokens.numel() else torch.zeros(0, vocab, device=device),
             tokens, cu_num_draft, draws.greedy[index], stream_uniforms(draws.seeds[index], draws.counters[index], DOMAIN_ACCEPT,
-                                                                        max(lengths)).reshape(-1)[_flat_index(lengths, max(lengths))],
+                                                                        max(chain_lengths)).reshape(-1)[_flat_index(chain_lengths, max(chain_lengths))],
             stream_exponentials(draws.seeds[index], draws.counters[index], DOMAIN_NEXT, vocab))
-        for r, n, token in zip(sampled, accepted.tolist(), following.tolist()):
-            out[r] = (list(range(n)), token)
+        lengths[index], next_tokens[index] = accepted.long(), following.long()
     if trees:
         index = torch.tensor(trees, device=device)
         vocab = scored[trees[0]].shape[-1]
@@ -132,17 +175,21 @@ def verify_blocks(scored: list[torch.Tensor], blocks: list[DraftTree], params: l
         target = torch.zeros(len(trees), nodes + 1, vocab, device=device)
         for row, r in enumerate(trees):
             target[row, : len(blocks[r]) + 1] = scored[r]
-        depth = max(max(blocks[r].depths(), default=-1) + 1 for r in trees)
+        tree_depth = max(max(blocks[r].depths(), default=-1) + 1 for r in trees)
         width = max(max([blocks[r].parents.count(p) for p in set(blocks[r].parents)], default=0) for r in trees)
         if all(params[r].greedy for r in trees):
-            path, path_len, following = verify_greedy_trees(target, node_tokens, parents, num_nodes, depth, max(width, 1))
+            path, path_len, following = verify_greedy_trees(target, node_tokens, parents, num_nodes, tree_depth, max(width, 1))
         else:
             path, path_len, following = verify_trees(target, draft_probs, node_tokens, parents, num_nodes, draws.greedy[index],
                                                      *tree_draws(draws.seeds[index], draws.counters[index], nodes, vocab), scheme,
-                                                     depth, max(width, 1))
-        for r, nodes_of, n, token in zip(trees, path.tolist(), path_len.tolist(), following.tolist()):
-            out[r] = (nodes_of[:n], token)
-    return out
+                                                     tree_depth, max(width, 1))
+        columns = min(path.shape[1], depth)
+        node_paths[index, :columns] = path[:, :columns].long()
+        lengths[index], next_tokens[index] = path_len.long(), following.long()
+    kept = torch.arange(depth, device=device)[None, :] < lengths[:, None]
+    offsets = torch.zeros(count + 1, dtype=torch.long, device=device)
+    offsets[1:] = lengths.cumsum(0)
+    return Verdicts(node_paths[kept], offsets, next_tokens)
 
 
 def _flat_index(lengths: list[int], width: int) -> torch.Tensor:

@@ -55,7 +55,7 @@ from polyspec.workers.core.context import Synced, extended, head
 from polyspec.workers.core.device_verify import confidence
 from polyspec.workers.core.grammar import cut_at_disallowed, grammar_of, node_context, restrict_blocks, restrict_each
 from polyspec.workers.core.sampling import SamplingParams, warp_logits
-from polyspec.workers.core.verdicts import Draws, verify_blocks
+from polyspec.workers.core.verdicts import Draws, Verdicts, verify_blocks
 from polyspec.workers.core.tree import DraftTree, path_rows, tree_allowed
 from polyspec.workers.tiers.batched_llama import BatchedLlama, PendingTree, RowLayout, step_unsupported
 from polyspec.workers.tiers.loading import return_freed_memory
@@ -153,17 +153,6 @@ def prefill_cuts(lengths: list[int], forward_cost: int = FORWARD_COST_TOKENS) ->
 
 
 @dataclasses.dataclass
-class Verdict:
-    """A verifier's decision on one request's block: the accepted path (node indices: a prefix of a
-    chain, root to leaf in a tree), the next token (the correction at a rejection, else the bonus),
-    and the verifier's rows at each emitted token ([len(path) + 1, V]; None unless asked for and sampling)."""
-
-    path: list[int]
-    next_token: int
-    rows: torch.Tensor | None = None
-
-
-@dataclasses.dataclass
 class Row:
     """One request in a drafting call of a model tier: its slot, the next position it feeds, and what it feeds."""
 
@@ -248,21 +237,24 @@ class BatchedTier:
         raise NotImplementedError(f"tier {self.name!r} cannot verify")
 
     def verify_batch(self, seq_ids, contexts, blocks: list[DraftTree], params: list[SamplingParams], generators,
-                     want_rows: bool = False, scheme: str = "specinfer", below: "BatchedTier | None" = None) -> list[Verdict]:
+                     want_rows: bool = False, scheme: str = "specinfer", below: "BatchedTier | None" = None) -> Verdicts:
         """Score every request's block (`score_batch`) and verify it (`verify_blocks`: a chain by the greedy rule or
         speculative sampling against the block's draft rows; a tree by the multi-draft `scheme`), after which this
         tier and `below` (the tier that drafted a tree) keep only the accepted path (`accept_path`). `want_rows`:
-        return the rows of the emitted tokens (a middle tier passes them up)."""
+        with the rows of the emitted tokens (a middle tier passes them up)."""
         scored = self.score_batch(seq_ids, contexts, blocks, params)
-        out = []
-        for seq_id, block, target_probs, p, (path, next_token) in zip(seq_ids, blocks, scored, params,
-                                                                     verify_blocks(scored, blocks, params, generators, scheme)):
-            if not block.is_chain():
-                self.accept_path(seq_id, path)
-                if below is not None:
-                    below.accept_path(seq_id, path)
-            out.append(Verdict(path, next_token, path_rows(target_probs, block, path) if want_rows and not p.greedy else None))
-        return out
+        verdicts = verify_blocks(scored, blocks, params, generators, scheme)
+        if want_rows or any(not block.is_chain() for block in blocks):
+            paths = [verdict.path for verdict in verdicts]
+            for seq_id, block, path in zip(seq_ids, blocks, paths):
+                if not block.is_chain():
+                    self.accept_path(seq_id, path)
+                    if below is not None:
+                        below.accept_path(seq_id, path)
+            if want_rows:
+                verdicts.rows = [None if p.greedy else path_rows(target_probs, block, path)
+                                 for target_probs, block, p, path in zip(scored, blocks, params, paths)]
+        return verdicts
 
     def accept_path(self, seq_id, path: list[int]) -> None:
         """After a tree verdict keep only the accepted path's KV (node indices, root to leaf)."""
