@@ -883,3 +883,21 @@ def test_a_lookups_short_blocks_and_misses_end_its_rounds():
     for _ in range(200):
         missing.observe_round(0, 2, 0, 0, length=6)
     assert missing.emitted(0, 2, 6) < 1.1 and missing.block_width(0, 2, 6) == 1.0
+
+
+def test_a_shadow_proposal_that_runs_out_short_of_the_block_ends_its_round():
+    """What the scheduler tells the planner of a lookup it left out: a mismatch ends the shadow round, and so does a
+    proposal that ran out (none at all: a miss) short of the block the committed tokens cover; where the committed
+    tokens ran out first the round is cut there, with no end."""
+    from polyspec.orchestrator.decode.scheduler import ChainScheduler
+    from polyspec.workers.core.sampling import SamplingParams
+
+    scheduler = ChainScheduler.__new__(ChainScheduler)
+    seen = []
+    scheduler.planner, scheduler.recorder = None, types.SimpleNamespace(observe=seen.append)
+    run = types.SimpleNamespace(params=SamplingParams(), seq_id=7)
+    for proposal, produced in (([5, 6], [5, 6, 9, 4]), ([5, 6, 7, 8], [5, 6]), ([], [5, 6, 9]), ([5, 1], [5, 6, 9]),
+                               ([5, 6], [5, 6, 9])):
+        scheduler._observe_shadow(2, proposal, produced, run)
+    assert [(o.proposed, o.accepted, o.ended) for o in seen] == [(2, 2, True), (2, 2, False), (0, 0, True), (2, 1, True),
+                                                                  (2, 2, False)]
