@@ -3,8 +3,8 @@
 `verify_blocks` sorts a batch's blocks by rule and runs each group as one tensor program: greedy chains
 from the argmax alone (`device_verify.verify_greedy_chains`), sampled chains by speculative sampling
 (`device_verify.verify_chains`), trees by the multi-draft scheme (`device_tree_verify`). Its answer is
-`Verdicts`: every request's accepted path and next token as tensors on the verifier's device, flattened
-with offsets, copied to the host once when first read. `Draws` holds a call's sampling parameters and random
+`Verdicts`: every request's accepted length and next token (and a tree's path) as tensors on the
+verifier's device, read flattened with offsets, copied to the host once when first read. `Draws` holds a call's sampling parameters and random
 streams as device columns, what every draw and verdict reads.
 
 Randomness: a request's draws come from counter-based streams keyed by its random stream at a tier
@@ -100,24 +100,38 @@ class Verdict:
 
 @dataclasses.dataclass
 class Verdicts:
-    """A call's verdicts, one per request, as tensors on the verifier's device (vLLM's flattened layout): request r
-    accepted the nodes `paths[offsets[r]:offsets[r + 1]]` and then `next_tokens[r]`. `rows`: per request, the
-    verifier's rows at its emitted tokens (None: not asked for). Read as a sequence of `Verdict`, it copies the
-    tensors to the host once."""
+    """A call's verdicts, one per request, as tensors on the verifier's device: request r accepted `lengths[r]` nodes,
+    then `next_tokens[r]`; the nodes are 0 .. lengths[r] - 1 of a chain, `node_paths[r, :lengths[r]]` of a tree
+    (`node_paths` None: every block a chain). `paths` / `offsets`: the accepted nodes flattened with offsets (vLLM's
+    layout). `rows`: per request, the verifier's rows at its emitted tokens (None: not asked for). Read as a sequence
+    of `Verdict`, it copies the tensors to the host once."""
 
-    paths: torch.Tensor  # [sum of the accepted lengths] long
-    offsets: torch.Tensor  # [R + 1] long
+    lengths: torch.Tensor  # [R] long
     next_tokens: torch.Tensor  # [R] long
+    node_paths: torch.Tensor | None = None  # [R, D] long
     rows: list | None = None
     _host: list | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def offsets(self) -> torch.Tensor:
+        return torch.nn.functional.pad(self.lengths.cumsum(0), (1, 0))
+
+    @property
+    def paths(self) -> torch.Tensor:
+        depth = int(self.lengths.max()) if len(self) else 0
+        nodes = self.node_paths[:, :depth] if self.node_paths is not None else \
+            torch.arange(depth, device=self.lengths.device).expand(len(self), depth)
+        return nodes[torch.arange(depth, device=self.lengths.device)[None, :] < self.lengths[:, None]]
 
     def __len__(self) -> int:
         return self.next_tokens.shape[0]
 
     def __getitem__(self, r: int) -> Verdict:
         if self._host is None:
-            paths, offsets, tokens = self.paths.tolist(), self.offsets.tolist(), self.next_tokens.tolist()
-            self._host = [(paths[offsets[i] : offsets[i + 1]], tokens[i]) for i in range(len(tokens))]
+            lengths, tokens = self.lengths.tolist(), self.next_tokens.tolist()
+            nodes = self.node_paths.tolist() if self.node_paths is not None else None
+            self._host = [(list(range(n)) if nodes is None else nodes[i][:n], token)
+                          for i, (n, token) in enumerate(zip(lengths, tokens))]
         path, token = self._host[r]
         return Verdict(list(path), token, None if self.rows is None else self.rows[r])
 
@@ -134,10 +148,9 @@ def verify_blocks(scored: list[torch.Tensor], blocks: list[DraftTree], params: l
     proposals) is a point mass. Every group's verdicts stay on the device, gathered into one `Verdicts`."""
     device = scored[0].device
     count = len(blocks)
-    depth = max([max(len(b), 1) for b in blocks] + [1])
-    node_paths = torch.arange(depth, device=device).repeat(count, 1)  # [R, D]: a chain accepts nodes 0 .. n - 1
     lengths = torch.zeros(count, dtype=torch.long, device=device)
     next_tokens = torch.zeros(count, dtype=torch.long, device=device)
+    node_paths = None
     greedy = [r for r, (b, p) in enumerate(zip(blocks, params)) if b.is_chain() and p.greedy]
     sampled = [r for r, (b, p) in enumerate(zip(blocks, params)) if b.is_chain() and not p.greedy]
     trees = [r for r, b in enumerate(blocks) if not b.is_chain()]
@@ -152,8 +165,11 @@ def verify_blocks(scored: list[torch.Tensor], blocks: list[DraftTree], params: l
         argmax = torch.stack([torch.nn.functional.pad(scored[r].argmax(dim=-1), (0, width - len(blocks[r]))) for r in greedy])
         drafts = torch.tensor([blocks[r].tokens + [0] * (width - len(blocks[r])) for r in greedy], dtype=torch.long, device=device)
         accepted, following = verify_greedy_chains(argmax, drafts, torch.tensor([len(blocks[r]) for r in greedy], device=device))
-        index = torch.tensor(greedy, device=device)
-        lengths[index], next_tokens[index] = accepted.long(), following.long()
+        if len(greedy) == count:  # (the common call: every block a greedy chain)
+            lengths, next_tokens = accepted.long(), following.long()
+        else:
+            index = torch.tensor(greedy, device=device)
+            lengths[index], next_tokens[index] = accepted.long(), following.long()
     if sampled:
         index = torch.tensor(sampled, device=device)
         chain_lengths = [len(blocks[r]) for r in sampled]
@@ -166,7 +182,10 @@ def verify_blocks(scored: list[torch.Tensor], blocks: list[DraftTree], params: l
             tokens, cu_num_draft, draws.greedy[index], stream_uniforms(draws.seeds[index], draws.counters[index], DOMAIN_ACCEPT,
                                                                         max(chain_lengths)).reshape(-1)[_flat_index(chain_lengths, max(chain_lengths))],
             stream_exponentials(draws.seeds[index], draws.counters[index], DOMAIN_NEXT, vocab))
-        lengths[index], next_tokens[index] = accepted.long(), following.long()
+        if len(sampled) == count:
+            lengths, next_tokens = accepted.long(), following.long()
+        else:
+            lengths[index], next_tokens[index] = accepted.long(), following.long()
     if trees:
         index = torch.tensor(trees, device=device)
         vocab = scored[trees[0]].shape[-1]
@@ -183,13 +202,12 @@ def verify_blocks(scored: list[torch.Tensor], blocks: list[DraftTree], params: l
             path, path_len, following = verify_trees(target, draft_probs, node_tokens, parents, num_nodes, draws.greedy[index],
                                                      *tree_draws(draws.seeds[index], draws.counters[index], nodes, vocab), scheme,
                                                      tree_depth, max(width, 1))
+        depth = max(max(len(b), 1) for b in blocks)
+        node_paths = torch.arange(depth, device=device).repeat(count, 1)  # [R, D]: a chain accepts nodes 0 .. n - 1
         columns = min(path.shape[1], depth)
         node_paths[index, :columns] = path[:, :columns].long()
         lengths[index], next_tokens[index] = path_len.long(), following.long()
-    kept = torch.arange(depth, device=device)[None, :] < lengths[:, None]
-    offsets = torch.zeros(count + 1, dtype=torch.long, device=device)
-    offsets[1:] = lengths.cumsum(0)
-    return Verdicts(node_paths[kept], offsets, next_tokens)
+    return Verdicts(lengths, next_tokens, node_paths)
 
 
 def _flat_index(lengths: list[int], width: int) -> torch.Tensor:
