@@ -191,9 +191,12 @@ forwards on either side of a cell pull it apart, 15-35 % below the widths that r
             points = self._points[b] = tuple(sorted((w, total / weight) for w, (total, weight, seen) in entries.items()
                                                     if seen >= RATIO_MIN_SEEN))
         if not points:
-            pooled = [(total, weight) for entries in self._seen.values() for total, weight, seen in entries.values()
-                      if seen >= RATIO_MIN_SEEN]
-            return sum(t for t, _ in pooled) / sum(c for _, c in pooled) if pooled else 1.0
+            pooled = self._points.get("pooled")
+            if pooled is None:
+                kept = [(total, weight) for entries in self._seen.values() for total, weight, seen in entries.values()
+                        if seen >= RATIO_MIN_SEEN]
+                pooled = self._points["pooled"] = sum(t for t, _ in kept) / sum(c for _, c in kept) if kept else 1.0
+            return pooled
         widths = tuple(w for w, _ in points)
         low, high, weight = _interpolate(widths, width)
         return points[low][1] * (1 - weight) + points[high][1] * weight
@@ -209,7 +212,7 @@ forwards on either side of a cell pull it apart, 15-35 % below the widths that r
         entry[0] = entry[0] * keep + min(3.0, max(1 / 3.0, ms / profiled))
         entry[1] = entry[1] * keep + 1.0
         entry[2] += 1
-        self._points[b] = None
+        self._points[b] = self._points["pooled"] = None
 
 
 def switch_widths(batch: int, switch_rows: tuple[int, ...]) -> tuple[int, ...]:
@@ -290,6 +293,7 @@ class HostTime:
 
     sums: list = dataclasses.field(default_factory=lambda: [[0.0] * 3 for _ in range(3)] + [[0.0] * 3])  # X'X rows, then X'y
     steps: int = 0
+    _fit: tuple | None = dataclasses.field(default=None, repr=False, compare=False)  # coefficients(), until the next add
 
     def add(self, middle_rounds: float, draft_forwards: float, ms: float) -> None:
         keep = 1.0 - 1.0 / HOST_MEMORY
@@ -299,10 +303,16 @@ class HostTime:
                 self.sums[i][j] = self.sums[i][j] * keep + x[i] * x[j]
             self.sums[3][i] = self.sums[3][i] * keep + x[i] * ms
         self.steps += 1
+        self._fit = None
 
     def coefficients(self) -> tuple[float, float, float]:
         """(a, m, d), each at least 0: the least-squares fit over the features kept, dropping the most negative
-        coefficient's feature until none is."""
+        coefficient's feature until none is (solved once per step heard: every plan priced reads it)."""
+        if self._fit is None:
+            self._fit = self._solved()
+        return self._fit
+
+    def _solved(self) -> tuple[float, float, float]:
         kept = [i for i in range(3) if self.sums[i][i] > 1e-9]
         while kept:
             solved = _solve([[self.sums[i][j] for j in kept] for i in kept], [self.sums[3][i] for i in kept])
