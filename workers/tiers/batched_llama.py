@@ -58,7 +58,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from polyspec.workers.tiers.block_linear import linear_of, pack
 from polyspec.workers.tiers.fp8_linear import Fp8Linear
 from polyspec.workers.core.context import Synced
-from polyspec.workers.core.tree import common_prefix
 from polyspec.workers.tiers.weight_only import WeightOnlyLinear
 
 GPU_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -342,12 +341,10 @@ class SlotCache:
             self.features[slot] = buffer = grown
         buffer[start:end] = hidden.float()
 
-    def common_prefix(self, slot: int, context: list[int]) -> int:
-        return common_prefix(self.tokens[slot], context)
-
     def agreed(self, slot: int, context, sync: bool = True) -> int:
-        """`common_prefix` of the slot and `context` (a `Context`: only what lies past the committed tokens the slot
-        last synced to is compared). `sync`: the slot is about to keep that much and be written with the rest."""
+        """The longest common prefix of the slot's tokens and `context` (a `Context`: only what lies past the committed
+        tokens the slot last synced to is compared). `sync`: the slot is about to keep that much and be written with
+        the rest."""
         return self.synced[slot].agreed(self.tokens[slot], context, remember=sync)
 
     @property
