@@ -68,25 +68,38 @@ def first_passage(step_pmf: Sequence[float], need: int) -> tuple[list[float], fl
     return totals, sum(reach)  # steps taken = partial sums visited below `need`
 
 
-def chain_pmf(rate: float, k: int) -> list[float]:
-    """[x] = P(a round with a block of k emits x tokens) at per-token acceptance `rate`: x - 1 accepted, then the
-    correction, or all k and the bonus (x from 1 to k + 1; [0] = 0)."""
-    return [0.0] + [rate ** (x - 1) * (1.0 - rate) for x in range(1, k + 1)] + [rate ** k]
+def rate_at(accept_rates: Sequence[float], position: int) -> float:
+    """Acceptance of `position` (1-based) given the earlier ones; the last rate repeats."""
+    if not accept_rates:
+        return 0.0
+    return float(accept_rates[min(position, len(accept_rates)) - 1])
+
+
+def accepted_pmf(accept_rates: Sequence[float], block_len: int) -> list[float]:
+    """[j] = P(exactly j of a `block_len`-token block are accepted), j = 0..block_len."""
+    pmf = []
+    survive = 1.0  # P(positions 1..j all accepted)
+    for position in range(1, block_len + 1):
+        rate = rate_at(accept_rates, position)
+        pmf.append(survive * (1.0 - rate))
+        survive *= rate
+    pmf.append(survive)
+    return pmf
 
 
 @functools.lru_cache(maxsize=4096)
 def middle_rounds(need: int, k: int, per_round: float) -> tuple[float, tuple[tuple[int, float], ...]]:
     """A middle tier asked for `need` tokens runs rounds of block k until it has them, and hands up all it emitted
     (docs/time-model.md, "A middle tier overshoots"): (its expected rounds, the pmf of the block it hands up as
-    (length, probability) pairs). A round's tokens follow `chain_pmf` at the rate whose mean is `per_round` (the
-    pair's expected tokens a round, a tree's included). (The planner priced ceil(need / per_round) rounds and a
+    (length, probability) pairs). A round emits its accepted tokens and one more (`accepted_pmf` at the one rate
+    whose expected tokens are `per_round`: the pair's, a tree's included). (The planner priced ceil(need / per_round) rounds and a
     block of `need`: a step in the prediction wherever the ratio crossed an integer, 21 % between two inner lengths
     measured 0.2 % apart on the demo chain, and the overshoot's tokens left out.)"""
     low, high = 0.0, 1.0
     for _ in range(40):  # expected_tokens rises with the rate, from 1 to k + 1
         middle = (low + high) / 2
         low, high = (middle, high) if expected_tokens(middle, k) < per_round else (low, middle)
-    totals, rounds = first_passage(chain_pmf((low + high) / 2, k), need)
+    totals, rounds = first_passage([0.0] + accepted_pmf(((low + high) / 2,), k), need)  # [x]: x tokens emitted
     return rounds, tuple((length, p) for length, p in enumerate(totals) if p > 0.0)
 
 

@@ -42,7 +42,7 @@ import math
 from typing import Mapping, Sequence
 
 from polyspec.orchestrator.distributed.worker import AHEAD_SMOOTHING, AHEAD_THRESHOLD  # the tier worker's bet
-from polyspec.orchestrator.tuning.batch_acceptance import first_passage  # noqa: F401 (re-exported for the serial model's callers)
+from polyspec.orchestrator.tuning.batch_acceptance import accepted_pmf, first_passage, rate_at  # (shared with the planner)
 
 LatencyTable = Mapping[int, float]  # m new tokens (or k drafted tokens) -> ms
 
@@ -74,13 +74,6 @@ def latency(table: LatencyTable, m: int) -> float:
 # ---------------------------------------------------------------------- acceptance
 
 
-def rate_at(accept_rates: Sequence[float], position: int) -> float:
-    """Acceptance of `position` (1-based) given the earlier ones; the last rate repeats."""
-    if not accept_rates:
-        return 0.0
-    return float(accept_rates[min(position, len(accept_rates)) - 1])
-
-
 def expected_emitted(accept_rates: Sequence[float], k: int) -> float:
     """E(k) = 1 + sum_{j=1..k} prod_{l<=j} a_l: tokens emitted per round with a k-token block."""
     total, survive = 1.0, 1.0
@@ -88,18 +81,6 @@ def expected_emitted(accept_rates: Sequence[float], k: int) -> float:
         survive *= rate_at(accept_rates, position)
         total += survive
     return total
-
-
-def accepted_pmf(accept_rates: Sequence[float], block_len: int) -> list[float]:
-    """[j] = P(exactly j of a `block_len`-token block are accepted), j = 0..block_len."""
-    pmf = []
-    survive = 1.0  # P(positions 1..j all accepted)
-    for position in range(1, block_len + 1):
-        rate = rate_at(accept_rates, position)
-        pmf.append(survive * (1.0 - rate))
-        survive *= rate
-    pmf.append(survive)
-    return pmf
 
 
 @functools.lru_cache(maxsize=4096)
