@@ -109,12 +109,12 @@ def _interpolate(grid: tuple[int, ...], x: float) -> tuple[int, int, float]:
 class ForwardTable:
     """ms of one batched forward on the (batch, width) grid, refined online.
 
-`ms` is the start-up profile (`profiled` reads it); what the tier's forwards then measure refines it as a ratio per
-(grid batch, width) measured: measured / profiled, faded over the last ~RATIO_MEMORY forwards of that shape,
-interpolated between the widths measured (`ratio`). Each shape that runs is priced from its own forwards: the
-profile's line between two grid widths is not the machine's (the demo target's 1- and 2-token forwards cost 2.1 and
-2.7 ms, not the line's 2.3), and moving the nearest grid cell toward each forward (as this table did) let the
-forwards on either side of a cell pull it apart, 15-35 % below the widths that ran.
+    `ms` is the start-up profile (`profiled` reads it); what the tier's forwards then measure refines it as a ratio
+    per (grid batch, width) measured: measured / profiled, faded over the last ~RATIO_MEMORY forwards of that shape,
+    interpolated between the widths measured (`ratio`). Each shape that runs is priced from its own forwards: the
+    profile's line between two grid widths is not the machine's (the demo target's 1- and 2-token forwards cost 2.1
+    and 2.7 ms, not the line's 2.3), and moving the nearest grid cell toward each forward (as this table did) let the
+    forwards on either side of a cell pull it apart, 15-35 % below the widths that ran.
 
     `ms` may hold more widths than WIDTH_GRID at a grid batch: a tier whose cost changes regime at some row count
     (a weight-only tier leaving its quantized kernel for the block path, workers/tiers/weight_only.py) is also
@@ -127,10 +127,11 @@ forwards on either side of a cell pull it apart, 15-35 % below the widths that r
     # head: one forward over a context, while it verifies one token at a time); None: the widest block's per-token cost
     catch_up_ms: float | None = None
     _widths: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)  # widths() and switched(), kept
-    # grid batch -> {width: [faded sum of measured / profiled, faded count, forwards]}, and per grid batch the sorted (width, ratio)
-    # points of the widths measured RATIO_MIN_SEEN times (None: to rebuild)
+    # grid batch -> {width: [faded sum of measured / profiled, faded count, forwards]}; per grid batch the sorted (width,
+    # ratio) points of the widths measured RATIO_MIN_SEEN times, and the mean ratio over every such shape (None: to rebuild)
     _seen: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
     _points: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
+    _pooled: float | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def catch_up(self) -> float:
         """ms per context token a request's catch-up costs this tier (one row)."""
@@ -191,12 +192,11 @@ forwards on either side of a cell pull it apart, 15-35 % below the widths that r
             points = self._points[b] = tuple(sorted((w, total / weight) for w, (total, weight, seen) in entries.items()
                                                     if seen >= RATIO_MIN_SEEN))
         if not points:
-            pooled = self._points.get("pooled")
-            if pooled is None:
+            if self._pooled is None:
                 kept = [(total, weight) for entries in self._seen.values() for total, weight, seen in entries.values()
                         if seen >= RATIO_MIN_SEEN]
-                pooled = self._points["pooled"] = sum(t for t, _ in kept) / sum(c for _, c in kept) if kept else 1.0
-            return pooled
+                self._pooled = sum(t for t, _ in kept) / sum(c for _, c in kept) if kept else 1.0
+            return self._pooled
         widths = tuple(w for w, _ in points)
         low, high, weight = _interpolate(widths, width)
         return points[low][1] * (1 - weight) + points[high][1] * weight
@@ -212,7 +212,7 @@ forwards on either side of a cell pull it apart, 15-35 % below the widths that r
         entry[0] = entry[0] * keep + min(3.0, max(1 / 3.0, ms / profiled))
         entry[1] = entry[1] * keep + 1.0
         entry[2] += 1
-        self._points[b] = self._points["pooled"] = None
+        self._points[b] = self._pooled = None
 
 
 def switch_widths(batch: int, switch_rows: tuple[int, ...]) -> tuple[int, ...]:
