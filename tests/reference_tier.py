@@ -13,7 +13,7 @@ import torch
 from transformers import DynamicCache
 
 from polyspec.workers.core.sampling import warp_logits
-from polyspec.workers.core.tree import DraftTree, tree_allowed
+from polyspec.workers.core.tree import Blocks, DraftTree, tree_allowed
 from polyspec.workers.core.verdicts import Draws
 
 
@@ -120,8 +120,8 @@ class ReferenceTier:
                 feed = [token]
                 if self.exit_threshold is not None and float(torch.softmax(logits, -1).max()) < self.exit_threshold:
                     break
-            out.append((tokens, None if p.greedy or not rows else torch.stack(rows)))
-        return out
+            out.append(DraftTree.chain(tokens, None if p.greedy or not rows else torch.stack(rows)))
+        return Blocks.of(out)
 
     def draft_tree_batch(self, seq_ids, contexts, width, depths, params, scheme, generators):
         out = []
@@ -157,7 +157,7 @@ class ReferenceTier:
                     frontier = grown
                 tree.draft_rows = None if p.greedy or not rows else torch.stack(rows)
             out.append(tree)
-        return out
+        return Blocks.of(out)
 
     def accept_path(self, seq_id, path: list[int]) -> None:
         """Keep the linear context and the accepted path: recomputed from scratch (slow and obvious)."""
@@ -182,14 +182,15 @@ class OneAtATime:
         return getattr(self.inner, name)
 
     def draft_batch(self, seq_ids, contexts, counts, params, generators):
-        return [self.inner.draft_batch([s], [c], [n], [p], [g])[0] for s, c, n, p, g in zip(seq_ids, contexts, counts, params, generators)]
+        return Blocks.of([self.inner.draft_batch([s], [c], [n], [p], [g])[0]
+                          for s, c, n, p, g in zip(seq_ids, contexts, counts, params, generators)])
 
     def draft_tree_batch(self, seq_ids, contexts, width, depths, params, scheme, generators):
-        return [self.inner.draft_tree_batch([s], [c], width, [d], [p], scheme, [g])[0]
-                for s, c, d, p, g in zip(seq_ids, contexts, depths, params, generators)]
+        return Blocks.of([self.inner.draft_tree_batch([s], [c], width, [d], [p], scheme, [g])[0]
+                          for s, c, d, p, g in zip(seq_ids, contexts, depths, params, generators)])
 
     def score_batch(self, seq_ids, contexts, blocks, params):
-        return [self.inner.score_batch([s], [c], [b], [p])[0] for s, c, b, p in zip(seq_ids, contexts, blocks, params)]
+        return [self.inner.score_batch([s], [c], Blocks.of([b]), [p])[0] for s, c, b, p in zip(seq_ids, contexts, blocks, params)]
 
 
 def greedy_one_token_at_a_time(model, prompt_ids: list[int], count: int, eos: int) -> list[int]:

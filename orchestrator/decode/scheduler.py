@@ -60,7 +60,7 @@ from polyspec.orchestrator.decode.contract import (
 from polyspec.orchestrator.decode.approximate import scoring, verdict
 from polyspec.workers.core.context import Context, extended
 from polyspec.workers.core.sampling import RandomStream, SamplingParams
-from polyspec.workers.core.tree import DraftTree, common_prefix, path_rows
+from polyspec.workers.core.tree import Blocks, common_prefix, path_rows
 from polyspec.workers.core.verdicts import Verdict
 from polyspec.workers.tiers.batched import BatchedTier
 from polyspec.workers.tiers.tier import scratch_score, scratch_sequence
@@ -286,7 +286,7 @@ class ChainScheduler:
             if level and not tier.has_weights and asked:
                 drafted = self._draft(level, [(states[j].run, Context(states[j].committed), count) for j in asked])
                 out[level] = [None] * len(states)
-                for j, (tokens, _) in zip(asked, drafted):
+                for j, tokens in zip(asked, drafted.host()[0]):
                     out[level][j] = tokens
         return out
 
@@ -316,7 +316,8 @@ class ChainScheduler:
         for lookup, tier in enumerate(self.tiers):
             if lookup <= level or tier.has_weights or lookup in self.active:
                 continue
-            for (run, _, _), (proposal, _), (tokens, _) in zip(items, self._draft(lookup, items), drafted):
+            proposals, _ = self._draft(lookup, items).host()
+            for (run, _, _), proposal, tokens in zip(items, proposals, drafted.host()[0]):
                 self._observe_shadow(lookup, proposal, tokens, run, level)
 
     def finish(self, state: RequestState) -> GenerationOutput:
@@ -361,22 +362,22 @@ class ChainScheduler:
         """Draft tokens that fit: the block plus the token after it must stay inside the context."""
         return max(0, run.limit - len(context) - 1)
 
-    def _draft(self, level: int, items: list[tuple]) -> list[tuple[list[int], torch.Tensor | None]]:
+    def _draft(self, level: int, items: list[tuple]) -> Blocks:
         """Tier `level`'s `draft_batch` over (run, context, count) items, each with its run's stream at that tier."""
         return self.tiers[level].draft_batch([run.seq_id for run, _, _ in items], [context for _, context, _ in items],
                                              [count for _, _, count in items], [run.params for run, _, _ in items],
                                              [run.generators[level] for run, _, _ in items])
 
-    def emit_batch(self, level: int, items: list[tuple]) -> list[tuple[list[int], torch.Tensor | None]]:
+    def emit_batch(self, level: int, items: list[tuple]) -> Blocks:
         """At least `need` tokens from tier `level` for each (run, context, need) (fewer only at EOS or
-        the context limit), with the tier's rows for them (None when sampling greedily); a tier that
-        verifies runs as many rounds as it takes."""
+        the context limit), as chains with the tier's rows for them (none when sampling greedily); a tier
+        that verifies runs as many rounds as it takes."""
         items = [(run, context, min(need, self.room(run, context))) for run, context, need in items]
         if self.below(level) is None:
             started = time.perf_counter()
             drafted = self._draft(level, items)
             seconds = (time.perf_counter() - started) / max(1, len(items))
-            for (run, context, need), (tokens, _) in zip(items, drafted):
+            for (run, context, need), tokens in zip(items, drafted.host()[0]):
                 self._observe(DraftObservation(level, need, len(context), tuple(tokens), seconds))
             self._shadow_drafts(level, items, drafted)
             return drafted
@@ -398,17 +399,13 @@ class ChainScheduler:
                     rows[j].append(emitted_rows)
                 if any(t in self.eos_token_ids for t in emitted):
                     stopped[j] = True  # nothing after an end of sequence will be kept
-        out = []
-        for j, (run, context, _) in enumerate(items):
-            kept = tokens[j][: self.room(run, context)]  # rounds overshoot `need`; keep what fits
-            out.append((kept, torch.cat(rows[j])[: len(kept)] if rows[j] else None))
-        return out
+        kept = [tokens[j][: self.room(run, context)] for j, (run, context, _) in enumerate(items)]  # rounds overshoot `need`
+        return Blocks.of_chains(kept, [torch.cat(rows[j])[: len(kept[j])] if rows[j] else None for j in range(len(items))])
 
     def sub_chain_block(self, state: RequestState, context: list[int], need: int) -> list[int]:
         """At least `need` tokens after `context` from the chain below the target (tier 1 over the tiers
         below it): an approximate step driver's small model (polyspec.orchestrator.decode.approximate)."""
-        tokens, _ = self.emit_batch(1, [(state.run, context, need)])[0]
-        return tokens
+        return self.emit_batch(1, [(state.run, context, need)]).host()[0][0]
 
     def target_distribution(self, prompt_ids: list[int], seq_id=None) -> torch.Tensor:
         """The target's own distribution (temperature 1) after `prompt_ids` [V], on a sequence of its own in the
@@ -416,13 +413,12 @@ class ChainScheduler:
         caches go)."""
         return scratch_score(self.scorer, prompt_ids, seq_id)
 
-    def _propose(self, level: int, below: int, items: list[tuple]) -> list[DraftTree]:
+    def _propose(self, level: int, below: int, items: list[tuple]) -> Blocks:
         """The block tier `below` hands up to tier `level` for each (run, context, length): a chain,
         or a tree from the bottom tier."""
-        blocks = [DraftTree([], [], None) for _ in items]
         wanted = [j for j, (_, _, length) in enumerate(items) if length > 0]
         if not wanted:
-            return blocks
+            return Blocks.empty(len(items))
         if self.tree_width > 1 and self.below(below) is None:
             runs = [items[j][0] for j in wanted]
             started = time.perf_counter()
@@ -430,13 +426,11 @@ class ChainScheduler:
                                                        [items[j][2] for j in wanted], [r.params for r in runs], self.scheme,
                                                        [r.generators[below] for r in runs])
             seconds = (time.perf_counter() - started) / len(wanted)
-            for j, tree in zip(wanted, trees):
-                blocks[j] = tree
+            for j in wanted:
                 self._observe(DraftObservation(below, items[j][2], len(items[j][1]), None, seconds))
         else:
-            for j, (tokens, rows) in zip(wanted, self.emit_batch(below, [items[j] for j in wanted])):
-                blocks[j] = DraftTree.chain(tokens, rows)
-        return blocks
+            trees = self.emit_batch(below, [items[j] for j in wanted])
+        return Blocks.gather(len(items), [(wanted, trees)])
 
     def round_batch(self, level: int, items: list[tuple], want_rows: bool = True,
                     drafters: list[int | None] | None = None) -> list[tuple[list[int], torch.Tensor | None]]:
@@ -448,11 +442,9 @@ class ChainScheduler:
         tier = self.tiers[level]
         below = self.below(level)
         unders = [d if d is not None else below for d in drafters] if drafters else [below] * len(items)
-        blocks = [DraftTree([], [], None) for _ in items]
-        for drafter in set(unders) - {None}:
-            group = [j for j, d in enumerate(unders) if d == drafter]
-            for j, block in zip(group, self._propose(level, drafter, [items[j] for j in group])):
-                blocks[j] = block
+        groups = [[j for j, d in enumerate(unders) if d == drafter] for drafter in sorted(set(unders) - {None})]
+        blocks = Blocks.gather(len(items), [(group, self._propose(level, unders[group[0]], [items[j] for j in group]))
+                                            for group in groups])
         started = time.perf_counter()
         runs, contexts = [r for r, _, _ in items], [c for _, c, _ in items]
         if all(level or run.rule is None for run in runs):
@@ -465,7 +457,7 @@ class ChainScheduler:
         else:
             # an approximate mode's rule judges the target's check: each block and params as scored, then its verdict
             scored = [scoring(run, level, context, block) for run, context, block in zip(runs, contexts, blocks)]
-            probs = tier.score_batch([r.seq_id for r in runs], contexts, [b for b, _ in scored], [p for _, p in scored])
+            probs = tier.score_batch([r.seq_id for r in runs], contexts, Blocks.of([b for b, _ in scored]), [p for _, p in scored])
             shared = (time.perf_counter() - started) / len(items)
             verdicts = []
             for run, block, target_probs in zip(runs, blocks, probs):
@@ -474,7 +466,7 @@ class ChainScheduler:
                 if not block.is_chain():  # both tiers keep the accepted path
                     tier.accept_path(run.seq_id, path)
                     self.tiers[below].accept_path(run.seq_id, path)
-                verdicts.append(Verdict(path, next_token, None if run.params.greedy else path_rows(target_probs, block, path)))
+                verdicts.append(Verdict(path, next_token, None if run.params.greedy else path_rows(target_probs, block.is_chain(), path)))
                 shared += (time.perf_counter() - began) / len(items)  # each request's share of the walks
         out = []
         for (run, context, length), block, decided, below in zip(items, blocks, verdicts, unders):

@@ -50,7 +50,7 @@ import torch
 
 from polyspec.orchestrator.distributed import cluster_auth
 from polyspec.protos.polyspec.v1 import tier_pb2, tier_pb2_grpc
-from polyspec.workers.core.tree import DraftTree, common_prefix
+from polyspec.workers.core.tree import Blocks, DraftTree, common_prefix
 from polyspec.workers.tiers.batched import BatchedTier
 
 SPARSE_FRACTION = 0.25
@@ -406,17 +406,17 @@ class RemoteTier(BatchedTier):
         return tier_pb2.DraftRequest(header=seq.header_for_lower(), context=tail, delta=delta, num_tokens=num_tokens, tree=tree,
                                      caller=self.caller, accept_dist=self.dist is not None)
 
-    def _absorb(self, seq_id, reply: tier_pb2.DraftReply, tree: bool):
-        """The block (tokens, rows) or tree of one sequence's reply; its reports go to the caller's sequence."""
+    def _absorb(self, seq_id, reply: tier_pb2.DraftReply, tree: bool) -> DraftTree:
+        """The block (a chain) or tree of one sequence's reply; its reports go to the caller's sequence."""
         rows = decode_rows(reply.rows, self.dist)
         seq = self._sequence(seq_id)
         seq.absorb(reply)
         if tree:
             return DraftTree(list(reply.tokens), list(reply.parents), rows)
         seq.lower_continues = reply.continues
-        return list(reply.tokens), rows
+        return DraftTree.chain(list(reply.tokens), rows)
 
-    def _draft_many(self, seq_ids, contexts, counts, tree: bool) -> list:
+    def _draft_many(self, seq_ids, contexts, counts, tree: bool) -> Blocks:
         """Every sequence's block (or tree) in one DraftBatch call."""
         def batch(deltas):
             return tier_pb2.DraftBatchRequest(requests=[self._draft_request(s, d, n, tree)
@@ -426,7 +426,7 @@ class RemoteTier(BatchedTier):
                                    self._on_resend)
         if len(reply.replies) != len(seq_ids):
             raise RuntimeError(f"tier {self.name!r}: DraftBatch answered {len(reply.replies)} of {len(seq_ids)} sequences")
-        return [self._absorb(s, r, tree) for s, r in zip(seq_ids, reply.replies)]
+        return Blocks.of([self._absorb(s, r, tree) for s, r in zip(seq_ids, reply.replies)])
 
     def draft_batch(self, seq_ids, contexts, counts, params, generators):
         return self._draft_many(seq_ids, contexts, counts, tree=False)

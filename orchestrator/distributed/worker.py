@@ -610,7 +610,7 @@ class TierWorker(tier_pb2_grpc.TierServicer):
                     for scheduler, group in self._by_chain(lower, misses + short, seqs):
                         items = [(seqs[i].run, contexts[i] + (hits[i][0] if hits[i] else []),
                                   requests[i].num_tokens - (len(hits[i][0]) if hits[i] else 0)) for i in group]
-                        out.update(zip(group, scheduler.emit_batch(0, items)))
+                        out.update(zip(group, ((block.tokens, block.draft_rows) for block in scheduler.emit_batch(0, items))))
                     return out
 
                 drafted = self.lower_fallback([seqs[i] for i in misses + short], emit)
@@ -727,7 +727,8 @@ class TierWorker(tier_pb2_grpc.TierServicer):
         try:
             for scheduler, group in self._by_chain(lower, range(len(growing)), growing):
                 drafted = scheduler.emit_batch(0, [(growing[i].run, list(growing[i].stream.tokens), 1) for i in group])
-                for i, (tokens, rows) in zip(group, drafted):
+                for i, block in zip(group, drafted):
+                    tokens, rows = block.tokens, block.draft_rows
                     seq, stream = growing[i], growing[i].stream
                     if not tokens:
                         self._ahead_done(seq)

@@ -21,7 +21,7 @@ from polyspec.orchestrator.tuning.batch_model import BATCH_GRID, PROFILE_CONTEXT
 from polyspec.orchestrator.tuning.profile_cache import decode_table, encode_table
 from polyspec.workers.core.sampling import SamplingParams
 from polyspec.workers.tiers.batched import BatchedTier as Tier
-from polyspec.workers.core.tree import DraftTree
+from polyspec.workers.core.tree import Blocks
 
 DEFAULT_REPEATS = 5
 
@@ -47,7 +47,7 @@ def _median_ms(run, repeats: int) -> float:
 def _verify_round(tier: Tier, seq_id, context: list[int], block: list[int], params: SamplingParams, generator) -> None:
     """What ChainScheduler.round_batch does for a chain block: score, then the verification rule (a lookup's block:
     point masses)."""
-    tier.verify_batch([seq_id], [context], [DraftTree.chain(block, None)], [params], [generator])
+    tier.verify_batch([seq_id], [context], Blocks.of_chains([block], [None]), [params], [generator])
 
 
 class ProgressLines:
@@ -210,8 +210,8 @@ def profile_batched(tiers, vocab_size: int, max_batch: int, repeats: int = 2, ca
     return tables, lookup
 
 
-def _chains(tokens: list[int], count: int) -> list[DraftTree]:
-    return [DraftTree.chain(tokens, None) for _ in range(count)]
+def _chains(tokens: list[int], count: int) -> Blocks:
+    return Blocks.of_chains([tokens] * count, [None] * count)
 
 
 def monotone(ms: dict[tuple[int, int], float], switch_rows: tuple[int, ...] = ()) -> dict[tuple[int, int], float]:

@@ -18,7 +18,7 @@ from polyspec.orchestrator.engine import Engine, GenerationRequest
 from polyspec.orchestrator.tuning.batch_model import BatchPlanner, Plan
 from polyspec.workers.core.errors import PolyspecError
 from polyspec.workers.core.sampling import SamplingParams
-from polyspec.workers.core.tree import DraftTree
+from polyspec.workers.core.tree import Blocks
 
 DEFAULT_GRID_MAX = 8
 DEFAULT_MAX_PROMPTS = 8
@@ -61,7 +61,7 @@ def measure_prefill_ms(engine: Engine, prompt_ids: list[int], repeats: int = 3) 
         for repeat in range(repeats):
             seq_id = ("tune-prefill", index, repeat)
             started = time.perf_counter()
-            tier.score_batch([seq_id], [prompt_ids], [DraftTree([], [], None)], [params])
+            tier.score_batch([seq_id], [prompt_ids], Blocks.empty(1), [params])
             samples.append((time.perf_counter() - started) * 1000.0)
             tier.release(seq_id)
         out.append(statistics.median(samples))

@@ -279,7 +279,7 @@ def test_batched_tree_tier_matches_one_sequence_tier(tiny_family):
     (`keep_features`, what a feature drafter reads) included."""
     from transformers import AutoModelForCausalLM
 
-    from polyspec.workers.core.tree import DraftTree
+    from polyspec.workers.core.tree import Blocks, DraftTree
     from polyspec.workers.tiers.batched import BatchedModelTier
     from polyspec.workers.tiers.tier import ModelTier
     from reference_tier import ReferenceTier, hidden_states
@@ -314,7 +314,7 @@ def test_batched_tree_tier_matches_one_sequence_tier(tiny_family):
         blocks = list(trees)
         blocks[1] = DraftTree.chain(trees[1].tokens[:2], None)  # a chain row beside the tree rows
         expected = [target.score_batch([r], [c], [b], [p])[0] for r, (c, b, p) in enumerate(zip(contexts, blocks, params))]
-        rows = batched_target.score_batch(list(range(4)), contexts, blocks, params)
+        rows = batched_target.score_batch(list(range(4)), contexts, Blocks.of(blocks), params)
         for one, many in zip(expected, rows):
             assert many.shape == one.shape and torch.allclose(many, one, atol=1e-5), (many - one).abs().max()
         for r, block in enumerate(blocks):
@@ -331,7 +331,7 @@ def test_batched_tree_tier_matches_one_sequence_tier(tiny_family):
     got = batched_target.features("new", new, 8, compute=True)
     assert torch.allclose(got, hidden_states(target.model, new[:8]), atol=1e-4) and batched_target.cached("new") == 8
     forwards = batched_target.tier.forwards
-    batched_target.score_batch(["new"], [new], [DraftTree.chain([], None)], [SamplingParams()])
+    batched_target.score_batch(["new"], [new], Blocks.empty(1), [SamplingParams()])
     assert batched_target.tier.forwards == forwards + 1
     assert batched_target.forward_log[-1][1] == 1  # ... and the score finds it cached: one new position
 
@@ -483,13 +483,14 @@ def test_batched_draft_stops_where_the_one_request_tier_stops(tiny_family, thres
     expected = [alone.draft_batch([r], [c], [n], [p], [torch.Generator().manual_seed(r)])[0]
                 for r, (c, n, p) in enumerate(zip(contexts, counts, params))]
     got = batched.draft_batch(list(range(4)), contexts, counts, params, [torch.Generator().manual_seed(r) for r in range(4)])
-    for (want_tokens, want_rows), (tokens, rows) in zip(expected, got):
+    for want, chain in zip(expected, got):
+        want_tokens, want_rows, tokens, rows = want.tokens, want.draft_rows, chain.tokens, chain.draft_rows
         assert tokens == want_tokens
         assert (rows is None) == (want_rows is None) and (rows is None or torch.allclose(rows, want_rows, atol=1e-5))
     if threshold == 1.1:
-        assert all(len(tokens) == 1 for tokens, _ in got)  # no draft is ever that sure: every block stops at once
+        assert got.lengths == [1] * 4  # no draft is ever that sure: every block stops at once
     elif threshold is None:
-        assert [len(tokens) for tokens, _ in got] == counts
+        assert got.lengths == counts
 
 
 class RecordingPlanner:

@@ -90,14 +90,15 @@ def test_a_device_early_exit_draft_is_the_ragged_tiers(early, threshold):
     greedy = [SamplingParams()] * 3
     drafted = device_tier.draft_batch([0, 1, 2], contexts, counts, greedy, [None] * 3)
     expected = ragged.draft_batch([0, 1, 2], contexts, counts, greedy, [None] * 3)
-    assert [tokens for tokens, _ in drafted] == [tokens for tokens, _ in expected]
+    assert drafted.host()[0] == expected.host()[0]
     if threshold == 1.0:
-        assert all(len(tokens) == 1 for tokens, _ in drafted)
+        assert drafted.lengths == [1, 1, 1]
     elif threshold is None:
-        assert [len(tokens) for tokens, _ in drafted] == counts
+        assert drafted.lengths == counts
     params = SamplingParams(temperature=0.8, top_k=50)
     sampled = device_tier.draft_batch([0, 1, 2], contexts, counts, [params] * 3, [RandomStream(s) for s in (1, 2, 3)])
-    for context, (tokens, rows) in zip(contexts, sampled):
+    for context, chain in zip(contexts, sampled):
+        tokens, rows = chain.tokens, chain.draft_rows
         assert rows.shape == (len(tokens), early.config.vocab_size)
         with torch.inference_mode():
             logits = early(torch.tensor([context + tokens])).logits[0, len(context) - 1:]

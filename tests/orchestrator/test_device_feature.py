@@ -18,7 +18,7 @@ import torch
 from core_helpers import generate_alone, greedy_references
 from polyspec.orchestrator.decode.scheduler import ChainScheduler
 from polyspec.workers.core.sampling import SamplingParams
-from polyspec.workers.core.tree import DraftTree
+from polyspec.workers.core.tree import Blocks
 from polyspec.workers.tiers.batched import BatchedModelTier, batched_tiers
 from polyspec.workers.tiers.batched_feature import BatchedFeatureTier
 from polyspec.workers.tiers.drafters import load_feature_head
@@ -88,20 +88,20 @@ def test_a_head_over_a_stepping_target_drafts_as_over_a_ragged_one(target, head)
     greedy = SamplingParams()
     for round_index in range(8):
         drafted = [pair[1].draft_batch([0, 1, 2], contexts, [5, 3, 4], [greedy] * 3, [None] * 3) for pair in pairs]
-        assert [t for t, _ in drafted[0]] == [t for t, _ in drafted[1]], round_index
+        assert drafted[0].host()[0] == drafted[1].host()[0], round_index
         if round_index % 2:
-            blocks = [DraftTree.chain(tokens, None) for tokens, _ in drafted[0]]
+            blocks = Blocks.of_chains(drafted[0].host()[0], [None] * 3)
             verdicts = [pair[0].verify_batch([0, 1, 2], contexts, blocks, [greedy] * 3, [None] * 3) for pair in pairs]
             assert [v.path for v in verdicts[0]] == [v.path for v in verdicts[1]]
-        for r, (tokens, _) in enumerate(drafted[0]):
+        for r, tokens in enumerate(drafted[0].host()[0]):
             kept = (round_index + r) % 5
             contexts[r] = contexts[r] + tokens[:kept] + [(17 * round_index + r) % 250]
     params = SamplingParams(temperature=0.8, top_k=50)
     sampled = [pair[1].draft_batch([0, 1, 2], contexts, [4, 4, 2], [params] * 3, [RandomStream(s) for s in (1, 2, 3)])
                for pair in pairs]
-    for (tokens, rows), (other_tokens, other_rows) in zip(*sampled):
-        assert tokens == other_tokens and torch.allclose(rows, other_rows, atol=1e-5)
-    blocks = [DraftTree.chain(tokens, None) for tokens, _ in sampled[0]]
+    for chain, other in zip(*sampled):
+        assert chain.tokens == other.tokens and torch.allclose(chain.draft_rows, other.draft_rows, atol=1e-5)
+    blocks = Blocks.of_chains(sampled[0].host()[0], [None] * 3)
     scored = [pair[1].score_batch([0, 1, 2], contexts, blocks, [params] * 3) for pair in pairs]
     for rows, other in zip(*scored):
         assert torch.allclose(rows, other, atol=1e-5)
@@ -113,7 +113,7 @@ def test_the_target_writes_the_features_a_head_reads(target, head):
     device_target, _ = _device(target, head, slots=2)
     context = list(PROMPTS[2])
     device_target.prefill([0], [context], 1 << 20)
-    (verdict,) = device_target.verify_batch([0], [context], [DraftTree.chain([1, 2, 3], None)], [SamplingParams()], [None])
+    (verdict,) = device_target.verify_batch([0], [context], Blocks.of_chains([[1, 2, 3]], [None]), [SamplingParams()], [None])
     context = context + [[1, 2, 3][j] for j in verdict.path] + [verdict.next_token]
     source, _ = _runtime(target, head)
     expected = source.features("x", context, len(context) - 1, compute=True)

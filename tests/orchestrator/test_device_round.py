@@ -258,8 +258,9 @@ def test_an_accepted_tree_path_is_cached_as_a_prefill_of_it(models):
     for _ in range(5):
         for tier in (target, drafter):
             tier.prefill([0], [context], 1 << 20)
-        (tree,) = drafter.draft_tree_batch([0], [context], 2, [4], [params], "specinfer", [None])
-        (verdict,) = target.verify_batch([0], [context], [tree], [params], [None], scheme="specinfer", below=drafter)
+        trees = drafter.draft_tree_batch([0], [context], 2, [4], [params], "specinfer", [None])
+        (verdict,) = target.verify_batch([0], [context], trees, [params], [None], scheme="specinfer", below=drafter)
+        tree = trees[0]
         accepted = context + [tree.tokens[j] for j in verdict.path]
         assert target.cached(0) == len(accepted) and drafter.cached(0) <= len(accepted)
         for tier in (target, drafter):

@@ -39,7 +39,7 @@ from polyspec.orchestrator.config import parse_config
 from polyspec.orchestrator.engine import Engine
 from polyspec.orchestrator.tokenization import encode_prompt
 from polyspec.workers.core.sampling import SamplingParams
-from polyspec.workers.core.tree import DraftTree, tree_allowed
+from polyspec.workers.core.tree import Blocks, DraftTree, tree_allowed
 from polyspec.workers.tiers.batched import FORWARD_COST_TOKENS, BatchedModelTier, batched_tiers, prefill_cuts
 from polyspec.workers.tiers.batched_llama import INITIAL_CAPACITY, BatchedLlama, RowLayout, grouped_attention
 from polyspec.workers.tiers.tier import ModelTier
@@ -94,17 +94,18 @@ def test_batched_tier_on_device_matches_one_request_tier(tiny_family, device, dt
     for step in range(3):  # draft, verify and keep a path, then again on the longer contexts
         counts = [3, 2, 4, 1]
         chains = batched_drafter.draft_batch(list(range(4)), contexts, counts, params, [torch.Generator().manual_seed(r) for r in range(4)])
-        for r, (tokens, rows) in enumerate(chains):
+        for r, chain in enumerate(chains):
+            tokens, rows = chain.tokens, chain.draft_rows
             assert len(tokens) == counts[r] and rows.device.type == "cpu" and rows.dtype == torch.float32
-            expected = drafter.score_batch([r], [contexts[r]], [DraftTree.chain(tokens[:-1], None)], [params[r]])[0]  # the rows each token was drawn from
+            expected = drafter.score_batch([r], [contexts[r]], Blocks.of([DraftTree.chain(tokens[:-1], None)]), [params[r]])[0]  # the rows each token was drawn from
             assert torch.allclose(rows, expected, atol=tolerance), (r, (rows - expected).abs().max())
         trees = batched_drafter.draft_tree_batch(list(range(4)), contexts, 3, [3, 2, 3, 0], params, "specinfer",
                                                  [torch.Generator().manual_seed(10 * step + r) for r in range(4)])
         assert [len(t) > 0 for t in trees] == [True, True, True, False]
         blocks = list(trees)
-        blocks[1] = DraftTree.chain(chains[1][0], None)  # a chain row beside the tree rows
-        blocks[3] = DraftTree.chain(chains[3][0], None)
-        rows = batched_target.score_batch(list(range(4)), contexts, blocks, params)
+        blocks[1] = DraftTree.chain(chains[1].tokens, None)  # a chain row beside the tree rows
+        blocks[3] = DraftTree.chain(chains[3].tokens, None)
+        rows = batched_target.score_batch(list(range(4)), contexts, Blocks.of(blocks), params)
         expected = [target.score_batch([r], [c], [b], [p])[0] for r, (c, b, p) in enumerate(zip(contexts, blocks, params))]
         for r, (one, many) in enumerate(zip(expected, rows)):
             assert many.device.type == "cpu" and many.shape == one.shape
@@ -253,5 +254,5 @@ def test_prefill_of_ragged_prompts_pads_nothing_and_scores_as_one_request(tiny_f
     params = [SamplingParams(temperature=1.0)] * 4
     blocks = [DraftTree.chain([5, 6], None)] * 4
     for r, (one, many) in enumerate(zip((alone.score_batch([r], [c], [b], [p])[0] for r, (c, b, p) in enumerate(zip(contexts, blocks, params))),
-                                        batched.score_batch(list(range(4)), contexts, blocks, params))):
+                                        batched.score_batch(list(range(4)), contexts, Blocks.of(blocks), params))):
         assert torch.allclose(many, one, atol=row_tolerance("cpu", "float32")), (r, (many - one).abs().max())

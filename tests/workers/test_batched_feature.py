@@ -19,7 +19,7 @@ from polyspec.orchestrator.config import parse_config
 from polyspec.orchestrator.engine import Engine
 from polyspec.orchestrator.tokenization import encode_prompt
 from polyspec.workers.core.sampling import SamplingParams
-from polyspec.workers.core.tree import DraftTree
+from polyspec.workers.core.tree import Blocks, DraftTree
 from polyspec.workers.tiers.batched import BatchedModelTier, batched_tiers
 from polyspec.workers.tiers.batched_feature import BatchedFeatureTier
 from polyspec.workers.tiers.drafters import load_feature_head
@@ -50,7 +50,8 @@ def generators(seed: int) -> list[torch.Generator]:
 
 
 def assert_same_drafts(got, expected) -> None:
-    for (tokens, rows), (want_tokens, want_rows) in zip(got, expected):
+    for chain, want in zip(got, expected):
+        tokens, rows, want_tokens, want_rows = chain.tokens, chain.draft_rows, want.tokens, want.draft_rows
         assert tokens == want_tokens
         assert (rows is None) == (want_rows is None)
         assert rows is None or torch.allclose(rows, want_rows, atol=ROWS_ATOL), (rows - want_rows).abs().max()
@@ -70,10 +71,10 @@ def test_batched_head_drafts_what_it_drafts_one_row_at_a_time(tiny_drafters):
     for round_index in range(4):
         drafts = [head.draft_batch(ids, contexts, COUNTS, PARAMS, generators(10 * round_index)) for _, head in chains]
         assert_same_drafts(drafts[0], drafts[1])
-        verdicts = [target.verify_batch(ids, contexts, [DraftTree.chain(t, rows) for t, rows in drafted], PARAMS, generators(99))
+        verdicts = [target.verify_batch(ids, contexts, drafted, PARAMS, generators(99))
                     for (target, _), drafted in zip(chains, drafts)]
         assert [(v.path, v.next_token) for v in verdicts[0]] == [(v.path, v.next_token) for v in verdicts[1]]
-        contexts = [c + drafts[0][r][0][: len(v.path)] + [v.next_token] for r, (c, v) in enumerate(zip(contexts, verdicts[0]))]
+        contexts = [c + drafts[0][r].tokens[: len(v.path)] + [v.next_token] for r, (c, v) in enumerate(zip(contexts, verdicts[0]))]
         if round_index == 1:  # rollbacks: the head forgets the last 3 positions of row 2, the target those of row 0
             for target, head in chains:
                 head.truncate(2, len(contexts[2]) - 3)
@@ -96,6 +97,7 @@ def test_batched_head_scores_a_cheaper_tiers_blocks_as_one_row_at_a_time(tiny_dr
     for target, _ in chains:  # the target holds the prompts (what the scheduler's prefill does)
         target.prefill(ids, contexts, 1000)
     blocks = [DraftTree.chain(tokens, None) for tokens in ([5, 6, 7], [8], [], [9, 10, 11, 12, 13, 14], [15, 16])]
+    blocks = Blocks.of(blocks)
     scored = [head.score_batch(ids, contexts, blocks, PARAMS) for _, head in chains]
     for rows, want in zip(*scored):
         assert rows.shape == want.shape and torch.allclose(rows, want, atol=ROWS_ATOL)
@@ -104,7 +106,7 @@ def test_batched_head_scores_a_cheaper_tiers_blocks_as_one_row_at_a_time(tiny_dr
     for rows, want in zip(*scored):
         assert torch.allclose(rows, want, atol=ROWS_ATOL)
     with pytest.raises(NotImplementedError, match="chains only"):
-        chains[0][1].score_batch([0], [contexts[0]], [DraftTree([1, 2], [-1, -1], None)], [GREEDY])
+        chains[0][1].score_batch([0], [contexts[0]], Blocks.of([DraftTree([1, 2], [-1, -1], None)]), [GREEDY])
 
 
 @pytest.mark.parametrize("scheme", ["specinfer", "rsd"])

@@ -31,7 +31,7 @@ from polyspec.workers.core.device_tree_verify import (
     verify_trees,
 )
 from polyspec.workers.core.device_verify import DOMAIN_DRAFT, DOMAIN_NEXT, stream_exponentials
-from polyspec.workers.core.tree import DraftTree
+from polyspec.workers.core.tree import Blocks, DraftTree
 from reference_verification import (
     MULTI_DRAFT_SCHEMES,
     PLACEHOLDER_TOKEN_ID,
@@ -114,7 +114,7 @@ def _random_batch(seed: int, scheme: str, batch: int = 24):
     generator = torch.Generator().manual_seed(seed)
     greedy = [r % 4 == 1 for r in range(batch)]
     trees, targets = zip(*[_random_tree(generator, scheme, g) for g in greedy])
-    node_tokens, parents, num_nodes, draft_probs = pack_trees(list(trees), MAX_NODES, VOCAB)
+    node_tokens, parents, num_nodes, draft_probs = pack_trees(Blocks.of(list(trees)), range(len(trees)), MAX_NODES, VOCAB)
     # padding rows stay random
     target_probs = torch.softmax(torch.randn(batch, MAX_NODES + 1, VOCAB, generator=generator), dim=-1)
     for r, rows in enumerate(targets):
@@ -137,7 +137,7 @@ def _depth(tree: DraftTree) -> int:
 def test_children_table_lists_each_nodes_children_in_index_order():
     generator = torch.Generator().manual_seed(0)
     trees = [_random_tree(generator, "specinfer", False)[0] for _ in range(20)]
-    node_tokens, parents, num_nodes, _ = pack_trees(trees, MAX_NODES, VOCAB)
+    node_tokens, parents, num_nodes, _ = pack_trees(Blocks.of(trees), range(len(trees)), MAX_NODES, VOCAB)
     table = children_table(parents, num_nodes, MAX_WIDTH)
     for r, tree in enumerate(trees):
         for node in range(-1, MAX_NODES):
@@ -184,7 +184,7 @@ def test_edge_cases_equal_the_reference(scheme):
         trees.append(DraftTree([1, 1, 2], [-1, -1, 1], torch.stack([narrow, narrow, target])))
     counters = 50
     trees = trees * counters
-    node_tokens, parents, num_nodes, draft_probs = pack_trees(trees, 4, VOCAB)
+    node_tokens, parents, num_nodes, draft_probs = pack_trees(Blocks.of(trees), range(len(trees)), 4, VOCAB)
     target_probs = target.expand(len(trees), 5, VOCAB).contiguous()
     seeds = torch.full((len(trees),), 3, dtype=torch.int64)
     draws = tree_draws(seeds, torch.arange(len(trees)), 4, VOCAB)
@@ -215,7 +215,7 @@ def test_the_reference_walks_deep_and_stops_everywhere():
 def test_greedy_trees_equal_verify_tree():
     generator = torch.Generator().manual_seed(5)
     trees = [_random_tree(generator, "specinfer", True)[0] for _ in range(16)]
-    node_tokens, parents, num_nodes, _ = pack_trees(trees, MAX_NODES, VOCAB)
+    node_tokens, parents, num_nodes, _ = pack_trees(Blocks.of(trees), range(len(trees)), MAX_NODES, VOCAB)
     logits = torch.randn(len(trees), MAX_NODES + 1, VOCAB, generator=generator)
     for r, tree in enumerate(trees):  # drafts that follow the target's argmax, until they do not
         for j in range(len(tree)):
@@ -319,7 +319,7 @@ def test_the_tree_step_compiles_whole_and_once_per_bucket(scheme):
     generator = torch.Generator().manual_seed(1)
     trees = [DraftTree([1, 2, 3, 4, 5, 6], [-1, -1, -1, 0, 1, 3], None), DraftTree([], [], None),
              DraftTree([7, 8, 9], [-1, 0, 1], None), DraftTree([3, 4], [-1, -1], None)]
-    node_tokens, parents, num_nodes, _ = pack_trees(trees, 6, 16)
+    node_tokens, parents, num_nodes, _ = pack_trees(Blocks.of(trees), range(len(trees)), 6, 16)
     for step_index in range(2):  # new values every step, the same shapes
         target_probs = torch.softmax(torch.randn(4, 7, 16, generator=generator), dim=-1)
         draft_probs = torch.softmax(torch.randn(4, 6, 16, generator=generator), dim=-1)
@@ -332,7 +332,7 @@ def test_the_tree_step_compiles_whole_and_once_per_bucket(scheme):
 
 def test_the_greedy_tree_step_compiles_whole():
     step = CompiledGraphs(lambda *args: verify_greedy_trees(*args, 3, 2))
-    node_tokens, parents, num_nodes, _ = pack_trees([DraftTree([1, 2, 3], [-1, -1, 0], None), DraftTree([], [], None)], 3, 8)
+    node_tokens, parents, num_nodes, _ = pack_trees(Blocks.of([DraftTree([1, 2, 3], [-1, -1, 0], None), DraftTree([], [], None)]), [0, 1], 3, 8)
     logits = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(2))
     eager = verify_greedy_trees(logits, node_tokens, parents, num_nodes, 3, 2)
     for got, expected in zip(step(logits, node_tokens, parents, num_nodes), eager):

@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from polyspec.workers.core.errors import ModelLoadError
 from polyspec.workers.core.sampling import SamplingParams
-from polyspec.workers.core.tree import DraftTree
+from polyspec.workers.core.tree import Blocks, DraftTree
 from polyspec.workers.tiers.drafters import DrafterError, load_early_exit, load_feature_head, new_drafter, save_drafter
 from polyspec.workers.tiers.batched import BatchedModelTier, batched_tiers
 from polyspec.workers.tiers.feature_tier import FeatureTier
@@ -18,7 +18,8 @@ GREEDY = SamplingParams()
 
 
 def draft(tier, seq_id, context, count):
-    return tier.draft_batch([seq_id], [context], [count], [GREEDY], [None])[0]
+    chain = tier.draft_batch([seq_id], [context], [count], [GREEDY], [None])[0]
+    return chain.tokens, chain.draft_rows
 
 
 def draft_tree(tier, seq_id, context, width, depth):
@@ -26,7 +27,7 @@ def draft_tree(tier, seq_id, context, width, depth):
 
 
 def score(tier, seq_id, context, block):
-    return tier.score_batch([seq_id], [context], [block], [GREEDY])[0]
+    return tier.score_batch([seq_id], [context], Blocks.of([block]), [GREEDY])[0]
 
 
 @pytest.fixture(scope="module")

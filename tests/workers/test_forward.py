@@ -18,7 +18,7 @@ import torch
 from polyspec.orchestrator.config import TierConfig
 from polyspec.workers.core.errors import ModelLoadError
 from polyspec.workers.core.sampling import SamplingParams
-from polyspec.workers.core.tree import DraftTree
+from polyspec.workers.core.tree import Blocks, DraftTree
 from polyspec.workers.tiers.batched import BatchedModelTier
 from polyspec.workers.tiers.batched_llama import rms_norm, rotary
 from polyspec.workers.tiers.loading import load_model_tier
@@ -34,7 +34,7 @@ def script(tier) -> list[torch.Tensor]:
     prompt = [(7 * i + 3) % 200 for i in range(40)]
 
     def score(seq, context, block):
-        return tier.score_batch([seq], [context], [block], [SAMPLED])[0]
+        return tier.score_batch([seq], [context], Blocks.of([block]), [SAMPLED])[0]
 
     out = [score(1, prompt, DraftTree([], [], None))]
     out.append(score(1, prompt + [5], DraftTree([], [], None)))  # one new token
@@ -43,8 +43,8 @@ def script(tier) -> list[torch.Tensor]:
     out.append(score(1, prompt + [5, 9, 1], DraftTree([4, 6, 8, 10, 12], [-1, -1, 0, 1, 2], None)))  # a tree
     tier.accept_path(1, [1, 3])
     out.append(score(1, prompt + [5, 9, 1, 6, 10, 20], DraftTree.chain([21, 22], None)))
-    (tokens, _), = tier.draft_batch([1], [prompt + [5, 9, 1, 6, 10, 20, 21]], [6], [SamplingParams()], [None])
-    out.append(torch.tensor(tokens, dtype=torch.float32))
+    (chain,) = tier.draft_batch([1], [prompt + [5, 9, 1, 6, 10, 20, 21]], [6], [SamplingParams()], [None])
+    out.append(torch.tensor(chain.tokens, dtype=torch.float32))
     tree, = tier.draft_tree_batch([3], [prompt[:20]], 2, [3], [SamplingParams()], "specinfer", [None])
     out.append(torch.tensor(tree.tokens + tree.parents, dtype=torch.float32))
     out.append(score(2, prompt[:1], DraftTree([], [], None)))  # a one-token prompt

@@ -11,7 +11,7 @@ from polyspec.workers.tiers.loading import load_model_tier
 from polyspec.workers.core.sampling import SamplingParams
 from polyspec.workers.tiers.batched import BatchedModelTier, BatchedNGramTier
 from polyspec.workers.tiers.tier import NGramTier
-from polyspec.workers.core.tree import DraftTree
+from polyspec.workers.core.tree import Blocks, DraftTree
 
 ATOL = 1e-4  # fp32 logits of a forward over other chunkings of the same tokens
 GREEDY = SamplingParams()
@@ -23,11 +23,12 @@ def target(tiny_family):
 
 
 def score(tier, seq_id, context, block, params=GREEDY):
-    return tier.score_batch([seq_id], [context], [block], [params])[0]
+    return tier.score_batch([seq_id], [context], Blocks.of([block]), [params])[0]
 
 
 def draft(tier, seq_id, context, count, params=GREEDY):
-    return tier.draft_batch([seq_id], [context], [count], [params], [None])[0]
+    chain = tier.draft_batch([seq_id], [context], [count], [params], [None])[0]
+    return chain.tokens, chain.draft_rows
 
 
 def draft_tree(tier, seq_id, context, width, depth, params=GREEDY, generator=None):

@@ -43,7 +43,7 @@ from polyspec.workers.core.approximate_mode import (  # noqa: F401 (re-exported:
     SPECULATIVE_THINKING,
 )
 from polyspec.workers.core.sampling import SamplingParams, sample
-from polyspec.workers.core.tree import DraftTree
+from polyspec.workers.core.tree import Blocks
 from polyspec.workers.core.verdicts import verify_blocks
 
 # ---------------------------------------------------------------------------------
@@ -246,9 +246,9 @@ def verify_reflective(
     _require(target_probs.dim() == 2 and target_probs.shape[0] == num_drafts + 1, f"target_probs must be [k+1, V] with k = {num_drafts}")
     fused = fuse_reflective(target_probs[:num_drafts], reflective_probs, reflective_weight)  # [k, V]
     rows = torch.cat([fused, target_probs[num_drafts:].float()], dim=0)  # [k+1, V]
-    block = DraftTree.chain(draft_tokens.tolist(), draft_probs)
+    block = Blocks.of_chains([draft_tokens.tolist()], [draft_probs], rows.device)
     params = SamplingParams(temperature=0.0 if draft_probs is None else 1.0)
-    verdict = verify_blocks([rows], [block], [params], [generator], "specinfer")[0]
+    verdict = verify_blocks([rows], block, [params], [generator], "specinfer")[0]
     path, next_token = verdict.path, verdict.next_token
     return len(path), next_token
 

@@ -44,7 +44,7 @@ from polyspec.workers.core.device_verify import (
     stream_exponentials,
     stream_uniforms,
 )
-from polyspec.workers.core.tree import DraftTree
+from polyspec.workers.core.tree import Blocks
 MULTI_DRAFT_SCHEMES = ("specinfer", "rsd", "spectr", "importance")
 SPECTR_BISECTION_STEPS = 50  # halves [1, K] to below 1e-14: rho* is exact to float64
 INDUCED_CHUNK_ELEMENTS = 1 << 22  # cap on one [rows, S] block of the importance chain
@@ -78,22 +78,19 @@ class _Selection(NamedTuple):
 # ------------------------------------------------------------------------------ layout
 
 
-def pack_trees(trees: list[DraftTree], max_nodes: int, vocab: int, device: torch.device | str = "cpu") -> Layout:
-    """The padded layout of `trees` on `device` (node_tokens [B, N], parents [B, N], num_nodes [B],
-    draft_probs [B, N, V]; a greedy tree's rows are zeros). The tokens and parents are gathered on the
-    host; the draft rows are copied from wherever they are (a device drafter's stay on the device)."""
-    batch = len(trees)
-    node_tokens = torch.zeros(batch, max_nodes, dtype=torch.int64)
-    parents = torch.full((batch, max_nodes), -1, dtype=torch.int64)
-    draft_probs = torch.zeros(batch, max_nodes, vocab, dtype=torch.float32, device=device)
-    for r, tree in enumerate(trees):
-        assert len(tree) <= max_nodes, (len(tree), max_nodes)
-        node_tokens[r, : len(tree)] = torch.tensor(tree.tokens, dtype=torch.int64)
-        parents[r, : len(tree)] = torch.tensor(tree.parents, dtype=torch.int64)
-        if tree.draft_rows is not None:
-            draft_probs[r, : len(tree)] = tree.draft_rows.to(device, torch.float32)
-    num_nodes = torch.tensor([len(tree) for tree in trees], dtype=torch.int64)
-    return node_tokens.to(device), parents.to(device), num_nodes.to(device), draft_probs
+def pack_trees(blocks: Blocks, requests: list[int], max_nodes: int, vocab: int, device: torch.device | str = "cpu") -> Layout:
+    """The padded layout of `requests`' trees of `blocks` on `device` (node_tokens [B, N], parents [B, N],
+    num_nodes [B], draft_probs [B, N, V]; a tree that carries no rows (greedy) has zeros), gathered from the
+    flattened batch where the drafter left it."""
+    assert all(blocks.lengths[r] <= max_nodes for r in requests), (blocks.lengths, max_nodes)
+    node_tokens = blocks.padded(blocks.tokens, requests, max_nodes).to(device)
+    parents = blocks.padded(blocks.parents, requests, max_nodes, -1).to(device)
+    if blocks.draft_rows is None:
+        draft_probs = torch.zeros(len(requests), max_nodes, vocab, dtype=torch.float32, device=device)
+    else:
+        draft_probs = blocks.padded(blocks.draft_rows, requests, max_nodes, 0.0).to(device, torch.float32)
+    num_nodes = torch.tensor([blocks.lengths[r] for r in requests], dtype=torch.int64, device=device)
+    return node_tokens, parents, num_nodes, draft_probs
 
 
 def children_table(parents: torch.Tensor, num_nodes: torch.Tensor, max_width: int) -> torch.Tensor:

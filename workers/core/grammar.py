@@ -372,11 +372,12 @@ def restrict_each(rows: torch.Tensor, params: list, prefix: Callable[[int], list
                       for r, p in enumerate(params)])
 
 
-def restrict_blocks(scored: list[torch.Tensor], params: list, contexts: list[list[int]], blocks: list) -> list[torch.Tensor]:
-    """Each request's scored rows [len(block) + 1, V] restricted by its grammar along its block (a tree's rows
-    along each node's own path); a free request's rows unchanged, its prefixes never built."""
-    return [rows if grammar_of(p) is None else restrict_rows(rows, grammar_of(p), tree_prefixes(context, block.tokens, block.parents))
-            for rows, p, context, block in zip(scored, params, contexts, blocks)]
+def restrict_blocks(scored: list[torch.Tensor], params: list, contexts: list[list[int]], blocks) -> list[torch.Tensor]:
+    """Each request's scored rows [len(block) + 1, V] restricted by its grammar along its block of `blocks`
+    (polyspec.workers.core.tree.Blocks; a tree's rows along each node's own path); a free request's rows
+    unchanged, its prefixes never built."""
+    return [rows if grammar_of(p) is None else restrict_rows(rows, grammar_of(p), tree_prefixes(context, blocks[r].tokens, blocks[r].parents))
+            for r, (rows, p, context) in enumerate(zip(scored, params, contexts))]
 
 
 def node_context(context: list[int], tokens: list[int], parents: list[int], node: int) -> list[int]:

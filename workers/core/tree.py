@@ -6,7 +6,8 @@ the drafter's probability row the token was drawn from (the drafter's distributi
 the parent). A chain of k tokens is the tree with parents [-1, 0, 1, ..., k-2].
 
 Nodes are stored parents-first (a node's parent always has a smaller index), which is
-what the attention mask and the walk below rely on. (Also `common_prefix`, of two token lists: where a cache,
+what the attention mask and the walk below rely on. A call's blocks, one per request, travel
+as one `Blocks`: every request's nodes flattened with offsets, on the drafter's device. (Also `common_prefix`, of two token lists: where a cache,
 a grammar matcher or a context sent before parts from the context now.)
 """
 
@@ -67,6 +68,119 @@ class DraftTree:
         return self.parents == list(range(-1, len(self.tokens) - 1))
 
 
+class Blocks:
+    """Every request's drafted block of one call, flattened with offsets (vLLM's layout for draft tokens): request
+    r's nodes are `tokens[offsets[r]:offsets[r + 1]]`, each with its parent within its block in `parents` (-1: a
+    child of the root; a chain's are -1, 0, 1, ...), and where its block carries them (`carries[r]`; a greedy
+    draft and a lookup's proposal carry none) the drafter's rows `draft_rows[offsets[r]:offsets[r + 1]]`. The
+    tensors stay on the drafter's device from its draws to the verdict; the offsets and which blocks are chains
+    are on the host (the round's bookkeeping reads them without a copy). Read per request (`blocks[r]`: a
+    `DraftTree`), the tokens and parents are copied to the host once for the whole batch."""
+
+    def __init__(self, tokens: torch.Tensor, parents: torch.Tensor, offsets: list[int], chains: list[bool],
+                 draft_rows: torch.Tensor | None = None, carries: list[bool] | None = None,
+                 host: tuple[list[list[int]], list[list[int]]] | None = None) -> None:
+        assert len(offsets) == len(chains) + 1 and tokens.shape[0] == parents.shape[0] == offsets[-1]
+        assert draft_rows is None or (carries is not None and draft_rows.shape[0] == offsets[-1])
+        self.tokens = tokens  # [N] long
+        self.parents = parents  # [N] long
+        self.offsets = offsets  # [R + 1]
+        self.chains = chains  # [R]: request r's block is a chain
+        self.draft_rows = draft_rows  # [N, V] float32 (zeros where a block carries none), or None: none does
+        self.carries = carries if draft_rows is not None else [False] * len(chains)
+        self._host = host  # (tokens, parents) per request, when the drafter had them on the host already
+
+    @classmethod
+    def of(cls, trees: list[DraftTree], device: torch.device | str | None = None) -> "Blocks":
+        """The batch of `trees` on `device` (None: where their draft rows are, else the CPU)."""
+        offsets = [0]
+        for tree in trees:
+            offsets.append(offsets[-1] + len(tree))
+        tokens = [t for tree in trees for t in tree.tokens]
+        parents = [p for tree in trees for p in tree.parents]
+        carries = [tree.draft_rows is not None and len(tree) > 0 for tree in trees]
+        if device is None:
+            device = next((tree.draft_rows.device for tree, carried in zip(trees, carries) if carried), "cpu")
+        rows = None
+        if any(carries):
+            vocab = next(tree.draft_rows.shape[-1] for tree, carried in zip(trees, carries) if carried)
+            rows = torch.cat([tree.draft_rows.to(device, torch.float32) if carried else torch.zeros(len(tree), vocab, device=device)
+                              for tree, carried in zip(trees, carries)])
+        return cls(torch.tensor(tokens, dtype=torch.long).to(device), torch.tensor(parents, dtype=torch.long).to(device),
+                   offsets, [tree.is_chain() for tree in trees], rows, carries,
+                   ([list(tree.tokens) for tree in trees], [list(tree.parents) for tree in trees]))
+
+    @classmethod
+    def of_chains(cls, tokens: list[list[int]], rows: list[torch.Tensor | None], device: torch.device | str | None = None) -> "Blocks":
+        """The batch of chains `tokens[r]`, drawn from `rows[r]` ([len, V]; None: no rows)."""
+        return cls.of([DraftTree.chain(t, r) for t, r in zip(tokens, rows)], device)
+
+    @classmethod
+    def empty(cls, count: int, device: torch.device | str = "cpu") -> "Blocks":
+        """`count` empty blocks (nothing drafted)."""
+        return cls.of([DraftTree([], [], None) for _ in range(count)], device)
+
+    @classmethod
+    def gather(cls, count: int, parts: list[tuple[list[int], "Blocks"]]) -> "Blocks":
+        """One batch of `count` requests from `parts` (request indices, their blocks); a request in no part gets an
+        empty block. (A round whose requests are drafted by different tiers.)"""
+        if len(parts) == 1 and parts[0][0] == list(range(count)):
+            return parts[0][1]
+        trees: list[DraftTree] = [DraftTree([], [], None) for _ in range(count)]
+        for indices, blocks in parts:
+            for j, tree in zip(indices, blocks):
+                trees[j] = tree
+        return cls.of(trees, next((b.tokens.device for _, b in parts), None))
+
+    def __len__(self) -> int:
+        return len(self.chains)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [b - a for a, b in zip(self.offsets, self.offsets[1:])]
+
+    @property
+    def all_chains(self) -> bool:
+        return all(self.chains)
+
+    def nodes_of(self, values: torch.Tensor, requests: list[int]) -> torch.Tensor:
+        """`values` ([N, ...], one entry per node) of `requests`' nodes, concatenated in their order."""
+        if list(requests) == list(range(len(self))):
+            return values
+        index = [i for r in requests for i in range(self.offsets[r], self.offsets[r + 1])]
+        return values[torch.tensor(index, dtype=torch.long, device=values.device)]
+
+    def padded(self, values: torch.Tensor, requests: list[int], width: int, fill=0) -> torch.Tensor:
+        """`values` ([N, ...], one entry per node) of `requests`, a row each padded with `fill` to `width` nodes:
+        [len(requests), width, ...]."""
+        out = values.new_full((len(requests), width) + tuple(values.shape[1:]), fill)
+        if values.shape[0] == 0:
+            return out
+        device = values.device
+        starts = torch.tensor([self.offsets[r] for r in requests], device=device)
+        counts = torch.tensor([self.offsets[r + 1] - self.offsets[r] for r in requests], device=device)
+        columns = torch.arange(width, device=device)
+        inside = columns[None, :] < counts[:, None]
+        out[inside] = values[(starts[:, None] + columns[None, :])[inside]]
+        return out
+
+    def host(self) -> tuple[list[list[int]], list[list[int]]]:
+        """Every block's tokens and parents as host lists (one copy for the batch)."""
+        if self._host is None:
+            tokens, parents = self.tokens.tolist(), self.parents.tolist()
+            self._host = ([tokens[a:b] for a, b in zip(self.offsets, self.offsets[1:])],
+                          [parents[a:b] for a, b in zip(self.offsets, self.offsets[1:])])
+        return self._host
+
+    def __getitem__(self, r: int) -> DraftTree:
+        tokens, parents = self.host()
+        rows = self.draft_rows[self.offsets[r]: self.offsets[r + 1]] if self.carries[r] else None
+        return DraftTree(list(tokens[r]), list(parents[r]), rows)
+
+    def __iter__(self):
+        return (self[r] for r in range(len(self)))
+
+
 def tree_allowed(
     parents: list[int],
     node_positions: list[int] | dict[int, int],
@@ -104,7 +218,7 @@ def chain_draft_rows(block: DraftTree, vocab: int, device: torch.device | str = 
     return torch.nn.functional.one_hot(torch.tensor(block.tokens, dtype=torch.long, device=device), vocab).float()
 
 
-def path_rows(target_probs: torch.Tensor, block: DraftTree, path: list[int]) -> torch.Tensor:
-    """The verifier's rows at the root and below each accepted node ([len(path) + 1, V]): the rows the emitted
-    tokens (the accepted path, then the correction or bonus token) are distributed as."""
-    return target_probs[: len(path) + 1] if block.is_chain() else target_probs[[0] + [j + 1 for j in path]]
+def path_rows(target_probs: torch.Tensor, chain: bool, path: list[int]) -> torch.Tensor:
+    """The verifier's rows at the root and below each accepted node ([len(path) + 1, V]) of a block (`chain`: a
+    chain's): the rows the emitted tokens (the accepted path, then the correction or bonus token) are distributed as."""
+    return target_probs[: len(path) + 1] if chain else target_probs[[0] + [j + 1 for j in path]]

@@ -33,7 +33,7 @@ from polyspec.workers.core.device_verify import (
     verify_greedy_chains,
 )
 from polyspec.workers.core.sampling import RandomStream, SamplingParams
-from polyspec.workers.core.tree import DraftTree, chain_draft_rows
+from polyspec.workers.core.tree import Blocks
 
 
 def stream_key(generator, rounds: int = 1) -> tuple[int, int]:
@@ -139,32 +139,34 @@ class Verdicts:
         return (self[r] for r in range(len(self)))
 
 
-def verify_blocks(scored: list[torch.Tensor], blocks: list[DraftTree], params: list[SamplingParams], generators,
-                  scheme: str) -> Verdicts:
+def verify_blocks(scored: list[torch.Tensor], blocks: Blocks, params: list[SamplingParams], generators, scheme: str) -> Verdicts:
     """Each request's verdict on its block (accepted path, next token) from the verifier's warped rows `scored[r]`
     [len(block) + 1, V]: the chains by the tensor verifier of chains (greedy ones from the argmax alone), the trees by
     the tree verifier (`scheme`), each request drawing from one round of its stream (device_verify's domains: a
     seeded request's verdict is the same alone or in any batch). A block that carries no draft rows (a lookup's
-    proposals) is a point mass. Every group's verdicts stay on the device, gathered into one `Verdicts`."""
+    proposals) is a point mass. The drafts are read from the flattened batch; every group's verdicts stay on the
+    device, gathered into one `Verdicts`."""
     device = scored[0].device
     count = len(blocks)
+    sizes = blocks.lengths
     lengths = torch.zeros(count, dtype=torch.long, device=device)
     next_tokens = torch.zeros(count, dtype=torch.long, device=device)
     node_paths = None
-    greedy = [r for r, (b, p) in enumerate(zip(blocks, params)) if b.is_chain() and p.greedy]
-    sampled = [r for r, (b, p) in enumerate(zip(blocks, params)) if b.is_chain() and not p.greedy]
-    trees = [r for r, b in enumerate(blocks) if not b.is_chain()]
+    greedy = [r for r in range(count) if blocks.chains[r] and params[r].greedy]
+    sampled = [r for r in range(count) if blocks.chains[r] and not params[r].greedy]
+    trees = [r for r in range(count) if not blocks.chains[r]]
     # every request's stream gives one round to its verdict, drawn on or not (a seeded request's later draws do
     # not depend on its neighbours' rules); the columns are built only where something draws
-    draws = Draws.of(params, generators, [1] * len(blocks), device) if sampled or trees else None
+    draws = Draws.of(params, generators, [1] * count, device) if sampled or trees else None
     if draws is None:
         for generator in generators:
             stream_key(generator, 1)
+    tokens = blocks.tokens.to(device)
     if greedy:
-        width = max(len(blocks[r]) for r in greedy)
-        argmax = torch.stack([torch.nn.functional.pad(scored[r].argmax(dim=-1), (0, width - len(blocks[r]))) for r in greedy])
-        drafts = torch.tensor([blocks[r].tokens + [0] * (width - len(blocks[r])) for r in greedy], dtype=torch.long, device=device)
-        accepted, following = verify_greedy_chains(argmax, drafts, torch.tensor([len(blocks[r]) for r in greedy], device=device))
+        width = max(sizes[r] for r in greedy)
+        argmax = torch.stack([torch.nn.functional.pad(scored[r].argmax(dim=-1), (0, width - sizes[r])) for r in greedy])
+        accepted, following = verify_greedy_chains(argmax, blocks.padded(tokens, greedy, width),
+                                                   torch.tensor([sizes[r] for r in greedy], device=device))
         if len(greedy) == count:  # (the common call: every block a greedy chain)
             lengths, next_tokens = accepted.long(), following.long()
         else:
@@ -172,15 +174,14 @@ def verify_blocks(scored: list[torch.Tensor], blocks: list[DraftTree], params: l
             lengths[index], next_tokens[index] = accepted.long(), following.long()
     if sampled:
         index = torch.tensor(sampled, device=device)
-        chain_lengths = [len(blocks[r]) for r in sampled]
+        chain_lengths = [sizes[r] for r in sampled]
         cu_num_draft = torch.tensor([0] + chain_lengths, device=device).cumsum(0)
-        tokens = torch.tensor([t for r in sampled for t in blocks[r].tokens], dtype=torch.long, device=device)
         vocab = scored[sampled[0]].shape[-1]
-        draft_rows = [chain_draft_rows(blocks[r], vocab, device) for r in sampled]
         accepted, following = verify_chains(
-            torch.cat([scored[r] for r in sampled]), torch.cat(draft_rows) if tokens.numel() else torch.zeros(0, vocab, device=device),
-            tokens, cu_num_draft, draws.greedy[index], stream_uniforms(draws.seeds[index], draws.counters[index], DOMAIN_ACCEPT,
-                                                                        max(chain_lengths)).reshape(-1)[_flat_index(chain_lengths, max(chain_lengths))],
+            torch.cat([scored[r] for r in sampled]), _chain_rows(blocks, sampled, tokens, vocab, device),
+            blocks.nodes_of(tokens, sampled), cu_num_draft, draws.greedy[index],
+            stream_uniforms(draws.seeds[index], draws.counters[index], DOMAIN_ACCEPT,
+                            max(chain_lengths)).reshape(-1)[_flat_index(chain_lengths, max(chain_lengths))],
             stream_exponentials(draws.seeds[index], draws.counters[index], DOMAIN_NEXT, vocab))
         if len(sampled) == count:
             lengths, next_tokens = accepted.long(), following.long()
@@ -189,25 +190,39 @@ def verify_blocks(scored: list[torch.Tensor], blocks: list[DraftTree], params: l
     if trees:
         index = torch.tensor(trees, device=device)
         vocab = scored[trees[0]].shape[-1]
-        nodes = max(len(blocks[r]) for r in trees)
-        node_tokens, parents, num_nodes, draft_probs = pack_trees([blocks[r] for r in trees], nodes, vocab, device)
+        nodes = max(sizes[r] for r in trees)
+        node_tokens, parents, num_nodes, draft_probs = pack_trees(blocks, trees, nodes, vocab, device)
         target = torch.zeros(len(trees), nodes + 1, vocab, device=device)
         for row, r in enumerate(trees):
-            target[row, : len(blocks[r]) + 1] = scored[r]
-        tree_depth = max(max(blocks[r].depths(), default=-1) + 1 for r in trees)
-        width = max(max([blocks[r].parents.count(p) for p in set(blocks[r].parents)], default=0) for r in trees)
+            target[row, : sizes[r] + 1] = scored[r]
+        shapes = [blocks[r] for r in trees]  # (host lists: a tree's depth and width bound the walk)
+        tree_depth = max(max(tree.depths(), default=-1) + 1 for tree in shapes)
+        width = max(max([tree.parents.count(p) for p in set(tree.parents)], default=0) for tree in shapes)
         if all(params[r].greedy for r in trees):
             path, path_len, following = verify_greedy_trees(target, node_tokens, parents, num_nodes, tree_depth, max(width, 1))
         else:
             path, path_len, following = verify_trees(target, draft_probs, node_tokens, parents, num_nodes, draws.greedy[index],
                                                      *tree_draws(draws.seeds[index], draws.counters[index], nodes, vocab), scheme,
                                                      tree_depth, max(width, 1))
-        depth = max(max(len(b), 1) for b in blocks)
+        depth = max(max(sizes), 1)
         node_paths = torch.arange(depth, device=device).repeat(count, 1)  # [R, D]: a chain accepts nodes 0 .. n - 1
         columns = min(path.shape[1], depth)
         node_paths[index, :columns] = path[:, :columns].long()
         lengths[index], next_tokens[index] = path_len.long(), following.long()
     return Verdicts(lengths, next_tokens, node_paths)
+
+
+def _chain_rows(blocks: Blocks, requests: list[int], tokens: torch.Tensor, vocab: int, device) -> torch.Tensor:
+    """The draft rows of `requests`' chains ([nodes, V] float32 on `device`): the drafter's, or point masses at the
+    tokens of a block that carries none (a lookup's proposals)."""
+    point = [r for r in requests if not blocks.carries[r]]
+    if not point:
+        return blocks.nodes_of(blocks.draft_rows, requests).to(device, torch.float32)
+    masses = torch.nn.functional.one_hot(blocks.nodes_of(tokens, requests), vocab).float()
+    if len(point) == len(requests):
+        return masses
+    carried = torch.tensor([blocks.carries[r] for r in requests for _ in range(blocks.lengths[r])], device=device)
+    return torch.where(carried[:, None], blocks.nodes_of(blocks.draft_rows, requests).to(device, torch.float32), masses)
 
 
 def _flat_index(lengths: list[int], width: int) -> torch.Tensor:

@@ -11,6 +11,8 @@ call takes a list of requests (a single request is a batch of one):
   requests in it);
 - `draft_tree_batch(seq_ids, contexts, width, depths, params, scheme, generators)`: each
   request's draft tree (`width` chains sharing the root), one forward per tree level, all requests in it;
+  (the blocks, drafted or scored: a `Blocks`, polyspec.workers.core.tree: every request's nodes flattened
+  with offsets, on the drafter's device)
 - `verify_batch(seq_ids, contexts, blocks, params, generators, want_rows, scheme, below)`: score
   every request's block (a chain or a tree) and verify it with its own generator; after a tree
   verdict this tier and `below` keep only the accepted path;
@@ -56,7 +58,7 @@ from polyspec.workers.core.device_verify import confidence
 from polyspec.workers.core.grammar import cut_at_disallowed, grammar_of, node_context, restrict_blocks, restrict_each
 from polyspec.workers.core.sampling import SamplingParams, warp_logits
 from polyspec.workers.core.verdicts import Draws, Verdicts, verify_blocks
-from polyspec.workers.core.tree import DraftTree, path_rows, tree_allowed
+from polyspec.workers.core.tree import Blocks, DraftTree, path_rows, tree_allowed
 from polyspec.workers.tiers.batched_llama import BatchedLlama, PendingTree, RowLayout, step_unsupported
 from polyspec.workers.tiers.loading import return_freed_memory
 from polyspec.workers.tiers.tier import ModelTier, NGramTier, Tier, copy_forward
@@ -220,23 +222,22 @@ class BatchedTier:
         """Cache up to `budget` tokens of the contexts' prefixes (all but the last token); returns tokens fed."""
         return 0
 
-    def draft_batch(self, seq_ids, contexts, counts: list[int], params, generators) -> list[tuple[list[int], torch.Tensor | None]]:
-        """Each request's block of up to `counts[r]` tokens, with the rows they were drawn from ([k, V] float32;
-        None when greedy). A chain is a draft tree of one candidate: by default, `draft_tree_batch` with width 1
+    def draft_batch(self, seq_ids, contexts, counts: list[int], params, generators) -> Blocks:
+        """Each request's chain of up to `counts[r]` tokens, with the rows they were drawn from ([k, V] float32;
+        none when greedy). A chain is a draft tree of one candidate: by default, `draft_tree_batch` with width 1
         (a model tier drafts its chains with a loop of its own)."""
-        trees = self.draft_tree_batch(seq_ids, contexts, 1, counts, params, "specinfer", generators)
-        return [(tree.tokens, tree.draft_rows) for tree in trees]
+        return self.draft_tree_batch(seq_ids, contexts, 1, counts, params, "specinfer", generators)
 
-    def draft_tree_batch(self, seq_ids, contexts, width: int, depths: list[int], params, scheme: str, generators) -> list[DraftTree]:
+    def draft_tree_batch(self, seq_ids, contexts, width: int, depths: list[int], params, scheme: str, generators) -> Blocks:
         """Each request's draft tree: `width` candidate chains of `depths[r]` tokens sharing the root."""
         raise NotImplementedError
 
-    def score_batch(self, seq_ids, contexts, blocks: list[DraftTree], params: list[SamplingParams]) -> list[torch.Tensor]:
+    def score_batch(self, seq_ids, contexts, blocks: Blocks, params: list[SamplingParams]) -> list[torch.Tensor]:
         """ONE forward over every request's uncached context tail plus its block: each request's warped rows
         [len(block) + 1, V] (at the last context token, then at each block node)."""
         raise NotImplementedError(f"tier {self.name!r} cannot verify")
 
-    def verify_batch(self, seq_ids, contexts, blocks: list[DraftTree], params: list[SamplingParams], generators,
+    def verify_batch(self, seq_ids, contexts, blocks: Blocks, params: list[SamplingParams], generators,
                      want_rows: bool = False, scheme: str = "specinfer", below: "BatchedTier | None" = None) -> Verdicts:
         """Score every request's block (`score_batch`) and verify it (`verify_blocks`: a chain by the greedy rule or
         speculative sampling against the block's draft rows; a tree by the multi-draft `scheme`), after which this
@@ -244,16 +245,16 @@ class BatchedTier:
         with the rows of the emitted tokens (a middle tier passes them up)."""
         scored = self.score_batch(seq_ids, contexts, blocks, params)
         verdicts = verify_blocks(scored, blocks, params, generators, scheme)
-        if want_rows or any(not block.is_chain() for block in blocks):
+        if want_rows or not blocks.all_chains:
             paths = [verdict.path for verdict in verdicts]
-            for seq_id, block, path in zip(seq_ids, blocks, paths):
-                if not block.is_chain():
+            for seq_id, chain, path in zip(seq_ids, blocks.chains, paths):
+                if not chain:
                     self.accept_path(seq_id, path)
                     if below is not None:
                         below.accept_path(seq_id, path)
             if want_rows:
-                verdicts.rows = [None if p.greedy else path_rows(target_probs, block, path)
-                                 for target_probs, block, p, path in zip(scored, blocks, params, paths)]
+                verdicts.rows = [None if p.greedy else path_rows(target_probs, chain, path)
+                                 for target_probs, chain, p, path in zip(scored, blocks.chains, params, paths)]
         return verdicts
 
     def accept_path(self, seq_id, path: list[int]) -> None:
@@ -482,17 +483,19 @@ class BatchedModelTier(BatchedTier):
             start = end
         return sum(len(f) for f in feeds)
 
-    def score_batch(self, seq_ids, contexts, blocks: list[DraftTree], params: list[SamplingParams]) -> list[torch.Tensor]:
+    def score_batch(self, seq_ids, contexts, blocks: Blocks, params: list[SamplingParams]) -> list[torch.Tensor]:
         slots, feeds, outputs, layouts = [], [], [], []
-        for seq_id, context, block in zip(seq_ids, contexts, blocks):
+        block_tokens, _ = blocks.host()
+        for r, (seq_id, context) in enumerate(zip(seq_ids, contexts)):
             slot = self.cache.slot(seq_id)
             tail = self._sync(slot, context)
             layout = None
-            if not block.is_chain():
+            if not blocks.chains[r]:
+                block = blocks[r]
                 pending = self.cache.pending[slot] = PendingTree(len(context), {})
                 layout = self._tree_layout(slot, pending, tail, block, list(range(len(block))), block.depths())
             slots.append(slot)
-            feeds.append(tail + block.tokens)
+            feeds.append(tail + block_tokens[r])
             outputs.append(len(tail) - 1)
             layouts.append(layout)
         logits = self._forward(slots, feeds, outputs, layouts if any(layouts) else None)  # each [len(block) + 1, V]
@@ -553,10 +556,9 @@ class BatchedModelTier(BatchedTier):
         position j draws from round j of the `counts[r]` rounds it takes). An early exit
         (`Tier.exit_threshold`, or a request's own: BiLD's fallback) ends a request's block after its first
         token drafted below the threshold: the exit reads the drafter's own rows only, so verification stays exact."""
-        out: list[tuple[list[int], torch.Tensor | None]] = [([], None) for _ in seq_ids]
         live = [r for r, count in enumerate(counts) if count > 0]
         if not live:
-            return out
+            return Blocks.empty(len(seq_ids), self.logits_device)
         rows = self._rows([seq_ids[r] for r in live], [contexts[r] for r in live])
         draws = Draws.of([params[r] for r in live], [generators[r] for r in live], [counts[r] for r in live], self.logits_device)
         thresholds = [self.tier.exit_by_seq.get(seq_ids[r], self.tier.exit_threshold) for r in live]
@@ -580,9 +582,12 @@ class BatchedModelTier(BatchedTier):
                     rows[i].queue.append(token)
 
         self._steps(rows, draw)
+        chains: list[list[int]] = [[] for _ in seq_ids]
+        chain_rows: list[torch.Tensor | None] = [None] * len(seq_ids)
         for i, r in enumerate(live):
-            out[r] = (tokens[i], None if params[r].greedy else torch.stack(drawn_rows[i]))
-        return out
+            chains[r] = tokens[i]
+            chain_rows[r] = None if params[r].greedy else torch.stack(drawn_rows[i])
+        return Blocks.of_chains(chains, chain_rows, self.logits_device)
 
     def draft_tree_batch(self, seq_ids, contexts, width, depths, params, scheme, generators):
         """Each request's tree of `width` chains: its row brought up to its context and its `width` root candidates
@@ -592,7 +597,7 @@ class BatchedModelTier(BatchedTier):
         trees = [DraftTree([], [], None) for _ in seq_ids]
         live = [r for r, depth in enumerate(depths) if depth > 0]
         if not live:
-            return trees
+            return Blocks.of(trees, self.logits_device)
         rows = self._rows([seq_ids[r] for r in live], [contexts[r] for r in live])
         reached: dict[int, torch.Tensor] = {}
         self._steps(rows, reached.update)
@@ -644,7 +649,7 @@ class BatchedModelTier(BatchedTier):
                 frontier[i] = grown
         for i, r in enumerate(live):
             trees[r].draft_rows = None if params[r].greedy or not drawn_rows[i] else torch.stack(drawn_rows[i])
-        return trees
+        return Blocks.of(trees, self.logits_device)
 
 
 class NGramIndex:
@@ -729,7 +734,7 @@ class BatchedNGramTier(BatchedTier):
                 tree.draft_rows = torch.nn.functional.one_hot(torch.tensor(tree.tokens, dtype=torch.long), self.vocab_size).float()
             trees.append(tree)
         self.tier.busy_s += time.perf_counter() - started
-        return trees
+        return Blocks.of(trees)
 
 
 def batched_tiers(tiers: list[Tier], max_slots: int | None = None, steps: bool = False, context: int | None = None) -> list[BatchedTier]:

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from polyspec.workers.core.grammar import restrict_blocks
 from polyspec.workers.core.sampling import SamplingParams, warp_logits
-from polyspec.workers.core.tree import DraftTree
+from polyspec.workers.core.tree import Blocks, DraftTree
 from polyspec.workers.tiers.batched import BatchedModelTier, Row
 from polyspec.workers.tiers.batched_llama import BatchedLlama, PendingTree, RowLayout, linear_function
 from polyspec.workers.tiers.feature_tier import FeatureTier, head_trunk
@@ -153,20 +153,21 @@ class BatchedFeatureTier(BatchedModelTier):
 
     # ------------------------------------------------------------------ verification
 
-    def score_batch(self, seq_ids, contexts, blocks: list[DraftTree], params: list[SamplingParams]) -> list[torch.Tensor]:
+    def score_batch(self, seq_ids, contexts, blocks: Blocks, params: list[SamplingParams]) -> list[torch.Tensor]:
         """Every request's rows [len(block) + 1, V] after its context, the block's tokens
         fed one a forward after the first, each read with the head's prediction at the position before."""
-        if not all(block.is_chain() for block in blocks):
+        if not blocks.all_chains:
             raise NotImplementedError(f"tier {self.name!r} (a feature head) verifies chains only; "
                                       "a tree must be verified by the target")
         rows = self._rows(seq_ids, contexts)
         scored: list[list[torch.Tensor]] = [[] for _ in seq_ids]
+        block_tokens, _ = blocks.host()
 
         def record(ready: dict[int, torch.Tensor]) -> None:
             for i, logits in ready.items():
                 scored[i].append(logits)
-                if len(scored[i]) <= len(blocks[i]):
-                    rows[i].queue.append(blocks[i].tokens[len(scored[i]) - 1])
+                if len(scored[i]) <= len(block_tokens[i]):
+                    rows[i].queue.append(block_tokens[i][len(scored[i]) - 1])
 
         if rows:
             self._steps(rows, record)

@@ -16,7 +16,7 @@ import itertools
 import torch
 
 from polyspec.workers.core.sampling import SamplingParams
-from polyspec.workers.core.tree import DraftTree
+from polyspec.workers.core.tree import Blocks
 from polyspec.workers.tiers.weight_only import switch_rows
 
 
@@ -37,7 +37,7 @@ def scratch_score(tier, context: list[int], seq_id=None, temperature: float = 1.
     scratch = scratch_sequence(("once", next(_scratch_ids)) if seq_id is None else seq_id)
     params = SamplingParams(temperature=temperature)
     try:
-        return tier.score_batch([scratch], [list(context)], [DraftTree([], [], None)], [params])[0][-1]
+        return tier.score_batch([scratch], [list(context)], Blocks.empty(1), [params])[0][-1]
     finally:
         if seq_id is None:
             tier.release(scratch)
