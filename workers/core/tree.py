@@ -93,27 +93,31 @@ class Blocks:
     @classmethod
     def of(cls, trees: list[DraftTree], device: torch.device | str | None = None) -> "Blocks":
         """The batch of `trees` on `device` (None: where their draft rows are, else the CPU)."""
-        offsets = [0]
-        for tree in trees:
-            offsets.append(offsets[-1] + len(tree))
-        tokens = [t for tree in trees for t in tree.tokens]
-        parents = [p for tree in trees for p in tree.parents]
-        carries = [tree.draft_rows is not None and len(tree) > 0 for tree in trees]
-        if device is None:
-            device = next((tree.draft_rows.device for tree, carried in zip(trees, carries) if carried), "cpu")
-        rows = None
-        if any(carries):
-            vocab = next(tree.draft_rows.shape[-1] for tree, carried in zip(trees, carries) if carried)
-            rows = torch.cat([tree.draft_rows.to(device, torch.float32) if carried else torch.zeros(len(tree), vocab, device=device)
-                              for tree, carried in zip(trees, carries)])
-        return cls(torch.tensor(tokens, dtype=torch.long).to(device), torch.tensor(parents, dtype=torch.long).to(device),
-                   offsets, [tree.is_chain() for tree in trees], rows, carries,
-                   ([list(tree.tokens) for tree in trees], [list(tree.parents) for tree in trees]))
+        return cls._build([list(tree.tokens) for tree in trees], [list(tree.parents) for tree in trees],
+                          [tree.is_chain() for tree in trees], [tree.draft_rows for tree in trees], device)
 
     @classmethod
     def of_chains(cls, tokens: list[list[int]], rows: list[torch.Tensor | None], device: torch.device | str | None = None) -> "Blocks":
         """The batch of chains `tokens[r]`, drawn from `rows[r]` ([len, V]; None: no rows)."""
-        return cls.of([DraftTree.chain(t, r) for t, r in zip(tokens, rows)], device)
+        return cls._build(tokens, [list(range(-1, len(t) - 1)) for t in tokens], [True] * len(tokens), rows, device)
+
+    @classmethod
+    def _build(cls, tokens: list[list[int]], parents: list[list[int]], chains: list[bool], rows: list[torch.Tensor | None],
+               device) -> "Blocks":
+        offsets = [0]
+        for block in tokens:
+            offsets.append(offsets[-1] + len(block))
+        carries = [r is not None and len(block) > 0 for block, r in zip(tokens, rows)]
+        if device is None:
+            device = next((r.device for r, carried in zip(rows, carries) if carried), "cpu")
+        flat_rows = None
+        if any(carries):
+            vocab = next(r.shape[-1] for r, carried in zip(rows, carries) if carried)
+            flat_rows = torch.cat([r.to(device, torch.float32) if carried else torch.zeros(len(block), vocab, device=device)
+                                   for block, r, carried in zip(tokens, rows, carries)])
+        flat = torch.tensor([t for block in tokens for t in block] + [p for block in parents for p in block], dtype=torch.long)
+        flat = flat.to(device)  # (one copy for both)
+        return cls(flat[: offsets[-1]], flat[offsets[-1]:], offsets, chains, flat_rows, carries, (tokens, parents))
 
     @classmethod
     def empty(cls, count: int, device: torch.device | str = "cpu") -> "Blocks":
@@ -152,17 +156,18 @@ class Blocks:
 
     def padded(self, values: torch.Tensor, requests: list[int], width: int, fill=0) -> torch.Tensor:
         """`values` ([N, ...], one entry per node) of `requests`, a row each padded with `fill` to `width` nodes:
-        [len(requests), width, ...]."""
-        out = values.new_full((len(requests), width) + tuple(values.shape[1:]), fill)
-        if values.shape[0] == 0:
-            return out
-        device = values.device
-        starts = torch.tensor([self.offsets[r] for r in requests], device=device)
-        counts = torch.tensor([self.offsets[r + 1] - self.offsets[r] for r in requests], device=device)
-        columns = torch.arange(width, device=device)
-        inside = columns[None, :] < counts[:, None]
-        out[inside] = values[(starts[:, None] + columns[None, :])[inside]]
-        return out
+        [len(requests), width, ...] (a view of `values` when every request is there and every block is that wide)."""
+        requests = list(requests)
+        sizes = [self.offsets[r + 1] - self.offsets[r] for r in requests]
+        rest = tuple(values.shape[1:])
+        if requests == list(range(len(self))) and all(size == width for size in sizes):
+            return values.view((len(requests), width) + rest)
+        out = values.new_full((len(requests) * width,) + rest, fill)
+        source = [self.offsets[r] + j for r, size in zip(requests, sizes) for j in range(size)]
+        if source:
+            target = [i * width + j for i, size in enumerate(sizes) for j in range(size)]
+            out[torch.tensor(target, device=values.device)] = values[torch.tensor(source, device=values.device)]
+        return out.view((len(requests), width) + rest)
 
     def host(self) -> tuple[list[list[int]], list[list[int]]]:
         """Every block's tokens and parents as host lists (one copy for the batch)."""
