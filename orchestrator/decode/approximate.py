@@ -32,7 +32,7 @@ from polyspec.workers.core.approximate import (
 from polyspec.workers.core.context import Context
 from polyspec.workers.core.sampling import SamplingParams
 from polyspec.workers.core.tree import Blocks, DraftTree, chain_draft_rows
-from polyspec.workers.core.verdicts import verify_blocks
+from polyspec.workers.core.verdicts import ScoredRows, verify_blocks
 
 ROUND_MODES = (BILD, REFLECTIVE)
 STEP_MODES = (SPECREASON, SPECULATIVE_THINKING)
@@ -59,7 +59,7 @@ def verdict(run, level: int, target_probs: torch.Tensor, block: DraftTree, schem
     check."""
     rule = getattr(run, "rule", None)
     if rule is None or level != 0:
-        verdict = verify_blocks([target_probs], Blocks.of([block], target_probs.device), [run.params], [generator], scheme)[0]
+        verdict = verify_blocks(ScoredRows.of([target_probs]), Blocks.of([block], target_probs.device), [run.params], [generator], scheme)[0]
         return verdict.path, verdict.next_token
     return rule.verify(target_probs, block, run.params.greedy, generator)
 

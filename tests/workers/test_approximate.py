@@ -30,7 +30,7 @@ from polyspec.workers.core.approximate import (
 from polyspec.workers.core.errors import ConfigError
 from polyspec.workers.core.sampling import SamplingParams
 from polyspec.workers.core.tree import Blocks, DraftTree
-from polyspec.workers.core.verdicts import verify_blocks
+from polyspec.workers.core.verdicts import ScoredRows, verify_blocks
 
 
 def rows(*probabilities: list[float]) -> torch.Tensor:
@@ -296,7 +296,7 @@ def test_sampled_reflective_acceptance_is_speculative_sampling_against_the_fused
     draft_probs = rows([0.0, 1.0, 0.0])
     draft_tokens = torch.tensor([1])
     fused = fuse_reflective(target_probs[:1], reflective_probs, 0.5)
-    verdict = verify_blocks([torch.cat([fused, target_probs[1:]])], Blocks.of([DraftTree.chain([1], draft_probs)]),
+    verdict = verify_blocks(ScoredRows.of([torch.cat([fused, target_probs[1:]])]), Blocks.of([DraftTree.chain([1], draft_probs)]),
                             [SamplingParams(temperature=1.0)], [torch.Generator().manual_seed(3)], "specinfer")[0]
     path, token = verdict.path, verdict.next_token
     got = verify_reflective(target_probs, reflective_probs, draft_tokens, draft_probs, 0.5, torch.Generator().manual_seed(3))

@@ -72,3 +72,19 @@ def test_of_chains_keeps_greedy_chains_without_rows():
     blocks = Blocks.of_chains([[4, 5], [6]], [None, None])
     assert blocks.draft_rows is None and blocks.carries == [False, False] and blocks.all_chains
     assert [b.draft_rows for b in blocks] == [None, None] and blocks.host()[0] == [[4, 5], [6]]
+
+
+def test_scored_rows_pack_each_requests_warped_rows_and_read_back_as_them():
+    """Alike requests are warped at once, mixed ones one by one: either way each request's rows are its own warp."""
+    from polyspec.workers.core.sampling import SamplingParams, warp_logits
+    from polyspec.workers.core.verdicts import ScoredRows
+
+    logits = [torch.randn(n, VOCAB, generator=torch.Generator().manual_seed(n)) for n in (4, 1, 3)]
+    for params in ([SamplingParams(temperature=0.7)] * 3,
+                   [SamplingParams(), SamplingParams(temperature=1.0, top_k=3), SamplingParams(temperature=0.5, top_p=0.6)]):
+        scored = ScoredRows.warped(logits, params)
+        assert len(scored) == 3 and scored.offsets == [0, 4, 5, 8] and scored.rows.shape == (8, VOCAB)
+        for rows, one, p in zip(scored, logits, params):
+            assert torch.allclose(rows, warp_logits(one, p), atol=1e-7)
+    packed = ScoredRows.of(logits)
+    assert torch.equal(packed[2], logits[2]) and packed.padded(packed.rows, [1], 2, 0.0)[0, 1].abs().sum() == 0

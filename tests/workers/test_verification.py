@@ -602,7 +602,7 @@ def test_a_lookup_chain_without_draft_rows_is_verified_against_point_masses():
 
     from polyspec.workers.core.sampling import SamplingParams
     from polyspec.workers.core.tree import Blocks, DraftTree
-    from polyspec.workers.core.verdicts import verify_blocks
+    from polyspec.workers.core.verdicts import ScoredRows, verify_blocks
 
     target_probs = torch.softmax(torch.randn(4, 11, generator=torch.Generator().manual_seed(3)), dim=-1)  # [k + 1, V]
     tokens = [2, 7, 5]
@@ -610,9 +610,9 @@ def test_a_lookup_chain_without_draft_rows_is_verified_against_point_masses():
     sampled = SamplingParams(temperature=1.0)
     verdicts = set()
     for seed in range(20):
-        got = verify_blocks([target_probs], Blocks.of([DraftTree.chain(tokens, None)]), [sampled], [torch.Generator().manual_seed(seed)],
+        got = verify_blocks(ScoredRows.of([target_probs]), Blocks.of([DraftTree.chain(tokens, None)]), [sampled], [torch.Generator().manual_seed(seed)],
                             "specinfer")[0]
-        given = verify_blocks([target_probs], Blocks.of([DraftTree.chain(tokens, rows)]), [sampled], [torch.Generator().manual_seed(seed)],
+        given = verify_blocks(ScoredRows.of([target_probs]), Blocks.of([DraftTree.chain(tokens, rows)]), [sampled], [torch.Generator().manual_seed(seed)],
                               "specinfer")[0]
         assert got == given
         verdicts.add((len(got.path), got.next_token))
@@ -625,7 +625,7 @@ def test_a_calls_verdicts_are_device_tensors_with_offsets():
     verdict alone."""
     from polyspec.workers.core.sampling import SamplingParams
     from polyspec.workers.core.tree import Blocks, DraftTree
-    from polyspec.workers.core.verdicts import Verdicts, verify_blocks
+    from polyspec.workers.core.verdicts import ScoredRows, Verdicts, verify_blocks
 
     vocab = 11
     torch.manual_seed(0)
@@ -637,9 +637,9 @@ def test_a_calls_verdicts_are_device_tensors_with_offsets():
               DraftTree([], [], None)]
     scored = [target[: len(b) + 1] for b in blocks]
     params = [greedy, greedy, sampled, greedy]
-    verdicts = verify_blocks(scored, Blocks.of(blocks), params, [torch.Generator().manual_seed(r) for r in range(4)], "specinfer")
+    verdicts = verify_blocks(ScoredRows.of(scored), Blocks.of(blocks), params, [torch.Generator().manual_seed(r) for r in range(4)], "specinfer")
     assert isinstance(verdicts, Verdicts) and verdicts.paths.device == target.device and len(verdicts) == 4
-    alone = [verify_blocks([s], Blocks.of([b]), [p], [torch.Generator().manual_seed(r)], "specinfer")[0]
+    alone = [verify_blocks(ScoredRows.of([s]), Blocks.of([b]), [p], [torch.Generator().manual_seed(r)], "specinfer")[0]
              for r, (s, b, p) in enumerate(zip(scored, blocks, params))]
     assert [(v.path, v.next_token) for v in verdicts] == [(v.path, v.next_token) for v in alone]
     lengths = [len(v.path) for v in alone]

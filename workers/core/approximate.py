@@ -44,7 +44,7 @@ from polyspec.workers.core.approximate_mode import (  # noqa: F401 (re-exported:
 )
 from polyspec.workers.core.sampling import SamplingParams, sample
 from polyspec.workers.core.tree import Blocks
-from polyspec.workers.core.verdicts import verify_blocks
+from polyspec.workers.core.verdicts import ScoredRows, verify_blocks
 
 # ---------------------------------------------------------------------------------
 # BiLD: fallback and rollback
@@ -248,7 +248,7 @@ def verify_reflective(
     rows = torch.cat([fused, target_probs[num_drafts:].float()], dim=0)  # [k+1, V]
     block = Blocks.of_chains([draft_tokens.tolist()], [draft_probs], rows.device)
     params = SamplingParams(temperature=0.0 if draft_probs is None else 1.0)
-    verdict = verify_blocks([rows], block, [params], [generator], "specinfer")[0]
+    verdict = verify_blocks(ScoredRows.of([rows]), block, [params], [generator], "specinfer")[0]
     path, next_token = verdict.path, verdict.next_token
     return len(path), next_token
 

@@ -68,7 +68,44 @@ class DraftTree:
         return self.parents == list(range(-1, len(self.tokens) - 1))
 
 
-class Blocks:
+class Ragged:
+    """Per-request runs of rows laid one after the other: request r's are rows `offsets[r]:offsets[r + 1]` of any
+    tensor laid out as they are (vLLM's layout with offsets). `Blocks` (a call's drafted nodes) and
+    polyspec.workers.core.verdicts.ScoredRows (a verifier's rows for them) are laid out so."""
+
+    offsets: list[int]  # [R + 1], on the host
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def lengths(self) -> list[int]:
+        return [b - a for a, b in zip(self.offsets, self.offsets[1:])]
+
+    def nodes_of(self, values: torch.Tensor, requests: list[int]) -> torch.Tensor:
+        """`values` ([N, ...], laid out as these runs) of `requests`' runs, concatenated in their order."""
+        if list(requests) == list(range(len(self))):
+            return values
+        index = [i for r in requests for i in range(self.offsets[r], self.offsets[r + 1])]
+        return values[torch.tensor(index, dtype=torch.long, device=values.device)]
+
+    def padded(self, values: torch.Tensor, requests: list[int], width: int, fill=0) -> torch.Tensor:
+        """`values` ([N, ...], laid out as these runs) of `requests`, a row each padded with `fill` to `width`:
+        [len(requests), width, ...] (a view of `values` when every request is there and every run is that wide)."""
+        requests = list(requests)
+        sizes = [self.offsets[r + 1] - self.offsets[r] for r in requests]
+        rest = tuple(values.shape[1:])
+        if requests == list(range(len(self))) and all(size == width for size in sizes):
+            return values.view((len(requests), width) + rest)
+        out = values.new_full((len(requests) * width,) + rest, fill)
+        source = [self.offsets[r] + j for r, size in zip(requests, sizes) for j in range(size)]
+        if source:
+            target = [i * width + j for i, size in enumerate(sizes) for j in range(size)]
+            out[torch.tensor(target, device=values.device)] = values[torch.tensor(source, device=values.device)]
+        return out.view((len(requests), width) + rest)
+
+
+class Blocks(Ragged):
     """Every request's drafted block of one call, flattened with offsets (vLLM's layout for draft tokens): request
     r's nodes are `tokens[offsets[r]:offsets[r + 1]]`, each with its parent within its block in `parents` (-1: a
     child of the root; a chain's are -1, 0, 1, ...), and where its block carries them (`carries[r]`; a greedy
@@ -136,38 +173,9 @@ class Blocks:
                 trees[j] = tree
         return cls.of(trees, next((b.tokens.device for _, b in parts), None))
 
-    def __len__(self) -> int:
-        return len(self.chains)
-
-    @property
-    def lengths(self) -> list[int]:
-        return [b - a for a, b in zip(self.offsets, self.offsets[1:])]
-
     @property
     def all_chains(self) -> bool:
         return all(self.chains)
-
-    def nodes_of(self, values: torch.Tensor, requests: list[int]) -> torch.Tensor:
-        """`values` ([N, ...], one entry per node) of `requests`' nodes, concatenated in their order."""
-        if list(requests) == list(range(len(self))):
-            return values
-        index = [i for r in requests for i in range(self.offsets[r], self.offsets[r + 1])]
-        return values[torch.tensor(index, dtype=torch.long, device=values.device)]
-
-    def padded(self, values: torch.Tensor, requests: list[int], width: int, fill=0) -> torch.Tensor:
-        """`values` ([N, ...], one entry per node) of `requests`, a row each padded with `fill` to `width` nodes:
-        [len(requests), width, ...] (a view of `values` when every request is there and every block is that wide)."""
-        requests = list(requests)
-        sizes = [self.offsets[r + 1] - self.offsets[r] for r in requests]
-        rest = tuple(values.shape[1:])
-        if requests == list(range(len(self))) and all(size == width for size in sizes):
-            return values.view((len(requests), width) + rest)
-        out = values.new_full((len(requests) * width,) + rest, fill)
-        source = [self.offsets[r] + j for r, size in zip(requests, sizes) for j in range(size)]
-        if source:
-            target = [i * width + j for i, size in enumerate(sizes) for j in range(size)]
-            out[torch.tensor(target, device=values.device)] = values[torch.tensor(source, device=values.device)]
-        return out.view((len(requests), width) + rest)
 
     def host(self) -> tuple[list[list[int]], list[list[int]]]:
         """Every block's tokens and parents as host lists (one copy for the batch)."""

@@ -1,6 +1,7 @@
 """A batch's verdicts on its drafted blocks, on the device: every verification rule of a round in one call.
 
-`verify_blocks` sorts a batch's blocks by rule and runs each group as one tensor program: greedy chains
+`verify_blocks` reads a call's drafted blocks (polyspec.workers.core.tree.Blocks) and the verifier's rows for them
+(`ScoredRows`), both packed with offsets, sorts the blocks by rule and runs each group as one tensor program: greedy chains
 from the argmax alone (`device_verify.verify_greedy_chains`), sampled chains by speculative sampling
 (`device_verify.verify_chains`), trees by the multi-draft scheme (`device_tree_verify`). Its answer is
 `Verdicts`: every request's accepted length and next token (and a tree's path) as tensors on the
@@ -17,6 +18,7 @@ tests/reference_verification.py.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import torch
 
@@ -32,8 +34,8 @@ from polyspec.workers.core.device_verify import (
     verify_chains,
     verify_greedy_chains,
 )
-from polyspec.workers.core.sampling import RandomStream, SamplingParams
-from polyspec.workers.core.tree import Blocks
+from polyspec.workers.core.sampling import RandomStream, SamplingParams, warp_logits
+from polyspec.workers.core.tree import Blocks, Ragged
 
 
 def stream_key(generator, rounds: int = 1) -> tuple[int, int]:
@@ -85,6 +87,38 @@ class Draws:
         """`root_candidates` for rows of `logits` [R, V] of requests `index` (their first round)."""
         return root_candidates(logits, self.mode, width, without_replacement, self.temperature[index], self.top_k[index],
                                self.top_p[index], self.greedy[index], self.seeds[index], self.counters[index])
+
+
+class ScoredRows(Ragged):
+    """A verifier's warped rows for a call's blocks, packed: request r's [len(block) + 1, V] (at its root, then at each
+    node) are `rows[offsets[r]:offsets[r + 1]]` (offsets[r] = the block's offset + r), on the verifier's device. Read
+    per request (`scored[r]`) as views of them."""
+
+    def __init__(self, rows: torch.Tensor, offsets: list[int]) -> None:
+        assert rows.shape[0] == offsets[-1]
+        self.rows = rows  # [N + R, V] float32
+        self.offsets = offsets
+
+    @classmethod
+    def of(cls, rows: list[torch.Tensor]) -> "ScoredRows":
+        """Each request's rows, packed (one copy)."""
+        offsets = list(itertools.accumulate((len(r) for r in rows), initial=0))
+        return cls(torch.cat(rows) if len(rows) != 1 else rows[0], offsets)
+
+    @classmethod
+    def warped(cls, logits: list[torch.Tensor], params: list[SamplingParams]) -> "ScoredRows":
+        """Each request's logits warped by its own sampling parameters (`warp_logits`), packed. When every request
+        samples alike (the usual batch) the packed logits are warped at once: the warp is row by row either way."""
+        offsets = list(itertools.accumulate((len(r) for r in logits), initial=0))
+        if all(p == params[0] for p in params):
+            return cls(warp_logits(torch.cat(logits) if len(logits) != 1 else logits[0], params[0]), offsets)
+        return cls(torch.cat([warp_logits(rows, p) for rows, p in zip(logits, params)]), offsets)
+
+    def __getitem__(self, r: int) -> torch.Tensor:
+        return self.rows[self.offsets[r]: self.offsets[r + 1]]
+
+    def __iter__(self):
+        return (self[r] for r in range(len(self)))
 
 
 @dataclasses.dataclass
@@ -139,14 +173,15 @@ class Verdicts:
         return (self[r] for r in range(len(self)))
 
 
-def verify_blocks(scored: list[torch.Tensor], blocks: Blocks, params: list[SamplingParams], generators, scheme: str) -> Verdicts:
+def verify_blocks(scored: ScoredRows, blocks: Blocks, params: list[SamplingParams], generators, scheme: str) -> Verdicts:
     """Each request's verdict on its block (accepted path, next token) from the verifier's warped rows `scored[r]`
     [len(block) + 1, V]: the chains by the tensor verifier of chains (greedy ones from the argmax alone), the trees by
     the tree verifier (`scheme`), each request drawing from one round of its stream (device_verify's domains: a
     seeded request's verdict is the same alone or in any batch). A block that carries no draft rows (a lookup's
     proposals) is a point mass. The drafts are read from the flattened batch; every group's verdicts stay on the
     device, gathered into one `Verdicts`."""
-    device = scored[0].device
+    device = scored.rows.device
+    vocab = scored.rows.shape[-1]
     count = len(blocks)
     sizes = blocks.lengths
     lengths = torch.zeros(count, dtype=torch.long, device=device)
@@ -164,7 +199,7 @@ def verify_blocks(scored: list[torch.Tensor], blocks: Blocks, params: list[Sampl
     tokens = blocks.tokens.to(device)
     if greedy:
         width = max(sizes[r] for r in greedy)
-        argmax = torch.stack([torch.nn.functional.pad(scored[r].argmax(dim=-1), (0, width - sizes[r])) for r in greedy])
+        argmax = scored.padded(scored.rows.argmax(dim=-1), greedy, width + 1)
         accepted, following = verify_greedy_chains(argmax, blocks.padded(tokens, greedy, width),
                                                    torch.tensor([sizes[r] for r in greedy], device=device))
         if len(greedy) == count:  # (the common call: every block a greedy chain)
@@ -176,9 +211,8 @@ def verify_blocks(scored: list[torch.Tensor], blocks: Blocks, params: list[Sampl
         index = torch.tensor(sampled, device=device)
         chain_lengths = [sizes[r] for r in sampled]
         cu_num_draft = torch.tensor([0] + chain_lengths, device=device).cumsum(0)
-        vocab = scored[sampled[0]].shape[-1]
         accepted, following = verify_chains(
-            torch.cat([scored[r] for r in sampled]), _chain_rows(blocks, sampled, tokens, vocab, device),
+            scored.nodes_of(scored.rows, sampled), _chain_rows(blocks, sampled, tokens, vocab, device),
             blocks.nodes_of(tokens, sampled), cu_num_draft, draws.greedy[index],
             stream_uniforms(draws.seeds[index], draws.counters[index], DOMAIN_ACCEPT,
                             max(chain_lengths)).reshape(-1)[_flat_index(chain_lengths, max(chain_lengths))],
@@ -189,12 +223,9 @@ def verify_blocks(scored: list[torch.Tensor], blocks: Blocks, params: list[Sampl
             lengths[index], next_tokens[index] = accepted.long(), following.long()
     if trees:
         index = torch.tensor(trees, device=device)
-        vocab = scored[trees[0]].shape[-1]
         nodes = max(sizes[r] for r in trees)
         node_tokens, parents, num_nodes, draft_probs = pack_trees(blocks, trees, nodes, vocab, device)
-        target = torch.zeros(len(trees), nodes + 1, vocab, device=device)
-        for row, r in enumerate(trees):
-            target[row, : sizes[r] + 1] = scored[r]
+        target = scored.padded(scored.rows, trees, nodes + 1, 0.0)
         shapes = [blocks[r] for r in trees]  # (host lists: a tree's depth and width bound the walk)
         tree_depth = max(max(tree.depths(), default=-1) + 1 for tree in shapes)
         width = max(max([tree.parents.count(p) for p in set(tree.parents)], default=0) for tree in shapes)

@@ -56,8 +56,8 @@ import torch
 from polyspec.workers.core.context import Synced, extended, head
 from polyspec.workers.core.device_verify import confidence
 from polyspec.workers.core.grammar import cut_at_disallowed, grammar_of, node_context, restrict_blocks, restrict_each
-from polyspec.workers.core.sampling import SamplingParams, warp_logits
-from polyspec.workers.core.verdicts import Draws, Verdicts, verify_blocks
+from polyspec.workers.core.sampling import SamplingParams
+from polyspec.workers.core.verdicts import Draws, ScoredRows, Verdicts, verify_blocks
 from polyspec.workers.core.tree import Blocks, DraftTree, path_rows, tree_allowed
 from polyspec.workers.tiers.batched_llama import BatchedLlama, PendingTree, RowLayout, step_unsupported
 from polyspec.workers.tiers.loading import return_freed_memory
@@ -232,9 +232,9 @@ class BatchedTier:
         """Each request's draft tree: `width` candidate chains of `depths[r]` tokens sharing the root."""
         raise NotImplementedError
 
-    def score_batch(self, seq_ids, contexts, blocks: Blocks, params: list[SamplingParams]) -> list[torch.Tensor]:
+    def score_batch(self, seq_ids, contexts, blocks: Blocks, params: list[SamplingParams]) -> ScoredRows:
         """ONE forward over every request's uncached context tail plus its block: each request's warped rows
-        [len(block) + 1, V] (at the last context token, then at each block node)."""
+        [len(block) + 1, V] (at the last context token, then at each block node), packed."""
         raise NotImplementedError(f"tier {self.name!r} cannot verify")
 
     def verify_batch(self, seq_ids, contexts, blocks: Blocks, params: list[SamplingParams], generators,
@@ -483,7 +483,7 @@ class BatchedModelTier(BatchedTier):
             start = end
         return sum(len(f) for f in feeds)
 
-    def score_batch(self, seq_ids, contexts, blocks: Blocks, params: list[SamplingParams]) -> list[torch.Tensor]:
+    def score_batch(self, seq_ids, contexts, blocks: Blocks, params: list[SamplingParams]) -> ScoredRows:
         slots, feeds, outputs, layouts = [], [], [], []
         block_tokens, _ = blocks.host()
         for r, (seq_id, context) in enumerate(zip(seq_ids, contexts)):
@@ -499,7 +499,7 @@ class BatchedModelTier(BatchedTier):
             outputs.append(len(tail) - 1)
             layouts.append(layout)
         logits = self._forward(slots, feeds, outputs, layouts if any(layouts) else None)  # each [len(block) + 1, V]
-        return [warp_logits(rows, p) for rows, p in zip(restrict_blocks(logits, params, contexts, blocks), params)]
+        return ScoredRows.warped(restrict_blocks(logits, params, contexts, blocks), params)
 
     # ---------------------------------------------------------------------- drafting
 

@@ -35,8 +35,9 @@ import torch
 import torch.nn.functional as F
 
 from polyspec.workers.core.grammar import restrict_blocks
-from polyspec.workers.core.sampling import SamplingParams, warp_logits
+from polyspec.workers.core.sampling import SamplingParams
 from polyspec.workers.core.tree import Blocks, DraftTree
+from polyspec.workers.core.verdicts import ScoredRows
 from polyspec.workers.tiers.batched import BatchedModelTier, Row
 from polyspec.workers.tiers.batched_llama import BatchedLlama, PendingTree, RowLayout, linear_function
 from polyspec.workers.tiers.feature_tier import FeatureTier, head_trunk
@@ -153,7 +154,7 @@ class BatchedFeatureTier(BatchedModelTier):
 
     # ------------------------------------------------------------------ verification
 
-    def score_batch(self, seq_ids, contexts, blocks: Blocks, params: list[SamplingParams]) -> list[torch.Tensor]:
+    def score_batch(self, seq_ids, contexts, blocks: Blocks, params: list[SamplingParams]) -> ScoredRows:
         """Every request's rows [len(block) + 1, V] after its context, the block's tokens
         fed one a forward after the first, each read with the head's prediction at the position before."""
         if not blocks.all_chains:
@@ -172,4 +173,4 @@ class BatchedFeatureTier(BatchedModelTier):
         if rows:
             self._steps(rows, record)
         restricted = restrict_blocks([torch.stack(rows_of) for rows_of in scored], params, contexts, blocks)
-        return [warp_logits(rows, p) for rows, p in zip(restricted, params)]
+        return ScoredRows.warped(restricted, params)
