@@ -422,15 +422,15 @@ class ChainScheduler:
         if self.tree_width > 1 and self.below(below) is None:
             runs = [items[j][0] for j in wanted]
             started = time.perf_counter()
-            trees = self.tiers[below].draft_tree_batch([r.seq_id for r in runs], [items[j][1] for j in wanted], self.tree_width,
-                                                       [items[j][2] for j in wanted], [r.params for r in runs], self.scheme,
-                                                       [r.generators[below] for r in runs])
+            blocks = self.tiers[below].draft_tree_batch([r.seq_id for r in runs], [items[j][1] for j in wanted], self.tree_width,
+                                                        [items[j][2] for j in wanted], [r.params for r in runs], self.scheme,
+                                                        [r.generators[below] for r in runs])
             seconds = (time.perf_counter() - started) / len(wanted)
             for j in wanted:
                 self._observe(DraftObservation(below, items[j][2], len(items[j][1]), None, seconds))
         else:
-            trees = self.emit_batch(below, [items[j] for j in wanted])
-        return Blocks.gather(len(items), [(wanted, trees)])
+            blocks = self.emit_batch(below, [items[j] for j in wanted])
+        return Blocks.gather(len(items), [(wanted, blocks)])
 
     def round_batch(self, level: int, items: list[tuple], want_rows: bool = True,
                     drafters: list[int | None] | None = None) -> list[tuple[list[int], torch.Tensor | None]]:

@@ -11,8 +11,6 @@ call takes a list of requests (a single request is a batch of one):
   requests in it);
 - `draft_tree_batch(seq_ids, contexts, width, depths, params, scheme, generators)`: each
   request's draft tree (`width` chains sharing the root), one forward per tree level, all requests in it;
-  (the blocks, drafted or scored: a `Blocks`, polyspec.workers.core.tree: every request's nodes flattened
-  with offsets, on the drafter's device)
 - `verify_batch(seq_ids, contexts, blocks, params, generators, want_rows, scheme, below)`: score
   every request's block (a chain or a tree) and verify it with its own generator; after a tree
   verdict this tier and `below` keep only the accepted path;
@@ -21,8 +19,10 @@ call takes a list of requests (a single request is a batch of one):
   prefill), so a long new prompt does not pad every row of the next round. Prompts of
   different lengths are cut where they end (`prefill_cuts`) rather than padded to the longest.
 
-`score_batch` takes chains and trees in the same forward (a tree row carries its tree
-attention rows, `polyspec.workers.tiers.batched_llama.RowLayout`).
+A call's blocks, drafted or scored, are one `Blocks` (polyspec.workers.core.tree: every request's nodes
+flattened with offsets, on the drafter's device), and a verifier's rows for them one `ScoredRows`
+(polyspec.workers.core.verdicts: packed the same way). `score_batch` takes chains and trees in the same
+forward (a tree row carries its tree attention rows, `polyspec.workers.tiers.batched_llama.RowLayout`).
 
 Per request the operations, and the draws from its generators, are the same in the same
 order whatever else is in the batch, so seeding means the same thing batched or alone.
