@@ -50,6 +50,14 @@ def cluster():
     shutdown_cluster(cluster)
 
 
+def wait_listed(node, alive: bool, what: str, timeout_s: float = 60.0) -> None:
+    """Until Ray lists `node` alive (or, with `alive` False, no longer alive); `what` fails the test after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while any(n["NodeID"] == node.node_id and n["Alive"] for n in ray.nodes()) != alive:
+        assert time.monotonic() < deadline, what
+        time.sleep(0.2)
+
+
 @pytest.fixture
 def nodes(cluster):
     """add(label) -> a worker node with one CPU and resource `label`, once Ray lists it alive (not
@@ -59,10 +67,7 @@ def nodes(cluster):
     def add(label):
         node = cluster.add_node(num_cpus=1, resources={label: 1})
         added.append(node)
-        deadline = time.monotonic() + 60
-        while not any(n["NodeID"] == node.node_id and n["Alive"] for n in ray.nodes()):
-            assert time.monotonic() < deadline, f"node with {label} not alive"
-            time.sleep(0.2)
+        wait_listed(node, alive=True, what=f"node with {label} not alive")
         return node
 
     yield add
@@ -105,13 +110,6 @@ def wait_up(chain, index, timeout_s=90.0):
     while not chain.tiers[index].up:
         assert time.monotonic() < deadline, f"tier {chain.tiers[index].name!r} was not wired in within {timeout_s:g}s"
         time.sleep(0.5)
-
-
-def wait_dead(node, timeout_s=60.0):
-    deadline = time.monotonic() + timeout_s
-    while any(n["NodeID"] == node.node_id and n["Alive"] for n in ray.nodes()):
-        assert time.monotonic() < deadline, f"Ray still lists node {node.node_id} alive {timeout_s:g}s after its raylet was killed"
-        time.sleep(0.2)
 
 
 def events(chain):
@@ -193,7 +191,7 @@ def test_nodes_killed_during_start_and_during_run_lose_no_request(cluster, nodes
         mid.kill_raylet()
         # the batch goes on only once Ray lists the node dead: its actor's worker process can outlive the raylet
         # for a moment, long enough on a fast machine for the other 35 requests to finish on it unnoticed
-        wait_dead(mid)
+        wait_listed(mid, alive=False, what=f"Ray still lists node {mid.node_id} alive 60s after its raylet was killed")
         killed.set()
         runner.join(300)
         assert not runner.is_alive(), "the batch did not finish"
