@@ -40,7 +40,7 @@ from polyspec.workers.core.approximate import ApproximateMode, ApproximateModeEr
 from polyspec.workers.core.errors import ConfigError, RequestError
 from polyspec.workers.core.grammar import FINISH_GRAMMAR, ConstraintSpec, GrammarBook, constraint_from_fields
 from polyspec.workers.core.heartbeat import heartbeat
-from polyspec.workers.tiers.loading import configured_eos_ids, load_tiers, quiet_transformers
+from polyspec.workers.tiers.loading import configured_eos_ids, freeze_heap, load_tiers, quiet_transformers, thaw_heap
 from polyspec.workers.core.sampling import SamplingParams
 
 PROFILE_MAX_BATCH = 16  # the batched profile stops here; larger batches are extrapolated in proportion to their rows
@@ -129,7 +129,9 @@ class Engine:
         `reprofile`: measure again all the same (and overwrite).
         `reuse_prefix`: keep the last request's caches, so that a next request whose prompt extends
         its tokens (a conversation's next turn) prefills only what is new (every chain can, a Ray chain's
-        tiers keeping the caches in their workers: `contract.KeptSequences`)."""
+        tiers keeping the caches in their workers: `contract.KeptSequences`).
+        Once started, the objects alive in the process are kept out of the garbage collector's full passes
+        (`loading.freeze_heap`) until `close`."""
         quiet_transformers()
         started = time.perf_counter()
         self.log, self.cache_profiles, self.reprofile = log, cache_profiles, reprofile
@@ -147,6 +149,7 @@ class Engine:
         if config.runtime.backend == "ray":
             self._start_ray(auto_tune, batched, keep_finished)
             self.load_s = time.perf_counter() - started
+            freeze_heap()
             return
         if any(needs_choice(tier) for tier in self.config.tiers):  # dtype / threads: auto
             cache = ProfileCache(self.config.tiers, refresh=reprofile) if cache_profiles else None
@@ -158,6 +161,7 @@ class Engine:
         self.batched = batched and self.config.batching.enabled
         eos = stop_token_ids(self.tokenizer, eos)
         self._start(eos, auto_tune, keep_finished)
+        freeze_heap()  # (after the profile: what start-up made stays out of the steps' collections)
 
     @staticmethod
     def _note_tuning(config: ChainConfig, speculative: bool, auto_tune: bool) -> None:
@@ -263,8 +267,9 @@ class Engine:
                 self.scheduler.planner = self.make_planner()
 
     def close(self) -> None:
-        """Stop the chain's actors (ray backend); nothing to do embedded."""
+        """Stop the chain's actors (ray backend) and give the heap back to the collector (`freeze_heap`)."""
         self.scheduler.close()
+        thaw_heap()
 
     @contextlib.contextmanager
     def _profiling(self):

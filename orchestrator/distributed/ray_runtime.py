@@ -96,7 +96,7 @@ class TierActor:
         import torch
 
         from polyspec.orchestrator.distributed.model_lock import LockedTiers, ModelLock
-        from polyspec.workers.tiers.loading import load_drafter_tier, load_model_tier, quiet_transformers
+        from polyspec.workers.tiers.loading import freeze_heap, load_drafter_tier, load_model_tier, quiet_transformers
         from polyspec.orchestrator.distributed.worker import TierWorker
         from polyspec.workers.tiers.tier import NGramTier
 
@@ -121,6 +121,7 @@ class TierActor:
                         for index, tier in zip(indices, tiers)}
         self.first = indices[0]
         self.node_id = ray.get_runtime_context().get_node_id()
+        freeze_heap()  # (the actor's process serves this chain alone until it stops)
 
     def info(self, index: int | None = None) -> dict:
         worker = self.workers[self.first if index is None else index]
