@@ -52,6 +52,7 @@ PROFILE_CONTEXT = 128
 SMOOTHING = 0.2
 RATIO_MEMORY = 32  # a forward table's measured / profiled ratio of one shape fades over this many of its forwards ...
 RATIO_MIN_SEEN = 2  # ... and speaks for that shape once it has seen this many
+ESTIMATES_KEPT = 1024  # a forward table's estimates kept between two forwards observed (widths vary with the acceptance)
 WINDOW = 8  # steps a measured rate sums before older steps start to fade
 IN_FLIGHT_KEPT = 64  # planned steps kept per plan until heard (more in flight at once than any chain runs)
 IN_FLIGHT_STALE_S = 120.0  # a planned step not heard for this long is taken for one whose round failed
@@ -132,6 +133,7 @@ class ForwardTable:
     _seen: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
     _points: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
     _pooled: float | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+    _estimates: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)  # (batch, width) -> ms
 
     def catch_up(self) -> float:
         """ms per context token a request's catch-up costs this tier (one row)."""
@@ -150,8 +152,15 @@ class ForwardTable:
         return self._widths[batch]
 
     def estimate(self, batch: int, width: float) -> float:
-        """ms of a forward of `batch` rows padded to `width` tokens: the profile x what the forwards measured (`ratio`)."""
-        return self.profiled(batch, width) * self.ratio(batch, width)
+        """ms of a forward of `batch` rows padded to `width` tokens: the profile x what the forwards measured (`ratio`).
+        Kept until the next forward is observed: a planned step prices the same shapes for many plans."""
+        key = (batch, width)
+        value = self._estimates.get(key)
+        if value is None:
+            if len(self._estimates) >= ESTIMATES_KEPT:
+                self._estimates.clear()
+            value = self._estimates[key] = self.profiled(batch, width) * self.ratio(batch, width)
+        return value
 
     def profiled(self, batch: int, width: float) -> float:
         """The start-up profile's ms, interpolated between its cells."""
@@ -213,6 +222,7 @@ class ForwardTable:
         entry[1] = entry[1] * keep + 1.0
         entry[2] += 1
         self._points[b] = self._pooled = None
+        self._estimates.clear()
 
 
 def switch_widths(batch: int, switch_rows: tuple[int, ...]) -> tuple[int, ...]:
@@ -238,8 +248,9 @@ class Plan:
 
 @dataclasses.dataclass
 class Rate:
-    """Measured tokens/s of one plan at one load: recent tokens over recent seconds (sums that decay
-    by SMOOTHING per step once WINDOW steps are in, so one noisy step cannot flip a decision)."""
+    """Measured tokens/s of one plan at one load, per request (`Arm.measured` scales it to a batch): recent tokens
+    over recent seconds (sums that decay by SMOOTHING per step once WINDOW steps are in, so one noisy step cannot
+    flip a decision)."""
 
     tokens: float = 0.0
     seconds: float = 0.0
@@ -364,6 +375,9 @@ class Arm:
     speculate: bool | None = None  # None: not decided yet
     period: float = REPROBE_FIRST  # time between two re-probes, in multiples of a probe's expected time
     since: float = 0.0  # seconds run on the side taken since the last re-probe
+    # where off is taken: `since` at which the next re-probe is due. Until then a step plans off without pricing the
+    # speculating plans (their candidate is chosen when the probe starts): a tenth of a step of one demo request
+    quiet_until: float = 0.0
     probe: list = dataclasses.field(default_factory=list)  # plans queued to run next (a re-probe)
     seed: Plan | None = None  # the best speculating plan of the nearest decided load: the one a new load tries
     steps: int = 0  # steps run at this load
@@ -371,7 +385,7 @@ class Arm:
     retrying: set = dataclasses.field(default_factory=set)  # plans `stale` asked for: their next step starts a fresh rate
 
     def best_measured(self) -> Plan | None:
-        measured = {p: self.measured(p) for p in self.rates if p.speculating and self.measured(p) is not None}
+        measured = {p: self.measured(p, 1) for p in self.rates if p.speculating and self.measured(p, 1) is not None}
         return max(measured, key=measured.get) if measured else None
 
     def rate(self, plan: Plan) -> Rate:
@@ -379,9 +393,13 @@ class Arm:
             self.rates[plan] = Rate()
         return self.rates[plan]
 
-    def measured(self, plan: Plan) -> float | None:
+    def measured(self, plan: Plan, batch: int) -> float | None:
+        """The plan's measured tokens/s at `batch` requests (None: under MIN_STEPS steps measured): its tokens per
+        request per second, times `batch`. A load is a range of batch sizes (`bucket`), and its first steps are
+        off's at whatever batch the requests joining have reached: summed as tokens/s, off's 3 steps at 13, 26
+        and 39 of 64 requests measured it at half its speed at 64, where speculation was then measured."""
         rate = self.rates.get(plan)
-        return rate.value if rate is not None and rate.steps >= MIN_STEPS else None
+        return rate.value * batch if rate is not None and rate.steps >= MIN_STEPS else None
 
 
 def decide(speculating_now: bool | None, off_rate: float, spec_rate: float, switch_on: float = SWITCH_ON) -> bool:
@@ -441,6 +459,10 @@ class BatchPlanner:
         self.requests: dict[tuple, list[float]] = {}  # (seq_id, lookup tier) -> faded [accepted, rejected, rounds, misses]
         self.behind: dict[int, int] = {}  # per drafting tier: tokens of the current requests it has not cached
         self.horizon = 0.0  # the current requests' mean remaining tokens (0: unknown)
+        self._ran: tuple[int, ...] = ()  # the tiers of the last step heard (`observe_step`: a switch, or the same plan's)
+        # while a step is planned (nothing it reads changes meanwhile): step_ms by (plan, batch). Its rules ask for the
+        # same plans' times many times over: under cProfile, 2.4 ms of planning a 10 ms step of one demo request
+        self._step_ms: dict | None = None
 
     def _candidates(self) -> list[Plan]:
         n = len(self.tiers)
@@ -485,14 +507,18 @@ class BatchPlanner:
     def observe_step(self, batch: int, tokens: int, seconds: float, lengths, active, catch_up_s: float = 0.0,
                      busy_s: float | None = None, forwards: tuple[int, ...] | None = None) -> None:
         """The step just planned took `seconds` and committed `tokens`: refine the model, feed the A/B.
-        `catch_up_s` of the step went to drafters catching up on contexts (a plan's first steps: its drafters'
-        prompts): a price of switching the plan on, weighed before it is tried (`entry_goodput`), so neither the
-        A/B's rate nor the model's correction counts it. (Counted, the int8 copy's 3-step probe at 4 HumanEval
-        prompts, its ~5 s prefill included, measured 4.8 tokens/s against off's 11.5 and was never run again.)
+        `catch_up_s` of the step went to drafters catching up on contexts. In a plan's first step (its tiers did not
+        run the step before) that is the price of switching it on, weighed before it is tried (`entry_goodput`,
+        `affordable`), so neither the A/B's rate nor the model's correction counts it. (Counted, the int8 copy's
+        3-step probe at 4 HumanEval prompts, its ~5 s prefill included, measured 4.8 tokens/s against off's 11.5 and
+        was never run again.) Once the plan runs, it is the prompts of the requests that join it: a cost of the plan
+        under that load, which its rate counts (left out, a drafter that prefills each joining request's prompt is
+        measured as if it never had to, and wins the A/B at loads of short requests where it loses).
         `busy_s`: of the rest, the seconds its tiers' forwards (`forwards`: per tier, how many) and lookups took (the
         host's time is the remainder: `HostTime`, learned from every step, planned here or not; None: not timed apart)."""
         self.observe_forwards()
         seconds = max(seconds - catch_up_s, 0.0)
+        joined_s, self._ran = (catch_up_s if active == self._ran else 0.0), tuple(active)
         if busy_s is not None and forwards is not None and seconds > 0 and len(active) > 0:
             host_ms = max(seconds - busy_s, 0.0) * 1000.0
             middle = sum(forwards[t] for t in active[1:-1])
@@ -516,9 +542,10 @@ class BatchPlanner:
                 arm.retrying.discard(plan)
                 arm.retries[plan] = arm.retries.get(plan, 0) + 1
                 arm.rates[plan] = Rate()
-            arm.rate(plan).add(tokens, seconds, pending.predicted_value, arm.steps)
+            # (per request: `Arm.measured`)
+            arm.rate(plan).add(tokens / batch, seconds + joined_s, pending.predicted_value / batch, arm.steps)
             if arm.speculate is not None and not arm.probe and plan.speculating == arm.speculate:
-                arm.since += seconds
+                arm.since += seconds + joined_s
         if not arm.probe:  # between probes only: a probe's steps are all in before the A/B looks again
             self._decide(arm, batch)
 
@@ -530,8 +557,8 @@ class BatchPlanner:
         return queue.popleft() if queue else None
 
     def _decide(self, arm: Arm, batch: int) -> None:
-        off = arm.measured(self.plans[0])
-        spec_rate = max((r for p, r in ((p, arm.measured(p)) for p in arm.rates) if p.speculating and r is not None), default=None)
+        off = arm.measured(self.plans[0], batch)
+        spec_rate = max((r for p, r in ((p, arm.measured(p, batch)) for p in arm.rates) if p.speculating and r is not None), default=None)
         if off is None or spec_rate is None:  # the best speculating plan measured so far against off
             return
         if arm.speculate is None and self.unexplored(arm, batch):
@@ -539,6 +566,7 @@ class BatchPlanner:
         verdict = decide(arm.speculate, off, spec_rate, self.switch_on)
         if verdict != arm.speculate:
             arm.period = REPROBE_FIRST  # the load changed its mind: look again soon
+            arm.quiet_until = 0.0
         arm.speculate = verdict
 
     def corrected(self, plan, group: int) -> float:
@@ -579,8 +607,13 @@ class BatchPlanner:
     def step_ms(self, plan: Plan, batch: int) -> tuple[float, float]:
         """(predicted ms of one step, expected tokens per request) for `plan` at `batch` requests: its forwards and
         lookups, and the host's time around them (`HostTime`, from the middle rounds and drafted forwards it runs)."""
+        if self._step_ms is not None and (plan, batch) in self._step_ms:
+            return self._step_ms[(plan, batch)]
         forward_ms, middle, drafted, tokens = self._forwards(plan, batch)
-        return forward_ms + self.host_ms(middle, drafted, batch), tokens
+        out = forward_ms + self.host_ms(middle, drafted, batch), tokens
+        if self._step_ms is not None:
+            self._step_ms[(plan, batch)] = out
+        return out
 
     def _forwards(self, plan: Plan, batch: int) -> tuple[float, float, float, float]:
         """(ms of the step's forwards and lookups, its middle tier's rounds, its bottom drafter's forwards, expected
@@ -648,15 +681,17 @@ class BatchPlanner:
         MIN_STEPS steps. A drafter that has caught up serves each request for the rest of its tokens:
         charging the whole catch-up to one probe kept a good model drafter of long prompts from ever
         being measured (the Qwen 1.5B <- 0.5B pair on HumanEval prompts lost to the n-gram lookup that way)."""
-        catch = 0.0
-        for tier in plan.active[1:]:
-            table = self.tables[tier]
-            if table is not None and self.behind.get(tier):
-                catch += self.behind[tier] * table.catch_up()
+        catch = self.catch_up_ms(plan)
         steps = MIN_STEPS
         if catch and self.horizon:
             steps = max(MIN_STEPS, self.horizon / max(self.step_ms(plan, batch)[1], 1.0))
         return self.goodput(plan, batch, catch / steps)
+
+    def catch_up_ms(self, plan: Plan) -> float:
+        """ms `plan`'s drafting tiers would spend catching up on the contexts of the current requests they have
+        not cached (`behind`) before its first step could draft."""
+        return sum(self.behind[tier] * self.tables[tier].catch_up() for tier in plan.active[1:]
+                   if self.tables[tier] is not None and self.behind.get(tier))
 
     def allowed(self, batch: int) -> list[Plan]:
         return [p for p in self.plans if self.fits(p, batch)] or self.plans[:1]
@@ -671,10 +706,10 @@ class BatchPlanner:
         on off), are predicted at least EXPLORE_FLOOR of off's measured tokens/s and EXPLORE_BEST_SHARE of the
         best speculating plan's."""
         allowed = [p for p in self.allowed(batch) if p.speculating]
-        measured = {p: arm.measured(p) for p in allowed if arm.measured(p) is not None}
-        if arm.seed is not None and arm.seed in allowed:
-            return [arm.seed] if not measured else []  # a load next to a decided one tries only that one's best plan
-        off = arm.measured(self.plans[0])
+        measured = {p: arm.measured(p, batch) for p in allowed if arm.measured(p, batch) is not None}
+        if arm.seed is not None and arm.seed in allowed:  # a load next to a decided one tries only that one's best plan
+            return [arm.seed] if not measured and self.first_payable(arm, arm.seed, batch) else []
+        off = arm.measured(self.plans[0], batch)
         tried = {p.active for p in measured}
         if off is None:
             return [p for p in allowed if p.active not in tried]
@@ -703,19 +738,31 @@ class BatchPlanner:
 
         return [p for p in allowed if p.active not in tried and worth(p) and self.affordable(arm, p, batch)]
 
-    def affordable(self, arm: Arm, plan: Plan, batch: int) -> bool:
-        """Can the running requests pay for measuring `plan` (MIN_STEPS of its predicted step time) with at most
-        EXPLORE_TIME_SHARE of the time they still need (their remaining tokens at the best rate measured here)?
-        A block of 12 costs 10 of off's steps at 4 requests on a CPU: its three steps were half the time left to a
-        job of 4 x 128 tokens, to learn what the model had predicted. A plan not affordable now is measured
-        when longer requests run at this load (unknown remaining tokens: always)."""
+    def affordable(self, arm: Arm, plan: Plan, batch: int, probe: bool = True) -> bool:
+        """Can the running requests pay for measuring `plan` (MIN_STEPS of its predicted step time, unless not
+        `probe`, and its drafters catching up on their contexts first: `catch_up_ms`) with at most
+        EXPLORE_TIME_SHARE of the time they still need (their remaining tokens at the best rate measured here)? A
+        block of 12 costs 10 of off's steps at 4 requests on a CPU: its three steps were half the time left to a job
+        of 4 x 128 tokens, to learn what the model had predicted; and the demo chain's int8 copy spent 0.4-0.8 s
+        catching up on 64 prompts of 160 tokens to measure 3 steps of 0.19 s, where those 64 requests' 32 new tokens
+        took 1.5 s under speculation off. A plan not affordable now is measured when longer requests run at this
+        load (unknown remaining tokens: always)."""
         if not self.horizon:
             return True
-        rates = [rate for rate in (arm.measured(p) for p in self.plans) if rate]
+        rates = [rate for rate in (arm.measured(p, batch) for p in self.plans) if rate]
         if not rates:
             return True
         remaining_s = self.horizon * batch / max(rates)
-        return MIN_STEPS * self.step_seconds(arm, plan, batch) <= EXPLORE_TIME_SHARE * remaining_s
+        cost_s = (MIN_STEPS * self.step_seconds(arm, plan, batch) if probe else 0.0) + self.catch_up_ms(plan) / 1000.0
+        return cost_s <= EXPLORE_TIME_SHARE * remaining_s
+
+    def first_payable(self, arm: Arm, plan: Plan, batch: int) -> bool:
+        """May `plan` be the first speculating plan measured at this load? The A/B needs one, so its steps are not
+        weighed (`affordable` weighs them for the others); its drafters' catch-up is (`affordable` without the
+        probe): seeded with the demo chain's int8 copy by the load of 16, 64 requests of 32 new tokens at T = 1
+        caught it up on their 160-token prompts to measure it, and ran at 0.64x speculation off's tokens/s
+        (benchmarks/load.py --quick)."""
+        return self.affordable(arm, plan, batch, probe=False)
 
     def spec_candidate(self, arm: Arm, batch: int, explore: bool = False) -> Plan | None:
         """The speculating side of the A/B (None: none worth running). Once off is measured here, a plan
@@ -730,7 +777,7 @@ class BatchPlanner:
         plan with the most measured tokens/s, unless an unmeasured plan is predicted
         CANDIDATE_MARGIN times better (tried next), so the candidate does not churn."""
         allowed = [p for p in self.allowed(batch) if p.speculating]
-        off = arm.measured(self.plans[0])
+        off = arm.measured(self.plans[0], batch)
         if off is not None:  # an unmeasured plan the model (scaled by its error on off here) calls hopeless is not run
             scale = off / max(self.goodput(self.plans[0], batch), 1e-9)
             allowed = [p for p in allowed if arm.rates.get(p) is not None and arm.rates[p].steps
@@ -746,9 +793,10 @@ class BatchPlanner:
             fresh = [p for p in self.unexplored(arm, batch) if p in predicted]
             if fresh:
                 return max(fresh, key=predicted.get)
-        measured = {p: arm.measured(p) for p in allowed if arm.measured(p) is not None}
-        if not measured:
-            return arm.seed if arm.seed in allowed else max(allowed, key=predicted.get)
+        measured = {p: arm.measured(p, batch) for p in allowed if arm.measured(p, batch) is not None}
+        if not measured:  # the seed, else the model's best, of those the requests can pay for (none: off, until longer ones run)
+            payable = [p for p in allowed if self.first_payable(arm, p, batch)]
+            return arm.seed if arm.seed in payable else max(payable, key=predicted.get, default=None)
         best = max(measured, key=measured.get)
         stale = self.stale(arm, measured, best, batch)
         if stale is not None:
@@ -759,7 +807,8 @@ class BatchPlanner:
             return max(around, key=predicted.get)
         challenger = max((p for p in allowed if p not in measured), key=predicted.get, default=None)
         if challenger is not None and predicted[challenger] > CANDIDATE_MARGIN * measured[best] \
-                and (arm.speculate or off is None or predicted[challenger] / max(predicted[best], 1e-9) * measured[best] > off):
+                and (arm.speculate or off is None or predicted[challenger] / max(predicted[best], 1e-9) * measured[best] > off) \
+                and self.affordable(arm, challenger, batch):
             return challenger  # (where off wins: only one that, scaled by the model's error on the best, would beat off)
         return best
 
@@ -778,8 +827,8 @@ class BatchPlanner:
                 continue
             if arm.steps - record.last < RETRY_STEPS * 2 ** arm.retries.get(plan, 0):
                 continue
-            drift = self.model_goodput(plan, batch) / record.predicted_value
-            value = (rate + min(record.spread, rate)) * drift
+            drift = self.model_goodput(plan, batch) / batch / record.predicted_value
+            value = (rate + min(record.spread * batch, rate)) * drift
             if value >= RETRY_MARGIN * measured[best] and self.affordable(arm, plan, batch):
                 carried[plan] = value
         if not carried:
@@ -907,32 +956,21 @@ class BatchPlanner:
         """(lengths, active tiers) for the next step of `batch` requests; `behind`: per drafting model
         tier, the context tokens of these requests it has not cached (what using it first costs);
         `remaining`: the tokens each may still commit (what that cost is spread over)."""
+        self._step_ms = {}
+        try:
+            return self._plan_batch(batch, params, behind, remaining)
+        finally:
+            self._step_ms = None
+
+    def _plan_batch(self, batch: int, params, behind, remaining) -> tuple[list[int], tuple[int, ...]]:
         group = bucket(batch)
         self.behind = behind or {}
         self.horizon = sum(remaining) / len(remaining) if remaining else 0.0
         if params:
             self.greedy_share = sum(p.greedy for p in params) / len(params)
         arm = self.arm(batch)
-        off = self.plans[0]
-        spec = self.spec_candidate(arm, batch, explore=arm.speculate is None)
-        if spec is None:
-            best = off
-        elif arm.probe:
-            best = arm.probe.pop(0)
-            if best.speculating:
-                best = spec  # the plan queued, unless a better one was measured meanwhile
-        elif arm.speculate is None:  # measuring: off's MIN_STEPS first (the bar, and the model's check), then the candidates
-            best = off if arm.rate(off).steps < MIN_STEPS else spec
-        else:
-            best, other = (spec, off) if arm.speculate else (off, spec)
-            # a decision carried over from a neighbouring load (speculating from a larger one, off from a smaller
-            # one: a block only costs more at a larger batch) is checked by the re-probes alone: measuring off at
-            # once at each smaller load a batch job's tail passes through cost each load three steps of one token
-            period = min(arm.period, self.explore_every)
-            if period and arm.since >= period * PROBE_STEPS * self.step_seconds(arm, other, batch):
-                arm.since = 0.0  # look at the other side (again): the load may have changed
-                arm.period = min(2 * period, self.explore_every)
-                arm.probe = [other] * PROBE_STEPS
+        quiet = arm.speculate is False and not arm.probe and arm.since < arm.quiet_until
+        best = self.plans[0] if quiet else self._choose(arm, batch)  # (quiet: off is taken and no re-probe is due)
         if self.chosen.get(group) != best:
             self.chosen[group] = best
             self.history.append({"batch": batch, "tiers": list(best.active), "lengths": list(best.lengths)})
@@ -945,6 +983,34 @@ class BatchPlanner:
         # (contract.RoundPlanner) each request's share of the step's goodput: its tokens over the corrected step time
         self.predicted_tokens_per_s = tokens / max(self._predicted_ms, 1e-6) * 1000.0
         return list(best.lengths), best.active
+
+    def _choose(self, arm: Arm, batch: int) -> Plan:
+        """The plan of the step: off or the speculating candidate (`spec_candidate`), by the A/B's state: measuring,
+        decided, or re-probing the side not taken."""
+        off = self.plans[0]
+        spec = self.spec_candidate(arm, batch, explore=arm.speculate is None)
+        if spec is None:
+            if arm.speculate is False:  # (nothing worth a probe now: look again after a probe period's steps of off)
+                arm.quiet_until = arm.since + min(arm.period, self.explore_every) * PROBE_STEPS * self.step_seconds(arm, off, batch)
+            return off
+        if arm.probe:
+            best = arm.probe.pop(0)
+            return spec if best.speculating else best  # the plan queued, unless a better one was measured meanwhile
+        if arm.speculate is None:  # measuring: off's MIN_STEPS first (the bar, and the model's check), then the candidates
+            return off if arm.rate(off).steps < MIN_STEPS else spec
+        best, other = (spec, off) if arm.speculate else (off, spec)
+        # a decision carried over from a neighbouring load (speculating from a larger one, off from a smaller
+        # one: a block only costs more at a larger batch) is checked by the re-probes alone: measuring off at
+        # once at each smaller load a batch job's tail passes through cost each load three steps of one token
+        period = min(arm.period, self.explore_every)
+        due = period * PROBE_STEPS * self.step_seconds(arm, other, batch) if period else math.inf
+        if arm.since >= due:
+            arm.since = arm.quiet_until = 0.0  # look at the other side (again): the load may have changed
+            arm.period = min(2 * period, self.explore_every)
+            arm.probe = [other] * PROBE_STEPS
+        elif not arm.speculate:
+            arm.quiet_until = due
+        return best
 
     def describe(self) -> dict:
         def pair(a: int, b: int, g: bool) -> str:
@@ -961,6 +1027,6 @@ class BatchPlanner:
             "chosen": {str(b): {"tiers": [self.tiers[t].name for t in p.active], "lengths": list(p.lengths)} for b, p in sorted(self.chosen.items())},
             "ab": {f"batch<={b} {('greedy', 'sampling', 'mixed')[m]}": {
                 "speculate": a.speculate,
-                "tokens_per_s": {"+".join(self.tiers[t].name for t in p.active) + f" {list(p.lengths)}": round(r.value, 1)
+                "tokens_per_s": {"+".join(self.tiers[t].name for t in p.active) + f" {list(p.lengths)}": round(r.value * b, 1)
                                  for p, r in a.rates.items() if r.value is not None}} for (b, m), a in sorted(self.arms.items())},
         }

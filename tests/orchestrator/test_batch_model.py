@@ -488,7 +488,9 @@ def test_a_model_drafter_behind_on_long_prompts_is_measured_when_its_requests_ha
     """A drafter's catch-up on prompts it has not cached is paid once per request and repays over the rest
     of its tokens. Spread over the steps the requests have left, a drafter of real use is measured at a new
     load; charged to one probe of MIN_STEPS steps, the model called it hopeless and only the lookup (no
-    catch-up) was ever tried: the Qwen2.5-Coder 1.5B <- 0.5B <- n-gram chain at 4 HumanEval prompts."""
+    catch-up) was ever tried: the Qwen2.5-Coder 1.5B <- 0.5B <- n-gram chain at 4 HumanEval prompts. Requests with
+    few tokens left cannot pay for it: the catch-up is part of what measuring the drafter costs them (`affordable`),
+    and 64 short requests of the demo chain spent as long catching its int8 copy up as they did decoding."""
     def measured_sets(remaining):
         plan = planner(lambda b, w: 400.0 + 10.0 * w, mid_cost=lambda b, w: 150.0 + 5.0 * w)  # a CPU-like 1.5B and 0.5B
         plan.tables[1].catch_up_ms = 20.0  # per prompt token
@@ -501,7 +503,9 @@ def test_a_model_drafter_behind_on_long_prompts_is_measured_when_its_requests_ha
         return {p.active for p in plan.arms[(4, 0)].rates if p.speculating}
 
     assert (0, 1) not in measured_sets(remaining=())  # unknown horizon: the catch-up charged to the probe alone
-    assert (0, 1) in measured_sets(remaining=(120, 120, 120, 120))
+    # 12 s of catch-up (600 tokens x 20 ms) and 3 steps of ~0.5 s: over a quarter of 120 tokens' ~49 s at off's rate
+    assert (0, 1) not in measured_sets(remaining=(120, 120, 120, 120))
+    assert (0, 1) in measured_sets(remaining=(240, 240, 240, 240))
 
 
 def test_one_drafter_measured_far_below_its_prediction_does_not_hide_the_others():
@@ -564,8 +568,45 @@ def test_a_drafters_catch_up_is_not_counted_in_its_plans_measured_rate():
         speculated.append(active == (0, 1))
     arm = plan.arms[(batch, 0)]
     assert arm.speculate and plan.chosen[batch].active == (0, 1)
-    assert math.isclose(arm.measured(arm.best_measured()), batch * 200.0, rel_tol=1e-6)
+    assert math.isclose(arm.measured(arm.best_measured(), batch), batch * 200.0, rel_tol=1e-6)
     assert sum(speculated[-20:]) >= 20 - PROBE_STEPS
+
+
+def test_a_loads_rates_are_per_request_so_the_batch_sizes_of_a_ramp_compare():
+    """A load is a range of batch sizes (33-64 requests share one A/B), and its first steps, off's, run while
+    requests are still joining. Each measures its tokens per request: 100 tokens/s a request at 40, 50 and 60
+    requests is 6,400 tokens/s at 64 (summed as tokens/s, 5,000 at any batch: off at three quarters of its speed,
+    against a speculating plan measured at the full batch)."""
+    plan = planner(lambda b, w: 10.0 + 0.1 * w)
+    for batch in (40, 50, 60):
+        lengths, active = plan.plan_batch(batch)
+        assert active == (0,)  # a new load measures off first
+        plan.observe_step(batch, batch, 0.01, lengths, active)  # one token a request in 10 ms
+    off = plan.plans[0]
+    arm = plan.arms[(64, 0)]
+    assert math.isclose(arm.measured(off, 64), 6400.0) and math.isclose(arm.measured(off, 40), 4000.0)
+
+
+def test_the_catch_up_of_requests_joining_a_running_plan_counts_in_its_rate():
+    """Once a plan runs, its drafters catching up on the requests that join it is a cost of the plan at that load:
+    the same chain as above, but every step of the plan spends 1 s on the prompts of new requests (short requests
+    with long prompts). Its first step's catch-up is the switch's and is left out; the next ones count, and off,
+    at half the plan's speed between catch-ups, wins the A/B."""
+    plan = planner(lambda b, w: 10.0 + 0.1 * w, mid_cost=lambda b, w: 2.0 + 0.1 * w)
+    accept(plan, 0, 1, 0.9)
+    accept(plan, 0, 2, 0.3)
+    accept(plan, 1, 2, 0.3)
+    truth = lambda active: 200.0 if active == (0, 1) else 100.0 if active == (0,) else 90.0  # tokens/s per request
+    batch = 4
+    for _ in range(60):
+        lengths, active = plan.plan_batch(batch)
+        emitted = batch * (1 if len(active) == 1 else 4)
+        catch_up_s = 1.0 if 1 in active else 0.0
+        plan.observe_step(batch, emitted, emitted / (batch * truth(active)) + catch_up_s, lengths, active, catch_up_s)
+    arm = plan.arms[(batch, 0)]
+    measured = {p.active: arm.measured(p, batch) for p in arm.rates if arm.measured(p, batch) is not None}
+    assert arm.speculate is False and plan.chosen[batch].active == (0,)
+    assert measured[(0, 1)] < 0.1 * measured[(0,)], measured  # 16 tokens in 1.02 s a step, 2 of its 3 steps
 
 
 def test_the_tuning_options_reach_the_goodput_planner():
@@ -757,6 +798,45 @@ def test_a_plan_that_lost_on_a_few_noisy_steps_is_measured_again_one_that_lost_s
             assert not arm.retries and ran.count((0, 2)) == MIN_STEPS and plan.chosen[4].active == (0, 1)
 
 
+def test_where_off_wins_the_speculating_side_is_priced_only_when_a_re_probe_is_due():
+    """The planner's own time is the step's: where off won the A/B, the steps between two re-probes plan off without
+    pricing the speculating plans, and the re-probes still come, each longer after the last."""
+    plan = planner(lambda b, w: 10.0 + 0.1 * w, mid_cost=lambda b, w: 500.0)
+    accept(plan, 0, 2, 0.8)
+    run_steps(plan, 1, 60, lambda active: 100.0 if len(active) == 1 else 60.0)
+    assert plan.arms[(1, 0)].speculate is False
+    priced = []
+    choose = plan.spec_candidate
+    plan.spec_candidate = lambda *args, **kwargs: priced.append(1) or choose(*args, **kwargs)
+    _, _, speculated = run_steps(plan, 1, 600, lambda active: 100.0 if len(active) == 1 else 60.0)
+    probes = sum(1 for i, s in enumerate(speculated) if s and (i == 0 or not speculated[i - 1]))
+    assert 2 <= probes and len(priced) <= 4 * probes * PROBE_STEPS, (probes, len(priced))
+
+
+def test_a_seed_that_must_catch_up_is_measured_only_where_the_requests_can_pay_for_it():
+    """The load of 16 decided for the mid model (its best plan seeds the load of 64). At 64 requests whose 160-token
+    prompts the mid model has not cached (0.2 s of catch-up at 0.02 ms a token: spread over their steps, the model
+    still puts the plan above off), 30 tokens left each (0.3 s at off's rate) cannot pay for measuring it: off runs
+    alone (the lookup, with nothing to catch up, may still be tried); 10,000 tokens left can."""
+    truth = {(0,): 100.0, (0, 1): 180.0, (0, 2): 100.0}  # tokens/s per request
+
+    def at_64(remaining: int) -> set:
+        plan = two_drafters()
+        run_steps(plan, 16, 60, lambda active: truth[active])
+        assert plan.arms[(16, 0)].speculate and plan.arms[(16, 0)].best_measured().active == (0, 1)
+        plan.tables[1].catch_up_ms = 0.02
+        for _ in range(30):
+            lengths, active = plan.plan_batch(64, behind={1: 64 * 160}, remaining=(remaining,) * 64)
+            emitted = 64 * (1 if len(active) == 1 else 4)
+            plan.observe_step(64, emitted, emitted / (64 * truth[active]), lengths, active)
+        arm = plan.arms[(64, 0)]
+        assert arm.seed is not None and arm.seed.active == (0, 1)
+        return {p.active for p in arm.rates}
+
+    assert (0, 1) not in at_64(remaining=30)
+    assert (0, 1) in at_64(remaining=10_000)
+
+
 def test_a_plan_asked_for_again_keeps_its_measurement_until_it_runs():
     """Where off is taken, the plan `stale` asks for runs at the next re-probe, not the next step: until it runs, its
     old measurement stands (dropped at once, the plan would lose it without a new one); its first step starts the
@@ -765,14 +845,14 @@ def test_a_plan_asked_for_again_keeps_its_measurement_until_it_runs():
     truth = lambda active: {(0,): 100.0, (0, 1): 180.0, (0, 2): 100.0}[active]
     run_steps(plan, 4, 40, truth)
     arm = plan.arms[(4, 0)]
-    lookup = next(p for p in arm.rates if p.active == (0, 2) and arm.measured(p) is not None)
-    measured = arm.measured(lookup)
+    lookup = next(p for p in arm.rates if p.active == (0, 2) and arm.measured(p, 4) is not None)
+    measured = arm.measured(lookup, 4)
     arm.steps += RETRY_STEPS  # long enough since it ran
     for proposed, accepted in diffused_rounds(0.95, 200, 6):
         plan.acceptance.observe(0, 2, proposed, accepted)  # its model value rises far past the mid model's plan
-    assert plan.stale(arm, {p: arm.measured(p) for p in arm.rates if p.speculating and arm.measured(p)},
+    assert plan.stale(arm, {p: arm.measured(p, 4) for p in arm.rates if p.speculating and arm.measured(p, 4)},
                       arm.best_measured(), 4) == lookup
-    assert arm.measured(lookup) == measured and lookup not in arm.retries
+    assert arm.measured(lookup, 4) == measured and lookup not in arm.retries
     plan._in_flight[(lookup.lengths, lookup.active)] = collections.deque([Pending(lookup, arm, 0.0, 1.0, time.monotonic())])
     plan.observe_step(4, 16, 0.01, list(lookup.lengths), lookup.active)
     assert arm.retries[lookup] == 1 and arm.rates[lookup].steps == 1 and lookup not in arm.retrying
