@@ -558,7 +558,7 @@ class BatchPlanner:
 
     def _decide(self, arm: Arm, batch: int) -> None:
         off = arm.measured(self.plans[0], batch)
-        spec_rate = max((r for p, r in ((p, arm.measured(p, batch)) for p in arm.rates) if p.speculating and r is not None), default=None)
+        spec_rate = max((r for r in (arm.measured(p, batch) for p in arm.rates if p.speculating) if r is not None), default=None)
         if off is None or spec_rate is None:  # the best speculating plan measured so far against off
             return
         if arm.speculate is None and self.unexplored(arm, batch):
@@ -991,7 +991,8 @@ class BatchPlanner:
         spec = self.spec_candidate(arm, batch, explore=arm.speculate is None)
         if spec is None:
             if arm.speculate is False:  # (nothing worth a probe now: look again after a probe period's steps of off)
-                arm.quiet_until = arm.since + min(arm.period, self.explore_every) * PROBE_STEPS * self.step_seconds(arm, off, batch)
+                period = min(arm.period, self.explore_every)
+                arm.quiet_until = arm.since + period * PROBE_STEPS * self.step_seconds(arm, off, batch)
             return off
         if arm.probe:
             best = arm.probe.pop(0)
