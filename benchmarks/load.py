@@ -177,7 +177,10 @@ def main(argv=None) -> int:
     results: dict = {}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "torch_threads": 1, "torch": torch.__version__,
+    from polyspec.harness.real_report import cpu_name
+
+    machine = {"cpu": cpu_name(), "cpus": os.cpu_count(), "platform": platform.platform(), "torch_threads": 1,
+               "torch": torch.__version__,
                "device": f"cuda ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else device.type}
 
     def report(partial: bool) -> dict:
@@ -239,7 +242,8 @@ def markdown(report: dict) -> str:
     lines = ["# Throughput and latency under load (benchmarks/load.py)", "",
              f"Config `{report['config']}`, {report['new_tokens']} new tokens per request, closed loop of C clients, "
              f"{report['requests_per_cell']} requests per cell; load average at the end {report['machine']['load_avg_at_end']} "
-             f"on {report['machine']['cpus']} CPUs (each cell's own in the JSON).", ""]
+             f"on {report['machine']['cpus']} CPUs ({report['machine'].get('cpu', 'CPU not recorded')}; each cell's own load "
+             f"in the JSON).", ""]
     device = report["machine"].get("device", "cpu")
     if device != "cpu":
         lines[2:2] = [f"Models on {device}, torch {report['machine']['torch']}.", ""]
