@@ -813,6 +813,23 @@ def test_where_off_wins_the_speculating_side_is_priced_only_when_a_re_probe_is_d
     assert 2 <= probes and len(priced) <= 4 * probes * PROBE_STEPS, (probes, len(priced))
 
 
+def test_a_catch_up_is_priced_from_what_the_catch_ups_heard_took():
+    """A drafter's catch-up is priced per token of its profiled 16-token forward until catch-ups are heard; then by
+    what they took over what they were priced at (the Qwen2.5-Coder 0.5B's catch-up on 4 prompts, priced 5.4 s,
+    took 1.4-1.7 s: one forward over 600 tokens is cheaper per token than a 16-token one)."""
+    plan = planner(lambda b, w: 10.0 + 0.1 * w, mid_cost=lambda b, w: 2.0 + 0.1 * w)
+    plan.tables[1].catch_up_ms = 1.0  # per token
+    accept(plan, 0, 1, 0.9)
+    mid = next(p for p in plan.plans if p.active == (0, 1))
+    plan.behind = {1: 600}
+    assert math.isclose(plan.catch_up_ms(mid), 600.0)
+    arm = plan.arm(4)
+    for _ in range(3):  # three steps of the plan, each catching up on 600 tokens in a quarter of their price
+        plan._in_flight[(mid.lengths, mid.active)] = collections.deque([Pending(mid, arm, 10.0, 1.0, time.monotonic(), 600.0)])
+        plan.observe_step(4, 8, 0.2, mid.lengths, mid.active, 0.15)
+    assert math.isclose(plan.catch_up_ms(mid), 150.0) and math.isclose(plan.catch_up_ms(mid, corrected=False), 600.0)
+
+
 def test_a_seed_that_must_catch_up_is_measured_only_where_the_requests_can_pay_for_it():
     """The load of 16 decided for the mid model (its best plan seeds the load of 64). At 64 requests whose 160-token
     prompts the mid model has not cached (0.2 s of catch-up at 0.02 ms a token: spread over their steps, the model
