@@ -1005,8 +1005,7 @@ class BatchPlanner:
         spec = self.spec_candidate(arm, batch, explore=arm.speculate is None)
         if spec is None:
             if arm.speculate is False:  # (nothing worth a probe now: look again after a probe period's steps of off)
-                period = min(arm.period, self.explore_every)
-                arm.quiet_until = arm.since + period * PROBE_STEPS * self.step_seconds(arm, off, batch)
+                arm.quiet_until = arm.since + self._probe_due(arm, off, batch)
             return off
         if arm.probe:
             best = arm.probe.pop(0)
@@ -1017,15 +1016,20 @@ class BatchPlanner:
         # a decision carried over from a neighbouring load (speculating from a larger one, off from a smaller
         # one: a block only costs more at a larger batch) is checked by the re-probes alone: measuring off at
         # once at each smaller load a batch job's tail passes through cost each load three steps of one token
-        period = min(arm.period, self.explore_every)
-        due = period * PROBE_STEPS * self.step_seconds(arm, other, batch) if period else math.inf
+        due = self._probe_due(arm, other, batch)
         if arm.since >= due:
             arm.since = arm.quiet_until = 0.0  # look at the other side (again): the load may have changed
-            arm.period = min(2 * period, self.explore_every)
+            arm.period = min(2 * arm.period, self.explore_every)
             arm.probe = [other] * PROBE_STEPS
         elif not arm.speculate:
             arm.quiet_until = due
         return best
+
+    def _probe_due(self, arm: Arm, other: Plan, batch: int) -> float:
+        """Seconds on the side taken before the side not taken (`other`) is looked at again: the re-probe period
+        (at most `explore_every`) in probes' times of `other` (inf: never, `explore_every` 0)."""
+        period = min(arm.period, self.explore_every)
+        return period * PROBE_STEPS * self.step_seconds(arm, other, batch) if period else math.inf
 
     def describe(self) -> dict:
         def pair(a: int, b: int, g: bool) -> str:

@@ -377,8 +377,8 @@ def freeze_heap() -> None:
     A full collection walks every object the process tracks: with torch and transformers imported and a chain
     loaded, 0.1-0.2 s on this project's 2-core CPU, and a batched step that allocates (the n-gram tier's indexes of
     64 new prompts, the round's host lists) set one off every few steps: a step of 33 ms took 0.22 s, and the
-    goodput planner, whose first steps at a new load are its measurement of speculation off, read off at a third
-    of its speed. Objects made after the freeze are collected as before."""
+    goodput planner, whose first steps at a new load are its measurement of speculation off, took off for far
+    slower than it runs. Objects made after the freeze are collected as before."""
     gc.collect()
     gc.freeze()
 
